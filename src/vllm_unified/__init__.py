@@ -28,4 +28,7 @@ def register() -> str | None:
         return None
     if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
         return None
+    # Pin the scheduler's message format we implement: with Triton importable vLLM 0.32 would
+    # otherwise switch to the "model runner V2" format.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     return "vllm_unified.platform.MLXPlatform"

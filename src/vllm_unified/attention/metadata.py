@@ -1,0 +1,300 @@
+"""Per-step attention metadata for the token-major paged attention.
+
+The model runner lays every scheduled token of a step out as its own row, so attention sees
+``T`` rows. This module turns vLLM's per-request view of the step (query lengths, context lengths,
+block tables) into the index arrays the attention needs: each token's position and KV slot, the
+rows of single-token (decode) sequences, which are attended as one batch, and the row range of
+each multi-token (prefill chunk) sequence, which gets one attention call of its own.
+
+All index arithmetic is vectorised numpy, done once per step; the results are handed to MLX once.
+Sliding-window layers read only the blocks their window can reach; those views are derived on the
+first layer that asks for a given window and reused by the others (:meth:`AttentionMetadata.
+decode_view`, :meth:`AttentionMetadata.prefill_view`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+Window = int | None
+
+
+@dataclass(frozen=True)
+class DecodeKeys:
+    """How the decode batch reads its keys for one window setting.
+
+    Attributes:
+        block_ids: int32 ``[Bd, nb]``: the pool blocks gathered for each decode sequence, in key
+            order; gathering them gives ``S = nb * block_size`` keys per sequence.
+        mask: bool ``[Bd, 1, 1, S]``: keys the query may attend to (written, causal, in the
+            window), or ``None`` when every gathered key is visible.
+        written: bool ``[Bd, S, 1, 1]``: keys that lie inside the sequence's context, or ``None``
+            when all do. Values elsewhere (padding blocks, the unwritten tail of the last block)
+            may be never-initialised memory; they are zeroed before attention because a NaN
+            there would survive a zero softmax weight (0 * NaN = NaN).
+    """
+
+    block_ids: mx.array
+    mask: mx.array | None
+    written: mx.array | None
+
+
+@dataclass(frozen=True)
+class PrefillKeys:
+    """How one prefill chunk reads its keys for one window setting.
+
+    Attributes:
+        block_ids: int32 ``[nb]``: pool blocks holding the keys, in key order.
+        first_key: position of the first key in the gathered blocks (a multiple of block_size).
+        num_keys: keys kept after the gather (the blocks' tail past the context is dropped).
+        mask: ``"causal"`` (lower-right aligned: the chunk's last query sees the last key) or
+            bool ``[L, num_keys]`` when a sliding window cuts into the keys.
+    """
+
+    block_ids: mx.array
+    first_key: int
+    num_keys: int
+    mask: mx.array | str
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence with more than one query token this step.
+
+    Attributes:
+        start: first token row of the chunk; its rows are ``start ... start + length - 1``.
+        length: L, query tokens of the chunk.
+        seq_len: context length after this step (prefix already in the pool plus the chunk).
+        block_table: int32 numpy ``[max_blocks]``, the sequence's block table row.
+    """
+
+    start: int
+    length: int
+    seq_len: int
+    block_table: np.ndarray
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention layers need for one step, built ONCE per step (not per layer).
+
+    Build it with :func:`build_attention_metadata`. Rows of a step are ordered as the sequences
+    are (each sequence's query tokens contiguous); ``T`` is the number of rows.
+
+    Attributes:
+        num_tokens: T.
+        positions: int32 ``[T]``: position of each token inside its sequence (the RoPE offset).
+        slot_mapping: int32 ``[T]``: pool slot (``block_id * block_size + offset``) each token's
+            K/V is written to.
+        block_size: tokens per KV block.
+        query_start_loc: int32 numpy ``[B + 1]``: row where each sequence's tokens start (the
+            last entry is T); ``query_start_loc[1:] - 1`` are the rows of each sequence's last
+            token.
+        decode_rows: rows of the single-token sequences, as a ``slice`` when contiguous (a view,
+            no gather) or an int32 ``[Bd]`` array; ``None`` when there are none.
+        decode_seq_lens: int32 numpy ``[Bd]``: context lengths of the decode sequences.
+        decode_block_tables: int32 numpy ``[Bd, max_blocks]``: their block tables.
+        prefills: the multi-token sequences, in row order.
+        output_order: int32 ``[T]``: rows of the concatenated per-group outputs (decode batch
+            first, then the prefill chunks) in token order; ``None`` when concatenation already
+            is token order.
+    """
+
+    num_tokens: int
+    positions: mx.array
+    slot_mapping: mx.array
+    block_size: int
+    query_start_loc: np.ndarray
+    decode_rows: slice | mx.array | None
+    decode_seq_lens: np.ndarray
+    decode_block_tables: np.ndarray
+    prefills: tuple[PrefillChunk, ...]
+    output_order: mx.array | None
+    _decode_views: dict[Window, DecodeKeys] = field(default_factory=dict, repr=False)
+    _prefill_views: dict[tuple[int, Window], PrefillKeys] = field(
+        default_factory=dict, repr=False
+    )
+
+    def decode_view(self, window: Window) -> DecodeKeys:
+        """Keys of the decode batch for a layer with this sliding window (``None``: full).
+
+        Computed on first use per window and cached, so all layers of a step share it.
+        Raises ValueError if there are no decode sequences.
+        """
+        if self.decode_rows is None:
+            raise ValueError("this step has no decode sequences")
+        view = self._decode_views.get(window)
+        if view is None:
+            view = _decode_keys(
+                self.decode_seq_lens, self.decode_block_tables, self.block_size, window
+            )
+            self._decode_views[window] = view
+        return view
+
+    def prefill_view(self, index: int, window: Window) -> PrefillKeys:
+        """Keys of prefill chunk ``index`` for a layer with this sliding window (cached)."""
+        key = (index, window)
+        view = self._prefill_views.get(key)
+        if view is None:
+            view = _prefill_keys(self.prefills[index], self.block_size, window)
+            self._prefill_views[key] = view
+        return view
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: np.ndarray,
+    block_size: int,
+) -> AttentionMetadata:
+    """Build the metadata of one step.
+
+    Args:
+        query_lens: ``query_lens[i]`` tokens of sequence i are scheduled this step; rows are
+            contiguous per sequence, sequences in order. A length of 0 is allowed (no rows).
+        seq_lens: ``seq_lens[i]`` is sequence i's context length AFTER this step, so its query
+            tokens sit at positions ``seq_lens[i] - query_lens[i] ... seq_lens[i] - 1``.
+        block_tables: int ``[B', max_blocks]`` numpy with ``B' >= B``; row i lists sequence i's
+            block ids in order (padding past the blocks it owns is ignored); extra rows (a
+            persistent batch's spare capacity) are ignored.
+        block_size: tokens per KV block.
+
+    Returns:
+        The step's :class:`AttentionMetadata`; all MLX index arrays are int32.
+
+    Raises:
+        ValueError: on mismatched lengths, negative query lengths, a query longer than its
+            context, a non-positive block size, or a block table too narrow for a context.
+    """
+    qlens = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+    slens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    tables = np.asarray(block_tables)
+    _validate(qlens, slens, tables, block_size)
+    tables = tables[: len(qlens)].astype(np.int32, copy=False)
+
+    starts = np.zeros(len(qlens) + 1, dtype=np.int64)
+    np.cumsum(qlens, out=starts[1:])
+    num_tokens = int(starts[-1])
+
+    # Per token: its sequence, then its position inside that sequence.
+    seq_of_row = np.repeat(np.arange(len(qlens)), qlens)
+    positions = np.arange(num_tokens) - starts[:-1][seq_of_row] + (slens - qlens)[seq_of_row]
+    blocks = tables[seq_of_row, positions // block_size].astype(np.int64)
+    slots = blocks * block_size + positions % block_size
+
+    decode = np.flatnonzero(qlens == 1)
+    decode_rows = starts[decode]
+    prefills = tuple(
+        PrefillChunk(int(starts[i]), int(qlens[i]), int(slens[i]), tables[i])
+        for i in np.flatnonzero(qlens > 1)
+    )
+    return AttentionMetadata(
+        num_tokens=num_tokens,
+        positions=mx.array(positions.astype(np.int32)),
+        slot_mapping=mx.array(slots.astype(np.int32)),
+        block_size=block_size,
+        query_start_loc=starts.astype(np.int32),
+        decode_rows=_as_rows(decode_rows),
+        decode_seq_lens=slens[decode].astype(np.int32),
+        decode_block_tables=tables[decode],
+        prefills=prefills,
+        output_order=_output_order(decode_rows, prefills, num_tokens),
+    )
+
+
+def _validate(qlens: np.ndarray, slens: np.ndarray, tables: np.ndarray, block_size: int) -> None:
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if len(qlens) != len(slens):
+        raise ValueError(f"{len(qlens)} query lengths but {len(slens)} sequence lengths")
+    if tables.ndim != 2 or tables.shape[0] < len(qlens):
+        raise ValueError(
+            f"block_tables must be [>= {len(qlens)}, max_blocks], got shape {tables.shape}"
+        )
+    if (qlens < 0).any():
+        raise ValueError("query lengths must be >= 0")
+    if (qlens > slens).any():
+        raise ValueError("a query is longer than its sequence's context")
+    needed = -(-slens // block_size)
+    if len(needed) and int(needed.max()) > tables.shape[1]:
+        raise ValueError(
+            f"a context of {int(slens.max())} tokens needs {int(needed.max())} blocks; "
+            f"block_tables has {tables.shape[1]} columns"
+        )
+
+
+def _as_rows(rows: np.ndarray) -> slice | mx.array | None:
+    """Rows as a slice when contiguous (slicing is a view; a gather would copy)."""
+    if len(rows) == 0:
+        return None
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return mx.array(rows.astype(np.int32))
+
+
+def _output_order(
+    decode_rows: np.ndarray, prefills: tuple[PrefillChunk, ...], num_tokens: int
+) -> mx.array | None:
+    """Inverse permutation from [decode batch, chunk 0, chunk 1, ...] outputs to token order."""
+    concat_rows = np.concatenate(
+        [decode_rows] + [np.arange(p.start, p.start + p.length) for p in prefills]
+    ).astype(np.int64)
+    if np.array_equal(concat_rows, np.arange(num_tokens)):
+        return None
+    order = np.empty(num_tokens, dtype=np.int32)
+    order[concat_rows] = np.arange(num_tokens, dtype=np.int32)
+    return mx.array(order)
+
+
+def _first_visible(seq_lens: np.ndarray | int, window: Window) -> np.ndarray | int:
+    """First key position the query at ``seq_len - 1`` can see (key > pos - window)."""
+    if window is None:
+        return np.zeros_like(seq_lens)
+    return np.maximum(np.asarray(seq_lens) - window, 0)
+
+
+def _decode_keys(
+    seq_lens: np.ndarray, tables: np.ndarray, block_size: int, window: Window
+) -> DecodeKeys:
+    # Each sequence reads from the block of its first visible key to the block of its last
+    # key; the batch reads as many blocks as the widest sequence needs.
+    first_block = _first_visible(seq_lens, window) // block_size
+    last_block = (seq_lens - 1) // block_size
+    num_blocks = int((last_block - first_block).max()) + 1
+    cols = first_block[:, None] + np.arange(num_blocks)
+    # Columns past a sequence's last block are padding: clip them into the table; their keys
+    # get positions >= seq_len below and are masked.
+    block_ids = np.take_along_axis(tables, np.minimum(cols, tables.shape[1] - 1), axis=1)
+    key_pos = (cols[:, :, None] * block_size + np.arange(block_size)).reshape(len(seq_lens), -1)
+    written = key_pos < seq_lens[:, None]
+    visible = written & (key_pos >= _first_visible(seq_lens, window)[:, None])
+    num_keys = key_pos.shape[1]
+    return DecodeKeys(
+        block_ids=mx.array(block_ids.astype(np.int32)),
+        mask=None if visible.all() else mx.array(visible.reshape(-1, 1, 1, num_keys)),
+        written=None if written.all() else mx.array(written.reshape(-1, num_keys, 1, 1)),
+    )
+
+
+def _prefill_keys(chunk: PrefillChunk, block_size: int, window: Window) -> PrefillKeys:
+    # Keys before the first query's window can never be seen: skip their blocks.
+    prefix = chunk.seq_len - chunk.length
+    first_key = int(_first_visible(prefix + 1, window)) // block_size * block_size
+    last_block = (chunk.seq_len - 1) // block_size
+    block_ids = chunk.block_table[first_key // block_size : last_block + 1]
+    num_keys = chunk.seq_len - first_key
+    mask: mx.array | str = "causal"
+    if window is not None and window < chunk.seq_len:
+        q_pos = np.arange(prefix, chunk.seq_len)[:, None]
+        k_pos = np.arange(first_key, chunk.seq_len)[None, :]
+        mask = mx.array((k_pos <= q_pos) & (k_pos > q_pos - window))
+    return PrefillKeys(
+        block_ids=mx.array(block_ids.astype(np.int32)),
+        first_key=first_key,
+        num_keys=num_keys,
+        mask=mask,
+    )

@@ -1,0 +1,275 @@
+"""The vLLM platform: what the device is, and the config policy for serving on MLX.
+
+vLLM resolves ``current_platform`` to :class:`MLXPlatform` in every process (API server,
+engine core). This module never imports MLX (vLLM may fork after importing it); the worker
+(:mod:`vllm_unified.worker.worker`) owns the device.
+
+Subclasses vLLM's base ``Platform`` as an out-of-tree platform, not ``CpuPlatform``: the CPU
+platform's config policy (``is_cpu()``) changes vLLM's behaviour in many places (batch
+defaults, OpenMP binding, torch.compile) that do not apply to MLX.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_unified.backend import detect_backend
+from vllm_unified import compat
+from vllm_unified.compat import SAMPLING_EPS, Platform, PlatformEnum, init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+#: Block sizes (tokens per KV page) the MLX attention implementation is built and tested for.
+#: vLLM's ``--block-size`` must be a multiple of one of them (pillar 6 views larger pages as
+#: several kernel blocks).
+KERNEL_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
+DEFAULT_BLOCK_SIZE = 16
+WORKER_CLS = "vllm_unified.worker.worker.MLXWorker"
+
+
+def _patch_torch_accelerator_teardown() -> None:
+    """vLLM's ``cleanup_dist_env_and_memory`` calls ``torch.accelerator.empty_cache()`` for every
+    platform that is not ``is_cpu()``; without a torch accelerator that raises at shutdown
+    (spike pitfall P2). There is nothing to empty then, so make those calls no-ops."""
+    if torch.accelerator.is_available():
+        return
+    for name in ("empty_cache", "empty_host_cache"):
+        if hasattr(torch.accelerator, name):
+            setattr(torch.accelerator, name, lambda *a, **k: None)
+
+
+_patch_torch_accelerator_teardown()
+
+
+class MLXPlatform(Platform):
+    """vLLM platform backed by MLX (Metal, CUDA or CPU backend).
+
+    torch-facing facts stay "cpu": vLLM builds ``torch.device(device_type)`` and CPU tensors for
+    its own bookkeeping; all model compute happens in MLX inside our worker.
+    """
+
+    _enum = PlatformEnum.OOT
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"
+    device_control_env_var: str = "VLLM_UNIFIED_VISIBLE_DEVICES"
+    simple_compile_backend: str = "eager"
+    supported_quantization: list[str] = ["gguf"]
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        # First entry is what vLLM's dtype="auto" picks for fp32/GGUF checkpoints. On MLX's CPU
+        # backend only fp32 matmul uses BLAS (bf16/fp16 run ~40x slower), so auto means fp32.
+        if detect_backend().kind == "cpu":
+            return [torch.float32, torch.bfloat16, torch.float16]
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return f"mlx-{detect_backend().kind}"
+
+    @classmethod
+    def get_device_uuid(cls, device_id: int = 0) -> str:
+        return f"mlx-{detect_backend().kind}-0"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        """Bytes of device memory: system RAM on unified-memory backends, card memory on CUDA."""
+        return detect_backend().total_memory
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        # Pinning is a discrete-GPU idea; on unified memory every page is already device memory.
+        return False
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        """One MLX device per process; the worker selects it in MLX."""
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        """MLX's seed is set by the worker (``mx.random.seed``)."""
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        """No vLLM C++/CUDA kernels are needed: compute runs in MLX."""
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        # vLLM asks for this when it negotiates KV layouts; the MLX worker never instantiates
+        # a torch attention backend, so name vLLM's CPU one as a layout-compatible placeholder.
+        return compat.AttentionBackendEnum.CPU_ATTN.get_path()
+
+    @classmethod
+    def get_current_memory_usage(cls, device: torch.device | None = None) -> float:
+        import psutil
+
+        return float(psutil.Process().memory_info().rss)
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        return True
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"--dtype {dtype}: MLX serves float32, bfloat16 or float16")
+
+    @classmethod
+    def log_warnings(cls) -> None:
+        info = detect_backend()
+        logger.info(
+            "vllm-unified: MLX %s backend (%s; %s), %.1f GiB %s memory",
+            info.kind, info.device_name, info.reason, info.total_memory / 2**30,
+            "unified" if info.unified else "device",
+        )
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        """Apply the MLX serving policy. vLLM calls this twice (front end, then the engine core
+        after KV-cache sizing), so it must be idempotent and keep values vLLM computed.
+
+        Raises:
+            ValueError: a setting this platform cannot serve, naming the flag.
+        """
+        parallel = vllm_config.parallel_config
+        for flag, size in (
+            ("--tensor-parallel-size", parallel.tensor_parallel_size),
+            ("--pipeline-parallel-size", parallel.pipeline_parallel_size),
+            ("--data-parallel-size", parallel.data_parallel_size),
+        ):
+            if size != 1:
+                raise ValueError(f"{flag} {size}: vllm-unified runs on one MLX device; use 1")
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER_CLS
+        if parallel.distributed_executor_backend not in (None, "uni", "mp"):
+            raise ValueError(
+                f"--distributed-executor-backend {parallel.distributed_executor_backend}: "
+                "vllm-unified supports 'uni' or 'mp'"
+            )
+        parallel.distributed_executor_backend = parallel.distributed_executor_backend or "uni"
+        parallel.disable_custom_all_reduce = True
+
+        # MLX runs the model: no torch.compile, no CUDA graphs.
+        compilation = vllm_config.compilation_config
+        compilation.mode = compat.CompilationMode.NONE
+        compilation.cudagraph_mode = compat.CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        compilation.max_cudagraph_capture_size = 0
+        if vllm_config.model_config is not None:
+            vllm_config.model_config.enforce_eager = True
+
+        if vllm_config.use_v2_model_runner:
+            raise ValueError(
+                "VLLM_USE_V2_MODEL_RUNNER=1: vllm-unified implements the V1 model-runner "
+                "message format; unset it"
+            )
+        # The runner returns finished outputs from each step (no async output futures yet).
+        vllm_config.scheduler_config.async_scheduling = False
+
+        if vllm_config.speculative_config is not None:
+            raise ValueError("--speculative-config: speculative decoding is not supported yet")
+        if vllm_config.lora_config is not None:
+            raise ValueError("--enable-lora: LoRA adapters are not supported yet")
+        if vllm_config.kv_transfer_config is not None:
+            raise ValueError("--kv-transfer-config: KV connectors are not supported yet")
+
+        cache = vllm_config.cache_config
+        if not cache.user_specified_block_size:
+            cache.block_size = DEFAULT_BLOCK_SIZE
+        elif not any(cache.block_size % k == 0 for k in KERNEL_BLOCK_SIZES):
+            raise ValueError(
+                f"--block-size {cache.block_size}: must be a multiple of one of the MLX "
+                f"kernel block sizes {list(KERNEL_BLOCK_SIZES)}"
+            )
+        if cache.cache_dtype not in ("auto", None):
+            raise ValueError(
+                f"--kv-cache-dtype {cache.cache_dtype}: vllm-unified stores the KV cache in the "
+                "model dtype; use auto"
+            )
+
+        # MLX is not fork-safe: a forked engine core hangs if the parent touched MLX.
+        if "mlx.core" in sys.modules:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+        model_config = vllm_config.model_config
+        if model_config is not None:
+            logger.info(
+                "vllm-unified: worker=%s dtype=%s block_size=%d max_model_len=%d "
+                "max_num_batched_tokens=%d prefix_caching=%s chunked_prefill=%s",
+                parallel.worker_cls, model_config.dtype, cache.block_size,
+                model_config.max_model_len,
+                vllm_config.scheduler_config.max_num_batched_tokens,
+                cache.enable_prefix_caching,
+                vllm_config.scheduler_config.enable_chunked_prefill,
+            )
+
+    @classmethod
+    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        """Reject (HTTP 400, naming the field) what the MLX runner cannot honour yet, so no
+        parameter is silently ignored.
+
+        Raises:
+            VLLMValidationError: for an unsupported parameter or input kind.
+        """
+        if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
+            raise compat.VLLMValidationError(
+                "prompt embeddings are not supported by vllm-unified", parameter="prompt_embeds"
+            )
+        if not isinstance(params, compat.SamplingParams):
+            raise compat.VLLMValidationError(
+                "vllm-unified serves text generation only (pooling is not supported)",
+                parameter="task",
+            )
+        for field, unsupported in _unsupported_sampling(params).items():
+            if unsupported:
+                raise compat.VLLMValidationError(
+                    f"sampling parameter '{field}' is not supported by vllm-unified yet",
+                    parameter=field,
+                    value=getattr(params, field, None),
+                )
+
+
+def _unsupported_sampling(p: Any) -> dict[str, bool]:
+    """Which set sampling fields the MLX sampler does not implement (field -> is it set)."""
+    return {
+        "presence_penalty": abs(p.presence_penalty) > SAMPLING_EPS,
+        "frequency_penalty": abs(p.frequency_penalty) > SAMPLING_EPS,
+        "repetition_penalty": abs(p.repetition_penalty - 1.0) > SAMPLING_EPS,
+        "logprobs": p.logprobs is not None,
+        "prompt_logprobs": p.prompt_logprobs is not None,
+        "logit_bias": bool(p.logit_bias),
+        "allowed_token_ids": bool(p.allowed_token_ids),
+        "bad_words": bool(p.bad_words),
+        "min_tokens": p.min_tokens > 0,
+        "structured_outputs": p.structured_outputs is not None,
+        "logits_processors": bool(getattr(p, "logits_processors", None)),
+        "extra_args": bool(p.extra_args),
+        "thinking_token_budget": p.thinking_token_budget is not None,
+        "logprob_token_ids": bool(p.logprob_token_ids),
+    }
+
