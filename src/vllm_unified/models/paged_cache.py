@@ -1,0 +1,170 @@
+"""Route mlx-lm's attention to the paged KV cache.
+
+mlx-lm's model files stay untouched. Each step the runner lays out every scheduled token as its
+own batch row (``inputs`` of shape ``[T, 1]``) and hands the model one :class:`PagedLayerCache`
+per layer. Through mlx-lm's cache protocol that gives us:
+
+* ``cache.offset`` -> a ``[T]`` array of token positions, so RoPE rotates each row by its own
+  position (``mx.fast.rope`` accepts one offset per batch row);
+* ``cache.update_and_fetch(k, v)`` -> writes the new K/V rows into the pool by slot mapping;
+* ``cache.make_mask(...)`` -> a :class:`PagedMask` marker carrying the sliding window, if any.
+
+The attention itself is reached by replacing the ``scaled_dot_product_attention`` name that
+each mlx-lm model module imports from ``mlx_lm.models.base``: for a :class:`PagedLayerCache`
+it runs :func:`vllm_unified.attention.paged.paged_attention` over the block tables; for any other
+cache it calls mlx-lm's original function, so plain mlx-lm use in the same process is unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.models.base as mlx_base
+
+from vllm_unified.attention.metadata import AttentionMetadata
+from vllm_unified.attention.paged import paged_attention, write_kv
+
+_original_sdpa = mlx_base.scaled_dot_product_attention
+
+
+class KVPool:
+    """The paged KV cache of all layers, in MLX.
+
+    ``k[l]`` / ``v[l]`` have shape ``[num_blocks * block_size, num_kv_heads, head_dim]`` (slot-major:
+    slot = block_id * block_size + offset; vLLM's block ids index it directly), dtype = the
+    model's compute dtype. Each array is owned by this object alone, so the scatter that writes
+    new rows donates the buffer back (no copy of the pool per step; ``write_kv`` documents it).
+    """
+
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+        head_dim: int, dtype: mx.Dtype,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k: list[mx.array] = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v: list[mx.array] = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        mx.eval(self.k, self.v)
+        self.meta: AttentionMetadata | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero whole blocks (vLLM's ``new_block_ids_to_zero``), in place."""
+        if not block_ids:
+            return
+        slots = (mx.array(block_ids, dtype=mx.int32)[:, None] * self.block_size
+                 + mx.arange(self.block_size, dtype=mx.int32)[None]).reshape(-1)
+        for layer in range(len(self.k)):
+            zeros = mx.zeros((slots.size, *self.k[layer].shape[1:]), dtype=self.k[layer].dtype)
+            self.k[layer], self.v[layer] = write_kv(
+                self.k[layer], self.v[layer], zeros, zeros, slots
+            )
+        mx.eval(self.k, self.v)
+
+
+@dataclass(frozen=True)
+class PagedMask:
+    """Stands in for mlx-lm's mask: the paged kernel builds masks from the metadata itself.
+
+    Attributes:
+        window: sliding-window size in tokens, or None for full causal attention.
+    """
+
+    window: int | None = None
+
+
+class PagedLayerCache:
+    """mlx-lm cache protocol for one layer, backed by :class:`KVPool`."""
+
+    def __init__(self, pool: KVPool, layer: int) -> None:
+        self.pool = pool
+        self.layer = layer
+
+    @property
+    def _meta(self) -> AttentionMetadata:
+        meta = self.pool.meta
+        if meta is None:
+            raise RuntimeError("PagedLayerCache used outside a step (no attention metadata)")
+        return meta
+
+    @property
+    def offset(self) -> mx.array:
+        """``[T]`` int32 positions: mlx-lm passes this to RoPE as per-row offsets."""
+        return self._meta.positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``keys``/``values`` (``[T, Hkv, 1, D]``, post-RoPE) at the step's slot mapping.
+
+        Returns the inputs unchanged; attention reads the context from the pool.
+        """
+        pool, layer = self.pool, self.layer
+        pool.k[layer], pool.v[layer] = write_kv(
+            pool.k[layer], pool.v[layer], keys, values, self._meta.slot_mapping
+        )
+        return keys, values
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803
+    ) -> PagedMask:
+        if return_array:
+            raise NotImplementedError("paged attention does not materialise dense masks")
+        return PagedMask(window_size)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def state(self) -> Any:
+        raise NotImplementedError("the paged cache state lives in the KV pool")
+
+
+def _paged_sdpa(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    if not isinstance(cache, PagedLayerCache):
+        return _original_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    if sinks is not None:
+        raise NotImplementedError("attention sinks are not supported by the paged kernel yet")
+    window = mask.window if isinstance(mask, PagedMask) else None
+    if mask is not None and not isinstance(mask, PagedMask):
+        raise TypeError(f"unexpected attention mask {type(mask).__name__} with a paged cache")
+    pool = cache.pool
+    return paged_attention(
+        queries, pool.k[cache.layer], pool.v[cache.layer], cache._meta, scale, window
+    )
+
+
+def install_paged_attention(model: Any) -> list[str]:
+    """Point ``scaled_dot_product_attention`` of every module that defines a layer of ``model``
+    at the paged router (an architecture built from another's layers is covered too).
+
+    Idempotent. Returns the names of the modules patched, for the log.
+    """
+    patched = []
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        if getattr(module, "scaled_dot_product_attention", None) is _original_sdpa:
+            module.scaled_dot_product_attention = _paged_sdpa
+            patched.append(name)
+    for i, layer in enumerate(model.layers):
+        attn = getattr(layer, "self_attn", None)
+        module = sys.modules.get(type(attn).__module__) if attn is not None else None
+        if getattr(module, "scaled_dot_product_attention", None) is not _paged_sdpa:
+            raise ValueError(
+                f"layer {i} ({type(layer).__name__}) does not compute attention through mlx-lm's "
+                "scaled_dot_product_attention, so it cannot be routed to the paged KV cache"
+            )
+    return patched

@@ -1,0 +1,157 @@
+"""Per-request state the runner keeps across steps, updated from each ``SchedulerOutput``.
+
+vLLM's scheduler (model-runner V1 message format) sends a request's prompt and blocks once, when
+it is new; later steps only say how far it has been computed, which blocks were added, and
+whether it was resumed after preemption. This module folds those messages into
+:class:`RequestState` objects and builds the token-major layout of one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_unified.compat import SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    """What the runner knows about one request.
+
+    Attributes:
+        req_id: vLLM's request id.
+        token_ids: prompt followed by the output tokens accepted so far.
+        num_prompt_tokens: length of the prompt part of ``token_ids``.
+        block_ids: KV block ids (one KV cache group), in sequence order.
+        num_computed_tokens: tokens whose K/V are in the pool (from the scheduler).
+        sampling_params: vLLM ``SamplingParams``.
+        rng_key: MLX PRNG key of a seeded request (split once per sampled token), else None.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: object
+    rng_key: object | None = None
+    num_steps: int = field(default=0)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class StepBatch:
+    """One step laid out token-major (requests in ``num_scheduled_tokens`` order).
+
+    Attributes:
+        req_ids: ``B`` scheduled request ids.
+        input_ids: ``[T]`` int32 token ids to feed.
+        query_lens / seq_lens: ``[B]`` tokens fed / context length after this step.
+        block_table: ``[B, max_blocks]`` int32, rows padded with 0.
+        sample_req_idx: indices into ``req_ids`` of requests that sample a token this step
+            (their fed tokens reach the end of what is known); the others are prefill chunks.
+        sample_token_idx: ``[R]`` row (token) index of each sampling request's last token.
+    """
+
+    req_ids: list[str]
+    input_ids: np.ndarray
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    sample_req_idx: list[int]
+    sample_token_idx: np.ndarray
+
+
+class InputBatch:
+    """Request states plus the step layout built from them."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, RequestState] = {}
+
+    def update(self, out: SchedulerOutput, new_state) -> None:
+        """Apply one ``SchedulerOutput`` to the request states.
+
+        Args:
+            out: the scheduler's output for this step.
+            new_state: callable ``NewRequestData -> RequestState`` (the runner decides sampling
+                state such as PRNG keys).
+
+        Raises:
+            RuntimeError: the scheduler refers to a request the runner never saw.
+        """
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.req_id] = new_state(new)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise RuntimeError(f"scheduler step refers to unknown request {req_id!r}")
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            num_output = cached.num_output_tokens[i]
+            resumed_tokens = cached.all_token_ids.get(req_id)
+            if resumed_tokens is not None:
+                # The scheduler's copy is authoritative for requests that were not scheduled in
+                # the previous step (resumed after preemption, or skipped).
+                state.token_ids = list(resumed_tokens)
+            elif num_output < state.num_output_tokens:
+                # Tokens the scheduler did not accept (e.g. sampled past a stop) are dropped.
+                del state.token_ids[state.num_prompt_tokens + num_output:]
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                if new_blocks is None:
+                    raise RuntimeError(f"resumed request {req_id!r} came without block ids")
+                state.block_ids = list(new_blocks[0])
+            elif new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
+
+    def layout(self, out: SchedulerOutput) -> StepBatch:
+        """Token-major layout of the step: which tokens to feed, where they go, what to sample.
+
+        Raises:
+            RuntimeError: the scheduler asks for tokens beyond what the request has (would mean
+                a lost sampled token; speculative decoding is rejected at start-up).
+        """
+        req_ids = list(out.num_scheduled_tokens.keys())
+        states = [self.requests[r] for r in req_ids]
+        query_lens = np.fromiter(
+            (out.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
+        )
+        starts = np.fromiter(
+            (s.num_computed_tokens for s in states), dtype=np.int32, count=len(states)
+        )
+        seq_lens = starts + query_lens
+        pieces = []
+        for state, start, end in zip(states, starts.tolist(), seq_lens.tolist(), strict=True):
+            if end > len(state.token_ids):
+                raise RuntimeError(
+                    f"request {state.req_id!r}: scheduled up to token {end} but only "
+                    f"{len(state.token_ids)} tokens are known"
+                )
+            pieces.append(state.token_ids[start:end])
+        input_ids = np.fromiter(
+            (t for p in pieces for t in p), dtype=np.int32, count=int(query_lens.sum())
+        )
+        max_blocks = max((len(s.block_ids) for s in states), default=0)
+        block_table = np.zeros((len(states), max(max_blocks, 1)), dtype=np.int32)
+        for i, state in enumerate(states):
+            block_table[i, : len(state.block_ids)] = state.block_ids
+        sample_req_idx = [
+            i for i, (s, end) in enumerate(zip(states, seq_lens.tolist(), strict=True))
+            if end == len(s.token_ids)
+        ]
+        last_rows = np.cumsum(query_lens) - 1
+        return StepBatch(
+            req_ids=req_ids,
+            input_ids=input_ids,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            sample_req_idx=sample_req_idx,
+            sample_token_idx=last_rows[sample_req_idx].astype(np.int32),
+        )
