@@ -88,7 +88,9 @@ def _cpu_name() -> str:
 
 @functools.cache
 def detect_backend() -> BackendInfo:
-    """Choose the MLX backend: Metal GPU, else CUDA GPU, else CPU; ``VLLM_UNIFIED_DEVICE`` overrides.
+    """Choose the MLX backend: Metal GPU, else CUDA GPU, else CPU.
+
+    ``VLLM_UNIFIED_DEVICE`` overrides the choice.
 
     Raises:
         ValueError: ``VLLM_UNIFIED_DEVICE`` holds something other than metal/cuda/cpu, or names

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_unified.backend import detect_backend
 from vllm_unified import compat
+from vllm_unified.backend import detect_backend
 from vllm_unified.compat import SAMPLING_EPS, Platform, PlatformEnum, init_logger
 
 if TYPE_CHECKING:

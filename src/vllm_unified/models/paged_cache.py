@@ -23,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
+import numpy as np
 
 from vllm_unified.attention.metadata import AttentionMetadata
 from vllm_unified.attention.paged import paged_attention, write_kv
@@ -33,8 +34,8 @@ _original_sdpa = mlx_base.scaled_dot_product_attention
 class KVPool:
     """The paged KV cache of all layers, in MLX.
 
-    ``k[l]`` / ``v[l]`` have shape ``[num_blocks * block_size, num_kv_heads, head_dim]`` (slot-major:
-    slot = block_id * block_size + offset; vLLM's block ids index it directly), dtype = the
+    ``k[l]`` / ``v[l]`` have shape ``[num_blocks * block_size, num_kv_heads, head_dim]``
+    (slot-major: slot = block_id * block_size + offset; vLLM's block ids index it directly), the
     model's compute dtype. Each array is owned by this object alone, so the scatter that writes
     new rows donates the buffer back (no copy of the pool per step; ``write_kv`` documents it).
     """
@@ -54,6 +55,19 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def data_ptrs(self) -> list[int]:
+        """Addresses of every layer's K and V buffers (for checks that writes stay in place).
+
+        Takes a transient NumPy view per array (released before returning), so it does not
+        hold references that would stop the next write from reusing the buffer.
+        """
+        ptrs = []
+        for a in (*self.k, *self.v):
+            as_uint = a.view({2: mx.uint16, 4: mx.uint32}[a.dtype.size])
+            ptrs.append(int(np.asarray(as_uint).ctypes.data))
+            del as_uint
+        return ptrs
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Zero whole blocks (vLLM's ``new_block_ids_to_zero``), in place."""

@@ -9,7 +9,7 @@ sampler (:mod:`vllm_unified.worker.sampler`) picks the tokens. Evaluation happen
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -51,6 +51,8 @@ class RunnerStats:
     forwards: int = 0
     tokens: int = 0
     sampled: int = 0
+    #: number of forwards by how many requests they covered
+    forwards_by_num_reqs: dict[int, int] = field(default_factory=dict)
 
 
 class MLXModelRunner:
@@ -204,14 +206,16 @@ class MLXModelRunner:
             self.pool.meta = None
         self.stats.forwards += 1
         self.stats.tokens += int(step.input_ids.size)
+        by_reqs = self.stats.forwards_by_num_reqs
+        by_reqs[len(step.req_ids)] = by_reqs.get(len(step.req_ids), 0) + 1
         return tokens.tolist()
 
     def forward(self, input_ids: mx.array, sample_rows: np.ndarray) -> mx.array:
-        """One forward over ``input_ids`` ``[T]`` (token-major); logits ``[R, V]`` of the rows
-        ``sample_rows`` only. Needs ``self.pool.meta`` set for the step."""
-        hidden = self.model.model(input_ids[:, None], cache=self.layer_caches)  # [T, 1, D]
-        hidden = hidden[mx.array(sample_rows), 0, :] if sample_rows.size else hidden[:0, 0, :]
-        return _lm_head(self.model, hidden)
+        """See :func:`forward`; uses this runner's model and layer caches."""
+        return forward(self.model, self.layer_caches, input_ids, sample_rows)
+
+    def stats_dict(self) -> dict:
+        return asdict(self.stats)
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         state = self.batch.requests[req_id]
@@ -238,6 +242,27 @@ class MLXModelRunner:
         finally:
             self.pool.meta = None
         return time.perf_counter() - start
+
+
+def forward(
+    model: nn.Module, layer_caches: list[PagedLayerCache], input_ids: mx.array,
+    sample_rows: np.ndarray,
+) -> mx.array:
+    """One token-major forward of an mlx-lm model over the paged cache (lazy).
+
+    Args:
+        model: mlx-lm model with paged attention installed.
+        layer_caches: one :class:`PagedLayerCache` per layer; their pool's ``meta`` must hold the
+            step's attention metadata.
+        input_ids: ``[T]`` int32 token ids, one row per scheduled token.
+        sample_rows: ``[R]`` int32 rows whose logits are needed.
+
+    Returns:
+        ``[R, V]`` logits in the model dtype (the LM head runs on those rows only).
+    """
+    hidden = model.model(input_ids[:, None], cache=layer_caches)  # [T, 1, D]
+    hidden = hidden[mx.array(sample_rows), 0, :] if sample_rows.size else hidden[:0, 0, :]
+    return _lm_head(model, hidden)
 
 
 def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:

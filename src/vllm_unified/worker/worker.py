@@ -145,6 +145,15 @@ class MLXWorker(WorkerBase):
         if self.model_runner is not None:
             logger.info("vllm-unified: runner stats %s", self.model_runner.stats)
 
+    # ------------------------------------------------------------------ introspection
+    def runner_stats(self) -> dict:
+        """Step/forward counters (``LLM.collective_rpc("runner_stats")``)."""
+        return self.model_runner.stats_dict()
+
+    def kv_pool_data_ptrs(self) -> list[int]:
+        """Addresses of the KV pool buffers (``LLM.collective_rpc("kv_pool_data_ptrs")``)."""
+        return self.model_runner.pool.data_ptrs()
+
     # ------------------------------------------------------------------ unsupported
     def add_lora(self, lora_request) -> bool:
         raise ValueError("LoRA adapters are not supported by vllm-unified")
