@@ -7,9 +7,10 @@ rows of single-token (decode) sequences, which are attended as one batch, and th
 each multi-token (prefill chunk) sequence, which gets one attention call of its own.
 
 All index arithmetic is vectorised numpy, done once per step; the results are handed to MLX once.
-Sliding-window layers read only the blocks their window can reach; those views are derived on the
-first layer that asks for a given window and reused by the others (:meth:`AttentionMetadata.
-decode_view`, :meth:`AttentionMetadata.prefill_view`).
+Key gather indices depend on the layer's sliding window and KV head count; they are derived on
+the first layer that asks for a combination and reused by the others (:meth:`AttentionMetadata.
+decode_view`, :meth:`AttentionMetadata.prefill_view`). Sliding-window layers read only the keys
+their window can reach.
 """
 
 from __future__ import annotations
@@ -25,39 +26,35 @@ Window = int | None
 
 @dataclass(frozen=True)
 class DecodeKeys:
-    """How the decode batch reads its keys for one window setting.
+    """How the decode batch reads its keys, for one window setting and KV head count.
 
     Attributes:
-        block_ids: int32 ``[Bd, nb]``: the pool blocks gathered for each decode sequence, in key
-            order; gathering them gives ``S = nb * block_size`` keys per sequence.
-        mask: bool ``[Bd, 1, 1, S]``: keys the query may attend to (written, causal, in the
-            window), or ``None`` when every gathered key is visible.
-        written: bool ``[Bd, S, 1, 1]``: keys that lie inside the sequence's context, or ``None``
-            when all do. Values elsewhere (padding blocks, the unwritten tail of the last block)
-            may be never-initialised memory; they are zeroed before attention because a NaN
-            there would survive a zero softmax weight (0 * NaN = NaN).
+        rows: int32 ``[Bd, Hkv, S]``: rows of the pool viewed as ``[slots * Hkv, D]``
+            (``slot * Hkv + head``), so one gather yields keys in SDPA's ``[Bd, Hkv, S, D]``
+            layout. Sequence i's visible keys come first, in position order; the padding after
+            them repeats its first visible key's row, so padding only ever reads written,
+            finite memory (a NaN in never-written memory would survive a zero softmax weight).
+        mask: bool ``[Bd, 1, 1, S]``: True for visible keys; ``None`` when all are.
     """
 
-    block_ids: mx.array
+    rows: mx.array
     mask: mx.array | None
-    written: mx.array | None
 
 
 @dataclass(frozen=True)
 class PrefillKeys:
-    """How one prefill chunk reads its keys for one window setting.
+    """How one prefill chunk reads its keys, for one window setting and KV head count.
 
     Attributes:
-        block_ids: int32 ``[nb]``: pool blocks holding the keys, in key order.
-        first_key: position of the first key in the gathered blocks (a multiple of block_size).
-        num_keys: keys kept after the gather (the blocks' tail past the context is dropped).
+        rows: int32 ``[1, Hkv, S]``: pool rows (``slot * Hkv + head``) of the keys at positions
+            ``first_key ... seq_len - 1``, all written by this or earlier steps.
+        first_key: position of the first key read (keys before it are outside every window).
         mask: ``"causal"`` (lower-right aligned: the chunk's last query sees the last key) or
-            bool ``[L, num_keys]`` when a sliding window cuts into the keys.
+            bool ``[L, S]`` when a sliding window cuts into the keys.
     """
 
-    block_ids: mx.array
+    rows: mx.array
     first_key: int
-    num_keys: int
     mask: mx.array | str
 
 
@@ -114,33 +111,34 @@ class AttentionMetadata:
     decode_block_tables: np.ndarray
     prefills: tuple[PrefillChunk, ...]
     output_order: mx.array | None
-    _decode_views: dict[Window, DecodeKeys] = field(default_factory=dict, repr=False)
-    _prefill_views: dict[tuple[int, Window], PrefillKeys] = field(
+    _decode_views: dict[tuple[Window, int], DecodeKeys] = field(default_factory=dict, repr=False)
+    _prefill_views: dict[tuple[int, Window, int], PrefillKeys] = field(
         default_factory=dict, repr=False
     )
 
-    def decode_view(self, window: Window) -> DecodeKeys:
+    def decode_view(self, window: Window, kv_heads: int) -> DecodeKeys:
         """Keys of the decode batch for a layer with this sliding window (``None``: full).
 
-        Computed on first use per window and cached, so all layers of a step share it.
-        Raises ValueError if there are no decode sequences.
+        Computed on first use per (window, kv_heads) and cached, so all layers of a step share
+        it. Raises ValueError if there are no decode sequences.
         """
         if self.decode_rows is None:
             raise ValueError("this step has no decode sequences")
-        view = self._decode_views.get(window)
+        key = (window, kv_heads)
+        view = self._decode_views.get(key)
         if view is None:
             view = _decode_keys(
-                self.decode_seq_lens, self.decode_block_tables, self.block_size, window
+                self.decode_seq_lens, self.decode_block_tables, self.block_size, window, kv_heads
             )
-            self._decode_views[window] = view
+            self._decode_views[key] = view
         return view
 
-    def prefill_view(self, index: int, window: Window) -> PrefillKeys:
+    def prefill_view(self, index: int, window: Window, kv_heads: int) -> PrefillKeys:
         """Keys of prefill chunk ``index`` for a layer with this sliding window (cached)."""
-        key = (index, window)
+        key = (index, window, kv_heads)
         view = self._prefill_views.get(key)
         if view is None:
-            view = _prefill_keys(self.prefills[index], self.block_size, window)
+            view = _prefill_keys(self.prefills[index], self.block_size, window, kv_heads)
             self._prefill_views[key] = view
         return view
 
@@ -250,51 +248,50 @@ def _output_order(
     return mx.array(order)
 
 
-def _first_visible(seq_lens: np.ndarray | int, window: Window) -> np.ndarray | int:
-    """First key position the query at ``seq_len - 1`` can see (key > pos - window)."""
+def _first_visible(seq_lens: np.ndarray, window: Window) -> np.ndarray:
+    """First key position visible to the query at ``seq_len - 1`` (key > pos - window)."""
     if window is None:
         return np.zeros_like(seq_lens)
-    return np.maximum(np.asarray(seq_lens) - window, 0)
+    return np.maximum(seq_lens - window, 0)
+
+
+def _pool_rows(
+    tables: np.ndarray, positions: np.ndarray, block_size: int, kv_heads: int
+) -> np.ndarray:
+    """``[..., S]`` positions -> int32 ``[..., Hkv, S]`` pool rows through ``[..., max_blocks]``."""
+    blocks = np.take_along_axis(tables, positions // block_size, axis=-1).astype(np.int64)
+    slots = blocks * block_size + positions % block_size
+    rows = slots[..., None, :] * kv_heads + np.arange(kv_heads)[:, None]
+    return rows.astype(np.int32)
 
 
 def _decode_keys(
-    seq_lens: np.ndarray, tables: np.ndarray, block_size: int, window: Window
+    seq_lens: np.ndarray, tables: np.ndarray, block_size: int, window: Window, kv_heads: int
 ) -> DecodeKeys:
-    # Each sequence reads from the block of its first visible key to the block of its last
-    # key; the batch reads as many blocks as the widest sequence needs.
-    first_block = _first_visible(seq_lens, window) // block_size
-    last_block = (seq_lens - 1) // block_size
-    num_blocks = int((last_block - first_block).max()) + 1
-    cols = first_block[:, None] + np.arange(num_blocks)
-    # Columns past a sequence's last block are padding: clip them into the table; their keys
-    # get positions >= seq_len below and are masked.
-    block_ids = np.take_along_axis(tables, np.minimum(cols, tables.shape[1] - 1), axis=1)
-    key_pos = (cols[:, :, None] * block_size + np.arange(block_size)).reshape(len(seq_lens), -1)
-    written = key_pos < seq_lens[:, None]
-    visible = written & (key_pos >= _first_visible(seq_lens, window)[:, None])
-    num_keys = key_pos.shape[1]
+    # Sequence i reads its visible keys first_i ... seq_len_i - 1, left-aligned; the batch is
+    # as wide as the widest. Padding re-reads position first_i, which is written.
+    first = _first_visible(seq_lens.astype(np.int64), window)
+    count = seq_lens - first
+    num_keys = int(count.max())
+    offsets = np.arange(num_keys)
+    visible = offsets[None, :] < count[:, None]
+    positions = first[:, None] + np.where(visible, offsets[None, :], 0)
     return DecodeKeys(
-        block_ids=mx.array(block_ids.astype(np.int32)),
-        mask=None if visible.all() else mx.array(visible.reshape(-1, 1, 1, num_keys)),
-        written=None if written.all() else mx.array(written.reshape(-1, num_keys, 1, 1)),
+        rows=mx.array(_pool_rows(tables, positions, block_size, kv_heads)),
+        mask=None if visible.all() else mx.array(visible[:, None, None, :]),
     )
 
 
-def _prefill_keys(chunk: PrefillChunk, block_size: int, window: Window) -> PrefillKeys:
-    # Keys before the first query's window can never be seen: skip their blocks.
+def _prefill_keys(
+    chunk: PrefillChunk, block_size: int, window: Window, kv_heads: int
+) -> PrefillKeys:
+    # Keys before the first query's window can never be seen: skip them.
     prefix = chunk.seq_len - chunk.length
-    first_key = int(_first_visible(prefix + 1, window)) // block_size * block_size
-    last_block = (chunk.seq_len - 1) // block_size
-    block_ids = chunk.block_table[first_key // block_size : last_block + 1]
-    num_keys = chunk.seq_len - first_key
+    first_key = int(_first_visible(np.int64(prefix + 1), window))
+    positions = np.arange(first_key, chunk.seq_len)
     mask: mx.array | str = "causal"
     if window is not None and window < chunk.seq_len:
         q_pos = np.arange(prefix, chunk.seq_len)[:, None]
-        k_pos = np.arange(first_key, chunk.seq_len)[None, :]
-        mask = mx.array((k_pos <= q_pos) & (k_pos > q_pos - window))
-    return PrefillKeys(
-        block_ids=mx.array(block_ids.astype(np.int32)),
-        first_key=first_key,
-        num_keys=num_keys,
-        mask=mask,
-    )
+        mask = mx.array((positions[None, :] <= q_pos) & (positions[None, :] > q_pos - window))
+    rows = _pool_rows(chunk.block_table, positions, block_size, kv_heads)
+    return PrefillKeys(rows=mx.array(rows[None]), first_key=first_key, mask=mask)

@@ -1,0 +1,187 @@
+"""Pure-MLX reference paged attention (the oracle every faster kernel is tested against).
+
+Layout (one layer):
+    * ``k_pool``, ``v_pool``: ``[num_blocks * block_size, Hkv, D]``, "slot-major": slot
+      ``block_id * block_size + offset`` holds one token's K (V) for all KV heads. vLLM's block ids
+      index the pool directly.
+    * queries: ``[T, H, 1, D]``, token-major (every scheduled token is its own batch row of
+      length 1); new keys/values: ``[T, Hkv, 1, D]`` or ``[T, Hkv, D]``, already RoPE'd.
+
+The work is grouped so the number of MLX ops per layer does not grow with the number of decode
+requests: all single-token sequences form one batched attention call; each multi-token (prefill
+chunk) sequence gets one call of its own. Keys and values are gathered through the block tables
+row by row (pool row ``slot * Hkv + head``), which lands them directly in SDPA's layout.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from vllm_unified.attention.metadata import AttentionMetadata, Window
+
+# Gather indices are int32 rows of the pool viewed as [slots * Hkv, D].
+_MAX_ROWS = 2**31
+
+
+def write_kv(
+    k_pool: mx.array,
+    v_pool: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    slot_mapping: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """Write each token's K/V into its slot and return the updated pools.
+
+    Args:
+        k_pool, v_pool: ``[num_slots, Hkv, D]`` pools of one layer.
+        keys, values: ``[T, Hkv, D]`` or ``[T, Hkv, 1, D]``; cast to the pool dtype.
+        slot_mapping: int32 ``[T]``, distinct slots in ``[0, num_slots)`` (not bounds-checked:
+            MLX wraps negative indices, so vLLM's padding slot -1 must not reach here).
+
+    Returns:
+        ``(k_pool, v_pool)`` after the write, lazily (nothing is evaluated here).
+
+    Buffer contract: the write is an in-place-able scatter (``pool[slots] = rows``). The Python
+    objects passed in are updated in place (MLX ``__setitem__`` rebinds them to the scatter) and
+    the same objects are returned. When evaluated, MLX reuses ("donates") the old pool buffer for
+    the result instead of copying the whole pool, provided nothing else still refers to the old
+    value: no other MLX array that is an earlier version of the pool, no numpy/torch view of it,
+    no un-evaluated graph that reads it. The caller rebinds, ``k, v = write_kv(k, v, ...)``, and
+    keeps no other reference. If something does keep one, the result is still correct but costs
+    a full copy of the pool per write.
+
+    Raises:
+        ValueError: if shapes disagree.
+    """
+    keys = _token_rows(keys, k_pool, "keys")
+    values = _token_rows(values, v_pool, "values")
+    if slot_mapping.shape != (keys.shape[0],):
+        raise ValueError(f"slot_mapping shape {slot_mapping.shape} != ({keys.shape[0]},)")
+    k_pool[slot_mapping] = keys
+    v_pool[slot_mapping] = values
+    return k_pool, v_pool
+
+
+def _token_rows(rows: mx.array, pool: mx.array, name: str) -> mx.array:
+    """Accept ``[T, Hkv, 1, D]`` (the layer's layout) or ``[T, Hkv, D]``; return the latter."""
+    if rows.ndim == 4 and rows.shape[2] == 1:
+        rows = rows.squeeze(2)
+    if rows.ndim != 3 or rows.shape[1:] != pool.shape[1:]:
+        raise ValueError(f"{name} shape {rows.shape} does not fit pool rows {pool.shape[1:]}")
+    return rows
+
+
+def paged_attention(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> mx.array:
+    """Attention of every scheduled token over its own sequence's keys in the paged pool.
+
+    Each query attends causally to its sequence's keys at positions <= its own (read through the
+    block table); with ``window``, only to keys at positions > its position - window (the
+    convention of ``mlx_lm.models.base.create_causal_mask``). GQA/MQA when H is a multiple of
+    Hkv. The K/V of this step's tokens must already be in the pools (:func:`write_kv`).
+
+    Args:
+        queries: ``[T, H, 1, D]``, RoPE'd, in the pool's dtype (computation stays in it; softmax
+            runs in fp32 inside MLX's SDPA).
+        k_pool, v_pool: ``[num_blocks * block_size, Hkv, D]``.
+        meta: the step's metadata (``meta.num_tokens == T``).
+        scale: multiplier of the scores, usually ``D ** -0.5``.
+        window: sliding-window size in tokens, or ``None`` for full attention.
+
+    Returns:
+        ``[T, H, 1, D]`` in the queries' dtype, rows in token order.
+
+    Raises:
+        ValueError: on shape mismatches, a window < 1, or a pool of more than 2**31 rows
+            (``slots * Hkv``; gather indices are int32).
+    """
+    _check_inputs(queries, k_pool, v_pool, meta, window)
+    if meta.num_tokens == 0:
+        return queries
+    kv_heads = k_pool.shape[1]
+    k_rows, v_rows = _rows_view(k_pool), _rows_view(v_pool)
+    outputs = []
+    if meta.decode_rows is not None:
+        outputs.append(_decode_attention(queries, k_rows, v_rows, meta, scale, window, kv_heads))
+    for index in range(len(meta.prefills)):
+        outputs.append(
+            _prefill_attention(queries, k_rows, v_rows, meta, index, scale, window, kv_heads)
+        )
+    out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+    return out if meta.output_order is None else out[meta.output_order]
+
+
+def _check_inputs(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    meta: AttentionMetadata,
+    window: Window,
+) -> None:
+    if queries.ndim != 4 or queries.shape[0] != meta.num_tokens or queries.shape[2] != 1:
+        raise ValueError(f"queries must be [{meta.num_tokens}, H, 1, D], got {queries.shape}")
+    if k_pool.shape != v_pool.shape or k_pool.ndim != 3:
+        raise ValueError(f"pools must both be [slots, Hkv, D], got {k_pool.shape}, {v_pool.shape}")
+    heads, kv_heads = queries.shape[1], k_pool.shape[1]
+    if queries.shape[3] != k_pool.shape[2] or heads % kv_heads:
+        raise ValueError(f"queries {queries.shape} do not fit pool rows {k_pool.shape[1:]}")
+    if k_pool.shape[0] % meta.block_size:
+        raise ValueError(f"{k_pool.shape[0]} slots is not a multiple of {meta.block_size}")
+    if k_pool.shape[0] * kv_heads > _MAX_ROWS:
+        raise ValueError(f"{k_pool.shape[0]} slots x {kv_heads} heads overflow int32 row indices")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+
+
+def _rows_view(pool: mx.array) -> mx.array:
+    """``[slots, Hkv, D]`` -> ``[slots * Hkv, D]`` (a reshape, no copy): one row per slot and head.
+
+    Gathering rows ``slot * Hkv + head`` puts keys straight into SDPA's ``[B, Hkv, S, D]`` layout
+    in one pass; gathering whole blocks would leave ``[B, S, Hkv, D]`` and need a transposing
+    copy (SDPA on a transposed view was several times slower on CPU).
+    """
+    return pool.reshape(-1, pool.shape[-1])
+
+
+def _decode_attention(
+    queries: mx.array,
+    k_rows: mx.array,
+    v_rows: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    window: Window,
+    kv_heads: int,
+) -> mx.array:
+    """One SDPA over all single-token sequences: ``[Bd, H, 1, D]`` against ``[Bd, Hkv, S, D]``."""
+    view = meta.decode_view(window, kv_heads)
+    q = queries[meta.decode_rows]
+    return mx.fast.scaled_dot_product_attention(
+        q, k_rows[view.rows], v_rows[view.rows], scale=scale, mask=view.mask
+    )
+
+
+def _prefill_attention(
+    queries: mx.array,
+    k_rows: mx.array,
+    v_rows: mx.array,
+    meta: AttentionMetadata,
+    index: int,
+    scale: float,
+    window: Window,
+    kv_heads: int,
+) -> mx.array:
+    """One chunk: ``[1, H, L, D]`` queries against its context ``[1, Hkv, S, D]``, causal."""
+    chunk = meta.prefills[index]
+    view = meta.prefill_view(index, window, kv_heads)
+    # [L, H, 1, D] rows -> [1, H, L, D]: the chunk becomes one sequence of length L.
+    q = queries[chunk.start : chunk.start + chunk.length].transpose(2, 1, 0, 3)
+    out = mx.fast.scaled_dot_product_attention(
+        q, k_rows[view.rows], v_rows[view.rows], scale=scale, mask=view.mask
+    )
+    return out.transpose(2, 1, 0, 3)
