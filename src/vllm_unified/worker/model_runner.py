@@ -28,6 +28,7 @@ from vllm_unified.compat import (
     VllmConfig,
     init_logger,
 )
+from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.loader import LoadedModel, load_model
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
 from vllm_unified.worker.input_batch import InputBatch, RequestState
@@ -273,5 +274,7 @@ def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
 
 
 def _checkpoint_path(path: str, model_config: Any) -> str:
-    """The file or folder to load: vLLM passes a GGUF model as the file path itself."""
-    return path
+    """The file or folder to load: the linked GGUF of a folder made by ``prepare_gguf_dir``,
+    else the checkpoint folder itself."""
+    gguf = gguf_in_dir(path)
+    return str(gguf) if gguf is not None else path

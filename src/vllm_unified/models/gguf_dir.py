@@ -1,0 +1,85 @@
+"""Serve a GGUF file through vLLM 0.32, which no longer reads GGUF itself.
+
+vLLM's front end needs an HF-style model folder (``config.json``, tokenizer files) to build its
+config and tokenizer. :func:`prepare_gguf_dir` derives that folder from the GGUF once, with
+transformers' GGUF reader (config, tokenizer and chat template come out of the file's metadata),
+and links the GGUF into it; our worker then loads the weights from the linked file with MLX
+(:mod:`vllm_unified.models.loader`). Nothing is dequantized or copied here.
+
+``vllm serve FILE.gguf`` does this transparently (see :mod:`vllm_unified.cli`); from Python call
+:func:`prepare_gguf_dir` and pass the folder to ``LLM(model=...)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+#: Name of the link to the GGUF inside a prepared folder.
+GGUF_LINK = "model.gguf"
+_STAMP = "vllm_unified_gguf.json"
+
+
+def default_cache_root() -> Path:
+    """``$VLLM_UNIFIED_CACHE`` or ``~/.cache/vllm-unified``."""
+    root = os.environ.get("VLLM_UNIFIED_CACHE") or Path.home() / ".cache" / "vllm-unified"
+    return Path(root)
+
+
+def _source_stamp(gguf: Path) -> dict:
+    st = gguf.stat()
+    return {"source": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": 1}
+
+
+def prepare_gguf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
+    """Make (or reuse) an HF-style folder that serves ``gguf_path``.
+
+    Args:
+        gguf_path: a ``.gguf`` file.
+        out_dir: where to write; default ``<cache root>/gguf/<file stem>-<hash of its path>``.
+
+    Returns:
+        The folder: ``config.json``, tokenizer files (with the GGUF's chat template, if any) and
+        ``model.gguf`` linking to the source file. Reused as long as the source's size and
+        modification time are unchanged.
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` is not a file.
+        ValueError: transformers cannot read the GGUF's architecture.
+    """
+    gguf = Path(gguf_path).resolve()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf}")
+    if out_dir is None:
+        digest = hashlib.sha256(str(gguf).encode()).hexdigest()[:12]
+        out_dir = default_cache_root() / "gguf" / f"{gguf.stem}-{digest}"
+    out = Path(out_dir)
+    stamp = _source_stamp(gguf)
+    stamp_file = out / _STAMP
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        return out
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"{gguf.name}: transformers cannot read this GGUF ({err})") from err
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    link = out / GGUF_LINK
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(gguf)
+    stamp_file.write_text(json.dumps(stamp))
+    return out
+
+
+def gguf_in_dir(folder: str | os.PathLike) -> Path | None:
+    """The GGUF a prepared folder serves, or None for an ordinary checkpoint folder."""
+    link = Path(folder) / GGUF_LINK
+    return link.resolve() if link.exists() else None
