@@ -27,7 +27,10 @@ def default_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def default_model() -> str:
-    return default_model_path()
+    """The default model as vLLM serves it: the folder prepared from its GGUF."""
+    from vllm_unified.models.gguf_dir import prepare_gguf_dir
+
+    return str(prepare_gguf_dir(default_model_path()))
 
 
 def run_llm(

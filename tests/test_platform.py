@@ -86,7 +86,7 @@ def test_config_policy(default_model):
 @pytest.mark.parametrize(
     ("kwargs", "flag"),
     [
-        ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+        ({"tensor_parallel_size": 3}, "--tensor-parallel-size"),
         ({"block_size": 24}, "--block-size"),
         ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype"),
     ],
