@@ -62,3 +62,27 @@ def run_llm(
     result = json.loads(out_path.read_text())
     result["log"] = proc.stdout + proc.stderr
     return result
+
+
+@pytest.fixture(scope="session")
+def default_model_reference(tmp_path_factory) -> str:
+    """The default model's weights for vLLM's native backend: transformers dequantizes the GGUF
+    to fp32 and saves an HF safetensors folder (vLLM 0.32 reads no GGUF)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(default_model_path())
+    out = tmp_path_factory.mktemp("smollm2-fp32")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """A tiny random-weight fp32 Llama checkpoint folder (HF safetensors + tokenizer)."""
+    from tiny_models import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama"))

@@ -49,6 +49,7 @@ class RunnerStats:
     """Counters for logs and tests (e.g. "one forward per step")."""
 
     steps: int = 0
+    empty_steps: int = 0
     forwards: int = 0
     tokens: int = 0
     sampled: int = 0
@@ -176,6 +177,7 @@ class MLXModelRunner:
             self.pool.zero_blocks(list(out.new_block_ids_to_zero))
         self.stats.steps += 1
         if out.total_num_scheduled_tokens == 0:
+            self.stats.empty_steps += 1
             return EMPTY_MODEL_RUNNER_OUTPUT
 
         step = self.batch.layout(out)
