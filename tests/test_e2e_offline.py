@@ -117,7 +117,7 @@ def test_chunked_prefill_and_in_place_kv_writes(default_model, tmp_path):
     step; the KV pool's buffers never move (writes are in place)."""
     words = ("The quick brown fox jumps over the lazy dog while the curious cat watches "
              "from the warm windowsill and counts the passing clouds. ")
-    prompt = words * 70
+    prompt = words * 60
     request = {"prompt": prompt, "params": {"temperature": 0.0, "max_tokens": 16}}
     outs = {}
     for budget in (256, 2048):
