@@ -66,31 +66,11 @@ def run_llm(
 
 @pytest.fixture(scope="session")
 def default_model_reference(tmp_path_factory) -> str:
-    """The default model's weights for vLLM's native backend: transformers dequantizes the GGUF
-    to fp32 and saves an HF safetensors folder (vLLM 0.32 reads no GGUF)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The default model's weights for vLLM's native backend: the GGUF dequantized to fp32
+    safetensors by transformers (vLLM 0.32 reads no GGUF)."""
+    from vllm_unified.models.gguf_dir import export_dequantized
 
-    gguf = Path(default_model_path())
-    out = tmp_path_factory.mktemp("smollm2-fp32")
-    from safetensors.torch import save_file
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    # transformers refuses save_pretrained for GGUF-quantized models: write the dequantized
-    # weights (tied embeddings under the embedding's name) and a config without the GGUF
-    # quantization entry ourselves.
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"))
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["dtype"] = "float32"
-    config["architectures"] = [type(model).__name__]
-    (out / "config.json").write_text(json.dumps(config))
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    return str(out)
+    return str(export_dequantized(default_model_path(), tmp_path_factory.mktemp("smollm2-fp32")))
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,9 @@ def _source_stamp(gguf: Path) -> dict:
     return {"source": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": 1}
 
 
-def prepare_gguf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
+def prepare_gguf_dir(
+    gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None
+) -> Path:
     """Make (or reuse) an HF-style folder that serves ``gguf_path``.
 
     Args:
@@ -83,3 +85,38 @@ def gguf_in_dir(folder: str | os.PathLike) -> Path | None:
     """The GGUF a prepared folder serves, or None for an ordinary checkpoint folder."""
     link = Path(folder) / GGUF_LINK
     return link.resolve() if link.exists() else None
+
+
+def export_dequantized(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write the GGUF's weights as an fp32 HF safetensors folder (transformers dequantizes).
+
+    Meant for comparisons with backends that read no GGUF, e.g. vLLM's native CPU backend as
+    the reference of our differential tests and benchmarks. Tied embeddings are stored under
+    the embedding's name only, as HF checkpoints do.
+
+    Returns:
+        ``out_dir`` with ``config.json`` (``dtype`` float32, no GGUF quantization entry),
+        ``model.safetensors`` and the tokenizer files. Reused if already complete.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf_path).resolve()
+    out = Path(out_dir)
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # transformers marks GGUF loads as quantized
+    config["dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(out / "model.safetensors"))  # last: marks the folder complete
+    return out
