@@ -65,22 +65,22 @@ def sample(logits: mx.array, rows: list[SamplingRow]) -> mx.array:
     temps = mx.array([r.temperature if not r.greedy else 1.0 for r in rows], dtype=mx.float32)
     scaled = logits / temps[:, None]
     if any(r.min_p > SAMPLING_EPS for r in rows):
-        scaled = _apply_min_p(scaled, mx.array([r.min_p for r in rows], dtype=mx.float32))
+        scaled = apply_min_p(scaled, mx.array([r.min_p for r in rows], dtype=mx.float32))
     if any(0 < r.top_k < logits.shape[-1] or r.top_p < 1.0 - SAMPLING_EPS for r in rows):
-        scaled = _apply_top_k_top_p(scaled, rows)
+        scaled = apply_top_k_top_p(scaled, rows)
     probs = mx.softmax(scaled, axis=-1)
     random_ids = mx.argmax(probs / _exponential_noise(rows, logits.shape[-1]), axis=-1)
     is_greedy = mx.array([r.greedy for r in rows])
     return mx.where(is_greedy, greedy_ids, random_ids.astype(mx.int32))
 
 
-def _apply_min_p(logits: mx.array, min_p: mx.array) -> mx.array:
+def apply_min_p(logits: mx.array, min_p: mx.array) -> mx.array:
     probs = mx.softmax(logits, axis=-1)
     threshold = probs.max(axis=-1, keepdims=True) * min_p[:, None]
     return mx.where(probs < threshold, -mx.inf, logits)
 
 
-def _apply_top_k_top_p(logits: mx.array, rows: list[SamplingRow]) -> mx.array:
+def apply_top_k_top_p(logits: mx.array, rows: list[SamplingRow]) -> mx.array:
     """vLLM's ``apply_top_k_top_p``: sort ascending; top-k keeps values >= the k-th largest
     (ties kept); top-p drops the low tail whose cumulative mass is <= 1 - p, keeping at least
     the largest token. Masked entries become -inf."""
