@@ -11,7 +11,6 @@ import random
 
 import numpy as np
 import pytest
-
 from conftest import run_llm
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from conftest import default_model_path
 
 pytestmark = pytest.mark.slow
@@ -170,4 +169,5 @@ def test_bad_request_gets_400_naming_field(server):
     r = requests.post(f"{server}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400
     assert "logit_bias" in r.text
-    assert _complete(server, "The capital of France is", max_tokens=10)["choices"][0]["text"] == PARIS
+    still = _complete(server, "The capital of France is", max_tokens=10)
+    assert still["choices"][0]["text"] == PARIS
