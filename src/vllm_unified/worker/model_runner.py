@@ -101,8 +101,10 @@ class MLXModelRunner:
     def _window(self, i: int) -> int | None:
         """Sliding window of layer ``i`` (tokens), None for full attention."""
         layer = self.model.layers[i]
-        if getattr(layer, "use_sliding", False) or getattr(layer, "is_sliding", False):
-            return int(self.loaded.config.get("sliding_window"))
+        # mlx-lm marks it on the block (llama: use_sliding) or on the attention (gemma3).
+        attn = getattr(layer, "self_attn", None)
+        if getattr(layer, "use_sliding", False) or getattr(attn, "is_sliding", False):
+            return int(self.loaded.config["sliding_window"])
         return None
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
