@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
-
 from conftest import run_llm
+from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import make_tiny_checkpoint
+
 from vllm_unified.models.loader import load_model
 
 pytestmark = pytest.mark.slow
