@@ -89,3 +89,28 @@ def test_outside_reference_forces_a_copy_the_guard_would_see():
     _step(model, pool, caches, [8], [8], np.array([[3]], dtype=np.int32))
     assert pool.data_ptrs() != ptrs
     del held
+
+
+def test_pool_pages_committed_only_when_written():
+    """Start-up RSS does not grow with the pool: the zero fill's pages are handed back, and a
+    written block commits only its own pages."""
+    import psutil
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    pool = KVPool(ARGS.num_hidden_layers, (2 * 2**30) // (SLOT_BYTES * BLOCK), BLOCK,
+                  ARGS.num_key_value_heads, ARGS.head_dim, mx.float32)
+    grown = proc.memory_info().rss - before
+    assert pool.nbytes >= 2 * 2**30 - 2**20
+    assert pool.released_bytes >= pool.nbytes - 16 * 2**20
+    assert grown < 128 * 2**20, f"a 2 GiB pool made RSS grow by {grown / 2**20:.0f} MiB"
+    model = _model()
+    caches = [PagedLayerCache(pool, i) for i in range(ARGS.num_hidden_layers)]
+    ptrs = pool.data_ptrs()
+    logits = _step(model, pool, caches, [32], [32], np.array([[5, 9000]], dtype=np.int32))
+    assert pool.data_ptrs() == ptrs
+    assert np.isfinite(np.array(logits)).all()
+    # the written rows hold K/V, everything else still reads as zeros
+    k0 = np.array(pool.k[0][5 * BLOCK:5 * BLOCK + 16])
+    assert np.abs(k0).sum() > 0
+    assert not np.array(pool.k[0][100 * BLOCK:101 * BLOCK]).any()

@@ -17,6 +17,9 @@ cache it calls mlx-lm's original function, so plain mlx-lm use in the same proce
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,42 @@ from vllm_unified.attention.metadata import AttentionMetadata
 from vllm_unified.attention.paged import paged_attention, write_kv
 
 _original_sdpa = mlx_base.scaled_dot_product_attention
+
+
+_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+
+
+def release_zero_pages(arr: mx.array) -> int:
+    """Return the whole pages inside a freshly zeroed, evaluated MLX array to the OS.
+
+    Linux only (elsewhere returns 0): ``madvise(MADV_DONTNEED)`` on private anonymous memory
+    makes the next read of a page see zeros and the next write commit a fresh page, so the
+    array's contents are unchanged (it must hold zeros) while its resident size drops to the
+    partial pages at its ends. The buffer and its address stay the same, so MLX keeps writing
+    into it in place. Measured in the zero-copy spike (notes/zero-copy-spike.md, "No-native
+    fallback").
+
+    Returns:
+        Bytes released.
+
+    Raises:
+        OSError: ``madvise`` failed.
+    """
+    if not sys.platform.startswith("linux") or arr.nbytes < 2 * mmap.PAGESIZE:
+        return 0
+    view = arr.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32}[arr.dtype.size])
+    start = int(np.asarray(view).ctypes.data)
+    del view
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + arr.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_DONTNEED) on the KV pool failed: {os.strerror(err)}")
+    return last - first
 
 
 class KVPool:
@@ -47,9 +86,18 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k: list[mx.array] = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v: list[mx.array] = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        mx.eval(self.k, self.v)
+        self.k: list[mx.array] = []
+        self.v: list[mx.array] = []
+        self.released_bytes = 0
+        # One array at a time: MLX's zero fill commits every page it writes, so hand the pages
+        # back before allocating the next one. Start-up RSS then stays flat whatever the pool
+        # size, and pages are committed again as blocks are first written.
+        for _ in range(num_layers):
+            for arrays in (self.k, self.v):
+                arr = mx.zeros(shape, dtype=dtype)
+                mx.eval(arr)
+                self.released_bytes += release_zero_pages(arr)
+                arrays.append(arr)
         self.meta: AttentionMetadata | None = None
 
     @property
