@@ -62,7 +62,6 @@ class MLXPlatform(Platform):
     dist_backend: str = "gloo"
     device_control_env_var: str = "VLLM_UNIFIED_VISIBLE_DEVICES"
     simple_compile_backend: str = "eager"
-    supported_quantization: list[str] = ["gguf"]
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:

@@ -8,7 +8,7 @@ whether it was resumed after preemption. This module folds those messages into
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,7 +36,6 @@ class RequestState:
     num_computed_tokens: int
     sampling_params: object
     rng_key: object | None = None
-    num_steps: int = field(default=0)
 
     @property
     def num_output_tokens(self) -> int:

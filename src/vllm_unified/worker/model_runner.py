@@ -80,7 +80,7 @@ class MLXModelRunner:
         hf_config = self.model_config.hf_config.to_dict()
         path = self.model_config.model
         self.loaded = load_model(
-            _checkpoint_path(path, self.model_config), hf_config=hf_config, dtype=self.dtype,
+            _checkpoint_path(path), hf_config=hf_config, dtype=self.dtype,
             keep_quantized=self.keep_quantized,
         )
         self.model = self.loaded.model
@@ -277,7 +277,7 @@ def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
     return model.model.embed_tokens.as_linear(hidden)
 
 
-def _checkpoint_path(path: str, model_config: Any) -> str:
+def _checkpoint_path(path: str) -> str:
     """The file or folder to load: the linked GGUF of a folder made by ``prepare_gguf_dir``,
     else the checkpoint folder itself."""
     gguf = gguf_in_dir(path)

@@ -117,11 +117,6 @@ class MLXWorker(WorkerBase):
         logger.info("vllm-unified: warm-up forward took %.2f s", seconds)
         return CompilationTimes(language_model=seconds, encoder=0.0)
 
-    def get_supported_kv_cache_layouts(self) -> list[str]:
-        # The pool is our own MLX layout; tell vLLM the layout its CPU path would use so the
-        # engine-level negotiation is satisfied.
-        return super().get_supported_kv_cache_layouts()
-
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
