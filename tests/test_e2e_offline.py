@@ -154,3 +154,21 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(default_model, tmp_
     assert a == b
     assert a != c
     assert len(np.unique([str(o["completions"][0]["token_ids"]) for o in batched["outputs"]])) > 1
+
+
+def test_preemption_and_resume_do_not_change_outputs(tiny_llama, tmp_path):
+    """With too few KV blocks for all requests, vLLM preempts and later resumes some; the
+    runner must pick them up from the scheduler's token list and produce the same tokens."""
+    prompts = _prompts(8, [60] * 8, vocab=49152, seed=5)
+    requests = [{"prompt_token_ids": p, "params": _greedy(48)} for p in prompts]
+    ample = run_llm({"model": tiny_llama, "engine": _engine(dtype="float32", max_model_len=128),
+                     "requests": requests}, tmp_path)
+    tight = run_llm({"model": tiny_llama,
+                     "engine": {**_engine(dtype="float32", max_model_len=128),
+                                "num_gpu_blocks_override": 16},
+                     "requests": requests, "rpc": ["runner_stats"]}, tmp_path)
+    stats = tight["rpc_after"]["runner_stats"]
+    assert stats["resumed"] > 0, "no request was preempted: the test did not exercise resume"
+    assert stats["live_requests"] == 0, "finished requests left state behind"
+    for a, b in zip(ample["outputs"], tight["outputs"], strict=True):
+        assert a["completions"][0]["token_ids"] == b["completions"][0]["token_ids"]

@@ -70,6 +70,8 @@ class InputBatch:
 
     def __init__(self) -> None:
         self.requests: dict[str, RequestState] = {}
+        #: requests resumed after preemption (for logs and tests)
+        self.num_resumed = 0
 
     def update(self, out: SchedulerOutput, new_state) -> None:
         """Apply one ``SchedulerOutput`` to the request states.
@@ -103,6 +105,7 @@ class InputBatch:
                 del state.token_ids[state.num_prompt_tokens + num_output:]
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                self.num_resumed += 1
                 if new_blocks is None:
                     raise RuntimeError(f"resumed request {req_id!r} came without block ids")
                 state.block_ids = list(new_blocks[0])

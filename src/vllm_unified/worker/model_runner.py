@@ -220,7 +220,8 @@ class MLXModelRunner:
         return forward(self.model, self.layer_caches, input_ids, sample_rows)
 
     def stats_dict(self) -> dict:
-        return asdict(self.stats)
+        return {**asdict(self.stats), "resumed": self.batch.num_resumed,
+                "live_requests": len(self.batch.requests)}
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         state = self.batch.requests[req_id]
