@@ -40,7 +40,7 @@ _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 def release_zero_pages(arr: mx.array) -> int:
     """Return the whole pages inside a freshly zeroed, evaluated MLX array to the OS.
 
-    Linux only (elsewhere returns 0): ``madvise(MADV_DONTNEED)`` on private anonymous memory
+    Linux and MLX's CPU backend only (elsewhere returns 0): ``madvise(MADV_DONTNEED)`` on private anonymous memory
     makes the next read of a page see zeros and the next write commit a fresh page, so the
     array's contents are unchanged (it must hold zeros) while its resident size drops to the
     partial pages at its ends. The buffer and its address stay the same, so MLX keeps writing
@@ -53,7 +53,10 @@ def release_zero_pages(arr: mx.array) -> int:
     Raises:
         OSError: ``madvise`` failed.
     """
-    if not sys.platform.startswith("linux") or arr.nbytes < 2 * mmap.PAGESIZE:
+    # Only MLX's CPU backend keeps arrays in ordinary malloc'd host memory; Metal and CUDA
+    # buffers belong to their drivers.
+    on_cpu = mx.default_device() == mx.cpu
+    if not (sys.platform.startswith("linux") and on_cpu) or arr.nbytes < 2 * mmap.PAGESIZE:
         return 0
     view = arr.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32}[arr.dtype.size])
     start = int(np.asarray(view).ctypes.data)
