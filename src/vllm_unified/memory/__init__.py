@@ -1,0 +1,1 @@
+"""Memory policy on unified memory: the KV budget, activation profiling, wired weights."""
