@@ -40,12 +40,12 @@ _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 def release_zero_pages(arr: mx.array) -> int:
     """Return the whole pages inside a freshly zeroed, evaluated MLX array to the OS.
 
-    Linux and MLX's CPU backend only (elsewhere returns 0): ``madvise(MADV_DONTNEED)`` on
-    private anonymous memory makes the next read of a page see zeros and the next write commit a
-    fresh page, so the array's contents are unchanged (it must hold zeros) while its resident size drops to the
-    partial pages at its ends. The buffer and its address stay the same, so MLX keeps writing
-    into it in place. Measured in the zero-copy spike (notes/zero-copy-spike.md, "No-native
-    fallback").
+    Linux and MLX's CPU backend only (elsewhere returns 0). ``madvise(MADV_DONTNEED)`` on
+    private anonymous memory makes the next read of a page see zeros and the next write commit
+    a fresh page, so the contents are unchanged (the array must hold zeros) while its resident
+    size drops to the partial pages at its ends. The buffer and its address stay the same, so
+    MLX keeps writing into it in place. Measured in the zero-copy spike
+    (notes/zero-copy-spike.md, "No-native fallback").
 
     Returns:
         Bytes released.
