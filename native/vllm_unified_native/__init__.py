@@ -1,0 +1,24 @@
+"""Native half of :mod:`vllm_unified.bridge`: adopt foreign memory into MLX, write rows in place.
+
+Use :mod:`vllm_unified.bridge` rather than this module directly. Importing it imports
+``mlx.core`` first (the extension's ``mx.array``/``mx.Dtype`` arguments are mlx.core's own
+nanobind types) and checks that the running MLX is exactly the one the extension was compiled
+against, since the extension inlines MLX's array layout from its headers.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import mlx.core  # noqa: F401  (registers the types the extension's signatures use)
+
+from ._native import MLX_VERSION, NANOBIND_VERSION, adopt, info, to_torch, write_rows
+
+_running = importlib.metadata.version("mlx")
+if _running != MLX_VERSION:
+    raise ImportError(
+        f"vllm_unified_native was built against MLX {MLX_VERSION} but MLX {_running} is "
+        "installed; rebuild it (scripts/setup.sh, or pip install --no-build-isolation ./native)"
+    )
+
+__all__ = ["MLX_VERSION", "NANOBIND_VERSION", "adopt", "info", "to_torch", "write_rows"]
