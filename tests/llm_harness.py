@@ -7,6 +7,7 @@ reference of the differential tests).
 Usage: ``python tests/llm_harness.py SPEC.json OUT.json`` where SPEC holds
 ``{"model": str, "engine": {LLM kwargs}, "requests": [{"prompt" | "prompt_token_ids", "params":
 {SamplingParams kwargs}}], "rpc": [worker method names called before and after generation]}``.
+Logprobs come back as ``[token_id, logprob, rank]`` lists, most likely first.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main(spec_path: str, out_path: str) -> None:
             prompts.append({"prompt_token_ids": req["prompt_token_ids"]})
         else:
             prompts.append(req["prompt"])
-        params.append(SamplingParams(**req.get("params", {})))
+        params.append(SamplingParams(**_params(req.get("params", {}))))
     results = llm.generate(prompts, params, use_tqdm=False)
     outputs = []
     for res in results:
@@ -38,15 +39,16 @@ def main(spec_path: str, out_path: str) -> None:
         for c in res.outputs:
             logprobs = None
             if c.logprobs is not None:
-                logprobs = [
-                    sorted(((int(t), float(lp.logprob)) for t, lp in step.items()),
-                           key=lambda x: -x[1])
-                    for step in c.logprobs
-                ]
+                logprobs = [_sorted_logprobs(step) for step in c.logprobs]
             completions.append({"token_ids": list(c.token_ids), "text": c.text,
-                                "logprobs": logprobs})
+                                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        prompt_logprobs = None
+        if res.prompt_logprobs is not None:
+            prompt_logprobs = [_sorted_logprobs(step) if step is not None else None
+                               for step in res.prompt_logprobs]
         outputs.append({"prompt_token_ids": list(res.prompt_token_ids or []),
-                        "completions": completions})
+                        "completions": completions, "prompt_logprobs": prompt_logprobs})
     after = {name: llm.collective_rpc(name)[0] for name in rpc}
     out = {
         "platform": f"{type(current_platform).__module__}.{type(current_platform).__name__}",
@@ -56,6 +58,25 @@ def main(spec_path: str, out_path: str) -> None:
     }
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f)
+
+
+def _params(p: dict) -> dict:
+    """JSON -> ``SamplingParams`` kwargs: int keys of ``logit_bias``, ``structured_outputs``
+    as vLLM's ``StructuredOutputsParams``."""
+    p = dict(p)
+    if p.get("logit_bias") is not None:
+        p["logit_bias"] = {int(k): float(v) for k, v in p["logit_bias"].items()}
+    if p.get("structured_outputs") is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        p["structured_outputs"] = StructuredOutputsParams(**p["structured_outputs"])
+    return p
+
+
+def _sorted_logprobs(step) -> list[tuple[int, float, int]]:
+    """One position's logprobs as ``(token_id, logprob, rank)``, most likely first."""
+    return sorted(((int(t), float(lp.logprob), int(lp.rank)) for t, lp in step.items()),
+                  key=lambda x: -x[1])
 
 
 if __name__ == "__main__":

@@ -99,12 +99,9 @@ def test_config_rejections_name_the_flag(default_model, kwargs, flag):
 @pytest.mark.parametrize(
     ("params", "field"),
     [
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"logprobs": 2}, "logprobs"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"logit_bias": {1: 2.0}}, "logit_bias"),
-        ({"min_tokens": 3}, "min_tokens"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"extra_args": {"my_processor": 1}}, "extra_args"),
+        ({"thinking_token_budget": 16}, "thinking_token_budget"),
+        ({"logprob_token_ids": [3, 4]}, "logprob_token_ids"),
     ],
 )
 def test_unsupported_sampling_rejected_with_field(params, field):
@@ -120,10 +117,18 @@ def test_unsupported_sampling_rejected_with_field(params, field):
 
 
 def test_supported_sampling_accepted():
-    from vllm.sampling_params import SamplingParams
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     from vllm_unified.platform import MLXPlatform
 
-    for params in ({"temperature": 0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20,
-                                        "min_p": 0.05, "seed": 3, "n": 2, "stop": ["."]}):
+    for params in (
+        {"temperature": 0},
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 3, "n": 2,
+         "stop": ["."], "stop_token_ids": [5], "ignore_eos": True, "max_tokens": 7},
+        {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2},
+        {"logprobs": 2, "prompt_logprobs": 1},
+        {"logit_bias": {1: 2.0}, "allowed_token_ids": [1, 2, 3], "bad_words": ["no"],
+         "min_tokens": 3},
+        {"structured_outputs": StructuredOutputsParams(choice=["a", "b"])},
+    ):
         MLXPlatform.validate_request({"prompt_token_ids": [1, 2]}, SamplingParams(**params))

@@ -36,6 +36,18 @@ _LAZY: dict[str, str] = {
     "CompilationTimes": "vllm.v1.worker.worker_base",
     "WorkerBase": "vllm.v1.worker.worker_base",
     "AttentionBackendEnum": "vllm.v1.attention.backends.registry",
+    # Sampling through vLLM's own sampler, logits processors and structured-output bitmask.
+    "GrammarOutput": "vllm.v1.core.sched.output",
+    "LogprobsLists": "vllm.v1.outputs",
+    "LogprobsTensors": "vllm.v1.outputs",
+    "SamplerOutput": "vllm.v1.outputs",
+    "Sampler": "vllm.v1.sample.sampler",
+    "SamplingMetadata": "vllm.v1.sample.metadata",
+    "BUILTIN_LOGITS_PROCESSORS": "vllm.v1.sample.logits_processor",
+    "BatchUpdate": "vllm.v1.sample.logits_processor",
+    "LogitsProcessors": "vllm.v1.sample.logits_processor",
+    "build_logitsprocs": "vllm.v1.sample.logits_processor",
+    "apply_grammar_bitmask": "vllm.v1.structured_output.utils",
 }
 
 
@@ -63,7 +75,18 @@ def init_logger(name: str):
 
 __all__ = [  # noqa: F822 (lazy names resolve through __getattr__)
     "AttentionBackendEnum",
+    "BUILTIN_LOGITS_PROCESSORS",
+    "BatchUpdate",
     "EMPTY_MODEL_RUNNER_OUTPUT",
+    "GrammarOutput",
+    "LogitsProcessors",
+    "LogprobsLists",
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "apply_grammar_bitmask",
+    "build_logitsprocs",
     "SAMPLING_EPS",
     "VLLM_SERIES",
     "CachedRequestData",

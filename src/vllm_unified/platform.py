@@ -19,7 +19,7 @@ import torch
 
 from vllm_unified import compat
 from vllm_unified.backend import detect_backend
-from vllm_unified.compat import SAMPLING_EPS, Platform, PlatformEnum, init_logger
+from vllm_unified.compat import Platform, PlatformEnum, init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -254,21 +254,20 @@ class MLXPlatform(Platform):
 
 
 def _unsupported_sampling(p: Any) -> dict[str, bool]:
-    """Which set sampling fields the MLX sampler does not implement (field -> is it set)."""
+    """Which set sampling fields the runner does not implement (field -> is it set).
+
+    Everything else of ``SamplingParams`` is honoured: greedy/temperature/top-k/top-p/min-p/seed
+    in MLX; penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``, ``min_tokens``,
+    ``logprobs``, ``prompt_logprobs`` and structured output through vLLM's own sampler
+    (:mod:`vllm_unified.worker.vllm_sampling`); ``n``, stop strings/ids, ``ignore_eos``,
+    ``max_tokens`` in vLLM's front end and scheduler.
+    """
     return {
-        "presence_penalty": abs(p.presence_penalty) > SAMPLING_EPS,
-        "frequency_penalty": abs(p.frequency_penalty) > SAMPLING_EPS,
-        "repetition_penalty": abs(p.repetition_penalty - 1.0) > SAMPLING_EPS,
-        "logprobs": p.logprobs is not None,
-        "prompt_logprobs": p.prompt_logprobs is not None,
-        "logit_bias": bool(p.logit_bias),
-        "allowed_token_ids": bool(p.allowed_token_ids),
-        "bad_words": bool(p.bad_words),
-        "min_tokens": p.min_tokens > 0,
-        "structured_outputs": p.structured_outputs is not None,
-        "logits_processors": bool(getattr(p, "logits_processors", None)),
+        # Per-request arguments for custom logits processors; none are wired to requests.
         "extra_args": bool(p.extra_args),
+        "logits_processors": bool(getattr(p, "logits_processors", None)),
         "thinking_token_budget": p.thinking_token_budget is not None,
+        # The sample-side half would work through vLLM's sampler, but not its prompt-side
+        # counterpart (prompt_token_id_logprobs_dict): reject the pair until both are done.
         "logprob_token_ids": bool(p.logprob_token_ids),
     }
-

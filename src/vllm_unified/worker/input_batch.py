@@ -8,7 +8,7 @@ whether it was resumed after preemption. This module folds those messages into
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,7 +26,20 @@ class RequestState:
         block_ids: KV block ids (one KV cache group), in sequence order.
         num_computed_tokens: tokens whose K/V are in the pool (from the scheduler).
         sampling_params: vLLM ``SamplingParams``.
-        rng_key: MLX PRNG key of a seeded request (split once per sampled token), else None.
+        rng_key: MLX PRNG key of a seeded request sampled in MLX (split once per sampled
+            token), else None.
+        uses_vllm_sampler: sampled by vLLM's own ``Sampler`` (penalties, logit bias, bad
+            words, allowed token ids, min tokens, logprobs, structured output) rather than by
+            the MLX sampler; fixed for the request's lifetime so a seeded request always draws
+            from the same generator.
+        generator: torch generator of a seeded request sampled by vLLM's ``Sampler``; it
+            persists across steps (and preemption), as in vLLM's GPU runner.
+        output_token_ids: the output part of ``token_ids``, as its own list that is only ever
+            mutated in place: vLLM's logits processors (min tokens) and penalties keep a
+            reference to it.
+        num_prompt_logprobs: top-N of the request's prompt logprobs still to compute (the
+            vocabulary size for -1), None when not asked or done.
+        prompt_logprobs: the prompt logprobs filled chunk by chunk (vLLM ``LogprobsTensors``).
     """
 
     req_id: str
@@ -36,10 +49,35 @@ class RequestState:
     num_computed_tokens: int
     sampling_params: object
     rng_key: object | None = None
+    uses_vllm_sampler: bool = False
+    generator: object | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int | None = None
+    prompt_logprobs: object | None = None
+
+    def __post_init__(self) -> None:
+        self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    def append_output(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_token_ids.append(token)
+
+    def set_tokens(self, token_ids: list[int]) -> None:
+        """Replace prompt + outputs (resumed request); the output list keeps its identity."""
+        self.token_ids = list(token_ids)
+        self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]
+
+    def truncate_outputs(self, num_output: int) -> None:
+        del self.token_ids[self.num_prompt_tokens + num_output:]
+        del self.output_token_ids[num_output:]
 
 
 @dataclass
@@ -99,10 +137,10 @@ class InputBatch:
             if resumed_tokens is not None:
                 # The scheduler's copy is authoritative for requests that were not scheduled in
                 # the previous step (resumed after preemption, or skipped).
-                state.token_ids = list(resumed_tokens)
+                state.set_tokens(resumed_tokens)
             elif num_output < state.num_output_tokens:
                 # Tokens the scheduler did not accept (e.g. sampled past a stop) are dropped.
-                del state.token_ids[state.num_prompt_tokens + num_output:]
+                state.truncate_outputs(num_output)
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 self.num_resumed += 1

@@ -2,8 +2,12 @@
 
 Each step, every scheduled token (decode tokens and prefill chunks of all requests) becomes one
 row of a token-major batch ``[T, 1]``; the mlx-lm model runs once over it with the paged KV cache
-(:mod:`vllm_unified.models.paged_cache`), the LM head runs only on the rows that sample, and the
-sampler (:mod:`vllm_unified.worker.sampler`) picks the tokens. Evaluation happens once per step.
+(:mod:`vllm_unified.models.paged_cache`), the LM head runs only on the rows that sample (plus
+prompt rows of requests asking for prompt logprobs), and the tokens are picked by the MLX sampler
+(:mod:`vllm_unified.worker.sampler`) or, for requests using more than it implements, by vLLM's
+own sampler on a torch view of the logits (:mod:`vllm_unified.worker.vllm_sampling`). Evaluation
+happens once per step. A step with structured-output requests returns None from
+``execute_model`` and samples in ``sample_tokens`` with vLLM's grammar bitmask.
 """
 
 from __future__ import annotations
@@ -15,15 +19,20 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import torch
 
 from vllm_unified.attention.metadata import build_attention_metadata
+from vllm_unified.backend import detect_backend
 from vllm_unified.compat import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     FullAttentionSpec,
+    GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
+    LogprobsTensors,
     ModelRunnerOutput,
     NewRequestData,
+    SamplingType,
     SchedulerOutput,
     VllmConfig,
     init_logger,
@@ -31,8 +40,15 @@ from vllm_unified.compat import (
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.loader import LoadedModel, load_model
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
-from vllm_unified.worker.input_batch import InputBatch, RequestState
+from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch
 from vllm_unified.worker.sampler import SamplingRow, sample
+from vllm_unified.worker.vllm_sampling import (
+    VllmSampling,
+    apply_grammar_bitmask,
+    logprobs_lists,
+    mlx_to_torch,
+    needs_vllm_sampler,
+)
 
 logger = init_logger(__name__)
 
@@ -53,8 +69,41 @@ class RunnerStats:
     forwards: int = 0
     tokens: int = 0
     sampled: int = 0
+    #: tokens sampled by vLLM's own sampler (the rest were sampled in MLX)
+    sampled_by_vllm: int = 0
+    #: prompt rows whose logprobs were computed
+    prompt_logprob_rows: int = 0
     #: number of forwards by how many requests they covered
     forwards_by_num_reqs: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class _PromptSlice:
+    """Prompt rows of one request in one step: ``num_logits`` rows from token row ``row``
+    score prompt tokens ``start + 1 ...``; ``complete``: hand the tensors over this step."""
+
+    index: int
+    row: int
+    num_logits: int
+    start: int
+    complete: bool
+
+
+@dataclass
+class _PendingStep:
+    """A step between its forward and its sampling (across ``execute_model`` /
+    ``sample_tokens`` when structured output needs vLLM's grammar bitmask)."""
+
+    step: StepBatch
+    out: Any
+    states: list[RequestState]
+    #: indices into ``step.req_ids`` sampled by vLLM's sampler (logits rows 0..) and in MLX
+    vllm_idx: list[int]
+    mlx_idx: list[int]
+    prompt: list[_PromptSlice]
+    #: evaluated float32 logits ``[rows, V]`` when torch needs them, else None
+    logits: mx.array | None
+    mlx_tokens: list[int]
 
 
 class MLXModelRunner:
@@ -72,6 +121,16 @@ class MLXModelRunner:
         self.layer_caches: list[PagedLayerCache] = []
         self.batch = InputBatch()
         self.stats = RunnerStats()
+        self.vocab_size: int = self.model_config.get_vocab_size()
+        self.vllm_sampling = VllmSampling(vllm_config)
+        if self.vllm_sampling.custom_logitsprocs:
+            logger.info(
+                "vllm-unified: custom logits processors %s: every request is sampled by "
+                "vLLM's sampler", self.vllm_sampling.custom_logitsprocs,
+            )
+        #: MLX's CPU backend shares logits with torch (DLPack view); GPU backends copy them
+        self.zero_copy_logits: bool = detect_backend().kind == "cpu"
+        self._pending: _PendingStep | None = None
 
     # ----------------------------------------------------------------------------- model
     def load_model(self) -> None:
@@ -156,20 +215,38 @@ class MLXModelRunner:
         if new.prompt_token_ids is None:
             raise ValueError(f"request {new.req_id}: prompt embeddings are not supported")
         params = new.sampling_params
-        key = mx.random.key(params.seed) if params.seed is not None else None
+        uses_vllm = needs_vllm_sampler(params) or bool(self.vllm_sampling.custom_logitsprocs)
+        key = generator = None
+        if params.sampling_type == SamplingType.RANDOM_SEED:
+            if uses_vllm:
+                generator = torch.Generator(device="cpu")
+                generator.manual_seed(params.seed)
+            else:
+                key = mx.random.key(params.seed)
+        num_prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            num_prompt_logprobs = (
+                self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+            )
         return RequestState(
             req_id=new.req_id, token_ids=list(new.prompt_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids), block_ids=list(new.block_ids[0]),
             num_computed_tokens=new.num_computed_tokens, sampling_params=params, rng_key=key,
+            uses_vllm_sampler=uses_vllm, generator=generator,
+            num_prompt_logprobs=num_prompt_logprobs,
         )
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one scheduler step: update request states, one forward, sample.
 
         Returns:
             ``ModelRunnerOutput`` with one entry per scheduled request (``[]`` for a request
-            whose prefill chunk does not reach the end of its prompt).
+            whose prefill chunk does not reach the end of its prompt); None when the step has
+            structured-output requests: vLLM's engine then computes the grammar bitmask and
+            calls :meth:`sample_tokens`, which samples from this step's logits.
         """
+        if self._pending is not None:
+            raise RuntimeError("execute_model called before sample_tokens of the previous step")
         if out.scheduled_spec_decode_tokens:
             raise RuntimeError("speculative decoding tokens in a step: not supported")
         if out.kv_cache_block_copies:
@@ -182,42 +259,155 @@ class MLXModelRunner:
             self.stats.empty_steps += 1
             return EMPTY_MODEL_RUNNER_OUTPUT
 
-        step = self.batch.layout(out)
-        token_ids = self._forward_and_sample(step)
-        sampled: list[list[int]] = [[] for _ in step.req_ids]
-        for j, i in enumerate(step.sample_req_idx):
-            token = token_ids[j]
-            state = self.batch.requests[step.req_ids[i]]
-            state.token_ids.append(token)
-            sampled[i] = [token]
-        self.stats.sampled += len(token_ids)
-        return ModelRunnerOutput(
-            req_ids=step.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
-            sampled_token_ids=sampled,
-        )
+        pending = self._forward(self.batch.layout(out), out)
+        if out.has_structured_output_requests:
+            self._pending = pending
+            return None
+        return self._sample(pending, None)
 
-    def _forward_and_sample(self, step) -> list[int]:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Second half of a step whose :meth:`execute_model` returned None: apply vLLM's
+        grammar bitmask to the structured-output rows, then sample."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        return self._sample(pending, grammar_output)
+
+    def _forward(self, step: StepBatch, out: SchedulerOutput) -> _PendingStep:
+        """The step's one forward. The LM head runs on the rows sampled by vLLM's sampler,
+        then the rows sampled in MLX, then the prompt rows whose logprobs were asked for; the
+        MLX rows are sampled in the same evaluation as the forward and the KV writes."""
+        states = [self.batch.requests[r] for r in step.req_ids]
+        vllm_idx = [i for i in step.sample_req_idx if states[i].uses_vllm_sampler]
+        mlx_idx = [i for i in step.sample_req_idx if not states[i].uses_vllm_sampler]
+        last_rows = np.cumsum(step.query_lens) - 1
+        first_rows = last_rows - step.query_lens + 1
+        prompt = self._prompt_logprob_slices(step, states, first_rows)
+        rows = np.concatenate([
+            last_rows[vllm_idx], last_rows[mlx_idx],
+            *[np.arange(p.row, p.row + p.num_logits) for p in prompt],
+        ]).astype(np.int32)
+        needs_torch = bool(vllm_idx) or any(p.num_logits for p in prompt)
+
         meta = build_attention_metadata(
             step.query_lens.tolist(), step.seq_lens.tolist(), step.block_table, self.block_size
         )
         self.pool.meta = meta
         try:
-            logits = self.forward(mx.array(step.input_ids), step.sample_token_idx)
-            rows = [self._sampling_row(step.req_ids[i]) for i in step.sample_req_idx]
-            tokens = sample(logits, rows) if rows else mx.zeros((0,), dtype=mx.int32)
-            mx.eval(tokens, self.pool.k, self.pool.v)
+            logits = self.forward(mx.array(step.input_ids), rows)
+            mlx_rows = [self._sampling_row(step.req_ids[i]) for i in mlx_idx]
+            tokens = None
+            if mlx_rows:
+                start = len(vllm_idx)
+                tokens = sample(logits[start:start + len(mlx_idx)], mlx_rows)
+            if needs_torch and logits.dtype != mx.float32:
+                logits = logits.astype(mx.float32)
+            mx.eval(
+                *([logits] if needs_torch else []), *([tokens] if tokens is not None else []),
+                self.pool.k, self.pool.v,
+            )
         finally:
             self.pool.meta = None
         self.stats.forwards += 1
         self.stats.tokens += int(step.input_ids.size)
         by_reqs = self.stats.forwards_by_num_reqs
         by_reqs[len(step.req_ids)] = by_reqs.get(len(step.req_ids), 0) + 1
-        return tokens.tolist()
+        return _PendingStep(
+            step=step, out=out, states=states, vllm_idx=vllm_idx, mlx_idx=mlx_idx,
+            prompt=prompt, logits=logits if needs_torch else None,
+            mlx_tokens=tokens.tolist() if tokens is not None else [],
+        )
 
-    def forward(self, input_ids: mx.array, sample_rows: np.ndarray) -> mx.array:
+    def _prompt_logprob_slices(
+        self, step: StepBatch, states: list[RequestState], first_rows: np.ndarray
+    ) -> list[_PromptSlice]:
+        """Which rows of this step give prompt logprobs, with the chunking rules of vLLM's GPU
+        runner (``_get_prompt_logprobs_dict``): the row of prompt position ``p`` scores token
+        ``p + 1``; the tensors are handed over when the last prompt row has been scored, or,
+        if a chunk ends exactly there, with the next step's sampled token."""
+        slices = []
+        for i, state in enumerate(states):
+            if state.num_prompt_logprobs is None:
+                continue
+            start = int(step.seq_lens[i] - step.query_lens[i])  # num_computed_tokens
+            num_tokens = int(step.query_lens[i])
+            remaining = state.num_prompt_tokens - (start + 1)
+            complete = num_tokens > remaining
+            num_logits = max(remaining, 0) if complete else num_tokens
+            slices.append(_PromptSlice(i, int(first_rows[i]), num_logits, start, complete))
+        return slices
+
+    def _sample(self, pending: _PendingStep, grammar_output: GrammarOutput | None):
+        step, states = pending.step, pending.states
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        for i, token in zip(pending.mlx_idx, pending.mlx_tokens, strict=True):
+            sampled[i] = [token]
+        logits = (
+            mlx_to_torch(pending.logits, self.zero_copy_logits)
+            if pending.logits is not None else None
+        )
+        prompt_logprobs = self._prompt_logprobs(pending, logits)
+        logprobs = None
+        if pending.vllm_idx:
+            n = len(pending.vllm_idx)
+            rows = logits[:n]
+            req_ids = [step.req_ids[i] for i in pending.vllm_idx]
+            if grammar_output is not None:
+                apply_grammar_bitmask(pending.out, grammar_output, req_ids, rows)
+            result = self.vllm_sampling.sample(rows, [states[i] for i in pending.vllm_idx])
+            for i, token in zip(pending.vllm_idx, result.sampled_token_ids[:, 0].tolist(),
+                                strict=True):
+                sampled[i] = [token]
+            if result.logprobs_tensors is not None:
+                logprobs = logprobs_lists(
+                    result.logprobs_tensors, pending.vllm_idx, len(step.req_ids)
+                )
+            self.stats.sampled_by_vllm += n
+        for i in step.sample_req_idx:
+            states[i].append_output(sampled[i][0])
+        self.stats.sampled += len(step.sample_req_idx)
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(self, pending: _PendingStep, logits) -> dict[str, Any]:
+        """Fill each asking request's prompt logprobs from this step's prompt rows; return the
+        finished ones (``prompt_logprobs_dict``)."""
+        done: dict[str, Any] = {}
+        row = len(pending.vllm_idx) + len(pending.mlx_idx)
+        for p in pending.prompt:
+            state = pending.states[p.index]
+            num = state.num_prompt_logprobs
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = LogprobsTensors.empty_cpu(
+                    state.num_prompt_tokens - 1, num + 1
+                )
+            if p.num_logits > 0:
+                target = torch.tensor(
+                    state.token_ids[p.start + 1: p.start + 1 + p.num_logits], dtype=torch.int64
+                )
+                ids, lps, ranks = self.vllm_sampling.prompt_logprobs(
+                    logits[row: row + p.num_logits], num, target
+                )
+                row += p.num_logits
+                chunk = slice(p.start, p.start + p.num_logits)
+                state.prompt_logprobs.logprob_token_ids[chunk] = ids
+                state.prompt_logprobs.logprobs[chunk] = lps
+                state.prompt_logprobs.selected_token_ranks[chunk] = ranks
+                self.stats.prompt_logprob_rows += p.num_logits
+            if p.complete:
+                done[state.req_id] = state.prompt_logprobs
+                state.prompt_logprobs = None
+                state.num_prompt_logprobs = None
+        return done
+
+    def forward(self, input_ids: mx.array, rows: np.ndarray) -> mx.array:
         """See :func:`forward`; uses this runner's model and layer caches."""
-        return forward(self.model, self.layer_caches, input_ids, sample_rows)
+        return forward(self.model, self.layer_caches, input_ids, rows)
 
     def stats_dict(self) -> dict:
         return {**asdict(self.stats), "resumed": self.batch.num_resumed,
@@ -252,7 +442,7 @@ class MLXModelRunner:
 
 def forward(
     model: nn.Module, layer_caches: list[PagedLayerCache], input_ids: mx.array,
-    sample_rows: np.ndarray,
+    rows: np.ndarray,
 ) -> mx.array:
     """One token-major forward of an mlx-lm model over the paged cache (lazy).
 
@@ -261,13 +451,14 @@ def forward(
         layer_caches: one :class:`PagedLayerCache` per layer; their pool's ``meta`` must hold the
             step's attention metadata.
         input_ids: ``[T]`` int32 token ids, one row per scheduled token.
-        sample_rows: ``[R]`` int32 rows whose logits are needed.
+        rows: ``[R]`` int32 rows whose logits are needed: the rows that sample, plus prompt rows
+            only for requests that asked for prompt logprobs.
 
     Returns:
         ``[R, V]`` logits in the model dtype (the LM head runs on those rows only).
     """
     hidden = model.model(input_ids[:, None], cache=layer_caches)  # [T, 1, D]
-    hidden = hidden[mx.array(sample_rows), 0, :] if sample_rows.size else hidden[:0, 0, :]
+    hidden = hidden[mx.array(rows), 0, :] if rows.size else hidden[:0, 0, :]
     return _lm_head(model, hidden)
 
 

@@ -118,14 +118,13 @@ class MLXWorker(WorkerBase):
         return CompilationTimes(language_model=seconds, encoder=0.0)
 
     # ------------------------------------------------------------------ steps
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's forward and, unless it has structured-output requests (then None:
+        vLLM calls :meth:`sample_tokens` with the grammar bitmask), its sampling."""
         return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
-        raise RuntimeError(
-            "sample_tokens called: the MLX runner samples inside execute_model "
-            "(structured outputs are rejected at request validation)"
-        )
+        return self.model_runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self):
         return None
