@@ -10,8 +10,8 @@ processors (min-p, logit bias, min tokens) and a ``SamplingMetadata`` built the 
 seeded request always draws from the same generator whatever shares its batch (MLX key on the
 fast path, a persistent ``torch.Generator`` here).
 
-The logits reach torch through :func:`mlx_to_torch`: on MLX's CPU backend
-``torch.from_dlpack`` gives a view of the MLX buffer (no bytes move; vLLM's sampler then works
+The logits reach torch through :func:`mlx_to_torch` (the bridge of design pillar 2): on MLX's
+CPU backend it is a view of the MLX buffer (no bytes move; vLLM's sampler then works
 in place on it). On the GPU backends (Metal, CUDA) the rows are copied into host memory,
 explicitly (vLLM's sampler runs on CPU tensors in this worker): a documented copy of
 ``[rows, vocab]`` float32 per step, only for the rows that need vLLM's sampler or prompt
@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from vllm_unified import compat
+from vllm_unified import bridge, compat
 from vllm_unified.compat import SAMPLING_EPS
 from vllm_unified.worker.input_batch import RequestState
 
@@ -57,12 +57,10 @@ def mlx_to_torch(arr: mx.array, zero_copy: bool) -> torch.Tensor:
     Args:
         arr: evaluated MLX array (``mx.eval`` already ran).
         zero_copy: True on MLX's CPU backend: the result is a view of ``arr``'s buffer
-            (``torch.from_dlpack``), writes through it are seen by MLX. False on GPU backends:
-            an explicit copy into host memory.
+            (:func:`vllm_unified.bridge.to_torch`), writes through it are seen by MLX. False on
+            GPU backends: an explicit copy into host memory.
     """
-    if zero_copy:
-        return torch.from_dlpack(arr)
-    return torch.from_numpy(np.array(arr))
+    return bridge.to_torch(arr, copy=not zero_copy)
 
 
 class _RowIds:
