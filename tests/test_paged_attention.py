@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vllm_unified.attention.metadata import AttentionMetadata, build_attention_metadata
-from vllm_unified.attention.paged import paged_attention, write_kv
+from vllm_unified.attention.paged import paged_attention, paged_attention_kv, write_kv
 
 D = 16
 TOL = 1e-5
@@ -298,3 +298,20 @@ def test_window_reads_only_reachable_blocks() -> None:
     chunk = meta.prefill_view(0, 10, 2)
     assert chunk.first_key == 81 and chunk.rows.shape == (1, 2, 19)
     assert meta.prefill_view(0, None, 2).mask == "causal"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_kv_pool_layout_matches_split_pools(window) -> None:
+    """K|V side by side in one pool (vLLM's LBNHC page, viewed slot-major) gives the same output
+    as separate K and V pools."""
+    rng = np.random.default_rng(3)
+    slots, kv_heads, heads, dim, block = 64 * 16, 2, 6, 32, 16
+    k = rng.normal(size=(slots, kv_heads, dim)).astype(np.float32)
+    v = rng.normal(size=(slots, kv_heads, dim)).astype(np.float32)
+    tables = np.array([[3, 7, 9, 0], [12, 1, 0, 0], [40, 41, 42, 43]], dtype=np.int32)
+    meta = build_attention_metadata([1, 9, 1], [20, 25, 60], tables, block)
+    q = mx.array(rng.normal(size=(11, heads, 1, dim)).astype(np.float32))
+    split = paged_attention(q, mx.array(k), mx.array(v), meta, dim**-0.5, window)
+    joint = paged_attention_kv(q, mx.array(np.concatenate([k, v], axis=-1)), meta, dim**-0.5,
+                               window)
+    np.testing.assert_allclose(np.array(joint), np.array(split), rtol=1e-6, atol=1e-6)

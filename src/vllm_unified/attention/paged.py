@@ -102,10 +102,51 @@ def paged_attention(
             (``slots * Hkv``; gather indices are int32).
     """
     _check_inputs(queries, k_pool, v_pool, meta, window)
+    return _attend(queries, _rows_view(k_pool), _rows_view(v_pool), k_pool.shape[1], meta, scale,
+                   window)
+
+
+def paged_attention_kv(
+    queries: mx.array,
+    kv_pool: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> mx.array:
+    """:func:`paged_attention` over one pool holding K and V side by side.
+
+    ``kv_pool``: ``[num_blocks * block_size, Hkv, 2 * D]``, each (slot, head) cell holding the
+    head's key followed by its value: vLLM's attention page ``[B, H, N, C]`` with
+    ``C = head_size + head_size_v`` in the LBNHC layout, viewed slot-major. K and V are read as
+    the column halves of the same ``[slots * Hkv, 2 * D]`` rows, so nothing is copied to split
+    them (a reshape of a half would copy the pool).
+
+    Raises:
+        ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D``.
+    """
+    if kv_pool.ndim != 3 or kv_pool.shape[-1] != 2 * queries.shape[-1]:
+        raise ValueError(f"kv_pool must be [slots, Hkv, 2*{queries.shape[-1]}], "
+                         f"got {kv_pool.shape}")
+    head_dim = queries.shape[-1]
+    half = kv_pool[..., :head_dim]  # shapes only: _check_inputs reads no data
+    _check_inputs(queries, half, half, meta, window)
+    rows = kv_pool.reshape(-1, 2 * head_dim)
+    return _attend(queries, rows[:, :head_dim], rows[:, head_dim:], kv_pool.shape[1], meta,
+                   scale, window)
+
+
+def _attend(
+    queries: mx.array,
+    k_rows: mx.array,
+    v_rows: mx.array,
+    kv_heads: int,
+    meta: AttentionMetadata,
+    scale: float,
+    window: Window,
+) -> mx.array:
+    """Attention given the pool as ``[slots * Hkv, D]`` key and value rows (see _rows_view)."""
     if meta.num_tokens == 0:
         return queries
-    kv_heads = k_pool.shape[1]
-    k_rows, v_rows = _rows_view(k_pool), _rows_view(v_pool)
     outputs = []
     if meta.decode_rows is not None:
         outputs.append(_decode_attention(queries, k_rows, v_rows, meta, scale, window, kv_heads))
