@@ -1,6 +1,10 @@
 """KV writes never copy the pool: pointers stay put across prefill and decode, and a decode
 step's cost does not grow with the pool's size (MLX silently copies a whole array on a slice
-write when anything else references its buffer; DESIGN.md "Writing the KV cache is the trap")."""
+write when anything else references its buffer; DESIGN.md "Writing the KV cache is the trap").
+
+Both pool kinds are covered: the torch buffer in vLLM's layout adopted by MLX (what the CPU
+backend uses, written through the native ``write_rows``), and the MLX-owned pool (GPU
+backends, written by a donating scatter)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ import time
 
 import mlx.core as mx
 import numpy as np
+import psutil
+import pytest
+import torch
 from mlx_lm.models import llama
 
 from vllm_unified.attention.metadata import build_attention_metadata
@@ -21,8 +28,27 @@ ARGS = llama.ModelArgs(
     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
     head_dim=64, tie_word_embeddings=True,
 )
-# bytes per slot: K and V x 2 layers x 2 kv heads x 64 x 4 bytes
-SLOT_BYTES = 2 * ARGS.num_hidden_layers * ARGS.num_key_value_heads * ARGS.head_dim * 4
+KV_HEADS, DIM, LAYERS = ARGS.num_key_value_heads, ARGS.head_dim, ARGS.num_hidden_layers
+# bytes per slot: K and V x layers x kv heads x head dim x 4 bytes
+SLOT_BYTES = 2 * LAYERS * KV_HEADS * DIM * 4
+
+
+def _torch_pool(num_blocks: int) -> KVPool:
+    """Uninitialised torch buffer with one [B, H, N, 2D] LBNHC view per layer, as
+    ``memory.kv_allocation.allocate_kv_cache`` makes them."""
+    layer_elems = num_blocks * BLOCK * KV_HEADS * 2 * DIM
+    buf = torch.empty(LAYERS * layer_elems, dtype=torch.float32)
+    views = [buf[i * layer_elems:(i + 1) * layer_elems]
+             .view(num_blocks, BLOCK, KV_HEADS, 2 * DIM).permute(0, 2, 1, 3)
+             for i in range(LAYERS)]
+    return KVPool.from_torch_views(views, BLOCK, buf)
+
+
+def _mlx_pool(num_blocks: int) -> KVPool:
+    return KVPool.allocate_mlx(LAYERS, num_blocks, BLOCK, KV_HEADS, DIM, mx.float32)
+
+
+POOLS = {"torch-shared": _torch_pool, "mlx-owned": _mlx_pool}
 
 
 def _model():
@@ -39,36 +65,39 @@ def _step(model, pool, caches, query_lens, seq_lens, tables):
     ids = mx.array(np.arange(sum(query_lens), dtype=np.int32) % ARGS.vocab_size)
     last = (np.cumsum(query_lens) - 1).astype(np.int32)
     logits = forward(model, caches, ids, last)
-    mx.eval(logits, pool.k, pool.v)
+    mx.eval(logits, pool.arrays())
     pool.meta = None
     return logits
 
 
-def _decode_times(model, pool_bytes: int, steps: int = 15) -> tuple[list[float], bool]:
+def _decode_times(model, make_pool, pool_bytes: int, steps: int = 15):
     num_blocks = pool_bytes // (SLOT_BYTES * BLOCK)
-    pool = KVPool(ARGS.num_hidden_layers, num_blocks, BLOCK, ARGS.num_key_value_heads,
-                  ARGS.head_dim, mx.float32)
-    caches = [PagedLayerCache(pool, i) for i in range(ARGS.num_hidden_layers)]
+    pool = make_pool(num_blocks)
+    caches = [PagedLayerCache(pool, i) for i in range(LAYERS)]
     # 4 sequences, 64-token prompts, blocks spread over the whole pool
     tables = np.stack([np.array([1 + i, num_blocks // 2 + i, num_blocks - 8 + i,
                                  num_blocks - 4 + i, 10 + i], dtype=np.int32) for i in range(4)])
     ptrs = pool.data_ptrs()
-    _step(model, pool, caches, [64] * 4, [64] * 4, tables)
+    torch_ptrs = [v.data_ptr() for v in pool.torch_views or []]
+    logits = _step(model, pool, caches, [64] * 4, [64] * 4, tables)
     times = []
     for t in range(steps):
         start = time.perf_counter()
-        _step(model, pool, caches, [1] * 4, [65 + t] * 4, tables)
+        logits = _step(model, pool, caches, [1] * 4, [65 + t] * 4, tables)
         times.append(time.perf_counter() - start)
-    same = pool.data_ptrs() == ptrs
+    same = pool.data_ptrs() == ptrs and (not torch_ptrs or torch_ptrs == ptrs)
+    out = np.array(logits)
     del pool, caches
-    return times, same
+    return times, same, out
 
 
-def test_pool_pointers_stable_and_decode_cost_independent_of_pool_size():
+@pytest.mark.parametrize("kind", POOLS)
+def test_pool_pointers_stable_and_decode_cost_independent_of_pool_size(kind):
     model = _model()
-    small, small_same = _decode_times(model, 256 * 2**20)
-    large, large_same = _decode_times(model, 2 * 2**30)
+    small, small_same, small_out = _decode_times(model, POOLS[kind], 256 * 2**20)
+    large, large_same, large_out = _decode_times(model, POOLS[kind], 2 * 2**30)
     assert small_same and large_same, "a KV write moved the pool to a new buffer"
+    np.testing.assert_allclose(small_out, large_out, rtol=1e-5, atol=1e-5)
     ratio = statistics.median(large) / statistics.median(small)
     assert ratio <= 1.5, (
         f"decode step with a 2 GiB pool took {ratio:.2f}x the 256 MiB one "
@@ -76,41 +105,58 @@ def test_pool_pointers_stable_and_decode_cost_independent_of_pool_size():
     )
 
 
-def test_outside_reference_forces_a_copy_the_guard_would_see():
-    """Control: holding a second reference to the pool array defeats donation, so the pointer
-    check above is able to fail."""
+def test_shared_and_mlx_owned_pools_agree():
     model = _model()
-    pool = KVPool(ARGS.num_hidden_layers, 64, BLOCK, ARGS.num_key_value_heads, ARGS.head_dim,
-                  mx.float32)
-    caches = [PagedLayerCache(pool, i) for i in range(ARGS.num_hidden_layers)]
+    tables = np.array([[3, 5], [7, 2]], dtype=np.int32)
+    outs = []
+    for make in POOLS.values():
+        pool = make(16)
+        caches = [PagedLayerCache(pool, i) for i in range(LAYERS)]
+        _step(model, pool, caches, [20, 9], [20, 9], tables)
+        outs.append(np.array(_step(model, pool, caches, [1, 1], [21, 10], tables)))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
+def test_torch_views_see_mlx_writes():
+    """The rows attention wrote are in vLLM's torch view of the cache, K then V per head."""
+    model = _model()
+    pool = _torch_pool(16)
+    caches = [PagedLayerCache(pool, i) for i in range(LAYERS)]
+    _step(model, pool, caches, [5], [5], np.array([[4]], dtype=np.int32))
+    view = pool.torch_views[0]  # [B, H, N, 2D]
+    written = view[4, :, :5, :]
+    assert torch.count_nonzero(written) > 0
+    np.testing.assert_array_equal(np.array(pool.kv[0][4 * BLOCK:4 * BLOCK + 5]),
+                                  written.permute(1, 0, 2).numpy())
+
+
+def test_outside_reference_forces_a_copy_the_guard_would_see():
+    """Control: a second view holding the MLX-owned pool's buffer defeats donation, so the
+    pointer checks above are able to fail."""
+    model = _model()
+    pool = _mlx_pool(64)
+    caches = [PagedLayerCache(pool, i) for i in range(LAYERS)]
     ptrs = pool.data_ptrs()
-    held = [a.reshape(-1) for a in pool.k]  # views sharing the buffer, like a torch view
+    held = [a.reshape(-1) for a in pool.kv]  # views sharing the buffer, like a torch view
     mx.eval(held)
     _step(model, pool, caches, [8], [8], np.array([[3]], dtype=np.int32))
     assert pool.data_ptrs() != ptrs
     del held
 
 
-def test_pool_pages_committed_only_when_written():
-    """Start-up RSS does not grow with the pool: the zero fill's pages are handed back, and a
-    written block commits only its own pages."""
-    import psutil
-
+@pytest.mark.parametrize("kind", POOLS)
+def test_pool_pages_committed_only_when_written(kind):
+    """Start-up RSS does not grow with the pool, and a written block commits only its pages."""
     proc = psutil.Process()
     before = proc.memory_info().rss
-    pool = KVPool(ARGS.num_hidden_layers, (2 * 2**30) // (SLOT_BYTES * BLOCK), BLOCK,
-                  ARGS.num_key_value_heads, ARGS.head_dim, mx.float32)
+    pool = POOLS[kind]((2 * 2**30) // (SLOT_BYTES * BLOCK))
     grown = proc.memory_info().rss - before
     assert pool.nbytes >= 2 * 2**30 - 2**20
-    assert pool.released_bytes >= pool.nbytes - 16 * 2**20
     assert grown < 128 * 2**20, f"a 2 GiB pool made RSS grow by {grown / 2**20:.0f} MiB"
     model = _model()
-    caches = [PagedLayerCache(pool, i) for i in range(ARGS.num_hidden_layers)]
+    caches = [PagedLayerCache(pool, i) for i in range(LAYERS)]
     ptrs = pool.data_ptrs()
     logits = _step(model, pool, caches, [32], [32], np.array([[5, 9000]], dtype=np.int32))
     assert pool.data_ptrs() == ptrs
     assert np.isfinite(np.array(logits)).all()
-    # the written rows hold K/V, everything else still reads as zeros
-    k0 = np.array(pool.k[0][5 * BLOCK:5 * BLOCK + 16])
-    assert np.abs(k0).sum() > 0
-    assert not np.array(pool.k[0][100 * BLOCK:101 * BLOCK]).any()
+    assert np.abs(np.array(pool.kv[0][5 * BLOCK:5 * BLOCK + 16])).sum() > 0

@@ -29,6 +29,8 @@ _LAZY: dict[str, str] = {
     "SchedulerOutput": "vllm.v1.core.sched.output",
     "FullAttentionSpec": "vllm.v1.kv_cache_interface",
     "KVCacheConfig": "vllm.v1.kv_cache_interface",
+    "create_kv_cache_views": "vllm.v1.kv_cache_interface",
+    "KVCacheLayout": "vllm.v1.kv_cache_layout",
     "KVCacheSpec": "vllm.v1.kv_cache_interface",
     "SlidingWindowSpec": "vllm.v1.kv_cache_interface",
     "EMPTY_MODEL_RUNNER_OUTPUT": "vllm.v1.outputs",
@@ -74,6 +76,8 @@ def init_logger(name: str):
 
 
 __all__ = [  # noqa: F822 (lazy names resolve through __getattr__)
+    "create_kv_cache_views",
+    "KVCacheLayout",
     "AttentionBackendEnum",
     "BUILTIN_LOGITS_PROCESSORS",
     "BatchUpdate",

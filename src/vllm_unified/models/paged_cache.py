@@ -11,7 +11,7 @@ per layer. Through mlx-lm's cache protocol that gives us:
 
 The attention itself is reached by replacing the ``scaled_dot_product_attention`` name that
 each mlx-lm model module imports from ``mlx_lm.models.base``: for a :class:`PagedLayerCache`
-it runs :func:`vllm_unified.attention.paged.paged_attention` over the block tables; for any other
+it runs :func:`vllm_unified.attention.paged.paged_attention_kv` over the block tables; for any other
 cache it calls mlx-lm's original function, so plain mlx-lm use in the same process is unchanged.
 """
 
@@ -29,7 +29,7 @@ import mlx_lm.models.base as mlx_base
 import numpy as np
 
 from vllm_unified.attention.metadata import AttentionMetadata
-from vllm_unified.attention.paged import paged_attention, write_kv
+from vllm_unified.attention.paged import paged_attention_kv
 
 _original_sdpa = mlx_base.scaled_dot_product_attention
 
@@ -74,47 +74,101 @@ def release_zero_pages(arr: mx.array) -> int:
 
 
 class KVPool:
-    """The paged KV cache of all layers, in MLX.
+    """The paged KV cache of all layers, as MLX arrays.
 
-    ``k[l]`` / ``v[l]`` have shape ``[num_blocks * block_size, num_kv_heads, head_dim]``
-    (slot-major: slot = block_id * block_size + offset; vLLM's block ids index it directly), the
-    model's compute dtype. Each array is owned by this object alone, so the scatter that writes
-    new rows donates the buffer back (no copy of the pool per step; ``write_kv`` documents it).
+    ``kv[l]`` has shape ``[num_blocks * block_size, num_kv_heads, 2 * head_dim]`` in the model's
+    compute dtype: slot-major (slot = block_id * block_size + offset; vLLM's block ids index it
+    directly), each (slot, head) cell holding the key followed by the value, i.e. vLLM's
+    attention page ``[B, H, N, C]`` in its LBNHC layout. Two ways to own the bytes:
+
+    * :meth:`from_torch_views` (MLX's CPU backend): vLLM-layout torch views of a buffer
+      allocated by :func:`vllm_unified.memory.kv_allocation.allocate_kv_cache`, adopted into MLX
+      without a copy. MLX never writes adopted memory itself (a slice write would fork the whole
+      pool silently), so rows go in through the native ``write_rows`` primitive.
+    * :meth:`allocate_mlx` (Metal/CUDA, or without the native bridge): MLX owns the arrays and
+      this object alone refers to them, so the scatter that writes rows reuses ("donates") the
+      buffer. On the CPU backend the zero fill's pages are handed back to the OS.
     """
 
-    def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-        head_dim: int, dtype: mx.Dtype,
-    ) -> None:
-        self.num_blocks = num_blocks
+    def __init__(self, kv: list[mx.array], block_size: int, *, shared: bool,
+                 torch_views: list | None = None, buffer: object = None) -> None:
+        self.kv = kv
         self.block_size = block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k: list[mx.array] = []
-        self.v: list[mx.array] = []
+        self.num_blocks = kv[0].shape[0] // block_size
+        self.shared = shared
+        self.torch_views = torch_views
+        self._buffer = buffer  # keeps a torch-owned backing buffer alive
         self.released_bytes = 0
-        # One array at a time: MLX's zero fill commits every page it writes, so hand the pages
-        # back before allocating the next one. Start-up RSS then stays flat whatever the pool
-        # size, and pages are committed again as blocks are first written.
-        for _ in range(num_layers):
-            for arrays in (self.k, self.v):
-                arr = mx.zeros(shape, dtype=dtype)
-                mx.eval(arr)
-                self.released_bytes += release_zero_pages(arr)
-                arrays.append(arr)
         self.meta: AttentionMetadata | None = None
+
+    @classmethod
+    def allocate_mlx(
+        cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+        head_dim: int, dtype: mx.Dtype,
+    ) -> KVPool:
+        """MLX-owned pool, one array per layer, zero-filled then handed back page by page."""
+        shape = (num_blocks * block_size, num_kv_heads, 2 * head_dim)
+        kv, released = [], 0
+        # One array at a time: MLX's zero fill commits every page it writes, so hand the pages
+        # back before allocating the next one; start-up RSS then stays flat.
+        for _ in range(num_layers):
+            arr = mx.zeros(shape, dtype=dtype)
+            mx.eval(arr)
+            released += release_zero_pages(arr)
+            kv.append(arr)
+        pool = cls(kv, block_size, shared=False)
+        pool.released_bytes = released
+        return pool
+
+    @classmethod
+    def from_torch_views(cls, views: list, block_size: int, buffer: object = None) -> KVPool:
+        """Adopt vLLM-layout torch views (``[B, H, N, C]``, LBNHC strides, one per layer, in
+        model layer order) as MLX arrays sharing their bytes.
+
+        Raises:
+            RuntimeError: the native bridge is unavailable (``vllm_unified.bridge``).
+            ValueError: a view is not in LBNHC order.
+        """
+        from vllm_unified.bridge import to_mlx
+        from vllm_unified.memory.kv_allocation import slot_major
+
+        kv = [to_mlx(slot_major(v)) for v in views]
+        return cls(kv, block_size, shared=True, torch_views=list(views), buffer=buffer)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        return sum(a.nbytes for a in self.kv)
+
+    def arrays(self) -> list[mx.array]:
+        """The per-layer arrays, to evaluate together with a step's outputs."""
+        return self.kv
+
+    def write(self, layer: int, slot_mapping: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Write ``keys``/``values`` (``[T, Hkv, D]`` or ``[T, Hkv, 1, D]``) at ``slot_mapping``
+        ``[T]`` into layer ``layer``, in place (lazily; evaluated with the step)."""
+        if keys.ndim == 4:
+            keys, values = keys.squeeze(2), values.squeeze(2)
+        dst = self.kv[layer]
+        rows = mx.concatenate([keys, values], axis=-1).astype(dst.dtype)
+        if self.shared:
+            from vllm_unified.bridge import write_rows
+
+            self.kv[layer] = write_rows(dst, slot_mapping, rows)
+        else:
+            dst[slot_mapping] = rows  # rebinds self.kv[layer]: MLX donates the buffer
 
     def data_ptrs(self) -> list[int]:
-        """Addresses of every layer's K and V buffers (for checks that writes stay in place).
+        """Addresses of every layer's buffer (for checks that writes stay in place).
 
         Takes a transient NumPy view per array (released before returning), so it does not
         hold references that would stop the next write from reusing the buffer.
         """
+        if self.shared:
+            from vllm_unified.bridge import data_ptr
+
+            return [data_ptr(a) for a in self.kv]
         ptrs = []
-        for a in (*self.k, *self.v):
+        for a in self.kv:
             as_uint = a.view({2: mx.uint16, 4: mx.uint32}[a.dtype.size])
             ptrs.append(int(np.asarray(as_uint).ctypes.data))
             del as_uint
@@ -126,12 +180,11 @@ class KVPool:
             return
         slots = (mx.array(block_ids, dtype=mx.int32)[:, None] * self.block_size
                  + mx.arange(self.block_size, dtype=mx.int32)[None]).reshape(-1)
-        for layer in range(len(self.k)):
-            zeros = mx.zeros((slots.size, *self.k[layer].shape[1:]), dtype=self.k[layer].dtype)
-            self.k[layer], self.v[layer] = write_kv(
-                self.k[layer], self.v[layer], zeros, zeros, slots
-            )
-        mx.eval(self.k, self.v)
+        for layer, arr in enumerate(self.kv):
+            half = arr.shape[-1] // 2
+            zeros = mx.zeros((slots.size, arr.shape[1], half), dtype=arr.dtype)
+            self.write(layer, slots, zeros, zeros)
+        mx.eval(self.kv)
 
 
 @dataclass(frozen=True)
@@ -169,10 +222,7 @@ class PagedLayerCache:
 
         Returns the inputs unchanged; attention reads the context from the pool.
         """
-        pool, layer = self.pool, self.layer
-        pool.k[layer], pool.v[layer] = write_kv(
-            pool.k[layer], pool.v[layer], keys, values, self._meta.slot_mapping
-        )
+        self.pool.write(self.layer, self._meta.slot_mapping, keys, values)
         return keys, values
 
     def make_mask(
@@ -207,8 +257,8 @@ def _paged_sdpa(
     if mask is not None and not isinstance(mask, PagedMask):
         raise TypeError(f"unexpected attention mask {type(mask).__name__} with a paged cache")
     pool = cache.pool
-    return paged_attention(
-        queries, pool.k[cache.layer], pool.v[cache.layer], cache._meta, scale, window
+    return paged_attention_kv(
+        queries, pool.kv[cache.layer], cache._meta, scale, window
     )
 
 

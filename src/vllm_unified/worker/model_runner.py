@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 import torch
 
+from vllm_unified import bridge
 from vllm_unified.attention.metadata import build_attention_metadata
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import (
@@ -37,6 +38,7 @@ from vllm_unified.compat import (
     VllmConfig,
     init_logger,
 )
+from vllm_unified.memory.kv_allocation import KV_LAYOUT, allocate_kv_cache
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.loader import LoadedModel, load_model
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
@@ -118,6 +120,8 @@ class MLXModelRunner:
         self.loaded: LoadedModel | None = None
         self.model: nn.Module | None = None
         self.pool: KVPool | None = None
+        #: vLLM's per-layer torch views of the KV buffer (CPU backend), by layer name
+        self.kv_views: dict = {}
         self.layer_caches: list[PagedLayerCache] = []
         self.batch = InputBatch()
         self.stats = RunnerStats()
@@ -199,15 +203,31 @@ class MLXModelRunner:
         if sorted(names) != sorted(expected):
             raise ValueError("KV cache group layers do not match the model's layers")
         spec = groups[0].kv_cache_spec
-        self.pool = KVPool(
-            num_layers=len(expected), num_blocks=kv_cache_config.num_blocks,
-            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_size, dtype=self.dtype,
-        )
+        self.pool = self._allocate_pool(kv_cache_config, spec, expected)
         self.layer_caches = [PagedLayerCache(self.pool, i) for i in range(len(expected))]
         logger.info(
-            "vllm-unified: KV pool %d blocks x %d tokens, %.2f GiB",
+            "vllm-unified: KV pool %d blocks x %d tokens, %.2f GiB (%s)",
             kv_cache_config.num_blocks, spec.block_size, self.pool.nbytes / 2**30,
+            "vLLM layout in torch memory, shared with MLX; zeroed" if self.pool.shared
+            and kv_cache_config.needs_kv_cache_zeroing else
+            "vLLM layout in torch memory, shared with MLX; uninitialised, committed as blocks "
+            "are written" if self.pool.shared else "MLX-owned",
+        )
+
+    def _allocate_pool(self, kv_cache_config: KVCacheConfig, spec, names: list[str]) -> KVPool:
+        """Torch buffer in vLLM's layout shared with MLX on the CPU backend; MLX-owned arrays
+        where the bridge cannot share (GPU backends) or is not installed (logged)."""
+        error = bridge.native_error() if detect_backend().kind == "cpu" else "not the CPU backend"
+        if error is None:
+            layout = self.vllm_config.cache_config.kv_cache_layout or KV_LAYOUT
+            buf, views = allocate_kv_cache(kv_cache_config, layout)
+            self.kv_views = views
+            return KVPool.from_torch_views([views[n] for n in names], spec.block_size, buf)
+        logger.warning("vllm-unified: KV pool owned by MLX (torch cannot share it: %s)", error)
+        return KVPool.allocate_mlx(
+            num_layers=len(names), num_blocks=kv_cache_config.num_blocks,
+            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_size, dtype=self.dtype,
         )
 
     # ----------------------------------------------------------------------------- steps
@@ -304,7 +324,7 @@ class MLXModelRunner:
                 logits = logits.astype(mx.float32)
             mx.eval(
                 *([logits] if needs_torch else []), *([tokens] if tokens is not None else []),
-                self.pool.k, self.pool.v,
+                self.pool.arrays(),
             )
         finally:
             self.pool.meta = None
@@ -434,7 +454,7 @@ class MLXModelRunner:
         self.pool.meta = meta
         try:
             logits = self.forward(mx.zeros((n,), dtype=mx.int32), np.array([n - 1], np.int32))
-            mx.eval(logits, self.pool.k, self.pool.v)
+            mx.eval(logits, self.pool.arrays())
         finally:
             self.pool.meta = None
         return time.perf_counter() - start

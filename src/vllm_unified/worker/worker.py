@@ -109,6 +109,12 @@ class MLXWorker(WorkerBase):
             )
         return budget
 
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        """The MLX attention reads LBNHC pages (one layer's region is then slot-major)."""
+        from vllm_unified.memory.kv_allocation import KV_LAYOUT
+
+        return [KV_LAYOUT]
+
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config)
 
@@ -147,6 +153,12 @@ class MLXWorker(WorkerBase):
     def kv_pool_data_ptrs(self) -> list[int]:
         """Addresses of the KV pool buffers (``LLM.collective_rpc("kv_pool_data_ptrs")``)."""
         return self.model_runner.pool.data_ptrs()
+
+    def kv_torch_view_ptrs(self) -> list[int]:
+        """``data_ptr()`` of vLLM's per-layer torch KV views, in model layer order (empty when
+        the pool is MLX-owned)."""
+        views = self.model_runner.pool.torch_views or []
+        return [v.data_ptr() for v in views]
 
     # ------------------------------------------------------------------ unsupported
     def add_lora(self, lora_request) -> bool:
