@@ -69,6 +69,13 @@ VLLM_SERIES = "0.32"
 SAMPLING_EPS = 1e-5
 
 
+def vllm_environment_variables() -> set[str]:
+    """Names of the environment variables vLLM knows (``vllm.envs``)."""
+    from vllm import envs
+
+    return set(envs.environment_variables)
+
+
 def init_logger(name: str):
     """A logger under vLLM's ``vllm.`` hierarchy: vLLM only attaches handlers there, so a
     plugin logger named ``vllm_unified.*`` would be silent (spike pitfall P3)."""

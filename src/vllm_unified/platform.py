@@ -139,6 +139,16 @@ class MLXPlatform(Platform):
             raise ValueError(f"--dtype {dtype}: MLX serves float32, bfloat16 or float16")
 
     @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        """vLLM's check for unknown ``VLLM_*`` variables, knowing ours (``VLLM_UNIFIED_*``)."""
+        known = compat.vllm_environment_variables()
+        for env in os.environ:
+            if env.startswith("VLLM_") and not env.startswith("VLLM_UNIFIED_") and env not in known:
+                if hard_fail:
+                    raise ValueError(f"Unknown vLLM environment variable detected: {env}")
+                logger.warning("Unknown vLLM environment variable detected: %s", env)
+
+    @classmethod
     def log_warnings(cls) -> None:
         info = detect_backend()
         logger.info(

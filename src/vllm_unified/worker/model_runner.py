@@ -443,6 +443,30 @@ class MLXModelRunner:
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, key=key
         )
 
+    # ----------------------------------------------------------------------------- memory
+    def profile_activations(self, num_tokens: int) -> int:
+        """Peak MLX memory (bytes) above what is allocated now, of one prefill forward over
+        ``num_tokens`` tokens of a single sequence (the largest attention a step can hold),
+        with a temporary pool just big enough for it. Logits of the sampled rows are added by
+        the caller; this measures the transformer's activations."""
+        blocks = -(-num_tokens // self.block_size) + 1
+        spec = next(iter(self.get_kv_cache_spec().values()))
+        pool = KVPool.allocate_mlx(len(self.model.layers), blocks, self.block_size,
+                                   spec.num_kv_heads, spec.head_size, self.dtype)
+        caches = [PagedLayerCache(pool, i) for i in range(len(self.model.layers))]
+        table = np.arange(1, blocks, dtype=np.int32)[None]
+        pool.meta = build_attention_metadata([num_tokens], [num_tokens], table, self.block_size)
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        ids = mx.zeros((num_tokens,), dtype=mx.int32)
+        mx.eval(forward(self.model, caches, ids, np.array([num_tokens - 1], np.int32)),
+                pool.arrays())
+        peak = mx.get_peak_memory() - base
+        del pool, caches
+        mx.clear_cache()
+        return max(int(peak), 0)
+
     # ----------------------------------------------------------------------------- warm-up
     def warm_up(self) -> float:
         """Run a dummy prefill and decode through the real path (block 0 is vLLM's null block,

@@ -7,6 +7,10 @@ vLLM's executor drives it in this order: ``init_device`` -> ``load_model`` ->
 
 from __future__ import annotations
 
+import ctypes
+import sys
+import time
+
 import psutil
 import torch
 
@@ -21,14 +25,17 @@ from vllm_unified.compat import (
     WorkerBase,
     init_logger,
 )
+from vllm_unified.memory.budget import compute_kv_budget
+from vllm_unified.memory.wired import configure_wired_limit
 
 logger = init_logger(__name__)
 
-#: Bytes per scheduled token reserved for activations when sizing the KV pool, per unit of
-#: hidden size: residual stream, attention projections and the MLP intermediate (about
-#: 4 x hidden + 3 x intermediate floats), rounded up. An estimate until the profiling forward of
-#: the memory issue lands; see docs/configuration.md.
-_ACTIVATION_FLOATS_PER_HIDDEN = 16
+
+
+def _malloc_trim() -> None:
+    """Give glibc's free heap memory back to the OS (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 class MLXWorker(WorkerBase):
@@ -44,6 +51,8 @@ class MLXWorker(WorkerBase):
     ) -> None:
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.model_runner = None
+        self.rss_after_load = 0
+        self.rss_after_kv_init = 0
 
     # ------------------------------------------------------------------ device and model
     def init_device(self) -> None:
@@ -51,6 +60,8 @@ class MLXWorker(WorkerBase):
         info = detect_backend()
         self.device = torch.device("cpu")  # vLLM's bookkeeping tensors live on the host
         mx.random.seed(self.model_config.seed if self.model_config.seed is not None else 0)
+        # Before any weight is allocated, so the weights are wired as they load (Metal only).
+        configure_wired_limit(mx, info.kind, logger)
         from vllm_unified.worker.model_runner import MLXModelRunner
 
         # Quantized GGUF matmuls are fast on GPU backends; MLX's CPU quantized matmul is
@@ -62,6 +73,7 @@ class MLXWorker(WorkerBase):
         if load_dummy_weights:
             raise ValueError("--load-format dummy is not supported by vllm-unified")
         self.model_runner.load_model()
+        self.rss_after_load = psutil.Process().memory_info().rss
 
     def get_model(self):
         return self.model_runner.model
@@ -74,40 +86,48 @@ class MLXWorker(WorkerBase):
         return self.model_runner.get_kv_cache_spec()
 
     def determine_available_memory(self) -> int:
-        """Bytes vLLM may turn into KV blocks.
+        """Bytes vLLM may turn into KV blocks (:mod:`vllm_unified.memory.budget`).
 
-        ``--kv-cache-memory-bytes`` when given; else ``--gpu-memory-utilization`` x the device's
-        memory (system RAM on unified backends) minus what this process already holds (weights,
-        runtime) minus an activation reserve for ``max_num_batched_tokens``. vLLM does no
-        profiling for an out-of-tree worker, so this number is all the scheduler knows.
+        ``--gpu-memory-utilization`` x the device's memory (system RAM on unified backends)
+        minus what this process holds now (weights, runtime; its RSS) minus the activation peak
+        of a profiling forward at ``min(max_num_batched_tokens, max_model_len)`` tokens plus the
+        logits of ``max_num_seqs`` sampled rows; or ``--kv-cache-memory-bytes``. MLX's buffer
+        cache is capped at that activation peak so it cannot eat the budget. vLLM does no
+        profiling for an out-of-tree worker: this number is all the scheduler knows.
 
         Raises:
-            ValueError: nothing is left for the KV cache, with the arithmetic.
+            ValueError: the budget cannot hold one ``--max-model-len`` sequence (the message
+                names the flags and shows the arithmetic).
         """
-        cache = self.cache_config
-        if cache.kv_cache_memory_bytes is not None:
-            return int(cache.kv_cache_memory_bytes)
-        total = detect_backend().total_memory
-        used = psutil.Process().memory_info().rss
-        hidden = self.model_config.get_hidden_size()
-        tokens = self.scheduler_config.max_num_batched_tokens
-        activations = tokens * hidden * _ACTIVATION_FLOATS_PER_HIDDEN * 4
-        budget = int(cache.gpu_memory_utilization * total) - used - activations
-        logger.info(
-            "vllm-unified: KV budget = %.2f x %.2f GiB - %.2f GiB in use (weights, runtime) - "
-            "%.2f GiB activations (%d tokens) = %.2f GiB",
-            cache.gpu_memory_utilization, total / 2**30, used / 2**30, activations / 2**30,
-            tokens, budget / 2**30,
+        mx = import_mlx()
+        cache, sched = self.cache_config, self.scheduler_config
+        tokens = min(sched.max_num_batched_tokens, self.model_config.max_model_len)
+        start = time.perf_counter()
+        activations = logits = 0
+        if cache.kv_cache_memory_bytes is None:  # explicit bytes: the user sized it; no profile
+            activations = self.model_runner.profile_activations(tokens)
+            logits = sched.max_num_seqs * self.model_config.get_vocab_size() * 4 * 2
+            mx.set_cache_limit(activations)
+        budget = compute_kv_budget(
+            total=detect_backend().total_memory,
+            utilization=cache.gpu_memory_utilization,
+            in_use=psutil.Process().memory_info().rss,
+            activations=activations + logits,
+            bytes_per_block=self.model_runner.kv_bytes_per_block(),
+            block_size=cache.block_size,
+            max_model_len=self.model_config.max_model_len,
+            kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
         )
-        if budget <= 0:
-            raise ValueError(
-                f"--gpu-memory-utilization {cache.gpu_memory_utilization}: "
-                f"{cache.gpu_memory_utilization} x {total / 2**30:.2f} GiB leaves nothing for "
-                f"the KV cache after {used / 2**30:.2f} GiB in use and "
-                f"{activations / 2**30:.2f} GiB activations; raise it or lower "
-                "--max-num-batched-tokens"
+        if budget.explicit:
+            logger.info("vllm-unified: %s", budget.describe())
+        else:
+            logger.info(
+                "vllm-unified: %s; activations: a %d-token profiling forward (%.2f s) peaked at "
+                "%.2f GiB, plus logits of %d sampled rows; MLX buffer cache capped at %.2f GiB",
+                budget.describe(), tokens, time.perf_counter() - start, activations / 2**30,
+                sched.max_num_seqs, activations / 2**30,
             )
-        return budget
+        return budget.budget
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         """The MLX attention reads LBNHC pages (one layer's region is then slot-major)."""
@@ -117,6 +137,7 @@ class MLXWorker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config)
+        self.rss_after_kv_init = psutil.Process().memory_info().rss
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         seconds = self.model_runner.warm_up()
@@ -153,6 +174,20 @@ class MLXWorker(WorkerBase):
     def kv_pool_data_ptrs(self) -> list[int]:
         """Addresses of the KV pool buffers (``LLM.collective_rpc("kv_pool_data_ptrs")``)."""
         return self.model_runner.pool.data_ptrs()
+
+    def memory_report(self) -> dict[str, int]:
+        """Resident memory (bytes) of this process now, after weight load and after the KV
+        cache was allocated, and the KV pool's size (``LLM.collective_rpc("memory_report")``).
+
+        MLX's buffer cache and malloc's free lists are emptied first, so "now" counts live
+        memory (weights, KV pages written, runtime), not recyclable scratch.
+        """
+        import_mlx().clear_cache()
+        _malloc_trim()
+        return {"rss": psutil.Process().memory_info().rss,
+                "rss_after_load": self.rss_after_load,
+                "rss_after_kv_init": self.rss_after_kv_init,
+                "kv_pool_bytes": self.model_runner.pool.nbytes}
 
     def kv_torch_view_ptrs(self) -> list[int]:
         """``data_ptr()`` of vLLM's per-layer torch KV views, in model layer order (empty when
