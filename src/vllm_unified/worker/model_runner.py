@@ -12,6 +12,7 @@ happens once per step. A step with structured-output requests returns None from
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,6 +54,9 @@ from vllm_unified.worker.vllm_sampling import (
 )
 
 logger = init_logger(__name__)
+
+#: Set to 1 to zero-fill the KV buffer at start as vLLM's own allocator does (benchmarks only).
+EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 
 _TORCH_TO_MLX = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -220,7 +224,9 @@ class MLXModelRunner:
         error = bridge.native_error() if detect_backend().kind == "cpu" else "not the CPU backend"
         if error is None:
             layout = self.vllm_config.cache_config.kv_cache_layout or KV_LAYOUT
-            buf, views = allocate_kv_cache(kv_cache_config, layout)
+            # For benchmarks only: zero-fill like vLLM does, to compare start-up memory.
+            eager = os.environ.get(EAGER_ZERO_ENV) == "1"
+            buf, views = allocate_kv_cache(kv_cache_config, layout, zero=True if eager else None)
             self.kv_views = views
             return KVPool.from_torch_views([views[n] for n in names], spec.block_size, buf)
         logger.warning("vllm-unified: KV pool owned by MLX (torch cannot share it: %s)", error)

@@ -8,6 +8,7 @@ vLLM's executor drives it in this order: ``init_device`` -> ``load_model`` ->
 from __future__ import annotations
 
 import ctypes
+import resource
 import sys
 import time
 
@@ -187,7 +188,10 @@ class MLXWorker(WorkerBase):
         return {"rss": psutil.Process().memory_info().rss,
                 "rss_after_load": self.rss_after_load,
                 "rss_after_kv_init": self.rss_after_kv_init,
-                "kv_pool_bytes": self.model_runner.pool.nbytes}
+                "kv_pool_bytes": self.model_runner.pool.nbytes,
+                # ru_maxrss is in KiB on Linux (bytes on macOS)
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                * (1 if sys.platform == "darwin" else 1024)}
 
     def kv_torch_view_ptrs(self) -> list[int]:
         """``data_ptr()`` of vLLM's per-layer torch KV views, in model layer order (empty when
