@@ -79,3 +79,39 @@ def test_wired_limit_not_applicable_elsewhere(kind, caplog):
 def test_metal_without_working_set_raises():
     with pytest.raises(RuntimeError, match="max_recommended_working_set_size"):
         configure_wired_limit(_FakeMetal({}), "metal", logging.getLogger("test.wired"))
+
+
+def test_worker_wires_before_weights_load(monkeypatch):
+    """MLXWorker.init_device sets the wired limit (Metal) before load_model allocates weights."""
+    from vllm_unified import backend
+    from vllm_unified.worker import model_runner, worker
+
+    events = []
+
+    class FakeMX(_FakeMetal):
+        random = SimpleNamespace(seed=lambda s: None)
+
+        def set_wired_limit(self, n):
+            events.append(("wired", n))
+
+        def default_device(self):
+            return "gpu"
+
+    class FakeRunner:
+        def __init__(self, vllm_config, keep_quantized):
+            events.append(("runner", keep_quantized))
+
+        def load_model(self):
+            events.append(("load", None))
+
+    fake = FakeMX({"max_recommended_working_set_size": 8 * GIB})
+    metal = backend.BackendInfo("metal", "Apple GPU", 16 * GIB, True, "test")
+    monkeypatch.setattr(worker, "import_mlx", lambda: fake)
+    monkeypatch.setattr(worker, "detect_backend", lambda: metal)
+    monkeypatch.setattr(model_runner, "MLXModelRunner", FakeRunner)
+    w = object.__new__(worker.MLXWorker)
+    w.model_config = SimpleNamespace(seed=0)
+    w.vllm_config = None
+    w.init_device()
+    w.load_model()
+    assert events == [("wired", 8 * GIB), ("runner", True), ("load", None)]
