@@ -126,6 +126,7 @@ class MLXModelRunner:
         self.pool: KVPool | None = None
         #: vLLM's per-layer torch views of the KV buffer (CPU backend), by layer name
         self.kv_views: dict = {}
+        self.pool_zeroed = False
         self.layer_caches: list[PagedLayerCache] = []
         self.batch = InputBatch()
         self.stats = RunnerStats()
@@ -213,7 +214,7 @@ class MLXModelRunner:
             "vllm-unified: KV pool %d blocks x %d tokens, %.2f GiB (%s)",
             kv_cache_config.num_blocks, spec.block_size, self.pool.nbytes / 2**30,
             "vLLM layout in torch memory, shared with MLX; zeroed" if self.pool.shared
-            and kv_cache_config.needs_kv_cache_zeroing else
+            and self.pool_zeroed else
             "vLLM layout in torch memory, shared with MLX; uninitialised, committed as blocks "
             "are written" if self.pool.shared else "MLX-owned",
         )
@@ -226,7 +227,8 @@ class MLXModelRunner:
             layout = self.vllm_config.cache_config.kv_cache_layout or KV_LAYOUT
             # For benchmarks only: zero-fill like vLLM does, to compare start-up memory.
             eager = os.environ.get(EAGER_ZERO_ENV) == "1"
-            buf, views = allocate_kv_cache(kv_cache_config, layout, zero=True if eager else None)
+            self.pool_zeroed = eager or kv_cache_config.needs_kv_cache_zeroing
+            buf, views = allocate_kv_cache(kv_cache_config, layout, zero=self.pool_zeroed)
             self.kv_views = views
             return KVPool.from_torch_views([views[n] for n in names], spec.block_size, buf)
         logger.warning("vllm-unified: KV pool owned by MLX (torch cannot share it: %s)", error)

@@ -33,6 +33,10 @@ logger = init_logger(__name__)
 
 
 
+#: Tokens of the profiling forward that measures activation memory (see _activation_peak).
+_PROFILE_TOKENS = 256
+
+
 def _malloc_trim() -> None:
     """Give glibc's free heap memory back to the OS (Linux; a no-op elsewhere)."""
     if sys.platform.startswith("linux"):
@@ -106,7 +110,7 @@ class MLXWorker(WorkerBase):
         start = time.perf_counter()
         activations = logits = 0
         if cache.kv_cache_memory_bytes is None:  # explicit bytes: the user sized it; no profile
-            activations = self.model_runner.profile_activations(tokens)
+            activations = self._activation_peak(tokens)
             logits = sched.max_num_seqs * self.model_config.get_vocab_size() * 4 * 2
             mx.set_cache_limit(activations)
         budget = compute_kv_budget(
@@ -123,12 +127,26 @@ class MLXWorker(WorkerBase):
             logger.info("vllm-unified: %s", budget.describe())
         else:
             logger.info(
-                "vllm-unified: %s; activations: a %d-token profiling forward (%.2f s) peaked at "
-                "%.2f GiB, plus logits of %d sampled rows; MLX buffer cache capped at %.2f GiB",
-                budget.describe(), tokens, time.perf_counter() - start, activations / 2**30,
-                sched.max_num_seqs, activations / 2**30,
+                "vllm-unified: %s; activations: %.2f GiB for a %d-token chunk (profiling forward "
+                "of %d tokens in %.2f s, scaled, plus its attention scores), plus logits of %d "
+                "sampled rows; MLX buffer cache capped at %.2f GiB",
+                budget.describe(), activations / 2**30, tokens, min(tokens, _PROFILE_TOKENS),
+                time.perf_counter() - start, sched.max_num_seqs, activations / 2**30,
             )
         return budget.budget
+
+    def _activation_peak(self, tokens: int) -> int:
+        """Activation bytes of the largest step: one sequence's chunk of ``tokens`` tokens.
+
+        Measured by a profiling forward of ``min(tokens, 256)`` tokens (a full-size forward
+        takes tens of seconds on MLX's CPU backend), scaled linearly to ``tokens``, plus the
+        part that grows quadratically: the fp32 attention scores and probabilities of one
+        layer, ``2 x heads x tokens^2 x 4`` bytes (MLX's CPU attention materialises them).
+        """
+        probe = min(tokens, _PROFILE_TOKENS)
+        measured = self.model_runner.profile_activations(probe)
+        heads = self.model_config.get_num_attention_heads(self.parallel_config)
+        return int(measured * tokens / probe) + 2 * heads * tokens * tokens * 4
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         """The MLX attention reads LBNHC pages (one layer's region is then slot-major)."""
