@@ -172,3 +172,33 @@ def test_bad_request_gets_400_naming_field(server):
     assert "extra_args" in r.text
     still = _complete(server, "The capital of France is", max_tokens=10)
     assert still["choices"][0]["text"] == PARIS
+
+
+def _stream_completion(base: str, prompt: str, **params) -> tuple[str, dict]:
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, **params}
+    text, usage = [], None
+    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=300) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                text.append(choice.get("text") or "")
+    return "".join(text), usage
+
+
+def test_streaming_and_non_streaming_agree(server):
+    """Same text and usage for 5 requests, streamed (with include_usage) or not."""
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
+               "The three primary colors are", "Water boils at"]
+    for prompt in prompts:
+        whole = _complete(server, prompt, max_tokens=20)
+        text, usage = _stream_completion(server, prompt, max_tokens=20)
+        assert text == whole["choices"][0]["text"], prompt
+        assert usage is not None, "include_usage sent no usage chunk"
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert usage[key] == whole["usage"][key], (prompt, key)
