@@ -124,8 +124,6 @@ class MLXModelRunner:
         self.loaded: LoadedModel | None = None
         self.model: nn.Module | None = None
         self.pool: KVPool | None = None
-        #: vLLM's per-layer torch views of the KV buffer (CPU backend), by layer name
-        self.kv_views: dict = {}
         self.pool_zeroed = False
         self.layer_caches: list[PagedLayerCache] = []
         self.batch = InputBatch()
@@ -229,7 +227,6 @@ class MLXModelRunner:
             eager = os.environ.get(EAGER_ZERO_ENV) == "1"
             self.pool_zeroed = eager or kv_cache_config.needs_kv_cache_zeroing
             buf, views = allocate_kv_cache(kv_cache_config, layout, zero=self.pool_zeroed)
-            self.kv_views = views
             return KVPool.from_torch_views([views[n] for n in names], spec.block_size, buf)
         logger.warning("vllm-unified: KV pool owned by MLX (torch cannot share it: %s)", error)
         return KVPool.allocate_mlx(
