@@ -45,6 +45,7 @@ from vllm_unified.models.loader import LoadedModel, load_model
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch
 from vllm_unified.worker.sampler import SamplingRow, sample
+from vllm_unified.worker.step_profile import StepProfile
 from vllm_unified.worker.vllm_sampling import (
     VllmSampling,
     apply_grammar_bitmask,
@@ -128,6 +129,7 @@ class MLXModelRunner:
         self.layer_caches: list[PagedLayerCache] = []
         self.batch = InputBatch()
         self.stats = RunnerStats()
+        self.profile = StepProfile()
         self.vocab_size: int = self.model_config.get_vocab_size()
         self.vllm_sampling = VllmSampling(vllm_config)
         if self.vllm_sampling.custom_logitsprocs:
@@ -276,6 +278,7 @@ class MLXModelRunner:
             raise RuntimeError("speculative decoding tokens in a step: not supported")
         if out.kv_cache_block_copies:
             raise RuntimeError("KV block copies requested: not supported by vllm-unified")
+        self.profile.start()
         self.batch.update(out, self._new_request)
         if out.new_block_ids_to_zero:
             self.pool.zero_blocks(list(out.new_block_ids_to_zero))
@@ -288,7 +291,7 @@ class MLXModelRunner:
         if out.has_structured_output_requests:
             self._pending = pending
             return None
-        return self._sample(pending, None)
+        return self._finish_step(pending, self._sample(pending, None))
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Second half of a step whose :meth:`execute_model` returned None: apply vLLM's
@@ -296,7 +299,14 @@ class MLXModelRunner:
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        return self._sample(pending, grammar_output)
+        return self._finish_step(pending, self._sample(pending, grammar_output))
+
+    def _finish_step(self, pending: _PendingStep, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        self.profile.mark("output")
+        line = self.profile.finish(len(pending.step.req_ids), int(pending.step.input_ids.size))
+        if line is not None:
+            logger.info(line)
+        return output
 
     def _forward(self, step: StepBatch, out: SchedulerOutput) -> _PendingStep:
         """The step's one forward. The LM head runs on the rows sampled by vLLM's sampler,
@@ -318,6 +328,7 @@ class MLXModelRunner:
             step.query_lens.tolist(), step.seq_lens.tolist(), step.block_table, self.block_size
         )
         self.pool.meta = meta
+        self.profile.mark("prepare")
         try:
             logits = self.forward(mx.array(step.input_ids), rows)
             mlx_rows = [self._sampling_row(step.req_ids[i]) for i in mlx_idx]
@@ -327,12 +338,14 @@ class MLXModelRunner:
                 tokens = sample(logits[start:start + len(mlx_idx)], mlx_rows)
             if needs_torch and logits.dtype != mx.float32:
                 logits = logits.astype(mx.float32)
+            self.profile.mark("graph")
             mx.eval(
                 *([logits] if needs_torch else []), *([tokens] if tokens is not None else []),
                 self.pool.arrays(),
             )
         finally:
             self.pool.meta = None
+        self.profile.mark("eval")
         self.stats.forwards += 1
         self.stats.tokens += int(step.input_ids.size)
         by_reqs = self.stats.forwards_by_num_reqs
@@ -436,7 +449,7 @@ class MLXModelRunner:
 
     def stats_dict(self) -> dict:
         return {**asdict(self.stats), "resumed": self.batch.num_resumed,
-                "live_requests": len(self.batch.requests)}
+                "live_requests": len(self.batch.requests), "step_profile": self.profile.as_dict()}
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         state = self.batch.requests[req_id]

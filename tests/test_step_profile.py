@@ -1,0 +1,52 @@
+"""The runner's step profile: phase accounting, step kinds and the log interval."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vllm_unified.worker.step_profile import LOG_PREFIX, STEP_PROFILE_ENV, StepProfile, log_interval
+
+
+def _step(profile: StepProfile, num_reqs: int, num_tokens: int, sleep_s: float) -> str | None:
+    profile.start()
+    profile.mark("prepare")
+    time.sleep(sleep_s)
+    profile.mark("eval")
+    profile.mark("output")
+    return profile.finish(num_reqs, num_tokens)
+
+
+def test_phases_and_kinds_are_accounted_separately() -> None:
+    profile = StepProfile(interval=0)
+    for _ in range(3):
+        assert _step(profile, 4, 4, 0.01) is None  # decode: one token per request
+    assert _step(profile, 2, 130, 0.0) is None  # mixed: a prefill chunk
+    stats = profile.as_dict()
+    assert stats["decode"]["steps"] == 3 and stats["decode"]["requests"] == 12
+    assert stats["mixed"]["steps"] == 1 and stats["mixed"]["tokens"] == 130
+    decode = stats["decode"]["mean_ms"]
+    assert decode["eval"] >= 10.0  # slept 10 ms per step inside the eval phase
+    assert decode["eval"] > decode["prepare"] + decode["output"]
+    assert decode["total"] == pytest.approx(sum(decode[p] for p in ("prepare", "graph", "eval",
+                                                                    "output")))
+
+
+def test_log_line_every_interval_steps_of_a_kind() -> None:
+    profile = StepProfile(interval=2)
+    assert _step(profile, 1, 1, 0.0) is None
+    assert _step(profile, 1, 9, 0.0) is None  # mixed steps do not count toward decode's line
+    line = _step(profile, 3, 3, 0.0)
+    assert line is not None and line.startswith(f"{LOG_PREFIX} decode: 2 steps, 2.0 req/step")
+    assert _step(profile, 1, 1, 0.0) is None  # the window restarted
+
+
+def test_interval_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(STEP_PROFILE_ENV, "25")
+    assert log_interval() == 25
+    monkeypatch.setenv(STEP_PROFILE_ENV, "often")
+    with pytest.raises(ValueError, match=STEP_PROFILE_ENV):
+        log_interval()
+    monkeypatch.delenv(STEP_PROFILE_ENV)
+    assert log_interval() == 0
