@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from vllm_unified import bridge
 from vllm_unified.attention.metadata import AttentionMetadata, build_attention_metadata
 from vllm_unified.attention.paged import paged_attention, paged_attention_kv, write_kv
 
@@ -312,6 +313,36 @@ def test_kv_pool_layout_matches_split_pools(window) -> None:
     meta = build_attention_metadata([1, 9, 1], [20, 25, 60], tables, block)
     q = mx.array(rng.normal(size=(11, heads, 1, dim)).astype(np.float32))
     split = paged_attention(q, mx.array(k), mx.array(v), meta, dim**-0.5, window)
-    joint = paged_attention_kv(q, mx.array(np.concatenate([k, v], axis=-1)), meta, dim**-0.5,
-                               window)
+    pool = mx.array(np.concatenate([k, v], axis=-1))
+    joint = paged_attention_kv(q, pool, meta, dim**-0.5, window)
     np.testing.assert_allclose(np.array(joint), np.array(split), rtol=1e-6, atol=1e-6)
+    # The native gather (the default on the CPU backend) and MLX's gather (the reference) read
+    # the same rows, so the outputs are bit-identical.
+    reference = paged_attention_kv(q, pool, meta, dim**-0.5, window, accelerate=False)
+    assert bridge.native_error() is None
+    np.testing.assert_array_equal(np.array(joint), np.array(reference))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_native_gather_kv_equals_mlx_gather(dtype: mx.Dtype) -> None:
+    """``bridge.gather_kv`` returns exactly the two halves of the selected rows, contiguous."""
+    rng = np.random.default_rng(5)
+    pool = mx.array(rng.normal(size=(300, 2 * 24)).astype(np.float32)).astype(dtype)
+    rows = mx.array(rng.integers(0, 300, size=(4, 3, 17)).astype(np.int32))
+    keys, values = bridge.gather_kv(pool, rows)
+    assert keys.shape == values.shape == (4, 3, 17, 24) and keys.dtype == dtype
+    assert mx.array_equal(keys, pool[:, :24][rows]).item()
+    assert mx.array_equal(values, pool[:, 24:][rows]).item()
+    # Lazy inputs (the pool as the output of a write) are ordered before the gather.
+    written = bridge.write_rows(pool, mx.array([7], dtype=mx.int32), mx.ones((1, 48), dtype))
+    keys, _ = bridge.gather_kv(written, mx.array([[7]], dtype=mx.int32))
+    assert mx.array_equal(keys, mx.ones((1, 1, 24), dtype)).item()
+
+
+def test_native_gather_kv_rejects_out_of_range_rows() -> None:
+    pool = mx.zeros((10, 8))
+    with pytest.raises(IndexError, match="out of range"):
+        bridge.gather_kv(pool, mx.array([3, 10], dtype=mx.int32))
+    lazy = mx.array([3], dtype=mx.int32) + 20  # not computed yet: checked when it runs
+    with pytest.raises(RuntimeError, match="out of range"):
+        mx.eval(bridge.gather_kv(pool, lazy))

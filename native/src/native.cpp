@@ -12,6 +12,9 @@
 //       A lazy primitive writing src's rows into dst's buffer *in place*; its output shares that
 //       buffer, so every alias (torch views included) sees the write and readers of the output
 //       are ordered after it.
+//   gather_kv(pool, rows, *, stream=None) -> (keys, values)
+//       A lazy gather of rows of a [rows, 2 * D] K|V pool into two row-contiguous arrays (the
+//       paged attention's key/value read; MLX's generic gather is several times slower here).
 //   to_torch(a) -> torch.Tensor
 //       A torch view of an array's bytes with an exact data pointer (MLX's own DLPack export
 //       breaks torch for adopted arrays whose offset is negative).
@@ -359,6 +362,100 @@ mx::array write_rows(
 }
 
 // ---------------------------------------------------------------------------------------------
+// gather_kv
+
+// Copies row r = rows[i] of a [nrows, 2 * D] K|V pool: its first D elements to keys[i], the
+// last D to values[i]. One pass over the selected rows, two memcpy per row.
+class GatherKV : public mx::Primitive {
+ public:
+  explicit GatherKV(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& pool = inputs[0];
+    const auto& rows = inputs[1];
+    auto& keys = outputs[0];
+    auto& values = outputs[1];
+    if (!pool.flags().row_contiguous || !rows.flags().row_contiguous) {
+      throw std::invalid_argument("[gather_kv] pool and rows must be row-contiguous");
+    }
+    keys.set_data(mx::allocator::malloc(keys.nbytes()));
+    values.set_data(mx::allocator::malloc(values.nbytes()));
+    const size_t n = rows.size();
+    if (n == 0) {
+      return;
+    }
+    const int64_t nrows = pool.shape(0);
+    const size_t row_bytes = pool.nbytes() / static_cast<size_t>(nrows);
+    const size_t half = row_bytes / 2;
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(pool);
+    enc.set_input_array(rows);
+    enc.set_output_array(keys);
+    enc.set_output_array(values);
+    const char* src = pool.data<char>();
+    const int32_t* idx = rows.data<int32_t>();
+    char* kp = keys.data<char>();
+    char* vp = values.data<char>();
+    // Indices are checked before anything is read: an out-of-range row is an error (stored by
+    // MLX's scheduler and rethrown by the eval that needs the outputs), never a wild read.
+    enc.dispatch([src, idx, kp, vp, n, nrows, half]() {
+      if (auto bad = first_bad(idx, n, nrows)) {
+        throw std::out_of_range(
+            "[gather_kv] row " + std::to_string(*bad) + " is out of range for a pool of " +
+            std::to_string(nrows) + " rows");
+      }
+      for (size_t i = 0; i < n; ++i) {
+        const char* row = src + static_cast<size_t>(idx[i]) * 2 * half;
+        std::memcpy(kp + i * half, row, half);
+        std::memcpy(vp + i * half, row + half, half);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[gather_kv] CPU only; use the pure-MLX gather on GPU streams");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[1].shape();
+    shape.push_back(inputs[0].shape(1) / 2);
+    return {shape, shape};
+  }
+
+  const char* name() const override {
+    return "GatherKV";
+  }
+};
+
+// keys, values = gather_kv(pool, rows): pool [nrows, 2 * D] (K then V per row), rows int32 of
+// any shape S -> two row-contiguous arrays of shape S + [D].
+std::vector<mx::array> gather_kv(const mx::array& pool, const mx::array& rows, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream);
+  if (pool.ndim() != 2 || pool.shape(1) % 2 != 0) {
+    raise_py(
+        PyExc_ValueError,
+        "gather_kv: pool must be [rows, 2 * D] (keys then values), got " +
+            shape_str(pool.shape()));
+  }
+  if (rows.dtype() != mx::int32) {
+    raise_py(PyExc_TypeError, "gather_kv: rows must be int32");
+  }
+  if (rows.is_available() && rows.flags().row_contiguous && rows.size() > 0) {
+    if (auto bad = first_bad(rows.data<int32_t>(), rows.size(), pool.shape(0))) {
+      raise_py(
+          PyExc_IndexError,
+          "gather_kv: row " + std::to_string(*bad) + " is out of range for a pool of " +
+              std::to_string(pool.shape(0)) + " rows");
+    }
+  }
+  mx::Shape shape = rows.shape();
+  shape.push_back(pool.shape(1) / 2);
+  return mx::array::make_arrays(
+      {shape, shape}, {pool.dtype(), pool.dtype()}, std::make_shared<GatherKV>(s),
+      {mx::contiguous(pool, false, s), mx::contiguous(rows, false, s)});
+}
+
+// ---------------------------------------------------------------------------------------------
 // to_torch
 
 nb::dlpack::dtype dlpack_dtype(mx::Dtype t) {
@@ -443,6 +540,10 @@ NB_MODULE(_native, m) {
   m.def("write_rows", &write_rows, nb::arg("dst"), nb::arg("row_idx"), nb::arg("src"),
         nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy in-place row write: dst[row_idx[i]] = src[i]; the result shares dst's buffer.");
+  m.def("gather_kv", &gather_kv, nb::arg("pool"), nb::arg("rows"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy row gather from a K|V pool [rows, 2D]: (pool[rows, :D], pool[rows, D:]), each "
+        "row-contiguous with shape rows.shape + (D,).");
   m.def("to_torch", &to_torch, nb::arg("a"),
         "A torch CPU tensor over the array's bytes (exact data pointer, any offset).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");

@@ -12,7 +12,7 @@ import importlib.metadata
 
 import mlx.core  # noqa: F401  (registers the types the extension's signatures use)
 
-from ._native import MLX_VERSION, NANOBIND_VERSION, adopt, info, to_torch, write_rows
+from ._native import MLX_VERSION, NANOBIND_VERSION, adopt, gather_kv, info, to_torch, write_rows
 
 _running = importlib.metadata.version("mlx")
 if _running != MLX_VERSION:
@@ -21,4 +21,6 @@ if _running != MLX_VERSION:
         "installed; rebuild it (scripts/setup.sh, or pip install --no-build-isolation ./native)"
     )
 
-__all__ = ["MLX_VERSION", "NANOBIND_VERSION", "adopt", "info", "to_torch", "write_rows"]
+__all__ = [
+    "MLX_VERSION", "NANOBIND_VERSION", "adopt", "gather_kv", "info", "to_torch", "write_rows",
+]

@@ -308,3 +308,29 @@ def data_ptr(a: mx.array) -> int:
     if native is not None:
         return native.info(a)["data_ptr"]
     return torch.from_dlpack(a).data_ptr()
+
+
+def gather_kv(pool_rows: mx.array, rows: mx.array) -> tuple[mx.array, mx.array] | None:
+    """Keys and values at ``rows`` of a K|V pool, by the native CPU primitive; lazily.
+
+    Args:
+        pool_rows: ``[R, 2 * D]``, row-contiguous: each row one (slot, head) cell holding the
+            key followed by the value (the paged pool viewed as rows, see
+            :mod:`vllm_unified.attention.paged`).
+        rows: int32 indices in ``[0, R)``, any shape ``S``.
+
+    Returns:
+        ``(keys, values)``, each row-contiguous ``S + [D]`` in the pool's dtype, equal to
+        ``pool_rows[rows, :D]`` and ``pool_rows[rows, D:]`` (the pure-MLX gather, which the tests
+        compare against); or None when the accelerator does not apply: the native extension is
+        missing or the default device is not the CPU (callers then gather with MLX ops).
+
+    Raises:
+        IndexError: an index outside ``[0, R)`` when ``rows`` is already computed;
+            ``RuntimeError`` from the ``mx.eval`` that runs the gather when it is lazy.
+    """
+    mod, _ = _native()
+    if mod is None or _mx().default_device() != _mx().cpu:
+        return None
+    keys, values = mod.gather_kv(pool_rows, rows)
+    return keys, values

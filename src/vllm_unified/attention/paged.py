@@ -15,9 +15,15 @@ row by row (pool row ``slot * Hkv + head``), which lands them directly in SDPA's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
+from vllm_unified import bridge
 from vllm_unified.attention.metadata import AttentionMetadata, Window
+
+#: Reads the keys and values at int32 pool rows ``[..., S]`` -> two ``[..., S, D]`` arrays.
+Gather = Callable[[mx.array], tuple[mx.array, mx.array]]
 
 # Gather indices are int32 rows of the pool viewed as [slots * Hkv, D].
 _MAX_ROWS = 2**31
@@ -102,8 +108,9 @@ def paged_attention(
             (``slots * Hkv``; gather indices are int32).
     """
     _check_inputs(queries, k_pool, v_pool, meta, window)
-    return _attend(queries, _rows_view(k_pool), _rows_view(v_pool), k_pool.shape[1], meta, scale,
-                   window)
+    k_rows, v_rows = _rows_view(k_pool), _rows_view(v_pool)
+    return _attend(queries, lambda rows: (k_rows[rows], v_rows[rows]), k_pool.shape[1], meta,
+                   scale, window)
 
 
 def paged_attention_kv(
@@ -112,6 +119,7 @@ def paged_attention_kv(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    accelerate: bool = True,
 ) -> mx.array:
     """:func:`paged_attention` over one pool holding K and V side by side.
 
@@ -119,7 +127,9 @@ def paged_attention_kv(
     head's key followed by its value: vLLM's attention page ``[B, H, N, C]`` with
     ``C = head_size + head_size_v`` in the LBNHC layout, viewed slot-major. K and V are read as
     the column halves of the same ``[slots * Hkv, 2 * D]`` rows, so nothing is copied to split
-    them (a reshape of a half would copy the pool).
+    them (a reshape of a half would copy the pool). With ``accelerate`` (the default) and the
+    native extension on MLX's CPU backend, the rows are read by its ``gather_kv`` primitive
+    (:func:`vllm_unified.bridge.gather_kv`); ``accelerate=False`` is the pure-MLX reference.
 
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D``.
@@ -130,29 +140,37 @@ def paged_attention_kv(
     head_dim = queries.shape[-1]
     half = kv_pool[..., :head_dim]  # shapes only: _check_inputs reads no data
     _check_inputs(queries, half, half, meta, window)
-    rows = kv_pool.reshape(-1, 2 * head_dim)
-    return _attend(queries, rows[:, :head_dim], rows[:, head_dim:], kv_pool.shape[1], meta,
-                   scale, window)
+    pool_rows = kv_pool.reshape(-1, 2 * head_dim)
+
+    def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
+        # The native CPU primitive copies both halves of each row in one pass; MLX's generic
+        # gather from the two strided halves (the reference) was ~4x slower on a 16-sequence
+        # decode batch. Same values either way (tests/test_paged_attention.py compares them).
+        gathered = bridge.gather_kv(pool_rows, rows) if accelerate else None
+        if gathered is not None:
+            return gathered
+        return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
+
+    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window)
 
 
 def _attend(
     queries: mx.array,
-    k_rows: mx.array,
-    v_rows: mx.array,
+    gather: Gather,
     kv_heads: int,
     meta: AttentionMetadata,
     scale: float,
     window: Window,
 ) -> mx.array:
-    """Attention given the pool as ``[slots * Hkv, D]`` key and value rows (see _rows_view)."""
+    """Attention given ``gather``, which reads keys and values at pool rows (see _rows_view)."""
     if meta.num_tokens == 0:
         return queries
     outputs = []
     if meta.decode_rows is not None:
-        outputs.append(_decode_attention(queries, k_rows, v_rows, meta, scale, window, kv_heads))
+        outputs.append(_decode_attention(queries, gather, meta, scale, window, kv_heads))
     for index in range(len(meta.prefills)):
         outputs.append(
-            _prefill_attention(queries, k_rows, v_rows, meta, index, scale, window, kv_heads)
+            _prefill_attention(queries, gather, meta, index, scale, window, kv_heads)
         )
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return out if meta.output_order is None else out[meta.output_order]
@@ -192,8 +210,7 @@ def _rows_view(pool: mx.array) -> mx.array:
 
 def _decode_attention(
     queries: mx.array,
-    k_rows: mx.array,
-    v_rows: mx.array,
+    gather: Gather,
     meta: AttentionMetadata,
     scale: float,
     window: Window,
@@ -202,15 +219,13 @@ def _decode_attention(
     """One SDPA over all single-token sequences: ``[Bd, H, 1, D]`` against ``[Bd, Hkv, S, D]``."""
     view = meta.decode_view(window, kv_heads)
     q = queries[meta.decode_rows]
-    return mx.fast.scaled_dot_product_attention(
-        q, k_rows[view.rows], v_rows[view.rows], scale=scale, mask=view.mask
-    )
+    keys, values = gather(view.rows)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=view.mask)
 
 
 def _prefill_attention(
     queries: mx.array,
-    k_rows: mx.array,
-    v_rows: mx.array,
+    gather: Gather,
     meta: AttentionMetadata,
     index: int,
     scale: float,
@@ -222,7 +237,7 @@ def _prefill_attention(
     view = meta.prefill_view(index, window, kv_heads)
     # [L, H, 1, D] rows -> [1, H, L, D]: the chunk becomes one sequence of length L.
     q = queries[chunk.start : chunk.start + chunk.length].transpose(2, 1, 0, 3)
-    out = mx.fast.scaled_dot_product_attention(
-        q, k_rows[view.rows], v_rows[view.rows], scale=scale, mask=view.mask
-    )
+    keys, values = gather(view.rows)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=view.mask)
     return out.transpose(2, 1, 0, 3)
+
