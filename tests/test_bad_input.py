@@ -151,7 +151,7 @@ def test_platform_installs_guard_in_vllm_serve_parser():
 # ------------------------------------------------------------------------- end to end (server)
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 256
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 STREAM_PROMPT = "Count from one to twenty:"
 STREAM_TOKENS = 16
