@@ -73,6 +73,19 @@ def test_check_sampling_limits():
                    limits)
 
 
+def test_platform_validate_request_applies_limits():
+    """The same limits reach offline ``LLM`` use through vLLM's per-request platform hook."""
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_unified.compat import VLLMValidationError
+    from vllm_unified.platform import MLXPlatform
+
+    MLXPlatform.validate_request({}, SamplingParams(n=128, temperature=1.0))
+    with pytest.raises(VLLMValidationError, match="n=129 exceeds") as e:
+        MLXPlatform.validate_request({}, SamplingParams(n=129, temperature=1.0))
+    assert e.value.parameter == "n"
+
+
 def test_check_fields():
     known = known_fields("CompletionRequest")
     assert {"prompt", "max_tokens", "structured_outputs", "vllm_xargs"} <= known
