@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +67,68 @@ def run_llm(
     result = json.loads(out_path.read_text())
     result["log"] = proc.stdout + proc.stderr
     return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(
+    log_dir: Path, args: list[str], env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``vllm serve ARGS`` (the environment's real ``vllm`` command, our plugin loaded) on a
+    free local port, yielded once ``/health`` answers 200, killed afterwards.
+
+    Yields:
+        The base URL and the server process.
+
+    Raises:
+        AssertionError: the server exited or was not healthy within 300 s (with its log tail).
+    """
+    import requests
+
+    port = _free_port()
+    log_path = log_dir / "server.log"
+    vllm = Path(sys.executable).parent / "vllm"
+    cmd = [str(vllm), "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    full_env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    full_env.update(env or {})
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {log_path.read_text()[-5000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                raise AssertionError(f"server not healthy: {log_path.read_text()[-5000:]}")
+            time.sleep(1)
+        yield base, proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def default_server_args(served_name: str) -> list[str]:
+    """``vllm serve`` arguments of the default model as the server tests run it: the GGUF file
+    itself, long prompts chunked (``--max-num-batched-tokens 256``), a fixed KV budget."""
+    return [default_model_path(), "--served-model-name", served_name, "--max-model-len", "2048",
+            "--max-num-batched-tokens", "256", "--kv-cache-memory-bytes", str(512 * 2**20),
+            "--seed", "0"]
 
 
 @pytest.fixture(scope="session")

@@ -1,25 +1,20 @@
 """``vllm serve`` of the default model through our plugin, driven over HTTP like a user would.
 
 One server for the module: the real ``vllm`` command of the environment, given the GGUF file
-itself, with ``--max-num-batched-tokens 256`` so long prompts are chunked.
+itself, with ``--max-num-batched-tokens 256`` so long prompts are chunked, and vLLM's tool
+calling (``--enable-auto-tool-choice --tool-call-parser pythonic``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
-from conftest import default_model_path
+from conftest import default_server_args, vllm_server
 
 pytestmark = pytest.mark.slow
 
@@ -27,47 +22,14 @@ MODEL = "SmolLM2-135M-Instruct"
 PARIS = " Paris.\n\nThe answer is: 2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    vllm = Path(sys.executable).parent / "vllm"
-    cmd = [str(vllm), "serve", default_model_path(), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", MODEL, "--max-model-len", "2048",
-           "--max-num-batched-tokens", "256", "--kv-cache-memory-bytes", str(512 * 2**20),
-           "--seed", "0"]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {log_path.read_text()[-5000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                raise AssertionError(f"server not healthy: {log_path.read_text()[-5000:]}")
-            time.sleep(1)
+    # vLLM needs a tool parser for any tool_choice; pythonic needs no special tokens
+    # (SmolLM2's chat template has no tool markup).
+    args = [*default_server_args(MODEL), "--enable-auto-tool-choice",
+            "--tool-call-parser", "pythonic"]
+    with vllm_server(tmp_path_factory.mktemp("server"), args) as (base, _):
         yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _complete(base: str, prompt: str, **params) -> dict:
@@ -202,3 +164,45 @@ def test_streaming_and_non_streaming_agree(server):
         assert usage is not None, "include_usage sent no usage chunk"
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert usage[key] == whole["usage"][key], (prompt, key)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string"},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "required": ["zone"],
+                                       "properties": {"zone": {"type": "string"}}}}}
+
+
+def _valid_weather_args(arguments: str) -> bool:
+    args = json.loads(arguments)
+    return (set(args) == {"city", "unit"} and isinstance(args["city"], str)
+            and args["unit"] in ("celsius", "fahrenheit"))
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_tool_calling(server, tool_choice):
+    """A named tool_choice (and "required") goes through vLLM's tool machinery: the output is
+    constrained to the tool's parameter schema by structured output on our logits, and the
+    server returns it as a parsed tool_calls entry."""
+    body = {"model": MODEL, "temperature": 0.0, "max_tokens": 80, "tools": [TIME, WEATHER],
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tool_choice": tool_choice}
+    r = requests.post(f"{server}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    calls = message["tool_calls"]
+    assert len(calls) >= 1, message
+    if tool_choice != "required":
+        assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    for call in calls:
+        assert call["type"] == "function" and call["id"]
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        assert name in ("get_weather", "get_time"), call
+        if name == "get_weather":
+            assert _valid_weather_args(arguments), arguments
+        else:
+            assert isinstance(json.loads(arguments)["zone"], str), arguments

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_unified import compat
+from vllm_unified import compat, request_guard, request_policy
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
 
@@ -139,8 +139,19 @@ class MLXPlatform(Platform):
             raise ValueError(f"--dtype {dtype}: MLX serves float32, bfloat16 or float16")
 
     @classmethod
+    def pre_register_and_update(cls, parser: Any = None) -> None:
+        """Install the HTTP request guard (:mod:`vllm_unified.request_guard`) as a default of
+        vLLM's ``--middleware`` option when vLLM builds the ``serve`` parser."""
+        request_guard.add_to_middleware_default(parser)
+
+    @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
-        """vLLM's check for unknown ``VLLM_*`` variables, knowing ours (``VLLM_UNIFIED_*``)."""
+        """vLLM's check for unknown ``VLLM_*`` variables, knowing ours (``VLLM_UNIFIED_*``).
+
+        Raises:
+            ValueError: a request-policy setting (``VLLM_UNIFIED_MAX_N`` ...) with a bad value.
+        """
+        request_policy.RequestLimits.from_env()
         known = compat.vllm_environment_variables()
         for env in os.environ:
             if env.startswith("VLLM_") and not env.startswith("VLLM_UNIFIED_") and env not in known:
@@ -254,6 +265,7 @@ class MLXPlatform(Platform):
                 "vllm-unified serves text generation only (pooling is not supported)",
                 parameter="task",
             )
+        request_policy.check_sampling(params, request_policy.current_limits())
         for field, unsupported in _unsupported_sampling(params).items():
             if unsupported:
                 raise compat.VLLMValidationError(

@@ -1,0 +1,292 @@
+"""HTTP-level request checks for vLLM's OpenAI server: an ASGI middleware, installed through
+vLLM's own ``--middleware`` option (the platform adds it to that option's default, see
+:meth:`vllm_unified.platform.MLXPlatform.pre_register_and_update`).
+
+It sees the raw body, which vLLM's per-request platform hook (``validate_request``) does not,
+and answers with vLLM's error format (``{"error": {"message", "type", "param", "code"}}``):
+
+- a body over ``VLLM_UNIFIED_MAX_REQUEST_BYTES`` -> 413 (the excess is read and dropped, never
+  kept);
+- on ``/v1/completions`` and ``/v1/chat/completions``: top-level fields the endpoint does not
+  know -> 400 naming them (vLLM drops them with a debug log; ``VLLM_UNIFIED_UNKNOWN_FIELDS=
+  ignore`` restores that), and vLLM's removed ``guided_*`` fields -> 400 always, since their
+  constraint would silently not apply;
+- a body that is not UTF-8 -> 400 naming the offending byte (vLLM answers "There was an error
+  parsing the body");
+- text holding a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but not Unicode text)
+  -> 400 naming the field, instead of a tokenizer encoding error;
+- the sampling limits of :mod:`vllm_unified.request_policy` (``n``; streaming ``n`` > 1 with
+  prompt logprobs), which ``validate_request`` also applies, so streamed requests get a real
+  400 instead of an error event inside a 200 stream.
+
+Everything else, including malformed JSON and wrong types, is left to vLLM's own validation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterator
+from http import HTTPStatus
+from typing import Any
+
+from vllm_unified import compat
+from vllm_unified.request_policy import (
+    MAX_REQUEST_BYTES_ENV,
+    UNKNOWN_FIELDS_ENV,
+    RequestLimits,
+    current_limits,
+    sampling_problem,
+)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: The endpoints whose top-level fields are checked, and vLLM's request model for each.
+CHECKED_ENDPOINTS: dict[str, str] = {
+    "/v1/completions": "CompletionRequest",
+    "/v1/chat/completions": "ChatCompletionRequest",
+}
+
+#: Guided-decoding fields vLLM removed (0.32 ignores them); ``structured_outputs`` replaces them.
+REMOVED_GUIDED_FIELDS: dict[str, str] = {
+    "guided_json": '"structured_outputs": {"json": <schema>}',
+    "guided_regex": '"structured_outputs": {"regex": <pattern>}',
+    "guided_choice": '"structured_outputs": {"choice": [...]}',
+    "guided_grammar": '"structured_outputs": {"grammar": <grammar>}',
+    "guided_decoding_backend": "--structured-outputs-config",
+    "guided_whitespace_pattern": '"structured_outputs": {"whitespace_pattern": ...}',
+}
+
+
+#: Import path given to vLLM's ``--middleware``.
+GUARD_PATH = "vllm_unified.request_guard.RequestGuard"
+
+
+def add_to_middleware_default(parser: Any) -> None:
+    """Make ``RequestGuard`` part of the default of vLLM's ``--middleware`` option, so
+    ``vllm serve`` installs it; a user's own ``--middleware`` values are appended to it."""
+    if parser is None or not any(a.dest == "middleware" for a in parser._actions):
+        return
+    current = list(parser.get_default("middleware") or [])
+    if GUARD_PATH not in current:
+        parser.set_defaults(middleware=[GUARD_PATH, *current])
+
+
+class RequestRejected(Exception):
+    """A request refused before it reaches vLLM."""
+
+    def __init__(self, message: str, param: str | None, status: HTTPStatus) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+def known_fields(model_name: str) -> frozenset[str]:
+    """Field names and aliases of vLLM's request model ``model_name`` (what vLLM accepts)."""
+    model = getattr(compat, model_name)
+    names = set()
+    for name, field in model.model_fields.items():
+        names.add(name)
+        if field.alias:
+            names.add(field.alias)
+    return frozenset(names)
+
+
+def check_fields(body: dict[str, Any], known: frozenset[str], endpoint: str,
+                 limits: RequestLimits) -> None:
+    """Reject removed guided-decoding fields always, other unknown fields unless ignored.
+
+    Raises:
+        RequestRejected: 400 naming the field(s).
+    """
+    unknown = sorted(set(body) - known)
+    for name in unknown:
+        if name in REMOVED_GUIDED_FIELDS:
+            raise RequestRejected(
+                f"'{name}' was removed from vLLM and would be ignored (output NOT "
+                f"constrained); use {REMOVED_GUIDED_FIELDS[name]} or response_format",
+                name, HTTPStatus.BAD_REQUEST,
+            )
+    if unknown and limits.unknown_fields == "reject":
+        listed = ", ".join(f"'{n}'" for n in unknown)
+        raise RequestRejected(
+            f"unknown field(s) {listed} for {endpoint}: vLLM would ignore them "
+            f"(set {UNKNOWN_FIELDS_ENV}=ignore to accept and ignore unknown fields)",
+            unknown[0], HTTPStatus.BAD_REQUEST,
+        )
+
+
+def check_sampling_fields(body: dict[str, Any], endpoint: str, limits: RequestLimits) -> None:
+    """The request policy's sampling limits (:func:`~vllm_unified.request_policy.
+    sampling_problem`) on the raw fields, so that a streamed request gets a real HTTP 400
+    rather than an error event in a 200 stream (where ``validate_request`` errors land).
+
+    Raises:
+        RequestRejected: 400 naming the field.
+    """
+    n = body.get("n")
+    if not isinstance(n, int) or isinstance(n, bool):
+        return  # absent or a wrong type: vLLM's own validation answers
+    prompt_logprobs = body.get("prompt_logprobs") is not None or (
+        endpoint == "/v1/completions" and bool(body.get("echo"))
+        and body.get("logprobs") is not None
+    )
+    problem = sampling_problem(n, prompt_logprobs, body.get("stream") is True, limits)
+    if problem is not None:
+        raise RequestRejected(problem[0], problem[1], HTTPStatus.BAD_REQUEST)
+
+
+def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """Every string in a parsed JSON value (keys too), with its JSON path."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            child = f"{path}.{key}" if path else str(key)
+            yield child, key
+            yield from _strings(item, child)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _strings(item, f"{path}[{i}]")
+
+
+def check_text(body: Any) -> None:
+    """Reject strings that are not valid Unicode text (a lone UTF-16 surrogate).
+
+    Raises:
+        RequestRejected: 400 naming the field, the code point and its position.
+    """
+    for path, text in _strings(body, ""):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestRejected(
+                f"field '{path}' contains a lone UTF-16 surrogate "
+                f"(U+{ord(text[e.start]):04X} at character {e.start}); text must be valid "
+                "Unicode (surrogates only come in escaped pairs)",
+                path, HTTPStatus.BAD_REQUEST,
+            ) from None
+
+
+class RequestGuard:
+    """ASGI middleware applying the checks above to POST requests.
+
+    Args:
+        app: the next ASGI application.
+        limits: the policy; read from the environment (:class:`RequestLimits`) if omitted.
+    """
+
+    def __init__(self, app: Callable, limits: RequestLimits | None = None) -> None:
+        self.app = app
+        self.limits = limits or current_limits()
+        self._known: dict[str, frozenset[str]] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await self._read_body(scope, receive)
+            if body is None:  # client went away
+                return
+            self._check(scope, body)
+        except RequestRejected as e:
+            await _send_error(send, e)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, or None if the client disconnected.
+
+        Raises:
+            RequestRejected: 413 once the body (declared or received) passes the limit; the
+                rest is read and dropped first, so the client gets the answer rather than a
+                reset connection while it is still sending.
+        """
+        limit = self.limits.max_request_bytes
+        declared = _header(scope, b"content-length")
+        too_large = declared is not None and declared.isdigit() and int(declared) > limit
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            too_large = too_large or size > limit
+            if not too_large:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        if too_large:
+            raise _too_large(max(size, int(declared or 0)), limit)
+        return b"".join(chunks)
+
+    def _check(self, scope: Scope, raw: bytes) -> None:
+        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+        if path not in CHECKED_ENDPOINTS:
+            return
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestRejected(
+                f"request body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset "
+                f"{e.start}); JSON must be UTF-8 encoded",
+                None, HTTPStatus.BAD_REQUEST,
+            ) from None
+        try:
+            body = json.loads(text)
+        except ValueError:
+            return  # vLLM answers malformed JSON itself, naming the position
+        check_text(body)
+        if isinstance(body, dict):
+            if path not in self._known:
+                self._known[path] = known_fields(CHECKED_ENDPOINTS[path])
+            check_fields(body, self._known[path], path, self.limits)
+            check_sampling_fields(body, path, self.limits)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _too_large(size: int, limit: int) -> RequestRejected:
+    return RequestRejected(
+        f"request body of {size} bytes exceeds this server's limit of {limit} bytes "
+        f"(set {MAX_REQUEST_BYTES_ENV} to change it)",
+        None, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+    )
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the body already read, then defers to the client's
+    (the app listens there for ``http.disconnect`` while it streams)."""
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_error(send: Send, error: RequestRejected) -> None:
+    err_type = "BadRequestError" if error.status == HTTPStatus.BAD_REQUEST else error.status.phrase
+    payload = compat.create_error_response(str(error), err_type, error.status, error.param)
+    data = payload.model_dump_json().encode()
+    await send({
+        "type": "http.response.start",
+        "status": int(error.status),
+        "headers": [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(data)).encode()),
+                    (b"connection", b"close")],
+    })
+    await send({"type": "http.response.body", "body": data})

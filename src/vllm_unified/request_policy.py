@@ -1,0 +1,121 @@
+"""Request limits that are policy, not vLLM semantics: each is a documented setting
+(``VLLM_UNIFIED_*`` environment variable, see ``docs/configuration.md``) with a default.
+
+vLLM's own front end validates ranges and types; these cover what it accepts although it can
+hurt the server or silently lose what the client asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_unified import compat
+
+MAX_N_ENV = "VLLM_UNIFIED_MAX_N"
+MAX_REQUEST_BYTES_ENV = "VLLM_UNIFIED_MAX_REQUEST_BYTES"
+UNKNOWN_FIELDS_ENV = "VLLM_UNIFIED_UNKNOWN_FIELDS"
+
+DEFAULT_MAX_N = 128
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+UNKNOWN_FIELDS_CHOICES = ("reject", "ignore")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The request policy in force.
+
+    Attributes:
+        max_n: most completions (``n``) one request may ask for.
+        max_request_bytes: largest HTTP request body, bytes.
+        unknown_fields: ``reject`` (HTTP 400 naming them) or ``ignore`` (vLLM's behaviour:
+            logged and dropped) for top-level fields the OpenAI endpoint does not know.
+    """
+
+    max_n: int = DEFAULT_MAX_N
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    unknown_fields: str = "reject"
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> RequestLimits:
+        """Read the settings.
+
+        Raises:
+            ValueError: a setting that is not a positive integer / not one of the choices,
+                naming the variable and the value.
+        """
+        env = os.environ if environ is None else environ
+        unknown = env.get(UNKNOWN_FIELDS_ENV, "reject")
+        if unknown not in UNKNOWN_FIELDS_CHOICES:
+            raise ValueError(
+                f"{UNKNOWN_FIELDS_ENV}={unknown!r}: must be one of {list(UNKNOWN_FIELDS_CHOICES)}"
+            )
+        return cls(
+            max_n=_positive_int(env, MAX_N_ENV, DEFAULT_MAX_N),
+            max_request_bytes=_positive_int(env, MAX_REQUEST_BYTES_ENV, DEFAULT_MAX_REQUEST_BYTES),
+            unknown_fields=unknown,
+        )
+
+
+@functools.cache
+def current_limits() -> RequestLimits:
+    """The limits from this process's environment, read once (checked at start-up by
+    :meth:`vllm_unified.platform.MLXPlatform.validate_environ`)."""
+    return RequestLimits.from_env()
+
+
+def _positive_int(env: Any, name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={raw!r}: must be a positive integer")
+    return value
+
+
+def sampling_problem(
+    n: int, prompt_logprobs: bool, streamed: bool, limits: RequestLimits
+) -> tuple[str, str] | None:
+    """What vLLM would accept but this server refuses, as (message, field), else None.
+
+    Args:
+        n: completions asked for.
+        prompt_logprobs: whether prompt logprobs are asked for (``prompt_logprobs``, or
+            ``echo`` with ``logprobs`` on the completions endpoint).
+        streamed: whether the outputs are streamed (vLLM's ``RequestOutputKind.DELTA``).
+    """
+    if n > limits.max_n:
+        return (f"n={n} exceeds this server's limit of {limits.max_n} completions per "
+                f"request (set {MAX_N_ENV} to change it)", "n")
+    # vLLM's streaming completions code takes the prompt (token ids, logprobs) from the first
+    # output of each request; with n > 1 later children arrive without it and the OpenAI
+    # server fails with HTTP 500 (vLLM 0.32, its own CPU backend too).
+    if n > 1 and prompt_logprobs and streamed:
+        return ("streaming with n > 1 and prompt logprobs (echo with logprobs, or "
+                "prompt_logprobs) is not supported by vLLM's streaming code; use "
+                "stream=false, n=1, or no prompt logprobs", "n")
+    return None
+
+
+def check_sampling(params: Any, limits: RequestLimits) -> None:
+    """Refuse sampling requests vLLM accepts but that would hurt the server or fail late.
+
+    Args:
+        params: the request's ``SamplingParams`` (before vLLM fans ``n`` out).
+
+    Raises:
+        VLLMValidationError: naming the field and the limit (HTTP 400 in the server).
+    """
+    problem = sampling_problem(
+        params.n, params.prompt_logprobs is not None,
+        params.output_kind == compat.RequestOutputKind.DELTA, limits,
+    )
+    if problem is not None:
+        message, field = problem
+        raise compat.VLLMValidationError(message, parameter=field, value=getattr(params, field))

@@ -1,0 +1,338 @@
+"""Bad and hostile input: a clear HTTP 4xx naming the problem, and the server keeps serving.
+
+Unit tests (fast): the request policy settings, the HTTP request guard
+(:mod:`vllm_unified.request_guard`) on a stand-in ASGI app, and that the platform installs
+the guard through vLLM's own ``--middleware`` option when vLLM builds its ``serve`` parser.
+
+End to end (``slow``, one ``vllm serve`` of the default model through our plugin): every bad
+input of the list below is answered with its 4xx and a message naming the problem, while
+streaming requests run back to back and each completes normally (all tokens, finish_reason,
+the same text as the request alone); afterwards the process is up and ``/health`` is 200.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from conftest import default_server_args, vllm_server
+
+from vllm_unified.request_guard import (
+    GUARD_PATH,
+    RequestGuard,
+    RequestRejected,
+    check_fields,
+    check_text,
+    known_fields,
+)
+from vllm_unified.request_policy import RequestLimits, check_sampling
+
+# ---------------------------------------------------------------------------------- unit tests
+
+
+def test_limits_from_env_defaults_and_errors():
+    limits = RequestLimits.from_env({})
+    assert (limits.max_n, limits.max_request_bytes, limits.unknown_fields) == (
+        128, 4 * 2**20, "reject")
+    custom = RequestLimits.from_env({"VLLM_UNIFIED_MAX_N": "4",
+                                     "VLLM_UNIFIED_MAX_REQUEST_BYTES": "1000",
+                                     "VLLM_UNIFIED_UNKNOWN_FIELDS": "ignore"})
+    assert (custom.max_n, custom.max_request_bytes, custom.unknown_fields) == (4, 1000, "ignore")
+    for name, bad in (("VLLM_UNIFIED_MAX_N", "0"), ("VLLM_UNIFIED_MAX_REQUEST_BYTES", "1MB"),
+                      ("VLLM_UNIFIED_UNKNOWN_FIELDS", "warn")):
+        with pytest.raises(ValueError, match=f"{name}='{bad}'"):
+            RequestLimits.from_env({name: bad})
+
+
+def test_platform_validate_environ_checks_settings(monkeypatch):
+    from vllm_unified.platform import MLXPlatform
+
+    monkeypatch.setenv("VLLM_UNIFIED_MAX_N", "-3")
+    with pytest.raises(ValueError, match="VLLM_UNIFIED_MAX_N='-3'"):
+        MLXPlatform.validate_environ(hard_fail=False)
+
+
+def test_check_sampling_limits():
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from vllm_unified.compat import VLLMValidationError
+
+    limits = RequestLimits(max_n=8)
+    check_sampling(SamplingParams(n=8, temperature=1.0), limits)
+    with pytest.raises(VLLMValidationError, match="n=9 exceeds .* limit of 8 .*VLLM_UNIFIED_MAX_N"):
+        check_sampling(SamplingParams(n=9, temperature=1.0), limits)
+    streamed = dict(n=2, temperature=1.0, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA)
+    with pytest.raises(VLLMValidationError, match="streaming with n > 1 and prompt logprobs"):
+        check_sampling(SamplingParams(**streamed), limits)
+    # each alone is served
+    check_sampling(SamplingParams(**{**streamed, "n": 1}), limits)
+    check_sampling(SamplingParams(**{**streamed, "output_kind": RequestOutputKind.FINAL_ONLY}),
+                   limits)
+
+
+def test_platform_validate_request_applies_limits():
+    """The same limits reach offline ``LLM`` use through vLLM's per-request platform hook."""
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_unified.compat import VLLMValidationError
+    from vllm_unified.platform import MLXPlatform
+
+    MLXPlatform.validate_request({}, SamplingParams(n=128, temperature=1.0))
+    with pytest.raises(VLLMValidationError, match="n=129 exceeds") as e:
+        MLXPlatform.validate_request({}, SamplingParams(n=129, temperature=1.0))
+    assert e.value.parameter == "n"
+
+
+def test_check_fields():
+    known = known_fields("CompletionRequest")
+    assert {"prompt", "max_tokens", "structured_outputs", "vllm_xargs"} <= known
+    reject, ignore = RequestLimits(), RequestLimits(unknown_fields="ignore")
+    check_fields({"prompt": "x", "structured_outputs": {"choice": ["a"]}}, known, "/c", reject)
+    with pytest.raises(RequestRejected, match="unknown field.*'foo'.*VLLM_UNIFIED_UNKNOWN_FIELDS"):
+        check_fields({"prompt": "x", "foo": 1}, known, "/c", reject)
+    check_fields({"prompt": "x", "foo": 1}, known, "/c", ignore)
+    for limits in (reject, ignore):  # a removed guided field would silently lose its constraint
+        with pytest.raises(RequestRejected, match="'guided_choice' was removed") as e:
+            check_fields({"prompt": "x", "guided_choice": ["a"]}, known, "/c", limits)
+        assert e.value.param == "guided_choice"
+        assert "structured_outputs" in str(e.value)
+
+
+def test_check_text_names_lone_surrogate():
+    check_text({"prompt": "a\U0001F600b", "x": [{"y": "\x00\x01"}]})
+    with pytest.raises(RequestRejected, match=r"'messages\[0\].content'.*U\+D800 at character 2"):
+        check_text({"messages": [{"content": "ab\ud800"}]})
+
+
+def _guard_client(**limits):
+    from starlette.testclient import TestClient
+
+    seen = []
+
+    async def app(scope, receive, send):
+        message = await receive()
+        seen.append(message["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return TestClient(RequestGuard(app, RequestLimits(**limits))), seen
+
+
+def test_guard_passes_body_through_and_rejects():
+    client, seen = _guard_client(max_request_bytes=1000)
+    good = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}).encode()
+    assert client.post("/v1/completions", content=good).text == "ok"
+    assert seen == [good]  # the app gets the very bytes the client sent
+    junk = b"{not json"  # left to vLLM, which names the position
+    assert client.post("/v1/completions", content=junk).text == "ok"
+    assert client.post("/other", content=b'{"foo": 1}').text == "ok"  # only known endpoints
+
+    r = client.post("/v1/completions", content=b"x" * 1001)
+    assert r.status_code == 413
+    error = r.json()["error"]
+    assert "1001 bytes" in error["message"] and "limit of 1000" in error["message"]
+    assert "VLLM_UNIFIED_MAX_REQUEST_BYTES" in error["message"]
+
+    cases = {
+        b'{"messages": "a\xff"}': (None, "not valid UTF-8 (byte 0xff at offset 15)"),
+        b'{"messages": "a\\udc00"}': ("messages", "lone UTF-16 surrogate (U+DC00"),
+        b'{"messages": [], "tempreature": 1}': ("tempreature", "unknown field(s) 'tempreature'"),
+    }
+    for body, (param, words) in cases.items():
+        r = client.post("/v1/chat/completions", content=body)
+        assert r.status_code == 400, body
+        assert r.json()["error"]["param"] == param
+        assert words in r.json()["error"]["message"]
+    assert len(seen) == 3
+
+
+def test_platform_installs_guard_in_vllm_serve_parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    assert type(current_platform).__name__ == "MLXPlatform"
+    parser = make_arg_parser(FlexibleArgumentParser())
+    assert parser.parse_args(["m"]).middleware == [GUARD_PATH]
+    assert parser.parse_args(["m", "--middleware", "a.B"]).middleware == [GUARD_PATH, "a.B"]
+    assert parser.parse_args(["m"]).middleware == [GUARD_PATH]  # the default is not mutated
+
+
+# ------------------------------------------------------------------------- end to end (server)
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 256
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+STREAM_PROMPT = "Count from one to twenty:"
+STREAM_TOKENS = 16
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _c(**kw) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **kw}
+
+
+def _chat(messages, **kw) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": 4, **kw}
+
+
+def _raw(prompt_json: bytes) -> bytes:
+    return b'{"model": "' + MODEL.encode() + b'", "max_tokens": 4, "prompt": ' + prompt_json + b"}"
+
+
+#: (what, endpoint, JSON body or raw bytes, HTTP status, error param or None, words of the
+#: message). vLLM's own front end answers most; ``request_guard``/``request_policy`` the rest.
+BAD_INPUTS = [
+    ("empty prompt", C, _c(prompt=""), 400, "prompt", "must be provided and non-empty"),
+    ("empty chat", CHAT, _chat([]), 400, None, "empty conversation"),
+    ("prompt longer than max_model_len", C, _c(prompt="hello " * (MAX_MODEL_LEN + 10)), 400,
+     "input_tokens", f"maximum context length is {MAX_MODEL_LEN} tokens"),
+    ("max_tokens 0", C, _c(max_tokens=0), 400, "max_tokens", "max_tokens must be at least 1"),
+    ("max_tokens negative", C, _c(max_tokens=-1), 400, "max_tokens", "at least 1, got -1"),
+    ("max_tokens huge", C, _c(max_tokens=10**9), 400, "max_tokens",
+     f"cannot be greater than max_model_len={MAX_MODEL_LEN}"),
+    ("temperature negative", C, _c(temperature=-0.5), 400, "temperature",
+     "temperature must be non-negative"),
+    ("top_p 0", C, _c(top_p=0), 400, "top_p", "top_p must be in (0, 1], got 0.0"),
+    ("top_p above 1", C, _c(top_p=1.5), 400, "top_p", "top_p must be in (0, 1], got 1.5"),
+    ("logprobs above 20", C, _c(logprobs=1000), 400, "logprobs", "greater than max allowed: 20"),
+    ("unknown field", C, _c(tempreature=0.0), 400, "tempreature",
+     "unknown field(s) 'tempreature'"),
+    ("unknown chat field", CHAT, _chat([{"role": "user", "content": "hi"}], foo=1), 400, "foo",
+     "unknown field(s) 'foo' for /v1/chat/completions"),
+    ("removed guided_choice", C, _c(guided_choice=["yes", "no"]), 400, "guided_choice",
+     '"structured_outputs": {"choice"'),
+    ("removed guided_json", CHAT, _chat([{"role": "user", "content": "hi"}], guided_json={}),
+     400, "guided_json", "'guided_json' was removed"),
+    ("wrong type max_tokens", C, _c(max_tokens="ten"), 400, "body.max_tokens",
+     "valid integer"),
+    ("wrong type temperature", C, _c(temperature="hot"), 400, "body.temperature",
+     "valid number"),
+    ("wrong type messages", CHAT, _chat("hi"), 400, "body.messages", "valid list"),
+    ("malformed JSON", C, b'{"model": "x", "prompt": ', 400, None, "JSON decode error"),
+    ("invalid UTF-8", C, _raw(b'"caf\xc3\xa9 \xff\xfe"'), 400, None,
+     "not valid UTF-8 (byte 0xff"),
+    ("raw control character", C, _raw(b'"a\x01b"'), 400, None, "Invalid control character"),
+    ("lone surrogate", C, _raw(b'"a\\ud800b"'), 400, "prompt",
+     "lone UTF-16 surrogate (U+D800 at character 1)"),
+    ("lone surrogate in chat", CHAT, _chat([{"role": "user", "content": "x\udfff"}]), 400,
+     "messages[0].content", "lone UTF-16 surrogate (U+DFFF"),
+    ("token id outside the vocabulary", C, _c(prompt=[1, 2, 10**6]), 400, None,
+     "Token id 1000000 is out of vocabulary"),
+    ("negative token id", C, _c(prompt=[1, -5]), 400, "body.prompt.1",
+     "greater than or equal to 0"),
+    ("n 0", C, _c(n=0), 400, None, "n must be at least 1"),
+    ("n 10000", C, _c(n=10000, temperature=1.0), 400, "n",
+     "n=10000 exceeds this server's limit of 128"),
+    ("n 10000 streamed", C, _c(n=10000, temperature=1.0, stream=True), 400, "n",
+     "n=10000 exceeds"),
+    ("5 MB body", C, _c(junk="x" * 5_000_000), 413, None,
+     "exceeds this server's limit of 4194304 bytes"),
+    ("malformed JSON schema", C, _c(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": "not-an-object"}}}), 400, None,
+     "Grammar error: properties must be an object"),
+    ("unknown JSON schema type", CHAT, _chat([{"role": "user", "content": "hi"}],
+     response_format={"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "no-such-type"}}}), 400, None,
+     "Grammar error: Invalid type: no-such-type"),
+    ("streaming n > 1 with echo and logprobs", C,
+     _c(n=2, echo=True, logprobs=1, stream=True, temperature=1.0), 400, "n",
+     "streaming with n > 1 and prompt logprobs"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_server(tmp_path_factory):
+    args = [*default_server_args(MODEL), "--max-model-len", str(MAX_MODEL_LEN)]
+    with vllm_server(tmp_path_factory.mktemp("bad-input-server"), args) as served:
+        yield served
+
+
+def _post(base: str, endpoint: str, body: dict | bytes) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = requests.post(base + endpoint, data=data, timeout=300,
+                      headers={"Content-Type": "application/json"})
+    try:
+        return r.status_code, r.json().get("error") or {}
+    except ValueError:
+        return r.status_code, {"message": r.text}
+
+
+def _stream(base: str, started: threading.Event) -> tuple[str, str | None, dict | None]:
+    """One streamed greedy completion: (text, finish_reason, usage)."""
+    body = {"model": MODEL, "prompt": STREAM_PROMPT, "max_tokens": STREAM_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    text, finish, usage = [], None, None
+    with requests.post(f"{base}{C}", json=body, stream=True, timeout=300) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                text.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+                started.set()
+    return "".join(text), finish, usage
+
+
+@pytest.mark.slow
+def test_bad_inputs_answered_while_streams_complete(bad_input_server):
+    base, proc = bad_input_server
+    alone = requests.post(f"{base}{C}", timeout=300, json={
+        "model": MODEL, "prompt": STREAM_PROMPT, "max_tokens": STREAM_TOKENS,
+        "temperature": 0.0, "ignore_eos": True}).json()["choices"][0]["text"]
+
+    started, done = threading.Event(), threading.Event()
+
+    def streams_until_done() -> list[tuple[str, str | None, dict | None]]:
+        outs = [_stream(base, started)]  # back to back, so one is always running
+        while not done.is_set():
+            outs.append(_stream(base, started))
+        return outs
+
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(streams_until_done)
+        assert started.wait(300), "the streaming request produced nothing"
+        answers = [_post(base, endpoint, body) for _, endpoint, body, *_ in BAD_INPUTS]
+        done.set()
+        outs = streaming.result(timeout=600)
+
+    wrong = []
+    for (what, _, _, status, param, words), (code, error) in zip(BAD_INPUTS, answers,
+                                                                  strict=True):
+        message = str(error.get("message", ""))
+        if code != status or words not in message or (param and error.get("param") != param):
+            wrong.append(f"{what}: HTTP {code}, {error}")
+    assert not wrong, "\n".join(wrong)
+
+    for text, finish, usage in outs:
+        assert finish == "length"
+        assert usage is not None and usage["completion_tokens"] == STREAM_TOKENS
+        assert text == alone
+    assert proc.poll() is None, "the server process died"
+    assert requests.get(f"{base}/health", timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_served_with_vllm_semantics(bad_input_server):
+    """What vLLM itself accepts stays accepted: an output budget past max_model_len is
+    lowered to what fits (finish_reason tells), top_k=-1 means "no top-k", escaped control
+    characters and surrogate pairs are text."""
+    base, _ = bad_input_server
+    long_prompt = "hello " * (MAX_MODEL_LEN - 10)
+    r = requests.post(f"{base}{C}", json=_c(prompt=long_prompt, max_tokens=100), timeout=600)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["total_tokens"] == MAX_MODEL_LEN
+    for body in (_c(top_k=-1, temperature=1.0), _raw(b'"tab\\u0009 nul\\u0000 \\ud83d\\ude00"')):
+        status, error = _post(base, C, body)
+        assert status == 200, error
