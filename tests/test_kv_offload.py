@@ -288,3 +288,111 @@ def test_simple_offload_env_is_refused(monkeypatch):
     monkeypatch.setenv("VLLM_USE_SIMPLE_KV_OFFLOAD", "1")
     with pytest.raises(ValueError, match="VLLM_USE_SIMPLE_KV_OFFLOAD"):
         configure_kv_offloading(_config())
+
+
+# ----------------------------------------------------------------------------- end to end
+HARNESS = os.path.join(os.path.dirname(__file__), "kv_offload_harness.py")
+#: P (~1,500 tokens), Q (a short prompt whose disk file gets corrupted), and two unrelated
+#: prompts that together need more blocks than the pool has (101 usable blocks of 16 tokens),
+#: so P is evicted from the KV pool before it returns.
+PROMPTS = {"P": {"seed": 1, "tokens": 1500}, "Q": {"seed": 4, "tokens": 300},
+           "E1": {"seed": 2, "tokens": 900}, "E2": {"seed": 3, "tokens": 900}}
+MAX_TOKENS = 16
+HOST = "vllm:prompt_tokens_cached_by_source{source=host}"
+DISK = "vllm:prompt_tokens_cached_by_source{source=disk}"
+DEVICE = "vllm:prompt_tokens_cached_by_source{source=device}"
+CORRUPT = "vllm:kv_offload_fs_invalid_blocks{reason=corrupt}"
+
+
+def _serve(model: str, disk_dir, tmp_path, tag: str, phases: list[dict]) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    engine = {
+        "max_model_len": 1600, "num_gpu_blocks_override": 102, "max_num_batched_tokens": 512,
+        "kv_offloading_size": 0.25,
+        "kv_transfer_config": {"kv_connector_extra_config": {
+            "secondary_tiers": [{"type": "fs", "root_dir": str(disk_dir)}]}},
+    }
+    spec = {"model": model, "engine": engine, "prompts": PROMPTS, "disk_dir": str(disk_dir),
+            "phases": [{"max_tokens": MAX_TOKENS, **p} for p in phases]}
+    spec_path, out_path = tmp_path / f"{tag}-spec.json", tmp_path / f"{tag}-out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env["PYTHONHASHSEED"] = "0"  # block hashes (and file names) stable across restarts
+    proc = subprocess.run([sys.executable, HARNESS, str(spec_path), str(out_path)], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0 or not out_path.exists():
+        raise AssertionError(f"{tag} run failed (rc={proc.returncode}):\n"
+                             f"{(proc.stdout + proc.stderr)[-6000:]}")
+    result = json.loads(out_path.read_text())
+    result["log"] = proc.stdout + proc.stderr
+    return result
+
+
+def _delta(phases: list[dict], i: int, key: str) -> float:
+    before = phases[i - 1]["metrics"].get(key, 0) if i else 0
+    return phases[i]["metrics"].get(key, 0) - before
+
+
+@pytest.fixture(scope="module")
+def offload_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv-offload")
+
+
+@pytest.fixture(scope="module")
+def host_run(default_model, offload_dir):
+    """P, Q, E1, E2, P in one engine (the disk tier fills as well)."""
+    return _serve(default_model, offload_dir / "disk", offload_dir, "host",
+                  [{"prompt": p} for p in ("P", "Q", "E1", "E2", "P")])
+
+
+@pytest.fixture(scope="module")
+def restart_run(default_model, offload_dir, host_run):
+    """A new engine on the same disk tier: P, then Q after one of Q's files got a bit flipped."""
+    p_files = set(host_run["phases"][0]["disk_files"])
+    q_files = sorted(set(host_run["phases"][1]["disk_files"]) - p_files)
+    assert len(q_files) >= 10
+    victim = q_files[len(q_files) // 2]
+    run = _serve(default_model, offload_dir / "disk", offload_dir, "restart",
+                 [{"prompt": "P"}, {"prompt": "Q", "corrupt": victim}])
+    run["victim"] = str(offload_dir / "disk" / victim)
+    return run
+
+
+@pytest.mark.slow
+def test_prefix_evicted_from_kv_pool_comes_back_from_host_tier(host_run):
+    phases = host_run["phases"]
+    first, again = phases[0], phases[4]
+    assert 1450 <= first["num_prompt_tokens"] <= 1600
+    assert _delta(phases, 4, DEVICE) == 0  # P was evicted from the KV pool
+    assert _delta(phases, 4, HOST) >= 1400  # ... and restored from host RAM
+    assert _delta(phases, 4, DISK) == 0
+    assert again["token_ids"] == first["token_ids"]
+    assert again["metrics"]["vllm:kv_offload_load_bytes"] > 0
+    assert len(first["disk_files"]) >= 90  # P's blocks also reached the disk tier
+
+
+@pytest.mark.slow
+def test_prefix_comes_back_from_disk_after_restart(restart_run, host_run):
+    phase = restart_run["phases"][0]
+    assert phase["metrics"].get(DISK, 0) >= 1400
+    assert phase["metrics"].get(HOST, 0) == 0
+    assert phase["token_ids"] == host_run["phases"][0]["token_ids"]
+
+
+@pytest.mark.slow
+def test_corrupted_block_file_is_a_counted_miss(restart_run, host_run):
+    phases = restart_run["phases"]
+    assert _delta(phases, 1, CORRUPT) == 1
+    assert phases[1]["token_ids"] == host_run["phases"][1]["token_ids"]
+    assert "corrupt KV block file (payload checksum mismatch); treated as a miss" in (
+        restart_run["log"])
+    # The file was removed, that part of Q recomputed and stored again: it loads cleanly now.
+    victim = restart_run["victim"]
+    with open(victim, "rb") as f:
+        layout = f.read(disk.HEADER_SIZE)[16:48]
+    key = bytes.fromhex(os.path.basename(victim)[:-4]) + (0).to_bytes(4, "big")
+    buf = np.empty(os.path.getsize(victim) - disk.HEADER_SIZE, dtype=np.int8)
+    disk.load_block(victim, memoryview(buf), layout, key)
