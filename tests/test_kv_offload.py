@@ -290,6 +290,37 @@ def test_simple_offload_env_is_refused(monkeypatch):
         configure_kv_offloading(_config())
 
 
+def _engine_config(model: str, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, max_model_len=256, **kwargs).create_engine_config()
+
+
+def test_engine_config_with_offloading_size_uses_our_spec(default_model, tmp_path):
+    """Through vLLM's own config path: the platform hook runs before vLLM turns
+    --kv-offloading-size into a connector, and vLLM's translation keeps ours."""
+    from vllm_unified.platform import MLXPlatform
+
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
+    cfg = _engine_config(default_model, kv_offloading_size=0.5, kv_transfer_config={
+        "kv_connector_extra_config": {"secondary_tiers": tiers}})
+    MLXPlatform.check_and_update_config(cfg)  # again, as in the engine core
+    kvt = cfg.kv_transfer_config
+    extra = kvt.kv_connector_extra_config
+    assert (kvt.kv_connector, kvt.kv_role) == ("OffloadingConnector", "kv_both")
+    assert (extra["spec_name"], extra["spec_module_path"]) == (
+        SPEC_NAME, "vllm_unified.offload.spec")
+    assert extra["cpu_bytes_to_use"] == 0.5 * 2**30
+    assert extra["secondary_tiers"][0]["type"] == FS_TIER_TYPE
+    assert extra["kv_geometry"] == {"num_kv_heads": 3, "head_size": 64, "block_size": 16}
+
+
+def test_engine_config_refuses_another_connector(default_model):
+    with pytest.raises(Exception, match="kv_connector=ExampleConnector"):
+        _engine_config(default_model, kv_transfer_config={
+            "kv_connector": "ExampleConnector", "kv_role": "kv_both"})
+
+
 # ----------------------------------------------------------------------------- end to end
 HARNESS = os.path.join(os.path.dirname(__file__), "kv_offload_harness.py")
 #: P (~1,500 tokens), Q (a short prompt whose disk file gets corrupted), and two unrelated

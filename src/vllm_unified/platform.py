@@ -205,8 +205,6 @@ class MLXPlatform(Platform):
             raise ValueError("--speculative-config: speculative decoding is not supported yet")
         if vllm_config.lora_config is not None:
             raise ValueError("--enable-lora: LoRA adapters are not supported yet")
-        # vLLM's OffloadingConnector with our spec and disk tier; other connectors refused.
-        configure_kv_offloading(vllm_config)
 
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
@@ -221,6 +219,9 @@ class MLXPlatform(Platform):
                 f"--kv-cache-dtype {cache.cache_dtype}: vllm-unified stores the KV cache in the "
                 "model dtype; use auto"
             )
+
+        # vLLM's OffloadingConnector with our spec and disk tier; other connectors refused.
+        configure_kv_offloading(vllm_config)
 
         # MLX is not fork-safe: a forked engine core hangs if the parent touched MLX.
         if "mlx.core" in sys.modules:
