@@ -8,8 +8,13 @@ disk. Its worker side is CUDA/XPU only; this subclass swaps in
 
 from __future__ import annotations
 
+import os
+
 from vllm_unified import compat
+from vllm_unified.compat import init_logger
 from vllm_unified.offload.worker import MLXOffloadingWorker
+
+logger = init_logger(__name__)
 
 
 class MLXOffloadingSpec(compat.TieringOffloadingSpec):
@@ -27,6 +32,29 @@ class MLXOffloadingSpec(compat.TieringOffloadingSpec):
                 f"hold no offload chunk of {self.kv_bytes_per_chunk} bytes "
                 f"({self.blocks_per_chunk} KV block(s)); use a larger size"
             )
+
+    def get_manager(self):
+        manager = super().get_manager()
+        self._unlink_region_file()
+        return manager
+
+    def _unlink_region_file(self) -> None:
+        """Drop the shared region's name from /dev/shm once everyone has mapped it.
+
+        vLLM initialises the KV cache (and with it the worker, which creates the region file)
+        before it builds the scheduler, whose manager maps the same file by name last. From
+        then on the name is not needed; removing it means no exit path, SIGKILL included,
+        leaves the file behind (the mappings stay valid). vLLM's tiering spec has no such step.
+        """
+        region = self._scheduler_mmap
+        if region is None or region._creator:  # made here: a worker has yet to open it
+            return
+        try:
+            os.unlink(region.mmap_path)
+        except FileNotFoundError:
+            return
+        logger.info("vllm-unified: unlinked %s (mapped by the worker and the scheduler)",
+                    region.mmap_path)
 
     def get_worker(self, kv_caches) -> MLXOffloadingWorker:
         if self._worker is None:

@@ -11,6 +11,7 @@ pending writes to the pool have been evaluated (:meth:`MLXOffloadingWorker.bind_
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -98,5 +99,7 @@ class MLXOffloadingWorker(compat.OffloadingWorker):
         # Our numpy views keep the region's buffer exported; drop them before it is unmapped.
         self._transfer = None
         if self._region is not None:
+            if not os.path.exists(self._region.mmap_path):
+                self._region._creator = False  # the spec already removed the name
             self._region.cleanup()
             self._region = None
