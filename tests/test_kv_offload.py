@@ -168,6 +168,14 @@ def test_checked_numpy_accepts_views_and_rejects_copies(monkeypatch):
         host_views.checked_numpy(t, "view")
 
 
+def test_disk_tier_view_must_be_the_shared_region():
+    region = np.zeros((4, 4096), dtype=np.int8)
+    host_views.check_buffer_address(memoryview(region), region.ctypes.data, "tier view")
+    with pytest.raises(RuntimeError, match="tier view: memoryview .* is not the shared region"):
+        host_views.check_buffer_address(memoryview(region.copy()), region.ctypes.data,
+                                        "tier view")
+
+
 # ----------------------------------------------------------------------------- disk format
 LAYOUT = bytes(range(32))
 
