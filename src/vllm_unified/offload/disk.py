@@ -291,11 +291,6 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
                     logger.warning("vllm-unified: %s; treated as a miss", exc)
                 raise
 
-    def invalid_counts(self) -> dict[str, int]:
-        """Invalid files seen since start-up, by reason (not reset by :meth:`get_stats`)."""
-        with self._invalid_lock:
-            return dict(self._invalid)
-
     def get_stats(self):
         with self._invalid_lock:
             new = {r: n - self._reported.get(r, 0) for r, n in self._invalid.items()
