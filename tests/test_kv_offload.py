@@ -6,6 +6,7 @@ a corrupted block file."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import types
 import uuid
@@ -411,6 +412,9 @@ def test_prefix_evicted_from_kv_pool_comes_back_from_host_tier(host_run):
     assert again["token_ids"] == first["token_ids"]
     assert again["metrics"]["vllm:kv_offload_load_bytes"] > 0
     assert len(first["disk_files"]) >= 90  # P's blocks also reached the disk tier
+    # The host pool's /dev/shm file lost its name once mapped: nothing is left behind.
+    shm = re.search(r"unlinked (/dev/shm/vllm_offload_\S+\.mmap)", host_run["log"])
+    assert shm is not None and not os.path.exists(shm.group(1))
 
 
 @pytest.mark.slow
