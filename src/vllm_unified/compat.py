@@ -55,6 +55,33 @@ _LAZY: dict[str, str] = {
     "LogitsProcessors": "vllm.v1.sample.logits_processor",
     "build_logitsprocs": "vllm.v1.sample.logits_processor",
     "apply_grammar_bitmask": "vllm.v1.structured_output.utils",
+    # KV offloading (vllm_unified.offload): vLLM's OffloadingConnector, tiering spec, fs tier.
+    "KVTransferConfig": "vllm.config",
+    "OffloadingWorker": "vllm.v1.kv_offload.base",
+    "TransferResult": "vllm.v1.kv_offload.base",
+    "GPULoadStoreSpec": "vllm.v1.kv_offload.base",
+    "BlockIDsLoadStoreSpec": "vllm.v1.kv_offload.base",
+    "CanonicalKVCaches": "vllm.v1.kv_offload.base",
+    "CanonicalKVCacheTensor": "vllm.v1.kv_offload.base",
+    "CanonicalKVCacheRef": "vllm.v1.kv_offload.base",
+    "CPULoadStoreSpec": "vllm.v1.kv_offload.cpu.common",
+    "OffloadingCounterMetadata": "vllm.v1.kv_offload.base",
+    "SharedOffloadRegion": "vllm.v1.kv_offload.cpu.shared_offload_region",
+    "TieringOffloadingSpec": "vllm.v1.kv_offload.tiering.spec",
+    "FileSystemTierManager": "vllm.v1.kv_offload.tiering.fs.manager",
+    "FileMapper": "vllm.v1.kv_offload.file_mapper",
+    "JobResult": "vllm.v1.kv_offload.tiering.base",
+    "probe_o_direct": "vllm.v1.kv_offload.tiering.fs.io",
+    "OffloadingConnectorStats":
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
+    "set_forward_context": "vllm.forward_context",
+    "KVConnectorModelRunnerMixin": "vllm.v1.worker.kv_connector_model_runner_mixin",
+    "ensure_kv_transfer_initialized": "vllm.distributed.kv_transfer",
+    "ensure_kv_transfer_shutdown": "vllm.distributed.kv_transfer",
+    "get_kv_transfer_group": "vllm.distributed.kv_transfer",
+    "has_kv_transfer_group": "vllm.distributed.kv_transfer",
+    "init_distributed_environment": "vllm.distributed",
+    "ensure_model_parallel_initialized": "vllm.distributed",
 }
 
 

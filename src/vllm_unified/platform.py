@@ -20,6 +20,7 @@ import torch
 from vllm_unified import compat, request_guard, request_policy
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
+from vllm_unified.offload.config import configure_kv_offloading
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -215,8 +216,6 @@ class MLXPlatform(Platform):
             raise ValueError("--speculative-config: speculative decoding is not supported yet")
         if vllm_config.lora_config is not None:
             raise ValueError("--enable-lora: LoRA adapters are not supported yet")
-        if vllm_config.kv_transfer_config is not None:
-            raise ValueError("--kv-transfer-config: KV connectors are not supported yet")
 
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
@@ -231,6 +230,9 @@ class MLXPlatform(Platform):
                 f"--kv-cache-dtype {cache.cache_dtype}: vllm-unified stores the KV cache in the "
                 "model dtype; use auto"
             )
+
+        # vLLM's OffloadingConnector with our spec and disk tier; other connectors refused.
+        configure_kv_offloading(vllm_config)
 
         # MLX is not fork-safe: a forked engine core hangs if the parent touched MLX.
         if "mlx.core" in sys.modules:

@@ -43,6 +43,7 @@ from vllm_unified.memory.kv_allocation import KV_LAYOUT, allocate_kv_cache
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.loader import LoadedModel, load_model
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
+from vllm_unified.offload.runner import KVConnectorHooks
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch
 from vllm_unified.worker.sampler import SamplingRow, sample
 from vllm_unified.worker.step_profile import StepProfile
@@ -111,6 +112,8 @@ class _PendingStep:
     #: evaluated float32 logits ``[rows, V]`` when torch needs them, else None
     logits: mx.array | None
     mlx_tokens: list[int]
+    #: the step's KVConnectorOutput (KV offloading), None without a connector
+    kv_output: Any = None
 
 
 class MLXModelRunner:
@@ -140,6 +143,7 @@ class MLXModelRunner:
         #: MLX's CPU backend shares logits with torch (DLPack view); GPU backends copy them
         self.zero_copy_logits: bool = detect_backend().kind == "cpu"
         self._pending: _PendingStep | None = None
+        self.kv_connector = KVConnectorHooks(vllm_config)
 
     # ----------------------------------------------------------------------------- model
     def load_model(self) -> None:
@@ -210,6 +214,9 @@ class MLXModelRunner:
         spec = groups[0].kv_cache_spec
         self.pool = self._allocate_pool(kv_cache_config, spec, expected)
         self.layer_caches = [PagedLayerCache(self.pool, i) for i in range(len(expected))]
+        views = dict(zip(expected, self.pool.torch_views, strict=True)) \
+            if self.pool.torch_views is not None else None
+        self.kv_connector.register(kv_cache_config, views, lambda: mx.eval(self.pool.arrays()))
         logger.info(
             "vllm-unified: KV pool %d blocks x %d tokens, %.2f GiB (%s)",
             kv_cache_config.num_blocks, spec.block_size, self.pool.nbytes / 2**30,
@@ -279,15 +286,18 @@ class MLXModelRunner:
         if out.kv_cache_block_copies:
             raise RuntimeError("KV block copies requested: not supported by vllm-unified")
         self.profile.start()
+        self.kv_connector.handle_preemptions(out)
         self.batch.update(out, self._new_request)
         if out.new_block_ids_to_zero:
             self.pool.zero_blocks(list(out.new_block_ids_to_zero))
         self.stats.steps += 1
         if out.total_num_scheduled_tokens == 0:
             self.stats.empty_steps += 1
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return self.kv_connector.empty_step(out)
 
-        pending = self._forward(self.batch.layout(out), out)
+        with self.kv_connector.step(out) as kv_output:
+            pending = self._forward(self.batch.layout(out), out)
+        pending.kv_output = kv_output
         if out.has_structured_output_requests:
             self._pending = pending
             return None
@@ -410,6 +420,7 @@ class MLXModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
+            kv_connector_output=pending.kv_output,
         )
 
     def _prompt_logprobs(self, pending: _PendingStep, logits) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from vllm_unified.compat import (
 )
 from vllm_unified.memory.budget import compute_kv_budget
 from vllm_unified.memory.wired import configure_wired_limit
+from vllm_unified.offload.runner import init_single_rank_groups
 
 logger = init_logger(__name__)
 
@@ -65,6 +66,7 @@ class MLXWorker(WorkerBase):
         info = detect_backend()
         self.device = torch.device("cpu")  # vLLM's bookkeeping tensors live on the host
         mx.random.seed(self.model_config.seed if self.model_config.seed is not None else 0)
+        init_single_rank_groups(self.vllm_config, self.distributed_init_method)
         # Before any weight is allocated, so the weights are wired as they load (Metal only).
         configure_wired_limit(mx, info.kind, logger)
         from vllm_unified.worker.model_runner import MLXModelRunner
@@ -184,6 +186,11 @@ class MLXWorker(WorkerBase):
     def shutdown(self) -> None:
         if self.model_runner is not None:
             logger.info("vllm-unified: runner stats %s", self.model_runner.stats)
+            self.model_runner.kv_connector.shutdown()
+
+    def get_kv_connector_handshake_metadata(self) -> None:
+        """vLLM's engine asks every worker when a KV connector is configured."""
+        return self.model_runner.kv_connector.handshake_metadata()
 
     # ------------------------------------------------------------------ introspection
     def runner_stats(self) -> dict:
