@@ -40,7 +40,7 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "LoadedModel", "load_model", "mlx_lm_config"
 logger = logging.getLogger("vllm.vllm_unified.models.loader")
 
 # HF model types whose mlx-lm modules the rest of the plugin knows how to drive.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_next")
 # GGUF general.architecture -> HF model type.
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                        "gemma3": "gemma3_text"}
