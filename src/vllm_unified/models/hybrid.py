@@ -115,6 +115,9 @@ class HybridLayers:
         rec = set(self.recurrent)
         self.attention = [i for i in range(len(model.layers)) if i not in rec]
         self.store = None
+        #: request id -> its state slot per state group, recorded when first scheduled
+        #: (tests check that a finished request's slot is reused cleanly)
+        self.slot_owners: dict[str, list[int]] = {}
 
     @property
     def is_hybrid(self) -> bool:
@@ -180,6 +183,8 @@ class HybridLayers:
                     raise RuntimeError(f"request {s.req_id!r} has no state block in group {g}")
                 ids.append(blocks[0])
             out[g] = np.asarray(ids, dtype=np.int32)
+        for i, s in enumerate(states):
+            self.slot_owners.setdefault(s.req_id, [int(out[g][i]) for g in sorted(out)])
         return out
 
     def layer_caches(self, pool: Any, store: Any) -> list[Any]:
