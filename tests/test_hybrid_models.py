@@ -52,7 +52,7 @@ HARNESS = Path(__file__).resolve().parent / "hybrid_harness.py"
 
 def _engine(family: str) -> dict:
     # 32 pages of the tiny model (one 48-token attention page = one padded state page).
-    page = {"qwen3_next": 24576}[family]
+    page = {"qwen3_next": 24576, "granitemoehybrid": 24576}[family]
     return {**ENGINE, "kv_cache_memory_bytes": 32 * page}
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 #: Hybrid attention + state-space families (tests/test_hybrid_models.py).
-HYBRID_FAMILIES = ("qwen3_next",)
+HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -151,6 +151,24 @@ def tiny_config(family: str) -> Any:
             moe_intermediate_size=64, shared_expert_intermediate_size=64, norm_topk_prob=True,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                              "partial_rotary_factor": 0.25},
+        )
+    if family == "granitemoehybrid":
+        # Mamba2 layers 0, 1, 3 and attention at 2 (vLLM's layer-type names; mlx-lm's
+        # "mamba"/"attention" are mapped by our loader), an MoE with a shared MLP as in
+        # Granite 4.0-H, and Granite's multipliers away from 1 so each is exercised (the
+        # attention scale is attention_multiplier, not head_dim ** -0.5).
+        return transformers.GraniteMoeHybridConfig(
+            **{**common, "hidden_size": 128}, num_hidden_layers=4, num_key_value_heads=2,
+            rms_norm_eps=1e-6, tie_word_embeddings=False,
+            layer_types=["linear_attention", "linear_attention", "full_attention",
+                         "linear_attention"],
+            position_embedding_type="rope",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            embedding_multiplier=2.0, attention_multiplier=0.05, residual_multiplier=0.5,
+            logits_scaling=2.0, num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=64, mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16,
+            mamba_d_head=32, mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
+            mamba_proj_bias=False, time_step_limit=(0.0, float("inf")),
         )
     raise ValueError(f"unknown tiny-model family {family!r} "
                      f"(have: {', '.join(FAMILIES + HYBRID_FAMILIES)})")

@@ -36,12 +36,14 @@ class HybridFamily:
 
 HYBRID_FAMILIES: dict[str, HybridFamily] = {
     "qwen3_next": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
+    "granitemoehybrid": HybridFamily("mamba", lambda layer: layer.layer_type == "mamba",
+                                     "MAMBA2"),
 }
 
 
 def recurrent_layer_name(i: int) -> str:
     """KV-cache layer name we report to vLLM for recurrent decoder layer ``i``."""
-    return f"model.layers.{i}.linear_attn"
+    return f"model.layers.{i}.mixer"
 
 
 def recurrent_layers(model_type: str, model: nn.Module) -> list[int]:
