@@ -215,9 +215,11 @@ class MLXModelRunner:
         return specs
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes one KV block takes over all layers: 2 (K and V) x block_size x kv_heads x
-        head_size x dtype size x layers."""
-        return sum(spec.page_size_bytes for spec in self.get_kv_cache_spec().values())
+        """Bytes one KV block takes over all attention layers: 2 (K and V) x block_size x
+        kv_heads x head_size x dtype size x layers. A hybrid model's state pages share vLLM's
+        block pool with them (a request holds one per state group), so they are not added."""
+        return sum(spec.page_size_bytes for spec in self.get_kv_cache_spec().values()
+                   if isinstance(spec, FullAttentionSpec))
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the paged pool for ``kv_cache_config.num_blocks`` blocks.
