@@ -136,6 +136,22 @@ def test_finished_and_aborted_state_does_not_leak(family, checkpoint, fresh, ref
     assert reused, f"no state slot was reused (phase 1 {old}, phase 2 {new}): test is void"
 
 
+@pytest.mark.slow
+def test_preempted_requests_recompute_from_fresh_state(family, checkpoint, reference, tmp_path):
+    """A pool too small for the four requests at once: vLLM preempts some (freeing their state
+    blocks) and resumes them later by recomputation; the tokens are still mlx-lm's."""
+    page = _engine(family)["kv_cache_memory_bytes"] // 32
+    # a request needs one block per state group (3) plus up to 3 attention blocks of 48
+    # tokens; 13 blocks hold two requests, not four
+    engine = {**ENGINE, "max_model_len": 128, "kv_cache_memory_bytes": 13 * page}
+    spec = {"model": checkpoint, "engine": engine,
+            "requests": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS],
+            "rpc": ["runner_stats"]}
+    out = run_llm(spec, tmp_path)
+    assert out["rpc_after"]["runner_stats"]["resumed"] > 0, "nothing was preempted"
+    assert [o["completions"][0]["token_ids"] for o in out["outputs"]] == reference
+
+
 # ------------------------------------------------------------------------------- unit tests
 
 
