@@ -108,17 +108,24 @@ def test_attention_block_size_is_translated_and_logged(fresh):
 
 
 @pytest.mark.slow
-def test_finished_and_aborted_state_does_not_leak(family, checkpoint, fresh, reference,
-                                                   tmp_path):
+def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, fresh,
+                                                             reference, tmp_path):
     """Phase 1: a request runs to the end, another is aborted mid-decode; phase 2: the four
-    prompts, whose state slots include phase 1's, give a fresh server's tokens."""
+    prompts, whose state slots include phase 1's, give a fresh server's tokens. The pool is
+    too small for the four at once, so vLLM also preempts some (freeing their state blocks)
+    and resumes them by recomputation."""
     long_prompt = [(11 * j) % 30000 + 500 for j in range(60)]
-    spec = {"model": checkpoint, "engine": _engine(family), "phases": [
+    page = _engine(family)["kv_cache_memory_bytes"] // 32
+    # a request needs one block per state group (3) plus up to 3 attention blocks of 48
+    # tokens: 13 blocks hold two requests, not four
+    engine = {**ENGINE, "max_model_len": 128, "kv_cache_memory_bytes": 13 * page}
+    spec = {"model": checkpoint, "engine": engine, "phases": [
         {"abort": {"prompt_token_ids": long_prompt, "params": GREEDY, "steps": 8}},
         {"generate": [{"prompt_token_ids": long_prompt[:37], "params": GREEDY}]},
         {"rpc": "state_slots"},
         {"generate": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS]},
         {"rpc": "state_slots"},
+        {"rpc": "runner_stats"},
     ]}
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec))
@@ -126,7 +133,8 @@ def test_finished_and_aborted_state_does_not_leak(family, checkpoint, fresh, ref
     proc = subprocess.run([sys.executable, str(HARNESS), str(spec_path), str(out_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    aborted, _, first, later, after = json.loads(out_path.read_text())["phases"]
+    aborted, _, first, later, after, stats = json.loads(out_path.read_text())["phases"]
+    assert stats["resumed"] > 0, "nothing was preempted"
     assert 0 < len(aborted) < NEW_TOKENS  # really aborted mid-generation
     assert later == [o["completions"][0]["token_ids"] for o in fresh["outputs"]] == reference
     old = {tuple(v) for v in first.values()}
@@ -134,22 +142,6 @@ def test_finished_and_aborted_state_does_not_leak(family, checkpoint, fresh, ref
     assert len(first) == 2 and len(new) == len(PROMPTS)
     reused = {s for slots in new for s in slots} & {s for slots in old for s in slots}
     assert reused, f"no state slot was reused (phase 1 {old}, phase 2 {new}): test is void"
-
-
-@pytest.mark.slow
-def test_preempted_requests_recompute_from_fresh_state(family, checkpoint, reference, tmp_path):
-    """A pool too small for the four requests at once: vLLM preempts some (freeing their state
-    blocks) and resumes them later by recomputation; the tokens are still mlx-lm's."""
-    page = _engine(family)["kv_cache_memory_bytes"] // 32
-    # a request needs one block per state group (3) plus up to 3 attention blocks of 48
-    # tokens; 13 blocks hold two requests, not four
-    engine = {**ENGINE, "max_model_len": 128, "kv_cache_memory_bytes": 13 * page}
-    spec = {"model": checkpoint, "engine": engine,
-            "requests": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS],
-            "rpc": ["runner_stats"]}
-    out = run_llm(spec, tmp_path)
-    assert out["rpc_after"]["runner_stats"]["resumed"] > 0, "nothing was preempted"
-    assert [o["completions"][0]["token_ids"] for o in out["outputs"]] == reference
 
 
 # ------------------------------------------------------------------------------- unit tests
