@@ -9,6 +9,7 @@ block-size alignment used, so the pages vLLM sizes are the pages we fill.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,10 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     "granitemoehybrid": HybridFamily("mamba", lambda layer: layer.layer_type == "mamba",
                                      "MAMBA2"),
 }
+
+
+#: requests whose state slots :attr:`HybridLayers.slot_owners` remembers
+SLOT_HISTORY = 1024
 
 
 def recurrent_layer_name(i: int) -> str:
@@ -117,9 +122,10 @@ class HybridLayers:
         rec = set(self.recurrent)
         self.attention = [i for i in range(len(model.layers)) if i not in rec]
         self.store = None
-        #: request id -> its state slot per state group, recorded when first scheduled
-        #: (tests check that a finished request's slot is reused cleanly)
-        self.slot_owners: dict[str, list[int]] = {}
+        #: request id -> its state slot per state group, recorded when first scheduled, for
+        #: the last ``SLOT_HISTORY`` requests (tests check that a finished request's slot is
+        #: reused cleanly; bounded so a long-running server does not grow it)
+        self.slot_owners: OrderedDict[str, list[int]] = OrderedDict()
 
     @property
     def is_hybrid(self) -> bool:
@@ -186,7 +192,10 @@ class HybridLayers:
                 ids.append(blocks[0])
             out[g] = np.asarray(ids, dtype=np.int32)
         for i, s in enumerate(states):
-            self.slot_owners.setdefault(s.req_id, [int(out[g][i]) for g in sorted(out)])
+            if s.req_id not in self.slot_owners:
+                self.slot_owners[s.req_id] = [int(out[g][i]) for g in sorted(out)]
+                if len(self.slot_owners) > SLOT_HISTORY:
+                    self.slot_owners.popitem(last=False)
         return out
 
     def layer_caches(self, pool: Any, store: Any) -> list[Any]:
