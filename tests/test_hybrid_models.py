@@ -238,3 +238,16 @@ def test_prefix_caching_for_hybrids_is_refused():
     config.model_config.is_hybrid = False
     assert _hybrid_policy(config) is False
     assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+
+
+def test_moe_in_low_precision_on_cpu_is_refused(tmp_path):
+    """MLX's CPU gather_mm (MoE experts) is float32-only: refuse bf16 up front, naming
+    --dtype, instead of failing in the first forward."""
+    from vllm_unified.models.loader import check_dtype_supported
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3_next")
+    model = load_model(folder, hf_config=None, dtype=mx.bfloat16, keep_quantized=False).model
+    with pytest.raises(ValueError, match="--dtype bfloat16: .*use --dtype float32"):
+        check_dtype_supported(model, mx.bfloat16, "cpu")
+    check_dtype_supported(model, mx.bfloat16, "metal")
+    check_dtype_supported(model, mx.float32, "cpu")

@@ -35,7 +35,8 @@ from vllm_unified.models.gguf import (
     unpermute_rows,
 )
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "LoadedModel", "load_model", "mlx_lm_config"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "LoadedModel", "check_dtype_supported", "load_model",
+           "mlx_lm_config"]
 
 logger = logging.getLogger("vllm.vllm_unified.models.loader")
 
@@ -382,6 +383,24 @@ def _cast_floats(tree: Any, dtype: mx.Dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+def check_dtype_supported(model: nn.Module, dtype: mx.Dtype, backend: str) -> None:
+    """Refuse what MLX cannot run here: on MLX's CPU backend mixture-of-experts layers
+    (``gather_mm``, mlx-lm's ``SwitchLinear``) compute in float32 only (MLX 0.32.4 raises
+    "[GatherMM::eval] Currently only supports float32." at the first forward).
+
+    Raises:
+        ValueError: naming ``--dtype``.
+    """
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if backend == "cpu" and dtype != mx.float32 and any(
+        isinstance(m, SwitchLinear) for _, m in model.named_modules()
+    ):
+        raise ValueError(f"--dtype {str(dtype).removeprefix('mlx.core.')}: this model's "
+                         "mixture-of-experts layers run in float32 only on MLX's CPU backend; "
+                         "use --dtype float32 (or auto)")
 
 
 def _has_quantized(model: nn.Module) -> bool:

@@ -46,7 +46,7 @@ from vllm_unified.compat import (
 from vllm_unified.memory.kv_allocation import KV_LAYOUT, allocate_kv_cache
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.hybrid import HybridLayers
-from vllm_unified.models.loader import LoadedModel, load_model
+from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
 from vllm_unified.models.state_cache import build_state_metadata
 from vllm_unified.platform import KERNEL_BLOCK_SIZES
@@ -161,6 +161,7 @@ class MLXModelRunner:
             keep_quantized=self.keep_quantized,
         )
         self.model = self.loaded.model
+        check_dtype_supported(self.model, self.dtype, detect_backend().kind)
         self.layers = HybridLayers(self.loaded.config["model_type"], self.model)
         patched = install_paged_attention(self.model, self.layers.recurrent)
         num_layers = len(self.model.layers)
