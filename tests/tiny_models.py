@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+#: Hybrid attention + state-space families (tests/test_hybrid_models.py).
+HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -133,7 +135,43 @@ def tiny_config(family: str) -> Any:
             },
             tie_word_embeddings=True,
         )
-    raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(FAMILIES)})")
+    if family == "qwen3_next":
+        # Gated delta-net layers 0, 1, 2 and full attention at 3 (mlx-lm derives that from
+        # full_attention_interval, vLLM and transformers from layer_types: both say the same).
+        # A small MoE on every layer, so mlx-lm's sanitize (expert stacking, conv1d axes,
+        # zero-centred norms) runs as for real checkpoints. Head sizes >= 32 for vLLM's CPU
+        # attention; linear heads as the real model's ratio (2 value heads per key head).
+        return transformers.Qwen3NextConfig(
+            **common, num_hidden_layers=4, num_key_value_heads=2, head_dim=32,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, full_attention_interval=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+            moe_intermediate_size=64, shared_expert_intermediate_size=64, norm_topk_prob=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25},
+        )
+    if family == "granitemoehybrid":
+        # Mamba2 layers 0, 1, 3 and attention at 2 (vLLM's layer-type names; mlx-lm's
+        # "mamba"/"attention" are mapped by our loader), an MoE with a shared MLP as in
+        # Granite 4.0-H, and Granite's multipliers away from 1 so each is exercised (the
+        # attention scale is attention_multiplier, not head_dim ** -0.5).
+        return transformers.GraniteMoeHybridConfig(
+            **{**common, "hidden_size": 128}, num_hidden_layers=4, num_key_value_heads=2,
+            rms_norm_eps=1e-6, tie_word_embeddings=False,
+            layer_types=["linear_attention", "linear_attention", "full_attention",
+                         "linear_attention"],
+            position_embedding_type="rope",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            embedding_multiplier=2.0, attention_multiplier=0.05, residual_multiplier=0.5,
+            logits_scaling=2.0, num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=64, mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16,
+            mamba_d_head=32, mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
+            mamba_proj_bias=False, time_step_limit=(0.0, float("inf")),
+        )
+    raise ValueError(f"unknown tiny-model family {family!r} "
+                     f"(have: {', '.join(FAMILIES + HYBRID_FAMILIES)})")
 
 
 def _randomize(model: Any, family: str, seed: int) -> None:
@@ -152,9 +190,14 @@ def _randomize(model: Any, family: str, seed: int) -> None:
                 p.copy_(0.5 * noise)
             elif p.ndim == 2:
                 p.copy_(noise / math.sqrt(p.shape[1]))
+            elif p.ndim == 3:  # depthwise conv1d [channels, 1, kernel]
+                p.copy_(noise / math.sqrt(p.shape[-1]))
             elif name.endswith("norm.weight"):
-                # Gemma scales by (1 + w): keep its weights near 0, the others near 1
-                p.copy_(0.1 * noise + (0.0 if family == "gemma3" else 1.0))
+                # Gemma and Qwen3-Next (except the gated delta-net's output norm) scale by
+                # (1 + w): keep their weights near 0, the others near 1
+                centred = family == "gemma3" or (
+                    family == "qwen3_next" and not name.endswith("linear_attn.norm.weight"))
+                p.copy_(0.1 * noise + (0.0 if centred else 1.0))
             else:  # biases
                 p.copy_(0.1 * noise)
 

@@ -124,7 +124,35 @@ class MLXPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        return False
+        # Hybrid attention + state-space models need vLLM's hybrid KV-cache manager; other
+        # models keep it off (check_and_update_config), as before.
+        return True
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
+        """vLLM's own page alignment of hybrid models, driven with the MLX attention's kernel
+        block sizes (vLLM's version finds no torch attention layer to ask), then the check
+        that a kernel block size divides the result (:mod:`vllm_unified.attention.
+        block_translation`). Runs in the worker's process after the model is loaded.
+
+        Raises:
+            ValueError: no kernel block size divides the block size (names ``--block-size``).
+        """
+        from vllm_unified.attention.block_translation import select_kernel_block_size
+
+        model_config, cache = vllm_config.model_config, vllm_config.cache_config
+        if model_config is None:
+            return
+        if model_config.is_hybrid:
+            cls._align_hybrid_block_size(vllm_config, MLXAttentionKernel)
+        kernel = select_kernel_block_size(cache.block_size, KERNEL_BLOCK_SIZES)
+        logger.info(
+            "vllm-unified: attention block size %d tokens (vLLM's pages%s), MLX kernel block "
+            "size %d: each block is viewed as %d kernel blocks, no copy",
+            cache.block_size,
+            f", aligned to {cache.mamba_page_size_padded}-byte state pages"
+            if model_config.is_hybrid else "", kernel, cache.block_size // kernel,
+        )
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
@@ -218,7 +246,10 @@ class MLXPlatform(Platform):
             raise ValueError("--enable-lora: LoRA adapters are not supported yet")
 
         cache = vllm_config.cache_config
-        if not cache.user_specified_block_size:
+        hybrid = _hybrid_policy(vllm_config)
+        # A hybrid model's block size is vLLM's alignment (update_block_size_for_backend);
+        # this hook runs again after it and must keep it.
+        if not cache.user_specified_block_size and not hybrid:
             cache.block_size = DEFAULT_BLOCK_SIZE
         elif not any(cache.block_size % k == 0 for k in KERNEL_BLOCK_SIZES):
             raise ValueError(
@@ -275,6 +306,52 @@ class MLXPlatform(Platform):
                     parameter=field,
                     value=getattr(params, field, None),
                 )
+
+
+class MLXAttentionKernel:
+    """The MLX paged attention described the way vLLM's block-size arithmetic asks an attention
+    backend (``Platform._align_hybrid_block_size``); never instantiated."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "MLX_PAGED_ATTN"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(spec: Any = None) -> list[int]:
+        return list(KERNEL_BLOCK_SIZES)
+
+    @staticmethod
+    def supports_block_size(block_size: int) -> bool:
+        return any(block_size % k == 0 for k in KERNEL_BLOCK_SIZES)
+
+    @staticmethod
+    def customize_spec(spec: Any) -> Any:
+        return spec  # pages are vLLM's FullAttentionSpec pages, unchanged
+
+
+def _hybrid_policy(vllm_config: VllmConfig) -> bool:
+    """Hybrid models use vLLM's hybrid KV-cache manager (state groups next to attention);
+    other models keep it off unless asked for, as on vLLM's CPU platform. Returns whether
+    the model is hybrid.
+
+    Raises:
+        ValueError: prefix caching for a hybrid model (vLLM's 'align' state mode, which
+            copies states between blocks, is not implemented).
+    """
+    model_config, sched = vllm_config.model_config, vllm_config.scheduler_config
+    if model_config is None:
+        return False
+    if not model_config.is_hybrid:
+        if sched.disable_hybrid_kv_cache_manager is None:
+            sched.disable_hybrid_kv_cache_manager = True
+        return False
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise ValueError(
+            f"--enable-prefix-caching: {model_config.architecture} is a hybrid attention + "
+            "state-space model, whose prefix caching (vLLM's mamba_cache_mode 'align') "
+            "vllm-unified does not implement yet; pass --no-enable-prefix-caching"
+        )
+    return True
 
 
 def _unsupported_sampling(p: Any) -> dict[str, bool]:

@@ -24,7 +24,8 @@ KV_LAYOUT = "LBNHC"
 
 
 def allocate_kv_cache(
-    kv_cache_config, layout_name: str = KV_LAYOUT, *, zero: bool | None = None
+    kv_cache_config, layout_name: str = KV_LAYOUT, *, zero: bool | None = None,
+    kernel_block_sizes: dict[int, int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The backing buffer and vLLM's per-layer views of it.
 
@@ -33,15 +34,19 @@ def allocate_kv_cache(
         layout_name: a ``KVCacheLayout`` name (vLLM's resolved layout).
         zero: force zeroing on or off (benchmarks compare both); default: vLLM's
             ``needs_kv_cache_zeroing``.
+        kernel_block_sizes: KV-cache group id -> kernel block size ``k`` for attention
+            groups whose pages the MLX attention reads as ``B/k`` kernel blocks (vLLM's
+            ``create_kv_cache_views(kernel_block_size=k)``: a view of the same bytes).
 
     Returns:
-        ``(buffer, views)``: the int8 buffer and ``{layer name: view}``, each view a
-        ``[num_blocks, num_kv_heads, block_size, head_size + head_size_v]`` tensor in the spec's
-        dtype with vLLM's strides.
+        ``(buffer, views)``: the int8 buffer and ``{layer name: view}``, each attention view a
+        ``[num_blocks * B/k, num_kv_heads, k, head_size + head_size_v]`` tensor in the spec's
+        dtype with vLLM's strides (``k = B`` without a kernel block size); each state (Mamba)
+        view vLLM's int8 ``[num_blocks, 1, 1, state_bytes]`` page view.
 
     Raises:
         ValueError: the config's tensors do not share one backing allocation, or a layer has no
-            attention view (state-space layers are not supported yet).
+            per-layer view.
     """
     layout = compat.KVCacheLayout[layout_name]
     tensors = kv_cache_config.kv_cache_tensors
@@ -54,13 +59,15 @@ def allocate_kv_cache(
     buf = torch.zeros(size, dtype=torch.int8) if zero else torch.empty(size, dtype=torch.int8)
     views: dict[str, torch.Tensor] = {}
     for tensor in tensors:
-        group = next(g for g in kv_cache_config.kv_cache_groups
-                     if tensor.layers[0] in g.layer_names)
-        spec = group.kv_cache_spec
+        gid = next(i for i, g in enumerate(kv_cache_config.kv_cache_groups)
+                   if tensor.layers[0] in g.layer_names)
+        spec = kv_cache_config.kv_cache_groups[gid].kv_cache_spec
         if not getattr(spec, "has_layer_views", True):
-            raise ValueError(f"layer {tensor.layers[0]} has no attention view")
+            raise ValueError(f"layer {tensor.layers[0]} has no per-layer view")
         num_blocks = kv_cache_config.num_blocks_of(tensor)
-        layer_views = compat.create_kv_cache_views(buf, spec, num_blocks, layout, tensor)
+        kernel = (kernel_block_sizes or {}).get(gid)
+        layer_views = compat.create_kv_cache_views(buf, spec, num_blocks, layout, tensor,
+                                                   kernel_block_size=kernel)
         views.update(zip(tensor.layers, layer_views, strict=True))
     return buf, views
 

@@ -35,12 +35,17 @@ from vllm_unified.models.gguf import (
     unpermute_rows,
 )
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "LoadedModel", "load_model", "mlx_lm_config"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "LoadedModel", "check_dtype_supported", "load_model",
+           "mlx_lm_config"]
 
 logger = logging.getLogger("vllm.vllm_unified.models.loader")
 
 # HF model types whose mlx-lm modules the rest of the plugin knows how to drive.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_next",
+                         "granitemoehybrid")
+# transformers 5 / vLLM name Granite's hybrid layer kinds like this; mlx-lm as the values.
+_GRANITE_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attention",
+                        "mamba": "mamba", "attention": "attention"}
 # GGUF general.architecture -> HF model type.
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                        "gemma3": "gemma3_text"}
@@ -135,6 +140,17 @@ def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if model_type == "gemma3_text":
         _gemma3_rope_and_windows(cfg)
+    elif model_type == "granitemoehybrid":
+        # mlx-lm reads layer kinds as "mamba"/"attention" and flattens rope_parameters itself
+        unknown = set(cfg.get("layer_types") or ()) - set(_GRANITE_LAYER_TYPES)
+        if unknown or not cfg.get("layer_types"):
+            raise ValueError(f"granitemoehybrid: layer_types {cfg.get('layer_types')} "
+                             f"(known: {', '.join(_GRANITE_LAYER_TYPES)})")
+        cfg["layer_types"] = [_GRANITE_LAYER_TYPES[t] for t in cfg["layer_types"]]
+        rope = cfg.get("rope_parameters") or {}
+        cfg["rope_theta"] = _rope_theta(cfg.get("rope_theta"), rope, model_type)
+        if _non_default(rope) is not None:
+            raise ValueError("granitemoehybrid: RoPE scaling is not supported by mlx-lm")
     else:
         rope = cfg.get("rope_parameters") or {}
         cfg["rope_theta"] = _rope_theta(cfg.get("rope_theta"), rope, model_type)
@@ -367,6 +383,24 @@ def _cast_floats(tree: Any, dtype: mx.Dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+def check_dtype_supported(model: nn.Module, dtype: mx.Dtype, backend: str) -> None:
+    """Refuse what MLX cannot run here: on MLX's CPU backend mixture-of-experts layers
+    (``gather_mm``, mlx-lm's ``SwitchLinear``) compute in float32 only (MLX 0.32.4 raises
+    "[GatherMM::eval] Currently only supports float32." at the first forward).
+
+    Raises:
+        ValueError: naming ``--dtype``.
+    """
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if backend == "cpu" and dtype != mx.float32 and any(
+        isinstance(m, SwitchLinear) for _, m in model.named_modules()
+    ):
+        raise ValueError(f"--dtype {str(dtype).removeprefix('mlx.core.')}: this model's "
+                         "mixture-of-experts layers run in float32 only on MLX's CPU backend; "
+                         "use --dtype float32 (or auto)")
 
 
 def _has_quantized(model: nn.Module) -> bool:

@@ -21,6 +21,7 @@ import ctypes
 import mmap
 import os
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,10 +263,11 @@ def _paged_sdpa(
     )
 
 
-def install_paged_attention(model: Any) -> list[str]:
+def install_paged_attention(model: Any, recurrent: Collection[int] = ()) -> list[str]:
     """Point ``scaled_dot_product_attention`` of every module that defines a layer of ``model``
     at the paged router (an architecture built from another's layers is covered too).
 
+    ``recurrent``: indices of state-space layers (hybrid models), which have no attention.
     Idempotent. Returns the names of the modules patched, for the log.
     """
     patched = []
@@ -275,6 +277,8 @@ def install_paged_attention(model: Any) -> list[str]:
             module.scaled_dot_product_attention = _paged_sdpa
             patched.append(name)
     for i, layer in enumerate(model.layers):
+        if i in recurrent:
+            continue
         attn = getattr(layer, "self_attn", None)
         module = sys.modules.get(type(attn).__module__) if attn is not None else None
         if getattr(module, "scaled_dot_product_attention", None) is not _paged_sdpa:

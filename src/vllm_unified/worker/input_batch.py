@@ -23,7 +23,7 @@ class RequestState:
         req_id: vLLM's request id.
         token_ids: prompt followed by the output tokens accepted so far.
         num_prompt_tokens: length of the prompt part of ``token_ids``.
-        block_ids: KV block ids (one KV cache group), in sequence order.
+        block_ids: KV block ids of the attention KV cache group, in sequence order.
         num_computed_tokens: tokens whose K/V are in the pool (from the scheduler).
         sampling_params: vLLM ``SamplingParams``.
         rng_key: MLX PRNG key of a seeded request sampled in MLX (split once per sampled
@@ -40,6 +40,8 @@ class RequestState:
         num_prompt_logprobs: top-N of the request's prompt logprobs still to compute (the
             vocabulary size for -1), None when not asked or done.
         prompt_logprobs: the prompt logprobs filled chunk by chunk (vLLM ``LogprobsTensors``).
+        other_block_ids: block ids of the other KV cache groups (hybrid models' state
+            groups: one block, the request's state slot), by group id.
     """
 
     req_id: str
@@ -54,6 +56,7 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     num_prompt_logprobs: int | None = None
     prompt_logprobs: object | None = None
+    other_block_ids: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]
@@ -108,6 +111,8 @@ class InputBatch:
 
     def __init__(self) -> None:
         self.requests: dict[str, RequestState] = {}
+        #: the KV cache group whose blocks the attention reads (0 unless hybrid)
+        self.attn_group = 0
         #: requests resumed after preemption (for logs and tests)
         self.num_resumed = 0
 
@@ -146,9 +151,13 @@ class InputBatch:
                 self.num_resumed += 1
                 if new_blocks is None:
                     raise RuntimeError(f"resumed request {req_id!r} came without block ids")
-                state.block_ids = list(new_blocks[0])
+                state.block_ids, state.other_block_ids = split_groups(new_blocks,
+                                                                      self.attn_group)
             elif new_blocks is not None:
-                state.block_ids.extend(new_blocks[0])
+                attn, others = split_groups(new_blocks, self.attn_group)
+                state.block_ids.extend(attn)
+                for g, ids in others.items():
+                    state.other_block_ids.setdefault(g, []).extend(ids)
 
     def layout(self, out: SchedulerOutput) -> StepBatch:
         """Token-major layout of the step: which tokens to feed, where they go, what to sample.
@@ -195,3 +204,11 @@ class InputBatch:
             sample_req_idx=sample_req_idx,
             sample_token_idx=last_rows[sample_req_idx].astype(np.int32),
         )
+
+
+def split_groups(
+    block_ids: tuple[list[int], ...], attn_group: int
+) -> tuple[list[int], dict[int, list[int]]]:
+    """vLLM's per-group block ids -> (the attention group's, {other group: ids})."""
+    return (list(block_ids[attn_group]),
+            {g: list(ids) for g, ids in enumerate(block_ids) if g != attn_group})

@@ -23,7 +23,11 @@ import numpy as np
 import torch
 
 from vllm_unified import bridge
-from vllm_unified.attention.metadata import build_attention_metadata
+from vllm_unified.attention.block_translation import (
+    expand_block_table,
+    select_kernel_block_size,
+)
+from vllm_unified.attention.metadata import AttentionMetadata, build_attention_metadata
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -41,10 +45,13 @@ from vllm_unified.compat import (
 )
 from vllm_unified.memory.kv_allocation import KV_LAYOUT, allocate_kv_cache
 from vllm_unified.models.gguf_dir import gguf_in_dir
-from vllm_unified.models.loader import LoadedModel, load_model
+from vllm_unified.models.hybrid import HybridLayers
+from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
+from vllm_unified.models.state_cache import build_state_metadata
 from vllm_unified.offload.runner import KVConnectorHooks
-from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch
+from vllm_unified.platform import KERNEL_BLOCK_SIZES
+from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch, split_groups
 from vllm_unified.worker.sampler import SamplingRow, sample
 from vllm_unified.worker.step_profile import StepProfile
 from vllm_unified.worker.vllm_sampling import (
@@ -122,7 +129,11 @@ class MLXModelRunner:
     def __init__(self, vllm_config: VllmConfig, keep_quantized: bool) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
-        self.block_size: int = vllm_config.cache_config.block_size
+        #: tokens per block the MLX attention reads (``block_size`` divided, pillar 6)
+        self.kernel_block_size: int | None = None
+        #: vLLM's attention block size, fixed by the KV cache config
+        self._kv_block_size: int | None = None
+        self.layers: HybridLayers | None = None
         self.dtype: mx.Dtype = _TORCH_TO_MLX[str(self.model_config.dtype).removeprefix("torch.")]
         self.keep_quantized = keep_quantized
         self.loaded: LoadedModel | None = None
@@ -156,7 +167,9 @@ class MLXModelRunner:
             keep_quantized=self.keep_quantized,
         )
         self.model = self.loaded.model
-        patched = install_paged_attention(self.model)
+        check_dtype_supported(self.model, self.dtype, detect_backend().kind)
+        self.layers = HybridLayers(self.loaded.config["model_type"], self.model)
+        patched = install_paged_attention(self.model, self.layers.recurrent)
         num_layers = len(self.model.layers)
         if num_layers != self.model_config.get_num_layers(self.vllm_config.parallel_config):
             raise ValueError(
@@ -170,6 +183,18 @@ class MLXModelRunner:
             time.perf_counter() - start, ", ".join(patched) or "(already routed)",
         )
 
+    @property
+    def block_size(self) -> int:
+        """vLLM's attention block size: the KV cache config's once it is allocated, before that
+        the cache config's (final once the platform's ``update_block_size_for_backend`` has
+        run, after the model loaded)."""
+        return self._kv_block_size or self.vllm_config.cache_config.block_size
+
+    @property
+    def state_store(self):
+        """Recurrent state pages of a hybrid model (None otherwise)."""
+        return self.layers.store if self.layers is not None else None
+
     def _window(self, i: int) -> int | None:
         """Sliding window of layer ``i`` (tokens), None for full attention."""
         layer = self.model.layers[i]
@@ -180,63 +205,107 @@ class MLXModelRunner:
         return None
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """One ``FullAttentionSpec`` per layer; sliding-window layers record their window (vLLM
-        keeps blocks for all tokens, the attention applies the window)."""
+        """One ``FullAttentionSpec`` per attention layer; sliding-window layers record their
+        window (vLLM keeps blocks for all tokens, the attention applies the window); one
+        ``MambaSpec`` per recurrent layer of a hybrid model."""
         pc = self.vllm_config.parallel_config
         num_kv_heads = self.model_config.get_num_kv_heads(pc)
         head_size = self.model_config.get_head_size()
-        return {
+        specs = {
             layer_name(i): FullAttentionSpec(
                 block_size=self.block_size, num_kv_heads=num_kv_heads, head_size=head_size,
                 dtype=self.model_config.dtype, sliding_window=self._window(i),
             )
-            for i in range(len(self.model.layers))
+            for i in self.layers.attention
         }
+        specs.update(self.layers.state_specs(self.vllm_config))
+        return specs
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes one KV block takes over all layers: 2 (K and V) x block_size x kv_heads x
-        head_size x dtype size x layers."""
-        return sum(spec.page_size_bytes for spec in self.get_kv_cache_spec().values())
+        """Bytes one KV block takes over all attention layers: 2 (K and V) x block_size x
+        kv_heads x head_size x dtype size x layers. A hybrid model's state pages share vLLM's
+        block pool with them (a request holds one per state group), so they are not added."""
+        return sum(spec.page_size_bytes for spec in self.get_kv_cache_spec().values()
+                   if isinstance(spec, FullAttentionSpec))
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the paged pool for ``kv_cache_config.num_blocks`` blocks.
 
+        The attention reads each ``B``-token block as ``B/k`` kernel blocks of ``k`` tokens
+        (vLLM's ``kernel_block_size`` views; no bytes move); a hybrid model's recurrent layers
+        get their state pages.
+
         Raises:
-            ValueError: more than one KV-cache group (hybrid models are not supported yet).
+            ValueError: KV-cache groups that do not match the model's layers (several groups
+                for a model that is not hybrid), or a block size no kernel block divides.
         """
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
+        if len(groups) != 1 and not self.layers.is_hybrid:
             raise ValueError(f"{len(groups)} KV cache groups: only one is supported")
-        names = groups[0].layer_names
-        expected = [layer_name(i) for i in range(len(self.model.layers))]
-        if sorted(names) != sorted(expected):
+        expected = [layer_name(i) for i in self.layers.attention]
+        attn_group = self.layers.attention_group(kv_cache_config, expected)
+        if sorted(groups[attn_group].layer_names) != sorted(expected):
             raise ValueError("KV cache group layers do not match the model's layers")
-        spec = groups[0].kv_cache_spec
-        self.pool = self._allocate_pool(kv_cache_config, spec, expected)
-        self.layer_caches = [PagedLayerCache(self.pool, i) for i in range(len(expected))]
-        views = dict(zip(expected, self.pool.torch_views, strict=True)) \
-            if self.pool.torch_views is not None else None
-        self.kv_connector.register(kv_cache_config, views, lambda: mx.eval(self.pool.arrays()))
+        self.batch.attn_group = attn_group
+        spec = groups[attn_group].kv_cache_spec
+        self._kv_block_size = spec.block_size
+        self.kernel_block_size = select_kernel_block_size(spec.block_size, KERNEL_BLOCK_SIZES)
+        self.pool = self._allocate_pool(kv_cache_config, spec, expected, attn_group)
+        self.layer_caches = self.layers.layer_caches(self.pool, self.state_store)
+        self._register_kv_connector(kv_cache_config, spec.block_size, expected)
         logger.info(
-            "vllm-unified: KV pool %d blocks x %d tokens, %.2f GiB (%s)",
-            kv_cache_config.num_blocks, spec.block_size, self.pool.nbytes / 2**30,
+            "vllm-unified: KV pool %d blocks x %d tokens (read as %d-token kernel blocks)%s, "
+            "%.2f GiB (%s)",
+            kv_cache_config.num_blocks, spec.block_size, self.kernel_block_size,
+            f", {len(self.layers.recurrent)} recurrent layers on state pages in "
+            f"{len(groups) - 1} state groups" if self.layers.is_hybrid else "",
+            self.pool.nbytes / 2**30,
             "vLLM layout in torch memory, shared with MLX; zeroed" if self.pool.shared
             and self.pool_zeroed else
             "vLLM layout in torch memory, shared with MLX; uninitialised, committed as blocks "
             "are written" if self.pool.shared else "MLX-owned",
         )
 
-    def _allocate_pool(self, kv_cache_config: KVCacheConfig, spec, names: list[str]) -> KVPool:
+    def _register_kv_connector(self, kv_cache_config: KVCacheConfig, block_size: int,
+                               names: list[str]) -> None:
+        """Hand vLLM's per-layer KV views to the KV connector (offloading), if one is set.
+
+        Raises:
+            ValueError: a connector is configured and the attention reads vLLM's blocks as
+                smaller kernel blocks (its views are then the kernel-block views, whose block
+                ids are not the scheduler's).
+        """
+        if not self.kv_connector.enabled:
+            return
+        if self.kernel_block_size != block_size:
+            raise ValueError(
+                f"--kv-offloading-size with --block-size {block_size}: the attention reads "
+                f"{self.kernel_block_size}-token kernel blocks, and KV offloading needs a block "
+                f"size the attention reads directly ({', '.join(map(str, KERNEL_BLOCK_SIZES))})"
+            )
+        views = dict(zip(names, self.pool.torch_views, strict=True)) \
+            if self.pool.torch_views is not None else None
+        self.kv_connector.register(kv_cache_config, views, lambda: mx.eval(self._cache_arrays()))
+
+    def _allocate_pool(self, kv_cache_config: KVCacheConfig, spec, names: list[str],
+                       attn_group: int = 0) -> KVPool:
         """Torch buffer in vLLM's layout shared with MLX on the CPU backend; MLX-owned arrays
-        where the bridge cannot share (GPU backends) or is not installed (logged)."""
+        where the bridge cannot share (GPU backends) or is not installed (logged; hybrid
+        models raise NotImplementedError there)."""
         error = bridge.native_error() if detect_backend().kind == "cpu" else "not the CPU backend"
         if error is None:
             layout = self.vllm_config.cache_config.kv_cache_layout or KV_LAYOUT
             # For benchmarks only: zero-fill like vLLM does, to compare start-up memory.
             eager = os.environ.get(EAGER_ZERO_ENV) == "1"
             self.pool_zeroed = eager or kv_cache_config.needs_kv_cache_zeroing
-            buf, views = allocate_kv_cache(kv_cache_config, layout, zero=self.pool_zeroed)
+            buf, views = allocate_kv_cache(kv_cache_config, layout, zero=self.pool_zeroed,
+                                           kernel_block_sizes={attn_group: self.kernel_block_size})
+            if self.layers.is_hybrid:
+                self.layers.bind(kv_cache_config, views, buf)
             return KVPool.from_torch_views([views[n] for n in names], spec.block_size, buf)
+        if self.layers.is_hybrid:
+            raise NotImplementedError(
+                f"hybrid models need the KV cache shared with torch ({error})")
         logger.warning("vllm-unified: KV pool owned by MLX (torch cannot share it: %s)", error)
         return KVPool.allocate_mlx(
             num_layers=len(names), num_blocks=kv_cache_config.num_blocks,
@@ -262,9 +331,11 @@ class MLXModelRunner:
             num_prompt_logprobs = (
                 self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
             )
+        attn_blocks, other_blocks = split_groups(new.block_ids, self.batch.attn_group)
         return RequestState(
             req_id=new.req_id, token_ids=list(new.prompt_token_ids),
-            num_prompt_tokens=len(new.prompt_token_ids), block_ids=list(new.block_ids[0]),
+            num_prompt_tokens=len(new.prompt_token_ids), block_ids=attn_blocks,
+            other_block_ids=other_blocks,
             num_computed_tokens=new.num_computed_tokens, sampling_params=params, rng_key=key,
             uses_vllm_sampler=uses_vllm, generator=generator,
             num_prompt_logprobs=num_prompt_logprobs,
@@ -290,6 +361,8 @@ class MLXModelRunner:
         self.batch.update(out, self._new_request)
         if out.new_block_ids_to_zero:
             self.pool.zero_blocks(list(out.new_block_ids_to_zero))
+            if self.state_store is not None:  # block ids are shared by all groups
+                self.state_store.zero_block_ids(list(out.new_block_ids_to_zero))
         self.stats.steps += 1
         if out.total_num_scheduled_tokens == 0:
             self.stats.empty_steps += 1
@@ -334,10 +407,7 @@ class MLXModelRunner:
         ]).astype(np.int32)
         needs_torch = bool(vllm_idx) or any(p.num_logits for p in prompt)
 
-        meta = build_attention_metadata(
-            step.query_lens.tolist(), step.seq_lens.tolist(), step.block_table, self.block_size
-        )
-        self.pool.meta = meta
+        self._set_step_meta(step.query_lens, step.seq_lens, step.block_table, states)
         self.profile.mark("prepare")
         try:
             logits = self.forward(mx.array(step.input_ids), rows)
@@ -351,10 +421,10 @@ class MLXModelRunner:
             self.profile.mark("graph")
             mx.eval(
                 *([logits] if needs_torch else []), *([tokens] if tokens is not None else []),
-                self.pool.arrays(),
+                self._cache_arrays(),
             )
         finally:
-            self.pool.meta = None
+            self._clear_step_meta()
         self.profile.mark("eval")
         self.stats.forwards += 1
         self.stats.tokens += int(step.input_ids.size)
@@ -365,6 +435,35 @@ class MLXModelRunner:
             prompt=prompt, logits=logits if needs_torch else None,
             mlx_tokens=tokens.tolist() if tokens is not None else [],
         )
+
+    def _set_step_meta(self, query_lens, seq_lens, block_table: np.ndarray,
+                       states: list[RequestState] | None) -> AttentionMetadata:
+        """The step's attention metadata, on kernel blocks (the block table expanded by
+        ``block_size / kernel_block_size``), and a hybrid model's state slots (slot 0 for
+        dummy sequences when ``states`` is None)."""
+        table, size = block_table, self.block_size
+        if self.kernel_block_size is not None and self.kernel_block_size != size:
+            table = expand_block_table(table, size // self.kernel_block_size)
+            size = self.kernel_block_size
+        meta = build_attention_metadata(list(query_lens), list(seq_lens), table, size)
+        self.pool.meta = meta
+        store = self.state_store
+        if store is not None:
+            store.attn_meta = meta
+            store.meta = build_state_metadata(
+                query_lens, seq_lens, self.layers.step_slots(store, states, len(query_lens))
+            )
+        return meta
+
+    def _clear_step_meta(self) -> None:
+        self.pool.meta = None
+        if self.state_store is not None:
+            self.state_store.meta = self.state_store.attn_meta = None
+
+    def _cache_arrays(self) -> list[mx.array]:
+        """Pool and state arrays, evaluated with the step (their writes happen then)."""
+        store = self.state_store
+        return self.pool.arrays() + (store.arrays() if store is not None else [])
 
     def _prompt_logprob_slices(
         self, step: StepBatch, states: list[RequestState], first_rows: np.ndarray
@@ -479,20 +578,26 @@ class MLXModelRunner:
         with a temporary pool just big enough for it. Logits of the sampled rows are added by
         the caller; this measures the transformer's activations."""
         blocks = -(-num_tokens // self.block_size) + 1
-        spec = next(iter(self.get_kv_cache_spec().values()))
-        pool = KVPool.allocate_mlx(len(self.model.layers), blocks, self.block_size,
+        spec = self.get_kv_cache_spec()[layer_name(self.layers.attention[0])]
+        pool = KVPool.allocate_mlx(len(self.layers.attention), blocks, self.block_size,
                                    spec.num_kv_heads, spec.head_size, self.dtype)
-        caches = [PagedLayerCache(pool, i) for i in range(len(self.model.layers))]
+        store = self.layers.temp_store(self.vllm_config, 2)
+        caches = self.layers.layer_caches(pool, store)
         table = np.arange(1, blocks, dtype=np.int32)[None]
         pool.meta = build_attention_metadata([num_tokens], [num_tokens], table, self.block_size)
+        if store is not None:
+            store.attn_meta = pool.meta
+            store.meta = build_state_metadata(
+                np.array([num_tokens]), np.array([num_tokens]),
+                self.layers.step_slots(store, None, 1))
         mx.synchronize()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         ids = mx.zeros((num_tokens,), dtype=mx.int32)
         mx.eval(forward(self.model, caches, ids, np.array([num_tokens - 1], np.int32)),
-                pool.arrays())
+                pool.arrays(), store.arrays() if store is not None else [])
         peak = mx.get_peak_memory() - base
-        del pool, caches
+        del pool, caches, store
         mx.clear_cache()
         return max(int(peak), 0)
 
@@ -502,14 +607,12 @@ class MLXModelRunner:
         never handed to requests, so writing it is harmless). Returns seconds taken."""
         start = time.perf_counter()
         n = min(self.block_size, self.model_config.max_model_len)
-        table = np.zeros((1, 1), dtype=np.int32)
-        meta = build_attention_metadata([n], [n], table, self.block_size)
-        self.pool.meta = meta
+        self._set_step_meta([n], [n], np.zeros((1, 1), dtype=np.int32), None)
         try:
             logits = self.forward(mx.zeros((n,), dtype=mx.int32), np.array([n - 1], np.int32))
-            mx.eval(logits, self.pool.arrays())
+            mx.eval(logits, self._cache_arrays())
         finally:
-            self.pool.meta = None
+            self._clear_step_meta()
         return time.perf_counter() - start
 
 

@@ -218,6 +218,11 @@ class MLXWorker(WorkerBase):
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 * (1 if sys.platform == "darwin" else 1024)}
 
+    def state_slots(self) -> dict[str, list[int]]:
+        """A hybrid model's state slot per state group of every request seen, in the order
+        they were first scheduled (``LLM.collective_rpc("state_slots")``)."""
+        return dict(self.model_runner.layers.slot_owners)
+
     def kv_torch_view_ptrs(self) -> list[int]:
         """``data_ptr()`` of vLLM's per-layer torch KV views, in model layer order (empty when
         the pool is MLX-owned)."""

@@ -1,0 +1,232 @@
+"""Hybrid attention + state-space models: which mlx-lm layers are recurrent, and the state
+(Mamba) cache specs vLLM gets for them.
+
+Supported families name, per mlx-lm model type, how to find a layer's recurrent mixer and which
+vLLM state kind it is. The state shapes and dtypes come from vLLM's own model class
+(``get_mamba_state_shape_from_config`` / ``..._dtype_from_config``), exactly what vLLM's
+block-size alignment used, so the pages vLLM sizes are the pages we fill.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.nn as nn
+
+from vllm_unified import compat
+from vllm_unified.models.state_cache import RecurrentMixer
+
+
+@dataclass(frozen=True)
+class HybridFamily:
+    """How one mlx-lm hybrid architecture is laid out.
+
+    Attributes:
+        mixer: the attribute of a decoder layer holding its recurrent mixer.
+        is_recurrent: decides from the mlx-lm layer whether it is a recurrent one.
+        mamba_type: name of vLLM's ``MambaAttentionBackendEnum`` member for its state kind.
+    """
+
+    mixer: str
+    is_recurrent: Callable[[Any], bool]
+    mamba_type: str
+
+
+HYBRID_FAMILIES: dict[str, HybridFamily] = {
+    "qwen3_next": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
+    "granitemoehybrid": HybridFamily("mamba", lambda layer: layer.layer_type == "mamba",
+                                     "MAMBA2"),
+}
+
+
+#: requests whose state slots :attr:`HybridLayers.slot_owners` remembers
+SLOT_HISTORY = 1024
+
+
+def recurrent_layer_name(i: int) -> str:
+    """KV-cache layer name we report to vLLM for recurrent decoder layer ``i``."""
+    return f"model.layers.{i}.mixer"
+
+
+def recurrent_layers(model_type: str, model: nn.Module) -> list[int]:
+    """Indices of the recurrent layers (empty for a model type that is not hybrid)."""
+    family = HYBRID_FAMILIES.get(model_type)
+    if family is None:
+        return []
+    return [i for i, layer in enumerate(model.layers) if family.is_recurrent(layer)]
+
+
+def install_recurrent_mixers(model_type: str, model: nn.Module) -> list[int]:
+    """Wrap each recurrent layer's mixer in :class:`RecurrentMixer` (idempotent).
+
+    Returns:
+        The recurrent layer indices.
+    """
+    family = HYBRID_FAMILIES.get(model_type)
+    layers = recurrent_layers(model_type, model)
+    for i in layers:
+        layer = model.layers[i]
+        mixer = getattr(layer, family.mixer)
+        if not isinstance(mixer, RecurrentMixer):
+            setattr(layer, family.mixer, RecurrentMixer(mixer))
+    return layers
+
+
+def mamba_spec(vllm_config: Any, model_type: str):
+    """The ``MambaSpec`` of every recurrent layer, as vLLM's ``MambaBase.get_kv_cache_spec``
+    would build it for this model (shapes and dtypes from vLLM's model class).
+
+    Raises:
+        ValueError: vLLM's state layout is not mlx-lm's (conv state dim-first).
+    """
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    model_cls, _ = compat.ModelRegistry.resolve_model_cls(
+        model_config.architecture, model_config=model_config
+    )
+    shapes = model_cls.get_mamba_state_shape_from_config(vllm_config)
+    dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)
+    family = HYBRID_FAMILIES[model_type]
+    _check_conv_layout(shapes)
+    return compat.MambaSpec(
+        shapes=tuple(tuple(s) for s in shapes), dtypes=tuple(dtypes),
+        block_size=cache_config.mamba_block_size,
+        page_size_padded=cache_config.mamba_page_size_padded,
+        mamba_type=compat.MambaAttentionBackendEnum[family.mamba_type],
+        mamba_cache_mode=cache_config.mamba_cache_mode,
+    )
+
+
+def _check_conv_layout(shapes) -> None:
+    from vllm_unified.compat import is_conv_state_dim_first
+
+    if is_conv_state_dim_first():
+        raise ValueError(
+            "VLLM_SSM_CONV_STATE_LAYOUT=DS: vllm-unified keeps conv states as "
+            f"(state_len, dim) like mlx-lm (state shapes {shapes}); unset it"
+        )
+
+
+class HybridLayers:
+    """The runner's view of a model's layer kinds: attention layers (on the paged KV pool, in
+    pool order) and recurrent layers (on state pages), plus the state store once bound.
+
+    For a model that is not hybrid every layer is an attention layer and nothing is wrapped.
+    """
+
+    def __init__(self, model_type: str, model: nn.Module) -> None:
+        self.model_type = model_type
+        self.recurrent = install_recurrent_mixers(model_type, model)
+        rec = set(self.recurrent)
+        self.attention = [i for i in range(len(model.layers)) if i not in rec]
+        self.store = None
+        #: request id -> its state slot per state group, recorded when first scheduled, for
+        #: the last ``SLOT_HISTORY`` requests (tests check that a finished request's slot is
+        #: reused cleanly; bounded so a long-running server does not grow it)
+        self.slot_owners: OrderedDict[str, list[int]] = OrderedDict()
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent)
+
+    def state_specs(self, vllm_config: Any) -> dict[str, Any]:
+        """``{layer name: MambaSpec}`` for the recurrent layers."""
+        if not self.recurrent:
+            return {}
+        spec = mamba_spec(vllm_config, self.model_type)
+        return {recurrent_layer_name(i): spec for i in self.recurrent}
+
+    def attention_group(self, kv_cache_config: Any, names: list[str]) -> int:
+        """The KV cache group holding all attention layers ``names``.
+
+        Raises:
+            ValueError: they are spread over several groups, or some are missing.
+        """
+        groups = [i for i, g in enumerate(kv_cache_config.kv_cache_groups)
+                  if set(g.layer_names) & set(names)]
+        found = {n for i in groups for n in kv_cache_config.kv_cache_groups[i].layer_names}
+        if len(groups) != 1 or not set(names) <= found:
+            raise ValueError(f"attention layers {names} are not one KV cache group "
+                             f"(groups {groups})")
+        return groups[0]
+
+    def bind(self, kv_cache_config: Any, views: dict[str, Any], buffer: Any):
+        """Adopt the recurrent layers' state pages from vLLM's views; returns the store.
+
+        Raises:
+            ValueError: a recurrent layer has no state group, or its pages do not fit.
+        """
+        from vllm_unified.models.state_cache import StatePages, StateStore, state_fields
+
+        pages, groups = {}, {}
+        for i in self.recurrent:
+            name = recurrent_layer_name(i)
+            gid = next((g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
+                        if name in grp.layer_names), None)
+            if gid is None:
+                raise ValueError(f"recurrent layer {name} is in no KV cache group")
+            spec = kv_cache_config.kv_cache_groups[gid].kv_cache_spec
+            pages[i] = StatePages.from_torch(views[name], state_fields(spec.shapes, spec.dtypes),
+                                             buffer)
+            groups[i] = gid
+        self.store = StateStore(pages, groups)
+        return self.store
+
+    def slots(self, states: list[Any]) -> dict[int, Any]:
+        """Per state group, each request's state slot (its one block of that group).
+
+        Raises:
+            RuntimeError: a request has no block in a state group.
+        """
+        import numpy as np
+
+        out = {}
+        for g in sorted(set(self.store.groups.values())):
+            ids = []
+            for s in states:
+                blocks = s.other_block_ids.get(g)
+                if not blocks:
+                    raise RuntimeError(f"request {s.req_id!r} has no state block in group {g}")
+                ids.append(blocks[0])
+            out[g] = np.asarray(ids, dtype=np.int32)
+        for i, s in enumerate(states):
+            if s.req_id not in self.slot_owners:
+                self.slot_owners[s.req_id] = [int(out[g][i]) for g in sorted(out)]
+                if len(self.slot_owners) > SLOT_HISTORY:
+                    self.slot_owners.popitem(last=False)
+        return out
+
+    def layer_caches(self, pool: Any, store: Any) -> list[Any]:
+        """One cache per model layer: paged attention (pool layer = attention ordinal) or
+        state pages."""
+        from vllm_unified.models.paged_cache import PagedLayerCache
+        from vllm_unified.models.state_cache import StateLayerCache
+
+        caches: list[Any] = [None] * (len(self.attention) + len(self.recurrent))
+        for j, i in enumerate(self.attention):
+            caches[i] = PagedLayerCache(pool, j)
+        for i in self.recurrent:
+            caches[i] = StateLayerCache(store, i)
+        return caches
+
+    def temp_store(self, vllm_config: Any, num_blocks: int):
+        """An MLX-owned zeroed state store (profiling forward), or None if not hybrid."""
+        if not self.recurrent:
+            return None
+        from vllm_unified.models.state_cache import StatePages, StateStore, state_fields
+
+        spec = mamba_spec(vllm_config, self.model_type)
+        fields = state_fields(spec.shapes, spec.dtypes)
+        return StateStore({i: StatePages.allocate_mlx(num_blocks, spec.page_size_bytes, fields)
+                           for i in self.recurrent}, {i: 0 for i in self.recurrent})
+
+    def step_slots(self, store: Any, states: list[Any] | None, num_seqs: int) -> dict:
+        """``slots`` for :func:`build_state_metadata`: the requests' slots, or slot 0 (vLLM's
+        null block, never handed to a request) for ``num_seqs`` dummy sequences."""
+        import numpy as np
+
+        if states is not None:
+            return self.slots(states)
+        return {g: np.zeros(num_seqs, np.int32) for g in set(store.groups.values())}

@@ -1,0 +1,296 @@
+"""Per-request recurrent state of hybrid models, in vLLM's state (Mamba) cache pages.
+
+vLLM gives every recurrent layer a ``MambaSpec`` KV-cache group: one page per state slot,
+holding the layer's states (e.g. conv state then SSM/recurrent state) packed one after the
+other, padded to the attention page size. With ``mamba_cache_mode == "none"`` each request owns
+exactly one block of its layer's group, for its whole life: that block id is its state slot.
+
+:class:`StatePages` holds one layer's pages as an MLX ``int8`` array ``[num_blocks, page_bytes]``
+adopted from vLLM's torch buffer (no copy). A step gathers the slots' pages, reinterprets the
+bytes as the states (vLLM's shapes and dtypes, which for the supported families are mlx-lm's
+per-sequence layouts), and writes the new states back in place with the bridge's
+``write_rows`` at the end of the layer.
+
+:class:`StateLayerCache` stands in for mlx-lm's ``ArraysCache`` in the token-major forward; the
+layer's mixer is wrapped (:class:`RecurrentMixer`) so that it runs once over all single-token
+(decode) sequences as a batch, and once per multi-token (prefill chunk) sequence, each with its
+own state. A sequence whose chunk starts at position 0 starts from zero state whatever its slot
+holds (vLLM's ``has_initial_state``), so a slot reused after a finished, aborted or preempted
+request never leaks into the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from vllm_unified.attention.metadata import AttentionMetadata
+
+_TORCH_TO_MLX = {"torch.float32": mx.float32, "torch.bfloat16": mx.bfloat16,
+                 "torch.float16": mx.float16}
+
+
+@dataclass(frozen=True)
+class StateField:
+    """One state inside a page: bytes ``offset ... offset + nbytes`` are ``shape`` x ``dtype``."""
+
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+
+def state_fields(shapes, dtypes) -> tuple[StateField, ...]:
+    """The packing of vLLM's ``MambaBase.bind_kv_cache``: states back to back in spec order.
+
+    Args:
+        shapes: per-state shapes (``MambaSpec.shapes``).
+        dtypes: per-state torch dtypes (``MambaSpec.dtypes``).
+
+    Raises:
+        ValueError: a dtype MLX does not hold here.
+    """
+    fields, offset = [], 0
+    for shape, dtype in zip(shapes, dtypes, strict=True):
+        mx_dtype = _TORCH_TO_MLX.get(str(dtype))
+        if mx_dtype is None:
+            raise ValueError(f"state dtype {dtype} is not supported (float32/bfloat16/float16)")
+        nbytes = prod(shape) * mx_dtype.size
+        fields.append(StateField(offset, nbytes, tuple(shape), mx_dtype))
+        offset += nbytes
+    return tuple(fields)
+
+
+class StatePages:
+    """One recurrent layer's state pages: ``pages`` int8 ``[num_blocks, page_bytes]``.
+
+    ``page_bytes`` is the page stride (the padded page); the fields occupy its start.
+    """
+
+    def __init__(self, pages: mx.array, fields: tuple[StateField, ...], shared: bool) -> None:
+        used = fields[-1].offset + fields[-1].nbytes
+        if pages.ndim != 2 or pages.dtype != mx.int8 or pages.shape[1] < used:
+            raise ValueError(f"state pages must be int8 [blocks, >= {used}], got "
+                             f"{pages.shape} {pages.dtype}")
+        self.pages = pages
+        self.fields = fields
+        self.shared = shared
+
+    @classmethod
+    def from_torch(cls, view, fields: tuple[StateField, ...], buffer) -> StatePages:
+        """Adopt vLLM's ``[num_blocks, 1, 1, state_bytes]`` int8 page view as whole page rows
+        ``[num_blocks, page_stride]`` (the padding included), sharing the bytes.
+
+        Raises:
+            ValueError: the pages are not rows of one stride inside ``buffer``.
+            RuntimeError: the native bridge is unavailable.
+        """
+        import torch
+
+        from vllm_unified.bridge import to_mlx
+
+        stride = view.stride(0)
+        num_blocks = view.shape[0]
+        start = view.data_ptr() - buffer.data_ptr()
+        if start < 0 or start + num_blocks * stride > buffer.numel() * buffer.element_size():
+            raise ValueError("state pages run past the KV buffer")
+        rows = torch.as_strided(view, (num_blocks, stride), (stride, 1))
+        return cls(to_mlx(rows), fields, shared=True)
+
+    @classmethod
+    def allocate_mlx(cls, num_blocks: int, page_bytes: int, fields) -> StatePages:
+        """MLX-owned zeroed pages (profiling, warm-up, backends without the shared pool)."""
+        return cls(mx.zeros((num_blocks, page_bytes), dtype=mx.int8), fields, shared=False)
+
+    def read(self, slots: mx.array) -> list[mx.array]:
+        """States of ``slots`` (int32 ``[n]``): one ``[n, *shape]`` array per field."""
+        rows = self.pages[slots]
+        return [rows[:, f.offset:f.offset + f.nbytes].view(f.dtype).reshape(-1, *f.shape)
+                for f in self.fields]
+
+    def write(self, slots: mx.array, states: list[mx.array]) -> None:
+        """Write ``states`` (one ``[n, *shape]`` per field) into the pages of ``slots``
+        (lazily, in place: ``write_rows`` on the shared buffer, a donated scatter otherwise)."""
+        n = slots.shape[0]
+        parts = []
+        for f, s in zip(self.fields, states, strict=True):
+            if s.shape[1:] != f.shape:
+                raise ValueError(f"state shape {s.shape[1:]} != page field {f.shape}")
+            parts.append(mx.contiguous(s.astype(f.dtype)).reshape(n, -1).view(mx.int8))
+        rest = self.pages.shape[1] - (self.fields[-1].offset + self.fields[-1].nbytes)
+        if rest:
+            parts.append(mx.zeros((n, rest), dtype=mx.int8))
+        rows = mx.concatenate(parts, axis=1)
+        if self.shared:
+            from vllm_unified.bridge import write_rows
+
+            self.pages = write_rows(self.pages, slots, rows)
+        else:
+            self.pages[slots] = rows
+
+    def zero(self, slots: list[int]) -> None:
+        """Zero whole pages (vLLM's ``new_block_ids_to_zero`` of this layer's blocks)."""
+        if not slots:
+            return
+        idx = mx.array(slots, dtype=mx.int32)
+        zeros = mx.zeros((len(slots), self.pages.shape[1]), dtype=mx.int8)
+        if self.shared:
+            from vllm_unified.bridge import write_rows
+
+            self.pages = write_rows(self.pages, idx, zeros)
+        else:
+            self.pages[idx] = zeros
+
+
+@dataclass
+class StateMetadata:
+    """Per step: which slot each sequence reads and writes, and whether it has state yet.
+
+    Sequences are those of the step's :class:`AttentionMetadata`, split the same way: the
+    single-token ones (batched) and the multi-token chunks (one call each).
+
+    Attributes:
+        decode_slots: int32 ``[Bd]`` per state group, keyed by group id.
+        decode_has_state: bool ``[Bd]``: False where the token is at position 0.
+        prefill_slots: per group, one slot per prefill chunk.
+        prefill_has_state: per chunk: False where the chunk starts at position 0.
+    """
+
+    decode_slots: dict[int, mx.array]
+    decode_has_state: mx.array | None
+    prefill_slots: dict[int, list[int]]
+    prefill_has_state: list[bool]
+
+
+def build_state_metadata(
+    query_lens: np.ndarray, seq_lens: np.ndarray, slots: dict[int, np.ndarray]
+) -> StateMetadata:
+    """Args: per sequence its query and context lengths (after the step), and per state group
+    its slot ``[B]``. Raises ValueError on mismatched lengths."""
+    qlens = np.asarray(query_lens, dtype=np.int64)
+    starts = np.asarray(seq_lens, dtype=np.int64) - qlens
+    decode, prefill = np.flatnonzero(qlens == 1), np.flatnonzero(qlens > 1)
+    for g, s in slots.items():
+        if len(s) != len(qlens):
+            raise ValueError(f"group {g}: {len(s)} slots for {len(qlens)} sequences")
+    return StateMetadata(
+        decode_slots={g: mx.array(np.asarray(s)[decode].astype(np.int32))
+                      for g, s in slots.items()},
+        decode_has_state=mx.array(starts[decode] > 0) if len(decode) else None,
+        prefill_slots={g: [int(x) for x in np.asarray(s)[prefill]] for g, s in slots.items()},
+        prefill_has_state=[bool(x) for x in starts[prefill] > 0],
+    )
+
+
+class StateStore:
+    """The state pages of every recurrent layer and the current step's metadata."""
+
+    def __init__(self, pages: dict[int, StatePages], groups: dict[int, int]) -> None:
+        """Args: ``pages`` per model layer index; ``groups``: layer index -> KV-cache group."""
+        self.pages = pages
+        self.groups = groups
+        self.meta: StateMetadata | None = None
+        self.attn_meta: AttentionMetadata | None = None
+
+    def arrays(self) -> list[mx.array]:
+        """Every layer's pages, to evaluate with the step (the writes happen then)."""
+        return [p.pages for p in self.pages.values()]
+
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        """Zero these blocks' pages in every layer (vLLM's ``new_block_ids_to_zero``: block
+        ids are shared by all KV cache groups, so a page not owned by a layer's group is
+        free memory)."""
+        for pages in self.pages.values():
+            pages.zero(block_ids)
+        mx.eval(self.arrays())
+
+
+class StateLayerCache:
+    """What a recurrent layer gets as its "cache" in the token-major forward."""
+
+    def __init__(self, store: StateStore, layer: int) -> None:
+        self.store = store
+        self.layer = layer
+
+    @property
+    def pages(self) -> StatePages:
+        return self.store.pages[self.layer]
+
+    @property
+    def group(self) -> int:
+        return self.store.groups[self.layer]
+
+
+class _SegmentCache:
+    """mlx-lm's ``ArraysCache`` protocol for one segment (``cache[i]``, ``lengths``,
+    ``advance``), holding the states the wrapped mixer reads and replaces."""
+
+    def __init__(self, states: list[mx.array]) -> None:
+        self.cache = list(states)
+        self.lengths = None
+        self.left_padding = None
+
+    def __getitem__(self, i: int) -> mx.array:
+        return self.cache[i]
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        self.cache[i] = value
+
+    def advance(self, n: int) -> None:
+        """Positions are not tracked here (the attention metadata has them)."""
+
+
+class RecurrentMixer(nn.Module):
+    """Wraps an mlx-lm recurrent mixer (``mixer(x, mask, cache)`` over an ``ArraysCache``) so
+    it runs on the token-major batch with states in vLLM's pages. Other caches pass through."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if not isinstance(cache, StateLayerCache):
+            return self.inner(x, mask, cache)
+        if mask is not None:
+            raise TypeError("a recurrent layer on vLLM's state pages takes no mask")
+        store, pages = cache.store, cache.pages
+        meta, attn = store.meta, store.attn_meta
+        if meta is None or attn is None:
+            raise RuntimeError("recurrent state used outside a step (no state metadata)")
+        outs, slots, new_states = [], [], []
+        if attn.decode_rows is not None:
+            idx = meta.decode_slots[cache.group]
+            states = _initial(pages.read(idx), meta.decode_has_state)
+            seg = _SegmentCache(states)
+            outs.append(self.inner(x[attn.decode_rows], None, seg))  # [Bd, 1, D]
+            slots.append(idx)
+            new_states.append(seg.cache)
+        for i, chunk in enumerate(attn.prefills):
+            idx = mx.array([meta.prefill_slots[cache.group][i]], dtype=mx.int32)
+            states = pages.read(idx)
+            if not meta.prefill_has_state[i]:
+                states = [mx.zeros_like(s) for s in states]
+            seg = _SegmentCache(states)
+            xs = x[chunk.start:chunk.start + chunk.length].transpose(1, 0, 2)  # [1, L, D]
+            outs.append(self.inner(xs, None, seg).transpose(1, 0, 2))
+            slots.append(idx)
+            new_states.append(seg.cache)
+        if not outs:
+            return x
+        pages.write(mx.concatenate(slots),
+                    [mx.concatenate([s[f] for s in new_states]) for f in range(len(pages.fields))])
+        out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
+        return out if attn.output_order is None else out[attn.output_order]
+
+
+def _initial(states: list[mx.array], has_state: mx.array | None) -> list[mx.array]:
+    """Zero the states of sequences at position 0 (their slot may hold an old request's)."""
+    if has_state is None:
+        return states
+    return [mx.where(has_state.reshape(-1, *([1] * (s.ndim - 1))), s, mx.zeros_like(s))
+            for s in states]

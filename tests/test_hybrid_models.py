@@ -1,0 +1,253 @@
+"""Hybrid attention + state-space models served through vLLM on our platform.
+
+Per family (a tiny random-weight checkpoint): greedy generation with chunked prefill and four
+requests batched equals mlx-lm's own ``generate_step`` on the same weights; vLLM's attention block
+size is larger than the MLX kernel block size (the translation runs) and is logged; a request
+that finished or was aborted leaves nothing in the state slot the next request reuses. Unit
+tests cover the state pages and the recurrent-layer adapter directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from conftest import run_llm
+from tiny_models import HYBRID_FAMILIES, make_tiny_checkpoint
+
+from vllm_unified import bridge
+from vllm_unified.attention.metadata import build_attention_metadata
+from vllm_unified.models.loader import load_model
+from vllm_unified.models.state_cache import (
+    RecurrentMixer,
+    StateLayerCache,
+    StatePages,
+    StateStore,
+    build_state_metadata,
+    state_fields,
+)
+
+NEW_TOKENS = 32
+PROMPT_LENGTHS = (3, 20, 45, 70)
+PROMPTS = [[(7 * i + 13 * j) % 40000 + 100 for j in range(n)]
+           for i, n in enumerate(PROMPT_LENGTHS)]
+GREEDY = {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True}
+# fp32, a 16-token step budget (the longer prompts prefill in several chunks, and the four
+# requests share steps), a pool of 32 blocks (so freed state slots are soon reused), no prefix
+# caching (hybrid prefix caching is refused at start-up).
+ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16,
+          "seed": 0, "enable_prefix_caching": False}
+HARNESS = Path(__file__).resolve().parent / "hybrid_harness.py"
+
+
+def _engine(family: str) -> dict:
+    # 32 pages of the tiny model (one 48-token attention page = one padded state page).
+    page = {"qwen3_next": 24576, "granitemoehybrid": 24576}[family]
+    return {**ENGINE, "kv_cache_memory_bytes": 32 * page}
+
+
+@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(family, tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp(family), family))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> list[list[int]]:
+    """mlx-lm's own greedy generation, one prompt at a time, with its own caches."""
+    from mlx_lm.generate import generate_step
+
+    model = load_model(checkpoint, hf_config=None, dtype=mx.float32, keep_quantized=False).model
+    return [[int(t) for t, _ in itertools.islice(
+        generate_step(mx.array(p), model, max_tokens=NEW_TOKENS), NEW_TOKENS)]
+        for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def fresh(family, checkpoint, tmp_path_factory) -> dict:
+    spec = {"model": checkpoint, "engine": _engine(family),
+            "requests": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS],
+            "rpc": ["runner_stats", "state_slots"]}
+    return run_llm(spec, tmp_path_factory.mktemp("fresh"))
+
+
+@pytest.mark.slow
+def test_greedy_equals_mlx_lm(fresh, reference):
+    got = [o["completions"][0]["token_ids"] for o in fresh["outputs"]]
+    for i, (ours, ref) in enumerate(zip(got, reference, strict=True)):
+        assert ours == ref, f"prompt {i} ({PROMPT_LENGTHS[i]} tokens)"
+    stats = fresh["rpc_after"]["runner_stats"]
+    assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(PROMPTS)  # batched
+    assert len(set(map(tuple, fresh["rpc_after"]["state_slots"].values()))) == len(PROMPTS)
+
+
+@pytest.mark.slow
+def test_attention_block_size_is_translated_and_logged(fresh):
+    m = re.search(r"attention block size (\d+) tokens .*MLX kernel block size (\d+): each "
+                  r"block is viewed as (\d+) kernel blocks", fresh["log"])
+    assert m, "start-up log lacks the block-size translation line"
+    block, kernel, ratio = map(int, m.groups())
+    assert block > kernel and block == kernel * ratio
+    pool = re.search(r"KV pool \d+ blocks x (\d+) tokens \(read as (\d+)-token kernel blocks\)",
+                     fresh["log"])
+    assert pool and (int(pool[1]), int(pool[2])) == (block, kernel)
+
+
+@pytest.mark.slow
+def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, fresh,
+                                                             reference, tmp_path):
+    """Phase 1: a request runs to the end, another is aborted mid-decode; phase 2: the four
+    prompts, whose state slots include phase 1's, give a fresh server's tokens. The pool is
+    too small for the four at once, so vLLM also preempts some (freeing their state blocks)
+    and resumes them by recomputation."""
+    long_prompt = [(11 * j) % 30000 + 500 for j in range(60)]
+    page = _engine(family)["kv_cache_memory_bytes"] // 32
+    # a request needs one block per state group (3) plus up to 3 attention blocks of 48
+    # tokens: 13 blocks hold two requests, not four
+    engine = {**ENGINE, "max_model_len": 128, "kv_cache_memory_bytes": 13 * page}
+    spec = {"model": checkpoint, "engine": engine, "phases": [
+        {"abort": {"prompt_token_ids": long_prompt, "params": GREEDY, "steps": 8}},
+        {"generate": [{"prompt_token_ids": long_prompt[:37], "params": GREEDY}]},
+        {"rpc": "state_slots"},
+        {"generate": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS]},
+        {"rpc": "state_slots"},
+        {"rpc": "runner_stats"},
+    ]}
+    spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    proc = subprocess.run([sys.executable, str(HARNESS), str(spec_path), str(out_path)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    aborted, _, first, later, after, stats = json.loads(out_path.read_text())["phases"]
+    assert stats["resumed"] > 0, "nothing was preempted"
+    assert 0 < len(aborted) < NEW_TOKENS  # really aborted mid-generation
+    assert later == [o["completions"][0]["token_ids"] for o in fresh["outputs"]] == reference
+    old = {tuple(v) for v in first.values()}
+    new = [tuple(v) for k, v in after.items() if k not in first]
+    assert len(first) == 2 and len(new) == len(PROMPTS)
+    reused = {s for slots in new for s in slots} & {s for slots in old for s in slots}
+    assert reused, f"no state slot was reused (phase 1 {old}, phase 2 {new}): test is void"
+
+
+# ------------------------------------------------------------------------------- unit tests
+
+
+def _pages_from_torch(num_blocks: int, fields, page: int):
+    buf = torch.zeros(num_blocks * page, dtype=torch.int8)
+    view = buf.view(num_blocks, page)[:, None, None, : fields[-1].offset + fields[-1].nbytes]
+    return buf, StatePages.from_torch(view, fields, buf)
+
+
+def test_state_pages_share_torch_memory():
+    fields = state_fields([(3, 8), (2, 4, 4)], [torch.float32, torch.float32])
+    buf, pages = _pages_from_torch(5, fields, 256)
+    assert bridge.data_ptr(pages.pages) == buf.data_ptr()
+    conv = mx.arange(2 * 24, dtype=mx.float32).reshape(2, 3, 8)
+    ssm = -mx.arange(2 * 32, dtype=mx.float32).reshape(2, 2, 4, 4)
+    pages.write(mx.array([3, 1], dtype=mx.int32), [conv, ssm])
+    mx.eval(pages.pages)
+    assert bridge.data_ptr(pages.pages) == buf.data_ptr()  # written in place
+    rows = buf.view(5, 256)
+    got = rows[3, :96].view(torch.float32).reshape(3, 8)
+    np.testing.assert_array_equal(got.numpy(), np.array(conv[0]))
+    got = rows[1, 96:224].view(torch.float32).reshape(2, 4, 4)
+    np.testing.assert_array_equal(got.numpy(), np.array(ssm[1]))
+    back = pages.read(mx.array([1, 3], dtype=mx.int32))
+    np.testing.assert_array_equal(np.array(back[0]), np.array(conv[::-1]))
+    pages.zero([3])
+    mx.eval(pages.pages)
+    assert not rows[3].any() and rows[1].any()
+
+
+def test_state_page_padding_must_fit():
+    fields = state_fields([(3, 8)], [torch.float32])
+    with pytest.raises(ValueError, match="state pages"):
+        StatePages(mx.zeros((4, 64), dtype=mx.int8), fields, shared=False)
+
+
+class _ToyMixer:
+    """An mlx-lm style recurrent mixer: running sum state, conv state = last 2 inputs."""
+
+    def __call__(self, x, mask, cache):
+        b, s, d = x.shape
+        state = cache[1] if cache[1] is not None else mx.zeros((b, d))
+        conv = cache[0] if cache[0] is not None else mx.zeros((b, 2, d))
+        outs = []
+        for t in range(s):
+            state = state + x[:, t]
+            outs.append(state)
+        cache[0] = mx.concatenate([conv, x], axis=1)[:, -2:]
+        cache[1] = state
+        return mx.stack(outs, axis=1)
+
+
+def test_recurrent_adapter_segments_and_fresh_state():
+    """Decode rows batched, prefill chunks alone, each with its slot's state; a sequence at
+    position 0 ignores whatever its slot holds (a previous request's state)."""
+    d = 4
+    fields = state_fields([(2, d), (d,)], [torch.float32, torch.float32])
+    pages = StatePages.allocate_mlx(6, 64, fields)
+    garbage = mx.full((6, d), 1000.0)
+    pages.write(mx.arange(6, dtype=mx.int32), [mx.zeros((6, 2, d)), garbage])
+    store = StateStore({0: pages}, {0: 1})
+    mixer = RecurrentMixer(_ToyMixer())
+    # seq 0: decode at pos 5 (slot 2, has state), seq 1: chunk of 3 at pos 0 (slot 4, fresh),
+    # seq 2: decode at pos 0 (slot 5, fresh)
+    qlens, slens = np.array([1, 3, 1]), np.array([6, 3, 1])
+    store.attn_meta = build_attention_metadata(qlens, slens, np.zeros((3, 1), np.int32), 16)
+    store.meta = build_state_metadata(qlens, slens, {1: np.array([2, 4, 5])})
+    x = mx.arange(5 * d, dtype=mx.float32).reshape(5, 1, d)
+    out = mixer(x, None, StateLayerCache(store, 0))
+    mx.eval(out, pages.pages)
+    xs = np.array(x)[:, 0]
+    want = np.stack([1000 + xs[0], xs[1], xs[1] + xs[2], xs[1] + xs[2] + xs[3], xs[4]])
+    np.testing.assert_array_equal(np.array(out)[:, 0], want)
+    states = pages.read(mx.array([2, 4, 5], dtype=mx.int32))
+    np.testing.assert_array_equal(np.array(states[1]), want[[0, 3, 4]])
+    np.testing.assert_array_equal(np.array(states[0])[1], xs[2:4])  # conv: last two inputs
+
+
+def test_prefix_caching_for_hybrids_is_refused():
+    from vllm_unified.platform import _hybrid_policy
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(is_hybrid=True, architecture="Qwen3NextForCausalLM"),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=None),
+        cache_config=SimpleNamespace(enable_prefix_caching=True),
+    )
+    with pytest.raises(ValueError, match="--enable-prefix-caching: Qwen3NextForCausalLM"):
+        _hybrid_policy(config)
+    config.cache_config.enable_prefix_caching = False
+    assert _hybrid_policy(config) is True
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is None  # vLLM: HMA on
+    config.model_config.is_hybrid = False
+    assert _hybrid_policy(config) is False
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+
+
+def test_moe_in_low_precision_on_cpu_is_refused(tmp_path):
+    """MLX's CPU gather_mm (MoE experts) is float32-only: refuse bf16 up front, naming
+    --dtype, instead of failing in the first forward."""
+    from vllm_unified.models.loader import check_dtype_supported
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3_next")
+    model = load_model(folder, hf_config=None, dtype=mx.bfloat16, keep_quantized=False).model
+    with pytest.raises(ValueError, match="--dtype bfloat16: .*use --dtype float32"):
+        check_dtype_supported(model, mx.bfloat16, "cpu")
+    check_dtype_supported(model, mx.bfloat16, "metal")
+    check_dtype_supported(model, mx.float32, "cpu")
