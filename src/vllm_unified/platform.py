@@ -197,8 +197,11 @@ class MLXPlatform(Platform):
                 "VLLM_USE_V2_MODEL_RUNNER=1: vllm-unified implements the V1 model-runner "
                 "message format; unset it"
             )
-        # The runner returns finished outputs from each step (no async output futures yet).
-        vllm_config.scheduler_config.async_scheduling = False
+        # Async scheduling (vLLM's default where the executor allows it): the runner queues
+        # each step and hands vLLM an output future (worker/async_output.py). Only with the
+        # uni-process executor, which collects outputs on the thread that runs the steps.
+        if parallel.distributed_executor_backend != "uni":
+            vllm_config.scheduler_config.async_scheduling = False
 
         if vllm_config.speculative_config is not None:
             raise ValueError("--speculative-config: speculative decoding is not supported yet")

@@ -15,9 +15,16 @@ row by row (pool row ``slot * Hkv + head``), which lands them directly in SDPA's
 
 from __future__ import annotations
 
+import functools
+import os
+
 import mlx.core as mx
 
 from vllm_unified.attention.metadata import AttentionMetadata, Window
+
+#: Set to 0 to read the decode batch through the reference gather + SDPA on CUDA too (the
+#: kernel of attention/cuda_decode.py is used otherwise; benchmarks compare both).
+CUDA_DECODE_ENV = "VLLM_UNIFIED_CUDA_DECODE"
 
 # Gather indices are int32 rows of the pool viewed as [slots * Hkv, D].
 _MAX_ROWS = 2**31
@@ -131,8 +138,25 @@ def paged_attention_kv(
     half = kv_pool[..., :head_dim]  # shapes only: _check_inputs reads no data
     _check_inputs(queries, half, half, meta, window)
     rows = kv_pool.reshape(-1, 2 * head_dim)
+    decode_out = None
+    if meta.decode_rows is not None and _cuda_decode(head_dim):
+        from vllm_unified.attention.cuda_decode import paged_decode_attention
+
+        decode_out = paged_decode_attention(queries[meta.decode_rows], kv_pool, meta, scale,
+                                            window)
     return _attend(queries, rows[:, :head_dim], rows[:, head_dim:], kv_pool.shape[1], meta,
-                   scale, window)
+                   scale, window, decode_out)
+
+
+@functools.cache
+def _cuda_decode(head_dim: int) -> bool:
+    """Use the CUDA decode kernel: on the CUDA backend, for head sizes it supports, unless
+    ``VLLM_UNIFIED_CUDA_DECODE=0``."""
+    from vllm_unified.attention.cuda_decode import supported
+    from vllm_unified.backend import detect_backend
+
+    return (detect_backend().kind == "cuda" and supported(head_dim)
+            and os.environ.get(CUDA_DECODE_ENV, "1") != "0")
 
 
 def _attend(
@@ -143,13 +167,16 @@ def _attend(
     meta: AttentionMetadata,
     scale: float,
     window: Window,
+    decode_out: mx.array | None = None,
 ) -> mx.array:
-    """Attention given the pool as ``[slots * Hkv, D]`` key and value rows (see _rows_view)."""
+    """Attention given the pool as ``[slots * Hkv, D]`` key and value rows (see _rows_view);
+    ``decode_out``: the decode batch's result when a kernel computed it already."""
     if meta.num_tokens == 0:
         return queries
     outputs = []
     if meta.decode_rows is not None:
-        outputs.append(_decode_attention(queries, k_rows, v_rows, meta, scale, window, kv_heads))
+        outputs.append(decode_out if decode_out is not None else
+                       _decode_attention(queries, k_rows, v_rows, meta, scale, window, kv_heads))
     for index in range(len(meta.prefills)):
         outputs.append(
             _prefill_attention(queries, k_rows, v_rows, meta, index, scale, window, kv_heads)

@@ -43,6 +43,7 @@ from vllm_unified.memory.kv_allocation import KV_LAYOUT, allocate_kv_cache
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.loader import LoadedModel, load_model
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
+from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch
 from vllm_unified.worker.sampler import SamplingRow, sample
 from vllm_unified.worker.vllm_sampling import (
@@ -81,6 +82,17 @@ class RunnerStats:
     prompt_logprob_rows: int = 0
     #: number of forwards by how many requests they covered
     forwards_by_num_reqs: dict[int, int] = field(default_factory=dict)
+    #: step-time breakdown, seconds summed over steps (host clock): request bookkeeping and
+    #: attention metadata; building the lazy MLX graph; waiting for its evaluation; the rest
+    #: (reading the tokens back, vLLM's sampler, building the output)
+    prepare_s: float = 0.0
+    build_s: float = 0.0
+    eval_s: float = 0.0
+    finish_s: float = 0.0
+    #: pure-decode steps (every request one token) that followed one, and the wall time from
+    #: the previous step's start to theirs: the engine's whole step period, scheduler included
+    decode_steps: int = 0
+    decode_period_s: float = 0.0
 
 
 @dataclass
@@ -110,6 +122,10 @@ class _PendingStep:
     #: evaluated float32 logits ``[rows, V]`` when torch needs them, else None
     logits: mx.array | None
     mlx_tokens: list[int]
+    #: asynchronous scheduling: the step was queued (``mx.async_eval``), not waited for; its
+    #: MLX-sampled tokens are ``lazy_tokens`` (read back by ``_sample``), None if it has none
+    lazy: bool = False
+    lazy_tokens: mx.array | None = None
 
 
 class MLXModelRunner:
@@ -137,7 +153,13 @@ class MLXModelRunner:
             )
         #: MLX's CPU backend shares logits with torch (DLPack view); GPU backends copy them
         self.zero_copy_logits: bool = detect_backend().kind == "cpu"
+        #: vLLM's async scheduling (see worker/async_output.py): steps are queued, not awaited
+        self.async_scheduling: bool = bool(vllm_config.scheduler_config.async_scheduling)
+        #: queued steps whose outputs vLLM has not collected yet, oldest first
+        self._unresolved: list[MLXAsyncOutput] = []
         self._pending: _PendingStep | None = None
+        #: start time of the previous step if it was pure decode (for RunnerStats.decode_*)
+        self._decode_started: float | None = None
 
     # ----------------------------------------------------------------------------- model
     def load_model(self) -> None:
@@ -267,9 +289,12 @@ class MLXModelRunner:
         Returns:
             ``ModelRunnerOutput`` with one entry per scheduled request (``[]`` for a request
             whose prefill chunk does not reach the end of its prompt); None when the step has
-            structured-output requests: vLLM's engine then computes the grammar bitmask and
-            calls :meth:`sample_tokens`, which samples from this step's logits.
+            structured-output requests or async scheduling is on: vLLM's engine then computes
+            the grammar bitmask and calls :meth:`sample_tokens`, which samples from this
+            step's logits.
         """
+        started = time.perf_counter()
+        previous_decode, self._decode_started = self._decode_started, None
         if self._pending is not None:
             raise RuntimeError("execute_model called before sample_tokens of the previous step")
         if out.scheduled_spec_decode_tokens:
@@ -284,18 +309,46 @@ class MLXModelRunner:
             self.stats.empty_steps += 1
             return EMPTY_MODEL_RUNNER_OUTPUT
 
-        pending = self._forward(self.batch.layout(out), out)
-        if out.has_structured_output_requests:
+        step = self.batch.layout(out)
+        self.stats.prepare_s += time.perf_counter() - started
+        pending = self._forward(step, out)
+        if bool((step.query_lens == 1).all()):
+            self._decode_started = started
+            if previous_decode is not None:  # two decode steps in a row: one whole period
+                self.stats.decode_steps += 1
+                self.stats.decode_period_s += started - previous_decode
+        if out.has_structured_output_requests or self.async_scheduling:
             self._pending = pending
             return None
         return self._sample(pending, None)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | MLXAsyncOutput:
         """Second half of a step whose :meth:`execute_model` returned None: apply vLLM's
-        grammar bitmask to the structured-output rows, then sample."""
+        grammar bitmask to the structured-output rows, then sample. A step queued
+        asynchronously returns an ``AsyncModelRunnerOutput`` that reads its tokens back when
+        vLLM asks (after it has submitted the next step). A step that was waited for (its
+        logits go to torch) first resolves the queued ones, so request states always take
+        their tokens in step order and vLLM's sampler sees every earlier output token.
+
+        Raises:
+            RuntimeError: a grammar bitmask for a step that was queued asynchronously (steps
+                with structured-output requests are always evaluated synchronously).
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if pending.lazy:
+            if grammar_output is not None:
+                raise RuntimeError("grammar bitmask for an asynchronously queued step")
+            self._unresolved = [o for o in self._unresolved if not o.resolved]
+            output = MLXAsyncOutput(lambda: self._sample(pending, None))
+            self._unresolved.append(output)
+            return output
+        for earlier in self._unresolved:
+            earlier.resolve()
+        self._unresolved.clear()
         return self._sample(pending, grammar_output)
 
     def _forward(self, step: StepBatch, out: SchedulerOutput) -> _PendingStep:
@@ -314,12 +367,15 @@ class MLXModelRunner:
         ]).astype(np.int32)
         needs_torch = bool(vllm_idx) or any(p.num_logits for p in prompt)
 
+        t0 = time.perf_counter()
         meta = build_attention_metadata(
             step.query_lens.tolist(), step.seq_lens.tolist(), step.block_table, self.block_size
         )
         self.pool.meta = meta
         try:
-            logits = self.forward(mx.array(step.input_ids), rows)
+            t1 = time.perf_counter()
+            input_ids = feed_pending(mx.array(step.input_ids), step.pending_rows)
+            logits = self.forward(input_ids, rows)
             mlx_rows = [self._sampling_row(step.req_ids[i]) for i in mlx_idx]
             tokens = None
             if mlx_rows:
@@ -327,20 +383,32 @@ class MLXModelRunner:
                 tokens = sample(logits[start:start + len(mlx_idx)], mlx_rows)
             if needs_torch and logits.dtype != mx.float32:
                 logits = logits.astype(mx.float32)
-            mx.eval(
+            t2 = time.perf_counter()
+            # Async scheduling queues the step and returns; a step whose logits go to torch
+            # (vLLM's sampler, prompt logprobs) is waited for here.
+            lazy = self.async_scheduling and not needs_torch
+            (mx.async_eval if lazy else mx.eval)(
                 *([logits] if needs_torch else []), *([tokens] if tokens is not None else []),
                 self.pool.arrays(),
             )
         finally:
             self.pool.meta = None
+        t3 = time.perf_counter()
+        self.stats.prepare_s += t1 - t0
+        self.stats.build_s += t2 - t1
+        self.stats.eval_s += t3 - t2
         self.stats.forwards += 1
         self.stats.tokens += int(step.input_ids.size)
         by_reqs = self.stats.forwards_by_num_reqs
         by_reqs[len(step.req_ids)] = by_reqs.get(len(step.req_ids), 0) + 1
+        if lazy and tokens is not None:
+            for j, i in enumerate(mlx_idx):  # the next step feeds these on the device
+                states[i].pending = (tokens, j)
         return _PendingStep(
             step=step, out=out, states=states, vllm_idx=vllm_idx, mlx_idx=mlx_idx,
             prompt=prompt, logits=logits if needs_torch else None,
-            mlx_tokens=tokens.tolist() if tokens is not None else [],
+            mlx_tokens=tokens.tolist() if tokens is not None and not lazy else [],
+            lazy=lazy, lazy_tokens=tokens if lazy else None,
         )
 
     def _prompt_logprob_slices(
@@ -363,7 +431,16 @@ class MLXModelRunner:
         return slices
 
     def _sample(self, pending: _PendingStep, grammar_output: GrammarOutput | None):
+        started = time.perf_counter()
+        try:
+            return self._sample_rows(pending, grammar_output)
+        finally:
+            self.stats.finish_s += time.perf_counter() - started
+
+    def _sample_rows(self, pending: _PendingStep, grammar_output: GrammarOutput | None):
         step, states = pending.step, pending.states
+        if pending.lazy_tokens is not None:  # waits for the queued step
+            pending.mlx_tokens = pending.lazy_tokens.tolist()
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         for i, token in zip(pending.mlx_idx, pending.mlx_tokens, strict=True):
             sampled[i] = [token]
@@ -390,6 +467,9 @@ class MLXModelRunner:
             self.stats.sampled_by_vllm += n
         for i in step.sample_req_idx:
             states[i].append_output(sampled[i][0])
+            pend = states[i].pending
+            if pend is not None and pend[0] is pending.lazy_tokens:
+                states[i].pending = None  # now known on the host
         self.stats.sampled += len(step.sample_req_idx)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
