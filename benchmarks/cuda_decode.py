@@ -243,7 +243,7 @@ def device_facts(mx) -> dict:
 def _divergences(got: list[list[int]], expected: dict) -> list[dict]:
     """First differing step per prompt, with the CPU run's top-2 logprob gap there."""
     out = []
-    for i, (g, c) in enumerate(zip(got, expected["token_ids"], strict=True)):
+    for i, (g, c) in enumerate(zip(got, expected["token_ids"], strict=False)):
         step = next((k for k, (a, b) in enumerate(zip(g, c, strict=True)) if a != b), None)
         if step is not None:
             out.append({"prompt": i, "step": step, "gpu": g[step], "cpu": c[step],
@@ -360,7 +360,11 @@ def device_main(carry: str, out_dir: str) -> None:
     expected = json.loads((carry_dir / "expected.json").read_text())
     tiny = {"model": str(carry_dir / "tiny"), "engine": _tiny_engine(),
             "greedy": {"prompts": expected["prompts"], "max_tokens": GREEDY_TOKENS}}
-    got = run_engine(tiny, work, "tiny_gpu", env)["greedy"]
+    try:
+        got = run_engine(tiny, work, "tiny_gpu", env)["greedy"]
+    except SystemExit as err:  # reported; the benchmark still runs
+        print(f"greedy tiny fp32 run failed: {err}", flush=True)
+        got = []
     same = got == expected["token_ids"]
     report["greedy"] = {"gpu": got, "cpu": expected["token_ids"], "equal": same,
                         "divergences": _divergences(got, expected)}

@@ -33,6 +33,7 @@ _SOURCE = """
     const int len = lens[b];
     const int first = firsts[b];
     const float sc = scale[0];
+    const float neg_inf = __int_as_float(0xff800000);
     float qv[EPL];
     float acc[EPL];
     const T* qp = q + ((long long)b * H + h) * D + lane * EPL;
@@ -41,7 +42,7 @@ _SOURCE = """
         qv[e] = static_cast<float>(qp[e]) * sc;
         acc[e] = 0.f;
     }
-    float m = -inf;
+    float m = neg_inf;
     float l = 0.f;
     for (int j = first + warp; j < len; j += WARPS) {
         const long long blk = tables[(long long)b * mb + j / BS];
@@ -79,14 +80,14 @@ _SOURCE = """
     }
     __syncthreads();
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float mm = -inf;
+        float mm = neg_inf;
         for (int w = 0; w < WARPS; ++w) {
             mm = fmaxf(mm, sm[w]);
         }
         float ll = 0.f;
         float o = 0.f;
         for (int w = 0; w < WARPS; ++w) {
-            const float f = sm[w] == -inf ? 0.f : __expf(sm[w] - mm);
+            const float f = sm[w] == neg_inf ? 0.f : __expf(sm[w] - mm);
             ll += sl[w] * f;
             o += sacc[w][d] * f;
         }
@@ -108,6 +109,12 @@ def _kernel():
 def supported(head_dim: int) -> bool:
     """Head sizes the kernel handles: a multiple of 32 (each lane takes D / 32 channels)."""
     return head_dim % 32 == 0 and head_dim <= 256
+
+
+@functools.cache
+def _scale(scale: float) -> mx.array:
+    """The score scale as a device array, made once (not once per layer and step)."""
+    return mx.array([scale], dtype=mx.float32)
 
 
 def _inputs(meta: AttentionMetadata, window: Window) -> tuple[mx.array, mx.array, mx.array]:
@@ -142,7 +149,7 @@ def paged_decode_attention(
     tables, lens, firsts = _inputs(meta, window)
     out = _kernel()(
         inputs=[queries.reshape(bd, heads, dim), kv_pool, tables, lens, firsts,
-                mx.array([scale], dtype=mx.float32)],
+                _scale(scale)],
         template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
                   ("BS", meta.block_size), ("WARPS", WARPS)],
         grid=(bd * heads * WARPS * 32, 1, 1),

@@ -73,7 +73,7 @@ def write_rows_cuda(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array
         return pool
     row = pool.shape[1] * pool.shape[2]
     done = _kernel()(
-        inputs=[pool, slots.astype(mx.int32), rows],
+        inputs=[pool, slots if slots.dtype == mx.int32 else slots.astype(mx.int32), rows],
         template=[("T", pool.dtype), ("ROW", row)],
         grid=(rows.shape[0] * row, 1, 1),
         threadgroup=(_threads_per_block(row), 1, 1),

@@ -156,7 +156,9 @@ class KVPool:
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
         dst = self.kv[layer]
-        rows = mx.concatenate([keys, values], axis=-1).astype(dst.dtype)
+        rows = mx.concatenate([keys, values], axis=-1)
+        if rows.dtype != dst.dtype:
+            rows = rows.astype(dst.dtype)
         if self.shared:
             from vllm_unified.bridge import write_rows
 
