@@ -83,6 +83,15 @@ def test_config_policy(default_model):
     assert cfg.parallel_config.worker_cls == "vllm_unified.worker.worker.MLXWorker"
 
 
+def test_async_scheduling_kept_only_with_the_uni_executor(default_model):
+    """The runner's output futures are collected on the stepping thread: uni-process only."""
+    assert _engine_config(default_model).scheduler_config.async_scheduling
+    cfg = _engine_config(default_model, distributed_executor_backend="mp")
+    assert not cfg.scheduler_config.async_scheduling
+    cfg = _engine_config(default_model, async_scheduling=False)
+    assert not cfg.scheduler_config.async_scheduling
+
+
 @pytest.mark.parametrize(
     ("kwargs", "flag"),
     [

@@ -10,12 +10,12 @@ from vllm_unified.worker.step_profile import LOG_PREFIX, STEP_PROFILE_ENV, StepP
 
 
 def _step(profile: StepProfile, num_reqs: int, num_tokens: int, sleep_s: float) -> str | None:
-    profile.start()
-    profile.mark("prepare")
+    timer = profile.start()
+    timer.mark("prepare")
     time.sleep(sleep_s)
-    profile.mark("eval")
-    profile.mark("output")
-    return profile.finish(num_reqs, num_tokens)
+    timer.mark("eval")
+    timer.mark("output")
+    return profile.finish(timer, num_reqs, num_tokens)
 
 
 def test_phases_and_kinds_are_accounted_separately() -> None:
@@ -40,6 +40,23 @@ def test_log_line_every_interval_steps_of_a_kind() -> None:
     line = _step(profile, 3, 3, 0.0)
     assert line is not None and line.startswith(f"{LOG_PREFIX} decode: 2 steps, 2.0 req/step")
     assert _step(profile, 1, 1, 0.0) is None  # the window restarted
+
+
+def test_queued_step_keeps_its_own_timer() -> None:
+    """With asynchronous scheduling step N's output is read after step N+1 started: the wait
+    in between is charged to neither (``resume``), and N+1's phases stay its own."""
+    profile = StepProfile(interval=0)
+    first = profile.start()
+    first.mark("eval")
+    second = profile.start()
+    time.sleep(0.02)
+    second.mark("prepare")
+    first.resume()
+    first.mark("output")
+    profile.finish(first, 1, 1)
+    stats = profile.as_dict()["decode"]["mean_ms"]
+    assert stats["prepare"] == 0.0 and stats["output"] < 20.0
+    assert second.seconds["prepare"] >= 0.02
 
 
 def test_interval_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,6 +45,7 @@ _LAZY: dict[str, str] = {
     "SlidingWindowSpec": "vllm.v1.kv_cache_interface",
     "EMPTY_MODEL_RUNNER_OUTPUT": "vllm.v1.outputs",
     "ModelRunnerOutput": "vllm.v1.outputs",
+    "AsyncModelRunnerOutput": "vllm.v1.outputs",
     "CompilationTimes": "vllm.v1.worker.worker_base",
     "WorkerBase": "vllm.v1.worker.worker_base",
     "AttentionBackendEnum": "vllm.v1.attention.backends.registry",

@@ -237,8 +237,11 @@ class MLXPlatform(Platform):
                 "VLLM_USE_V2_MODEL_RUNNER=1: vllm-unified implements the V1 model-runner "
                 "message format; unset it"
             )
-        # The runner returns finished outputs from each step (no async output futures yet).
-        vllm_config.scheduler_config.async_scheduling = False
+        # Async scheduling (vLLM's default where the executor allows it): the runner queues
+        # each step and hands vLLM an output future (worker/async_output.py). Only with the
+        # uni-process executor, which collects outputs on the thread that runs the steps.
+        if parallel.distributed_executor_backend != "uni":
+            vllm_config.scheduler_config.async_scheduling = False
 
         if vllm_config.speculative_config is not None:
             raise ValueError("--speculative-config: speculative decoding is not supported yet")
@@ -247,6 +250,13 @@ class MLXPlatform(Platform):
 
         cache = vllm_config.cache_config
         hybrid = _hybrid_policy(vllm_config)
+        # Async scheduling is tested with plain decoder models; hybrid models (state pages) and
+        # KV offloading (the connector reads the pool each step) run steps synchronously.
+        sched = vllm_config.scheduler_config
+        if sched.async_scheduling and (hybrid or vllm_config.kv_transfer_config is not None):
+            sched.async_scheduling = False
+            logger.info("vllm-unified: async scheduling off (%s)",
+                        "hybrid model" if hybrid else "KV connector")
         # A hybrid model's block size is vLLM's alignment (update_block_size_for_backend);
         # this hook runs again after it and must keep it.
         if not cache.user_specified_block_size and not hybrid:

@@ -15,6 +15,8 @@ row by row (pool row ``slot * Hkv + head``), which lands them directly in SDPA's
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -24,6 +26,10 @@ from vllm_unified.attention.metadata import AttentionMetadata, Window
 
 #: Reads the keys and values at int32 pool rows ``[..., S]`` -> two ``[..., S, D]`` arrays.
 Gather = Callable[[mx.array], tuple[mx.array, mx.array]]
+
+#: Set to 0 to read the decode batch through the reference gather + SDPA on CUDA too (the
+#: kernel of attention/cuda_decode.py is used otherwise; benchmarks compare both).
+CUDA_DECODE_ENV = "VLLM_UNIFIED_CUDA_DECODE"
 
 # Gather indices are int32 rows of the pool viewed as [slots * Hkv, D].
 _MAX_ROWS = 2**31
@@ -107,7 +113,7 @@ def paged_attention(
         ValueError: on shape mismatches, a window < 1, or a pool of more than 2**31 rows
             (``slots * Hkv``; gather indices are int32).
     """
-    _check_inputs(queries, k_pool, v_pool, meta, window)
+    _check_inputs(queries.shape, k_pool.shape, v_pool.shape, meta, window)
     k_rows, v_rows = _rows_view(k_pool), _rows_view(v_pool)
     return _attend(queries, lambda rows: (k_rows[rows], v_rows[rows]), k_pool.shape[1], meta,
                    scale, window)
@@ -138,8 +144,16 @@ def paged_attention_kv(
         raise ValueError(f"kv_pool must be [slots, Hkv, 2*{queries.shape[-1]}], "
                          f"got {kv_pool.shape}")
     head_dim = queries.shape[-1]
-    half = kv_pool[..., :head_dim]  # shapes only: _check_inputs reads no data
-    _check_inputs(queries, half, half, meta, window)
+    half = (*kv_pool.shape[:2], head_dim)
+    _check_inputs(queries.shape, half, half, meta, window)
+    decode_out = None
+    if meta.decode_rows is not None and _cuda_decode(head_dim):
+        from vllm_unified.attention.cuda_decode import paged_decode_attention
+
+        decode_out = paged_decode_attention(queries[meta.decode_rows], kv_pool, meta, scale,
+                                            window)
+        if not meta.prefills and meta.output_order is None:
+            return decode_out  # a pure decode step: no row views needed (graph ops cost time)
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
 
     def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
@@ -151,7 +165,18 @@ def paged_attention_kv(
             return gathered
         return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
 
-    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window)
+    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, decode_out)
+
+
+@functools.cache
+def _cuda_decode(head_dim: int) -> bool:
+    """Use the CUDA decode kernel: on the CUDA backend, for head sizes it supports, unless
+    ``VLLM_UNIFIED_CUDA_DECODE=0``."""
+    from vllm_unified.attention.cuda_decode import supported
+    from vllm_unified.backend import detect_backend
+
+    return (detect_backend().kind == "cuda" and supported(head_dim)
+            and os.environ.get(CUDA_DECODE_ENV, "1") != "0")
 
 
 def _attend(
@@ -161,13 +186,16 @@ def _attend(
     meta: AttentionMetadata,
     scale: float,
     window: Window,
+    decode_out: mx.array | None = None,
 ) -> mx.array:
-    """Attention given ``gather``, which reads keys and values at pool rows (see _rows_view)."""
+    """Attention given ``gather``, which reads keys and values at pool rows (see _rows_view);
+    ``decode_out``: the decode batch's result when a kernel computed it already."""
     if meta.num_tokens == 0:
         return queries
     outputs = []
     if meta.decode_rows is not None:
-        outputs.append(_decode_attention(queries, gather, meta, scale, window, kv_heads))
+        outputs.append(decode_out if decode_out is not None else
+                       _decode_attention(queries, gather, meta, scale, window, kv_heads))
     for index in range(len(meta.prefills)):
         outputs.append(
             _prefill_attention(queries, gather, meta, index, scale, window, kv_heads)
@@ -177,23 +205,24 @@ def _attend(
 
 
 def _check_inputs(
-    queries: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
     meta: AttentionMetadata,
     window: Window,
 ) -> None:
-    if queries.ndim != 4 or queries.shape[0] != meta.num_tokens or queries.shape[2] != 1:
-        raise ValueError(f"queries must be [{meta.num_tokens}, H, 1, D], got {queries.shape}")
-    if k_pool.shape != v_pool.shape or k_pool.ndim != 3:
-        raise ValueError(f"pools must both be [slots, Hkv, D], got {k_pool.shape}, {v_pool.shape}")
-    heads, kv_heads = queries.shape[1], k_pool.shape[1]
-    if queries.shape[3] != k_pool.shape[2] or heads % kv_heads:
-        raise ValueError(f"queries {queries.shape} do not fit pool rows {k_pool.shape[1:]}")
-    if k_pool.shape[0] % meta.block_size:
-        raise ValueError(f"{k_pool.shape[0]} slots is not a multiple of {meta.block_size}")
-    if k_pool.shape[0] * kv_heads > _MAX_ROWS:
-        raise ValueError(f"{k_pool.shape[0]} slots x {kv_heads} heads overflow int32 row indices")
+    """Shape checks only (no MLX op is created: graph building is per layer and step)."""
+    if len(q_shape) != 4 or q_shape[0] != meta.num_tokens or q_shape[2] != 1:
+        raise ValueError(f"queries must be [{meta.num_tokens}, H, 1, D], got {q_shape}")
+    if tuple(k_shape) != tuple(v_shape) or len(k_shape) != 3:
+        raise ValueError(f"pools must both be [slots, Hkv, D], got {k_shape}, {v_shape}")
+    heads, kv_heads = q_shape[1], k_shape[1]
+    if q_shape[3] != k_shape[2] or heads % kv_heads:
+        raise ValueError(f"queries {q_shape} do not fit pool rows {k_shape[1:]}")
+    if k_shape[0] % meta.block_size:
+        raise ValueError(f"{k_shape[0]} slots is not a multiple of {meta.block_size}")
+    if k_shape[0] * kv_heads > _MAX_ROWS:
+        raise ValueError(f"{k_shape[0]} slots x {kv_heads} heads overflow int32 row indices")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
 

@@ -88,7 +88,9 @@ class KVPool:
       pool silently), so rows go in through the native ``write_rows`` primitive.
     * :meth:`allocate_mlx` (Metal/CUDA, or without the native bridge): MLX owns the arrays and
       this object alone refers to them, so the scatter that writes rows reuses ("donates") the
-      buffer. On the CPU backend the zero fill's pages are handed back to the OS.
+      buffer. On the CPU backend the zero fill's pages are handed back to the OS. MLX's CUDA
+      scatter copies the whole pool instead, so there rows go in through a small CUDA kernel
+      that writes into the pool's buffer (:mod:`vllm_unified.attention.gpu_write`).
     """
 
     def __init__(self, kv: list[mx.array], block_size: int, *, shared: bool,
@@ -101,6 +103,8 @@ class KVPool:
         self._buffer = buffer  # keeps a torch-owned backing buffer alive
         self.released_bytes = 0
         self.meta: AttentionMetadata | None = None
+        #: write rows with the in-place CUDA kernel (MLX-owned pool on the CUDA backend)
+        self.cuda_write = False
 
     @classmethod
     def allocate_mlx(
@@ -119,6 +123,9 @@ class KVPool:
             kv.append(arr)
         pool = cls(kv, block_size, shared=False)
         pool.released_bytes = released
+        from vllm_unified.backend import detect_backend
+
+        pool.cuda_write = detect_backend().kind == "cuda"
         return pool
 
     @classmethod
@@ -150,11 +157,17 @@ class KVPool:
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
         dst = self.kv[layer]
-        rows = mx.concatenate([keys, values], axis=-1).astype(dst.dtype)
+        rows = mx.concatenate([keys, values], axis=-1)
+        if rows.dtype != dst.dtype:
+            rows = rows.astype(dst.dtype)
         if self.shared:
             from vllm_unified.bridge import write_rows
 
             self.kv[layer] = write_rows(dst, slot_mapping, rows)
+        elif self.cuda_write:
+            from vllm_unified.attention.gpu_write import write_rows_cuda
+
+            self.kv[layer] = write_rows_cuda(dst, slot_mapping, rows)
         else:
             dst[slot_mapping] = rows  # rebinds self.kv[layer]: MLX donates the buffer
 

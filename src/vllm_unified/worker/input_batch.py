@@ -42,6 +42,10 @@ class RequestState:
         prompt_logprobs: the prompt logprobs filled chunk by chunk (vLLM ``LogprobsTensors``).
         other_block_ids: block ids of the other KV cache groups (hybrid models' state
             groups: one block, the request's state slot), by group id.
+        pending: with asynchronous scheduling, the token sampled by a step whose output has
+            not been read back yet, as ``(tokens, index)``: element ``index`` of that step's
+            (possibly still computing) MLX token array. It is the token after ``token_ids``;
+            the next step feeds it on the device, without waiting for it.
     """
 
     req_id: str
@@ -57,6 +61,7 @@ class RequestState:
     num_prompt_logprobs: int | None = None
     prompt_logprobs: object | None = None
     other_block_ids: dict[int, list[int]] = field(default_factory=dict)
+    pending: tuple[object, int] | None = None
 
     def __post_init__(self) -> None:
         self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]
@@ -75,6 +80,7 @@ class RequestState:
 
     def set_tokens(self, token_ids: list[int]) -> None:
         """Replace prompt + outputs (resumed request); the output list keeps its identity."""
+        self.pending = None  # the scheduler's copy is authoritative
         self.token_ids = list(token_ids)
         self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]
 
@@ -95,6 +101,8 @@ class StepBatch:
         sample_req_idx: indices into ``req_ids`` of requests that sample a token this step
             (their fed tokens reach the end of what is known); the others are prefill chunks.
         sample_token_idx: ``[R]`` row (token) index of each sampling request's last token.
+        pending_rows: rows of ``input_ids`` whose token is a request's ``pending`` token (a
+            placeholder 0 in ``input_ids``), as ``(row, (tokens, index))``.
     """
 
     req_ids: list[str]
@@ -104,6 +112,7 @@ class StepBatch:
     block_table: np.ndarray
     sample_req_idx: list[int]
     sample_token_idx: np.ndarray
+    pending_rows: list[tuple[int, tuple[object, int]]] = field(default_factory=list)
 
 
 class InputBatch:
@@ -176,13 +185,22 @@ class InputBatch:
         )
         seq_lens = starts + query_lens
         pieces = []
-        for state, start, end in zip(states, starts.tolist(), seq_lens.tolist(), strict=True):
-            if end > len(state.token_ids):
+        pending_rows = []
+        row = 0
+        known = [len(s.token_ids) + (s.pending is not None) for s in states]
+        for state, start, end, n in zip(states, starts.tolist(), seq_lens.tolist(), known,
+                                        strict=True):
+            if end > n:
                 raise RuntimeError(
                     f"request {state.req_id!r}: scheduled up to token {end} but only "
-                    f"{len(state.token_ids)} tokens are known"
+                    f"{n} tokens are known"
                 )
-            pieces.append(state.token_ids[start:end])
+            piece = state.token_ids[start:end]
+            if end > len(state.token_ids):  # the last token fed is the pending one
+                pending_rows.append((row + len(piece), state.pending))
+                piece = [*piece, 0]
+            pieces.append(piece)
+            row += end - start
         input_ids = np.fromiter(
             (t for p in pieces for t in p), dtype=np.int32, count=int(query_lens.sum())
         )
@@ -191,8 +209,7 @@ class InputBatch:
         for i, state in enumerate(states):
             block_table[i, : len(state.block_ids)] = state.block_ids
         sample_req_idx = [
-            i for i, (s, end) in enumerate(zip(states, seq_lens.tolist(), strict=True))
-            if end == len(s.token_ids)
+            i for i, (n, end) in enumerate(zip(known, seq_lens.tolist(), strict=True)) if end == n
         ]
         last_rows = np.cumsum(query_lens) - 1
         return StepBatch(
@@ -203,6 +220,7 @@ class InputBatch:
             block_table=block_table,
             sample_req_idx=sample_req_idx,
             sample_token_idx=last_rows[sample_req_idx].astype(np.int32),
+            pending_rows=pending_rows,
         )
 
 

@@ -51,9 +51,10 @@ from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_pag
 from vllm_unified.models.state_cache import build_state_metadata
 from vllm_unified.offload.runner import KVConnectorHooks
 from vllm_unified.platform import KERNEL_BLOCK_SIZES
+from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch, split_groups
 from vllm_unified.worker.sampler import SamplingRow, sample
-from vllm_unified.worker.step_profile import StepProfile
+from vllm_unified.worker.step_profile import StepProfile, StepTimer
 from vllm_unified.worker.vllm_sampling import (
     VllmSampling,
     apply_grammar_bitmask,
@@ -90,6 +91,10 @@ class RunnerStats:
     prompt_logprob_rows: int = 0
     #: number of forwards by how many requests they covered
     forwards_by_num_reqs: dict[int, int] = field(default_factory=dict)
+    #: pure-decode steps (every request one token) that followed one, and the wall time from
+    #: the previous step's start to theirs: the engine's whole step period, scheduler included
+    decode_steps: int = 0
+    decode_period_s: float = 0.0
 
 
 @dataclass
@@ -121,6 +126,11 @@ class _PendingStep:
     mlx_tokens: list[int]
     #: the step's KVConnectorOutput (KV offloading), None without a connector
     kv_output: Any = None
+    #: asynchronous scheduling: the step was queued (``mx.async_eval``), not waited for; its
+    #: MLX-sampled tokens are ``lazy_tokens`` (read back by ``_sample``), None if it has none
+    lazy: bool = False
+    lazy_tokens: mx.array | None = None
+    timer: StepTimer | None = None
 
 
 class MLXModelRunner:
@@ -144,6 +154,8 @@ class MLXModelRunner:
         self.batch = InputBatch()
         self.stats = RunnerStats()
         self.profile = StepProfile()
+        #: the timer of the step being prepared (each queued step keeps its own)
+        self._timer: StepTimer = self.profile.start()
         self.vocab_size: int = self.model_config.get_vocab_size()
         self.vllm_sampling = VllmSampling(vllm_config)
         if self.vllm_sampling.custom_logitsprocs:
@@ -153,8 +165,14 @@ class MLXModelRunner:
             )
         #: MLX's CPU backend shares logits with torch (DLPack view); GPU backends copy them
         self.zero_copy_logits: bool = detect_backend().kind == "cpu"
+        #: vLLM's async scheduling (see worker/async_output.py): steps are queued, not awaited
+        self.async_scheduling: bool = bool(vllm_config.scheduler_config.async_scheduling)
+        #: queued steps whose outputs vLLM has not collected yet, oldest first
+        self._unresolved: list[MLXAsyncOutput] = []
         self._pending: _PendingStep | None = None
         self.kv_connector = KVConnectorHooks(vllm_config)
+        #: start time of the previous step if it was pure decode (for RunnerStats.decode_*)
+        self._decode_started: float | None = None
 
     # ----------------------------------------------------------------------------- model
     def load_model(self) -> None:
@@ -347,16 +365,19 @@ class MLXModelRunner:
         Returns:
             ``ModelRunnerOutput`` with one entry per scheduled request (``[]`` for a request
             whose prefill chunk does not reach the end of its prompt); None when the step has
-            structured-output requests: vLLM's engine then computes the grammar bitmask and
-            calls :meth:`sample_tokens`, which samples from this step's logits.
+            structured-output requests or async scheduling is on: vLLM's engine then computes
+            the grammar bitmask and calls :meth:`sample_tokens`, which samples from this
+            step's logits.
         """
+        started = time.perf_counter()
+        previous_decode, self._decode_started = self._decode_started, None
         if self._pending is not None:
             raise RuntimeError("execute_model called before sample_tokens of the previous step")
         if out.scheduled_spec_decode_tokens:
             raise RuntimeError("speculative decoding tokens in a step: not supported")
         if out.kv_cache_block_copies:
             raise RuntimeError("KV block copies requested: not supported by vllm-unified")
-        self.profile.start()
+        self._timer = self.profile.start()
         self.kv_connector.handle_preemptions(out)
         self.batch.update(out, self._new_request)
         if out.new_block_ids_to_zero:
@@ -368,25 +389,58 @@ class MLXModelRunner:
             self.stats.empty_steps += 1
             return self.kv_connector.empty_step(out)
 
+        step = self.batch.layout(out)
         with self.kv_connector.step(out) as kv_output:
-            pending = self._forward(self.batch.layout(out), out)
+            pending = self._forward(step, out)
         pending.kv_output = kv_output
-        if out.has_structured_output_requests:
+        if bool((step.query_lens == 1).all()):
+            self._decode_started = started
+            if previous_decode is not None:  # two decode steps in a row: one whole period
+                self.stats.decode_steps += 1
+                self.stats.decode_period_s += started - previous_decode
+        if out.has_structured_output_requests or self.async_scheduling:
             self._pending = pending
             return None
         return self._finish_step(pending, self._sample(pending, None))
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | MLXAsyncOutput:
         """Second half of a step whose :meth:`execute_model` returned None: apply vLLM's
-        grammar bitmask to the structured-output rows, then sample."""
+        grammar bitmask to the structured-output rows, then sample. A step queued
+        asynchronously returns an ``AsyncModelRunnerOutput`` that reads its tokens back when
+        vLLM asks (after it has submitted the next step). A step that was waited for (its
+        logits go to torch) first resolves the queued ones, so request states always take
+        their tokens in step order and vLLM's sampler sees every earlier output token.
+
+        Raises:
+            RuntimeError: a grammar bitmask for a step that was queued asynchronously (steps
+                with structured-output requests are always evaluated synchronously).
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if pending.lazy:
+            if grammar_output is not None:
+                raise RuntimeError("grammar bitmask for an asynchronously queued step")
+            self._unresolved = [o for o in self._unresolved if not o.resolved]
+            output = MLXAsyncOutput(lambda: self._resolve(pending))
+            self._unresolved.append(output)
+            return output
+        for earlier in self._unresolved:
+            earlier.resolve()
+        self._unresolved.clear()
         return self._finish_step(pending, self._sample(pending, grammar_output))
 
+    def _resolve(self, pending: _PendingStep) -> ModelRunnerOutput:
+        """Read back a queued step's tokens (waiting for its evaluation) and build its output."""
+        pending.timer.resume()
+        return self._finish_step(pending, self._sample(pending, None))
+
     def _finish_step(self, pending: _PendingStep, output: ModelRunnerOutput) -> ModelRunnerOutput:
-        self.profile.mark("output")
-        line = self.profile.finish(len(pending.step.req_ids), int(pending.step.input_ids.size))
+        pending.timer.mark("output")
+        line = self.profile.finish(
+            pending.timer, len(pending.step.req_ids), int(pending.step.input_ids.size))
         if line is not None:
             logger.info(line)
         return output
@@ -408,9 +462,10 @@ class MLXModelRunner:
         needs_torch = bool(vllm_idx) or any(p.num_logits for p in prompt)
 
         self._set_step_meta(step.query_lens, step.seq_lens, step.block_table, states)
-        self.profile.mark("prepare")
+        self._timer.mark("prepare")
         try:
-            logits = self.forward(mx.array(step.input_ids), rows)
+            input_ids = feed_pending(mx.array(step.input_ids), step.pending_rows)
+            logits = self.forward(input_ids, rows)
             mlx_rows = [self._sampling_row(step.req_ids[i]) for i in mlx_idx]
             tokens = None
             if mlx_rows:
@@ -418,22 +473,29 @@ class MLXModelRunner:
                 tokens = sample(logits[start:start + len(mlx_idx)], mlx_rows)
             if needs_torch and logits.dtype != mx.float32:
                 logits = logits.astype(mx.float32)
-            self.profile.mark("graph")
-            mx.eval(
+            self._timer.mark("graph")
+            # Async scheduling queues the step and returns; a step whose logits go to torch
+            # (vLLM's sampler, prompt logprobs) is waited for here.
+            lazy = self.async_scheduling and not needs_torch
+            (mx.async_eval if lazy else mx.eval)(
                 *([logits] if needs_torch else []), *([tokens] if tokens is not None else []),
                 self._cache_arrays(),
             )
         finally:
             self._clear_step_meta()
-        self.profile.mark("eval")
+        self._timer.mark("eval")
         self.stats.forwards += 1
         self.stats.tokens += int(step.input_ids.size)
         by_reqs = self.stats.forwards_by_num_reqs
         by_reqs[len(step.req_ids)] = by_reqs.get(len(step.req_ids), 0) + 1
+        if lazy and tokens is not None:
+            for j, i in enumerate(mlx_idx):  # the next step feeds these on the device
+                states[i].pending = (tokens, j)
         return _PendingStep(
             step=step, out=out, states=states, vllm_idx=vllm_idx, mlx_idx=mlx_idx,
             prompt=prompt, logits=logits if needs_torch else None,
-            mlx_tokens=tokens.tolist() if tokens is not None else [],
+            mlx_tokens=tokens.tolist() if tokens is not None and not lazy else [],
+            lazy=lazy, lazy_tokens=tokens if lazy else None, timer=self._timer,
         )
 
     def _set_step_meta(self, query_lens, seq_lens, block_table: np.ndarray,
@@ -486,6 +548,8 @@ class MLXModelRunner:
 
     def _sample(self, pending: _PendingStep, grammar_output: GrammarOutput | None):
         step, states = pending.step, pending.states
+        if pending.lazy_tokens is not None:  # waits for the queued step
+            pending.mlx_tokens = pending.lazy_tokens.tolist()
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         for i, token in zip(pending.mlx_idx, pending.mlx_tokens, strict=True):
             sampled[i] = [token]
@@ -512,6 +576,9 @@ class MLXModelRunner:
             self.stats.sampled_by_vllm += n
         for i in step.sample_req_idx:
             states[i].append_output(sampled[i][0])
+            pend = states[i].pending
+            if pend is not None and pend[0] is pending.lazy_tokens:
+                states[i].pending = None  # now known on the host
         self.stats.sampled += len(step.sample_req_idx)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
@@ -558,8 +625,15 @@ class MLXModelRunner:
         return forward(self.model, self.layer_caches, input_ids, rows)
 
     def stats_dict(self) -> dict:
+        """Counters, plus the step-time breakdown in seconds summed over all steps
+        (``prepare_s``, ``build_s``: graph building, ``eval_s``, ``finish_s``: output; see
+        :mod:`vllm_unified.worker.step_profile`) and the per-kind profile."""
+        phases = self.profile.seconds()
         return {**asdict(self.stats), "resumed": self.batch.num_resumed,
-                "live_requests": len(self.batch.requests), "step_profile": self.profile.as_dict()}
+                "live_requests": len(self.batch.requests),
+                "prepare_s": phases["prepare"], "build_s": phases["graph"],
+                "eval_s": phases["eval"], "finish_s": phases["output"],
+                "step_profile": self.profile.as_dict()}
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         state = self.batch.requests[req_id]

@@ -1,14 +1,16 @@
 """Where a scheduler step's time goes, by phase, for decode-only and mixed steps.
 
-The runner marks phase boundaries with :meth:`StepProfile.mark`; a step's phases are:
+Each step gets a :class:`StepTimer` (:meth:`StepProfile.start`) whose marks close its phases:
 
 * ``prepare``: applying the ``SchedulerOutput`` to the request states, the token-major layout
   and the attention metadata (host-side numpy work);
 * ``graph``: building the lazy MLX graph of the forward and of the MLX sampler (Python work
   per layer; nothing is computed yet);
-* ``eval``: ``mx.eval`` of the step: the forward, the KV writes and the MLX sampling;
+* ``eval``: ``mx.eval`` of the step: the forward, the KV writes and the MLX sampling (with
+  asynchronous scheduling only queueing it, ``mx.async_eval``: the wait is then in ``output``);
 * ``output``: reading the sampled ids back, vLLM's sampler for the requests that need it,
-  prompt logprobs and the ``ModelRunnerOutput``.
+  prompt logprobs and the ``ModelRunnerOutput`` (for a queued step: from the moment vLLM asks
+  for its output).
 
 Steps whose scheduled requests all have one query token are "decode" steps; the others
 (with a prefill chunk) are "mixed". With ``VLLM_UNIFIED_STEP_PROFILE=N`` the runner logs the
@@ -63,28 +65,39 @@ class PhaseTotals:
         return means
 
 
+class StepTimer:
+    """The phase times of one step. With asynchronous scheduling a step's output is read back
+    after the next step has started, so each step keeps its own timer."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """Charge the time since the previous mark (or start, or :meth:`resume`) to ``phase``."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now
+
+    def resume(self) -> None:
+        """Restart the clock without charging the time since the last mark (the wait between
+        queueing a step and vLLM asking for its output belongs to the next step)."""
+        self._last = time.perf_counter()
+
+
 class StepProfile:
-    """Phase timer for the runner's steps (one instance per runner, single-threaded)."""
+    """Phase totals of the runner's steps, and the periodic log line."""
 
     def __init__(self, interval: int | None = None) -> None:
         self.interval = log_interval() if interval is None else interval
         self.totals = {"decode": PhaseTotals(), "mixed": PhaseTotals()}
         self._window = {"decode": PhaseTotals(), "mixed": PhaseTotals()}
-        self._current: dict[str, float] = {}
-        self._last = 0.0
 
-    def start(self) -> None:
+    def start(self) -> StepTimer:
         """Begin a step (the time before this call belongs to no phase)."""
-        self._current = dict.fromkeys(PHASES, 0.0)
-        self._last = time.perf_counter()
+        return StepTimer()
 
-    def mark(self, phase: str) -> None:
-        """Charge the time since the previous mark (or :meth:`start`) to ``phase``."""
-        now = time.perf_counter()
-        self._current[phase] += now - self._last
-        self._last = now
-
-    def finish(self, num_reqs: int, num_tokens: int) -> str | None:
+    def finish(self, timer: StepTimer, num_reqs: int, num_tokens: int) -> str | None:
         """End a step that scheduled ``num_tokens`` tokens for ``num_reqs`` requests.
 
         Returns:
@@ -95,13 +108,17 @@ class StepProfile:
             acc.steps += 1
             acc.tokens += num_tokens
             acc.requests += num_reqs
-            for phase, seconds in self._current.items():
+            for phase, seconds in timer.seconds.items():
                 acc.seconds[phase] += seconds
         window = self._window[kind]
         if not self.interval or window.steps < self.interval:
             return None
         self._window[kind] = PhaseTotals()
         return format_line(kind, window)
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase summed over all steps of both kinds."""
+        return {p: sum(t.seconds[p] for t in self.totals.values()) for p in PHASES}
 
     def as_dict(self) -> dict[str, dict]:
         """Totals per kind: steps, tokens, requests and mean ms per phase."""

@@ -26,7 +26,7 @@ from vllm_unified.compat import (
     WorkerBase,
     init_logger,
 )
-from vllm_unified.memory.budget import compute_kv_budget
+from vllm_unified.memory.budget import compute_kv_budget, read_device_memory
 from vllm_unified.memory.wired import configure_wired_limit
 from vllm_unified.offload.runner import init_single_rank_groups
 
@@ -96,7 +96,9 @@ class MLXWorker(WorkerBase):
         """Bytes vLLM may turn into KV blocks (:mod:`vllm_unified.memory.budget`).
 
         ``--gpu-memory-utilization`` x the device's memory (system RAM on unified backends)
-        minus what this process holds now (weights, runtime; its RSS) minus the activation peak
+        minus what this process holds now (weights, runtime; its RSS, or MLX's active device
+        memory on CUDA, where the result is also capped at the card's free memory) minus the
+        activation peak
         of a profiling forward at ``min(max_num_batched_tokens, max_model_len)`` tokens plus the
         logits of ``max_num_seqs`` sampled rows; or ``--kv-cache-memory-bytes``. MLX's buffer
         cache is capped at that activation peak so it cannot eat the budget. vLLM does no
@@ -111,14 +113,22 @@ class MLXWorker(WorkerBase):
         tokens = min(sched.max_num_batched_tokens, self.model_config.max_model_len)
         start = time.perf_counter()
         activations = logits = 0
-        if cache.kv_cache_memory_bytes is None:  # explicit bytes: the user sized it; no profile
+        info = detect_backend()
+        # Explicit bytes: the user sized the pool, so no profile on the CPU backend (slow
+        # there). On GPU backends the profile still caps MLX's buffer cache: step shapes change
+        # every step (the context grows), and an uncapped cache of unreusable buffers can fill
+        # the card (seen on the H200: out of memory at batch 64).
+        if cache.kv_cache_memory_bytes is None or info.kind != "cpu":
             activations = self._activation_peak(tokens)
             logits = sched.max_num_seqs * self.model_config.get_vocab_size() * 4 * 2
             mx.set_cache_limit(activations)
+        mem = read_device_memory(mx, info.kind, rss=psutil.Process().memory_info().rss,
+                                 ram=info.total_memory)
         budget = compute_kv_budget(
-            total=detect_backend().total_memory,
+            total=mem.total,
             utilization=cache.gpu_memory_utilization,
-            in_use=psutil.Process().memory_info().rss,
+            in_use=mem.in_use,
+            free=mem.free,
             activations=activations + logits,
             bytes_per_block=self.model_runner.kv_bytes_per_block(),
             block_size=cache.block_size,
@@ -126,7 +136,9 @@ class MLXWorker(WorkerBase):
             kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
         )
         if budget.explicit:
-            logger.info("vllm-unified: %s", budget.describe())
+            logger.info("vllm-unified: %s%s", budget.describe(),
+                        f"; MLX buffer cache capped at {activations / 2**30:.2f} GiB (profiled)"
+                        if activations else "")
         else:
             logger.info(
                 "vllm-unified: %s; activations: %.2f GiB for a %d-token chunk (profiling forward "

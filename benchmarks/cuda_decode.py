@@ -1,0 +1,449 @@
+"""Decode throughput on an NVIDIA GPU through MLX's CUDA backend: our plugin vs plain mlx-lm.
+
+Run through ``benchmarks/cuda_h200.sh`` (it packs what must travel and runs ``device`` on the
+lent H200). Subcommands:
+
+* ``expected DIR`` (here, MLX's CPU backend): writes the tiny fp32 test checkpoint
+  (``tests/tiny_models.py``, llama family, seed 0) to ``DIR/tiny`` and the greedy token ids our
+  plugin produces for it through ``LLM.generate`` to ``DIR/expected.json``.
+* ``device DIR OUT`` (on the GPU machine, ``DIR`` holding what ``expected`` wrote):
+
+  1. device facts: ``mx.default_device()``, ``mx.device_info()``, copy bandwidth (an
+     elementwise pass over 2 GiB of bf16, bytes read + written), and whether the KV write
+     (``KVPool.write`` on an MLX-owned pool: a scatter whose input buffer is donated) updates
+     in place: its time on a 4 GiB pool against one full copy of that pool;
+  2. greedy check: the tiny checkpoint through our plugin on the GPU, token ids compared with
+     the CPU backend's (``expected.json``); the engine runs with ``--gpu-memory-utilization``
+     so the CUDA memory budget is exercised (its log line is printed);
+  3. a random-weight Qwen3-0.6B-shaped bf16 checkpoint built on the device (596M parameters,
+     28 layers, hidden 1024, 16 heads / 8 KV heads of 128, vocab 151936, tied embeddings);
+  4. plain mlx-lm on it: batch B prompts of 512 random tokens prefilled into mlx-lm's KV cache,
+     then the decode loop of ``mlx_lm.generate``'s ``generate_step`` (the next step is queued
+     with ``mx.async_eval`` before the previous token is read back), ms/step over 128 steps;
+  5. our plugin on the same checkpoint through ``LLM.generate`` (B prompts of 512 random
+     tokens, greedy, ``ignore_eos``): decode tok/s = B x (M2 - M1) / (t(M2) - t(M1)) from two
+     runs of ``max_tokens`` M1 = 16 and M2 = 144 (the same prefill in both, so it cancels), and
+     the engine's own decode step period with its breakdown (``runner_stats``), twice, both
+     with async scheduling: ``gather`` (``VLLM_UNIFIED_CUDA_DECODE=0``: decode attention by the
+     pure-MLX reference) and ``kernel`` (the CUDA paged decode kernel, the default), after the
+     kernel was checked against the reference (relative error, every unowned slot NaN);
+  6. a table: batch, plain mlx-lm ms/step and tok/s, ours, the ratio, and the weight-read
+     roofline (bf16 weight bytes / measured copy bandwidth).
+
+  Writes ``OUT/cuda_decode.json`` with every figure.
+* ``engine SPEC OUT`` (internal): one ``LLM`` in its own process (each engine gets a fresh
+  process so the GPU memory of one is free for the next).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+CUDA_DECODE_ENV = "VLLM_UNIFIED_CUDA_DECODE"  # vllm_unified.attention.paged.CUDA_DECODE_ENV
+PROMPT_LEN = 512
+BATCHES = (1, 16, 64)
+MLX_LM_STEPS = 128
+SHORT, LONG = 16, 144
+GREEDY_TOKENS = 32
+GREEDY_LENGTHS = (6, 7, 13, 33, 60, 100, 200, 250)
+
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    "use_sliding_window": False,
+}
+
+
+# --------------------------------------------------------------------------- engine process
+
+def engine_main(spec_path: str, out_path: str) -> None:
+    """Run one ``LLM`` as ``spec`` says: ``greedy`` prompts and/or ``bench`` batch sizes."""
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = LLM(model=spec["model"], **spec["engine"])
+    result: dict = {}
+    if "greedy" in spec:
+        g = spec["greedy"]
+        params = SamplingParams(temperature=0.0, max_tokens=g["max_tokens"], ignore_eos=True,
+                                logprobs=g.get("logprobs"))
+        outs = llm.generate([{"prompt_token_ids": p} for p in g["prompts"]], params,
+                            use_tqdm=False)
+        result["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+        if g.get("logprobs"):  # top-2 gap per step: how close a divergence was to a tie
+            result["top2_gap"] = [
+                [_top2_gap(step) for step in o.outputs[0].logprobs] for o in outs]
+    if "bench" in spec:
+        result["bench"] = [_bench_batch(llm, SamplingParams, b, spec["bench"])
+                           for b in spec["bench"]["batches"]]
+    result["stats"] = llm.collective_rpc("runner_stats")[0]
+    Path(out_path).write_text(json.dumps(result))
+
+
+def _top2_gap(step: dict) -> float:
+    lps = sorted((lp.logprob for lp in step.values()), reverse=True)
+    return float(lps[0] - lps[1]) if len(lps) > 1 else float("inf")
+
+
+def _bench_batch(llm, sampling_params, batch: int, cfg: dict) -> dict:
+    rng = np.random.default_rng(batch)
+
+    def run(max_tokens: int) -> tuple[float, dict]:
+        prompts = [{"prompt_token_ids": rng.integers(1000, 40000, cfg["prompt_len"]).tolist()}
+                   for _ in range(batch)]
+        params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                 detokenize=False)
+        before = llm.collective_rpc("runner_stats")[0]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        after = llm.collective_rpc("runner_stats")[0]
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        delta = {k: after[k] - before[k] for k in after
+                 if isinstance(after[k], (int, float)) and k in before}
+        return wall, delta
+
+    run(cfg["long"])  # warm-up: kernels for these shapes are built on first use
+    short_wall, short = run(cfg["short"])
+    long_wall, long = run(cfg["long"])
+    steps = cfg["long"] - cfg["short"]
+    per_step = {k: (long[k] - short[k]) / steps * 1e3
+                for k in ("prepare_s", "build_s", "eval_s", "finish_s")}
+    period_ms = long["decode_period_s"] / max(long["decode_steps"], 1) * 1e3
+    return {
+        "batch": batch, "short_wall_s": short_wall, "long_wall_s": long_wall,
+        "decode_ms_per_step": (long_wall - short_wall) / steps * 1e3,
+        "decode_tok_s": batch * steps / (long_wall - short_wall),
+        "engine_period_ms": period_ms, "breakdown_ms": per_step,
+        "forwards_long": long["forwards"],
+    }
+
+
+def run_engine(spec: dict, work: Path, name: str, env: dict) -> dict:
+    spec_path, out_path = work / f"{name}_spec.json", work / f"{name}_out.json"
+    spec_path.write_text(json.dumps(spec))
+    log = work / f"{name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, __file__, "engine", str(spec_path),
+                               str(out_path)], stdout=f, stderr=subprocess.STDOUT, env=env)
+    lines = log.read_text().splitlines()
+    for line in lines:
+        if "vllm-unified" in line and ("budget" in line or "backend" in line
+                                       or "KV pool" in line or "worker on" in line):
+            print(f"  [{name}] {line.strip()[-260:]}")
+    if proc.returncode != 0:
+        print("\n".join(lines[-60:]))
+        raise SystemExit(f"engine run {name} failed ({proc.returncode}); log {log}")
+    return json.loads(out_path.read_text())
+
+
+# --------------------------------------------------------------------------- expected (CPU)
+
+def expected_main(out_dir: str) -> None:
+    """Tiny fp32 checkpoint and our plugin's greedy ids on MLX's CPU backend."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from tiny_models import make_tiny_checkpoint
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    folder = make_tiny_checkpoint(out, "llama", "float32", 0)
+    tiny = out / "tiny"
+    if tiny.exists():
+        import shutil
+
+        shutil.rmtree(tiny)
+    folder.rename(tiny)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 49152, n).tolist() for n in GREEDY_LENGTHS]
+    spec = {"model": str(tiny), "engine": _tiny_engine(),
+            "greedy": {"prompts": prompts, "max_tokens": GREEDY_TOKENS, "logprobs": 2}}
+    res = run_engine(spec, out, "tiny_cpu", os.environ.copy())
+    (out / "expected.json").write_text(json.dumps({
+        "prompts": prompts, "token_ids": res["greedy"], "top2_gap": res["top2_gap"]}))
+    print("expected greedy ids (MLX CPU backend):", res["greedy"])
+
+
+def _tiny_engine() -> dict:
+    return {"dtype": "float32", "max_model_len": 256, "seed": 0, "max_num_seqs": 4,
+            "gpu_memory_utilization": 0.3, "enable_prefix_caching": False}
+
+
+# --------------------------------------------------------------------------- device
+
+def _median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def device_facts(mx) -> dict:
+    x = mx.random.normal((2**30,)).astype(mx.bfloat16)  # 2 GiB
+    mx.eval(x)
+
+    def copy():
+        mx.eval(x * 2)
+
+    copy()
+    t = _median_time(copy, 10)
+    bandwidth = 2 * x.nbytes / t
+    # KV write: 64 rows into a 4 GiB MLX-owned pool through the runner's own write path (the
+    # in-place CUDA kernel), against MLX's plain scatter (which copies the pool on CUDA).
+    from vllm_unified.models.paged_cache import KVPool
+
+    pool = KVPool.allocate_mlx(num_layers=1, num_blocks=65536, block_size=16,
+                               num_kv_heads=8, head_dim=128, dtype=mx.bfloat16)
+    slots = mx.array(np.random.default_rng(0).choice(pool.kv[0].shape[0], 64, replace=False)
+                     .astype(np.int32))
+    rows = mx.random.normal((64, 8, 1, 128)).astype(mx.bfloat16)
+    mx.eval(slots, rows)
+
+    def write():
+        pool.write(0, slots, rows, rows)
+        mx.eval(pool.arrays())
+
+    write()
+    t_write = _median_time(write, 20)
+    got = np.array(pool.kv[0][slots].astype(mx.float32))
+    want = np.array(rows.squeeze(2).astype(mx.float32))
+    ok = bool(np.array_equal(got[..., :128], want) and np.array_equal(got[..., 128:], want))
+    # Every other slot still zero: the pool's total equals the rows' total.
+    total = float(mx.sum(mx.abs(pool.kv[0].astype(mx.float32))).item())
+    ok = ok and abs(total - 2 * float(np.abs(want).sum())) < 1e-3 * total
+    plain = pool.kv[0]
+
+    def scatter():
+        plain[slots] = mx.concatenate([rows.squeeze(2), rows.squeeze(2)], axis=-1)
+        mx.eval(plain)
+
+    scatter()
+    t_scatter = _median_time(scatter, 5)
+    t_copy = _median_time(lambda: mx.eval(pool.kv[0] + 0), 5)
+    info = {k: (v if isinstance(v, (int, float, str)) else str(v))
+            for k, v in mx.device_info().items()}
+    return {"device": str(mx.default_device()), "device_info": info,
+            "copy_bandwidth_GBps": bandwidth / 1e9, "kv_pool_GiB": pool.nbytes / 2**30,
+            "kv_write_64_rows_ms": t_write * 1e3, "mlx_scatter_64_rows_ms": t_scatter * 1e3,
+            "kv_pool_full_copy_ms": t_copy * 1e3, "kv_write_in_place": t_write < 0.1 * t_copy,
+            "kv_write_rows_correct": ok, "cuda_write_kernel": pool.cuda_write}
+
+
+def _divergences(got: list[list[int]], expected: dict) -> list[dict]:
+    """First differing step per prompt, with the CPU run's top-2 logprob gap there."""
+    out = []
+    for i, (g, c) in enumerate(zip(got, expected["token_ids"], strict=False)):
+        step = next((k for k, (a, b) in enumerate(zip(g, c, strict=True)) if a != b), None)
+        if step is not None:
+            out.append({"prompt": i, "step": step, "gpu": g[step], "cpu": c[step],
+                        "cpu_top2_gap": expected["top2_gap"][i][step]})
+    return out
+
+
+def kernel_check(mx) -> dict:
+    """The CUDA decode kernel against the pure-MLX reference (fp32), on random data with every
+    slot no sequence owns set to NaN: relative error per dtype and window."""
+    from vllm_unified.attention.cuda_decode import paged_decode_attention
+    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.attention.paged import paged_attention
+
+    rng = np.random.default_rng(0)
+    bs, heads, kv_heads, dim, num_blocks = 16, 16, 8, 128, 256
+    lens = [1, 17, 100, 513, 640]
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((len(lens), 40), np.int32)
+    owned = np.zeros(num_blocks * bs, bool)
+    start = 0
+    for i, n in enumerate(lens):
+        need = -(-n // bs)
+        tables[i, :need] = perm[start:start + need]
+        start += need
+        for p in range(n):
+            owned[tables[i, p // bs] * bs + p % bs] = True
+    pool = rng.standard_normal((num_blocks * bs, kv_heads, 2 * dim)).astype(np.float32)
+    pool[~owned] = np.nan
+    queries = rng.standard_normal((len(lens), heads, 1, dim)).astype(np.float32)
+    meta = build_attention_metadata([1] * len(lens), lens, tables, bs)
+    out = {}
+    for dtype in (mx.float32, mx.bfloat16):
+        kv = mx.array(pool).astype(dtype)
+        q = mx.array(queries).astype(dtype)
+        for window in (None, 64):
+            ref = paged_attention(q.astype(mx.float32), kv[..., :dim].astype(mx.float32),
+                                  kv[..., dim:].astype(mx.float32), meta, dim ** -0.5, window)
+            got = paged_decode_attention(q, kv, meta, dim ** -0.5, window).astype(mx.float32)
+            ref_np, got_np = np.array(ref), np.array(got)
+            err = float(np.linalg.norm(got_np - ref_np) / np.linalg.norm(ref_np))
+            out[f"{dtype}, window {window}"] = err if np.isfinite(got_np).all() else float("nan")
+    return out
+
+
+def build_qwen3(mx, folder: Path, tokenizer_from: Path) -> int:
+    """Random-weight Qwen3-0.6B-shaped bf16 checkpoint; returns its weight bytes."""
+    import shutil
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(0)
+    args = qwen3.ModelArgs.from_dict(QWEN3_06B)
+    model = qwen3.Model(args)
+    model.set_dtype(mx.bfloat16)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(QWEN3_06B))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return sum(v.nbytes for v in weights.values())
+
+
+def mlx_lm_decode(mx, folder: Path, batch: int) -> dict:
+    """Plain mlx-lm: prefill ``batch`` prompts into its KV cache, then time the decode loop."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder)
+    cache = make_prompt_cache(model)
+    prompt = mx.random.randint(1000, 40000, (batch, PROMPT_LEN))
+    logits = model(prompt, cache=cache)
+    y = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(y)
+
+    def step(tokens):
+        out = model(tokens[:, None], cache=cache)
+        return mx.argmax(out[:, -1, :], axis=-1)
+
+    warm = 8
+    start = 0.0
+    for i in range(warm + MLX_LM_STEPS):
+        if i == warm:
+            start = time.perf_counter()
+        nxt = step(y)
+        mx.async_eval(nxt)
+        y.tolist()  # the host reads each token, as a server must
+        y = nxt
+    y.tolist()
+    ms = (time.perf_counter() - start) / MLX_LM_STEPS * 1e3
+    mx.clear_cache()
+    return {"batch": batch, "ms_per_step": ms, "tok_s": batch / ms * 1e3}
+
+
+def device_main(carry: str, out_dir: str) -> None:
+    import mlx.core as mx
+
+    carry_dir, out = Path(carry), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "cuda_decode"
+    work.mkdir(parents=True, exist_ok=True)
+    env = os.environ.copy()
+    report: dict = {}
+
+    facts = device_facts(mx)
+    mx.clear_cache()  # this process's cached buffers would be missing for the engines
+    report["facts"] = facts
+    print("device:", json.dumps(facts, indent=1), flush=True)
+
+    expected = json.loads((carry_dir / "expected.json").read_text())
+    tiny = {"model": str(carry_dir / "tiny"), "engine": _tiny_engine(),
+            "greedy": {"prompts": expected["prompts"], "max_tokens": GREEDY_TOKENS}}
+    try:
+        got = run_engine(tiny, work, "tiny_gpu", env)["greedy"]
+    except SystemExit as err:  # reported; the benchmark still runs
+        print(f"greedy tiny fp32 run failed: {err}", flush=True)
+        got = []
+    same = got == expected["token_ids"]
+    report["greedy"] = {"gpu": got, "cpu": expected["token_ids"], "equal": same,
+                        "divergences": _divergences(got, expected)}
+    print(f"greedy tiny fp32, {len(got)} prompts x {GREEDY_TOKENS} tokens: GPU ids "
+          f"{'==' if same else '!='} CPU ids", flush=True)
+    for d in report["greedy"]["divergences"]:
+        print("  divergence:", d)
+
+    try:
+        check = kernel_check(mx)
+    except Exception as err:  # reported, and the engines below still run
+        check = {"error": repr(err)}
+    report["decode_kernel_rel_error"] = check
+    print("CUDA decode kernel vs pure-MLX reference, relative error:", check, flush=True)
+    mx.clear_cache()
+
+    ckpt = work / "qwen3-0.6b-random-bf16"
+    weight_bytes = build_qwen3(mx, ckpt, carry_dir / "tiny")
+    mx.clear_cache()
+    roofline_ms = weight_bytes / (facts["copy_bandwidth_GBps"] * 1e9) * 1e3
+    report["weight_bytes"], report["roofline_ms"] = weight_bytes, roofline_ms
+    print(f"checkpoint {ckpt}: {weight_bytes / 1e9:.3f} GB of bf16 weights; weight-read "
+          f"roofline {roofline_ms:.3f} ms/step", flush=True)
+
+    plain = [mlx_lm_decode(mx, ckpt, b) for b in BATCHES]
+    report["mlx_lm"] = plain
+    print("plain mlx-lm:", plain, flush=True)
+
+    engine = {"dtype": "bfloat16", "max_model_len": 1024, "seed": 0,
+              "max_num_seqs": max(BATCHES), "max_num_batched_tokens": 8192,
+              "kv_cache_memory_bytes": 16 * 2**30, "enable_prefix_caching": False}
+    bench = {"batches": list(BATCHES), "prompt_len": PROMPT_LEN, "short": SHORT, "long": LONG}
+    # Both with async scheduling: decode attention by the reference gather, then by the kernel.
+    modes = (("gather", True, "0"), ("kernel", True, "1"))
+    for mode, flag, kernel in modes:
+        spec = {"model": str(ckpt), "engine": {**engine, "async_scheduling": flag},
+                "bench": bench}
+        try:
+            ours = run_engine(spec, work, f"qwen3_gpu_{mode}",
+                              {**env, CUDA_DECODE_ENV: kernel})
+        except SystemExit as err:
+            print(f"ours ({mode}) failed: {err}", flush=True)
+            continue
+        report[f"ours_{mode}"] = ours["bench"]
+        report[f"ours_{mode}_stats"] = ours["stats"]
+        print(f"ours ({mode}):", ours["bench"], flush=True)
+        (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    print(f"\nweight-read roofline: {report['roofline_ms']:.3f} ms/step "
+          f"({report['weight_bytes'] / 1e9:.2f} GB at "
+          f"{report['facts']['copy_bandwidth_GBps']:.0f} GB/s)")
+    print(f"{'batch':>5} {'ours mode':>10} | {'mlx-lm ms/step':>14} {'tok/s':>8} | "
+          f"{'ours ms/step':>12} {'tok/s':>8} {'engine ms':>9} | {'ours/mlx-lm':>11} | "
+          f"breakdown ms/step (prepare/build/eval/finish)")
+    for mode in [k.removeprefix("ours_") for k in report
+                 if k.startswith("ours_") and not k.endswith("_stats")]:
+        for plain, ours in zip(report["mlx_lm"], report[f"ours_{mode}"], strict=True):
+            b = ours["breakdown_ms"]
+            print(f"{plain['batch']:>5} {mode:>10} | {plain['ms_per_step']:>14.2f} "
+                  f"{plain['tok_s']:>8.0f} | {ours['decode_ms_per_step']:>12.2f} "
+                  f"{ours['decode_tok_s']:>8.0f} {ours['engine_period_ms']:>9.2f} | "
+                  f"{ours['decode_tok_s'] / plain['tok_s']:>11.2f} | {b['prepare_s']:.2f}/"
+                  f"{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}")
+    print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1] if len(sys.argv) > 1 else ""
+    if cmd == "engine":
+        engine_main(sys.argv[2], sys.argv[3])
+    elif cmd == "expected":
+        expected_main(sys.argv[2])
+    elif cmd == "device":
+        device_main(sys.argv[2], sys.argv[3])
+    else:
+        raise SystemExit(__doc__)
