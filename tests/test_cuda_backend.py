@@ -185,8 +185,9 @@ def test_cuda_decode_route_keeps_rows_and_order(monkeypatch, window):
         calls.append(queries.shape[0])
         rows = kv_pool.reshape(-1, 2 * dim)
         sub = type(meta)(**{**meta.__dict__, "decode_rows": slice(0, queries.shape[0])})
-        return paged._decode_attention(queries, rows[:, :dim], rows[:, dim:], sub, 0.3, win,
-                                       kv_pool.shape[1])
+        return paged._decode_attention(
+            queries, lambda r: (rows[:, :dim][r], rows[:, dim:][r]), sub, 0.3, win,
+            kv_pool.shape[1])
 
     for meta in (mixed, decode):
         q = mx.array(np.random.default_rng(4).standard_normal(
