@@ -109,9 +109,12 @@ def test_worker_wires_before_weights_load(monkeypatch):
     monkeypatch.setattr(worker, "import_mlx", lambda: fake)
     monkeypatch.setattr(worker, "detect_backend", lambda: metal)
     monkeypatch.setattr(model_runner, "MLXModelRunner", FakeRunner)
+    # The KV connector's one-rank process groups (KV offloading) are not under test here.
+    monkeypatch.setattr(worker, "init_single_rank_groups", lambda config, method: None)
     w = object.__new__(worker.MLXWorker)
     w.model_config = SimpleNamespace(seed=0)
     w.vllm_config = None
+    w.distributed_init_method = "tcp://127.0.0.1:0"
     w.init_device()
     w.load_model()
     assert events == [("wired", 8 * GIB), ("runner", True), ("load", None)]
