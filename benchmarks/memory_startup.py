@@ -32,14 +32,12 @@ import json
 import os
 import platform
 import random
-import signal
-import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
-from run_env import machine_info, versions
+from run_env import machine_info, run_child, versions
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -88,42 +86,11 @@ def child(spec_path: str, out_path: str) -> None:
 # ---------------------------------------------------------------------------- parent process
 def run_mode(mode: str, spec: dict, stamp: str, timeout_s: float) -> dict:
     """Run :func:`child` for ``mode`` in its own process group; always stop the group."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    spec_path = RESULTS / f"memory_startup-{stamp}-{mode}.spec.json"
-    out_path = RESULTS / f"memory_startup-{stamp}-{mode}.out.json"
-    log_path = RESULTS / f"memory_startup-{stamp}-{mode}.log"
-    spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", EAGER_ZERO_ENV)}
     if mode == "eager":
         env[EAGER_ZERO_ENV] = "1"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", str(spec_path), str(out_path)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGKILL):  # the engine core may outlive the child
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                time.sleep(2)
-            proc.wait()
-    spec_path.unlink()
-    if rc != 0 or not out_path.exists():
-        tail = "".join(log_path.read_text(errors="replace").splitlines(True)[-40:])
-        raise RuntimeError(f"{mode} run failed (rc={rc}); log {log_path}:\n{tail}")
-    result = json.loads(out_path.read_text())
-    out_path.unlink()
-    result["log"] = str(log_path)
-    result["log_lines"] = [line.split("vllm-unified: ", 1)[1] for line in
-                           log_path.read_text(errors="replace").splitlines()
-                           if "vllm-unified: " in line]
-    return result
+    return run_child(__file__, f"memory_startup-{stamp}-{mode}", spec, env, timeout_s,
+                     "vllm-unified: ")
 
 
 def figures(r: dict, block_size: int) -> dict:

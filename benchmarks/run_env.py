@@ -1,11 +1,16 @@
-"""What a benchmark records about the run: package versions, git revision, machine and load."""
+"""What a benchmark records about the run (package versions, git revision, machine and load), and
+how a benchmark runs one measurement in a child process."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,3 +38,51 @@ def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...]) 
     return {"host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "loadavg_before": load_before,
             "loadavg_after": load_after}
+
+
+def run_child(script: str, name: str, spec: dict, env: dict[str, str], timeout_s: float,
+              log_marker: str) -> dict:
+    """Run ``script --child SPEC OUT`` in its own process group and return its JSON result.
+
+    ``spec`` is handed over as ``benchmarks/results/<name>.spec.json``; the child writes its
+    result to ``<name>.out.json`` and its output goes to ``<name>.log``. The process group is
+    always stopped (SIGTERM, then SIGKILL: vLLM's engine core may outlive the child). The result
+    gets ``log`` (the log's path) and ``log_lines``: the text after ``"vllm-unified: "`` of every
+    log line containing ``log_marker``.
+
+    Raises:
+        RuntimeError: the child failed or timed out (with the log's last 40 lines).
+    """
+    results = REPO / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = results / f"{name}.spec.json", results / f"{name}.out.json"
+    log_path = results / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, script, "--child", str(spec_path), str(out_path)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                time.sleep(2)
+            proc.wait()
+    spec_path.unlink()
+    if rc != 0 or not out_path.exists():
+        tail = "".join(log_path.read_text(errors="replace").splitlines(True)[-40:])
+        raise RuntimeError(f"{name} failed (rc={rc}); log {log_path}:\n{tail}")
+    result = json.loads(out_path.read_text())
+    out_path.unlink()
+    result["log"] = str(log_path)
+    result["log_lines"] = [line.split("vllm-unified: ", 1)[1] for line in
+                           log_path.read_text(errors="replace").splitlines()
+                           if log_marker in line]
+    return result
