@@ -123,6 +123,30 @@ def vllm_server(
             proc.wait()
 
 
+def stream_completion(base: str, body: dict[str, Any], started: Any = None,
+                      ) -> tuple[str, str | None, dict | None]:
+    """POST a streamed ``/v1/completions`` ``body`` to ``base``; return (text, the last
+    finish_reason, usage). Asserts HTTP 200 and no error event in the stream; ``started``
+    (a ``threading.Event``), if given, is set at the first chunk with choices."""
+    import requests
+
+    text, finish, usage = [], None, None
+    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=300) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                text.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+                if started is not None:
+                    started.set()
+    return "".join(text), finish, usage
+
+
 def default_server_args(served_name: str) -> list[str]:
     """``vllm serve`` arguments of the default model as the server tests run it: the GGUF file
     itself, long prompts chunked (``--max-num-batched-tokens 256``), a fixed KV budget."""

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from conftest import default_server_args, vllm_server
+from conftest import default_server_args, stream_completion, vllm_server
 
 from vllm_unified.request_guard import (
     GUARD_PATH,
@@ -267,20 +267,7 @@ def _stream(base: str, started: threading.Event) -> tuple[str, str | None, dict 
     body = {"model": MODEL, "prompt": STREAM_PROMPT, "max_tokens": STREAM_TOKENS,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    text, finish, usage = [], None, None
-    with requests.post(f"{base}{C}", json=body, stream=True, timeout=300) as r:
-        assert r.status_code == 200, r.text
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                text.append(choice["text"])
-                finish = choice["finish_reason"] or finish
-                started.set()
-    return "".join(text), finish, usage
+    return stream_completion(base, body, started)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from conftest import default_server_args, vllm_server
+from conftest import default_server_args, stream_completion, vllm_server
 
 pytestmark = pytest.mark.slow
 
@@ -139,18 +139,8 @@ def test_bad_request_gets_400_naming_field(server):
 def _stream_completion(base: str, prompt: str, **params) -> tuple[str, dict]:
     body = {"model": MODEL, "prompt": prompt, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, **params}
-    text, usage = [], None
-    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=300) as r:
-        assert r.status_code == 200, r.text
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk["choices"]:
-                text.append(choice.get("text") or "")
-    return "".join(text), usage
+    text, _, usage = stream_completion(base, body)
+    return text, usage
 
 
 def test_streaming_and_non_streaming_agree(server):
