@@ -6,10 +6,12 @@ interleaved rounds so that machine noise hits both alike:
 
 * **mlx_lm**: ``model(tokens[:, None], cache=KVCache)`` for B sequences of 192 tokens, greedy;
 * **ours**: :func:`vllm_unified.worker.model_runner.forward` over the paged KV pool (vLLM's
-  layout in a torch buffer shared with MLX, written by ``write_rows``, read by ``gather_kv``) for
-  B sequences of 192 tokens whose blocks are scattered over the pool;
-* **ours-reference**: the same with the pure-MLX gather (``accelerate=False``), to show what
-  the native ``gather_kv`` primitive saves.
+  layout in a torch buffer shared with MLX, written by ``write_rows``) for B sequences of 192
+  tokens whose blocks are scattered over the pool, with the runner's CPU kernels: native
+  linears for decode-sized inputs, native SwiGLU, decode attention read from the pool by the
+  native ``paged_decode`` primitive;
+* **ours-reference**: the same with the pure-MLX paths (``accelerate=False``: gather + MLX's
+  SDPA, MLX's matmul, mlx-lm's SwiGLU), to show what the native kernels save.
 
 No vLLM engine is involved: this isolates the forward (the ``eval`` phase of the runner's step
 profile) from scheduling and serving, which ``serve_compare.py`` measures. Prints min and median
@@ -23,9 +25,11 @@ machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +38,29 @@ import torch
 
 CONTEXT = 192
 BLOCK = 16
+
+
+@contextlib.contextmanager
+def plain_mlx(model):
+    """Undo :func:`vllm_unified.models.cpu_kernels.install_cpu_kernels` for the block: MLX's
+    own linears and mlx-lm's SwiGLU, as plain mlx-lm runs them."""
+    import vllm_unified.models.cpu_kernels as ck
+
+    swapped = [(m, type(m)) for m in model.modules()
+               if type(m) in (ck.NativeLinear, ck.NativeEmbedding)]
+    modules = [sys.modules[n] for n in {type(m).__module__ for m in model.modules()}
+               if getattr(sys.modules.get(n), "swiglu", None) is ck.swiglu]
+    for m, cls in swapped:
+        m.__class__ = cls.__mro__[1]
+    for mod in modules:
+        mod.swiglu = ck._original_swiglu
+    try:
+        yield
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+        for mod in modules:
+            mod.swiglu = ck.swiglu
 
 
 def measure(batch: int, rounds: int, model, mx, rng: np.random.Generator) -> dict[str, list]:
@@ -53,8 +80,9 @@ def measure(batch: int, rounds: int, model, mx, rng: np.random.Generator) -> dic
     mx.eval(state["y"])
 
     def mlx_lm_step() -> None:
-        state["y"] = mx.argmax(model(state["y"][:, None], cache=cache)[:, -1], -1)
-        mx.eval(state["y"])
+        with plain_mlx(model):
+            state["y"] = mx.argmax(model(state["y"][:, None], cache=cache)[:, -1], -1)
+            mx.eval(state["y"])
 
     num_blocks = 2 * batch * (CONTEXT // BLOCK + 1) + 1
     bufs = [torch.empty((num_blocks, BLOCK, kv_heads, 2 * head_dim)) for _ in range(layers)]
@@ -68,12 +96,15 @@ def measure(batch: int, rounds: int, model, mx, rng: np.random.Generator) -> dic
         pool.meta = build_attention_metadata([1] * batch, [CONTEXT] * batch, tables, BLOCK)
         ids = mx.array(rng.integers(1000, 30000, (batch,)).astype(np.int32))
         original = paged_cache.paged_attention_kv
-        if not accelerate:
-            paged_cache.paged_attention_kv = functools.partial(original, accelerate=False)
-        try:
+        if accelerate:  # the runner's CPU kernels (native linears, SwiGLU, decode attention)
             logits = forward(model, caches, ids, rows)
-        finally:
-            paged_cache.paged_attention_kv = original
+        else:
+            paged_cache.paged_attention_kv = functools.partial(original, accelerate=False)
+            try:
+                with plain_mlx(model):
+                    logits = forward(model, caches, ids, rows)
+            finally:
+                paged_cache.paged_attention_kv = original
         mx.eval(mx.argmax(logits, -1), pool.arrays())
         pool.meta = None
 
@@ -97,6 +128,7 @@ def main() -> None:
     from vllm_unified.backend import import_mlx
 
     mx = import_mlx()  # interposes the BLAS first, as the worker does
+    from vllm_unified.models.cpu_kernels import install_cpu_kernels
     from vllm_unified.models.loader import _gguf_hf_config, load_model
     from vllm_unified.models.paged_cache import install_paged_attention
 
@@ -105,6 +137,7 @@ def main() -> None:
     model = load_model(str(gguf), hf_config=_gguf_hf_config(gguf), dtype=mx.float32,
                        keep_quantized=False).model
     install_paged_attention(model)  # plain mlx-lm caches still take mlx-lm's own path
+    print("native CPU kernels:", ", ".join(install_cpu_kernels(model)) or "(none)")
     rng = np.random.default_rng(0)
 
     print(f"{gguf.name}: fp32, {len(model.layers)} layers; context {CONTEXT} tokens, "

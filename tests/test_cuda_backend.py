@@ -173,10 +173,10 @@ def _pool_and_steps():
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_cuda_decode_route_keeps_rows_and_order(monkeypatch, window):
-    """With the CUDA decode kernel routed in (here a stand-in that runs the reference on the
+    """With a decode kernel routed in (here a stand-in that runs the reference on the
     rows it is given), paged_attention_kv returns the reference's result for mixed steps
     (decode rows not first) and pure decode steps alike."""
-    from vllm_unified.attention import cuda_decode, paged
+    from vllm_unified.attention import paged
 
     pool, mixed, decode, dim = _pool_and_steps()
     calls = []
@@ -193,8 +193,7 @@ def test_cuda_decode_route_keeps_rows_and_order(monkeypatch, window):
         q = mx.array(np.random.default_rng(4).standard_normal(
             (meta.num_tokens, 4, 1, dim)).astype(np.float32))
         want = paged.paged_attention_kv(q, pool, meta, 0.3, window)
-        monkeypatch.setattr(paged, "_cuda_decode", lambda d: True)
-        monkeypatch.setattr(cuda_decode, "paged_decode_attention", stand_in)
+        monkeypatch.setattr(paged, "_decode_kernel", lambda d: stand_in)
         got = paged.paged_attention_kv(q, pool, meta, 0.3, window)
         monkeypatch.undo()
         assert np.allclose(np.array(got), np.array(want), atol=1e-6)

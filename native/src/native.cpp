@@ -15,6 +15,12 @@
 //   gather_kv(pool, rows, *, stream=None) -> (keys, values)
 //       A lazy gather of rows of a [rows, 2 * D] K|V pool into two row-contiguous arrays (the
 //       paged attention's key/value read; MLX's generic gather is several times slower here).
+//   silu_mul(gate, up, *, stream=None) -> mx.array
+//       fp32 silu(gate) * up, vectorized (MLX 0.32.4's CPU sigmoid is scalar).
+//   paged_decode(q, kv_pool, tables, lens, firsts, scale, block_size, *, stream=None)
+//       Decode attention read from the paged pool through block tables (no gather).
+//   linear(x, w, *, stream=None) -> mx.array
+//       fp32 x @ w.T reading each weight row once, threaded (decode-sized batches).
 //   to_torch(a) -> torch.Tensor
 //       A torch view of an array's bytes with an exact data pointer (MLX's own DLPack export
 //       breaks torch for adopted arrays whose offset is negative).
@@ -25,7 +31,9 @@
 // data: Buffer::ptr() is the header, Buffer::raw_ptr() == ptr + 8), and only CPU streams for
 // write_rows; GPU builds and streams raise (the Metal/CUDA variants are future work).
 
+#include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -33,6 +41,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -48,6 +58,13 @@
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 #include "mlx/utils.h"
+
+#include "cpu_math.h"
+#include "thread_pool.h"
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -456,6 +473,332 @@ std::vector<mx::array> gather_kv(const mx::array& pool, const mx::array& rows, n
 }
 
 // ---------------------------------------------------------------------------------------------
+// silu_mul
+
+// out = silu(gate) * up for fp32 arrays of one shape (the vectorized loop is in cpu_math.cpp).
+class SiluMul : public mx::Primitive {
+ public:
+  explicit SiluMul(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& gate = inputs[0];
+    const auto& up = inputs[1];
+    auto& out = outputs[0];
+    if (!gate.flags().row_contiguous || !up.flags().row_contiguous) {
+      throw std::invalid_argument("[silu_mul] gate and up must be row-contiguous");
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(gate);
+    enc.set_input_array(up);
+    enc.set_output_array(out);
+    enc.dispatch([g = gate.data<float>(), u = up.data<float>(), o = out.data<float>(),
+                  n = out.size()]() { vun::silu_mul_f32(g, u, o, n); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[silu_mul] CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "SiluMul";
+  }
+};
+
+mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream);
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "silu_mul: gate and up must be float32");
+  }
+  if (gate.shape() != up.shape()) {
+    raise_py(
+        PyExc_ValueError,
+        "silu_mul: gate " + shape_str(gate.shape()) + " and up " + shape_str(up.shape()) +
+            " differ in shape");
+  }
+  return mx::array(
+      gate.shape(), mx::float32, std::make_shared<SiluMul>(s),
+      {mx::contiguous(gate, false, s), mx::contiguous(up, false, s)});
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged_decode
+
+// Decode attention read straight from the paged K|V pool: for each sequence b and query head h,
+// out[b, h] = softmax(scale * q[b, h] . K_j) . V_j over the keys j in [firsts[b], lens[b]), key j
+// at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
+// scores of one (sequence, KV head) are computed for all the head's queries at once, so each
+// key and value row is read once; softmax in fp32 with the maximum subtracted (the reference's
+// function: attention/paged.py gathers the same rows and runs MLX's SDPA).
+template <typename T>
+struct PagedDecodeArgs {
+  const T* q;        // [B, H, D]
+  const T* kv;       // [slots, Hkv, 2 * D]
+  const int32_t* tables;  // [B, max_blocks]
+  const int32_t* lens;    // [B]
+  const int32_t* firsts;  // [B]
+  T* out;            // [B, H, D]
+  int64_t batch, heads, kv_heads, dim, max_blocks, block_size, slots;
+  float scale;
+};
+
+template <typename T>
+void paged_decode_impl(const PagedDecodeArgs<T>& a) {
+  const int64_t D = a.dim;
+  const int64_t R = a.heads / a.kv_heads;  // query heads per KV head
+  constexpr bool is_f32 = std::is_same_v<T, float>;
+  std::vector<float> qf(R * D), of(R * D), scores, rows;
+  std::vector<const float*> keys, values;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int64_t len = a.lens[b];
+    const int64_t first = a.firsts[b];
+    if (len < 1 || len > a.max_blocks * a.block_size || first < 0 || first >= len) {
+      throw std::out_of_range(
+          "[paged_decode] sequence " + std::to_string(b) + ": keys [" + std::to_string(first) +
+          ", " + std::to_string(len) + ") do not fit a block table of " +
+          std::to_string(a.max_blocks) + " blocks of " + std::to_string(a.block_size));
+    }
+    const int64_t n = len - first;
+    scores.resize(R * n);
+    keys.resize(n);
+    values.resize(n);
+    if constexpr (!is_f32) {
+      rows.resize(n * 2 * D);
+    }
+    const int32_t* table = a.tables + b * a.max_blocks;
+    for (int64_t g = 0; g < a.kv_heads; ++g) {
+      for (int64_t j = first; j < len; ++j) {
+        const int64_t blk = table[j / a.block_size];
+        const int64_t slot = blk * a.block_size + j % a.block_size;
+        if (blk < 0 || slot >= a.slots) {
+          throw std::out_of_range(
+              "[paged_decode] block " + std::to_string(blk) + " is outside a pool of " +
+              std::to_string(a.slots) + " slots");
+        }
+        const T* cell = a.kv + (slot * a.kv_heads + g) * 2 * D;  // K then V
+        if constexpr (is_f32) {
+          keys[j - first] = cell;
+          values[j - first] = cell + D;
+        } else {  // half precision: widen the two rows once into scratch
+          float* dst = rows.data() + (j - first) * 2 * D;
+          for (int64_t e = 0; e < 2 * D; ++e) {
+            dst[e] = static_cast<float>(cell[e]);
+          }
+          keys[j - first] = dst;
+          values[j - first] = dst + D;
+        }
+      }
+      const T* qp = a.q + (b * a.heads + g * R) * D;
+      for (int64_t i = 0; i < R * D; ++i) {
+        qf[i] = static_cast<float>(qp[i]);
+      }
+      vun::attend_rows_f32(
+          qf.data(), R, D, keys.data(), values.data(), n, a.scale, scores.data(), of.data());
+      T* op = a.out + (b * a.heads + g * R) * D;
+      for (int64_t i = 0; i < R * D; ++i) {
+        op[i] = static_cast<T>(of[i]);
+      }
+    }
+  }
+}
+
+class PagedDecode : public mx::Primitive {
+ public:
+  PagedDecode(mx::Stream s, float scale, int64_t block_size)
+      : mx::Primitive(s), scale_(scale), block_size_(block_size) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    const auto& kv = inputs[1];
+    auto& out = outputs[0];
+    for (const auto& x : inputs) {
+      if (!x.flags().row_contiguous) {
+        throw std::invalid_argument("[paged_decode] inputs must be row-contiguous");
+      }
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& x : inputs) {
+      enc.set_input_array(x);
+    }
+    enc.set_output_array(out);
+    switch (q.dtype()) {
+      case mx::float32:
+        dispatch<float>(enc, inputs, out);
+        break;
+      case mx::float16:
+        dispatch<mx::float16_t>(enc, inputs, out);
+        break;
+      case mx::bfloat16:
+        dispatch<mx::bfloat16_t>(enc, inputs, out);
+        break;
+      default:
+        throw std::invalid_argument("[paged_decode] float32, float16 or bfloat16 only");
+    }
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[paged_decode] CPU only; GPU backends have their own kernels");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "PagedDecode";
+  }
+
+ private:
+  template <typename T>
+  void dispatch(
+      mx::cpu::CommandEncoder& enc, const std::vector<mx::array>& in, mx::array& out) {
+    PagedDecodeArgs<T> a{
+        in[0].data<T>(), in[1].data<T>(), in[2].data<int32_t>(), in[3].data<int32_t>(),
+        in[4].data<int32_t>(), out.data<T>(), in[0].shape(0), in[0].shape(1), in[1].shape(1),
+        in[0].shape(2), in[2].shape(1), block_size_, in[1].shape(0), scale_};
+    enc.dispatch([a]() { paged_decode_impl<T>(a); });
+  }
+
+  float scale_;
+  int64_t block_size_;
+};
+
+// out = paged_decode(q [B, H, D], kv_pool [slots, Hkv, 2D], tables int32 [B, MB],
+//                    lens int32 [B], firsts int32 [B], scale, block_size) -> [B, H, D]
+mx::array paged_decode(
+    const mx::array& q, const mx::array& kv_pool, const mx::array& tables, const mx::array& lens,
+    const mx::array& firsts, float scale, int64_t block_size, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream);
+  if (q.ndim() != 3 || kv_pool.ndim() != 3 || kv_pool.shape(2) != 2 * q.shape(2) ||
+      q.shape(1) % kv_pool.shape(1) != 0) {
+    raise_py(
+        PyExc_ValueError,
+        "paged_decode: q must be [B, H, D] and kv_pool [slots, Hkv, 2D] with H % Hkv == 0, got " +
+            shape_str(q.shape()) + " and " + shape_str(kv_pool.shape()));
+  }
+  if (q.dtype() != kv_pool.dtype()) {
+    raise_py(PyExc_TypeError, "paged_decode: q and kv_pool must have one dtype");
+  }
+  if (tables.dtype() != mx::int32 || lens.dtype() != mx::int32 || firsts.dtype() != mx::int32) {
+    raise_py(PyExc_TypeError, "paged_decode: tables, lens and firsts must be int32");
+  }
+  if (tables.ndim() != 2 || tables.shape(0) != q.shape(0) || lens.shape() != mx::Shape{q.shape(0)} ||
+      firsts.shape() != mx::Shape{q.shape(0)}) {
+    raise_py(
+        PyExc_ValueError,
+        "paged_decode: tables must be [B, max_blocks] and lens, firsts [B] for B = " +
+            std::to_string(q.shape(0)));
+  }
+  if (block_size < 1 || kv_pool.shape(0) % block_size != 0) {
+    raise_py(PyExc_ValueError, "paged_decode: the pool's slots are not whole blocks");
+  }
+  // The pool is read where it lies: a non-contiguous pool is an error, never a silent copy.
+  if (kv_pool.is_available() && !kv_pool.flags().row_contiguous) {
+    raise_py(PyExc_ValueError, "paged_decode: kv_pool must be row-contiguous");
+  }
+  return mx::array(
+      q.shape(), q.dtype(), std::make_shared<PagedDecode>(s, scale, block_size),
+      {mx::contiguous(q, false, s), kv_pool, mx::contiguous(tables, false, s),
+       mx::contiguous(lens, false, s), mx::contiguous(firsts, false, s)});
+}
+
+// ---------------------------------------------------------------------------------------------
+// linear
+
+// One pool for every kernel call in the process, sized to the CPUs this process may use; never
+// destroyed (its workers must outlive MLX's stream threads, which run the kernels, at exit).
+vun::ThreadPool& kernel_pool() {
+  static vun::ThreadPool* pool = [] {
+    size_t n = std::thread::hardware_concurrency();
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+      n = static_cast<size_t>(CPU_COUNT(&set));
+    }
+#endif
+    return new vun::ThreadPool(n);
+  }();
+  return *pool;
+}
+
+// y = x @ w.T for fp32 x [M, K], w [N, K] (nn.Linear's weight layout): the weight rows are split
+// over the kernel pool's threads in groups of 4 (see vun::linear_rows_f32).
+class Linear : public mx::Primitive {
+ public:
+  explicit Linear(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    auto& y = outputs[0];
+    if (!x.flags().row_contiguous || !w.flags().row_contiguous) {
+      throw std::invalid_argument("[linear] x and w must be row-contiguous");
+    }
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(x);
+    enc.set_input_array(w);
+    enc.set_output_array(y);
+    enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = y.data<float>(),
+                  M = static_cast<size_t>(x.shape(0)), N = static_cast<size_t>(w.shape(0)),
+                  K = static_cast<size_t>(x.shape(1))]() {
+      auto& pool = kernel_pool();
+      const size_t groups = (N + 3) / 4;
+      const size_t parts = std::min(pool.size(), groups);
+      if (parts <= 1) {
+        vun::linear_rows_f32(xp, wp, yp, M, N, K, 0, N);
+        return;
+      }
+      pool.run([&](size_t part) {
+        if (part >= parts) {
+          return;
+        }
+        const size_t n0 = std::min(N, groups * part / parts * 4);
+        const size_t n1 = std::min(N, groups * (part + 1) / parts * 4);
+        vun::linear_rows_f32(xp, wp, yp, M, N, K, n0, n1);
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[linear] CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  }
+
+  const char* name() const override {
+    return "Linear";
+  }
+};
+
+mx::array linear(const mx::array& x, const mx::array& w, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream);
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "linear: x and w must be float32");
+  }
+  if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1)) {
+    raise_py(
+        PyExc_ValueError,
+        "linear: x must be [M, K] and w [N, K], got " + shape_str(x.shape()) + " and " +
+            shape_str(w.shape()));
+  }
+  // A weight that is not row-contiguous would be copied on every call: refuse instead.
+  if (w.is_available() && !w.flags().row_contiguous) {
+    raise_py(PyExc_ValueError, "linear: w must be row-contiguous (a weight, not a view)");
+  }
+  return mx::array(
+      {x.shape(0), w.shape(0)}, mx::float32, std::make_shared<Linear>(s),
+      {mx::contiguous(x, false, s), w});
+}
+
+// ---------------------------------------------------------------------------------------------
 // to_torch
 
 nb::dlpack::dtype dlpack_dtype(mx::Dtype t) {
@@ -544,6 +887,17 @@ NB_MODULE(_native, m) {
         nb::arg("stream") = nb::none(),
         "Lazy row gather from a K|V pool [rows, 2D]: (pool[rows, :D], pool[rows, D:]), each "
         "row-contiguous with shape rows.shape + (D,).");
+  m.def("silu_mul", &silu_mul, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 silu(gate) * up (mlx-lm's SwiGLU), vectorized; CPU streams only.");
+  m.def("paged_decode", &paged_decode, nb::arg("q"), nb::arg("kv_pool"), nb::arg("tables"),
+        nb::arg("lens"), nb::arg("firsts"), nb::arg("scale"), nb::arg("block_size"),
+        nb::kw_only(), nb::arg("stream") = nb::none(),
+        "Lazy decode attention read from a paged K|V pool [slots, Hkv, 2D] through block "
+        "tables; q [B, H, D] -> [B, H, D]; CPU streams only.");
+  m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 x @ w.T for x [M, K], w [N, K] without packing w (small M); CPU streams only.");
   m.def("to_torch", &to_torch, nb::arg("a"),
         "A torch CPU tensor over the array's bytes (exact data pointer, any offset).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");

@@ -1,4 +1,5 @@
-"""Native half of :mod:`vllm_unified.bridge`: adopt foreign memory into MLX, write rows in place.
+"""Native half of :mod:`vllm_unified.bridge` (adopt foreign memory into MLX, write rows in place)
+and MLX CPU kernels (paged decode attention, SwiGLU).
 
 Use :mod:`vllm_unified.bridge` rather than this module directly. Importing it imports
 ``mlx.core`` first (the extension's ``mx.array``/``mx.Dtype`` arguments are mlx.core's own
@@ -12,7 +13,18 @@ import importlib.metadata
 
 import mlx.core  # noqa: F401  (registers the types the extension's signatures use)
 
-from ._native import MLX_VERSION, NANOBIND_VERSION, adopt, gather_kv, info, to_torch, write_rows
+from ._native import (
+    MLX_VERSION,
+    NANOBIND_VERSION,
+    adopt,
+    gather_kv,
+    info,
+    linear,
+    paged_decode,
+    silu_mul,
+    to_torch,
+    write_rows,
+)
 
 _running = importlib.metadata.version("mlx")
 if _running != MLX_VERSION:
@@ -22,5 +34,7 @@ if _running != MLX_VERSION:
     )
 
 __all__ = [
-    "MLX_VERSION", "NANOBIND_VERSION", "adopt", "gather_kv", "info", "to_torch", "write_rows",
+    "MLX_VERSION", "NANOBIND_VERSION", "adopt", "gather_kv", "info", "linear", "paged_decode",
+    "silu_mul",
+    "to_torch", "write_rows",
 ]

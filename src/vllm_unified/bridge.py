@@ -310,6 +310,15 @@ def data_ptr(a: mx.array) -> int:
     return torch.from_dlpack(a).data_ptr()
 
 
+def native_kernels() -> ModuleType | None:
+    """The native extension when its CPU kernels apply (it is importable and the default
+    device is the CPU), else None: the callers' pure-MLX paths are used then."""
+    mod, _ = _native()
+    if mod is None or _mx().default_device() != _mx().cpu:
+        return None
+    return mod
+
+
 def gather_kv(pool_rows: mx.array, rows: mx.array) -> tuple[mx.array, mx.array] | None:
     """Keys and values at ``rows`` of a K|V pool, by the native CPU primitive; lazily.
 
@@ -329,8 +338,8 @@ def gather_kv(pool_rows: mx.array, rows: mx.array) -> tuple[mx.array, mx.array] 
         IndexError: an index outside ``[0, R)`` when ``rows`` is already computed;
             ``RuntimeError`` from the ``mx.eval`` that runs the gather when it is lazy.
     """
-    mod, _ = _native()
-    if mod is None or _mx().default_device() != _mx().cpu:
+    mod = native_kernels()
+    if mod is None:
         return None
     keys, values = mod.gather_kv(pool_rows, rows)
     return keys, values

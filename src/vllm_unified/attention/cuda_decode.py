@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
-import numpy as np
 
 from vllm_unified.attention.metadata import AttentionMetadata, Window
 
@@ -117,17 +116,6 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def _inputs(meta: AttentionMetadata, window: Window) -> tuple[mx.array, mx.array, mx.array]:
-    """Block tables, lengths and first visible keys of the decode rows (cached per step)."""
-    cache = meta.__dict__.setdefault("_cuda_decode_inputs", {})
-    if window not in cache:
-        lens = meta.decode_seq_lens.astype(np.int64)
-        first = np.zeros_like(lens) if window is None else np.maximum(lens - window, 0)
-        cache[window] = (mx.array(np.ascontiguousarray(meta.decode_block_tables, np.int32)),
-                         mx.array(lens.astype(np.int32)), mx.array(first.astype(np.int32)))
-    return cache[window]
-
-
 def paged_decode_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window,
@@ -146,7 +134,7 @@ def paged_decode_attention(
     """
     bd, heads, _, dim = queries.shape
     kv_heads = kv_pool.shape[1]
-    tables, lens, firsts = _inputs(meta, window)
+    tables, lens, firsts = meta.decode_kernel_inputs(window)
     out = _kernel()(
         inputs=[queries.reshape(bd, heads, dim), kv_pool, tables, lens, firsts,
                 _scale(scale)],

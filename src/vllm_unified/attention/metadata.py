@@ -115,6 +115,9 @@ class AttentionMetadata:
     _prefill_views: dict[tuple[int, Window, int], PrefillKeys] = field(
         default_factory=dict, repr=False
     )
+    _decode_kernel_inputs: dict[Window, tuple[mx.array, mx.array, mx.array]] = field(
+        default_factory=dict, repr=False
+    )
 
     def decode_view(self, window: Window, kv_heads: int) -> DecodeKeys:
         """Keys of the decode batch for a layer with this sliding window (``None``: full).
@@ -132,6 +135,24 @@ class AttentionMetadata:
             )
             self._decode_views[key] = view
         return view
+
+    def decode_kernel_inputs(self, window: Window) -> tuple[mx.array, mx.array, mx.array]:
+        """The decode batch as decode kernels read it: int32 block tables ``[Bd, max_blocks]``,
+        context lengths ``[Bd]`` and first visible key positions ``[Bd]`` (0 without a
+        window). Made once per (step, window) and shared by all layers.
+
+        Raises ValueError if there are no decode sequences.
+        """
+        if self.decode_rows is None:
+            raise ValueError("this step has no decode sequences")
+        inputs = self._decode_kernel_inputs.get(window)
+        if inputs is None:
+            lens = self.decode_seq_lens.astype(np.int64)
+            inputs = (mx.array(np.ascontiguousarray(self.decode_block_tables, np.int32)),
+                      mx.array(lens.astype(np.int32)),
+                      mx.array(_first_visible(lens, window).astype(np.int32)))
+            self._decode_kernel_inputs[window] = inputs
+        return inputs
 
     def prefill_view(self, index: int, window: Window, kv_heads: int) -> PrefillKeys:
         """Keys of prefill chunk ``index`` for a layer with this sliding window (cached)."""

@@ -30,6 +30,8 @@ Gather = Callable[[mx.array], tuple[mx.array, mx.array]]
 #: Set to 0 to read the decode batch through the reference gather + SDPA on CUDA too (the
 #: kernel of attention/cuda_decode.py is used otherwise; benchmarks compare both).
 CUDA_DECODE_ENV = "VLLM_UNIFIED_CUDA_DECODE"
+#: The same switch for the CPU backend's decode kernel (attention/cpu_decode.py).
+CPU_DECODE_ENV = "VLLM_UNIFIED_CPU_DECODE"
 
 # Gather indices are int32 rows of the pool viewed as [slots * Hkv, D].
 _MAX_ROWS = 2**31
@@ -147,11 +149,9 @@ def paged_attention_kv(
     half = (*kv_pool.shape[:2], head_dim)
     _check_inputs(queries.shape, half, half, meta, window)
     decode_out = None
-    if meta.decode_rows is not None and _cuda_decode(head_dim):
-        from vllm_unified.attention.cuda_decode import paged_decode_attention
-
-        decode_out = paged_decode_attention(queries[meta.decode_rows], kv_pool, meta, scale,
-                                            window)
+    decode_kernel = _decode_kernel(head_dim) if accelerate else None
+    if meta.decode_rows is not None and decode_kernel is not None:
+        decode_out = decode_kernel(queries[meta.decode_rows], kv_pool, meta, scale, window)
         if not meta.prefills and meta.output_order is None:
             return decode_out  # a pure decode step: no row views needed (graph ops cost time)
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
@@ -169,14 +169,25 @@ def paged_attention_kv(
 
 
 @functools.cache
-def _cuda_decode(head_dim: int) -> bool:
-    """Use the CUDA decode kernel: on the CUDA backend, for head sizes it supports, unless
-    ``VLLM_UNIFIED_CUDA_DECODE=0``."""
-    from vllm_unified.attention.cuda_decode import supported
+def _decode_kernel(head_dim: int) -> Callable[..., mx.array] | None:
+    """The decode kernel of this backend, or None for the reference gather + SDPA.
+
+    CUDA: attention/cuda_decode.py, for head sizes it supports, unless
+    ``VLLM_UNIFIED_CUDA_DECODE=0``. CPU: attention/cpu_decode.py (the native extension's
+    primitive), unless ``VLLM_UNIFIED_CPU_DECODE=0``. Decided once per process and head size.
+    """
     from vllm_unified.backend import detect_backend
 
-    return (detect_backend().kind == "cuda" and supported(head_dim)
-            and os.environ.get(CUDA_DECODE_ENV, "1") != "0")
+    kind = detect_backend().kind
+    if kind == "cuda" and os.environ.get(CUDA_DECODE_ENV, "1") != "0":
+        from vllm_unified.attention import cuda_decode
+
+        return cuda_decode.paged_decode_attention if cuda_decode.supported(head_dim) else None
+    if kind == "cpu" and os.environ.get(CPU_DECODE_ENV, "1") != "0":
+        from vllm_unified.attention import cpu_decode
+
+        return cpu_decode.paged_decode_attention if cpu_decode.available() else None
+    return None
 
 
 def _attend(

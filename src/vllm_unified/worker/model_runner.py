@@ -44,6 +44,7 @@ from vllm_unified.compat import (
     init_logger,
 )
 from vllm_unified.memory.kv_allocation import KV_LAYOUT, allocate_kv_cache
+from vllm_unified.models.cpu_kernels import install_cpu_kernels
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.hybrid import HybridLayers
 from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
@@ -188,6 +189,7 @@ class MLXModelRunner:
         check_dtype_supported(self.model, self.dtype, detect_backend().kind)
         self.layers = HybridLayers(self.loaded.config["model_type"], self.model)
         patched = install_paged_attention(self.model, self.layers.recurrent)
+        cpu_kernels = install_cpu_kernels(self.model)
         num_layers = len(self.model.layers)
         if num_layers != self.model_config.get_num_layers(self.vllm_config.parallel_config):
             raise ValueError(
@@ -196,9 +198,10 @@ class MLXModelRunner:
             )
         logger.info(
             "vllm-unified: loaded %s (%s, %d layers, dtype %s, quantized=%s) in %.2f s; "
-            "paged attention routed in %s",
+            "paged attention routed in %s; native CPU kernels: %s",
             path, self.loaded.source, num_layers, self.dtype, self.loaded.quantized,
             time.perf_counter() - start, ", ".join(patched) or "(already routed)",
+            ", ".join(cpu_kernels) or "(none)",
         )
 
     @property

@@ -1,0 +1,197 @@
+"""The native CPU kernels (native/src/cpu_math.cpp) against MLX's own ops and the pure-MLX
+paged attention reference, and their routing into mlx-lm models (models/cpu_kernels.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.activations import swiglu as mlx_swiglu
+
+from vllm_unified import bridge
+from vllm_unified.attention import paged
+from vllm_unified.attention.metadata import build_attention_metadata
+from vllm_unified.models import cpu_kernels
+
+native = bridge.native_kernels()
+pytestmark = pytest.mark.skipif(
+    native is None, reason=f"native extension unavailable: {bridge.native_error()}")
+
+
+def _rel_err(got: mx.array, want: mx.array) -> float:
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    return float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30))
+
+
+@pytest.mark.parametrize("shape", [(1, 1536), (16, 1536), (3, 7, 37), (256, 1536)])
+def test_silu_mul_equals_mlx_lm_swiglu(shape):
+    rng = np.random.default_rng(0)
+    gate = mx.array((rng.standard_normal(shape) * 8).astype(np.float32))  # exp over/underflows
+    up = mx.array(rng.standard_normal(shape).astype(np.float32))
+    got = native.silu_mul(gate, up)
+    assert got.shape == gate.shape and got.dtype == mx.float32
+    assert _rel_err(got, mlx_swiglu(gate, up)) < 2e-6
+    extreme = mx.array([-200.0, -90.0, 0.0, 90.0], dtype=mx.float32)
+    ones = mx.ones_like(extreme)
+    assert np.array_equal(np.array(native.silu_mul(extreme, ones)), np.array([0, 0, 0, 90]))
+
+
+def test_silu_mul_rejects_bad_input():
+    with pytest.raises(TypeError, match="float32"):
+        native.silu_mul(mx.zeros((2, 3), mx.float16), mx.zeros((2, 3), mx.float16))
+    with pytest.raises(ValueError, match="differ in shape"):
+        native.silu_mul(mx.zeros((2, 3)), mx.zeros((3, 2)))
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 17, 33])
+@pytest.mark.parametrize("k, n", [(576, 1536), (37, 5), (64, 1), (1536, 579)])
+def test_linear_equals_matmul(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+    got = native.linear(x, w)
+    assert got.shape == (m, n)
+    assert _rel_err(got, x @ w.T) < 1e-5
+    # A transposed (non-contiguous) input is made contiguous first, not misread.
+    xt = mx.array(rng.standard_normal((k, m)).astype(np.float32)).T
+    assert _rel_err(native.linear(xt, w), xt @ w.T) < 1e-5
+
+
+def test_linear_rejects_bad_input():
+    with pytest.raises(TypeError, match="float32"):
+        native.linear(mx.zeros((2, 4), mx.bfloat16), mx.zeros((3, 4), mx.bfloat16))
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        native.linear(mx.zeros((2, 4)), mx.zeros((3, 5)))
+    wt = mx.zeros((4, 3)).T  # a transposed view: never copied per call, refused
+    mx.eval(wt)
+    with pytest.raises(ValueError, match="row-contiguous"):
+        native.linear(mx.zeros((2, 4)), wt)
+    with pytest.raises(ValueError, match="row-contiguous"):  # still lazy: refused at eval
+        mx.eval(native.linear(mx.zeros((2, 4)), mx.zeros((4, 3)).T))
+
+
+def _decode_case(rng, batch, heads, kv_heads, dim, block_size, dtype, max_len=150):
+    lens = rng.integers(1, max_len, batch).astype(np.int32)
+    per_seq = -(-max_len // block_size)
+    num_blocks = batch * per_seq + 3
+    tables = rng.permutation(np.arange(1, num_blocks))[: batch * per_seq]
+    tables = tables.reshape(batch, per_seq).astype(np.int32)
+    # NaN everywhere, then only the slots the sequences own are written: a read outside
+    # [first, len) would put NaN into the output.
+    pool = np.full((num_blocks * block_size, kv_heads, 2 * dim), np.nan, np.float32)
+    for b in range(batch):
+        pos = np.arange(lens[b])
+        slots = tables[b, pos // block_size] * block_size + pos % block_size
+        pool[slots] = rng.standard_normal((lens[b], kv_heads, 2 * dim))
+    meta = build_attention_metadata([1] * batch, lens.tolist(), tables, block_size)
+    q = mx.array(rng.standard_normal((batch, heads, 1, dim)).astype(np.float32)).astype(dtype)
+    return q, mx.array(pool).astype(dtype), meta
+
+
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.float16, 4e-3),
+                                        (mx.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size",
+                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 80, 32)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_decode_equals_reference(dtype, tol, heads, kv_heads, dim, block_size, window):
+    from vllm_unified.attention.cpu_decode import paged_decode_attention
+
+    rng = np.random.default_rng(heads + dim)
+    q, pool, meta = _decode_case(rng, 6, heads, kv_heads, dim, block_size, dtype)
+    want = paged.paged_attention_kv(q, pool, meta, 0.125, window, accelerate=False)
+    got = paged_decode_attention(q, pool, meta, 0.125, window)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert not np.isnan(np.array(got.astype(mx.float32))).any()
+    assert _rel_err(got, want) < tol
+
+
+def test_paged_decode_rejects_bad_input():
+    q = mx.zeros((2, 4, 8))
+    pool = mx.zeros((32, 2, 16))
+    tables = mx.array([[0, 1], [2, 3]], dtype=mx.int32)
+    lens = mx.array([3, 4], dtype=mx.int32)
+    with pytest.raises(ValueError, match="H % Hkv"):
+        native.paged_decode(mx.zeros((2, 3, 8)), pool, tables, lens, lens * 0, 1.0, 8)
+    with pytest.raises(TypeError, match="int32"):
+        native.paged_decode(q, pool, tables.astype(mx.int64), lens, lens * 0, 1.0, 8)
+    with pytest.raises(ValueError, match="whole blocks"):
+        native.paged_decode(q, pool, tables, lens, lens * 0, 1.0, 5)
+    outside = mx.array([[0, 1], [2, 9]], dtype=mx.int32)  # block 9 of a 4-block pool
+    with pytest.raises(RuntimeError, match="outside a pool"):
+        mx.eval(native.paged_decode(q, pool, outside, mx.array([3, 12], mx.int32),
+                                    lens * 0, 1.0, 8))
+
+
+class _Spy:
+    """Counts calls to the native module's kernels, forwarding them."""
+
+    def __init__(self, mod):
+        self.mod, self.calls = mod, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.mod, name)
+
+        def call(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+
+def test_decode_batch_takes_the_cpu_kernel(monkeypatch):
+    rng = np.random.default_rng(5)
+    q, pool, meta = _decode_case(rng, 4, 4, 2, 32, 16, mx.float32)
+    spy = _Spy(native)
+    monkeypatch.setattr(bridge, "native_kernels", lambda: spy)
+    got = paged.paged_attention_kv(q, pool, meta, 0.3, None)
+    assert spy.calls.get("paged_decode") == 1
+    want = paged.paged_attention_kv(q, pool, meta, 0.3, None, accelerate=False)
+    assert spy.calls.get("paged_decode") == 1  # the reference takes no kernel
+    assert _rel_err(got, want) < 1e-5
+
+
+def _tiny_llama(tied: bool) -> llama.Model:
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=300, tie_word_embeddings=tied)
+    mx.random.seed(3)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_installed_kernels_keep_the_model_function(monkeypatch, tied):
+    model = _tiny_llama(tied)
+    tokens = mx.array(np.random.default_rng(0).integers(0, 300, (2, 40)))
+    want_prefill = model(tokens)  # 80 rows: above MAX_NATIVE_ROWS
+    want_decode = model(tokens[:, :1])
+    routed = cpu_kernels.install_cpu_kernels(model)
+    n_linear = 2 * 7 + (0 if tied else 1)
+    assert f"{n_linear} linear layers" in routed
+    assert "1 embedding layers" in routed  # its as_linear is the head only when tied
+    assert llama.swiglu is cpu_kernels.swiglu  # module-wide: routed by the first install
+    assert cpu_kernels.install_cpu_kernels(model) == []  # idempotent
+    spy = _Spy(native)
+    monkeypatch.setattr(bridge, "native_kernels", lambda: spy)
+    got_decode = model(tokens[:, :1])
+    assert spy.calls == {"linear": n_linear + (1 if tied else 0), "silu_mul": 2}
+    assert _rel_err(got_decode, want_decode) < 1e-5
+    spy.calls.clear()
+    got_prefill = model(tokens)
+    assert spy.calls == {"silu_mul": 2}  # 80 rows: MLX's matmul, native SwiGLU
+    assert _rel_err(got_prefill, want_prefill) < 1e-5
+    assert type(model.layers[0].mlp.gate_proj) is cpu_kernels.NativeLinear
+    assert isinstance(model.layers[0].mlp.gate_proj, nn.Linear)
+
+
+def test_quantized_and_half_layers_are_left_alone():
+    model = _tiny_llama(False)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p.endswith("q_proj"))
+    model.layers[1].mlp.down_proj.weight = model.layers[1].mlp.down_proj.weight.astype(
+        mx.bfloat16)
+    routed = cpu_kernels.install_cpu_kernels(model)
+    assert f"{2 * 7 + 1 - 2 - 1} linear layers" in routed
+    assert type(model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
+    assert type(model.layers[1].mlp.down_proj) is nn.Linear
