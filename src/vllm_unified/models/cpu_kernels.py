@@ -35,7 +35,7 @@ from vllm_unified import bridge
 _original_swiglu = mlx_activations.swiglu
 
 #: Inputs with more rows than this keep MLX's matmul (OpenBLAS): measured crossover 32-64 rows
-#: on a 2-core AVX-512 machine (tmp figures in docs/benchmarking.md, "CPU kernels").
+#: on a 2-core AVX-512 machine (docs/configuration.md, "Native kernels on the CPU backend").
 MAX_NATIVE_ROWS = 32
 
 
