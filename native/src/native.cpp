@@ -721,6 +721,13 @@ vun::ThreadPool& kernel_pool() {
       n = static_cast<size_t>(CPU_COUNT(&set));
     }
 #endif
+    // VLLM_UNIFIED_CPU_THREADS: at most this many threads (1: the MLX stream thread alone).
+    if (const char* env = std::getenv("VLLM_UNIFIED_CPU_THREADS"); env != nullptr && *env) {
+      const long cap = std::strtol(env, nullptr, 10);
+      if (cap >= 1 && static_cast<size_t>(cap) < n) {
+        n = static_cast<size_t>(cap);
+      }
+    }
     return new vun::ThreadPool(n);
   }();
   return *pool;
@@ -747,19 +754,14 @@ class Linear : public mx::Primitive {
     enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = y.data<float>(),
                   M = static_cast<size_t>(x.shape(0)), N = static_cast<size_t>(w.shape(0)),
                   K = static_cast<size_t>(x.shape(1))]() {
+      // Chunks of whole 4-row groups, several per thread so that a thread that is late (the
+      // CPU busy with other work) costs at most a chunk, not a share.
       auto& pool = kernel_pool();
       const size_t groups = (N + 3) / 4;
-      const size_t parts = std::min(pool.size(), groups);
-      if (parts <= 1) {
-        vun::linear_rows_f32(xp, wp, yp, M, N, K, 0, N);
-        return;
-      }
-      pool.run([&](size_t part) {
-        if (part >= parts) {
-          return;
-        }
-        const size_t n0 = std::min(N, groups * part / parts * 4);
-        const size_t n1 = std::min(N, groups * (part + 1) / parts * 4);
+      const size_t chunks = std::min(groups, 8 * pool.size());
+      pool.run(chunks, [&](size_t c) {
+        const size_t n0 = std::min(N, groups * c / chunks * 4);
+        const size_t n1 = std::min(N, groups * (c + 1) / chunks * 4);
         vun::linear_rows_f32(xp, wp, yp, M, N, K, n0, n1);
       });
     });

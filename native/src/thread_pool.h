@@ -1,7 +1,12 @@
-// A tiny persistent thread pool for the CPU kernels: parallel_for over [0, n) in `size()` parts,
-// the calling thread taking part 0. Workers spin briefly for the next job (a decode step runs
-// ~200 linears back to back, each a few hundred microseconds; waking a sleeping thread per
-// call would cost as much), then sleep on a C++20 atomic wait.
+// A tiny persistent thread pool for the CPU kernels: parallel_for over chunks [0, n), shared
+// dynamically between the calling thread and the workers.
+//
+// Why dynamic: on a 2-core machine the workers compete with the engine's other threads (vLLM's
+// Python thread building the next step, the API server). With a static split the caller spun
+// while a descheduled worker's share waited (~60% of a decode step's samples in `perf`); here
+// the caller takes chunks too and only ever waits for chunks a worker is already computing.
+// Workers spin briefly for the next job (a decode step runs ~200 kernels back to back), then
+// sleep on a C++20 atomic wait.
 #pragma once
 
 #include <atomic>
@@ -20,88 +25,110 @@ class ThreadPool {
  public:
   explicit ThreadPool(size_t threads) : size_(threads < 1 ? 1 : threads) {
     for (size_t i = 1; i < size_; ++i) {
-      workers_.emplace_back([this, i] { work(i); });
+      workers_.emplace_back([this] { work(); });
     }
   }
 
   ~ThreadPool() {
     stop_.store(true);
-    generation_.fetch_add(1);
-    generation_.notify_all();
+    wake_.fetch_add(1);
+    wake_.notify_all();
     for (auto& t : workers_) {
       t.join();
     }
   }
 
+  // Threads that may take part in a job (the caller included).
   size_t size() const {
     return size_;
   }
 
-  // Runs fn(part) for part in [0, size()) and returns when all parts are done. One job at a
-  // time (callers serialize: MLX runs a stream's CPU tasks on one thread). The first exception
-  // thrown by a part is rethrown here after all parts finished.
-  void run(const std::function<void(size_t)>& fn) {
-    if (size_ == 1) {
-      fn(0);
+  // Runs fn(chunk) for every chunk in [0, chunks) and returns when all are done; the first
+  // exception a chunk throws is rethrown here (the other chunks still run). Jobs are
+  // serialized (MLX runs a stream's CPU tasks on one thread anyway).
+  void run(size_t chunks, const std::function<void(size_t)>& fn) {
+    if (chunks == 0) {
+      return;
+    }
+    if (size_ == 1 || chunks == 1) {
+      for (size_t c = 0; c < chunks; ++c) {
+        fn(c);
+      }
       return;
     }
     std::lock_guard<std::mutex> lock(run_mutex_);
-    job_ = &fn;
+    const uint64_t gen = ++generation_;
+    fn_ = &fn;
+    chunks_ = chunks;
+    done_.store(0);
     error_ = nullptr;
-    remaining_.store(size_ - 1);
-    generation_.fetch_add(1);
-    generation_.notify_all();
-    call(fn, 0);
-    while (remaining_.load() != 0) {
-      // the other parts are about as long as ours: spin
+    state_.store(gen << 32);  // publishes fn_, chunks_: (generation, next chunk = 0)
+    wake_.fetch_add(1);
+    wake_.notify_all();
+    take_chunks(gen);
+    while (done_.load() != chunks) {
+      // only chunks a worker is computing right now remain: they are short
     }
-    job_ = nullptr;
     if (error_) {
       std::rethrow_exception(error_);
     }
   }
 
  private:
-  void call(const std::function<void(size_t)>& fn, size_t part) {
-    try {
-      fn(part);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex_);
-      if (!error_) {
-        error_ = std::current_exception();
+  // Claims and runs chunks of job `gen` until none is left (or a newer job replaced it).
+  void take_chunks(uint64_t gen) {
+    while (true) {
+      uint64_t s = state_.load();
+      size_t chunk;
+      do {
+        if ((s >> 32) != gen || (s & 0xffffffffu) >= chunks_) {
+          return;
+        }
+        chunk = s & 0xffffffffu;
+      } while (!state_.compare_exchange_weak(s, s + 1));
+      try {
+        (*fn_)(chunk);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex_);
+        if (!error_) {
+          error_ = std::current_exception();
+        }
       }
+      done_.fetch_add(1);
     }
   }
 
-  void work(size_t part) {
-    uint64_t seen = 0;  // the generation at construction: a job may start before we run
+  void work() {
+    uint64_t seen = 0;  // wake_ at construction: a job may be published before we first run
     while (true) {
-      // Spin up to ~1 ms for the next job, then sleep until the generation changes.
-      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
-      uint64_t now = generation_.load();
+      // Spin (yielding the core) up to ~0.5 ms for the next job, then sleep until woken.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(500);
+      uint64_t now = wake_.load();
       while (now == seen && std::chrono::steady_clock::now() < until) {
         std::this_thread::yield();
-        now = generation_.load();
+        now = wake_.load();
       }
       if (now == seen) {
-        generation_.wait(seen);
-        now = generation_.load();
+        wake_.wait(seen);
+        now = wake_.load();
       }
       seen = now;
       if (stop_.load()) {
         return;
       }
-      call(*job_, part);
-      remaining_.fetch_sub(1);
+      take_chunks(state_.load() >> 32);
     }
   }
 
   const size_t size_;
   std::vector<std::thread> workers_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<size_t> remaining_{0};
+  uint64_t generation_ = 0;            // last job's generation (caller side, under run_mutex_)
+  std::atomic<uint64_t> state_{0};     // (generation << 32) | next unclaimed chunk
+  std::atomic<uint64_t> wake_{0};      // bumped per job and at stop
+  std::atomic<size_t> done_{0};        // chunks finished in the current job
   std::atomic<bool> stop_{false};
-  const std::function<void(size_t)>* job_ = nullptr;
+  const std::function<void(size_t)>* fn_ = nullptr;
+  std::atomic<size_t> chunks_{0};     // written before state_ publishes the job
   std::exception_ptr error_;
   std::mutex run_mutex_;
   std::mutex error_mutex_;
