@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
-import numpy as np
 
 from vllm_unified.attention.metadata import AttentionMetadata, Window
 
@@ -31,7 +30,7 @@ _SOURCE = """
     const int lane = threadIdx.x % 32;
     const int mb = tables_shape[1];
     const int len = lens[b];
-    const int first = firsts[b];
+    const int first = WINDOW > 0 ? max(len - WINDOW, 0) : 0;
     const float sc = scale[0];
     const float neg_inf = __int_as_float(0xff800000);
     float qv[EPL];
@@ -100,7 +99,7 @@ _SOURCE = """
 def _kernel():
     return mx.fast.cuda_kernel(
         name="vllm_unified_paged_decode",
-        input_names=["q", "kv", "tables", "lens", "firsts", "scale"],
+        input_names=["q", "kv", "tables", "lens", "scale"],
         output_names=["out"],
         source=_SOURCE,
     )
@@ -117,17 +116,6 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def _inputs(meta: AttentionMetadata, window: Window) -> tuple[mx.array, mx.array, mx.array]:
-    """Block tables, lengths and first visible keys of the decode rows (cached per step)."""
-    cache = meta.__dict__.setdefault("_cuda_decode_inputs", {})
-    if window not in cache:
-        lens = meta.decode_seq_lens.astype(np.int64)
-        first = np.zeros_like(lens) if window is None else np.maximum(lens - window, 0)
-        cache[window] = (mx.array(np.ascontiguousarray(meta.decode_block_tables, np.int32)),
-                         mx.array(lens.astype(np.int32)), mx.array(first.astype(np.int32)))
-    return cache[window]
-
-
 def paged_decode_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window,
@@ -137,24 +125,26 @@ def paged_decode_attention(
     Args:
         queries: ``[Bd, H, 1, D]`` decode queries (RoPE'd), in the pool's dtype.
         kv_pool: one layer's pool.
-        meta: the step's metadata (its decode rows' block tables and lengths).
+        meta: the step's metadata: its decode rows' block tables and lengths as device arrays
+            (:meth:`AttentionMetadata.decode_tables_lens`, made once per step, or the traced
+            inputs of a compiled step).
         scale: score multiplier.
-        window: sliding window in tokens or None.
+        window: sliding window in tokens (keys at positions > len - 1 - window are visible)
+            or None.
 
     Returns:
         ``[Bd, H, 1, D]`` in the queries' dtype.
     """
     bd, heads, _, dim = queries.shape
     kv_heads = kv_pool.shape[1]
-    tables, lens, firsts = _inputs(meta, window)
-    out = _kernel()(
-        inputs=[queries.reshape(bd, heads, dim), kv_pool, tables, lens, firsts,
-                _scale(scale)],
+    tables, lens = meta.decode_tables_lens()
+    return _kernel()(
+        inputs=[queries, kv_pool, tables, lens, _scale(scale)],
         template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
-                  ("BS", meta.block_size), ("WARPS", WARPS)],
+                  ("BS", meta.block_size), ("WARPS", WARPS),
+                  ("WINDOW", 0 if window is None else int(window))],
         grid=(bd * heads * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(bd, heads, dim)],
+        output_shapes=[(bd, heads, 1, dim)],
         output_dtypes=[queries.dtype],
     )[0]
-    return out.reshape(bd, heads, 1, dim)

@@ -99,6 +99,10 @@ class AttentionMetadata:
         output_order: int32 ``[T]``: rows of the concatenated per-group outputs (decode batch
             first, then the prefill chunks) in token order; ``None`` when concatenation already
             is token order.
+        decode_tables, decode_lens: the decode rows' block tables (int32 ``[Bd, max_blocks]``)
+            and context lengths (int32 ``[Bd]``) as MLX arrays, for kernels that read the pool
+            through the block tables; made on first use (:meth:`decode_tables_lens`), or given
+            as the traced inputs of a compiled step (whose numpy fields are then None).
     """
 
     num_tokens: int
@@ -107,10 +111,12 @@ class AttentionMetadata:
     block_size: int
     query_start_loc: np.ndarray
     decode_rows: slice | mx.array | None
-    decode_seq_lens: np.ndarray
-    decode_block_tables: np.ndarray
+    decode_seq_lens: np.ndarray | None
+    decode_block_tables: np.ndarray | None
     prefills: tuple[PrefillChunk, ...]
     output_order: mx.array | None
+    decode_tables: mx.array | None = None
+    decode_lens: mx.array | None = None
     _decode_views: dict[tuple[Window, int], DecodeKeys] = field(default_factory=dict, repr=False)
     _prefill_views: dict[tuple[int, Window, int], PrefillKeys] = field(
         default_factory=dict, repr=False
@@ -124,6 +130,9 @@ class AttentionMetadata:
         """
         if self.decode_rows is None:
             raise ValueError("this step has no decode sequences")
+        if self.decode_seq_lens is None:
+            raise ValueError("decode key rows need the host-side block tables, which a "
+                             "compiled step does not have")
         key = (window, kv_heads)
         view = self._decode_views.get(key)
         if view is None:
@@ -132,6 +141,17 @@ class AttentionMetadata:
             )
             self._decode_views[key] = view
         return view
+
+    def decode_tables_lens(self) -> tuple[mx.array, mx.array]:
+        """``(decode_tables, decode_lens)`` as MLX arrays, made once per step (all layers
+        share them). Raises ValueError if there are no decode sequences."""
+        if self.decode_rows is None:
+            raise ValueError("this step has no decode sequences")
+        if self.decode_tables is None:
+            self.decode_tables = mx.array(np.ascontiguousarray(self.decode_block_tables,
+                                                               np.int32))
+            self.decode_lens = mx.array(self.decode_seq_lens.astype(np.int32))
+        return self.decode_tables, self.decode_lens
 
     def prefill_view(self, index: int, window: Window, kv_heads: int) -> PrefillKeys:
         """Keys of prefill chunk ``index`` for a layer with this sliding window (cached)."""

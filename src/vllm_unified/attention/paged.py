@@ -150,10 +150,12 @@ def paged_attention_kv(
     if meta.decode_rows is not None and _cuda_decode(head_dim):
         from vllm_unified.attention.cuda_decode import paged_decode_attention
 
+        if not meta.prefills and meta.output_order is None:
+            # A pure decode step: every row is a decode row, so no row views (graph ops cost
+            # host time per layer and step).
+            return paged_decode_attention(queries, kv_pool, meta, scale, window)
         decode_out = paged_decode_attention(queries[meta.decode_rows], kv_pool, meta, scale,
                                             window)
-        if not meta.prefills and meta.output_order is None:
-            return decode_out  # a pure decode step: no row views needed (graph ops cost time)
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
 
     def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
@@ -166,6 +168,12 @@ def paged_attention_kv(
         return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
 
     return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, decode_out)
+
+
+def cuda_decode_routed(head_dim: int) -> bool:
+    """Whether decode rows of this head size go to the CUDA decode kernel (see
+    :func:`_cuda_decode`)."""
+    return _cuda_decode(head_dim)
 
 
 @functools.cache
