@@ -175,8 +175,9 @@ def run_engine(spec: dict, work: Path, name: str, env: dict) -> dict:
                                str(out_path)], stdout=f, stderr=subprocess.STDOUT, env=env)
     lines = log.read_text().splitlines()
     for line in lines:
-        if "vllm-unified" in line and ("budget" in line or "backend" in line
-                                       or "KV pool" in line or "worker on" in line):
+        if ("vllm-unified" in line and ("budget" in line or "backend" in line
+                                        or "KV pool" in line or "worker on" in line
+                                        or "compiled" in line)) or line.startswith("round "):
             print(f"  [{name}] {line.strip()[-260:]}")
     if proc.returncode != 0:
         print("\n".join(lines[-60:]))
