@@ -22,16 +22,18 @@ lent H200). Subcommands:
   5. per engine mode (``CUDA_BENCH_MODES``, default ``compiled,eager``: pure-decode steps
      through ``mx.compile`` or built in Python every step, ``VLLM_UNIFIED_COMPILE_DECODE``),
      one ``LLM`` with async scheduling on the same checkpoint, and ``CUDA_BENCH_ROUNDS``
-     (default 3) interleaved rounds; in each round, for B = 1, 16, 64: first plain mlx-lm in
-     the engine's own front-end process (B prompts of 512 random tokens prefilled into
-     mlx-lm's KV cache, then the decode loop of ``mlx_lm.generate``'s ``generate_step``: the
-     next step queued with ``mx.async_eval`` before the previous token is read back,
-     ms/step over 128 steps after 8 warm-up steps), then ours through ``LLM.generate`` (B
-     prompts of 512 random tokens, greedy, ``ignore_eos``: decode ms/step = (t(144) - t(16))
-     / 128 from two runs whose prefill cancels; the engine's own decode step period and its
-     breakdown from ``runner_stats``); the first round starts with a warm-up run per B.
-     Each round's ratio is ours tok/s / mlx-lm tok/s measured back to back, so machine-to-
-     machine noise (1.6x between fresh machines) cancels in it;
+     (default 3) interleaved rounds. In each round, for B = 1, 16, 64: first plain mlx-lm in
+     a fresh Python process of its own while the engine waits (B prompts of 512 random
+     tokens prefilled into mlx-lm's KV cache, then the decode loop of ``mlx_lm.generate``'s
+     ``generate_step``: the next step queued with ``mx.async_eval`` before the previous
+     token is read back, ms/step over 128 steps after 8 warm-up steps), then ours through
+     ``LLM.generate`` (B prompts of 512 random tokens, greedy, ``ignore_eos``: decode
+     ms/step = (t(144) - t(16)) / 128 from two runs whose prefill cancels; the engine's own
+     decode step period and its breakdown from ``runner_stats``); the first round starts
+     with a warm-up run per B. Each round's ratio is ours tok/s / mlx-lm tok/s measured back
+     to back, so machine-to-machine noise (1.6x between fresh machines) cancels in it.
+     Before the engines, plain mlx-lm runs once with no engine alive, as a control for the
+     idle engine's presence;
   6. a table per mode and batch: medians over the rounds of both contenders' ms/step and of
      the ratio (with its range), the step breakdown, and the weight-read roofline (bf16
      weight bytes / measured copy bandwidth).
@@ -39,6 +41,8 @@ lent H200). Subcommands:
   Writes ``OUT/cuda_decode.json`` with every figure.
 * ``engine SPEC OUT`` (internal): one ``LLM`` in its own process (each engine gets a fresh
   process so the GPU memory of one is free for the next).
+* ``mlx_lm CKPT OUT B...`` (internal): plain mlx-lm's decode loop for each batch size B, in a
+  process of its own, figures to ``OUT``.
 """
 
 from __future__ import annotations
@@ -108,27 +112,42 @@ def _top2_gap(step: dict) -> float:
 
 
 def _interleaved(llm, sampling_params, cfg: dict) -> list[list[dict]]:
-    """``cfg["rounds"]`` rounds; in each, for every batch size, plain mlx-lm (in this process,
-    the engine's front end, while the engine core process waits) then our engine: both
-    contenders see the same machine state, round after round."""
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(Path(cfg["checkpoint"]))
+    """``cfg["rounds"]`` rounds; in each, plain mlx-lm for every batch size in a fresh Python
+    process of its own (while this engine waits, idle), then our engine for every batch size:
+    both contenders see the same machine state, round after round."""
     rounds = []
     for r in range(cfg["rounds"]):
+        plain = run_mlx_lm(Path(cfg["checkpoint"]), cfg["batches"])
         row = []
-        for b in cfg["batches"]:
-            plain = mlx_lm_decode(mx, model, b)
-            mx.clear_cache()  # its KV cache is gone with the call: free its buffers
+        for b, p in zip(cfg["batches"], plain, strict=True):
             ours = _bench_batch(llm, sampling_params, b, cfg, warm=r == 0)
-            row.append({"batch": b, "mlx_lm": plain, "ours": ours,
-                        "ratio": ours["decode_tok_s"] / plain["tok_s"]})
-            print(f"round {r} batch {b}: mlx-lm {plain['ms_per_step']:.2f} ms/step, ours "
+            row.append({"batch": b, "mlx_lm": p, "ours": ours,
+                        "ratio": ours["decode_tok_s"] / p["tok_s"]})
+            print(f"round {r} batch {b}: mlx-lm {p['ms_per_step']:.2f} ms/step, ours "
                   f"{ours['decode_ms_per_step']:.2f} ms/step, ratio {row[-1]['ratio']:.2f}",
                   flush=True)
         rounds.append(row)
     return rounds
+
+
+def run_mlx_lm(checkpoint: Path, batches: list[int]) -> list[dict]:
+    """Plain mlx-lm's decode for each batch size, in a fresh process (``mlx_lm`` subcommand)."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlx_lm_{os.getpid()}.json"
+    subprocess.run([sys.executable, __file__, "mlx_lm", str(checkpoint), str(out),
+                    *map(str, batches)], check=True)
+    return json.loads(out.read_text())
+
+
+def mlx_lm_main(checkpoint: str, out: str, batches: list[int]) -> None:
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(checkpoint))
+    result = []
+    for b in batches:
+        result.append(mlx_lm_decode(mx, model, b))
+        mx.clear_cache()  # its KV cache is gone with the call: free its buffers
+    Path(out).write_text(json.dumps(result))
 
 
 def _bench_batch(llm, sampling_params, batch: int, cfg: dict, warm: bool) -> dict:
@@ -291,13 +310,21 @@ def _divergences(got: list[list[int]], expected: dict) -> list[dict]:
 
 def kernel_check(mx) -> dict:
     """The CUDA decode kernel against the pure-MLX reference (fp32), on random data with every
-    slot no sequence owns set to NaN: relative error per dtype and window."""
+    slot no sequence owns set to NaN: relative error per head layout (query heads, KV heads,
+    head size: GQA groups of 2, 8 and 3 query heads), dtype and window."""
+    out = {}
+    for heads, kv_heads, dim in ((16, 8, 128), (8, 1, 64), (12, 4, 256)):
+        out.update(_kernel_check(mx, heads, kv_heads, dim))
+    return out
+
+
+def _kernel_check(mx, heads: int, kv_heads: int, dim: int) -> dict:
     from vllm_unified.attention.cuda_decode import paged_decode_attention
     from vllm_unified.attention.metadata import build_attention_metadata
     from vllm_unified.attention.paged import paged_attention
 
     rng = np.random.default_rng(0)
-    bs, heads, kv_heads, dim, num_blocks = 16, 16, 8, 128, 256
+    bs, num_blocks = 16, 256
     lens = [1, 17, 100, 513, 640]
     perm = rng.permutation(num_blocks)
     tables = np.zeros((len(lens), 40), np.int32)
@@ -312,18 +339,19 @@ def kernel_check(mx) -> dict:
     pool = rng.standard_normal((num_blocks * bs, kv_heads, 2 * dim)).astype(np.float32)
     pool[~owned] = np.nan
     queries = rng.standard_normal((len(lens), heads, 1, dim)).astype(np.float32)
-    meta = build_attention_metadata([1] * len(lens), lens, tables, bs)
     out = {}
     for dtype in (mx.float32, mx.bfloat16):
         kv = mx.array(pool).astype(dtype)
         q = mx.array(queries).astype(dtype)
         for window in (None, 64):
+            meta = build_attention_metadata([1] * len(lens), lens, tables, bs)
             ref = paged_attention(q.astype(mx.float32), kv[..., :dim].astype(mx.float32),
                                   kv[..., dim:].astype(mx.float32), meta, dim ** -0.5, window)
             got = paged_decode_attention(q, kv, meta, dim ** -0.5, window).astype(mx.float32)
             ref_np, got_np = np.array(ref), np.array(got)
             err = float(np.linalg.norm(got_np - ref_np) / np.linalg.norm(ref_np))
-            out[f"{dtype}, window {window}"] = err if np.isfinite(got_np).all() else float("nan")
+            key = f"H{heads}/Hkv{kv_heads}/D{dim}, {dtype}, window {window}"
+            out[key] = err if np.isfinite(got_np).all() else float("nan")
     return out
 
 
@@ -424,6 +452,11 @@ def device_main(carry: str, out_dir: str) -> None:
     print(f"checkpoint {ckpt}: {weight_bytes / 1e9:.3f} GB of bf16 weights; weight-read "
           f"roofline {roofline_ms:.3f} ms/step", flush=True)
 
+    # Control: plain mlx-lm with no engine process alive (the rounds below run it while an
+    # idle engine holds its own CUDA context and memory).
+    report["mlx_lm_alone"] = run_mlx_lm(ckpt, list(BATCHES))
+    print("plain mlx-lm, no engine alive:", report["mlx_lm_alone"], flush=True)
+
     engine = {"dtype": "bfloat16", "max_model_len": 1024, "seed": 0,
               "max_num_seqs": max(BATCHES), "max_num_batched_tokens": 8192,
               "kv_cache_memory_bytes": 16 * 2**30, "enable_prefix_caching": False,
@@ -487,6 +520,10 @@ def print_table(report: dict) -> None:
                   f"{row['ours_tok_s']:>7.0f} {row['engine_period_ms']:>9.2f} | "
                   f"{row['ratio_median']:>9.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
                   f"{b['prepare_s']:.2f}/{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}")
+    alone = report.get("mlx_lm_alone")
+    if alone:
+        print("plain mlx-lm with no engine alive, ms/step: " + ", ".join(
+            f"B={p['batch']}: {p['ms_per_step']:.2f}" for p in alone))
     print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
 
 
@@ -494,6 +531,8 @@ if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "engine":
         engine_main(sys.argv[2], sys.argv[3])
+    elif cmd == "mlx_lm":
+        mlx_lm_main(sys.argv[2], sys.argv[3], [int(b) for b in sys.argv[4:]])
     elif cmd == "expected":
         expected_main(sys.argv[2])
     elif cmd == "device":
