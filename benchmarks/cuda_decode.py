@@ -355,6 +355,48 @@ def _kernel_check(mx, heads: int, kv_heads: int, dim: int) -> dict:
     return out
 
 
+def attention_timing(mx) -> list[dict]:
+    """Decode attention of one Qwen3-0.6B-shaped step (28 layers, 16 query / 8 KV heads of
+    128, bf16, 650-token contexts): our kernel over a paged pool (scattered blocks) against
+    MLX's SDPA over contiguous ``[B, 8, 650, 128]`` keys and values (what mlx-lm runs), ms
+    per step (28 calls, evaluated together), median of 20."""
+    out = []
+    for b in BATCHES:
+        out.append(_attention_case(mx, b))
+        mx.clear_cache()
+    return out
+
+
+def _attention_case(mx, b: int) -> dict:
+    from vllm_unified.attention.cuda_decode import paged_decode_attention
+    from vllm_unified.attention.metadata import build_attention_metadata
+
+    rng = np.random.default_rng(b)
+    heads, kv_heads, dim, ctx, bs, layers = 16, 8, 128, 650, 16, 28
+    per_seq = -(-ctx // bs)
+    num_blocks = b * per_seq + 1
+    tables = (rng.permutation(num_blocks - 1)[: b * per_seq] + 1).reshape(b, per_seq)
+    meta = build_attention_metadata([1] * b, [ctx] * b, tables.astype(np.int32), bs)
+    pool = mx.random.normal((num_blocks * bs, kv_heads, 2 * dim)).astype(mx.bfloat16)
+    q = mx.random.normal((b, heads, 1, dim)).astype(mx.bfloat16)
+    k = mx.random.normal((b, kv_heads, ctx, dim)).astype(mx.bfloat16)
+    v = mx.random.normal((b, kv_heads, ctx, dim)).astype(mx.bfloat16)
+    mx.eval(pool, q, k, v, *meta.decode_tables_lens())
+
+    def ours():
+        mx.eval([paged_decode_attention(q, pool, meta, dim ** -0.5, None)
+                 for _ in range(layers)])
+
+    def sdpa():
+        mx.eval([mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5)
+                 for _ in range(layers)])
+
+    ours()
+    sdpa()
+    return {"batch": b, "ours_kernel_ms": _median_time(ours, 20) * 1e3,
+            "mlx_sdpa_ms": _median_time(sdpa, 20) * 1e3}
+
+
 def build_qwen3(mx, folder: Path, tokenizer_from: Path) -> int:
     """Random-weight Qwen3-0.6B-shaped bf16 checkpoint; returns its weight bytes."""
     import shutil
@@ -452,8 +494,14 @@ def device_main(carry: str, out_dir: str) -> None:
     print(f"checkpoint {ckpt}: {weight_bytes / 1e9:.3f} GB of bf16 weights; weight-read "
           f"roofline {roofline_ms:.3f} ms/step", flush=True)
 
+    try:
+        report["attention_timing"] = attention_timing(mx)
+    except Exception as err:  # reported; the engines below still run
+        report["attention_timing"] = {"error": repr(err)}
+    print("decode attention, one 28-layer step:", report["attention_timing"], flush=True)
+    mx.clear_cache()
     # Control: plain mlx-lm with no engine process alive (the rounds below run it while an
-    # idle engine holds its own CUDA context and memory).
+    # idle engine holds its own CUDA context and memory), before and after the engines.
     report["mlx_lm_alone"] = run_mlx_lm(ckpt, list(BATCHES))
     print("plain mlx-lm, no engine alive:", report["mlx_lm_alone"], flush=True)
 
@@ -478,6 +526,8 @@ def device_main(carry: str, out_dir: str) -> None:
         report[f"stats_{mode}"] = ours["stats"]
         report[f"summary_{mode}"] = summarize(ours["rounds"])
         (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
+    report["mlx_lm_alone_after"] = run_mlx_lm(ckpt, list(BATCHES))
+    (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
     print_table(report)
 
 
@@ -520,10 +570,10 @@ def print_table(report: dict) -> None:
                   f"{row['ours_tok_s']:>7.0f} {row['engine_period_ms']:>9.2f} | "
                   f"{row['ratio_median']:>9.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
                   f"{b['prepare_s']:.2f}/{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}")
-    alone = report.get("mlx_lm_alone")
-    if alone:
-        print("plain mlx-lm with no engine alive, ms/step: " + ", ".join(
-            f"B={p['batch']}: {p['ms_per_step']:.2f}" for p in alone))
+    for key, when in (("mlx_lm_alone", "before"), ("mlx_lm_alone_after", "after")):
+        if report.get(key):
+            print(f"plain mlx-lm with no engine alive ({when} the engines), ms/step: "
+                  + ", ".join(f"B={p['batch']}: {p['ms_per_step']:.2f}" for p in report[key]))
     print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
 
 

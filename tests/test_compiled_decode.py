@@ -5,8 +5,9 @@ MLX's CPU backend, so here they are stood in for by pure-MLX functions with the 
 and the same inputs (the decode kernel's stand-in reads the pool only through the device-side
 block tables and lengths, as the kernel does). The stand-ins are first checked against the
 reference paged attention, then the compiled forward against the plain one over several decode
-steps of changing positions, slots, lengths and batch sizes: a value captured as a constant
-while tracing would make a later step differ.
+steps of changing positions, slots, lengths, batch sizes and token sources (tokens fed from
+earlier steps on the device, as under async scheduling): a value captured as a constant while
+tracing would make a later step differ.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from vllm_unified.attention import cuda_decode, paged
 from vllm_unified.attention.metadata import build_attention_metadata
 from vllm_unified.models import paged_cache
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
+from vllm_unified.worker.async_output import feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode, is_pure_decode
 from vllm_unified.worker.model_runner import forward
 
@@ -83,17 +85,32 @@ def _steps():
 
 
 def _run(model, pool, steps, compiled: CompiledDecode | None):
+    """Decode steps fed as under async scheduling: after the first step (all tokens known on
+    the host), most rows take an earlier step's sampled token from the device (from the
+    previous step's; in step 4, from two different steps), one row a token known on the
+    host."""
     caches = [PagedLayerCache(pool, i) for i in range(LAYERS)]
     logits = []
     rng = np.random.default_rng(7)
-    for seq_lens, tables in steps:
+    history = [mx.array(rng.integers(0, 300, 3).astype(np.int32))]
+    for k, (seq_lens, tables) in enumerate(steps):
         n = len(seq_lens)
         pool.meta = build_attention_metadata([1] * n, seq_lens, tables, BS)
         assert is_pure_decode(pool.meta)
-        ids = mx.array(rng.integers(0, 300, n).astype(np.int32))
+        host_ids = rng.integers(0, 300, n).astype(np.int32)
+        pending = [(r, (history[-1], (r + k) % history[-1].size)) for r in range(n) if r != 1]
+        if k == 0:
+            pending = []  # every token known on the host
+        if k == 4:
+            pending[0] = (0, (history[-3], 1))
+        host_ids[[r for r, _ in pending]] = 0  # placeholders, as InputBatch.layout leaves them
         rows = np.arange(n, dtype=np.int32)[::-1].copy()  # any row order
-        out = compiled(ids, rows) if compiled is not None else forward(model, caches, ids, rows)
-        mx.eval(out, pool.arrays())
+        if compiled is not None:
+            out = compiled(host_ids, pending, rows)
+        else:
+            out = forward(model, caches, feed_pending(mx.array(host_ids), pending), rows)
+        history.append(mx.argmax(out, axis=-1).astype(mx.int32))
+        mx.eval(out, history[-1], pool.arrays())
         pool.meta = None
         logits.append(np.array(out))
     return logits
@@ -119,7 +136,10 @@ def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     got = _run(model, pool, steps, compiled)
     for a, b in zip(plain, got, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
-    assert compiled.traces == [3, 2]  # one trace per batch size, replayed otherwise
+    # One trace per shape, replayed otherwise: batch 3 with host tokens only, then reading 3
+    # earlier tokens; batch 2 reading the 3-row step's tokens, then the 2-row step's; the rest
+    # are replays (step 4's two token sources give assembled ids of the second's shape).
+    assert compiled.traces == [3, 3, 2, 2]
     for a, b in zip(plain_pool.kv, pool.kv, strict=True):  # the same K/V were written
         np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-5)
 
@@ -133,4 +153,4 @@ def test_compiled_decode_refuses_the_host_table_route(model):
     seq_lens, tables = _steps()[0]
     pool.meta = build_attention_metadata([1] * 3, seq_lens, tables, BS)
     with pytest.raises(ValueError, match="compiled step"):
-        compiled(mx.array([1, 2, 3], dtype=mx.int32), np.arange(3, dtype=np.int32))
+        compiled(np.array([1, 2, 3], np.int32), [], np.arange(3, dtype=np.int32))

@@ -103,6 +103,9 @@ class AttentionMetadata:
             and context lengths (int32 ``[Bd]``) as MLX arrays, for kernels that read the pool
             through the block tables; made on first use (:meth:`decode_tables_lens`), or given
             as the traced inputs of a compiled step (whose numpy fields are then None).
+        host_positions, host_slot_mapping: int32 numpy ``[T]``, the host copies of
+            ``positions`` and ``slot_mapping`` (a compiled step packs them with its other
+            per-step inputs into one array).
     """
 
     num_tokens: int
@@ -117,6 +120,8 @@ class AttentionMetadata:
     output_order: mx.array | None
     decode_tables: mx.array | None = None
     decode_lens: mx.array | None = None
+    host_positions: np.ndarray | None = field(default=None, repr=False)
+    host_slot_mapping: np.ndarray | None = field(default=None, repr=False)
     _decode_views: dict[tuple[Window, int], DecodeKeys] = field(default_factory=dict, repr=False)
     _prefill_views: dict[tuple[int, Window, int], PrefillKeys] = field(
         default_factory=dict, repr=False
@@ -202,7 +207,8 @@ def build_attention_metadata(
     seq_of_row = np.repeat(np.arange(len(qlens)), qlens)
     positions = np.arange(num_tokens) - starts[:-1][seq_of_row] + (slens - qlens)[seq_of_row]
     blocks = tables[seq_of_row, positions // block_size].astype(np.int64)
-    slots = blocks * block_size + positions % block_size
+    slots = (blocks * block_size + positions % block_size).astype(np.int32)
+    positions = positions.astype(np.int32)
 
     decode = np.flatnonzero(qlens == 1)
     decode_rows = starts[decode]
@@ -212,8 +218,10 @@ def build_attention_metadata(
     )
     return AttentionMetadata(
         num_tokens=num_tokens,
-        positions=mx.array(positions.astype(np.int32)),
-        slot_mapping=mx.array(slots.astype(np.int32)),
+        positions=mx.array(positions),
+        slot_mapping=mx.array(slots),
+        host_positions=positions,
+        host_slot_mapping=slots,
         block_size=block_size,
         query_start_loc=starts.astype(np.int32),
         decode_rows=_as_rows(decode_rows),

@@ -82,13 +82,16 @@ class CompiledDecode:
         #: the number of decode rows of each trace so far, in order (one per shape)
         self.traces: list[int] = []
 
-    def _trace(self, input_ids: mx.array, positions: mx.array, slots: mx.array,
-               tables: mx.array, lens: mx.array, rows: mx.array, kv: list[mx.array]
+    def _trace(self, src: mx.array, host_ids: mx.array, src_index: mx.array,
+               from_src: mx.array, positions: mx.array, slots: mx.array, lens: mx.array,
+               rows: mx.array, tables: mx.array, kv: list[mx.array]
                ) -> tuple[mx.array, list[mx.array]]:
-        """Runs once per shape, on MLX's tracer arrays: the plain forward over a metadata
-        object and pool arrays made of the inputs only."""
-        pool, num = self._pool, input_ids.shape[0]
+        """Runs once per shape, on MLX's tracer arrays: the token ids (row r takes
+        ``src[src_index[r]]`` where ``from_src[r]``, else ``host_ids[r]``), then the plain
+        forward over a metadata object and pool arrays made of the inputs only."""
+        pool, num = self._pool, host_ids.shape[0]
         self.traces.append(num)
+        input_ids = mx.where(from_src > 0, src[src_index].astype(mx.int32), host_ids)
         saved_kv, saved_meta = pool.kv, pool.meta
         pool.meta = AttentionMetadata(
             num_tokens=num, positions=positions, slot_mapping=slots,
@@ -104,13 +107,57 @@ class CompiledDecode:
         finally:
             pool.kv, pool.meta = saved_kv, saved_meta
 
-    def __call__(self, input_ids: mx.array, rows: np.ndarray) -> mx.array:
+    def __call__(self, host_ids: np.ndarray, pending_rows: list, rows: np.ndarray
+                 ) -> mx.array:
         """Logits ``[R, V]`` of ``rows`` for the pure-decode step whose metadata is
-        ``pool.meta`` (lazy; the pool's arrays are rebound to the written ones)."""
+        ``pool.meta`` (lazy; the pool's arrays are rebound to the written ones).
+
+        Args:
+            host_ids: ``[T]`` int32 token ids known on the host (placeholders at pending rows).
+            pending_rows: ``(row, (tokens, index))`` rows whose token is an earlier step's
+                sampled (device) token (:func:`vllm_unified.worker.async_output.feed_pending`).
+            rows: ``[R]`` rows whose logits are wanted.
+
+        Every per-step integer input travels in ONE host-made array, cut into views: MLX's
+        CUDA backend puts host-made arrays in managed memory, and each such array costs a
+        page migration when the GPU first reads it.
+        """
         pool = self._pool
         meta = pool.meta
-        tables, lens = meta.decode_tables_lens()
-        logits, kv = self._fn(input_ids, meta.positions, meta.slot_mapping, tables, lens,
-                              mx.array(np.asarray(rows, dtype=np.int32)), pool.kv)
+        num = meta.num_tokens
+        src, src_index, from_src = self._pending_source(host_ids, pending_rows, num)
+        tables = np.ascontiguousarray(meta.decode_block_tables, dtype=np.int32)
+        parts = [np.asarray(host_ids, np.int32), src_index, from_src, meta.host_positions,
+                 meta.host_slot_mapping, meta.decode_seq_lens.astype(np.int32),
+                 np.asarray(rows, np.int32), tables.reshape(-1)]
+        packed = mx.array(np.concatenate(parts))
+        views, start = [], 0
+        for part in parts:
+            views.append(packed[start:start + part.size])
+            start += part.size
+        views[-1] = views[-1].reshape(tables.shape)
+        logits, kv = self._fn(packed if src is None else src, *views, pool.kv)
         pool.kv = list(kv)
         return logits
+
+    @staticmethod
+    def _pending_source(host_ids: np.ndarray, pending_rows: list, num: int
+                        ) -> tuple[mx.array | None, np.ndarray, np.ndarray]:
+        """``(src, src_index, from_src)`` for the token ids: the one earlier token array all
+        pending rows read from (the usual case: the previous step's), or, when they read from
+        several, the ids assembled by ``feed_pending`` as the source of every row; None when
+        no row is pending."""
+        src_index = np.zeros(num, np.int32)
+        from_src = np.zeros(num, np.int32)
+        if not pending_rows:
+            return None, src_index, from_src
+        sources = {id(tokens): tokens for _, (tokens, _) in pending_rows}
+        if len(sources) > 1:
+            from vllm_unified.worker.async_output import feed_pending
+
+            ids = feed_pending(mx.array(host_ids), pending_rows)
+            return ids, np.arange(num, dtype=np.int32), np.ones(num, np.int32)
+        for row, (_, index) in pending_rows:
+            src_index[row] = index
+            from_src[row] = 1
+        return next(iter(sources.values())), src_index, from_src

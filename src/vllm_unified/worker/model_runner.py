@@ -485,8 +485,11 @@ class MLXModelRunner:
         self._set_step_meta(step.query_lens, step.seq_lens, step.block_table, states)
         self._timer.mark("prepare")
         try:
-            input_ids = feed_pending(mx.array(step.input_ids), step.pending_rows)
-            logits = self.forward(input_ids, rows)
+            if self.compiled_decode is not None and is_pure_decode(self.pool.meta):
+                logits = self.compiled_decode(step.input_ids, step.pending_rows, rows)
+            else:
+                input_ids = feed_pending(mx.array(step.input_ids), step.pending_rows)
+                logits = self.forward(input_ids, rows)
             mlx_rows = [self._sampling_row(step.req_ids[i]) for i in mlx_idx]
             tokens = None
             if mlx_rows:
@@ -642,10 +645,7 @@ class MLXModelRunner:
         return done
 
     def forward(self, input_ids: mx.array, rows: np.ndarray) -> mx.array:
-        """See :func:`forward`; uses this runner's model and layer caches (pure-decode steps
-        through the compiled forward where it is set up, worker/compiled_decode.py)."""
-        if self.compiled_decode is not None and is_pure_decode(self.pool.meta):
-            return self.compiled_decode(input_ids, rows)
+        """See :func:`forward`; uses this runner's model and layer caches."""
         return forward(self.model, self.layer_caches, input_ids, rows)
 
     def stats_dict(self) -> dict:
