@@ -22,7 +22,7 @@ from vllm_unified.attention.metadata import build_attention_metadata
 from vllm_unified.models import paged_cache
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
 from vllm_unified.worker.async_output import feed_pending
-from vllm_unified.worker.compiled_decode import CompiledDecode, is_pure_decode
+from vllm_unified.worker.compiled_decode import CompiledDecode, is_pure_decode, padded_tables
 from vllm_unified.worker.model_runner import forward
 
 BS, LAYERS, KV_HEADS, DIM, BLOCKS = 8, 3, 2, 32, 40
@@ -80,7 +80,9 @@ def _steps():
     out = []
     for step in range(6):
         n = 2 if step in (2, 3) else 3
-        out.append((lens[:n] + step, tables[:n]))
+        # From step 3 on the runner's tables are a column wider (a longer context somewhere).
+        wide = np.pad(tables, ((0, 0), (0, 1))) if step >= 3 else tables
+        out.append((lens[:n] + step, wide[:n]))
     return out
 
 
@@ -136,10 +138,10 @@ def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     got = _run(model, pool, steps, compiled)
     for a, b in zip(plain, got, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
-    # One trace per shape, replayed otherwise: batch 3 with host tokens only, then reading 3
-    # earlier tokens; batch 2 reading the 3-row step's tokens, then the 2-row step's; the rest
-    # are replays (step 4's two token sources give assembled ids of the second's shape).
-    assert compiled.traces == [3, 3, 2, 2]
+    # One trace per batch size, replayed otherwise: the token source (host, an earlier step's
+    # tokens of any count, ids assembled from two steps) and the tables' width (5 or 6
+    # columns, both padded to 8) do not change the compiled graph's inputs.
+    assert compiled.traces == [3, 2]
     for a, b in zip(plain_pool.kv, pool.kv, strict=True):  # the same K/V were written
         np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-5)
 
@@ -154,3 +156,12 @@ def test_compiled_decode_refuses_the_host_table_route(model):
     pool.meta = build_attention_metadata([1] * 3, seq_lens, tables, BS)
     with pytest.raises(ValueError, match="compiled step"):
         compiled(np.array([1, 2, 3], np.int32), [], np.arange(3, dtype=np.int32))
+
+
+def test_tables_padded_to_a_power_of_two_columns():
+    tables = np.arange(1, 16, dtype=np.int32).reshape(3, 5)
+    out = padded_tables(tables)
+    assert out.shape == (3, 8) and out.dtype == np.int32
+    assert np.array_equal(out[:, :5], tables) and not out[:, 5:].any()
+    assert [padded_tables(np.ones((2, c), np.int32)).shape[1] for c in (1, 2, 3, 8, 9, 33)] == \
+        [1, 2, 4, 8, 16, 64]

@@ -21,8 +21,10 @@ What makes this safe:
 * only steps whose every request has one query token take this path, and only with the
   in-place CUDA write and the CUDA decode kernel; everything else runs the plain forward.
 
-Shapes: one trace per number of decode rows ``T`` (``shapeless=False``: the kernels' launch
-grids depend on ``T``), kept by MLX's compile cache for the life of the process.
+Shapes: one trace per number of decode rows ``T`` and block-table width (``shapeless=False``:
+the kernels' launch grids depend on ``T``); the width is padded to a power of two
+(:func:`padded_tables`), so a batch size sees a handful of widths over a server's life. MLX's
+compile cache keeps every trace for the life of the process.
 
 ``VLLM_UNIFIED_COMPILE_DECODE=0`` turns it off (the plain forward for every step).
 """
@@ -60,6 +62,20 @@ def is_pure_decode(meta: AttentionMetadata) -> bool:
             and meta.num_tokens > 0)
 
 
+def padded_tables(tables: np.ndarray) -> np.ndarray:
+    """``[T, max_blocks]`` block tables widened with zeros to a power of two of columns.
+
+    The runner's tables are as wide as the longest context needs, which grows by one column
+    every ``block_size`` tokens; a compiled step is traced once per input shape, so padding
+    keeps the number of traces per batch size logarithmic in the context length. Columns past
+    a sequence's blocks are never read (the decode kernel stops at its length)."""
+    rows, cols = tables.shape
+    width = 1 << max(cols - 1, 0).bit_length()
+    out = np.zeros((rows, width), np.int32)
+    out[:, :cols] = tables
+    return out
+
+
 class CompiledDecode:
     """The forward of pure-decode steps, compiled.
 
@@ -82,16 +98,15 @@ class CompiledDecode:
         #: the number of decode rows of each trace so far, in order (one per shape)
         self.traces: list[int] = []
 
-    def _trace(self, src: mx.array, host_ids: mx.array, src_index: mx.array,
-               from_src: mx.array, positions: mx.array, slots: mx.array, lens: mx.array,
-               rows: mx.array, tables: mx.array, kv: list[mx.array]
-               ) -> tuple[mx.array, list[mx.array]]:
-        """Runs once per shape, on MLX's tracer arrays: the token ids (row r takes
-        ``src[src_index[r]]`` where ``from_src[r]``, else ``host_ids[r]``), then the plain
+    def _trace(self, fed: mx.array, host_ids: mx.array, from_src: mx.array,
+               positions: mx.array, slots: mx.array, lens: mx.array, rows: mx.array,
+               tables: mx.array, kv: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
+        """Runs once per shape, on MLX's tracer arrays: the token ids (row r takes ``fed[r]``,
+        an earlier step's token, where ``from_src[r]``, else ``host_ids[r]``), then the plain
         forward over a metadata object and pool arrays made of the inputs only."""
         pool, num = self._pool, host_ids.shape[0]
         self.traces.append(num)
-        input_ids = mx.where(from_src > 0, src[src_index].astype(mx.int32), host_ids)
+        input_ids = mx.where(from_src > 0, fed, host_ids)
         saved_kv, saved_meta = pool.kv, pool.meta
         pool.meta = AttentionMetadata(
             num_tokens=num, positions=positions, slot_mapping=slots,
@@ -126,7 +141,7 @@ class CompiledDecode:
         meta = pool.meta
         num = meta.num_tokens
         src, src_index, from_src = self._pending_source(host_ids, pending_rows, num)
-        tables = np.ascontiguousarray(meta.decode_block_tables, dtype=np.int32)
+        tables = padded_tables(meta.decode_block_tables)
         parts = [np.asarray(host_ids, np.int32), src_index, from_src, meta.host_positions,
                  meta.host_slot_mapping, meta.decode_seq_lens.astype(np.int32),
                  np.asarray(rows, np.int32), tables.reshape(-1)]
@@ -136,7 +151,11 @@ class CompiledDecode:
             views.append(packed[start:start + part.size])
             start += part.size
         views[-1] = views[-1].reshape(tables.shape)
-        logits, kv = self._fn(packed if src is None else src, *views, pool.kv)
+        host, index = views[0], views[1]
+        # The earlier step's tokens are gathered outside the compiled graph, so its shape
+        # (that step's number of sampled rows) does not key the traces.
+        fed = host if src is None else src[index].astype(mx.int32)
+        logits, kv = self._fn(fed, host, *views[2:], pool.kv)
         pool.kv = list(kv)
         return logits
 
