@@ -39,6 +39,7 @@ import numpy as np
 
 from vllm_unified.attention.metadata import AttentionMetadata
 from vllm_unified.models.paged_cache import KVPool, PagedLayerCache
+from vllm_unified.worker.async_output import feed_pending
 
 #: Set to 0 to build every decode step's graph in Python (no ``mx.compile``).
 COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
@@ -172,8 +173,6 @@ class CompiledDecode:
             return None, src_index, from_src
         sources = {id(tokens): tokens for _, (tokens, _) in pending_rows}
         if len(sources) > 1:
-            from vllm_unified.worker.async_output import feed_pending
-
             ids = feed_pending(mx.array(host_ids), pending_rows)
             return ids, np.arange(num, dtype=np.int32), np.ones(num, np.int32)
         for row, (_, index) in pending_rows:
