@@ -17,22 +17,32 @@ lent H200). Subcommands:
      so the CUDA memory budget is exercised (its log line is printed);
   3. a random-weight Qwen3-0.6B-shaped bf16 checkpoint built on the device (596M parameters,
      28 layers, hidden 1024, 16 heads / 8 KV heads of 128, vocab 151936, tied embeddings);
-  4. plain mlx-lm on it: batch B prompts of 512 random tokens prefilled into mlx-lm's KV cache,
-     then the decode loop of ``mlx_lm.generate``'s ``generate_step`` (the next step is queued
-     with ``mx.async_eval`` before the previous token is read back), ms/step over 128 steps;
-  5. our plugin on the same checkpoint through ``LLM.generate`` (B prompts of 512 random
-     tokens, greedy, ``ignore_eos``): decode tok/s = B x (M2 - M1) / (t(M2) - t(M1)) from two
-     runs of ``max_tokens`` M1 = 16 and M2 = 144 (the same prefill in both, so it cancels), and
-     the engine's own decode step period with its breakdown (``runner_stats``), twice, both
-     with async scheduling: ``gather`` (``VLLM_UNIFIED_CUDA_DECODE=0``: decode attention by the
-     pure-MLX reference) and ``kernel`` (the CUDA paged decode kernel, the default), after the
-     kernel was checked against the reference (relative error, every unowned slot NaN);
-  6. a table: batch, plain mlx-lm ms/step and tok/s, ours, the ratio, and the weight-read
-     roofline (bf16 weight bytes / measured copy bandwidth).
+  4. the CUDA decode kernel checked against the pure-MLX reference (relative error, every
+     unowned slot NaN);
+  5. per engine mode (``CUDA_BENCH_MODES``, default ``compiled,eager``: pure-decode steps
+     through ``mx.compile`` or built in Python every step, ``VLLM_UNIFIED_COMPILE_DECODE``),
+     one ``LLM`` with async scheduling on the same checkpoint, and ``CUDA_BENCH_ROUNDS``
+     (default 3) interleaved rounds. In each round, for B = 1, 16, 64: first plain mlx-lm in
+     a fresh Python process of its own while the engine waits (B prompts of 512 random
+     tokens prefilled into mlx-lm's KV cache, then the decode loop of ``mlx_lm.generate``'s
+     ``generate_step``: the next step queued with ``mx.async_eval`` before the previous
+     token is read back, ms/step over 128 steps after 8 warm-up steps), then ours through
+     ``LLM.generate`` (B prompts of 512 random tokens, greedy, ``ignore_eos``: decode
+     ms/step = (t(144) - t(16)) / 128 from two runs whose prefill cancels; the engine's own
+     decode step period and its breakdown from ``runner_stats``); the first round starts
+     with a warm-up run per B. Each round's ratio is ours tok/s / mlx-lm tok/s measured back
+     to back, so machine-to-machine noise (1.6x between fresh machines) cancels in it.
+     Before the engines, plain mlx-lm runs once with no engine alive, as a control for the
+     idle engine's presence;
+  6. a table per mode and batch: medians over the rounds of both contenders' ms/step and of
+     the ratio (with its range), the step breakdown, and the weight-read roofline (bf16
+     weight bytes / measured copy bandwidth).
 
   Writes ``OUT/cuda_decode.json`` with every figure.
 * ``engine SPEC OUT`` (internal): one ``LLM`` in its own process (each engine gets a fresh
   process so the GPU memory of one is free for the next).
+* ``mlx_lm CKPT OUT B...`` (internal): plain mlx-lm's decode loop for each batch size B, in a
+  process of its own, figures to ``OUT``.
 """
 
 from __future__ import annotations
@@ -47,7 +57,11 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-CUDA_DECODE_ENV = "VLLM_UNIFIED_CUDA_DECODE"  # vllm_unified.attention.paged.CUDA_DECODE_ENV
+COMPILE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"  # vllm_unified.worker.compiled_decode
+#: engines to run, comma-separated: "compiled" (the default forward) and/or "eager"
+MODES_ENV = "CUDA_BENCH_MODES"
+#: interleaved rounds of (mlx-lm, ours) per batch size in each engine
+ROUNDS = int(os.environ.get("CUDA_BENCH_ROUNDS", "3"))
 PROMPT_LEN = 512
 BATCHES = (1, 16, 64)
 MLX_LM_STEPS = 128
@@ -87,8 +101,7 @@ def engine_main(spec_path: str, out_path: str) -> None:
             result["top2_gap"] = [
                 [_top2_gap(step) for step in o.outputs[0].logprobs] for o in outs]
     if "bench" in spec:
-        result["bench"] = [_bench_batch(llm, SamplingParams, b, spec["bench"])
-                           for b in spec["bench"]["batches"]]
+        result["rounds"] = _interleaved(llm, SamplingParams, spec["bench"])
     result["stats"] = llm.collective_rpc("runner_stats")[0]
     Path(out_path).write_text(json.dumps(result))
 
@@ -98,7 +111,46 @@ def _top2_gap(step: dict) -> float:
     return float(lps[0] - lps[1]) if len(lps) > 1 else float("inf")
 
 
-def _bench_batch(llm, sampling_params, batch: int, cfg: dict) -> dict:
+def _interleaved(llm, sampling_params, cfg: dict) -> list[list[dict]]:
+    """``cfg["rounds"]`` rounds; in each, plain mlx-lm for every batch size in a fresh Python
+    process of its own (while this engine waits, idle), then our engine for every batch size:
+    both contenders see the same machine state, round after round."""
+    rounds = []
+    for r in range(cfg["rounds"]):
+        plain = run_mlx_lm(Path(cfg["checkpoint"]), cfg["batches"])
+        row = []
+        for b, p in zip(cfg["batches"], plain, strict=True):
+            ours = _bench_batch(llm, sampling_params, b, cfg, warm=r == 0)
+            row.append({"batch": b, "mlx_lm": p, "ours": ours,
+                        "ratio": ours["decode_tok_s"] / p["tok_s"]})
+            print(f"round {r} batch {b}: mlx-lm {p['ms_per_step']:.2f} ms/step, ours "
+                  f"{ours['decode_ms_per_step']:.2f} ms/step, ratio {row[-1]['ratio']:.2f}",
+                  flush=True)
+        rounds.append(row)
+    return rounds
+
+
+def run_mlx_lm(checkpoint: Path, batches: list[int]) -> list[dict]:
+    """Plain mlx-lm's decode for each batch size, in a fresh process (``mlx_lm`` subcommand)."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlx_lm_{os.getpid()}.json"
+    subprocess.run([sys.executable, __file__, "mlx_lm", str(checkpoint), str(out),
+                    *map(str, batches)], check=True)
+    return json.loads(out.read_text())
+
+
+def mlx_lm_main(checkpoint: str, out: str, batches: list[int]) -> None:
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(checkpoint))
+    result = []
+    for b in batches:
+        result.append(mlx_lm_decode(mx, model, b))
+        mx.clear_cache()  # its KV cache is gone with the call: free its buffers
+    Path(out).write_text(json.dumps(result))
+
+
+def _bench_batch(llm, sampling_params, batch: int, cfg: dict, warm: bool) -> dict:
     rng = np.random.default_rng(batch)
 
     def run(max_tokens: int) -> tuple[float, dict]:
@@ -116,7 +168,8 @@ def _bench_batch(llm, sampling_params, batch: int, cfg: dict) -> dict:
                  if isinstance(after[k], (int, float)) and k in before}
         return wall, delta
 
-    run(cfg["long"])  # warm-up: kernels for these shapes are built on first use
+    if warm:
+        run(cfg["long"])  # warm-up: kernels (and compiled graphs) for these shapes
     short_wall, short = run(cfg["short"])
     long_wall, long = run(cfg["long"])
     steps = cfg["long"] - cfg["short"]
@@ -141,8 +194,9 @@ def run_engine(spec: dict, work: Path, name: str, env: dict) -> dict:
                                str(out_path)], stdout=f, stderr=subprocess.STDOUT, env=env)
     lines = log.read_text().splitlines()
     for line in lines:
-        if "vllm-unified" in line and ("budget" in line or "backend" in line
-                                       or "KV pool" in line or "worker on" in line):
+        if ("vllm-unified" in line and ("budget" in line or "backend" in line
+                                        or "KV pool" in line or "worker on" in line
+                                        or "compiled" in line)) or line.startswith("round "):
             print(f"  [{name}] {line.strip()[-260:]}")
     if proc.returncode != 0:
         print("\n".join(lines[-60:]))
@@ -256,13 +310,21 @@ def _divergences(got: list[list[int]], expected: dict) -> list[dict]:
 
 def kernel_check(mx) -> dict:
     """The CUDA decode kernel against the pure-MLX reference (fp32), on random data with every
-    slot no sequence owns set to NaN: relative error per dtype and window."""
+    slot no sequence owns set to NaN: relative error per head layout (query heads, KV heads,
+    head size: GQA groups of 2, 8 and 3 query heads), dtype and window."""
+    out = {}
+    for heads, kv_heads, dim in ((16, 8, 128), (8, 1, 64), (12, 4, 256)):
+        out.update(_kernel_check(mx, heads, kv_heads, dim))
+    return out
+
+
+def _kernel_check(mx, heads: int, kv_heads: int, dim: int) -> dict:
     from vllm_unified.attention.cuda_decode import paged_decode_attention
     from vllm_unified.attention.metadata import build_attention_metadata
     from vllm_unified.attention.paged import paged_attention
 
     rng = np.random.default_rng(0)
-    bs, heads, kv_heads, dim, num_blocks = 16, 16, 8, 128, 256
+    bs, num_blocks = 16, 256
     lens = [1, 17, 100, 513, 640]
     perm = rng.permutation(num_blocks)
     tables = np.zeros((len(lens), 40), np.int32)
@@ -277,19 +339,62 @@ def kernel_check(mx) -> dict:
     pool = rng.standard_normal((num_blocks * bs, kv_heads, 2 * dim)).astype(np.float32)
     pool[~owned] = np.nan
     queries = rng.standard_normal((len(lens), heads, 1, dim)).astype(np.float32)
-    meta = build_attention_metadata([1] * len(lens), lens, tables, bs)
     out = {}
     for dtype in (mx.float32, mx.bfloat16):
         kv = mx.array(pool).astype(dtype)
         q = mx.array(queries).astype(dtype)
         for window in (None, 64):
+            meta = build_attention_metadata([1] * len(lens), lens, tables, bs)
             ref = paged_attention(q.astype(mx.float32), kv[..., :dim].astype(mx.float32),
                                   kv[..., dim:].astype(mx.float32), meta, dim ** -0.5, window)
             got = paged_decode_attention(q, kv, meta, dim ** -0.5, window).astype(mx.float32)
             ref_np, got_np = np.array(ref), np.array(got)
             err = float(np.linalg.norm(got_np - ref_np) / np.linalg.norm(ref_np))
-            out[f"{dtype}, window {window}"] = err if np.isfinite(got_np).all() else float("nan")
+            key = f"H{heads}/Hkv{kv_heads}/D{dim}, {dtype}, window {window}"
+            out[key] = err if np.isfinite(got_np).all() else float("nan")
     return out
+
+
+def attention_timing(mx) -> list[dict]:
+    """Decode attention of one Qwen3-0.6B-shaped step (28 layers, 16 query / 8 KV heads of
+    128, bf16, 650-token contexts): our kernel over a paged pool (scattered blocks) against
+    MLX's SDPA over contiguous ``[B, 8, 650, 128]`` keys and values (what mlx-lm runs), ms
+    per step (28 calls, evaluated together), median of 20."""
+    out = []
+    for b in BATCHES:
+        out.append(_attention_case(mx, b))
+        mx.clear_cache()
+    return out
+
+
+def _attention_case(mx, b: int) -> dict:
+    from vllm_unified.attention.cuda_decode import paged_decode_attention
+    from vllm_unified.attention.metadata import build_attention_metadata
+
+    rng = np.random.default_rng(b)
+    heads, kv_heads, dim, ctx, bs, layers = 16, 8, 128, 650, 16, 28
+    per_seq = -(-ctx // bs)
+    num_blocks = b * per_seq + 1
+    tables = (rng.permutation(num_blocks - 1)[: b * per_seq] + 1).reshape(b, per_seq)
+    meta = build_attention_metadata([1] * b, [ctx] * b, tables.astype(np.int32), bs)
+    pool = mx.random.normal((num_blocks * bs, kv_heads, 2 * dim)).astype(mx.bfloat16)
+    q = mx.random.normal((b, heads, 1, dim)).astype(mx.bfloat16)
+    k = mx.random.normal((b, kv_heads, ctx, dim)).astype(mx.bfloat16)
+    v = mx.random.normal((b, kv_heads, ctx, dim)).astype(mx.bfloat16)
+    mx.eval(pool, q, k, v, *meta.decode_tables_lens())
+
+    def ours():
+        mx.eval([paged_decode_attention(q, pool, meta, dim ** -0.5, None)
+                 for _ in range(layers)])
+
+    def sdpa():
+        mx.eval([mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5)
+                 for _ in range(layers)])
+
+    ours()
+    sdpa()
+    return {"batch": b, "ours_kernel_ms": _median_time(ours, 20) * 1e3,
+            "mlx_sdpa_ms": _median_time(sdpa, 20) * 1e3}
 
 
 def build_qwen3(mx, folder: Path, tokenizer_from: Path) -> int:
@@ -314,12 +419,10 @@ def build_qwen3(mx, folder: Path, tokenizer_from: Path) -> int:
     return sum(v.nbytes for v in weights.values())
 
 
-def mlx_lm_decode(mx, folder: Path, batch: int) -> dict:
+def mlx_lm_decode(mx, model, batch: int) -> dict:
     """Plain mlx-lm: prefill ``batch`` prompts into its KV cache, then time the decode loop."""
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
 
-    model, _ = load_model(folder)
     cache = make_prompt_cache(model)
     prompt = mx.random.randint(1000, 40000, (batch, PROMPT_LEN))
     logits = model(prompt, cache=cache)
@@ -341,7 +444,6 @@ def mlx_lm_decode(mx, folder: Path, batch: int) -> dict:
         y = nxt
     y.tolist()
     ms = (time.perf_counter() - start) / MLX_LM_STEPS * 1e3
-    mx.clear_cache()
     return {"batch": batch, "ms_per_step": ms, "tok_s": batch / ms * 1e3}
 
 
@@ -392,48 +494,86 @@ def device_main(carry: str, out_dir: str) -> None:
     print(f"checkpoint {ckpt}: {weight_bytes / 1e9:.3f} GB of bf16 weights; weight-read "
           f"roofline {roofline_ms:.3f} ms/step", flush=True)
 
-    plain = [mlx_lm_decode(mx, ckpt, b) for b in BATCHES]
-    report["mlx_lm"] = plain
-    print("plain mlx-lm:", plain, flush=True)
+    try:
+        report["attention_timing"] = attention_timing(mx)
+    except Exception as err:  # reported; the engines below still run
+        report["attention_timing"] = {"error": repr(err)}
+    print("decode attention, one 28-layer step:", report["attention_timing"], flush=True)
+    mx.clear_cache()
+    # Control: plain mlx-lm with no engine process alive (the rounds below run it while an
+    # idle engine holds its own CUDA context and memory), before and after the engines.
+    report["mlx_lm_alone"] = run_mlx_lm(ckpt, list(BATCHES))
+    print("plain mlx-lm, no engine alive:", report["mlx_lm_alone"], flush=True)
 
     engine = {"dtype": "bfloat16", "max_model_len": 1024, "seed": 0,
               "max_num_seqs": max(BATCHES), "max_num_batched_tokens": 8192,
-              "kv_cache_memory_bytes": 16 * 2**30, "enable_prefix_caching": False}
-    bench = {"batches": list(BATCHES), "prompt_len": PROMPT_LEN, "short": SHORT, "long": LONG}
-    # Both with async scheduling: decode attention by the reference gather, then by the kernel.
-    modes = (("gather", True, "0"), ("kernel", True, "1"))
-    for mode, flag, kernel in modes:
-        spec = {"model": str(ckpt), "engine": {**engine, "async_scheduling": flag},
-                "bench": bench}
+              "kv_cache_memory_bytes": 16 * 2**30, "enable_prefix_caching": False,
+              "async_scheduling": True}
+    bench = {"batches": list(BATCHES), "prompt_len": PROMPT_LEN, "short": SHORT, "long": LONG,
+             "rounds": ROUNDS, "checkpoint": str(ckpt)}
+    # Each engine: decode attention by the CUDA kernel, KV written in place; pure-decode steps
+    # compiled (the default) or built in Python every step. mlx-lm is measured inside each
+    # engine's process, interleaved with it.
+    for mode in os.environ.get(MODES_ENV, "compiled,eager").split(","):
+        spec = {"model": str(ckpt), "engine": engine, "bench": bench}
         try:
             ours = run_engine(spec, work, f"qwen3_gpu_{mode}",
-                              {**env, CUDA_DECODE_ENV: kernel})
+                              {**env, COMPILE_ENV: "1" if mode == "compiled" else "0"})
         except SystemExit as err:
             print(f"ours ({mode}) failed: {err}", flush=True)
             continue
-        report[f"ours_{mode}"] = ours["bench"]
-        report[f"ours_{mode}_stats"] = ours["stats"]
-        print(f"ours ({mode}):", ours["bench"], flush=True)
+        report[f"rounds_{mode}"] = ours["rounds"]
+        report[f"stats_{mode}"] = ours["stats"]
+        report[f"summary_{mode}"] = summarize(ours["rounds"])
         (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
+    report["mlx_lm_alone_after"] = run_mlx_lm(ckpt, list(BATCHES))
+    (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
     print_table(report)
+
+
+def summarize(rounds: list[list[dict]]) -> list[dict]:
+    """Per batch size: medians over the rounds of each contender's ms/step, of the ratio
+    (ours tok/s / mlx-lm tok/s, each round's pair measured back to back) and of ours' step
+    breakdown; the ratio's range."""
+    out = []
+    for k, first in enumerate(rounds[0]):
+        cells = [r[k] for r in rounds]
+        ratios = [c["ratio"] for c in cells]
+        plain_ms = float(np.median([c["mlx_lm"]["ms_per_step"] for c in cells]))
+        ours_ms = float(np.median([c["ours"]["decode_ms_per_step"] for c in cells]))
+        out.append({
+            "batch": first["batch"], "rounds": len(cells),
+            "mlx_lm_ms": plain_ms, "mlx_lm_tok_s": first["batch"] / plain_ms * 1e3,
+            "ours_ms": ours_ms, "ours_tok_s": first["batch"] / ours_ms * 1e3,
+            "engine_period_ms": float(np.median([c["ours"]["engine_period_ms"]
+                                                 for c in cells])),
+            "ratio_median": float(np.median(ratios)), "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "breakdown_ms": {p: float(np.median([c["ours"]["breakdown_ms"][p] for c in cells]))
+                             for p in first["ours"]["breakdown_ms"]},
+        })
+    return out
 
 
 def print_table(report: dict) -> None:
     print(f"\nweight-read roofline: {report['roofline_ms']:.3f} ms/step "
           f"({report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['facts']['copy_bandwidth_GBps']:.0f} GB/s)")
-    print(f"{'batch':>5} {'ours mode':>10} | {'mlx-lm ms/step':>14} {'tok/s':>8} | "
-          f"{'ours ms/step':>12} {'tok/s':>8} {'engine ms':>9} | {'ours/mlx-lm':>11} | "
-          f"breakdown ms/step (prepare/build/eval/finish)")
-    for mode in [k.removeprefix("ours_") for k in report
-                 if k.startswith("ours_") and not k.endswith("_stats")]:
-        for plain, ours in zip(report["mlx_lm"], report[f"ours_{mode}"], strict=True):
-            b = ours["breakdown_ms"]
-            print(f"{plain['batch']:>5} {mode:>10} | {plain['ms_per_step']:>14.2f} "
-                  f"{plain['tok_s']:>8.0f} | {ours['decode_ms_per_step']:>12.2f} "
-                  f"{ours['decode_tok_s']:>8.0f} {ours['engine_period_ms']:>9.2f} | "
-                  f"{ours['decode_tok_s'] / plain['tok_s']:>11.2f} | {b['prepare_s']:.2f}/"
-                  f"{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}")
+    print(f"{'batch':>5} {'ours mode':>9} {'rounds':>6} | {'mlx-lm ms/step':>14} {'tok/s':>7} | "
+          f"{'ours ms/step':>12} {'tok/s':>7} {'engine ms':>9} | {'ratio med':>9} "
+          f"{'(min-max)':>11} | breakdown ms/step (prepare/build/eval/finish)")
+    for mode in [k.removeprefix("summary_") for k in report if k.startswith("summary_")]:
+        for row in report[f"summary_{mode}"]:
+            b = row["breakdown_ms"]
+            print(f"{row['batch']:>5} {mode:>9} {row['rounds']:>6} | {row['mlx_lm_ms']:>14.2f} "
+                  f"{row['mlx_lm_tok_s']:>7.0f} | {row['ours_ms']:>12.2f} "
+                  f"{row['ours_tok_s']:>7.0f} {row['engine_period_ms']:>9.2f} | "
+                  f"{row['ratio_median']:>9.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
+                  f"{b['prepare_s']:.2f}/{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}")
+    for key, when in (("mlx_lm_alone", "before"), ("mlx_lm_alone_after", "after")):
+        if report.get(key):
+            print(f"plain mlx-lm with no engine alive ({when} the engines), ms/step: "
+                  + ", ".join(f"B={p['batch']}: {p['ms_per_step']:.2f}" for p in report[key]))
     print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
 
 
@@ -441,6 +581,8 @@ if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "engine":
         engine_main(sys.argv[2], sys.argv[3])
+    elif cmd == "mlx_lm":
+        mlx_lm_main(sys.argv[2], sys.argv[3], [int(b) for b in sys.argv[4:]])
     elif cmd == "expected":
         expected_main(sys.argv[2])
     elif cmd == "device":

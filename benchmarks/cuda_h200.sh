@@ -54,10 +54,9 @@ pack() {
   local plat="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp"
   for p in 35 34 31 28 27 26 24 17; do plat="$plat --platform manylinux_2_${p}_x86_64"; done
   plat="$plat --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
-  # shellcheck disable=SC2086
-  "$py" -m pip download -q $plat -d "$dl" $MAIN_WHEELS $DEP_WHEELS
-
-  if [ ! -f "$DEST/part2/py.tar.xz" ]; then  # the wheels' repack is slow: done once
+  if [ ! -f "$DEST/part2/py.tar.xz" ]; then  # download and slow repack: done once
+    # shellcheck disable=SC2086
+    "$py" -m pip download -q $plat -d "$dl" $MAIN_WHEELS $DEP_WHEELS
     rm -rf "$stage" && mkdir -p "$stage/mlx" "$stage/py"
     (cd "$stage/mlx" && for w in "$dl"/mlx-0.32.4-*.whl "$dl"/mlx_cuda_13-*.whl; do
        unzip -qo "$w"; done)

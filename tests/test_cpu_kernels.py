@@ -113,15 +113,18 @@ def test_paged_decode_rejects_bad_input():
     tables = mx.array([[0, 1], [2, 3]], dtype=mx.int32)
     lens = mx.array([3, 4], dtype=mx.int32)
     with pytest.raises(ValueError, match="H % Hkv"):
-        native.paged_decode(mx.zeros((2, 3, 8)), pool, tables, lens, lens * 0, 1.0, 8)
+        native.paged_decode(mx.zeros((2, 3, 8)), pool, tables, lens, 1.0, 8)
     with pytest.raises(TypeError, match="int32"):
-        native.paged_decode(q, pool, tables.astype(mx.int64), lens, lens * 0, 1.0, 8)
+        native.paged_decode(q, pool, tables.astype(mx.int64), lens, 1.0, 8)
     with pytest.raises(ValueError, match="whole blocks"):
-        native.paged_decode(q, pool, tables, lens, lens * 0, 1.0, 5)
+        native.paged_decode(q, pool, tables, lens, 1.0, 5)
+    with pytest.raises(ValueError, match="window"):
+        native.paged_decode(q, pool, tables, lens, 1.0, 8, -1)
     outside = mx.array([[0, 1], [2, 9]], dtype=mx.int32)  # block 9 of a 4-block pool
     with pytest.raises(RuntimeError, match="outside a pool"):
-        mx.eval(native.paged_decode(q, pool, outside, mx.array([3, 12], mx.int32),
-                                    lens * 0, 1.0, 8))
+        mx.eval(native.paged_decode(q, pool, outside, mx.array([3, 12], mx.int32), 1.0, 8))
+    with pytest.raises(RuntimeError, match="do not fit a block table"):
+        mx.eval(native.paged_decode(q, pool, tables, mx.array([3, 17], mx.int32), 1.0, 8))
 
 
 class _Spy:

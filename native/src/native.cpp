@@ -17,7 +17,7 @@
 //       paged attention's key/value read; MLX's generic gather is several times slower here).
 //   silu_mul(gate, up, *, stream=None) -> mx.array
 //       fp32 silu(gate) * up, vectorized (MLX 0.32.4's CPU sigmoid is scalar).
-//   paged_decode(q, kv_pool, tables, lens, firsts, scale, block_size, *, stream=None)
+//   paged_decode(q, kv_pool, tables, lens, scale, block_size, window=0, *, stream=None)
 //       Decode attention read from the paged pool through block tables (no gather).
 //   linear(x, w, *, stream=None) -> mx.array
 //       fp32 x @ w.T reading each weight row once, threaded (decode-sized batches).
@@ -529,8 +529,8 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream
 // paged_decode
 
 // Decode attention read straight from the paged K|V pool: for each sequence b and query head h,
-// out[b, h] = softmax(scale * q[b, h] . K_j) . V_j over the keys j in [firsts[b], lens[b]), key j
-// at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
+// out[b, h] = softmax(scale * q[b, h] . K_j) . V_j over the keys j in [first, lens[b]), first =
+// max(lens[b] - window, 0) with a sliding window (0: none), key j at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
 // scores of one (sequence, KV head) are computed for all the head's queries at once, so each
 // key and value row is read once; softmax in fp32 with the maximum subtracted (the reference's
 // function: attention/paged.py gathers the same rows and runs MLX's SDPA).
@@ -540,9 +540,9 @@ struct PagedDecodeArgs {
   const T* kv;       // [slots, Hkv, 2 * D]
   const int32_t* tables;  // [B, max_blocks]
   const int32_t* lens;    // [B]
-  const int32_t* firsts;  // [B]
   T* out;            // [B, H, D]
   int64_t batch, heads, kv_heads, dim, max_blocks, block_size, slots;
+  int64_t window;  // keys visible to the query, 0: all
   float scale;
 };
 
@@ -555,11 +555,11 @@ void paged_decode_impl(const PagedDecodeArgs<T>& a) {
   std::vector<const float*> keys, values;
   for (int64_t b = 0; b < a.batch; ++b) {
     const int64_t len = a.lens[b];
-    const int64_t first = a.firsts[b];
-    if (len < 1 || len > a.max_blocks * a.block_size || first < 0 || first >= len) {
+    const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+    if (len < 1 || len > a.max_blocks * a.block_size) {
       throw std::out_of_range(
-          "[paged_decode] sequence " + std::to_string(b) + ": keys [" + std::to_string(first) +
-          ", " + std::to_string(len) + ") do not fit a block table of " +
+          "[paged_decode] sequence " + std::to_string(b) + ": " + std::to_string(len) +
+          " keys do not fit a block table of " +
           std::to_string(a.max_blocks) + " blocks of " + std::to_string(a.block_size));
     }
     const int64_t n = len - first;
@@ -608,8 +608,8 @@ void paged_decode_impl(const PagedDecodeArgs<T>& a) {
 
 class PagedDecode : public mx::Primitive {
  public:
-  PagedDecode(mx::Stream s, float scale, int64_t block_size)
-      : mx::Primitive(s), scale_(scale), block_size_(block_size) {}
+  PagedDecode(mx::Stream s, float scale, int64_t block_size, int64_t window)
+      : mx::Primitive(s), scale_(scale), block_size_(block_size), window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
@@ -659,20 +659,21 @@ class PagedDecode : public mx::Primitive {
       mx::cpu::CommandEncoder& enc, const std::vector<mx::array>& in, mx::array& out) {
     PagedDecodeArgs<T> a{
         in[0].data<T>(), in[1].data<T>(), in[2].data<int32_t>(), in[3].data<int32_t>(),
-        in[4].data<int32_t>(), out.data<T>(), in[0].shape(0), in[0].shape(1), in[1].shape(1),
-        in[0].shape(2), in[2].shape(1), block_size_, in[1].shape(0), scale_};
+        out.data<T>(), in[0].shape(0), in[0].shape(1), in[1].shape(1), in[0].shape(2),
+        in[2].shape(1), block_size_, in[1].shape(0), window_, scale_};
     enc.dispatch([a]() { paged_decode_impl<T>(a); });
   }
 
   float scale_;
   int64_t block_size_;
+  int64_t window_;
 };
 
 // out = paged_decode(q [B, H, D], kv_pool [slots, Hkv, 2D], tables int32 [B, MB],
-//                    lens int32 [B], firsts int32 [B], scale, block_size) -> [B, H, D]
+//                    lens int32 [B], scale, block_size, window) -> [B, H, D]
 mx::array paged_decode(
     const mx::array& q, const mx::array& kv_pool, const mx::array& tables, const mx::array& lens,
-    const mx::array& firsts, float scale, int64_t block_size, nb::handle stream) {
+    float scale, int64_t block_size, int64_t window, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream);
   if (q.ndim() != 3 || kv_pool.ndim() != 3 || kv_pool.shape(2) != 2 * q.shape(2) ||
       q.shape(1) % kv_pool.shape(1) != 0) {
@@ -684,15 +685,17 @@ mx::array paged_decode(
   if (q.dtype() != kv_pool.dtype()) {
     raise_py(PyExc_TypeError, "paged_decode: q and kv_pool must have one dtype");
   }
-  if (tables.dtype() != mx::int32 || lens.dtype() != mx::int32 || firsts.dtype() != mx::int32) {
-    raise_py(PyExc_TypeError, "paged_decode: tables, lens and firsts must be int32");
+  if (tables.dtype() != mx::int32 || lens.dtype() != mx::int32) {
+    raise_py(PyExc_TypeError, "paged_decode: tables and lens must be int32");
   }
-  if (tables.ndim() != 2 || tables.shape(0) != q.shape(0) || lens.shape() != mx::Shape{q.shape(0)} ||
-      firsts.shape() != mx::Shape{q.shape(0)}) {
+  if (tables.ndim() != 2 || tables.shape(0) != q.shape(0) || lens.shape() != mx::Shape{q.shape(0)}) {
     raise_py(
         PyExc_ValueError,
-        "paged_decode: tables must be [B, max_blocks] and lens, firsts [B] for B = " +
+        "paged_decode: tables must be [B, max_blocks] and lens [B] for B = " +
             std::to_string(q.shape(0)));
+  }
+  if (window < 0) {
+    raise_py(PyExc_ValueError, "paged_decode: window must be >= 0 (0: no window)");
   }
   if (block_size < 1 || kv_pool.shape(0) % block_size != 0) {
     raise_py(PyExc_ValueError, "paged_decode: the pool's slots are not whole blocks");
@@ -702,9 +705,9 @@ mx::array paged_decode(
     raise_py(PyExc_ValueError, "paged_decode: kv_pool must be row-contiguous");
   }
   return mx::array(
-      q.shape(), q.dtype(), std::make_shared<PagedDecode>(s, scale, block_size),
+      q.shape(), q.dtype(), std::make_shared<PagedDecode>(s, scale, block_size, window),
       {mx::contiguous(q, false, s), kv_pool, mx::contiguous(tables, false, s),
-       mx::contiguous(lens, false, s), mx::contiguous(firsts, false, s)});
+       mx::contiguous(lens, false, s)});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -893,7 +896,7 @@ NB_MODULE(_native, m) {
         nb::arg("stream") = nb::none(),
         "Lazy fp32 silu(gate) * up (mlx-lm's SwiGLU), vectorized; CPU streams only.");
   m.def("paged_decode", &paged_decode, nb::arg("q"), nb::arg("kv_pool"), nb::arg("tables"),
-        nb::arg("lens"), nb::arg("firsts"), nb::arg("scale"), nb::arg("block_size"),
+        nb::arg("lens"), nb::arg("scale"), nb::arg("block_size"), nb::arg("window") = 0,
         nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy decode attention read from a paged K|V pool [slots, Hkv, 2D] through block "
         "tables; q [B, H, D] -> [B, H, D]; CPU streams only.");

@@ -53,7 +53,7 @@ def paged_decode_attention(
     if native is None:
         raise RuntimeError("the native CPU decode kernel is unavailable (see bridge.native_error)")
     bd, heads, _, dim = queries.shape
-    tables, lens, firsts = meta.decode_kernel_inputs(window)
-    out = native.paged_decode(queries.reshape(bd, heads, dim), kv_pool, tables, lens, firsts,
-                              scale, meta.block_size)
+    tables, lens = meta.decode_tables_lens()
+    out = native.paged_decode(queries.reshape(bd, heads, dim), kv_pool, tables, lens, scale,
+                              meta.block_size, window or 0)
     return out.reshape(bd, heads, 1, dim)

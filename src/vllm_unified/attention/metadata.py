@@ -99,6 +99,13 @@ class AttentionMetadata:
         output_order: int32 ``[T]``: rows of the concatenated per-group outputs (decode batch
             first, then the prefill chunks) in token order; ``None`` when concatenation already
             is token order.
+        decode_tables, decode_lens: the decode rows' block tables (int32 ``[Bd, max_blocks]``)
+            and context lengths (int32 ``[Bd]``) as MLX arrays, for kernels that read the pool
+            through the block tables; made on first use (:meth:`decode_tables_lens`), or given
+            as the traced inputs of a compiled step (whose numpy fields are then None).
+        host_positions, host_slot_mapping: int32 numpy ``[T]``, the host copies of
+            ``positions`` and ``slot_mapping`` (a compiled step packs them with its other
+            per-step inputs into one array).
     """
 
     num_tokens: int
@@ -107,15 +114,16 @@ class AttentionMetadata:
     block_size: int
     query_start_loc: np.ndarray
     decode_rows: slice | mx.array | None
-    decode_seq_lens: np.ndarray
-    decode_block_tables: np.ndarray
+    decode_seq_lens: np.ndarray | None
+    decode_block_tables: np.ndarray | None
     prefills: tuple[PrefillChunk, ...]
     output_order: mx.array | None
+    decode_tables: mx.array | None = None
+    decode_lens: mx.array | None = None
+    host_positions: np.ndarray | None = field(default=None, repr=False)
+    host_slot_mapping: np.ndarray | None = field(default=None, repr=False)
     _decode_views: dict[tuple[Window, int], DecodeKeys] = field(default_factory=dict, repr=False)
     _prefill_views: dict[tuple[int, Window, int], PrefillKeys] = field(
-        default_factory=dict, repr=False
-    )
-    _decode_kernel_inputs: dict[Window, tuple[mx.array, mx.array, mx.array]] = field(
         default_factory=dict, repr=False
     )
 
@@ -127,6 +135,9 @@ class AttentionMetadata:
         """
         if self.decode_rows is None:
             raise ValueError("this step has no decode sequences")
+        if self.decode_seq_lens is None:
+            raise ValueError("decode key rows need the host-side block tables, which a "
+                             "compiled step does not have")
         key = (window, kv_heads)
         view = self._decode_views.get(key)
         if view is None:
@@ -136,23 +147,16 @@ class AttentionMetadata:
             self._decode_views[key] = view
         return view
 
-    def decode_kernel_inputs(self, window: Window) -> tuple[mx.array, mx.array, mx.array]:
-        """The decode batch as decode kernels read it: int32 block tables ``[Bd, max_blocks]``,
-        context lengths ``[Bd]`` and first visible key positions ``[Bd]`` (0 without a
-        window). Made once per (step, window) and shared by all layers.
-
-        Raises ValueError if there are no decode sequences.
-        """
+    def decode_tables_lens(self) -> tuple[mx.array, mx.array]:
+        """``(decode_tables, decode_lens)`` as MLX arrays, made once per step (all layers
+        share them). Raises ValueError if there are no decode sequences."""
         if self.decode_rows is None:
             raise ValueError("this step has no decode sequences")
-        inputs = self._decode_kernel_inputs.get(window)
-        if inputs is None:
-            lens = self.decode_seq_lens.astype(np.int64)
-            inputs = (mx.array(np.ascontiguousarray(self.decode_block_tables, np.int32)),
-                      mx.array(lens.astype(np.int32)),
-                      mx.array(_first_visible(lens, window).astype(np.int32)))
-            self._decode_kernel_inputs[window] = inputs
-        return inputs
+        if self.decode_tables is None:
+            self.decode_tables = mx.array(np.ascontiguousarray(self.decode_block_tables,
+                                                               np.int32))
+            self.decode_lens = mx.array(self.decode_seq_lens.astype(np.int32))
+        return self.decode_tables, self.decode_lens
 
     def prefill_view(self, index: int, window: Window, kv_heads: int) -> PrefillKeys:
         """Keys of prefill chunk ``index`` for a layer with this sliding window (cached)."""
@@ -203,7 +207,8 @@ def build_attention_metadata(
     seq_of_row = np.repeat(np.arange(len(qlens)), qlens)
     positions = np.arange(num_tokens) - starts[:-1][seq_of_row] + (slens - qlens)[seq_of_row]
     blocks = tables[seq_of_row, positions // block_size].astype(np.int64)
-    slots = blocks * block_size + positions % block_size
+    slots = (blocks * block_size + positions % block_size).astype(np.int32)
+    positions = positions.astype(np.int32)
 
     decode = np.flatnonzero(qlens == 1)
     decode_rows = starts[decode]
@@ -213,8 +218,10 @@ def build_attention_metadata(
     )
     return AttentionMetadata(
         num_tokens=num_tokens,
-        positions=mx.array(positions.astype(np.int32)),
-        slot_mapping=mx.array(slots.astype(np.int32)),
+        positions=mx.array(positions),
+        slot_mapping=mx.array(slots),
+        host_positions=positions,
+        host_slot_mapping=slots,
         block_size=block_size,
         query_start_loc=starts.astype(np.int32),
         decode_rows=_as_rows(decode_rows),

@@ -151,9 +151,11 @@ def paged_attention_kv(
     decode_out = None
     decode_kernel = _decode_kernel(head_dim) if accelerate else None
     if meta.decode_rows is not None and decode_kernel is not None:
-        decode_out = decode_kernel(queries[meta.decode_rows], kv_pool, meta, scale, window)
         if not meta.prefills and meta.output_order is None:
-            return decode_out  # a pure decode step: no row views needed (graph ops cost time)
+            # A pure decode step: every row is a decode row, so no row views (graph ops cost
+            # host time per layer and step).
+            return decode_kernel(queries, kv_pool, meta, scale, window)
+        decode_out = decode_kernel(queries[meta.decode_rows], kv_pool, meta, scale, window)
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
 
     def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
@@ -166,6 +168,14 @@ def paged_attention_kv(
         return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
 
     return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, decode_out)
+
+
+def cuda_decode_routed(head_dim: int) -> bool:
+    """Whether decode rows of this head size go to the CUDA decode kernel (see
+    :func:`_decode_kernel`)."""
+    from vllm_unified.attention import cuda_decode
+
+    return _decode_kernel(head_dim) is cuda_decode.paged_decode_attention
 
 
 @functools.cache

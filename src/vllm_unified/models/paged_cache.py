@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 import numpy as np
 
+from vllm_unified.attention.gpu_write import write_kv_cuda
 from vllm_unified.attention.metadata import AttentionMetadata
 from vllm_unified.attention.paged import paged_attention_kv
 
@@ -154,20 +155,19 @@ class KVPool:
     def write(self, layer: int, slot_mapping: mx.array, keys: mx.array, values: mx.array) -> None:
         """Write ``keys``/``values`` (``[T, Hkv, D]`` or ``[T, Hkv, 1, D]``) at ``slot_mapping``
         ``[T]`` into layer ``layer``, in place (lazily; evaluated with the step)."""
+        dst = self.kv[layer]
+        if keys.dtype != dst.dtype:
+            keys, values = keys.astype(dst.dtype), values.astype(dst.dtype)
+        if self.cuda_write:  # K and V side by side by the kernel itself: no concatenation
+            self.kv[layer] = write_kv_cuda(dst, slot_mapping, keys, values)
+            return
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
-        dst = self.kv[layer]
         rows = mx.concatenate([keys, values], axis=-1)
-        if rows.dtype != dst.dtype:
-            rows = rows.astype(dst.dtype)
         if self.shared:
             from vllm_unified.bridge import write_rows
 
             self.kv[layer] = write_rows(dst, slot_mapping, rows)
-        elif self.cuda_write:
-            from vllm_unified.attention.gpu_write import write_rows_cuda
-
-            self.kv[layer] = write_rows_cuda(dst, slot_mapping, rows)
         else:
             dst[slot_mapping] = rows  # rebinds self.kv[layer]: MLX donates the buffer
 

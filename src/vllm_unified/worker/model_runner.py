@@ -28,6 +28,7 @@ from vllm_unified.attention.block_translation import (
     select_kernel_block_size,
 )
 from vllm_unified.attention.metadata import AttentionMetadata, build_attention_metadata
+from vllm_unified.attention.paged import cuda_decode_routed
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -53,6 +54,12 @@ from vllm_unified.models.state_cache import build_state_metadata
 from vllm_unified.offload.runner import KVConnectorHooks
 from vllm_unified.platform import KERNEL_BLOCK_SIZES
 from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
+from vllm_unified.worker.compiled_decode import (
+    COMPILE_DECODE_ENV,
+    CompiledDecode,
+    compile_decode_enabled,
+    is_pure_decode,
+)
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch, split_groups
 from vllm_unified.worker.sampler import SamplingRow, sample
 from vllm_unified.worker.step_profile import StepProfile, StepTimer
@@ -152,6 +159,7 @@ class MLXModelRunner:
         self.pool: KVPool | None = None
         self.pool_zeroed = False
         self.layer_caches: list[PagedLayerCache] = []
+        self.compiled_decode: CompiledDecode | None = None
         self.batch = InputBatch()
         self.stats = RunnerStats()
         self.profile = StepProfile()
@@ -273,6 +281,7 @@ class MLXModelRunner:
         self.kernel_block_size = select_kernel_block_size(spec.block_size, KERNEL_BLOCK_SIZES)
         self.pool = self._allocate_pool(kv_cache_config, spec, expected, attn_group)
         self.layer_caches = self.layers.layer_caches(self.pool, self.state_store)
+        self.compiled_decode = self._compiled_decode()
         self._register_kv_connector(kv_cache_config, spec.block_size, expected)
         logger.info(
             "vllm-unified: KV pool %d blocks x %d tokens (read as %d-token kernel blocks)%s, "
@@ -286,6 +295,18 @@ class MLXModelRunner:
             "vLLM layout in torch memory, shared with MLX; uninitialised, committed as blocks "
             "are written" if self.pool.shared else "MLX-owned",
         )
+
+    def _compiled_decode(self) -> CompiledDecode | None:
+        """The compiled pure-decode forward where it applies: the in-place CUDA KV write, the
+        CUDA decode kernel, no recurrent layers, not turned off by its variable."""
+        head_dim = self.model_config.get_head_size()
+        if not (self.pool.cuda_write and cuda_decode_routed(head_dim)
+                and not self.layers.is_hybrid and compile_decode_enabled()):
+            return None
+        logger.info("vllm-unified: pure-decode steps run as one compiled MLX graph "
+                    "(mx.compile, one trace per batch size; %s=0 turns it off)",
+                    COMPILE_DECODE_ENV)
+        return CompiledDecode(self.model, self.pool, self.layer_caches, forward)
 
     def _register_kv_connector(self, kv_cache_config: KVCacheConfig, block_size: int,
                                names: list[str]) -> None:
@@ -467,8 +488,11 @@ class MLXModelRunner:
         self._set_step_meta(step.query_lens, step.seq_lens, step.block_table, states)
         self._timer.mark("prepare")
         try:
-            input_ids = feed_pending(mx.array(step.input_ids), step.pending_rows)
-            logits = self.forward(input_ids, rows)
+            if self.compiled_decode is not None and is_pure_decode(self.pool.meta):
+                logits = self.compiled_decode(step.input_ids, step.pending_rows, rows)
+            else:
+                input_ids = feed_pending(mx.array(step.input_ids), step.pending_rows)
+                logits = self.forward(input_ids, rows)
             mlx_rows = [self._sampling_row(step.req_ids[i]) for i in mlx_idx]
             tokens = None
             if mlx_rows:
@@ -704,14 +728,17 @@ def forward(
         layer_caches: one :class:`PagedLayerCache` per layer; their pool's ``meta`` must hold the
             step's attention metadata.
         input_ids: ``[T]`` int32 token ids, one row per scheduled token.
-        rows: ``[R]`` int32 rows whose logits are needed: the rows that sample, plus prompt rows
-            only for requests that asked for prompt logprobs.
+        rows: ``[R]`` int32 rows whose logits are needed (numpy, or an MLX array): the rows
+            that sample, plus prompt rows only for requests that asked for prompt logprobs.
 
     Returns:
         ``[R, V]`` logits in the model dtype (the LM head runs on those rows only).
     """
     hidden = model.model(input_ids[:, None], cache=layer_caches)  # [T, 1, D]
-    hidden = hidden[mx.array(rows), 0, :] if rows.size else hidden[:0, 0, :]
+    if rows.size:
+        hidden = hidden[rows if isinstance(rows, mx.array) else mx.array(rows), 0, :]
+    else:
+        hidden = hidden[:0, 0, :]
     return _lm_head(model, hidden)
 
 

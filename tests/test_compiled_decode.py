@@ -1,0 +1,169 @@
+"""The compiled pure-decode forward (worker/compiled_decode.py) gives the plain forward's logits.
+
+The CUDA kernels it is built for (in-place KV write, paged decode attention) do not exist on
+MLX's CPU backend, so here they are stood in for by pure-MLX functions with the same interface
+and the same inputs (the decode kernel's stand-in reads the pool only through the device-side
+block tables and lengths, as the kernel does). The stand-ins are first checked against the
+reference paged attention, then the compiled forward against the plain one over several decode
+steps of changing positions, slots, lengths, batch sizes and token sources (tokens fed from
+earlier steps on the device, as under async scheduling): a value captured as a constant while
+tracing would make a later step differ.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import qwen3
+
+from vllm_unified.attention import cuda_decode, paged
+from vllm_unified.attention.metadata import build_attention_metadata
+from vllm_unified.models import paged_cache
+from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
+from vllm_unified.worker.async_output import feed_pending
+from vllm_unified.worker.compiled_decode import CompiledDecode, is_pure_decode, padded_tables
+from vllm_unified.worker.model_runner import forward
+
+BS, LAYERS, KV_HEADS, DIM, BLOCKS = 8, 3, 2, 32, 40
+
+
+def _write_stand_in(pool, slots, keys, values):
+    """Functional stand-in of gpu_write.write_kv_cuda (a scatter of the K|V cells)."""
+    cells = mx.concatenate([keys.reshape(keys.shape[0], KV_HEADS, DIM),
+                            values.reshape(values.shape[0], KV_HEADS, DIM)], axis=-1)
+    out = mx.array(pool)
+    out[slots] = cells
+    return out
+
+
+def _decode_stand_in(queries, kv_pool, meta, scale, window):
+    """cuda_decode.paged_decode_attention's function from the device-side tables and lengths
+    only (every key slot of the table, masked by length and window)."""
+    tables, lens = meta.decode_tables_lens()
+    pos = mx.arange(tables.shape[1] * meta.block_size)
+    slots = tables[:, pos // meta.block_size] * meta.block_size + pos % meta.block_size
+    cells = kv_pool[slots].transpose(0, 2, 1, 3)  # [T, Hkv, S, 2D]
+    mask = pos[None] < lens[:, None]
+    if window is not None:
+        mask = mask & (pos[None] >= lens[:, None] - window)
+    return mx.fast.scaled_dot_product_attention(
+        queries, cells[..., :DIM], cells[..., DIM:], scale=scale, mask=mask[:, None, None, :])
+
+
+@pytest.fixture
+def model():
+    mx.random.seed(0)
+    args = qwen3.ModelArgs.from_dict(dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=DIM, vocab_size=300,
+        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=True))
+    m = qwen3.Model(args)
+    mx.eval(m.parameters())
+    install_paged_attention(m)
+    return m
+
+
+def _filled_pool(seed: int) -> KVPool:
+    pool = KVPool.allocate_mlx(LAYERS, BLOCKS, BS, KV_HEADS, DIM, mx.float32)
+    rng = np.random.default_rng(seed)
+    pool.kv = [mx.array(rng.standard_normal(a.shape).astype(np.float32)) for a in pool.kv]
+    return pool
+
+
+def _steps():
+    """(seq_lens after the step, block tables) of consecutive decode steps: the batch grows,
+    shrinks and comes back, contexts cross block boundaries."""
+    tables = np.array([[1, 2, 3, 4, 0], [5, 6, 7, 0, 0], [8, 9, 10, 11, 12]], np.int32)
+    lens = np.array([7, 15, 30])
+    out = []
+    for step in range(6):
+        n = 2 if step in (2, 3) else 3
+        # From step 3 on the runner's tables are a column wider (a longer context somewhere).
+        wide = np.pad(tables, ((0, 0), (0, 1))) if step >= 3 else tables
+        out.append((lens[:n] + step, wide[:n]))
+    return out
+
+
+def _run(model, pool, steps, compiled: CompiledDecode | None):
+    """Decode steps fed as under async scheduling: after the first step (all tokens known on
+    the host), most rows take an earlier step's sampled token from the device (from the
+    previous step's; in step 4, from two different steps), one row a token known on the
+    host."""
+    caches = [PagedLayerCache(pool, i) for i in range(LAYERS)]
+    logits = []
+    rng = np.random.default_rng(7)
+    history = [mx.array(rng.integers(0, 300, 3).astype(np.int32))]
+    for k, (seq_lens, tables) in enumerate(steps):
+        n = len(seq_lens)
+        pool.meta = build_attention_metadata([1] * n, seq_lens, tables, BS)
+        assert is_pure_decode(pool.meta)
+        host_ids = rng.integers(0, 300, n).astype(np.int32)
+        pending = [(r, (history[-1], (r + k) % history[-1].size)) for r in range(n) if r != 1]
+        if k == 0:
+            pending = []  # every token known on the host
+        if k == 4:
+            pending[0] = (0, (history[-3], 1))
+        host_ids[[r for r, _ in pending]] = 0  # placeholders, as InputBatch.layout leaves them
+        rows = np.arange(n, dtype=np.int32)[::-1].copy()  # any row order
+        if compiled is not None:
+            out = compiled(host_ids, pending, rows)
+        else:
+            out = forward(model, caches, feed_pending(mx.array(host_ids), pending), rows)
+        history.append(mx.argmax(out, axis=-1).astype(mx.int32))
+        mx.eval(out, history[-1], pool.arrays())
+        pool.meta = None
+        logits.append(np.array(out))
+    return logits
+
+
+def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
+    steps = _steps()
+    monkeypatch.setattr(paged, "_decode_kernel", lambda d: None)  # not the CPU decode kernel
+    want = _run(model, _filled_pool(1), steps, None)  # the reference route (gather + SDPA)
+
+    monkeypatch.setattr(paged_cache, "write_kv_cuda", _write_stand_in)
+    monkeypatch.setattr(cuda_decode, "paged_decode_attention", _decode_stand_in)
+    monkeypatch.setattr(paged, "_decode_kernel", lambda d: cuda_decode.paged_decode_attention)
+    plain_pool = _filled_pool(1)
+    plain_pool.cuda_write = True
+    plain = _run(model, plain_pool, steps, None)
+    for a, b in zip(want, plain, strict=True):  # the stand-ins compute the reference's values
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+    pool = _filled_pool(1)
+    pool.cuda_write = True
+    compiled = CompiledDecode(model, pool, [PagedLayerCache(pool, i) for i in range(LAYERS)],
+                              forward)
+    got = _run(model, pool, steps, compiled)
+    for a, b in zip(plain, got, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    # One trace per batch size, replayed otherwise: the token source (host, an earlier step's
+    # tokens of any count, ids assembled from two steps) and the tables' width (5 or 6
+    # columns, both padded to 8) do not change the compiled graph's inputs.
+    assert compiled.traces == [3, 2]
+    for a, b in zip(plain_pool.kv, pool.kv, strict=True):  # the same K/V were written
+        np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_decode_refuses_the_host_table_route(model, monkeypatch):
+    """Inside a trace the gather reference would capture this step's key rows as constants:
+    it raises instead."""
+    monkeypatch.setattr(paged, "_decode_kernel", lambda d: None)  # the gather, not a kernel
+    pool = _filled_pool(2)
+    compiled = CompiledDecode(model, pool, [PagedLayerCache(pool, i) for i in range(LAYERS)],
+                              forward)
+    seq_lens, tables = _steps()[0]
+    pool.meta = build_attention_metadata([1] * 3, seq_lens, tables, BS)
+    with pytest.raises(ValueError, match="compiled step"):
+        compiled(np.array([1, 2, 3], np.int32), [], np.arange(3, dtype=np.int32))
+
+
+def test_tables_padded_to_a_power_of_two_columns():
+    tables = np.arange(1, 16, dtype=np.int32).reshape(3, 5)
+    out = padded_tables(tables)
+    assert out.shape == (3, 8) and out.dtype == np.int32
+    assert np.array_equal(out[:, :5], tables) and not out[:, 5:].any()
+    assert [padded_tables(np.ones((2, c), np.int32)).shape[1] for c in (1, 2, 3, 8, 9, 33)] == \
+        [1, 2, 4, 8, 16, 64]
