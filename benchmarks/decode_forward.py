@@ -8,8 +8,8 @@ interleaved rounds so that machine noise hits both alike:
 * **ours**: :func:`vllm_unified.worker.model_runner.forward` over the paged KV pool (vLLM's
   layout in a torch buffer shared with MLX, written by ``write_rows``) for B sequences of 192
   tokens whose blocks are scattered over the pool, with the runner's CPU kernels: native
-  linears for decode-sized inputs, native SwiGLU, decode attention read from the pool by the
-  native ``paged_decode`` primitive;
+  linears for decode-sized inputs, native SwiGLU, attention read from the pool by the native
+  ``paged_attention`` primitive;
 * **ours-reference**: the same with the pure-MLX paths (``accelerate=False``: gather + MLX's
   SDPA, MLX's matmul, mlx-lm's SwiGLU), to show what the native kernels save.
 

@@ -120,7 +120,7 @@ def _run(model, pool, steps, compiled: CompiledDecode | None):
 
 def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     steps = _steps()
-    monkeypatch.setattr(paged, "_decode_kernel", lambda d: None)  # not the CPU decode kernel
+    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda: False)  # the CUDA route's shape
     want = _run(model, _filled_pool(1), steps, None)  # the reference route (gather + SDPA)
 
     monkeypatch.setattr(paged_cache, "write_kv_cuda", _write_stand_in)
@@ -150,7 +150,7 @@ def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
 def test_compiled_decode_refuses_the_host_table_route(model, monkeypatch):
     """Inside a trace the gather reference would capture this step's key rows as constants:
     it raises instead."""
-    monkeypatch.setattr(paged, "_decode_kernel", lambda d: None)  # the gather, not a kernel
+    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda: False)  # the gather, not a kernel
     pool = _filled_pool(2)
     compiled = CompiledDecode(model, pool, [PagedLayerCache(pool, i) for i in range(LAYERS)],
                               forward)

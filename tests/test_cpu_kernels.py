@@ -72,22 +72,24 @@ def test_linear_rejects_bad_input():
         mx.eval(native.linear(mx.zeros((2, 4)), mx.zeros((4, 3)).T))
 
 
-def _decode_case(rng, batch, heads, kv_heads, dim, block_size, dtype, max_len=150):
-    lens = rng.integers(1, max_len, batch).astype(np.int32)
+def _step_case(rng, query_lens, heads, kv_heads, dim, block_size, dtype, max_len=150):
+    """A step of sequences with ``query_lens`` new tokens each (1: decode, more: a prefill
+    chunk with a prefix) over a NaN-filled pool where only the sequences' slots are written:
+    a read outside a row's visible keys would put NaN into the output."""
+    batch = len(query_lens)
+    lens = np.array([rng.integers(q, max_len) for q in query_lens], np.int32)
     per_seq = -(-max_len // block_size)
     num_blocks = batch * per_seq + 3
     tables = rng.permutation(np.arange(1, num_blocks))[: batch * per_seq]
     tables = tables.reshape(batch, per_seq).astype(np.int32)
-    # NaN everywhere, then only the slots the sequences own are written: a read outside
-    # [first, len) would put NaN into the output.
     pool = np.full((num_blocks * block_size, kv_heads, 2 * dim), np.nan, np.float32)
     for b in range(batch):
         pos = np.arange(lens[b])
         slots = tables[b, pos // block_size] * block_size + pos % block_size
         pool[slots] = rng.standard_normal((lens[b], kv_heads, 2 * dim))
-    meta = build_attention_metadata([1] * batch, lens.tolist(), tables, block_size)
-    q = mx.array(rng.standard_normal((batch, heads, 1, dim)).astype(np.float32)).astype(dtype)
-    return q, mx.array(pool).astype(dtype), meta
+    meta = build_attention_metadata(query_lens, lens.tolist(), tables, block_size)
+    q = mx.array(rng.standard_normal((sum(query_lens), heads, 1, dim)).astype(np.float32))
+    return q.astype(dtype), mx.array(pool).astype(dtype), meta
 
 
 @pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.float16, 4e-3),
@@ -95,36 +97,47 @@ def _decode_case(rng, batch, heads, kv_heads, dim, block_size, dtype, max_len=15
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size",
                          [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 80, 32)])
 @pytest.mark.parametrize("window", [None, 7])
-def test_paged_decode_equals_reference(dtype, tol, heads, kv_heads, dim, block_size, window):
-    from vllm_unified.attention.cpu_decode import paged_decode_attention
+@pytest.mark.parametrize("query_lens", [[1] * 6, [1, 9, 1, 1, 30], [17, 1]],
+                         ids=["decode", "mixed", "prefill-first"])
+def test_paged_attention_rows_equal_reference(dtype, tol, heads, kv_heads, dim, block_size,
+                                              window, query_lens):
+    from vllm_unified.attention.cpu_paged import paged_attention_rows
 
-    rng = np.random.default_rng(heads + dim)
-    q, pool, meta = _decode_case(rng, 6, heads, kv_heads, dim, block_size, dtype)
+    rng = np.random.default_rng(heads + dim + len(query_lens))
+    q, pool, meta = _step_case(rng, query_lens, heads, kv_heads, dim, block_size, dtype)
     want = paged.paged_attention_kv(q, pool, meta, 0.125, window, accelerate=False)
-    got = paged_decode_attention(q, pool, meta, 0.125, window)
+    got = paged_attention_rows(q, pool, meta, 0.125, window)
     assert got.shape == want.shape and got.dtype == dtype
     assert not np.isnan(np.array(got.astype(mx.float32))).any()
     assert _rel_err(got, want) < tol
 
 
-def test_paged_decode_rejects_bad_input():
+def test_paged_attention_rejects_bad_input():
     q = mx.zeros((2, 4, 8))
     pool = mx.zeros((32, 2, 16))
     tables = mx.array([[0, 1], [2, 3]], dtype=mx.int32)
+    seqs = mx.array([0, 1], dtype=mx.int32)
     lens = mx.array([3, 4], dtype=mx.int32)
     with pytest.raises(ValueError, match="H % Hkv"):
-        native.paged_decode(mx.zeros((2, 3, 8)), pool, tables, lens, 1.0, 8)
+        native.paged_attention(mx.zeros((2, 3, 8)), pool, tables, seqs, lens, 1.0, 8)
     with pytest.raises(TypeError, match="int32"):
-        native.paged_decode(q, pool, tables.astype(mx.int64), lens, 1.0, 8)
+        native.paged_attention(q, pool, tables.astype(mx.int64), seqs, lens, 1.0, 8)
+    with pytest.raises(ValueError, match="seqs, lens"):
+        native.paged_attention(q, pool, tables, seqs[:1], lens, 1.0, 8)
     with pytest.raises(ValueError, match="whole blocks"):
-        native.paged_decode(q, pool, tables, lens, 1.0, 5)
+        native.paged_attention(q, pool, tables, seqs, lens, 1.0, 5)
     with pytest.raises(ValueError, match="window"):
-        native.paged_decode(q, pool, tables, lens, 1.0, 8, -1)
+        native.paged_attention(q, pool, tables, seqs, lens, 1.0, 8, -1)
     outside = mx.array([[0, 1], [2, 9]], dtype=mx.int32)  # block 9 of a 4-block pool
     with pytest.raises(RuntimeError, match="outside a pool"):
-        mx.eval(native.paged_decode(q, pool, outside, mx.array([3, 12], mx.int32), 1.0, 8))
+        mx.eval(native.paged_attention(q, pool, outside, seqs, mx.array([3, 12], mx.int32),
+                                       1.0, 8))
     with pytest.raises(RuntimeError, match="do not fit a block table"):
-        mx.eval(native.paged_decode(q, pool, tables, mx.array([3, 17], mx.int32), 1.0, 8))
+        mx.eval(native.paged_attention(q, pool, tables, seqs, mx.array([3, 17], mx.int32),
+                                       1.0, 8))
+    with pytest.raises(RuntimeError, match="outside a table"):
+        mx.eval(native.paged_attention(q, pool, tables, mx.array([0, 2], mx.int32), lens,
+                                       1.0, 8))
 
 
 class _Spy:
@@ -142,15 +155,17 @@ class _Spy:
         return call
 
 
-def test_decode_batch_takes_the_cpu_kernel(monkeypatch):
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 12, 1]])
+def test_steps_take_the_cpu_kernel(monkeypatch, query_lens):
     rng = np.random.default_rng(5)
-    q, pool, meta = _decode_case(rng, 4, 4, 2, 32, 16, mx.float32)
+    q, pool, meta = _step_case(rng, query_lens, 4, 2, 32, 16, mx.float32)
     spy = _Spy(native)
     monkeypatch.setattr(bridge, "native_kernels", lambda: spy)
     got = paged.paged_attention_kv(q, pool, meta, 0.3, None)
-    assert spy.calls.get("paged_decode") == 1
+    assert spy.calls == {"paged_attention": 1}  # one call for decode rows and chunks alike
+    spy.calls.clear()
     want = paged.paged_attention_kv(q, pool, meta, 0.3, None, accelerate=False)
-    assert spy.calls.get("paged_decode") == 1  # the reference takes no kernel
+    assert "paged_attention" not in spy.calls  # the reference takes no kernel
     assert _rel_err(got, want) < 1e-5
 
 

@@ -317,13 +317,13 @@ def test_kv_pool_layout_matches_split_pools(window, monkeypatch) -> None:
     pool = mx.array(np.concatenate([k, v], axis=-1))
     joint = paged_attention_kv(q, pool, meta, dim**-0.5, window)
     np.testing.assert_allclose(np.array(joint), np.array(split), rtol=1e-6, atol=1e-6)
-    # The CPU decode kernel (the default for decode rows) sums in its own order: equal within
-    # fp32 rounding. Without it, the native gather (the default for prefill rows on the CPU
-    # backend) and MLX's gather (the reference) read the same rows: bit-identical outputs.
+    # The CPU attention kernel (the default on the CPU backend) sums in its own order: equal
+    # within fp32 rounding. Without it, the native gather and MLX's gather (the reference)
+    # read the same rows: bit-identical outputs.
     reference = paged_attention_kv(q, pool, meta, dim**-0.5, window, accelerate=False)
     assert bridge.native_error() is None
     np.testing.assert_allclose(np.array(joint), np.array(reference), rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(paged, "_decode_kernel", lambda head_dim: None)
+    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda: False)
     gathered = paged_attention_kv(q, pool, meta, dim**-0.5, window)
     np.testing.assert_array_equal(np.array(gathered), np.array(reference))
 

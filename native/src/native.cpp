@@ -17,8 +17,9 @@
 //       paged attention's key/value read; MLX's generic gather is several times slower here).
 //   silu_mul(gate, up, *, stream=None) -> mx.array
 //       fp32 silu(gate) * up, vectorized (MLX 0.32.4's CPU sigmoid is scalar).
-//   paged_decode(q, kv_pool, tables, lens, scale, block_size, window=0, *, stream=None)
-//       Decode attention read from the paged pool through block tables (no gather).
+//   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, stream=None)
+//       Attention per query row read from the paged pool through block tables (no gather):
+//       decode rows and prefill chunks (causal) alike.
 //   linear(x, w, *, stream=None) -> mx.array
 //       fp32 x @ w.T reading each weight row once, threaded (decode-sized batches).
 //   to_torch(a) -> torch.Tensor
@@ -526,28 +527,30 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream
 }
 
 // ---------------------------------------------------------------------------------------------
-// paged_decode
+// paged_attention
 
-// Decode attention read straight from the paged K|V pool: for each sequence b and query head h,
-// out[b, h] = softmax(scale * q[b, h] . K_j) . V_j over the keys j in [first, lens[b]), first =
-// max(lens[b] - window, 0) with a sliding window (0: none), key j at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
+// Attention read straight from the paged K|V pool, one query token per row: for row r of
+// sequence b = seqs[r] and query head h, out[r, h] = softmax(scale * q[r, h] . K_j) . V_j over
+// the keys j in [first, lens[r]) (lens[r] = the row's position + 1: causal), first =
+// max(lens[r] - window, 0) with a sliding window (0: none), key j at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
 // scores of one (sequence, KV head) are computed for all the head's queries at once, so each
 // key and value row is read once; softmax in fp32 with the maximum subtracted (the reference's
 // function: attention/paged.py gathers the same rows and runs MLX's SDPA).
 template <typename T>
-struct PagedDecodeArgs {
+struct PagedAttentionArgs {
   const T* q;        // [B, H, D]
   const T* kv;       // [slots, Hkv, 2 * D]
-  const int32_t* tables;  // [B, max_blocks]
-  const int32_t* lens;    // [B]
-  T* out;            // [B, H, D]
-  int64_t batch, heads, kv_heads, dim, max_blocks, block_size, slots;
+  const int32_t* tables;  // [S, max_blocks]
+  const int32_t* seqs;    // [N]: each row's sequence (table row)
+  const int32_t* lens;    // [N]: keys visible to each row
+  T* out;            // [N, H, D]
+  int64_t batch, heads, kv_heads, dim, max_blocks, block_size, slots, num_seqs;
   int64_t window;  // keys visible to the query, 0: all
   float scale;
 };
 
 template <typename T>
-void paged_decode_impl(const PagedDecodeArgs<T>& a) {
+void paged_attention_impl(const PagedAttentionArgs<T>& a) {
   const int64_t D = a.dim;
   const int64_t R = a.heads / a.kv_heads;  // query heads per KV head
   constexpr bool is_f32 = std::is_same_v<T, float>;
@@ -555,10 +558,16 @@ void paged_decode_impl(const PagedDecodeArgs<T>& a) {
   std::vector<const float*> keys, values;
   for (int64_t b = 0; b < a.batch; ++b) {
     const int64_t len = a.lens[b];
+    const int64_t seq = a.seqs[b];
     const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+    if (seq < 0 || seq >= a.num_seqs) {
+      throw std::out_of_range(
+          "[paged_attention] row " + std::to_string(b) + ": sequence " + std::to_string(seq) +
+          " is outside a table of " + std::to_string(a.num_seqs) + " rows");
+    }
     if (len < 1 || len > a.max_blocks * a.block_size) {
       throw std::out_of_range(
-          "[paged_decode] sequence " + std::to_string(b) + ": " + std::to_string(len) +
+          "[paged_attention] row " + std::to_string(b) + ": " + std::to_string(len) +
           " keys do not fit a block table of " +
           std::to_string(a.max_blocks) + " blocks of " + std::to_string(a.block_size));
     }
@@ -569,14 +578,14 @@ void paged_decode_impl(const PagedDecodeArgs<T>& a) {
     if constexpr (!is_f32) {
       rows.resize(n * 2 * D);
     }
-    const int32_t* table = a.tables + b * a.max_blocks;
+    const int32_t* table = a.tables + seq * a.max_blocks;
     for (int64_t g = 0; g < a.kv_heads; ++g) {
       for (int64_t j = first; j < len; ++j) {
         const int64_t blk = table[j / a.block_size];
         const int64_t slot = blk * a.block_size + j % a.block_size;
         if (blk < 0 || slot >= a.slots) {
           throw std::out_of_range(
-              "[paged_decode] block " + std::to_string(blk) + " is outside a pool of " +
+              "[paged_attention] block " + std::to_string(blk) + " is outside a pool of " +
               std::to_string(a.slots) + " slots");
         }
         const T* cell = a.kv + (slot * a.kv_heads + g) * 2 * D;  // K then V
@@ -606,9 +615,9 @@ void paged_decode_impl(const PagedDecodeArgs<T>& a) {
   }
 }
 
-class PagedDecode : public mx::Primitive {
+class PagedAttention : public mx::Primitive {
  public:
-  PagedDecode(mx::Stream s, float scale, int64_t block_size, int64_t window)
+  PagedAttention(mx::Stream s, float scale, int64_t block_size, int64_t window)
       : mx::Primitive(s), scale_(scale), block_size_(block_size), window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -617,7 +626,7 @@ class PagedDecode : public mx::Primitive {
     auto& out = outputs[0];
     for (const auto& x : inputs) {
       if (!x.flags().row_contiguous) {
-        throw std::invalid_argument("[paged_decode] inputs must be row-contiguous");
+        throw std::invalid_argument("[paged_attention] inputs must be row-contiguous");
       }
     }
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -637,12 +646,12 @@ class PagedDecode : public mx::Primitive {
         dispatch<mx::bfloat16_t>(enc, inputs, out);
         break;
       default:
-        throw std::invalid_argument("[paged_decode] float32, float16 or bfloat16 only");
+        throw std::invalid_argument("[paged_attention] float32, float16 or bfloat16 only");
     }
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[paged_decode] CPU only; GPU backends have their own kernels");
+    throw std::runtime_error("[paged_attention] CPU only; GPU backends have their own kernels");
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -650,18 +659,19 @@ class PagedDecode : public mx::Primitive {
   }
 
   const char* name() const override {
-    return "PagedDecode";
+    return "PagedAttention";
   }
 
  private:
   template <typename T>
   void dispatch(
       mx::cpu::CommandEncoder& enc, const std::vector<mx::array>& in, mx::array& out) {
-    PagedDecodeArgs<T> a{
+    PagedAttentionArgs<T> a{
         in[0].data<T>(), in[1].data<T>(), in[2].data<int32_t>(), in[3].data<int32_t>(),
-        out.data<T>(), in[0].shape(0), in[0].shape(1), in[1].shape(1), in[0].shape(2),
-        in[2].shape(1), block_size_, in[1].shape(0), window_, scale_};
-    enc.dispatch([a]() { paged_decode_impl<T>(a); });
+        in[4].data<int32_t>(), out.data<T>(), in[0].shape(0), in[0].shape(1), in[1].shape(1),
+        in[0].shape(2), in[2].shape(1), block_size_, in[1].shape(0), in[2].shape(0), window_,
+        scale_};
+    enc.dispatch([a]() { paged_attention_impl<T>(a); });
   }
 
   float scale_;
@@ -669,45 +679,47 @@ class PagedDecode : public mx::Primitive {
   int64_t window_;
 };
 
-// out = paged_decode(q [B, H, D], kv_pool [slots, Hkv, 2D], tables int32 [B, MB],
-//                    lens int32 [B], scale, block_size, window) -> [B, H, D]
-mx::array paged_decode(
-    const mx::array& q, const mx::array& kv_pool, const mx::array& tables, const mx::array& lens,
-    float scale, int64_t block_size, int64_t window, nb::handle stream) {
+// out = paged_attention(q [N, H, D], kv_pool [slots, Hkv, 2D], tables int32 [S, MB],
+//                       seqs int32 [N], lens int32 [N], scale, block_size, window) -> [N, H, D]
+mx::array paged_attention(
+    const mx::array& q, const mx::array& kv_pool, const mx::array& tables, const mx::array& seqs,
+    const mx::array& lens, float scale, int64_t block_size, int64_t window, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream);
   if (q.ndim() != 3 || kv_pool.ndim() != 3 || kv_pool.shape(2) != 2 * q.shape(2) ||
       q.shape(1) % kv_pool.shape(1) != 0) {
     raise_py(
         PyExc_ValueError,
-        "paged_decode: q must be [B, H, D] and kv_pool [slots, Hkv, 2D] with H % Hkv == 0, got " +
+        "paged_attention: q must be [N, H, D] and kv_pool [slots, Hkv, 2D] with H % Hkv == 0, "
+        "got " +
             shape_str(q.shape()) + " and " + shape_str(kv_pool.shape()));
   }
   if (q.dtype() != kv_pool.dtype()) {
-    raise_py(PyExc_TypeError, "paged_decode: q and kv_pool must have one dtype");
+    raise_py(PyExc_TypeError, "paged_attention: q and kv_pool must have one dtype");
   }
-  if (tables.dtype() != mx::int32 || lens.dtype() != mx::int32) {
-    raise_py(PyExc_TypeError, "paged_decode: tables and lens must be int32");
+  if (tables.dtype() != mx::int32 || seqs.dtype() != mx::int32 || lens.dtype() != mx::int32) {
+    raise_py(PyExc_TypeError, "paged_attention: tables, seqs and lens must be int32");
   }
-  if (tables.ndim() != 2 || tables.shape(0) != q.shape(0) || lens.shape() != mx::Shape{q.shape(0)}) {
+  if (tables.ndim() != 2 || seqs.shape() != mx::Shape{q.shape(0)} ||
+      lens.shape() != mx::Shape{q.shape(0)}) {
     raise_py(
         PyExc_ValueError,
-        "paged_decode: tables must be [B, max_blocks] and lens [B] for B = " +
+        "paged_attention: tables must be [S, max_blocks] and seqs, lens [N] for N = " +
             std::to_string(q.shape(0)));
   }
   if (window < 0) {
-    raise_py(PyExc_ValueError, "paged_decode: window must be >= 0 (0: no window)");
+    raise_py(PyExc_ValueError, "paged_attention: window must be >= 0 (0: no window)");
   }
   if (block_size < 1 || kv_pool.shape(0) % block_size != 0) {
-    raise_py(PyExc_ValueError, "paged_decode: the pool's slots are not whole blocks");
+    raise_py(PyExc_ValueError, "paged_attention: the pool's slots are not whole blocks");
   }
   // The pool is read where it lies: a non-contiguous pool is an error, never a silent copy.
   if (kv_pool.is_available() && !kv_pool.flags().row_contiguous) {
-    raise_py(PyExc_ValueError, "paged_decode: kv_pool must be row-contiguous");
+    raise_py(PyExc_ValueError, "paged_attention: kv_pool must be row-contiguous");
   }
   return mx::array(
-      q.shape(), q.dtype(), std::make_shared<PagedDecode>(s, scale, block_size, window),
+      q.shape(), q.dtype(), std::make_shared<PagedAttention>(s, scale, block_size, window),
       {mx::contiguous(q, false, s), kv_pool, mx::contiguous(tables, false, s),
-       mx::contiguous(lens, false, s)});
+       mx::contiguous(seqs, false, s), mx::contiguous(lens, false, s)});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -895,11 +907,13 @@ NB_MODULE(_native, m) {
   m.def("silu_mul", &silu_mul, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 silu(gate) * up (mlx-lm's SwiGLU), vectorized; CPU streams only.");
-  m.def("paged_decode", &paged_decode, nb::arg("q"), nb::arg("kv_pool"), nb::arg("tables"),
-        nb::arg("lens"), nb::arg("scale"), nb::arg("block_size"), nb::arg("window") = 0,
-        nb::kw_only(), nb::arg("stream") = nb::none(),
-        "Lazy decode attention read from a paged K|V pool [slots, Hkv, 2D] through block "
-        "tables; q [B, H, D] -> [B, H, D]; CPU streams only.");
+  m.def("paged_attention", &paged_attention, nb::arg("q"), nb::arg("kv_pool"),
+        nb::arg("tables"), nb::arg("seqs"), nb::arg("lens"), nb::arg("scale"),
+        nb::arg("block_size"), nb::arg("window") = 0, nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy attention read from a paged K|V pool [slots, Hkv, 2D] through block tables, one "
+        "query token per row (row r: sequence seqs[r], keys [0, lens[r])); q [N, H, D] -> "
+        "[N, H, D]; CPU streams only.");
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 x @ w.T for x [M, K], w [N, K] without packing w (small M); CPU streams only.");

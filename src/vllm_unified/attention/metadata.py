@@ -106,6 +106,9 @@ class AttentionMetadata:
         host_positions, host_slot_mapping: int32 numpy ``[T]``, the host copies of
             ``positions`` and ``slot_mapping`` (a compiled step packs them with its other
             per-step inputs into one array).
+        block_tables: int32 numpy ``[B, max_blocks]``: every scheduled sequence's block table.
+        host_seq_of_row: int32 numpy ``[T]``: the sequence (row of ``block_tables``) of each
+            token row.
     """
 
     num_tokens: int
@@ -122,6 +125,10 @@ class AttentionMetadata:
     decode_lens: mx.array | None = None
     host_positions: np.ndarray | None = field(default=None, repr=False)
     host_slot_mapping: np.ndarray | None = field(default=None, repr=False)
+    block_tables: np.ndarray | None = field(default=None, repr=False)
+    host_seq_of_row: np.ndarray | None = field(default=None, repr=False)
+    _row_kernel_inputs: tuple[mx.array, mx.array, mx.array] | None = field(
+        default=None, repr=False)
     _decode_views: dict[tuple[Window, int], DecodeKeys] = field(default_factory=dict, repr=False)
     _prefill_views: dict[tuple[int, Window, int], PrefillKeys] = field(
         default_factory=dict, repr=False
@@ -157,6 +164,24 @@ class AttentionMetadata:
                                                                np.int32))
             self.decode_lens = mx.array(self.decode_seq_lens.astype(np.int32))
         return self.decode_tables, self.decode_lens
+
+    def row_tables_seqs_lens(self) -> tuple[mx.array, mx.array, mx.array]:
+        """Inputs of kernels that attend every token row through the block tables: int32
+        ``block_tables`` ``[B, max_blocks]``, each row's sequence ``[T]`` and the number of
+        keys it sees ``[T]`` (its position + 1: causal). Made once per step.
+
+        Raises ValueError when the host-side fields are missing (a compiled step's metadata).
+        """
+        if self._row_kernel_inputs is None:
+            if self.block_tables is None or self.host_seq_of_row is None \
+                    or self.host_positions is None:
+                raise ValueError("row kernels need the host-side block tables and positions")
+            self._row_kernel_inputs = (
+                mx.array(np.ascontiguousarray(self.block_tables, np.int32)),
+                mx.array(self.host_seq_of_row.astype(np.int32)),
+                mx.array(self.host_positions.astype(np.int32) + 1),
+            )
+        return self._row_kernel_inputs
 
     def prefill_view(self, index: int, window: Window, kv_heads: int) -> PrefillKeys:
         """Keys of prefill chunk ``index`` for a layer with this sliding window (cached)."""
@@ -222,6 +247,8 @@ def build_attention_metadata(
         slot_mapping=mx.array(slots),
         host_positions=positions,
         host_slot_mapping=slots,
+        block_tables=tables,
+        host_seq_of_row=seq_of_row.astype(np.int32),
         block_size=block_size,
         query_start_loc=starts.astype(np.int32),
         decode_rows=_as_rows(decode_rows),

@@ -30,8 +30,9 @@ Gather = Callable[[mx.array], tuple[mx.array, mx.array]]
 #: Set to 0 to read the decode batch through the reference gather + SDPA on CUDA too (the
 #: kernel of attention/cuda_decode.py is used otherwise; benchmarks compare both).
 CUDA_DECODE_ENV = "VLLM_UNIFIED_CUDA_DECODE"
-#: The same switch for the CPU backend's decode kernel (attention/cpu_decode.py).
-CPU_DECODE_ENV = "VLLM_UNIFIED_CPU_DECODE"
+#: Set to 0 to attend through the reference on the CPU backend too (the native kernel of
+#: attention/cpu_paged.py takes every row of a step otherwise).
+CPU_ATTENTION_ENV = "VLLM_UNIFIED_CPU_ATTENTION"
 
 # Gather indices are int32 rows of the pool viewed as [slots * Hkv, D].
 _MAX_ROWS = 2**31
@@ -135,9 +136,12 @@ def paged_attention_kv(
     head's key followed by its value: vLLM's attention page ``[B, H, N, C]`` with
     ``C = head_size + head_size_v`` in the LBNHC layout, viewed slot-major. K and V are read as
     the column halves of the same ``[slots * Hkv, 2 * D]`` rows, so nothing is copied to split
-    them (a reshape of a half would copy the pool). With ``accelerate`` (the default) and the
-    native extension on MLX's CPU backend, the rows are read by its ``gather_kv`` primitive
-    (:func:`vllm_unified.bridge.gather_kv`); ``accelerate=False`` is the pure-MLX reference.
+    them (a reshape of a half would copy the pool). With ``accelerate`` (the default): on MLX's
+    CPU backend with the native extension, every row is attended straight from the pool by its
+    kernel (attention/cpu_paged.py); on CUDA the decode batch by the CUDA decode kernel
+    (attention/cuda_decode.py). ``accelerate=False`` is the pure-MLX reference: gather + SDPA,
+    the gather by the native ``gather_kv`` primitive where it applies
+    (:func:`vllm_unified.bridge.gather_kv`, the same values as MLX's gather).
 
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D``.
@@ -148,6 +152,10 @@ def paged_attention_kv(
     head_dim = queries.shape[-1]
     half = (*kv_pool.shape[:2], head_dim)
     _check_inputs(queries.shape, half, half, meta, window)
+    if accelerate and meta.num_tokens and _cpu_rows_kernel():
+        from vllm_unified.attention.cpu_paged import paged_attention_rows
+
+        return paged_attention_rows(queries, kv_pool, meta, scale, window)
     decode_out = None
     decode_kernel = _decode_kernel(head_dim) if accelerate else None
     if meta.decode_rows is not None and decode_kernel is not None:
@@ -180,24 +188,28 @@ def cuda_decode_routed(head_dim: int) -> bool:
 
 @functools.cache
 def _decode_kernel(head_dim: int) -> Callable[..., mx.array] | None:
-    """The decode kernel of this backend, or None for the reference gather + SDPA.
-
-    CUDA: attention/cuda_decode.py, for head sizes it supports, unless
-    ``VLLM_UNIFIED_CUDA_DECODE=0``. CPU: attention/cpu_decode.py (the native extension's
-    primitive), unless ``VLLM_UNIFIED_CPU_DECODE=0``. Decided once per process and head size.
-    """
+    """The decode kernel of this backend, or None for the reference gather + SDPA: on CUDA
+    attention/cuda_decode.py, for head sizes it supports, unless ``VLLM_UNIFIED_CUDA_DECODE=0``.
+    Decided once per process and head size."""
     from vllm_unified.backend import detect_backend
 
-    kind = detect_backend().kind
-    if kind == "cuda" and os.environ.get(CUDA_DECODE_ENV, "1") != "0":
+    if detect_backend().kind == "cuda" and os.environ.get(CUDA_DECODE_ENV, "1") != "0":
         from vllm_unified.attention import cuda_decode
 
         return cuda_decode.paged_decode_attention if cuda_decode.supported(head_dim) else None
-    if kind == "cpu" and os.environ.get(CPU_DECODE_ENV, "1") != "0":
-        from vllm_unified.attention import cpu_decode
-
-        return cpu_decode.paged_decode_attention if cpu_decode.available() else None
     return None
+
+
+@functools.cache
+def _cpu_rows_kernel() -> bool:
+    """Attend every row of a step with the native CPU kernel (attention/cpu_paged.py): on the
+    CPU backend with the extension built, unless ``VLLM_UNIFIED_CPU_ATTENTION=0``. Decided
+    once per process."""
+    from vllm_unified.attention import cpu_paged
+    from vllm_unified.backend import detect_backend
+
+    return (detect_backend().kind == "cpu" and os.environ.get(CPU_ATTENTION_ENV, "1") != "0"
+            and cpu_paged.available())
 
 
 def _attend(
