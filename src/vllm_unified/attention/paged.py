@@ -139,9 +139,10 @@ def paged_attention_kv(
     them (a reshape of a half would copy the pool). With ``accelerate`` (the default): on MLX's
     CPU backend with the native extension, every row is attended straight from the pool by its
     kernel (attention/cpu_paged.py); on CUDA the decode batch by the CUDA decode kernel
-    (attention/cuda_decode.py). ``accelerate=False`` is the pure-MLX reference: gather + SDPA,
-    the gather by the native ``gather_kv`` primitive where it applies
+    (attention/cuda_decode.py); with the CPU kernel turned off (``VLLM_UNIFIED_CPU_ATTENTION=0``)
+    the rows are gathered by the native ``gather_kv`` primitive
     (:func:`vllm_unified.bridge.gather_kv`, the same values as MLX's gather).
+    ``accelerate=False`` is the pure-MLX reference: MLX's gather + SDPA.
 
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D``.
