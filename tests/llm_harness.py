@@ -49,6 +49,7 @@ def main(spec_path: str, out_path: str) -> None:
                                for step in res.prompt_logprobs]
         outputs.append({"prompt_token_ids": list(res.prompt_token_ids or []),
                         "completions": completions, "prompt_logprobs": prompt_logprobs})
+    _wait_for_finished_ids(llm, rpc)
     after = {name: llm.collective_rpc(name)[0] for name in rpc}
     out = {
         "platform": f"{type(current_platform).__module__}.{type(current_platform).__name__}",
@@ -58,6 +59,25 @@ def main(spec_path: str, out_path: str) -> None:
     }
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f)
+
+
+def _wait_for_finished_ids(llm, rpc: list[str], timeout_s: float = 10.0) -> None:
+    """Let the worker learn which requests finished before ``rpc_after`` is read.
+
+    vLLM tells the worker about finished requests in the *next* ``SchedulerOutput``; the engine
+    core runs that step right after the last output, but it first handles whatever client
+    requests are queued (``EngineCore._process_input_queue``), so an RPC sent as soon as
+    ``generate`` returns can overtake it and see the last requests still live. Poll until the
+    runner holds no request; a runner that leaks state still reports it after ``timeout_s``.
+    """
+    import time
+
+    if "runner_stats" not in rpc:
+        return
+    deadline = time.monotonic() + timeout_s
+    while (llm.collective_rpc("runner_stats")[0].get("live_requests", 0)
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
 
 
 def _params(p: dict) -> dict:
