@@ -10,7 +10,9 @@ interleaved rounds so that machine noise hits both alike:
   tokens whose blocks are scattered over the pool, with the runner's CPU kernels: native
   linears for decode-sized inputs, native SwiGLU, attention read from the pool by the native
   ``paged_attention`` primitive;
-* **ours-reference**: the same with the pure-MLX paths (``accelerate=False``: gather + MLX's
+* **ours-quantized**: ours on the same checkpoint kept quantized (4-bit Q4_1 layers, 8-bit Q8_0
+  head), run by the native quantized kernels: what the engine runs by default on the CPU;
+* **ours-reference**: the fp32 model with the pure-MLX paths (``accelerate=False``: gather + MLX's
   SDPA, MLX's matmul, mlx-lm's SwiGLU), to show what the native kernels save.
 
 No vLLM engine is involved: this isolates the forward (the ``eval`` phase of the runner's step
@@ -63,7 +65,8 @@ def plain_mlx(model):
             mod.swiglu = ck.swiglu
 
 
-def measure(batch: int, rounds: int, model, mx, rng: np.random.Generator) -> dict[str, list]:
+def measure(batch: int, rounds: int, model, qmodel, mx,
+            rng: np.random.Generator) -> dict[str, list]:
     """Seconds per decode step for each contender, ``rounds`` interleaved rounds."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -92,7 +95,7 @@ def measure(batch: int, rounds: int, model, mx, rng: np.random.Generator) -> dic
     tables = tables.reshape(batch, -1).astype(np.int32)
     rows = np.arange(batch, dtype=np.int32)
 
-    def ours_step(accelerate: bool) -> None:
+    def ours_step(accelerate: bool, model=model) -> None:
         pool.meta = build_attention_metadata([1] * batch, [CONTEXT] * batch, tables, BLOCK)
         ids = mx.array(rng.integers(1000, 30000, (batch,)).astype(np.int32))
         original = paged_cache.paged_attention_kv
@@ -109,6 +112,7 @@ def measure(batch: int, rounds: int, model, mx, rng: np.random.Generator) -> dic
         pool.meta = None
 
     runs = {"mlx_lm": mlx_lm_step, "ours": lambda: ours_step(True),
+            "quantized": lambda: ours_step(True, qmodel),
             "reference": lambda: ours_step(False)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(rounds):
@@ -138,21 +142,26 @@ def main() -> None:
                        keep_quantized=False).model
     install_paged_attention(model)  # plain mlx-lm caches still take mlx-lm's own path
     print("native CPU kernels:", ", ".join(install_cpu_kernels(model)) or "(none)")
+    qmodel = load_model(str(gguf), hf_config=_gguf_hf_config(gguf), dtype=mx.float32,
+                        keep_quantized=True).model
+    install_paged_attention(qmodel)
+    print("quantized model:", ", ".join(install_cpu_kernels(qmodel)) or "(none)")
     rng = np.random.default_rng(0)
 
     print(f"{gguf.name}: fp32, {len(model.layers)} layers; context {CONTEXT} tokens, "
           f"{args.rounds} interleaved rounds")
-    print("| batch | mlx_lm ms (min / median) | ours ms | ours-reference ms | ours/mlx_lm | "
-          "reference/mlx_lm |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| batch | mlx_lm ms (min / median) | ours ms | ours-quantized ms | ours-reference ms | "
+          "ours/mlx_lm | quantized/mlx_lm | reference/mlx_lm |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch:
-        times = measure(batch, args.rounds, model, mx, rng)
+        times = measure(batch, args.rounds, model, qmodel, mx, rng)
         mins = {k: 1e3 * min(v) for k, v in times.items()}
         meds = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-        print(f"| {batch} | {mins['mlx_lm']:.1f} / {meds['mlx_lm']:.1f} | {mins['ours']:.1f} / "
-              f"{meds['ours']:.1f} | {mins['reference']:.1f} / {meds['reference']:.1f} | "
-              f"{mins['mlx_lm'] / mins['ours']:.2f}x | {mins['mlx_lm'] / mins['reference']:.2f}x |",
-              flush=True)
+        cells = " | ".join(f"{mins[k]:.1f} / {meds[k]:.1f}"
+                           for k in ("mlx_lm", "ours", "quantized", "reference"))
+        ratios = " | ".join(f"{mins['mlx_lm'] / mins[k]:.2f}x"
+                            for k in ("ours", "quantized", "reference"))
+        print(f"| {batch} | {cells} | {ratios} |", flush=True)
     print("(ratios: mlx_lm's min step time / ours; above 1 means ours is faster)")
 
 

@@ -379,7 +379,8 @@ def build_contenders(args: argparse.Namespace, gguf: Path, model_dir: Path) -> l
     contenders: list[Contender] = []
     if "ours" in args.only:
         contenders.append(Contender(
-            "ours", "vllm-unified plugin (MLX CPU), GGUF dequantized to fp32 at load",
+            "ours",
+            "vllm-unified plugin (MLX CPU), GGUF kept quantized (native kernels, fp32 compute)",
             [vllm, "serve", str(gguf), *COMMON_ARGS, *args.ours_args],
             {**base_env, "VLLM_UNIFIED_STEP_PROFILE": str(PROFILE_EVERY)}, vllm_body))
     if "native" in args.only:

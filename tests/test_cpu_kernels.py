@@ -204,12 +204,124 @@ def test_installed_kernels_keep_the_model_function(monkeypatch, tied):
     assert isinstance(model.layers[0].mlp.gate_proj, nn.Linear)
 
 
-def test_quantized_and_half_layers_are_left_alone():
+def test_unsupported_quantized_and_half_layers_are_left_alone():
     model = _tiny_llama(False)
     nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p.endswith("q_proj"))
+    nn.quantize(model, group_size=32, bits=3, class_predicate=lambda p, m: p.endswith("k_proj"))
     model.layers[1].mlp.down_proj.weight = model.layers[1].mlp.down_proj.weight.astype(
         mx.bfloat16)
     routed = cpu_kernels.install_cpu_kernels(model)
-    assert f"{2 * 7 + 1 - 2 - 1} linear layers" in routed
-    assert type(model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
+    assert f"{2 * 7 + 1 - 2 - 2 - 1} linear layers" in routed
+    assert "2 quantized linear layers" in routed
+    assert "2 affine 3-bit layers left to MLX's quantized matmul" in routed
+    assert type(model.layers[0].self_attn.q_proj) is cpu_kernels.NativeQuantizedLinear
+    assert type(model.layers[0].self_attn.k_proj) is nn.QuantizedLinear
     assert type(model.layers[1].mlp.down_proj) is nn.Linear
+
+
+def _quantized(rng, n: int, k: int, group_size: int, bits: int):
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    mx.eval(wq, scales, biases)
+    return wq, scales, biases
+
+
+QUANTIZED_SHAPES = [(1536, 576, 32, 4), (579, 64, 32, 8), (5, 256, 64, 4), (7, 128, 128, 8),
+                    (1, 32, 32, 4)]
+
+
+@pytest.mark.parametrize("n, k, group_size, bits", QUANTIZED_SHAPES)
+def test_dequantize_is_bit_identical_to_mlx(n, k, group_size, bits):
+    rng = np.random.default_rng(n + k + bits)
+    wq, scales, biases = _quantized(rng, n, k, group_size, bits)
+    got = native.dequantize(wq, scales, biases, group_size, bits)
+    assert got.shape == (n, k) and got.dtype == mx.float32
+    assert mx.array_equal(got, mx.dequantize(wq, scales, biases, group_size, bits)).item()
+
+
+@pytest.mark.parametrize("m", [1, 4, 5, 16, 33])
+@pytest.mark.parametrize("n, k, group_size, bits", QUANTIZED_SHAPES)
+def test_quantized_linear_is_bit_identical_to_linear_on_dequantized(m, n, k, group_size, bits):
+    rng = np.random.default_rng(m * 7 + n + k + bits)
+    wq, scales, biases = _quantized(rng, n, k, group_size, bits)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    got = native.quantized_linear(x, wq, scales, biases, group_size, bits)
+    dense = mx.dequantize(wq, scales, biases, group_size, bits)
+    assert got.shape == (m, n)
+    assert mx.array_equal(got, native.linear(x, dense)).item()
+    assert _rel_err(got, x @ dense.T) < 1e-5
+    assert _rel_err(got, mx.quantized_matmul(x, wq, scales, biases, transpose=True,
+                                             group_size=group_size, bits=bits)) < 1e-5
+
+
+def test_quantized_kernels_reject_bad_input():
+    rng = np.random.default_rng(0)
+    wq, scales, biases = _quantized(rng, 8, 64, 32, 4)
+    x = mx.zeros((2, 64))
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
+        native.quantized_linear(x, wq, scales, biases, 32, 3)
+    with pytest.raises(ValueError, match="multiple of 16, got 24"):
+        native.dequantize(wq, scales, biases, 24, 4)
+    with pytest.raises(TypeError, match="scales, biases float32"):
+        native.quantized_linear(x, wq, scales.astype(mx.float16), biases, 32, 4)
+    with pytest.raises(TypeError, match="x must be float32"):
+        native.quantized_linear(x.astype(mx.bfloat16), wq, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match=r"scales and biases must be \[N, K / group_size\]"):
+        native.dequantize(wq, scales, biases, 64, 4)
+    with pytest.raises(ValueError, match="K = w.shape\\[1\\] \\* 32 / bits = 64"):
+        native.quantized_linear(mx.zeros((2, 32)), wq, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match="row-contiguous"):
+        sliced = wq[:, ::2]
+        mx.eval(sliced)
+        native.dequantize(sliced, scales[:, ::2], biases[:, ::2], 32, 4)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantized_model_runs_bit_identical_to_its_dequantized_copy(monkeypatch, tied):
+    """A model kept quantized (4-bit layers, 8-bit embedding) and run by the native kernels
+    computes exactly what the same model dequantized at load computes: decode-sized inputs in
+    the quantized kernel, larger ones dequantized natively for MLX's matmul."""
+    model = _tiny_llama(tied)
+    nn.quantize(model, group_size=32, bits=4,
+                class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    nn.quantize(model, group_size=64, bits=8,
+                class_predicate=lambda p, m: isinstance(m, nn.Embedding))
+    dense = _tiny_llama(tied)
+    dense.update(dequantized_params(model))
+    cpu_kernels.install_cpu_kernels(dense)
+    routed = cpu_kernels.install_cpu_kernels(model)
+    assert f"{2 * 7 + (0 if tied else 1)} quantized linear layers" in routed
+    assert "1 quantized embedding layers" in routed
+    tokens = mx.array(np.random.default_rng(0).integers(0, 300, (2, 40)))
+    spy = _Spy(native)
+    monkeypatch.setattr(bridge, "native_kernels", lambda: spy)
+    for inputs, kernel in ((tokens[:, :1], "quantized_linear"), (tokens, "dequantize")):
+        got = model(inputs)
+        assert spy.calls[kernel] == 2 * 7 + 1
+        spy.calls.clear()
+        assert mx.array_equal(got, dense(inputs)).item()
+
+
+def dequantized_params(model: nn.Module) -> dict:
+    """The dense parameters a quantized ``model`` stands for (``mx.dequantize`` of each layer),
+    in the parameter tree of the unquantized model."""
+    from mlx.utils import tree_unflatten
+
+    flat = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            flat.append((f"{name}.weight", mx.dequantize(m.weight, m.scales, m.biases,
+                                                         m.group_size, m.bits)))
+            if "bias" in m:
+                flat.append((f"{name}.bias", m.bias))
+    return tree_unflatten(flat)
+
+
+def test_quantized_weights_stay_quantized_only_where_the_kernels_run(monkeypatch):
+    assert cpu_kernels.keep_quantized_on_cpu(mx.float32)
+    assert not cpu_kernels.keep_quantized_on_cpu(mx.bfloat16)
+    monkeypatch.setenv("VLLM_UNIFIED_CPU_QUANTIZED", "0")
+    assert not cpu_kernels.keep_quantized_on_cpu(mx.float32)
+    monkeypatch.delenv("VLLM_UNIFIED_CPU_QUANTIZED")
+    monkeypatch.setattr(bridge, "native_kernels", lambda: None)
+    assert not cpu_kernels.keep_quantized_on_cpu(mx.float32)

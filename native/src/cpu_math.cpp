@@ -104,16 +104,37 @@ VUN_INLINE float hsum(v16 v) {
   return s;
 }
 
-// y[m, n] for the RM x RN tile at (m, n): 16-wide dot products over k < k16, scalar tail.
+// The lane sums of a0..a3 at lanes 0, 4, 8, 12: a tree of shuffles and adds over all four at
+// once (summing each vector's lanes one by one cost more than a tile's whole dot products).
+VUN_INLINE v16 reduce4(v16 a0, v16 a1, v16 a2, v16 a3) {
+  const v16 p01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                          28, 29, 30, 31);
+  const v16 p23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                          28, 29, 30, 31);
+  const v16 q = __builtin_shufflevector(p01, p23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                        26, 27) +
+                __builtin_shufflevector(p01, p23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                        29, 30, 31);
+  const v16 r = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15,
+                                            12, 13);
+  return r + __builtin_shufflevector(r, r, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+}
+
+// y[m, n + j] for the RM x RN tile at (m, n), j < RN: 16-wide dot products over k < k16, scalar
+// tail. wn points at the tile's first weight row (row n of the weight, or a dequantized copy).
 template <int RM, int RN>
 VUN_INLINE void tile(
-    const float* x, const float* w, float* y, size_t m, size_t n, size_t N, size_t K,
+    const float* x, const float* wn, float* y, size_t m, size_t n, size_t N, size_t K,
     size_t k16) {
   v16 acc[RM][RN] = {};
   for (size_t k = 0; k < k16; k += 16) {
     v16 wv[RN];
     for (int j = 0; j < RN; ++j) {
-      wv[j] = load16(w + (n + j) * K + k);
+      wv[j] = load16(wn + j * K + k);
     }
     for (int i = 0; i < RM; ++i) {
       const v16 xv = load16(x + (m + i) * K + k);
@@ -123,10 +144,21 @@ VUN_INLINE void tile(
     }
   }
   for (int i = 0; i < RM; ++i) {
+    float sums[RN];
+    if constexpr (RN == 4) {
+      const v16 r = reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      for (int j = 0; j < 4; ++j) {
+        sums[j] = r[4 * j];
+      }
+    } else {
+      for (int j = 0; j < RN; ++j) {
+        sums[j] = hsum(acc[i][j]);
+      }
+    }
     for (int j = 0; j < RN; ++j) {
-      float s = hsum(acc[i][j]);
+      float s = sums[j];
       for (size_t k = k16; k < K; ++k) {
-        s += x[(m + i) * K + k] * w[(n + j) * K + k];
+        s += x[(m + i) * K + k] * wn[j * K + k];
       }
       y[(m + i) * N + n + j] = s;
     }
@@ -134,15 +166,27 @@ VUN_INLINE void tile(
 }
 
 template <int RN>
-VUN_INLINE void rows_block(const float* x, const float* w, float* y, size_t M, size_t N, size_t K,
-                       size_t n) {
+VUN_INLINE void rows_block(const float* x, const float* wn, float* y, size_t M, size_t N,
+                           size_t K, size_t n) {
   const size_t k16 = K / 16 * 16;
   size_t m = 0;
   for (; m + 4 <= M; m += 4) {
-    tile<4, RN>(x, w, y, m, n, N, K, k16);
+    tile<4, RN>(x, wn, y, m, n, N, K, k16);
   }
   for (; m < M; ++m) {
-    tile<1, RN>(x, w, y, m, n, N, K, k16);
+    tile<1, RN>(x, wn, y, m, n, N, K, k16);
+  }
+}
+
+// Columns [n, n + count) of y from their weight rows wn[0 .. count).
+VUN_INLINE void cols(const float* x, const float* wn, float* y, size_t M, size_t N, size_t K,
+                     size_t n, size_t count) {
+  size_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    rows_block<4>(x, wn + j * K, y, M, N, K, n + j);
+  }
+  for (; j < count; ++j) {
+    rows_block<1>(x, wn + j * K, y, M, N, K, n + j);
   }
 }
 
@@ -151,13 +195,13 @@ VUN_INLINE void rows_block(const float* x, const float* w, float* y, size_t M, s
 VUN_CLONES void linear_rows_f32(
     const float* x, const float* w, float* y, size_t M, size_t N, size_t K, size_t n0,
     size_t n1) {
-  size_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    rows_block<4>(x, w, y, M, N, K, n);
-  }
-  for (; n < n1; ++n) {
-    rows_block<1>(x, w, y, M, N, K, n);
-  }
+  cols(x, w + n0 * K, y, M, N, K, n0, n1 - n0);
+}
+
+VUN_CLONES void linear_cols_f32(
+    const float* x, const float* wn, float* y, size_t M, size_t N, size_t K, size_t n,
+    size_t count) {
+  cols(x, wn, y, M, N, K, n, count);
 }
 
 } // namespace vun

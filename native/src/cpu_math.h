@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace vun {
 
@@ -34,5 +35,27 @@ namespace vun {
 void linear_rows_f32(
     const float* x, const float* w, float* y, size_t M, size_t N, size_t K, size_t n0,
     size_t n1);
+
+} // namespace vun
+
+namespace vun {
+
+// linear_rows_f32 for the columns [n, n + count) of y, their weight rows given separately:
+// wn [count, K] row-contiguous (e.g. rows dequantized into a scratch buffer). The same tiles
+// in the same order as linear_rows_f32, so equal weights give bit-identical outputs.
+void linear_cols_f32(
+    const float* x, const float* wn, float* y, size_t M, size_t N, size_t K, size_t n,
+    size_t count);
+
+// Dequantize rows [r0, r1) of an MLX affine-quantized matrix (mx.quantize's layout, "affine"
+// mode) into out [(r1 - r0), K] fp32: out[r, k] = scales[r, g] * q[r, k] + biases[r, g] with
+// g = k / group_size, rounded as MLX's own dequantize does (product, then sum: bit-identical to
+// mx.dequantize with fp32 scales and biases). wq: uint32 [rows, K * bits / 32], element k of a
+// row in bits [bits * (k % (32 / bits)), ...) of word k / (32 / bits), low bits first;
+// scales, biases: fp32 [rows, K / group_size]. bits: 4 or 8; group_size: a multiple of 16
+// dividing K. Other values are the caller's to refuse (unchecked here).
+void dequantize_rows_f32(
+    const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
+    size_t r1, size_t K, size_t group_size, int bits);
 
 } // namespace vun

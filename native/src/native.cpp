@@ -22,6 +22,11 @@
 //       decode rows and prefill chunks (causal) alike.
 //   linear(x, w, *, stream=None) -> mx.array
 //       fp32 x @ w.T reading each weight row once, threaded (decode-sized batches).
+//   quantized_linear(x, w, scales, biases, group_size, bits, *, stream=None) -> mx.array
+//       fp32 x @ dequantize(w).T for MLX affine-quantized w (4/8 bits), weights dequantized
+//       4 rows at a time into a scratch buffer: bit-identical to linear on mx.dequantize(w).
+//   dequantize(w, scales, biases, group_size, bits, *, stream=None) -> mx.array
+//       mx.dequantize to fp32, vectorized and threaded (MLX's CPU one is scalar, one thread).
 //   to_torch(a) -> torch.Tensor
 //       A torch view of an array's bytes with an exact data pointer (MLX's own DLPack export
 //       breaks torch for adopted arrays whose offset is negative).
@@ -816,6 +821,204 @@ mx::array linear(const mx::array& x, const mx::array& w, nb::handle stream) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// quantized_linear, dequantize: MLX affine-quantized weights (mx.quantize's layout)
+
+// The checks both quantized entry points share; raises TypeError/ValueError naming what failed.
+void check_quantized(const char* what, const mx::array& w, const mx::array& scales,
+                     const mx::array& biases, int group_size, int bits) {
+  const std::string fn(what);
+  if (bits != 4 && bits != 8) {
+    raise_py(PyExc_ValueError, fn + ": bits must be 4 or 8, got " + std::to_string(bits));
+  }
+  if (group_size <= 0 || group_size % 16 != 0) {
+    raise_py(PyExc_ValueError,
+             fn + ": group_size must be a positive multiple of 16, got " +
+                 std::to_string(group_size));
+  }
+  if (w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
+      biases.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, fn + ": w must be uint32 and scales, biases float32");
+  }
+  if (w.ndim() != 2) {
+    raise_py(PyExc_ValueError, fn + ": w must be [N, K * bits / 32], got " + shape_str(w.shape()));
+  }
+  const int64_t K = int64_t{w.shape(1)} * (32 / bits);
+  const mx::Shape groups{w.shape(0), static_cast<int>(K / group_size)};
+  if (K % group_size != 0 || scales.shape() != groups || biases.shape() != groups) {
+    raise_py(PyExc_ValueError,
+             fn + ": scales and biases must be [N, K / group_size] = " + shape_str(groups) +
+                 " for w " + shape_str(w.shape()) + " (K = " + std::to_string(K) +
+                 "), got " + shape_str(scales.shape()) + " and " + shape_str(biases.shape()));
+  }
+  // Parameters that are not row-contiguous would be copied on every call: refuse instead.
+  for (const mx::array* a : {&w, &scales, &biases}) {
+    if (a->is_available() && !a->flags().row_contiguous) {
+      raise_py(PyExc_ValueError, fn + ": w, scales and biases must be row-contiguous");
+    }
+  }
+}
+
+// Scratch rows for dequantized weights, one buffer per thread (kernels run on MLX's stream
+// thread and the pool's workers), grown as needed and kept.
+float* scratch_rows(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats) {
+    buf.resize(floats);
+  }
+  return buf.data();
+}
+
+// y = x @ dequantize(w).T for fp32 x [M, K]: each group of 4 weight rows is dequantized into a
+// per-thread scratch (L1/L2) and multiplied like Linear's, so the weight streams from memory at
+// bits / 32 of its fp32 size and the result is bit-identical to Linear on mx.dequantize(w).
+class QuantizedLinear : public mx::Primitive {
+ public:
+  QuantizedLinear(mx::Stream s, int group_size, int bits)
+      : mx::Primitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    auto& y = outputs[0];
+    for (const auto& a : inputs) {
+      if (!a.flags().row_contiguous) {
+        throw std::invalid_argument("[quantized_linear] inputs must be row-contiguous");
+      }
+    }
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) {
+      enc.set_input_array(a);
+    }
+    enc.set_output_array(y);
+    enc.dispatch([xp = x.data<float>(), wp = inputs[1].data<uint32_t>(),
+                  sp = inputs[2].data<float>(), bp = inputs[3].data<float>(),
+                  yp = y.data<float>(), M = static_cast<size_t>(x.shape(0)),
+                  N = static_cast<size_t>(inputs[1].shape(0)),
+                  K = static_cast<size_t>(x.shape(1)), gs = static_cast<size_t>(group_size_),
+                  bits = bits_]() {
+      auto& pool = kernel_pool();
+      const size_t groups = (N + 3) / 4;
+      const size_t chunks = std::min(groups, 8 * pool.size());
+      pool.run(chunks, [&](size_t c) {
+        const size_t n0 = std::min(N, groups * c / chunks * 4);
+        const size_t n1 = std::min(N, groups * (c + 1) / chunks * 4);
+        float* rows = scratch_rows(4 * K);
+        for (size_t n = n0; n < n1; n += 4) {
+          const size_t count = std::min<size_t>(4, n1 - n);
+          vun::dequantize_rows_f32(wp, sp, bp, rows, n, n + count, K, gs, bits);
+          vun::linear_cols_f32(xp, rows, yp, M, N, K, n, count);
+        }
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[quantized_linear] CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedLinear&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  const char* name() const override {
+    return "QuantizedLinear";
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream);
+  check_quantized("quantized_linear", w, scales, biases, group_size, bits);
+  if (x.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "quantized_linear: x must be float32");
+  }
+  if (x.ndim() != 2 || int64_t{x.shape(1)} != int64_t{w.shape(1)} * (32 / bits)) {
+    raise_py(PyExc_ValueError,
+             "quantized_linear: x must be [M, K] with K = w.shape[1] * 32 / bits = " +
+                 std::to_string(int64_t{w.shape(1)} * (32 / bits)) + ", got " +
+                 shape_str(x.shape()));
+  }
+  return mx::array(
+      {x.shape(0), w.shape(0)}, mx::float32,
+      std::make_shared<QuantizedLinear>(s, group_size, bits),
+      {mx::contiguous(x, false, s), w, scales, biases});
+}
+
+// dequantize(w) as a dense fp32 [N, K] array, rows split over the kernel pool: for inputs too
+// large for QuantizedLinear (prefill), whose matmul then runs in BLAS.
+class Dequantize : public mx::Primitive {
+ public:
+  Dequantize(mx::Stream s, int group_size, int bits)
+      : mx::Primitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    for (const auto& a : inputs) {
+      if (!a.flags().row_contiguous) {
+        throw std::invalid_argument("[dequantize] inputs must be row-contiguous");
+      }
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) {
+      enc.set_input_array(a);
+    }
+    enc.set_output_array(out);
+    enc.dispatch([wp = inputs[0].data<uint32_t>(), sp = inputs[1].data<float>(),
+                  bp = inputs[2].data<float>(), op = out.data<float>(),
+                  N = static_cast<size_t>(out.shape(0)), K = static_cast<size_t>(out.shape(1)),
+                  gs = static_cast<size_t>(group_size_), bits = bits_]() {
+      auto& pool = kernel_pool();
+      const size_t chunks = std::min(N, 8 * pool.size());
+      pool.run(chunks, [&](size_t c) {
+        const size_t r0 = N * c / chunks;
+        const size_t r1 = N * (c + 1) / chunks;
+        vun::dequantize_rows_f32(wp, sp, bp, op + r0 * K, r0, r1, K, gs, bits);
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[dequantize] CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[0].shape(1) * (32 / bits_)}};
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Dequantize&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  const char* name() const override {
+    return "Dequantize";
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     int group_size, int bits, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream);
+  check_quantized("dequantize", w, scales, biases, group_size, bits);
+  return mx::array(
+      {w.shape(0), w.shape(1) * (32 / bits)}, mx::float32,
+      std::make_shared<Dequantize>(s, group_size, bits), {w, scales, biases});
+}
+
+// ---------------------------------------------------------------------------------------------
 // to_torch
 
 nb::dlpack::dtype dlpack_dtype(mx::Dtype t) {
@@ -917,6 +1120,16 @@ NB_MODULE(_native, m) {
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 x @ w.T for x [M, K], w [N, K] without packing w (small M); CPU streams only.");
+  m.def("quantized_linear", &quantized_linear, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 x @ dequantize(w).T for x [M, K] and an MLX affine-quantized w (bits 4 or 8, "
+        "fp32 scales/biases), bit-identical to linear(x, mx.dequantize(w, ...)); CPU streams "
+        "only.");
+  m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 4 or 8, fp32 scales/biases), "
+        "bit-identical to it, threaded; CPU streams only.");
   m.def("to_torch", &to_torch, nb::arg("a"),
         "A torch CPU tensor over the array's bytes (exact data pointer, any offset).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");

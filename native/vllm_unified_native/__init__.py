@@ -1,5 +1,5 @@
 """Native half of :mod:`vllm_unified.bridge` (adopt foreign memory into MLX, write rows in place)
-and MLX CPU kernels (linear, paged attention, SwiGLU).
+and MLX CPU kernels (linear, quantized linear, dequantize, paged attention, SwiGLU).
 
 Use :mod:`vllm_unified.bridge` rather than this module directly. Importing it imports
 ``mlx.core`` first (the extension's ``mx.array``/``mx.Dtype`` arguments are mlx.core's own
@@ -17,10 +17,12 @@ from ._native import (
     MLX_VERSION,
     NANOBIND_VERSION,
     adopt,
+    dequantize,
     gather_kv,
     info,
     linear,
     paged_attention,
+    quantized_linear,
     silu_mul,
     to_torch,
     write_rows,
@@ -34,7 +36,6 @@ if _running != MLX_VERSION:
     )
 
 __all__ = [
-    "MLX_VERSION", "NANOBIND_VERSION", "adopt", "gather_kv", "info", "linear", "paged_attention",
-    "silu_mul",
-    "to_torch", "write_rows",
+    "MLX_VERSION", "NANOBIND_VERSION", "adopt", "dequantize", "gather_kv", "info", "linear",
+    "paged_attention", "quantized_linear", "silu_mul", "to_torch", "write_rows",
 ]

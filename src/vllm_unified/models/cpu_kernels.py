@@ -1,6 +1,6 @@
 """Route mlx-lm's linears and SwiGLU to the native CPU kernels (MLX's CPU backend, fp32).
 
-Two costs dominate a decode step of a small model on MLX 0.32.4's CPU backend, measured on
+Three costs dominate a decode step of a small model on MLX 0.32.4's CPU backend, measured on
 SmolLM2-135M (2-core x86_64, ``benchmarks/decode_forward.py``):
 
 * **Linears at decode batch sizes.** MLX calls BLAS ``sgemm`` for ``x @ w.T`` even for one row,
@@ -13,16 +13,25 @@ SmolLM2-135M (2-core x86_64, ``benchmarks/decode_forward.py``):
 * **SwiGLU.** mlx-lm's ``swiglu`` (``silu(gate) * x``) runs ``exp`` one element at a time on
   the CPU backend: 0.42 ms for 16 x 1,536 elements, 6.5 ms for 256 x 1,536. The native
   ``silu_mul`` takes ``expf`` from glibc's vector math library: 0.017 / 0.27 ms.
+* **Quantized weights.** MLX's own quantized matmul runs on one core (133 ms for 256 rows
+  through a 576 x 1,536 4-bit layer, against 2.5 ms for fp32 BLAS), so quantized checkpoints
+  used to be dequantized at load: 4x-8x the weight memory, all of it streamed every decode
+  step. The native ``quantized_linear`` dequantizes 4 weight rows at a time into a per-thread
+  scratch and multiplies them like ``linear`` (bit-identical to ``linear`` on
+  ``mx.dequantize``'s weights), so a step reads the packed weights: a 1,536 x 576 4-bit
+  layer at 1 row 0.15 -> 0.09 ms, the 8-bit 49,152 x 576 head 4.6 -> 3.1 ms.
 
-Both compute the same functions up to fp32 rounding (tests/test_cpu_kernels.py: relative
-error <= 1e-6 against MLX). As with attention (:mod:`vllm_unified.models.paged_cache`), mlx-lm's
-model files are untouched: ``swiglu`` names in model modules are replaced, and fp32
-``nn.Linear`` / ``nn.Embedding`` instances of the model get a subclass whose call falls back
-to MLX's own op for whatever the kernels do not take.
+All compute the same functions up to fp32 rounding (tests/test_cpu_kernels.py: relative
+error <= 1e-6 against MLX; the quantized kernels bit-identical to their dense counterparts).
+As with attention (:mod:`vllm_unified.models.paged_cache`), mlx-lm's model files are
+untouched: ``swiglu`` names in model modules are replaced, and linear / embedding instances
+(fp32, or quantized in a format the kernels take) get a subclass whose call falls back to
+MLX's own op for whatever the kernels do not take.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -64,6 +73,39 @@ def _native_matmul_t(x: mx.array, weight: mx.array) -> mx.array | None:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _quantized_params(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array] | None:
+    """``(weight, scales, biases)`` of a quantized layer the native kernels take (affine mode,
+    4 or 8 bits, groups a multiple of 16, fp32 scales and biases), else None."""
+    biases = layer.get("biases")
+    if (getattr(layer, "mode", "affine") != "affine" or layer.bits not in (4, 8)
+            or layer.group_size % 16 or biases is None
+            or layer.scales.dtype != mx.float32 or biases.dtype != mx.float32):
+        return None
+    return layer["weight"], layer["scales"], biases
+
+
+def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
+    """``x @ dequantize(layer.weight).T`` by the native kernels (fp32 ``x`` on the CPU), else
+    None. Up to :data:`MAX_NATIVE_ROWS` rows the weight is dequantized inside the kernel, a few
+    rows at a time; larger inputs (prefill) get the whole weight dequantized by the native
+    kernel, then MLX's matmul (BLAS), the dense copy dropped after the call. Either way the
+    result is bit-identical to the same layer dequantized at load (``mx.dequantize``)."""
+    params = _quantized_params(layer)
+    native = bridge.native_kernels()
+    if params is None or native is None or x.dtype != mx.float32 or x.ndim == 0:
+        return None
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0:
+        return None
+    weight, scales, biases = params
+    flat = x.reshape(rows, x.shape[-1])
+    if rows <= MAX_NATIVE_ROWS:
+        out = native.quantized_linear(flat, weight, scales, biases, layer.group_size, layer.bits)
+    else:
+        out = flat @ native.dequantize(weight, scales, biases, layer.group_size, layer.bits).T
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class NativeLinear(nn.Linear):
     """``nn.Linear`` whose decode-sized fp32 calls run the native kernel (same parameters)."""
 
@@ -82,31 +124,92 @@ class NativeEmbedding(nn.Embedding):
         return super().as_linear(x) if out is None else out
 
 
+class NativeQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` run by the native kernels (same parameters; see
+    :func:`_native_quantized_matmul_t`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = _native_quantized_matmul_t(x, self)
+        if out is None:
+            return super().__call__(x)
+        return out + self["bias"] if "bias" in self else out
+
+
+class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose tied output head (``as_linear``) runs the native
+    kernels; the lookup stays MLX's (a gather of a few rows, then their dequantization)."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        out = _native_quantized_matmul_t(x, self)
+        return super().as_linear(x) if out is None else out
+
+
+#: Exact layer class -> its natively run subclass (subclasses of these are left alone).
+_ROUTES: dict[type, type] = {
+    nn.Linear: NativeLinear,
+    nn.Embedding: NativeEmbedding,
+    nn.QuantizedLinear: NativeQuantizedLinear,
+    nn.QuantizedEmbedding: NativeQuantizedEmbedding,
+}
+_NAMES = {NativeLinear: "linear", NativeEmbedding: "embedding",
+          NativeQuantizedLinear: "quantized linear",
+          NativeQuantizedEmbedding: "quantized embedding"}
+
+
+def keep_quantized_on_cpu(dtype: mx.Dtype) -> bool:
+    """Whether a quantized checkpoint stays quantized on MLX's CPU backend.
+
+    Yes when the native kernels run its layers: compute dtype fp32 and the extension built,
+    unless ``VLLM_UNIFIED_CPU_QUANTIZED=0``. Otherwise the loader dequantizes the weights once
+    to ``dtype``: MLX 0.32.4's own quantized matmul runs on one core (a 256-row prefill chunk
+    through a 576 x 1,536 4-bit layer: 133 ms, against 2.5 ms for fp32 BLAS; docs/
+    configuration.md, "Quantized weights on the CPU backend").
+    """
+    if os.environ.get("VLLM_UNIFIED_CPU_QUANTIZED", "1") == "0":
+        return False
+    return dtype == mx.float32 and bridge.native_kernels() is not None
+
+
 def install_cpu_kernels(model: Any) -> list[str]:
     """Route ``model``'s fp32 linears, tied output head and SwiGLU to the native CPU kernels,
     when they apply (MLX's CPU backend with the extension built).
 
-    Linears and embeddings become :class:`NativeLinear` / :class:`NativeEmbedding` (their
-    ``__class__`` is swapped: parameters, freezing and module paths stay as they are); only
-    exact ``nn.Linear`` / ``nn.Embedding`` instances with fp32, row-contiguous weights are
-    swapped (quantized layers are other classes and keep MLX's kernels). Idempotent.
+    Linears and embeddings become :class:`NativeLinear` / :class:`NativeEmbedding`, quantized
+    ones :class:`NativeQuantizedLinear` / :class:`NativeQuantizedEmbedding` (their
+    ``__class__`` is swapped: parameters, freezing and module paths stay as they are). Only
+    exact instances of the four MLX classes are swapped: dense ones with fp32 row-contiguous
+    weights, quantized ones the kernels take (affine, 4 or 8 bits, fp32 scales); other quantized
+    layers keep MLX's kernel and are named in the result. Idempotent.
 
     Returns:
-        What was routed, for the log (empty on other backends).
+        What was routed (and left), for the log; empty on other backends.
     """
     native = bridge.native_kernels()
     if native is None:
         return []
-    counts = {"linear": 0, "embedding": 0}
+    counts = dict.fromkeys(_ROUTES.values(), 0)
+    left: dict[str, int] = {}
     for module in model.modules():
-        kind = {nn.Linear: "linear", nn.Embedding: "embedding"}.get(type(module))
-        if kind is None or module.weight.dtype != mx.float32:
+        route = _ROUTES.get(type(module))
+        if route is None:
             continue
-        if not native.info(module.weight)["row_contiguous"]:
+        weights: tuple[mx.array, ...] | None
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            weights = _quantized_params(module)
+            if weights is None:
+                what = f"{getattr(module, 'mode', 'affine')} {module.bits}-bit"
+                left[what] = left.get(what, 0) + 1
+                continue
+        elif module.weight.dtype != mx.float32:
+            continue
+        else:
+            weights = (module.weight,)
+        if not all(native.info(w)["row_contiguous"] for w in weights):
             continue  # the kernel would refuse it; MLX's matmul reads views as they are
-        module.__class__ = NativeLinear if kind == "linear" else NativeEmbedding
-        counts[kind] += 1
-    routed = [f"{n} {kind} layers" for kind, n in counts.items() if n]
+        module.__class__ = route
+        counts[route] += 1
+    routed = [f"{n} {_NAMES[route]} layers" for route, n in counts.items() if n]
+    routed += [f"{n} {what} layers left to MLX's quantized matmul" for what, n in left.items()]
     for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
         if getattr(module, "swiglu", None) is _original_swiglu:

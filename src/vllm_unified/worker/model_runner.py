@@ -45,7 +45,7 @@ from vllm_unified.compat import (
     init_logger,
 )
 from vllm_unified.memory.kv_allocation import KV_LAYOUT, allocate_kv_cache
-from vllm_unified.models.cpu_kernels import install_cpu_kernels
+from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.hybrid import HybridLayers
 from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
@@ -191,7 +191,7 @@ class MLXModelRunner:
         path = self.model_config.model
         self.loaded = load_model(
             _checkpoint_path(path), hf_config=hf_config, dtype=self.dtype,
-            keep_quantized=self.keep_quantized,
+            keep_quantized=self.keep_quantized or keep_quantized_on_cpu(self.dtype),
         )
         self.model = self.loaded.model
         check_dtype_supported(self.model, self.dtype, detect_backend().kind)

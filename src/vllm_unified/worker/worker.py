@@ -71,8 +71,8 @@ class MLXWorker(WorkerBase):
         configure_wired_limit(mx, info.kind, logger)
         from vllm_unified.worker.model_runner import MLXModelRunner
 
-        # Quantized GGUF matmuls are fast on GPU backends; MLX's CPU quantized matmul is
-        # single-threaded, so the CPU backend dequantizes once at load.
+        # Quantized matmuls are fast on GPU backends; on the CPU the runner keeps weights
+        # quantized only where the native kernels run them (models/cpu_kernels.py).
         self.model_runner = MLXModelRunner(self.vllm_config, keep_quantized=info.kind != "cpu")
         logger.info("vllm-unified: worker on MLX %s (%s)", info.kind, mx.default_device())
 

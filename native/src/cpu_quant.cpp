@@ -1,0 +1,132 @@
+// Dequantization of MLX's affine-quantized weights (mx.quantize's layout) on the CPU.
+//
+// Rounded exactly as MLX 0.32.4's own dequantize: scale * q, rounded, plus bias, rounded. This
+// file is therefore compiled with -ffp-contract=off (CMakeLists.txt): a fused multiply-add
+// rounds once and differs in the last bit for ~20% of weights (measured on random data), which
+// would make a quantized model's outputs differ from the same model dequantized at load.
+//
+// x86_64 gets AVX-512 and AVX2 variants written with intrinsics (GCC's generic vectors lowered
+// the byte -> int widening to scalar inserts), chosen once by what the CPU supports; other
+// CPUs run the portable loop.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu_math.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define VUN_X86 1
+#endif
+
+namespace vun {
+
+namespace {
+
+using RowsFn = void (*)(const uint32_t*, const float*, const float*, float*, size_t, size_t,
+                        size_t, size_t);
+
+// Element k of a row: bits [bits * (k % per_word), ...) of word k / per_word, low bits first;
+// with little-endian words that is byte k (8 bits) or a nibble of byte k / 2 (4 bits: low
+// nibble for even k).
+template <int BITS>
+void rows_portable(const uint32_t* wq, const float* scales, const float* biases, float* out,
+                   size_t r0, size_t r1, size_t K, size_t group_size) {
+  constexpr size_t per_word = 32 / BITS;
+  constexpr uint32_t mask = (1u << BITS) - 1;
+  for (size_t r = r0; r < r1; ++r) {
+    const uint32_t* wr = wq + r * (K / per_word);
+    const float* sr = scales + r * (K / group_size);
+    const float* br = biases + r * (K / group_size);
+    float* o = out + (r - r0) * K;
+    for (size_t k = 0; k < K; ++k) {
+      const uint32_t q = (wr[k / per_word] >> (BITS * (k % per_word))) & mask;
+      o[k] = sr[k / group_size] * static_cast<float>(q) + br[k / group_size];
+    }
+  }
+}
+
+#ifdef VUN_X86
+// The 16 values of elements [k, k + 16) as bytes in order, from the row's bytes at k * BITS / 8.
+template <int BITS>
+__attribute__((target("avx2"))) inline __m128i bytes16(const uint8_t* p) {
+  if constexpr (BITS == 8) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i low = _mm_set1_epi8(0x0f);
+    return _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx512f,avx2"))) void rows_avx512(
+    const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
+    size_t r1, size_t K, size_t group_size) {
+  const size_t row_bytes = K * BITS / 8;
+  for (size_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(wq) + r * row_bytes;
+    const float* sr = scales + r * (K / group_size);
+    const float* br = biases + r * (K / group_size);
+    float* o = out + (r - r0) * K;
+    for (size_t g = 0; g < K / group_size; ++g) {
+      const __m512 s = _mm512_set1_ps(sr[g]);
+      const __m512 b = _mm512_set1_ps(br[g]);
+      for (size_t k = g * group_size; k < (g + 1) * group_size; k += 16) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16<BITS>(wr + k * BITS / 8)));
+        _mm512_storeu_ps(o + k, _mm512_add_ps(_mm512_mul_ps(q, s), b));
+      }
+    }
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx2"))) void rows_avx2(
+    const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
+    size_t r1, size_t K, size_t group_size) {
+  const size_t row_bytes = K * BITS / 8;
+  for (size_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(wq) + r * row_bytes;
+    const float* sr = scales + r * (K / group_size);
+    const float* br = biases + r * (K / group_size);
+    float* o = out + (r - r0) * K;
+    for (size_t g = 0; g < K / group_size; ++g) {
+      const __m256 s = _mm256_set1_ps(sr[g]);
+      const __m256 b = _mm256_set1_ps(br[g]);
+      for (size_t k = g * group_size; k < (g + 1) * group_size; k += 16) {
+        const __m128i v = bytes16<BITS>(wr + k * BITS / 8);
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+        _mm256_storeu_ps(o + k, _mm256_add_ps(_mm256_mul_ps(lo, s), b));
+        _mm256_storeu_ps(o + k + 8, _mm256_add_ps(_mm256_mul_ps(hi, s), b));
+      }
+    }
+  }
+}
+#endif
+
+template <int BITS>
+RowsFn pick() {
+#ifdef VUN_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) {
+    return rows_avx512<BITS>;
+  }
+  if (__builtin_cpu_supports("avx2")) {
+    return rows_avx2<BITS>;
+  }
+#endif
+  return rows_portable<BITS>;
+}
+
+} // namespace
+
+void dequantize_rows_f32(
+    const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
+    size_t r1, size_t K, size_t group_size, int bits) {
+  static const RowsFn four = pick<4>();
+  static const RowsFn eight = pick<8>();
+  (bits == 4 ? four : eight)(wq, scales, biases, out, r0, r1, K, group_size);
+}
+
+} // namespace vun
