@@ -204,18 +204,24 @@ def test_installed_kernels_keep_the_model_function(monkeypatch, tied):
     assert isinstance(model.layers[0].mlp.gate_proj, nn.Linear)
 
 
-def test_unsupported_quantized_and_half_layers_are_left_alone():
+def test_half_layers_are_left_alone_and_unsupported_quantized_ones_dequantized():
     model = _tiny_llama(False)
     nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p.endswith("q_proj"))
     nn.quantize(model, group_size=32, bits=3, class_predicate=lambda p, m: p.endswith("k_proj"))
     model.layers[1].mlp.down_proj.weight = model.layers[1].mlp.down_proj.weight.astype(
         mx.bfloat16)
+    k_proj = model.layers[0].self_attn.k_proj
+    dense_k = mx.dequantize(k_proj.weight, k_proj.scales, k_proj.biases, 32, 3)
+    x = mx.array(np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32))
+    want_k = k_proj(x)
     routed = cpu_kernels.install_cpu_kernels(model)
-    assert f"{2 * 7 + 1 - 2 - 2 - 1} linear layers" in routed
+    assert f"{2 * 7 + 1 - 2 - 1} linear layers" in routed  # 2 of them were 3-bit
     assert "2 quantized linear layers" in routed
-    assert "2 affine 3-bit layers left to MLX's quantized matmul" in routed
+    assert "2 affine 3-bit layers dequantized to float32 (no native kernel for them)" in routed
     assert type(model.layers[0].self_attn.q_proj) is cpu_kernels.NativeQuantizedLinear
-    assert type(model.layers[0].self_attn.k_proj) is nn.QuantizedLinear
+    assert type(k_proj) is cpu_kernels.NativeLinear and "scales" not in k_proj
+    assert mx.array_equal(k_proj.weight, dense_k).item()
+    assert _rel_err(k_proj(x), want_k) < 1e-5
     assert type(model.layers[1].mlp.down_proj) is nn.Linear
 
 

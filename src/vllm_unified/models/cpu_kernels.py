@@ -151,6 +151,8 @@ _ROUTES: dict[type, type] = {
     nn.QuantizedLinear: NativeQuantizedLinear,
     nn.QuantizedEmbedding: NativeQuantizedEmbedding,
 }
+_DENSE_ROUTES: dict[type, type] = {nn.QuantizedLinear: NativeLinear,
+                                   nn.QuantizedEmbedding: NativeEmbedding}
 _NAMES = {NativeLinear: "linear", NativeEmbedding: "embedding",
           NativeQuantizedLinear: "quantized linear",
           NativeQuantizedEmbedding: "quantized embedding"}
@@ -170,6 +172,18 @@ def keep_quantized_on_cpu(dtype: mx.Dtype) -> bool:
     return dtype == mx.float32 and bridge.native_kernels() is not None
 
 
+def _dequantize_in_place(layer: nn.Module) -> None:
+    """Turn a quantized linear / embedding into the dense fp32 layer it stands for (same
+    module object: ``mx.dequantize`` of its weight, scales and biases dropped)."""
+    layer.weight = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"),
+                                 group_size=layer.group_size, bits=layer.bits,
+                                 mode=getattr(layer, "mode", "affine")).astype(mx.float32)
+    for key in ("scales", "biases"):
+        if key in layer:
+            del layer[key]
+    mx.eval(layer.weight)
+
+
 def install_cpu_kernels(model: Any) -> list[str]:
     """Route ``model``'s fp32 linears, tied output head and SwiGLU to the native CPU kernels,
     when they apply (MLX's CPU backend with the extension built).
@@ -178,8 +192,10 @@ def install_cpu_kernels(model: Any) -> list[str]:
     ones :class:`NativeQuantizedLinear` / :class:`NativeQuantizedEmbedding` (their
     ``__class__`` is swapped: parameters, freezing and module paths stay as they are). Only
     exact instances of the four MLX classes are swapped: dense ones with fp32 row-contiguous
-    weights, quantized ones the kernels take (affine, 4 or 8 bits, fp32 scales); other quantized
-    layers keep MLX's kernel and are named in the result. Idempotent.
+    weights, quantized ones the kernels take (affine, 4 or 8 bits, fp32 scales). Other
+    quantized layers (2/3/5/6 bits, mxfp4, ...) are dequantized to fp32 here, as the loader
+    would have done (MLX's CPU quantized matmul runs on one core), and named in the result.
+    Idempotent.
 
     Returns:
         What was routed (and left), for the log; empty on other backends.
@@ -199,7 +215,9 @@ def install_cpu_kernels(model: Any) -> list[str]:
             if weights is None:
                 what = f"{getattr(module, 'mode', 'affine')} {module.bits}-bit"
                 left[what] = left.get(what, 0) + 1
-                continue
+                _dequantize_in_place(module)
+                route = _DENSE_ROUTES[type(module)]
+                weights = (module.weight,)
         elif module.weight.dtype != mx.float32:
             continue
         else:
@@ -209,7 +227,8 @@ def install_cpu_kernels(model: Any) -> list[str]:
         module.__class__ = route
         counts[route] += 1
     routed = [f"{n} {_NAMES[route]} layers" for route, n in counts.items() if n]
-    routed += [f"{n} {what} layers left to MLX's quantized matmul" for what, n in left.items()]
+    routed += [f"{n} {what} layers dequantized to float32 (no native kernel for them)"
+               for what, n in left.items()]
     for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
         if getattr(module, "swiglu", None) is _original_swiglu:
