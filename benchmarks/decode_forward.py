@@ -45,11 +45,12 @@ BLOCK = 16
 @contextlib.contextmanager
 def plain_mlx(model):
     """Undo :func:`vllm_unified.models.cpu_kernels.install_cpu_kernels` for the block: MLX's
-    own linears and mlx-lm's SwiGLU, as plain mlx-lm runs them."""
+    own linears, norms, RoPE and mlx-lm's SwiGLU, as plain mlx-lm runs them."""
     import vllm_unified.models.cpu_kernels as ck
 
-    swapped = [(m, type(m)) for m in model.modules()
-               if type(m) in (ck.NativeLinear, ck.NativeEmbedding)]
+    native = (ck.NativeLinear, ck.NativeEmbedding, ck.NativeQuantizedLinear,
+              ck.NativeQuantizedEmbedding, ck.NativeRMSNorm, ck.NativeRoPE)
+    swapped = [(m, type(m)) for m in model.modules() if type(m) in native]
     modules = [sys.modules[n] for n in {type(m).__module__ for m in model.modules()}
                if getattr(sys.modules.get(n), "swiglu", None) is ck.swiglu]
     for m, cls in swapped:

@@ -189,16 +189,19 @@ def test_installed_kernels_keep_the_model_function(monkeypatch, tied):
     n_linear = 2 * 7 + (0 if tied else 1)
     assert f"{n_linear} linear layers" in routed
     assert "1 embedding layers" in routed  # its as_linear is the head only when tied
+    assert "5 RMSNorm layers" in routed and "2 RoPE layers" in routed
     assert llama.swiglu is cpu_kernels.swiglu  # module-wide: routed by the first install
     assert cpu_kernels.install_cpu_kernels(model) == []  # idempotent
     spy = _Spy(native)
     monkeypatch.setattr(bridge, "native_kernels", lambda: spy)
     got_decode = model(tokens[:, :1])
-    assert spy.calls == {"linear": n_linear + (1 if tied else 0), "silu_mul": 2}
+    norms_and_rope = {"rms_norm": 5, "rope": 2 * 2}  # 2 norms per layer + final; q and k
+    assert spy.calls == {"linear": n_linear + (1 if tied else 0), "silu_mul": 2,
+                         **norms_and_rope}
     assert _rel_err(got_decode, want_decode) < 1e-5
     spy.calls.clear()
     got_prefill = model(tokens)
-    assert spy.calls == {"silu_mul": 2}  # 80 rows: MLX's matmul, native SwiGLU
+    assert spy.calls == {"silu_mul": 2, **norms_and_rope}  # 80 rows: MLX's matmul
     assert _rel_err(got_prefill, want_prefill) < 1e-5
     assert type(model.layers[0].mlp.gate_proj) is cpu_kernels.NativeLinear
     assert isinstance(model.layers[0].mlp.gate_proj, nn.Linear)
@@ -331,3 +334,68 @@ def test_quantized_weights_stay_quantized_only_where_the_kernels_run(monkeypatch
     monkeypatch.delenv("VLLM_UNIFIED_CPU_QUANTIZED")
     monkeypatch.setattr(bridge, "native_kernels", lambda: None)
     assert not cpu_kernels.keep_quantized_on_cpu(mx.float32)
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims, head_dim", [(64, 64), (32, 64), (16, 20)])
+@pytest.mark.parametrize("offset_kind", ["per_row", "int", "one"])
+def test_rope_equals_mx_fast_rope(traditional, dims, head_dim, offset_kind):
+    rng = np.random.default_rng(dims + head_dim)
+    x = mx.array(rng.standard_normal((6, 3, 2, head_dim)).astype(np.float32))
+    offset = {"per_row": mx.array(rng.integers(0, 4000, (6,)).astype(np.int32)),
+              "int": 37, "one": mx.array([1234])}[offset_kind]
+    rope = nn.RoPE(dims, traditional=traditional, base=100000.0, scale=0.5)
+    want = rope(x, offset=offset)
+    rope.__class__ = cpu_kernels.NativeRoPE
+    spy = _Spy(native)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bridge, "native_kernels", lambda: spy)
+        got = rope(x, offset=offset)
+    assert spy.calls == {"rope": 1}
+    assert got.shape == x.shape
+    # angles up to 2,000 rad: fp32 rounding of theta dominates (MLX's own CPU path shares it)
+    assert float(mx.abs(got - want).max()) < 2e-6
+    # a transposed view (mlx-lm's [B, L, H, D] -> [B, H, L, D]) is read as it is
+    xt = x.transpose(0, 2, 1, 3)
+    assert float(mx.abs(rope(xt, offset=offset) - nn.RoPE.__call__(rope, xt, offset)).max()) < 2e-6
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (16, 576), (3, 5, 64), (7,)])
+def test_rms_norm_equals_mx_fast_rms_norm(shape):
+    rng = np.random.default_rng(len(shape))
+    x = mx.array((rng.standard_normal(shape) * 3).astype(np.float32))
+    norm = nn.RMSNorm(shape[-1], eps=1e-5)
+    norm.weight = mx.array(rng.standard_normal(shape[-1]).astype(np.float32))
+    want = norm(x)
+    norm.__class__ = cpu_kernels.NativeRMSNorm
+    got = norm(x)
+    assert got.shape == x.shape
+    assert _rel_err(got, want) < 2e-6
+
+
+def test_norm_and_rope_kernels_reject_bad_input():
+    with pytest.raises(TypeError, match="float32"):
+        native.rms_norm(mx.zeros((2, 4), mx.float16), mx.ones((4,), mx.float16), 1e-5)
+    with pytest.raises(ValueError, match=r"weight must be \[D\]"):
+        native.rms_norm(mx.zeros((2, 4)), mx.ones((5,)), 1e-5)
+    inv = mx.ones((8,))
+    offsets = mx.zeros((2,), mx.int32)
+    with pytest.raises(ValueError, match=r"\[B, H, L, D\]"):
+        native.rope(mx.zeros((2, 3, 16)), 16, False, inv, 1.0, offsets)
+    with pytest.raises(ValueError, match="dims must be even"):
+        native.rope(mx.zeros((2, 3, 1, 16)), 15, False, inv, 1.0, offsets)
+    with pytest.raises(ValueError, match=r"inv_freq must be \[dims / 2\]"):
+        native.rope(mx.zeros((2, 3, 1, 16)), 8, False, inv, 1.0, offsets)
+    with pytest.raises(ValueError, match=r"offsets must be \[B\] or \[1\]"):
+        native.rope(mx.zeros((2, 3, 1, 16)), 16, False, inv, 1.0, mx.zeros((3,), mx.int32))
+    with pytest.raises(TypeError, match="int32"):
+        native.rope(mx.zeros((2, 3, 1, 16)), 16, False, inv, 1.0, mx.zeros((2,)))
+
+
+def test_rope_calls_outside_the_kernel_fall_back():
+    rope = nn.RoPE(16, base=10000.0)
+    rope.__class__ = cpu_kernels.NativeRoPE
+    x = mx.array(np.random.default_rng(0).standard_normal((2, 4, 16)).astype(np.float32))
+    assert mx.array_equal(rope(x, offset=3), nn.RoPE.__call__(rope, x, 3)).item()  # 3-D input
+    x16 = x.reshape(1, 2, 4, 16).astype(mx.float16)
+    assert mx.array_equal(rope(x16), nn.RoPE.__call__(rope, x16)).item()  # not fp32

@@ -27,6 +27,10 @@
 //       4 rows at a time into a scratch buffer: bit-identical to linear on mx.dequantize(w).
 //   dequantize(w, scales, biases, group_size, bits, *, stream=None) -> mx.array
 //       mx.dequantize to fp32, vectorized and threaded (MLX's CPU one is scalar, one thread).
+//   rms_norm(x, weight, eps, *, stream=None) -> mx.array
+//   rope(x, dims, traditional, inv_freq, scale, offsets, *, stream=None) -> mx.array
+//       fp32 RMSNorm / rotary embedding as one primitive each (MLX's CPU backend evaluates
+//       mx.fast.rms_norm / mx.fast.rope as graphs of ~10 / ~30 primitives).
 //   to_torch(a) -> torch.Tensor
 //       A torch view of an array's bytes with an exact data pointer (MLX's own DLPack export
 //       breaks torch for adopted arrays whose offset is negative).
@@ -529,6 +533,153 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream
   return mx::array(
       gate.shape(), mx::float32, std::make_shared<SiluMul>(s),
       {mx::contiguous(gate, false, s), mx::contiguous(up, false, s)});
+}
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm, rope: MLX 0.32.4's CPU backend runs mx.fast.rms_norm and mx.fast.rope as their
+// fallback graphs (~10 and ~30 primitives per call); these are one primitive each.
+
+class RmsNorm : public mx::Primitive {
+ public:
+  RmsNorm(mx::Stream s, float eps) : mx::Primitive(s), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    auto& out = outputs[0];
+    if (!x.flags().row_contiguous || !w.flags().row_contiguous) {
+      throw std::invalid_argument("[rms_norm] x and w must be row-contiguous");
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(x);
+    enc.set_input_array(w);
+    enc.set_output_array(out);
+    const size_t D = static_cast<size_t>(x.shape(-1));
+    enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(),
+                  rows = D ? x.size() / D : 0, D, eps = eps_]() {
+      vun::rms_norm_f32(xp, wp, op, rows, D, eps);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[rms_norm] CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+
+  const char* name() const override {
+    return "RmsNorm";
+  }
+
+ private:
+  float eps_;
+};
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream);
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "rms_norm: x and weight must be float32");
+  }
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1)) {
+    raise_py(PyExc_ValueError,
+             "rms_norm: weight must be [D] for x [..., D], got " + shape_str(w.shape()) +
+                 " and " + shape_str(x.shape()));
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
+                   {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
+}
+
+class Rope : public mx::Primitive {
+ public:
+  Rope(mx::Stream s, int dims, bool traditional, float scale)
+      : mx::Primitive(s), dims_(dims), traditional_(traditional), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    auto& out = outputs[0];
+    for (const auto& a : inputs) {
+      if (!a.flags().row_contiguous) {
+        throw std::invalid_argument("[rope] inputs must be row-contiguous");
+      }
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) {
+      enc.set_input_array(a);
+    }
+    enc.set_output_array(out);
+    enc.dispatch([xp = x.data<float>(), op = out.data<float>(),
+                  offs = inputs[1].data<int32_t>(), freqs = inputs[2].data<float>(),
+                  B = static_cast<size_t>(x.shape(0)), H = static_cast<size_t>(x.shape(1)),
+                  L = static_cast<size_t>(x.shape(2)), D = static_cast<size_t>(x.shape(3)),
+                  dims = static_cast<size_t>(dims_), trad = traditional_, scale = scale_]() {
+      std::vector<float> cos_sin(dims);
+      vun::rope_f32(xp, op, offs, B, H, L, D, dims, trad, freqs, scale, cos_sin.data());
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[rope] CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
+  }
+
+  const char* name() const override {
+    return "Rope";
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float scale_;
+};
+
+mx::array rope(const mx::array& x, int dims, bool traditional, const mx::array& inv_freq,
+               float scale, const mx::array& offsets, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream);
+  if (x.dtype() != mx::float32 || inv_freq.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "rope: x and inv_freq must be float32");
+  }
+  if (offsets.dtype() != mx::int32) {
+    raise_py(PyExc_TypeError, "rope: offsets must be int32");
+  }
+  if (x.ndim() != 4) {
+    raise_py(PyExc_ValueError, "rope: x must be [B, H, L, D], got " + shape_str(x.shape()));
+  }
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(3)) {
+    raise_py(PyExc_ValueError,
+             "rope: dims must be even and in (0, D = " + std::to_string(x.shape(3)) + "], got " +
+                 std::to_string(dims));
+  }
+  if (inv_freq.ndim() != 1 || inv_freq.shape(0) != dims / 2) {
+    raise_py(PyExc_ValueError,
+             "rope: inv_freq must be [dims / 2] = [" + std::to_string(dims / 2) + "], got " +
+                 shape_str(inv_freq.shape()));
+  }
+  if (offsets.ndim() != 1 || (offsets.shape(0) != x.shape(0) && offsets.shape(0) != 1)) {
+    raise_py(PyExc_ValueError,
+             "rope: offsets must be [B] or [1] for x " + shape_str(x.shape()) + ", got " +
+                 shape_str(offsets.shape()));
+  }
+  const mx::array offs =
+      mx::contiguous(mx::broadcast_to(offsets, {x.shape(0)}, s), false, s);
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<Rope>(s, dims, traditional, scale),
+                   {mx::contiguous(x, false, s), offs, mx::contiguous(inv_freq, false, s)});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1130,6 +1281,16 @@ NB_MODULE(_native, m) {
         nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 4 or 8, fp32 scales/biases), "
         "bit-identical to it, threaded; CPU streams only.");
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 RMSNorm over the last axis (mx.fast.rms_norm's function) as one primitive; "
+        "CPU streams only.");
+  m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"),
+        nb::arg("inv_freq"), nb::arg("scale"), nb::arg("offsets"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 rotary embedding of x [B, H, L, D] (mx.fast.rope's function) with per-batch "
+        "int32 offsets [B] and inverse frequencies [dims / 2], as one primitive; CPU streams "
+        "only.");
   m.def("to_torch", &to_torch, nb::arg("a"),
         "A torch CPU tensor over the array's bytes (exact data pointer, any offset).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");

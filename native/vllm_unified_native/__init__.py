@@ -1,5 +1,5 @@
 """Native half of :mod:`vllm_unified.bridge` (adopt foreign memory into MLX, write rows in place)
-and MLX CPU kernels (linear, quantized linear, dequantize, paged attention, SwiGLU).
+and MLX CPU kernels (linear, quantized linear, dequantize, paged attention, SwiGLU, RMSNorm, RoPE).
 
 Use :mod:`vllm_unified.bridge` rather than this module directly. Importing it imports
 ``mlx.core`` first (the extension's ``mx.array``/``mx.Dtype`` arguments are mlx.core's own
@@ -23,6 +23,8 @@ from ._native import (
     linear,
     paged_attention,
     quantized_linear,
+    rms_norm,
+    rope,
     silu_mul,
     to_torch,
     write_rows,
@@ -37,5 +39,5 @@ if _running != MLX_VERSION:
 
 __all__ = [
     "MLX_VERSION", "NANOBIND_VERSION", "adopt", "dequantize", "gather_kv", "info", "linear",
-    "paged_attention", "quantized_linear", "silu_mul", "to_torch", "write_rows",
+    "paged_attention", "quantized_linear", "rms_norm", "rope", "silu_mul", "to_torch", "write_rows",
 ]

@@ -31,6 +31,7 @@ MLX's own op for whatever the kernels do not take.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Any
@@ -144,6 +145,61 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         return super().as_linear(x) if out is None else out
 
 
+class NativeRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` as one native primitive for fp32 inputs (MLX's CPU backend runs
+    ``mx.fast.rms_norm`` as a graph of ~10 primitives)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        native = bridge.native_kernels()
+        weight = self["weight"]
+        if native is None or x.dtype != mx.float32 or weight.dtype != mx.float32:
+            return super().__call__(x)
+        return native.rms_norm(x, weight, self.eps)
+
+
+_INV_FREQS: dict[tuple[int, float], mx.array] = {}
+
+
+def _inv_freq(dims: int, base: float) -> mx.array:
+    """``base ** (-2i / dims)`` for ``i < dims / 2`` computed by the same MLX ops as
+    ``mx.fast.rope``'s CPU fallback (so the rotation angles match it bit for bit); cached."""
+    key = (dims, float(base))
+    if key not in _INV_FREQS:
+        half = dims // 2
+        inv = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
+        mx.eval(inv)
+        _INV_FREQS[key] = inv
+    return _INV_FREQS[key]
+
+
+class NativeRoPE(nn.RoPE):
+    """``nn.RoPE`` as one native primitive for fp32 ``[B, H, L, D]`` inputs with an int offset
+    or one offset per batch row (the paged cache's per-token positions); MLX's CPU backend runs
+    ``mx.fast.rope`` as a graph of ~30 primitives (sin, cos, slices, concatenation)."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        native = bridge.native_kernels()
+        offsets = _rope_offsets(offset, x)
+        if native is None or x.dtype != mx.float32 or offsets is None:
+            return super().__call__(x, offset)
+        return native.rope(x, self.dims, self.traditional, _inv_freq(self.dims, self.base),
+                           self.scale, offsets)
+
+
+def _rope_offsets(offset: int | mx.array, x: mx.array) -> mx.array | None:
+    """``offset`` as the int32 ``[B]`` / ``[1]`` array the native RoPE takes, or None when the
+    call is not one it covers (not ``[B, H, L, D]``, or offsets of another shape)."""
+    if x.ndim != 4:
+        return None
+    if isinstance(offset, int):
+        return mx.array([offset], dtype=mx.int32)
+    if not isinstance(offset, mx.array) or offset.size not in (1, x.shape[0]):
+        return None
+    if offset.ndim > 1 or not mx.issubdtype(offset.dtype, mx.integer):
+        return None
+    return offset.reshape(-1).astype(mx.int32)
+
+
 #: Exact layer class -> its natively run subclass (subclasses of these are left alone).
 _ROUTES: dict[type, type] = {
     nn.Linear: NativeLinear,
@@ -155,7 +211,8 @@ _DENSE_ROUTES: dict[type, type] = {nn.QuantizedLinear: NativeLinear,
                                    nn.QuantizedEmbedding: NativeEmbedding}
 _NAMES = {NativeLinear: "linear", NativeEmbedding: "embedding",
           NativeQuantizedLinear: "quantized linear",
-          NativeQuantizedEmbedding: "quantized embedding"}
+          NativeQuantizedEmbedding: "quantized embedding", NativeRMSNorm: "RMSNorm",
+          NativeRoPE: "RoPE"}
 
 
 def keep_quantized_on_cpu(dtype: mx.Dtype) -> bool:
@@ -226,6 +283,13 @@ def install_cpu_kernels(model: Any) -> list[str]:
             continue  # the kernel would refuse it; MLX's matmul reads views as they are
         module.__class__ = route
         counts[route] += 1
+    for module in model.modules():
+        if type(module) is nn.RMSNorm:
+            module.__class__ = NativeRMSNorm
+            counts[NativeRMSNorm] = counts.get(NativeRMSNorm, 0) + 1
+        elif type(module) is nn.RoPE and module.base is not None:
+            module.__class__ = NativeRoPE
+            counts[NativeRoPE] = counts.get(NativeRoPE, 0) + 1
     routed = [f"{n} {_NAMES[route]} layers" for route, n in counts.items() if n]
     routed += [f"{n} {what} layers dequantized to float32 (no native kernel for them)"
                for what, n in left.items()]
