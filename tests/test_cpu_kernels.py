@@ -248,17 +248,17 @@ def test_dequantize_is_bit_identical_to_mlx(n, k, group_size, bits):
     assert mx.array_equal(got, mx.dequantize(wq, scales, biases, group_size, bits)).item()
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16, 33, 100])
+@pytest.mark.parametrize("m", [1, 4, 5, 16, 33])
 @pytest.mark.parametrize("n, k, group_size, bits", QUANTIZED_SHAPES)
-def test_quantized_linear_equals_matmul_on_dequantized(m, n, k, group_size, bits):
+def test_quantized_linear_is_bit_identical_to_linear_on_dequantized(m, n, k, group_size, bits):
     rng = np.random.default_rng(m * 7 + n + k + bits)
     wq, scales, biases = _quantized(rng, n, k, group_size, bits)
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
     got = native.quantized_linear(x, wq, scales, biases, group_size, bits)
     dense = mx.dequantize(wq, scales, biases, group_size, bits)
     assert got.shape == (m, n)
-    exact = np.array(x).astype(np.float64) @ np.array(dense).astype(np.float64).T
-    assert np.abs(np.array(got) - exact).max() <= 1e-5 * np.abs(exact).max()
+    assert mx.array_equal(got, native.linear(x, dense)).item()
+    assert _rel_err(got, x @ dense.T) < 1e-5
     assert _rel_err(got, mx.quantized_matmul(x, wq, scales, biases, transpose=True,
                                              group_size=group_size, bits=bits)) < 1e-5
     # Batch invariance: each row's outputs are the same bits whatever rows share the call.
@@ -284,8 +284,8 @@ print(h.hexdigest())
 
 
 def test_quantized_kernels_give_the_same_bits_at_every_isa_level():
-    """The AVX-512, AVX2 and portable variants of the dispatched kernels (chosen once per
-    process; VLLM_UNIFIED_CPU_ISA lowers the choice) compute identical results."""
+    """The AVX-512, AVX2 and portable dequantization (chosen once per process;
+    VLLM_UNIFIED_CPU_ISA lowers the choice) give identical results."""
     import os
     import subprocess
     import sys
@@ -322,11 +322,10 @@ def test_quantized_kernels_reject_bad_input():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_quantized_model_runs_like_its_dequantized_copy(monkeypatch, tied):
+def test_quantized_model_runs_bit_identical_to_its_dequantized_copy(monkeypatch, tied):
     """A model kept quantized (4-bit layers, 8-bit embedding) and run by the native kernels
-    computes what the same model dequantized at load computes, up to fp32 summation order:
-    inputs up to MAX_NATIVE_QUANTIZED_ROWS in the quantized kernel, larger ones dequantized
-    natively for MLX's matmul."""
+    computes exactly what the same model dequantized at load computes: decode-sized inputs in
+    the quantized kernel, larger ones dequantized natively for MLX's matmul."""
     model = _tiny_llama(tied)
     nn.quantize(model, group_size=32, bits=4,
                 class_predicate=lambda p, m: isinstance(m, nn.Linear))
@@ -334,19 +333,18 @@ def test_quantized_model_runs_like_its_dequantized_copy(monkeypatch, tied):
                 class_predicate=lambda p, m: isinstance(m, nn.Embedding))
     dense = _tiny_llama(tied)
     dense.update(dequantized_params(model))
+    cpu_kernels.install_cpu_kernels(dense)
     routed = cpu_kernels.install_cpu_kernels(model)
     assert f"{2 * 7 + (0 if tied else 1)} quantized linear layers" in routed
     assert "1 quantized embedding layers" in routed
-    tokens = mx.array(np.random.default_rng(0).integers(0, 300, (2, 150)))
-    assert 2 * 150 > cpu_kernels.MAX_NATIVE_QUANTIZED_ROWS
+    tokens = mx.array(np.random.default_rng(0).integers(0, 300, (2, 40)))
     spy = _Spy(native)
     monkeypatch.setattr(bridge, "native_kernels", lambda: spy)
-    for inputs, kernel in ((tokens[:, :1], "quantized_linear"),
-                           (tokens[:, :40], "quantized_linear"), (tokens, "dequantize")):
+    for inputs, kernel in ((tokens[:, :1], "quantized_linear"), (tokens, "dequantize")):
         got = model(inputs)
         assert spy.calls[kernel] == 2 * 7 + 1
         spy.calls.clear()
-        assert _rel_err(got, dense(inputs)) < 1e-5
+        assert mx.array_equal(got, dense(inputs)).item()
 
 
 def dequantized_params(model: nn.Module) -> dict:

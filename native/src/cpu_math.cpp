@@ -198,6 +198,12 @@ VUN_CLONES void linear_rows_f32(
   cols(x, w + n0 * K, y, M, N, K, n0, n1 - n0);
 }
 
+VUN_CLONES void linear_cols_f32(
+    const float* x, const float* wn, float* y, size_t M, size_t N, size_t K, size_t n,
+    size_t count) {
+  cols(x, wn, y, M, N, K, n, count);
+}
+
 } // namespace vun
 
 namespace vun {
@@ -259,62 +265,6 @@ VUN_CLONES void rope_f32(
         }
       }
     }
-  }
-}
-
-} // namespace vun
-
-namespace vun {
-
-namespace {
-
-template <int RM>
-VUN_INLINE void panel_tile(const float* x, const float* panel, float* acc, size_t m, size_t K,
-                           size_t k0, size_t kc, bool first) {
-  v16 a[RM][2];
-  for (int i = 0; i < RM; ++i) {
-    if (first) {
-      a[i][0] = v16{};
-      a[i][1] = v16{};
-    } else {
-      a[i][0] = load16(acc + (m + i) * kPanel);
-      a[i][1] = load16(acc + (m + i) * kPanel + 16);
-    }
-  }
-  for (size_t k = 0; k < kc; ++k) {
-    const v16 w0 = load16(panel + k * kPanel);
-    const v16 w1 = load16(panel + k * kPanel + 16);
-    for (int i = 0; i < RM; ++i) {
-      const float xv = x[(m + i) * K + k0 + k];
-      a[i][0] += xv * w0;
-      a[i][1] += xv * w1;
-    }
-  }
-  for (int i = 0; i < RM; ++i) {
-    __builtin_memcpy(acc + (m + i) * kPanel, &a[i][0], sizeof(v16));
-    __builtin_memcpy(acc + (m + i) * kPanel + 16, &a[i][1], sizeof(v16));
-  }
-}
-
-} // namespace
-
-VUN_CLONES void panel_linear_f32(
-    const float* x, const float* panel, float* acc, size_t M, size_t K, size_t k0, size_t kc,
-    bool first) {
-  size_t m = 0;
-  for (; m + 8 <= M; m += 8) {
-    panel_tile<8>(x, panel, acc, m, K, k0, kc, first);
-  }
-  if (m + 4 <= M) {
-    panel_tile<4>(x, panel, acc, m, K, k0, kc, first);
-    m += 4;
-  }
-  if (m + 2 <= M) {
-    panel_tile<2>(x, panel, acc, m, K, k0, kc, first);
-    m += 2;
-  }
-  if (m < M) {
-    panel_tile<1>(x, panel, acc, m, K, k0, kc, first);
   }
 }
 

@@ -40,6 +40,13 @@ void linear_rows_f32(
 
 namespace vun {
 
+// linear_rows_f32 for the columns [n, n + count) of y, their weight rows given separately:
+// wn [count, K] row-contiguous (e.g. rows dequantized into a scratch buffer). The same tiles
+// in the same order as linear_rows_f32, so equal weights give bit-identical outputs.
+void linear_cols_f32(
+    const float* x, const float* wn, float* y, size_t M, size_t N, size_t K, size_t n,
+    size_t count);
+
 // Dequantize rows [r0, r1) of an MLX affine-quantized matrix (mx.quantize's layout, "affine"
 // mode) into out [(r1 - r0), K] fp32: out[r, k] = scales[r, g] * q[r, k] + biases[r, g] with
 // g = k / group_size, rounded as MLX's own dequantize does (product, then sum: bit-identical to
@@ -66,30 +73,5 @@ void rms_norm_f32(const float* x, const float* w, float* out, size_t rows, size_
 void rope_f32(
     const float* x, float* out, const int32_t* offsets, size_t B, size_t H, size_t L, size_t D,
     size_t dims, bool traditional, const float* inv_freq, float scale, float* cos_sin);
-
-} // namespace vun
-
-namespace vun {
-
-// Columns per weight panel of the quantized linear: a panel holds the dequantized weights of
-// kPanel consecutive output features transposed, panel[k * kPanel + j] = w[n + j, k].
-constexpr size_t kPanel = 32;
-
-// Dequantize elements [k0, k0 + kc) of the weight rows [n, n + count), count <= kPanel, of an
-// MLX affine-quantized matrix (layout as for dequantize_rows_f32) into a panel [kc, kPanel]:
-// panel[(k - k0) * kPanel + j] = w[n + j, k], columns past count 0. k0 and kc multiples of
-// group_size. Rounded as mx.dequantize (product, then sum).
-void dequantize_panel_f32(
-    const uint32_t* wq, const float* scales, const float* biases, float* panel, size_t n,
-    size_t count, size_t K, size_t k0, size_t kc, size_t group_size, int bits);
-
-// acc[m, j] (+)= sum_{k < kc} x[m, k0 + k] * panel[k * kPanel + j] for m < M, j < kPanel, x
-// [M, K] row-contiguous, acc [M, kPanel]; first: acc starts at 0, else it holds the sums of
-// the previous chunks. Rows in blocks of 8/4/2/1, each x element broadcast against the panel's
-// two 16-wide column vectors: every output is summed over k in order in one lane, whatever M
-// and the chunking (a row's result does not depend on the batch it is in).
-void panel_linear_f32(
-    const float* x, const float* panel, float* acc, size_t M, size_t K, size_t k0, size_t kc,
-    bool first);
 
 } // namespace vun

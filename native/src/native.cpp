@@ -24,7 +24,7 @@
 //       fp32 x @ w.T reading each weight row once, threaded (decode-sized batches).
 //   quantized_linear(x, w, scales, biases, group_size, bits, *, stream=None) -> mx.array
 //       fp32 x @ dequantize(w).T for MLX affine-quantized w (4/8 bits), weights dequantized
-//       32 rows x 128 elements at a time into an L1 panel (transposed), x broadcast against it.
+//       4 rows at a time into a scratch buffer: bit-identical to linear on mx.dequantize(w).
 //   dequantize(w, scales, biases, group_size, bits, *, stream=None) -> mx.array
 //       mx.dequantize to fp32, vectorized and threaded (MLX's CPU one is scalar, one thread).
 //   rms_norm(x, weight, eps, *, stream=None) -> mx.array
@@ -1057,11 +1057,9 @@ float* scratch_rows(size_t floats) {
   return buf.data();
 }
 
-// y = x @ dequantize(w).T for fp32 x [M, K]: the weight is dequantized 32 output rows x 128
-// elements at a time into a per-thread panel, transposed (16 KiB: stays in L1), and every row
-// block of x runs over it, each x element broadcast against the panel's column vectors
-// (vun::panel_linear_f32). The weight streams from memory at bits / 32 of its fp32 size and is
-// dequantized once per call whatever M; measured faster than dequantize + BLAS up to ~256 rows.
+// y = x @ dequantize(w).T for fp32 x [M, K]: each group of 4 weight rows is dequantized into a
+// per-thread scratch (L1/L2) and multiplied like Linear's, so the weight streams from memory at
+// bits / 32 of its fp32 size and the result is bit-identical to Linear on mx.dequantize(w).
 class QuantizedLinear : public mx::Primitive {
  public:
   QuantizedLinear(mx::Stream s, int group_size, int bits)
@@ -1088,26 +1086,16 @@ class QuantizedLinear : public mx::Primitive {
                   K = static_cast<size_t>(x.shape(1)), gs = static_cast<size_t>(group_size_),
                   bits = bits_]() {
       auto& pool = kernel_pool();
-      const size_t panels = (N + vun::kPanel - 1) / vun::kPanel;
-      const size_t chunks = std::min(panels, 8 * pool.size());
-      // K in chunks of >= 128 elements (whole groups), so a chunk's panel (16 KiB) stays in L1
-      // while every row block of x runs over it.
-      const size_t kc_max = std::max<size_t>(gs, 128 / gs * gs);
+      const size_t groups = (N + 3) / 4;
+      const size_t chunks = std::min(groups, 8 * pool.size());
       pool.run(chunks, [&](size_t c) {
-        const size_t n0 = std::min(N, panels * c / chunks * vun::kPanel);
-        const size_t n1 = std::min(N, panels * (c + 1) / chunks * vun::kPanel);
-        float* panel = scratch_rows(vun::kPanel * kc_max + vun::kPanel * M);
-        float* acc = panel + vun::kPanel * kc_max;
-        for (size_t n = n0; n < n1; n += vun::kPanel) {
-          const size_t count = std::min(vun::kPanel, n1 - n);
-          for (size_t k0 = 0; k0 < K; k0 += kc_max) {
-            const size_t kc = std::min(kc_max, K - k0);
-            vun::dequantize_panel_f32(wp, sp, bp, panel, n, count, K, k0, kc, gs, bits);
-            vun::panel_linear_f32(xp, panel, acc, M, K, k0, kc, k0 == 0);
-          }
-          for (size_t m = 0; m < M; ++m) {
-            std::memcpy(yp + m * N + n, acc + m * vun::kPanel, count * sizeof(float));
-          }
+        const size_t n0 = std::min(N, groups * c / chunks * 4);
+        const size_t n1 = std::min(N, groups * (c + 1) / chunks * 4);
+        float* rows = scratch_rows(4 * K);
+        for (size_t n = n0; n < n1; n += 4) {
+          const size_t count = std::min<size_t>(4, n1 - n);
+          vun::dequantize_rows_f32(wp, sp, bp, rows, n, n + count, K, gs, bits);
+          vun::linear_cols_f32(xp, rows, yp, M, N, K, n, count);
         }
       });
     });
@@ -1325,8 +1313,8 @@ NB_MODULE(_native, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 x @ dequantize(w).T for x [M, K] and an MLX affine-quantized w (bits 4 or 8, "
-        "fp32 scales/biases), weights dequantized as mx.dequantize rounds them, each output "
-        "summed over k in order whatever M; CPU streams only.");
+        "fp32 scales/biases), bit-identical to linear(x, mx.dequantize(w, ...)); CPU streams "
+        "only.");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 4 or 8, fp32 scales/biases), "

@@ -16,13 +16,13 @@ SmolLM2-135M (2-core x86_64, ``benchmarks/decode_forward.py``):
 * **Quantized weights.** MLX's own quantized matmul runs on one core (133 ms for 256 rows
   through a 576 x 1,536 4-bit layer, against 2.5 ms for fp32 BLAS), so quantized checkpoints
   used to be dequantized at load: 4x-8x the weight memory, all of it streamed every decode
-  step. The native ``quantized_linear`` dequantizes the packed weights panel by panel into
-  L1 (rounded as ``mx.dequantize`` rounds) and broadcasts ``x`` against them, so a step reads
-  the packed weights once: a 1,536 x 576 4-bit layer at 16 rows 0.27 ms (fp32 ``linear``) ->
-  0.13 ms, the 8-bit 49,152 x 576 head 13.2 -> 4.1 ms, at 1 row 4.6 -> 2.2 ms.
+  step. The native ``quantized_linear`` dequantizes 4 weight rows at a time into a per-thread
+  scratch and multiplies them like ``linear`` (bit-identical to ``linear`` on
+  ``mx.dequantize``'s weights), so a step reads the packed weights: a 1,536 x 576 4-bit
+  layer at 1 row 0.15 -> 0.09 ms, the 8-bit 49,152 x 576 head 4.6 -> 3.1 ms.
 
 All compute the same functions up to fp32 rounding (tests/test_cpu_kernels.py: relative
-error <= 1e-6 against MLX; the quantized kernels against float64 on ``mx.dequantize``'s weights).
+error <= 1e-6 against MLX; the quantized kernels bit-identical to their dense counterparts).
 As with attention (:mod:`vllm_unified.models.paged_cache`), mlx-lm's model files are
 untouched: ``swiglu`` names in model modules are replaced, and linear / embedding instances
 (fp32, or quantized in a format the kernels take) get a subclass whose call falls back to
@@ -47,10 +47,6 @@ _original_swiglu = mlx_activations.swiglu
 #: Inputs with more rows than this keep MLX's matmul (OpenBLAS): measured crossover 32-64 rows
 #: on a 2-core AVX-512 machine (docs/configuration.md, "Native kernels on the CPU backend").
 MAX_NATIVE_ROWS = 32
-
-#: Quantized layers keep the native kernel up to this many rows, then dequantize the layer for
-#: MLX's matmul (BLAS): measured crossover 256-512 rows for SmolLM2's shapes (2-core AVX-512).
-MAX_NATIVE_QUANTIZED_ROWS = 256
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
@@ -91,11 +87,10 @@ def _quantized_params(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array] |
 
 def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
     """``x @ dequantize(layer.weight).T`` by the native kernels (fp32 ``x`` on the CPU), else
-    None. Up to :data:`MAX_NATIVE_QUANTIZED_ROWS` rows the weight is dequantized inside the
-    kernel, panel by panel; larger inputs (long prefill chunks) get the whole weight dequantized
-    by the native kernel, then MLX's matmul (BLAS), the dense copy dropped after the call.
-    Either way the weights are exactly ``mx.dequantize``'s, so the result equals the same layer
-    dequantized at load up to fp32 summation order."""
+    None. Up to :data:`MAX_NATIVE_ROWS` rows the weight is dequantized inside the kernel, a few
+    rows at a time; larger inputs (prefill) get the whole weight dequantized by the native
+    kernel, then MLX's matmul (BLAS), the dense copy dropped after the call. Either way the
+    result is bit-identical to the same layer dequantized at load (``mx.dequantize``)."""
     params = _quantized_params(layer)
     native = bridge.native_kernels()
     if params is None or native is None or x.dtype != mx.float32 or x.ndim == 0:
@@ -105,7 +100,7 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
         return None
     weight, scales, biases = params
     flat = x.reshape(rows, x.shape[-1])
-    if rows <= MAX_NATIVE_QUANTIZED_ROWS:
+    if rows <= MAX_NATIVE_ROWS:
         out = native.quantized_linear(flat, weight, scales, biases, layer.group_size, layer.bits)
     else:
         out = flat @ native.dequantize(weight, scales, biases, layer.group_size, layer.bits).T
