@@ -90,15 +90,17 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
     None. Up to :data:`MAX_NATIVE_ROWS` rows the weight is dequantized inside the kernel, a few
     rows at a time; larger inputs (prefill) get the whole weight dequantized by the native
     kernel, then MLX's matmul (BLAS), the dense copy dropped after the call. Either way the
-    result is bit-identical to the same layer dequantized at load (``mx.dequantize``)."""
-    params = _quantized_params(layer)
+    result is bit-identical to the same layer dequantized at load (``mx.dequantize``).
+
+    The layer's format was checked when :func:`install_cpu_kernels` routed it (this runs ~200
+    times per decode step); a parameter changed since then gets the kernels' TypeError."""
     native = bridge.native_kernels()
-    if params is None or native is None or x.dtype != mx.float32 or x.ndim == 0:
+    if native is None or x.dtype != mx.float32 or x.ndim == 0:
         return None
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     if rows == 0:
         return None
-    weight, scales, biases = params
+    weight, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     flat = x.reshape(rows, x.shape[-1])
     if rows <= MAX_NATIVE_ROWS:
         out = native.quantized_linear(flat, weight, scales, biases, layer.group_size, layer.bits)
