@@ -244,8 +244,9 @@ def _dequantize_in_place(layer: nn.Module) -> None:
 
 
 def install_cpu_kernels(model: Any) -> list[str]:
-    """Route ``model``'s fp32 linears, tied output head and SwiGLU to the native CPU kernels,
-    when they apply (MLX's CPU backend with the extension built).
+    """Route ``model``'s linears (fp32 and quantized), tied output head, RMSNorm, RoPE and
+    SwiGLU to the native CPU kernels, when they apply (MLX's CPU backend with the extension
+    built).
 
     Linears and embeddings become :class:`NativeLinear` / :class:`NativeEmbedding`, quantized
     ones :class:`NativeQuantizedLinear` / :class:`NativeQuantizedEmbedding` (their
@@ -254,7 +255,8 @@ def install_cpu_kernels(model: Any) -> list[str]:
     weights, quantized ones the kernels take (affine, 4 or 8 bits, fp32 scales). Other
     quantized layers (2/3/5/6 bits, mxfp4, ...) are dequantized to fp32 here, as the loader
     would have done (MLX's CPU quantized matmul runs on one core), and named in the result.
-    Idempotent.
+    ``nn.RMSNorm`` / ``nn.RoPE`` instances become :class:`NativeRMSNorm` / :class:`NativeRoPE`
+    (each falls back to MLX for inputs it does not cover). Idempotent.
 
     Returns:
         What was routed (and left), for the log; empty on other backends.
