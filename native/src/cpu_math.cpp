@@ -4,8 +4,9 @@
 // This file alone is compiled with -ffast-math -fopenmp-simd (see CMakeLists.txt) so that GCC on
 // x86_64 glibc vectorizes expf through glibc's vector math library (libmvec) inside the SIMD
 // loops below; elsewhere the same loops are plain scalar code with the same results up to
-// rounding. Nothing here depends on NaN/infinity semantics beyond IEEE hardware behaviour: for
-// very negative gates expf(-g) overflows to +inf and 1 / (1 + inf) is 0, as in the reference.
+// rounding. Fast-math assumes finite values: code here must never produce an infinity on its
+// way to a finite result (the SwiGLU clamps its exponent; RMSNorm and RoPE, which must keep
+// IEEE semantics for overflowing rows, live in cpu_norm.cpp without fast-math).
 
 #include <cmath>
 #include <cstddef>
@@ -26,7 +27,11 @@ VUN_CLONES void silu_mul_f32(const float* gate, const float* up, float* out, siz
 #pragma omp simd
   for (size_t i = 0; i < n; ++i) {
     const float g = gate[i];
-    out[i] = g / (1.0f + expf(-g)) * up[i];
+    // Below -88.72 exp(-g) overflows fp32, and with -ffast-math the division is a reciprocal
+    // estimate that gives NaN for 1 / (1 + inf): such gates give 0 (the reference's -0), and
+    // the exponent is clamped so that no lane computes an infinity.
+    const float s = g / (1.0f + expf(fminf(-g, 88.72f))) * up[i];
+    out[i] = g < -88.72f ? 0.0f : s;
   }
 }
 
@@ -202,70 +207,6 @@ VUN_CLONES void linear_cols_f32(
     const float* x, const float* wn, float* y, size_t M, size_t N, size_t K, size_t n,
     size_t count) {
   cols(x, wn, y, M, N, K, n, count);
-}
-
-} // namespace vun
-
-namespace vun {
-
-VUN_CLONES void rms_norm_f32(
-    const float* x, const float* w, float* out, size_t rows, size_t D, float eps) {
-  for (size_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * D;
-    float* o = out + r * D;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (size_t d = 0; d < D; ++d) {
-      ss += xr[d] * xr[d];
-    }
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-#pragma omp simd
-    for (size_t d = 0; d < D; ++d) {
-      o[d] = xr[d] * inv * w[d];
-    }
-  }
-}
-
-VUN_CLONES void rope_f32(
-    const float* x, float* out, const int32_t* offsets, size_t B, size_t H, size_t L, size_t D,
-    size_t dims, bool traditional, const float* inv_freq, float scale, float* cos_sin) {
-  const size_t half = dims / 2;
-  float* c = cos_sin;
-  float* s = cos_sin + half;
-  for (size_t b = 0; b < B; ++b) {
-    for (size_t l = 0; l < L; ++l) {
-      const float pos = static_cast<float>(static_cast<int64_t>(offsets[b]) + l) * scale;
-      for (size_t i = 0; i < half; ++i) {
-        const float theta = pos * inv_freq[i];
-        c[i] = std::cos(theta);
-        s[i] = std::sin(theta);
-      }
-      for (size_t h = 0; h < H; ++h) {
-        const size_t at = ((b * H + h) * L + l) * D;
-        const float* xr = x + at;
-        float* o = out + at;
-        if (traditional) {
-          for (size_t i = 0; i < half; ++i) {
-            const float x1 = xr[2 * i];
-            const float x2 = xr[2 * i + 1];
-            o[2 * i] = x1 * c[i] - x2 * s[i];
-            o[2 * i + 1] = x1 * s[i] + x2 * c[i];
-          }
-        } else {
-#pragma omp simd
-          for (size_t i = 0; i < half; ++i) {
-            const float x1 = xr[i];
-            const float x2 = xr[i + half];
-            o[i] = x1 * c[i] - x2 * s[i];
-            o[i + half] = x1 * s[i] + x2 * c[i];
-          }
-        }
-        for (size_t d = dims; d < D; ++d) {
-          o[d] = xr[d];
-        }
-      }
-    }
-  }
 }
 
 } // namespace vun

@@ -539,6 +539,9 @@ class SiluMul : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     auto& enc = mx::cpu::get_command_encoder(stream());
+    if (inputs[0].shape() != inputs[1].shape()) {  // re-checked: shapeless compilation
+      throw std::invalid_argument("[silu_mul] gate and up differ in shape");
+    }
     const mx::array gate = row_contiguous(inputs[0], enc);
     const mx::array up = row_contiguous(inputs[1], enc);
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -589,6 +592,11 @@ class RmsNorm : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     auto& enc = mx::cpu::get_command_encoder(stream());
+    // Shapes are re-checked here: under mx.compile(shapeless=True) the builder's checks ran
+    // for the traced shapes only.
+    if (inputs[1].size() != static_cast<size_t>(inputs[0].shape(-1))) {
+      throw std::invalid_argument("[rms_norm] weight must be [D] for x [..., D]");
+    }
     const mx::array x = row_contiguous(inputs[0], enc);
     const mx::array w = row_contiguous(inputs[1], enc);
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -644,7 +652,16 @@ class Rope : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     auto& enc = mx::cpu::get_command_encoder(stream());
-    const mx::array x = row_contiguous(inputs[0], enc);
+    const auto& x_in = inputs[0];
+    if (x_in.ndim() != 4 || dims_ > x_in.shape(3) ||
+        inputs[2].size() != static_cast<size_t>(dims_ / 2) ||
+        (inputs[1].size() != 1 && inputs[1].size() != static_cast<size_t>(x_in.shape(0)))) {
+      // Re-checked here: under mx.compile(shapeless=True) the builder saw the traced shapes.
+      throw std::invalid_argument(
+          "[rope] x must be [B, H, L, D] with D >= dims, offsets [B] or [1], inv_freq "
+          "[dims / 2]");
+    }
+    const mx::array x = row_contiguous(x_in, enc);
     const mx::array offsets = row_contiguous(inputs[1], enc);
     const mx::array inv_freq = row_contiguous(inputs[2], enc);
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -653,12 +670,14 @@ class Rope : public mx::Primitive {
     enc.set_input_array(inv_freq);
     enc.set_output_array(out);
     enc.dispatch([xp = x.data<float>(), op = out.data<float>(),
-                  offs = offsets.data<int32_t>(), freqs = inv_freq.data<float>(),
+                  offs = offsets.data<int32_t>(), num_offsets = offsets.size(),
+                  freqs = inv_freq.data<float>(),
                   B = static_cast<size_t>(x.shape(0)), H = static_cast<size_t>(x.shape(1)),
                   L = static_cast<size_t>(x.shape(2)), D = static_cast<size_t>(x.shape(3)),
                   dims = static_cast<size_t>(dims_), trad = traditional_, scale = scale_]() {
       std::vector<float> cos_sin(dims);
-      vun::rope_f32(xp, op, offs, B, H, L, D, dims, trad, freqs, scale, cos_sin.data());
+      vun::rope_f32(xp, op, offs, num_offsets, B, H, L, D, dims, trad, freqs, scale,
+                    cos_sin.data());
     });
   }
 
@@ -712,12 +731,11 @@ mx::array rope(const mx::array& x, int dims, bool traditional, const mx::array& 
              "rope: offsets must be [B] or [1] for x " + shape_str(x.shape()) + ", got " +
                  shape_str(offsets.shape()));
   }
-  const mx::array offs = offsets.shape(0) == x.shape(0)
-      ? contiguous_input(offsets, s)
-      : mx::contiguous(mx::broadcast_to(offsets, {x.shape(0)}, s), false, s);
+  // One offset stays one (the kernel applies it to every row): a broadcast to B made here
+  // would keep the traced B under mx.compile(shapeless=True).
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<Rope>(s, dims, traditional, scale),
-                   {x, offs, contiguous_input(inv_freq, s)});
+                   {x, contiguous_input(offsets, s), contiguous_input(inv_freq, s)});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -954,6 +972,9 @@ class Linear : public mx::Primitive {
     if (!w.flags().row_contiguous) {
       throw std::invalid_argument("[linear] w must be row-contiguous");
     }
+    if (inputs[0].ndim() != 2 || w.ndim() != 2 || inputs[0].shape(1) != w.shape(1)) {
+      throw std::invalid_argument("[linear] x must be [M, K] and w [N, K]");  // shapeless
+    }
     auto& enc = mx::cpu::get_command_encoder(stream());
     const mx::array x = row_contiguous(inputs[0], enc);
     y.set_data(mx::allocator::malloc(y.nbytes()));
@@ -1072,6 +1093,17 @@ class QuantizedLinear : public mx::Primitive {
         throw std::invalid_argument("[quantized_linear] w, scales, biases must be row-contiguous");
       }
     }
+    const auto& xin = inputs[0];
+    const auto& wq = inputs[1];
+    if (xin.ndim() != 2 || wq.ndim() != 2 ||
+        int64_t{xin.shape(1)} != int64_t{wq.shape(1)} * (32 / bits_) ||
+        xin.shape(1) % group_size_ != 0 ||
+        inputs[2].size() != static_cast<size_t>(wq.shape(0)) * (xin.shape(1) / group_size_) ||
+        inputs[3].size() != inputs[2].size()) {
+      throw std::invalid_argument(
+          "[quantized_linear] x [M, K], w [N, K * bits / 32], scales and biases "
+          "[N, K / group_size] do not fit");  // re-checked: shapeless compilation
+    }
     auto& enc = mx::cpu::get_command_encoder(stream());
     const mx::array x = row_contiguous(inputs[0], enc);
     y.set_data(mx::allocator::malloc(y.nbytes()));
@@ -1155,6 +1187,13 @@ class Dequantize : public mx::Primitive {
       if (!a.flags().row_contiguous) {
         throw std::invalid_argument("[dequantize] inputs must be row-contiguous");
       }
+    }
+    const int64_t K = int64_t{inputs[0].shape(1)} * (32 / bits_);
+    if (inputs[0].ndim() != 2 || K % group_size_ != 0 ||
+        inputs[1].size() != static_cast<size_t>(inputs[0].shape(0) * (K / group_size_)) ||
+        inputs[2].size() != inputs[1].size()) {
+      throw std::invalid_argument(  // re-checked: shapeless compilation
+          "[dequantize] scales and biases must be [N, K / group_size] for w [N, K * bits / 32]");
     }
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());

@@ -10,6 +10,7 @@ against, since the extension inlines MLX's array layout from its headers.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 import mlx.core  # noqa: F401  (registers the types the extension's signatures use)
 
@@ -29,6 +30,12 @@ from ._native import (
     to_torch,
     write_rows,
 )
+
+# Read by the native dispatch once, when a kernel first runs; a typo there would silently run
+# the best variant, so it is checked here.
+_isa = os.environ.get("VLLM_UNIFIED_CPU_ISA")
+if _isa is not None and _isa not in ("avx512", "avx2", "portable"):
+    raise ValueError(f"VLLM_UNIFIED_CPU_ISA={_isa!r}: expected avx512, avx2 or portable")
 
 _running = importlib.metadata.version("mlx")
 if _running != MLX_VERSION:

@@ -39,6 +39,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm.models.activations as mlx_activations
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from vllm_unified import bridge
 
@@ -163,12 +165,16 @@ _INV_FREQS: dict[tuple[int, float], mx.array] = {}
 
 
 def _inv_freq(dims: int, base: float) -> mx.array:
-    """``base ** (-2i / dims)`` for ``i < dims / 2`` computed by the same MLX ops as
-    ``mx.fast.rope``'s CPU fallback (so the rotation angles match it bit for bit); cached."""
+    """``base ** (-2i / dims)`` for ``i < dims / 2``, computed as ``mx.fast.rope``'s CPU
+    fallback does (MLX 0.32.4 ``fast.cpp``: ``exp(arange(0, -half, -1) * (log(base) / half))``
+    with ``base`` a C++ float, the logarithm and the division in fp32), so the rotation angles
+    match it; cached."""
     key = (dims, float(base))
     if key not in _INV_FREQS:
         half = dims // 2
-        inv = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
+        log_base = np.float32(math.log(np.float32(base)))  # logf: correctly rounded here
+        step = mx.array(log_base / np.float32(half), dtype=mx.float32)
+        inv = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * step)
         mx.eval(inv)
         _INV_FREQS[key] = inv
     return _INV_FREQS[key]
@@ -188,18 +194,24 @@ class NativeRoPE(nn.RoPE):
                            self.scale, offsets)
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def _rope_offsets(offset: int | mx.array, x: mx.array) -> mx.array | None:
     """``offset`` as the int32 ``[B]`` / ``[1]`` array the native RoPE takes, or None when the
-    call is not one it covers (not ``[B, H, L, D]``, or offsets of another shape)."""
-    if x.ndim != 4:
+    call is not one it covers, so MLX's own RoPE runs it (and raises what it raises): x not
+    ``[B, H, L, D]``; a bool, or an int outside int32; an array that is not int32 (other
+    integer types could hold values int32 cannot) or not of ``[B]`` / ``[1]`` elements."""
+    if x.ndim != 4 or isinstance(offset, bool):
         return None
     if isinstance(offset, int):
+        if not _INT32.min <= offset <= _INT32.max:
+            return None
         return mx.array([offset], dtype=mx.int32)
-    if not isinstance(offset, mx.array) or offset.size not in (1, x.shape[0]):
+    if (not isinstance(offset, mx.array) or offset.dtype != mx.int32 or offset.ndim > 1
+            or offset.size not in (1, x.shape[0])):
         return None
-    if offset.ndim > 1 or not mx.issubdtype(offset.dtype, mx.integer):
-        return None
-    return offset.reshape(-1).astype(mx.int32)
+    return offset.reshape(-1)
 
 
 #: Exact layer class -> its natively run subclass (subclasses of these are left alone).
@@ -221,23 +233,32 @@ def keep_quantized_on_cpu(dtype: mx.Dtype) -> bool:
     """Whether a quantized checkpoint stays quantized on MLX's CPU backend.
 
     Yes when the native kernels run its layers: compute dtype fp32 and the extension built,
-    unless ``VLLM_UNIFIED_CPU_QUANTIZED=0``. Otherwise the loader dequantizes the weights once
-    to ``dtype``: MLX 0.32.4's own quantized matmul runs on one core (a 256-row prefill chunk
-    through a 576 x 1,536 4-bit layer: 133 ms, against 2.5 ms for fp32 BLAS; docs/
-    configuration.md, "Quantized weights on the CPU backend").
+    unless ``VLLM_UNIFIED_CPU_QUANTIZED=0`` (any value but 0/1 raises ValueError). Otherwise
+    the loader dequantizes the weights once to ``dtype``: MLX 0.32.4's own quantized matmul
+    runs on one core (a 256-row prefill chunk through a 576 x 1,536 4-bit layer: 133 ms,
+    against 2.5 ms for fp32 BLAS; docs/configuration.md, "Quantized weights on the CPU
+    backend").
     """
-    if os.environ.get("VLLM_UNIFIED_CPU_QUANTIZED", "1") == "0":
+    raw = os.environ.get("VLLM_UNIFIED_CPU_QUANTIZED", "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"VLLM_UNIFIED_CPU_QUANTIZED={raw!r}: expected 0 or 1")
+    if raw == "0":
         return False
     return dtype == mx.float32 and bridge.native_kernels() is not None
 
 
 def _dequantize_in_place(layer: nn.Module) -> None:
-    """Turn a quantized linear / embedding into the dense fp32 layer it stands for (same
-    module object: ``mx.dequantize`` of its weight, scales and biases dropped)."""
+    """Turn a quantized linear / embedding / mixture-of-experts switch layer into the dense fp32
+    layer it stands for (same module object: ``mx.dequantize`` of its weight, as mlx-lm's
+    ``dequantize_model`` computes it; scales, biases and global scale dropped)."""
+    global_scale = layer.get("global_scale")
+    if global_scale is None:
+        global_scale = getattr(layer, "global_scale", None)
     layer.weight = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"),
                                  group_size=layer.group_size, bits=layer.bits,
-                                 mode=getattr(layer, "mode", "affine")).astype(mx.float32)
-    for key in ("scales", "biases"):
+                                 mode=getattr(layer, "mode", "affine"),
+                                 global_scale=global_scale).astype(mx.float32)
+    for key in ("scales", "biases", "global_scale"):
         if key in layer:
             del layer[key]
     mx.eval(layer.weight)
@@ -288,6 +309,14 @@ def install_cpu_kernels(model: Any) -> list[str]:
         module.__class__ = route
         counts[route] += 1
     for module in model.modules():
+        # Mixture-of-experts switch layers: MLX's CPU gather_qmm runs on one core (16 experts
+        # 512 -> 1,024, top-2, 64 tokens: 2.3 s against 0.61 s dense); dense, as the loader made
+        # them before quantized checkpoints stayed quantized on the CPU.
+        if type(module) is QuantizedSwitchLinear:
+            _dequantize_in_place(module)
+            module.__class__ = SwitchLinear
+            what = f"{getattr(module, 'mode', 'affine')} {module.bits}-bit expert"
+            left[what] = left.get(what, 0) + 1
         if type(module) is nn.RMSNorm:
             module.__class__ = NativeRMSNorm
             counts[NativeRMSNorm] = counts.get(NativeRMSNorm, 0) + 1

@@ -1,0 +1,286 @@
+"""Edge cases of the native CPU kernels (native/src/cpu_math.cpp, cpu_norm.cpp, cpu_quant.cpp)
+and their routing (models/cpu_kernels.py), found by an adversarial review: overflowing SwiGLU
+gates and RMSNorm rows, RoPE offsets (negative, beyond int32, bool, one offset for a batch),
+inverse frequencies of any head size, shapes changed under mx.compile(shapeless=True),
+quantized mixture-of-experts layers, and the kernels' environment variables. Each docstring
+says what the first version of the kernels did wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.activations import swiglu as mlx_swiglu
+
+from vllm_unified import bridge
+from vllm_unified.models import cpu_kernels
+
+native = bridge.native_kernels()
+pytestmark = pytest.mark.skipif(
+    native is None, reason=f"native extension unavailable: {bridge.native_error()}")
+
+
+@pytest.mark.parametrize("n", [8, 16, 1536])
+def test_silu_mul_of_a_very_negative_gate_is_zero_not_nan(n):
+    """silu(g) for g below about -88.72 (where expf(-g) overflows fp32) is -0 in MLX / mlx-lm's
+    swiglu, and cpu_math.cpp's header promises the same ("expf(-g) overflows to +inf and
+    1 / (1 + inf) is 0, as in the reference"). On this AVX-512 machine that holds for arrays
+    of 1 or 4 elements only (tests/test_cpu_kernels.py checks 4): from 8 elements on, every such
+    gate gives NaN (seen for -88.8, -89, -90, -103, -200, -1e10; fast-math's reciprocal
+    estimate + Newton step gives NaN for 1 / inf; positive gates show it too: silu(88) came
+    out 87.99999). Elements in the loop's 8- and 16-wide vector blocks are NaN, only the
+    scalar tail (the last n % 8) is right, so in a real [rows, 1536] tensor one large
+    negative gate activation in a decode row turns the MLP output, then the whole hidden state,
+    into NaN."""
+    gate = mx.array(np.where(np.arange(n) % 3 == 0, -90.0, 1.5).astype(np.float32))
+    up = mx.ones((n,), dtype=mx.float32)
+    want = np.array(mlx_swiglu(gate, up))
+    got = np.array(native.silu_mul(gate, up))
+    assert not np.isnan(want).any()
+    assert not np.isnan(got).any(), got
+    assert np.allclose(got, want, rtol=2e-6, atol=0)
+
+
+def test_installed_model_with_large_negative_gates_stays_finite(monkeypatch):
+    """The same through a model: a tiny llama whose first MLP has large gate pre-activations
+    (gate_proj weight x 100, so some gates fall below -89) gives finite logits with mlx-lm's
+    swiglu and all-NaN logits (1500 of 1500 seen) once install_cpu_kernels routed swiglu to
+    the native kernel."""
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=300, tie_word_embeddings=True)
+    mx.random.seed(3)
+    model = llama.Model(args)
+    model.layers[0].mlp.gate_proj.weight = model.layers[0].mlp.gate_proj.weight * 100
+    mx.eval(model.parameters())
+    # the reference with mlx-lm's own swiglu, whatever an earlier install routed module-wide
+    monkeypatch.setattr(llama, "swiglu", mlx_swiglu)
+    tokens = mx.array([[1, 2, 3, 4, 5]])
+    want = model(tokens)
+    assert mx.isfinite(want).all().item()
+    cpu_kernels.install_cpu_kernels(model)
+    got = model(tokens)
+    assert not mx.isnan(got).any().item(), int(mx.isnan(got).sum().item())
+    assert float(mx.abs(got - want).max()) <= 1e-4 * float(mx.abs(want).max())
+
+
+def _rope_pair(dims: int, base: float, **kwargs) -> tuple[nn.RoPE, nn.RoPE]:
+    """An MLX ``nn.RoPE`` and the same layer as the installed ``NativeRoPE``."""
+    ref = nn.RoPE(dims, base=base, **kwargs)
+    nat = nn.RoPE(dims, base=base, **kwargs)
+    nat.__class__ = cpu_kernels.NativeRoPE
+    return ref, nat
+
+
+def _x(shape: tuple[int, ...], seed: int = 0) -> mx.array:
+    return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("offset", [-5, "array"], ids=["int", "per_row"])
+def test_native_rope_negative_offsets_match_mlx(offset):
+    """mx.fast.rope takes negative offsets, and mlx-lm's own ``BatchKVCache`` passes them
+    (``offset = -left_padding``). rope_f32 computes the position as ``int64_t(offsets[b]) + l``
+    with ``l`` a size_t: the sum is unsigned, so every row whose position offset + l is
+    negative is rotated by the angle of a position ~1.8e19 (rows with offset + l >= 0 wrap
+    back to the right value). Max abs difference to MLX seen: 2.83 for unit-normal x; with
+    offset -1 and L = 3 only row 0 differs (3.15)."""
+    x = _x((2, 2, 3, 16))
+    if offset == "array":
+        offset = mx.array([-5, 7], dtype=mx.int32)
+    ref, nat = _rope_pair(16, 10000.0)
+    want = ref(x, offset)
+    got = nat(x, offset)
+    diff = float(mx.abs(got - want).max())
+    assert diff < 2e-6
+
+
+@pytest.mark.parametrize("offset", ["int64", "uint32", "python_int"])
+def test_native_rope_offsets_outside_int32_match_mlx(offset):
+    """Offsets MLX takes (int64 / uint32 arrays, Python ints) beyond int32 are cast to int32 by
+    ``_rope_offsets`` (silently wrapped: differences to MLX of 3.7-4.7 seen), and a Python int
+    >= 2**31 raises ``RuntimeError('std::bad_cast')`` where nn.RoPE works. Expected: MLX's
+    result (e.g. by falling back to it) or a clear error naming the offset."""
+    x = _x((2, 2, 3, 16))
+    offset = {"int64": mx.array([2**31 + 5, 7], dtype=mx.int64),
+              "uint32": mx.array([2**32 - 3, 7], dtype=mx.uint32),
+              "python_int": 2**31 + 5}[offset]
+    ref, nat = _rope_pair(16, 10000.0)
+    want = ref(x, offset)
+    got = nat(x, offset)
+    diff = float(mx.abs(got - want).max())
+    assert diff < 1e-5
+
+
+@pytest.mark.parametrize("dims, base", [(80, 160000.0), (96, 50000.0), (80, 20000.0),
+                                        (96, 10000000.0)])
+def test_native_rope_inverse_frequencies_match_mlx(dims, base):
+    """``_inv_freq`` claims to compute MLX's rope inverse frequencies bit for bit, but computes
+    ``log(base) / half`` in double precision (Python) where MLX 0.32.4's fallback computes
+    ``std::log(float base) / half`` in float: for these (dims, base) some frequencies differ in
+    the last bit, and at position 4096 the outputs differ from nn.RoPE by 2e-4 .. 9e-4 (seen),
+    growing with the position. With equal frequencies the difference is ~2e-7."""
+    x = _x((1, 2, 3, dims))
+    ref, nat = _rope_pair(dims, base)
+    want = ref(x, 4096)
+    got = nat(x, 4096)
+    diff = float(mx.abs(got - want).max())
+    assert diff < 2e-6
+
+
+def test_native_rope_with_one_offset_in_a_shapeless_compile_follows_the_batch():
+    """An int offset becomes offsets ``[1]``, which the ``rope`` builder broadcasts to the
+    traced batch size (``mx::broadcast_to(offsets, {B})``). Under ``mx.compile(shapeless=True)``
+    that broadcast keeps the first call's B, and ``Rope::eval_cpu`` never checks the offsets'
+    size against x's batch: with a larger batch it reads ``offsets[b]`` past the end of the
+    buffer (an out-of-bounds heap read) and rotates those rows by garbage positions. Seen: B = 1
+    then B = 64 -> max abs difference to nn.RoPE 5.8 (the direct kernel call with offsets [1]:
+    6.3 already at B = 8). Expected: the right rotation, or a clear error (MLX's own
+    mx.fast.rope refuses shapeless compilation: "Slice cannot infer output shapes")."""
+    ref, nat = _rope_pair(16, 10000.0)
+    step = mx.compile(lambda a: nat(a, 5), shapeless=True)
+    try:
+        mx.eval(step(_x((1, 2, 3, 16))))
+        # what lies past the buffer varies: several batch sizes (reads <= 1 KiB past it)
+        diffs = {}
+        for batch in (2, 8, 64, 256):
+            x = _x((batch, 2, 3, 16), seed=batch)
+            diffs[batch] = float(mx.abs(step(x) - ref(x, 5)).max())
+    except ValueError:
+        return  # refused: as MLX's own rope
+    assert max(diffs.values()) < 2e-6, diffs
+
+
+def test_native_rms_norm_in_a_shapeless_compile_checks_the_weight_size():
+    """Under ``mx.compile(shapeless=True)`` a call with another last dimension than the traced
+    one reaches ``RmsNorm::eval_cpu`` unchecked (the builder's check ran at trace time only;
+    ``output_shapes`` does not re-check): x [2, 64] with a [16] weight reads 48 floats past
+    the weight's buffer and returns a result. MLX's mx.fast.rms_norm raises "[rms_norm]
+    (*weight) must have the same size as the last dimension of x"."""
+    w = mx.ones((16,), dtype=mx.float32)
+    step = mx.compile(lambda a: native.rms_norm(a, w, 1e-5), shapeless=True)
+    mx.eval(step(_x((2, 16))))
+    with pytest.raises(ValueError):
+        mx.eval(step(_x((2, 64))))
+
+
+_ROPE_SHAPELESS_SMALLER_D = """
+import mlx.core as mx
+from vllm_unified_native import rope
+inv = mx.exp(mx.arange(0, -8, -1, dtype=mx.float32) * 0.5)
+step = mx.compile(lambda a: rope(a, 16, False, inv, 1.0, mx.array([1], mx.int32)),
+                  shapeless=True)
+mx.eval(step(mx.ones((1, 1, 1, 16))))
+try:
+    for _ in range(50):
+        mx.eval(step(mx.ones((1, 1, 1, 4))))
+    print("returned")
+except ValueError as e:
+    print("raised", e)
+"""
+
+
+def test_native_rope_in_a_shapeless_compile_never_writes_past_its_output():
+    """The same unchecked path with a head size below ``dims``: rope_f32 writes
+    ``o[i + half]`` for i < dims / 2 into rows of D = 4 floats, past the output buffer (heap
+    corruption: the process seen dying with "free(): invalid size"). Run in a subprocess.
+    Expected: a clear error (as outside compile: "dims must be even and in (0, D]")."""
+    out = subprocess.run([sys.executable, "-c", _ROPE_SHAPELESS_SMALLER_D],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("raised"), (
+        out.returncode, out.stdout, out.stderr[-300:])
+
+
+def test_native_rms_norm_row_whose_sum_of_squares_overflows_matches_mlx():
+    """cpu_math.cpp is compiled with -ffast-math, so ``1.f / std::sqrt(ss / D + eps)`` becomes
+    an rsqrt estimate + Newton step: for ss = inf it gives NaN (inf * 0), not IEEE's 0. MLX's
+    mx.fast.rms_norm returns 0 for such a row (its rsqrt(inf) is 0); the native kernel returns
+    NaN for every element of the row (the cpu_math.cpp header says nothing there depends on
+    NaN/inf semantics beyond IEEE behaviour)."""
+    x = mx.array([[1e20, 1e20, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]], dtype=mx.float32)
+    w = mx.ones((4,), dtype=mx.float32)
+    want = np.array(mx.fast.rms_norm(x, w, 1e-5))
+    got = np.array(native.rms_norm(x, w, 1e-5))
+    assert not np.isnan(want).any()
+    assert np.array_equal(np.isnan(got), np.isnan(want)), got
+    assert np.allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_native_rope_refuses_a_bool_offset_like_mlx():
+    """nn.RoPE / mx.fast.rope refuse ``offset=True`` ("[rope] offset must be an integer but got
+    type bool"); NativeRoPE takes it as position 1 (``isinstance(True, int)``) and returns a
+    result: a parameter MLX rejects is silently accepted."""
+    x = _x((1, 2, 3, 16))
+    ref, nat = _rope_pair(16, 10000.0)
+    with pytest.raises(ValueError, match="integer"):
+        ref(x, True)
+    with pytest.raises(ValueError, match="integer"):
+        nat(x, True)
+
+
+def _tiny_quantized_qwen3_next() -> nn.Module:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import tiny_config
+
+    from vllm_unified.models.loader import _model_classes, mlx_lm_config
+
+    config = mlx_lm_config(tiny_config("qwen3_next").to_dict())
+    model_cls, args_cls = _model_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_quantized_moe_experts_are_not_left_to_mlx_quantized_matmul():
+    """Since 2319ff0 the loader keeps MLX-quantized checkpoints quantized on the CPU
+    (``keep_quantized_on_cpu``); before, ``mlx_lm.utils.dequantize_model`` also turned mlx-lm's
+    ``QuantizedSwitchLinear`` experts (qwen3_next, granitemoehybrid: supported model types)
+    into dense ``SwitchLinear``. ``install_cpu_kernels`` only looks at exact
+    ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``, so the experts now stay on MLX's
+    quantized ``gather_qmm``, which the docs say is avoided ("Other quantized layers ... are
+    dequantized to fp32 after loading ... MLX's one-core quantized matmul would be far
+    slower"), and the start-up log does not name them. Measured here (OpenBLAS, 16 experts,
+    512 -> 1024, top-2): 4 tokens 8.8 ms quantized vs 2.3 ms dense, 64 tokens 2.3 s vs 0.61 s."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    model = _tiny_quantized_qwen3_next()
+    routed = cpu_kernels.install_cpu_kernels(model)
+    left = [name for name, m in model.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert not left, (left, routed)
+
+
+def test_cpu_quantized_env_rejects_values_other_than_0_and_1(monkeypatch):
+    """``VLLM_UNIFIED_CPU_QUANTIZED=false`` (or ``no``, ``off``) silently keeps checkpoints
+    quantized: only the exact string ``0`` is read. The project's rule is a clear start-up error
+    naming the flag (as ``VLLM_UNIFIED_COMPILE_DECODE`` does: any value but 0/1 is an error)."""
+    monkeypatch.setenv("VLLM_UNIFIED_CPU_QUANTIZED", "false")
+    with pytest.raises(ValueError, match="VLLM_UNIFIED_CPU_QUANTIZED"):
+        cpu_kernels.keep_quantized_on_cpu(mx.float32)
+
+
+_ISA_TYPO = """
+import mlx.core as mx
+from vllm_unified_native import dequantize
+wq, s, b = mx.quantize(mx.ones((4, 64)), group_size=32, bits=4)
+mx.eval(dequantize(wq, s, b, 32, 4))
+print("ran")
+"""
+
+
+def test_cpu_isa_env_rejects_unknown_values():
+    """``VLLM_UNIFIED_CPU_ISA`` takes ``avx2`` or ``portable`` (docs/configuration.md); any
+    other value (a typo such as ``avx-2``) is silently treated as "the best the CPU has", so a
+    test or comparison meant to run the AVX2 variant runs AVX-512 without a word. Expected: an
+    error naming the variable."""
+    env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": "avx-2"}
+    out = subprocess.run([sys.executable, "-c", _ISA_TYPO], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "VLLM_UNIFIED_CPU_ISA" in out.stderr, out.stdout
