@@ -15,14 +15,6 @@
 
 namespace vun {
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-// One variant per ISA level, chosen at load time by the dynamic linker (GCC function
-// multiversioning): a build machine's flags never decide what a user's CPU must support.
-#define VUN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define VUN_CLONES
-#endif
-
 VUN_CLONES void silu_mul_f32(const float* gate, const float* up, float* out, size_t n) {
 #pragma omp simd
   for (size_t i = 0; i < n; ++i) {

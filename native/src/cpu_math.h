@@ -4,6 +4,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// One variant per ISA level, chosen at load time by the dynamic linker (GCC function
+// multiversioning): a build machine's flags never decide what a user's CPU must support.
+#define VUN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VUN_CLONES
+#endif
+
 namespace vun {
 
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i]: mlx-lm's SwiGLU

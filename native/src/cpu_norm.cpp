@@ -13,12 +13,6 @@
 
 namespace vun {
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define VUN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define VUN_CLONES
-#endif
-
 VUN_CLONES void rms_norm_f32(
     const float* x, const float* w, float* out, size_t rows, size_t D, float eps) {
   for (size_t r = 0; r < rows; ++r) {

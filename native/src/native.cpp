@@ -1078,13 +1078,33 @@ float* scratch_rows(size_t floats) {
   return buf.data();
 }
 
+// The state and boilerplate of the two primitives on MLX affine-quantized weights.
+class QuantizedWeightPrimitive : public mx::Primitive {
+ public:
+  QuantizedWeightPrimitive(mx::Stream s, int group_size, int bits)
+      : mx::Primitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string("[") + name() + "] CPU only");
+  }
+
+  // MLX compares primitives of the same type only.
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedWeightPrimitive&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ protected:
+  int group_size_;
+  int bits_;
+};
+
 // y = x @ dequantize(w).T for fp32 x [M, K]: each group of 4 weight rows is dequantized into a
 // per-thread scratch (L1/L2) and multiplied like Linear's, so the weight streams from memory at
 // bits / 32 of its fp32 size and the result is bit-identical to Linear on mx.dequantize(w).
-class QuantizedLinear : public mx::Primitive {
+class QuantizedLinear : public QuantizedWeightPrimitive {
  public:
-  QuantizedLinear(mx::Stream s, int group_size, int bits)
-      : mx::Primitive(s), group_size_(group_size), bits_(bits) {}
+  using QuantizedWeightPrimitive::QuantizedWeightPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& y = outputs[0];
@@ -1133,26 +1153,13 @@ class QuantizedLinear : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[quantized_linear] CPU only");
-  }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {{inputs[0].shape(0), inputs[1].shape(0)}};
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const QuantizedLinear&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
   }
 
   const char* name() const override {
     return "QuantizedLinear";
   }
-
- private:
-  int group_size_;
-  int bits_;
 };
 
 mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -1176,10 +1183,9 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
 
 // dequantize(w) as a dense fp32 [N, K] array, rows split over the kernel pool: for inputs too
 // large for QuantizedLinear (prefill), whose matmul then runs in BLAS.
-class Dequantize : public mx::Primitive {
+class Dequantize : public QuantizedWeightPrimitive {
  public:
-  Dequantize(mx::Stream s, int group_size, int bits)
-      : mx::Primitive(s), group_size_(group_size), bits_(bits) {}
+  using QuantizedWeightPrimitive::QuantizedWeightPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -1215,26 +1221,13 @@ class Dequantize : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[dequantize] CPU only");
-  }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {{inputs[0].shape(0), inputs[0].shape(1) * (32 / bits_)}};
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const Dequantize&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
   }
 
   const char* name() const override {
     return "Dequantize";
   }
-
- private:
-  int group_size_;
-  int bits_;
 };
 
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases,
