@@ -148,6 +148,32 @@ mx::array contiguous_input(const mx::array& a, const mx::Stream& s) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Kernels of MLX's CPU backend only
+
+// A primitive with a CPU implementation only: on a GPU stream it raises "[what] CPU only".
+class CpuOnlyPrimitive : public mx::Primitive {
+ public:
+  CpuOnlyPrimitive(mx::Stream s, const char* what) : mx::Primitive(s), what_(what) {}
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string("[") + what_ + "] CPU only");
+  }
+
+ private:
+  const char* what_;  // a string literal: the Python-facing function's name
+};
+
+// ... whose one output has its first input's shape (elementwise and per-row kernels).
+class SameShapePrimitive : public CpuOnlyPrimitive {
+ public:
+  using CpuOnlyPrimitive::CpuOnlyPrimitive;
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
 // adopt
 
 // Whether the running MLX allocator keeps the buffer size in a size_t header at Buffer::ptr()
@@ -352,43 +378,45 @@ class WriteRows : public mx::Primitive {
   // is_equivalent stays false: two writes must never be merged by mx.compile's simplification.
 };
 
-[[noreturn]] void raise_gpu_not_implemented() {
+[[noreturn]] void raise_gpu_not_implemented(const char* what) {
   raise_py(
       PyExc_NotImplementedError,
-      "write_rows: only CPU streams are implemented (the Metal/CUDA kernels are future work); "
-      "got a GPU stream or device");
+      std::string(what) +
+          ": only CPU streams are implemented (the Metal/CUDA kernels are future work); "
+          "got a GPU stream or device");
 }
 
-mx::Stream cpu_stream_for(mx::Device d) {
+mx::Stream cpu_stream_for(mx::Device d, const char* what) {
   if (d.type != mx::Device::cpu) {
-    raise_gpu_not_implemented();
+    raise_gpu_not_implemented(what);
   }
   return mx::default_stream(d);
 }
 
-// None -> the default device's default stream; mx.Stream; mx.Device; mx.cpu / mx.gpu.
-mx::Stream resolve_stream(nb::handle stream) {
+// None -> the default device's default stream; mx.Stream; mx.Device; mx.cpu / mx.gpu. `what`
+// (the calling function's name) heads the errors.
+mx::Stream resolve_stream(nb::handle stream, const char* what) {
   if (stream.is_none()) {
-    return cpu_stream_for(mx::default_device());
+    return cpu_stream_for(mx::default_device(), what);
   }
   mx::Stream* sp = nullptr;
   if (nb::try_cast<mx::Stream*>(stream, sp) && sp != nullptr) {
     if (sp->device.type != mx::Device::cpu) {
-      raise_gpu_not_implemented();
+      raise_gpu_not_implemented(what);
     }
     return *sp;
   }
   mx::Device* dp = nullptr;
   if (nb::try_cast<mx::Device*>(stream, dp) && dp != nullptr) {
-    return cpu_stream_for(*dp);
+    return cpu_stream_for(*dp, what);
   }
   mx::Device::DeviceType t;
   if (nb::try_cast<mx::Device::DeviceType>(stream, t)) {
-    return cpu_stream_for(mx::Device(t));
+    return cpu_stream_for(mx::Device(t), what);
   }
   raise_py(
       PyExc_TypeError,
-      "write_rows: stream must be None, an mx.Stream, an mx.Device or mx.cpu/mx.gpu");
+      std::string(what) + ": stream must be None, an mx.Stream, an mx.Device or mx.cpu/mx.gpu");
 }
 
 mx::array write_rows(
@@ -396,7 +424,7 @@ mx::array write_rows(
     const mx::array& row_idx,
     const mx::array& src,
     nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream);
+  const mx::Stream s = resolve_stream(stream, "write_rows");
   if (dst.ndim() < 1) {
     raise_py(PyExc_ValueError, "write_rows: dst must have at least one dimension (rows)");
   }
@@ -503,7 +531,7 @@ class GatherKV : public mx::Primitive {
 // keys, values = gather_kv(pool, rows): pool [nrows, 2 * D] (K then V per row), rows int32 of
 // any shape S -> two row-contiguous arrays of shape S + [D].
 std::vector<mx::array> gather_kv(const mx::array& pool, const mx::array& rows, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream);
+  const mx::Stream s = resolve_stream(stream, "gather_kv");
   if (pool.ndim() != 2 || pool.shape(1) % 2 != 0) {
     raise_py(
         PyExc_ValueError,
@@ -532,9 +560,9 @@ std::vector<mx::array> gather_kv(const mx::array& pool, const mx::array& rows, n
 // silu_mul
 
 // out = silu(gate) * up for fp32 arrays of one shape (the vectorized loop is in cpu_math.cpp).
-class SiluMul : public mx::Primitive {
+class SiluMul : public SameShapePrimitive {
  public:
-  explicit SiluMul(mx::Stream s) : mx::Primitive(s) {}
+  explicit SiluMul(mx::Stream s) : SameShapePrimitive(s, "silu_mul") {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -552,21 +580,13 @@ class SiluMul : public mx::Primitive {
                   n = out.size()]() { vun::silu_mul_f32(g, u, o, n); });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[silu_mul] CPU only");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
-
   const char* name() const override {
     return "SiluMul";
   }
 };
 
 mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream);
+  const mx::Stream s = resolve_stream(stream, "silu_mul");
   if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
     raise_py(PyExc_TypeError, "silu_mul: gate and up must be float32");
   }
@@ -585,9 +605,9 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream
 // rms_norm, rope: MLX 0.32.4's CPU backend runs mx.fast.rms_norm and mx.fast.rope as their
 // fallback graphs (~10 and ~30 primitives per call); these are one primitive each.
 
-class RmsNorm : public mx::Primitive {
+class RmsNorm : public SameShapePrimitive {
  public:
-  RmsNorm(mx::Stream s, float eps) : mx::Primitive(s), eps_(eps) {}
+  RmsNorm(mx::Stream s, float eps) : SameShapePrimitive(s, "rms_norm"), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -610,14 +630,6 @@ class RmsNorm : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[rms_norm] CPU only");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
-
   bool is_equivalent(const mx::Primitive& other) const override {
     return eps_ == static_cast<const RmsNorm&>(other).eps_;
   }
@@ -631,7 +643,7 @@ class RmsNorm : public mx::Primitive {
 };
 
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream);
+  const mx::Stream s = resolve_stream(stream, "rms_norm");
   if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
     raise_py(PyExc_TypeError, "rms_norm: x and weight must be float32");
   }
@@ -644,10 +656,10 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, nb::handle
                    {x, contiguous_input(w, s)});
 }
 
-class Rope : public mx::Primitive {
+class Rope : public SameShapePrimitive {
  public:
   Rope(mx::Stream s, int dims, bool traditional, float scale)
-      : mx::Primitive(s), dims_(dims), traditional_(traditional), scale_(scale) {}
+      : SameShapePrimitive(s, "rope"), dims_(dims), traditional_(traditional), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -681,14 +693,6 @@ class Rope : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[rope] CPU only");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
-
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Rope&>(other);
     return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
@@ -706,7 +710,7 @@ class Rope : public mx::Primitive {
 
 mx::array rope(const mx::array& x, int dims, bool traditional, const mx::array& inv_freq,
                float scale, const mx::array& offsets, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream);
+  const mx::Stream s = resolve_stream(stream, "rope");
   if (x.dtype() != mx::float32 || inv_freq.dtype() != mx::float32) {
     raise_py(PyExc_TypeError, "rope: x and inv_freq must be float32");
   }
@@ -827,10 +831,11 @@ void paged_attention_impl(const PagedAttentionArgs<T>& a) {
   }
 }
 
-class PagedAttention : public mx::Primitive {
+class PagedAttention : public SameShapePrimitive {
  public:
   PagedAttention(mx::Stream s, float scale, int64_t block_size, int64_t window)
-      : mx::Primitive(s), scale_(scale), block_size_(block_size), window_(window) {}
+      : SameShapePrimitive(s, "paged_attention"), scale_(scale), block_size_(block_size),
+        window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -866,10 +871,6 @@ class PagedAttention : public mx::Primitive {
     throw std::runtime_error("[paged_attention] CPU only; GPU backends have their own kernels");
   }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
-
   const char* name() const override {
     return "PagedAttention";
   }
@@ -896,7 +897,7 @@ class PagedAttention : public mx::Primitive {
 mx::array paged_attention(
     const mx::array& q, const mx::array& kv_pool, const mx::array& tables, const mx::array& seqs,
     const mx::array& lens, float scale, int64_t block_size, int64_t window, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream);
+  const mx::Stream s = resolve_stream(stream, "paged_attention");
   if (q.ndim() != 3 || kv_pool.ndim() != 3 || kv_pool.shape(2) != 2 * q.shape(2) ||
       q.shape(1) % kv_pool.shape(1) != 0) {
     raise_py(
@@ -962,9 +963,9 @@ vun::ThreadPool& kernel_pool() {
 
 // y = x @ w.T for fp32 x [M, K], w [N, K] (nn.Linear's weight layout): the weight rows are split
 // over the kernel pool's threads in groups of 4 (see vun::linear_rows_f32).
-class Linear : public mx::Primitive {
+class Linear : public CpuOnlyPrimitive {
  public:
-  explicit Linear(mx::Stream s) : mx::Primitive(s) {}
+  explicit Linear(mx::Stream s) : CpuOnlyPrimitive(s, "linear") {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& w = inputs[1];
@@ -997,10 +998,6 @@ class Linear : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[linear] CPU only");
-  }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {{inputs[0].shape(0), inputs[1].shape(0)}};
   }
@@ -1011,7 +1008,7 @@ class Linear : public mx::Primitive {
 };
 
 mx::array linear(const mx::array& x, const mx::array& w, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream);
+  const mx::Stream s = resolve_stream(stream, "linear");
   if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
     raise_py(PyExc_TypeError, "linear: x and w must be float32");
   }
@@ -1079,14 +1076,10 @@ float* scratch_rows(size_t floats) {
 }
 
 // The state and boilerplate of the two primitives on MLX affine-quantized weights.
-class QuantizedWeightPrimitive : public mx::Primitive {
+class QuantizedWeightPrimitive : public CpuOnlyPrimitive {
  public:
-  QuantizedWeightPrimitive(mx::Stream s, int group_size, int bits)
-      : mx::Primitive(s), group_size_(group_size), bits_(bits) {}
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(std::string("[") + name() + "] CPU only");
-  }
+  QuantizedWeightPrimitive(mx::Stream s, const char* what, int group_size, int bits)
+      : CpuOnlyPrimitive(s, what), group_size_(group_size), bits_(bits) {}
 
   // MLX compares primitives of the same type only.
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -1104,7 +1097,8 @@ class QuantizedWeightPrimitive : public mx::Primitive {
 // bits / 32 of its fp32 size and the result is bit-identical to Linear on mx.dequantize(w).
 class QuantizedLinear : public QuantizedWeightPrimitive {
  public:
-  using QuantizedWeightPrimitive::QuantizedWeightPrimitive;
+  QuantizedLinear(mx::Stream s, int group_size, int bits)
+      : QuantizedWeightPrimitive(s, "quantized_linear", group_size, bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& y = outputs[0];
@@ -1164,7 +1158,7 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
 
 mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream);
+  const mx::Stream s = resolve_stream(stream, "quantized_linear");
   check_quantized("quantized_linear", w, scales, biases, group_size, bits);
   if (x.dtype() != mx::float32) {
     raise_py(PyExc_TypeError, "quantized_linear: x must be float32");
@@ -1185,7 +1179,8 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
 // large for QuantizedLinear (prefill), whose matmul then runs in BLAS.
 class Dequantize : public QuantizedWeightPrimitive {
  public:
-  using QuantizedWeightPrimitive::QuantizedWeightPrimitive;
+  Dequantize(mx::Stream s, int group_size, int bits)
+      : QuantizedWeightPrimitive(s, "dequantize", group_size, bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -1232,7 +1227,7 @@ class Dequantize : public QuantizedWeightPrimitive {
 
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases,
                      int group_size, int bits, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream);
+  const mx::Stream s = resolve_stream(stream, "dequantize");
   check_quantized("dequantize", w, scales, biases, group_size, bits);
   return mx::array(
       {w.shape(0), w.shape(1) * (32 / bits)}, mx::float32,
