@@ -95,7 +95,8 @@ def _step_case(rng, query_lens, heads, kv_heads, dim, block_size, dtype, max_len
 @pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.float16, 4e-3),
                                         (mx.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size",
-                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 80, 32)])
+                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 80, 32), (4, 2, 128, 16),
+                          (6, 2, 256, 16)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("query_lens", [[1] * 6, [1, 9, 1, 1, 30], [17, 1]],
                          ids=["decode", "mixed", "prefill-first"])
@@ -110,6 +111,21 @@ def test_paged_attention_rows_equal_reference(dtype, tol, heads, kv_heads, dim, 
     assert got.shape == want.shape and got.dtype == dtype
     assert not np.isnan(np.array(got.astype(mx.float32))).any()
     assert _rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("dim", [64, 80])  # the register path and the generic one
+def test_paged_attention_row_is_batch_invariant(dim):
+    """A row's output does not depend on the other rows of the step nor on how the rows are
+    split over the kernel's threads: the same bits alone as inside a mixed step."""
+    rng = np.random.default_rng(dim)
+    q, pool, meta = _step_case(rng, [1, 9, 1, 1, 30, 1, 1], 6, 2, dim, 16, mx.float32)
+    tables, seqs, lens = meta.row_tables_seqs_lens()
+    rows = q.reshape(q.shape[0], 6, dim)
+    whole = native.paged_attention(rows, pool, tables, seqs, lens, 0.125, 16)
+    for r in (0, 5, 12, 40, 41):
+        alone = native.paged_attention(rows[r:r + 1], pool, tables, seqs[r:r + 1],
+                                       lens[r:r + 1], 0.125, 16)
+        assert np.array_equal(np.array(alone[0]), np.array(whole[r])), r
 
 
 def test_paged_attention_rejects_bad_input():

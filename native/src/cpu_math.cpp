@@ -201,4 +201,94 @@ VUN_CLONES void linear_cols_f32(
   cols(x, wn, y, M, N, K, n, count);
 }
 
+namespace {
+
+// Scores of query q (NC * 16 floats) against keys[0 .. n): 4 keys per pass, their four
+// 16-wide dot products summed by one reduce4 tree.
+template <int NC>
+VUN_INLINE void scores_row(const float* q, const float* const* keys, size_t n, float scale,
+                           float* s) {
+  v16 qv[NC];
+  for (int c = 0; c < NC; ++c) {
+    qv[c] = load16(q + 16 * c);
+  }
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    v16 acc[4] = {};
+    for (int c = 0; c < NC; ++c) {
+      for (int t = 0; t < 4; ++t) {
+        acc[t] += qv[c] * load16(keys[j + t] + 16 * c);
+      }
+    }
+    const v16 r = reduce4(acc[0], acc[1], acc[2], acc[3]);
+    for (int t = 0; t < 4; ++t) {
+      s[j + t] = r[4 * t] * scale;
+    }
+  }
+  for (; j < n; ++j) {
+    v16 acc = {};
+    for (int c = 0; c < NC; ++c) {
+      acc += qv[c] * load16(keys[j] + 16 * c);
+    }
+    s[j] = hsum(acc) * scale;
+  }
+}
+
+// out = sum_j p[j] * inv * values[j] with the NC accumulators in registers across all keys.
+template <int NC>
+VUN_INLINE void weighted_values(const float* p, float inv, const float* const* values, size_t n,
+                                float* out) {
+  v16 o[NC] = {};
+  for (size_t j = 0; j < n; ++j) {
+    const float w = p[j] * inv;
+    for (int c = 0; c < NC; ++c) {
+      o[c] += w * load16(values[j] + 16 * c);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    __builtin_memcpy(out + 16 * c, &o[c], sizeof(v16));
+  }
+}
+
+template <int NC>
+VUN_INLINE void attend_fixed(const float* q, size_t heads, const float* const* keys,
+                             const float* const* values, size_t n, float scale, float* scores,
+                             float* out) {
+  for (size_t r = 0; r < heads; ++r) {
+    float* sr = scores + r * n;
+    scores_row<NC>(q + r * NC * 16, keys, n, scale, sr);
+    float m = sr[0];
+    for (size_t j = 1; j < n; ++j) {
+      m = sr[j] > m ? sr[j] : m;
+    }
+    float l = 0.f;
+#pragma omp simd reduction(+ : l)
+    for (size_t j = 0; j < n; ++j) {
+      sr[j] = expf(sr[j] - m);
+      l += sr[j];
+    }
+    weighted_values<NC>(sr, 1.f / l, values, n, out + r * NC * 16);
+  }
+}
+
+} // namespace
+
+VUN_CLONES bool attend_rows_f32_fixed(
+    const float* q, size_t heads, size_t dim, const float* const* keys, const float* const* values,
+    size_t n, float scale, float* scores, float* out) {
+  switch (dim) {
+    case 64:
+      attend_fixed<4>(q, heads, keys, values, n, scale, scores, out);
+      return true;
+    case 128:
+      attend_fixed<8>(q, heads, keys, values, n, scale, scores, out);
+      return true;
+    case 256:
+      attend_fixed<16>(q, heads, keys, values, n, scale, scores, out);
+      return true;
+    default:
+      return false;
+  }
+}
+
 } // namespace vun

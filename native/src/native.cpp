@@ -765,17 +765,77 @@ struct PagedAttentionArgs {
   float scale;
 };
 
+vun::ThreadPool& kernel_pool();
+
+// One (row, KV head) item: the R query heads of KV head g of row b over the row's keys.
+// Scratch is per thread (items of one call run on several threads at once).
 template <typename T>
-void paged_attention_impl(const PagedAttentionArgs<T>& a) {
+void paged_attention_item(const PagedAttentionArgs<T>& a, int64_t b, int64_t g) {
   const int64_t D = a.dim;
   const int64_t R = a.heads / a.kv_heads;  // query heads per KV head
   constexpr bool is_f32 = std::is_same_v<T, float>;
-  std::vector<float> qf(R * D), of(R * D), scores, rows;
-  std::vector<const float*> keys, values;
+  thread_local std::vector<float> qf, of, scores, rows;
+  thread_local std::vector<const float*> keys, values;
+  const int64_t len = a.lens[b];
+  const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+  const int64_t n = len - first;
+  qf.resize(R * D);
+  of.resize(R * D);
+  scores.resize(R * n);
+  keys.resize(n);
+  values.resize(n);
+  if constexpr (!is_f32) {
+    rows.resize(n * 2 * D);
+  }
+  const int32_t* table = a.tables + a.seqs[b] * a.max_blocks;
+  // Block by block (no division per key): keys [j0, j1) of block table[k].
+  for (int64_t k = first / a.block_size, j = first; j < len; ++k) {
+    const int64_t blk = table[k];
+    const int64_t j1 = std::min(len, (k + 1) * a.block_size);
+    if (blk < 0 || blk * a.block_size + (j1 - 1) % a.block_size >= a.slots) {
+      throw std::out_of_range(
+          "[paged_attention] block " + std::to_string(blk) + " is outside a pool of " +
+          std::to_string(a.slots) + " slots");
+    }
+    const T* cell = a.kv + ((blk * a.block_size + j % a.block_size) * a.kv_heads + g) * 2 * D;
+    for (; j < j1; ++j, cell += a.kv_heads * 2 * D) {  // K then V
+      if constexpr (is_f32) {
+        keys[j - first] = cell;
+        values[j - first] = cell + D;
+      } else {  // half precision: widen the two rows once into scratch
+        float* dst = rows.data() + (j - first) * 2 * D;
+        for (int64_t e = 0; e < 2 * D; ++e) {
+          dst[e] = static_cast<float>(cell[e]);
+        }
+        keys[j - first] = dst;
+        values[j - first] = dst + D;
+      }
+    }
+  }
+  const T* qp = a.q + (b * a.heads + g * R) * D;
+  for (int64_t i = 0; i < R * D; ++i) {
+    qf[i] = static_cast<float>(qp[i]);
+  }
+  if (!vun::attend_rows_f32_fixed(
+          qf.data(), R, D, keys.data(), values.data(), n, a.scale, scores.data(), of.data())) {
+    vun::attend_rows_f32(
+        qf.data(), R, D, keys.data(), values.data(), n, a.scale, scores.data(), of.data());
+  }
+  T* op = a.out + (b * a.heads + g * R) * D;
+  for (int64_t i = 0; i < R * D; ++i) {
+    op[i] = static_cast<T>(of[i]);
+  }
+}
+
+// Checks every row's sequence and length first (a bad row writes nothing), then runs the
+// (row, KV head) items on the kernel pool. Each item's arithmetic depends on its own row
+// alone, so a row's output is the same whatever else the step holds and however the items
+// are split over threads (batch-invariant).
+template <typename T>
+void paged_attention_impl(const PagedAttentionArgs<T>& a) {
   for (int64_t b = 0; b < a.batch; ++b) {
     const int64_t len = a.lens[b];
     const int64_t seq = a.seqs[b];
-    const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
     if (seq < 0 || seq >= a.num_seqs) {
       throw std::out_of_range(
           "[paged_attention] row " + std::to_string(b) + ": sequence " + std::to_string(seq) +
@@ -787,48 +847,17 @@ void paged_attention_impl(const PagedAttentionArgs<T>& a) {
           " keys do not fit a block table of " +
           std::to_string(a.max_blocks) + " blocks of " + std::to_string(a.block_size));
     }
-    const int64_t n = len - first;
-    scores.resize(R * n);
-    keys.resize(n);
-    values.resize(n);
-    if constexpr (!is_f32) {
-      rows.resize(n * 2 * D);
-    }
-    const int32_t* table = a.tables + seq * a.max_blocks;
-    for (int64_t g = 0; g < a.kv_heads; ++g) {
-      for (int64_t j = first; j < len; ++j) {
-        const int64_t blk = table[j / a.block_size];
-        const int64_t slot = blk * a.block_size + j % a.block_size;
-        if (blk < 0 || slot >= a.slots) {
-          throw std::out_of_range(
-              "[paged_attention] block " + std::to_string(blk) + " is outside a pool of " +
-              std::to_string(a.slots) + " slots");
-        }
-        const T* cell = a.kv + (slot * a.kv_heads + g) * 2 * D;  // K then V
-        if constexpr (is_f32) {
-          keys[j - first] = cell;
-          values[j - first] = cell + D;
-        } else {  // half precision: widen the two rows once into scratch
-          float* dst = rows.data() + (j - first) * 2 * D;
-          for (int64_t e = 0; e < 2 * D; ++e) {
-            dst[e] = static_cast<float>(cell[e]);
-          }
-          keys[j - first] = dst;
-          values[j - first] = dst + D;
-        }
-      }
-      const T* qp = a.q + (b * a.heads + g * R) * D;
-      for (int64_t i = 0; i < R * D; ++i) {
-        qf[i] = static_cast<float>(qp[i]);
-      }
-      vun::attend_rows_f32(
-          qf.data(), R, D, keys.data(), values.data(), n, a.scale, scores.data(), of.data());
-      T* op = a.out + (b * a.heads + g * R) * D;
-      for (int64_t i = 0; i < R * D; ++i) {
-        op[i] = static_cast<T>(of[i]);
-      }
-    }
   }
+  const size_t items = static_cast<size_t>(a.batch * a.kv_heads);
+  auto& pool = kernel_pool();
+  // Several chunks per thread: a thread the OS holds back costs at most one chunk.
+  const size_t chunks = std::min(items, 8 * pool.size());
+  pool.run(chunks, [&](size_t c) {
+    for (size_t i = items * c / chunks; i < items * (c + 1) / chunks; ++i) {
+      paged_attention_item(a, static_cast<int64_t>(i) / a.kv_heads,
+                           static_cast<int64_t>(i) % a.kv_heads);
+    }
+  });
 }
 
 class PagedAttention : public SameShapePrimitive {

@@ -12,7 +12,13 @@ The native ``paged_attention`` primitive (``native/src/native.cpp``, loops in
 ``seqs[r]`` attends to keys ``first ... lens[r] - 1`` (``lens[r]`` = its position + 1, so prefill
 chunks are causal; ``first`` from the sliding window), read once where they lie in the pool
 through the block table, all query heads of a KV head together, ``exp`` vectorized. Decode rows
-and prefill chunks need no separate groups, concatenation or reordering. It computes the
+and prefill chunks need no separate groups, concatenation or reordering. The (row, KV head)
+items are split over the kernel threads (``VLLM_UNIFIED_CPU_THREADS``); each item's arithmetic
+depends on its own row alone, so a row's output has the same bits whatever else the step holds.
+Head sizes 64, 128 and 256 keep the dot products and the output in 16-wide registers. Measured
+on the 2-core machine (30 layers of SmolLM2-135M, 9 / 3 heads of 64): 16 decode rows at 192 keys
+14.1 -> 4.3 ms, 16 prefill chunks of 128 tokens 445 -> 180 ms (one thread and scalar-order loops
+before). It computes the
 reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference for
 fp32, fp16 and bf16 pools, mixed steps, with and without a window.
 """
