@@ -81,14 +81,18 @@ namespace vun {
 // + eps) * w[d], fp32, x and out [rows, D] row-contiguous, w [D]; IEEE semantics (cpu_norm.cpp).
 void rms_norm_f32(const float* x, const float* w, float* out, size_t rows, size_t D, float eps);
 
-// Rotary embedding (mx.fast.rope's function) of x [B, H, L, D] row-contiguous, fp32: position of
-// (b, l) p = (l + offset_b) * scale in fp32, offset_b = offsets[b] (offsets[0] for all b when
-// num_offsets == 1), theta_i = p * inv_freq[i] for i < dims / 2; pairs (x[i], x[i + dims/2])
-// (traditional: (x[2i], x[2i + 1])) rotated by theta_i, elements past dims copied. cos_sin:
-// scratch of dims floats. dims <= D, even (unchecked here).
-void rope_f32(
-    const float* x, float* out, const int32_t* offsets, size_t num_offsets, size_t B, size_t H,
-    size_t L, size_t D, size_t dims, bool traditional, const float* inv_freq, float scale,
-    float* cos_sin);
+// Rotary embedding (mx.fast.rope's function) in two steps. rope_table_f32: for each (b, l) of
+// x [B, H, L, D], position p = (l + offset_b) * scale in fp32, offset_b = offsets[b]
+// (offsets[0] for all b when num_offsets == 1), theta_i = p * inv_freq[i] for i < half = dims /
+// 2; table[(b * L + l) * 2 * half + i] = cos(theta_i), [... + half + i] = sin(theta_i).
+// rope_apply_f32: rows [row0, row1) of x viewed as [B * H * L, D] (row-contiguous, fp32), pairs
+// (x[i], x[i + half]) (traditional: (x[2i], x[2i + 1])) rotated by theta_i, elements past dims
+// copied. dims <= D, even (unchecked here).
+void rope_table_f32(
+    const int32_t* offsets, size_t num_offsets, size_t B, size_t L, size_t half,
+    const float* inv_freq, float scale, float* table);
+void rope_apply_f32(
+    const float* x, float* out, const float* table, size_t H, size_t L, size_t D, size_t dims,
+    bool traditional, size_t row0, size_t row1);
 
 } // namespace vun

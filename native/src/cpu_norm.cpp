@@ -31,48 +31,55 @@ VUN_CLONES void rms_norm_f32(
   }
 }
 
-VUN_CLONES void rope_f32(
-    const float* x, float* out, const int32_t* offsets, size_t num_offsets, size_t B, size_t H,
-    size_t L, size_t D, size_t dims, bool traditional, const float* inv_freq, float scale,
-    float* cos_sin) {
-  const size_t half = dims / 2;
-  float* c = cos_sin;
-  float* s = cos_sin + half;
+VUN_CLONES void rope_table_f32(
+    const int32_t* offsets, size_t num_offsets, size_t B, size_t L, size_t half,
+    const float* inv_freq, float scale, float* table) {
   for (size_t b = 0; b < B; ++b) {
     const int32_t offset = offsets[num_offsets == 1 ? 0 : b];
     for (size_t l = 0; l < L; ++l) {
       // As mx.fast.rope's fallback: (arange(L) + offset) in fp32, times scale (signed: offsets
       // may be negative).
       const float pos = (static_cast<float>(l) + static_cast<float>(offset)) * scale;
+      float* c = table + (b * L + l) * 2 * half;
+      float* s = c + half;
       for (size_t i = 0; i < half; ++i) {
         const float theta = pos * inv_freq[i];
         c[i] = std::cos(theta);
         s[i] = std::sin(theta);
       }
-      for (size_t h = 0; h < H; ++h) {
-        const size_t at = ((b * H + h) * L + l) * D;
-        const float* xr = x + at;
-        float* o = out + at;
-        if (traditional) {
-          for (size_t i = 0; i < half; ++i) {
-            const float x1 = xr[2 * i];
-            const float x2 = xr[2 * i + 1];
-            o[2 * i] = x1 * c[i] - x2 * s[i];
-            o[2 * i + 1] = x1 * s[i] + x2 * c[i];
-          }
-        } else {
-#pragma omp simd
-          for (size_t i = 0; i < half; ++i) {
-            const float x1 = xr[i];
-            const float x2 = xr[i + half];
-            o[i] = x1 * c[i] - x2 * s[i];
-            o[i + half] = x1 * s[i] + x2 * c[i];
-          }
-        }
-        for (size_t d = dims; d < D; ++d) {
-          o[d] = xr[d];
-        }
+    }
+  }
+}
+
+VUN_CLONES void rope_apply_f32(
+    const float* x, float* out, const float* table, size_t H, size_t L, size_t D, size_t dims,
+    bool traditional, size_t row0, size_t row1) {
+  const size_t half = dims / 2;
+  for (size_t row = row0; row < row1; ++row) {  // row = (b * H + h) * L + l
+    const size_t b = row / (H * L);
+    const size_t l = row % L;
+    const float* c = table + (b * L + l) * 2 * half;
+    const float* s = c + half;
+    const float* xr = x + row * D;
+    float* o = out + row * D;
+    if (traditional) {
+      for (size_t i = 0; i < half; ++i) {
+        const float x1 = xr[2 * i];
+        const float x2 = xr[2 * i + 1];
+        o[2 * i] = x1 * c[i] - x2 * s[i];
+        o[2 * i + 1] = x1 * s[i] + x2 * c[i];
       }
+    } else {
+#pragma omp simd
+      for (size_t i = 0; i < half; ++i) {
+        const float x1 = xr[i];
+        const float x2 = xr[i + half];
+        o[i] = x1 * c[i] - x2 * s[i];
+        o[i + half] = x1 * s[i] + x2 * c[i];
+      }
+    }
+    for (size_t d = dims; d < D; ++d) {
+      o[d] = xr[d];
     }
   }
 }
