@@ -284,3 +284,25 @@ def test_cpu_isa_env_rejects_unknown_values():
     out = subprocess.run([sys.executable, "-c", _ISA_TYPO], env=env, capture_output=True,
                          text=True)
     assert out.returncode != 0 and "VLLM_UNIFIED_CPU_ISA" in out.stderr, out.stdout
+
+
+def test_native_rope_table_kept_between_calls_follows_every_input():
+    """The kernel keeps the last call's cos/sin table for the next call at the same positions
+    (every layer of a step rotates at the same positions). Calls that differ only in the
+    offsets' values, the base, the scale, the length or the batch must each recompute it:
+    each call of this sequence equals nn.RoPE's output."""
+    rng = np.random.default_rng(4)
+    x = _x((4, 3, 2, 64))
+    calls = []
+    for base, scale in [(10000.0, 1.0), (10000.0, 0.5), (500000.0, 1.0)]:
+        ref, nat = _rope_pair(64, base, scale=scale)
+        for offsets in ([0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 2, 3]):
+            calls.append((ref, nat, x, mx.array(offsets, mx.int32)))
+        calls.append((ref, nat, x[:, :, :1], mx.array([0, 1, 2, 3], mx.int32)))
+        calls.append((ref, nat, x[:3], mx.array([0, 1, 2], mx.int32)))
+    calls.append((calls[0][0], calls[0][1], x, mx.array(rng.integers(0, 9000, 4), mx.int32)))
+    for i, (ref, nat, xi, offsets) in enumerate(calls):
+        want = ref(xi, offsets)
+        got = nat(xi, offsets)
+        mx.eval(got)  # one call at a time: the table of the previous call is the one kept
+        assert float(mx.abs(got - want).max()) < 2e-6, i
