@@ -81,6 +81,27 @@ namespace mx = mlx::core;
 
 namespace {
 
+// The kernels' thread pool (defined with the linear kernels below).
+vun::ThreadPool& kernel_pool();
+
+// Runs fn(begin, end) over [0, n) in pieces whose bounds are multiples of `align`, on the kernel
+// pool when the work (n * cost elements) is large enough to pay for waking it, else inline.
+// Aligned bounds keep a vectorized loop's body / scalar-tail split where one call puts it.
+template <typename Fn>
+void split_work(size_t n, size_t cost, size_t align, const Fn& fn) {
+  constexpr size_t kMinParallel = 65536;  // elements: below this waking the pool costs more
+  auto& pool = kernel_pool();
+  const size_t units = (n + align - 1) / align;
+  const size_t chunks = n * cost < kMinParallel ? 1 : std::min(units, 8 * pool.size());
+  if (chunks <= 1) {
+    fn(size_t{0}, n);
+    return;
+  }
+  pool.run(chunks, [&](size_t c) {
+    fn(std::min(n, units * c / chunks * align), std::min(n, units * (c + 1) / chunks * align));
+  });
+}
+
 [[noreturn]] void raise_py(PyObject* type, const std::string& msg) {
   PyErr_SetString(type, msg.c_str());
   throw nb::python_error();
@@ -577,7 +598,11 @@ class SiluMul : public SameShapePrimitive {
     enc.set_input_array(up);
     enc.set_output_array(out);
     enc.dispatch([g = gate.data<float>(), u = up.data<float>(), o = out.data<float>(),
-                  n = out.size()]() { vun::silu_mul_f32(g, u, o, n); });
+                  n = out.size()]() {
+      split_work(n, 1, 64, [&](size_t b, size_t e) {
+        vun::silu_mul_f32(g + b, u + b, o + b, e - b);
+      });
+    });
   }
 
   const char* name() const override {
@@ -626,7 +651,9 @@ class RmsNorm : public SameShapePrimitive {
     const size_t D = static_cast<size_t>(x.shape(-1));
     enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(),
                   rows = D ? x.size() / D : 0, D, eps = eps_]() {
-      vun::rms_norm_f32(xp, wp, op, rows, D, eps);
+      split_work(rows, D, 1, [&](size_t b, size_t e) {
+        vun::rms_norm_f32(xp + b * D, wp, op + b * D, e - b, D, eps);
+      });
     });
   }
 
@@ -655,8 +682,6 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, nb::handle
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
                    {x, contiguous_input(w, s)});
 }
-
-vun::ThreadPool& kernel_pool();
 
 // The cos/sin table of a RoPE call (vun::rope_table_f32), kept for the next call with the same
 // positions and frequencies: every layer of a step rotates queries and keys at the same
@@ -724,12 +749,8 @@ class Rope : public SameShapePrimitive {
                   dims = static_cast<size_t>(dims_), trad = traditional_, scale = scale_]() {
       const float* table = rope_table(offs, num_offsets, B, L, dims / 2, freqs, scale);
       // Rows of D elements; threads only where the work outweighs waking them.
-      const size_t rows = B * H * L;
-      auto& pool = kernel_pool();
-      const size_t chunks = rows * D < 65536 ? 1 : std::min(rows, 8 * pool.size());
-      pool.run(chunks, [&](size_t c) {
-        vun::rope_apply_f32(xp, op, table, H, L, D, dims, trad, rows * c / chunks,
-                            rows * (c + 1) / chunks);
+      split_work(B * H * L, D, 1, [&](size_t b, size_t e) {
+        vun::rope_apply_f32(xp, op, table, H, L, D, dims, trad, b, e);
       });
     });
   }
@@ -805,8 +826,6 @@ struct PagedAttentionArgs {
   int64_t window;  // keys visible to the query, 0: all
   float scale;
 };
-
-vun::ThreadPool& kernel_pool();
 
 // One (row, KV head) item: the R query heads of KV head g of row b over the row's keys.
 // Scratch is per thread (items of one call run on several threads at once).
