@@ -451,3 +451,25 @@ def test_rope_calls_outside_the_kernel_fall_back():
     assert mx.array_equal(rope(x, offset=3), nn.RoPE.__call__(rope, x, 3)).item()  # 3-D input
     x16 = x.reshape(1, 2, 4, 16).astype(mx.float16)
     assert mx.array_equal(rope(x16), nn.RoPE.__call__(rope, x16)).item()  # not fp32
+
+
+def test_threaded_elementwise_kernels_equal_their_single_thread_pieces():
+    """SwiGLU, RMSNorm and RoPE split inputs of 65536 elements or more over the kernel threads;
+    the pieces' bounds keep every element's arithmetic, so a large call has the bits of the
+    same rows computed in calls too small to be split."""
+    rng = np.random.default_rng(11)
+    gate, up = (mx.array(rng.standard_normal((96, 1536)).astype(np.float32)) for _ in range(2))
+    x = mx.array(rng.standard_normal((300, 576)).astype(np.float32))
+    w = mx.array(rng.standard_normal(576).astype(np.float32))
+    q = mx.array(rng.standard_normal((300, 9, 1, 64)).astype(np.float32))
+    inv = mx.array(1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64), mx.float32)
+    offsets = mx.array(rng.integers(0, 4000, 300), mx.int32)
+    whole = [native.silu_mul(gate, up), native.rms_norm(x, w, 1e-5),
+             native.rope(q, 64, False, inv, 1.0, offsets)]
+    pieces = [mx.concatenate([native.silu_mul(gate[i:i + 8], up[i:i + 8])
+                              for i in range(0, 96, 8)]),
+              mx.concatenate([native.rms_norm(x[i:i + 50], w, 1e-5) for i in range(0, 300, 50)]),
+              mx.concatenate([native.rope(q[i:i + 50], 64, False, inv, 1.0, offsets[i:i + 50])
+                              for i in range(0, 300, 50)])]
+    for name, a, b in zip(("silu_mul", "rms_norm", "rope"), whole, pieces, strict=True):
+        assert np.array_equal(np.array(a), np.array(b)), name
