@@ -58,6 +58,13 @@ class ThreadPool {
     }
     std::lock_guard<std::mutex> lock(run_mutex_);
     const uint64_t gen = ++generation_;
+    // Closed first: a worker still inside take_chunks of the previous job holds a snapshot
+    // (previous generation, next = its chunk count) and compares it with chunks_. Were chunks_
+    // raised while state_ still held that snapshot, its compare-and-swap would succeed and it
+    // would run a chunk of this job under the old generation, a chunk the job then hands out
+    // again: done_ would pass `chunks` and the wait below would never end (seen: an engine
+    // spinning forever when a 3-chunk attention call was followed by a 16-chunk linear).
+    state_.store((gen << 32) | kClosed);
     fn_ = &fn;
     chunks_ = chunks;
     done_.store(0);
@@ -119,6 +126,8 @@ class ThreadPool {
       take_chunks(state_.load() >> 32);
     }
   }
+
+  static constexpr uint64_t kClosed = 0xffffffffu;  // next chunk past any job's chunks
 
   const size_t size_;
   std::vector<std::thread> workers_;
