@@ -306,3 +306,71 @@ def test_native_rope_table_kept_between_calls_follows_every_input():
         got = nat(xi, offsets)
         mx.eval(got)  # one call at a time: the table of the previous call is the one kept
         assert float(mx.abs(got - want).max()) < 2e-6, i
+
+
+_POOL_GENERATIONS = r"""
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+#define private public  // the harness sets the job counter; the pool's code is unchanged
+#include "thread_pool.h"
+#undef private
+
+int main() {
+  vun::ThreadPool pool(2);
+  pool.generation_ = 0xffffffffull - 1;  // jobs 2^32 - 1, 2^32, 2^32 + 1
+  int idle = 0;
+  for (int job = 0; job < 3; ++job) {
+    const auto caller = std::this_thread::get_id();
+    std::atomic<bool> caller_ran{false};
+    pool.run(2, [&](size_t) {
+      if (std::this_thread::get_id() == caller) {
+        caller_ran = true;
+        return;
+      }
+      // The worker's chunk waits for the caller to take the other one; bounded, so that a
+      // caller that takes no chunk fails the check below instead of hanging the test.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (!caller_ran && std::chrono::steady_clock::now() < until) {
+        std::this_thread::yield();
+      }
+    });
+    if (!caller_ran) {
+      std::printf("job %d: the caller took no chunk\n", job);
+      ++idle;
+    }
+  }
+  std::printf("%d idle\n", idle);
+  return idle == 0 ? 0 : 1;
+}
+"""
+
+
+def test_kernel_pool_caller_keeps_taking_chunks_after_2_to_the_32_jobs(tmp_path):
+    """ThreadPool::run passes the full 64-bit job counter to the caller's take_chunks, but the
+    state word keeps only its low 32 bits (``gen << 32``). From job 2^32 on (about a week of
+    decode at ~200 kernel calls per step and ~30 steps/s) the caller's generation never
+    matches the state's, so MLX's stream thread takes no chunk at all: it spins while the
+    workers do everything (half the kernel throughput on 2 cores; a process without worker
+    threads, e.g. forked after the pool started, would spin forever). Seen with this harness:
+    'job 1: the caller took no chunk', 'job 2: ...' (generations 2^32 and 2^32 + 1; the worker
+    then ran both chunks of each job)."""
+    import shutil
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    assert cxx, "a C++ compiler (the native extension's build needs one)"
+    src = tmp_path / "pool_generations.cpp"
+    src.write_text(_POOL_GENERATIONS)
+    native_src = os.path.join(os.path.dirname(__file__), "..", "native", "src")
+    exe = tmp_path / "pool_generations"
+    subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-I", native_src, str(src), "-o",
+                    str(exe)], check=True, capture_output=True, timeout=300)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -131,7 +131,9 @@ class ThreadPool {
 
   const size_t size_;
   std::vector<std::thread> workers_;
-  uint64_t generation_ = 0;            // last job's generation (caller side, under run_mutex_)
+  // Last job's generation (caller side, under run_mutex_). 32 bits, as in state_: a wider
+  // counter would stop matching state_'s from job 2^32 on and the caller would take no chunk.
+  uint32_t generation_ = 0;
   std::atomic<uint64_t> state_{0};     // (generation << 32) | next unclaimed chunk
   std::atomic<uint64_t> wake_{0};      // bumped per job and at stop
   std::atomic<size_t> done_{0};        // chunks finished in the current job
