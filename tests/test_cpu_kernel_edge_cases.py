@@ -374,3 +374,53 @@ def test_kernel_pool_caller_keeps_taking_chunks_after_2_to_the_32_jobs(tmp_path)
                     str(exe)], check=True, capture_output=True, timeout=300)
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_paged_attention_bad_block_in_a_pool_chunk_raises_and_leaves_the_pool_usable():
+    """Checked in review, found right (kept as a guard): the block-range check now runs inside
+    the (row, KV head) items on the kernel pool, so it throws on whichever thread runs the
+    item. The error must still come out of mx.eval with its message, and the pool must take
+    the next calls (no job left half-open, no chunk counted twice): the same good call before
+    and after failing ones gives the same bits."""
+    rng = np.random.default_rng(5)
+    rows, heads, kv_heads, dim, block_size, num_blocks = 48, 4, 2, 64, 8, 64
+    pool = mx.array(rng.standard_normal((num_blocks * block_size, kv_heads, 2 * dim))
+                    .astype(np.float32))
+    tables = rng.integers(0, num_blocks, (rows, 4)).astype(np.int32)
+    seqs = mx.array(np.arange(rows, dtype=np.int32))
+    lens = mx.array(rng.integers(1, 4 * block_size + 1, rows).astype(np.int32))
+    q = mx.array(rng.standard_normal((rows, heads, dim)).astype(np.float32))
+    want = np.array(native.paged_attention(q, pool, mx.array(tables), seqs, lens, 0.125,
+                                           block_size))
+    bad = tables.copy()
+    bad[[17, 40]] = num_blocks + 3  # rows in different chunks
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="outside a pool of 512 slots"):
+            mx.eval(native.paged_attention(q, pool, mx.array(bad), seqs, lens, 0.125,
+                                           block_size))
+        got = native.paged_attention(q, pool, mx.array(tables), seqs, lens, 0.125, block_size)
+        assert np.array_equal(np.array(got), want)
+
+
+_ATTENTION_NO_KV_HEADS = """
+import mlx.core as mx
+from vllm_unified_native import paged_attention
+t = mx.array([[0]], mx.int32)
+try:
+    paged_attention(mx.zeros((1, 4, 8)), mx.zeros((8, 0, 16)), t, t[0], t[0] + 1, 1.0, 8)
+    print("returned")
+except ValueError as e:
+    print("raised", e)
+"""
+
+
+def test_paged_attention_refuses_a_pool_without_kv_heads():
+    """The builder checks ``H % Hkv`` before anything rules out Hkv = 0: a [slots, 0, 2D] pool
+    (a malformed cache) makes it divide by zero and the process dies of SIGFPE instead of
+    raising (seen: return code -8). Run in a subprocess. Expected: the ValueError naming the
+    shapes that other bad shapes get."""
+    out = subprocess.run([sys.executable, "-c", _ATTENTION_NO_KV_HEADS], capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and out.stdout.startswith("raised"), (
+        out.returncode, out.stdout, out.stderr[-300:])
+    assert "H % Hkv" in out.stdout

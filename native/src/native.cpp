@@ -988,11 +988,11 @@ mx::array paged_attention(
     const mx::array& lens, float scale, int64_t block_size, int64_t window, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "paged_attention");
   if (q.ndim() != 3 || kv_pool.ndim() != 3 || kv_pool.shape(2) != 2 * q.shape(2) ||
-      q.shape(1) % kv_pool.shape(1) != 0) {
+      kv_pool.shape(1) < 1 || q.shape(1) % kv_pool.shape(1) != 0) {
     raise_py(
         PyExc_ValueError,
-        "paged_attention: q must be [N, H, D] and kv_pool [slots, Hkv, 2D] with H % Hkv == 0, "
-        "got " +
+        "paged_attention: q must be [N, H, D] and kv_pool [slots, Hkv, 2D] with Hkv >= 1 and "
+        "H % Hkv == 0, got " +
             shape_str(q.shape()) + " and " + shape_str(kv_pool.shape()));
   }
   if (q.dtype() != kv_pool.dtype()) {
