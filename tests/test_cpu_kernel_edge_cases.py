@@ -362,17 +362,83 @@ def test_kernel_pool_caller_keeps_taking_chunks_after_2_to_the_32_jobs(tmp_path)
     threads, e.g. forked after the pool started, would spin forever). Seen with this harness:
     'job 1: the caller took no chunk', 'job 2: ...' (generations 2^32 and 2^32 + 1; the worker
     then ran both chunks of each job)."""
+    out = _run_pool_harness(tmp_path, _POOL_GENERATIONS)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _run_pool_harness(tmp_path, source: str, *args: str) -> subprocess.CompletedProcess:
+    """Compiles a C++ program against native/src/thread_pool.h and runs it (a hang fails the
+    test through the timeout instead of stalling the suite)."""
     import shutil
 
     cxx = shutil.which("c++") or shutil.which("g++")
     assert cxx, "a C++ compiler (the native extension's build needs one)"
-    src = tmp_path / "pool_generations.cpp"
-    src.write_text(_POOL_GENERATIONS)
+    src = tmp_path / "harness.cpp"
+    src.write_text(source)
     native_src = os.path.join(os.path.dirname(__file__), "..", "native", "src")
-    exe = tmp_path / "pool_generations"
-    subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-I", native_src, str(src), "-o",
+    exe = tmp_path / "harness"
+    subprocess.run([cxx, "-std=c++20", "-O2", "-pthread", "-I", native_src, str(src), "-o",
                     str(exe)], check=True, capture_output=True, timeout=300)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    try:
+        return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the pool harness hung: {e.stdout!r}") from None
+
+
+_POOL_STRESS = r"""
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <vector>
+#include "thread_pool.h"
+
+int main(int argc, char** argv) {
+  const int jobs = std::atoi(argv[1]);
+  vun::ThreadPool pool(3);  // more threads than this machine's cores: preempted mid-claim
+  std::vector<std::atomic<int>> runs(64);
+  const size_t sizes[] = {3, 16, 2, 64, 5, 33, 4};  // jobs with more chunks than the last
+  for (int job = 0; job < jobs; ++job) {
+    const size_t n = sizes[job % 7];
+    for (size_t c = 0; c < n; ++c) runs[c].store(0);
+    const bool fail = job % 101 == 0;  // a chunk that throws now and then
+    try {
+      pool.run(n, [&](size_t c) {
+        runs[c].fetch_add(1);
+        if (fail && c == n - 1) throw std::runtime_error("chunk failed");
+      });
+      if (fail) {
+        std::printf("job %d: the chunk's exception was not rethrown\n", job);
+        return 1;
+      }
+    } catch (const std::runtime_error&) {
+      if (!fail) {
+        std::printf("job %d: an exception no chunk threw\n", job);
+        return 1;
+      }
+    }
+    for (size_t c = 0; c < n; ++c) {
+      if (runs[c].load() != 1) {
+        std::printf("job %d: chunk %zu ran %d times\n", job, c, runs[c].load());
+        return 1;
+      }
+    }
+  }
+  std::printf("ok\n");
+  return 0;
+}
+"""
+
+
+def test_kernel_pool_runs_every_chunk_once_over_many_short_jobs(tmp_path):
+    """A guard for the livelock e65cd9a fixed (no test came with it): a worker of the previous
+    job could claim a chunk of a new job with more chunks under the old generation, so a chunk
+    ran twice and the caller's wait for ``done_ == chunks`` never ended. One million tiny jobs
+    of alternating chunk counts (with a throwing chunk every 101st job) on 3 threads: the pool
+    before e65cd9a failed this in 6 of 6 runs here (a chunk run twice by job 414, 470, 3445,
+    or a hang), the pool now passes it. Each chunk runs exactly once and a chunk's exception
+    comes out of run()."""
+    out = _run_pool_harness(tmp_path, _POOL_STRESS, "1000000")
     assert out.returncode == 0, out.stdout + out.stderr
 
 
