@@ -31,6 +31,26 @@ VUN_CLONES void silu_mul_f32(const float* gate, const float* up, float* out, siz
 
 namespace vun {
 
+namespace {
+
+// s[j] = exp(s[j] - max(s)) for j < n (n >= 1); returns their sum. Always inlined, so that each
+// ISA clone of its callers vectorizes it for its own instruction set.
+inline __attribute__((always_inline)) float exp_shifted(float* s, size_t n) {
+  float m = s[0];
+  for (size_t j = 1; j < n; ++j) {
+    m = s[j] > m ? s[j] : m;
+  }
+  float l = 0.f;
+#pragma omp simd reduction(+ : l)
+  for (size_t j = 0; j < n; ++j) {
+    s[j] = expf(s[j] - m);
+    l += s[j];
+  }
+  return l;
+}
+
+} // namespace
+
 VUN_CLONES void attend_rows_f32(
     const float* q, size_t heads, size_t dim, const float* const* keys, const float* const* values,
     size_t n, float scale, float* scores, float* out) {
@@ -48,17 +68,7 @@ VUN_CLONES void attend_rows_f32(
   }
   for (size_t r = 0; r < heads; ++r) {
     float* sr = scores + r * n;
-    float m = sr[0];
-    for (size_t j = 1; j < n; ++j) {
-      m = sr[j] > m ? sr[j] : m;
-    }
-    float l = 0.f;
-#pragma omp simd reduction(+ : l)
-    for (size_t j = 0; j < n; ++j) {
-      sr[j] = expf(sr[j] - m);
-      l += sr[j];
-    }
-    const float inv = 1.f / l;
+    const float inv = 1.f / exp_shifted(sr, n);
     float* o = out + r * dim;
     for (size_t e = 0; e < dim; ++e) {
       o[e] = 0.f;
@@ -257,17 +267,7 @@ VUN_INLINE void attend_fixed(const float* q, size_t heads, const float* const* k
   for (size_t r = 0; r < heads; ++r) {
     float* sr = scores + r * n;
     scores_row<NC>(q + r * NC * 16, keys, n, scale, sr);
-    float m = sr[0];
-    for (size_t j = 1; j < n; ++j) {
-      m = sr[j] > m ? sr[j] : m;
-    }
-    float l = 0.f;
-#pragma omp simd reduction(+ : l)
-    for (size_t j = 0; j < n; ++j) {
-      sr[j] = expf(sr[j] - m);
-      l += sr[j];
-    }
-    weighted_values<NC>(sr, 1.f / l, values, n, out + r * NC * 16);
+    weighted_values<NC>(sr, 1.f / exp_shifted(sr, n), values, n, out + r * NC * 16);
   }
 }
 
