@@ -85,7 +85,8 @@ namespace {
 vun::ThreadPool& kernel_pool();
 
 // Runs fn(begin, end) over [0, n) in pieces whose bounds are multiples of `align`, on the kernel
-// pool when the work (n * cost elements) is large enough to pay for waking it, else inline.
+// pool when the work (n * cost elements) is large enough to pay for waking it, else inline;
+// several pieces per thread, so a thread the OS holds back costs at most one piece.
 // Aligned bounds keep a vectorized loop's body / scalar-tail split where one call puts it.
 template <typename Fn>
 void split_work(size_t n, size_t cost, size_t align, const Fn& fn) {
@@ -909,12 +910,10 @@ void paged_attention_impl(const PagedAttentionArgs<T>& a) {
           std::to_string(a.max_blocks) + " blocks of " + std::to_string(a.block_size));
     }
   }
+  // Every call is split: one item already reads all of its row's keys.
   const size_t items = static_cast<size_t>(a.batch * a.kv_heads);
-  auto& pool = kernel_pool();
-  // Several chunks per thread: a thread the OS holds back costs at most one chunk.
-  const size_t chunks = std::min(items, 8 * pool.size());
-  pool.run(chunks, [&](size_t c) {
-    for (size_t i = items * c / chunks; i < items * (c + 1) / chunks; ++i) {
+  split_work(items, SIZE_MAX / (items + 1), 1, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
       paged_attention_item(a, static_cast<int64_t>(i) / a.kv_heads,
                            static_cast<int64_t>(i) % a.kv_heads);
     }
