@@ -96,3 +96,46 @@ void rope_apply_f32(
     bool traditional, size_t row0, size_t row1);
 
 } // namespace vun
+
+namespace vun {
+
+// Intel AMX kernels for x @ dequantize(w).T (cpu_amx.cpp): fp32-accurate (x split into three
+// bf16 parts, the integer q of the weight exact in bf16, scales and biases applied per group in
+// fp32). Not bit-identical to dequantize-then-multiply: the sums are grouped differently.
+
+// Whether they may run: the CPU has AMX-TILE, AMX-BF16 and AVX512-BF16, Linux granted the tile
+// state, and VLLM_UNIFIED_CPU_ISA is unset or "amx". Decided once per process.
+bool amx_usable();
+
+// Sizes of amx_prepare_x's outputs for x [M, K]: bf16 tiles (uint16 elements) and fp32 sums.
+size_t amx_x_tile_elems(size_t M, size_t K);
+size_t amx_x_sum_floats(size_t M, size_t K, size_t group_size);
+
+// x [M, K] fp32 row-contiguous -> tiles (64-byte aligned): for 16-row blocks mb in [mb0, mb1)
+// and 32-column segments, the three bf16 parts of x in TDPBF16PS's B layout, rows past M zero;
+// sums [mb][g][16]: sum over group g of x[16 mb + m, :]. K % 32 == 0, group_size % 32 == 0.
+void amx_prepare_x(const float* x, size_t M, size_t K, size_t group_size, uint16_t* tiles,
+                   float* sums, size_t mb0, size_t mb1);
+
+// y[m, n] for n in 16-row blocks [nb0, nb1) of w and all m < M, from amx_prepare_x's tiles and
+// sums and an MLX affine-quantized w (dequantize_rows_f32's layout; bits 4 or 8), each weight
+// tile unpacked just before use: for decode-sized M (one or two 16-row blocks).
+void amx_quantized_linear_blocks(
+    const uint16_t* tiles, const float* sums, const uint32_t* wq, const float* scales,
+    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, int bits,
+    size_t nb0, size_t nb1);
+
+// For larger M, the weight unpacked once per call and shared by all threads: panel (64-byte
+// aligned, amx_weight_elems(N, K) uint16) gets the bf16 tiles of the 16-row blocks [nb0, nb1).
+size_t amx_weight_elems(size_t N, size_t K);
+void amx_unpack_weight(const uint32_t* wq, size_t N, size_t K, int bits, uint16_t* panel,
+                       size_t nb0, size_t nb1);
+
+// y[m, n] for the n-blocks [nb0, nb1) (a multiple of 4 apart, or ending at the last) and the
+// 16-row m-blocks [mb0, mb1), from prepared x and an unpacked weight panel.
+void amx_quantized_linear_panel(
+    const uint16_t* tiles, const float* sums, const uint16_t* panel, const float* scales,
+    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, size_t nb0,
+    size_t nb1, size_t mb0, size_t mb1);
+
+} // namespace vun

@@ -1,5 +1,5 @@
 """Native half of :mod:`vllm_unified.bridge` (adopt foreign memory into MLX, write rows in place)
-and MLX CPU kernels (linear, quantized linear, dequantize, paged attention, SwiGLU, RMSNorm, RoPE).
+and MLX CPU kernels (linear, quantized linear (on AMX tiles where the CPU has them), dequantize, paged attention, SwiGLU, RMSNorm, RoPE).
 
 Use :mod:`vllm_unified.bridge` rather than this module directly. Importing it imports
 ``mlx.core`` first (the extension's ``mx.array``/``mx.Dtype`` arguments are mlx.core's own
@@ -18,6 +18,7 @@ from ._native import (
     MLX_VERSION,
     NANOBIND_VERSION,
     adopt,
+    amx_usable,
     dequantize,
     gather_kv,
     info,
@@ -34,8 +35,8 @@ from ._native import (
 # Read by the native dispatch once, when a kernel first runs; a typo there would silently run
 # the best variant, so it is checked here.
 _isa = os.environ.get("VLLM_UNIFIED_CPU_ISA")
-if _isa is not None and _isa not in ("avx512", "avx2", "portable"):
-    raise ValueError(f"VLLM_UNIFIED_CPU_ISA={_isa!r}: expected avx512, avx2 or portable")
+if _isa is not None and _isa not in ("amx", "avx512", "avx2", "portable"):
+    raise ValueError(f"VLLM_UNIFIED_CPU_ISA={_isa!r}: expected amx, avx512, avx2 or portable")
 
 _running = importlib.metadata.version("mlx")
 if _running != MLX_VERSION:
@@ -45,6 +46,6 @@ if _running != MLX_VERSION:
     )
 
 __all__ = [
-    "MLX_VERSION", "NANOBIND_VERSION", "adopt", "dequantize", "gather_kv", "info", "linear",
+    "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_usable", "dequantize", "gather_kv", "info", "linear",
     "paged_attention", "quantized_linear", "rms_norm", "rope", "silu_mul", "to_torch", "write_rows",
 ]

@@ -1,0 +1,422 @@
+// x @ dequantize(w).T on Intel AMX tiles (Sapphire Rapids and later), fp32-accurate.
+//
+// AMX multiplies bf16 tiles into fp32 accumulators: TDPBF16PS does 16 x 16 x 32 multiply-adds,
+// 16x the work of an AVX-512 FMA per cycle. Rounding fp32 activations to bf16 would cost 16
+// bits of precision (vLLM's bf16 CPU backend answers SmolLM2's chat prompt wrongly), so neither
+// side is rounded:
+// * an affine-quantized weight is w[n, k] = s[n, g] * q[n, k] + b[n, g] with integer q < 256,
+//   exact in bf16, so the tiles multiply q and the scale and bias are applied per group in
+//   fp32: y[m, n] = sum_g s[n, g] * (sum_{k in g} x[m, k] q[n, k]) + b[n, g] * sum_{k in g} x[m, k];
+// * x is split into three bf16 parts, x = hi + mid + lo exactly (each part the bf16 rounding
+//   of what the previous ones left; 3 x 8 significant bits cover fp32's 24), and each part's
+//   products with q are exact in fp32. Only the fp32 accumulation rounds, as in an fp32 GEMM.
+//
+// Layout: the weight is the tiles' A operand (16 rows n x 32 k, bf16 q unpacked from the 4/8-bit
+// rows, row-major as stored), x the B operand in the VNNI layout TDPBF16PS wants (row kp holds
+// the pairs (x[m, 2kp], x[m, 2kp + 1]) for 16 m), so each accumulator tile is C[n][m] and the
+// per-group epilogue scales a row by one s[n, g]. References: Intel 64 and IA-32 Architectures
+// Software Developer's Manual, vol. 2 (TDPBF16PS, LDTILECFG) and vol. 1 ch. 3 (AMX state);
+// Linux Documentation/arch/x86/xstate.rst (ARCH_REQ_XCOMP_PERM before first use).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "cpu_math.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define VUN_AMX 1
+#endif
+
+namespace vun {
+
+#ifdef VUN_AMX
+namespace {
+
+#define VUN_AMX_TARGET \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+constexpr size_t kTile = 16;       // rows of a tile; also columns (fp32) of an accumulator
+constexpr size_t kDepth = 32;      // bf16 elements of k per tile row (64 bytes)
+constexpr size_t kParts = 3;       // bf16 parts of each x value
+constexpr size_t kTileElems = kTile * kDepth;  // bf16 per A or B tile (1 KiB)
+
+bool cpu_has_amx() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    return false;
+  }
+  const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+  const bool avx512 = ((b >> 16) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1);  // F, BW, VL
+  if (!tile || !bf16 || !avx512 || a < 1) {
+    return false;
+  }
+  __get_cpuid_count(7, 1, &a, &b, &c, &d);
+  return (a >> 5) & 1;  // AVX512_BF16
+}
+
+// Linux hands out AMX tile data per process on request (xstate.rst); without it the first tile
+// instruction raises SIGILL.
+bool os_grants_amx() {
+  constexpr long kReqXcompPerm = 0x1023;
+  constexpr long kXfeatureTileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+}
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: accumulators, 4: weights, 5-7: the three parts of x. All 16 rows x 64 bytes.
+VUN_AMX_TARGET void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTile;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The 16 x 16 transpose of 32-bit elements held in r[0..15] (rows), in place.
+VUN_AMX_TARGET inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int j = 0; j < 8; ++j) {
+    t[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+    t[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    u[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+    u[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+  }
+  // u[4j + c], 128-bit lane L: column 4L + c of rows 4j .. 4j + 3.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+// bf16 -> fp32 of 16 values (exact: bf16 is fp32's upper half).
+VUN_AMX_TARGET inline __m512 widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One weight tile: dst[r][0..32) = bf16(q[n0 + r, 32 seg + i]) for the 16 rows of the block
+// starting at n0, rows past N zero.
+template <int BITS>
+VUN_AMX_TARGET inline void unpack_tile(const uint8_t* wq, size_t N, size_t K, size_t n0,
+                                       size_t seg, uint16_t* dst) {
+  const size_t row_bytes = K * BITS / 8;
+  const size_t rows = std::min(kTile, N - n0);
+  // bf16 bit patterns of 0 .. 31 (only 0 .. 15 are looked up).
+  alignas(64) static const uint16_t lut_values[32] = {
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
+      0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m512i lut = _mm512_load_si512(lut_values);
+  const uint8_t* src = wq + n0 * row_bytes + seg * kDepth * BITS / 8;
+  for (size_t r = 0; r < rows; ++r, src += row_bytes) {
+    __m512i out;
+    if constexpr (BITS == 4) {
+      // Byte j holds k = 2j (low nibble) and 2j + 1 (high): as a dword, (lo | hi << 16) is the
+      // pair in VNNI order.
+      const __m512i d =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+      const __m512i pair = _mm512_ternarylogic_epi32(
+          d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000f000f), 0xA8);  // (d | d<<12) & m
+      out = _mm512_permutexvar_epi16(pair, lut);
+    } else {
+      const __m512 lo = _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+      out = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // exact: q < 256
+    }
+    _mm512_store_si512(dst + r * kDepth, out);
+  }
+  for (size_t r = rows; r < kTile; ++r) {
+    _mm512_store_si512(dst + r * kDepth, _mm512_setzero_si512());
+  }
+}
+
+
+}  // namespace
+#endif  // VUN_AMX
+
+bool amx_usable() {
+#ifdef VUN_AMX
+  static const bool usable = [] {
+    if (const char* env = std::getenv("VLLM_UNIFIED_CPU_ISA"); env != nullptr) {
+      if (std::string(env) != "amx") {
+        return false;  // a lower level asked for (avx512, avx2, portable)
+      }
+    }
+    return cpu_has_amx() && os_grants_amx();
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
+size_t amx_x_tile_elems(size_t M, size_t K) {
+  return (M + 15) / 16 * (K / 32) * 3 * 16 * 32;
+}
+
+size_t amx_x_sum_floats(size_t M, size_t K, size_t group_size) {
+  return (M + 15) / 16 * (K / group_size) * 16;
+}
+
+size_t amx_weight_elems(size_t N, size_t K) {
+  return (N + 15) / 16 * K * 16;
+}
+
+#ifdef VUN_AMX
+VUN_AMX_TARGET void amx_prepare_x(const float* x, size_t M, size_t K, size_t group_size,
+                                  uint16_t* tiles, float* sums, size_t mb0, size_t mb1) {
+  const size_t segs = K / kDepth;
+  const size_t groups = K / group_size;
+  alignas(64) __m512i parts[kParts][kTile];
+  for (size_t mb = mb0; mb < mb1; ++mb) {
+    for (size_t s = 0; s < segs; ++s) {
+      for (size_t m = 0; m < kTile; ++m) {
+        const size_t row = mb * kTile + m;
+        if (row >= M) {
+          for (size_t p = 0; p < kParts; ++p) {
+            parts[p][m] = _mm512_setzero_si512();
+          }
+          continue;
+        }
+        __m512 a0 = _mm512_loadu_ps(x + row * K + s * kDepth);
+        __m512 a1 = _mm512_loadu_ps(x + row * K + s * kDepth + 16);
+        for (size_t p = 0; p < kParts; ++p) {
+          const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(a1, a0));
+          parts[p][m] = h;
+          a0 = _mm512_sub_ps(a0, widen(_mm512_castsi512_si256(h)));
+          a1 = _mm512_sub_ps(a1, widen(_mm512_extracti64x4_epi64(h, 1)));
+        }
+      }
+      for (size_t p = 0; p < kParts; ++p) {
+        transpose16(parts[p]);
+        uint16_t* dst = tiles + ((mb * segs + s) * kParts + p) * kTileElems;
+        for (size_t kp = 0; kp < kTile; ++kp) {
+          _mm512_store_si512(dst + kp * kDepth, parts[p][kp]);
+        }
+      }
+    }
+    for (size_t g = 0; g < groups; ++g) {
+      float* dst = sums + (mb * groups + g) * kTile;
+      for (size_t m = 0; m < kTile; ++m) {
+        const size_t row = mb * kTile + m;
+        if (row >= M) {
+          dst[m] = 0.0f;
+          continue;
+        }
+        const float* src = x + row * K + g * group_size;
+        __m512 acc = _mm512_loadu_ps(src);
+        for (size_t k = 16; k < group_size; k += 16) {
+          acc = _mm512_add_ps(acc, _mm512_loadu_ps(src + k));
+        }
+        dst[m] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+}
+
+namespace {
+
+// acc[r][m] += s[r] * c[r][m] + b[r] * sx[m] for the first `rows` rows of a 16 x 16 block.
+VUN_AMX_TARGET inline void scale_group(float* acc, const float* c, const float* s, const float* b,
+                                       size_t stride, const __m512 sx, size_t rows) {
+  for (size_t r = 0; r < rows; ++r) {
+    __m512 a = _mm512_load_ps(acc + r * kTile);
+    a = _mm512_fmadd_ps(_mm512_set1_ps(s[r * stride]), _mm512_load_ps(c + r * kTile), a);
+    a = _mm512_fmadd_ps(_mm512_set1_ps(b[r * stride]), sx, a);
+    _mm512_store_ps(acc + r * kTile, a);
+  }
+}
+
+// y[m0 + m, n0 + r] = acc[r][m] for m < mrows, r < rows (acc is [n][m]: transposed on the way).
+VUN_AMX_TARGET inline void store_block(const float* acc, float* y, size_t N, size_t n0,
+                                       size_t rows, size_t m0, size_t mrows) {
+  __m512i t[kTile];
+  for (size_t r = 0; r < kTile; ++r) {
+    t[r] = _mm512_load_si512(acc + r * kTile);
+  }
+  transpose16(t);
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  for (size_t m = 0; m < mrows; ++m) {
+    _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, _mm512_castsi512_ps(t[m]));
+  }
+}
+
+// Up to 4 n-blocks (count) of one m-block: accumulators in tiles 0-3, the weight tile in 4,
+// x's three parts in 5-7 (loaded once per segment for all 4 n-blocks).
+// (_tile_* take tile numbers as literals: a macro, not a template.)
+#define VUN_DP3(I, a)          \
+  do {                         \
+    _tile_loadd(4, (a), 64);   \
+    _tile_dpbf16ps(I, 4, 5);   \
+    _tile_dpbf16ps(I, 4, 6);   \
+    _tile_dpbf16ps(I, 4, 7);   \
+  } while (0)
+
+// Up to 4 n-blocks (count, starting at row n0) of one m-block (rows m0 .. m0 + mrows of y).
+// Weight tiles come from `panel` (one block's tiles every panel_elems) or, when JIT, are
+// unpacked from wq segment by segment just before use (decode: each is used once).
+template <int BITS, bool JIT>
+VUN_AMX_TARGET void blocks4(const uint16_t* panel, size_t panel_elems, const uint8_t* wq,
+                            size_t count, const uint16_t* xt, const float* sums,
+                            const float* scales, const float* biases, float* y, size_t N,
+                            size_t K, size_t group_size, size_t n0, size_t m0, size_t mrows) {
+  const size_t groups = K / group_size;
+  const size_t per_group = group_size / kDepth;
+  alignas(64) float acc[4][kTile * kTile] = {};
+  alignas(64) float c[4][kTile * kTile];
+  alignas(64) uint16_t fresh[4][kTileElems];
+  for (size_t g = 0; g < groups; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (size_t s = g * per_group; s < (g + 1) * per_group; ++s) {
+      const uint16_t* bt = xt + s * kParts * kTileElems;
+      _tile_loadd(5, bt, 64);
+      _tile_loadd(6, bt + kTileElems, 64);
+      _tile_loadd(7, bt + 2 * kTileElems, 64);
+      const uint16_t* a[4];
+      for (size_t i = 0; i < count; ++i) {
+        if constexpr (JIT) {
+          unpack_tile<BITS>(wq, N, K, n0 + i * kTile, s, fresh[i]);
+          a[i] = fresh[i];
+        } else {
+          a[i] = panel + i * panel_elems + s * kTileElems;
+        }
+      }
+      VUN_DP3(0, a[0]);
+      if (count > 1) VUN_DP3(1, a[1]);
+      if (count > 2) VUN_DP3(2, a[2]);
+      if (count > 3) VUN_DP3(3, a[3]);
+    }
+    _tile_stored(0, c[0], 64);
+    if (count > 1) _tile_stored(1, c[1], 64);
+    if (count > 2) _tile_stored(2, c[2], 64);
+    if (count > 3) _tile_stored(3, c[3], 64);
+    const __m512 sx = _mm512_load_ps(sums + g * kTile);
+    for (size_t i = 0; i < count; ++i) {
+      const size_t n = n0 + i * kTile;
+      const size_t rows = std::min(kTile, N - n);
+      scale_group(acc[i], c[i], scales + n * groups + g, biases + n * groups + g, groups, sx,
+                  rows);
+    }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const size_t n = n0 + i * kTile;
+    store_block(acc[i], y, N, n, std::min(kTile, N - n), m0, mrows);
+  }
+}
+
+// The n-blocks [nb0, nb1) for every m-block (decode-sized M), each weight tile unpacked just
+// before its one use per m-block.
+template <int BITS>
+VUN_AMX_TARGET void qlinear_jit(
+    const uint16_t* tiles, const float* sums, const uint8_t* wq, const float* scales,
+    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, size_t nb0,
+    size_t nb1) {
+  const size_t segs = K / kDepth;
+  const size_t groups = K / group_size;
+  const size_t mblocks = (M + kTile - 1) / kTile;
+  configure_tiles();
+  for (size_t nb = nb0; nb < nb1; nb += 4) {
+    for (size_t mb = 0; mb < mblocks; ++mb) {
+      blocks4<BITS, true>(nullptr, 0, wq, std::min<size_t>(4, nb1 - nb),
+                          tiles + mb * segs * kParts * kTileElems, sums + mb * groups * kTile,
+                          scales, biases, y, N, K, group_size, nb * kTile, mb * kTile,
+                          std::min(kTile, M - mb * kTile));
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+void amx_quantized_linear_blocks(
+    const uint16_t* tiles, const float* sums, const uint32_t* wq, const float* scales,
+    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, int bits,
+    size_t nb0, size_t nb1) {
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  (bits == 4 ? qlinear_jit<4> : qlinear_jit<8>)(tiles, sums, w8, scales, biases, y, M, N, K,
+                                                group_size, nb0, nb1);
+}
+
+VUN_AMX_TARGET void amx_unpack_weight(const uint32_t* wq, size_t N, size_t K, int bits,
+                                      uint16_t* panel, size_t nb0, size_t nb1) {
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  const size_t segs = K / kDepth;
+  for (size_t nb = nb0; nb < nb1; ++nb) {
+    for (size_t s = 0; s < segs; ++s) {
+      uint16_t* dst = panel + (nb * segs + s) * kTileElems;
+      if (bits == 4) {
+        unpack_tile<4>(w8, N, K, nb * kTile, s, dst);
+      } else {
+        unpack_tile<8>(w8, N, K, nb * kTile, s, dst);
+      }
+    }
+  }
+}
+
+VUN_AMX_TARGET void amx_quantized_linear_panel(
+    const uint16_t* tiles, const float* sums, const uint16_t* panel, const float* scales,
+    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, size_t nb0,
+    size_t nb1, size_t mb0, size_t mb1) {
+  const size_t segs = K / kDepth;
+  const size_t groups = K / group_size;
+  const size_t panel_elems = segs * kTileElems;
+  configure_tiles();
+  for (size_t mb = mb0; mb < mb1; ++mb) {
+    for (size_t nb = nb0; nb < nb1; nb += 4) {
+      blocks4<4, false>(panel + nb * panel_elems, panel_elems, nullptr,
+                        std::min<size_t>(4, nb1 - nb), tiles + mb * segs * kParts * kTileElems,
+                        sums + mb * groups * kTile, scales, biases, y, N, K, group_size,
+                        nb * kTile, mb * kTile, std::min(kTile, M - mb * kTile));
+    }
+  }
+  _tile_release();
+}
+#else
+void amx_prepare_x(const float*, size_t, size_t, size_t, uint16_t*, float*, size_t, size_t) {
+  std::abort();  // callers check amx_usable()
+}
+void amx_quantized_linear_blocks(const uint16_t*, const float*, const uint32_t*, const float*,
+                                 const float*, float*, size_t, size_t, size_t, size_t, int,
+                                 size_t, size_t) {
+  std::abort();
+}
+void amx_unpack_weight(const uint32_t*, size_t, size_t, int, uint16_t*, size_t, size_t) {
+  std::abort();
+}
+void amx_quantized_linear_panel(const uint16_t*, const float*, const uint16_t*, const float*,
+                                const float*, float*, size_t, size_t, size_t, size_t, size_t,
+                                size_t, size_t, size_t) {
+  std::abort();
+}
+#endif
+
+}  // namespace vun
