@@ -264,15 +264,37 @@ def test_dequantize_is_bit_identical_to_mlx(n, k, group_size, bits):
     assert mx.array_equal(got, mx.dequantize(wq, scales, biases, group_size, bits)).item()
 
 
+def _amx_runs(m: int, k: int, group_size: int) -> bool:
+    """Whether quantized_linear takes the AMX path for this call (native.cpp's use_amx)."""
+    return (native.amx_usable() and m >= native.AMX_MIN_ROWS and k % 32 == 0
+            and group_size % 32 == 0)
+
+
+def _reference(x: mx.array, dense: mx.array) -> np.ndarray:
+    return np.array(x).astype(np.float64) @ np.array(dense).astype(np.float64).T
+
+
 @pytest.mark.parametrize("m", [1, 4, 5, 16, 33])
 @pytest.mark.parametrize("n, k, group_size, bits", QUANTIZED_SHAPES)
 def test_quantized_linear_is_bit_identical_to_linear_on_dequantized(m, n, k, group_size, bits):
+    """The AVX-512 / AVX2 / portable path: bit-identical to ``linear`` on the dequantized weight.
+    Calls the AMX path takes (from 4 rows on a CPU with AMX) are fp32-accurate instead (more in
+    the AMX tests below), and this test runs again without AMX in a subprocess there
+    (test_avx_path_on_an_amx_machine)."""
     rng = np.random.default_rng(m * 7 + n + k + bits)
     wq, scales, biases = _quantized(rng, n, k, group_size, bits)
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
     got = native.quantized_linear(x, wq, scales, biases, group_size, bits)
     dense = mx.dequantize(wq, scales, biases, group_size, bits)
     assert got.shape == (m, n)
+    if _amx_runs(m, k, group_size):
+        want = _reference(x, dense)
+        assert np.abs(np.array(got) - want).max() / np.abs(want).max() < 2e-6
+        for r in {0, m // 2, m - 1}:  # the same bits among AMX calls (>= AMX_MIN_ROWS rows)
+            alone = native.quantized_linear(mx.concatenate([x[r:r + 1], x[:3]]), wq, scales,
+                                            biases, group_size, bits)
+            assert mx.array_equal(alone[0], got[r]).item()
+        return
     assert mx.array_equal(got, native.linear(x, dense)).item()
     assert _rel_err(got, x @ dense.T) < 1e-5
     assert _rel_err(got, mx.quantized_matmul(x, wq, scales, biases, transpose=True,
@@ -281,6 +303,96 @@ def test_quantized_linear_is_bit_identical_to_linear_on_dequantized(m, n, k, gro
     for r in {0, m // 2, m - 1}:
         alone = native.quantized_linear(x[r:r + 1], wq, scales, biases, group_size, bits)
         assert mx.array_equal(alone[0], got[r]).item()
+
+
+def test_avx_path_on_an_amx_machine():
+    """On a CPU with AMX the in-process tests above skip the calls AMX takes: run them again
+    with ``VLLM_UNIFIED_CPU_ISA=avx512`` (AMX off), so the AVX-512 kernel is still proven."""
+    import os
+    import subprocess
+    import sys
+
+    if not native.amx_usable():
+        pytest.skip("no AMX here: the in-process run already took the AVX path for every call")
+    env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": "avx512"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         "bit_identical_to_linear_on_dequantized or bit_identical_to_its_dequantized_copy",
+         __file__], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
+    assert "1 deselected" not in out.stdout and " 0 passed" not in out.stdout
+
+
+AMX_SHAPES = [  # (m, n, k, group_size, bits): row and column tails, group sizes, 8-bit
+    (4, 1536, 576, 32, 4), (16, 49, 576, 32, 8), (17, 200, 128, 64, 4), (33, 16, 1536, 32, 4),
+    (100, 577, 64, 32, 8), (35, 24, 256, 128, 4), (300, 130, 96, 32, 4)]
+
+
+def _needs_amx():
+    if not native.amx_usable():
+        pytest.skip("CPU without AMX (or VLLM_UNIFIED_CPU_ISA below amx)")
+
+
+@pytest.mark.parametrize("m, n, k, group_size, bits", AMX_SHAPES)
+def test_amx_quantized_linear_is_fp32_accurate(m, n, k, group_size, bits):
+    """The AMX path splits x into three bf16 parts and keeps the integer q exact, so only fp32
+    accumulation rounds: within 2e-6 of the float64 product (relative to its largest value), as
+    close as MLX's own fp32 matmul on the dequantized weight (x3)."""
+    _needs_amx()
+    rng = np.random.default_rng(m + n + k + bits)
+    wq, scales, biases = _quantized(rng, n, k, group_size, bits)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    dense = mx.dequantize(wq, scales, biases, group_size, bits)
+    want = _reference(x, dense)
+    got = np.array(native.quantized_linear(x, wq, scales, biases, group_size, bits))
+    blas = np.array(x @ dense.T)
+    scale = np.abs(want).max()
+    err, blas_err = np.abs(got - want).max() / scale, np.abs(blas - want).max() / scale
+    assert err < 2e-6 and err <= 3 * blas_err + 1e-7, (err, blas_err)
+
+
+def test_amx_quantized_linear_keeps_small_and_large_values_of_a_row():
+    """A row mixing magnitudes 1e-20 .. 1e20: each part of the split is a bf16 rounding of what
+    is left, so small entries are not lost next to large ones (bf16 alone would drop them)."""
+    _needs_amx()
+    rng = np.random.default_rng(3)
+    wq, scales, biases = _quantized(rng, 64, 256, 32, 4)
+    x_np = rng.standard_normal((8, 256)).astype(np.float32)
+    x_np *= np.float32(10.0) ** rng.integers(-20, 21, size=(8, 256)).astype(np.float32)
+    x_np[1] = rng.standard_normal(256).astype(np.float32) * 1e-20  # a row of tiny values only
+    x_np[2] = 1.0 + rng.standard_normal(256).astype(np.float32) * 1e-6  # bf16 would round these
+    x = mx.array(x_np)
+    dense = mx.dequantize(wq, scales, biases, 32, 4)
+    want = _reference(x, dense)
+    got = np.array(native.quantized_linear(x, wq, scales, biases, 32, 4))
+    for r in range(8):
+        tol = 1e-6 * np.abs(np.array(x[r])).astype(np.float64) @ np.abs(np.array(dense)).T
+        assert np.all(np.abs(got[r] - want[r]) <= tol + 1e-35), r
+
+
+def test_amx_quantized_linear_rows_do_not_depend_on_their_batch():
+    """Each row's outputs are the same bits whether it is computed with 3 other rows (the
+    decode tiles) or 299 (the prefill panel), at any position."""
+    _needs_amx()
+    rng = np.random.default_rng(5)
+    wq, scales, biases = _quantized(rng, 300, 576, 32, 4)
+    x = mx.array(rng.standard_normal((300, 576)).astype(np.float32))
+    full = native.quantized_linear(x, wq, scales, biases, 32, 4)
+    for r in (0, 17, 299):
+        four = mx.concatenate([mx.zeros((2, 576)), x[r:r + 1], mx.ones((1, 576))])
+        got = native.quantized_linear(four, wq, scales, biases, 32, 4)
+        assert mx.array_equal(got[2], full[r]).item(), r
+
+
+def test_amx_quantized_linear_propagates_nan_to_its_row_only():
+    _needs_amx()
+    rng = np.random.default_rng(6)
+    wq, scales, biases = _quantized(rng, 40, 128, 32, 4)
+    x_np = rng.standard_normal((5, 128)).astype(np.float32)
+    x_np[3, 7] = np.nan
+    got = np.array(native.quantized_linear(mx.array(x_np), wq, scales, biases, 32, 4))
+    assert np.isnan(got[3]).all() and np.isfinite(np.delete(got, 3, axis=0)).all()
 
 
 _ISA_PROBE = """
@@ -315,6 +427,38 @@ def test_quantized_kernels_give_the_same_bits_at_every_isa_level():
     assert len(set(digests.values())) == 1, digests
 
 
+_AMX_PROBE = """
+import hashlib, numpy as np, mlx.core as mx
+from vllm_unified_native import amx_usable, quantized_linear
+assert amx_usable()
+rng = np.random.default_rng(2)
+h = hashlib.sha1()
+for bits, gs, n, k, m in [(4, 32, 1536, 576, 16), (8, 64, 300, 256, 5), (4, 32, 700, 1536, 200)]:
+    wq, s, b = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)),
+                           group_size=gs, bits=bits)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    h.update(np.array(quantized_linear(x, wq, s, b, gs, bits)).tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_amx_bits_do_not_depend_on_the_thread_count():
+    """Work is split over 16-row weight blocks (and 64-row x blocks): one thread or all give
+    the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    _needs_amx()
+    digests = set()
+    for threads in ("1", "2", ""):
+        env = {**os.environ, "VLLM_UNIFIED_CPU_THREADS": threads}
+        out = subprocess.run([sys.executable, "-c", _AMX_PROBE], env=env, check=True,
+                             capture_output=True, text=True)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1, digests
+
+
 def test_quantized_kernels_reject_bad_input():
     rng = np.random.default_rng(0)
     wq, scales, biases = _quantized(rng, 8, 64, 32, 4)
@@ -341,7 +485,9 @@ def test_quantized_kernels_reject_bad_input():
 def test_quantized_model_runs_bit_identical_to_its_dequantized_copy(monkeypatch, tied):
     """A model kept quantized (4-bit layers, 8-bit embedding) and run by the native kernels
     computes exactly what the same model dequantized at load computes: decode-sized inputs in
-    the quantized kernel, larger ones dequantized natively for MLX's matmul."""
+    the quantized kernel, larger ones dequantized natively for MLX's matmul. On a CPU with AMX
+    the larger ones run on AMX tiles instead: fp32-accurate, not the same bits (the AVX path is
+    checked there by test_avx_path_on_an_amx_machine)."""
     model = _tiny_llama(tied)
     nn.quantize(model, group_size=32, bits=4,
                 class_predicate=lambda p, m: isinstance(m, nn.Linear))
@@ -353,14 +499,21 @@ def test_quantized_model_runs_bit_identical_to_its_dequantized_copy(monkeypatch,
     routed = cpu_kernels.install_cpu_kernels(model)
     assert f"{2 * 7 + (0 if tied else 1)} quantized linear layers" in routed
     assert "1 quantized embedding layers" in routed
+    amx_line = f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows"
+    assert (amx_line in routed) == native.amx_usable()
     tokens = mx.array(np.random.default_rng(0).integers(0, 300, (2, 40)))
     spy = _Spy(native)
     monkeypatch.setattr(bridge, "native_kernels", lambda: spy)
-    for inputs, kernel in ((tokens[:, :1], "quantized_linear"), (tokens, "dequantize")):
+    amx = native.amx_usable()
+    for inputs, kernel in ((tokens[:, :1], "quantized_linear"),
+                           (tokens, "quantized_linear" if amx else "dequantize")):
         got = model(inputs)
         assert spy.calls[kernel] == 2 * 7 + 1
         spy.calls.clear()
-        assert mx.array_equal(got, dense(inputs)).item()
+        if amx and inputs.size >= native.AMX_MIN_ROWS:
+            assert _rel_err(got, dense(inputs)) < 1e-5
+        else:
+            assert mx.array_equal(got, dense(inputs)).item()
 
 
 def dequantized_params(model: nn.Module) -> dict:

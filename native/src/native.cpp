@@ -1532,4 +1532,5 @@ NB_MODULE(_native, m) {
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;
+  m.attr("AMX_MIN_ROWS") = kAmxMinRows;
 }

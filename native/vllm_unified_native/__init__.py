@@ -15,6 +15,7 @@ import os
 import mlx.core  # noqa: F401  (registers the types the extension's signatures use)
 
 from ._native import (
+    AMX_MIN_ROWS,
     MLX_VERSION,
     NANOBIND_VERSION,
     adopt,
@@ -46,6 +47,6 @@ if _running != MLX_VERSION:
     )
 
 __all__ = [
-    "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_usable", "dequantize", "gather_kv", "info", "linear",
+    "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_usable", "dequantize", "gather_kv", "info", "linear",
     "paged_attention", "quantized_linear", "rms_norm", "rope", "silu_mul", "to_torch", "write_rows",
 ]

@@ -336,6 +336,9 @@ def install_cpu_kernels(model: Any) -> list[str]:
     routed = [f"{n} {_NAMES[route]} layers" for route, n in counts.items() if n]
     routed += [f"{n} {what} layers dequantized to float32 (no native kernel for them)"
                for what, n in left.items()]
+    quantized = counts[NativeQuantizedLinear] + counts[NativeQuantizedEmbedding]
+    if quantized and native.amx_usable():
+        routed.append(f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows")
     for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
         if getattr(module, "swiglu", None) is _original_swiglu:
