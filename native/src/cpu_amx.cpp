@@ -6,7 +6,8 @@
 // side is rounded:
 // * an affine-quantized weight is w[n, k] = s[n, g] * q[n, k] + b[n, g] with integer q < 256,
 //   exact in bf16, so the tiles multiply q and the scale and bias are applied per group in
-//   fp32: y[m, n] = sum_g s[n, g] * (sum_{k in g} x[m, k] q[n, k]) + b[n, g] * sum_{k in g} x[m, k];
+//   fp32: y[m, n] = sum_g s[n, g] * (sum_{k in g} x[m, k] q[n, k])
+//                 + b[n, g] * (sum_{k in g} x[m, k]);
 // * x is split into three bf16 parts, x = hi + mid + lo exactly (each part the bf16 rounding
 //   of what the previous ones left; 3 x 8 significant bits cover fp32's 24), and each part's
 //   products with q are exact in fp32. Only the fp32 accumulation rounds, as in an fp32 GEMM.
@@ -48,18 +49,16 @@ constexpr size_t kDepth = 32;      // bf16 elements of k per tile row (64 bytes)
 constexpr size_t kParts = 3;       // bf16 parts of each x value
 constexpr size_t kTileElems = kTile * kDepth;  // bf16 per A or B tile (1 KiB)
 
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), plus the AVX-512 subsets the
+// conversions use, which __builtin_cpu_supports reports only where the OS saves their state.
 bool cpu_has_amx() {
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1)) {
     return false;
   }
-  const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
-  const bool avx512 = ((b >> 16) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1);  // F, BW, VL
-  if (!tile || !bf16 || !avx512 || a < 1) {
-    return false;
-  }
-  __get_cpuid_count(7, 1, &a, &b, &c, &d);
-  return (a >> 5) & 1;  // AVX512_BF16
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
 // Linux hands out AMX tile data per process on request (xstate.rst); without it the first tile
