@@ -33,10 +33,28 @@ def versions() -> dict[str, str]:
     return out
 
 
+#: /proc/cpuinfo flags that decide which native kernels run (AVX-512 / AVX2 / AMX tiles).
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_info() -> dict:
+    """The CPU model and which of :data:`KERNEL_FLAGS` it has (Linux; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name", ""),
+            "cpu_flags": [f for f in KERNEL_FLAGS if f in flags]}
+
+
 def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict:
-    """Host, platform, CPU count, Python, and the load average around the run."""
+    """Host, platform, CPU count and model (with the flags the native kernels use), Python, and
+    the load average around the run."""
     return {"host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "loadavg_before": load_before,
+            **cpu_info(), "python": platform.python_version(), "loadavg_before": load_before,
             "loadavg_after": load_after}
 
 

@@ -64,7 +64,7 @@ from pathlib import Path
 
 import psutil
 import requests
-from run_env import machine_info, versions
+from run_env import cpu_info, machine_info, versions
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -582,6 +582,10 @@ def main() -> int:
 
     print(f"\nServing benchmark {stamp}: {gguf.name}, prompt {PROMPT_LEN} tokens, "
           f"{MAX_TOKENS} output tokens, {platform.node()} ({os.cpu_count()} CPUs)")
+    cpu = cpu_info()
+    if cpu:
+        print(f"  CPU: {cpu['cpu_model']}; {', '.join(cpu['cpu_flags']) or 'no AVX2'} "
+              "(amx_*: our quantized linears run on AMX tiles)")
     load_after = os.getloadavg()
     print(f"  load average (1 min) before {load_before[0]:.1f}, after {load_after[0]:.1f} "
           "(other work on the machine skews the numbers)")
