@@ -370,6 +370,35 @@ def test_amx_quantized_linear_keeps_small_and_large_values_of_a_row():
         assert np.all(np.abs(got[r] - want[r]) <= tol + 1e-35), r
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [6, 40], ids=["decode_tiles", "prefill_panel"])
+def test_amx_quantized_linear_is_fp32_accurate_at_any_finite_magnitude(m, bits):
+    """Rows whose values are all huge (1e36: x * q summed over a group overflowed fp32 before
+    the scales applied, NaN where dequantize-then-multiply is finite), one value near FLT_MAX
+    (its bf16 rounding was inf), or all tiny (1e-36, subnormal 1e-40: the bf16 instructions
+    flush subnormal parts, so most of each value was lost): each row is accurate to fp32
+    relative to its own outputs, like the AVX path (FLT_TRUE_MIN added: subnormal results)."""
+    _needs_amx()
+    rng = np.random.default_rng(8)
+    k, n, gs = 128, 40, 32
+    wq, scales, biases = mx.quantize(
+        mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.02), group_size=gs,
+        bits=bits)
+    x_np = rng.standard_normal((m, k)).astype(np.float32)
+    x_np[0] *= np.float32(1e36)
+    x_np[1, 5] = np.float32(3.0e38)
+    x_np[2] *= np.float32(1e-36)
+    x_np[3] *= np.float32(1e-40)
+    x = mx.array(x_np)
+    dense = mx.dequantize(wq, scales, biases, gs, bits)
+    want = _reference(x, dense)
+    got = np.array(native.quantized_linear(x, wq, scales, biases, gs, bits))
+    assert np.isfinite(want).all()
+    for r in range(m):
+        tol = 2e-6 * np.abs(want[r]).max() + np.finfo(np.float32).smallest_subnormal
+        assert np.abs(got[r] - want[r]).max() <= tol, (r, np.abs(got[r] - want[r]).max(), tol)
+
+
 def test_amx_quantized_linear_rows_do_not_depend_on_their_batch():
     """Each row's outputs are the same bits whether it is computed with 3 other rows (the
     decode tiles) or 299 (the prefill panel), at any position."""

@@ -8,6 +8,10 @@
 //   exact in bf16, so the tiles multiply q and the scale and bias are applied per group in
 //   fp32: y[m, n] = sum_g s[n, g] * (sum_{k in g} x[m, k] q[n, k])
 //                 + b[n, g] * (sum_{k in g} x[m, k]);
+// * each row of x is first scaled by a power of two (exact) so that its largest magnitude is in
+//   [1, 2), and its outputs scaled back: the bf16 instructions flush subnormals (most of a value
+//   below ~1e-33 was lost) and x * q summed over a group would overflow fp32 for rows of ~1e36
+//   (NaN where dequantize-then-multiply is finite); scaled, neither happens for a finite row;
 // * x is split into three bf16 parts, x = hi + mid + lo exactly (each part the bf16 rounding
 //   of what the previous ones left; 3 x 8 significant bits cover fp32's 24), and each part's
 //   products with q are exact in fp32. Only the fp32 accumulation rounds, as in an fp32 GEMM.
@@ -20,6 +24,7 @@
 // Linux Documentation/arch/x86/xstate.rst (ARCH_REQ_XCOMP_PERM before first use).
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -180,7 +185,7 @@ size_t amx_x_tile_elems(size_t M, size_t K) {
 }
 
 size_t amx_x_sum_floats(size_t M, size_t K, size_t group_size) {
-  return (M + 15) / 16 * (K / group_size) * 16;
+  return (M + 15) / 16 * (K / group_size + 1) * 16;
 }
 
 size_t amx_weight_elems(size_t N, size_t K) {
@@ -194,6 +199,24 @@ VUN_AMX_TARGET void amx_prepare_x(const float* x, size_t M, size_t K, size_t gro
   const size_t groups = K / group_size;
   alignas(64) __m512i parts[kParts][kTile];
   for (size_t mb = mb0; mb < mb1; ++mb) {
+    // Row m is scaled by 2^exps[m] (its largest magnitude into [1, 2)); a row that is zero or
+    // not finite is left as is (NaN either way, see the docs).
+    float* exps = sums + (mb * (groups + 1) + groups) * kTile;
+    for (size_t m = 0; m < kTile; ++m) {
+      const size_t row = mb * kTile + m;
+      exps[m] = 0.0f;
+      if (row >= M) {
+        continue;
+      }
+      __m512 top = _mm512_setzero_ps();
+      for (size_t k = 0; k < K; k += 16) {
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + row * K + k)));
+      }
+      const float largest = _mm512_reduce_max_ps(top);
+      if (std::isfinite(largest) && largest > 0.0f) {
+        exps[m] = static_cast<float>(-std::ilogb(largest));
+      }
+    }
     for (size_t s = 0; s < segs; ++s) {
       for (size_t m = 0; m < kTile; ++m) {
         const size_t row = mb * kTile + m;
@@ -203,8 +226,9 @@ VUN_AMX_TARGET void amx_prepare_x(const float* x, size_t M, size_t K, size_t gro
           }
           continue;
         }
-        __m512 a0 = _mm512_loadu_ps(x + row * K + s * kDepth);
-        __m512 a1 = _mm512_loadu_ps(x + row * K + s * kDepth + 16);
+        const __m512 e = _mm512_set1_ps(exps[m]);
+        __m512 a0 = _mm512_scalef_ps(_mm512_loadu_ps(x + row * K + s * kDepth), e);
+        __m512 a1 = _mm512_scalef_ps(_mm512_loadu_ps(x + row * K + s * kDepth + 16), e);
         for (size_t p = 0; p < kParts; ++p) {
           const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(a1, a0));
           parts[p][m] = h;
@@ -221,7 +245,7 @@ VUN_AMX_TARGET void amx_prepare_x(const float* x, size_t M, size_t K, size_t gro
       }
     }
     for (size_t g = 0; g < groups; ++g) {
-      float* dst = sums + (mb * groups + g) * kTile;
+      float* dst = sums + (mb * (groups + 1) + g) * kTile;
       for (size_t m = 0; m < kTile; ++m) {
         const size_t row = mb * kTile + m;
         if (row >= M) {
@@ -229,9 +253,10 @@ VUN_AMX_TARGET void amx_prepare_x(const float* x, size_t M, size_t K, size_t gro
           continue;
         }
         const float* src = x + row * K + g * group_size;
-        __m512 acc = _mm512_loadu_ps(src);
+        const __m512 e = _mm512_set1_ps(exps[m]);
+        __m512 acc = _mm512_scalef_ps(_mm512_loadu_ps(src), e);
         for (size_t k = 16; k < group_size; k += 16) {
-          acc = _mm512_add_ps(acc, _mm512_loadu_ps(src + k));
+          acc = _mm512_add_ps(acc, _mm512_scalef_ps(_mm512_loadu_ps(src + k), e));
         }
         dst[m] = _mm512_reduce_add_ps(acc);
       }
@@ -252,9 +277,10 @@ VUN_AMX_TARGET inline void scale_group(float* acc, const float* c, const float* 
   }
 }
 
-// y[m0 + m, n0 + r] = acc[r][m] for m < mrows, r < rows (acc is [n][m]: transposed on the way).
-VUN_AMX_TARGET inline void store_block(const float* acc, float* y, size_t N, size_t n0,
-                                       size_t rows, size_t m0, size_t mrows) {
+// y[m0 + m, n0 + r] = acc[r][m] * 2^-exps[m] for m < mrows, r < rows (acc is [n][m]: transposed
+// on the way; exps: amx_prepare_x's row scaling, undone).
+VUN_AMX_TARGET inline void store_block(const float* acc, const float* exps, float* y, size_t N,
+                                       size_t n0, size_t rows, size_t m0, size_t mrows) {
   __m512i t[kTile];
   for (size_t r = 0; r < kTile; ++r) {
     t[r] = _mm512_load_si512(acc + r * kTile);
@@ -262,7 +288,8 @@ VUN_AMX_TARGET inline void store_block(const float* acc, float* y, size_t N, siz
   transpose16(t);
   const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
   for (size_t m = 0; m < mrows; ++m) {
-    _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, _mm512_castsi512_ps(t[m]));
+    const __m512 out = _mm512_scalef_ps(_mm512_castsi512_ps(t[m]), _mm512_set1_ps(-exps[m]));
+    _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, out);
   }
 }
 
@@ -328,7 +355,7 @@ VUN_AMX_TARGET void blocks4(const uint16_t* panel, size_t panel_elems, const uin
   }
   for (size_t i = 0; i < count; ++i) {
     const size_t n = n0 + i * kTile;
-    store_block(acc[i], y, N, n, std::min(kTile, N - n), m0, mrows);
+    store_block(acc[i], sums + groups * kTile, y, N, n, std::min(kTile, N - n), m0, mrows);
   }
 }
 
@@ -346,8 +373,9 @@ VUN_AMX_TARGET void qlinear_jit(
   for (size_t nb = nb0; nb < nb1; nb += 4) {
     for (size_t mb = 0; mb < mblocks; ++mb) {
       blocks4<BITS, true>(nullptr, 0, wq, std::min<size_t>(4, nb1 - nb),
-                          tiles + mb * segs * kParts * kTileElems, sums + mb * groups * kTile,
-                          scales, biases, y, N, K, group_size, nb * kTile, mb * kTile,
+                          tiles + mb * segs * kParts * kTileElems,
+                          sums + mb * (groups + 1) * kTile, scales, biases, y, N, K, group_size,
+                          nb * kTile, mb * kTile,
                           std::min(kTile, M - mb * kTile));
     }
   }
@@ -393,7 +421,7 @@ VUN_AMX_TARGET void amx_quantized_linear_panel(
     for (size_t nb = nb0; nb < nb1; nb += 4) {
       blocks4<4, false>(panel + nb * panel_elems, panel_elems, nullptr,
                         std::min<size_t>(4, nb1 - nb), tiles + mb * segs * kParts * kTileElems,
-                        sums + mb * groups * kTile, scales, biases, y, N, K, group_size,
+                        sums + mb * (groups + 1) * kTile, scales, biases, y, N, K, group_size,
                         nb * kTile, mb * kTile, std::min(kTile, M - mb * kTile));
     }
   }

@@ -113,7 +113,10 @@ size_t amx_x_sum_floats(size_t M, size_t K, size_t group_size);
 
 // x [M, K] fp32 row-contiguous -> tiles (64-byte aligned): for 16-row blocks mb in [mb0, mb1)
 // and 32-column segments, the three bf16 parts of x in TDPBF16PS's B layout, rows past M zero;
-// sums [mb][g][16]: sum over group g of x[16 mb + m, :]. K % 32 == 0, group_size % 32 == 0.
+// sums [mb][groups + 1][16]: for g < groups the sum over group g of row 16 mb + m, and at
+// g = groups the exponent e of that row's scaling: the tiles and sums hold x * 2^e, e chosen so
+// the row's largest magnitude is in [1, 2) (0 for a zero or non-finite row), undone on the
+// output. K % 32 == 0, group_size % 32 == 0.
 void amx_prepare_x(const float* x, size_t M, size_t K, size_t group_size, uint16_t* tiles,
                    float* sums, size_t mb0, size_t mb1);
 

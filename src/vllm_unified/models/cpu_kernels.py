@@ -92,7 +92,9 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
     None. Up to :data:`MAX_NATIVE_ROWS` rows the weight is dequantized inside the kernel, a few
     rows at a time; larger inputs (prefill) get the whole weight dequantized by the native
     kernel, then MLX's matmul (BLAS), the dense copy dropped after the call. Either way the
-    result is bit-identical to the same layer dequantized at load (``mx.dequantize``).
+    result is bit-identical to the same layer dequantized at load (``mx.dequantize``), except
+    where :func:`amx_takes` (from ``AMX_MIN_ROWS`` rows, at any size): fp32-accurate, not the
+    same bits (docs/configuration.md, "AMX tiles").
 
     The layer's format was checked when :func:`install_cpu_kernels` routed it (this runs ~200
     times per decode step); a parameter changed since then gets the kernels' TypeError."""
