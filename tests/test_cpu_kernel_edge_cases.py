@@ -1,9 +1,10 @@
-"""Edge cases of the native CPU kernels (native/src/cpu_math.cpp, cpu_norm.cpp, cpu_quant.cpp)
-and their routing (models/cpu_kernels.py), found by an adversarial review: overflowing SwiGLU
-gates and RMSNorm rows, RoPE offsets (negative, beyond int32, bool, one offset for a batch),
-inverse frequencies of any head size, shapes changed under mx.compile(shapeless=True),
-quantized mixture-of-experts layers, and the kernels' environment variables. Each docstring
-says what the first version of the kernels did wrong.
+"""Edge cases of the native CPU kernels (native/src/cpu_math.cpp, cpu_norm.cpp, cpu_quant.cpp,
+cpu_amx.cpp) and their routing (models/cpu_kernels.py), found by an adversarial review:
+overflowing SwiGLU gates and RMSNorm rows, RoPE offsets (negative, beyond int32, bool, one
+offset for a batch), inverse frequencies of any head size, shapes changed under
+mx.compile(shapeless=True), quantized mixture-of-experts layers, the kernels' environment
+variables, the AMX kernels' buffer bounds. Each docstring says what the first version of the
+kernels did wrong (or that a test is a guard).
 """
 
 from __future__ import annotations
@@ -366,9 +367,11 @@ def test_kernel_pool_caller_keeps_taking_chunks_after_2_to_the_32_jobs(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def _run_pool_harness(tmp_path, source: str, *args: str) -> subprocess.CompletedProcess:
-    """Compiles a C++ program against native/src/thread_pool.h and runs it (a hang fails the
-    test through the timeout instead of stalling the suite)."""
+def _run_pool_harness(tmp_path, source: str, *args: str,
+                      link: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Compiles a C++ program against native/src/thread_pool.h (and the native/src files in
+    ``link``) and runs it (a hang fails the test through the timeout instead of stalling the
+    suite)."""
     import shutil
 
     cxx = shutil.which("c++") or shutil.which("g++")
@@ -377,8 +380,9 @@ def _run_pool_harness(tmp_path, source: str, *args: str) -> subprocess.Completed
     src.write_text(source)
     native_src = os.path.join(os.path.dirname(__file__), "..", "native", "src")
     exe = tmp_path / "harness"
-    subprocess.run([cxx, "-std=c++20", "-O2", "-pthread", "-I", native_src, str(src), "-o",
-                    str(exe)], check=True, capture_output=True, timeout=300)
+    subprocess.run([cxx, "-std=c++20", "-O2", "-ffp-contract=off", "-pthread", "-I", native_src,
+                    str(src), *(os.path.join(native_src, f) for f in link), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=300)
     try:
         return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired as e:
@@ -439,6 +443,125 @@ def test_kernel_pool_runs_every_chunk_once_over_many_short_jobs(tmp_path):
     or a hang), the pool now passes it. Each chunk runs exactly once and a chunk's exception
     comes out of run()."""
     out = _run_pool_harness(tmp_path, _POOL_STRESS, "1000000")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+_AMX_BOUNDS = r"""
+// cpu_amx.cpp's kernels, called the way native.cpp's amx_quantized_linear calls them, with
+// every buffer ending (even cases) or starting (odd cases) at an inaccessible page and y
+// pre-filled with a NaN sentinel: a read or write past any buffer faults, an output left
+// unwritten or wrong is counted.
+#include <sys/mman.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+#include "cpu_math.h"
+
+static const size_t kPage = 4096;
+
+// `bytes` right before a PROT_NONE page (at_end, start aligned down to `align`) or right after.
+static char* guarded(size_t bytes, bool at_end, size_t align) {
+  const size_t body = (bytes + kPage - 1) / kPage * kPage + kPage;
+  char* base = static_cast<char*>(mmap(nullptr, body + 2 * kPage, PROT_READ | PROT_WRITE,
+                                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  mprotect(base, kPage, PROT_NONE);
+  mprotect(base + kPage + body, kPage, PROT_NONE);
+  if (!at_end) return base + kPage;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(base + kPage + body - bytes);
+  return reinterpret_cast<char*>(p / align * align);
+}
+
+int main(int argc, char** argv) {
+  if (!vun::amx_usable()) return 2;
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> normal;
+  const size_t Ms[] = {4, 15, 16, 17, 31, 32, 33, 47, 49, 64, 65, 129};
+  const size_t Ns[] = {1, 15, 16, 17, 63, 65, 385};
+  const size_t gss[] = {32, 64, 128};
+  int failures = 0;
+  for (int c = 0; c < std::atoi(argv[1]); ++c) {
+    const size_t M = Ms[rng() % 12], N = Ns[rng() % 7], gs = gss[rng() % 3];
+    const int bits = rng() % 2 ? 4 : 8;
+    const size_t K = gs * (1 + rng() % 4), groups = K / gs;
+    const bool at_end = c % 2 == 0;
+    auto* x = reinterpret_cast<float*>(guarded(M * K * 4, at_end, 4));
+    auto* w = reinterpret_cast<uint32_t*>(guarded(N * K * bits / 8, at_end, 4));
+    auto* s = reinterpret_cast<float*>(guarded(N * groups * 4, at_end, 4));
+    auto* b = reinterpret_cast<float*>(guarded(N * groups * 4, at_end, 4));
+    auto* y = reinterpret_cast<float*>(guarded(M * N * 4, at_end, 4));
+    std::vector<uint8_t> q(N * K);
+    std::memset(w, 0, N * K * bits / 8);
+    for (size_t i = 0; i < N * K; ++i) {
+      q[i] = rng() % (1u << bits);
+      w[i * bits / 32] |= uint32_t{q[i]} << (i * bits % 32);
+    }
+    for (size_t i = 0; i < N * groups; ++i) s[i] = normal(rng) * 0.05f, b[i] = normal(rng) * 0.3f;
+    for (size_t i = 0; i < M * K; ++i) x[i] = normal(rng);
+    const uint32_t sentinel = 0x7fc0dead;
+    for (size_t i = 0; i < M * N; ++i) std::memcpy(&y[i], &sentinel, 4);
+    const size_t te = vun::amx_x_tile_elems(M, K), sf = vun::amx_x_sum_floats(M, K, gs);
+    auto* tiles = reinterpret_cast<uint16_t*>(guarded(te * 2 + sf * 4, at_end, 64));
+    auto* sums = reinterpret_cast<float*>(tiles + te);
+    const size_t mblocks = (M + 15) / 16, nblocks = (N + 15) / 16;
+    vun::amx_prepare_x(x, M, K, gs, tiles, sums, 0, mblocks);
+    if (mblocks <= 2) {
+      for (size_t nb = 0; nb < nblocks; nb += 4) {
+        vun::amx_quantized_linear_blocks(tiles, sums, w, s, b, y, M, N, K, gs, bits, nb,
+                                         std::min(nblocks, nb + 4));
+      }
+    } else {
+      auto* panel = reinterpret_cast<uint16_t*>(
+          guarded(vun::amx_weight_elems(N, K) * 2, at_end, 64));
+      vun::amx_unpack_weight(w, N, K, bits, panel, 0, nblocks);
+      for (size_t mb = 0; mb < mblocks; mb += 4) {
+        for (size_t nb = 0; nb < nblocks; nb += 24) {
+          vun::amx_quantized_linear_panel(tiles, sums, panel, s, b, y, M, N, K, gs, nb,
+                                          std::min(nblocks, nb + 24), mb,
+                                          std::min(mblocks, mb + 4));
+        }
+      }
+    }
+    double largest = 0, err = 0;
+    size_t unwritten = 0;
+    for (size_t m = 0; m < M; ++m) {
+      for (size_t n = 0; n < N; ++n) {
+        double want = 0;
+        for (size_t k = 0; k < K; ++k) {
+          const size_t g = n * groups + k / gs;
+          want += double{x[m * K + k]} * (double{s[g]} * q[n * K + k] + double{b[g]});
+        }
+        uint32_t got;
+        std::memcpy(&got, &y[m * N + n], 4);
+        unwritten += got == sentinel;
+        largest = std::max(largest, std::fabs(want));
+        err = std::max(err, std::fabs(want - y[m * N + n]));
+      }
+    }
+    if (unwritten || !(err <= 2e-6 * largest)) {
+      ++failures;
+      std::printf("M=%zu N=%zu K=%zu gs=%zu bits=%d: %zu outputs unwritten, error %g of %g\n",
+                  M, N, K, gs, bits, unwritten, err, largest);
+    }
+  }
+  std::printf("%d failed\n", failures);
+  return failures ? 1 : 0;
+}
+"""
+
+
+def test_amx_kernels_stay_inside_their_buffers(tmp_path):
+    """A guard (the review of the AMX kernels found no such bug): row and column tails (M, N not
+    multiples of 16), both the decode path (weight tiles unpacked where used) and the prefill
+    panel, each buffer next to an inaccessible page on either side: the kernels read and write
+    nothing outside x, w, scales, biases, their scratch and y [M, N], and write every output."""
+    if not native.amx_usable():
+        pytest.skip("CPU without AMX (or VLLM_UNIFIED_CPU_ISA below amx)")
+    out = _run_pool_harness(tmp_path, _AMX_BOUNDS, "120", link=("cpu_amx.cpp",))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
