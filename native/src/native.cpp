@@ -1175,43 +1175,36 @@ bool use_amx(size_t M, size_t K, size_t group_size) {
   return M >= kAmxMinRows && K % 32 == 0 && group_size % 32 == 0 && vun::amx_usable();
 }
 
-// A 64-byte aligned buffer per thread and Tag, grown as needed and kept (the AMX kernels'
-// prepared x and unpacked weight).
-template <typename T, int Tag>
-T* aligned_scratch(size_t elems) {
-  struct Buffer {
-    void* p = nullptr;
-    size_t bytes = 0;
-    ~Buffer() { std::free(p); }
-  };
-  thread_local Buffer buf;
-  const size_t bytes = (elems * sizeof(T) + 63) / 64 * 64;
-  if (buf.bytes < bytes) {
-    std::free(buf.p);
-    buf.p = std::aligned_alloc(64, bytes);
-    if (buf.p == nullptr) {
-      buf.bytes = 0;
-      throw std::bad_alloc();
-    }
-    buf.bytes = bytes;
-  }
-  return static_cast<T*>(buf.p);
+// Bytes of the AMX kernels' scratch for x [M, K] through w [N, K]: x's bf16 tiles and per-group
+// sums, plus the unpacked weight panel when x has more than 2 16-row blocks; 64 bytes of slack
+// for aligning each part.
+struct AmxScratch {
+  size_t tile_elems, sum_floats, panel_elems;
+  size_t bytes() const { return 2 * tile_elems + 4 * sum_floats + 2 * panel_elems + 3 * 64; }
+};
+
+AmxScratch amx_scratch(size_t M, size_t N, size_t K, size_t group_size) {
+  const bool panel = (M + 15) / 16 > 2;
+  return {vun::amx_x_tile_elems(M, K), vun::amx_x_sum_floats(M, K, group_size),
+          panel ? vun::amx_weight_elems(N, K) : 0};
 }
 
-// y = x @ dequantize(w).T on AMX tiles. x is split into bf16 tiles once (16-row m-blocks over
-// the pool). Decode-sized x (<= 2 m-blocks): 16-row n-blocks of w over the pool, each weight
-// tile unpacked where it is used. Larger x: the weight is unpacked once into a shared panel,
-// then (m-block range x n-block range) items go over the pool, each small enough that its x
-// tiles and weight panel stay in L2 (x's tiles of all m-blocks would not: 6.9 MB at 2048 x 576).
+// `p` rounded up to a multiple of 64 bytes.
+char* align64(char* p) {
+  return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) / 64 * 64);
+}
+
+// `scratch`: amx_scratch(M, N, K, group_size).bytes() bytes, any alignment.
 void amx_quantized_linear(const float* x, const uint32_t* w, const float* scales,
                           const float* biases, float* y, size_t M, size_t N, size_t K,
-                          size_t group_size, int bits) {
+                          size_t group_size, int bits, char* scratch) {
   constexpr size_t kItemMBlocks = 4;   // 64 rows of x: 3 bf16 parts = 384 bytes per k
   constexpr size_t kItemNBlocks = 24;  // 384 rows of w: 64 bytes per k (multiple of 4 blocks)
-  const size_t tile_elems = vun::amx_x_tile_elems(M, K);
-  const size_t sum_floats = vun::amx_x_sum_floats(M, K, group_size);
-  uint16_t* tiles = aligned_scratch<uint16_t, 0>(tile_elems + 2 * sum_floats);
-  float* sums = reinterpret_cast<float*>(tiles + tile_elems);
+  const AmxScratch sizes = amx_scratch(M, N, K, group_size);
+  auto* tiles = reinterpret_cast<uint16_t*>(align64(scratch));
+  auto* sums = reinterpret_cast<float*>(align64(reinterpret_cast<char*>(tiles + sizes.tile_elems)));
+  auto* panel =
+      reinterpret_cast<uint16_t*>(align64(reinterpret_cast<char*>(sums + sizes.sum_floats)));
   const size_t mblocks = (M + 15) / 16;
   const size_t nblocks = (N + 15) / 16;
   split_work(mblocks, 16 * K * 8, 1, [&](size_t b, size_t e) {
@@ -1224,7 +1217,6 @@ void amx_quantized_linear(const float* x, const uint32_t* w, const float* scales
     });
     return;
   }
-  uint16_t* panel = aligned_scratch<uint16_t, 1>(vun::amx_weight_elems(N, K));
   split_work(nblocks, 16 * K, 1, [&](size_t b, size_t e) {
     vun::amx_unpack_weight(w, N, K, bits, panel, b, e);
   });
@@ -1289,15 +1281,29 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
       enc.set_input_array(a);
     }
     enc.set_output_array(y);
-    enc.dispatch([xp = x.data<float>(), wp = inputs[1].data<uint32_t>(),
+    // The AMX kernels' scratch: an MLX temporary, returned to MLX's buffer cache when the
+    // command completes (mx.clear_cache frees it), rather than memory kept per thread.
+    const auto rows = static_cast<size_t>(x.shape(0)), depth = static_cast<size_t>(x.shape(1));
+    const auto gs = static_cast<size_t>(group_size_);
+    char* scratch = nullptr;
+    if (use_amx(rows, depth, gs)) {
+      const size_t bytes = amx_scratch(rows, static_cast<size_t>(wq.shape(0)), depth, gs).bytes();
+      constexpr size_t kPage = 4096;  // a 2-D shape: int extents for any size
+      mx::array buf({static_cast<int>((bytes + kPage - 1) / kPage), static_cast<int>(kPage)},
+                    mx::uint8, nullptr, {});
+      buf.set_data(mx::allocator::malloc(buf.nbytes()));
+      enc.add_temporary(buf);
+      scratch = buf.data<char>();
+    }
+    enc.dispatch([xp = x.data<float>(), wp = inputs[1].data<uint32_t>(), scratch,
                   sp = inputs[2].data<float>(), bp = inputs[3].data<float>(),
                   yp = y.data<float>(), M = static_cast<size_t>(x.shape(0)),
                   N = static_cast<size_t>(inputs[1].shape(0)),
                   K = static_cast<size_t>(x.shape(1)), gs = static_cast<size_t>(group_size_),
                   bits = bits_]() {
       auto& pool = kernel_pool();
-      if (use_amx(M, K, gs)) {
-        amx_quantized_linear(xp, wp, sp, bp, yp, M, N, K, gs, bits);
+      if (scratch != nullptr) {
+        amx_quantized_linear(xp, wp, sp, bp, yp, M, N, K, gs, bits, scratch);
         return;
       }
       const size_t groups = (N + 3) / 4;
