@@ -266,8 +266,7 @@ def test_dequantize_is_bit_identical_to_mlx(n, k, group_size, bits):
 
 def _amx_runs(m: int, k: int, group_size: int) -> bool:
     """Whether quantized_linear takes the AMX path for this call (native.cpp's use_amx)."""
-    return (native.amx_usable() and m >= native.AMX_MIN_ROWS and k % 32 == 0
-            and group_size % 32 == 0)
+    return native.amx_runs(m, k, group_size)
 
 
 def _reference(x: mx.array, dense: mx.array) -> np.ndarray:

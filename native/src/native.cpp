@@ -1175,18 +1175,23 @@ bool use_amx(size_t M, size_t K, size_t group_size) {
   return M >= kAmxMinRows && K % 32 == 0 && group_size % 32 == 0 && vun::amx_usable();
 }
 
+// Whether an AMX call unpacks the whole weight once into a shared panel: x has more than 2
+// 16-row blocks (decode-sized x unpacks each weight tile where it is used instead).
+bool amx_uses_panel(size_t M) {
+  return (M + 15) / 16 > 2;
+}
+
 // Bytes of the AMX kernels' scratch for x [M, K] through w [N, K]: x's bf16 tiles and per-group
-// sums, plus the unpacked weight panel when x has more than 2 16-row blocks; 64 bytes of slack
-// for aligning each part.
+// sums, plus the unpacked weight panel (amx_uses_panel); 64 bytes of slack for aligning each
+// part.
 struct AmxScratch {
   size_t tile_elems, sum_floats, panel_elems;
   size_t bytes() const { return 2 * tile_elems + 4 * sum_floats + 2 * panel_elems + 3 * 64; }
 };
 
 AmxScratch amx_scratch(size_t M, size_t N, size_t K, size_t group_size) {
-  const bool panel = (M + 15) / 16 > 2;
   return {vun::amx_x_tile_elems(M, K), vun::amx_x_sum_floats(M, K, group_size),
-          panel ? vun::amx_weight_elems(N, K) : 0};
+          amx_uses_panel(M) ? vun::amx_weight_elems(N, K) : 0};
 }
 
 // `p` rounded up to a multiple of 64 bytes.
@@ -1210,7 +1215,7 @@ void amx_quantized_linear(const float* x, const uint32_t* w, const float* scales
   split_work(mblocks, 16 * K * 8, 1, [&](size_t b, size_t e) {
     vun::amx_prepare_x(x, M, K, group_size, tiles, sums, b, e);
   });
-  if (mblocks <= 2) {
+  if (!amx_uses_panel(M)) {
     split_work(nblocks, 16 * K * mblocks, 4, [&](size_t b, size_t e) {
       vun::amx_quantized_linear_blocks(tiles, sums, w, scales, biases, y, M, N, K, group_size,
                                        bits, b, e);
@@ -1297,10 +1302,8 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     }
     enc.dispatch([xp = x.data<float>(), wp = inputs[1].data<uint32_t>(), scratch,
                   sp = inputs[2].data<float>(), bp = inputs[3].data<float>(),
-                  yp = y.data<float>(), M = static_cast<size_t>(x.shape(0)),
-                  N = static_cast<size_t>(inputs[1].shape(0)),
-                  K = static_cast<size_t>(x.shape(1)), gs = static_cast<size_t>(group_size_),
-                  bits = bits_]() {
+                  yp = y.data<float>(), M = rows, N = static_cast<size_t>(inputs[1].shape(0)),
+                  K = depth, gs, bits = bits_]() {
       auto& pool = kernel_pool();
       if (scratch != nullptr) {
         amx_quantized_linear(xp, wp, sp, bp, yp, M, N, K, gs, bits, scratch);
@@ -1535,6 +1538,9 @@ NB_MODULE(_native, m) {
   m.def("amx_usable", &vun::amx_usable,
         "Whether quantized_linear runs on Intel AMX tiles (CPU, OS and VLLM_UNIFIED_CPU_ISA "
         "allow it; decided once per process).");
+  m.def("amx_runs", &use_amx, nb::arg("rows"), nb::arg("in_features"), nb::arg("group_size"),
+        "Whether quantized_linear takes the AMX path for x [rows, in_features] with this "
+        "group size (amx_usable, at least AMX_MIN_ROWS rows, whole 32-element tile rows).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;

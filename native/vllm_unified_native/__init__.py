@@ -19,6 +19,7 @@ from ._native import (
     MLX_VERSION,
     NANOBIND_VERSION,
     adopt,
+    amx_runs,
     amx_usable,
     dequantize,
     gather_kv,
@@ -47,6 +48,6 @@ if _running != MLX_VERSION:
     )
 
 __all__ = [
-    "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_usable", "dequantize", "gather_kv", "info", "linear",
+    "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_runs", "amx_usable", "dequantize", "gather_kv", "info", "linear",
     "paged_attention", "quantized_linear", "rms_norm", "rope", "silu_mul", "to_torch", "write_rows",
 ]

@@ -106,21 +106,21 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
         return None
     weight, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     flat = x.reshape(rows, x.shape[-1])
-    if rows <= MAX_NATIVE_ROWS or amx_takes(x.shape[-1], layer.group_size):
+    if rows <= MAX_NATIVE_ROWS or amx_takes(rows, x.shape[-1], layer.group_size):
         out = native.quantized_linear(flat, weight, scales, biases, layer.group_size, layer.bits)
     else:
         out = flat @ native.dequantize(weight, scales, biases, layer.group_size, layer.bits).T
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def amx_takes(in_features: int, group_size: int) -> bool:
-    """Whether ``quantized_linear`` runs a layer on AMX tiles at any number of rows: the CPU has
-    AMX (and ``VLLM_UNIFIED_CPU_ISA`` allows it) and the input size and quantization groups are
-    whole 32-element tile rows. It beats dequantize + BLAS from one row to prefill chunks
-    (docs/configuration.md, "AMX tiles")."""
+def amx_takes(rows: int, in_features: int, group_size: int) -> bool:
+    """Whether ``quantized_linear`` runs ``rows`` rows through a layer on AMX tiles (the native
+    ``amx_runs`` rule: at least ``AMX_MIN_ROWS`` rows, the CPU has AMX and
+    ``VLLM_UNIFIED_CPU_ISA`` allows it, the input size and quantization groups are whole
+    32-element tile rows). It beats dequantize + BLAS at prefill sizes (docs/configuration.md,
+    "AMX tiles")."""
     native = bridge.native_kernels()
-    return (native is not None and in_features % 32 == 0 and group_size % 32 == 0
-            and native.amx_usable())
+    return native is not None and native.amx_runs(rows, in_features, group_size)
 
 
 class NativeLinear(nn.Linear):
