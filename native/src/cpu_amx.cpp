@@ -43,16 +43,18 @@
 
 namespace vun {
 
+namespace {
+constexpr size_t kTile = 16;       // rows of a tile; also columns (fp32) of an accumulator
+constexpr size_t kDepth = 32;      // bf16 elements of k per tile row (64 bytes)
+constexpr size_t kParts = 3;       // bf16 parts of each x value
+constexpr size_t kTileElems = kTile * kDepth;  // bf16 per A or B tile (1 KiB)
+}  // namespace
+
 #ifdef VUN_AMX
 namespace {
 
 #define VUN_AMX_TARGET \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-constexpr size_t kTile = 16;       // rows of a tile; also columns (fp32) of an accumulator
-constexpr size_t kDepth = 32;      // bf16 elements of k per tile row (64 bytes)
-constexpr size_t kParts = 3;       // bf16 parts of each x value
-constexpr size_t kTileElems = kTile * kDepth;  // bf16 per A or B tile (1 KiB)
 
 // AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), plus the AVX-512 subsets the
 // conversions use, which __builtin_cpu_supports reports only where the OS saves their state.
@@ -160,7 +162,6 @@ VUN_AMX_TARGET inline void unpack_tile(const uint8_t* wq, size_t N, size_t K, si
   }
 }
 
-
 }  // namespace
 #endif  // VUN_AMX
 
@@ -181,15 +182,15 @@ bool amx_usable() {
 }
 
 size_t amx_x_tile_elems(size_t M, size_t K) {
-  return (M + 15) / 16 * (K / 32) * 3 * 16 * 32;
+  return (M + kTile - 1) / kTile * (K / kDepth) * kParts * kTileElems;
 }
 
 size_t amx_x_sum_floats(size_t M, size_t K, size_t group_size) {
-  return (M + 15) / 16 * (K / group_size + 1) * 16;
+  return (M + kTile - 1) / kTile * (K / group_size + 1) * kTile;  // + 1: the rows' scaling
 }
 
 size_t amx_weight_elems(size_t N, size_t K) {
-  return (N + 15) / 16 * K * 16;
+  return (N + kTile - 1) / kTile * K * kTile;
 }
 
 #ifdef VUN_AMX
