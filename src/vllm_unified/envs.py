@@ -1,0 +1,182 @@
+"""Every ``VLLM_UNIFIED_*`` environment variable: its name, type, default and meaning.
+
+This is the only module that reads them (the native extension gets its two settings from here
+too, through ``vllm_unified_native``'s import). Each value is parsed on every read, so a test's
+``monkeypatch.setenv`` is seen; modules that must decide once per process (the backend profile)
+read once and keep the result. A value that does not parse is a ``ValueError`` naming the
+variable and the value, never a silent default. Booleans take exactly ``0`` or ``1``.
+
+Importing this module imports nothing heavy (no MLX, torch or vLLM): vLLM's API-server process
+loads the plugin before it forks the engine, and MLX is not fork-safe.
+
+Read a setting as an attribute (``envs.COMPILE_DECODE``), or with :func:`read` for another
+mapping than ``os.environ``. docs/configuration.md has the same table for users;
+:func:`describe` prints it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "VLLM_UNIFIED_"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One variable.
+
+    Attributes:
+        name: the full variable name.
+        default: the value when the variable is unset or empty (already parsed).
+        parse: turns the raw string into the value; raises ValueError with a short reason.
+        doc: one line for users.
+    """
+
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _bool(raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError("expected 0 or 1")
+    return raw == "1"
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.lower()
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return value
+    return parse
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise ValueError("must be a positive integer" if minimum == 1
+                             else f"expected an integer >= {minimum}")
+        return value
+    return parse
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+_SETTINGS = (
+    Setting("VLLM_UNIFIED_DISABLE", False, _bool,
+            "1: the plugin does not register (vLLM picks another platform)"),
+    Setting("VLLM_UNIFIED_DEVICE", None, _choice("metal", "cuda", "cpu"),
+            "force the MLX backend (metal, cuda, cpu); default: Metal, else CUDA, else CPU"),
+    Setting("VLLM_UNIFIED_MAX_N", 128, _count(1),
+            "most completions (n) one request may ask for"),
+    Setting("VLLM_UNIFIED_MAX_REQUEST_BYTES", 4 * 2**20, _count(1),
+            "largest HTTP request body in bytes (larger: HTTP 413)"),
+    Setting("VLLM_UNIFIED_UNKNOWN_FIELDS", "reject", _choice("reject", "ignore"),
+            "top-level request fields the endpoint does not know: reject (HTTP 400) or ignore"),
+    Setting("VLLM_UNIFIED_BLAS", None, _text,
+            "CPU backend: path of the BLAS library to interpose, or none for MLX's bundled one"),
+    Setting("VLLM_UNIFIED_CACHE", None, _text,
+            "folder for prepared GGUF folders and test models (default ~/.cache/vllm-unified)"),
+    Setting("VLLM_UNIFIED_CPU_QUANTIZED", True, _bool,
+            "CPU backend: 0 dequantizes quantized checkpoints to fp32 at load"),
+    Setting("VLLM_UNIFIED_CPU_ATTENTION", True, _bool,
+            "CPU backend: 0 attends through the pure-MLX reference instead of the native kernel"),
+    Setting("VLLM_UNIFIED_CPU_ISA", None, _choice("amx", "avx512", "avx2", "portable"),
+            "CPU backend: the highest instruction set the native kernels may use"),
+    Setting("VLLM_UNIFIED_CPU_THREADS", None, _count(1),
+            "CPU backend: most threads the native kernels use (default: the CPUs allowed)"),
+    Setting("VLLM_UNIFIED_CUDA_DECODE", True, _bool,
+            "CUDA backend: 0 reads decode rows through the reference instead of the kernel"),
+    Setting("VLLM_UNIFIED_COMPILE_DECODE", True, _bool,
+            "CUDA backend: 0 builds every decode step's graph in Python (no mx.compile)"),
+    Setting("VLLM_UNIFIED_KV_EAGER_ZERO", False, _bool,
+            "1 zero-fills the KV pool at start as vLLM does (benchmarks compare start-up memory)"),
+    Setting("VLLM_UNIFIED_STEP_PROFILE", 0, _count(0),
+            "log the step-phase profile every N steps (0: never)"),
+)
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in _SETTINGS}
+
+#: Names of variables vLLM itself sets for our platform (``device_control_env_var``), which
+#: are not settings of ours.
+VISIBLE_DEVICES_ENV = "VLLM_UNIFIED_VISIBLE_DEVICES"
+
+DISABLE_ENV = "VLLM_UNIFIED_DISABLE"
+DEVICE_ENV = "VLLM_UNIFIED_DEVICE"
+MAX_N_ENV = "VLLM_UNIFIED_MAX_N"
+MAX_REQUEST_BYTES_ENV = "VLLM_UNIFIED_MAX_REQUEST_BYTES"
+UNKNOWN_FIELDS_ENV = "VLLM_UNIFIED_UNKNOWN_FIELDS"
+BLAS_ENV = "VLLM_UNIFIED_BLAS"
+CACHE_ENV = "VLLM_UNIFIED_CACHE"
+CPU_QUANTIZED_ENV = "VLLM_UNIFIED_CPU_QUANTIZED"
+CPU_ATTENTION_ENV = "VLLM_UNIFIED_CPU_ATTENTION"
+CPU_ISA_ENV = "VLLM_UNIFIED_CPU_ISA"
+CPU_THREADS_ENV = "VLLM_UNIFIED_CPU_THREADS"
+CUDA_DECODE_ENV = "VLLM_UNIFIED_CUDA_DECODE"
+COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
+KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
+STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
+
+
+def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of setting ``name`` in ``environ`` (default: ``os.environ``).
+
+    Raises:
+        KeyError: ``name`` is not one of :data:`SETTINGS`.
+        ValueError: the value does not parse; the message is ``NAME='value': reason``.
+    """
+    setting = SETTINGS[name]
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or not raw.strip():
+        return setting.default
+    try:
+        return setting.parse(raw.strip())
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+def validate(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Parse every setting (start-up check); return the ``VLLM_UNIFIED_*`` names that are set
+    but are not settings (likely typos, for a warning).
+
+    Raises:
+        ValueError: the first setting whose value does not parse.
+    """
+    env = os.environ if environ is None else environ
+    for name in SETTINGS:
+        read(name, env)
+    return sorted(n for n in env if n.startswith(PREFIX) and n not in SETTINGS
+                  and n != VISIBLE_DEVICES_ENV)
+
+
+def describe() -> str:
+    """The settings as a Markdown table (name, default, meaning)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for s in _SETTINGS:
+        default = "unset" if s.default is None else (
+            str(int(s.default)) if isinstance(s.default, bool) else str(s.default))
+        rows.append(f"| `{s.name}` | {default} | {s.doc} |")
+    return "\n".join(rows)
+
+
+def __getattr__(attr: str) -> Any:
+    """``envs.COMPILE_DECODE`` -> the parsed ``VLLM_UNIFIED_COMPILE_DECODE``."""
+    name = PREFIX + attr
+    if name in SETTINGS:
+        return read(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *(n.removeprefix(PREFIX) for n in SETTINGS)])
