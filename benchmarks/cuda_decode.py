@@ -258,7 +258,7 @@ def device_facts(mx) -> dict:
     bandwidth = 2 * x.nbytes / t
     # KV write: 64 rows into a 4 GiB MLX-owned pool through the runner's own write path (the
     # in-place CUDA kernel), against MLX's plain scatter (which copies the pool on CUDA).
-    from vllm_unified.models.paged_cache import KVPool
+    from vllm_unified.kv.pool import KVPool
 
     pool = KVPool.allocate_mlx(num_layers=1, num_blocks=65536, block_size=16,
                                num_kv_heads=8, head_dim=128, dtype=mx.bfloat16)

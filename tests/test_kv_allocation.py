@@ -14,8 +14,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache as vllm_allocate_kv_cache
 
 from vllm_unified import bridge
-from vllm_unified.memory.kv_allocation import KV_LAYOUT, allocate_kv_cache
-from vllm_unified.models.paged_cache import KVPool
+from vllm_unified.kv.allocation import KV_LAYOUT, allocate_kv_cache
+from vllm_unified.kv.pool import KVPool
 
 
 @pytest.fixture(scope="module")

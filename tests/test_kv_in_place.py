@@ -17,7 +17,10 @@ import torch
 from mlx_lm.models import llama
 
 from vllm_unified.attention.metadata import build_attention_metadata
-from vllm_unified.models.paged_cache import KVPool, PagedLayerCache, install_paged_attention
+from vllm_unified.forward_context import StepContext, set_step_context
+from vllm_unified.kv.layer_cache import PagedLayerCache
+from vllm_unified.kv.pool import KVPool
+from vllm_unified.models.routing import install_paged_attention
 from vllm_unified.worker.model_runner import forward
 
 BLOCK = 16
@@ -33,7 +36,7 @@ SLOT_BYTES = 2 * LAYERS * KV_HEADS * DIM * 4
 
 def _torch_pool(num_blocks: int) -> KVPool:
     """Uninitialised torch buffer with one [B, H, N, 2D] LBNHC view per layer, as
-    ``memory.kv_allocation.allocate_kv_cache`` makes them."""
+    ``kv.allocation.allocate_kv_cache`` makes them."""
     layer_elems = num_blocks * BLOCK * KV_HEADS * 2 * DIM
     buf = torch.empty(LAYERS * layer_elems, dtype=torch.float32)
     views = [buf[i * layer_elems:(i + 1) * layer_elems]
@@ -59,12 +62,11 @@ def _model():
 
 def _step(model, pool, caches, query_lens, seq_lens, tables):
     meta = build_attention_metadata(query_lens, seq_lens, tables, BLOCK)
-    pool.meta = meta
     ids = mx.array(np.arange(sum(query_lens), dtype=np.int32) % ARGS.vocab_size)
     last = (np.cumsum(query_lens) - 1).astype(np.int32)
-    logits = forward(model, caches, ids, last)
+    with set_step_context(StepContext(attn=meta)):
+        logits = forward(model, caches, ids, last)
     mx.eval(logits, pool.arrays())
-    pool.meta = None
     return logits
 
 

@@ -98,8 +98,8 @@ def test_worker_wires_before_weights_load(monkeypatch):
             return "gpu"
 
     class FakeRunner:
-        def __init__(self, vllm_config, keep_quantized):
-            events.append(("runner", keep_quantized))
+        def __init__(self, vllm_config, backend):
+            events.append(("runner", backend.keep_quantized))
 
         def load_model(self):
             events.append(("load", None))
@@ -109,6 +109,8 @@ def test_worker_wires_before_weights_load(monkeypatch):
     monkeypatch.setattr(worker, "import_mlx", lambda: fake)
     monkeypatch.setattr(worker, "detect_backend", lambda: metal)
     monkeypatch.setattr(model_runner, "MLXModelRunner", FakeRunner)
+    monkeypatch.setattr(worker, "resolve_profile", lambda: SimpleNamespace(
+        keep_quantized=True, describe=lambda: "MLX metal backend (test)"))
     # The KV connector's one-rank process groups (KV offloading) are not under test here.
     monkeypatch.setattr(worker, "init_single_rank_groups", lambda config, method: None)
     w = object.__new__(worker.MLXWorker)

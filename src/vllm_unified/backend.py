@@ -1,12 +1,16 @@
 """Which MLX backend this process runs on, and the memory facts that follow from it.
 
-Two halves, on purpose:
+Three parts, on purpose:
 
 * :func:`detect_backend` answers from installed distributions and the OS alone. vLLM calls the
   platform in its API-server process *before* it forks the engine core, and MLX is not fork-safe
-  (a forked child hangs in its first ``mx.eval``), so nothing here imports ``mlx``.
+  (a forked child hangs in its first ``mx.eval``), so it imports no ``mlx``.
 * :func:`import_mlx` is for the engine-core/worker process: it interposes a fast BLAS first
   (see :mod:`vllm_unified.blas`), imports ``mlx.core`` and selects the device.
+* :func:`profile` is the one decision, in the worker process, of everything that depends on
+  the backend: where MLX's buffers live, how the KV pool is owned and written, which attention
+  kernels run, how logits reach torch, whether quantized weights stay quantized. It is made
+  once per process; every module that needs one of these answers reads it from the profile.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from typing import Literal
 
 import psutil
 
+from vllm_unified import envs
+
 BackendKind = Literal["metal", "cuda", "cpu"]
 
 #: Environment variable forcing the backend: ``metal``, ``cuda`` or ``cpu``.
-DEVICE_ENV = "VLLM_UNIFIED_DEVICE"
+DEVICE_ENV = envs.DEVICE_ENV
 
 
 @dataclass(frozen=True)
@@ -99,9 +105,7 @@ def detect_backend() -> BackendInfo:
     ram = psutil.virtual_memory().total
     has_metal = sys.platform == "darwin" and _installed("mlx-metal")
     has_cuda = _installed("mlx-cuda-13") or _installed("mlx-cuda-12")
-    forced = os.environ.get(DEVICE_ENV, "").strip().lower()
-    if forced and forced not in ("metal", "cuda", "cpu"):
-        raise ValueError(f"{DEVICE_ENV}={forced!r}: expected one of metal, cuda, cpu")
+    forced = envs.read(DEVICE_ENV) or ""
     if forced == "metal" and not has_metal:
         raise ValueError(f"{DEVICE_ENV}=metal but MLX's Metal backend (mlx-metal) is not installed")
     if forced == "cuda" and not has_cuda:
@@ -146,3 +150,109 @@ def import_mlx() -> ModuleType:
 
     mx.set_default_device(mx.gpu if info.kind in ("metal", "cuda") else mx.cpu)
     return mx
+
+
+KVPoolMemory = Literal["torch_shared", "mlx_owned"]
+KVWritePath = Literal["native_rows", "cuda_kernel", "scatter"]
+
+
+@dataclass(frozen=True)
+class BackendProfile:
+    """Everything that depends on the backend, decided once per worker process.
+
+    Attributes:
+        info: the backend (:func:`detect_backend`).
+        allocator: where MLX's buffers live, from the MLX build (``mx.metal`` / ``mx.cuda``
+            availability), which is not always ``info.kind``: with a GPU build and
+            ``VLLM_UNIFIED_DEVICE=cpu``, arrays made for the CPU still live in GPU-backend
+            memory.
+        kv_pool: ``"torch_shared"``: the KV pool is vLLM's layout in a torch buffer that MLX
+            adopts without a copy (MLX's CPU buffers with the native extension);
+            ``"mlx_owned"``: MLX allocates the pool (torch cannot share it).
+        kv_pool_reason: why the pool is MLX-owned (None when it is shared), for the log and
+            for the errors of features that need the shared pool.
+        kv_write: how rows go into the pool: the native ``write_rows`` primitive (shared
+            pool), the in-place CUDA kernel (MLX-owned pool on CUDA, whose scatter would copy
+            the pool), or MLX's donated scatter.
+        cpu_attention: the native CPU kernel attends every row (CPU backend, extension built,
+            ``VLLM_UNIFIED_CPU_ATTENTION`` not 0).
+        cuda_decode: the CUDA decode kernel takes the decode rows of head sizes it supports
+            (CUDA backend, ``VLLM_UNIFIED_CUDA_DECODE`` not 0).
+        compile_decode: pure-decode steps may run as one compiled graph (where the write path
+            and decode kernel allow; ``VLLM_UNIFIED_COMPILE_DECODE``).
+        logits_zero_copy: logits reach torch as a view (CPU buffers), not a copy.
+        keep_quantized: quantized checkpoints stay quantized on every dtype (GPU backends,
+            whose quantized matmuls are fast); on the CPU the native kernels decide per dtype.
+    """
+
+    info: BackendInfo
+    allocator: BackendKind
+    kv_pool: KVPoolMemory
+    kv_pool_reason: str | None
+    kv_write: KVWritePath
+    cpu_attention: bool
+    cuda_decode: bool
+    compile_decode: bool
+    logits_zero_copy: bool
+    keep_quantized: bool
+
+    @property
+    def kind(self) -> BackendKind:
+        return self.info.kind
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        attention = ("native CPU kernel" if self.cpu_attention else
+                     "CUDA decode kernel + reference" if self.cuda_decode else "MLX reference")
+        pool = ("vLLM layout in torch memory, shared with MLX" if self.kv_pool == "torch_shared"
+                else f"MLX-owned ({self.kv_pool_reason})")
+        return (f"MLX {self.kind} backend (buffers: {self.allocator}); KV pool {pool}, written "
+                f"by {self.kv_write.replace('_', ' ')}; attention: {attention}; logits to torch "
+                f"{'as a view' if self.logits_zero_copy else 'by copy'}")
+
+
+@functools.cache
+def mlx_allocator() -> BackendKind:
+    """Which allocator MLX's buffers come from: decided by the MLX build, not the default
+    device (imports MLX)."""
+    mx = import_mlx()
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+@functools.cache
+def profile() -> BackendProfile:
+    """The backend profile of this process (imports MLX; worker process only).
+
+    Raises:
+        ValueError: a ``VLLM_UNIFIED_*`` setting it reads does not parse.
+    """
+    from vllm_unified import bridge
+
+    info = detect_backend()
+    allocator = mlx_allocator()
+    if info.kind == "cpu" and allocator == "cpu":
+        reason = bridge.native_error()
+    else:
+        reason = "not the CPU backend"
+    shared = reason is None
+    if shared:
+        write: KVWritePath = "native_rows"
+    elif info.kind == "cuda":
+        write = "cuda_kernel"
+    else:
+        write = "scatter"
+    cpu_attention = (info.kind == "cpu" and envs.CPU_ATTENTION
+                     and bridge.native_kernels() is not None)
+    return BackendProfile(
+        info=info, allocator=allocator,
+        kv_pool="torch_shared" if shared else "mlx_owned", kv_pool_reason=reason,
+        kv_write=write, cpu_attention=cpu_attention,
+        cuda_decode=info.kind == "cuda" and envs.CUDA_DECODE,
+        compile_decode=envs.COMPILE_DECODE,
+        logits_zero_copy=info.kind == "cpu",
+        keep_quantized=info.kind != "cpu",
+    )

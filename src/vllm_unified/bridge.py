@@ -56,7 +56,7 @@ import torch
 if TYPE_CHECKING:
     import mlx.core as mx
 
-__all__ = ["data_ptr", "native_error", "to_mlx", "to_torch", "write_rows"]
+__all__ = ["data_ptr", "mlx_dtype", "native_error", "to_mlx", "to_torch", "write_rows"]
 
 #: torch dtype -> name of the MLX dtype (resolved lazily: MLX is imported on first use).
 _TORCH_TO_MLX_NAME: dict[torch.dtype, str] = {
@@ -88,19 +88,12 @@ def _dtype_maps() -> tuple[dict[torch.dtype, Any], dict[Any, torch.dtype]]:
     return to_mx, {m: t for t, m in to_mx.items()}
 
 
-@functools.cache
 def _backend() -> str:
-    """``"metal"``, ``"cuda"`` or ``"cpu"``: which allocator MLX's buffers come from.
+    """``"metal"``, ``"cuda"`` or ``"cpu"``: which allocator MLX's buffers come from
+    (:func:`vllm_unified.backend.mlx_allocator`, the backend profile's answer)."""
+    from vllm_unified.backend import mlx_allocator
 
-    Decided by the MLX build, not the default device: with a GPU backend installed, arrays made
-    for the CPU device still live in that backend's (Metal or CUDA managed) memory.
-    """
-    mx = _mx()
-    if mx.metal.is_available():
-        return "metal"
-    if mx.cuda.is_available():
-        return "cuda"
-    return "cpu"
+    return mlx_allocator()
 
 
 @functools.cache
@@ -133,7 +126,12 @@ def _require_native(what: str) -> ModuleType:
     return mod
 
 
-def _mlx_dtype(dtype: torch.dtype) -> Any:
+def mlx_dtype(dtype: torch.dtype) -> Any:
+    """The MLX dtype of a torch dtype (the project's one torch -> MLX dtype map).
+
+    Raises:
+        TypeError: a dtype MLX does not hold.
+    """
     to_mx, _ = _dtype_maps()
     try:
         return to_mx[dtype]
@@ -227,7 +225,7 @@ def to_mlx(t: torch.Tensor, *, copy: bool = False) -> mx.array:
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"to_mlx expects a torch.Tensor, got {type(t).__name__}")
-    dtype = _mlx_dtype(t.dtype)
+    dtype = mlx_dtype(t.dtype)
     t = t.detach()
     mx = _mx()
     if copy:

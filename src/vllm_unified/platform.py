@@ -20,6 +20,7 @@ import torch
 from vllm_unified import compat, request_guard, request_policy
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
+from vllm_unified.kv.block_translation import KERNEL_BLOCK_SIZES, select_kernel_block_size
 from vllm_unified.offload.config import configure_kv_offloading
 
 if TYPE_CHECKING:
@@ -27,10 +28,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-#: Block sizes (tokens per KV page) the MLX attention implementation is built and tested for.
-#: vLLM's ``--block-size`` must be a multiple of one of them (pillar 6 views larger pages as
-#: several kernel blocks).
-KERNEL_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
 DEFAULT_BLOCK_SIZE = 16
 WORKER_CLS = "vllm_unified.worker.worker.MLXWorker"
 
@@ -132,14 +129,12 @@ class MLXPlatform(Platform):
     def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
         """vLLM's own page alignment of hybrid models, driven with the MLX attention's kernel
         block sizes (vLLM's version finds no torch attention layer to ask), then the check
-        that a kernel block size divides the result (:mod:`vllm_unified.attention.
+        that a kernel block size divides the result (:mod:`vllm_unified.kv.
         block_translation`). Runs in the worker's process after the model is loaded.
 
         Raises:
             ValueError: no kernel block size divides the block size (names ``--block-size``).
         """
-        from vllm_unified.attention.block_translation import select_kernel_block_size
-
         model_config, cache = vllm_config.model_config, vllm_config.cache_config
         if model_config is None:
             return

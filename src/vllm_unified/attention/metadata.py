@@ -134,6 +134,13 @@ class AttentionMetadata:
         default_factory=dict, repr=False
     )
 
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every row of the step is a decode row (one query token per sequence), in order: the
+        project's one definition of a pure-decode step."""
+        return (self.decode_rows is not None and not self.prefills
+                and self.output_order is None and self.num_tokens > 0)
+
     def decode_view(self, window: Window, kv_heads: int) -> DecodeKeys:
         """Keys of the decode batch for a layer with this sliding window (``None``: full).
 

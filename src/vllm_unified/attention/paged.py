@@ -16,7 +16,6 @@ row by row (pool row ``slot * Hkv + head``), which lands them directly in SDPA's
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -26,13 +25,6 @@ from vllm_unified.attention.metadata import AttentionMetadata, Window
 
 #: Reads the keys and values at int32 pool rows ``[..., S]`` -> two ``[..., S, D]`` arrays.
 Gather = Callable[[mx.array], tuple[mx.array, mx.array]]
-
-#: Set to 0 to read the decode batch through the reference gather + SDPA on CUDA too (the
-#: kernel of attention/cuda_decode.py is used otherwise; benchmarks compare both).
-CUDA_DECODE_ENV = "VLLM_UNIFIED_CUDA_DECODE"
-#: Set to 0 to attend through the reference on the CPU backend too (the native kernel of
-#: attention/cpu_paged.py takes every row of a step otherwise).
-CPU_ATTENTION_ENV = "VLLM_UNIFIED_CPU_ATTENTION"
 
 # Gather indices are int32 rows of the pool viewed as [slots * Hkv, D].
 _MAX_ROWS = 2**31
@@ -160,7 +152,7 @@ def paged_attention_kv(
     decode_out = None
     decode_kernel = _decode_kernel(head_dim) if accelerate else None
     if meta.decode_rows is not None and decode_kernel is not None:
-        if not meta.prefills and meta.output_order is None:
+        if meta.is_pure_decode:
             # A pure decode step: every row is a decode row, so no row views (graph ops cost
             # host time per layer and step).
             return decode_kernel(queries, kv_pool, meta, scale, window)
@@ -168,9 +160,9 @@ def paged_attention_kv(
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
 
     def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
-        # The native CPU primitive copies both halves of each row in one pass; MLX's generic
-        # gather from the two strided halves (the reference) was ~4x slower on a 16-sequence
-        # decode batch. Same values either way (tests/test_paged_attention.py compares them).
+        # The native CPU primitive copies both halves of each row in one pass, where MLX's
+        # generic gather reads the two strided halves separately. Same values either way
+        # (tests/test_paged_attention.py compares them).
         gathered = bridge.gather_kv(pool_rows, rows) if accelerate else None
         if gathered is not None:
             return gathered
@@ -189,28 +181,24 @@ def cuda_decode_routed(head_dim: int) -> bool:
 
 @functools.cache
 def _decode_kernel(head_dim: int) -> Callable[..., mx.array] | None:
-    """The decode kernel of this backend, or None for the reference gather + SDPA: on CUDA
-    attention/cuda_decode.py, for head sizes it supports, unless ``VLLM_UNIFIED_CUDA_DECODE=0``.
-    Decided once per process and head size."""
-    from vllm_unified.backend import detect_backend
+    """The decode kernel of this backend, or None for the reference gather + SDPA: the CUDA
+    kernel (attention/cuda_decode.py) where the backend profile enables it
+    (``BackendProfile.cuda_decode``) and it supports the head size."""
+    from vllm_unified.backend import profile
 
-    if detect_backend().kind == "cuda" and os.environ.get(CUDA_DECODE_ENV, "1") != "0":
-        from vllm_unified.attention import cuda_decode
+    if not profile().cuda_decode:
+        return None
+    from vllm_unified.attention import cuda_decode
 
-        return cuda_decode.paged_decode_attention if cuda_decode.supported(head_dim) else None
-    return None
+    return cuda_decode.paged_decode_attention if cuda_decode.supported(head_dim) else None
 
 
-@functools.cache
 def _cpu_rows_kernel() -> bool:
-    """Attend every row of a step with the native CPU kernel (attention/cpu_paged.py): on the
-    CPU backend with the extension built, unless ``VLLM_UNIFIED_CPU_ATTENTION=0``. Decided
-    once per process."""
-    from vllm_unified.attention import cpu_paged
-    from vllm_unified.backend import detect_backend
+    """Attend every row of a step with the native CPU kernel (attention/cpu_paged.py): the
+    backend profile's ``cpu_attention``."""
+    from vllm_unified.backend import profile
 
-    return (detect_backend().kind == "cpu" and os.environ.get(CPU_ATTENTION_ENV, "1") != "0"
-            and cpu_paged.available())
+    return profile().cpu_attention
 
 
 def _attend(

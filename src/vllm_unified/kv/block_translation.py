@@ -16,6 +16,11 @@ from typing import Any
 
 import numpy as np
 
+#: Block sizes (tokens per KV page) the MLX attention implementation is built and tested for.
+#: vLLM's ``--block-size`` must be a multiple of one of them (larger pages are read as several
+#: kernel blocks).
+KERNEL_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
+
 
 def select_kernel_block_size(block_size: int, kernel_block_sizes: Sequence[int]) -> int:
     """The largest supported kernel block size that divides ``block_size``.

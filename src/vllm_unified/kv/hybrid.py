@@ -1,5 +1,5 @@
-"""Hybrid attention + state-space models: which mlx-lm layers are recurrent, and the state
-(Mamba) cache specs vLLM gets for them.
+"""Hybrid attention + state-space models: which mlx-lm layers are recurrent, the state (Mamba)
+cache specs vLLM gets for them, and each request's state slot.
 
 Supported families name, per mlx-lm model type, how to find a layer's recurrent mixer and which
 vLLM state kind it is. The state shapes and dtypes come from vLLM's own model class
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.nn as nn
+import numpy as np
 
 from vllm_unified import compat
-from vllm_unified.models.state_cache import RecurrentMixer
 
 
 @dataclass(frozen=True)
@@ -59,22 +59,6 @@ def recurrent_layers(model_type: str, model: nn.Module) -> list[int]:
     return [i for i, layer in enumerate(model.layers) if family.is_recurrent(layer)]
 
 
-def install_recurrent_mixers(model_type: str, model: nn.Module) -> list[int]:
-    """Wrap each recurrent layer's mixer in :class:`RecurrentMixer` (idempotent).
-
-    Returns:
-        The recurrent layer indices.
-    """
-    family = HYBRID_FAMILIES.get(model_type)
-    layers = recurrent_layers(model_type, model)
-    for i in layers:
-        layer = model.layers[i]
-        mixer = getattr(layer, family.mixer)
-        if not isinstance(mixer, RecurrentMixer):
-            setattr(layer, family.mixer, RecurrentMixer(mixer))
-    return layers
-
-
 def mamba_spec(vllm_config: Any, model_type: str):
     """The ``MambaSpec`` of every recurrent layer, as vLLM's ``MambaBase.get_kv_cache_spec``
     would build it for this model (shapes and dtypes from vLLM's model class).
@@ -113,15 +97,14 @@ class HybridLayers:
     """The runner's view of a model's layer kinds: attention layers (on the paged KV pool, in
     pool order) and recurrent layers (on state pages), plus the state store once bound.
 
-    For a model that is not hybrid every layer is an attention layer and nothing is wrapped.
+    For a model that is not hybrid every layer is an attention layer.
     """
 
-    def __init__(self, model_type: str, model: nn.Module) -> None:
+    def __init__(self, model_type: str, num_layers: int, recurrent: list[int]) -> None:
         self.model_type = model_type
-        self.recurrent = install_recurrent_mixers(model_type, model)
+        self.recurrent = list(recurrent)
         rec = set(self.recurrent)
-        self.attention = [i for i in range(len(model.layers)) if i not in rec]
-        self.store = None
+        self.attention = [i for i in range(num_layers) if i not in rec]
         #: request id -> its state slot per state group, recorded when first scheduled, for
         #: the last ``SLOT_HISTORY`` requests (tests check that a finished request's slot is
         #: reused cleanly; bounded so a long-running server does not grow it)
@@ -155,10 +138,12 @@ class HybridLayers:
     def bind(self, kv_cache_config: Any, views: dict[str, Any], buffer: Any):
         """Adopt the recurrent layers' state pages from vLLM's views; returns the store.
 
+        ``views``/``buffer``: :func:`vllm_unified.kv.allocation.allocate_kv_cache`'s.
+
         Raises:
             ValueError: a recurrent layer has no state group, or its pages do not fit.
         """
-        from vllm_unified.models.state_cache import StatePages, StateStore, state_fields
+        from vllm_unified.kv.state_pages import StatePages, StateStore, state_fields
 
         pages, groups = {}, {}
         for i in self.recurrent:
@@ -171,19 +156,16 @@ class HybridLayers:
             pages[i] = StatePages.from_torch(views[name], state_fields(spec.shapes, spec.dtypes),
                                              buffer)
             groups[i] = gid
-        self.store = StateStore(pages, groups)
-        return self.store
+        return StateStore(pages, groups)
 
-    def slots(self, states: list[Any]) -> dict[int, Any]:
+    def slots(self, store: Any, states: list[Any]) -> dict[int, Any]:
         """Per state group, each request's state slot (its one block of that group).
 
         Raises:
             RuntimeError: a request has no block in a state group.
         """
-        import numpy as np
-
         out = {}
-        for g in sorted(set(self.store.groups.values())):
+        for g in sorted(set(store.groups.values())):
             ids = []
             for s in states:
                 blocks = s.other_block_ids.get(g)
@@ -198,24 +180,11 @@ class HybridLayers:
                     self.slot_owners.popitem(last=False)
         return out
 
-    def layer_caches(self, pool: Any, store: Any) -> list[Any]:
-        """One cache per model layer: paged attention (pool layer = attention ordinal) or
-        state pages."""
-        from vllm_unified.models.paged_cache import PagedLayerCache
-        from vllm_unified.models.state_cache import StateLayerCache
-
-        caches: list[Any] = [None] * (len(self.attention) + len(self.recurrent))
-        for j, i in enumerate(self.attention):
-            caches[i] = PagedLayerCache(pool, j)
-        for i in self.recurrent:
-            caches[i] = StateLayerCache(store, i)
-        return caches
-
     def temp_store(self, vllm_config: Any, num_blocks: int):
         """An MLX-owned zeroed state store (profiling forward), or None if not hybrid."""
         if not self.recurrent:
             return None
-        from vllm_unified.models.state_cache import StatePages, StateStore, state_fields
+        from vllm_unified.kv.state_pages import StatePages, StateStore, state_fields
 
         spec = mamba_spec(vllm_config, self.model_type)
         fields = state_fields(spec.shapes, spec.dtypes)
@@ -225,8 +194,6 @@ class HybridLayers:
     def step_slots(self, store: Any, states: list[Any] | None, num_seqs: int) -> dict:
         """``slots`` for :func:`build_state_metadata`: the requests' slots, or slot 0 (vLLM's
         null block, never handed to a request) for ``num_seqs`` dummy sequences."""
-        import numpy as np
-
         if states is not None:
-            return self.slots(states)
+            return self.slots(store, states)
         return {g: np.zeros(num_seqs, np.int32) for g in set(store.groups.values())}

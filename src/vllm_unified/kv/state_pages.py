@@ -9,30 +9,20 @@ exactly one block of its layer's group, for its whole life: that block id is its
 adopted from vLLM's torch buffer (no copy). A step gathers the slots' pages, reinterprets the
 bytes as the states (vLLM's shapes and dtypes, which for the supported families are mlx-lm's
 per-sequence layouts), and writes the new states back in place with the bridge's
-``write_rows`` at the end of the layer.
-
-:class:`StateLayerCache` stands in for mlx-lm's ``ArraysCache`` in the token-major forward; the
-layer's mixer is wrapped (:class:`RecurrentMixer`) so that it runs once over all single-token
-(decode) sequences as a batch, and once per multi-token (prefill chunk) sequence, each with its
-own state. A sequence whose chunk starts at position 0 starts from zero state whatever its slot
-holds (vLLM's ``has_initial_state``), so a slot reused after a finished, aborted or preempted
-request never leaks into the next one.
+``write_rows`` at the end of the layer (the mixer that does so is
+:class:`vllm_unified.models.routing.RecurrentMixer`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
-from vllm_unified.attention.metadata import AttentionMetadata
-
-_TORCH_TO_MLX = {"torch.float32": mx.float32, "torch.bfloat16": mx.bfloat16,
-                 "torch.float16": mx.float16}
+#: state dtypes the pages hold (vLLM's names)
+_STATE_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
 
 
 @dataclass(frozen=True)
@@ -57,9 +47,11 @@ def state_fields(shapes, dtypes) -> tuple[StateField, ...]:
     """
     fields, offset = [], 0
     for shape, dtype in zip(shapes, dtypes, strict=True):
-        mx_dtype = _TORCH_TO_MLX.get(str(dtype))
-        if mx_dtype is None:
+        if str(dtype) not in _STATE_DTYPES:
             raise ValueError(f"state dtype {dtype} is not supported (float32/bfloat16/float16)")
+        from vllm_unified.bridge import mlx_dtype
+
+        mx_dtype = mlx_dtype(dtype)
         nbytes = prod(shape) * mx_dtype.size
         fields.append(StateField(offset, nbytes, tuple(shape), mx_dtype))
         offset += nbytes
@@ -188,14 +180,12 @@ def build_state_metadata(
 
 
 class StateStore:
-    """The state pages of every recurrent layer and the current step's metadata."""
+    """The state pages of every recurrent layer."""
 
     def __init__(self, pages: dict[int, StatePages], groups: dict[int, int]) -> None:
         """Args: ``pages`` per model layer index; ``groups``: layer index -> KV-cache group."""
         self.pages = pages
         self.groups = groups
-        self.meta: StateMetadata | None = None
-        self.attn_meta: AttentionMetadata | None = None
 
     def arrays(self) -> list[mx.array]:
         """Every layer's pages, to evaluate with the step (the writes happen then)."""
@@ -208,89 +198,3 @@ class StateStore:
         for pages in self.pages.values():
             pages.zero(block_ids)
         mx.eval(self.arrays())
-
-
-class StateLayerCache:
-    """What a recurrent layer gets as its "cache" in the token-major forward."""
-
-    def __init__(self, store: StateStore, layer: int) -> None:
-        self.store = store
-        self.layer = layer
-
-    @property
-    def pages(self) -> StatePages:
-        return self.store.pages[self.layer]
-
-    @property
-    def group(self) -> int:
-        return self.store.groups[self.layer]
-
-
-class _SegmentCache:
-    """mlx-lm's ``ArraysCache`` protocol for one segment (``cache[i]``, ``lengths``,
-    ``advance``), holding the states the wrapped mixer reads and replaces."""
-
-    def __init__(self, states: list[mx.array]) -> None:
-        self.cache = list(states)
-        self.lengths = None
-        self.left_padding = None
-
-    def __getitem__(self, i: int) -> mx.array:
-        return self.cache[i]
-
-    def __setitem__(self, i: int, value: mx.array) -> None:
-        self.cache[i] = value
-
-    def advance(self, n: int) -> None:
-        """Positions are not tracked here (the attention metadata has them)."""
-
-
-class RecurrentMixer(nn.Module):
-    """Wraps an mlx-lm recurrent mixer (``mixer(x, mask, cache)`` over an ``ArraysCache``) so
-    it runs on the token-major batch with states in vLLM's pages. Other caches pass through."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if not isinstance(cache, StateLayerCache):
-            return self.inner(x, mask, cache)
-        if mask is not None:
-            raise TypeError("a recurrent layer on vLLM's state pages takes no mask")
-        store, pages = cache.store, cache.pages
-        meta, attn = store.meta, store.attn_meta
-        if meta is None or attn is None:
-            raise RuntimeError("recurrent state used outside a step (no state metadata)")
-        outs, slots, new_states = [], [], []
-        if attn.decode_rows is not None:
-            idx = meta.decode_slots[cache.group]
-            states = _initial(pages.read(idx), meta.decode_has_state)
-            seg = _SegmentCache(states)
-            outs.append(self.inner(x[attn.decode_rows], None, seg))  # [Bd, 1, D]
-            slots.append(idx)
-            new_states.append(seg.cache)
-        for i, chunk in enumerate(attn.prefills):
-            idx = mx.array([meta.prefill_slots[cache.group][i]], dtype=mx.int32)
-            states = pages.read(idx)
-            if not meta.prefill_has_state[i]:
-                states = [mx.zeros_like(s) for s in states]
-            seg = _SegmentCache(states)
-            xs = x[chunk.start:chunk.start + chunk.length].transpose(1, 0, 2)  # [1, L, D]
-            outs.append(self.inner(xs, None, seg).transpose(1, 0, 2))
-            slots.append(idx)
-            new_states.append(seg.cache)
-        if not outs:
-            return x
-        pages.write(mx.concatenate(slots),
-                    [mx.concatenate([s[f] for s in new_states]) for f in range(len(pages.fields))])
-        out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
-        return out if attn.output_order is None else out[attn.output_order]
-
-
-def _initial(states: list[mx.array], has_state: mx.array | None) -> list[mx.array]:
-    """Zero the states of sequences at position 0 (their slot may hold an old request's)."""
-    if has_state is None:
-        return states
-    return [mx.where(has_state.reshape(-1, *([1] * (s.ndim - 1))), s, mx.zeros_like(s))
-            for s in states]

@@ -23,7 +23,7 @@ SmolLM2-135M (2-core x86_64, ``benchmarks/decode_forward.py``):
 
 All compute the same functions up to fp32 rounding (tests/test_cpu_kernels.py: relative
 error <= 1e-6 against MLX; the quantized kernels bit-identical to their dense counterparts).
-As with attention (:mod:`vllm_unified.models.paged_cache`), mlx-lm's model files are
+As with attention (:mod:`vllm_unified.models.routing`), mlx-lm's model files are
 untouched: ``swiglu`` names in model modules are replaced, and linear / embedding instances
 (fp32, or quantized in a format the kernels take) get a subclass whose call falls back to
 MLX's own op for whatever the kernels do not take.

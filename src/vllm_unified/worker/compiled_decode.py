@@ -1,8 +1,8 @@
 """Pure-decode steps as one compiled MLX function (``mx.compile``), on the CUDA backend.
 
-Why: on the H200 a decode step of a 28-layer model is bound by host work, not by the GPU:
-Python building each layer's lazy graph (mlx-lm's model code, our cache protocol and attention
-routing: 1.8-3.2 ms per step) and MLX encoding and launching its ~500 kernels. ``mx.compile``
+Why: on a fast GPU a decode step is bound by host work, not by the GPU: Python building each
+layer's lazy graph (mlx-lm's model code, our cache protocol and attention routing) and MLX
+encoding and launching its hundreds of kernels. ``mx.compile``
 traces the forward once per input shape and afterwards replays the recorded graph from C++,
 so the Python per layer is gone and chains of elementwise ops are fused into single kernels.
 
@@ -15,7 +15,7 @@ What makes this safe:
   CUDA decode kernel of :mod:`vllm_unified.attention.cuda_decode`; the gather reference, which
   needs host-side tables, raises inside a trace instead of baking them in);
 * the pools go in as inputs and come back as outputs: each layer's write returns
-  ``mx.depends(pool, token)`` (:mod:`vllm_unified.attention.gpu_write`), so the attention of
+  ``mx.depends(pool, token)`` (:mod:`vllm_unified.kv.gpu_write`), so the attention of
   that layer, and the next step's write, stay ordered after the write exactly as without
   compilation;
 * only steps whose every request has one query token take this path, and only with the
@@ -26,41 +26,33 @@ the kernels' launch grids depend on ``T``); the width is padded to a power of tw
 (:func:`padded_tables`), so a batch size sees a handful of widths over a server's life. MLX's
 compile cache keeps every trace for the life of the process.
 
+The step's metadata comes in as an argument and the traced forward runs under a step context
+of its own, built from the traced inputs (:mod:`vllm_unified.forward_context`); the pool's
+arrays are replaced by the written ones the compiled function returns.
+
 ``VLLM_UNIFIED_COMPILE_DECODE=0`` turns it off (the plain forward for every step).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from vllm_unified.attention.metadata import AttentionMetadata
-from vllm_unified.models.paged_cache import KVPool, PagedLayerCache
+from vllm_unified.envs import COMPILE_DECODE_ENV
+from vllm_unified.forward_context import StepContext, set_step_context
+from vllm_unified.kv.layer_cache import PagedLayerCache
+from vllm_unified.kv.pool import KVPool
 from vllm_unified.worker.async_output import feed_pending
 
-#: Set to 0 to build every decode step's graph in Python (no ``mx.compile``).
-COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
-
-
-def compile_decode_enabled() -> bool:
-    """``VLLM_UNIFIED_COMPILE_DECODE`` is not ``0`` (the default is on).
-
-    Raises:
-        ValueError: the variable is set to something other than 0 or 1.
-    """
-    raw = os.environ.get(COMPILE_DECODE_ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{COMPILE_DECODE_ENV}={raw!r}: expected 0 or 1")
-    return raw == "1"
+__all__ = ["COMPILE_DECODE_ENV", "CompiledDecode", "is_pure_decode", "padded_tables"]
 
 
 def is_pure_decode(meta: AttentionMetadata) -> bool:
-    """Every row of the step is a decode row (one query token per request), in order."""
-    return (meta.decode_rows is not None and not meta.prefills and meta.output_order is None
-            and meta.num_tokens > 0)
+    """:attr:`AttentionMetadata.is_pure_decode` (the one definition)."""
+    return meta.is_pure_decode
 
 
 def padded_tables(tables: np.ndarray) -> np.ndarray:
@@ -82,17 +74,20 @@ class CompiledDecode:
 
     Args:
         model: the mlx-lm model, paged attention installed.
-        pool: the KV pool the layer caches write to (its ``kv`` list is rebound to the
+        pool: the KV pool the layer caches write to (its ``kv`` entries are replaced by the
             compiled function's outputs after each call).
         layer_caches: one :class:`PagedLayerCache` per layer over ``pool``.
         forward: ``forward(model, layer_caches, input_ids, rows) -> logits``, the runner's
             plain forward (traced once per shape).
+        block_size: tokens per block of the step metadata (the kernel block size); default
+            the pool's.
     """
 
     def __init__(self, model: Any, pool: KVPool, layer_caches: list[PagedLayerCache],
-                 forward: Any) -> None:
+                 forward: Any, block_size: int | None = None) -> None:
         self._model = model
         self._pool = pool
+        self._block_size = pool.block_size if block_size is None else block_size
         self._caches = layer_caches
         self._forward = forward
         self._fn = mx.compile(self._trace)
@@ -104,31 +99,29 @@ class CompiledDecode:
                tables: mx.array, kv: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
         """Runs once per shape, on MLX's tracer arrays: the token ids (row r takes ``fed[r]``,
         an earlier step's token, where ``from_src[r]``, else ``host_ids[r]``), then the plain
-        forward over a metadata object and pool arrays made of the inputs only."""
-        pool, num = self._pool, host_ids.shape[0]
+        forward under a step context made of the inputs only."""
+        num = host_ids.shape[0]
         self.traces.append(num)
         input_ids = mx.where(from_src > 0, fed, host_ids)
-        saved_kv, saved_meta = pool.kv, pool.meta
-        pool.meta = AttentionMetadata(
+        meta = AttentionMetadata(
             num_tokens=num, positions=positions, slot_mapping=slots,
-            block_size=saved_meta.block_size,
+            block_size=self._block_size,
             query_start_loc=np.arange(num + 1, dtype=np.int32), decode_rows=slice(0, num),
             decode_seq_lens=None, decode_block_tables=None, prefills=(), output_order=None,
             decode_tables=tables, decode_lens=lens,
         )
-        pool.kv = list(kv)
-        try:
+        with set_step_context(StepContext(attn=meta, kv=list(kv))) as ctx:
             logits = self._forward(self._model, self._caches, input_ids, rows)
-            return logits, list(pool.kv)
-        finally:
-            pool.kv, pool.meta = saved_kv, saved_meta
+        return logits, ctx.kv
 
-    def __call__(self, host_ids: np.ndarray, pending_rows: list, rows: np.ndarray
-                 ) -> mx.array:
-        """Logits ``[R, V]`` of ``rows`` for the pure-decode step whose metadata is
-        ``pool.meta`` (lazy; the pool's arrays are rebound to the written ones).
+    def __call__(self, meta: AttentionMetadata, host_ids: np.ndarray, pending_rows: list,
+                 rows: np.ndarray) -> mx.array:
+        """Logits ``[R, V]`` of ``rows`` for the pure-decode step of ``meta`` (lazy; the
+        pool's arrays are replaced by the written ones).
 
         Args:
+            meta: the step's attention metadata (host-side fields set; on kernel blocks, whose
+                size must be the pool's block size).
             host_ids: ``[T]`` int32 token ids known on the host (placeholders at pending rows).
             pending_rows: ``(row, (tokens, index))`` rows whose token is an earlier step's
                 sampled (device) token (:func:`vllm_unified.worker.async_output.feed_pending`).
@@ -139,7 +132,9 @@ class CompiledDecode:
         page migration when the GPU first reads it.
         """
         pool = self._pool
-        meta = pool.meta
+        if meta.block_size != self._block_size:
+            raise ValueError(f"metadata on {meta.block_size}-token blocks; this compiled "
+                             f"decode was built for {self._block_size}-token blocks")
         num = meta.num_tokens
         src, src_index, from_src = self._pending_source(host_ids, pending_rows, num)
         tables = padded_tables(meta.decode_block_tables)
@@ -157,7 +152,7 @@ class CompiledDecode:
         # (that step's number of sampled rows) does not key the traces.
         fed = host if src is None else src[index].astype(mx.int32)
         logits, kv = self._fn(fed, host, *views[2:], pool.kv)
-        pool.kv = list(kv)
+        pool.kv[:] = kv  # the cache's contents are the written arrays from now on
         return logits
 
     @staticmethod

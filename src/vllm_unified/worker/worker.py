@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from vllm_unified.backend import detect_backend, import_mlx
+from vllm_unified.backend import profile as resolve_profile
 from vllm_unified.compat import (
     CompilationTimes,
     KVCacheConfig,
@@ -62,6 +63,8 @@ class MLXWorker(WorkerBase):
 
     # ------------------------------------------------------------------ device and model
     def init_device(self) -> None:
+        """Import MLX, resolve the backend profile (the one backend decision of this
+        process, passed down to the runner and the KV cache), wire the weights' memory."""
         mx = import_mlx()
         info = detect_backend()
         self.device = torch.device("cpu")  # vLLM's bookkeeping tensors live on the host
@@ -71,10 +74,9 @@ class MLXWorker(WorkerBase):
         configure_wired_limit(mx, info.kind, logger)
         from vllm_unified.worker.model_runner import MLXModelRunner
 
-        # Quantized matmuls are fast on GPU backends; on the CPU the runner keeps weights
-        # quantized only where the native kernels run them (models/cpu_kernels.py).
-        self.model_runner = MLXModelRunner(self.vllm_config, keep_quantized=info.kind != "cpu")
-        logger.info("vllm-unified: worker on MLX %s (%s)", info.kind, mx.default_device())
+        backend = resolve_profile()
+        self.model_runner = MLXModelRunner(self.vllm_config, backend)
+        logger.info("vllm-unified: worker on %s (%s)", backend.describe(), mx.default_device())
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
@@ -164,7 +166,7 @@ class MLXWorker(WorkerBase):
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         """The MLX attention reads LBNHC pages (one layer's region is then slot-major)."""
-        from vllm_unified.memory.kv_allocation import KV_LAYOUT
+        from vllm_unified.kv.allocation import KV_LAYOUT
 
         return [KV_LAYOUT]
 

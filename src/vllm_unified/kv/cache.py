@@ -1,0 +1,262 @@
+"""The KV cache end to end, behind one object: :class:`KVCache` (the runner holds one).
+
+It answers vLLM's questions (:meth:`KVCache.kv_cache_spec`, :meth:`KVCache.bytes_per_block`),
+allocates the pool when vLLM has sized it (:meth:`KVCache.initialize`: vLLM's layout, lazy or
+zeroed, per the backend profile; state pages of hybrid models; the kernel block size the
+attention reads vLLM's pages as), builds each step's :class:`~vllm_unified.forward_context.
+StepContext` (:meth:`KVCache.step_context`), zeroes the blocks vLLM asks for, and hands the
+offloading connector vLLM's per-layer views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_unified.attention.metadata import build_attention_metadata
+from vllm_unified.backend import BackendProfile
+from vllm_unified.compat import FullAttentionSpec, KVCacheConfig, KVCacheSpec, init_logger
+from vllm_unified.envs import KV_EAGER_ZERO_ENV, read
+from vllm_unified.forward_context import StepContext
+from vllm_unified.kv.allocation import KV_LAYOUT, allocate_kv_cache
+from vllm_unified.kv.block_translation import (
+    KERNEL_BLOCK_SIZES,
+    expand_block_table,
+    select_kernel_block_size,
+)
+from vllm_unified.kv.hybrid import HybridLayers
+from vllm_unified.kv.layer_cache import PagedLayerCache, StateLayerCache
+from vllm_unified.kv.pool import KVPool
+from vllm_unified.kv.state_pages import StateStore, build_state_metadata
+
+logger = init_logger(__name__)
+
+
+def layer_name(i: int) -> str:
+    """KV-cache layer name we report to vLLM for decoder layer ``i``."""
+    return f"model.layers.{i}.self_attn.attn"
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What every attention layer's pages hold: KV heads, head size and vLLM's torch dtype."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: Any
+
+
+class KVCache:
+    """The paged KV pool, a hybrid model's state pages, and the layer caches over them.
+
+    Args:
+        profile: the backend profile (memory model and write path).
+        layers: the model's layer kinds (attention / recurrent).
+        shape: the attention pages' shape.
+        windows: sliding window (tokens) per attention layer index, None for full attention.
+        dtype: the model's MLX compute dtype (an MLX-owned pool's dtype).
+    """
+
+    def __init__(self, profile: BackendProfile, layers: HybridLayers, shape: AttentionShape,
+                 windows: dict[int, int | None], dtype: mx.Dtype) -> None:
+        self.profile = profile
+        self.layers = layers
+        self.shape = shape
+        self.windows = windows
+        self.dtype = dtype
+        self.pool: KVPool | None = None
+        self.store: StateStore | None = None
+        #: one cache per model layer (attention or state pages), what mlx-lm's forward takes
+        self.layer_caches: list[Any] = []
+        #: vLLM's attention block size (tokens per page) once allocated
+        self.block_size: int | None = None
+        #: tokens per block the MLX attention reads (``block_size`` divided, pillar 6)
+        self.kernel_block_size: int | None = None
+        #: the KV cache group of the attention layers
+        self.attn_group = 0
+        self.zeroed = False
+        self._views: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ vLLM's questions
+    def kv_cache_spec(self, block_size: int, vllm_config: Any) -> dict[str, KVCacheSpec]:
+        """One ``FullAttentionSpec`` per attention layer (sliding-window layers record their
+        window: vLLM keeps blocks for all tokens, the attention applies the window) and one
+        ``MambaSpec`` per recurrent layer of a hybrid model."""
+        specs: dict[str, KVCacheSpec] = {
+            layer_name(i): FullAttentionSpec(
+                block_size=block_size, num_kv_heads=self.shape.num_kv_heads,
+                head_size=self.shape.head_size, dtype=self.shape.dtype,
+                sliding_window=self.windows[i],
+            )
+            for i in self.layers.attention
+        }
+        specs.update(self.layers.state_specs(vllm_config))
+        return specs
+
+    def bytes_per_block(self, block_size: int, vllm_config: Any) -> int:
+        """Bytes one KV block takes over all attention layers (2 x block_size x kv_heads x
+        head_size x dtype size x layers). A hybrid model's state pages share vLLM's block pool
+        with them (a request holds one per state group), so they are not added."""
+        return sum(spec.page_size_bytes
+                   for spec in self.kv_cache_spec(block_size, vllm_config).values()
+                   if isinstance(spec, FullAttentionSpec))
+
+    # ------------------------------------------------------------------ allocation
+    def initialize(self, kv_cache_config: KVCacheConfig, layout: str | None) -> None:
+        """Allocate the pool for ``kv_cache_config.num_blocks`` blocks.
+
+        The attention reads each ``B``-token block as ``B/k`` kernel blocks of ``k`` tokens
+        (vLLM's ``kernel_block_size`` views; no bytes move); a hybrid model's recurrent layers
+        get their state pages.
+
+        Args:
+            kv_cache_config: vLLM's sized config.
+            layout: vLLM's resolved ``kv_cache_layout`` (None: ours, LBNHC).
+
+        Raises:
+            ValueError: KV-cache groups that do not match the model's layers (several groups
+                for a model that is not hybrid), or a block size no kernel block divides.
+            NotImplementedError: a hybrid model where the pool cannot be shared with torch.
+        """
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1 and not self.layers.is_hybrid:
+            raise ValueError(f"{len(groups)} KV cache groups: only one is supported")
+        names = [layer_name(i) for i in self.layers.attention]
+        self.attn_group = self.layers.attention_group(kv_cache_config, names)
+        if sorted(groups[self.attn_group].layer_names) != sorted(names):
+            raise ValueError("KV cache group layers do not match the model's layers")
+        spec = groups[self.attn_group].kv_cache_spec
+        self.block_size = spec.block_size
+        self.kernel_block_size = select_kernel_block_size(spec.block_size, KERNEL_BLOCK_SIZES)
+        self._allocate(kv_cache_config, spec, names, layout or KV_LAYOUT)
+        self.layer_caches = self._layer_caches(self.pool, self.store)
+        logger.info(
+            "vllm-unified: KV pool %d blocks x %d tokens (read as %d-token kernel blocks)%s, "
+            "%.2f GiB (%s)",
+            kv_cache_config.num_blocks, spec.block_size, self.kernel_block_size,
+            f", {len(self.layers.recurrent)} recurrent layers on state pages in "
+            f"{len(groups) - 1} state groups" if self.layers.is_hybrid else "",
+            self.pool.nbytes / 2**30, self._describe_pool(),
+        )
+
+    def _allocate(self, kv_cache_config: KVCacheConfig, spec: Any, names: list[str],
+                  layout: str) -> None:
+        """A torch buffer in vLLM's layout shared with MLX where the profile says so, else
+        MLX-owned arrays (logged)."""
+        if self.profile.kv_pool == "torch_shared":
+            # For benchmarks only: zero-fill like vLLM does, to compare start-up memory.
+            self.zeroed = read(KV_EAGER_ZERO_ENV) or kv_cache_config.needs_kv_cache_zeroing
+            buf, views = allocate_kv_cache(
+                kv_cache_config, layout, zero=self.zeroed,
+                kernel_block_sizes={self.attn_group: self.kernel_block_size})
+            if self.layers.is_hybrid:
+                self.store = self.layers.bind(kv_cache_config, views, buf)
+            self._views = {n: views[n] for n in names}
+            self.pool = KVPool.from_torch_views([views[n] for n in names], spec.block_size, buf)
+            return
+        if self.layers.is_hybrid:
+            raise NotImplementedError("hybrid models need the KV cache shared with torch "
+                                      f"({self.profile.kv_pool_reason})")
+        logger.warning("vllm-unified: KV pool owned by MLX (torch cannot share it: %s)",
+                       self.profile.kv_pool_reason)
+        self.pool = KVPool.allocate_mlx(
+            num_layers=len(names), num_blocks=kv_cache_config.num_blocks,
+            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_size, dtype=self.dtype,
+            cuda_write=self.profile.kv_write == "cuda_kernel",
+        )
+
+    def _describe_pool(self) -> str:
+        if not self.pool.shared:
+            return "MLX-owned"
+        if self.zeroed:
+            return "vLLM layout in torch memory, shared with MLX; zeroed"
+        return ("vLLM layout in torch memory, shared with MLX; uninitialised, committed as "
+                "blocks are written")
+
+    def _layer_caches(self, pool: KVPool, store: StateStore | None) -> list[Any]:
+        """One cache per model layer: paged attention (pool layer = attention ordinal) or
+        state pages."""
+        caches: list[Any] = [None] * (len(self.layers.attention) + len(self.layers.recurrent))
+        for j, i in enumerate(self.layers.attention):
+            caches[i] = PagedLayerCache(pool, j)
+        for i in self.layers.recurrent:
+            caches[i] = StateLayerCache(store, i)
+        return caches
+
+    # ------------------------------------------------------------------ per step
+    def step_context(self, query_lens: Any, seq_lens: Any, block_table: np.ndarray,
+                     states: list[Any] | None) -> StepContext:
+        """The step's context: attention metadata on kernel blocks (the block table expanded
+        by ``block_size / kernel_block_size``) and a hybrid model's state slots (slot 0, vLLM's
+        null block, for dummy sequences when ``states`` is None).
+
+        Raises:
+            ValueError: as :func:`~vllm_unified.attention.metadata.build_attention_metadata`.
+        """
+        return self._context(query_lens, seq_lens, block_table, states, self.block_size,
+                             self.kernel_block_size, self.store)
+
+    def _context(self, query_lens: Any, seq_lens: Any, block_table: np.ndarray,
+                 states: list[Any] | None, block_size: int, kernel_block_size: int | None,
+                 store: StateStore | None) -> StepContext:
+        table, size = block_table, block_size
+        if kernel_block_size is not None and kernel_block_size != size:
+            table = expand_block_table(table, size // kernel_block_size)
+            size = kernel_block_size
+        attn = build_attention_metadata(list(query_lens), list(seq_lens), table, size)
+        state = None
+        if store is not None:
+            slots = self.layers.step_slots(store, states, len(query_lens))
+            state = build_state_metadata(np.asarray(query_lens), np.asarray(seq_lens), slots)
+        return StepContext(attn=attn, state=state)
+
+    def arrays(self) -> list[mx.array]:
+        """Pool and state arrays, evaluated with the step (their writes happen then)."""
+        return self.pool.arrays() + (self.store.arrays() if self.store is not None else [])
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero these blocks in the pool and, for a hybrid model, in every state layer (block
+        ids are shared by all KV cache groups): vLLM's ``new_block_ids_to_zero``."""
+        self.pool.zero_blocks(block_ids)
+        if self.store is not None:
+            self.store.zero_block_ids(block_ids)
+
+    # ------------------------------------------------------------------ connector, probes
+    def connector_views(self) -> dict[str, Any] | None:
+        """vLLM's per-layer torch views of the attention pages (for the offloading
+        connector), None when the pool is MLX-owned.
+
+        Raises:
+            ValueError: the attention reads vLLM's blocks as smaller kernel blocks (the views
+                are then the kernel-block views, whose block ids are not the scheduler's).
+        """
+        if self.kernel_block_size != self.block_size:
+            raise ValueError(
+                f"--kv-offloading-size with --block-size {self.block_size}: the attention reads "
+                f"{self.kernel_block_size}-token kernel blocks, and KV offloading needs a block "
+                f"size the attention reads directly ({', '.join(map(str, KERNEL_BLOCK_SIZES))})"
+            )
+        return self._views
+
+    def temporary(self, num_tokens: int, block_size: int, vllm_config: Any
+                  ) -> tuple[list[Any], StepContext, Callable[[], list[mx.array]]]:
+        """MLX-owned caches just big enough for one ``num_tokens``-token prefill of a single
+        sequence (the activation-profiling forward): ``(layer_caches, step context, a function
+        giving the arrays to evaluate after the forward is built)``."""
+        blocks = -(-num_tokens // block_size) + 1
+        pool = KVPool.allocate_mlx(len(self.layers.attention), blocks, block_size,
+                                   self.shape.num_kv_heads, self.shape.head_size, self.dtype,
+                                   cuda_write=self.profile.kv_write == "cuda_kernel")
+        store = self.layers.temp_store(vllm_config, 2)
+        table = np.arange(1, blocks, dtype=np.int32)[None]
+        ctx = self._context([num_tokens], [num_tokens], table, None, block_size, None, store)
+
+        def arrays() -> list[mx.array]:
+            return pool.arrays() + (store.arrays() if store is not None else [])
+
+        return self._layer_caches(pool, store), ctx, arrays

@@ -1,0 +1,104 @@
+"""The per-layer caches mlx-lm's model code sees in the token-major forward.
+
+Each step the runner lays out every scheduled token as its own batch row (``inputs`` of shape
+``[T, 1]``) and hands the model one cache per layer. Through mlx-lm's cache protocol a
+:class:`PagedLayerCache` gives:
+
+* ``cache.offset`` -> a ``[T]`` array of token positions, so RoPE rotates each row by its own
+  position (``mx.fast.rope`` accepts one offset per batch row);
+* ``cache.update_and_fetch(k, v)`` -> writes the new K/V rows into the pool by slot mapping;
+* ``cache.make_mask(...)`` -> a :class:`PagedMask` marker carrying the sliding window, if any;
+* ``cache.attend(...)`` -> the paged attention over the pool (called by the attention router,
+  :mod:`vllm_unified.models.routing`).
+
+A recurrent layer of a hybrid model gets a :class:`StateLayerCache` instead. Both read the
+step's metadata from the bound step context (:mod:`vllm_unified.forward_context`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from vllm_unified.attention.paged import paged_attention_kv
+from vllm_unified.forward_context import get_step_context
+from vllm_unified.kv.pool import KVPool
+from vllm_unified.kv.state_pages import StatePages, StateStore
+
+
+@dataclass(frozen=True)
+class PagedMask:
+    """Stands in for mlx-lm's mask: the paged kernel builds masks from the metadata itself.
+
+    Attributes:
+        window: sliding-window size in tokens, or None for full causal attention.
+    """
+
+    window: int | None = None
+
+
+class PagedLayerCache:
+    """mlx-lm cache protocol for one attention layer, backed by :class:`KVPool` layer
+    ``layer`` (its attention ordinal, not the model layer index of a hybrid model)."""
+
+    def __init__(self, pool: KVPool, layer: int) -> None:
+        self.pool = pool
+        self.layer = layer
+
+    def _arrays(self) -> list[mx.array]:
+        """The pool arrays of the bound step (a compiled trace's inputs, or the pool's)."""
+        kv = get_step_context().kv
+        return self.pool.kv if kv is None else kv
+
+    @property
+    def offset(self) -> mx.array:
+        """``[T]`` int32 positions: mlx-lm passes this to RoPE as per-row offsets."""
+        return get_step_context().attn.positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``keys``/``values`` (``[T, Hkv, 1, D]``, post-RoPE) at the step's slot mapping.
+
+        Returns the inputs unchanged; attention reads the context from the pool.
+        """
+        ctx = get_step_context()
+        self.pool.write(self.layer, ctx.attn.slot_mapping, keys, values, ctx.kv)
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, window: int | None) -> mx.array:
+        """Paged attention of ``queries`` ``[T, H, 1, D]`` over this layer's pool (after this
+        step's write), see :func:`vllm_unified.attention.paged.paged_attention_kv`."""
+        return paged_attention_kv(queries, self._arrays()[self.layer], get_step_context().attn,
+                                  scale, window)
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803
+    ) -> PagedMask:
+        if return_array:
+            raise NotImplementedError("paged attention does not materialise dense masks")
+        return PagedMask(window_size)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def state(self) -> Any:
+        raise NotImplementedError("the paged cache state lives in the KV pool")
+
+
+class StateLayerCache:
+    """What a recurrent layer gets as its "cache" in the token-major forward: its state pages
+    and its KV-cache group."""
+
+    def __init__(self, store: StateStore, layer: int) -> None:
+        self.store = store
+        self.layer = layer
+
+    @property
+    def pages(self) -> StatePages:
+        return self.store.pages[self.layer]
+
+    @property
+    def group(self) -> int:
+        return self.store.groups[self.layer]
