@@ -287,6 +287,35 @@ def test_cpu_isa_env_rejects_unknown_values():
     assert out.returncode != 0 and "VLLM_UNIFIED_CPU_ISA" in out.stderr, out.stdout
 
 
+_CONFIGURE_LATE = """
+import mlx.core as mx
+import pytest
+from vllm_unified_native import configure, dequantize, linear
+configure("avx2", 1)
+configure("avx2", 1)
+wq, s, b = mx.quantize(mx.ones((4, 64)), group_size=32, bits=4)
+mx.eval(dequantize(wq, s, b, 32, 4), linear(mx.ones((2, 64)), mx.ones((4, 64))))
+configure("avx2", 1)
+with pytest.raises(RuntimeError, match="cpu_isa"):
+    configure("portable", 1)
+with pytest.raises(RuntimeError, match="cpu_threads"):
+    configure("avx2", 2)
+with pytest.raises(ValueError, match="cpu_isa"):
+    configure("avx-2", 1)
+print("ok")
+"""
+
+
+def test_native_configure_after_a_kernel_ran_keeps_the_decision():
+    """Guard: the ISA and thread caps (vllm_unified_native sets them at import from
+    ``vllm_unified.envs``) are decided once per process when a kernel first runs; configure
+    with the same values is a no-op afterwards, other values are a RuntimeError, never a
+    silent half-change."""
+    out = subprocess.run([sys.executable, "-c", _CONFIGURE_LATE], capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 def test_native_rope_table_kept_between_calls_follows_every_input():
     """The kernel keeps the last call's cos/sin table for the next call at the same positions
     (every layer of a step rotates at the same positions). Calls that differ only in the

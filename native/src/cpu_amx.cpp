@@ -29,7 +29,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 
 #include "cpu_math.h"
 
@@ -168,10 +167,8 @@ VUN_AMX_TARGET inline void unpack_tile(const uint8_t* wq, size_t N, size_t K, si
 bool amx_usable() {
 #ifdef VUN_AMX
   static const bool usable = [] {
-    if (const char* env = std::getenv("VLLM_UNIFIED_CPU_ISA"); env != nullptr) {
-      if (std::string(env) != "amx") {
-        return false;  // a lower level asked for (avx512, avx2, portable)
-      }
+    if (isa_cap() != IsaCap::kAmx) {
+      return false;  // a lower level asked for (avx512, avx2, portable)
     }
     return cpu_has_amx() && os_grants_amx();
   }();

@@ -3,6 +3,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 // One variant per ISA level, chosen at load time by the dynamic linker (GCC function
@@ -13,6 +15,23 @@
 #endif
 
 namespace vun {
+
+// Settings (cpu_config.cpp): the highest instruction set the dispatched kernels may use and the
+// most threads of the kernel pool. vllm_unified_native sets them at import from
+// vllm_unified.envs (VLLM_UNIFIED_CPU_ISA, VLLM_UNIFIED_CPU_THREADS); each is fixed once a
+// kernel first decides with it (once per process).
+enum class IsaCap { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
+// isa: "amx", "avx512", "avx2", "portable" or nullopt (no cap); threads: >= 1 or nullopt (no
+// cap; a count >= the CPUs allowed means all of them). std::invalid_argument for another value;
+// std::runtime_error, changing neither, when a setting already fixed would change.
+void configure(const std::optional<std::string>& isa, std::optional<long> threads);
+
+// The ISA cap (kAmx when none), fixing it.
+IsaCap isa_cap();
+
+// The thread cap (0 when none), fixing it.
+size_t thread_cap();
 
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i]: mlx-lm's SwiGLU
 // (`swiglu` in mlx_lm/models/activations.py). fp32, n elements, any alignment; out may alias
@@ -104,7 +123,7 @@ namespace vun {
 // fp32). Not bit-identical to dequantize-then-multiply: the sums are grouped differently.
 
 // Whether they may run: the CPU has AMX-TILE, AMX-BF16 and AVX512-BF16, Linux granted the tile
-// state, and VLLM_UNIFIED_CPU_ISA is unset or "amx". Decided once per process.
+// state, and the ISA cap (isa_cap) is amx. Decided once per process.
 bool amx_usable();
 
 // Sizes of amx_prepare_x's outputs for x [M, K]: bf16 tiles (uint16 elements) and fp32 sums.

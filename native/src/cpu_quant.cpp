@@ -7,13 +7,12 @@
 //
 // x86_64 gets AVX-512 and AVX2 variants written with intrinsics (GCC's generic vectors lowered
 // the byte -> int widening to scalar inserts), chosen once by what the CPU supports
-// (VLLM_UNIFIED_CPU_ISA=avx2|portable forces a lower one); other CPUs run the portable loop.
+// (an ISA cap of avx2 or portable, see configure in cpu_math.h, forces a lower one); other
+// CPUs run the portable loop.
 
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "cpu_math.h"
 
@@ -26,8 +25,8 @@ namespace vun {
 
 namespace {
 
-// The instruction set the dispatched kernels below may use: the CPU's best, or lower when
-// VLLM_UNIFIED_CPU_ISA=avx2|portable asks (tests run every variant on one machine that way).
+// The instruction set the dispatched kernels below may use: the CPU's best, or lower when the
+// ISA cap (isa_cap) asks (tests run every variant on one machine that way).
 // 2: AVX-512, 1: AVX2, 0: portable C++.
 int isa_level() {
   int level = 0;
@@ -35,12 +34,8 @@ int isa_level() {
   __builtin_cpu_init();
   level = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
 #endif
-  if (const char* env = std::getenv("VLLM_UNIFIED_CPU_ISA"); env != nullptr) {
-    const std::string want(env);
-    const int cap = want == "portable" ? 0 : want == "avx2" ? 1 : 2;
-    level = std::min(level, cap);
-  }
-  return level;
+  const int cap = std::min(static_cast<int>(isa_cap()), 2);  // amx: no lower than AVX-512
+  return std::min(level, cap);
 }
 
 using RowsFn = void (*)(const uint32_t*, const float*, const float*, float*, size_t, size_t,

@@ -57,6 +57,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -1027,8 +1028,9 @@ mx::array paged_attention(
 // ---------------------------------------------------------------------------------------------
 // linear
 
-// One pool for every kernel call in the process, sized to the CPUs this process may use; never
-// destroyed (its workers must outlive MLX's stream threads, which run the kernels, at exit).
+// One pool for every kernel call in the process, sized to the CPUs this process may use (at
+// most the thread cap), created when a kernel first runs; never destroyed (its workers must
+// outlive MLX's stream threads, which run the kernels, at exit).
 vun::ThreadPool& kernel_pool() {
   static vun::ThreadPool* pool = [] {
     size_t n = std::thread::hardware_concurrency();
@@ -1038,12 +1040,10 @@ vun::ThreadPool& kernel_pool() {
       n = static_cast<size_t>(CPU_COUNT(&set));
     }
 #endif
-    // VLLM_UNIFIED_CPU_THREADS: at most this many threads (1: the MLX stream thread alone).
-    if (const char* env = std::getenv("VLLM_UNIFIED_CPU_THREADS"); env != nullptr && *env) {
-      const long cap = std::strtol(env, nullptr, 10);
-      if (cap >= 1 && static_cast<size_t>(cap) < n) {
-        n = static_cast<size_t>(cap);
-      }
+    // The thread cap (vun::configure): at most this many threads (1: the MLX stream thread
+    // alone).
+    if (const size_t cap = vun::thread_cap(); cap >= 1 && cap < n) {
+      n = cap;
     }
     return new vun::ThreadPool(n);
   }();
@@ -1535,9 +1535,14 @@ NB_MODULE(_native, m) {
         "only.");
   m.def("to_torch", &to_torch, nb::arg("a"),
         "A torch CPU tensor over the array's bytes (exact data pointer, any offset).");
+  m.def("configure", &vun::configure, nb::arg("cpu_isa").none(), nb::arg("cpu_threads").none(),
+        "Set the kernels' caps: the highest instruction set (amx, avx512, avx2, portable; None: "
+        "the CPU's best) and the most threads (None: the CPUs allowed). Each is fixed once a "
+        "kernel has decided with it: changing it then raises RuntimeError. vllm_unified_native "
+        "calls it at import with vllm_unified.envs' values.");
   m.def("amx_usable", &vun::amx_usable,
-        "Whether quantized_linear runs on Intel AMX tiles (CPU, OS and VLLM_UNIFIED_CPU_ISA "
-        "allow it; decided once per process).");
+        "Whether quantized_linear runs on Intel AMX tiles (CPU, OS and the ISA cap allow it; "
+        "decided once per process).");
   m.def("amx_runs", &use_amx, nb::arg("rows"), nb::arg("in_features"), nb::arg("group_size"),
         "Whether quantized_linear takes the AMX path for x [rows, in_features] with this "
         "group size (amx_usable, at least AMX_MIN_ROWS rows, whole 32-element tile rows).");
