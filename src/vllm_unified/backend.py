@@ -24,10 +24,12 @@ from typing import Literal
 
 import psutil
 
-BackendKind = Literal["metal", "cuda", "cpu"]
+from vllm_unified import envs
 
 #: Environment variable forcing the backend: ``metal``, ``cuda`` or ``cpu``.
-DEVICE_ENV = "VLLM_UNIFIED_DEVICE"
+from vllm_unified.envs import DEVICE_ENV
+
+BackendKind = Literal["metal", "cuda", "cpu"]
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,7 @@ def detect_backend() -> BackendInfo:
     ram = psutil.virtual_memory().total
     has_metal = sys.platform == "darwin" and _installed("mlx-metal")
     has_cuda = _installed("mlx-cuda-13") or _installed("mlx-cuda-12")
-    forced = os.environ.get(DEVICE_ENV, "").strip().lower()
-    if forced and forced not in ("metal", "cuda", "cpu"):
-        raise ValueError(f"{DEVICE_ENV}={forced!r}: expected one of metal, cuda, cpu")
+    forced = envs.read(DEVICE_ENV) or ""  # ValueError naming it unless metal, cuda or cpu
     if forced == "metal" and not has_metal:
         raise ValueError(f"{DEVICE_ENV}=metal but MLX's Metal backend (mlx-metal) is not installed")
     if forced == "cuda" and not has_cuda:

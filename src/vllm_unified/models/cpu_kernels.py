@@ -32,7 +32,6 @@ MLX's own op for whatever the kernels do not take.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from typing import Any
 
@@ -42,7 +41,7 @@ import mlx_lm.models.activations as mlx_activations
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from vllm_unified import bridge
+from vllm_unified import bridge, envs
 
 _original_swiglu = mlx_activations.swiglu
 
@@ -251,10 +250,7 @@ def keep_quantized_on_cpu(dtype: mx.Dtype) -> bool:
     against 2.5 ms for fp32 BLAS; docs/configuration.md, "Quantized weights on the CPU
     backend").
     """
-    raw = os.environ.get("VLLM_UNIFIED_CPU_QUANTIZED", "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"VLLM_UNIFIED_CPU_QUANTIZED={raw!r}: expected 0 or 1")
-    if raw == "0":
+    if not envs.read(envs.CPU_QUANTIZED_ENV):
         return False
     return dtype == mx.float32 and bridge.native_kernels() is not None
 
