@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_unified import compat, request_guard, request_policy
+from vllm_unified import compat, envs, patches, request_guard, request_policy
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
 from vllm_unified.offload.config import configure_kv_offloading
@@ -34,19 +34,7 @@ KERNEL_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
 DEFAULT_BLOCK_SIZE = 16
 WORKER_CLS = "vllm_unified.worker.worker.MLXWorker"
 
-
-def _patch_torch_accelerator_teardown() -> None:
-    """vLLM's ``cleanup_dist_env_and_memory`` calls ``torch.accelerator.empty_cache()`` for every
-    platform that is not ``is_cpu()``; without a torch accelerator that raises at shutdown
-    (spike pitfall P2). There is nothing to empty then, so make those calls no-ops."""
-    if torch.accelerator.is_available():
-        return
-    for name in ("empty_cache", "empty_host_cache"):
-        if hasattr(torch.accelerator, name):
-            setattr(torch.accelerator, name, lambda *a, **k: None)
-
-
-_patch_torch_accelerator_teardown()
+patches.patch_torch_accelerator_teardown()
 
 
 class MLXPlatform(Platform):
@@ -61,7 +49,7 @@ class MLXPlatform(Platform):
     device_type: str = "cpu"
     dispatch_key: str = "CPU"
     dist_backend: str = "gloo"
-    device_control_env_var: str = "VLLM_UNIFIED_VISIBLE_DEVICES"
+    device_control_env_var: str = envs.VISIBLE_DEVICES_ENV
     simple_compile_backend: str = "eager"
 
     @property
