@@ -75,3 +75,10 @@ def test_platform_warns_about_unknown_names(monkeypatch, caplog) -> None:
     assert "VLLM_UNIFIED_MAXN" in caplog.text
     with pytest.raises(ValueError, match="VLLM_UNIFIED_MAXN"):
         MLXPlatform.validate_environ(hard_fail=True)
+
+
+def test_docs_table_is_describe() -> None:
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert envs.describe() in docs.read_text()
