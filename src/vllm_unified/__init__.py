@@ -11,10 +11,12 @@ from __future__ import annotations
 import importlib.util
 import os
 
-__version__ = "0.1.0"
+from vllm_unified import envs
 
 #: Setting this to 1 disables the plugin in a process (vLLM then falls back to its own platform).
-DISABLE_ENV = "VLLM_UNIFIED_DISABLE"
+from vllm_unified.envs import DISABLE_ENV
+
+__version__ = "0.1.0"
 
 
 def register() -> str | None:
@@ -24,7 +26,13 @@ def register() -> str | None:
         The qualified name of our Platform class, or ``None`` when the plugin is disabled via
         ``VLLM_UNIFIED_DISABLE=1`` or MLX / mlx-lm are not installed (vLLM then keeps looking).
     """
-    if os.environ.get(DISABLE_ENV, "0") == "1":
+    try:
+        disabled = envs.read(DISABLE_ENV)
+    except ValueError:
+        # vLLM swallows a plugin's exception (a debug log) and picks another platform: stay
+        # registered instead, so that validate_environ names the bad value at start-up.
+        disabled = False
+    if disabled:
         return None
     if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
         return None

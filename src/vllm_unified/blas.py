@@ -37,11 +37,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-# A ``vllm.`` name so that vLLM's logging configuration shows our records.
-logger = logging.getLogger("vllm.vllm_unified.blas")
+from vllm_unified import envs
 
 #: Environment variable: a path to a BLAS library, or ``none``.
-BLAS_ENV = "VLLM_UNIFIED_BLAS"
+from vllm_unified.envs import BLAS_ENV
+
+# A ``vllm.`` name so that vLLM's logging configuration shows our records.
+logger = logging.getLogger("vllm.vllm_unified.blas")
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ def _preload() -> BlasInfo:
     if not sys.platform.startswith("linux"):
         return BlasInfo("reference", None, f"no BLAS interposition on {sys.platform}")
 
-    requested = os.environ.get(BLAS_ENV, "").strip()
+    requested = envs.read(BLAS_ENV) or ""
     if requested.lower() == "none":
         return BlasInfo("reference", None, f"{BLAS_ENV}=none: MLX's bundled reference BLAS")
 

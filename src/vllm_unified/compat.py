@@ -14,6 +14,9 @@ from typing import Any
 from vllm.logger import init_logger as _vllm_init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
+#: vLLM version this compatibility layer was written and tested against (checked at start-up).
+from vllm_unified.versions import VLLM_SERIES
+
 # Everything else is imported on first use (PEP 562): ``vllm.config`` imports
 # ``vllm.platforms.current_platform``, so importing it while the platform class loads would be
 # circular.
@@ -99,9 +102,6 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
-
-#: vLLM version this compatibility layer was written and tested against.
-VLLM_SERIES = "0.32"
 
 #: Below this temperature vLLM samples greedily (``vllm/sampling_params.py: _SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_unified import compat, request_guard, request_policy
+from vllm_unified import compat, envs, patches, request_guard, request_policy, versions
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
 from vllm_unified.kv.block_translation import KERNEL_BLOCK_SIZES, select_kernel_block_size
@@ -31,19 +31,7 @@ logger = init_logger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 WORKER_CLS = "vllm_unified.worker.worker.MLXWorker"
 
-
-def _patch_torch_accelerator_teardown() -> None:
-    """vLLM's ``cleanup_dist_env_and_memory`` calls ``torch.accelerator.empty_cache()`` for every
-    platform that is not ``is_cpu()``; without a torch accelerator that raises at shutdown
-    (spike pitfall P2). There is nothing to empty then, so make those calls no-ops."""
-    if torch.accelerator.is_available():
-        return
-    for name in ("empty_cache", "empty_host_cache"):
-        if hasattr(torch.accelerator, name):
-            setattr(torch.accelerator, name, lambda *a, **k: None)
-
-
-_patch_torch_accelerator_teardown()
+patches.patch_torch_accelerator_teardown()
 
 
 class MLXPlatform(Platform):
@@ -58,7 +46,7 @@ class MLXPlatform(Platform):
     device_type: str = "cpu"
     dispatch_key: str = "CPU"
     dist_backend: str = "gloo"
-    device_control_env_var: str = "VLLM_UNIFIED_VISIBLE_DEVICES"
+    device_control_env_var: str = envs.VISIBLE_DEVICES_ENV
     simple_compile_backend: str = "eager"
 
     @property
@@ -170,15 +158,21 @@ class MLXPlatform(Platform):
 
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
-        """vLLM's check for unknown ``VLLM_*`` variables, knowing ours (``VLLM_UNIFIED_*``).
+        """vLLM's check for unknown ``VLLM_*`` variables, knowing ours, and the check of ours
+        (:func:`vllm_unified.envs.validate`): a ``VLLM_UNIFIED_*`` name that is not a setting is
+        a warning (an error with ``hard_fail``, as vLLM treats its own).
 
         Raises:
-            ValueError: a request-policy setting (``VLLM_UNIFIED_MAX_N`` ...) with a bad value.
+            ValueError: a ``VLLM_UNIFIED_*`` setting with a bad value, naming it and the value.
         """
-        request_policy.RequestLimits.from_env()
+        for env in envs.validate():
+            if hard_fail:
+                raise ValueError(f"Unknown vllm-unified environment variable detected: {env}")
+            logger.warning("Unknown vllm-unified environment variable detected: %s "
+                           "(the settings are listed in docs/configuration.md)", env)
         known = compat.vllm_environment_variables()
         for env in os.environ:
-            if env.startswith("VLLM_") and not env.startswith("VLLM_UNIFIED_") and env not in known:
+            if env.startswith("VLLM_") and not env.startswith(envs.PREFIX) and env not in known:
                 if hard_fail:
                     raise ValueError(f"Unknown vLLM environment variable detected: {env}")
                 logger.warning("Unknown vLLM environment variable detected: %s", env)
@@ -199,7 +193,11 @@ class MLXPlatform(Platform):
 
         Raises:
             ValueError: a setting this platform cannot serve, naming the flag.
+            RuntimeError: the installed vLLM is not of the series this plugin is written for
+                (:func:`vllm_unified.versions.check`; MLX or mlx-lm releases other than the
+                pins are warnings).
         """
+        versions.check_once()
         parallel = vllm_config.parallel_config
         for flag, size in (
             ("--tensor-parallel-size", parallel.tensor_parallel_size),

@@ -8,19 +8,15 @@ hurt the server or silently lose what the client asked for.
 from __future__ import annotations
 
 import functools
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_unified import compat
+from vllm_unified import compat, envs
+from vllm_unified.envs import MAX_N_ENV, MAX_REQUEST_BYTES_ENV, UNKNOWN_FIELDS_ENV
 
-MAX_N_ENV = "VLLM_UNIFIED_MAX_N"
-MAX_REQUEST_BYTES_ENV = "VLLM_UNIFIED_MAX_REQUEST_BYTES"
-UNKNOWN_FIELDS_ENV = "VLLM_UNIFIED_UNKNOWN_FIELDS"
-
-DEFAULT_MAX_N = 128
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
-UNKNOWN_FIELDS_CHOICES = ("reject", "ignore")
+DEFAULT_MAX_N: int = envs.SETTINGS[MAX_N_ENV].default
+DEFAULT_MAX_REQUEST_BYTES: int = envs.SETTINGS[MAX_REQUEST_BYTES_ENV].default
 
 
 @dataclass(frozen=True)
@@ -39,23 +35,17 @@ class RequestLimits:
     unknown_fields: str = "reject"
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> RequestLimits:
-        """Read the settings.
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RequestLimits:
+        """Read the settings (from ``os.environ`` unless ``environ`` is given).
 
         Raises:
             ValueError: a setting that is not a positive integer / not one of the choices,
                 naming the variable and the value.
         """
-        env = os.environ if environ is None else environ
-        unknown = env.get(UNKNOWN_FIELDS_ENV, "reject")
-        if unknown not in UNKNOWN_FIELDS_CHOICES:
-            raise ValueError(
-                f"{UNKNOWN_FIELDS_ENV}={unknown!r}: must be one of {list(UNKNOWN_FIELDS_CHOICES)}"
-            )
         return cls(
-            max_n=_positive_int(env, MAX_N_ENV, DEFAULT_MAX_N),
-            max_request_bytes=_positive_int(env, MAX_REQUEST_BYTES_ENV, DEFAULT_MAX_REQUEST_BYTES),
-            unknown_fields=unknown,
+            max_n=envs.read(MAX_N_ENV, environ),
+            max_request_bytes=envs.read(MAX_REQUEST_BYTES_ENV, environ),
+            unknown_fields=envs.read(UNKNOWN_FIELDS_ENV, environ),
         )
 
 
@@ -64,19 +54,6 @@ def current_limits() -> RequestLimits:
     """The limits from this process's environment, read once (checked at start-up by
     :meth:`vllm_unified.platform.MLXPlatform.validate_environ`)."""
     return RequestLimits.from_env()
-
-
-def _positive_int(env: Any, name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name}={raw!r}: must be a positive integer")
-    return value
 
 
 def sampling_problem(

@@ -24,16 +24,14 @@ SmolLM2-135M (2-core x86_64, ``benchmarks/decode_forward.py``):
 All compute the same functions up to fp32 rounding (tests/test_cpu_kernels.py: relative
 error <= 1e-6 against MLX; the quantized kernels bit-identical to their dense counterparts).
 As with attention (:mod:`vllm_unified.models.routing`), mlx-lm's model files are
-untouched: ``swiglu`` names in model modules are replaced, and linear / embedding instances
-(fp32, or quantized in a format the kernels take) get a subclass whose call falls back to
-MLX's own op for whatever the kernels do not take.
+untouched: ``swiglu`` names in model modules are replaced (:mod:`vllm_unified.patches`), and
+linear / embedding instances (fp32, or quantized in a format the kernels take) get a subclass
+whose call falls back to MLX's own op for whatever the kernels do not take.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
 from typing import Any
 
 import mlx.core as mx
@@ -42,7 +40,7 @@ import mlx_lm.models.activations as mlx_activations
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from vllm_unified import bridge
+from vllm_unified import bridge, envs, patches
 
 _original_swiglu = mlx_activations.swiglu
 
@@ -251,10 +249,7 @@ def keep_quantized_on_cpu(dtype: mx.Dtype) -> bool:
     against 2.5 ms for fp32 BLAS; docs/configuration.md, "Quantized weights on the CPU
     backend").
     """
-    raw = os.environ.get("VLLM_UNIFIED_CPU_QUANTIZED", "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"VLLM_UNIFIED_CPU_QUANTIZED={raw!r}: expected 0 or 1")
-    if raw == "0":
+    if not envs.read(envs.CPU_QUANTIZED_ENV):
         return False
     return dtype == mx.float32 and bridge.native_kernels() is not None
 
@@ -341,9 +336,5 @@ def install_cpu_kernels(model: Any) -> list[str]:
     quantized = counts[NativeQuantizedLinear] + counts[NativeQuantizedEmbedding]
     if quantized and native.amx_usable():
         routed.append(f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows")
-    for name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(name)
-        if getattr(module, "swiglu", None) is _original_swiglu:
-            module.swiglu = swiglu
-            routed.append(f"swiglu of {name}")
+    routed += [f"swiglu of {name}" for name in patches.route_mlx_lm_swiglu(model, swiglu)]
     return routed

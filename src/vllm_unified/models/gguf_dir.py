@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from vllm_unified import envs
+
 #: Name of the link to the GGUF inside a prepared folder.
 GGUF_LINK = "model.gguf"
 _STAMP = "vllm_unified_gguf.json"
@@ -24,7 +26,7 @@ _STAMP = "vllm_unified_gguf.json"
 
 def default_cache_root() -> Path:
     """``$VLLM_UNIFIED_CACHE`` or ``~/.cache/vllm-unified``."""
-    root = os.environ.get("VLLM_UNIFIED_CACHE") or Path.home() / ".cache" / "vllm-unified"
+    root = envs.read(envs.CACHE_ENV) or Path.home() / ".cache" / "vllm-unified"
     return Path(root)
 
 

@@ -20,12 +20,13 @@ the totals are always kept and returned by the ``runner_stats`` RPC.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
+from vllm_unified import envs
+
 #: Environment variable: log the phase means every N steps (0 or unset: never).
-STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
+from vllm_unified.envs import STEP_PROFILE_ENV
 
 PHASES = ("prepare", "graph", "eval", "output")
 
@@ -39,12 +40,7 @@ def log_interval() -> int:
     Raises:
         ValueError: the variable is set but not a non-negative integer.
     """
-    raw = os.environ.get(STEP_PROFILE_ENV, "").strip()
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        raise ValueError(f"{STEP_PROFILE_ENV}={raw!r}: expected a number of steps (e.g. 50)")
-    return int(raw)
+    return envs.read(STEP_PROFILE_ENV)
 
 
 @dataclass
