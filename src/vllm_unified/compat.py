@@ -29,7 +29,6 @@ _LAZY: dict[str, str] = {
     "ChatCompletionRequest": "vllm.entrypoints.openai.chat_completion.protocol",
     "CompletionRequest": "vllm.entrypoints.openai.completion.protocol",
     "create_error_response": "vllm.entrypoints.serve.exception_handling.error_response",
-    "CachedRequestData": "vllm.v1.core.sched.output",
     "NewRequestData": "vllm.v1.core.sched.output",
     "SchedulerOutput": "vllm.v1.core.sched.output",
     "FullAttentionSpec": "vllm.v1.kv_cache_interface",
@@ -42,7 +41,6 @@ _LAZY: dict[str, str] = {
     "create_kv_cache_views": "vllm.v1.kv_cache_interface",
     "KVCacheLayout": "vllm.v1.kv_cache_layout",
     "KVCacheSpec": "vllm.v1.kv_cache_interface",
-    "SlidingWindowSpec": "vllm.v1.kv_cache_interface",
     "EMPTY_MODEL_RUNNER_OUTPUT": "vllm.v1.outputs",
     "ModelRunnerOutput": "vllm.v1.outputs",
     "AsyncModelRunnerOutput": "vllm.v1.outputs",
@@ -53,12 +51,10 @@ _LAZY: dict[str, str] = {
     "GrammarOutput": "vllm.v1.core.sched.output",
     "LogprobsLists": "vllm.v1.outputs",
     "LogprobsTensors": "vllm.v1.outputs",
-    "SamplerOutput": "vllm.v1.outputs",
     "Sampler": "vllm.v1.sample.sampler",
     "SamplingMetadata": "vllm.v1.sample.metadata",
     "BUILTIN_LOGITS_PROCESSORS": "vllm.v1.sample.logits_processor",
     "BatchUpdate": "vllm.v1.sample.logits_processor",
-    "LogitsProcessors": "vllm.v1.sample.logits_processor",
     "build_logitsprocs": "vllm.v1.sample.logits_processor",
     "apply_grammar_bitmask": "vllm.v1.structured_output.utils",
     # KV offloading (vllm_unified.offload): vLLM's OffloadingConnector, tiering spec, fs tier.
@@ -66,7 +62,6 @@ _LAZY: dict[str, str] = {
     "OffloadingWorker": "vllm.v1.kv_offload.base",
     "TransferResult": "vllm.v1.kv_offload.base",
     "GPULoadStoreSpec": "vllm.v1.kv_offload.base",
-    "BlockIDsLoadStoreSpec": "vllm.v1.kv_offload.base",
     "CanonicalKVCaches": "vllm.v1.kv_offload.base",
     "CanonicalKVCacheTensor": "vllm.v1.kv_offload.base",
     "CanonicalKVCacheRef": "vllm.v1.kv_offload.base",
@@ -76,8 +71,6 @@ _LAZY: dict[str, str] = {
     "TieringOffloadingSpec": "vllm.v1.kv_offload.tiering.spec",
     "FileSystemTierManager": "vllm.v1.kv_offload.tiering.fs.manager",
     "FileMapper": "vllm.v1.kv_offload.file_mapper",
-    "JobResult": "vllm.v1.kv_offload.tiering.base",
-    "probe_o_direct": "vllm.v1.kv_offload.tiering.fs.io",
     "OffloadingConnectorStats":
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
     "set_forward_context": "vllm.forward_context",
@@ -85,7 +78,6 @@ _LAZY: dict[str, str] = {
     "ensure_kv_transfer_initialized": "vllm.distributed.kv_transfer",
     "ensure_kv_transfer_shutdown": "vllm.distributed.kv_transfer",
     "get_kv_transfer_group": "vllm.distributed.kv_transfer",
-    "has_kv_transfer_group": "vllm.distributed.kv_transfer",
     "init_distributed_environment": "vllm.distributed",
     "ensure_model_parallel_initialized": "vllm.distributed",
 }
@@ -100,9 +92,6 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-#: vLLM version this compatibility layer was written and tested against.
-VLLM_SERIES = "0.32"
-
 #: Below this temperature vLLM samples greedily (``vllm/sampling_params.py: _SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
 
@@ -116,54 +105,15 @@ def vllm_environment_variables() -> set[str]:
 
 def init_logger(name: str):
     """A logger under vLLM's ``vllm.`` hierarchy: vLLM only attaches handlers there, so a
-    plugin logger named ``vllm_unified.*`` would be silent (spike pitfall P3)."""
+    plugin logger named ``vllm_unified.*`` would print nothing."""
     return _vllm_init_logger(f"vllm.{name}" if not name.startswith("vllm.") else name)
 
 
-__all__ = [  # noqa: F822 (lazy names resolve through __getattr__)
-    "create_kv_cache_views",
-    "KVCacheLayout",
-    "AttentionBackendEnum",
-    "BUILTIN_LOGITS_PROCESSORS",
-    "BatchUpdate",
-    "EMPTY_MODEL_RUNNER_OUTPUT",
-    "GrammarOutput",
-    "LogitsProcessors",
-    "LogprobsLists",
-    "LogprobsTensors",
-    "Sampler",
-    "SamplerOutput",
-    "SamplingMetadata",
-    "apply_grammar_bitmask",
-    "build_logitsprocs",
-    "SAMPLING_EPS",
-    "VLLM_SERIES",
-    "CachedRequestData",
-    "ChatCompletionRequest",
-    "CompletionRequest",
-    "create_error_response",
-    "RequestOutputKind",
-    "CompilationMode",
-    "CompilationTimes",
-    "CUDAGraphMode",
-    "FullAttentionSpec",
-    "KVCacheConfig",
-    "KVCacheSpec",
-    "KVCacheTensor",
-    "MambaSpec",
-    "ModelRegistry",
-    "MambaAttentionBackendEnum",
-    "is_conv_state_dim_first",
-    "ModelRunnerOutput",
-    "NewRequestData",
+__all__ = [  # the lazy names resolve through __getattr__
     "Platform",
     "PlatformEnum",
-    "SamplingParams",
-    "SamplingType",
-    "SchedulerOutput",
-    "SlidingWindowSpec",
-    "VLLMValidationError",
-    "VllmConfig",
-    "WorkerBase",
+    "SAMPLING_EPS",
     "init_logger",
+    "vllm_environment_variables",
+    *_LAZY,
 ]
