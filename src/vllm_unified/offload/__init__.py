@@ -1,4 +1,4 @@
-"""KV offload to host RAM and disk for vLLM's OffloadingConnector (pillar 5).
+"""KV offload to host RAM and disk for vLLM's OffloadingConnector.
 
 vLLM keeps the scheduler side (which blocks to offload, where they live, eviction, secondary
 tiers); this package supplies what vLLM 0.32 refuses on a platform that is not CUDA-alike:

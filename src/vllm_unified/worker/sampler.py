@@ -4,8 +4,9 @@ Implemented here: greedy (``temperature < 1e-5``), temperature, ``top_k``, ``top
 per-request ``seed``. The order and the masking rules follow vLLM 0.32's V1 sampler
 (``vllm/v1/sample/sampler.py``, ``ops/topk_topp_sampler.py``, the builtin ``MinPLogitsProcessor``):
 temperature, then min-p, then top-k, then top-p, then a draw ``argmax(probs / q)`` with
-``q ~ Exponential(1)`` (the Gumbel-max equivalent vLLM uses). Every other sampling parameter is
-rejected by ``MLXPlatform.validate_request`` with HTTP 400 until it is implemented, so none is
+``q ~ Exponential(1)`` (the Gumbel-max equivalent vLLM uses). A request that uses any other
+sampling parameter is sampled by vLLM's own sampler instead (:mod:`.vllm_sampling`), and what
+neither implements is rejected by ``MLXPlatform.validate_request`` with HTTP 400, so none is
 silently ignored.
 
 Random streams: a request with a ``seed`` owns an MLX PRNG key split once per sampled token, so

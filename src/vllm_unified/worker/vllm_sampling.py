@@ -10,7 +10,7 @@ processors (min-p, logit bias, min tokens) and a ``SamplingMetadata`` built the 
 seeded request always draws from the same generator whatever shares its batch (MLX key on the
 fast path, a persistent ``torch.Generator`` here).
 
-The logits reach torch through :func:`mlx_to_torch` (the bridge of design pillar 2): on MLX's
+The logits reach torch through :func:`mlx_to_torch` (:mod:`vllm_unified.bridge`): on MLX's
 CPU backend it is a view of the MLX buffer (no bytes move; vLLM's sampler then works
 in place on it). On the GPU backends (Metal, CUDA) the rows are copied into host memory,
 explicitly (vLLM's sampler runs on CPU tensors in this worker): a documented copy of
