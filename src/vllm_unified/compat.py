@@ -15,7 +15,7 @@ from vllm.logger import init_logger as _vllm_init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 #: vLLM version this compatibility layer was written and tested against (checked at start-up).
-from vllm_unified.versions import VLLM_SERIES
+from vllm_unified.versions import VLLM_SERIES  # noqa: F401 (re-exported)
 
 # Everything else is imported on first use (PEP 562): ``vllm.config`` imports
 # ``vllm.platforms.current_platform``, so importing it while the platform class loads would be
