@@ -4,8 +4,7 @@ The pure-MLX reference (:mod:`vllm_unified.attention.paged`) gathers each group'
 values out of the pool (the decode batch into ``[Bd, Hkv, S, D]``, each prefill chunk into
 ``[1, Hkv, S, D]``) per layer and step and runs MLX's SDPA over them. On the CPU backend that
 SDPA is unfused (a matmul per head, a softmax whose ``exp`` MLX 0.32.4 evaluates one element at
-a time, a second matmul): 16 decode sequences of ~100 tokens took ~1.2 ms per layer, and 16
-prefill chunks of 128 tokens 2.6 s of a 6.9 s forward of SmolLM2-135M.
+a time, a second matmul), and the gathers copy every sequence's context per layer and step.
 
 The native ``paged_attention`` primitive (``native/src/native.cpp``, loops in
 ``native/src/cpu_math.cpp``) takes every token row of the step at once: row r of sequence
@@ -15,11 +14,8 @@ through the block table, all query heads of a KV head together, ``exp`` vectoriz
 and prefill chunks need no separate groups, concatenation or reordering. The (row, KV head)
 items are split over the kernel threads (``VLLM_UNIFIED_CPU_THREADS``); each item's arithmetic
 depends on its own row alone, so a row's output has the same bits whatever else the step holds.
-Head sizes 64, 128 and 256 keep the dot products and the output in 16-wide registers. Measured
-on the 2-core machine (30 layers of SmolLM2-135M, 9 / 3 heads of 64): 16 decode rows at 192 keys
-14.1 -> 4.3 ms, 16 prefill chunks of 128 tokens 445 -> 180 ms (one thread and scalar-order loops
-before). It computes the
-reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference for
+Head sizes 64, 128 and 256 keep the dot products and the output in 16-wide registers (its
+speed: docs/benchmarking.md). It computes the reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference for
 fp32, fp16 and bf16 pools, mixed steps, with and without a window.
 """
 

@@ -119,7 +119,7 @@ class MLXWorker(WorkerBase):
         # Explicit bytes: the user sized the pool, so no profile on the CPU backend (slow
         # there). On GPU backends the profile still caps MLX's buffer cache: step shapes change
         # every step (the context grows), and an uncapped cache of unreusable buffers can fill
-        # the card (seen on the H200: out of memory at batch 64).
+        # the card (out of memory at batch 64 on an H200).
         if cache.kv_cache_memory_bytes is None or info.kind != "cpu":
             activations = self._activation_peak(tokens)
             logits = sched.max_num_seqs * self.model_config.get_vocab_size() * 4 * 2
