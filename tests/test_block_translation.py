@@ -1,4 +1,4 @@
-"""Block-size translation (pillar 6): a cache of vLLM's big attention blocks is viewed as small
+"""Block-size translation: a cache of vLLM's big attention blocks is viewed as small
 kernel blocks without moving bytes, and block tables expand to match."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Zero-copy torch <-> MLX bridge (pillar 2): shared pointers, visibility both ways, in-place
+"""Zero-copy torch <-> MLX bridge: shared pointers, visibility both ways, in-place
 row writes, lifetimes, and the cases that must raise instead of copying.
 
 Needs the native extension (``native/``, built by scripts/setup.sh); its absence is a failure.

@@ -26,7 +26,8 @@ def _engine(**kw):
 
 
 def _native_engine(**kw):
-    # vLLM's CPU backend in fp32 (bf16 drifts; DESIGN.md), eager to skip a long torch.compile.
+    # vLLM's CPU backend in fp32 (its bf16 is not a reliable reference), eager to skip a long
+    # torch.compile.
     base = {"max_model_len": 1024, "dtype": "float32", "enforce_eager": True,
             "kv_cache_memory_bytes": 512 * 2**20, "seed": 0}
     base.update(kw)

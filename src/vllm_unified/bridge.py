@@ -1,4 +1,4 @@
-"""Zero-copy conversion between torch tensors and MLX arrays (design pillar 2).
+"""Zero-copy conversion between torch tensors and MLX arrays.
 
 vLLM hands tensors around in torch; the model computes in MLX. Crossing must not copy bytes where
 the backend can share them, because a silent copy hides writes from the other side. So:
@@ -9,7 +9,7 @@ the backend can share them, because a silent copy hides writes from the other si
 * :func:`write_rows` is the one way MLX code may *write* into a shared buffer. MLX's own updates
   (``a[idx] = v``, ``mx.slice_update``, ``.at[].add``) never write into memory MLX does not own, or
   into a buffer that a torch view holds: they silently allocate a new buffer and copy the whole
-  array, and torch never sees the write (docs/internals.md, on writing the KV cache).
+  array, and torch never sees the write (docs/internals.md, "KV writes stay in place").
 
 What each backend can share (MLX 0.32.4, torch 2.13):
 

@@ -1,12 +1,12 @@
 """The KV cache end to end (the runner holds one :class:`vllm_unified.kv.cache.KVCache`).
 
 - ``allocation``: vLLM's layout (``allocate_kv_cache`` / ``create_kv_cache_views``) in one
-  buffer, lazy (uninitialised) or zeroed where vLLM needs it (pillar 3);
+  buffer, lazy (uninitialised) or zeroed where vLLM needs it;
 - ``pool``: the attention pages as MLX arrays and their write paths;
 - ``gpu_write``: the in-place KV write kernel for MLX-owned pools on GPU backends;
 - ``state_pages``: hybrid models' recurrent state in vLLM's state (Mamba) pages;
 - ``hybrid``: which layers are recurrent, their specs, each request's state slot;
-- ``block_translation``: kernel block sizes and vLLM's pages read as kernel blocks (pillar 6);
+- ``block_translation``: kernel block sizes and vLLM's pages read as kernel blocks;
 - ``layer_cache``: the per-layer caches mlx-lm's model code sees;
 - ``cache``: the facade.
 

@@ -1,4 +1,4 @@
-"""Allocate the KV cache the way vLLM does, without paying for it up front (pillar 3).
+"""Allocate the KV cache the way vLLM does, without paying for it up front.
 
 vLLM's ``allocate_kv_cache`` (``vllm/v1/worker/utils.py``) backs every layer with one
 ``torch.zeros`` buffer and views it per layer with ``create_kv_cache_views``. On unified memory

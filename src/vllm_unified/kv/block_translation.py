@@ -1,4 +1,4 @@
-"""Zero-copy block-size translation (pillar 6).
+"""Zero-copy block-size translation.
 
 For hybrid attention + state-space models vLLM inflates the attention block size ``B`` (e.g.
 144 or 544 tokens) so that an attention page and a state page have the same size. The MLX

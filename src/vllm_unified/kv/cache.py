@@ -74,7 +74,7 @@ class KVCache:
         self.layer_caches: list[Any] = []
         #: vLLM's attention block size (tokens per page) once allocated
         self.block_size: int | None = None
-        #: tokens per block the MLX attention reads (``block_size`` divided, pillar 6)
+        #: tokens per block the MLX attention reads (``block_size`` divided)
         self.kernel_block_size: int | None = None
         #: the KV cache group of the attention layers
         self.attn_group = 0

@@ -6,7 +6,7 @@ full copy; docs/benchmarking.md): per layer and step, a copy of the layer's whol
 straight into the buffer of its ``pool`` input and returns a one-element token; the pool array
 handed on is ``mx.depends(pool, token)``, which shares the pool's buffer, so every reader of
 the cache (the attention of this step, the write of the next) takes the token as an input and
-MLX orders it after the write (docs/internals.md, on writing the KV cache). MLX's value
+MLX orders it after the write (docs/internals.md, "KV writes stay in place"). MLX's value
 semantics are bypassed on purpose, exactly as the CPU backend's native ``write_rows`` does.
 
 The kernel takes the keys and the values as they come out of the layer and puts each head's

@@ -1,4 +1,4 @@
-"""Wired weights: keep MLX's buffers resident on Metal (pillar 4).
+"""Wired weights: keep MLX's buffers resident on Metal.
 
 On Apple Silicon the OS may page out GPU memory under pressure, which stalls inference. MLX can
 wire its buffers up to a limit; the device's recommended working set

@@ -1,25 +1,21 @@
 """Route mlx-lm's linears and SwiGLU to the native CPU kernels (MLX's CPU backend, fp32).
 
-Three costs dominate a decode step of a small model on MLX 0.32.4's CPU backend, measured on
-SmolLM2-135M (2-core x86_64, ``benchmarks/decode_forward.py``):
+Three costs dominate a decode step of a small model on MLX 0.32.4's CPU backend (figures:
+docs/benchmarking.md, ``benchmarks/decode_forward.py``):
 
 * **Linears at decode batch sizes.** MLX calls BLAS ``sgemm`` for ``x @ w.T`` even for one row,
-  and OpenBLAS packs the whole weight into its panel layout on every call (``sgemm_incopy``
-  was ~30% of a batch-1 step's profile): the weights are read, written and read again. The
-  native ``linear`` primitive (``native/src/cpu_math.cpp``) reads each weight row once and
-  reuses it from L1 for all rows of ``x``, split over the CPUs: the tied 49,152 x 576 output
-  head at 1 row took 8.4 ms with OpenBLAS and 2.4 ms native; at 16 rows 14.7 vs 10.8 ms; from
-  ~64 rows OpenBLAS's packed kernels win, so larger inputs (prefill chunks) keep MLX's matmul.
+  and OpenBLAS packs the whole weight into its panel layout on every call: the weights are
+  read, written and read again. The native ``linear`` primitive (``native/src/cpu_math.cpp``)
+  reads each weight row once and reuses it from L1 for all rows of ``x``, split over the CPUs;
+  from a few dozen rows OpenBLAS's packed kernels win, so larger inputs (prefill chunks) keep
+  MLX's matmul.
 * **SwiGLU.** mlx-lm's ``swiglu`` (``silu(gate) * x``) runs ``exp`` one element at a time on
-  the CPU backend: 0.42 ms for 16 x 1,536 elements, 6.5 ms for 256 x 1,536. The native
-  ``silu_mul`` takes ``expf`` from glibc's vector math library: 0.017 / 0.27 ms.
-* **Quantized weights.** MLX's own quantized matmul runs on one core (133 ms for 256 rows
-  through a 576 x 1,536 4-bit layer, against 2.5 ms for fp32 BLAS), so quantized checkpoints
-  used to be dequantized at load: 4x-8x the weight memory, all of it streamed every decode
-  step. The native ``quantized_linear`` dequantizes 4 weight rows at a time into a per-thread
+  the CPU backend. The native ``silu_mul`` takes ``expf`` from glibc's vector math library.
+* **Quantized weights.** MLX's own quantized matmul runs on one core, so quantized checkpoints
+  would have to be dequantized at load: 4x-8x the weight memory, all of it streamed every
+  decode step. The native ``quantized_linear`` dequantizes 4 weight rows at a time into a
   scratch and multiplies them like ``linear`` (bit-identical to ``linear`` on
-  ``mx.dequantize``'s weights), so a step reads the packed weights: a 1,536 x 576 4-bit
-  layer at 1 row 0.15 -> 0.09 ms, the 8-bit 49,152 x 576 head 4.6 -> 3.1 ms.
+  ``mx.dequantize``'s weights), so a step reads the packed weights.
 
 All compute the same functions up to fp32 rounding (tests/test_cpu_kernels.py: relative
 error <= 1e-6 against MLX; the quantized kernels bit-identical to their dense counterparts).
@@ -245,9 +241,7 @@ def keep_quantized_on_cpu(dtype: mx.Dtype) -> bool:
     Yes when the native kernels run its layers: compute dtype fp32 and the extension built,
     unless ``VLLM_UNIFIED_CPU_QUANTIZED=0`` (any value but 0/1 raises ValueError). Otherwise
     the loader dequantizes the weights once to ``dtype``: MLX 0.32.4's own quantized matmul
-    runs on one core (a 256-row prefill chunk through a 576 x 1,536 4-bit layer: 133 ms,
-    against 2.5 ms for fp32 BLAS; docs/configuration.md, "Quantized weights on the CPU
-    backend").
+    runs on one core (docs/configuration.md, "Quantized weights on the CPU backend").
     """
     if not envs.read(envs.CPU_QUANTIZED_ENV):
         return False
