@@ -9,14 +9,14 @@ a time, a second matmul), and the gathers copy every sequence's context per laye
 The native ``paged_attention`` primitive (``native/src/native.cpp``, loops in
 ``native/src/cpu_math.cpp``) takes every token row of the step at once: row r of sequence
 ``seqs[r]`` attends to keys ``first ... lens[r] - 1`` (``lens[r]`` = its position + 1, so prefill
-chunks are causal; ``first`` from the sliding window), read once where they lie in the pool
-through the block table, all query heads of a KV head together, ``exp`` vectorized. Decode rows
-and prefill chunks need no separate groups, concatenation or reordering. The (row, KV head)
-items are split over the kernel threads (``VLLM_UNIFIED_CPU_THREADS``); each item's arithmetic
-depends on its own row alone, so a row's output has the same bits whatever else the step holds.
-Head sizes 64, 128 and 256 keep the dot products and the output in 16-wide registers (its
-speed: docs/benchmarking.md). It computes the reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference for
-fp32, fp16 and bf16 pools, mixed steps, with and without a window.
+chunks are causal; ``first`` from the sliding window), read once where they lie in the pool through
+the block table, all query heads of a KV head together, ``exp`` vectorized. Decode rows and prefill
+chunks need no separate groups, concatenation or reordering. The (row, KV head) items are split over
+the kernel threads (``VLLM_UNIFIED_CPU_THREADS``); each item's arithmetic depends on its own row
+alone, so a row's output has the same bits whatever else the step holds. Head sizes 64, 128 and 256
+keep the dot products and the output in 16-wide registers (its speed: docs/benchmarking.md). It
+computes the reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference
+for fp32, fp16 and bf16 pools, mixed steps, with and without a window.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 MLX's scatter (``pool[slots] = rows``) donates its input buffer on the CPU backend, but on MLX
 0.32.4's CUDA backend it copies the whole pool first (a write of a few rows costs the time of one
-full copy; docs/benchmarking.md): per layer and step, a copy of the layer's whole pool. Instead, a small ``mx.fast.cuda_kernel`` writes the rows
-straight into the buffer of its ``pool`` input and returns a one-element token; the pool array
-handed on is ``mx.depends(pool, token)``, which shares the pool's buffer, so every reader of
-the cache (the attention of this step, the write of the next) takes the token as an input and
-MLX orders it after the write (docs/internals.md, "KV writes stay in place"). MLX's value
-semantics are bypassed on purpose, exactly as the CPU backend's native ``write_rows`` does.
+full copy; docs/benchmarking.md): per layer and step, a copy of the layer's whole pool. Instead, a
+small ``mx.fast.cuda_kernel`` writes the rows straight into the buffer of its ``pool`` input and
+returns a one-element token; the pool array handed on is ``mx.depends(pool, token)``, which shares
+the pool's buffer, so every reader of the cache (the attention of this step, the write of the next)
+takes the token as an input and MLX orders it after the write (docs/internals.md, "KV writes stay in
+place"). MLX's value semantics are bypassed on purpose, exactly as the CPU backend's native
+``write_rows`` does.
 
 The kernel takes the keys and the values as they come out of the layer and puts each head's
 key and value side by side in its (slot, head) cell itself, so no ``[T, Hkv, 2 * D]``
