@@ -88,8 +88,10 @@ def main() -> None:
         child(args.budget)
         return
 
-    configs: list[tuple[str, dict[str, str | None]]] = [("none", {"VLLM_UNIFIED_BLAS": "none"})]
-    libs: list[str | None] = [os.environ.get("VLLM_UNIFIED_BLAS"), *args.lib]
+    from vllm_unified import envs
+
+    configs: list[tuple[str, dict[str, str | None]]] = [("none", {envs.BLAS_ENV: "none"})]
+    libs: list[str | None] = [envs.BLAS, *args.lib]
     for lib in libs:
         if lib is not None and lib.lower() == "none":
             continue
