@@ -11,7 +11,8 @@ from vllm_unified import patches
 def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
     functions = {p.apply for p in patches.PATCHES}
     assert functions == {patches.patch_torch_accelerator_teardown,
-                         patches.install_version_fallback, patches.route_mlx_lm_swiglu}
+                         patches.install_version_fallback, patches.route_mlx_lm_swiglu,
+                         patches.route_mlx_lm_attention}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""
