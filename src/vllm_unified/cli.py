@@ -73,9 +73,9 @@ def main() -> int | None:
     GGUF files served through a prepared folder."""
     install_version_fallback()
     sys.argv = prepare_gguf_args(sys.argv)
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from vllm_unified import compat  # vLLM is imported only after the fallback is installed
 
-    return vllm_main()
+    return compat.vllm_cli_main()
 
 
 if __name__ == "__main__":

@@ -99,6 +99,13 @@ def __getattr__(name: str) -> Any:
 SAMPLING_EPS = 1e-5
 
 
+def vllm_cli_main() -> int | None:
+    """Run vLLM's own command line (``vllm.entrypoints.cli.main.main``) on ``sys.argv``."""
+    from vllm.entrypoints.cli.main import main
+
+    return main()
+
+
 def vllm_environment_variables() -> set[str]:
     """Names of the environment variables vLLM knows (``vllm.envs``)."""
     from vllm import envs
@@ -117,6 +124,7 @@ __all__ = [  # the lazy names resolve through __getattr__
     "PlatformEnum",
     "SAMPLING_EPS",
     "init_logger",
+    "vllm_cli_main",
     "vllm_environment_variables",
     *_LAZY,
 ]

@@ -86,7 +86,6 @@ class KVPool:
         self.shared = shared
         self.torch_views = torch_views
         self._buffer = buffer  # keeps a torch-owned backing buffer alive
-        self.released_bytes = 0
         #: write rows with the in-place CUDA kernel (MLX-owned pool on the CUDA backend)
         self.cuda_write = False
 
@@ -100,16 +99,15 @@ class KVPool:
         ``cuda_write``: write rows with the in-place CUDA kernel; None: as the backend profile
         says (``kv_write == "cuda_kernel"``)."""
         shape = (num_blocks * block_size, num_kv_heads, 2 * head_dim)
-        kv, released = [], 0
+        kv = []
         # One array at a time: MLX's zero fill commits every page it writes, so hand the pages
         # back before allocating the next one; start-up RSS then stays flat.
         for _ in range(num_layers):
             arr = mx.zeros(shape, dtype=dtype)
             mx.eval(arr)
-            released += release_zero_pages(arr)
+            release_zero_pages(arr)
             kv.append(arr)
         pool = cls(kv, block_size, shared=False)
-        pool.released_bytes = released
         if cuda_write is None:
             from vllm_unified.backend import profile
 

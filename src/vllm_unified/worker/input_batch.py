@@ -100,7 +100,6 @@ class StepBatch:
         block_table: ``[B, max_blocks]`` int32, rows padded with 0.
         sample_req_idx: indices into ``req_ids`` of requests that sample a token this step
             (their fed tokens reach the end of what is known); the others are prefill chunks.
-        sample_token_idx: ``[R]`` row (token) index of each sampling request's last token.
         pending_rows: rows of ``input_ids`` whose token is a request's ``pending`` token (a
             placeholder 0 in ``input_ids``), as ``(row, (tokens, index))``.
     """
@@ -111,7 +110,6 @@ class StepBatch:
     seq_lens: np.ndarray
     block_table: np.ndarray
     sample_req_idx: list[int]
-    sample_token_idx: np.ndarray
     pending_rows: list[tuple[int, tuple[object, int]]] = field(default_factory=list)
 
 
@@ -211,7 +209,6 @@ class InputBatch:
         sample_req_idx = [
             i for i, (n, end) in enumerate(zip(known, seq_lens.tolist(), strict=True)) if end == n
         ]
-        last_rows = np.cumsum(query_lens) - 1
         return StepBatch(
             req_ids=req_ids,
             input_ids=input_ids,
@@ -219,7 +216,6 @@ class InputBatch:
             seq_lens=seq_lens,
             block_table=block_table,
             sample_req_idx=sample_req_idx,
-            sample_token_idx=last_rows[sample_req_idx].astype(np.int32),
             pending_rows=pending_rows,
         )
 
