@@ -60,7 +60,7 @@ def mlx_equals(a, t: torch.Tensor) -> bool:
 def test_torch_to_mlx_is_a_view(native, dtype):
     t = sample(dtype)
     a = bridge.to_mlx(t)
-    assert a.dtype == bridge._mlx_dtype(dtype) and tuple(a.shape) == tuple(t.shape)
+    assert a.dtype == bridge.mlx_dtype(dtype) and tuple(a.shape) == tuple(t.shape)
     assert bridge.data_ptr(a) == t.data_ptr()
     facts = native.info(a)
     assert not facts["owned"] and not facts["donatable"]
