@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-COMPILE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"  # declared in vllm_unified.envs
+COMPILE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"  # envs.COMPILE_DECODE_ENV, set for children
 #: engines to run, comma-separated: "compiled" (the default forward) and/or "eager"
 MODES_ENV = "CUDA_BENCH_MODES"
 #: interleaved rounds of (mlx-lm, ours) per batch size in each engine

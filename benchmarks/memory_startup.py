@@ -41,7 +41,7 @@ from run_env import machine_info, run_child, versions
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"  # declared in vllm_unified.envs
+EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"  # envs.KV_EAGER_ZERO_ENV, set for children
 MODES = ("lazy", "eager")
 GIB = 2**30
 MIB = 2**20

@@ -361,9 +361,10 @@ def native_model_dir(gguf: Path, cache: Path) -> Path:
 
 def platform_blas() -> Path | None:
     """The BLAS library our platform interposes under MLX (``vllm_unified.blas``), if any."""
-    from vllm_unified.blas import BLAS_ENV, candidates
+    from vllm_unified import envs
+    from vllm_unified.blas import candidates
 
-    chosen = os.environ.get(BLAS_ENV)
+    chosen = envs.BLAS
     if chosen:
         return None if chosen == "none" else Path(chosen)
     return next((p for _, p in candidates() if p.is_file()), None)

@@ -25,7 +25,7 @@ from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.models.routing import install_paged_attention
 from vllm_unified.worker.async_output import feed_pending
-from vllm_unified.worker.compiled_decode import CompiledDecode, is_pure_decode, padded_tables
+from vllm_unified.worker.compiled_decode import CompiledDecode, padded_tables
 from vllm_unified.worker.model_runner import forward
 
 BS, LAYERS, KV_HEADS, DIM, BLOCKS = 8, 3, 2, 32, 40
@@ -101,7 +101,7 @@ def _run(model, pool, steps, compiled: CompiledDecode | None):
     for k, (seq_lens, tables) in enumerate(steps):
         n = len(seq_lens)
         meta = build_attention_metadata([1] * n, seq_lens, tables, BS)
-        assert is_pure_decode(meta)
+        assert meta.is_pure_decode
         host_ids = rng.integers(0, 300, n).astype(np.int32)
         pending = [(r, (history[-1], (r + k) % history[-1].size)) for r in range(n) if r != 1]
         if k == 0:
@@ -123,12 +123,12 @@ def _run(model, pool, steps, compiled: CompiledDecode | None):
 
 def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     steps = _steps()
-    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda: False)  # the CUDA route's shape
+    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda b: False)  # the CUDA route's shape
     want = _run(model, _filled_pool(1), steps, None)  # the reference route (gather + SDPA)
 
     monkeypatch.setattr(kv_pool, "write_kv_cuda", _write_stand_in)
     monkeypatch.setattr(cuda_decode, "paged_decode_attention", _decode_stand_in)
-    monkeypatch.setattr(paged, "_decode_kernel", lambda d: cuda_decode.paged_decode_attention)
+    monkeypatch.setattr(paged, "_decode_kernel", lambda d, b: cuda_decode.paged_decode_attention)
     plain_pool = _filled_pool(1)
     plain_pool.cuda_write = True
     plain = _run(model, plain_pool, steps, None)
@@ -153,7 +153,7 @@ def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
 def test_compiled_decode_refuses_the_host_table_route(model, monkeypatch):
     """Inside a trace the gather reference would capture this step's key rows as constants:
     it raises instead."""
-    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda: False)  # the gather, not a kernel
+    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda b: False)  # the gather, not a kernel
     pool = _filled_pool(2)
     compiled = CompiledDecode(model, pool, [PagedLayerCache(pool, i) for i in range(LAYERS)],
                               forward)

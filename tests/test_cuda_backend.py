@@ -193,8 +193,8 @@ def test_cuda_decode_route_keeps_rows_and_order(monkeypatch, window):
         q = mx.array(np.random.default_rng(4).standard_normal(
             (meta.num_tokens, 4, 1, dim)).astype(np.float32))
         want = paged.paged_attention_kv(q, pool, meta, 0.3, window)
-        monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda: False)
-        monkeypatch.setattr(paged, "_decode_kernel", lambda d: stand_in)
+        monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda b: False)
+        monkeypatch.setattr(paged, "_decode_kernel", lambda d, b: stand_in)
         got = paged.paged_attention_kv(q, pool, meta, 0.3, window)
         monkeypatch.undo()
         assert np.allclose(np.array(got), np.array(want), atol=1e-6)

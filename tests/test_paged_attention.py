@@ -323,7 +323,7 @@ def test_kv_pool_layout_matches_split_pools(window, monkeypatch) -> None:
     reference = paged_attention_kv(q, pool, meta, dim**-0.5, window, accelerate=False)
     assert bridge.native_error() is None
     np.testing.assert_allclose(np.array(joint), np.array(reference), rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda: False)
+    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda b: False)
     gathered = paged_attention_kv(q, pool, meta, dim**-0.5, window)
     np.testing.assert_array_equal(np.array(gathered), np.array(reference))
 

@@ -15,7 +15,7 @@ def _step(profile: StepProfile, num_reqs: int, num_tokens: int, sleep_s: float) 
     time.sleep(sleep_s)
     timer.mark("eval")
     timer.mark("output")
-    return profile.finish(timer, num_reqs, num_tokens)
+    return profile.finish(timer, num_reqs, num_tokens, num_tokens == num_reqs)
 
 
 def test_phases_and_kinds_are_accounted_separately() -> None:
@@ -53,7 +53,7 @@ def test_queued_step_keeps_its_own_timer() -> None:
     second.mark("prepare")
     first.resume()
     first.mark("output")
-    profile.finish(first, 1, 1)
+    profile.finish(first, 1, 1, True)
     stats = profile.as_dict()["decode"]["mean_ms"]
     assert stats["prepare"] == 0.0 and stats["output"] < 20.0
     assert second.seconds["prepare"] >= 0.02

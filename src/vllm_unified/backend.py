@@ -174,13 +174,16 @@ class BackendProfile:
         kv_write: how rows go into the pool: the native ``write_rows`` primitive (shared
             pool), the in-place CUDA kernel (MLX-owned pool on CUDA, whose scatter would copy
             the pool), or MLX's donated scatter.
-        cpu_attention: the native CPU kernel attends every row (CPU backend, extension built,
+        cpu_kernels: the native CPU kernels apply (CPU compute on CPU buffers, extension
+            built): linears, norms, RoPE, SwiGLU (:mod:`vllm_unified.models.cpu_kernels`).
+        cpu_attention: the native CPU kernel attends every row (``cpu_kernels`` and
             ``VLLM_UNIFIED_CPU_ATTENTION`` not 0).
         cuda_decode: the CUDA decode kernel takes the decode rows of head sizes it supports
             (CUDA backend, ``VLLM_UNIFIED_CUDA_DECODE`` not 0).
         compile_decode: pure-decode steps may run as one compiled graph (where the write path
             and decode kernel allow; ``VLLM_UNIFIED_COMPILE_DECODE``).
-        logits_zero_copy: logits reach torch as a view (CPU buffers), not a copy.
+        logits_zero_copy: logits reach torch as a view (MLX buffers in CPU memory), not a
+            copy.
         keep_quantized: quantized checkpoints stay quantized on every dtype (GPU backends,
             whose quantized matmuls are fast); on the CPU the native kernels decide per dtype.
     """
@@ -190,6 +193,7 @@ class BackendProfile:
     kv_pool: KVPoolMemory
     kv_pool_reason: str | None
     kv_write: KVWritePath
+    cpu_kernels: bool
     cpu_attention: bool
     cuda_decode: bool
     compile_decode: bool
@@ -234,10 +238,13 @@ def profile() -> BackendProfile:
 
     info = detect_backend()
     allocator = mlx_allocator()
-    if info.kind == "cpu" and allocator == "cpu":
+    on_cpu = info.kind == "cpu" and allocator == "cpu"  # CPU compute on CPU buffers
+    if on_cpu:
         reason = bridge.native_error()
+    elif info.kind == "cpu":
+        reason = f"MLX's buffers are {allocator} memory (a GPU build of MLX)"
     else:
-        reason = "not the CPU backend"
+        reason = f"MLX's {info.kind} buffers cannot be shared with torch here"
     shared = reason is None
     if shared:
         write: KVWritePath = "native_rows"
@@ -245,14 +252,14 @@ def profile() -> BackendProfile:
         write = "cuda_kernel"
     else:
         write = "scatter"
-    cpu_attention = (info.kind == "cpu" and envs.CPU_ATTENTION
-                     and bridge.native_kernels() is not None)
+    cpu_kernels = on_cpu and reason is None
+    cpu_attention = cpu_kernels and envs.CPU_ATTENTION
     return BackendProfile(
         info=info, allocator=allocator,
         kv_pool="torch_shared" if shared else "mlx_owned", kv_pool_reason=reason,
-        kv_write=write, cpu_attention=cpu_attention,
+        kv_write=write, cpu_kernels=cpu_kernels, cpu_attention=cpu_attention,
         cuda_decode=info.kind == "cuda" and envs.CUDA_DECODE,
         compile_decode=envs.COMPILE_DECODE,
-        logits_zero_copy=info.kind == "cpu",
+        logits_zero_copy=allocator == "cpu",
         keep_quantized=info.kind != "cpu",
     )

@@ -309,12 +309,12 @@ def data_ptr(a: mx.array) -> int:
 
 
 def native_kernels() -> ModuleType | None:
-    """The native extension when its CPU kernels apply (it is importable and the default
-    device is the CPU), else None: the callers' pure-MLX paths are used then."""
-    mod, _ = _native()
-    if mod is None or _mx().default_device() != _mx().cpu:
-        return None
-    return mod
+    """The native extension when its CPU kernels apply (the backend profile's
+    ``cpu_kernels``: CPU compute on CPU buffers, extension importable), else None: the
+    callers' pure-MLX paths are used then. Decided once per process."""
+    from vllm_unified.backend import profile
+
+    return _native()[0] if profile().cpu_kernels else None
 
 
 def gather_kv(pool_rows: mx.array, rows: mx.array) -> tuple[mx.array, mx.array] | None:

@@ -58,10 +58,7 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 def _count(minimum: int) -> Callable[[str], int]:
     def parse(raw: str) -> int:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = minimum - 1
+        value = int(raw) if raw.isdigit() else minimum - 1  # digits only: no sign, no "_"
         if value < minimum:
             raise ValueError("must be a positive integer" if minimum == 1
                              else f"expected an integer >= {minimum}")

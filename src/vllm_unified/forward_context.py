@@ -46,8 +46,8 @@ _current: StepContext | None = None
 
 @contextlib.contextmanager
 def set_step_context(ctx: StepContext) -> Iterator[StepContext]:
-    """Bind ``ctx`` for the forward built inside the block; the previous binding (a compiled
-    step traces its own forward inside the runner's) is restored on exit."""
+    """Bind ``ctx`` for the forward built inside the block; the previous binding, if any, is
+    restored on exit (a compiled step's trace binds its own context while it runs)."""
     global _current
     previous, _current = _current, ctx
     try:

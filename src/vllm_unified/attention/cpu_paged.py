@@ -27,12 +27,6 @@ from vllm_unified import bridge
 from vllm_unified.attention.metadata import AttentionMetadata, Window
 
 
-def available() -> bool:
-    """The kernel applies: the native extension is importable and the default device is the
-    CPU (the primitive has no GPU implementation)."""
-    return bridge.native_kernels() is not None
-
-
 def paged_attention_rows(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window,
@@ -52,7 +46,8 @@ def paged_attention_rows(
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
 
     Raises:
-        RuntimeError: the native extension is unavailable (check :func:`available` first).
+        RuntimeError: the native extension is unavailable (the backend profile's
+            ``cpu_attention`` says when the kernel applies).
         ValueError / TypeError: shapes or dtypes the primitive does not take; an out-of-range
             block id raises from the ``mx.eval`` that runs it.
     """

@@ -15,13 +15,16 @@ row by row (pool row ``slot * Hkv + head``), which lands them directly in SDPA's
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from vllm_unified import bridge
 from vllm_unified.attention.metadata import AttentionMetadata, Window
+
+if TYPE_CHECKING:
+    from vllm_unified.backend import BackendProfile
 
 #: Reads the keys and values at int32 pool rows ``[..., S]`` -> two ``[..., S, D]`` arrays.
 Gather = Callable[[mx.array], tuple[mx.array, mx.array]]
@@ -121,6 +124,7 @@ def paged_attention_kv(
     scale: float,
     window: int | None = None,
     accelerate: bool = True,
+    backend: BackendProfile | None = None,
 ) -> mx.array:
     """:func:`paged_attention` over one pool holding K and V side by side.
 
@@ -134,7 +138,8 @@ def paged_attention_kv(
     (attention/cuda_decode.py); with the CPU kernel turned off (``VLLM_UNIFIED_CPU_ATTENTION=0``)
     the rows are gathered by the native ``gather_kv`` primitive
     (:func:`vllm_unified.bridge.gather_kv`, the same values as MLX's gather).
-    ``accelerate=False`` is the pure-MLX reference: MLX's gather + SDPA.
+    ``accelerate=False`` is the pure-MLX reference: MLX's gather + SDPA. ``backend``: the
+    profile whose kernels to use (the runner's); default :func:`vllm_unified.backend.profile`.
 
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D``.
@@ -145,12 +150,16 @@ def paged_attention_kv(
     head_dim = queries.shape[-1]
     half = (*kv_pool.shape[:2], head_dim)
     _check_inputs(queries.shape, half, half, meta, window)
-    if accelerate and meta.num_tokens and _cpu_rows_kernel():
+    if accelerate and backend is None:
+        from vllm_unified.backend import profile
+
+        backend = profile()
+    if accelerate and meta.num_tokens and _cpu_rows_kernel(backend):
         from vllm_unified.attention.cpu_paged import paged_attention_rows
 
         return paged_attention_rows(queries, kv_pool, meta, scale, window)
     decode_out = None
-    decode_kernel = _decode_kernel(head_dim) if accelerate else None
+    decode_kernel = _decode_kernel(head_dim, backend) if accelerate else None
     if meta.decode_rows is not None and decode_kernel is not None:
         if meta.is_pure_decode:
             # A pure decode step: every row is a decode row, so no row views (graph ops cost
@@ -171,34 +180,29 @@ def paged_attention_kv(
     return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, decode_out)
 
 
-def cuda_decode_routed(head_dim: int) -> bool:
+def cuda_decode_routed(head_dim: int, backend: BackendProfile) -> bool:
     """Whether decode rows of this head size go to the CUDA decode kernel (see
     :func:`_decode_kernel`)."""
     from vllm_unified.attention import cuda_decode
 
-    return _decode_kernel(head_dim) is cuda_decode.paged_decode_attention
+    return _decode_kernel(head_dim, backend) is cuda_decode.paged_decode_attention
 
 
-@functools.cache
-def _decode_kernel(head_dim: int) -> Callable[..., mx.array] | None:
-    """The decode kernel of this backend, or None for the reference gather + SDPA: the CUDA
-    kernel (attention/cuda_decode.py) where the backend profile enables it
-    (``BackendProfile.cuda_decode``) and it supports the head size."""
-    from vllm_unified.backend import profile
-
-    if not profile().cuda_decode:
+def _decode_kernel(head_dim: int, backend: BackendProfile) -> Callable[..., mx.array] | None:
+    """The decode kernel of ``backend``, or None for the reference gather + SDPA: the CUDA
+    kernel (attention/cuda_decode.py) where the profile enables it (``cuda_decode``) and it
+    supports the head size."""
+    if not backend.cuda_decode:
         return None
     from vllm_unified.attention import cuda_decode
 
     return cuda_decode.paged_decode_attention if cuda_decode.supported(head_dim) else None
 
 
-def _cpu_rows_kernel() -> bool:
+def _cpu_rows_kernel(backend: BackendProfile) -> bool:
     """Attend every row of a step with the native CPU kernel (attention/cpu_paged.py): the
-    backend profile's ``cpu_attention``."""
-    from vllm_unified.backend import profile
-
-    return profile().cpu_attention
+    profile's ``cpu_attention``."""
+    return backend.cpu_attention
 
 
 def _attend(

@@ -183,7 +183,7 @@ class KVCache:
         state pages."""
         caches: list[Any] = [None] * (len(self.layers.attention) + len(self.layers.recurrent))
         for j, i in enumerate(self.layers.attention):
-            caches[i] = PagedLayerCache(pool, j)
+            caches[i] = PagedLayerCache(pool, j, self.profile)
         for i in self.layers.recurrent:
             caches[i] = StateLayerCache(store, i)
         return caches

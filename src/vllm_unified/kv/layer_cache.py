@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_unified.attention.paged import paged_attention_kv
+from vllm_unified.backend import BackendProfile
 from vllm_unified.forward_context import get_step_context
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.state_pages import StatePages, StateStore
@@ -41,11 +42,13 @@ class PagedMask:
 
 class PagedLayerCache:
     """mlx-lm cache protocol for one attention layer, backed by :class:`KVPool` layer
-    ``layer`` (its attention ordinal, not the model layer index of a hybrid model)."""
+    ``layer`` (its attention ordinal, not the model layer index of a hybrid model);
+    ``backend``: the profile whose attention kernels run (default: the process's)."""
 
-    def __init__(self, pool: KVPool, layer: int) -> None:
+    def __init__(self, pool: KVPool, layer: int, backend: BackendProfile | None = None) -> None:
         self.pool = pool
         self.layer = layer
+        self.backend = backend
 
     def _arrays(self) -> list[mx.array]:
         """The pool arrays of the bound step (a compiled trace's inputs, or the pool's)."""
@@ -70,7 +73,7 @@ class PagedLayerCache:
         """Paged attention of ``queries`` ``[T, H, 1, D]`` over this layer's pool (after this
         step's write), see :func:`vllm_unified.attention.paged.paged_attention_kv`."""
         return paged_attention_kv(queries, self._arrays()[self.layer], get_step_context().attn,
-                                  scale, window)
+                                  scale, window, backend=self.backend)
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803

@@ -47,12 +47,7 @@ from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.worker.async_output import feed_pending
 
-__all__ = ["COMPILE_DECODE_ENV", "CompiledDecode", "is_pure_decode", "padded_tables"]
-
-
-def is_pure_decode(meta: AttentionMetadata) -> bool:
-    """:attr:`AttentionMetadata.is_pure_decode` (the one definition)."""
-    return meta.is_pure_decode
+__all__ = ["COMPILE_DECODE_ENV", "CompiledDecode", "padded_tables"]
 
 
 def padded_tables(tables: np.ndarray) -> np.ndarray:

@@ -144,6 +144,8 @@ class _PendingStep:
     lazy: bool = False
     lazy_tokens: mx.array | None = None
     timer: StepTimer | None = None
+    #: every request had one query token (``AttentionMetadata.is_pure_decode``)
+    pure_decode: bool = False
 
 
 class MLXModelRunner:
@@ -277,7 +279,7 @@ class MLXModelRunner:
         """The compiled pure-decode forward where it applies: the in-place CUDA KV write, the
         CUDA decode kernel, no recurrent layers, not turned off by its variable."""
         head_dim = self.model_config.get_head_size()
-        if not (self.kv_cache.pool.cuda_write and cuda_decode_routed(head_dim)
+        if not (self.kv_cache.pool.cuda_write and cuda_decode_routed(head_dim, self.backend)
                 and not self.layers.is_hybrid and self.backend.compile_decode):
             return None
         logger.info("vllm-unified: pure-decode steps run as one compiled MLX graph "
@@ -426,7 +428,8 @@ class MLXModelRunner:
     def _finish_step(self, pending: _PendingStep, output: ModelRunnerOutput) -> ModelRunnerOutput:
         pending.timer.mark("output")
         line = self.step_profile.finish(
-            pending.timer, len(pending.step.req_ids), int(pending.step.input_ids.size))
+            pending.timer, len(pending.step.req_ids), int(pending.step.input_ids.size),
+            pending.pure_decode)
         if line is not None:
             logger.info(line)
         return output
@@ -473,6 +476,7 @@ class MLXModelRunner:
             logits=logits if inputs.needs_torch else None,
             mlx_tokens=tokens.tolist() if tokens is not None and not lazy else [],
             lazy=lazy, lazy_tokens=tokens if lazy else None, timer=self._timer,
+            pure_decode=inputs.ctx.attn.is_pure_decode,
         )
 
     def _prompt_logprob_slices(

@@ -24,9 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from vllm_unified import envs
-
-#: Environment variable: log the phase means every N steps (0 or unset: never).
-from vllm_unified.envs import STEP_PROFILE_ENV
+from vllm_unified.envs import STEP_PROFILE_ENV  # log the phase means every N steps (0: never)
 
 PHASES = ("prepare", "graph", "eval", "output")
 
@@ -93,13 +91,15 @@ class StepProfile:
         """Begin a step (the time before this call belongs to no phase)."""
         return StepTimer()
 
-    def finish(self, timer: StepTimer, num_reqs: int, num_tokens: int) -> str | None:
-        """End a step that scheduled ``num_tokens`` tokens for ``num_reqs`` requests.
+    def finish(self, timer: StepTimer, num_reqs: int, num_tokens: int, pure_decode: bool
+               ) -> str | None:
+        """End a step that scheduled ``num_tokens`` tokens for ``num_reqs`` requests;
+        ``pure_decode``: the step's ``AttentionMetadata.is_pure_decode``.
 
         Returns:
             A log line when this kind of step reached the logging interval, else None.
         """
-        kind = "decode" if num_tokens == num_reqs else "mixed"
+        kind = "decode" if pure_decode else "mixed"
         for acc in (self.totals[kind], self._window[kind]):
             acc.steps += 1
             acc.tokens += num_tokens
