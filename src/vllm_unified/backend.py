@@ -153,7 +153,7 @@ def import_mlx() -> ModuleType:
 
 
 KVPoolMemory = Literal["torch_shared", "mlx_owned"]
-KVWritePath = Literal["native_rows", "cuda_kernel", "scatter"]
+KVWritePath = Literal["native_rows", "metal_kernel", "cuda_kernel", "scatter"]
 
 
 @dataclass(frozen=True)
@@ -167,13 +167,16 @@ class BackendProfile:
             ``VLLM_UNIFIED_DEVICE=cpu``, arrays made for the CPU still live in GPU-backend
             memory.
         kv_pool: ``"torch_shared"``: the KV pool is vLLM's layout in a torch buffer that MLX
-            adopts without a copy (MLX's CPU buffers with the native extension);
-            ``"mlx_owned"``: MLX allocates the pool (torch cannot share it).
+            adopts without a copy (MLX's CPU buffers with the native extension; Metal, whose
+            ``from_dlpack(copy=False)`` wraps page-aligned host memory as a shared Metal
+            buffer); ``"mlx_owned"``: MLX allocates the pool (torch cannot share it).
         kv_pool_reason: why the pool is MLX-owned (None when it is shared), for the log and
             for the errors of features that need the shared pool.
-        kv_write: how rows go into the pool: the native ``write_rows`` primitive (shared
-            pool), the in-place CUDA kernel (MLX-owned pool on CUDA, whose scatter would copy
-            the pool), or MLX's donated scatter.
+        kv_write: how rows go into the pool (attention rows and a hybrid model's state
+            pages): the native ``write_rows`` primitive (shared pool on the CPU), the in-place
+            Metal kernels (shared pool on Metal, :mod:`vllm_unified.kv.gpu_write`), the
+            in-place CUDA kernel (MLX-owned pool on CUDA, whose scatter would copy the pool),
+            or MLX's donated scatter.
         cpu_kernels: the native CPU kernels apply (CPU compute on CPU buffers, extension
             built): linears, norms, RoPE, SwiGLU (:mod:`vllm_unified.models.cpu_kernels`).
         cpu_attention: the native CPU kernel attends every row (``cpu_kernels`` and
@@ -239,15 +242,20 @@ def profile() -> BackendProfile:
     info = detect_backend()
     allocator = mlx_allocator()
     on_cpu = info.kind == "cpu" and allocator == "cpu"  # CPU compute on CPU buffers
+    on_metal = info.kind == "metal" and allocator == "metal"
     if on_cpu:
         reason = bridge.native_error()
+    elif on_metal:
+        reason = None  # mx.from_dlpack(copy=False) adopts page-aligned torch CPU memory
     elif info.kind == "cpu":
         reason = f"MLX's buffers are {allocator} memory (a GPU build of MLX)"
     else:
         reason = f"MLX's {info.kind} buffers cannot be shared with torch here"
     shared = reason is None
-    if shared:
-        write: KVWritePath = "native_rows"
+    if on_metal:
+        write: KVWritePath = "metal_kernel"
+    elif shared:
+        write = "native_rows"
     elif info.kind == "cuda":
         write = "cuda_kernel"
     else:

@@ -213,14 +213,18 @@ def to_mlx(t: torch.Tensor, *, copy: bool = False) -> mx.array:
         pointer is ``t.data_ptr()``); the array keeps ``t`` alive until MLX drops it. Torch's
         writes are seen by MLX (when MLX evaluates its reads). MLX ops never write into it: an
         update such as ``a[i] = v`` returns a *new* MLX buffer that torch does not see; write
-        through :func:`write_rows` or through torch instead. The adopted bytes are not counted
-        by ``mx.get_active_memory()`` or MLX's memory limits. Autograd is ignored (``t`` is
+        through :func:`write_rows` or through torch instead (on Metal: the in-place kernels of
+        :mod:`vllm_unified.kv.gpu_write`). On the CPU backend the adopted bytes are not
+        counted by ``mx.get_active_memory()`` or MLX's memory limits; on Metal they are (MLX
+        wraps them as one of its buffers, ``allocator::make_buffer``), see
+        :func:`vllm_unified.memory.wired.prepare_kv_adoption`. Autograd is ignored (``t`` is
         detached).
 
     Raises:
         TypeError: ``t`` is not a tensor, or its dtype is not supported.
         RuntimeError: ``copy=False`` and sharing is impossible: ``t`` is not contiguous, not
-            on the CPU, MLX runs on CUDA (discrete memory), or, on the CPU backend, the native
+            on the CPU, MLX runs on CUDA (discrete memory), on Metal MLX refuses the pointer
+            (not page-aligned: 16 KiB on Apple Silicon) or, on the CPU backend, the native
             extension is missing or was built for another MLX.
     """
     if not isinstance(t, torch.Tensor):
@@ -282,8 +286,9 @@ def write_rows(
       when ``row_idx`` is already computed, ``RuntimeError`` from the ``mx.eval`` that runs the
       write when it is lazy.
     * Only CPU streams are implemented (``stream``: None for the default stream, or an
-      ``mx.Stream`` / ``mx.Device``); a GPU stream raises ``NotImplementedError`` (Metal/CUDA
-      kernels are future work). Torch sees the write once the result is evaluated.
+      ``mx.Stream`` / ``mx.Device``); a GPU stream raises ``NotImplementedError`` (on GPU
+      backends :func:`vllm_unified.kv.gpu_write.write_rows_gpu` writes in place). Torch sees
+      the write once the result is evaluated.
 
     Raises:
         RuntimeError: the native extension is not available.
@@ -300,12 +305,19 @@ def data_ptr(a: mx.array) -> int:
     """The address of ``a``'s first element (evaluates ``a``), for zero-copy assertions.
 
     Compare it with ``tensor.data_ptr()`` to check that an MLX array and a torch tensor share
-    their bytes. Uses the native extension when it is available, else a DLPack view.
+    their bytes. Uses the native extension when it is available, else a transient NumPy view
+    of the bytes (MLX's buffer protocol gives the address, on every backend whose buffers the
+    host can address; a DLPack export would name the Metal device, which torch's CPU build
+    cannot import).
     """
     native, _ = _native()
     if native is not None:
         return native.info(a)["data_ptr"]
-    return torch.from_dlpack(a).data_ptr()
+    import numpy as np
+
+    mx = _mx()
+    as_uint = a.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size])
+    return int(np.asarray(as_uint).ctypes.data)
 
 
 def native_kernels() -> ModuleType | None:

@@ -1,9 +1,11 @@
 """The KV cache end to end (the runner holds one :class:`vllm_unified.kv.cache.KVCache`).
 
 - ``allocation``: vLLM's layout (``allocate_kv_cache`` / ``create_kv_cache_views``) in one
-  buffer, lazy (uninitialised) or zeroed where vLLM needs it;
+  page-aligned buffer, lazy (uninitialised) or zeroed where vLLM needs it, and its import into
+  MLX without a copy;
 - ``pool``: the attention pages as MLX arrays and their write paths;
-- ``gpu_write``: the in-place KV write kernel for MLX-owned pools on GPU backends;
+- ``gpu_write``: the in-place KV and row write kernels on GPU backends (the shared pool on
+  Metal, the MLX-owned pool on CUDA);
 - ``state_pages``: hybrid models' recurrent state in vLLM's state (Mamba) pages;
 - ``hybrid``: which layers are recurrent, their specs, each request's state slot;
 - ``block_translation``: kernel block sizes and vLLM's pages read as kernel blocks;

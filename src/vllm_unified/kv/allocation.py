@@ -1,18 +1,50 @@
-"""Allocate the KV cache the way vLLM does, without paying for it up front.
+"""Allocate the KV cache the way vLLM does, without paying for it up front, and hand its bytes to
+MLX without a copy.
 
 vLLM's ``allocate_kv_cache`` (``vllm/v1/worker/utils.py``) backs every layer with one
 ``torch.zeros`` buffer and views it per layer with ``create_kv_cache_views``. On unified memory
-the zero fill commits every page of a pool that mostly stays unused. Here the same buffer is
-``torch.empty`` when vLLM does not need zeroed blocks (``KVCacheConfig.needs_kv_cache_zeroing``
-is False: no Mamba layers, uniform KV precision): its pages are committed by the first write to a
-block. vLLM's own ``create_kv_cache_views`` then makes the per-layer views, so sizes, strides,
-offsets and dtypes are exactly vLLM's. Never-written memory cannot reach an output: attention
-only reads positions below each sequence's length (and the MLX kernel keeps garbage in unread
-slots out of the softmax; see ``attention/metadata.py``).
+the zero fill commits every page of a pool that mostly stays unused. Here the same buffer is a
+fresh anonymous private mapping (:func:`aligned_empty`), filled with zeros only when vLLM needs
+zeroed blocks (``KVCacheConfig.needs_kv_cache_zeroing``: Mamba layers, mixed KV precision);
+otherwise its pages are committed by the first write to a block. vLLM's own
+``create_kv_cache_views`` then makes the per-layer views, so sizes, strides, storage offsets and
+dtypes are exactly vLLM's. Never-written memory cannot reach an output: attention only reads
+positions below each sequence's length (and the MLX kernel keeps garbage in unread slots out of
+the softmax; see ``attention/metadata.py``).
+
+**Alignment.** One buffer serves every unified-memory backend. On Metal, MLX 0.32.4 imports a
+CPU tensor without a copy (``mx.from_dlpack(t, copy=False)``, ``python/src/convert.cpp``
+``cpu_nd_array_to_mlx_no_copy``) by wrapping the pointer as a shared Metal buffer
+(``allocator::make_buffer`` -> ``newBuffer(ptr, size, StorageModeShared, nullptr)`` in
+``mlx/backend/metal/allocator.cpp``); Metal refuses a pointer that is not page-aligned, and
+``copy=False`` then raises instead of copying. Apple's ``newBufferWithBytesNoCopy`` wants the
+memory to be one VM region from ``vm_allocate``/``mmap`` (not ``malloc``). So the buffer is an
+``mmap`` of its own, started at a multiple of :data:`PAGE_ALIGN` (16 KiB, Apple Silicon's page)
+and rounded up to whole pages; torch views it with ``torch.frombuffer`` at that start, so the
+storage begins there (storage offset 0, as vLLM's own buffer) and the mapping is unmapped when
+the last tensor or MLX array over it is gone. ``torch.empty`` promises 64-byte alignment only.
+
+**Import granularity** (:func:`import_views`). vLLM's per-layer offsets (``layer l`` at
+``offset + l * layer_stride``, a hybrid model's state pages overlaying the attention pages)
+need not be page-aligned, so importing each layer's view with ``from_dlpack`` would fail on
+Metal for most pool sizes. Instead the buffer is imported in as few page-aligned chunks as the
+device allows (one, unless the pool exceeds Metal's ``max_buffer_length``, which ``newBuffer``
+cannot wrap in one piece), each as a 2-D int8 array, and every layer's MLX array is a view of
+its chunk (reshape, slice, dtype view, reshape: MLX shares the buffer for each on row-contiguous
+input, and no intermediate has a dimension above 2**31 - 1, MLX's limit). A view never
+straddles two chunks. Each chunk is one buffer in MLX's accounting and residency sets; the
+import checks every view's data pointer against torch's (a copy would hide writes).
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
+import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
 import torch
 
 from vllm_unified import compat
@@ -21,6 +53,39 @@ from vllm_unified import compat
 #: layer's region is then ``[num_blocks * block_size, num_kv_heads, head_size + head_size_v]``
 #: slot-major, exactly what ``paged_attention_kv`` takes.
 KV_LAYOUT = "LBNHC"
+
+#: Alignment (bytes) of the KV buffer's start and of every chunk MLX imports: Apple Silicon's
+#: VM page (what Metal's no-copy buffers need), or the host's page where that is larger.
+PAGE_ALIGN = max(16384, mmap.PAGESIZE)
+
+#: MLX's largest dimension (its shapes are int32).
+_MAX_DIM = 2**31 - 1
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised int8 ``[nbytes]`` tensor in a fresh anonymous private mapping.
+
+    Its ``data_ptr()`` is a multiple of :data:`PAGE_ALIGN`, its storage starts there (storage
+    offset 0) and holds ``nbytes`` rounded up to whole :data:`PAGE_ALIGN` pages (the tail
+    belongs to no view). No page is committed until it is written. The mapping lives until the
+    last tensor (or MLX array importing it) is gone.
+
+    Raises:
+        ValueError: ``nbytes`` is not positive.
+        OSError: the mapping cannot be made.
+    """
+    if nbytes <= 0:
+        raise ValueError(f"KV buffer of {nbytes} bytes")
+    length = -(-nbytes // PAGE_ALIGN) * PAGE_ALIGN
+    # mmap returns host-page-aligned memory; over-map by the difference to reach PAGE_ALIGN
+    # (nothing extra on macOS arm64, where the host page is 16 KiB).
+    mapping = mmap.mmap(-1, length + PAGE_ALIGN - mmap.PAGESIZE,
+                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    probe = ctypes.c_char.from_buffer(mapping)
+    pad = -ctypes.addressof(probe) % PAGE_ALIGN
+    del probe  # a live export would keep the mapping from ever being closed
+    full = torch.frombuffer(mapping, dtype=torch.int8, count=length, offset=pad)
+    return full[:nbytes]
 
 
 def allocate_kv_cache(
@@ -39,10 +104,12 @@ def allocate_kv_cache(
             ``create_kv_cache_views(kernel_block_size=k)``: a view of the same bytes).
 
     Returns:
-        ``(buffer, views)``: the int8 buffer and ``{layer name: view}``, each attention view a
+        ``(buffer, views)``: the int8 buffer (:func:`aligned_empty`, zero-filled when
+        ``zero``) and ``{layer name: view}``, each attention view a
         ``[num_blocks * B/k, num_kv_heads, k, head_size + head_size_v]`` tensor in the spec's
-        dtype with vLLM's strides (``k = B`` without a kernel block size); each state (Mamba)
-        view vLLM's int8 ``[num_blocks, 1, 1, state_bytes]`` page view.
+        dtype with vLLM's strides and storage offsets (``k = B`` without a kernel block
+        size); each state (Mamba) view vLLM's int8 ``[num_blocks, 1, 1, state_bytes]`` page
+        view.
 
     Raises:
         ValueError: the config's tensors do not share one backing allocation, or a layer has no
@@ -55,8 +122,9 @@ def allocate_kv_cache(
         raise ValueError(f"KV cache tensors must share one backing allocation, got {sizes}")
     if zero is None:
         zero = kv_cache_config.needs_kv_cache_zeroing
-    size = sizes.pop()
-    buf = torch.zeros(size, dtype=torch.int8) if zero else torch.empty(size, dtype=torch.int8)
+    buf = aligned_empty(sizes.pop())
+    if zero:
+        buf.zero_()
     views: dict[str, torch.Tensor] = {}
     for tensor in tensors:
         gid = next(i for i, g in enumerate(kv_cache_config.kv_cache_groups)
@@ -85,3 +153,123 @@ def slot_major(view: torch.Tensor) -> torch.Tensor:
             f"KV view with strides {tuple(view.stride())} is not in {KV_LAYOUT} order"
         )
     return rows.reshape(rows.shape[0] * rows.shape[1], rows.shape[2], rows.shape[3])
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Bytes ``start ... end`` of the storage that view ``index`` covers."""
+
+    index: int
+    start: int
+    end: int
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An int8 tensor over ``t``'s whole storage (offset 0), sharing it."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.int8).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _chunks(spans: list[_Span], size: int, max_chunk: int | None) -> list[tuple[int, int]]:
+    """Page-aligned ``(start, end)`` byte ranges of a storage of ``size`` bytes, each at most
+    ``max_chunk`` bytes (None: no limit), such that every span lies inside one of them.
+
+    Spans that overlap (a hybrid model's state pages over attention pages) stay together.
+    Consecutive chunks may share a page where a boundary between spans is not page-aligned.
+
+    Raises:
+        ValueError: overlapping spans that together do not fit ``max_chunk``.
+    """
+    def floor(x: int) -> int:
+        return x // PAGE_ALIGN * PAGE_ALIGN
+
+    def ceil(x: int) -> int:
+        return min(-(-x // PAGE_ALIGN) * PAGE_ALIGN, size)
+
+    clusters: list[list[int]] = []  # [start, end] of groups of overlapping spans
+    for s in sorted(spans, key=lambda s: s.start):
+        if clusters and s.start < clusters[-1][1]:
+            clusters[-1][1] = max(clusters[-1][1], s.end)
+        else:
+            clusters.append([s.start, s.end])
+    chunks: list[tuple[int, int]] = []
+    for start, end in clusters:
+        if max_chunk is not None and ceil(end) - floor(start) > max_chunk:
+            raise ValueError(
+                f"KV cache views over bytes {start}..{end} ({end - start} bytes) do not fit "
+                f"one device buffer of at most {max_chunk} bytes (Metal's max_buffer_length); "
+                "lower --gpu-memory-utilization or --kv-cache-memory-bytes")
+        if chunks and (max_chunk is None or ceil(end) - chunks[-1][0] <= max_chunk):
+            chunks[-1] = (chunks[-1][0], ceil(end))
+        else:
+            chunks.append((floor(start), ceil(end)))
+    return chunks
+
+
+def import_views(views: Sequence[torch.Tensor], *, max_chunk: int | None = None
+                 ) -> list[mx.array]:
+    """MLX arrays over the very bytes of row-contiguous CPU tensors, importing each storage
+    once (in page-aligned chunks) rather than each tensor.
+
+    Args:
+        views: contiguous CPU tensors (e.g. :func:`slot_major` layer views and state page
+            rows), possibly overlapping, of dtypes the bridge supports; views of one storage
+            are imported together.
+        max_chunk: the largest buffer one import may cover (Metal: the device's
+            ``max_buffer_length``); None for no limit.
+
+    Returns:
+        One array per view, of its shape and dtype, whose data pointer is the view's
+        ``data_ptr()``. The arrays keep the storage alive.
+
+    Raises:
+        ValueError: a view is not contiguous, is empty, or needs a dimension MLX cannot hold;
+            views that do not fit ``max_chunk``.
+        RuntimeError: the bridge cannot share the memory (:func:`vllm_unified.bridge.to_mlx`;
+            on Metal a chunk start that is not page-aligned), or an MLX view did not keep the
+            tensor's bytes.
+    """
+    from vllm_unified import bridge
+
+    out: list[mx.array | None] = [None] * len(views)
+    storages: dict[int, list[int]] = {}
+    for i, v in enumerate(views):
+        if not v.is_contiguous() or v.numel() == 0:
+            raise ValueError(f"view {i} {tuple(v.shape)} strides {v.stride()}: import needs "
+                             "a non-empty contiguous tensor")
+        storages.setdefault(v.untyped_storage().data_ptr(), []).append(i)
+    for base_ptr, members in storages.items():
+        base = _storage_bytes(views[members[0]])
+        spans = [_Span(i, views[i].data_ptr() - base_ptr,
+                       views[i].data_ptr() - base_ptr + views[i].numel()
+                       * views[i].element_size()) for i in members]
+        for (start, end) in _chunks(spans, base.numel(), max_chunk):
+            length = end - start
+            row = math.gcd(length, PAGE_ALIGN)
+            if length // row > _MAX_DIM:
+                raise ValueError(f"a {length}-byte chunk cannot be an MLX array of "
+                                 f"{row}-byte rows")
+            chunk = bridge.to_mlx(base[start:end].view(length // row, row))
+            for s in spans:
+                if s.start >= start and s.end <= end and out[s.index] is None:
+                    out[s.index] = _view_of(chunk, length, row, s.start - start, views[s.index])
+    mx.eval(out)
+    for i, (arr, v) in enumerate(zip(out, views, strict=True)):
+        if bridge.data_ptr(arr) != v.data_ptr():
+            raise RuntimeError(f"view {i}: the MLX array does not share the tensor's bytes "
+                               "(MLX copied it)")
+    return out
+
+
+def _view_of(chunk: mx.array, length: int, row: int, offset: int, v: torch.Tensor) -> mx.array:
+    """The bytes ``offset ... offset + v.nbytes`` of ``chunk`` (``length`` bytes as
+    ``[length / row, row]`` int8) as an array of ``v``'s shape and dtype, sharing them."""
+    from vllm_unified import bridge
+
+    nbytes = v.numel() * v.element_size()
+    width = math.gcd(row, offset, nbytes)
+    if width % v.element_size() or length // width > _MAX_DIM:
+        raise ValueError(f"a view of {nbytes} bytes at offset {offset} cannot be cut from an "
+                         "MLX array without a dimension above 2**31 - 1")
+    rows = chunk.reshape(length // width, width)[offset // width:(offset + nbytes) // width]
+    return rows.view(bridge.mlx_dtype(v.dtype)).reshape(tuple(v.shape))

@@ -22,7 +22,7 @@ from vllm_unified.backend import BackendProfile
 from vllm_unified.compat import FullAttentionSpec, KVCacheConfig, KVCacheSpec, init_logger
 from vllm_unified.envs import KV_EAGER_ZERO_ENV, read
 from vllm_unified.forward_context import StepContext
-from vllm_unified.kv.allocation import KV_LAYOUT, allocate_kv_cache
+from vllm_unified.kv.allocation import KV_LAYOUT, allocate_kv_cache, import_views, slot_major
 from vllm_unified.kv.block_translation import (
     KERNEL_BLOCK_SIZES,
     expand_block_table,
@@ -31,7 +31,8 @@ from vllm_unified.kv.block_translation import (
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.layer_cache import PagedLayerCache, StateLayerCache
 from vllm_unified.kv.pool import KVPool
-from vllm_unified.kv.state_pages import StateStore, build_state_metadata
+from vllm_unified.kv.state_pages import StatePages, StateStore, build_state_metadata, page_rows
+from vllm_unified.memory.wired import prepare_kv_adoption
 
 logger = init_logger(__name__)
 
@@ -120,7 +121,8 @@ class KVCache:
         Raises:
             ValueError: KV-cache groups that do not match the model's layers (several groups
                 for a model that is not hybrid), or a block size no kernel block divides.
-            NotImplementedError: a hybrid model where the pool cannot be shared with torch.
+            NotImplementedError: a hybrid model where the pool cannot be shared with torch
+                (CUDA: MLX-owned pool).
         """
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1 and not self.layers.is_hybrid:
@@ -145,18 +147,32 @@ class KVCache:
 
     def _allocate(self, kv_cache_config: KVCacheConfig, spec: Any, names: list[str],
                   layout: str) -> None:
-        """A torch buffer in vLLM's layout shared with MLX where the profile says so, else
-        MLX-owned arrays (logged)."""
+        """A torch buffer in vLLM's layout shared with MLX where the profile says so (the CPU
+        and Metal backends: attention pages and a hybrid model's state pages, imported
+        together), else MLX-owned arrays (logged).
+
+        Raises:
+            NotImplementedError: a hybrid model where the pool cannot be shared with torch.
+        """
         if self.profile.kv_pool == "torch_shared":
             # For benchmarks only: zero-fill like vLLM does, to compare start-up memory.
             self.zeroed = read(KV_EAGER_ZERO_ENV) or kv_cache_config.needs_kv_cache_zeroing
             buf, views = allocate_kv_cache(
                 kv_cache_config, layout, zero=self.zeroed,
                 kernel_block_sizes={self.attn_group: self.kernel_block_size})
-            if self.layers.is_hybrid:
-                self.store = self.layers.bind(kv_cache_config, views, buf)
+            state = self.layers.state_layout(kv_cache_config) if self.layers.is_hybrid else {}
+            rows = [slot_major(views[n]) for n in names]
+            rows += [page_rows(views[name], buf) for name, _, _ in state.values()]
+            arrays = self._import(rows)
+            write = self.profile.kv_write
             self._views = {n: views[n] for n in names}
-            self.pool = KVPool.from_torch_views([views[n] for n in names], spec.block_size, buf)
+            self.pool = KVPool(arrays[:len(names)], spec.block_size, shared=True,
+                               torch_views=[views[n] for n in names], buffer=buf, write=write)
+            if state:
+                pages = {i: StatePages(arr, fields, shared=True, write=write)
+                         for (i, (_, _, fields)), arr in zip(state.items(), arrays[len(names):],
+                                                             strict=True)}
+                self.store = StateStore(pages, {i: gid for i, (_, gid, _) in state.items()})
             return
         if self.layers.is_hybrid:
             raise NotImplementedError("hybrid models need the KV cache shared with torch "
@@ -169,6 +185,18 @@ class KVCache:
             head_dim=spec.head_size, dtype=self.dtype,
             cuda_write=self.profile.kv_write == "cuda_kernel",
         )
+
+    def _import(self, rows: list[Any]) -> list[mx.array]:
+        """MLX arrays over ``rows`` (contiguous views of the KV buffer), one import of the
+        buffer (:func:`~vllm_unified.kv.allocation.import_views`). On Metal, Metal's largest
+        buffer bounds each imported chunk, and MLX's wired and memory limits are prepared for
+        the adopted bytes first (:func:`~vllm_unified.memory.wired.prepare_kv_adoption`)."""
+        if self.profile.allocator != "metal":
+            return import_views(rows)
+        max_chunk = int(mx.device_info()["max_buffer_length"])
+        storage = rows[0].untyped_storage().nbytes()
+        prepare_kv_adoption(mx, storage, logger)
+        return import_views(rows, max_chunk=max_chunk)
 
     def _describe_pool(self) -> str:
         if not self.pool.shared:
@@ -229,7 +257,8 @@ class KVCache:
     # ------------------------------------------------------------------ connector, probes
     def connector_views(self) -> dict[str, Any] | None:
         """vLLM's per-layer torch views of the attention pages (for the offloading
-        connector), None when the pool is MLX-owned.
+        connector; the same bytes MLX reads and writes on the CPU and Metal backends), None
+        when the pool is MLX-owned (CUDA, or the CPU without the native bridge).
 
         Raises:
             ValueError: the attention reads vLLM's blocks as smaller kernel blocks (the views
@@ -249,9 +278,13 @@ class KVCache:
         sequence (the activation-profiling forward): ``(layer_caches, step context, a function
         giving the arrays to evaluate after the forward is built)``."""
         blocks = -(-num_tokens // block_size) + 1
+        # The backend's kernel where it writes in place (it does into any MLX buffer), so
+        # the profiled forward is the served one; else MLX's donated scatter.
+        write = self.profile.kv_write if self.profile.kv_write in ("cuda_kernel",
+                                                                   "metal_kernel") else "scatter"
         pool = KVPool.allocate_mlx(len(self.layers.attention), blocks, block_size,
                                    self.shape.num_kv_heads, self.shape.head_size, self.dtype,
-                                   cuda_write=self.profile.kv_write == "cuda_kernel")
+                                   write=write)
         store = self.layers.temp_store(vllm_config, 2)
         table = np.arange(1, blocks, dtype=np.int32)[None]
         ctx = self._context([num_tokens], [num_tokens], table, None, block_size, None, store)

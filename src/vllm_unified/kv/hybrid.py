@@ -135,17 +135,18 @@ class HybridLayers:
                              f"(groups {groups})")
         return groups[0]
 
-    def bind(self, kv_cache_config: Any, views: dict[str, Any], buffer: Any):
-        """Adopt the recurrent layers' state pages from vLLM's views; returns the store.
-
-        ``views``/``buffer``: :func:`vllm_unified.kv.allocation.allocate_kv_cache`'s.
+    def state_layout(self, kv_cache_config: Any) -> dict[int, tuple[str, int, Any]]:
+        """Per recurrent layer index: its KV-cache layer name, its state group and the packing
+        of its states (:func:`vllm_unified.kv.state_pages.state_fields`), from vLLM's sized
+        config; the pages themselves are vLLM's views of that layer
+        (:meth:`vllm_unified.kv.cache.KVCache.initialize` imports them with the pool).
 
         Raises:
-            ValueError: a recurrent layer has no state group, or its pages do not fit.
+            ValueError: a recurrent layer has no state group, or a state dtype is not held.
         """
-        from vllm_unified.kv.state_pages import StatePages, StateStore, state_fields
+        from vllm_unified.kv.state_pages import state_fields
 
-        pages, groups = {}, {}
+        layout = {}
         for i in self.recurrent:
             name = recurrent_layer_name(i)
             gid = next((g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
@@ -153,10 +154,8 @@ class HybridLayers:
             if gid is None:
                 raise ValueError(f"recurrent layer {name} is in no KV cache group")
             spec = kv_cache_config.kv_cache_groups[gid].kv_cache_spec
-            pages[i] = StatePages.from_torch(views[name], state_fields(spec.shapes, spec.dtypes),
-                                             buffer)
-            groups[i] = gid
-        return StateStore(pages, groups)
+            layout[i] = (name, gid, state_fields(spec.shapes, spec.dtypes))
+        return layout
 
     def slots(self, store: Any, states: list[Any]) -> dict[int, Any]:
         """Per state group, each request's state slot (its one block of that group).

@@ -2,8 +2,8 @@
 
 How the pool is owned and written is the backend profile's decision
 (:class:`vllm_unified.backend.BackendProfile`): a torch buffer in vLLM's layout that MLX adopts
-(written by the native ``write_rows``), or MLX-owned arrays (written by the in-place CUDA
-kernel, or MLX's donated scatter).
+(written by the native ``write_rows`` on the CPU, by the in-place Metal kernel on Metal), or
+MLX-owned arrays (written by the in-place CUDA kernel, or MLX's donated scatter).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 
+from vllm_unified.backend import KVWritePath
+from vllm_unified.kv import gpu_write
 from vllm_unified.kv.gpu_write import write_kv_cuda
 
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
@@ -64,40 +66,67 @@ class KVPool:
     directly), each (slot, head) cell holding the key followed by the value, i.e. vLLM's
     attention page ``[B, H, N, C]`` in its LBNHC layout. Two ways to own the bytes:
 
-    * :meth:`from_torch_views` (MLX's CPU backend): vLLM-layout torch views of a buffer
-      allocated by :func:`vllm_unified.kv.allocation.allocate_kv_cache`, adopted into MLX
-      without a copy. MLX never writes adopted memory itself (a slice write would fork the whole
-      pool silently), so rows go in through the native ``write_rows`` primitive.
-    * :meth:`allocate_mlx` (Metal/CUDA, or without the native bridge): MLX owns the arrays and
-      this object alone refers to them, so the scatter that writes rows reuses ("donates") the
-      buffer. On the CPU backend the zero fill's pages are handed back to the OS. MLX's CUDA
-      scatter copies the whole pool instead, so there rows go in through a small CUDA kernel
-      that writes into the pool's buffer (:mod:`vllm_unified.kv.gpu_write`).
+    * :meth:`from_torch_views` (MLX's CPU and Metal backends): vLLM-layout torch views of a
+      buffer allocated by :func:`vllm_unified.kv.allocation.allocate_kv_cache`, imported into
+      MLX without a copy (:func:`vllm_unified.kv.allocation.import_views`). MLX never writes
+      adopted memory itself (a slice write would fork the whole pool silently), so rows go in
+      in place: the native ``write_rows`` primitive on the CPU, a Metal kernel writing into its
+      pool input on Metal (:func:`vllm_unified.kv.gpu_write.write_kv_gpu`).
+    * :meth:`allocate_mlx` (CUDA, the profiling forward, or the CPU without the native
+      bridge): MLX owns the arrays and this object alone refers to them, so the scatter that
+      writes rows reuses ("donates") the buffer. On the CPU backend the zero fill's pages are
+      handed back to the OS. MLX's CUDA scatter copies the whole pool instead, so there rows go
+      in through a small CUDA kernel that writes into the pool's buffer
+      (:mod:`vllm_unified.kv.gpu_write`).
 
-    ``kv`` holds the cache's current arrays: a write rebinds its entry to the written array
-    (the same buffer), so later readers are ordered after the write.
+    ``write`` names the write path (:data:`vllm_unified.backend.KVWritePath`). ``kv`` holds the
+    cache's current arrays: a write rebinds its entry to the written array (the same buffer),
+    so later readers are ordered after the write.
+
+    Raises:
+        ValueError: a shared pool with a write path that would not write in place
+            (``scatter``, ``cuda_kernel``).
     """
 
     def __init__(self, kv: list[mx.array], block_size: int, *, shared: bool,
-                 torch_views: list | None = None, buffer: object = None) -> None:
+                 torch_views: list | None = None, buffer: object = None,
+                 write: KVWritePath | None = None) -> None:
+        write = write or ("native_rows" if shared else "scatter")
+        if shared and write not in ("native_rows", "metal_kernel"):
+            raise ValueError(f"a KV pool shared with torch cannot be written by {write}: "
+                             "only native_rows / metal_kernel write it in place")
         self.kv = kv
         self.block_size = block_size
         self.num_blocks = kv[0].shape[0] // block_size
         self.shared = shared
         self.torch_views = torch_views
         self._buffer = buffer  # keeps a torch-owned backing buffer alive
-        #: write rows with the in-place CUDA kernel (MLX-owned pool on the CUDA backend)
-        self.cuda_write = False
+        #: how rows go into the pool
+        self.write_path: KVWritePath = write
+
+    @property
+    def cuda_write(self) -> bool:
+        """Rows go in through the in-place CUDA kernel (MLX-owned pool on CUDA)."""
+        return self.write_path == "cuda_kernel"
+
+    @cuda_write.setter
+    def cuda_write(self, on: bool) -> None:
+        if self.shared:
+            raise ValueError("a KV pool shared with torch is not written by the CUDA kernel")
+        self.write_path = "cuda_kernel" if on else "scatter"
 
     @classmethod
     def allocate_mlx(
         cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
         head_dim: int, dtype: mx.Dtype, cuda_write: bool | None = None,
+        write: KVWritePath | None = None,
     ) -> KVPool:
         """MLX-owned pool, one array per layer, zero-filled then handed back page by page.
 
-        ``cuda_write``: write rows with the in-place CUDA kernel; None: as the backend profile
-        says (``kv_write == "cuda_kernel"``)."""
+        ``write``: the write path (``scatter``, or an in-place kernel: ``cuda_kernel``,
+        ``metal_kernel``, ``native_rows``). Without it, ``cuda_write`` picks the CUDA kernel or
+        the scatter; with neither, the backend profile's ``kv_write`` decides (the CUDA kernel
+        where it says so, else the scatter)."""
         shape = (num_blocks * block_size, num_kv_heads, 2 * head_dim)
         kv = []
         # One array at a time: MLX's zero fill commits every page it writes, so hand the pages
@@ -107,28 +136,36 @@ class KVPool:
             mx.eval(arr)
             release_zero_pages(arr)
             kv.append(arr)
-        pool = cls(kv, block_size, shared=False)
-        if cuda_write is None:
-            from vllm_unified.backend import profile
+        if write is None:
+            if cuda_write is None:
+                from vllm_unified.backend import profile
 
-            cuda_write = profile().kv_write == "cuda_kernel"
-        pool.cuda_write = cuda_write
-        return pool
+                cuda_write = profile().kv_write == "cuda_kernel"
+            write = "cuda_kernel" if cuda_write else "scatter"
+        return cls(kv, block_size, shared=False, write=write)
 
     @classmethod
-    def from_torch_views(cls, views: list, block_size: int, buffer: object = None) -> KVPool:
-        """Adopt vLLM-layout torch views (``[B, H, N, C]``, LBNHC strides, one per layer, in
+    def from_torch_views(cls, views: list, block_size: int, buffer: object = None, *,
+                         write: KVWritePath = "native_rows", max_chunk: int | None = None
+                         ) -> KVPool:
+        """Import vLLM-layout torch views (``[B, H, N, C]``, LBNHC strides, one per layer, in
         model layer order) as MLX arrays sharing their bytes.
 
-        Raises:
-            RuntimeError: the native bridge is unavailable (``vllm_unified.bridge``).
-            ValueError: a view is not in LBNHC order.
-        """
-        from vllm_unified.bridge import to_mlx
-        from vllm_unified.kv.allocation import slot_major
+        Args:
+            buffer: the backing buffer, kept alive with the pool.
+            write: ``native_rows`` (CPU) or ``metal_kernel`` (Metal).
+            max_chunk: the largest buffer MLX may wrap at once
+                (:func:`vllm_unified.kv.allocation.import_views`).
 
-        kv = [to_mlx(slot_major(v)) for v in views]
-        return cls(kv, block_size, shared=True, torch_views=list(views), buffer=buffer)
+        Raises:
+            RuntimeError: the bridge cannot share the memory (:mod:`vllm_unified.bridge`).
+            ValueError: a view is not in LBNHC order; a write path that is not in place.
+        """
+        from vllm_unified.kv.allocation import import_views, slot_major
+
+        kv = import_views([slot_major(v) for v in views], max_chunk=max_chunk)
+        return cls(kv, block_size, shared=True, torch_views=list(views), buffer=buffer,
+                   write=write)
 
     @property
     def nbytes(self) -> int:
@@ -149,13 +186,18 @@ class KVPool:
         dst = kv[layer]
         if keys.dtype != dst.dtype:
             keys, values = keys.astype(dst.dtype), values.astype(dst.dtype)
-        if self.cuda_write:  # K and V side by side by the kernel itself: no concatenation
+        # The kernels put K and V side by side themselves: no concatenation.
+        if self.write_path == "cuda_kernel":
             kv[layer] = write_kv_cuda(dst, slot_mapping, keys, values)
+            return
+        if self.write_path == "metal_kernel":
+            kv[layer] = gpu_write.write_kv_gpu(dst, slot_mapping, keys, values,
+                                               dialect="metal")
             return
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
         rows = mx.concatenate([keys, values], axis=-1)
-        if self.shared:
+        if self.write_path == "native_rows":
             from vllm_unified.bridge import write_rows
 
             kv[layer] = write_rows(dst, slot_mapping, rows)
@@ -165,22 +207,16 @@ class KVPool:
     def data_ptrs(self) -> list[int]:
         """Addresses of every layer's buffer (for checks that writes stay in place).
 
-        Takes a transient NumPy view per array (released before returning), so it does not
-        hold references that would stop the next write from reusing the buffer.
+        Takes a transient view per array (released before returning), so it does not hold
+        references that would stop the next write from reusing the buffer.
         """
-        if self.shared:
-            from vllm_unified.bridge import data_ptr
+        from vllm_unified.bridge import data_ptr
 
-            return [data_ptr(a) for a in self.kv]
-        ptrs = []
-        for a in self.kv:
-            as_uint = a.view({2: mx.uint16, 4: mx.uint32}[a.dtype.size])
-            ptrs.append(int(np.asarray(as_uint).ctypes.data))
-            del as_uint
-        return ptrs
+        return [data_ptr(a) for a in self.kv]
 
     def zero_blocks(self, block_ids: list[int]) -> None:
-        """Zero whole blocks (vLLM's ``new_block_ids_to_zero``), in place."""
+        """Zero whole blocks (vLLM's ``new_block_ids_to_zero``), in place (through
+        :meth:`write`, so on the pool's write path)."""
         if not block_ids:
             return
         slots = (mx.array(block_ids, dtype=mx.int32)[:, None] * self.block_size

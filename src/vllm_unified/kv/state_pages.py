@@ -6,10 +6,10 @@ other, padded to the attention page size. With ``mamba_cache_mode == "none"`` ea
 exactly one block of its layer's group, for its whole life: that block id is its state slot.
 
 :class:`StatePages` holds one layer's pages as an MLX ``int8`` array ``[num_blocks, page_bytes]``
-adopted from vLLM's torch buffer (no copy). A step gathers the slots' pages, reinterprets the
+imported from vLLM's torch buffer (no copy). A step gathers the slots' pages, reinterprets the
 bytes as the states (vLLM's shapes and dtypes, which for the supported families are mlx-lm's
-per-sequence layouts), and writes the new states back in place with the bridge's
-``write_rows`` at the end of the layer (the mixer that does so is
+per-sequence layouts), and writes the new states back in place (the bridge's ``write_rows`` on
+the CPU, the Metal row kernel on Metal) at the end of the layer (the mixer that does so is
 :class:`vllm_unified.models.routing.RecurrentMixer`).
 """
 
@@ -58,41 +58,67 @@ def state_fields(shapes, dtypes) -> tuple[StateField, ...]:
     return tuple(fields)
 
 
+def page_rows(view, buffer):
+    """vLLM's ``[num_blocks, 1, 1, state_bytes]`` int8 page view as whole page rows
+    ``[num_blocks, page_stride]`` (the padding included): a contiguous torch view, no copy.
+
+    Raises:
+        ValueError: the pages are not rows of one stride inside ``buffer``.
+    """
+    import torch
+
+    stride = view.stride(0)
+    num_blocks = view.shape[0]
+    start = view.data_ptr() - buffer.data_ptr()
+    if start < 0 or start + num_blocks * stride > buffer.numel() * buffer.element_size():
+        raise ValueError("state pages run past the KV buffer")
+    return torch.as_strided(view, (num_blocks, stride), (stride, 1))
+
+
 class StatePages:
     """One recurrent layer's state pages: ``pages`` int8 ``[num_blocks, page_bytes]``.
 
     ``page_bytes`` is the page stride (the padded page); the fields occupy its start.
+    ``write``: how new states go in (:data:`vllm_unified.backend.KVWritePath`): the native
+    ``write_rows`` (shared pages on the CPU), the Metal row kernel (shared pages on Metal,
+    :func:`vllm_unified.kv.gpu_write.write_rows_gpu`), or MLX's donated scatter (MLX-owned
+    pages); default: ``native_rows`` when ``shared``, else ``scatter``.
+
+    Raises:
+        ValueError: ``pages`` is not int8 ``[blocks, >= used bytes]``, or shared pages with a
+            write path that does not write in place.
     """
 
-    def __init__(self, pages: mx.array, fields: tuple[StateField, ...], shared: bool) -> None:
+    def __init__(self, pages: mx.array, fields: tuple[StateField, ...], shared: bool,
+                 write: str | None = None) -> None:
         used = fields[-1].offset + fields[-1].nbytes
         if pages.ndim != 2 or pages.dtype != mx.int8 or pages.shape[1] < used:
             raise ValueError(f"state pages must be int8 [blocks, >= {used}], got "
                              f"{pages.shape} {pages.dtype}")
+        write = write or ("native_rows" if shared else "scatter")
+        if write not in ("native_rows", "metal_kernel", "scatter") or (
+                shared and write == "scatter"):
+            raise ValueError(f"state pages ({'shared' if shared else 'MLX-owned'}) cannot be "
+                             f"written by {write}")
         self.pages = pages
         self.fields = fields
         self.shared = shared
+        self.write_path = write
 
     @classmethod
-    def from_torch(cls, view, fields: tuple[StateField, ...], buffer) -> StatePages:
-        """Adopt vLLM's ``[num_blocks, 1, 1, state_bytes]`` int8 page view as whole page rows
-        ``[num_blocks, page_stride]`` (the padding included), sharing the bytes.
+    def from_torch(cls, view, fields: tuple[StateField, ...], buffer, *,
+                   write: str = "native_rows") -> StatePages:
+        """Import vLLM's ``[num_blocks, 1, 1, state_bytes]`` int8 page view as whole page rows
+        (:func:`page_rows`), sharing the bytes.
 
         Raises:
             ValueError: the pages are not rows of one stride inside ``buffer``.
-            RuntimeError: the native bridge is unavailable.
+            RuntimeError: the bridge cannot share the memory.
         """
-        import torch
+        from vllm_unified.kv.allocation import import_views
 
-        from vllm_unified.bridge import to_mlx
-
-        stride = view.stride(0)
-        num_blocks = view.shape[0]
-        start = view.data_ptr() - buffer.data_ptr()
-        if start < 0 or start + num_blocks * stride > buffer.numel() * buffer.element_size():
-            raise ValueError("state pages run past the KV buffer")
-        rows = torch.as_strided(view, (num_blocks, stride), (stride, 1))
-        return cls(to_mlx(rows), fields, shared=True)
+        (rows,) = import_views([page_rows(view, buffer)])
+        return cls(rows, fields, shared=True, write=write)
 
     @classmethod
     def allocate_mlx(cls, num_blocks: int, page_bytes: int, fields) -> StatePages:
@@ -105,9 +131,23 @@ class StatePages:
         return [rows[:, f.offset:f.offset + f.nbytes].view(f.dtype).reshape(-1, *f.shape)
                 for f in self.fields]
 
+    def _put(self, idx: mx.array, rows: mx.array) -> None:
+        """Rows ``rows`` into pages ``idx``, in place, on this store's write path."""
+        if self.write_path == "native_rows":
+            from vllm_unified.bridge import write_rows
+
+            self.pages = write_rows(self.pages, idx, rows)
+        elif self.write_path == "metal_kernel":
+            from vllm_unified.kv import gpu_write
+
+            self.pages = gpu_write.write_rows_gpu(self.pages, idx, rows, dialect="metal")
+        else:
+            self.pages[idx] = rows
+
     def write(self, slots: mx.array, states: list[mx.array]) -> None:
         """Write ``states`` (one ``[n, *shape]`` per field) into the pages of ``slots``
-        (lazily, in place: ``write_rows`` on the shared buffer, a donated scatter otherwise)."""
+        (lazily, in place: ``write_rows`` or the Metal row kernel on the shared buffer, a
+        donated scatter otherwise)."""
         n = slots.shape[0]
         parts = []
         for f, s in zip(self.fields, states, strict=True):
@@ -117,26 +157,14 @@ class StatePages:
         rest = self.pages.shape[1] - (self.fields[-1].offset + self.fields[-1].nbytes)
         if rest:
             parts.append(mx.zeros((n, rest), dtype=mx.int8))
-        rows = mx.concatenate(parts, axis=1)
-        if self.shared:
-            from vllm_unified.bridge import write_rows
-
-            self.pages = write_rows(self.pages, slots, rows)
-        else:
-            self.pages[slots] = rows
+        self._put(slots, mx.concatenate(parts, axis=1))
 
     def zero(self, slots: list[int]) -> None:
         """Zero whole pages (vLLM's ``new_block_ids_to_zero`` of this layer's blocks)."""
         if not slots:
             return
-        idx = mx.array(slots, dtype=mx.int32)
         zeros = mx.zeros((len(slots), self.pages.shape[1]), dtype=mx.int8)
-        if self.shared:
-            from vllm_unified.bridge import write_rows
-
-            self.pages = write_rows(self.pages, idx, zeros)
-        else:
-            self.pages[idx] = zeros
+        self._put(mx.array(slots, dtype=mx.int32), zeros)
 
 
 @dataclass
