@@ -56,7 +56,7 @@ class KVConnectorHooks:
         if views is None:
             raise RuntimeError(
                 "--kv-offloading-size: KV offloading needs the KV pool shared with torch "
-                "(MLX's CPU backend with the native bridge); this pool is MLX-owned"
+                "(MLX's CPU backend with the native bridge, or Metal); this pool is MLX-owned"
             )
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(f"--kv-offloading-size: {len(kv_cache_config.kv_cache_groups)} KV "
