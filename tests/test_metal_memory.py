@@ -339,7 +339,7 @@ def test_adoption_caps_the_wired_limit_and_raises_the_memory_limit():
     assert calls == ["clear", ("wired", cap), ("wired", 0), ("memory", 13 * 2**30)]
 
 
-# ----------------------------------------------------------------------------- CUDA keeps its refusals
+# --------------------------------------------------------------- CUDA keeps its refusals
 def test_cuda_keeps_the_mlx_owned_pool_and_its_refusals(vllm_config):
     cuda = _profile("cuda", "cuda")
     with pytest.raises(NotImplementedError, match="cannot be shared"):
