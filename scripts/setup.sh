@@ -205,6 +205,10 @@ pip_quiet install --upgrade pip
 # VLLM_VERSION_OVERRIDE keeps the version 0.32.0: without it the build calls itself 0.32.0+cpu and
 # pip rejects it as inconsistent with the sdist it came from. pip keeps the built wheel in its
 # cache, so a new environment on the same Mac installs it without compiling again.
+# pip 26.3 refuses any distribution from PyPI whose metadata declares a direct URL dependency,
+# whatever that dependency's marker says, and vLLM 0.32.0's CPU requirements name triton-cpu wheels
+# by URL (for x86_64 only: never installed on a Mac). So on macOS this venv keeps pip below 26.3.
+MACOS_PIP_REQ="pip<26.3"
 check_macos_compiler() {
     xcode-select -p >/dev/null 2>&1 \
         || die "the Xcode Command Line Tools are missing (vLLM is compiled on macOS): run xcode-select --install, then rerun"
@@ -215,6 +219,8 @@ check_macos_compiler() {
 }
 
 install_vllm_macos() {
+    say "macOS: $MACOS_PIP_REQ in the venv (pip 26.3 refuses vLLM's sdist, see setup.sh)"
+    pip_quiet install --progress-bar off "$MACOS_PIP_REQ"
     if "$PY" - "$VLLM_MACOS_VERSION" <<'EOF' 2>/dev/null; then
 import importlib.metadata as md
 import sys
