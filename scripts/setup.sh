@@ -203,8 +203,10 @@ pip_quiet install --upgrade pip
 # an isolated build environment that pip fills from vLLM's own build requirements (torch 2.13.0,
 # cmake, ninja, setuptools-rust). Its optional Rust frontend is built only when cargo is on PATH.
 # VLLM_VERSION_OVERRIDE keeps the version 0.32.0: without it the build calls itself 0.32.0+cpu and
-# pip rejects it as inconsistent with the sdist it came from. pip keeps the built wheel in its
-# cache, so a new environment on the same Mac installs it without compiling again.
+# pip rejects it as inconsistent with the sdist it came from (vLLM finds its CPU platform on macOS
+# by sys.platform, not by that suffix). Both variables are set for the build only: at run time
+# VLLM_TARGET_DEVICE=cpu would make vLLM skip platform plugins, ours included. pip keeps the built
+# wheel in its cache, so a new environment on the same Mac installs it without compiling again.
 # pip 26.3 refuses any distribution from PyPI whose metadata declares a direct URL dependency,
 # whatever that dependency's marker says, and vLLM 0.32.0's CPU requirements name triton-cpu wheels
 # by URL (for x86_64 only: never installed on a Mac). So on macOS this venv keeps pip below 26.3.
