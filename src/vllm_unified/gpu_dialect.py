@@ -200,8 +200,8 @@ _METAL_TYPES = {
     mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
 }
 
-# metal_kernel's attribute table: (attribute, type), in MLX's order.
-_METAL_ATTRIBUTES = (
+#: metal_kernel's table of thread attributes: (attribute, parameter type), in MLX's order
+METAL_ATTRIBUTES = (
     ("dispatch_quadgroups_per_threadgroup", "uint"),
     ("dispatch_simdgroups_per_threadgroup", "uint"),
     ("dispatch_threads_per_threadgroup", "uint3"),
@@ -275,7 +275,7 @@ def mlx_metal_source(name: str, input_names: Sequence[str], output_names: Sequen
     if len(output_dtypes) != len(output_names):
         raise ValueError(f"[metal_kernel] Expected `output_dtypes` to have size "
                          f"{len(output_names)} but got size {len(output_dtypes)}.")
-    attributes = [f"  {t} {a} [[{a}]]" for a, t in _METAL_ATTRIBUTES if a in source]
+    attributes = [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in source]
 
     func = "custom_kernel_" + name
     template_def = ""
