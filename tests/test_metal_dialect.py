@@ -50,6 +50,43 @@ REDUCE = """
 """
 
 
+#: every name of the convention in one kernel: per group of 128, the sum and max of x, the sum
+#: of exp(x - max), and x replaced by exp(x - max) in place
+ALL_NAMES = """
+    UNI_SHARED float sums[32];
+    UNI_SHARED float maxs[32];
+    UNI_SHARED float exps[32];
+    const UNI_DEVICE T* xs = x;
+    const float v = static_cast<float>(xs[uni_global]);
+    const float m = uni_simd_max(v);
+    float s = v;
+    for (int k = 16; k > 0; k >>= 1) s += uni_shfl_xor(s, k);
+    if (uni_lane == 0) { sums[uni_simd] = s; maxs[uni_simd] = m; }
+    UNI_BARRIER();
+    if (uni_thread == 0) {
+        float total = 0.0f, best = uni_neg_inf();
+        for (unsigned int g = 0; g < (uni_threads + 31) / 32; ++g) {
+            total += sums[g];
+            best = uni_fmax(best, maxs[g]);
+        }
+        sums[0] = total;
+        maxs[0] = best;
+    }
+    UNI_BARRIER();
+    const float e = uni_exp(v - maxs[0]);
+    const float d = uni_simd_sum(e);
+    if (uni_lane == 0) exps[uni_simd] = d;
+    UNI_BARRIER();
+    UNI_WRITABLE(T, x)[uni_global] = static_cast<T>(e);
+    if (uni_thread == 0) {
+        float denom = 0.0f;
+        for (unsigned int g = 0; g < (uni_threads + 31) / 32; ++g) denom += exps[g];
+        out[uni_group * 3 + 0] = sums[0];
+        out[uni_group * 3 + 1] = maxs[0];
+        out[uni_group * 3 + 2] = denom;
+    }
+"""
+
 def _has(text: str, name: str) -> bool:
     return re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", text) is not None \
         if name[-1].isalnum() or name[-1] == "_" else name in text
@@ -276,6 +313,24 @@ def test_emulated_reduction_uses_barrier_and_simd_sum(n):
     _, (out,) = _run_body(REDUCE, [x], [(groups,)], [mx.float32], (n, 1, 1), (256, 1, 1))
     want = np.array([x[g * 256:(g + 1) * 256].sum() for g in range(groups)])
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_clang
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+def test_emulated_kernel_with_every_convention_name(dtype):
+    """Sum (xor butterfly), max, exp-sum per group and an in-place write, all names used."""
+    x32 = np.random.default_rng(4).standard_normal(512).astype(np.float32)
+    x = mx.array(x32).astype(dtype)
+    xf = _f32(x).reshape(4, 128)
+    (after,), (out,) = _run_body(ALL_NAMES, [x], [(12,)], [mx.float32], (512, 1, 1),
+                                 (128, 1, 1), template=[("T", dtype)])
+    out = out.reshape(4, 3)
+    np.testing.assert_allclose(out[:, 0], xf.sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(out[:, 1], xf.max(1))
+    e = np.exp(xf - xf.max(1, keepdims=True))
+    np.testing.assert_allclose(out[:, 2], e.sum(1), rtol=1e-5)
+    want = _f32(mx.array(e.reshape(-1)).astype(dtype))
+    np.testing.assert_allclose(after.astype(np.float32), want, rtol=1e-6, atol=0)
 
 
 @needs_clang

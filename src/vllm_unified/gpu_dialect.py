@@ -182,6 +182,8 @@ def kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], s
 
     Raises:
         ValueError: unknown dialect.
+        RuntimeError: MLX's own, when this MLX build has no backend of that dialect (CUDA:
+            here; Metal: when the kernel is called).
     """
     _check_dialect(dialect)
     return _kernel(name, tuple(input_names), tuple(output_names), source, dialect, header)
