@@ -18,7 +18,9 @@
 #   5. on Linux, installs OpenBLAS (Debian's libopenblas0-pthread) so that MLX's CPU backend
 #      does fp32 matmul ~25x faster than with the reference BLAS its wheel bundles
 #      (src/vllm_unified/blas.py; docs/configuration.md). Needs root and apt-get; otherwise it
-#      says so and MLX keeps its bundled BLAS;
+#      says so and MLX keeps its bundled BLAS. With apt-get it also installs clang, whose clang++
+#      the tests' Metal emulation compiles kernels with (tests/metal_emulation.py; without it
+#      those tests skip, saying so);
 #   6. checks the result: imports, `vllm --version`, the BLAS that MLX will use.
 # Separately, the native extension in native/ (vllm-unified-native: zero-copy torch -> MLX on MLX's
 # CPU backend, see src/vllm_unified/bridge.py) is compiled against the venv's own MLX, with its own
@@ -42,6 +44,7 @@ NATIVE_STAMP="$VENV/.vllm-unified-native"
 NATIVE_BUILD_REQS=("nanobind==3.1.0" "scikit-build-core>=0.10")  # nanobind: exactly mlx.core's
 LOG="$VENV/setup.log"
 OPENBLAS_PKG="libopenblas0-pthread"
+CLANG_PKG="clang"  # Debian/Ubuntu: clang++ and the C++ headers it needs
 
 say() { printf '==> %s\n' "$*"; }
 note() { printf '    %s\n' "$*"; }
@@ -321,9 +324,29 @@ Linux)
                 "$OPENBLAS_PKG" >>"$LOG" 2>&1 \
             && [[ -e "$lib" ]]; then
             blas=openblas
+            apt_updated=1
         else
             tail -n 10 "$LOG" >&2
             say "BLAS: apt-get failed (see above); MLX keeps its slow reference BLAS."
+        fi
+    fi
+    # clang++ for the tests' Metal emulation (tests/metal_emulation.py), same conditions.
+    if command -v clang++ >/dev/null 2>&1; then
+        say "clang++: already installed (the Metal emulation tests compile with it)"
+    elif [[ "$(id -u)" -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+        say "clang++: skipped (needs root and apt-get); the Metal emulation tests will skip."
+        note "To run them: sudo apt-get install $CLANG_PKG (or your system's clang), then rerun."
+    else
+        say "clang++: installing $CLANG_PKG for the Metal emulation tests (apt-get install)"
+        if { [[ -n "${apt_updated:-}" ]] \
+                || DEBIAN_FRONTEND=noninteractive apt-get update -qq >>"$LOG" 2>&1; } \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                "$CLANG_PKG" >>"$LOG" 2>&1 \
+            && command -v clang++ >/dev/null 2>&1; then
+            note "$(clang++ --version | head -n1)"
+        else
+            tail -n 10 "$LOG" >&2
+            say "clang++: apt-get failed (see above); the Metal emulation tests will skip."
         fi
     fi
     ;;
