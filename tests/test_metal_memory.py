@@ -5,11 +5,12 @@ On Metal the KV pool is the CPU backend's: vLLM's layout in one uninitialised to
 (attention pages and a hybrid model's state pages), imported into MLX without a copy and
 written in place by kernels. What differs is the import (``mx.from_dlpack(t, copy=False)``
 wrapping the pointer as a Metal buffer, which MLX refuses for a pointer that is not page-aligned)
-and the writes (Metal kernels). Here the import is a stand-in that enforces Metal's alignment
-and adopts through the native extension (the CPU backend's zero-copy import), and the write
-kernels are stand-ins with the same contract (the native ``write_rows``). The backend profile is
-the real ``backend.profile()`` decision with the device facts mocked. CUDA keeps its MLX-owned
-pool and refusals.
+and the writes (the Metal dialect of ``kv/gpu_write.py``'s kernels, whose logic
+``tests/test_metal_dialect.py`` checks in a CPU emulation). Here the import is a stand-in that
+enforces Metal's alignment and adopts through the native extension (the CPU backend's zero-copy
+import), and the write kernels are stand-ins with the same contract (the native ``write_rows``).
+The backend profile is the real ``backend.profile()`` decision with the device facts mocked.
+CUDA keeps its MLX-owned pool and refusals.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache as vllm_allocate_kv_cache
 
 from vllm_unified import backend, bridge
-from vllm_unified.kv import gpu_write
+from vllm_unified.kv import pool as kv_pool
+from vllm_unified.kv import state_pages
 from vllm_unified.kv.allocation import KV_LAYOUT, PAGE_ALIGN, allocate_kv_cache, import_views
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.hybrid import HybridLayers, recurrent_layer_name
@@ -133,9 +135,8 @@ def metal(monkeypatch) -> MetalStandIns:
 
     monkeypatch.setattr(bridge, "_backend", lambda: "metal")
     monkeypatch.setattr(mx, "from_dlpack", from_dlpack)
-    # gpu_write's Metal entry points come with the one-source GPU kernels (k-dialect).
-    monkeypatch.setattr(gpu_write, "write_kv_gpu", write_kv, raising=False)
-    monkeypatch.setattr(gpu_write, "write_rows_gpu", write_rows, raising=False)
+    monkeypatch.setattr(kv_pool, "write_kv_gpu", write_kv)
+    monkeypatch.setattr(state_pages, "write_rows_gpu", write_rows)
     monkeypatch.setattr(mx, "device_info", lambda: {"max_buffer_length": seen.max_buffer_length})
     monkeypatch.setattr(mx, "set_wired_limit", set_wired_limit)
     monkeypatch.setattr(mx, "get_memory_limit", lambda: 12 * 2**30)

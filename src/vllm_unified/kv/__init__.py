@@ -4,8 +4,8 @@
   page-aligned buffer, lazy (uninitialised) or zeroed where vLLM needs it, and its import into
   MLX without a copy;
 - ``pool``: the attention pages as MLX arrays and their write paths;
-- ``gpu_write``: the in-place KV and row write kernels on GPU backends (the shared pool on
-  Metal, the MLX-owned pool on CUDA);
+- ``gpu_write``: the in-place KV and row write kernels on GPU backends, one source for CUDA
+  and Metal (the shared pool on Metal, the MLX-owned pool on CUDA);
 - ``state_pages``: hybrid models' recurrent state in vLLM's state (Mamba) pages;
 - ``hybrid``: which layers are recurrent, their specs, each request's state slot;
 - ``block_translation``: kernel block sizes and vLLM's pages read as kernel blocks;

@@ -17,8 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_unified.backend import KVWritePath
-from vllm_unified.kv import gpu_write
-from vllm_unified.kv.gpu_write import write_kv_cuda
+from vllm_unified.kv.gpu_write import write_kv_gpu
 
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 
@@ -186,13 +185,11 @@ class KVPool:
         dst = kv[layer]
         if keys.dtype != dst.dtype:
             keys, values = keys.astype(dst.dtype), values.astype(dst.dtype)
-        # The kernels put K and V side by side themselves: no concatenation.
-        if self.write_path == "cuda_kernel":
-            kv[layer] = write_kv_cuda(dst, slot_mapping, keys, values)
-            return
-        if self.write_path == "metal_kernel":
-            kv[layer] = gpu_write.write_kv_gpu(dst, slot_mapping, keys, values,
-                                               dialect="metal")
+        if self.write_path in ("cuda_kernel", "metal_kernel"):
+            # K and V side by side by the kernel itself: no concatenation.
+            kv[layer] = write_kv_gpu(dst, slot_mapping, keys, values,
+                                     dialect="cuda" if self.write_path == "cuda_kernel"
+                                     else "metal")
             return
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)

@@ -21,6 +21,8 @@ from math import prod
 import mlx.core as mx
 import numpy as np
 
+from vllm_unified.kv.gpu_write import write_rows_gpu
+
 #: state dtypes the pages hold (vLLM's names)
 _STATE_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
 
@@ -138,9 +140,7 @@ class StatePages:
 
             self.pages = write_rows(self.pages, idx, rows)
         elif self.write_path == "metal_kernel":
-            from vllm_unified.kv import gpu_write
-
-            self.pages = gpu_write.write_rows_gpu(self.pages, idx, rows, dialect="metal")
+            self.pages = write_rows_gpu(self.pages, idx, rows, dialect="metal")
         else:
             self.pages[idx] = rows
 
