@@ -4,9 +4,10 @@ MLX without a copy.
 vLLM's ``allocate_kv_cache`` (``vllm/v1/worker/utils.py``) backs every layer with one
 ``torch.zeros`` buffer and views it per layer with ``create_kv_cache_views``. On unified memory
 the zero fill commits every page of a pool that mostly stays unused. Here the same buffer is a
-fresh anonymous private mapping (:func:`aligned_empty`), filled with zeros only when vLLM needs
-zeroed blocks (``KVCacheConfig.needs_kv_cache_zeroing``: Mamba layers, mixed KV precision);
-otherwise its pages are committed by the first write to a block. vLLM's own
+fresh anonymous private mapping (:func:`aligned_empty`): its pages read as zeros until written
+and are committed by the first write to them, so vLLM's need for zeroed blocks
+(``KVCacheConfig.needs_kv_cache_zeroing``: Mamba layers, mixed KV precision) is met without a
+fill, and the pool stays lazy for hybrid models too. vLLM's own
 ``create_kv_cache_views`` then makes the per-layer views, so sizes, strides, storage offsets and
 dtypes are exactly vLLM's. Never-written memory cannot reach an output: attention only reads
 positions below each sequence's length (and the MLX kernel keeps garbage in unread slots out of
@@ -89,7 +90,7 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
 
 
 def allocate_kv_cache(
-    kv_cache_config, layout_name: str = KV_LAYOUT, *, zero: bool | None = None,
+    kv_cache_config, layout_name: str = KV_LAYOUT, *, zero: bool = False,
     kernel_block_sizes: dict[int, int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The backing buffer and vLLM's per-layer views of it.
@@ -97,15 +98,16 @@ def allocate_kv_cache(
     Args:
         kv_cache_config: vLLM's ``KVCacheConfig``.
         layout_name: a ``KVCacheLayout`` name (vLLM's resolved layout).
-        zero: force zeroing on or off (benchmarks compare both); default: vLLM's
-            ``needs_kv_cache_zeroing``.
+        zero: write the zeros now, committing every page as vLLM's ``torch.zeros`` does
+            (benchmarks compare start-up memory with it); not needed for correctness, since
+            the fresh mapping reads as zeros (``needs_kv_cache_zeroing`` holds either way).
         kernel_block_sizes: KV-cache group id -> kernel block size ``k`` for attention
             groups whose pages the MLX attention reads as ``B/k`` kernel blocks (vLLM's
             ``create_kv_cache_views(kernel_block_size=k)``: a view of the same bytes).
 
     Returns:
-        ``(buffer, views)``: the int8 buffer (:func:`aligned_empty`, zero-filled when
-        ``zero``) and ``{layer name: view}``, each attention view a
+        ``(buffer, views)``: the int8 buffer (:func:`aligned_empty`: reads as zeros; filled
+        and committed when ``zero``) and ``{layer name: view}``, each attention view a
         ``[num_blocks * B/k, num_kv_heads, k, head_size + head_size_v]`` tensor in the spec's
         dtype with vLLM's strides and storage offsets (``k = B`` without a kernel block
         size); each state (Mamba) view vLLM's int8 ``[num_blocks, 1, 1, state_bytes]`` page
@@ -120,8 +122,6 @@ def allocate_kv_cache(
     sizes = {t.size for t in tensors}
     if len(sizes) != 1:
         raise ValueError(f"KV cache tensors must share one backing allocation, got {sizes}")
-    if zero is None:
-        zero = kv_cache_config.needs_kv_cache_zeroing
     buf = aligned_empty(sizes.pop())
     if zero:
         buf.zero_()

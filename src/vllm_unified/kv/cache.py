@@ -79,7 +79,10 @@ class KVCache:
         self.kernel_block_size: int | None = None
         #: the KV cache group of the attention layers
         self.attn_group = 0
+        #: the pool was zero-filled at start-up (VLLM_UNIFIED_KV_EAGER_ZERO, benchmarks)
         self.zeroed = False
+        #: vLLM needs zeroed blocks; the fresh mapping provides them without a fill
+        self.reads_zero = False
         self._views: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ vLLM's questions
@@ -155,8 +158,10 @@ class KVCache:
             NotImplementedError: a hybrid model where the pool cannot be shared with torch.
         """
         if self.profile.kv_pool == "torch_shared":
-            # For benchmarks only: zero-fill like vLLM does, to compare start-up memory.
-            self.zeroed = read(KV_EAGER_ZERO_ENV) or kv_cache_config.needs_kv_cache_zeroing
+            # The fresh mapping reads as zeros, which is all needs_kv_cache_zeroing asks for;
+            # the eager fill (committing every page, as vLLM does) is for benchmarks only.
+            self.zeroed = read(KV_EAGER_ZERO_ENV)
+            self.reads_zero = kv_cache_config.needs_kv_cache_zeroing
             buf, views = allocate_kv_cache(
                 kv_cache_config, layout, zero=self.zeroed,
                 kernel_block_sizes={self.attn_group: self.kernel_block_size})
@@ -202,8 +207,10 @@ class KVCache:
         if not self.pool.shared:
             return "MLX-owned"
         if self.zeroed:
-            return "vLLM layout in torch memory, shared with MLX; zeroed"
-        return ("vLLM layout in torch memory, shared with MLX; uninitialised, committed as "
+            return "vLLM layout in torch memory, shared with MLX; zero-filled (eager)"
+        contents = ("reads as zeros (vLLM needs zeroed blocks)" if self.reads_zero
+                    else "uninitialised")
+        return (f"vLLM layout in torch memory, shared with MLX; {contents}, committed as "
                 "blocks are written")
 
     def _layer_caches(self, pool: KVPool, store: StateStore | None) -> list[Any]:
