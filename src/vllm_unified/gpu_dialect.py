@@ -1,0 +1,348 @@
+"""GPU kernels written once, instantiated for MLX's CUDA or Metal backend.
+
+A kernel body is one string that uses only the names below (and plain C++ both dialects share:
+``int64_t``, ``static_cast``, arithmetic, the template arguments, ``name_shape[i]``), and is
+instantiated for a dialect, ``"cuda"`` (``mx.fast.cuda_kernel``) or ``"metal"``
+(``mx.fast.metal_kernel``). Each dialect adds a header (passed as the kernel's ``header=``, before
+the kernel's own header) and a body prefix (prepended to the body inside the generated function:
+MLX's Metal assembly scans the *body text* for attribute names such as
+``thread_position_in_grid`` to decide which parameters the signature gets, so the prefix must
+live in the body). The prefix declares only the ``uni_*`` indices the body mentions.
+
+========================  =============================================  ===========================
+name                      metal                                          cuda
+========================  =============================================  ===========================
+``uni_global`` (uint64)   ``thread_position_in_grid.x``                  ``blockIdx.x*blockDim.x+
+                                                                         threadIdx.x``
+``uni_group`` (uint)      ``threadgroup_position_in_grid.x``             ``blockIdx.x``
+``uni_thread`` (uint)     ``thread_position_in_threadgroup.x``           ``threadIdx.x``
+``uni_threads`` (uint)    ``threads_per_threadgroup.x``                  ``blockDim.x``
+``uni_lane`` (uint)       ``thread_index_in_simdgroup``                  ``threadIdx.x % 32``
+``uni_simd`` (uint)       ``simdgroup_index_in_threadgroup``             ``threadIdx.x / 32``
+``UNI_DEVICE``            ``device``                                     (empty)
+``UNI_SHARED``            ``threadgroup``                                ``__shared__``
+``UNI_BARRIER()``         ``threadgroup_barrier(mem_flags::mem_          ``__syncthreads()``
+                          threadgroup)``
+``uni_simd_sum(float)``   ``simd_sum``                                   xor-shuffle butterfly
+``uni_simd_max(float)``   ``simd_max``                                   xor-shuffle butterfly
+``uni_shfl_xor(f, int)``  ``simd_shuffle_xor``                           ``__shfl_xor_sync``
+``uni_exp(float)``        ``metal::fast::exp``                           ``__expf``
+``uni_fmax(f, f)``        ``metal::max``                                 ``fmaxf``
+``uni_neg_inf()``         ``-INFINITY``                                  ``__int_as_float(
+                                                                         0xff800000)``
+``UNI_WRITABLE(T, p)``    ``const_cast<device T*>(p)``                   ``const_cast<T*>(p)``
+========================  =============================================  ===========================
+
+Both dialects' SIMD groups are 32 lanes wide (NVIDIA warps; Apple GPUs' SIMD groups). The
+template type ``T`` is the array dtype (Metal ``float``/``float16_t``/``bfloat16_t``, CUDA
+``float``/``__half``/``__nv_bfloat16``); convert with ``static_cast<float>`` /
+``static_cast<T>``. A Metal input with fewer than 8 elements is passed in the ``constant``
+address space, which ``UNI_WRITABLE`` cannot make writable: kernels that write an input must
+refuse such inputs (as :mod:`vllm_unified.kv.gpu_write` does).
+
+:func:`assemble_metal` reproduces in Python the Metal source MLX builds for a kernel call
+(MLX 0.32.4, ``mlx/backend/common/metal_kernel.cpp``: ``metal_kernel``, ``write_signature``,
+``write_template``, ``make_template_hash``; ``get_type_string`` in
+``mlx/backend/common/compiled.cpp``), so the Metal instance can be compiled and checked on a
+machine without Metal (``tests/metal_emulation.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from typing import Literal
+
+import mlx.core as mx
+
+Dialect = Literal["cuda", "metal"]
+DIALECTS: tuple[Dialect, ...] = ("cuda", "metal")
+
+_HEADERS: dict[str, str] = {
+    "metal": """
+// vllm_unified.gpu_dialect: metal
+#define UNI_DEVICE device
+#define UNI_SHARED threadgroup
+#define UNI_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define UNI_WRITABLE(T, p) const_cast<device T*>(p)
+inline float uni_simd_sum(float x) { return simd_sum(x); }
+inline float uni_simd_max(float x) { return simd_max(x); }
+inline float uni_shfl_xor(float x, int mask) { return simd_shuffle_xor(x, ushort(mask)); }
+inline float uni_exp(float x) { return metal::fast::exp(x); }
+inline float uni_fmax(float a, float b) { return metal::max(a, b); }
+inline float uni_neg_inf() { return -INFINITY; }
+""",
+    "cuda": """
+// vllm_unified.gpu_dialect: cuda
+#define UNI_DEVICE
+#define UNI_SHARED __shared__
+#define UNI_BARRIER() __syncthreads()
+#define UNI_WRITABLE(T, p) const_cast<T*>(p)
+__device__ __forceinline__ float uni_shfl_xor(float x, int mask) {
+  return __shfl_xor_sync(0xffffffffu, x, mask);
+}
+__device__ __forceinline__ float uni_simd_sum(float x) {
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+__device__ __forceinline__ float uni_simd_max(float x) {
+  for (int m = 16; m > 0; m >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+  return x;
+}
+__device__ __forceinline__ float uni_exp(float x) { return __expf(x); }
+__device__ __forceinline__ float uni_fmax(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ float uni_neg_inf() { return __int_as_float(0xff800000); }
+""",
+}
+
+# (name, metal declaration, cuda declaration), in prefix order.
+_INDICES: tuple[tuple[str, str, str], ...] = (
+    ("uni_global", "const ulong uni_global = thread_position_in_grid.x;",
+     "const unsigned long long uni_global = "
+     "(unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;"),
+    ("uni_group", "const uint uni_group = threadgroup_position_in_grid.x;",
+     "const unsigned int uni_group = blockIdx.x;"),
+    ("uni_thread", "const uint uni_thread = thread_position_in_threadgroup.x;",
+     "const unsigned int uni_thread = threadIdx.x;"),
+    ("uni_threads", "const uint uni_threads = threads_per_threadgroup.x;",
+     "const unsigned int uni_threads = blockDim.x;"),
+    ("uni_lane", "const uint uni_lane = thread_index_in_simdgroup;",
+     "const unsigned int uni_lane = threadIdx.x % 32;"),
+    ("uni_simd", "const uint uni_simd = simdgroup_index_in_threadgroup;",
+     "const unsigned int uni_simd = threadIdx.x / 32;"),
+)
+
+
+def _check_dialect(dialect: str) -> None:
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown GPU dialect {dialect!r} (expected one of {DIALECTS})")
+
+
+def dialect_header(dialect: Dialect) -> str:
+    """The dialect's header: the ``UNI_*`` macros and ``uni_*`` functions.
+
+    Raises:
+        ValueError: unknown dialect.
+    """
+    _check_dialect(dialect)
+    return _HEADERS[dialect]
+
+
+def body_prefix(dialect: Dialect, source: str) -> str:
+    """The declarations of the ``uni_*`` indices that ``source`` mentions, one per line.
+
+    Raises:
+        ValueError: unknown dialect.
+    """
+    _check_dialect(dialect)
+    col = 1 if dialect == "metal" else 2
+    lines = [row[col] for row in _INDICES if re.search(rf"\b{row[0]}\b", source)]
+    return "".join(f"    {line}\n" for line in lines)
+
+
+def instance_source(source: str, *, dialect: Dialect, header: str = "") -> tuple[str, str]:
+    """``(header, source)`` handed to MLX for the dialect's instance of a kernel body.
+
+    The header is the dialect header followed by the kernel's own ``header``; the source is
+    the body prefix followed by the body.
+
+    Raises:
+        ValueError: unknown dialect.
+    """
+    return dialect_header(dialect) + header, body_prefix(dialect, source) + source
+
+
+@functools.cache
+def _kernel(name: str, input_names: tuple[str, ...], output_names: tuple[str, ...],
+            source: str, dialect: Dialect, header: str):
+    full_header, full_source = instance_source(source, dialect=dialect, header=header)
+    make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+    return make(name=name, input_names=list(input_names), output_names=list(output_names),
+                source=full_source, header=full_header)
+
+
+def kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+           *, dialect: Dialect, header: str = ""):
+    """The MLX kernel callable of a one-source body for ``dialect`` (cached per arguments).
+
+    Args:
+        name: kernel name (MLX derives the function name from it).
+        input_names, output_names: parameter names, in call order.
+        source: the body, written with the names of this module's table.
+        dialect: ``"cuda"`` (``mx.fast.cuda_kernel``) or ``"metal"`` (``mx.fast.metal_kernel``).
+        header: the kernel's own header (helpers), placed after the dialect header.
+
+    Returns:
+        What ``mx.fast.cuda_kernel`` / ``mx.fast.metal_kernel`` return; call it with MLX's
+        usual ``inputs=, template=, grid=, threadgroup=, output_shapes=, output_dtypes=``.
+
+    Raises:
+        ValueError: unknown dialect.
+    """
+    _check_dialect(dialect)
+    return _kernel(name, tuple(input_names), tuple(output_names), source, dialect, header)
+
+
+def dialect_of(profile) -> Dialect | None:
+    """The dialect of a :class:`vllm_unified.backend.BackendProfile`: ``"metal"`` or ``"cuda"``
+    for those backends, None for the CPU backend (no GPU kernels)."""
+    kind = profile.kind
+    return kind if kind in DIALECTS else None
+
+
+# --- MLX 0.32.4's Metal assembly, reproduced (mlx/backend/common/metal_kernel.cpp) ---
+
+_METAL_TYPES = {
+    mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t",
+    mx.float64: "double", mx.complex64: "complex64_t", mx.bool_: "bool",
+    mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+    mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+}
+
+# metal_kernel's attribute table: (attribute, type), in MLX's order.
+_METAL_ATTRIBUTES = (
+    ("dispatch_quadgroups_per_threadgroup", "uint"),
+    ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"),
+    ("grid_origin", "uint3"),
+    ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"),
+    ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"),
+    ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"),
+    ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
+)
+
+_MAX_CONSTANT_ARRAY_SIZE = 8  # inputs with fewer elements go in the constant address space
+
+
+def _type_string(dtype: mx.Dtype) -> str:
+    try:
+        return _METAL_TYPES[dtype]
+    except KeyError:
+        raise ValueError(f"Unsupported compilation type {dtype}") from None
+
+
+def _template_value(arg: int | bool | mx.Dtype) -> str:
+    if isinstance(arg, bool):
+        return "1" if arg else "0"  # std::ostream << bool
+    if isinstance(arg, int):
+        return str(arg)
+    return _type_string(arg)
+
+
+def _template_param(arg: int | bool | mx.Dtype) -> str:
+    return "bool" if isinstance(arg, bool) else "int" if isinstance(arg, int) else "typename"
+
+
+def mlx_metal_source(name: str, input_names: Sequence[str], output_names: Sequence[str],
+                     source: str, inputs: Sequence[mx.array],
+                     template: Sequence[tuple[str, int | bool | mx.Dtype]] = (), *,
+                     output_dtypes: Sequence[mx.Dtype], header: str = "",
+                     atomic_outputs: bool = False) -> tuple[str, str]:
+    """``(function name, source)`` that ``mx.fast.metal_kernel(name, input_names,
+    output_names, source, header, atomic_outputs=...)`` builds when called with ``inputs``,
+    ``template`` and ``output_dtypes`` (MLX 0.32.4; no dialect added). The source is what MLX
+    appends to its Metal utilities (``metal_stdlib``, ``using namespace metal``,
+    ``float16_t``/``bfloat16_t``) before compiling.
+
+    ``inputs``: anything with MLX's ``shape``, ``dtype`` (an ``mx.Dtype``) and ``size``.
+
+    MLX's quirks are kept: a parameter is added when its name occurs anywhere in the body
+    text (comments included), and with ``_shape``/``_strides``/``_ndim`` buffers, several
+    outputs and no attribute parameter, the signature is closed early (invalid source; a
+    dialect body that uses any ``uni_*`` index always has an attribute).
+
+    Raises:
+        ValueError: no outputs, mismatched counts, or a dtype MLX cannot compile.
+    """
+    if not output_names:
+        raise ValueError("[metal_kernel] Must specify at least one output.")
+    if len(inputs) != len(input_names):
+        raise ValueError(f"[metal_kernel] Expected `inputs` to have size {len(input_names)} "
+                         f"but got size {len(inputs)}.")
+    if len(output_dtypes) != len(output_names):
+        raise ValueError(f"[metal_kernel] Expected `output_dtypes` to have size "
+                         f"{len(output_names)} but got size {len(output_dtypes)}.")
+    attributes = [f"  {t} {a} [[{a}]]" for a, t in _METAL_ATTRIBUTES if a in source]
+
+    func = "custom_kernel_" + name
+    template_def = ""
+    if template:
+        template_def = "<" + ", ".join(_template_value(a) for _, a in template) + ">"
+        func += "_" + template_def.replace("<", "_").replace(">", "_").replace(", ", "_")[:-1]
+    for arr in inputs:
+        func += "_" + _type_string(arr.dtype)
+        if len(arr.shape) == 0:
+            func += "s"
+        elif arr.size < _MAX_CONSTANT_ARRAY_SIZE:
+            func += "c"
+    for dtype in output_dtypes:
+        func += "_" + _type_string(dtype)
+
+    out = [header]
+    if template:
+        out.append("template <" + ", ".join(f"{_template_param(a)} {n}" for n, a in template)
+                   + ">\n")
+    out.append(f"[[kernel]] void {func}(\n")
+    index = 0
+    for arr_name, arr in zip(input_names, inputs, strict=True):
+        location = "constant" if arr.size < _MAX_CONSTANT_ARRAY_SIZE else "device"
+        ref = "&" if len(arr.shape) == 0 else "*"
+        out.append(f"  const {location} {_type_string(arr.dtype)}{ref} {arr_name} "
+                   f"[[buffer({index})]],\n")
+        index += 1
+        if len(arr.shape) > 0:
+            for suffix, decl in (("_shape", "const constant int*"),
+                                 ("_strides", "const constant int64_t*"),
+                                 ("_ndim", "const constant int&")):
+                if arr_name + suffix in source:
+                    out.append(f"  {decl} {arr_name}{suffix} [[buffer({index})]],\n")
+                    index += 1
+    for arr_name, dtype in zip(output_names, output_dtypes, strict=True):
+        type_string = _type_string(dtype)
+        if atomic_outputs:
+            type_string = f"atomic<{type_string}>"
+        out.append(f"  device {type_string}* {arr_name} [[buffer({index})]]")
+        # MLX compares the running buffer index (shape/stride buffers included) with
+        # len(inputs) + len(outputs) - 1; reproduced as is.
+        last = index >= len(inputs) + len(output_names) - 1 and not attributes
+        out.append(") {\n" if last else ",\n")
+        index += 1
+    out.append(",\n".join(attributes))
+    if attributes:
+        out.append(") {\n")
+    out.append(source)
+    out.append("\n}\n")
+    if template:
+        inst = func + template_def
+        out.append(f'\ntemplate [[host_name("{func}")]] [[kernel]] decltype({inst}) {inst};\n')
+    return func, "".join(out)
+
+
+def assemble_metal(name: str, input_names: Sequence[str], output_names: Sequence[str],
+                   source: str, inputs: Sequence[mx.array],
+                   template: Sequence[tuple[str, int | bool | mx.Dtype]] = (), *,
+                   output_dtypes: Sequence[mx.Dtype], header: str = "") -> tuple[str, str]:
+    """``(function name, source)`` of the Metal instance of a one-source body, exactly as
+    ``kernel(name, input_names, output_names, source, dialect="metal", header=header)``
+    makes MLX 0.32.4 build it when called with ``inputs``/``template``/``output_dtypes``
+    (see :func:`mlx_metal_source`).
+
+    Raises:
+        ValueError: as :func:`mlx_metal_source`.
+    """
+    full_header, full_source = instance_source(source, dialect="metal", header=header)
+    return mlx_metal_source(name, input_names, output_names, full_source, inputs, template,
+                            output_dtypes=output_dtypes, header=full_header)
