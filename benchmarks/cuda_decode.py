@@ -320,6 +320,7 @@ def kernel_check(mx) -> dict:
 
 def _kernel_check(mx, heads: int, kv_heads: int, dim: int) -> dict:
     from vllm_unified.attention.cuda_decode import paged_decode_attention
+
     from vllm_unified.attention.metadata import build_attention_metadata
     from vllm_unified.attention.paged import paged_attention
 
@@ -369,6 +370,7 @@ def attention_timing(mx) -> list[dict]:
 
 def _attention_case(mx, b: int) -> dict:
     from vllm_unified.attention.cuda_decode import paged_decode_attention
+
     from vllm_unified.attention.metadata import build_attention_metadata
 
     rng = np.random.default_rng(b)

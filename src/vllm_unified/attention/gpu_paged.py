@@ -111,7 +111,7 @@ SOURCE = """
     for (int i = 0; i < QG; ++i) {
         const int qi = i / G;
         const int g = i - qi * G;
-        const long qoff = ((long)(row0 + (qi < nrows ? qi : 0)) * H + kh * G + g) * D
+        const int64_t qoff = ((int64_t)(row0 + (qi < nrows ? qi : 0)) * H + kh * G + g) * D
                           + lane * EPL;
 #pragma unroll
         for (int e = 0; e < EPL; ++e) {
@@ -121,10 +121,10 @@ SOURCE = """
         m[i] = neg_inf;
         l[i] = 0.f;
     }
-    const long trow = (long)seq * mb;
+    const int64_t trow = (int64_t)seq * mb;
     for (int j = kbeg + warp; j < len_last; j += WARPS) {
-        const long slot = (long)tables[trow + j / BS] * BS + j % BS;
-        const long koff = (slot * HKV + kh) * (2 * D) + lane * EPL;
+        const int64_t slot = (int64_t)tables[trow + j / BS] * BS + j % BS;
+        const int64_t koff = (slot * HKV + kh) * (2 * D) + lane * EPL;
         const UniVec<T, EPL> kk = *reinterpret_cast<const UNI_DEVICE UniVec<T, EPL>*>(kv + koff);
         const UniVec<T, EPL> vv =
             *reinterpret_cast<const UNI_DEVICE UniVec<T, EPL>*>(kv + koff + D);
@@ -199,7 +199,7 @@ SOURCE = """
                     ll += sl[w][i] * f;
                     o += sacc[w][d] * f;
                 }
-                out[((long)(row0 + qi) * H + kh * G + g) * D + d] = static_cast<T>(o / ll);
+                out[((int64_t)(row0 + qi) * H + kh * G + g) * D + d] = static_cast<T>(o / ll);
             }
             UNI_BARRIER();
         }
