@@ -20,7 +20,8 @@
 #               small binary dependencies of offline LLM.generate that the machine lacks
 #                                                              -> `stash DEST/part2`
 #   DEST/run    this checkout's plugin (src/ + an entry-point dist-info), cuda_decode.py, this
-#               script, expected.json (greedy ids of the CPU backend)  -> `device DEST/run`
+#               script, tests/gpu_attention_grid.py (the kernel grid), expected.json (greedy
+#               ids of the CPU backend)                                -> `device DEST/run`
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -80,7 +81,8 @@ pack() {
   printf 'Metadata-Version: 2.1\nName: vllm-unified\nVersion: 0.1.0\n' > "$di/METADATA"
   printf '[vllm.platform_plugins]\nvllm_unified = vllm_unified:register\n' \
     > "$di/entry_points.txt"
-  cp "$REPO/benchmarks/cuda_decode.py" "$REPO/benchmarks/cuda_h200.sh" "$DEST/run/"
+  cp "$REPO/benchmarks/cuda_decode.py" "$REPO/benchmarks/cuda_h200.sh" \
+    "$REPO/tests/gpu_attention_grid.py" "$DEST/run/"
   if [ ! -f "$DEST/run/expected.json" ]; then
     rm -rf "$stage" && mkdir -p "$stage"
     (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda_decode.py expected "$stage")

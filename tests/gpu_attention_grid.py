@@ -151,9 +151,13 @@ def build(case: Case) -> Built:
         cells = kv[mx.array(meta.host_slot_mapping)][:, :, None]  # [T, Hkv, 1, 2D]
         fresh = (cells[..., :dim], cells[..., dim:])
     ref_meta = build_attention_metadata(qlens, slens, tables, bs)
-    reference = paged_attention_kv(q.astype(mx.float32), kv.astype(mx.float32), ref_meta,
-                                   scale, case.window, accelerate=False)
-    return Built(q, kv, meta, scale, fresh, np.array(reference))
+    # On MLX's CPU device on every machine: exact fp32 (MLX's CUDA backend computes fp32
+    # matmuls in TF32 by default).
+    with mx.stream(mx.cpu):
+        reference = np.array(paged_attention_kv(
+            q.astype(mx.float32), kv.astype(mx.float32), ref_meta, scale, case.window,
+            accelerate=False))
+    return Built(q, kv, meta, scale, fresh, reference)
 
 
 Attend = Callable[[mx.array, mx.array, object, float, object, object], mx.array]

@@ -43,6 +43,7 @@ per layer and step. A step that is one fresh prompt launches no paged kernel at 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -250,6 +251,39 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
+@dataclass(frozen=True)
+class LaunchArgs:
+    """One launch of the kernel, as MLX's kernel call takes it."""
+
+    inputs: list[mx.array]
+    template: list[tuple[str, int | mx.Dtype]]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: list[tuple[int, ...]]
+    output_dtypes: list[mx.Dtype]
+
+
+def launch_args(
+    queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array, scale: float,
+    window: Window, block_size: int, rows: int, decode: bool,
+) -> LaunchArgs:
+    """The kernel call over ``tiles`` (see :func:`launch`)."""
+    tokens, heads, _, dim = queries.shape
+    kv_heads = kv_pool.shape[1]
+    warps = warps_per_group(heads // kv_heads, dim, rows)
+    return LaunchArgs(
+        inputs=[queries, kv_pool, tables, tiles, _scale(scale)],
+        template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
+                  ("BS", block_size), ("WARPS", warps),
+                  ("WINDOW", 0 if window is None else int(window)), ("QT", rows),
+                  ("DECODE", int(decode))],
+        grid=(tiles.shape[0] * kv_heads * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(tokens, heads, 1, dim)],
+        output_dtypes=[queries.dtype],
+    )
+
+
 def launch(
     dialect: str, queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array,
     scale: float, window: Window, block_size: int, rows: int, decode: bool,
@@ -268,22 +302,10 @@ def launch(
         scale, window, block_size: as :func:`paged_gpu_attention`.
         rows: QT, the most rows of a tile (1 when ``decode``).
     """
-    tokens, heads, _, dim = queries.shape
-    kv_heads = kv_pool.shape[1]
-    group = heads // kv_heads
-    warps = warps_per_group(group, dim, rows)
-    num_tiles = tiles.shape[0]
-    return _kernel(dialect)(
-        inputs=[queries, kv_pool, tables, tiles, _scale(scale)],
-        template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
-                  ("BS", block_size), ("WARPS", warps),
-                  ("WINDOW", 0 if window is None else int(window)), ("QT", rows),
-                  ("DECODE", int(decode))],
-        grid=(num_tiles * kv_heads * warps * 32, 1, 1),
-        threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(tokens, heads, 1, dim)],
-        output_dtypes=[queries.dtype],
-    )[0]
+    a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode)
+    return _kernel(dialect)(inputs=a.inputs, template=a.template, grid=a.grid,
+                            threadgroup=a.threadgroup, output_shapes=a.output_shapes,
+                            output_dtypes=a.output_dtypes)[0]
 
 
 def paged_gpu_attention(
