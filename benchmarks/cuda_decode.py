@@ -50,7 +50,7 @@ lent H200). Subcommands:
      weight bytes / measured copy bandwidth).
 
   Writes ``OUT/cuda_decode.json`` with every figure. ``CUDA_BENCH_CHECK_ONLY=1`` stops after
-  steps 1, 2 and the kernel grid of step 4; ``CUDA_BENCH_SKIP_CHECKS=1`` skips step 2 and
+  steps 1, 2 and 4 (no checkpoint, no engines); ``CUDA_BENCH_SKIP_CHECKS=1`` skips step 2 and
   the grid (for a second call after a check-only one).
 * ``engine SPEC OUT`` (internal): one ``LLM`` in its own process (each engine gets a fresh
   process so the GPU memory of one is free for the next).
@@ -83,6 +83,8 @@ PROMPT_LEN = 512
 #: the time-to-first-token prompt, and prompts timed per contender and round
 TTFT_LEN = 2048
 TTFT_REPS = 3
+#: chunk lengths of the attention timing (a chunk whose context ends at 2,048 tokens)
+CHUNK_ROWS = (4, 8, 16, 32, 64, 512)
 BATCHES = (1, 16, 64)
 MLX_LM_STEPS = 128
 SHORT, LONG = 16, 144
@@ -405,9 +407,10 @@ def kernel_grid_check(mx) -> dict:
     cases = grid.grid(("float32", "bfloat16")) + [
         c for c in grid.grid(("float16",)) if c.kind == "mixed"]
 
-    def attend(q, pool, meta, scale, window, fresh):
-        return paged_gpu_attention("cuda", q, pool, meta, scale, window, fresh)
+    def attend(q, pool, meta, scale, window, fresh, max_chunk):
+        return paged_gpu_attention("cuda", q, pool, meta, scale, window, fresh, max_chunk)
 
+    start = time.perf_counter()
     errors, failed = {}, []
     for case in cases:
         try:
@@ -424,7 +427,8 @@ def kernel_grid_check(mx) -> dict:
         errs = [errors[c.name] for c in cases if c.dtype == dtype]
         finite = all(isinstance(e, float) and np.isfinite(e) for e in errs)
         worst[dtype] = max(errs) if finite else float("nan")
-    return {"cases": len(cases), "worst_max_abs_error": worst, "failed": failed,
+    return {"cases": len(cases), "elapsed_s": time.perf_counter() - start,
+            "worst_max_abs_error": worst, "failed": failed,
             "all_within_tolerance": not failed, "tolerance": grid.TOLERANCE,
             "max_abs_error": errors}
 
@@ -432,15 +436,18 @@ def kernel_grid_check(mx) -> dict:
 def attention_timing(mx) -> dict:
     """Attention alone, one Qwen3-0.6B-shaped step (28 layers, 16 query / 8 KV heads of 128,
     bf16), ms per step (28 calls, evaluated together), median of 20: decode at 650-token
-    contexts for each batch size, and one 512-token chunk after 1,536 cached tokens; our
-    kernel over a paged pool (scattered blocks) against MLX's SDPA over contiguous keys and
-    values (what mlx-lm runs)."""
-    out = {"decode": []}
+    contexts for each batch size, against MLX's SDPA over contiguous keys and values (what
+    mlx-lm runs); one chunk of L rows whose context ends at 2,048 tokens, for L in
+    CHUNK_ROWS: the kernel (every row), the reference's route (keys gathered from the pool,
+    MLX's SDPA) and MLX's SDPA over contiguous keys (the data behind
+    ``gpu_paged.MAX_KERNEL_CHUNK``)."""
+    out = {"decode": [], "chunk": []}
     for b in BATCHES:
         out["decode"].append(_attention_case(mx, b))
         mx.clear_cache()
-    out["chunk_512_after_1536"] = _chunk_case(mx, 512, 2048)
-    mx.clear_cache()
+    for rows in CHUNK_ROWS:
+        out["chunk"].append(_chunk_case(mx, rows, 2048))
+        mx.clear_cache()
     return out
 
 
@@ -487,6 +494,7 @@ def _attention_case(mx, b: int) -> dict:
 
 def _chunk_case(mx, length: int, context: int) -> dict:
     from vllm_unified.attention.gpu_paged import paged_gpu_attention, q_tile
+    from vllm_unified.attention.paged import prefill_chunk_attention
 
     heads, kv_heads, dim, layers = 16, 8, 128, 28
     meta, pool = _paged_setup(mx, [length], [context], np.random.default_rng(5))
@@ -494,11 +502,15 @@ def _chunk_case(mx, length: int, context: int) -> dict:
     qd = q.transpose(2, 1, 0, 3)  # [1, H, L, D], as mlx-lm's layout
     k = mx.random.normal((1, kv_heads, context, dim)).astype(mx.bfloat16)
     v = mx.random.normal((1, kv_heads, context, dim)).astype(mx.bfloat16)
-    plan = meta.gpu_plan(q_tile(heads // kv_heads, dim), True)
+    plan = meta.gpu_plan(q_tile(heads // kv_heads, dim), False, 1 << 30)
     mx.eval(pool, q, qd, k, v, plan.tables, plan.tiles)
 
     def ours():
-        mx.eval([paged_gpu_attention("cuda", q, pool, meta, dim ** -0.5, None)
+        mx.eval([paged_gpu_attention("cuda", q, pool, meta, dim ** -0.5, None, None, 1 << 30)
+                 for _ in range(layers)])
+
+    def gathered():
+        mx.eval([prefill_chunk_attention(q, pool, meta, 0, dim ** -0.5, None)
                  for _ in range(layers)])
 
     def sdpa():
@@ -506,8 +518,10 @@ def _chunk_case(mx, length: int, context: int) -> dict:
                                                       mask="causal") for _ in range(layers)])
 
     ours()
+    gathered()
     sdpa()
     return {"rows": length, "context": context, "ours_kernel_ms": _median_time(ours, 20) * 1e3,
+            "gather_sdpa_ms": _median_time(gathered, 20) * 1e3,
             "mlx_sdpa_ms": _median_time(sdpa, 20) * 1e3}
 
 
@@ -613,9 +627,21 @@ def device_main(carry: str, out_dir: str) -> None:
     (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
     mx.clear_cache()
     if os.environ.get(CHECK_ONLY_ENV) == "1":
+        _attention_timing(mx, report)
+        (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
         print_checks(report)
         return
     _benchmark(mx, report, carry_dir, out, work, env)
+
+
+def _attention_timing(mx, report: dict) -> None:
+    try:
+        report["attention_timing"] = attention_timing(mx)
+    except Exception as err:  # reported; the engines below still run
+        report["attention_timing"] = {"error": repr(err)}
+    print("attention alone, one 28-layer step:", json.dumps(report["attention_timing"]),
+          flush=True)
+    mx.clear_cache()
 
 
 def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: dict) -> None:
@@ -629,12 +655,7 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
     print(f"checkpoint {ckpt}: {weight_bytes / 1e9:.3f} GB of bf16 weights; weight-read "
           f"roofline {roofline_ms:.3f} ms/step", flush=True)
 
-    try:
-        report["attention_timing"] = attention_timing(mx)
-    except Exception as err:  # reported; the engines below still run
-        report["attention_timing"] = {"error": repr(err)}
-    print("attention alone, one 28-layer step:", report["attention_timing"], flush=True)
-    mx.clear_cache()
+    _attention_timing(mx, report)
     # Control: plain mlx-lm with no engine process alive (the rounds below run it while an
     # idle engine holds its own CUDA context and memory), before and after the engines.
     report["mlx_lm_alone"] = run_mlx_lm(ckpt, list(BATCHES))

@@ -33,15 +33,18 @@ BLOCK_SIZES = (16, 32, 64)
 WINDOWS = (None, 16, 61)
 KINDS = ("decode", "prefill", "mixed")
 
-#: (query lengths, context lengths after the step) of each step kind. Prefill: a chunk with
-#: no context before it (37 of 37), one after cached context (20 of 90), one of 70 of 70.
-#: Mixed: decode rows around chunks (23 of 70 after context, 40 of 40 and 5 of 5 fresh), a
-#: decode row at position 0.
+#: (query lengths, context lengths after the step) of each step kind. Prefill: chunks with no
+#: context before them (37 of 37, 70 of 70), after cached context (20 of 90, and 9 of 50:
+#: short enough for the kernel on the split route). Mixed: decode rows around chunks (23 of 70
+#: and 12 of 80 after context, 40 of 40 and 5 of 5 fresh), a decode row at position 0.
 STEPS = {
     "decode": ([1, 1, 1, 1, 1], [1, 17, 65, 100, 150]),
-    "prefill": ([37, 20, 70], [37, 90, 70]),
-    "mixed": ([1, 23, 1, 40, 1, 5], [60, 70, 1, 40, 129, 5]),
+    "prefill": ([37, 20, 70, 9], [37, 90, 70, 50]),
+    "mixed": ([1, 23, 1, 40, 1, 5, 12], [60, 70, 1, 40, 129, 5, 80]),
 }
+ROUTES = ("kernel", "split")
+#: ``max_chunk`` of the kernel route: every row to the kernel
+EVERY_ROW = 1 << 30
 
 #: Largest absolute error allowed against the reference, per dtype.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 2e-2}
@@ -59,9 +62,10 @@ class Case:
         block_size: tokens per block.
         window: sliding window or None.
         dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        fresh: whether the attention gets the step's fresh keys and values (then chunks with
-            no context before them go to MLX's SDPA, the rest to the kernel; without them
-            the kernel takes every row).
+        route: ``"kernel"``: every row to the kernel (no fresh keys, no chunk length limit);
+            ``"split"``: the production routing (fresh keys given: chunks with no context
+            before them to MLX's SDPA over them, chunks after context longer than
+            ``gpu_paged.MAX_KERNEL_CHUNK`` to SDPA over gathered keys, the rest to the kernel).
         seed: random data seed.
     """
 
@@ -72,19 +76,19 @@ class Case:
     block_size: int
     window: int | None
     dtype: str
-    fresh: bool
+    route: str
     seed: int
 
     @property
     def name(self) -> str:
         return (f"{self.kind}-D{self.dim}-G{self.group}x{self.kv_heads}-bs{self.block_size}-"
-                f"w{self.window or 0}-{self.dtype}{'-fresh' if self.fresh else ''}")
+                f"w{self.window or 0}-{self.dtype}-{self.route}")
 
 
 def grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[Case]:
     """The covering grid, per dtype: every (group, head size, step kind) triple once, with
-    block size, window, KV heads and fresh routing rotating so that every (kind, window) and
-    (kind, block size) pair appears."""
+    block size, window, KV heads and route rotating so that every (kind, window), (kind,
+    block size) and (kind, route) pair appears (decode steps take the kernel either way)."""
     cases = []
     i = 0
     for dtype in dtypes:
@@ -95,7 +99,7 @@ def grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[Case]:
                         kind=kind, dim=dim, group=group, kv_heads=1 + (i // 3) % 2,
                         block_size=BLOCK_SIZES[(i // 3 + k) % 3],
                         window=WINDOWS[(i // 9 + k) % 3], dtype=dtype,
-                        fresh=kind != "decode" and (i // 3) % 2 == 0, seed=i))
+                        route=ROUTES[(i // 3) % 2], seed=i))
                     i += 1
     return cases
 
@@ -109,6 +113,7 @@ class Built:
     meta: object
     scale: float
     fresh: tuple[mx.array, mx.array] | None
+    max_chunk: int | None
     reference: np.ndarray
 
 
@@ -147,7 +152,7 @@ def build(case: Case) -> Built:
     meta = build_attention_metadata(qlens, slens, tables, bs)
     scale = dim ** -0.5
     fresh = None
-    if case.fresh:
+    if case.route == "split":
         cells = kv[mx.array(meta.host_slot_mapping)][:, :, None]  # [T, Hkv, 1, 2D]
         fresh = (cells[..., :dim], cells[..., dim:])
     ref_meta = build_attention_metadata(qlens, slens, tables, bs)
@@ -157,18 +162,20 @@ def build(case: Case) -> Built:
         reference = np.array(paged_attention_kv(
             q.astype(mx.float32), kv.astype(mx.float32), ref_meta, scale, case.window,
             accelerate=False))
-    return Built(q, kv, meta, scale, fresh, reference)
+    max_chunk = EVERY_ROW if case.route == "kernel" else None
+    return Built(q, kv, meta, scale, fresh, max_chunk, reference)
 
 
-Attend = Callable[[mx.array, mx.array, object, float, object, object], mx.array]
+Attend = Callable[[mx.array, mx.array, object, float, object, object, object], mx.array]
 
 
 def max_error(case: Case, attend: Attend) -> float:
     """Largest absolute difference between ``attend(queries, pool, meta, scale, window,
-    fresh)`` and the reference on ``case`` (NaN when the output is not finite)."""
+    fresh, max_chunk)`` (the arguments of ``gpu_paged.paged_gpu_attention`` after the
+    dialect) and the reference on ``case`` (NaN when the output is not finite)."""
     b = build(case)
-    got = np.array(attend(b.queries, b.pool, b.meta, b.scale, case.window, b.fresh)
-                   .astype(mx.float32))
+    got = np.array(attend(b.queries, b.pool, b.meta, b.scale, case.window, b.fresh,
+                          b.max_chunk).astype(mx.float32))
     if got.shape != b.reference.shape:
         raise AssertionError(f"{case.name}: output {got.shape} != {b.reference.shape}")
     if not np.isfinite(got).all():

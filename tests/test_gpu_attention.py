@@ -28,6 +28,7 @@ from gpu_attention_grid import (
     GROUPS,
     HEAD_SIZES,
     KINDS,
+    ROUTES,
     TOLERANCE,
     WINDOWS,
     build,
@@ -82,25 +83,30 @@ def test_build_tiles_rejects_bad_input():
     assert build_tiles(np.array([0, 0]), np.array([5]), np.array([True]), 4).shape == (0, 4)
 
 
-def test_gpu_plan_routes_fresh_chunks_and_keeps_token_order():
-    # decode, chunk after context, decode, fresh chunk, fresh chunk, decode
-    qlens, slens = [1, 6, 1, 9, 3, 1], [30, 20, 5, 9, 3, 12]
-    tables = np.arange(6 * 4, dtype=np.int32).reshape(6, 4)
+def test_gpu_plan_routes_chunks_and_keeps_token_order():
+    # decode, chunk after context, decode, fresh chunk, fresh chunk, decode, long chunk after
+    # context
+    qlens, slens = [1, 6, 1, 9, 3, 1, 20], [30, 20, 5, 9, 3, 12, 60]
+    tables = np.arange(7 * 8, dtype=np.int32).reshape(7, 8)
     meta = build_attention_metadata(qlens, slens, tables, 8)
-    plan = meta.gpu_plan(4, True)
-    assert plan.fresh == (1, 2)  # prefills: (6 of 20), (9 of 9), (3 of 3)
-    assert plan.segments == ((0, 8, None), (8, 17, 1), (17, 20, 2), (20, 21, None))
+    plan = meta.gpu_plan(4, True, 16)
+    # prefills: 0 (6 of 20), 1 (9 of 9), 2 (3 of 3), 3 (20 of 60, longer than 16)
+    assert plan.sdpa == (1, 2, 3)
+    assert plan.segments == ((0, 8, None), (8, 17, 1), (17, 20, 2), (20, 21, None),
+                             (21, 41, 3))
     tiles = np.array(plan.tiles)
     assert np.array_equal(np.array(plan.tables), tables)
     assert np.array_equal(tiles, build_tiles(meta.query_start_loc, slens,
-                                             np.array([1, 1, 1, 0, 0, 1], bool), 4))
+                                             np.array([1, 1, 1, 0, 0, 1, 0], bool), 4))
     assert sorted(int(r) for t in tiles for r in range(t[0], t[0] + t[1])) == \
         [0, 1, 2, 3, 4, 5, 6, 7, 20]
-    assert meta.gpu_plan(4, True) is plan  # made once per step
-    every = meta.gpu_plan(4, False)
-    assert every.fresh == () and every.segments == ((0, 21, None),)
-    assert int(np.array(every.tiles)[:, 1].sum()) == 21
-    one = build_attention_metadata([5], [5], tables[:1], 8).gpu_plan(4, True)
+    assert meta.gpu_plan(4, True, 16) is plan  # made once per step
+    every = meta.gpu_plan(4, False, 1 << 30)
+    assert every.sdpa == () and every.segments == ((0, 41, None),)
+    assert int(np.array(every.tiles)[:, 1].sum()) == 41
+    # Without fresh keys, only chunks longer than max_chunk leave the kernel (fresh or not).
+    assert meta.gpu_plan(4, False, 8).sdpa == (1, 3)
+    one = build_attention_metadata([5], [5], tables[:1], 8).gpu_plan(4, True, 16)
     assert one.tiles is None and one.tables is None and one.segments == ((0, 5, 0),)
 
 
@@ -147,13 +153,16 @@ def test_routing_and_assembly_match_the_reference(case, monkeypatch):
     """paged_gpu_attention's own work (tiles, plan, fresh chunks through MLX's SDPA, the
     output in token order) with the launch modelled: the reference's function."""
     monkeypatch.setattr(gpu_paged, "launch", _launch_model)
-    for fresh in (case.fresh, not case.fresh):
-        c = replace(case, fresh=fresh)
+    for route in ROUTES:
+        c = replace(case, route=route)
+        assert max_error(c, _attend("metal")) <= 1e-5, c.name
 
-        def attend(q, pool, meta, scale, window, fr):
-            return gpu_paged.paged_gpu_attention("metal", q, pool, meta, scale, window, fr)
 
-        assert max_error(c, attend) <= 1e-5, c.name
+def _attend(dialect):
+    def attend(q, pool, meta, scale, window, fresh, max_chunk):
+        return gpu_paged.paged_gpu_attention(dialect, q, pool, meta, scale, window, fresh,
+                                             max_chunk)
+    return attend
 
 
 def test_dispatch_by_the_profile(monkeypatch):
@@ -166,7 +175,7 @@ def test_dispatch_by_the_profile(monkeypatch):
         return _launch_model(*args)
 
     monkeypatch.setattr(gpu_paged, "launch", launch)
-    case = grid(("float32",))[2]  # a mixed step
+    case = grid(("float32",))[2]  # a mixed step on the split route
     b = build(case)
     profile = type("P", (), {"cpu_attention": False, "gpu_attention": "metal"})()
     got = paged.paged_attention_kv(b.queries, b.pool, b.meta, b.scale, case.window,
@@ -212,5 +221,5 @@ def test_grid_covers_every_pair():
         assert {(c.kind, c.block_size) for c in sub} == \
             set(itertools.product(KINDS, BLOCK_SIZES))
         assert {c.kv_heads for c in sub} == {1, 2}
-        assert {c.fresh for c in sub if c.kind != "decode"} == {True, False}
+        assert {(c.kind, c.route) for c in sub} == set(itertools.product(KINDS, ROUTES))
     assert TOLERANCE["float32"] == 1e-5 and TOLERANCE["bfloat16"] == 2e-2

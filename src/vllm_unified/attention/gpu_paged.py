@@ -35,9 +35,13 @@ compiled step passes as traced inputs), with ``QT = 1``.
 and values its layer just computed. Those are handed to the attention with the queries
 (``models/routing.py`` ``paged_sdpa`` receives them), so such a chunk goes to MLX's own SDPA with
 ``mask="causal"`` over them: no gather, MLX's fastest path, the same function (the keys are cast
-to the pool's dtype, so they are the values the pool holds). Decode rows and chunks with cached
-context (chunked prefill, prefix-cache hits) go to the paged kernel, all of them in one launch
-per layer and step. A step that is one fresh prompt launches no paged kernel at all.
+to the pool's dtype, so they are the values the pool holds). A chunk after cached context
+(chunked prefill, a prefix-cache hit) of more than :data:`MAX_KERNEL_CHUNK` rows goes to MLX's
+SDPA over its keys gathered from the pool (the reference's per-chunk path: the gather is small
+next to the attention, and MLX's SDPA runs on the matrix units where this kernel does scalar
+dot products). Decode rows and short chunks after cached context go to the paged kernel, all
+of them in one launch per layer and step. A step that is one fresh prompt launches no paged
+kernel at all.
 """
 
 from __future__ import annotations
@@ -54,6 +58,12 @@ from vllm_unified.attention.metadata import AttentionMetadata, Window
 MAX_WARPS = 16
 #: Query rows per tile, at most.
 MAX_Q_TILE = 16
+#: Prefill chunks after cached context longer than this many rows go to MLX's SDPA over keys
+#: gathered from the pool instead of the kernel: on the H200 the kernel (fp32 scalar dot
+#: products, SIMD reductions) took 29.5 ms for a 512-row chunk over 2,048 keys in 28 layers
+#: where MLX's SDPA took 1.0 ms (docs/benchmarking.md); the kernel serves decode rows and
+#: short chunks (speculative verification, small chunked-prefill tails).
+MAX_KERNEL_CHUNK = 16
 #: Registers of one thread group on CUDA (64 K) and the fp32 values of the query and
 #: accumulator vectors one lane may hold (``2 x QT x G x D / 32``), kept well below the
 #: per-thread register limit so a group of MAX_WARPS warps still launches.
@@ -76,8 +86,9 @@ struct alignas(sizeof(V) * N) UniVec {
 
 #: The kernel body. Template arguments: T (dtype), D (head size, a multiple of 32, <= 256),
 #: H, HKV (query and KV heads), BS (tokens per block), WARPS, WINDOW (0: none), QT (rows per
-#: tile), DECODE (1: group i is decode row i, ``tiles`` holds the decode lengths ``[Bd]``;
-#: 0: ``tiles`` is ``[NT, 4]``: first row, rows, sequence, keys seen by the tile's last row).
+#: tile), CB ((row, head) pairs combined per pass, :func:`combine_batch`), DECODE (1: group i
+#: is decode row i, ``tiles`` holds the decode lengths ``[Bd]``; 0: ``tiles`` is ``[NT, 4]``:
+#: first row, rows, sequence, keys seen by the tile's last row).
 SOURCE = """
     constexpr int EPL = D / 32;
     constexpr int G = H / HKV;
@@ -123,6 +134,7 @@ SOURCE = """
         l[i] = 0.f;
     }
     const int64_t trow = (int64_t)seq * mb;
+#pragma unroll 2
     for (int j = kbeg + warp; j < len_last; j += WARPS) {
         const int64_t slot = (int64_t)tables[trow + j / BS] * BS + j % BS;
         const int64_t koff = (slot * HKV + kh) * (2 * D) + lane * EPL;
@@ -170,7 +182,7 @@ SOURCE = """
     }
     UNI_SHARED float sm[WARPS][QG];
     UNI_SHARED float sl[WARPS][QG];
-    UNI_SHARED float sacc[WARPS][D];
+    UNI_SHARED float sacc[WARPS][CB][D];
     if (lane == 0) {
 #pragma unroll
         for (int i = 0; i < QG; ++i) {
@@ -178,29 +190,42 @@ SOURCE = """
             sl[warp][i] = l[i];
         }
     }
+    // CB (row, head) pairs at a time: the warps' accumulators in shared memory, then every
+    // thread of the group combines its share of them.
 #pragma unroll
-    for (int i = 0; i < QG; ++i) {
-        const int qi = i / G;
-        const int g = i - qi * G;
-        if (qi < nrows) {  // uniform over the group: the barriers see every thread
+    for (int b = 0; b < QG; b += CB) {
+        if (b / G < nrows) {  // uniform over the group: the barriers see every thread
 #pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                sacc[warp][lane * EPL + e] = acc[i][e];
+            for (int c = 0; c < CB; ++c) {
+                if (b + c < QG) {
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) {
+                        sacc[warp][c][lane * EPL + e] = acc[b + c][e];
+                    }
+                }
             }
             UNI_BARRIER();
-            for (int d = (int)uni_thread; d < D; d += (int)uni_threads) {
-                float mm = neg_inf;
-                for (int w = 0; w < WARPS; ++w) {
-                    mm = uni_fmax(mm, sm[w][i]);
+            for (int x = (int)uni_thread; x < CB * D; x += (int)uni_threads) {
+                const int c = x / D;
+                const int d = x - c * D;
+                const int i = b + c;
+                const int qi = i / G;
+                if (i < QG && qi < nrows) {
+                    float mm = neg_inf;
+                    for (int w = 0; w < WARPS; ++w) {
+                        mm = uni_fmax(mm, sm[w][i]);
+                    }
+                    float ll = 0.f;
+                    float o = 0.f;
+                    for (int w = 0; w < WARPS; ++w) {
+                        const float f = sm[w][i] == neg_inf ? 0.f : uni_exp(sm[w][i] - mm);
+                        ll += sl[w][i] * f;
+                        o += sacc[w][c][d] * f;
+                    }
+                    const int g = i - qi * G;
+                    out[((int64_t)(row0 + qi) * H + kh * G + g) * D + d] =
+                        static_cast<T>(o / ll);
                 }
-                float ll = 0.f;
-                float o = 0.f;
-                for (int w = 0; w < WARPS; ++w) {
-                    const float f = sm[w][i] == neg_inf ? 0.f : uni_exp(sm[w][i] - mm);
-                    ll += sl[w][i] * f;
-                    o += sacc[w][d] * f;
-                }
-                out[((int64_t)(row0 + qi) * H + kh * G + g) * D + d] = static_cast<T>(o / ll);
             }
             UNI_BARRIER();
         }
@@ -240,6 +265,15 @@ def warps_per_group(group: int, head_dim: int, rows: int) -> int:
 
 
 @functools.cache
+def combine_batch(group: int, head_dim: int, rows: int, warps: int) -> int:
+    """(row, head) pairs whose warp results are combined per pass: as many as the shared
+    memory budget holds next to the softmax state (``WARPS x (2 QG + CB x D) x 4`` bytes),
+    at least 1, at most all ``QG = rows x group``."""
+    qg = rows * group
+    return max(1, min(qg, (SHARED_BYTES // 4 // warps - 2 * qg) // head_dim))
+
+
+@functools.cache
 def _kernel(dialect: str):
     return gpu_dialect.kernel(KERNEL_NAME, INPUT_NAMES, OUTPUT_NAMES, SOURCE, dialect=dialect,
                               header=HEADER)
@@ -270,13 +304,14 @@ def launch_args(
     """The kernel call over ``tiles`` (see :func:`launch`)."""
     tokens, heads, _, dim = queries.shape
     kv_heads = kv_pool.shape[1]
-    warps = warps_per_group(heads // kv_heads, dim, rows)
+    group = heads // kv_heads
+    warps = warps_per_group(group, dim, rows)
     return LaunchArgs(
         inputs=[queries, kv_pool, tables, tiles, _scale(scale)],
         template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
                   ("BS", block_size), ("WARPS", warps),
                   ("WINDOW", 0 if window is None else int(window)), ("QT", rows),
-                  ("DECODE", int(decode))],
+                  ("CB", combine_batch(group, dim, rows, warps)), ("DECODE", int(decode))],
         grid=(tiles.shape[0] * kv_heads * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
         output_shapes=[(tokens, heads, 1, dim)],
@@ -311,6 +346,7 @@ def launch(
 def paged_gpu_attention(
     dialect: str, queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, fresh: tuple[mx.array, mx.array] | None = None,
+    max_chunk: int | None = None,
 ) -> mx.array:
     """Every row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V per cell).
 
@@ -324,8 +360,10 @@ def paged_gpu_attention(
         window: sliding window in tokens or None.
         fresh: this step's keys and values of the layer (``[T, Hkv, 1, D]`` or
             ``[T, Hkv, D]``), or None: with them, prefill chunks with no context before them
-            go to MLX's SDPA over these (see the module's routing rule); without them every
-            row goes to the kernel.
+            go to MLX's SDPA over these (the module's routing rule).
+        max_chunk: prefill chunks longer than this that are not attended over ``fresh`` go to
+            MLX's SDPA over keys gathered from the pool (the reference's per-chunk path);
+            default :data:`MAX_KERNEL_CHUNK`. A huge value sends every such row to the kernel.
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
@@ -343,26 +381,38 @@ def paged_gpu_attention(
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
                       1, True)
     rows = q_tile(heads // kv_pool.shape[1], dim)
-    plan = meta.gpu_plan(rows, fresh is not None)
+    plan = meta.gpu_plan(rows, fresh is not None,
+                         MAX_KERNEL_CHUNK if max_chunk is None else max_chunk)
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
                      meta.block_size, rows, False)
-    if not plan.fresh:
+    if not plan.sdpa:
         return out
-    keys, values = fresh
-    if keys.ndim == 3:
-        keys, values = keys[:, :, None], values[:, :, None]
     pieces = []
     for start, stop, chunk in plan.segments:
         if chunk is None:
             pieces.append(out[start:stop])
-            continue
-        # [L, H, 1, D] rows -> [1, H, L, D]: the chunk as one sequence.
-        q = queries[start:stop].transpose(2, 1, 0, 3)
-        k = keys[start:stop].astype(kv_pool.dtype).transpose(2, 1, 0, 3)
-        v = values[start:stop].astype(kv_pool.dtype).transpose(2, 1, 0, 3)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
-                                                 mask=meta.fresh_mask(chunk, window))
-        pieces.append(o.transpose(2, 1, 0, 3))
+        elif fresh is not None and meta.prefills[chunk].seq_len == stop - start:
+            pieces.append(_fresh_chunk(queries[start:stop], fresh, start, stop, kv_pool.dtype,
+                                       meta.fresh_mask(chunk, window), scale))
+        else:
+            from vllm_unified.attention.paged import prefill_chunk_attention
+
+            pieces.append(prefill_chunk_attention(queries, kv_pool, meta, chunk, scale, window))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+
+
+def _fresh_chunk(queries: mx.array, fresh: tuple[mx.array, mx.array], start: int, stop: int,
+                 dtype: mx.Dtype, mask: mx.array | str, scale: float) -> mx.array:
+    """A chunk's ``[L, H, 1, D]`` queries over its own fresh keys and values (rows
+    ``start ... stop - 1`` of ``fresh``), cast to the pool's dtype, by MLX's SDPA."""
+    keys, values = fresh
+    if keys.ndim == 3:
+        keys, values = keys[:, :, None], values[:, :, None]
+    # [L, H, 1, D] rows -> [1, H, L, D]: the chunk as one sequence.
+    q = queries.transpose(2, 1, 0, 3)
+    k = keys[start:stop].astype(dtype).transpose(2, 1, 0, 3)
+    v = values[start:stop].astype(dtype).transpose(2, 1, 0, 3)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return out.transpose(2, 1, 0, 3)

@@ -84,15 +84,17 @@ class GpuPlan:
         tables: int32 ``[B, max_blocks]`` block tables (a view of one host-made array with
             ``tiles``: one transfer), or None when no row goes to the kernel.
         tiles: int32 ``[NT, 4]`` (:func:`build_tiles`), or None when no row goes to the kernel.
-        fresh: indices into ``prefills`` of the chunks MLX's SDPA attends over their own fresh
-            keys (no context before them in the pool); empty when the kernel takes every row.
+        sdpa: indices into ``prefills`` of the chunks MLX's SDPA attends instead of the kernel
+            (over their fresh keys, or over keys gathered from the pool); empty when the kernel
+            takes every row.
         segments: ``(start, stop, chunk)`` row ranges in token order covering every row:
-            ``chunk`` is the fresh chunk's index, or None for rows of the kernel's output.
+            ``chunk`` is the index of a chunk in ``sdpa``, or None for rows of the kernel's
+            output.
     """
 
     tables: mx.array | None
     tiles: mx.array | None
-    fresh: tuple[int, ...]
+    sdpa: tuple[int, ...]
     segments: tuple[tuple[int, int, int | None], ...]
 
 
@@ -202,7 +204,7 @@ class AttentionMetadata:
     _prefill_views: dict[tuple[int, Window, int], PrefillKeys] = field(
         default_factory=dict, repr=False
     )
-    _gpu_plans: dict[tuple[int, bool], GpuPlan] = field(default_factory=dict, repr=False)
+    _gpu_plans: dict[tuple[int, bool, int], GpuPlan] = field(default_factory=dict, repr=False)
     _fresh_masks: dict[tuple[int, Window], mx.array | str] = field(default_factory=dict,
                                                                    repr=False)
 
@@ -262,30 +264,31 @@ class AttentionMetadata:
             )
         return self._row_kernel_inputs
 
-    def gpu_plan(self, rows: int, route_fresh: bool) -> GpuPlan:
-        """The paged GPU kernel's plan for this step with tiles of at most ``rows`` rows;
-        ``route_fresh``: prefill chunks with no context before them (``seq_len == length``)
-        are left to MLX's SDPA over their fresh keys. Made once per (rows, route_fresh).
+    def gpu_plan(self, rows: int, route_fresh: bool, max_chunk: int) -> GpuPlan:
+        """The paged GPU kernel's plan for this step with tiles of at most ``rows`` rows.
+        Left to MLX's SDPA: with ``route_fresh``, prefill chunks with no context before them
+        (``seq_len == length``, attended over their fresh keys); any other chunk of more than
+        ``max_chunk`` rows (over keys gathered from the pool). Made once per argument set.
 
         Raises ValueError when the host-side fields are missing (a compiled step's metadata).
         """
-        key = (rows, route_fresh)
+        key = (rows, route_fresh, max_chunk)
         plan = self._gpu_plans.get(key)
         if plan is None:
-            plan = self._make_gpu_plan(rows, route_fresh)
+            plan = self._make_gpu_plan(rows, route_fresh, max_chunk)
             self._gpu_plans[key] = plan
         return plan
 
-    def _make_gpu_plan(self, rows: int, route_fresh: bool) -> GpuPlan:
+    def _make_gpu_plan(self, rows: int, route_fresh: bool, max_chunk: int) -> GpuPlan:
         if self.block_tables is None or self.host_seq_lens is None:
             raise ValueError("the paged GPU kernel's tiles need the host-side block tables "
                              "and lengths, which a compiled step does not have")
         qlens = np.diff(self.query_start_loc.astype(np.int64))
-        fresh_seq = (qlens > 1) & (self.host_seq_lens == qlens) if route_fresh else \
-            np.zeros(len(qlens), bool)
-        fresh = tuple(i for i, p in enumerate(self.prefills) if route_fresh
-                      and p.seq_len == p.length)
-        tiles = build_tiles(self.query_start_loc, self.host_seq_lens, ~fresh_seq, rows)
+        to_sdpa = (qlens > 1) & ((qlens > max_chunk)
+                                 | (route_fresh & (self.host_seq_lens == qlens)))
+        sdpa = tuple(i for i, p in enumerate(self.prefills)
+                     if p.length > max_chunk or (route_fresh and p.seq_len == p.length))
+        tiles = build_tiles(self.query_start_loc, self.host_seq_lens, ~to_sdpa, rows)
         tables = tile_array = None
         if len(tiles):
             packed = mx.array(np.concatenate([
@@ -296,7 +299,7 @@ class AttentionMetadata:
             tile_array = packed[size:].reshape(tiles.shape)
         segments: list[tuple[int, int, int | None]] = []
         row = 0
-        for i in fresh:
+        for i in sdpa:
             chunk = self.prefills[i]
             if chunk.start > row:
                 segments.append((row, chunk.start, None))
@@ -304,7 +307,7 @@ class AttentionMetadata:
             row = chunk.start + chunk.length
         if row < self.num_tokens:
             segments.append((row, self.num_tokens, None))
-        return GpuPlan(tables, tile_array, fresh, tuple(segments))
+        return GpuPlan(tables, tile_array, sdpa, tuple(segments))
 
     def fresh_mask(self, index: int, window: Window) -> mx.array | str:
         """SDPA's mask for prefill chunk ``index`` attending to its own ``L`` keys only (no

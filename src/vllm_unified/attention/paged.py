@@ -276,6 +276,21 @@ def _decode_attention(
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=view.mask)
 
 
+def prefill_chunk_attention(
+    queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
+    window: Window,
+) -> mx.array:
+    """The reference's attention of prefill chunk ``index`` alone: its ``[L, H, 1, D]`` rows
+    of ``queries`` (``[T, H, 1, D]``) over its keys gathered from ``kv_pool``
+    (``[slots, Hkv, 2 * D]``) by MLX, then MLX's SDPA; ``[L, H, 1, D]`` out (for GPU kernels
+    that leave long chunks to SDPA)."""
+    dim = queries.shape[-1]
+    pool_rows = kv_pool.reshape(-1, 2 * dim)
+    return _prefill_attention(
+        queries, lambda rows: (pool_rows[:, :dim][rows], pool_rows[:, dim:][rows]), meta, index,
+        scale, window, kv_pool.shape[1])
+
+
 def _prefill_attention(
     queries: mx.array,
     gather: Gather,
