@@ -50,4 +50,6 @@ for ((i = 0; i < ${#defaults[@]}; i += 2)); do
     args+=("$flag" "${defaults[i + 1]}")
 done
 
-exec "$VENV/bin/vllm" serve "$MODEL" "${args[@]}" "$@"
+# ${args[@]+...}: an empty array is "unbound" under set -u in bash before 4.4 (macOS's /bin/bash
+# is 3.2), e.g. when the caller gives every default flag itself.
+exec "$VENV/bin/vllm" serve "$MODEL" ${args[@]+"${args[@]}"} "$@"

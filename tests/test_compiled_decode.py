@@ -34,8 +34,9 @@ from vllm_unified.worker.model_runner import forward
 BS, LAYERS, KV_HEADS, DIM, BLOCKS = 8, 3, 2, 32, 40
 
 
-def _write_stand_in(pool, slots, keys, values):
-    """Functional stand-in of gpu_write.write_kv_cuda (a scatter of the K|V cells)."""
+def _write_stand_in(pool, slots, keys, values, *, dialect):
+    """Functional stand-in of gpu_write.write_kv_gpu (a scatter of the K|V cells)."""
+    assert dialect == "cuda"
     cells = mx.concatenate([keys.reshape(keys.shape[0], KV_HEADS, DIM),
                             values.reshape(values.shape[0], KV_HEADS, DIM)], axis=-1)
     out = mx.array(pool)
@@ -130,7 +131,7 @@ def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda b: False)  # the CUDA route's shape
     want = _run(model, _filled_pool(1), steps, None)  # the reference route (gather + SDPA)
 
-    monkeypatch.setattr(kv_pool, "write_kv_cuda", _write_stand_in)
+    monkeypatch.setattr(kv_pool, "write_kv_gpu", _write_stand_in)
     monkeypatch.setattr(gpu_paged, "launch", _decode_stand_in)
     monkeypatch.setattr(paged, "_gpu_kernel",
                         lambda d, b: functools.partial(gpu_paged.paged_gpu_attention, "cuda"))

@@ -157,22 +157,27 @@ def test_worker_budget_on_cuda_reads_the_card(monkeypatch):
 
 
 def test_cuda_write_rejects_mismatched_rows():
-    from vllm_unified.kv.gpu_write import _threads_per_block, write_kv_cuda
+    from vllm_unified.kv.gpu_write import _threads_per_block, write_kv_gpu
+
+    def write(*args):
+        return write_kv_gpu(*args, dialect="cuda")
 
     pool = mx.zeros((32, 2, 8), dtype=mx.float16)
     k = mx.zeros((2, 2, 4), mx.float16)
     slots = mx.array([1, 2], dtype=mx.int32)
     with pytest.raises(ValueError, match="do not fit pool rows"):
-        write_kv_cuda(pool, slots, mx.zeros((2, 2, 4)), k)  # dtype
+        write(pool, slots, mx.zeros((2, 2, 4)), k)  # dtype
     with pytest.raises(ValueError, match="do not fit pool rows"):
-        write_kv_cuda(pool, slots, k, mx.zeros((2, 2, 8), mx.float16))  # head size
+        write(pool, slots, k, mx.zeros((2, 2, 8), mx.float16))  # head size
     with pytest.raises(ValueError, match="do not fit pool rows"):
-        write_kv_cuda(pool, slots, mx.zeros((2, 2, 2, 4), mx.float16), k)  # not [T, Hkv, 1, D]
+        write(pool, slots, mx.zeros((2, 2, 2, 4), mx.float16), k)  # not [T, Hkv, 1, D]
     with pytest.raises(ValueError, match="slots shape"):
-        write_kv_cuda(pool, mx.array([1], dtype=mx.int32), k, k)
+        write(pool, mx.array([1], dtype=mx.int32), k, k)
     with pytest.raises(ValueError, match="values"):
-        write_kv_cuda(pool, slots, k, mx.zeros((2, 2, 1, 4), mx.float16))
+        write(pool, slots, k, mx.zeros((2, 2, 1, 4), mx.float16))
+    with pytest.raises(ValueError, match="unknown GPU dialect"):
+        write_kv_gpu(pool, slots, k, k, dialect="rocm")
     empty = mx.zeros((0, 2, 1, 4), mx.float16)
-    assert write_kv_cuda(pool, mx.zeros((0,), mx.int32), empty, empty) is pool
+    assert write(pool, mx.zeros((0,), mx.int32), empty, empty) is pool
     assert (_threads_per_block(2048), _threads_per_block(128), _threads_per_block(96)) == \
         (256, 128, 32)

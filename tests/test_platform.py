@@ -42,11 +42,12 @@ def test_unified_memory_facts():
     from vllm_unified.backend import detect_backend
     from vllm_unified.platform import MLXPlatform
 
+    kind = "metal" if sys.platform == "darwin" else "cpu"  # mlx (mlx-metal) / mlx[cpu]
     info = detect_backend()
-    assert info.kind == "cpu" and info.unified
+    assert info.kind == kind and info.unified
     assert MLXPlatform.get_device_total_memory() == psutil.virtual_memory().total
     assert MLXPlatform.is_pin_memory_available() is False
-    assert MLXPlatform.get_device_name() == "mlx-cpu"
+    assert MLXPlatform.get_device_name() == f"mlx-{kind}"
 
 
 def test_device_override_rejects_unknown(monkeypatch):
@@ -57,8 +58,11 @@ def test_device_override_rejects_unknown(monkeypatch):
     try:
         with pytest.raises(ValueError, match="VLLM_UNIFIED_DEVICE"):
             backend.detect_backend()
-        monkeypatch.setenv(backend.DEVICE_ENV, "metal")
-        with pytest.raises(ValueError, match="mlx-metal"):
+        # A forced backend whose MLX wheel is missing: mlx-metal on Linux, mlx-cuda on a Mac.
+        missing, wheel = ("cuda", r"mlx\[cuda13\]") if sys.platform == "darwin" else (
+            "metal", "mlx-metal")
+        monkeypatch.setenv(backend.DEVICE_ENV, missing)
+        with pytest.raises(ValueError, match=wheel):
             backend.detect_backend()
     finally:
         backend.detect_backend.cache_clear()

@@ -38,7 +38,10 @@ template type ``T`` is the array dtype (Metal ``float``/``float16_t``/``bfloat16
 ``float``/``__half``/``__nv_bfloat16``); convert with ``static_cast<float>`` /
 ``static_cast<T>``. A Metal input with fewer than 8 elements is passed in the ``constant``
 address space, which ``UNI_WRITABLE`` cannot make writable: kernels that write an input must
-refuse such inputs (as :mod:`vllm_unified.kv.gpu_write` does).
+refuse such inputs (as :mod:`vllm_unified.kv.gpu_write` does). When the grid is not a multiple
+of the threadgroup, Metal's last threadgroup is smaller (``uni_threads`` is its real size) while
+CUDA pads the last block: guard the tail by index, and keep grids of kernels that cooperate
+within a group a multiple of the group.
 
 :func:`assemble_metal` reproduces in Python the Metal source MLX builds for a kernel call
 (MLX 0.32.4, ``mlx/backend/common/metal_kernel.cpp``: ``metal_kernel``, ``write_signature``,
@@ -179,6 +182,8 @@ def kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], s
 
     Raises:
         ValueError: unknown dialect.
+        RuntimeError: MLX's own, when this MLX build has no backend of that dialect (CUDA:
+            here; Metal: when the kernel is called).
     """
     _check_dialect(dialect)
     return _kernel(name, tuple(input_names), tuple(output_names), source, dialect, header)
@@ -200,8 +205,8 @@ _METAL_TYPES = {
     mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
 }
 
-# metal_kernel's attribute table: (attribute, type), in MLX's order.
-_METAL_ATTRIBUTES = (
+#: metal_kernel's table of thread attributes: (attribute, parameter type), in MLX's order
+METAL_ATTRIBUTES = (
     ("dispatch_quadgroups_per_threadgroup", "uint"),
     ("dispatch_simdgroups_per_threadgroup", "uint"),
     ("dispatch_threads_per_threadgroup", "uint3"),
@@ -275,7 +280,7 @@ def mlx_metal_source(name: str, input_names: Sequence[str], output_names: Sequen
     if len(output_dtypes) != len(output_names):
         raise ValueError(f"[metal_kernel] Expected `output_dtypes` to have size "
                          f"{len(output_names)} but got size {len(output_dtypes)}.")
-    attributes = [f"  {t} {a} [[{a}]]" for a, t in _METAL_ATTRIBUTES if a in source]
+    attributes = [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in source]
 
     func = "custom_kernel_" + name
     template_def = ""

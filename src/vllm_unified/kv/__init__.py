@@ -3,7 +3,8 @@
 - ``allocation``: vLLM's layout (``allocate_kv_cache`` / ``create_kv_cache_views``) in one
   buffer, lazy (uninitialised) or zeroed where vLLM needs it;
 - ``pool``: the attention pages as MLX arrays and their write paths;
-- ``gpu_write``: the in-place KV write kernel for MLX-owned pools on GPU backends;
+- ``gpu_write``: the in-place KV and row write kernels for MLX-owned arrays on GPU backends
+  (one source for CUDA and Metal);
 - ``state_pages``: hybrid models' recurrent state in vLLM's state (Mamba) pages;
 - ``hybrid``: which layers are recurrent, their specs, each request's state slot;
 - ``block_translation``: kernel block sizes and vLLM's pages read as kernel blocks;

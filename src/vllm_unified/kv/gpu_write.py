@@ -1,52 +1,85 @@
-"""Write KV rows into an MLX-owned pool in place on the CUDA backend.
+"""Write rows into MLX-owned arrays in place on MLX's GPU backends (CUDA and Metal).
 
 MLX's scatter (``pool[slots] = rows``) donates its input buffer on the CPU backend, but on MLX
 0.32.4's CUDA backend it copies the whole pool first (a write of a few rows costs the time of one
 full copy; docs/benchmarking.md): per layer and step, a copy of the layer's whole pool. Instead, a
-small ``mx.fast.cuda_kernel`` writes the rows straight into the buffer of its ``pool`` input and
-returns a one-element token; the pool array handed on is ``mx.depends(pool, token)``, which shares
-the pool's buffer, so every reader of the cache (the attention of this step, the write of the next)
-takes the token as an input and MLX orders it after the write (docs/internals.md, "KV writes stay in
+small GPU kernel writes the rows straight into the buffer of its destination input and returns a
+one-element token; the array handed on is ``mx.depends(dst, token)``, which shares the
+destination's buffer, so every reader (the attention of this step, the write of the next) takes
+the token as an input and MLX orders it after the write (docs/internals.md, "KV writes stay in
 place"). MLX's value semantics are bypassed on purpose, exactly as the CPU backend's native
 ``write_rows`` does.
 
-The kernel takes the keys and the values as they come out of the layer and puts each head's
-key and value side by side in its (slot, head) cell itself, so no ``[T, Hkv, 2 * D]``
-concatenation is built per layer and step (two copy kernels fewer per layer on CUDA).
+Each kernel is one body for both dialects (:mod:`vllm_unified.gpu_dialect`): ``dialect="cuda"``
+instantiates ``mx.fast.cuda_kernel``, ``dialect="metal"`` ``mx.fast.metal_kernel``.
+
+* :func:`write_kv_gpu`: the KV pool write. It takes the keys and the values as they come out of
+  the layer and puts each head's key and value side by side in its (slot, head) cell itself, so
+  no ``[T, Hkv, 2 * D]`` concatenation is built per layer and step.
+* :func:`write_rows_gpu`: rows of any width into ``[R, *row]`` (state pages of hybrid models,
+  block zeroing).
+
+A destination must be an MLX array whose buffer is row-contiguous (MLX copies a strided kernel
+input first, and the write would land in that copy), e.g. a pool allocated by MLX. On Metal it
+must also hold at least 8 elements: MLX passes smaller inputs in the ``constant`` address
+space, which cannot be written.
 """
 
 from __future__ import annotations
 
-import functools
+import math
 
 import mlx.core as mx
 
-_SOURCE = """
-    const long long i = (long long)cg::this_grid().thread_rank();
-    const long long total = (long long)keys_shape[0] * HKV * 2 * D;
+from vllm_unified import gpu_dialect
+from vllm_unified.gpu_dialect import Dialect
+
+#: one-source body of the KV write: thread i writes element c of cell (t, h) of the pool
+WRITE_KV_SOURCE = """
+    const int64_t i = (int64_t)uni_global;
+    const int64_t total = (int64_t)keys_shape[0] * HKV * 2 * D;
     if (i < total) {
-        const long long cell = i / (2 * D);  // t * HKV + h
-        const long long c = i - cell * (2 * D);
-        const long long t = cell / HKV;
-        const long long h = cell - t * HKV;
-        const long long slot = (long long)slots[t];
+        const int64_t cell = i / (2 * D);  // t * HKV + h
+        const int64_t c = i - cell * (2 * D);
+        const int64_t t = cell / HKV;
+        const int64_t h = cell - t * HKV;
+        const int64_t slot = (int64_t)slots[t];
         const T x = c < D ? keys[cell * D + c] : values[cell * D + c - D];
-        const_cast<T*>(pool)[(slot * HKV + h) * (2 * D) + c] = x;
+        UNI_WRITABLE(T, pool)[(slot * HKV + h) * (2 * D) + c] = x;
     }
     if (i == 0) {
         done[0] = 1;
     }
 """
 
+#: one-source body of the row write: thread i writes element e of source row r; rows whose
+#: index is outside [0, R) are skipped
+WRITE_ROWS_SOURCE = """
+    const int64_t i = (int64_t)uni_global;
+    const int64_t total = (int64_t)row_idx_shape[0] * W;
+    if (i < total) {
+        const int64_t r = i / W;
+        const int64_t e = i - r * W;
+        const int64_t row = (int64_t)row_idx[r];
+        if (row >= 0 && row < (int64_t)dst_shape[0]) {
+            UNI_WRITABLE(T, dst)[row * W + e] = src[i];
+        }
+    }
+    if (i == 0) {
+        done[0] = 1;
+    }
+"""
 
-@functools.cache
-def _kernel():
-    return mx.fast.cuda_kernel(
-        name="vllm_unified_write_kv",
-        input_names=["pool", "slots", "keys", "values"],
-        output_names=["done"],
-        source=_SOURCE,
-    )
+#: kernel name, input names, output names
+WRITE_KV_KERNEL = ("vllm_unified_write_kv", ("pool", "slots", "keys", "values"), ("done",))
+WRITE_ROWS_KERNEL = ("vllm_unified_write_rows", ("dst", "row_idx", "src"), ("done",))
+
+_MAX_GRID = 2**31 - 1  # MLX takes the grid as C ints
+_ROWS_GROUP = 256
+
+
+def _kernel(spec: tuple[str, tuple[str, ...], tuple[str, ...]], source: str, dialect: Dialect):
+    return gpu_dialect.kernel(*spec, source, dialect=dialect)
 
 
 def _threads_per_block(row: int) -> int:
@@ -67,22 +100,54 @@ def _cell(shape: tuple[int, ...]) -> tuple[int, ...] | None:
     return None
 
 
-def write_kv_cuda(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array
-                  ) -> mx.array:
+def _check_destination(dst: mx.array, dialect: Dialect, grid: int) -> None:
+    if dialect not in gpu_dialect.DIALECTS:
+        raise ValueError(f"unknown GPU dialect {dialect!r} (expected one of "
+                         f"{gpu_dialect.DIALECTS})")
+    if dialect == "metal" and dst.size < 8:
+        raise ValueError(f"destination of {dst.size} elements: Metal passes inputs under 8 "
+                         "elements in the constant address space, which cannot be written")
+    if grid > _MAX_GRID:
+        raise ValueError(f"write of {grid} elements exceeds one kernel's grid ({_MAX_GRID})")
+
+
+def write_kv_launch(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array
+                    ) -> dict:
+    """The keyword arguments of the KV write kernel's call for these arrays (shared by
+    :func:`write_kv_gpu` and the Metal emulation tests): ``inputs``, ``template``, ``grid``,
+    ``threadgroup``, ``output_shapes``, ``output_dtypes``. No checks."""
+    kv_heads, width = pool.shape[1], pool.shape[2]
+    row = kv_heads * width
+    return dict(
+        inputs=[pool, slots if slots.dtype == mx.int32 else slots.astype(mx.int32), keys,
+                values],
+        template=[("T", pool.dtype), ("HKV", kv_heads), ("D", width // 2)],
+        grid=(keys.shape[0] * row, 1, 1),
+        threadgroup=(_threads_per_block(row), 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.int32],
+    )
+
+
+def write_kv_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array, *,
+                 dialect: Dialect) -> mx.array:
     """Write ``keys``/``values`` at ``slots`` into ``pool``'s own buffer (lazy, in place).
 
     Args:
         pool: ``[num_slots, Hkv, 2 * D]`` row-contiguous MLX-owned pool (one layer), each
             (slot, head) cell holding the key then the value.
-        slots: ``[T]`` int32 distinct slots in ``[0, num_slots)`` (not bounds-checked).
+        slots: ``[T]`` integer distinct slots in ``[0, num_slots)`` (not bounds-checked; cast
+            to int32 when another integer type).
         keys, values: ``[T, Hkv, D]`` or ``[T, Hkv, 1, D]`` in the pool's dtype (the kernel
             reads them row-contiguous; MLX copies a strided input first).
+        dialect: ``"cuda"`` or ``"metal"``, the backend the kernel runs on.
 
     Returns:
         The pool to use from now on: the same buffer, ordered after the write.
 
     Raises:
-        ValueError: shapes or dtypes disagree.
+        ValueError: shapes or dtypes disagree, unknown dialect, a Metal pool under 8
+            elements, or more than 2**31 - 1 elements to write.
     """
     num_slots, kv_heads, width = pool.shape
     for name, rows in (("keys", keys), ("values", values)):
@@ -93,16 +158,69 @@ def write_kv_cuda(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.ar
         raise ValueError(f"values {values.shape} != keys {keys.shape}")
     if slots.shape != (keys.shape[0],):
         raise ValueError(f"slots shape {slots.shape} != ({keys.shape[0]},)")
+    _check_destination(pool, dialect, keys.shape[0] * kv_heads * width)
     if keys.shape[0] == 0:
         return pool
-    row = kv_heads * width
-    done = _kernel()(
-        inputs=[pool, slots if slots.dtype == mx.int32 else slots.astype(mx.int32), keys,
-                values],
-        template=[("T", pool.dtype), ("HKV", kv_heads), ("D", width // 2)],
-        grid=(keys.shape[0] * row, 1, 1),
-        threadgroup=(_threads_per_block(row), 1, 1),
+    done = _kernel(WRITE_KV_KERNEL, WRITE_KV_SOURCE, dialect)(
+        **write_kv_launch(pool, slots, keys, values))[0]
+    return mx.depends([pool], [done])[0]
+
+
+def write_rows_launch(dst: mx.array, row_idx: mx.array, src: mx.array) -> dict:
+    """The keyword arguments of the row write kernel's call for these arrays (shared by
+    :func:`write_rows_gpu` and the Metal emulation tests). No checks."""
+    width = math.prod(dst.shape[1:])
+    total = src.shape[0] * width
+    return dict(
+        inputs=[dst, row_idx if row_idx.dtype == mx.int32 else row_idx.astype(mx.int32), src],
+        template=[("T", dst.dtype), ("W", width)],
+        grid=(total, 1, 1),
+        threadgroup=(min(_ROWS_GROUP, total), 1, 1),
         output_shapes=[(1,)],
         output_dtypes=[mx.int32],
-    )[0]
-    return mx.depends([pool], [done])[0]
+    )
+
+
+def write_rows_gpu(dst: mx.array, row_idx: mx.array, src: mx.array, *, dialect: Dialect
+                   ) -> mx.array:
+    """Write ``src[i]`` into row ``row_idx[i]`` of ``dst``'s buffer, in place; lazily.
+
+    The GPU counterpart of :func:`vllm_unified.bridge.write_rows`, with the same contract
+    except where a GPU kernel cannot check at the call:
+
+    * ``dst`` ``[R, *row]`` (row-contiguous, MLX-owned; on Metal at least 8 elements),
+      ``src`` ``[N, *row]`` of the same dtype and any layout, ``row_idx`` a 1-D integer array
+      of ``N`` indices (any layout; cast to int32 when another integer type).
+    * The result has ``dst``'s shape and dtype and shares its buffer: once evaluated the rows
+      are in that buffer, and anything computed from the result is ordered after the write (a
+      reader built on the old ``dst`` is not).
+    * Indices outside ``[0, R)`` are skipped by the kernel (nothing is written for them, no
+      error is raised). Duplicate indices: which source row lands is unspecified (the CPU
+      primitive's "last one wins" is not guaranteed); pass distinct indices.
+
+    Args:
+        dialect: ``"cuda"`` or ``"metal"``, the backend the kernel runs on.
+
+    Returns:
+        ``dst`` ordered after the write (``mx.depends(dst, token)``); ``dst`` itself when
+        ``N == 0``.
+
+    Raises:
+        TypeError: dtype mismatch, or ``row_idx`` not 1-D integer.
+        ValueError: shape mismatch, ``dst`` with no row axis, unknown dialect, a Metal ``dst``
+            under 8 elements, or more than 2**31 - 1 elements to write.
+    """
+    if src.dtype != dst.dtype:
+        raise TypeError(f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+    if row_idx.ndim != 1 or not mx.issubdtype(row_idx.dtype, mx.integer):
+        raise TypeError(f"row_idx must be a 1-D integer array, got {row_idx.shape} "
+                        f"{row_idx.dtype}")
+    if dst.ndim < 1 or src.shape[1:] != dst.shape[1:] or src.shape[0] != row_idx.shape[0]:
+        raise ValueError(f"src {src.shape} and row_idx {row_idx.shape} do not fit rows of "
+                         f"dst {dst.shape}")
+    _check_destination(dst, dialect, src.size)
+    if src.shape[0] == 0 or src.size == 0:
+        return dst
+    done = _kernel(WRITE_ROWS_KERNEL, WRITE_ROWS_SOURCE, dialect)(
+        **write_rows_launch(dst, row_idx, src))[0]
+    return mx.depends([dst], [done])[0]

@@ -16,7 +16,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from vllm_unified.kv.gpu_write import write_kv_cuda
+from vllm_unified.kv.gpu_write import write_kv_gpu
 
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 
@@ -150,7 +150,7 @@ class KVPool:
         if keys.dtype != dst.dtype:
             keys, values = keys.astype(dst.dtype), values.astype(dst.dtype)
         if self.cuda_write:  # K and V side by side by the kernel itself: no concatenation
-            kv[layer] = write_kv_cuda(dst, slot_mapping, keys, values)
+            kv[layer] = write_kv_gpu(dst, slot_mapping, keys, values, dialect="cuda")
             return
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
