@@ -13,10 +13,11 @@ of one sequence (a decode row is a tile of one row); the group serves every quer
 head's GQA group for every row of its tile, so each key and value loaded serves ``QT x G`` query
 vectors. The group's SIMD groups (warps) split the keys (warp w takes keys ``first + w``,
 ``first + w + WARPS``, ...), each lane holding ``D / 32`` channels of a key and its value as one
-vector load; each warp keeps an online softmax per (row, query head) in fp32. At the end the
-warps' partial results are combined in shared memory, one (row, head) at a time, so the shared
-memory used is ``WARPS x (D + 2 QT G) x 4`` bytes (at most 20 KiB, inside the 32 KiB that both
-Metal and CUDA guarantee).
+vector load (the key loop unrolled by two, so two keys' loads are in flight per warp); each
+warp keeps an online softmax per (row, query head) in fp32. At the end the warps' partial
+results are combined in shared memory, ``CB`` (row, head) pairs per pass
+(:func:`combine_batch`), so the shared memory used, ``WARPS x (2 QT G + CB D) x 4`` bytes,
+stays within the 32 KiB that both Metal and CUDA guarantee.
 
 **Masks.** Row r of a tile sees keys ``first_r ... len_r - 1`` where ``len_r`` is its position + 1
 (causal) and ``first_r = max(len_r - window, 0)`` with a sliding window, else 0: the convention of
@@ -59,10 +60,10 @@ MAX_WARPS = 16
 #: Query rows per tile, at most.
 MAX_Q_TILE = 16
 #: Prefill chunks after cached context longer than this many rows go to MLX's SDPA over keys
-#: gathered from the pool instead of the kernel: on the H200 the kernel (fp32 scalar dot
-#: products, SIMD reductions) took 29.5 ms for a 512-row chunk over 2,048 keys in 28 layers
-#: where MLX's SDPA took 1.0 ms (docs/benchmarking.md); the kernel serves decode rows and
-#: short chunks (speculative verification, small chunked-prefill tails).
+#: gathered from the pool instead of the kernel (fp32 scalar dot products and SIMD
+#: reductions): on the H200, over 2,048 keys, the kernel was faster than gather + SDPA up to
+#: 16 rows and 10x slower at 512 (docs/benchmarking.md, run J). The kernel serves decode rows
+#: and short chunks (speculative verification, small chunked-prefill tails).
 MAX_KERNEL_CHUNK = 16
 #: Registers of one thread group on CUDA (64 K) and the fp32 values of the query and
 #: accumulator vectors one lane may hold (``2 x QT x G x D / 32``), kept well below the
