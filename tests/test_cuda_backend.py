@@ -10,7 +10,6 @@ import subprocess
 from types import SimpleNamespace
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from vllm_unified import backend
@@ -155,50 +154,6 @@ def test_worker_budget_on_cuda_reads_the_card(monkeypatch):
                                      kv_bytes_per_block=lambda: BLOCK_BYTES)
     activations = 100 * 2**20 + 2 * 16 * 256 * 256 * 4 + 4 * 1000 * 4 * 2
     assert w.determine_available_memory() == 30 * GIB - activations
-
-
-def _pool_and_steps():
-    """A pool with 3 sequences written, and two steps' metadata: mixed (two decode rows and a
-    prefill chunk, decode rows not first) and pure decode."""
-    from vllm_unified.attention.metadata import build_attention_metadata
-
-    rng = np.random.default_rng(3)
-    bs, kv_heads, dim = 8, 2, 32
-    pool = mx.array(rng.standard_normal((64 * bs, kv_heads, 2 * dim)).astype(np.float32))
-    tables = np.array([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9]], np.int32)
-    mixed = build_attention_metadata([3, 1, 1], [20, 12, 30], tables, bs)
-    decode = build_attention_metadata([1, 1, 1], [20, 12, 30], tables, bs)
-    return pool, mixed, decode, dim
-
-
-@pytest.mark.parametrize("window", [None, 5])
-def test_cuda_decode_route_keeps_rows_and_order(monkeypatch, window):
-    """With a decode kernel routed in (here a stand-in that runs the reference on the
-    rows it is given), paged_attention_kv returns the reference's result for mixed steps
-    (decode rows not first) and pure decode steps alike."""
-    from vllm_unified.attention import paged
-
-    pool, mixed, decode, dim = _pool_and_steps()
-    calls = []
-
-    def stand_in(queries, kv_pool, meta, scale, win):
-        calls.append(queries.shape[0])
-        rows = kv_pool.reshape(-1, 2 * dim)
-        sub = type(meta)(**{**meta.__dict__, "decode_rows": slice(0, queries.shape[0])})
-        return paged._decode_attention(
-            queries, lambda r: (rows[:, :dim][r], rows[:, dim:][r]), sub, 0.3, win,
-            kv_pool.shape[1])
-
-    for meta in (mixed, decode):
-        q = mx.array(np.random.default_rng(4).standard_normal(
-            (meta.num_tokens, 4, 1, dim)).astype(np.float32))
-        want = paged.paged_attention_kv(q, pool, meta, 0.3, window)
-        monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda b: False)
-        monkeypatch.setattr(paged, "_decode_kernel", lambda d, b: stand_in)
-        got = paged.paged_attention_kv(q, pool, meta, 0.3, window)
-        monkeypatch.undo()
-        assert np.allclose(np.array(got), np.array(want), atol=1e-6)
-    assert calls == [2, 3]
 
 
 def test_cuda_write_rejects_mismatched_rows():

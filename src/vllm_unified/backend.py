@@ -154,6 +154,7 @@ def import_mlx() -> ModuleType:
 
 KVPoolMemory = Literal["torch_shared", "mlx_owned"]
 KVWritePath = Literal["native_rows", "metal_kernel", "cuda_kernel", "scatter"]
+GpuDialect = Literal["cuda", "metal"]
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,9 @@ class BackendProfile:
             built): linears, norms, RoPE, SwiGLU (:mod:`vllm_unified.models.cpu_kernels`).
         cpu_attention: the native CPU kernel attends every row (``cpu_kernels`` and
             ``VLLM_UNIFIED_CPU_ATTENTION`` not 0).
-        cuda_decode: the CUDA decode kernel takes the decode rows of head sizes it supports
-            (CUDA backend, ``VLLM_UNIFIED_CUDA_DECODE`` not 0).
+        gpu_attention: the dialect (``"cuda"`` or ``"metal"``) of the paged GPU attention
+            kernel that takes every row of head sizes it supports (GPU compute on that
+            backend, ``VLLM_UNIFIED_GPU_ATTENTION`` not 0), else None (the reference).
         compile_decode: pure-decode steps may run as one compiled graph (where the write path
             and decode kernel allow; ``VLLM_UNIFIED_COMPILE_DECODE``).
         logits_zero_copy: logits reach torch as a view (MLX buffers in CPU memory), not a
@@ -198,7 +200,7 @@ class BackendProfile:
     kv_write: KVWritePath
     cpu_kernels: bool
     cpu_attention: bool
-    cuda_decode: bool
+    gpu_attention: GpuDialect | None
     compile_decode: bool
     logits_zero_copy: bool
     keep_quantized: bool
@@ -210,7 +212,8 @@ class BackendProfile:
     def describe(self) -> str:
         """One line for the start-up log."""
         attention = ("native CPU kernel" if self.cpu_attention else
-                     "CUDA decode kernel + reference" if self.cuda_decode else "MLX reference")
+                     f"paged GPU kernel ({self.gpu_attention})" if self.gpu_attention
+                     else "MLX reference")
         pool = ("vLLM layout in torch memory, shared with MLX" if self.kv_pool == "torch_shared"
                 else f"MLX-owned ({self.kv_pool_reason})")
         return (f"MLX {self.kind} backend (buffers: {self.allocator}); KV pool {pool}, written "
@@ -266,7 +269,8 @@ def profile() -> BackendProfile:
         info=info, allocator=allocator,
         kv_pool="torch_shared" if shared else "mlx_owned", kv_pool_reason=reason,
         kv_write=write, cpu_kernels=cpu_kernels, cpu_attention=cpu_attention,
-        cuda_decode=info.kind == "cuda" and envs.CUDA_DECODE,
+        gpu_attention=(info.kind if info.kind in ("cuda", "metal") and allocator == info.kind
+                       and envs.GPU_ATTENTION else None),
         compile_decode=envs.COMPILE_DECODE,
         logits_zero_copy=allocator == "cpu",
         keep_quantized=info.kind != "cpu",

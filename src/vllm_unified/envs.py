@@ -93,8 +93,9 @@ _SETTINGS = (
             "CPU backend: the highest instruction set the native kernels may use"),
     Setting("VLLM_UNIFIED_CPU_THREADS", None, _count(1),
             "CPU backend: most threads the native kernels use (default: the CPUs allowed)"),
-    Setting("VLLM_UNIFIED_CUDA_DECODE", True, _bool,
-            "CUDA backend: 0 reads decode rows through the reference instead of the kernel"),
+    Setting("VLLM_UNIFIED_GPU_ATTENTION", True, _bool,
+            "GPU backends (CUDA, Metal): 0 attends through the reference instead of the paged "
+            "kernel"),
     Setting("VLLM_UNIFIED_COMPILE_DECODE", True, _bool,
             "CUDA backend: 0 builds every decode step's graph in Python (no mx.compile)"),
     Setting("VLLM_UNIFIED_KV_EAGER_ZERO", False, _bool,
@@ -120,7 +121,7 @@ CPU_QUANTIZED_ENV = "VLLM_UNIFIED_CPU_QUANTIZED"
 CPU_ATTENTION_ENV = "VLLM_UNIFIED_CPU_ATTENTION"
 CPU_ISA_ENV = "VLLM_UNIFIED_CPU_ISA"
 CPU_THREADS_ENV = "VLLM_UNIFIED_CPU_THREADS"
-CUDA_DECODE_ENV = "VLLM_UNIFIED_CUDA_DECODE"
+GPU_ATTENTION_ENV = "VLLM_UNIFIED_GPU_ATTENTION"
 COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"

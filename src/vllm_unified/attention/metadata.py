@@ -75,6 +75,74 @@ class PrefillChunk:
     block_table: np.ndarray
 
 
+@dataclass(frozen=True)
+class GpuPlan:
+    """How the paged GPU kernel (:mod:`vllm_unified.attention.gpu_paged`) attends a step that
+    is not pure decode, for one tile size (made once per step, shared by all layers).
+
+    Attributes:
+        tables: int32 ``[B, max_blocks]`` block tables (a view of one host-made array with
+            ``tiles``: one transfer), or None when no row goes to the kernel.
+        tiles: int32 ``[NT, 4]`` (:func:`build_tiles`), or None when no row goes to the kernel.
+        sdpa: indices into ``prefills`` of the chunks MLX's SDPA attends instead of the kernel
+            (over their fresh keys, or over keys gathered from the pool); empty when the kernel
+            takes every row.
+        segments: ``(start, stop, chunk)`` row ranges in token order covering every row:
+            ``chunk`` is the index of a chunk in ``sdpa``, or None for rows of the kernel's
+            output.
+    """
+
+    tables: mx.array | None
+    tiles: mx.array | None
+    sdpa: tuple[int, ...]
+    segments: tuple[tuple[int, int, int | None], ...]
+
+
+def build_tiles(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, include: np.ndarray, rows: int
+) -> np.ndarray:
+    """The paged GPU kernel's tiles: each included sequence's rows cut into runs of at most
+    ``rows`` consecutive rows, longest first.
+
+    Args:
+        query_start_loc: int ``[B + 1]``: sequence i's rows are
+            ``query_start_loc[i] ... query_start_loc[i + 1] - 1``.
+        seq_lens: int ``[B]``: each sequence's context length after the step (its last row
+            sees that many keys; the row before it one fewer, and so on).
+        include: bool ``[B]``: the sequences whose rows the kernel attends.
+        rows: the most rows of a tile (>= 1).
+
+    Returns:
+        int32 ``[NT, 4]``: per tile its first row, its number of rows, its sequence and the
+        number of keys its last row sees (its position + 1), ordered by that number
+        descending (ties in row order). Rows of sequences not included are in no tile.
+
+    Raises:
+        ValueError: ``rows < 1`` or mismatched lengths.
+    """
+    if rows < 1:
+        raise ValueError(f"rows per tile must be >= 1, got {rows}")
+    starts = np.asarray(query_start_loc, np.int64)
+    slens = np.asarray(seq_lens, np.int64)
+    keep = np.asarray(include, bool)
+    if starts.ndim != 1 or len(starts) != len(slens) + 1 or keep.shape != slens.shape:
+        raise ValueError(f"query_start_loc {starts.shape}, seq_lens {slens.shape} and "
+                         f"include {keep.shape} do not describe the same sequences")
+    qlens = np.diff(starts)
+    seqs = np.flatnonzero(keep & (qlens > 0))
+    counts = -(-qlens[seqs] // rows)
+    total = int(counts.sum())
+    seq = np.repeat(seqs, counts)
+    first_tile = np.repeat(np.cumsum(counts) - counts, counts)
+    k = np.arange(total) - first_tile  # tile's index inside its sequence
+    nrows = np.minimum(rows, qlens[seq] - k * rows)
+    row0 = starts[seq] + k * rows
+    last_len = slens[seq] - qlens[seq] + k * rows + nrows
+    tiles = np.stack([row0, nrows, seq, last_len], axis=1)
+    order = np.argsort(-last_len, kind="stable")
+    return tiles[order].astype(np.int32)
+
+
 @dataclass
 class AttentionMetadata:
     """Everything the attention layers need for one step, built ONCE per step (not per layer).
@@ -109,6 +177,8 @@ class AttentionMetadata:
         block_tables: int32 numpy ``[B, max_blocks]``: every scheduled sequence's block table.
         host_seq_of_row: int32 numpy ``[T]``: the sequence (row of ``block_tables``) of each
             token row.
+        host_seq_lens: int32 numpy ``[B]``: every scheduled sequence's context length after
+            the step.
     """
 
     num_tokens: int
@@ -127,12 +197,16 @@ class AttentionMetadata:
     host_slot_mapping: np.ndarray | None = field(default=None, repr=False)
     block_tables: np.ndarray | None = field(default=None, repr=False)
     host_seq_of_row: np.ndarray | None = field(default=None, repr=False)
+    host_seq_lens: np.ndarray | None = field(default=None, repr=False)
     _row_kernel_inputs: tuple[mx.array, mx.array, mx.array] | None = field(
         default=None, repr=False)
     _decode_views: dict[tuple[Window, int], DecodeKeys] = field(default_factory=dict, repr=False)
     _prefill_views: dict[tuple[int, Window, int], PrefillKeys] = field(
         default_factory=dict, repr=False
     )
+    _gpu_plans: dict[tuple[int, bool, int], GpuPlan] = field(default_factory=dict, repr=False)
+    _fresh_masks: dict[tuple[int, Window], mx.array | str] = field(default_factory=dict,
+                                                                   repr=False)
 
     @property
     def is_pure_decode(self) -> bool:
@@ -189,6 +263,67 @@ class AttentionMetadata:
                 mx.array(self.host_positions.astype(np.int32) + 1),
             )
         return self._row_kernel_inputs
+
+    def gpu_plan(self, rows: int, route_fresh: bool, max_chunk: int) -> GpuPlan:
+        """The paged GPU kernel's plan for this step with tiles of at most ``rows`` rows.
+        Left to MLX's SDPA: with ``route_fresh``, prefill chunks with no context before them
+        (``seq_len == length``, attended over their fresh keys); any other chunk of more than
+        ``max_chunk`` rows (over keys gathered from the pool). Made once per argument set.
+
+        Raises ValueError when the host-side fields are missing (a compiled step's metadata).
+        """
+        key = (rows, route_fresh, max_chunk)
+        plan = self._gpu_plans.get(key)
+        if plan is None:
+            plan = self._make_gpu_plan(rows, route_fresh, max_chunk)
+            self._gpu_plans[key] = plan
+        return plan
+
+    def _make_gpu_plan(self, rows: int, route_fresh: bool, max_chunk: int) -> GpuPlan:
+        if self.block_tables is None or self.host_seq_lens is None:
+            raise ValueError("the paged GPU kernel's tiles need the host-side block tables "
+                             "and lengths, which a compiled step does not have")
+        qlens = np.diff(self.query_start_loc.astype(np.int64))
+        to_sdpa = (qlens > 1) & ((qlens > max_chunk)
+                                 | (route_fresh & (self.host_seq_lens == qlens)))
+        sdpa = tuple(i for i, p in enumerate(self.prefills)
+                     if p.length > max_chunk or (route_fresh and p.seq_len == p.length))
+        tiles = build_tiles(self.query_start_loc, self.host_seq_lens, ~to_sdpa, rows)
+        tables = tile_array = None
+        if len(tiles):
+            packed = mx.array(np.concatenate([
+                np.ascontiguousarray(self.block_tables, np.int32).reshape(-1),
+                tiles.reshape(-1)]))
+            size = self.block_tables.size
+            tables = packed[:size].reshape(self.block_tables.shape)
+            tile_array = packed[size:].reshape(tiles.shape)
+        segments: list[tuple[int, int, int | None]] = []
+        row = 0
+        for i in sdpa:
+            chunk = self.prefills[i]
+            if chunk.start > row:
+                segments.append((row, chunk.start, None))
+            segments.append((chunk.start, chunk.start + chunk.length, i))
+            row = chunk.start + chunk.length
+        if row < self.num_tokens:
+            segments.append((row, self.num_tokens, None))
+        return GpuPlan(tables, tile_array, sdpa, tuple(segments))
+
+    def fresh_mask(self, index: int, window: Window) -> mx.array | str:
+        """SDPA's mask for prefill chunk ``index`` attending to its own ``L`` keys only (no
+        context before it): ``"causal"``, or bool ``[L, L]`` when a sliding window cuts into
+        them (query i sees keys ``i - window < j <= i``). Cached per (index, window)."""
+        key = (index, window)
+        mask = self._fresh_masks.get(key)
+        if mask is None:
+            length = self.prefills[index].length
+            mask = "causal"
+            if window is not None and window < length:
+                pos = np.arange(length)
+                mask = mx.array((pos[None, :] <= pos[:, None])
+                                & (pos[None, :] > pos[:, None] - window))
+            self._fresh_masks[key] = mask
+        return mask
 
     def prefill_view(self, index: int, window: Window, kv_heads: int) -> PrefillKeys:
         """Keys of prefill chunk ``index`` for a layer with this sliding window (cached)."""
@@ -256,6 +391,7 @@ def build_attention_metadata(
         host_slot_mapping=slots,
         block_tables=tables,
         host_seq_of_row=seq_of_row.astype(np.int32),
+        host_seq_lens=slens.astype(np.int32),
         block_size=block_size,
         query_start_loc=starts.astype(np.int32),
         decode_rows=_as_rows(decode_rows),

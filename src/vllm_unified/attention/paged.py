@@ -15,6 +15,7 @@ row by row (pool row ``slot * Hkv + head``), which lands them directly in SDPA's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -125,6 +126,7 @@ def paged_attention_kv(
     window: int | None = None,
     accelerate: bool = True,
     backend: BackendProfile | None = None,
+    fresh: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
     """:func:`paged_attention` over one pool holding K and V side by side.
 
@@ -134,12 +136,15 @@ def paged_attention_kv(
     the column halves of the same ``[slots * Hkv, 2 * D]`` rows, so nothing is copied to split
     them (a reshape of a half would copy the pool). With ``accelerate`` (the default): on MLX's
     CPU backend with the native extension, every row is attended straight from the pool by its
-    kernel (attention/cpu_paged.py); on CUDA the decode batch by the CUDA decode kernel
-    (attention/cuda_decode.py); with the CPU kernel turned off (``VLLM_UNIFIED_CPU_ATTENTION=0``)
-    the rows are gathered by the native ``gather_kv`` primitive
-    (:func:`vllm_unified.bridge.gather_kv`, the same values as MLX's gather).
+    kernel (attention/cpu_paged.py); on a GPU backend (CUDA, Metal) by the paged GPU kernel of
+    the profile's dialect (attention/gpu_paged.py), where prefill chunks with no context before
+    them go to MLX's SDPA over ``fresh`` instead (its routing rule); with the CPU kernel turned
+    off (``VLLM_UNIFIED_CPU_ATTENTION=0``) the rows are gathered by the native ``gather_kv``
+    primitive (:func:`vllm_unified.bridge.gather_kv`, the same values as MLX's gather).
     ``accelerate=False`` is the pure-MLX reference: MLX's gather + SDPA. ``backend``: the
     profile whose kernels to use (the runner's); default :func:`vllm_unified.backend.profile`.
+    ``fresh``: the layer's keys and values of this step (``[T, Hkv, 1, D]``, as written to the
+    pool), or None.
 
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D``.
@@ -158,14 +163,9 @@ def paged_attention_kv(
         from vllm_unified.attention.cpu_paged import paged_attention_rows
 
         return paged_attention_rows(queries, kv_pool, meta, scale, window)
-    decode_out = None
-    decode_kernel = _decode_kernel(head_dim, backend) if accelerate else None
-    if meta.decode_rows is not None and decode_kernel is not None:
-        if meta.is_pure_decode:
-            # A pure decode step: every row is a decode row, so no row views (graph ops cost
-            # host time per layer and step).
-            return decode_kernel(queries, kv_pool, meta, scale, window)
-        decode_out = decode_kernel(queries[meta.decode_rows], kv_pool, meta, scale, window)
+    gpu_kernel = _gpu_kernel(head_dim, backend) if accelerate else None
+    if gpu_kernel is not None and meta.num_tokens:
+        return gpu_kernel(queries, kv_pool, meta, scale, window, fresh)
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
 
     def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
@@ -177,26 +177,27 @@ def paged_attention_kv(
             return gathered
         return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
 
-    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, decode_out)
+    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window)
 
 
-def cuda_decode_routed(head_dim: int, backend: BackendProfile) -> bool:
-    """Whether decode rows of this head size go to the CUDA decode kernel (see
-    :func:`_decode_kernel`)."""
-    from vllm_unified.attention import cuda_decode
-
-    return _decode_kernel(head_dim, backend) is cuda_decode.paged_decode_attention
+def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:
+    """Whether the rows of a layer of this head size go to the paged GPU kernel (see
+    :func:`_gpu_kernel`)."""
+    return _gpu_kernel(head_dim, backend) is not None
 
 
-def _decode_kernel(head_dim: int, backend: BackendProfile) -> Callable[..., mx.array] | None:
-    """The decode kernel of ``backend``, or None for the reference gather + SDPA: the CUDA
-    kernel (attention/cuda_decode.py) where the profile enables it (``cuda_decode``) and it
-    supports the head size."""
-    if not backend.cuda_decode:
+def _gpu_kernel(head_dim: int, backend: BackendProfile) -> Callable[..., mx.array] | None:
+    """The paged GPU attention of ``backend``, or None for the reference gather + SDPA: the
+    kernel of attention/gpu_paged.py in the profile's dialect (``gpu_attention``) where it
+    supports the head size. Called as ``kernel(queries, kv_pool, meta, scale, window, fresh)``.
+    """
+    if backend.gpu_attention is None:
         return None
-    from vllm_unified.attention import cuda_decode
+    from vllm_unified.attention import gpu_paged
 
-    return cuda_decode.paged_decode_attention if cuda_decode.supported(head_dim) else None
+    if not gpu_paged.supported(head_dim):
+        return None
+    return functools.partial(gpu_paged.paged_gpu_attention, backend.gpu_attention)
 
 
 def _cpu_rows_kernel(backend: BackendProfile) -> bool:
@@ -212,16 +213,13 @@ def _attend(
     meta: AttentionMetadata,
     scale: float,
     window: Window,
-    decode_out: mx.array | None = None,
 ) -> mx.array:
-    """Attention given ``gather``, which reads keys and values at pool rows (see _rows_view);
-    ``decode_out``: the decode batch's result when a kernel computed it already."""
+    """Attention given ``gather``, which reads keys and values at pool rows (see _rows_view)."""
     if meta.num_tokens == 0:
         return queries
     outputs = []
     if meta.decode_rows is not None:
-        outputs.append(decode_out if decode_out is not None else
-                       _decode_attention(queries, gather, meta, scale, window, kv_heads))
+        outputs.append(_decode_attention(queries, gather, meta, scale, window, kv_heads))
     for index in range(len(meta.prefills)):
         outputs.append(
             _prefill_attention(queries, gather, meta, index, scale, window, kv_heads)
@@ -276,6 +274,21 @@ def _decode_attention(
     q = queries[meta.decode_rows]
     keys, values = gather(view.rows)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=view.mask)
+
+
+def prefill_chunk_attention(
+    queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
+    window: Window,
+) -> mx.array:
+    """The reference's attention of prefill chunk ``index`` alone: its ``[L, H, 1, D]`` rows
+    of ``queries`` (``[T, H, 1, D]``) over its keys gathered from ``kv_pool``
+    (``[slots, Hkv, 2 * D]``) by MLX, then MLX's SDPA; ``[L, H, 1, D]`` out (for GPU kernels
+    that leave long chunks to SDPA)."""
+    dim = queries.shape[-1]
+    pool_rows = kv_pool.reshape(-1, 2 * dim)
+    return _prefill_attention(
+        queries, lambda rows: (pool_rows[:, :dim][rows], pool_rows[:, dim:][rows]), meta, index,
+        scale, window, kv_pool.shape[1])
 
 
 def _prefill_attention(

@@ -69,11 +69,14 @@ class PagedLayerCache:
         self.pool.write(self.layer, ctx.attn.slot_mapping, keys, values, ctx.kv)
         return keys, values
 
-    def attend(self, queries: mx.array, scale: float, window: int | None) -> mx.array:
+    def attend(self, queries: mx.array, scale: float, window: int | None,
+               fresh: tuple[mx.array, mx.array] | None = None) -> mx.array:
         """Paged attention of ``queries`` ``[T, H, 1, D]`` over this layer's pool (after this
-        step's write), see :func:`vllm_unified.attention.paged.paged_attention_kv`."""
+        step's write); ``fresh``: the keys and values this step wrote (``update_and_fetch``'s
+        result), which a GPU kernel may attend directly for chunks with no earlier context.
+        See :func:`vllm_unified.attention.paged.paged_attention_kv`."""
         return paged_attention_kv(queries, self._arrays()[self.layer], get_step_context().attn,
-                                  scale, window, backend=self.backend)
+                                  scale, window, backend=self.backend, fresh=fresh)
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803

@@ -57,7 +57,9 @@ def paged_sdpa(
     if mask is not None and not isinstance(mask, PagedMask):
         raise TypeError(f"unexpected attention mask {type(mask).__name__} with a paged cache")
     window = mask.window if isinstance(mask, PagedMask) else None
-    return cache.attend(queries, scale, window)
+    # keys/values are this step's rows as the cache wrote them (update_and_fetch returns its
+    # inputs): a prefill chunk with no earlier context attends to exactly these.
+    return cache.attend(queries, scale, window, fresh=(keys, values))
 
 
 def install_paged_attention(model: Any, recurrent: Collection[int] = ()) -> list[str]:

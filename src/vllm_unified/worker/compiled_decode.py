@@ -12,14 +12,16 @@ What makes this safe:
   tracing: token ids, positions, slot mapping, the decode rows' block tables and context
   lengths (:attr:`AttentionMetadata.decode_tables` / ``decode_lens``), the rows whose logits
   are wanted, and the KV pool arrays; the attention path used inside reads only those (the
-  CUDA decode kernel of :mod:`vllm_unified.attention.cuda_decode`; the gather reference, which
+  paged GPU kernel of :mod:`vllm_unified.attention.gpu_paged` in its decode form, which reads
+  the decode tables and lengths only; the gather reference, which
   needs host-side tables, raises inside a trace instead of baking them in);
 * the pools go in as inputs and come back as outputs: each layer's write returns
   ``mx.depends(pool, token)`` (:mod:`vllm_unified.kv.gpu_write`), so the attention of
   that layer, and the next step's write, stay ordered after the write exactly as without
   compilation;
 * only steps whose every request has one query token take this path, and only with the
-  in-place CUDA write and the CUDA decode kernel; everything else runs the plain forward.
+  in-place CUDA write and the paged GPU attention kernel; everything else runs the plain
+  forward.
 
 Shapes: one trace per number of decode rows ``T`` and block-table width (``shapeless=False``:
 the kernels' launch grids depend on ``T``); the width is padded to a power of two

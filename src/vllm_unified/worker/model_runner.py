@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 import torch
 
-from vllm_unified.attention.paged import cuda_decode_routed
+from vllm_unified.attention.paged import gpu_attention_routed
 from vllm_unified.backend import BackendProfile
 from vllm_unified.bridge import mlx_dtype
 from vllm_unified.compat import (
@@ -277,9 +277,9 @@ class MLXModelRunner:
 
     def _compiled_decode(self) -> CompiledDecode | None:
         """The compiled pure-decode forward where it applies: the in-place CUDA KV write, the
-        CUDA decode kernel, no recurrent layers, not turned off by its variable."""
+        paged GPU attention kernel, no recurrent layers, not turned off by its variable."""
         head_dim = self.model_config.get_head_size()
-        if not (self.kv_cache.pool.cuda_write and cuda_decode_routed(head_dim, self.backend)
+        if not (self.kv_cache.pool.cuda_write and gpu_attention_routed(head_dim, self.backend)
                 and not self.layers.is_hybrid and self.backend.compile_decode):
             return None
         logger.info("vllm-unified: pure-decode steps run as one compiled MLX graph "

@@ -1,0 +1,419 @@
+"""Paged attention straight from the pool on MLX's GPU backends: one kernel source, CUDA and Metal.
+
+The pure-MLX reference (:mod:`vllm_unified.attention.paged`) gathers every sequence's keys and
+values out of the pool into dense arrays per layer and step, then runs SDPA over them: at batch
+64 and 640-token contexts that is ~170 MB written and read again per layer, and the boolean mask
+of unequal lengths takes SDPA off its fastest path. The kernel here reads each key and value once,
+where it lies in the pool, through the block table. It is written once (:data:`SOURCE`, in the
+names of :mod:`vllm_unified.gpu_dialect`) and instantiated as ``mx.fast.cuda_kernel`` or
+``mx.fast.metal_kernel`` for the backend profile's ``gpu_attention`` dialect.
+
+**Work split.** One thread group per (tile, KV head). A tile is up to ``QT`` consecutive query rows
+of one sequence (a decode row is a tile of one row); the group serves every query head of the KV
+head's GQA group for every row of its tile, so each key and value loaded serves ``QT x G`` query
+vectors. The group's SIMD groups (warps) split the keys (warp w takes keys ``first + w``,
+``first + w + WARPS``, ...), each lane holding ``D / 32`` channels of a key and its value as one
+vector load (the key loop unrolled by two, so two keys' loads are in flight per warp); each
+warp keeps an online softmax per (row, query head) in fp32. At the end the warps' partial
+results are combined in shared memory, ``CB`` (row, head) pairs per pass
+(:func:`combine_batch`), so the shared memory used, ``WARPS x (2 QT G + CB D) x 4`` bytes,
+stays within the 32 KiB that both Metal and CUDA guarantee.
+
+**Masks.** Row r of a tile sees keys ``first_r ... len_r - 1`` where ``len_r`` is its position + 1
+(causal) and ``first_r = max(len_r - window, 0)`` with a sliding window, else 0: the convention of
+the reference (``mlx_lm.models.base.create_causal_mask``). A key no row of the tile sees is never
+read; every key read was written by this or an earlier step, so the kernel never reads unowned
+pool memory.
+
+**Tiles.** Built once per step on the host (:meth:`AttentionMetadata.gpu_tiles`, vectorised
+numpy, cached on the metadata, all layers share them) and ordered by decreasing key count, so the
+longest tiles start first. A pure-decode step needs none: group ``i`` is decode row ``i``, read
+through the decode rows' block tables and lengths (``decode_tables`` / ``decode_lens``, which a
+compiled step passes as traced inputs), with ``QT = 1``.
+
+**Routing rule (time to first token).** A prefill chunk with no context before it in the pool
+(it is its sequence's whole context so far, ``seq_len == length``) attends exactly to the keys
+and values its layer just computed. Those are handed to the attention with the queries
+(``models/routing.py`` ``paged_sdpa`` receives them), so such a chunk goes to MLX's own SDPA with
+``mask="causal"`` over them: no gather, MLX's fastest path, the same function (the keys are cast
+to the pool's dtype, so they are the values the pool holds). A chunk after cached context
+(chunked prefill, a prefix-cache hit) of more than :data:`MAX_KERNEL_CHUNK` rows goes to MLX's
+SDPA over its keys gathered from the pool (the reference's per-chunk path: the gather is small
+next to the attention, and MLX's SDPA runs on the matrix units where this kernel does scalar
+dot products). Decode rows and short chunks after cached context go to the paged kernel, all
+of them in one launch per layer and step. A step that is one fresh prompt launches no paged
+kernel at all.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from vllm_unified import gpu_dialect
+from vllm_unified.attention.metadata import AttentionMetadata, Window
+
+#: Warps (SIMD groups of 32) per thread group, at most.
+MAX_WARPS = 16
+#: Query rows per tile, at most.
+MAX_Q_TILE = 16
+#: Prefill chunks after cached context longer than this many rows go to MLX's SDPA over keys
+#: gathered from the pool instead of the kernel (fp32 scalar dot products and SIMD
+#: reductions): on the H200, over 2,048 keys, the kernel was faster than gather + SDPA up to
+#: 16 rows and 10x slower at 512 (docs/benchmarking.md, run J). The kernel serves decode rows
+#: and short chunks (speculative verification, small chunked-prefill tails).
+MAX_KERNEL_CHUNK = 16
+#: Registers of one thread group on CUDA (64 K) and the fp32 values of the query and
+#: accumulator vectors one lane may hold (``2 x QT x G x D / 32``), kept well below the
+#: per-thread register limit so a group of MAX_WARPS warps still launches.
+_REGISTERS_PER_GROUP = 65536
+_LANE_VECTOR_FLOATS = 64
+#: Shared memory both dialects guarantee a thread group (bytes).
+SHARED_BYTES = 32768
+
+KERNEL_NAME = "vllm_unified_paged_attention"
+INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale"]
+OUTPUT_NAMES = ["out"]
+
+#: A vector of N elements loaded (and stored) as one access.
+HEADER = """
+template <typename V, int N>
+struct alignas(sizeof(V) * N) UniVec {
+    V v[N];
+};
+"""
+
+#: The kernel body. Template arguments: T (dtype), D (head size, a multiple of 32, <= 256),
+#: H, HKV (query and KV heads), BS (tokens per block), WARPS, WINDOW (0: none), QT (rows per
+#: tile), CB ((row, head) pairs combined per pass, :func:`combine_batch`), DECODE (1: group i
+#: is decode row i, ``tiles`` holds the decode lengths ``[Bd]``; 0: ``tiles`` is ``[NT, 4]``:
+#: first row, rows, sequence, keys seen by the tile's last row).
+SOURCE = """
+    constexpr int EPL = D / 32;
+    constexpr int G = H / HKV;
+    constexpr int QG = QT * G;
+    const int grp = (int)uni_group;
+    const int tile = grp / HKV;
+    const int kh = grp - tile * HKV;
+    const int warp = (int)uni_simd;
+    const int lane = (int)uni_lane;
+    int row0 = tile;
+    int nrows = 1;
+    int seq = tile;
+    int len_last;
+    if (DECODE) {
+        len_last = tiles[tile];
+    } else {
+        row0 = tiles[tile * 4];
+        nrows = tiles[tile * 4 + 1];
+        seq = tiles[tile * 4 + 2];
+        len_last = tiles[tile * 4 + 3];
+    }
+    const int len0 = len_last - nrows + 1;
+    const int kbeg = WINDOW > 0 ? (len0 > WINDOW ? len0 - WINDOW : 0) : 0;
+    const int mb = tables_shape[1];
+    const float sc = scale[0];
+    const float neg_inf = uni_neg_inf();
+    float qv[QG][EPL];
+    float acc[QG][EPL];
+    float m[QG];
+    float l[QG];
+#pragma unroll
+    for (int i = 0; i < QG; ++i) {
+        const int qi = i / G;
+        const int g = i - qi * G;
+        const int64_t qoff = ((int64_t)(row0 + (qi < nrows ? qi : 0)) * H + kh * G + g) * D
+                          + lane * EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            qv[i][e] = qi < nrows ? static_cast<float>(q[qoff + e]) * sc : 0.f;
+            acc[i][e] = 0.f;
+        }
+        m[i] = neg_inf;
+        l[i] = 0.f;
+    }
+    const int64_t trow = (int64_t)seq * mb;
+#pragma unroll 2
+    for (int j = kbeg + warp; j < len_last; j += WARPS) {
+        const int64_t slot = (int64_t)tables[trow + j / BS] * BS + j % BS;
+        const int64_t koff = (slot * HKV + kh) * (2 * D) + lane * EPL;
+        const UniVec<T, EPL> kk = *reinterpret_cast<const UNI_DEVICE UniVec<T, EPL>*>(kv + koff);
+        const UniVec<T, EPL> vv =
+            *reinterpret_cast<const UNI_DEVICE UniVec<T, EPL>*>(kv + koff + D);
+        float kf[EPL];
+        float vf[EPL];
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            kf[e] = static_cast<float>(kk.v[e]);
+            vf[e] = static_cast<float>(vv.v[e]);
+        }
+#pragma unroll
+        for (int qi = 0; qi < QT; ++qi) {
+            const int lr = len0 + qi;
+            // Uniform over the warp (j, qi and the tile are): the reductions below see
+            // every lane.
+            if (qi < nrows && j < lr && (WINDOW == 0 || j >= lr - WINDOW)) {
+                float s[G];
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    float t = 0.f;
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) {
+                        t += qv[qi * G + g][e] * kf[e];
+                    }
+                    s[g] = uni_simd_sum(t);
+                }
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const int i = qi * G + g;
+                    const float m_new = uni_fmax(m[i], s[g]);
+                    const float corr = m[i] == neg_inf ? 0.f : uni_exp(m[i] - m_new);
+                    const float p = uni_exp(s[g] - m_new);
+                    l[i] = l[i] * corr + p;
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) {
+                        acc[i][e] = acc[i][e] * corr + p * vf[e];
+                    }
+                    m[i] = m_new;
+                }
+            }
+        }
+    }
+    UNI_SHARED float sm[WARPS][QG];
+    UNI_SHARED float sl[WARPS][QG];
+    UNI_SHARED float sacc[WARPS][CB][D];
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < QG; ++i) {
+            sm[warp][i] = m[i];
+            sl[warp][i] = l[i];
+        }
+    }
+    // CB (row, head) pairs at a time: the warps' accumulators in shared memory, then every
+    // thread of the group combines its share of them.
+#pragma unroll
+    for (int b = 0; b < QG; b += CB) {
+        if (b / G < nrows) {  // uniform over the group: the barriers see every thread
+#pragma unroll
+            for (int c = 0; c < CB; ++c) {
+                if (b + c < QG) {
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) {
+                        sacc[warp][c][lane * EPL + e] = acc[b + c][e];
+                    }
+                }
+            }
+            UNI_BARRIER();
+            for (int x = (int)uni_thread; x < CB * D; x += (int)uni_threads) {
+                const int c = x / D;
+                const int d = x - c * D;
+                const int i = b + c;
+                const int qi = i / G;
+                if (i < QG && qi < nrows) {
+                    float mm = neg_inf;
+                    for (int w = 0; w < WARPS; ++w) {
+                        mm = uni_fmax(mm, sm[w][i]);
+                    }
+                    float ll = 0.f;
+                    float o = 0.f;
+                    for (int w = 0; w < WARPS; ++w) {
+                        const float f = sm[w][i] == neg_inf ? 0.f : uni_exp(sm[w][i] - mm);
+                        ll += sl[w][i] * f;
+                        o += sacc[w][c][d] * f;
+                    }
+                    const int g = i - qi * G;
+                    out[((int64_t)(row0 + qi) * H + kh * G + g) * D + d] =
+                        static_cast<T>(o / ll);
+                }
+            }
+            UNI_BARRIER();
+        }
+    }
+"""
+
+
+def supported(head_dim: int) -> bool:
+    """Head sizes the kernel handles: a multiple of 32 up to 256 (each lane takes D / 32
+    channels)."""
+    return head_dim % 32 == 0 and 0 < head_dim <= 256
+
+
+@functools.cache
+def q_tile(group: int, head_dim: int) -> int:
+    """Query rows per prefill tile for a GQA group of ``group`` query heads of ``head_dim``:
+    as many as keep a lane's fp32 query and accumulator vectors within
+    ``_LANE_VECTOR_FLOATS`` (``2 x QT x G x D / 32``), at least 1, at most MAX_Q_TILE."""
+    per_row = 2 * group * (head_dim // 32)
+    return max(1, min(MAX_Q_TILE, _LANE_VECTOR_FLOATS // per_row))
+
+
+@functools.cache
+def warps_per_group(group: int, head_dim: int, rows: int) -> int:
+    """Warps per thread group serving ``rows`` query rows x ``group`` heads of ``head_dim``:
+    MAX_WARPS, halved while the group's estimated registers (per lane: the query and
+    accumulator vectors, the softmax state, the key and value, ~40 more) exceed 64 K or its
+    shared memory exceeds SHARED_BYTES."""
+    qg, epl = rows * group, head_dim // 32
+    registers = 2 * qg * epl + 4 * qg + 2 * epl + 40
+    shared = 4 * (head_dim + 2 * qg)
+    warps = MAX_WARPS
+    while warps > 1 and (warps * 32 * registers > _REGISTERS_PER_GROUP
+                         or warps * shared > SHARED_BYTES):
+        warps //= 2
+    return warps
+
+
+@functools.cache
+def combine_batch(group: int, head_dim: int, rows: int, warps: int) -> int:
+    """(row, head) pairs whose warp results are combined per pass: as many as the shared
+    memory budget holds next to the softmax state (``WARPS x (2 QG + CB x D) x 4`` bytes),
+    at least 1, at most all ``QG = rows x group``."""
+    qg = rows * group
+    return max(1, min(qg, (SHARED_BYTES // 4 // warps - 2 * qg) // head_dim))
+
+
+@functools.cache
+def _kernel(dialect: str):
+    return gpu_dialect.kernel(KERNEL_NAME, INPUT_NAMES, OUTPUT_NAMES, SOURCE, dialect=dialect,
+                              header=HEADER)
+
+
+@functools.cache
+def _scale(scale: float) -> mx.array:
+    """The score scale as a device array, made once (not once per layer and step)."""
+    return mx.array([scale], dtype=mx.float32)
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """One launch of the kernel, as MLX's kernel call takes it."""
+
+    inputs: list[mx.array]
+    template: list[tuple[str, int | mx.Dtype]]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: list[tuple[int, ...]]
+    output_dtypes: list[mx.Dtype]
+
+
+def launch_args(
+    queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array, scale: float,
+    window: Window, block_size: int, rows: int, decode: bool,
+) -> LaunchArgs:
+    """The kernel call over ``tiles`` (see :func:`launch`)."""
+    tokens, heads, _, dim = queries.shape
+    kv_heads = kv_pool.shape[1]
+    group = heads // kv_heads
+    warps = warps_per_group(group, dim, rows)
+    return LaunchArgs(
+        inputs=[queries, kv_pool, tables, tiles, _scale(scale)],
+        template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
+                  ("BS", block_size), ("WARPS", warps),
+                  ("WINDOW", 0 if window is None else int(window)), ("QT", rows),
+                  ("CB", combine_batch(group, dim, rows, warps)), ("DECODE", int(decode))],
+        grid=(tiles.shape[0] * kv_heads * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(tokens, heads, 1, dim)],
+        output_dtypes=[queries.dtype],
+    )
+
+
+def launch(
+    dialect: str, queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array,
+    scale: float, window: Window, block_size: int, rows: int, decode: bool,
+) -> mx.array:
+    """One launch of the kernel over ``tiles``; returns ``[T, H, 1, D]`` where only the rows the
+    tiles cover are written (the others are uninitialised memory).
+
+    Args:
+        dialect: ``"cuda"`` or ``"metal"``.
+        queries: ``[T, H, 1, D]`` in the pool's dtype.
+        kv_pool: ``[slots, Hkv, 2 * D]``.
+        tables: int32 ``[B, max_blocks]`` block tables, indexed by a tile's sequence.
+        tiles: int32; ``decode``: the decode lengths ``[Bd]`` (tile i = row i of sequence i,
+            ``Bd == T``); else ``[NT, 4]`` (first row, rows <= ``rows``, sequence, keys seen by
+            the last row).
+        scale, window, block_size: as :func:`paged_gpu_attention`.
+        rows: QT, the most rows of a tile (1 when ``decode``).
+    """
+    a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode)
+    return _kernel(dialect)(inputs=a.inputs, template=a.template, grid=a.grid,
+                            threadgroup=a.threadgroup, output_shapes=a.output_shapes,
+                            output_dtypes=a.output_dtypes)[0]
+
+
+def paged_gpu_attention(
+    dialect: str, queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
+    window: Window, fresh: tuple[mx.array, mx.array] | None = None,
+    max_chunk: int | None = None,
+) -> mx.array:
+    """Every row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V per cell).
+
+    Args:
+        dialect: ``"cuda"`` or ``"metal"`` (the backend profile's ``gpu_attention``).
+        queries: ``[T, H, 1, D]`` (RoPE'd), token-major, in the pool's dtype.
+        kv_pool: one layer's pool, this step's keys and values already written.
+        meta: the step's metadata (for a pure-decode step the decode tables and lengths, which
+            may be a compiled step's traced inputs; otherwise its host-side fields).
+        scale: score multiplier.
+        window: sliding window in tokens or None.
+        fresh: this step's keys and values of the layer (``[T, Hkv, 1, D]`` or
+            ``[T, Hkv, D]``), or None: with them, prefill chunks with no context before them
+            go to MLX's SDPA over these (the module's routing rule).
+        max_chunk: prefill chunks longer than this that are not attended over ``fresh`` go to
+            MLX's SDPA over keys gathered from the pool (the reference's per-chunk path);
+            default :data:`MAX_KERNEL_CHUNK`. A huge value sends every such row to the kernel.
+
+    Returns:
+        ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
+
+    Raises:
+        ValueError: a head size the kernel does not take, or a step with prefill chunks whose
+            metadata lacks the host-side fields (a compiled step's).
+    """
+    tokens, heads, _, dim = queries.shape
+    if not supported(dim):
+        raise ValueError(f"the paged GPU kernel takes head sizes that are multiples of 32 up "
+                         f"to 256, not {dim}")
+    if meta.is_pure_decode:
+        tables, lens = meta.decode_tables_lens()
+        return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
+                      1, True)
+    rows = q_tile(heads // kv_pool.shape[1], dim)
+    plan = meta.gpu_plan(rows, fresh is not None,
+                         MAX_KERNEL_CHUNK if max_chunk is None else max_chunk)
+    out = None
+    if plan.tiles is not None:
+        out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
+                     meta.block_size, rows, False)
+    if not plan.sdpa:
+        return out
+    pieces = []
+    for start, stop, chunk in plan.segments:
+        if chunk is None:
+            pieces.append(out[start:stop])
+        elif fresh is not None and meta.prefills[chunk].seq_len == stop - start:
+            pieces.append(_fresh_chunk(queries[start:stop], fresh, start, stop, kv_pool.dtype,
+                                       meta.fresh_mask(chunk, window), scale))
+        else:
+            from vllm_unified.attention.paged import prefill_chunk_attention
+
+            pieces.append(prefill_chunk_attention(queries, kv_pool, meta, chunk, scale, window))
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+
+
+def _fresh_chunk(queries: mx.array, fresh: tuple[mx.array, mx.array], start: int, stop: int,
+                 dtype: mx.Dtype, mask: mx.array | str, scale: float) -> mx.array:
+    """A chunk's ``[L, H, 1, D]`` queries over its own fresh keys and values (rows
+    ``start ... stop - 1`` of ``fresh``), cast to the pool's dtype, by MLX's SDPA."""
+    keys, values = fresh
+    if keys.ndim == 3:
+        keys, values = keys[:, :, None], values[:, :, None]
+    # [L, H, 1, D] rows -> [1, H, L, D]: the chunk as one sequence.
+    q = queries.transpose(2, 1, 0, 3)
+    k = keys[start:stop].astype(dtype).transpose(2, 1, 0, 3)
+    v = values[start:stop].astype(dtype).transpose(2, 1, 0, 3)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return out.transpose(2, 1, 0, 3)

@@ -1,0 +1,183 @@
+"""The shape grid every dialect of the paged GPU attention kernel is checked on.
+
+Used by ``tests/test_gpu_attention.py`` (the Metal dialect through the CPU emulation) and by
+``benchmarks/cuda_decode.py`` (the CUDA dialect on the H200; ``benchmarks/cuda_h200.sh pack``
+copies this file next to it), so both check the same cases against the same oracle: the
+pure-MLX reference ``paged_attention_kv(..., accelerate=False)`` evaluated in fp32 over the
+same (dtype-rounded) queries and pool.
+
+A case is one step: decode rows only, prefill chunks only (one with no context before it, one
+after cached context, one of a length no tile size divides) or a mix with the decode rows not
+first; ragged lengths from 1 up, crossing block boundaries; GQA groups of 1, 2, 4 and 8
+query heads over 1 or 2 KV heads; head sizes 64, 128, 256; blocks of 16, 32, 64 tokens,
+handed out from a pool twice the size needed in random order (block tables with holes,
+non-consecutive, out of order; padding columns point at unowned blocks); no window, a window
+cutting into tiles, a window longer than some contexts. Every slot no sequence owns is NaN,
+so a read outside a row's keys shows in the output. The grid is a covering design, not the
+full product (each kernel instance costs a compile on the GPU and an emulation on the CPU):
+:func:`grid` covers every pair of (step kind, window), (step kind, block size), (group, head
+size) and every single factor in both dtypes (``test_grid_covers_every_pair`` checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+HEAD_SIZES = (64, 128, 256)
+GROUPS = (1, 2, 4, 8)
+BLOCK_SIZES = (16, 32, 64)
+WINDOWS = (None, 16, 61)
+KINDS = ("decode", "prefill", "mixed")
+
+#: (query lengths, context lengths after the step) of each step kind. Prefill: chunks with no
+#: context before them (37 of 37, 70 of 70), after cached context (20 of 90, and 9 of 50:
+#: short enough for the kernel on the split route). Mixed: decode rows around chunks (23 of 70
+#: and 12 of 80 after context, 40 of 40 and 5 of 5 fresh), a decode row at position 0.
+STEPS = {
+    "decode": ([1, 1, 1, 1, 1], [1, 17, 65, 100, 150]),
+    "prefill": ([37, 20, 70, 9], [37, 90, 70, 50]),
+    "mixed": ([1, 23, 1, 40, 1, 5, 12], [60, 70, 1, 40, 129, 5, 80]),
+}
+ROUTES = ("kernel", "split")
+#: ``max_chunk`` of the kernel route: every row to the kernel
+EVERY_ROW = 1 << 30
+
+#: Largest absolute error allowed against the reference, per dtype.
+TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 2e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One step of the grid.
+
+    Attributes:
+        kind: ``"decode"``, ``"prefill"`` or ``"mixed"`` (:data:`STEPS`).
+        dim: head size.
+        group: query heads per KV head.
+        kv_heads: KV heads.
+        block_size: tokens per block.
+        window: sliding window or None.
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        route: ``"kernel"``: every row to the kernel (no fresh keys, no chunk length limit);
+            ``"split"``: the production routing (fresh keys given: chunks with no context
+            before them to MLX's SDPA over them, chunks after context longer than
+            ``gpu_paged.MAX_KERNEL_CHUNK`` to SDPA over gathered keys, the rest to the kernel).
+        seed: random data seed.
+    """
+
+    kind: str
+    dim: int
+    group: int
+    kv_heads: int
+    block_size: int
+    window: int | None
+    dtype: str
+    route: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return (f"{self.kind}-D{self.dim}-G{self.group}x{self.kv_heads}-bs{self.block_size}-"
+                f"w{self.window or 0}-{self.dtype}-{self.route}")
+
+
+def grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[Case]:
+    """The covering grid, per dtype: every (group, head size, step kind) triple once, with
+    block size, window, KV heads and route rotating so that every (kind, window), (kind,
+    block size) and (kind, route) pair appears (decode steps take the kernel either way)."""
+    cases = []
+    i = 0
+    for dtype in dtypes:
+        for dim in HEAD_SIZES:
+            for group in GROUPS:
+                for k, kind in enumerate(KINDS):
+                    cases.append(Case(
+                        kind=kind, dim=dim, group=group, kv_heads=1 + (i // 3) % 2,
+                        block_size=BLOCK_SIZES[(i // 3 + k) % 3],
+                        window=WINDOWS[(i // 9 + k) % 3], dtype=dtype,
+                        route=ROUTES[(i // 3) % 2], seed=i))
+                    i += 1
+    return cases
+
+
+@dataclass
+class Built:
+    """A case's inputs (in its dtype) and the reference output (fp32 numpy)."""
+
+    queries: mx.array
+    pool: mx.array
+    meta: object
+    scale: float
+    fresh: tuple[mx.array, mx.array] | None
+    max_chunk: int | None
+    reference: np.ndarray
+
+
+def build(case: Case) -> Built:
+    """The case's queries ``[T, H, 1, D]``, pool ``[slots, Hkv, 2D]`` (unowned slots NaN), step
+    metadata, fresh keys/values (the rows' own cells of the pool) and the reference output."""
+    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.attention.paged import paged_attention_kv
+
+    rng = np.random.default_rng(case.seed)
+    qlens, slens = STEPS[case.kind]
+    bs = case.block_size
+    need = [-(-s // bs) for s in slens]
+    num_blocks = 2 * sum(need) + 3
+    ids = rng.permutation(num_blocks)
+    owned_ids = ids[: sum(need)]
+    spare = ids[sum(need):]  # never owned: NaN blocks
+    tables = np.empty((len(slens), max(need) + 2), np.int32)
+    used = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = owned_ids[used:used + n]
+        tables[i, n:] = spare[i % len(spare)]
+        used += n
+    heads, dim = case.group * case.kv_heads, case.dim
+    pool = rng.standard_normal((num_blocks * bs, case.kv_heads, 2 * dim)).astype(np.float32)
+    owned = np.zeros(num_blocks * bs, bool)
+    for i, s in enumerate(slens):
+        pos = np.arange(s)
+        owned[tables[i, pos // bs].astype(np.int64) * bs + pos % bs] = True
+    pool[~owned] = np.nan
+    tokens = sum(qlens)
+    queries = rng.standard_normal((tokens, heads, 1, dim)).astype(np.float32)
+    dtype = getattr(mx, case.dtype)
+    q = mx.array(queries).astype(dtype)
+    kv = mx.array(pool).astype(dtype)
+    meta = build_attention_metadata(qlens, slens, tables, bs)
+    scale = dim ** -0.5
+    fresh = None
+    if case.route == "split":
+        cells = kv[mx.array(meta.host_slot_mapping)][:, :, None]  # [T, Hkv, 1, 2D]
+        fresh = (cells[..., :dim], cells[..., dim:])
+    ref_meta = build_attention_metadata(qlens, slens, tables, bs)
+    # On MLX's CPU device on every machine: exact fp32 (MLX's CUDA backend computes fp32
+    # matmuls in TF32 by default).
+    with mx.stream(mx.cpu):
+        reference = np.array(paged_attention_kv(
+            q.astype(mx.float32), kv.astype(mx.float32), ref_meta, scale, case.window,
+            accelerate=False))
+    max_chunk = EVERY_ROW if case.route == "kernel" else None
+    return Built(q, kv, meta, scale, fresh, max_chunk, reference)
+
+
+Attend = Callable[[mx.array, mx.array, object, float, object, object, object], mx.array]
+
+
+def max_error(case: Case, attend: Attend) -> float:
+    """Largest absolute difference between ``attend(queries, pool, meta, scale, window,
+    fresh, max_chunk)`` (the arguments of ``gpu_paged.paged_gpu_attention`` after the
+    dialect) and the reference on ``case`` (NaN when the output is not finite)."""
+    b = build(case)
+    got = np.array(attend(b.queries, b.pool, b.meta, b.scale, case.window, b.fresh,
+                          b.max_chunk).astype(mx.float32))
+    if got.shape != b.reference.shape:
+        raise AssertionError(f"{case.name}: output {got.shape} != {b.reference.shape}")
+    if not np.isfinite(got).all():
+        return float("nan")
+    return float(np.abs(got - b.reference).max())
