@@ -136,8 +136,10 @@ def _launch_model(dialect, queries, kv_pool, tables, tiles, scale, window, block
     kv_heads = pool.shape[1]
     kh = np.arange(heads) // (heads // kv_heads)
     out = np.full(q.shape, np.nan)
+    covered = []
     for row0, count, seq, last in tl:
-        assert 1 <= count <= rows
+        assert count <= rows, f"tile of {count} rows over the limit {rows}"
+        covered += range(row0, row0 + count)
         for r in range(count):
             length = last - count + 1 + r
             first = max(length - window, 0) if window else 0
@@ -147,6 +149,7 @@ def _launch_model(dialect, queries, kv_pool, tables, tiles, scale, window, block
             s = np.einsum("hd,shd->hs", q[row0 + r, :, 0], k) * scale
             p = np.exp(s - s.max(-1, keepdims=True))
             out[row0 + r, :, 0] = np.einsum("hs,shd->hd", p / p.sum(-1, keepdims=True), v)
+    assert sorted(covered) == sorted(set(covered)), "a row in two tiles"
     return mx.array(out.astype(np.float32)).astype(queries.dtype)
 
 
@@ -204,12 +207,18 @@ def test_unsupported_head_size_is_refused():
 @pytest.mark.parametrize("group,dim", list(itertools.product(range(1, 9), HEAD_SIZES)))
 def test_launch_parameters_stay_within_budgets(group, dim):
     rows = gpu_paged.q_tile(group, dim)
-    assert 1 <= rows <= gpu_paged.MAX_Q_TILE
-    assert rows == 1 or 2 * rows * group * dim // 32 <= 64
+    vectors = 2 * group * dim // 32  # a lane's fp32 query + accumulator floats per row
+    # the largest tile within 64 lane floats (one row when even one does not fit), capped
+    assert rows == max(1, min(gpu_paged.MAX_Q_TILE, 64 // vectors)), (rows, vectors)
     for r in (1, rows):
         warps = gpu_paged.warps_per_group(group, dim, r)
+        assert warps in (16, 8, 4, 2, 1)
         assert warps * 4 * (dim + 2 * r * group) <= gpu_paged.SHARED_BYTES
-        assert 1 <= warps <= gpu_paged.MAX_WARPS and warps & (warps - 1) == 0
+        # maximal: twice the warps would break the shared-memory or register budget
+        qg, epl = r * group, dim // 32
+        assert warps == gpu_paged.MAX_WARPS or (
+            2 * warps * 4 * (dim + 2 * qg) > gpu_paged.SHARED_BYTES
+            or 2 * warps * 32 * (2 * qg * epl + 4 * qg + 2 * epl + 40) > 65536), (r, warps)
     # The decode shape of the benchmarked model keeps the full group (16 warps, as before).
     assert gpu_paged.warps_per_group(2, 128, 1) == 16
 
