@@ -38,6 +38,17 @@ def default_model() -> str:
     return str(prepare_gguf_dir(default_model_path()))
 
 
+def assert_views_like_vllms(ours: dict, theirs: dict, buf: Any) -> None:
+    """Our per-layer KV views equal vLLM's in shape, stride, storage offset and dtype, and all
+    lie in ``buf``'s storage."""
+    assert ours.keys() == theirs.keys()
+    for name, view in ours.items():
+        ref = theirs[name]
+        assert (view.shape, view.stride(), view.storage_offset(), view.dtype) == (
+            ref.shape, ref.stride(), ref.storage_offset(), ref.dtype), name
+        assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
 def run_llm(
     spec: dict[str, Any], tmp_path: Path, *, native: bool = False, timeout: int = 900
 ) -> dict[str, Any]:

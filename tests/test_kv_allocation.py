@@ -7,6 +7,7 @@ from __future__ import annotations
 import psutil
 import pytest
 import torch
+from conftest import assert_views_like_vllms
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
@@ -45,12 +46,7 @@ def test_views_equal_vllm_allocate_kv_cache(vllm_config, name):
     cfg = _config(vllm_config, *MODELS[name], memory=64 * 2**20)
     ours_buf, ours = allocate_kv_cache(cfg, KV_LAYOUT)
     theirs = vllm_allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout[KV_LAYOUT])
-    assert ours.keys() == theirs.keys()
-    for layer, view in ours.items():
-        ref = theirs[layer]
-        assert (view.shape, view.stride(), view.storage_offset(), view.dtype) == (
-            ref.shape, ref.stride(), ref.storage_offset(), ref.dtype), layer
-        assert view.untyped_storage().data_ptr() == ours_buf.untyped_storage().data_ptr()
+    assert_views_like_vllms(ours, theirs, ours_buf)
 
 
 def test_zeroing_kept_when_vllm_needs_it(vllm_config, monkeypatch):

@@ -261,14 +261,6 @@ def test_body_prefix_declares_only_what_the_body_uses():
     assert gd.body_prefix("metal", "uni_lanes = 1;") == ""
 
 
-def test_dialect_of_profile():
-    class P:
-        def __init__(self, kind):
-            self.kind = kind
-
-    assert [gd.dialect_of(P(k)) for k in ("metal", "cuda", "cpu")] == ["metal", "cuda", None]
-
-
 def test_write_kernels_reject_bad_input():
     dst = mx.zeros((6, 4), mx.float32)
     idx = mx.array([0, 2], mx.int32)

@@ -23,6 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from conftest import assert_views_like_vllms
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
@@ -177,12 +178,7 @@ def test_buffer_is_page_aligned_and_views_are_vllms(vllm_config, kind):
     assert buf.numel() == cfg.kv_cache_tensors[0].size
     sizes = None if kernel is None else [kernel.get(g) for g in range(len(cfg.kv_cache_groups))]
     theirs = vllm_allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout[KV_LAYOUT], sizes)
-    assert ours.keys() == theirs.keys()
-    for name, view in ours.items():
-        ref = theirs[name]
-        assert (view.shape, view.stride(), view.storage_offset(), view.dtype) == (
-            ref.shape, ref.stride(), ref.storage_offset(), ref.dtype), name
-        assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert_views_like_vllms(ours, theirs, buf)
 
 
 def test_zeroing_kept_for_a_hybrid_and_skipped_otherwise(vllm_config, metal):

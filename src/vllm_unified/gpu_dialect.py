@@ -189,13 +189,6 @@ def kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], s
     return _kernel(name, tuple(input_names), tuple(output_names), source, dialect, header)
 
 
-def dialect_of(profile) -> Dialect | None:
-    """The dialect of a :class:`vllm_unified.backend.BackendProfile`: ``"metal"`` or ``"cuda"``
-    for those backends, None for the CPU backend (no GPU kernels)."""
-    kind = profile.kind
-    return kind if kind in DIALECTS else None
-
-
 # --- MLX 0.32.4's Metal assembly, reproduced (mlx/backend/common/metal_kernel.cpp) ---
 
 _METAL_TYPES = {
