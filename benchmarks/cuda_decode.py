@@ -26,7 +26,8 @@ lent H200). Subcommands:
      decode at 650-token contexts and a 512-token chunk after 1,536 cached tokens, our kernel
      over a paged pool against MLX's SDPA over contiguous keys;
   5. per engine mode (``CUDA_BENCH_MODES``, default ``compiled,eager``: pure-decode steps
-     through ``mx.compile`` or built in Python every step, ``VLLM_UNIFIED_COMPILE_DECODE``),
+     through ``mx.compile`` or built in Python every step, ``VLLM_UNIFIED_COMPILE_DECODE``;
+     ``unfused``: compiled with ``VLLM_UNIFIED_FUSE_PROJECTIONS=0``),
      one ``LLM`` with async scheduling on the same checkpoint, and ``CUDA_BENCH_ROUNDS``
      (default 3) interleaved rounds. In each round, for B = 1, 16, 64: first plain mlx-lm in
      a fresh Python process of its own while the engine waits (B prompts of 512 random
@@ -51,7 +52,8 @@ lent H200). Subcommands:
 
   Writes ``OUT/cuda_decode.json`` with every figure. ``CUDA_BENCH_CHECK_ONLY=1`` stops after
   steps 1, 2 and 4 (no checkpoint, no engines); ``CUDA_BENCH_SKIP_CHECKS=1`` skips step 2 and
-  the grid (for a second call after a check-only one).
+  the grid (for a second call after a check-only one), ``CUDA_BENCH_SKIP_CHECKS=grid`` the grid
+  only (the kernel unchanged since a run that checked it).
 * ``engine SPEC OUT`` (internal): one ``LLM`` in its own process (each engine gets a fresh
   process so the GPU memory of one is free for the next).
 * ``mlx_lm CKPT OUT B...`` (internal): plain mlx-lm's decode loop for each batch size B, in a
@@ -71,7 +73,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 COMPILE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"  # envs.COMPILE_DECODE_ENV, set for children
-#: engines to run, comma-separated: "compiled" (the default forward) and/or "eager"
+FUSE_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"  # envs.FUSE_PROJECTIONS_ENV
+#: engines to run, comma-separated: "compiled" (the default forward), "eager" (no mx.compile)
+#: and/or "unfused" (compiled, q/k/v and gate/up as separate matmuls)
 MODES_ENV = "CUDA_BENCH_MODES"
 #: 1: stop after the device facts, the greedy check and the kernel grid (no engines)
 CHECK_ONLY_ENV = "CUDA_BENCH_CHECK_ONLY"
@@ -273,7 +277,8 @@ def run_engine(spec: dict, work: Path, name: str, env: dict) -> dict:
     for line in lines:
         if ("vllm-unified" in line and ("budget" in line or "backend" in line
                                         or "KV pool" in line or "worker on" in line
-                                        or "compiled" in line)) or line.startswith("round "):
+                                        or "compiled" in line or "fused" in line)
+                ) or line.startswith("round "):
             print(f"  [{name}] {line.strip()[-260:]}")
     if proc.returncode != 0:
         print("\n".join(lines[-60:]))
@@ -618,7 +623,8 @@ def device_main(carry: str, out_dir: str) -> None:
         print("  divergence:", d)
 
     try:
-        check = kernel_grid_check(mx)
+        check = ({"skipped": f"{SKIP_CHECKS_ENV}=grid"}
+                 if os.environ.get(SKIP_CHECKS_ENV) == "grid" else kernel_grid_check(mx))
     except Exception as err:  # reported, and the engines below still run
         check = {"error": repr(err)}
     report["kernel_grid"] = check
@@ -674,7 +680,8 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
         spec = {"model": str(ckpt), "engine": engine, "bench": bench}
         try:
             ours = run_engine(spec, work, f"qwen3_gpu_{mode}",
-                              {**env, COMPILE_ENV: "1" if mode == "compiled" else "0"})
+                              {**env, COMPILE_ENV: "0" if mode == "eager" else "1",
+                               FUSE_ENV: "0" if mode == "unfused" else "1"})
         except SystemExit as err:
             print(f"ours ({mode}) failed: {err}", flush=True)
             continue

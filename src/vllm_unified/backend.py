@@ -185,6 +185,9 @@ class BackendProfile:
         gpu_attention: the dialect (``"cuda"`` or ``"metal"``) of the paged GPU attention
             kernel that takes every row of head sizes it supports (GPU compute on that
             backend, ``VLLM_UNIFIED_GPU_ATTENTION`` not 0), else None (the reference).
+        fuse_projections: q/k/v and gate/up projections run as one matmul each (GPU compute,
+            where a step is bound by host work per primitive; ``VLLM_UNIFIED_FUSE_PROJECTIONS``;
+            :mod:`vllm_unified.models.fused_projections`).
         compile_decode: pure-decode steps may run as one compiled graph (where the write path
             and decode kernel allow; ``VLLM_UNIFIED_COMPILE_DECODE``).
         logits_zero_copy: logits reach torch as a view (MLX buffers in CPU memory), not a
@@ -201,6 +204,7 @@ class BackendProfile:
     cpu_kernels: bool
     cpu_attention: bool
     gpu_attention: GpuDialect | None
+    fuse_projections: bool
     compile_decode: bool
     logits_zero_copy: bool
     keep_quantized: bool
@@ -265,12 +269,13 @@ def profile() -> BackendProfile:
         write = "scatter"
     cpu_kernels = on_cpu and reason is None
     cpu_attention = cpu_kernels and envs.CPU_ATTENTION
+    gpu = info.kind in ("cuda", "metal") and allocator == info.kind  # GPU compute
     return BackendProfile(
         info=info, allocator=allocator,
         kv_pool="torch_shared" if shared else "mlx_owned", kv_pool_reason=reason,
         kv_write=write, cpu_kernels=cpu_kernels, cpu_attention=cpu_attention,
-        gpu_attention=(info.kind if info.kind in ("cuda", "metal") and allocator == info.kind
-                       and envs.GPU_ATTENTION else None),
+        gpu_attention=info.kind if gpu and envs.GPU_ATTENTION else None,
+        fuse_projections=gpu and envs.FUSE_PROJECTIONS,
         compile_decode=envs.COMPILE_DECODE,
         logits_zero_copy=allocator == "cpu",
         keep_quantized=info.kind != "cpu",

@@ -96,6 +96,8 @@ _SETTINGS = (
     Setting("VLLM_UNIFIED_GPU_ATTENTION", True, _bool,
             "GPU backends (CUDA, Metal): 0 attends through the reference instead of the paged "
             "kernel"),
+    Setting("VLLM_UNIFIED_FUSE_PROJECTIONS", True, _bool,
+            "GPU backends (CUDA, Metal): 0 keeps q/k/v and gate/up as separate matmuls"),
     Setting("VLLM_UNIFIED_COMPILE_DECODE", True, _bool,
             "CUDA backend: 0 builds every decode step's graph in Python (no mx.compile)"),
     Setting("VLLM_UNIFIED_KV_EAGER_ZERO", False, _bool,
@@ -123,6 +125,7 @@ CPU_ISA_ENV = "VLLM_UNIFIED_CPU_ISA"
 CPU_THREADS_ENV = "VLLM_UNIFIED_CPU_THREADS"
 GPU_ATTENTION_ENV = "VLLM_UNIFIED_GPU_ATTENTION"
 COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
+FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
 

@@ -49,6 +49,7 @@ from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
+from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
 from vllm_unified.models.routing import install_paged_attention, install_recurrent_mixers
@@ -216,6 +217,7 @@ class MLXModelRunner:
                                    install_recurrent_mixers(model_type, self.model))
         patched = install_paged_attention(self.model, self.layers.recurrent)
         cpu_kernels = install_cpu_kernels(self.model)
+        fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
         if num_layers != self.model_config.get_num_layers(self.vllm_config.parallel_config):
             raise ValueError(
                 f"mlx-lm built {num_layers} layers but vLLM's config has "
@@ -228,10 +230,11 @@ class MLXModelRunner:
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype)
         logger.info(
             "vllm-unified: loaded %s (%s, %d layers, dtype %s, quantized=%s) in %.2f s; "
-            "paged attention routed in %s; native CPU kernels: %s",
+            "paged attention routed in %s; native CPU kernels: %s; fused projections: %s",
             path, self.loaded.source, num_layers, self.dtype, self.loaded.quantized,
             time.perf_counter() - start, ", ".join(patched) or "(already routed)",
             ", ".join(cpu_kernels) or "(none)",
+            ", ".join(f"{n} {name}" for name, n in fused.items()) or "(none)",
         )
 
     @property

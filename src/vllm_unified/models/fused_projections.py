@@ -1,0 +1,141 @@
+"""Sibling projections as one matmul on GPU backends: q/k/v and gate/up (vLLM's
+``QKVParallelLinear`` and ``MergedColumnParallelLinear``, done on a loaded mlx-lm model).
+
+Why: on a GPU a decode step of a small model is bound by host work per primitive (MLX
+encodes and launches every primitive of the step; docs/benchmarking.md, CUDA section), so
+three matmuls over the same input cost about three times one matmul of their summed width.
+
+How, without rewriting mlx-lm's model code: its layers call ``q_proj(x)``, ``k_proj(x)`` and
+``v_proj(x)`` (``gate_proj(x)``, ``up_proj(x)``) on the same input array. The siblings'
+weights are concatenated along the output axis into one linear, registered once on the parent
+module (``qkv_proj`` / ``gate_up_proj``, so the model's parameters count it once); each former
+projection becomes a :class:`FusedPart` that returns its columns of the group's output. The
+first part called with an input computes the whole matmul; a sibling called with the same
+array object takes its columns of that result (a slice, no copy). A part called with another
+input, or a second time with the same one, computes the whole matmul again: always correct,
+fused only in the usual call order.
+
+Only exact ``nn.Linear`` siblings (one dtype, biases on all or none) and exact
+``nn.QuantizedLinear`` siblings (one ``bits`` / ``group_size`` / ``mode``; MLX groups along the
+input axis, so their rows concatenate like dense rows) are fused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["GROUPS", "FusedGroup", "FusedPart", "fuse_projections"]
+
+#: sibling projections fused, and the parent attribute their fused linear gets
+GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    (("gate_proj", "up_proj"), "gate_up_proj"),
+)
+
+
+class FusedGroup:
+    """The shared state of one fused group: its linear and the latest input's output.
+
+    Not an ``nn.Module`` (so the parts' parameter trees stay empty); holds the last output only
+    until every part has taken its columns, so no activation outlives its layer's use.
+
+    Args:
+        linear: the fused linear (its output axis is the parts' outputs, in order).
+        sizes: each part's output width.
+    """
+
+    def __init__(self, linear: nn.Module, sizes: list[int]) -> None:
+        self.linear = linear
+        self.bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+        self._x: mx.array | None = None
+        self._y: mx.array | None = None
+        self._taken: set[int] = set()
+
+    def columns(self, x: mx.array, index: int) -> mx.array:
+        """Part ``index``'s output for input ``x`` (``[..., in]`` -> ``[..., size_index]``)."""
+        if self._x is not x or index in self._taken:
+            self._x, self._y, self._taken = x, self.linear(x), set()
+        y = self._y
+        self._taken.add(index)
+        if len(self._taken) == len(self.bounds):
+            self._x = self._y = None
+        start, stop = self.bounds[index]
+        return y[..., start:stop]
+
+
+class FusedPart(nn.Module):
+    """What a fused projection becomes: ``part(x)`` is the former linear's ``x @ W.T (+ b)``,
+    computed as columns of the group's one matmul."""
+
+    def __init__(self, group: FusedGroup, index: int) -> None:
+        super().__init__()
+        self._group = (group,)  # a tuple: MLX would register a Module or dict as a child
+        self._index = index
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._group[0].columns(x, self._index)
+
+
+def _fusable(parts: list[Any]) -> bool:
+    first = parts[0]
+    if type(first) is nn.Linear:
+        same = all(type(p) is nn.Linear and p.weight.dtype == first.weight.dtype for p in parts)
+    elif type(first) is nn.QuantizedLinear:
+        key = (first.bits, first.group_size, getattr(first, "mode", "affine"),
+               first.scales.dtype, "biases" in first)
+        same = all(type(p) is nn.QuantizedLinear
+                   and (p.bits, p.group_size, getattr(p, "mode", "affine"), p.scales.dtype,
+                        "biases" in p) == key for p in parts)
+    else:
+        return False
+    return (same and len({p.weight.shape[1] for p in parts}) == 1
+            and len({"bias" in p for p in parts}) == 1)
+
+
+def _concatenated(parts: list[Any]) -> nn.Module:
+    """One linear of the same class whose output rows are the parts' rows, in order."""
+    first = parts[0]
+    fused = type(first).__new__(type(first))
+    nn.Module.__init__(fused)
+    # the class's settings (bits, group_size, mode), not the arrays: those are concatenated
+    fused.__dict__.update({k: v for k, v in vars(first).items() if k != "_no_grad"})
+    fused.__dict__["_no_grad"] = set(vars(first).get("_no_grad", ()))
+    for key in ("weight", "scales", "biases", "bias"):
+        if key in first:
+            fused[key] = mx.concatenate([p[key] for p in parts], axis=0)
+    return fused
+
+
+def _groups(model: nn.Module) -> Iterator[tuple[nn.Module, tuple[str, ...], str]]:
+    for _, module in model.named_modules():
+        for names, fused_name in GROUPS:
+            if all(name in module for name in names) and fused_name not in module:
+                yield module, names, fused_name
+
+
+def fuse_projections(model: nn.Module) -> dict[str, int]:
+    """Fuse every q/k/v and gate/up sibling set of ``model`` that :func:`_fusable` accepts.
+
+    The siblings' arrays are freed as each group is fused (one group's weights exist twice at
+    a time). Idempotent: fused groups are skipped.
+
+    Returns:
+        How many groups of each fused name were fused (``{"qkv_proj": 28, ...}``), for the log.
+    """
+    counts: dict[str, int] = {}
+    for module, names, fused_name in list(_groups(model)):
+        parts = [module[name] for name in names]
+        if not _fusable(parts):
+            continue
+        fused = _concatenated(parts)
+        mx.eval(fused.parameters())
+        group = FusedGroup(fused, [int(p.weight.shape[0]) for p in parts])
+        module[fused_name] = fused
+        for index, name in enumerate(names):
+            module[name] = FusedPart(group, index)
+        counts[fused_name] = counts.get(fused_name, 0) + 1
+    return counts

@@ -1,0 +1,111 @@
+"""Fused q/k/v and gate/up projections (models/fused_projections.py): the same outputs as the
+separate matmuls, each fused weight counted once, nothing held after a layer's use."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama, qwen3
+from mlx_lm.models.cache import make_prompt_cache
+
+from vllm_unified import backend as backend_mod
+from vllm_unified.models.fused_projections import FusedPart, fuse_projections
+
+QWEN3 = qwen3.ModelArgs(
+    model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+    vocab_size=300, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=True)
+LLAMA_BIAS = llama.ModelArgs(
+    model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=300,
+    attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+
+
+def _model(kind: str, quantize: bool) -> nn.Module:
+    mx.random.seed(3)
+    model = qwen3.Model(QWEN3) if kind == "qwen3" else llama.Model(LLAMA_BIAS)
+    if kind == "llama_bias":  # random biases, so that a dropped or misplaced bias shows
+        for _, module in model.named_modules():
+            if isinstance(module, nn.Linear) and "bias" in module:
+                module.bias = mx.random.normal(module.bias.shape)
+    if quantize:
+        nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def _params(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["dense", "4bit"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama_bias"])
+def test_fused_model_equals_separate_matmuls(kind: str, quantize: bool) -> None:
+    model = _model(kind, quantize)
+    tokens = mx.array(np.random.default_rng(0).integers(0, 300, (3, 9)))
+    want = model(tokens, cache=make_prompt_cache(model))
+    before = _params(model)
+    counts = fuse_projections(model)
+    assert counts == {"qkv_proj": 2, "gate_up_proj": 2}
+    assert _params(model) == before  # every weight once: the parts hold no parameters
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.q_proj, FusedPart) and not attn.q_proj.parameters()
+    got = model(tokens, cache=make_prompt_cache(model))
+    assert mx.array_equal(got, want)  # row cuts of one matmul on the CPU: bit for bit
+    assert fuse_projections(model) == {}  # idempotent
+
+
+def test_part_order_and_inputs() -> None:
+    """Any call order gives each projection's own output; a sibling called with another
+    input computes its own (not the earlier input's columns); nothing is held afterwards."""
+    mx.random.seed(1)
+    parent = nn.Module()
+    for name, out in (("q_proj", 8), ("k_proj", 4), ("v_proj", 4)):
+        setattr(parent, name, nn.Linear(16, out, bias=False))
+    separate = {n: parent[n].weight for n in ("q_proj", "k_proj", "v_proj")}
+    fuse_projections(parent)
+    x, y = mx.random.normal((5, 16)), mx.random.normal((5, 16))
+    assert mx.allclose(parent.v_proj(x), x @ separate["v_proj"].T)
+    assert mx.allclose(parent.k_proj(y), y @ separate["k_proj"].T)  # another input
+    assert mx.allclose(parent.q_proj(y), y @ separate["q_proj"].T)
+    assert mx.allclose(parent.q_proj(y), y @ separate["q_proj"].T)  # twice: recomputed
+    group = parent.q_proj._group[0]
+    parent.k_proj(x), parent.q_proj(x), parent.v_proj(x)
+    assert group._x is None and group._y is None  # every part took its columns: released
+
+
+def test_unfusable_siblings_stay_separate() -> None:
+    parent = nn.Module()
+    parent.gate_proj = nn.Linear(16, 8, bias=False)
+    parent.up_proj = nn.QuantizedLinear(32, 8, group_size=32, bits=4)  # another input size
+    assert fuse_projections(parent) == {}
+    assert isinstance(parent.gate_proj, nn.Linear)
+    mixed = nn.Module()
+    mixed.gate_proj = nn.Linear(16, 8, bias=False)
+    mixed.up_proj = nn.Linear(16, 8, bias=True)  # a bias on one only
+    assert fuse_projections(mixed) == {}
+
+
+def _profile(kind: str, allocator: str) -> backend_mod.BackendProfile:
+    """``backend.profile()``'s own decision for a mocked backend kind and MLX build."""
+    info = backend_mod.BackendInfo(kind, f"test {kind}", 16 * 2**30, kind != "cuda", "test")
+    saved = backend_mod.detect_backend, backend_mod.mlx_allocator
+    backend_mod.detect_backend, backend_mod.mlx_allocator = (lambda: info), (lambda: allocator)
+    try:
+        return backend_mod.profile.__wrapped__()
+    finally:
+        backend_mod.detect_backend, backend_mod.mlx_allocator = saved
+
+
+def test_profile_fuses_on_gpu_compute_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU backend keeps its native per-projection kernels (and CPU compute on a GPU
+    build's buffers stays unfused); GPU compute fuses unless VLLM_UNIFIED_FUSE_PROJECTIONS=0."""
+    assert _profile("cuda", "cuda").fuse_projections
+    assert _profile("metal", "metal").fuse_projections
+    assert not _profile("cpu", "cpu").fuse_projections
+    assert not _profile("cpu", "cuda").fuse_projections
+    monkeypatch.setenv("VLLM_UNIFIED_FUSE_PROJECTIONS", "0")
+    assert not _profile("cuda", "cuda").fuse_projections
