@@ -58,6 +58,31 @@ def test_fused_model_equals_separate_matmuls(kind: str, quantize: bool) -> None:
     assert fuse_projections(model) == {}  # idempotent
 
 
+@pytest.mark.parametrize("quantize", [False, True], ids=["dense", "4bit"])
+def test_one_row_and_many_rows_paths(quantize: bool) -> None:
+    """q/k/v run as one matmul for a one-row input and each alone (on views of the fused
+    weight) for more rows; both equal the separate projections; the views cost no memory."""
+    model = _model("qwen3", quantize)
+    attn = model.layers[0].self_attn
+    names = ("q_proj", "k_proj", "v_proj")
+    separate = [attn[n] for n in names]
+    x1, x5 = mx.random.normal((1, 1, 128)), mx.random.normal((5, 1, 128))
+    want = [[p(x) for p in separate] for x in (x1, x5)]
+    mx.eval(want)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    fuse_projections(model)
+    del separate
+    added = mx.get_active_memory() - before
+    assert added <= 0  # the concatenations replaced the parts; the row views are views
+    group = attn.q_proj._group[0]
+    assert group.max_rows == 1 and model.layers[0].mlp.gate_proj._group[0].max_rows is None
+    for x, w in zip((x1, x5), want, strict=True):
+        got = [attn[n](x) for n in names]
+        for g, e in zip(got, w, strict=True):
+            assert mx.array_equal(g, e)
+
+
 def test_part_order_and_inputs() -> None:
     """Any call order gives each projection's own output; a sibling called with another
     input computes its own (not the earlier input's columns); nothing is held afterwards."""

@@ -15,6 +15,13 @@ array object takes its columns of that result (a slice, no copy). A part called 
 input, or a second time with the same one, computes the whole matmul again: always correct,
 fused only in the usual call order.
 
+q, k and v are fused only for inputs of one token row (a decode step of one sequence; the
+token-major forward has one row per scheduled token): with more rows each part's columns are
+a strided view, which MLX's RMSNorm and our row-contiguous KV write copy first (three copies
+for the two matmuls saved). From two rows on, each part runs its own matmul on its rows of
+the fused weight, a view of it (no second copy of the weights). gate/up columns go to
+elementwise SwiGLU, which reads strided views as they are: always fused.
+
 Only exact ``nn.Linear`` siblings (one dtype, biases on all or none) and exact
 ``nn.QuantizedLinear`` siblings (one ``bits`` / ``group_size`` / ``mode``; MLX groups along the
 input axis, so their rows concatenate like dense rows) are fused.
@@ -30,11 +37,16 @@ import mlx.nn as nn
 
 __all__ = ["GROUPS", "FusedGroup", "FusedPart", "fuse_projections"]
 
-#: sibling projections fused, and the parent attribute their fused linear gets
-GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-    (("gate_proj", "up_proj"), "gate_up_proj"),
+#: sibling projections fused, the parent attribute their fused linear gets, and the most
+#: input rows for which the fused matmul runs (None: any)
+GROUPS: tuple[tuple[tuple[str, ...], str, int | None], ...] = (
+    (("q_proj", "k_proj", "v_proj"), "qkv_proj", 1),
+    (("gate_proj", "up_proj"), "gate_up_proj", None),
 )
+
+
+#: the arrays of nn.Linear / nn.QuantizedLinear, each with output rows on axis 0
+ARRAYS = ("weight", "scales", "biases", "bias")
 
 
 class FusedGroup:
@@ -46,17 +58,25 @@ class FusedGroup:
     Args:
         linear: the fused linear (its output axis is the parts' outputs, in order).
         sizes: each part's output width.
+        max_rows: the most input rows (``x.size // x.shape[-1]``) the fused matmul runs for;
+            above it each part runs alone on its rows of the fused weight. None: no limit.
     """
 
-    def __init__(self, linear: nn.Module, sizes: list[int]) -> None:
+    def __init__(self, linear: nn.Module, sizes: list[int], max_rows: int | None) -> None:
         self.linear = linear
         self.bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+        self.max_rows = max_rows
+        #: each part as a linear of its own over row views of the fused arrays (evaluated
+        #: once here: MLX slices share their source's buffer)
+        self.alone = [_rows(linear, a, b) for a, b in self.bounds] if max_rows else []
         self._x: mx.array | None = None
         self._y: mx.array | None = None
         self._taken: set[int] = set()
 
     def columns(self, x: mx.array, index: int) -> mx.array:
         """Part ``index``'s output for input ``x`` (``[..., in]`` -> ``[..., size_index]``)."""
+        if self.max_rows is not None and x.size > self.max_rows * x.shape[-1]:
+            return self.alone[index](x)
         if self._x is not x or index in self._taken:
             self._x, self._y, self._taken = x, self.linear(x), set()
         y = self._y
@@ -96,25 +116,41 @@ def _fusable(parts: list[Any]) -> bool:
             and len({"bias" in p for p in parts}) == 1)
 
 
+def _like(linear: nn.Module) -> nn.Module:
+    """An empty module of ``linear``'s class with its settings (bits, group_size, mode) and
+    none of its arrays."""
+    module = type(linear).__new__(type(linear))
+    nn.Module.__init__(module)
+    module.__dict__.update({k: v for k, v in vars(linear).items() if k != "_no_grad"})
+    module.__dict__["_no_grad"] = set(vars(linear).get("_no_grad", ()))
+    return module
+
+
 def _concatenated(parts: list[Any]) -> nn.Module:
     """One linear of the same class whose output rows are the parts' rows, in order."""
     first = parts[0]
-    fused = type(first).__new__(type(first))
-    nn.Module.__init__(fused)
-    # the class's settings (bits, group_size, mode), not the arrays: those are concatenated
-    fused.__dict__.update({k: v for k, v in vars(first).items() if k != "_no_grad"})
-    fused.__dict__["_no_grad"] = set(vars(first).get("_no_grad", ()))
-    for key in ("weight", "scales", "biases", "bias"):
+    fused = _like(first)
+    for key in ARRAYS:
         if key in first:
             fused[key] = mx.concatenate([p[key] for p in parts], axis=0)
     return fused
 
 
-def _groups(model: nn.Module) -> Iterator[tuple[nn.Module, tuple[str, ...], str]]:
+def _rows(linear: nn.Module, start: int, stop: int) -> nn.Module:
+    """A linear of ``linear``'s class over output rows ``[start, stop)`` of its arrays."""
+    part = _like(linear)
+    for key in ARRAYS:
+        if key in linear:
+            part[key] = linear[key][start:stop]
+    mx.eval(part.parameters())
+    return part
+
+
+def _groups(model: nn.Module) -> Iterator[tuple[nn.Module, tuple[str, ...], str, int | None]]:
     for _, module in model.named_modules():
-        for names, fused_name in GROUPS:
+        for names, fused_name, max_rows in GROUPS:
             if all(name in module for name in names) and fused_name not in module:
-                yield module, names, fused_name
+                yield module, names, fused_name, max_rows
 
 
 def fuse_projections(model: nn.Module) -> dict[str, int]:
@@ -127,13 +163,13 @@ def fuse_projections(model: nn.Module) -> dict[str, int]:
         How many groups of each fused name were fused (``{"qkv_proj": 28, ...}``), for the log.
     """
     counts: dict[str, int] = {}
-    for module, names, fused_name in list(_groups(model)):
+    for module, names, fused_name, max_rows in list(_groups(model)):
         parts = [module[name] for name in names]
         if not _fusable(parts):
             continue
         fused = _concatenated(parts)
         mx.eval(fused.parameters())
-        group = FusedGroup(fused, [int(p.weight.shape[0]) for p in parts])
+        group = FusedGroup(fused, [int(p.weight.shape[0]) for p in parts], max_rows)
         module[fused_name] = fused
         for index, name in enumerate(names):
             module[name] = FusedPart(group, index)
