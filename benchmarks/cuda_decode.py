@@ -27,7 +27,8 @@ lent H200). Subcommands:
      over a paged pool against MLX's SDPA over contiguous keys;
   5. per engine mode (``CUDA_BENCH_MODES``, default ``compiled,eager``: pure-decode steps
      through ``mx.compile`` or built in Python every step, ``VLLM_UNIFIED_COMPILE_DECODE``;
-     ``unfused``: compiled with ``VLLM_UNIFIED_FUSE_PROJECTIONS=0``),
+     ``unfused``: compiled with ``VLLM_UNIFIED_FUSE_PROJECTIONS=0``; ``nothread``: compiled
+     with ``VLLM_UNIFIED_ENCODE_THREAD=0``),
      one ``LLM`` with async scheduling on the same checkpoint, and ``CUDA_BENCH_ROUNDS``
      (default 3) interleaved rounds. In each round, for B = 1, 16, 64: first plain mlx-lm in
      a fresh Python process of its own while the engine waits (B prompts of 512 random
@@ -74,8 +75,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 COMPILE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"  # envs.COMPILE_DECODE_ENV, set for children
 FUSE_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"  # envs.FUSE_PROJECTIONS_ENV
-#: engines to run, comma-separated: "compiled" (the default forward), "eager" (no mx.compile)
-#: and/or "unfused" (compiled, q/k/v and gate/up as separate matmuls)
+THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"  # envs.ENCODE_THREAD_ENV
+#: engines to run, comma-separated: "compiled" (the default forward), "eager" (no mx.compile),
+#: "unfused" (compiled, q/k/v and gate/up as separate matmuls) and/or "nothread" (compiled,
+#: queued steps evaluated on the engine's thread)
 MODES_ENV = "CUDA_BENCH_MODES"
 #: 1: stop after the device facts, the greedy check and the kernel grid (no engines)
 CHECK_ONLY_ENV = "CUDA_BENCH_CHECK_ONLY"
@@ -255,7 +258,8 @@ def _bench_batch(llm, sampling_params, batch: int, cfg: dict, warm: bool) -> dic
     long_wall, long = run(cfg["long"])
     steps = cfg["long"] - cfg["short"]
     per_step = {k: (long[k] - short[k]) / steps * 1e3
-                for k in ("prepare_s", "build_s", "eval_s", "finish_s")}
+                for k in ("prepare_s", "build_s", "eval_s", "finish_s",
+                          "encode_thread_s", "encode_wait_s")}
     period_ms = long["decode_period_s"] / max(long["decode_steps"], 1) * 1e3
     return {
         "batch": batch, "short_wall_s": short_wall, "long_wall_s": long_wall,
@@ -681,7 +685,8 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
         try:
             ours = run_engine(spec, work, f"qwen3_gpu_{mode}",
                               {**env, COMPILE_ENV: "0" if mode == "eager" else "1",
-                               FUSE_ENV: "0" if mode == "unfused" else "1"})
+                               FUSE_ENV: "0" if mode == "unfused" else "1",
+                               THREAD_ENV: "0" if mode == "nothread" else "1"})
         except SystemExit as err:
             print(f"ours ({mode}) failed: {err}", flush=True)
             continue
@@ -747,7 +752,8 @@ def print_table(report: dict) -> None:
           f"{report['facts']['copy_bandwidth_GBps']:.0f} GB/s)")
     print(f"{'batch':>5} {'ours mode':>9} {'rounds':>6} | {'mlx-lm ms/step':>14} {'tok/s':>7} | "
           f"{'ours ms/step':>12} {'tok/s':>7} {'engine ms':>9} | {'ratio med':>9} "
-          f"{'(min-max)':>11} | breakdown ms/step (prepare/build/eval/finish)")
+          f"{'(min-max)':>11} | breakdown ms/step (prepare/build/eval/finish; encode thread "
+          f"busy/waited for)")
     for mode in [k.removeprefix("summary_") for k in report if k.startswith("summary_")]:
         for row in report[f"summary_{mode}"]:
             b = row["breakdown_ms"]
@@ -755,7 +761,8 @@ def print_table(report: dict) -> None:
                   f"{row['mlx_lm_tok_s']:>7.0f} | {row['ours_ms']:>12.2f} "
                   f"{row['ours_tok_s']:>7.0f} {row['engine_period_ms']:>9.2f} | "
                   f"{row['ratio_median']:>9.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
-                  f"{b['prepare_s']:.2f}/{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}")
+                  f"{b['prepare_s']:.2f}/{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}"
+                  f"; {b.get('encode_thread_s', 0):.2f}/{b.get('encode_wait_s', 0):.2f}")
     for mode in [k.removeprefix("ttft_summary_") for k in report
                  if k.startswith("ttft_summary_")]:
         t = report[f"ttft_summary_{mode}"]

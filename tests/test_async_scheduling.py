@@ -78,10 +78,12 @@ def test_feed_pending_groups_by_source_array():
 
 
 @pytest.mark.slow
-def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path):
+def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path, monkeypatch):
     """Greedy requests finishing at different steps, a seeded sampled one (MLX sampler), one
     with a repetition penalty and one with logprobs (vLLM's sampler: those steps are waited for
-    and must see every earlier token) and a long prompt that is chunked: identical outputs."""
+    and must see every earlier token) and a long prompt that is chunked: identical outputs,
+    also with the queued steps evaluated on the encode thread (the CUDA default, forced on
+    here)."""
     prompts = _prompts(6, [9, 40, 150, 17, 64, 5], vocab=49152, seed=7)
     params = [
         {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True},
@@ -100,9 +102,17 @@ def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path):
                       "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "async")
     waited = run_llm({"model": tiny_llama, "engine": {**base, "async_scheduling": False},
                       "requests": requests}, tmp_path / "sync")
+    (tmp_path / "thread").mkdir()
+    monkeypatch.setenv("VLLM_UNIFIED_ENCODE_THREAD", "1")
+    threaded = run_llm({"model": tiny_llama, "engine": {**base, "async_scheduling": True},
+                        "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "thread")
     for i, (a, s) in enumerate(zip(queued["outputs"], waited["outputs"], strict=True)):
         assert a["completions"][0]["token_ids"] == s["completions"][0]["token_ids"], i
         assert len(a["completions"][0]["token_ids"]) == params[i]["max_tokens"]
+        assert threaded["outputs"][i]["completions"][0]["token_ids"] == \
+            s["completions"][0]["token_ids"], i
+    assert queued["rpc_after"]["runner_stats"]["encode_thread_s"] == 0.0  # CPU default: off
+    assert threaded["rpc_after"]["runner_stats"]["encode_thread_s"] > 0.0
     lp_async = queued["outputs"][5]["completions"][0]["logprobs"]
     lp_sync = waited["outputs"][5]["completions"][0]["logprobs"]
     assert [[t for t, _, _ in step] for step in lp_async] == \

@@ -188,6 +188,10 @@ class BackendProfile:
         fuse_projections: q/k/v and gate/up projections run as one matmul each (GPU compute,
             where a step is bound by host work per primitive; ``VLLM_UNIFIED_FUSE_PROJECTIONS``;
             :mod:`vllm_unified.models.fused_projections`).
+        encode_thread: with asynchronous scheduling, queued steps are evaluated on a thread
+            of their own while vLLM's engine runs its Python
+            (:mod:`vllm_unified.worker.encode_thread`; ``VLLM_UNIFIED_ENCODE_THREAD``, default
+            CUDA only: measured there; on Metal it needs a Mac to be checked).
         compile_decode: pure-decode steps may run as one compiled graph (where the write path
             and decode kernel allow; ``VLLM_UNIFIED_COMPILE_DECODE``).
         logits_zero_copy: logits reach torch as a view (MLX buffers in CPU memory), not a
@@ -205,6 +209,7 @@ class BackendProfile:
     cpu_attention: bool
     gpu_attention: GpuDialect | None
     fuse_projections: bool
+    encode_thread: bool
     compile_decode: bool
     logits_zero_copy: bool
     keep_quantized: bool
@@ -276,6 +281,8 @@ def profile() -> BackendProfile:
         kv_write=write, cpu_kernels=cpu_kernels, cpu_attention=cpu_attention,
         gpu_attention=info.kind if gpu and envs.GPU_ATTENTION else None,
         fuse_projections=gpu and envs.FUSE_PROJECTIONS,
+        encode_thread=(envs.ENCODE_THREAD if envs.ENCODE_THREAD is not None
+                       else gpu and info.kind == "cuda"),
         compile_decode=envs.COMPILE_DECODE,
         logits_zero_copy=allocator == "cpu",
         keep_quantized=info.kind != "cpu",

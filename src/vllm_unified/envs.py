@@ -98,6 +98,9 @@ _SETTINGS = (
             "kernel"),
     Setting("VLLM_UNIFIED_FUSE_PROJECTIONS", True, _bool,
             "GPU backends (CUDA, Metal): 0 keeps q/k/v and gate/up as separate matmuls"),
+    Setting("VLLM_UNIFIED_ENCODE_THREAD", None, _bool,
+            "async scheduling: 1/0 evaluates queued steps on a thread of their own or not "
+            "(default: on CUDA only)"),
     Setting("VLLM_UNIFIED_COMPILE_DECODE", True, _bool,
             "CUDA backend: 0 builds every decode step's graph in Python (no mx.compile)"),
     Setting("VLLM_UNIFIED_KV_EAGER_ZERO", False, _bool,
@@ -126,6 +129,7 @@ CPU_THREADS_ENV = "VLLM_UNIFIED_CPU_THREADS"
 GPU_ATTENTION_ENV = "VLLM_UNIFIED_GPU_ATTENTION"
 COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
 FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"
+ENCODE_THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
 

@@ -20,6 +20,7 @@ layers) come from the worker's :class:`~vllm_unified.backend.BackendProfile`.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ from vllm_unified.models.routing import install_paged_attention, install_recurre
 from vllm_unified.offload.runner import KVConnectorHooks
 from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode
+from vllm_unified.worker.encode_thread import EncodeThread
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch, split_groups
 from vllm_unified.worker.sampler import SamplingRow, sample
 from vllm_unified.worker.step_profile import StepProfile, StepTimer
@@ -144,6 +146,8 @@ class _PendingStep:
     #: MLX-sampled tokens are ``lazy_tokens`` (read back by ``_sample``), None if it has none
     lazy: bool = False
     lazy_tokens: mx.array | None = None
+    #: the encode thread's job for a lazy step (its result: the MLX-sampled tokens as a list)
+    lazy_job: Future | None = None
     timer: StepTimer | None = None
     #: every request had one query token (``AttentionMetadata.is_pure_decode``)
     pure_decode: bool = False
@@ -182,6 +186,9 @@ class MLXModelRunner:
             )
         #: vLLM's async scheduling (see worker/async_output.py): steps are queued, not awaited
         self.async_scheduling: bool = bool(vllm_config.scheduler_config.async_scheduling)
+        #: evaluates queued steps off the engine's thread (None: in it)
+        self.encoder = (EncodeThread() if self.async_scheduling and backend.encode_thread
+                        else None)
         #: queued steps whose outputs vLLM has not collected yet, oldest first
         self._unresolved: list[MLXAsyncOutput] = []
         self._pending: _PendingStep | None = None
@@ -334,6 +341,7 @@ class MLXModelRunner:
                 decoding tokens or KV block copies in the step (not supported).
         """
         started = time.perf_counter()
+        self.quiesce()
         previous_decode, self._decode_started = self._decode_started, None
         if self._pending is not None:
             raise RuntimeError("execute_model called before sample_tokens of the previous step")
@@ -461,10 +469,13 @@ class MLXModelRunner:
         # Async scheduling queues the step and returns; a step whose logits go to torch
         # (vLLM's sampler, prompt logprobs) is waited for here.
         lazy = self.async_scheduling and not inputs.needs_torch
-        (mx.async_eval if lazy else mx.eval)(
-            *([logits] if inputs.needs_torch else []), *([tokens] if tokens is not None else []),
-            self.kv_cache.arrays(),
-        )
+        outputs = [*([logits] if inputs.needs_torch else []),
+                   *([tokens] if tokens is not None else []), self.kv_cache.arrays()]
+        job = None
+        if lazy and self.encoder is not None:
+            job = self.encoder.submit(outputs, tokens)
+        else:
+            (mx.async_eval if lazy else mx.eval)(*outputs)
         self._timer.mark("eval")
         self.stats.forwards += 1
         self.stats.tokens += int(step.input_ids.size)
@@ -478,7 +489,7 @@ class MLXModelRunner:
             mlx_idx=mlx_idx, prompt=inputs.prompt,
             logits=logits if inputs.needs_torch else None,
             mlx_tokens=tokens.tolist() if tokens is not None and not lazy else [],
-            lazy=lazy, lazy_tokens=tokens if lazy else None, timer=self._timer,
+            lazy=lazy, lazy_tokens=tokens if lazy else None, lazy_job=job, timer=self._timer,
             pure_decode=inputs.ctx.attn.is_pure_decode,
         )
 
@@ -503,7 +514,9 @@ class MLXModelRunner:
 
     def _sample(self, pending: _PendingStep, grammar_output: GrammarOutput | None):
         step, states = pending.step, pending.states
-        if pending.lazy_tokens is not None:  # waits for the queued step
+        if pending.lazy_job is not None:  # the encode thread read them back
+            pending.mlx_tokens = pending.lazy_job.result() or []
+        elif pending.lazy_tokens is not None:  # waits for the queued step
             pending.mlx_tokens = pending.lazy_tokens.tolist()
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         for i, token in zip(pending.mlx_idx, pending.mlx_tokens, strict=True):
@@ -579,12 +592,22 @@ class MLXModelRunner:
         """See :func:`forward`; uses this runner's model and layer caches."""
         return forward(self.model, self.kv_cache.layer_caches, input_ids, rows)
 
+    def quiesce(self) -> None:
+        """Wait for the step the encode thread is evaluating, if any: called before any MLX
+        call outside a step's own path (:mod:`vllm_unified.worker.encode_thread`)."""
+        if self.encoder is not None:
+            self.encoder.wait()
+
     def stats_dict(self) -> dict:
         """Counters, plus the step-time breakdown in seconds summed over all steps
         (``prepare_s``, ``build_s``: graph building, ``eval_s``, ``finish_s``: output; see
         :mod:`vllm_unified.worker.step_profile`) and the per-kind profile."""
         phases = self.step_profile.seconds()
+        self.quiesce()
+        encoder = self.encoder
         return {**asdict(self.stats), "resumed": self.input_batch.num_resumed,
+                "encode_thread_s": encoder.encode_s if encoder else 0.0,
+                "encode_wait_s": encoder.wait_s if encoder else 0.0,
                 "live_requests": len(self.requests),
                 "prepare_s": phases["prepare"], "build_s": phases["graph"],
                 "eval_s": phases["eval"], "finish_s": phases["output"],

@@ -67,6 +67,11 @@ class MLXWorker(WorkerBase):
         process, passed down to the runner and the KV cache), wire the weights' memory."""
         mx = import_mlx()
         info = detect_backend()
+        backend = resolve_profile()
+        if backend.encode_thread and self.vllm_config.scheduler_config.async_scheduling:
+            from vllm_unified.worker.encode_thread import share_default_streams
+
+            share_default_streams()  # before any array: queued steps evaluate off-thread
         self.device = torch.device("cpu")  # vLLM's bookkeeping tensors live on the host
         mx.random.seed(self.model_config.seed if self.model_config.seed is not None else 0)
         init_single_rank_groups(self.vllm_config, self.distributed_init_method)
@@ -74,7 +79,6 @@ class MLXWorker(WorkerBase):
         configure_wired_limit(mx, info.kind, logger)
         from vllm_unified.worker.model_runner import MLXModelRunner
 
-        backend = resolve_profile()
         self.model_runner = MLXModelRunner(self.vllm_config, backend)
         logger.info("vllm-unified: worker on %s (%s)", backend.describe(), mx.default_device())
 
@@ -192,6 +196,7 @@ class MLXWorker(WorkerBase):
         return None
 
     def synchronize_device(self) -> None:
+        self.model_runner.quiesce()
         import_mlx().synchronize()
 
     def check_health(self) -> None:
@@ -199,6 +204,8 @@ class MLXWorker(WorkerBase):
 
     def shutdown(self) -> None:
         if self.model_runner is not None:
+            if self.model_runner.encoder is not None:
+                self.model_runner.encoder.shutdown()
             logger.info("vllm-unified: runner stats %s", self.model_runner.stats)
             self.model_runner.kv_connector.shutdown()
 
@@ -213,6 +220,7 @@ class MLXWorker(WorkerBase):
 
     def kv_pool_data_ptrs(self) -> list[int]:
         """Addresses of the KV pool buffers (``LLM.collective_rpc("kv_pool_data_ptrs")``)."""
+        self.model_runner.quiesce()
         return self.model_runner.pool.data_ptrs()
 
     def memory_report(self) -> dict[str, int]:
@@ -222,6 +230,7 @@ class MLXWorker(WorkerBase):
         MLX's buffer cache and malloc's free lists are emptied first, so "now" counts live
         memory (weights, KV pages written, runtime), not recyclable scratch.
         """
+        self.model_runner.quiesce()
         import_mlx().clear_cache()
         _malloc_trim()
         return {"rss": psutil.Process().memory_info().rss,
