@@ -24,13 +24,20 @@ default; ``VLLM_UNIFIED_ENCODE_THREAD``).
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["EncodeThread", "share_default_streams"]
+__all__ = ["SWITCH_INTERVAL_S", "EncodeThread", "share_default_streams"]
+
+#: the interpreter's thread switch interval while an encode thread exists, seconds: a thread
+#: waiting for the GIL gets it only when the holder blocks or after this interval (Python's
+#: default, 5 ms, is longer than a whole decode step: the job would not start until the engine's
+#: thread waits for it, and nothing would overlap)
+SWITCH_INTERVAL_S = 1e-4
 
 
 def share_default_streams() -> None:
@@ -51,6 +58,8 @@ class EncodeThread:
     """
 
     def __init__(self) -> None:
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-unified-encode")
         self._job: Future | None = None
         self.encode_s = 0.0
@@ -91,3 +100,4 @@ class EncodeThread:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            sys.setswitchinterval(self._switch_interval)
