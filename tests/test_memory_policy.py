@@ -110,7 +110,7 @@ def test_worker_wires_before_weights_load(monkeypatch):
     monkeypatch.setattr(worker, "detect_backend", lambda: metal)
     monkeypatch.setattr(model_runner, "MLXModelRunner", FakeRunner)
     monkeypatch.setattr(worker, "resolve_profile", lambda: SimpleNamespace(
-        keep_quantized=True, describe=lambda: "MLX metal backend (test)"))
+        keep_quantized=True, encode_thread=False, describe=lambda: "MLX metal backend (test)"))
     # The KV connector's one-rank process groups (KV offloading) are not under test here.
     monkeypatch.setattr(worker, "init_single_rank_groups", lambda config, method: None)
     w = object.__new__(worker.MLXWorker)
