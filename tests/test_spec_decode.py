@@ -13,6 +13,7 @@ every block.
 from __future__ import annotations
 
 import json
+import math
 import types
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from conftest import run_llm
 from test_e2e_offline import _engine, _prompts
 
-from vllm_unified import compat
+from vllm_unified import compat, patches
 from vllm_unified.worker.input_batch import InputBatch, RequestState
 from vllm_unified.worker.spec_decode import logprobs_for_requests, spec_decode_metadata
 
@@ -100,7 +101,7 @@ def _decoder(monkeypatch_free_config=None):
     """A SpecDecoder with vLLM's config for ngram k=4 (no model needed)."""
     from vllm_unified.worker.spec_decode import SpecDecoder
 
-    compat.register_rejection_sampler_kernels()
+    patches.route_rejection_sampler_kernels()
     spec = types.SimpleNamespace(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
                                  prompt_lookup_max=3, rejection_sample_method="standard")
     config = types.SimpleNamespace(
@@ -141,6 +142,35 @@ def test_all_accepted_and_all_rejected_drafts():
     out = dec.sample(logits, [4, 3, 0], [3, 4, 5, 6, 1, 2, 2], _greedy_metadata(3), vocab)
     assert out.token_ids == [[3, 4, 5, 6, 7], [9], [11]]
     assert dec.stats() == {"spec_drafts": 2, "spec_draft_tokens": 7, "spec_accepted_tokens": 4}
+
+
+def test_random_drafts_the_target_is_sure_of_are_accepted():
+    """Temperature 1, target certain of each draft: all accepted plus the bonus token. With
+    vLLM 0.32's own CPU stand-in for the expand kernel the temperatures were never written
+    and this returned a single arbitrary token."""
+    dec = _decoder()
+    logits = torch.full((3, 8), -10.0)
+    logits[0, 3], logits[1, 4], logits[2, 5] = 10.0, 10.0, 10.0
+    out = dec.sample(logits, [2], [3, 4], _greedy_metadata(1, temperature=[1.0]), 8)
+    assert out.token_ids == [[3, 4, 5]]
+
+
+def test_expand_kernel_writes_the_output_in_its_dtype():
+    from vllm.utils import cpu_triton_utils
+
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    for values, dtype in ((torch.tensor([0.5, 0.0, 2.0]), torch.float32),
+                          (torch.tensor([7, 0, 9], dtype=torch.int32), torch.int32)):
+        out = torch.full((5,), -3, dtype=dtype)
+        patches.expand_kernel_cpu(out, values, cu, 0, 1)
+        assert out.tolist() == [values[0].item()] * 2 + [values[2].item()] * 3
+    # vLLM 0.32's stand-in leaves a float32 output unwritten (why ours is registered); when
+    # this starts failing, vLLM fixed it and the patch can go.
+    import vllm._C  # noqa: F401
+
+    out = torch.full((5,), -3.0)
+    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 0.0, 2.0]), cu, 0, 1)
+    assert out.tolist() == [-3.0] * 5
 
 
 def test_logprobs_are_indexed_by_scheduled_request():
@@ -249,3 +279,136 @@ def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path):
     assert result["live_requests"] == 0
     assert len(result["outputs"]["other"]) == 60
     assert len(result["outputs"].get("victim", [])) < 60
+
+
+def _target_dists(model_path: str, contexts: list[list[int]], allowed: list[int], temperature):
+    """The target model's next-token distributions over ``allowed`` (vLLM's allowed-token mask,
+    then temperature), from a plain mlx-lm forward of each whole context (no paged cache, no
+    speculation): the reference. Loaded by our loader, which reads transformers 5's
+    ``rope_parameters`` that mlx-lm's own loading ignores."""
+    import mlx.core as mx
+
+    from vllm_unified.models.loader import load_model
+
+    model = load_model(model_path, dtype=mx.float32, keep_quantized=False).model
+    out = []
+    for ctx in contexts:
+        logits = np.array(model(mx.array([ctx]))[0, -1].astype(mx.float32), dtype=np.float64)
+        z = logits[allowed] / temperature
+        e = np.exp(z - z.max())
+        out.append(e / e.sum())
+    return out
+
+
+def _chi2_sf(x: float, df: int) -> float:
+    """Chi-square survival function (regularized upper incomplete gamma; no scipy here)."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(x / 2, dtype=torch.float64)))
+
+
+def _chi2_ppf(q: float, df: int) -> float:
+    """The ``q`` quantile of chi-square(df), by bisection on :func:`_chi2_sf`."""
+    lo, hi = 0.0, 10.0 * df + 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _chi2_sf(mid, df) > 1 - q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _ncx2_sf(x: float, df: int, lam: float) -> float:
+    """Noncentral chi-square survival function: the Poisson(lam / 2) mixture of central ones."""
+    j = np.arange(0, int(lam / 2 + 20 * np.sqrt(lam / 2 + 1) + 50))
+    log_w = -lam / 2 + j * np.log(lam / 2 + 1e-300) - np.array([math.lgamma(k + 1) for k in j])
+    return float(sum(np.exp(w) * _chi2_sf(x, df + 2 * int(k)) for w, k in zip(log_w, j,
+                                                                            strict=True)))
+
+
+def _chi2_parts(counts: np.ndarray, probs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Observed and expected counts with the bins whose expected count is below 5 merged."""
+    expected = n * probs
+    small = expected < 5
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+        if expected[-1] == 0:
+            counts, expected = counts[:-1], expected[:-1]
+    return counts, expected
+
+
+@pytest.mark.slow
+def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_path):
+    """Exactness of random sampling under ngram speculation (vLLM's rejection sampler).
+
+    Tiny random Qwen2 (untied head: its next-token distributions are spread, unlike the tied
+    tiny Llama's). 1200 seeded requests (temperature 2, six allowed tokens S, max 2 tokens) on
+    a prompt that
+    cycles through S: the first token t1 comes from the prefill (no drafts), the second is
+    always verified, because the n-gram proposer drafts what followed t1 in the prompt. For
+    every value of t1 the counts of t2 are compared with the target model's own conditional
+    distribution (plain mlx-lm forward of prompt + t1): a pooled chi-square test (bins with
+    expected count < 5 merged), rejected below p = 1e-3; t1 is checked the same way.
+    Power at alpha = 1e-3, from the noncentral chi-square with the same group sizes, is
+    computed here and asserted >= 0.99 against: drafts accepted unverified; verification on
+    the previous row (t2 ~ t1's distribution); verification ignoring the temperature (T = 1).
+    Also: a seeded request gives the same tokens alone as in the batch."""
+    from tiny_models import make_tiny_checkpoint
+
+    model = str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2"))
+    allowed = [1001, 2002, 3003, 4004, 5005, 6006]
+    prompt = allowed * 4
+    temperature, n = 2.0, 1200
+    spec_cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 2}
+    params = [{"temperature": temperature, "seed": i, "max_tokens": 2, "ignore_eos": True,
+               "allowed_token_ids": allowed} for i in range(n)]
+    engine = {**_engine(dtype="float32", max_model_len=64), "speculative_config": spec_cfg,
+              "max_num_seqs": 256}
+    result = run_llm({"model": model, "engine": engine, "rpc": ["runner_stats"],
+                      "requests": [{"prompt_token_ids": prompt, "params": p} for p in params]},
+                     tmp_path)
+    ids = _ids(result)
+    assert all(len(t) == 2 and set(t) <= set(allowed) for t in ids)
+    stats_ = result["rpc_after"]["runner_stats"]
+    assert stats_["spec_drafts"] >= n  # every second token was verified
+    assert 0 < stats_["spec_accepted_tokens"] < stats_["spec_draft_tokens"]
+
+    first = _target_dists(model, [prompt], allowed, temperature)[0]
+    cond = _target_dists(model, [prompt + [v] for v in allowed], allowed, temperature)
+    cond_t1 = _target_dists(model, [prompt + [v] for v in allowed], allowed, 1.0)
+    t1 = np.array([allowed.index(t[0]) for t in ids])
+    t2 = np.array([allowed.index(t[1]) for t in ids])
+
+    obs, exp = _chi2_parts(np.bincount(t1, minlength=6), first, n)
+    assert _chi2_sf(((obs - exp) ** 2 / exp).sum(), len(obs) - 1) > 1e-3
+
+    alpha, chi, df = 1e-3, 0.0, 0
+    alternatives = {"accepted unverified": [np.eye(6)[(v + 1) % 6] for v in range(6)],
+                    "previous row": [first] * 6, "temperature ignored": cond_t1}
+    lam = dict.fromkeys(alternatives, 0.0)
+    for v in range(6):
+        n_v = int((t1 == v).sum())
+        expected_n = n * first[v]  # for the power: group sizes as the design expects them
+        if n_v == 0:
+            continue
+        o, e = _chi2_parts(np.bincount(t2[t1 == v], minlength=6), cond[v], n_v)
+        chi += ((o - e) ** 2 / e).sum()
+        df += len(o) - 1
+        for name, alt in alternatives.items():
+            _, e0 = _chi2_parts(np.zeros(6), cond[v], round(expected_n))
+            _, e1 = _chi2_parts(np.zeros(6), alt[v], round(expected_n))
+            if len(e0) == len(e1):
+                lam[name] += ((e1 - e0) ** 2 / np.maximum(e0, 1e-9)).sum()
+            else:  # different merging: use the unmerged bins
+                lam[name] += expected_n * ((alt[v] - cond[v]) ** 2 / cond[v]).sum()
+    p_value = _chi2_sf(chi, df)
+    critical = _chi2_ppf(1 - alpha, df)
+    power = {name: min(1.0, _ncx2_sf(critical, df, lam[name])) for name in alternatives}
+    print(f"chi2 {chi:.1f} df {df} p {p_value:.3g}; power at alpha {alpha}: {power}")
+    assert all(p >= 0.99 for p in power.values()), power
+    assert p_value > alpha, (chi, df)
+
+    (tmp_path / "alone").mkdir()
+    alone = run_llm({"model": model, "engine": engine,
+                     "requests": [{"prompt_token_ids": prompt, "params": params[7]}]},
+                    tmp_path / "alone")
+    assert _ids(alone)[0] == ids[7]

@@ -119,64 +119,6 @@ def vllm_environment_variables() -> set[str]:
     return set(envs.environment_variables)
 
 
-#: vLLM's Triton kernels of the rejection sampler and their C++ stand-ins for CPU tensors
-#: (``vllm.utils.cpu_triton_utils``, registered by vLLM's own CPU platform the same way).
-_REJECTION_KERNELS = {
-    "vllm.v1.sample.rejection_sampler.rejection_greedy_sample_kernel":
-        "_rejection_greedy_sample_kernel_impl",
-    "vllm.v1.sample.rejection_sampler.rejection_random_sample_kernel":
-        "_rejection_random_sample_kernel_impl",
-    "vllm.v1.sample.rejection_sampler.expand_kernel": "_expand_kernel_impl",
-    "vllm.v1.sample.rejection_sampler.sample_recovered_tokens_kernel":
-        "_sample_recovered_tokens_kernel_impl",
-}
-#: None until :func:`register_rejection_sampler_kernels` ran; then True, or the ImportError
-#: that prevented it (raised again by :func:`require_rejection_sampler_kernels`)
-_rejection_kernels: bool | ImportError | None = None
-
-
-def register_rejection_sampler_kernels() -> None:
-    """Route vLLM's rejection-sampler Triton kernels to vLLM's C++ implementations for CPU
-    tensors (``torch.ops._C``, loaded from ``vllm._C``), as ``CpuPlatform.
-    register_triton_kernel_overrides`` does; our sampling tensors are always CPU tensors, so
-    this is done whether or not a GPU Triton is installed. Must run before MLX is imported
-    (vLLM's registration scans every loaded module; MLX's nanobind objects break that scan):
-    ``MLXPlatform.register_triton_kernel_overrides`` calls it where vLLM calls its own.
-    Idempotent. A vLLM without its C++ extension is remembered, not raised here (only
-    speculative decoding needs it): :func:`require_rejection_sampler_kernels` raises it.
-    """
-    global _rejection_kernels
-    if _rejection_kernels is True:
-        return
-    try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C.*)
-    except ImportError as e:
-        _rejection_kernels = e
-        return
-    from vllm.triton_utils.dispatcher import register_kernels
-    from vllm.utils import cpu_triton_utils
-
-    register_kernels({name: getattr(cpu_triton_utils, impl)
-                      for name, impl in _REJECTION_KERNELS.items()})
-    _rejection_kernels = True
-
-
-def require_rejection_sampler_kernels() -> None:
-    """Raise unless the rejection sampler's CPU kernels are registered.
-
-    Raises:
-        RuntimeError: never registered (the platform hook did not run in this process), or
-            vLLM's C++ extension could not be imported (its ImportError chained).
-    """
-    if _rejection_kernels is True:
-        return
-    if _rejection_kernels is None:
-        raise RuntimeError("vLLM's rejection-sampler kernels were not registered for CPU "
-                           "tensors (MLXPlatform.register_triton_kernel_overrides did not run)")
-    raise RuntimeError("speculative decoding needs vLLM's C++ extension (vllm._C, the CPU "
-                       "build of vLLM) for its rejection sampler") from _rejection_kernels
-
-
 def init_logger(name: str):
     """A logger under vLLM's ``vllm.`` hierarchy: vLLM only attaches handlers there, so a
     plugin logger named ``vllm_unified.*`` would print nothing."""
@@ -188,8 +130,6 @@ __all__ = [  # the lazy names resolve through __getattr__
     "PlatformEnum",
     "SAMPLING_EPS",
     "init_logger",
-    "register_rejection_sampler_kernels",
-    "require_rejection_sampler_kernels",
     "vllm_cli_main",
     "vllm_environment_variables",
     *_LAZY,

@@ -140,10 +140,10 @@ class MLXPlatform(Platform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         """vLLM's rejection sampler (speculative decoding) on CPU tensors: its Triton kernels
-        routed to vLLM's C++ implementations (:func:`vllm_unified.compat.
-        register_rejection_sampler_kernels`). vLLM calls this in the worker's process before
-        the worker exists, i.e. before MLX is imported."""
-        compat.register_rejection_sampler_kernels()
+        routed to CPU implementations (:func:`vllm_unified.patches.
+        route_rejection_sampler_kernels`). vLLM calls this in the worker's process before the
+        worker exists, i.e. before MLX is imported."""
+        patches.route_rejection_sampler_kernels()
 
     @classmethod
     def opaque_attention_op(cls) -> bool:

@@ -25,8 +25,9 @@ vLLM's scheduler counts drafts and accepted tokens itself (``SpecDecodingStats``
 ``vllm:spec_decode_*`` metrics need nothing from the worker.
 
 On CPU tensors vLLM's rejection sampler runs its Triton kernels through vLLM's C++ stand-ins
-(``vllm.utils.cpu_triton_utils``); :func:`vllm_unified.compat.register_rejection_sampler_kernels`
-installs them from the platform's ``register_triton_kernel_overrides`` (before MLX loads).
+(``vllm.utils.cpu_triton_utils``; the expand kernel is ours, vLLM's is broken):
+:func:`vllm_unified.patches.route_rejection_sampler_kernels`, run from the platform's
+``register_triton_kernel_overrides`` (before MLX loads).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_unified import compat
+from vllm_unified import compat, patches
 from vllm_unified.worker.input_batch import RequestState
 
 #: ``--speculative-config`` methods the MLX runner implements.
@@ -136,7 +137,7 @@ class SpecDecoder:
                 f"--speculative-config method {self.method!r}: vllm-unified implements "
                 f"{', '.join(SUPPORTED_METHODS)}"
             )
-        compat.require_rejection_sampler_kernels()
+        patches.require_rejection_sampler_kernels()
         self.rejection_sampler = compat.RejectionSampler(sampler, spec, torch.device("cpu"))
         #: drafts proposed after the last step, until vLLM takes them: (req_ids, drafts)
         self._drafts: tuple[list[str], list[list[int]]] | None = None
