@@ -412,3 +412,36 @@ def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_pat
                      "requests": [{"prompt_token_ids": prompt, "params": params[7]}]},
                     tmp_path / "alone")
     assert _ids(alone)[0] == ids[7]
+
+
+@pytest.mark.slow
+def test_default_model_structured_output_and_stop_strings(default_model, tmp_path):
+    """The default model (SmolLM2 GGUF): greedy code-editing style prompt, a regex-constrained
+    request (grammar bitmask over the draft rows), a stop string and penalties: the same
+    outputs with ngram speculation as without, with drafts accepted."""
+    text = "def add(a, b):\n    return a + b\n\n" * 3
+    requests = [
+        {"prompt": text + "Repeat the function above:\n", "params": {"temperature": 0.0,
+                                                                     "max_tokens": 48}},
+        {"prompt": "The year is", "params": {"temperature": 0.0, "max_tokens": 30,
+                                              "structured_outputs": {"regex": "( 19[0-9]{2}){3}"}}},
+        {"prompt": text + "Repeat the function above:\n",
+         "params": {"temperature": 0.0, "max_tokens": 40, "stop": ["output:"]}},
+        {"prompt": text, "params": {"temperature": 0.0, "max_tokens": 30,
+                                    "presence_penalty": 0.5, "frequency_penalty": 0.2}},
+    ]
+    base = _engine(dtype="float32", max_model_len=512)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "spec").mkdir()
+    plain = run_llm({"model": default_model, "engine": base, "requests": requests},
+                    tmp_path / "plain")
+    spec = run_llm({"model": default_model, "engine": {**base, "speculative_config": NGRAM},
+                    "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "spec")
+    assert _ids(spec) == _ids(plain)
+    texts = [o["completions"][0]["text"] for o in spec["outputs"]]
+    assert texts == [o["completions"][0]["text"] for o in plain["outputs"]]
+    import re
+
+    assert re.fullmatch("( 19[0-9]{2}){3}", texts[1]), texts[1]
+    assert spec["outputs"][2]["completions"][0]["finish_reason"] == "stop"
+    assert spec["rpc_after"]["runner_stats"]["spec_accepted_tokens"] > 0
