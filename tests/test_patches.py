@@ -17,7 +17,8 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
     assert functions == {patches.patch_torch_accelerator_teardown,
                          patches.install_version_fallback, patches.route_mlx_lm_swiglu,
                          patches.route_mlx_lm_attention,
-                         patches.place_offload_region_outside_dev_shm}
+                         patches.place_offload_region_outside_dev_shm,
+                         patches.route_rejection_sampler_kernels}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""

@@ -60,6 +60,12 @@ _LAZY: dict[str, str] = {
     "BatchUpdate": "vllm.v1.sample.logits_processor",
     "build_logitsprocs": "vllm.v1.sample.logits_processor",
     "apply_grammar_bitmask": "vllm.v1.structured_output.utils",
+    # Speculative decoding: vLLM's proposers, rejection sampler and draft hand-over.
+    "DraftTokenIds": "vllm.v1.outputs",
+    "RejectionSampler": "vllm.v1.sample.rejection_sampler",
+    "SpecDecodeMetadata": "vllm.v1.spec_decode.metadata",
+    "NgramProposer": "vllm.v1.spec_decode.ngram_proposer",
+    "SuffixDecodingProposer": "vllm.v1.spec_decode.suffix_decoding",
     # KV offloading (vllm_unified.offload): vLLM's OffloadingConnector, tiering spec, fs tier.
     "KVTransferConfig": "vllm.config",
     "OffloadingWorker": "vllm.v1.kv_offload.base",

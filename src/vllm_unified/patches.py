@@ -223,6 +223,92 @@ def route_mlx_lm_attention(module_names: Iterable[str], replacement: Callable[..
     return patched
 
 
+# -- vLLM ----------------------------------------------------------------------------------------
+
+#: vLLM's rejection-sampler Triton kernels -> vLLM's C++ stand-ins for CPU tensors
+#: (``vllm.utils.cpu_triton_utils``), the list vLLM's own CPU platform registers; the expand
+#: kernel is ours (:func:`expand_kernel_cpu`).
+_REJECTION_KERNELS = {
+    "vllm.v1.sample.rejection_sampler.rejection_greedy_sample_kernel":
+        "_rejection_greedy_sample_kernel_impl",
+    "vllm.v1.sample.rejection_sampler.rejection_random_sample_kernel":
+        "_rejection_random_sample_kernel_impl",
+    "vllm.v1.sample.rejection_sampler.sample_recovered_tokens_kernel":
+        "_sample_recovered_tokens_kernel_impl",
+}
+_EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+#: None until :func:`route_rejection_sampler_kernels` ran; then True, or the ImportError that
+#: prevented it (raised again by :func:`require_rejection_sampler_kernels`)
+_rejection_kernels: bool | ImportError | None = None
+
+
+def expand_kernel_cpu(output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any,
+                      replace_to: Any, MAX_NUM_TOKENS: Any = None) -> None:  # noqa: N803
+    """vLLM's ``expand_kernel`` (``vllm/v1/sample/rejection_sampler.py``) on CPU tensors:
+    ``output[cu[i-1]:cu[i]] = input_val[i]``, with ``replace_from`` replaced by
+    ``replace_to``, in ``output``'s dtype.
+
+    vLLM 0.32's CPU stand-in (``cpu_triton_utils._expand_kernel_impl``) converts ``output``
+    to int64 and writes that copy, so a float32 output (the temperatures, which the rejection
+    sampler expands per draft token) or an int32 one (top-k) is never written: random
+    sampling under speculative decoding divides the logits by uninitialised memory.
+    """
+    import torch
+
+    counts = torch.diff(cu_num_tokens.to(torch.int64),
+                        prepend=torch.zeros(1, dtype=torch.int64))
+    values = torch.where(input_val == replace_from,
+                         torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()].copy_(expanded.to(output.dtype))
+
+
+def route_rejection_sampler_kernels() -> None:
+    """Route vLLM 0.32's rejection-sampler Triton kernels (speculative decoding) to CPU
+    implementations through vLLM's own registry (``vllm.triton_utils.dispatcher.
+    register_kernels``): vLLM's C++ stand-ins (``torch.ops._C``, from ``vllm._C``) as vLLM's
+    CPU platform registers them, except ``expand_kernel``, whose stand-in is broken
+    (:func:`expand_kernel_cpu`). Our sampling tensors are always CPU tensors, so this is done
+    whether or not a GPU Triton is installed. Must run before MLX is imported (vLLM's
+    registration scans every loaded module, and MLX's nanobind objects break that scan):
+    ``MLXPlatform.register_triton_kernel_overrides``, where vLLM calls its own. A vLLM
+    without its C++ extension is remembered, not raised here (only speculative decoding needs
+    it; :func:`require_rejection_sampler_kernels` raises it). Idempotent.
+    """
+    global _rejection_kernels
+    if _rejection_kernels is True:
+        return
+    try:
+        import vllm._C  # noqa: F401  (registers torch.ops._C.*)
+    except ImportError as e:
+        _rejection_kernels = e
+        return
+    from vllm.triton_utils.dispatcher import register_kernels
+    from vllm.utils import cpu_triton_utils
+
+    register_kernels({**{name: getattr(cpu_triton_utils, impl)
+                         for name, impl in _REJECTION_KERNELS.items()},
+                      _EXPAND_KERNEL: expand_kernel_cpu})
+    _rejection_kernels = True
+
+
+def require_rejection_sampler_kernels() -> None:
+    """Raise unless :func:`route_rejection_sampler_kernels` routed the kernels.
+
+    Raises:
+        RuntimeError: it never ran in this process, or vLLM's C++ extension could not be
+            imported (its ImportError chained).
+    """
+    if _rejection_kernels is True:
+        return
+    if _rejection_kernels is None:
+        raise RuntimeError("vLLM's rejection-sampler kernels were not routed to CPU "
+                           "implementations (MLXPlatform.register_triton_kernel_overrides "
+                           "did not run in this process)")
+    raise RuntimeError("speculative decoding needs vLLM's C++ extension (vllm._C, the CPU "
+                       "build of vLLM) for its rejection sampler") from _rejection_kernels
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("torch.accelerator.empty_cache, torch.accelerator.empty_host_cache", "torch 2.13",
           patch_torch_accelerator_teardown, "vllm_unified.platform (at import)"),
@@ -235,4 +321,8 @@ PATCHES: tuple[Patch, ...] = (
           route_mlx_lm_swiglu, "vllm_unified.models.cpu_kernels.install_cpu_kernels"),
     Patch("scaled_dot_product_attention of mlx_lm.models.<model> modules", "mlx-lm 0.32.2",
           route_mlx_lm_attention, "vllm_unified.models.routing.install_paged_attention"),
+    Patch("vllm.v1.sample.rejection_sampler.{rejection_greedy_sample,rejection_random_sample,"
+          "sample_recovered_tokens,expand}_kernel", "vLLM 0.32",
+          route_rejection_sampler_kernels,
+          "vllm_unified.platform.MLXPlatform.register_triton_kernel_overrides"),
 )

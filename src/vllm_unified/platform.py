@@ -138,6 +138,14 @@ class MLXPlatform(Platform):
         )
 
     @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        """vLLM's rejection sampler (speculative decoding) on CPU tensors: its Triton kernels
+        routed to CPU implementations (:func:`vllm_unified.patches.
+        route_rejection_sampler_kernels`). vLLM calls this in the worker's process before the
+        worker exists, i.e. before MLX is imported."""
+        patches.route_rejection_sampler_kernels()
+
+    @classmethod
     def opaque_attention_op(cls) -> bool:
         return True
 
@@ -236,13 +244,12 @@ class MLXPlatform(Platform):
         if parallel.distributed_executor_backend != "uni":
             vllm_config.scheduler_config.async_scheduling = False
 
-        if vllm_config.speculative_config is not None:
-            raise ValueError("--speculative-config: speculative decoding is not supported yet")
         if vllm_config.lora_config is not None:
             raise ValueError("--enable-lora: LoRA adapters are not supported yet")
 
         cache = vllm_config.cache_config
         hybrid = _hybrid_policy(vllm_config)
+        _speculative_policy(vllm_config, hybrid)
         # Async scheduling is tested with plain decoder models; hybrid models (state pages) and
         # KV offloading (the connector reads the pool each step) run steps synchronously.
         sched = vllm_config.scheduler_config
@@ -355,6 +362,52 @@ def _hybrid_policy(vllm_config: VllmConfig) -> bool:
             "vllm-unified does not implement yet; pass --no-enable-prefix-caching"
         )
     return True
+
+
+def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
+    """``--speculative-config``: the methods the MLX runner implements, with synchronous
+    scheduling (as vLLM 0.32 itself runs ``ngram`` and ``suffix``); the start-up log states
+    method and k.
+
+    Raises:
+        ValueError: a method other than ``ngram`` / ``suffix``, a hybrid model (its recurrent
+            state cannot be rolled back over rejected drafts yet), or a KV connector, each
+            naming ``--speculative-config``.
+    """
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    from vllm_unified.worker.spec_decode import SUPPORTED_METHODS
+
+    if spec.method not in SUPPORTED_METHODS:
+        raise ValueError(
+            f"--speculative-config method {spec.method!r}: vllm-unified implements "
+            f"{', '.join(repr(m) for m in SUPPORTED_METHODS)} (draft-model, EAGLE and MTP "
+            "proposers are not implemented yet)"
+        )
+    if hybrid:
+        raise ValueError(
+            "--speculative-config: speculative decoding with a hybrid attention + "
+            "state-space model is not supported by vllm-unified (recurrent states are not "
+            "rolled back over rejected drafts)"
+        )
+    if vllm_config.kv_transfer_config is not None:
+        raise ValueError(
+            "--speculative-config together with a KV connector (--kv-offloading-size / "
+            "--kv-transfer-config) is not supported by vllm-unified yet"
+        )
+    sched = vllm_config.scheduler_config
+    if sched.async_scheduling:
+        sched.async_scheduling = False
+        logger.info("vllm-unified: async scheduling off (speculative decoding runs its steps "
+                    "synchronously)")
+    logger.info(
+        "vllm-unified: speculative decoding, method %s, k = %d draft tokens per step%s; "
+        "verified in the same MLX forward as the batch, accepted by vLLM's rejection sampler",
+        spec.method, spec.num_speculative_tokens,
+        f" (n-gram {spec.prompt_lookup_min}..{spec.prompt_lookup_max})"
+        if spec.method == "ngram" else "",
+    )
 
 
 def _unsupported_sampling(p: Any) -> dict[str, bool]:

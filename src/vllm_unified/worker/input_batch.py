@@ -102,6 +102,9 @@ class StepBatch:
             (their fed tokens reach the end of what is known); the others are prefill chunks.
         pending_rows: rows of ``input_ids`` whose token is a request's ``pending`` token (a
             placeholder 0 in ``input_ids``), as ``(row, (tokens, index))``.
+        num_draft_tokens: ``[B]`` speculative draft tokens fed after each request's known
+            tokens (``scheduled_spec_decode_tokens``; all 0 without speculative decoding).
+        draft_token_ids: the drafts of all requests, concatenated in request order.
     """
 
     req_ids: list[str]
@@ -111,6 +114,8 @@ class StepBatch:
     block_table: np.ndarray
     sample_req_idx: list[int]
     pending_rows: list[tuple[int, tuple[object, int]]] = field(default_factory=list)
+    num_draft_tokens: np.ndarray | None = None
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 class InputBatch:
@@ -169,11 +174,18 @@ class InputBatch:
     def layout(self, out: SchedulerOutput) -> StepBatch:
         """Token-major layout of the step: which tokens to feed, where they go, what to sample.
 
+        A request with speculative drafts (``scheduled_spec_decode_tokens``) is fed its last
+        known token and then its drafts; it samples (verifies) on all of those rows.
+
         Raises:
             RuntimeError: the scheduler asks for tokens beyond what the request has (would mean
-                a lost sampled token; speculative decoding is rejected at start-up).
+                a lost sampled token), or schedules drafts for a request whose known tokens
+                the step does not reach.
         """
         req_ids = list(out.num_scheduled_tokens.keys())
+        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
+        drafts = [list(spec.get(r, ())) for r in req_ids]
+        num_draft = np.fromiter((len(d) for d in drafts), dtype=np.int32, count=len(req_ids))
         states = [self.requests[r] for r in req_ids]
         query_lens = np.fromiter(
             (out.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
@@ -186,18 +198,25 @@ class InputBatch:
         pending_rows = []
         row = 0
         known = [len(s.token_ids) + (s.pending is not None) for s in states]
-        for state, start, end, n in zip(states, starts.tolist(), seq_lens.tolist(), known,
-                                        strict=True):
-            if end > n:
+        for state, start, end, n, draft in zip(states, starts.tolist(), seq_lens.tolist(),
+                                               known, drafts, strict=True):
+            end_known = end - len(draft)
+            if end_known > n:
                 raise RuntimeError(
                     f"request {state.req_id!r}: scheduled up to token {end} but only "
                     f"{n} tokens are known"
+                    + (f" (and {len(draft)} draft tokens)" if draft else "")
                 )
-            piece = state.token_ids[start:end]
-            if end > len(state.token_ids):  # the last token fed is the pending one
+            if draft and end_known != n:
+                raise RuntimeError(
+                    f"request {state.req_id!r}: {len(draft)} draft tokens scheduled after "
+                    f"token {end_known}, but {n} tokens are known"
+                )
+            piece = state.token_ids[start:end_known]
+            if end_known > len(state.token_ids):  # the last known token is the pending one
                 pending_rows.append((row + len(piece), state.pending))
                 piece = [*piece, 0]
-            pieces.append(piece)
+            pieces.append([*piece, *draft])
             row += end - start
         input_ids = np.fromiter(
             (t for p in pieces for t in p), dtype=np.int32, count=int(query_lens.sum())
@@ -207,7 +226,8 @@ class InputBatch:
         for i, state in enumerate(states):
             block_table[i, : len(state.block_ids)] = state.block_ids
         sample_req_idx = [
-            i for i, (n, end) in enumerate(zip(known, seq_lens.tolist(), strict=True)) if end == n
+            i for i, (n, end, d) in enumerate(zip(known, seq_lens.tolist(), num_draft.tolist(),
+                                                  strict=True)) if end - d == n
         ]
         return StepBatch(
             req_ids=req_ids,
@@ -217,6 +237,8 @@ class InputBatch:
             block_table=block_table,
             sample_req_idx=sample_req_idx,
             pending_rows=pending_rows,
+            num_draft_tokens=num_draft,
+            draft_token_ids=[t for d in drafts for t in d],
         )
 
 

@@ -60,6 +60,7 @@ from vllm_unified.worker.compiled_decode import CompiledDecode
 from vllm_unified.worker.encode_thread import EncodeThread
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch, split_groups
 from vllm_unified.worker.sampler import SamplingRow, sample
+from vllm_unified.worker.spec_decode import SpecDecoder, logprobs_for_requests
 from vllm_unified.worker.step_profile import StepProfile, StepTimer
 from vllm_unified.worker.vllm_sampling import (
     VllmSampling,
@@ -121,6 +122,8 @@ class _StepInputs:
     prompt: list[_PromptSlice]
     #: int32 token rows whose logits are computed: vLLM-sampled, MLX-sampled, prompt rows
     logit_rows: np.ndarray
+    #: logits rows of the vLLM-sampled requests (one each, ``d + 1`` with ``d`` drafts)
+    num_vllm_rows: int
     #: the logits go to torch (vLLM's sampler or prompt logprobs)
     needs_torch: bool
 
@@ -137,6 +140,8 @@ class _PendingStep:
     vllm_idx: list[int]
     mlx_idx: list[int]
     prompt: list[_PromptSlice]
+    #: logits rows of the vLLM-sampled requests (one each, ``d + 1`` with ``d`` drafts)
+    num_vllm_rows: int
     #: evaluated float32 logits ``[rows, V]`` when torch needs them, else None
     logits: mx.array | None
     mlx_tokens: list[int]
@@ -179,6 +184,12 @@ class MLXModelRunner:
         self._timer: StepTimer = self.step_profile.start()
         self.vocab_size: int = self.model_config.get_vocab_size()
         self.vllm_sampling = VllmSampling(vllm_config)
+        #: speculative decoding (vLLM's proposer and rejection sampler), None without it
+        self.spec: SpecDecoder | None = None
+        if vllm_config.speculative_config is not None:
+            self.spec = SpecDecoder(vllm_config, self.vllm_sampling.sampler)
+            logger.info("vllm-unified: speculative decoding, %s; every request is sampled "
+                        "by vLLM's rejection sampler", self.spec.describe())
         if self.vllm_sampling.custom_logitsprocs:
             logger.info(
                 "vllm-unified: custom logits processors %s: every request is sampled by "
@@ -303,7 +314,8 @@ class MLXModelRunner:
         if new.prompt_token_ids is None:
             raise ValueError(f"request {new.req_id}: prompt embeddings are not supported")
         params = new.sampling_params
-        uses_vllm = needs_vllm_sampler(params) or bool(self.vllm_sampling.custom_logitsprocs)
+        uses_vllm = (needs_vllm_sampler(params) or bool(self.vllm_sampling.custom_logitsprocs)
+                     or self.spec is not None)
         key = generator = None
         if params.sampling_type == SamplingType.RANDOM_SEED:
             if uses_vllm:
@@ -338,15 +350,17 @@ class MLXModelRunner:
 
         Raises:
             RuntimeError: called before the previous step's ``sample_tokens``; speculative
-                decoding tokens or KV block copies in the step (not supported).
+                decoding tokens without ``--speculative-config``; KV block copies in the step
+                (not supported).
         """
         started = time.perf_counter()
         self.quiesce()
         previous_decode, self._decode_started = self._decode_started, None
         if self._pending is not None:
             raise RuntimeError("execute_model called before sample_tokens of the previous step")
-        if scheduler_output.scheduled_spec_decode_tokens:
-            raise RuntimeError("speculative decoding tokens in a step: not supported")
+        if scheduler_output.scheduled_spec_decode_tokens and self.spec is None:
+            raise RuntimeError("speculative decoding tokens in a step without a "
+                               "speculative config")
         if scheduler_output.kv_cache_block_copies:
             raise RuntimeError("KV block copies requested: not supported by vllm-unified")
         self._timer = self.step_profile.start()
@@ -390,15 +404,18 @@ class MLXModelRunner:
         last_rows = np.cumsum(step.query_lens) - 1
         first_rows = last_rows - step.query_lens + 1
         prompt = self._prompt_logprob_slices(step, states, first_rows)
+        # A request with d drafts verifies on its last d + 1 rows (vLLM's logits_indices).
+        drafts = step.num_draft_tokens
+        vllm_rows = [np.arange(last_rows[i] - drafts[i], last_rows[i] + 1) for i in vllm_idx]
         rows = np.concatenate([
-            last_rows[vllm_idx], last_rows[mlx_idx],
+            *vllm_rows, last_rows[mlx_idx],
             *[np.arange(p.row, p.row + p.num_logits) for p in prompt],
         ]).astype(np.int32)
         ctx = self.kv_cache.step_context(step.query_lens, step.seq_lens, step.block_table,
                                          states)
         return _StepInputs(
             step=step, ctx=ctx, states=states, vllm_idx=vllm_idx, mlx_idx=mlx_idx,
-            prompt=prompt, logit_rows=rows,
+            prompt=prompt, logit_rows=rows, num_vllm_rows=sum(len(r) for r in vllm_rows),
             needs_torch=bool(vllm_idx) or any(p.num_logits for p in prompt),
         )
 
@@ -461,7 +478,7 @@ class MLXModelRunner:
         mlx_rows = [self._sampling_row(step.req_ids[i]) for i in mlx_idx]
         tokens = None
         if mlx_rows:
-            start = len(inputs.vllm_idx)
+            start = inputs.num_vllm_rows
             tokens = sample(logits[start:start + len(mlx_idx)], mlx_rows)
         if inputs.needs_torch and logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
@@ -486,7 +503,7 @@ class MLXModelRunner:
                 states[i].pending = (tokens, j)
         return _PendingStep(
             step=step, out=scheduler_output, states=states, vllm_idx=inputs.vllm_idx,
-            mlx_idx=mlx_idx, prompt=inputs.prompt,
+            mlx_idx=mlx_idx, prompt=inputs.prompt, num_vllm_rows=inputs.num_vllm_rows,
             logits=logits if inputs.needs_torch else None,
             mlx_tokens=tokens.tolist() if tokens is not None and not lazy else [],
             lazy=lazy, lazy_tokens=tokens if lazy else None, lazy_job=job, timer=self._timer,
@@ -529,25 +546,31 @@ class MLXModelRunner:
         logprobs = None
         if pending.vllm_idx:
             n = len(pending.vllm_idx)
-            rows = logits[:n]
+            rows = logits[:pending.num_vllm_rows]
             req_ids = [step.req_ids[i] for i in pending.vllm_idx]
             if grammar_output is not None:
                 apply_grammar_bitmask(pending.out, grammar_output, req_ids, rows)
-            result = self.vllm_sampling.sample(rows, [states[i] for i in pending.vllm_idx])
-            for i, token in zip(pending.vllm_idx, result.sampled_token_ids[:, 0].tolist(),
-                                strict=True):
-                sampled[i] = [token]
-            if result.logprobs_tensors is not None:
-                logprobs = logprobs_lists(
-                    result.logprobs_tensors, pending.vllm_idx, len(step.req_ids)
-                )
+            if self.spec is not None:
+                logprobs = self._verify(pending, rows, sampled)
+            else:
+                result = self.vllm_sampling.sample(rows, [states[i] for i in pending.vllm_idx])
+                for i, token in zip(pending.vllm_idx, result.sampled_token_ids[:, 0].tolist(),
+                                    strict=True):
+                    sampled[i] = [token]
+                if result.logprobs_tensors is not None:
+                    logprobs = logprobs_lists(
+                        result.logprobs_tensors, pending.vllm_idx, len(step.req_ids)
+                    )
             self.stats.sampled_by_vllm += n
         for i in step.sample_req_idx:
-            states[i].append_output(sampled[i][0])
+            for token in sampled[i]:
+                states[i].append_output(token)
             pend = states[i].pending
             if pend is not None and pend[0] is pending.lazy_tokens:
                 states[i].pending = None  # now known on the host
-        self.stats.sampled += len(step.sample_req_idx)
+        self.stats.sampled += sum(len(sampled[i]) for i in step.sample_req_idx)
+        if self.spec is not None:
+            self.spec.propose(states, sampled)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
@@ -557,11 +580,38 @@ class MLXModelRunner:
             kv_connector_output=pending.kv_output,
         )
 
+    def _verify(self, pending: _PendingStep, rows: torch.Tensor,
+                sampled: list[list[int]]) -> Any:
+        """Speculative decoding: every sampling request through vLLM's rejection sampler
+        (:meth:`SpecDecoder.sample`) on its ``d + 1`` rows; ``sampled[i]`` gets request
+        ``i``'s accepted drafts and its bonus (or recovered) token. Returns the logprobs as
+        ``LogprobsLists`` indexed by scheduled request, or None."""
+        step, idx = pending.step, pending.vllm_idx
+        drafts = step.num_draft_tokens
+        offsets = np.concatenate([[0], np.cumsum(drafts)])
+        draft_ids = [t for i in idx
+                     for t in step.draft_token_ids[offsets[i]:offsets[i] + drafts[i]]]
+        metadata = self.vllm_sampling.prepare([pending.states[i] for i in idx],
+                                              rows.shape[-1])
+        result = self.spec.sample(rows, [int(drafts[i]) for i in idx], draft_ids, metadata,
+                                  self.vocab_size)
+        for i, tokens in zip(idx, result.token_ids, strict=True):
+            sampled[i] = tokens
+        if result.logprobs is None:
+            return None
+        return logprobs_for_requests(result.logprobs, idx,
+                                     [len(t) for t in result.token_ids], len(step.req_ids))
+
+    def take_draft_token_ids(self) -> Any:
+        """The drafts proposed after the last step (vLLM ``DraftTokenIds``), once; None
+        without speculative decoding or when already taken."""
+        return self.spec.take() if self.spec is not None else None
+
     def _prompt_logprobs(self, pending: _PendingStep, logits) -> dict[str, Any]:
         """Fill each asking request's prompt logprobs from this step's prompt rows; return the
         finished ones (``prompt_logprobs_dict``)."""
         done: dict[str, Any] = {}
-        row = len(pending.vllm_idx) + len(pending.mlx_idx)
+        row = pending.num_vllm_rows + len(pending.mlx_idx)
         for p in pending.prompt:
             state = pending.states[p.index]
             num = state.num_prompt_logprobs
@@ -606,6 +656,7 @@ class MLXModelRunner:
         self.quiesce()
         encoder = self.encoder
         return {**asdict(self.stats), "resumed": self.input_batch.num_resumed,
+                **(self.spec.stats() if self.spec is not None else {}),
                 "encode_thread_s": encoder.encode_s if encoder else 0.0,
                 "encode_wait_s": encoder.wait_s if encoder else 0.0,
                 "live_requests": len(self.requests),

@@ -112,10 +112,16 @@ class VllmSampling:
         """
         if len(states) != logits.shape[0]:
             raise ValueError(f"{len(states)} requests for {logits.shape[0]} logits rows")
-        self._update_logitsprocs(states)
-        metadata = self.metadata(states, logits.shape[-1])
+        metadata = self.prepare(states, logits.shape[-1])
         with torch.inference_mode():
             return self.sampler(logits, metadata)
+
+    def prepare(self, states: list[RequestState], vocab: int) -> Any:
+        """Bring the logits processors' rows up to ``states`` (``BatchUpdate``) and return
+        the step's ``SamplingMetadata`` (:meth:`metadata`); for callers that sample
+        themselves (the rejection sampler of speculative decoding)."""
+        self._update_logitsprocs(states)
+        return self.metadata(states, vocab)
 
     def _update_logitsprocs(self, states: list[RequestState]) -> None:
         prev = self._rows

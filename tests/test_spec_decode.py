@@ -1,0 +1,447 @@
+"""Speculative decoding (``--speculative-config``): vLLM's proposers and rejection sampler on the
+MLX runner.
+
+Unit parts: the verification metadata equals vLLM's GPU runner's, the step layout feeds drafts
+after the known tokens, all-accepted / all-rejected drafts through vLLM's rejection sampler,
+logprobs re-indexed by request. End to end (tiny random Llama, fp32): greedy outputs with
+``ngram`` equal those without speculation, batched with chunked prefill and with preemption;
+seeded random sampling reproducible whatever shares the batch; a chi-square test that the
+verified tokens follow the target model's distribution; an abort during verification frees
+every block.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_llm
+from test_e2e_offline import _engine, _prompts
+
+from vllm_unified import compat, patches
+from vllm_unified.worker.input_batch import InputBatch, RequestState
+from vllm_unified.worker.spec_decode import logprobs_for_requests, spec_decode_metadata
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 3}
+
+
+# ------------------------------------------------------------------------------ unit parts
+def _vllm_metadata(num_draft: list[int], input_ids: list[int]):
+    """vLLM's own ``GPUModelRunner._calc_spec_decode_metadata`` on CPU tensors, for a batch
+    of decode requests (query length d + 1 each, every request sampling)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    fake = types.SimpleNamespace(
+        arange_np=np.arange(1024), _arange_scratch=np.empty(1024, dtype=np.int64),
+        device=torch.device("cpu"),
+        input_ids=types.SimpleNamespace(gpu=torch.tensor(input_ids, dtype=torch.int32)))
+    fake._get_cumsum_and_arange = types.MethodType(GPUModelRunner._get_cumsum_and_arange, fake)
+    cu = np.cumsum(np.asarray(num_draft) + 1).astype(np.int32)
+    return GPUModelRunner._calc_spec_decode_metadata(fake, np.asarray(num_draft, np.int32), cu)
+
+
+@pytest.mark.parametrize("num_draft", [[3, 0, 2, 0, 1], [0, 0], [4], [1, 4, 4, 0]])
+def test_metadata_equals_vllms(num_draft):
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(0, 1000, size=sum(d + 1 for d in num_draft)).tolist()
+    # drafts: every token of a request after its first (the last known token)
+    starts = np.cumsum([0] + [d + 1 for d in num_draft])[:-1]
+    drafts = [t for s, d in zip(starts, num_draft, strict=True) for t in input_ids[s + 1:s + 1 + d]]
+    ours, ref = spec_decode_metadata(num_draft, drafts), _vllm_metadata(num_draft, input_ids)
+    assert ours.num_draft_tokens == ref.num_draft_tokens
+    for name in ("draft_token_ids", "cu_num_draft_tokens", "cu_num_sampled_tokens",
+                 "target_logits_indices", "bonus_logits_indices", "logits_indices"):
+        assert getattr(ours, name).tolist() == getattr(ref, name).tolist(), name
+
+
+def test_metadata_refuses_a_wrong_draft_count():
+    with pytest.raises(ValueError, match="3 draft tokens"):
+        spec_decode_metadata([1, 1], [5, 6, 7])
+
+
+class _Out:
+    def __init__(self, num_scheduled_tokens, spec=None):
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self.scheduled_spec_decode_tokens = spec or {}
+
+
+def _state(req_id, tokens, prompt, computed):
+    return RequestState(req_id=req_id, token_ids=list(tokens), num_prompt_tokens=prompt,
+                        block_ids=[1, 2], num_computed_tokens=computed, sampling_params=None)
+
+
+def test_layout_feeds_drafts_after_the_known_tokens():
+    batch = InputBatch()
+    batch.requests = {"a": _state("a", [5, 6, 7], 2, 2),   # decode + 2 drafts
+                      "b": _state("b", [8, 9, 10, 11], 4, 1),  # prefill chunk
+                      "c": _state("c", [12, 13], 1, 1)}    # decode, no drafts
+    step = batch.layout(_Out({"a": 3, "b": 2, "c": 1}, {"a": [70, 71]}))
+    assert step.input_ids.tolist() == [7, 70, 71, 9, 10, 13]
+    assert step.sample_req_idx == [0, 2]  # "b" stops short of its known tokens
+    assert step.num_draft_tokens.tolist() == [2, 0, 0]
+    assert step.draft_token_ids == [70, 71]
+    assert step.seq_lens.tolist() == [5, 3, 2]
+
+
+def test_layout_refuses_drafts_that_do_not_follow_the_known_tokens():
+    batch = InputBatch()
+    batch.requests = {"a": _state("a", [5, 6, 7, 8], 2, 1)}
+    with pytest.raises(RuntimeError, match="draft tokens scheduled after token 3"):
+        batch.layout(_Out({"a": 3}, {"a": [70]}))
+    with pytest.raises(RuntimeError, match="only 4 tokens are known"):
+        batch.layout(_Out({"a": 5}, {"a": [70]}))
+
+
+def _decoder(monkeypatch_free_config=None):
+    """A SpecDecoder with vLLM's config for ngram k=4 (no model needed)."""
+    from vllm_unified.worker.spec_decode import SpecDecoder
+
+    patches.route_rejection_sampler_kernels()
+    spec = types.SimpleNamespace(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
+                                 prompt_lookup_max=3, rejection_sample_method="standard")
+    config = types.SimpleNamespace(
+        speculative_config=spec, model_config=types.SimpleNamespace(max_model_len=64),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=4),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
+    return SpecDecoder(config, compat.Sampler())
+
+
+def _greedy_metadata(n, temperature=None, generators=None):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+
+    greedy = temperature is None
+    return compat.SamplingMetadata(
+        temperature=None if greedy else torch.tensor(temperature, dtype=torch.float32),
+        all_greedy=greedy, all_random=not greedy, top_p=None, top_k=None,
+        generators=generators or {}, max_num_logprobs=None, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(n),
+        presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def test_all_accepted_and_all_rejected_drafts():
+    """Request 0's drafts are the target's argmax at every row (all accepted + bonus); request
+    1's first draft already disagrees (one recovered token); request 2 has none."""
+    dec = _decoder()
+    vocab = 16
+    logits = torch.full((4 + 1 + 3 + 1 + 1, vocab), -5.0)
+    targets0 = [3, 4, 5, 6, 7]  # argmax after the last token and after each draft
+    for r, t in enumerate(targets0):
+        logits[r, t] = 5.0
+    logits[5, 9] = 5.0   # request 1 row 0: target 9, draft 1 -> rejected
+    logits[6, 2] = 5.0
+    logits[7, 2] = 5.0
+    logits[8, 2] = 5.0
+    logits[9, 11] = 5.0  # request 2: plain bonus token
+    out = dec.sample(logits, [4, 3, 0], [3, 4, 5, 6, 1, 2, 2], _greedy_metadata(3), vocab)
+    assert out.token_ids == [[3, 4, 5, 6, 7], [9], [11]]
+    assert dec.stats() == {"spec_drafts": 2, "spec_draft_tokens": 7, "spec_accepted_tokens": 4}
+
+
+def test_random_drafts_the_target_is_sure_of_are_accepted():
+    """Temperature 1, target certain of each draft: all accepted plus the bonus token. With
+    vLLM 0.32's own CPU stand-in for the expand kernel the temperatures were never written
+    and this returned a single arbitrary token."""
+    dec = _decoder()
+    logits = torch.full((3, 8), -10.0)
+    logits[0, 3], logits[1, 4], logits[2, 5] = 10.0, 10.0, 10.0
+    out = dec.sample(logits, [2], [3, 4], _greedy_metadata(1, temperature=[1.0]), 8)
+    assert out.token_ids == [[3, 4, 5]]
+
+
+def test_expand_kernel_writes_the_output_in_its_dtype():
+    from vllm.utils import cpu_triton_utils
+
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    for values, dtype in ((torch.tensor([0.5, 0.0, 2.0]), torch.float32),
+                          (torch.tensor([7, 0, 9], dtype=torch.int32), torch.int32)):
+        out = torch.full((5,), -3, dtype=dtype)
+        patches.expand_kernel_cpu(out, values, cu, 0, 1)
+        assert out.tolist() == [values[0].item()] * 2 + [values[2].item()] * 3
+    # vLLM 0.32's stand-in leaves a float32 output unwritten (why ours is registered); when
+    # this starts failing, vLLM fixed it and the patch can go.
+    import vllm._C  # noqa: F401
+
+    out = torch.full((5,), -3.0)
+    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 0.0, 2.0]), cu, 0, 1)
+    assert out.tolist() == [-3.0] * 5
+
+
+def test_logprobs_are_indexed_by_scheduled_request():
+    lists = compat.LogprobsLists(np.arange(6)[:, None], np.zeros((6, 1)), np.zeros(6),
+                                 [0, 2, 6])
+    out = logprobs_for_requests(lists, rows=[1, 3], counts=[2, 4], num_reqs=4)
+    assert out.cu_num_generated_tokens == [0, 0, 2, 2, 6]
+    assert out.slice_request(3, 4).logprob_token_ids[:, 0].tolist() == [2, 3, 4, 5]
+    assert out.slice_request(1, 2).logprob_token_ids[:, 0].tolist() == [0, 1]
+
+
+def test_proposals_are_handed_over_once():
+    dec = _decoder()
+    states = [_state("a", [1, 2, 3, 1, 2, 3, 1, 2], 8, 7), _state("b", [4, 5, 6], 3, 1)]
+    dec.propose(states, [[2], []])
+    drafts = dec.take()
+    assert drafts.req_ids == ["a", "b"]
+    # vLLM's n-gram match: "3 1 2" recurs; what followed it, up to the context's end.
+    # b sampled nothing (a prefill chunk): no proposal.
+    assert drafts.draft_token_ids == [[3, 1, 2], []]
+    assert dec.take() is None
+
+
+# ------------------------------------------------------------------------------ end to end
+def _repetitive(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a random block (n-grams to match) of different lengths."""
+    blocks = _prompts(n, [7, 11, 23, 40, 5, 60, 13, 31][:n], vocab=49152, seed=seed)
+    return [b * (3 + i % 3) for i, b in enumerate(blocks)]
+
+
+def _ids(result):
+    return [o["completions"][0]["token_ids"] for o in result["outputs"]]
+
+
+@pytest.mark.slow
+def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
+    """8 requests (repetitive and random prompts, up to 240 tokens, chunked by a 64-token
+    budget), greedy with a repetition penalty on one and logprobs on another: identical token
+    ids with and without ngram speculation, drafts proposed and accepted, logprobs equal."""
+    prompts = _repetitive(6, seed=11) + _prompts(2, [50, 9], vocab=49152, seed=12)
+    params = [{"temperature": 0.0, "max_tokens": 24 + 3 * i, "ignore_eos": True}
+              for i in range(8)]
+    params[2]["repetition_penalty"] = 1.2
+    params[5]["logprobs"] = 2
+    requests = [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params,
+                                                                    strict=True)]
+    base = _engine(dtype="float32", max_num_batched_tokens=64)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "spec").mkdir()
+    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
+                    tmp_path / "plain")
+    spec = run_llm({"model": tiny_llama, "engine": {**base, "speculative_config": NGRAM},
+                    "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "spec")
+    assert _ids(spec) == _ids(plain)
+    stats = spec["rpc_after"]["runner_stats"]
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # some were rejected
+    assert stats["forwards"] < sum(p["max_tokens"] for p in params)
+    assert stats["live_requests"] == 0
+    lp_plain = plain["outputs"][5]["completions"][0]["logprobs"]
+    lp_spec = spec["outputs"][5]["completions"][0]["logprobs"]
+    assert len(lp_spec) == params[5]["max_tokens"]
+    for a, b in zip(lp_plain, lp_spec, strict=True):
+        assert [t for t, _, _ in a] == [t for t, _, _ in b]
+        np.testing.assert_allclose([lp for _, lp, _ in a], [lp for _, lp, _ in b], atol=1e-4)
+    assert "speculative decoding, method ngram, k = 4" in spec["log"]
+
+
+@pytest.mark.slow
+def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
+    """Too few KV blocks: vLLM preempts and resumes requests mid-speculation; same tokens."""
+    prompts = _repetitive(6, seed=5)
+    requests = [{"prompt_token_ids": p[:60], "params": {"temperature": 0.0, "max_tokens": 40,
+                                                        "ignore_eos": True}} for p in prompts]
+    base = _engine(dtype="float32", max_model_len=128)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "tight").mkdir()
+    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
+                    tmp_path / "plain")
+    tight = run_llm({"model": tiny_llama,
+                     "engine": {**base, "num_gpu_blocks_override": 14,
+                                "speculative_config": NGRAM},
+                     "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "tight")
+    stats = tight["rpc_after"]["runner_stats"]
+    assert stats["resumed"] > 0, "no request was preempted"
+    assert stats["spec_draft_tokens"] > 0
+    assert _ids(tight) == _ids(plain)
+
+
+@pytest.mark.slow
+def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path):
+    """A request aborted while its drafts are scheduled for verification: every KV block is
+    free again, the runner holds no request, the other request finishes all its tokens."""
+    import subprocess
+    import sys
+
+    from conftest import TESTS
+
+    out = tmp_path / "abort.json"
+    proc = subprocess.run([sys.executable, str(TESTS / "spec_abort_harness.py"), tiny_llama,
+                           str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    result = json.loads(out.read_text())
+    assert result["aborted_with_drafts"] > 0, "the victim had no drafts when aborted"
+    assert result["free_after"] == result["free_before"]
+    assert result["live_requests"] == 0
+    assert len(result["outputs"]["other"]) == 60
+    assert len(result["outputs"].get("victim", [])) < 60
+
+
+def _target_dists(model_path: str, contexts: list[list[int]], allowed: list[int], temperature):
+    """The target model's next-token distributions over ``allowed`` (vLLM's allowed-token mask,
+    then temperature), from a plain mlx-lm forward of each whole context (no paged cache, no
+    speculation): the reference. Loaded by our loader, which reads transformers 5's
+    ``rope_parameters`` that mlx-lm's own loading ignores."""
+    import mlx.core as mx
+
+    from vllm_unified.models.loader import load_model
+
+    model = load_model(model_path, dtype=mx.float32, keep_quantized=False).model
+    out = []
+    for ctx in contexts:
+        logits = np.array(model(mx.array([ctx]))[0, -1].astype(mx.float32), dtype=np.float64)
+        z = logits[allowed] / temperature
+        e = np.exp(z - z.max())
+        out.append(e / e.sum())
+    return out
+
+
+def _chi2_sf(x: float, df: int) -> float:
+    """Chi-square survival function (regularized upper incomplete gamma; no scipy here)."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(x / 2, dtype=torch.float64)))
+
+
+def _chi2_ppf(q: float, df: int) -> float:
+    """The ``q`` quantile of chi-square(df), by bisection on :func:`_chi2_sf`."""
+    lo, hi = 0.0, 10.0 * df + 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _chi2_sf(mid, df) > 1 - q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _ncx2_sf(x: float, df: int, lam: float) -> float:
+    """Noncentral chi-square survival function: the Poisson(lam / 2) mixture of central ones."""
+    j = np.arange(0, int(lam / 2 + 20 * np.sqrt(lam / 2 + 1) + 50))
+    log_w = -lam / 2 + j * np.log(lam / 2 + 1e-300) - np.array([math.lgamma(k + 1) for k in j])
+    return float(sum(np.exp(w) * _chi2_sf(x, df + 2 * int(k)) for w, k in zip(log_w, j,
+                                                                            strict=True)))
+
+
+def _chi2_parts(counts: np.ndarray, probs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Observed and expected counts with the bins whose expected count is below 5 merged."""
+    expected = n * probs
+    small = expected < 5
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+        if expected[-1] == 0:
+            counts, expected = counts[:-1], expected[:-1]
+    return counts, expected
+
+
+@pytest.mark.slow
+def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_path):
+    """Exactness of random sampling under ngram speculation (vLLM's rejection sampler).
+
+    Tiny random Qwen2 (untied head: its next-token distributions are spread, unlike the tied
+    tiny Llama's). 1200 seeded requests (temperature 2, six allowed tokens S, max 2 tokens) on
+    a prompt that
+    cycles through S: the first token t1 comes from the prefill (no drafts), the second is
+    always verified, because the n-gram proposer drafts what followed t1 in the prompt. For
+    every value of t1 the counts of t2 are compared with the target model's own conditional
+    distribution (plain mlx-lm forward of prompt + t1): a pooled chi-square test (bins with
+    expected count < 5 merged), rejected below p = 1e-3; t1 is checked the same way.
+    Power at alpha = 1e-3, from the noncentral chi-square with the same group sizes, is
+    computed here and asserted >= 0.99 against: drafts accepted unverified; verification on
+    the previous row (t2 ~ t1's distribution); verification ignoring the temperature (T = 1).
+    Also: a seeded request gives the same tokens alone as in the batch."""
+    from tiny_models import make_tiny_checkpoint
+
+    model = str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2"))
+    allowed = [1001, 2002, 3003, 4004, 5005, 6006]
+    prompt = allowed * 4
+    temperature, n = 2.0, 1200
+    spec_cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 2}
+    params = [{"temperature": temperature, "seed": i, "max_tokens": 2, "ignore_eos": True,
+               "allowed_token_ids": allowed} for i in range(n)]
+    engine = {**_engine(dtype="float32", max_model_len=64), "speculative_config": spec_cfg,
+              "max_num_seqs": 256}
+    result = run_llm({"model": model, "engine": engine, "rpc": ["runner_stats"],
+                      "requests": [{"prompt_token_ids": prompt, "params": p} for p in params]},
+                     tmp_path)
+    ids = _ids(result)
+    assert all(len(t) == 2 and set(t) <= set(allowed) for t in ids)
+    stats_ = result["rpc_after"]["runner_stats"]
+    assert stats_["spec_drafts"] >= n  # every second token was verified
+    assert 0 < stats_["spec_accepted_tokens"] < stats_["spec_draft_tokens"]
+
+    first = _target_dists(model, [prompt], allowed, temperature)[0]
+    cond = _target_dists(model, [prompt + [v] for v in allowed], allowed, temperature)
+    cond_t1 = _target_dists(model, [prompt + [v] for v in allowed], allowed, 1.0)
+    t1 = np.array([allowed.index(t[0]) for t in ids])
+    t2 = np.array([allowed.index(t[1]) for t in ids])
+
+    obs, exp = _chi2_parts(np.bincount(t1, minlength=6), first, n)
+    assert _chi2_sf(((obs - exp) ** 2 / exp).sum(), len(obs) - 1) > 1e-3
+
+    alpha, chi, df = 1e-3, 0.0, 0
+    alternatives = {"accepted unverified": [np.eye(6)[(v + 1) % 6] for v in range(6)],
+                    "previous row": [first] * 6, "temperature ignored": cond_t1}
+    lam = dict.fromkeys(alternatives, 0.0)
+    for v in range(6):
+        n_v = int((t1 == v).sum())
+        expected_n = n * first[v]  # for the power: group sizes as the design expects them
+        if n_v == 0:
+            continue
+        o, e = _chi2_parts(np.bincount(t2[t1 == v], minlength=6), cond[v], n_v)
+        chi += ((o - e) ** 2 / e).sum()
+        df += len(o) - 1
+        for name, alt in alternatives.items():
+            _, e0 = _chi2_parts(np.zeros(6), cond[v], round(expected_n))
+            _, e1 = _chi2_parts(np.zeros(6), alt[v], round(expected_n))
+            if len(e0) == len(e1):
+                lam[name] += ((e1 - e0) ** 2 / np.maximum(e0, 1e-9)).sum()
+            else:  # different merging: use the unmerged bins
+                lam[name] += expected_n * ((alt[v] - cond[v]) ** 2 / cond[v]).sum()
+    p_value = _chi2_sf(chi, df)
+    critical = _chi2_ppf(1 - alpha, df)
+    power = {name: min(1.0, _ncx2_sf(critical, df, lam[name])) for name in alternatives}
+    print(f"chi2 {chi:.1f} df {df} p {p_value:.3g}; power at alpha {alpha}: {power}")
+    assert all(p >= 0.99 for p in power.values()), power
+    assert p_value > alpha, (chi, df)
+
+    (tmp_path / "alone").mkdir()
+    alone = run_llm({"model": model, "engine": engine,
+                     "requests": [{"prompt_token_ids": prompt, "params": params[7]}]},
+                    tmp_path / "alone")
+    assert _ids(alone)[0] == ids[7]
+
+
+@pytest.mark.slow
+def test_default_model_structured_output_and_stop_strings(default_model, tmp_path):
+    """The default model (SmolLM2 GGUF): greedy code-editing style prompt, a regex-constrained
+    request (grammar bitmask over the draft rows), a stop string and penalties: the same
+    outputs with ngram speculation as without, with drafts accepted."""
+    text = "def add(a, b):\n    return a + b\n\n" * 3
+    requests = [
+        {"prompt": text + "Repeat the function above:\n", "params": {"temperature": 0.0,
+                                                                     "max_tokens": 48}},
+        {"prompt": "The year is", "params": {"temperature": 0.0, "max_tokens": 30,
+                                              "structured_outputs": {"regex": "( 19[0-9]{2}){3}"}}},
+        {"prompt": text + "Repeat the function above:\n",
+         "params": {"temperature": 0.0, "max_tokens": 40, "stop": ["output:"]}},
+        {"prompt": text, "params": {"temperature": 0.0, "max_tokens": 30,
+                                    "presence_penalty": 0.5, "frequency_penalty": 0.2}},
+    ]
+    base = _engine(dtype="float32", max_model_len=512)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "spec").mkdir()
+    plain = run_llm({"model": default_model, "engine": base, "requests": requests},
+                    tmp_path / "plain")
+    spec = run_llm({"model": default_model, "engine": {**base, "speculative_config": NGRAM},
+                    "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "spec")
+    assert _ids(spec) == _ids(plain)
+    texts = [o["completions"][0]["text"] for o in spec["outputs"]]
+    assert texts == [o["completions"][0]["text"] for o in plain["outputs"]]
+    import re
+
+    assert re.fullmatch("( 19[0-9]{2}){3}", texts[1]), texts[1]
+    assert spec["outputs"][2]["completions"][0]["finish_reason"] == "stop"
+    assert spec["rpc_after"]["runner_stats"]["spec_accepted_tokens"] > 0
