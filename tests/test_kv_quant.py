@@ -92,3 +92,128 @@ def test_quantizing_write_gives_vllms_page_bytes(tmp_path):
         assert (ours_cells != 0).mean() > 0.5, (name, dim)  # the write did land
         mismatch = np.argwhere(ours_cells != ref_cells)
         assert mismatch.size == 0, (name, dim, mismatch[:10])
+
+
+def _quant_step(rng, fmt, query_lens, heads, kv_heads, dim, block_size, dtype, max_len=120):
+    """A step over a quantized pool whose every unowned cell is 0xFF bytes (a NaN scale: a
+    read outside a row's visible keys puts NaN into the output); the sequences' slots
+    written by the quantizing write."""
+    import mlx.core as mx
+
+    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.pool import KVPool
+
+    batch = len(query_lens)
+    lens = np.array([rng.integers(q, max_len) for q in query_lens], np.int32)
+    per_seq = -(-max_len // block_size)
+    num_blocks = batch * per_seq + 3
+    tables = rng.permutation(np.arange(1, num_blocks))[: batch * per_seq]
+    tables = tables.reshape(batch, per_seq).astype(np.int32)
+    cells = mx.full((num_blocks * block_size, kv_heads, fmt.cell_bytes(dim)), 255, mx.uint8)
+    pool = KVPool([cells], block_size, shared=False, fmt=fmt, head_size=dim)
+    for b in range(batch):
+        pos = np.arange(lens[b])
+        slots = tables[b, pos // block_size] * block_size + pos % block_size
+        k = rng.standard_normal((lens[b], kv_heads, dim)).astype(np.float32)
+        v = rng.standard_normal((lens[b], kv_heads, dim)).astype(np.float32)
+        k[:, :, 3] += 4.0  # a channel outlier, as real keys have
+        pool.write(0, mx.array(slots.astype(np.int32)), mx.array(k).astype(dtype),
+                   mx.array(v).astype(dtype))
+    mx.eval(pool.kv)
+    meta = build_attention_metadata(query_lens, lens.tolist(), tables, block_size)
+    q = mx.array(rng.standard_normal((sum(query_lens), heads, 1, dim)).astype(np.float32))
+    return q.astype(dtype), pool, meta
+
+
+@pytest.mark.parametrize("name", MODES)
+@pytest.mark.parametrize("dtype, tol", [("float32", 2e-5), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size",
+                         [(9, 3, 64, 16), (4, 4, 128, 32), (14, 2, 64, 16), (6, 2, 96, 16)])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("query_lens", [[1] * 5, [1, 9, 1, 30]], ids=["decode", "mixed"])
+def test_attention_over_quantized_pages_equals_reference(name, dtype, tol, heads, kv_heads,
+                                                         dim, block_size, window, query_lens):
+    """The native kernel reading the quantized cells == the pure-MLX reference attention over
+    the pool dequantized by pure MLX (kv/quant.dequantize_pool), within fp32 rounding (for
+    bf16 queries the kernel rounds the rotated queries and output to bf16 as vLLM does)."""
+    import mlx.core as mx
+
+    from vllm_unified.attention import paged
+    from vllm_unified.kv.quant import kv_format
+
+    fmt = kv_format(name)
+    mdt = getattr(mx, dtype)
+    rng = np.random.default_rng(heads + dim + len(query_lens))
+    q, pool, meta = _quant_step(rng, fmt, query_lens, heads, kv_heads, dim, block_size, mdt)
+    kw = dict(kv_format=fmt, rht_signs=pool.signs)
+    want = paged.paged_attention_kv(q, pool.kv[0], meta, 0.125, window, accelerate=False, **kw)
+    got = paged.paged_attention_kv(q, pool.kv[0], meta, 0.125, window, **kw)
+    assert got.shape == want.shape and got.dtype == mdt
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    assert not np.isnan(g).any()
+    assert np.abs(g - w).max() / np.abs(w).max() < tol
+
+
+def test_quantization_error_is_what_the_format_promises():
+    """The dequantized pages are near the rows written (so the reference is not comparing a
+    wrong dequantization with itself): int8 within half a step of 1/127 of each row's absmax,
+    int4 (rotated, 16 levels) within half a step of each rotated row's range."""
+    import mlx.core as mx
+
+    from vllm_unified.kv.pool import KVPool
+    from vllm_unified.kv.quant import dequantize_pool, kv_format, rht_signs
+
+    hadamard = np.ones((1, 1))
+    while hadamard.shape[0] < 64:
+        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((32, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((32, 2, 64)).astype(np.float32)
+    for name, rel in (("int8_per_token_head", 0.5 / 127), ("int4_per_token_head", 0.5 / 15)):
+        fmt = kv_format(name)
+        cells = mx.zeros((32, 2, fmt.cell_bytes(64)), mx.uint8)
+        pool = KVPool([cells], 16, shared=False, fmt=fmt, head_size=64)
+        pool.write(0, mx.arange(32, dtype=mx.int32), mx.array(k), mx.array(v))
+        dense = np.array(dequantize_pool(pool.kv[0], fmt, 64))
+        for got, want in ((dense[..., :64], k), (dense[..., 64:], v)):
+            err = np.abs(got - want).max(axis=-1)
+            if name == "int8_per_token_head":
+                bound = np.abs(want).max(axis=-1) * rel
+            else:
+                # Each rotated component errs by at most half a step (range / 30); H / sqrt(64)
+                # is orthogonal, so the row's error norm carries back divided by sqrt(64).
+                signs = np.array(rht_signs(64))
+                rot = (want * signs) @ hadamard.T
+                step_err = (rot.max(-1) - rot.min(-1)) * rel
+                bound = np.sqrt(64) * step_err / np.sqrt(64)
+            assert (err <= bound * 1.0001 + 1e-6).all(), name
+        assert np.abs(dense[..., :64] - k).mean() < (0.01 if "int8" in name else 0.2), name
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_per_token_head", "turboquant_k8v4",
+                                   "nvfp4", "bogus"])
+def test_unsupported_kv_cache_dtype_is_refused_naming_the_flag(value):
+    from vllm_unified.kv.quant import kv_format
+
+    with pytest.raises(ValueError, match=rf"--kv-cache-dtype {value}:.*supported: auto, "
+                                         "int8_per_token_head, int4_per_token_head"):
+        kv_format(value)
+
+
+def test_spec_is_vllms_customised_spec():
+    """Our FullAttentionSpec equals the one vLLM's Triton backend builds for the mode (dtype,
+    quant mode, packed cell, page size)."""
+    from vllm_unified import compat
+    from vllm_unified.kv.quant import attention_spec, kv_format
+
+    triton_attn = pytest.importorskip("vllm.v1.attention.backends.triton_attn")
+    for name in MODES:
+        fmt = kv_format(name)
+        ours = attention_spec(fmt, block_size=16, num_kv_heads=3, head_size=64,
+                              dtype=torch.float32)
+        theirs = triton_attn.TritonAttentionBackend.customize_spec(compat.FullAttentionSpec(
+            block_size=16, num_kv_heads=3, head_size=64,
+            dtype=compat.STR_DTYPE_TO_TORCH_DTYPE[name],
+            kv_quant_mode=compat.get_kv_quant_mode(name)))
+        assert ours == theirs, name
+        assert ours.page_size_bytes == 16 * 3 * fmt.cell_bytes(64)
