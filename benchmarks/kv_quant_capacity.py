@@ -7,7 +7,7 @@ Each (model, format) is its own engine process (vLLM's offline ``LLM``); nothing
 Prints a table and writes ``benchmarks/results/kv_quant_capacity-<ts>.json``.
 
     .venv/bin/python benchmarks/kv_quant_capacity.py
-    .venv/bin/python benchmarks/kv_quant_capacity.py --qwen-gguf /path/to/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+    .venv/bin/python benchmarks/kv_quant_capacity.py --qwen-gguf PATH/qwen2.5-coder-0.5b-q4_k_m.gguf
 """
 
 from __future__ import annotations
