@@ -217,3 +217,117 @@ def test_spec_is_vllms_customised_spec():
             kv_quant_mode=compat.get_kv_quant_mode(name)))
         assert ours == theirs, name
         assert ours.page_size_bytes == 16 * 3 * fmt.cell_bytes(64)
+
+
+# ----------------------------------------------------------------------------- end to end
+OFFLOAD_PROMPTS = {"P": {"seed": 1, "tokens": 1500}, "E1": {"seed": 2, "tokens": 900},
+                   "E2": {"seed": 3, "tokens": 900}}
+HOST = "vllm:prompt_tokens_cached_by_source{source=host}"
+DEVICE = "vllm:prompt_tokens_cached_by_source{source=device}"
+
+
+def _delta(phases: list[dict], i: int, key: str) -> float:
+    before = phases[i - 1]["metrics"].get(key, 0) if i else 0
+    return phases[i]["metrics"].get(key, 0) - before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODES)
+def test_prefix_cache_and_host_offload_carry_quantized_pages(default_model, tmp_path, name):
+    """A 1,500-token prompt P served with the quantized cache: again at once (a prefix-cache
+    hit on the quantized pages), then evicted from the KV pool by two other prompts and served
+    once more, its blocks restored from the host tier: the same greedy tokens every time."""
+    import json
+    import os
+
+    engine = {"max_model_len": 1600, "num_gpu_blocks_override": 102,
+              "max_num_batched_tokens": 512, "kv_offloading_size": 0.25,
+              "kv_cache_dtype": name, "dtype": "float32"}
+    spec = {"model": default_model, "engine": engine, "prompts": OFFLOAD_PROMPTS,
+            "disk_dir": None,
+            "phases": [{"prompt": p, "max_tokens": 16} for p in ("P", "P", "E1", "E2", "P")]}
+    spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env["PYTHONHASHSEED"] = "0"
+    proc = subprocess.run([sys.executable, str(TESTS / "kv_offload_harness.py"),
+                           str(spec_path), str(out_path)], env=env, capture_output=True,
+                          text=True, timeout=1200)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out_path.exists(), log[-6000:]
+    assert f"KV format {name}" in log
+    phases = json.loads(out_path.read_text())["phases"]
+    first = phases[0]
+    assert 1450 <= first["num_prompt_tokens"] <= 1600
+    assert _delta(phases, 1, DEVICE) >= 1400  # prefix cache hit on the quantized pages
+    assert phases[1]["token_ids"] == first["token_ids"]
+    assert _delta(phases, 4, DEVICE) == 0  # P was evicted from the KV pool
+    assert _delta(phases, 4, HOST) >= 1400  # ... and its quantized blocks came back from RAM
+    assert phases[4]["metrics"]["vllm:kv_offload_load_bytes"] > 0
+    assert phases[4]["token_ids"] == first["token_ids"]
+
+
+def _engine_config(model: str, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, max_model_len=256, **kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_platform_accepts_the_served_formats(default_model, name):
+    cfg = _engine_config(default_model, kv_cache_dtype=name)
+    assert cfg.cache_config.cache_dtype == name
+    assert cfg.kv_transfer_config is None
+
+
+def test_platform_refuses_skip_layers_and_other_formats(default_model):
+    with pytest.raises(Exception, match="--kv-cache-dtype-skip-layers"):
+        _engine_config(default_model, kv_cache_dtype="int8_per_token_head",
+                       kv_cache_dtype_skip_layers=["0"])
+    with pytest.raises(Exception, match="--kv-cache-dtype turboquant_k8v4:.*supported"):
+        _engine_config(default_model, kv_cache_dtype="turboquant_k8v4")
+
+
+def test_quantized_cache_is_refused_where_no_kernel_reads_it():
+    """A backend profile without the native CPU attention (GPU backends, or the CPU kernel
+    turned off) refuses a quantized --kv-cache-dtype when the model loads, naming the flag."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from vllm_unified.backend import profile
+    from vllm_unified.kv.cache import AttentionShape, KVCache
+    from vllm_unified.kv.hybrid import HybridLayers
+
+    off = dataclasses.replace(profile(), cpu_attention=False)
+    shape = AttentionShape(2, 64, torch.float32, "int8_per_token_head")
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8_per_token_head: quantized"):
+        KVCache(off, HybridLayers("llama", 2, []), shape, {0: None, 1: None}, mx.float32)
+
+
+@pytest.mark.slow
+def test_scheduler_capacity_per_format(default_model, tmp_path):
+    """As vLLM's scheduler sees it (its "KV cache size: N tokens" for a 256 MiB pool):
+    int8 >= 3.5x and int4 >= 6x the fp32 cache's tokens."""
+    import json
+    import os
+    import re
+
+    tokens = {}
+    for name in ("auto", *MODES):
+        spec = {"model": default_model, "requests": [{"prompt": "Hi", "params":
+                                                       {"max_tokens": 1}}],
+                "engine": {"kv_cache_dtype": name, "dtype": "float32", "max_model_len": 512,
+                           "kv_cache_memory_bytes": 256 << 20}}
+        spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+        proc = subprocess.run([sys.executable, str(TESTS / "llm_harness.py"), str(spec_path),
+                               str(out_path)], env=env, capture_output=True, text=True,
+                              timeout=600)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-4000:]
+        tokens[name] = int(re.search(r"KV cache size: ([\d,]+) tokens", log)
+                           .group(1).replace(",", ""))
+    assert tokens["int8_per_token_head"] >= 3.5 * tokens["auto"], tokens
+    assert tokens["int4_per_token_head"] >= 6 * tokens["auto"], tokens
