@@ -331,3 +331,29 @@ def test_scheduler_capacity_per_format(default_model, tmp_path):
                            .group(1).replace(",", ""))
     assert tokens["int8_per_token_head"] >= 3.5 * tokens["auto"], tokens
     assert tokens["int4_per_token_head"] >= 6 * tokens["auto"], tokens
+
+
+def test_attention_without_avx512_equals_reference():
+    """The generic loops (CPUs without AVX-512, or VLLM_UNIFIED_CPU_ISA=avx2) compute the same
+    function as the register path: a child process capped at AVX2 against the reference."""
+    import os
+
+    code = (
+        "import sys; sys.path.insert(0, {tests!r})\n"
+        "import numpy as np, mlx.core as mx, test_kv_quant as t\n"
+        "from vllm_unified.attention import paged\n"
+        "from vllm_unified.kv.quant import kv_format\n"
+        "for name in t.MODES:\n"
+        "    fmt = kv_format(name)\n"
+        "    q, pool, meta = t._quant_step(np.random.default_rng(3), fmt, [1, 9, 1, 30], 9, 3,"
+        " 64, 16, mx.float32)\n"
+        "    kw = dict(kv_format=fmt, rht_signs=pool.signs)\n"
+        "    w = np.array(paged.paged_attention_kv(q, pool.kv[0], meta, 0.125, None,"
+        " accelerate=False, **kw))\n"
+        "    g = np.array(paged.paged_attention_kv(q, pool.kv[0], meta, 0.125, None, **kw))\n"
+        "    assert np.abs(g - w).max() / np.abs(w).max() < 2e-5, name\n"
+        "print('ok')\n").format(tests=str(TESTS))
+    env = dict(os.environ, VLLM_UNIFIED_CPU_ISA="avx2")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

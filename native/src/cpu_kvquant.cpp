@@ -11,6 +11,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "cpu_math.h"  // VUN_CLONES
 
 namespace vun {
@@ -135,7 +139,8 @@ void dequantize_side(int mode, const uint8_t* src, size_t dim, float* out) {
   }
 }
 
-VUN_CLONES void attend_rows_quant(
+// Any head size (a multiple of 8): one key or value row widened at a time.
+VUN_CLONES void attend_rows_quant_generic(
     int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
     float scale, float* scores, float* out) {
   const size_t dk = kv_data_bytes(mode, dim);
@@ -179,16 +184,7 @@ VUN_CLONES void attend_rows_quant(
   }
   for (size_t r = 0; r < heads; ++r) {
     float* sr = scores + r * n;
-    float m = sr[0];
-    for (size_t j = 1; j < n; ++j) {
-      m = std::max(m, sr[j]);
-    }
-    float l = 0.f;
-    for (size_t j = 0; j < n; ++j) {
-      sr[j] = std::exp(sr[j] - m);
-      l += sr[j];
-    }
-    const float inv = 1.f / l;
+    const float inv = 1.f / softmax_exp(sr, n);
     for (size_t j = 0; j < n; ++j) {
       sr[j] *= inv;
     }
@@ -219,6 +215,193 @@ VUN_CLONES void attend_rows_quant(
         o[e] += w * row[e];
       }
     }
+  }
+}
+
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define VUN_KVQ_X86 1
+namespace {
+
+// 16 floats: one AVX-512 register (two AVX2, four SSE), by the clone compiled.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+#define VUN_KVQ_INLINE inline __attribute__((always_inline))
+
+#define VUN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+// 16 int8 values at p, widened.
+VUN_KVQ_INLINE VUN_AVX512 v16 widen_i8(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+// 16 int4 values packed in the 8 bytes at p (element 2i in byte i's low nibble, 2i + 1 in its
+// high nibble), widened.
+VUN_KVQ_INLINE VUN_AVX512 v16 widen_u4(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(b, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+}
+
+// Element c * 16 ... c * 16 + 15 of a side's data at p.
+template <bool INT4>
+VUN_KVQ_INLINE VUN_AVX512 v16 widen(const uint8_t* p, int c) {
+  if constexpr (INT4) {
+    return widen_u4(p + 8 * c);
+  } else {
+    return widen_i8(p + 16 * c);
+  }
+}
+
+VUN_KVQ_INLINE VUN_AVX512 v16 load16f(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// The lane sums of a0..a3 at lanes 0, 4, 8, 12 (a shuffle-and-add tree).
+VUN_KVQ_INLINE VUN_AVX512 v16 reduce4(v16 a0, v16 a1, v16 a2, v16 a3) {
+  const v16 p01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                          28, 29, 30, 31);
+  const v16 p23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                          28, 29, 30, 31);
+  const v16 q = __builtin_shufflevector(p01, p23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                        26, 27) +
+                __builtin_shufflevector(p01, p23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                        29, 30, 31);
+  const v16 r = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15,
+                                            12, 13);
+  return r + __builtin_shufflevector(r, r, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+}
+
+VUN_KVQ_INLINE VUN_AVX512 float hsum16(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) {
+    s += v[i];
+  }
+  return s;
+}
+
+VUN_KVQ_INLINE VUN_AVX512 void side_scale(bool int4, const uint8_t* p, float* scale, float* zp) {
+  if (int4) {
+    int4_scale_zp(p, scale, zp);
+  } else {
+    *scale = load_f32(p);
+    *zp = 0.f;
+  }
+}
+
+// attend_rows_quant for D = 16 * NC: each key's and value's data widened 16 at a time into
+// registers, 4 keys per dot-product reduction tree, each head's output accumulated in
+// registers across all keys.
+template <int NC, bool INT4>
+VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
+                                       const uint8_t* const* cells, size_t n, float scale,
+                                       float* scores, float* out) {
+  constexpr size_t D = 16 * NC;
+  constexpr size_t dk = INT4 ? D / 2 : D;
+  for (size_t r = 0; r < heads; ++r) {
+    v16 qv[NC];
+    v16 qs = {};
+    for (int c = 0; c < NC; ++c) {
+      qv[c] = load16f(q + r * D + 16 * c);
+      qs += qv[c];
+    }
+    const float qsum = hsum16(qs);
+    float* sr = scores + r * n;
+    size_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      v16 acc[4] = {};
+      for (int c = 0; c < NC; ++c) {
+        for (int t = 0; t < 4; ++t) {
+          acc[t] += qv[c] * widen<INT4>(cells[j + t], c);
+        }
+      }
+      const v16 red = reduce4(acc[0], acc[1], acc[2], acc[3]);
+      for (int t = 0; t < 4; ++t) {
+        float ks, kz;
+        side_scale(INT4, cells[j + t] + dk, &ks, &kz);
+        sr[j + t] = (red[4 * t] - qsum * kz) * (scale * ks);
+      }
+    }
+    for (; j < n; ++j) {
+      v16 acc = {};
+      for (int c = 0; c < NC; ++c) {
+        acc += qv[c] * widen<INT4>(cells[j], c);
+      }
+      float ks, kz;
+      side_scale(INT4, cells[j] + dk, &ks, &kz);
+      sr[j] = (hsum16(acc) - qsum * kz) * (scale * ks);
+    }
+    const float inv = 1.f / softmax_exp(sr, n);
+    v16 o[NC] = {};
+    float zsum = 0.f;  // int4: sum_j w_j * zp_j, taken off every element once
+    for (j = 0; j < n; ++j) {
+      const uint8_t* v = cells[j] + dk + 4;
+      float vs, vz;
+      side_scale(INT4, v + dk, &vs, &vz);
+      const float w = sr[j] * inv * vs;
+      zsum += w * vz;
+      for (int c = 0; c < NC; ++c) {
+        o[c] += w * widen<INT4>(v, c);
+      }
+    }
+    for (int c = 0; c < NC; ++c) {
+      o[c] -= zsum;
+      __builtin_memcpy(out + r * D + 16 * c, &o[c], sizeof(v16));
+    }
+  }
+}
+
+template <bool INT4>
+VUN_AVX512 bool attend_quant_dispatch(size_t dim, const float* q, size_t heads,
+                                          const uint8_t* const* cells, size_t n, float scale,
+                                          float* scores, float* out) {
+  switch (dim) {
+    case 64:
+      attend_quant_fixed<4, INT4>(q, heads, cells, n, scale, scores, out);
+      return true;
+    case 128:
+      attend_quant_fixed<8, INT4>(q, heads, cells, n, scale, scores, out);
+      return true;
+    case 256:
+      attend_quant_fixed<16, INT4>(q, heads, cells, n, scale, scores, out);
+      return true;
+    default:
+      return false;
+  }
+}
+
+} // namespace
+#endif  // __x86_64__
+
+void attend_rows_quant(
+    int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
+    float scale, float* scores, float* out) {
+  bool done = false;
+#if defined(VUN_KVQ_X86)
+  // The register path needs AVX-512 (and the ISA cap to allow it); else the generic loops.
+  static const bool avx512 =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && isa_cap() >= IsaCap::kAvx512;
+  if (avx512) {
+    done = mode == kKVInt4
+        ? attend_quant_dispatch<true>(dim, q, heads, cells, n, scale, scores, out)
+        : attend_quant_dispatch<false>(dim, q, heads, cells, n, scale, scores, out);
+  }
+#endif
+  if (!done) {
+    attend_rows_quant_generic(mode, q, heads, dim, cells, n, scale, scores, out);
   }
 }
 
