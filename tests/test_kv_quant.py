@@ -339,7 +339,7 @@ def test_attention_without_avx512_equals_reference():
     import os
 
     code = (
-        "import sys; sys.path.insert(0, {tests!r})\n"
+        f"import sys; sys.path.insert(0, {str(TESTS)!r})\n"
         "import numpy as np, mlx.core as mx, test_kv_quant as t\n"
         "from vllm_unified.attention import paged\n"
         "from vllm_unified.kv.quant import kv_format\n"
@@ -352,7 +352,7 @@ def test_attention_without_avx512_equals_reference():
         " accelerate=False, **kw))\n"
         "    g = np.array(paged.paged_attention_kv(q, pool.kv[0], meta, 0.125, None, **kw))\n"
         "    assert np.abs(g - w).max() / np.abs(w).max() < 2e-5, name\n"
-        "print('ok')\n").format(tests=str(TESTS))
+        "print('ok')\n")
     env = dict(os.environ, VLLM_UNIFIED_CPU_ISA="avx2")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)
