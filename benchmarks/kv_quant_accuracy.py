@@ -36,7 +36,7 @@ from kv_quant_models import models  # noqa: E402
 from run_env import run_child, versions  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head")
+FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head")
 PPL_TARGETS = {"int8_per_token_head": 0.01, "int4_per_token_head": 0.05}
 GREEDY_EXACT = ("int8_per_token_head",)
 GREEDY_TOKENS = 32

@@ -25,8 +25,8 @@ from kv_quant_models import models  # noqa: E402
 from run_env import run_child, versions  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head")
-TARGETS = {"int8_per_token_head": 3.5, "int4_per_token_head": 6.0}
+FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head")
+TARGETS = {"int8_per_token_head": 3.5, "int4_per_token_head": 6.0, "fp8_per_token_head": 3.5}
 KV_BYTES = 1 << 30
 
 

@@ -73,7 +73,8 @@ def child(spec_path: str, out_path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", nargs="+",
-                    default=["auto", "int8_per_token_head", "int4_per_token_head"])
+                    default=["auto", "int8_per_token_head", "int4_per_token_head",
+                             "fp8_per_token_head"])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -60,8 +60,12 @@ def main(src: str, dst: str) -> None:
     tensor = KVCacheTensor(size=size, layers=["l0"], layer_stride=size,
                            block_stride=spec.page_size_bytes)
     (view,) = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout.LBNHC, tensor)
+    from vllm.platforms import current_platform
+
     impl = TritonAttentionImpl.__new__(TritonAttentionImpl)
     impl._kv_quant_mode = mode
+    impl.fp8_dtype = current_platform.fp8_dtype()
+    assert impl.fp8_dtype == torch.float8_e4m3fn, impl.fp8_dtype
     key_cache, value_cache = impl._pth_key_value_caches(view)
     triton_reshape_and_cache_flash_per_token_head_quant(
         keys, values, key_cache, value_cache, impl._k_scale_cache, impl._v_scale_cache,

@@ -1,7 +1,8 @@
 """Quantized KV cache (``--kv-cache-dtype int8_per_token_head / int4_per_token_head``).
 
 * The quantizing write produces vLLM's page bytes: vLLM's own Triton write kernels, run on the
-  CPU by Triton's interpreter (tests/kv_quant_oracle.py), are the oracle, byte for byte.
+  CPU by Triton's interpreter (tests/kv_quant_oracle.py), are the oracle, byte for byte (fp8:
+  the scales byte for byte, the data through torch's fp8 conversion, see _fp8_reference).
 * The page layout and size are vLLM's (``TritonAttentionBackend.customize_spec``).
 * The native paged attention over quantized pages equals the pure-MLX reference over the
   dequantized pages within fp32 rounding (decode, prefill chunks, GQA, windows).
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parent
-MODES = ["int8_per_token_head", "int4_per_token_head"]
+MODES = ["int8_per_token_head", "int4_per_token_head", "fp8_per_token_head"]
 
 
 def _pool(fmt, num_blocks: int, block_size: int, heads: int, dim: int):
@@ -81,8 +82,9 @@ def test_quantizing_write_gives_vllms_page_bytes(tmp_path):
             mx.eval(pool.kv)
             cases.append(dict(keys=keys, values=values, slots=slots.astype(np.int64),
                               num_blocks=num_blocks, block_size=block_size, cache_dtype=name))
-            ours.append((name, dim, fmt, spec, buf.numpy().view(np.uint8).copy(), slots))
-    for (name, dim, fmt, spec, mine, slots), ref in zip(ours, _oracle(tmp_path, cases),
+            ours.append((name, dim, fmt, spec, buf.numpy().view(np.uint8).copy(), slots, keys,
+                         values))
+    for (name, dim, fmt, spec, mine, slots, keys, values), ref in zip(ours, _oracle(tmp_path, cases),
                                                         strict=True):
         assert int(ref["page_size"]) == spec.page_size_bytes, name
         assert int(ref["cell"]) == fmt.cell_bytes(dim), name
@@ -90,8 +92,39 @@ def test_quantizing_write_gives_vllms_page_bytes(tmp_path):
         ours_cells = mine[:ref["buffer"].size].reshape(-1, heads, cell)[slots]
         ref_cells = ref["buffer"].reshape(-1, heads, cell)[slots]
         assert (ours_cells != 0).mean() > 0.5, (name, dim)  # the write did land
+        if name == "fp8_per_token_head":
+            ref_cells = _fp8_reference(ref_cells, keys, values, slots, dim)
         mismatch = np.argwhere(ours_cells != ref_cells)
         assert mismatch.size == 0, (name, dim, mismatch[:10])
+
+
+def _fp8_reference(ref_cells, keys, values, slots, dim):
+    """vLLM's fp8 cells with the data bytes re-encoded by torch's float8_e4m3fn conversion.
+
+    Triton's interpreter converts float32 to float8 dropping the carry of the mantissa's
+    rounding into the exponent (7.96 becomes 4.0, not 8.0; 0.0148 becomes 7 * 2^-9, not 2^-6;
+    GPUs and torch round to nearest), so only its scales are taken as they are (byte for byte),
+    and the data is vLLM's formula ``fp8(clamp(x * (1 / scale), -448, 448))`` with those scales,
+    converted by torch (round to nearest even). Wherever the interpreter's byte differs, torch's
+    is the nearer one."""
+    out = ref_cells.copy()
+    for side, x in ((0, keys), (1, values)):
+        base = side * (dim + 4)
+        scale = np.ascontiguousarray(ref_cells[..., base + dim:base + dim + 4]).view(np.float32)
+        q = np.clip(x * (np.float32(1) / scale), -448, 448).astype(np.float32)
+        data = torch.from_numpy(q).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        interp = ref_cells[..., base:base + dim]
+        differ = data != interp
+        # the interpreter's byte: the same sign, one exponent step lower, mantissa 0
+        # where they differ, torch's byte is nearer to the value than the interpreter's
+        def decode(b):
+            return torch.from_numpy(b).view(torch.float8_e4m3fn).float().numpy()
+
+        err_torch = np.abs(decode(data[differ]) - q[differ])
+        err_interp = np.abs(decode(interp[differ]) - q[differ])
+        assert (err_torch < err_interp).all(), (data[differ], interp[differ], q[differ])
+        out[..., base:base + dim] = data
+    return out
 
 
 def _quant_step(rng, fmt, query_lens, heads, kv_heads, dim, block_size, dtype, max_len=120):
@@ -169,7 +202,8 @@ def test_quantization_error_is_what_the_format_promises():
     rng = np.random.default_rng(1)
     k = rng.standard_normal((32, 2, 64)).astype(np.float32)
     v = rng.standard_normal((32, 2, 64)).astype(np.float32)
-    for name, rel in (("int8_per_token_head", 0.5 / 127), ("int4_per_token_head", 0.5 / 15)):
+    for name, rel in (("int8_per_token_head", 0.5 / 127), ("int4_per_token_head", 0.5 / 15),
+                      ("fp8_per_token_head", 1 / 16)):
         fmt = kv_format(name)
         cells = mx.zeros((32, 2, fmt.cell_bytes(64)), mx.uint8)
         pool = KVPool([cells], 16, shared=False, fmt=fmt, head_size=64)
@@ -179,6 +213,9 @@ def test_quantization_error_is_what_the_format_promises():
             err = np.abs(got - want).max(axis=-1)
             if name == "int8_per_token_head":
                 bound = np.abs(want).max(axis=-1) * rel
+            elif name == "fp8_per_token_head":  # half a 3-bit mantissa step, or subnormal
+                scale = np.abs(want).max(axis=-1, keepdims=True) / 448
+                bound = (np.abs(want) * rel + scale * 2.0**-10).max(axis=-1)
             else:
                 # Each rotated component errs by at most half a step (range / 30); H / sqrt(64)
                 # is orthogonal, so the row's error norm carries back divided by sqrt(64).
@@ -187,16 +224,17 @@ def test_quantization_error_is_what_the_format_promises():
                 step_err = (rot.max(-1) - rot.min(-1)) * rel
                 bound = np.sqrt(64) * step_err / np.sqrt(64)
             assert (err <= bound * 1.0001 + 1e-6).all(), name
-        assert np.abs(dense[..., :64] - k).mean() < (0.01 if "int8" in name else 0.2), name
+        assert np.abs(dense[..., :64] - k).mean() < {"int8_per_token_head": 0.01,
+                                                     "fp8_per_token_head": 0.05}.get(name, 0.2)
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_per_token_head", "turboquant_k8v4",
-                                   "nvfp4", "bogus"])
+@pytest.mark.parametrize("value", ["fp8", "fp8_e5m2", "turboquant_k8v4", "nvfp4", "bogus"])
 def test_unsupported_kv_cache_dtype_is_refused_naming_the_flag(value):
     from vllm_unified.kv.quant import kv_format
 
     with pytest.raises(ValueError, match=rf"--kv-cache-dtype {value}:.*supported: auto, "
-                                         "int8_per_token_head, int4_per_token_head"):
+                                         "int8_per_token_head, int4_per_token_head, "
+                                         "fp8_per_token_head"):
         kv_format(value)
 
 

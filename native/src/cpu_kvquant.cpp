@@ -63,6 +63,55 @@ inline void int4_scale_zp(const uint8_t* p, float* scale, float* zp) {
 
 } // namespace
 
+uint8_t f32_to_e4m3(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const float a = std::fabs(x);
+  if (std::isnan(x)) {
+    return static_cast<uint8_t>(sign | 0x7f);
+  }
+  if (a < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9 (8 of them make the first normal)
+    const float q = std::nearbyint(a * 512.0f);  // exact scaling; the default mode is RNE
+    return static_cast<uint8_t>(sign | static_cast<uint8_t>(q));  // q == 8: 2^-6 (exp 1)
+  }
+  uint32_t r = bits & 0x7fffffffu;
+  r += 0x7ffffu + ((r >> 20) & 1u);  // round the 23-bit mantissa to 3 bits, ties to even
+  const int32_t e = static_cast<int32_t>(r >> 23) - 127 + 7;
+  const uint32_t m = (r >> 20) & 7u;
+  if (e > 15 || (e == 15 && m == 7)) {
+    return static_cast<uint8_t>(sign | 0x7f);  // beyond 448: e4m3fn has no infinity (NaN)
+  }
+  return static_cast<uint8_t>(sign | (static_cast<uint32_t>(e) << 3) | m);
+}
+
+float e4m3_to_f32(uint8_t b) {
+  const uint32_t e = (b >> 3) & 15u;
+  const uint32_t m = b & 7u;
+  if (e == 15 && m == 7) {
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                           : std::ldexp(static_cast<float>(8 + m), static_cast<int>(e) - 10);
+  return (b & 0x80) ? -mag : mag;
+}
+
+namespace {
+
+// e4m3_to_f32 of every byte.
+const float* e4m3_table() {
+  static const auto* table = [] {
+    auto* t = new float[256];
+    for (int i = 0; i < 256; ++i) {
+      t[i] = e4m3_to_f32(static_cast<uint8_t>(i));
+    }
+    return t;
+  }();
+  return table;
+}
+
+} // namespace
+
 void rht_forward(float* x, size_t dim, size_t block, const float* signs) {
   for (size_t b = 0; b < dim; b += block) {
     for (size_t i = 0; i < block; ++i) {
@@ -94,6 +143,20 @@ void quantize_side(int mode, const float* x, size_t dim, uint8_t* dst) {
       q = q >= 0.f ? q + 0.5f : q - 0.5f;
       q = std::min(std::max(q, -128.0f), 127.0f);
       dst[e] = static_cast<uint8_t>(static_cast<int8_t>(q));  // truncates, as Triton's store
+    }
+    store_f32(dst + dim, scale);
+    return;
+  }
+  if (mode == kKVFp8) {
+    float amax = 0.f;
+    for (size_t e = 0; e < dim; ++e) {
+      amax = std::max(amax, std::fabs(x[e]));
+    }
+    const float scale = std::max(amax / 448.0f, 1e-6f);
+    const float inv = 1.0f / scale;
+    for (size_t e = 0; e < dim; ++e) {
+      const float q = std::min(std::max(x[e] * inv, -448.0f), 448.0f);
+      dst[e] = f32_to_e4m3(q);
     }
     store_f32(dst + dim, scale);
     return;
@@ -131,6 +194,14 @@ void dequantize_side(int mode, const uint8_t* src, size_t dim, float* out) {
     }
     return;
   }
+  if (mode == kKVFp8) {
+    const float scale = load_f32(src + dim);
+    const float* t = e4m3_table();
+    for (size_t e = 0; e < dim; ++e) {
+      out[e] = t[src[e]] * scale;
+    }
+    return;
+  }
   float scale, zp;
   int4_scale_zp(src + dim / 2, &scale, &zp);
   for (size_t e = 0; e < dim; e += 2) {
@@ -145,6 +216,7 @@ VUN_CLONES void attend_rows_quant_generic(
     float scale, float* scores, float* out) {
   const size_t dk = kv_data_bytes(mode, dim);
   const bool int4 = mode == kKVInt4;
+  const float* lut = e4m3_table();
   // One key or value row widened at a time (L1-resident; the context is never densified).
   float row[512];
   float qsum[64];
@@ -163,6 +235,11 @@ VUN_CLONES void attend_rows_quant_generic(
       for (size_t e = 0; e < dk; ++e) {
         row[2 * e] = static_cast<float>(c[e] & 0xF);
         row[2 * e + 1] = static_cast<float>(c[e] >> 4);
+      }
+    } else if (mode == kKVFp8) {
+      ks = load_f32(c + dk);
+      for (size_t e = 0; e < dim; ++e) {
+        row[e] = lut[c[e]];
       }
     } else {
       ks = load_f32(c + dk);
@@ -199,6 +276,11 @@ VUN_CLONES void attend_rows_quant_generic(
       for (size_t e = 0; e < dk; ++e) {
         row[2 * e] = static_cast<float>(c[e] & 0xF) - vz;
         row[2 * e + 1] = static_cast<float>(c[e] >> 4) - vz;
+      }
+    } else if (mode == kKVFp8) {
+      vs = load_f32(c + dk);
+      for (size_t e = 0; e < dim; ++e) {
+        row[e] = lut[c[e]];
       }
     } else {
       vs = load_f32(c + dk);
@@ -249,11 +331,28 @@ VUN_KVQ_INLINE VUN_AVX512 v16 widen_u4(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
 }
 
-// Element c * 16 ... c * 16 + 15 of a side's data at p.
-template <bool INT4>
+// 16 float8 e4m3fn values at p, decoded: (m + 8 [normal]) * 2^(max(e, 1) - 10), signed (the
+// NaN code never occurs in pages the write made).
+VUN_KVQ_INLINE VUN_AVX512 v16 widen_fp8(const uint8_t* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 3), _mm512_set1_epi32(15));
+  const __m512i m = _mm512_and_si512(b, _mm512_set1_epi32(7));
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i mant = _mm512_or_si512(m, _mm512_slli_epi32(_mm512_min_epi32(e, one), 3));
+  const __m512i pow2 = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_max_epi32(e, one), _mm512_set1_epi32(127 - 10)), 23);
+  const __m512 mag = _mm512_mul_ps(_mm512_cvtepi32_ps(mant), _mm512_castsi512_ps(pow2));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+}
+
+// Element c * 16 ... c * 16 + 15 of a side's data at p (MODE: kKVInt8, kKVInt4, kKVFp8).
+template <int MODE>
 VUN_KVQ_INLINE VUN_AVX512 v16 widen(const uint8_t* p, int c) {
-  if constexpr (INT4) {
+  if constexpr (MODE == kKVInt4) {
     return widen_u4(p + 8 * c);
+  } else if constexpr (MODE == kKVFp8) {
+    return widen_fp8(p + 16 * c);
   } else {
     return widen_i8(p + 16 * c);
   }
@@ -304,11 +403,12 @@ VUN_KVQ_INLINE VUN_AVX512 void side_scale(bool int4, const uint8_t* p, float* sc
 // attend_rows_quant for D = 16 * NC: each key's and value's data widened 16 at a time into
 // registers, 4 keys per dot-product reduction tree, each head's output accumulated in
 // registers across all keys.
-template <int NC, bool INT4>
+template <int NC, int MODE>
 VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
                                        const uint8_t* const* cells, size_t n, float scale,
                                        float* scores, float* out) {
   constexpr size_t D = 16 * NC;
+  constexpr bool INT4 = MODE == kKVInt4;
   constexpr size_t dk = INT4 ? D / 2 : D;
   for (size_t r = 0; r < heads; ++r) {
     v16 qv[NC];
@@ -324,7 +424,7 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
       v16 acc[4] = {};
       for (int c = 0; c < NC; ++c) {
         for (int t = 0; t < 4; ++t) {
-          acc[t] += qv[c] * widen<INT4>(cells[j + t], c);
+          acc[t] += qv[c] * widen<MODE>(cells[j + t], c);
         }
       }
       const v16 red = reduce4(acc[0], acc[1], acc[2], acc[3]);
@@ -337,7 +437,7 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
     for (; j < n; ++j) {
       v16 acc = {};
       for (int c = 0; c < NC; ++c) {
-        acc += qv[c] * widen<INT4>(cells[j], c);
+        acc += qv[c] * widen<MODE>(cells[j], c);
       }
       float ks, kz;
       side_scale(INT4, cells[j] + dk, &ks, &kz);
@@ -353,7 +453,7 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
       const float w = sr[j] * inv * vs;
       zsum += w * vz;
       for (int c = 0; c < NC; ++c) {
-        o[c] += w * widen<INT4>(v, c);
+        o[c] += w * widen<MODE>(v, c);
       }
     }
     for (int c = 0; c < NC; ++c) {
@@ -363,19 +463,19 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
   }
 }
 
-template <bool INT4>
+template <int MODE>
 VUN_AVX512 bool attend_quant_dispatch(size_t dim, const float* q, size_t heads,
                                           const uint8_t* const* cells, size_t n, float scale,
                                           float* scores, float* out) {
   switch (dim) {
     case 64:
-      attend_quant_fixed<4, INT4>(q, heads, cells, n, scale, scores, out);
+      attend_quant_fixed<4, MODE>(q, heads, cells, n, scale, scores, out);
       return true;
     case 128:
-      attend_quant_fixed<8, INT4>(q, heads, cells, n, scale, scores, out);
+      attend_quant_fixed<8, MODE>(q, heads, cells, n, scale, scores, out);
       return true;
     case 256:
-      attend_quant_fixed<16, INT4>(q, heads, cells, n, scale, scores, out);
+      attend_quant_fixed<16, MODE>(q, heads, cells, n, scale, scores, out);
       return true;
     default:
       return false;
@@ -395,9 +495,16 @@ void attend_rows_quant(
       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && isa_cap() >= IsaCap::kAvx512;
   if (avx512) {
-    done = mode == kKVInt4
-        ? attend_quant_dispatch<true>(dim, q, heads, cells, n, scale, scores, out)
-        : attend_quant_dispatch<false>(dim, q, heads, cells, n, scale, scores, out);
+    switch (mode) {
+      case kKVInt4:
+        done = attend_quant_dispatch<kKVInt4>(dim, q, heads, cells, n, scale, scores, out);
+        break;
+      case kKVFp8:
+        done = attend_quant_dispatch<kKVFp8>(dim, q, heads, cells, n, scale, scores, out);
+        break;
+      default:
+        done = attend_quant_dispatch<kKVInt8>(dim, q, heads, cells, n, scale, scores, out);
+    }
   }
 #endif
   if (!done) {

@@ -17,7 +17,15 @@ enum KVMode : int {
   kKVInt4 = 2,   // int4_per_token_head: Dk = D / 2 bytes (even element in the low nibble),
                  // data Hadamard-rotated, asymmetric: scale with the 4-bit zero point in its
                  // mantissa's low 4 bits
+  kKVFp8 = 3,    // fp8_per_token_head: Dk = D bytes of float8 e4m3fn, scale = absmax / 448
 };
+
+// float -> float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no infinities),
+// rounded to nearest even: torch's conversion for |x| <= 448 (what the write stores).
+uint8_t f32_to_e4m3(float x);
+
+// float8 e4m3fn -> float (0x7f / 0xff: NaN).
+float e4m3_to_f32(uint8_t b);
 
 // Bytes of one side's data (K or V) in a cell.
 inline size_t kv_data_bytes(int mode, size_t dim) {

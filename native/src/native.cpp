@@ -1081,8 +1081,9 @@ mx::array paged_attention(
     const mx::array& lens, float scale, int64_t block_size, int64_t window, int kv_mode,
     std::optional<mx::array> rht_signs, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "paged_attention");
-  if (kv_mode < vun::kKVDense || kv_mode > vun::kKVInt4) {
-    raise_py(PyExc_ValueError, "paged_attention: kv_mode must be 0 (dense), 1 (int8) or 2 (int4)");
+  if (kv_mode < vun::kKVDense || kv_mode > vun::kKVFp8) {
+    raise_py(PyExc_ValueError,
+             "paged_attention: kv_mode must be 0 (dense), 1 (int8), 2 (int4) or 3 (fp8)");
   }
   const bool quant = kv_mode != vun::kKVDense;
   const int64_t want_c = quant && q.ndim() == 3
@@ -1273,8 +1274,8 @@ mx::array write_kv_quant(
     const mx::array& values, int kv_mode, std::optional<mx::array> rht_signs,
     nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "write_kv_quant");
-  if (kv_mode != vun::kKVInt8 && kv_mode != vun::kKVInt4) {
-    raise_py(PyExc_ValueError, "write_kv_quant: kv_mode must be 1 (int8) or 2 (int4)");
+  if (kv_mode != vun::kKVInt8 && kv_mode != vun::kKVInt4 && kv_mode != vun::kKVFp8) {
+    raise_py(PyExc_ValueError, "write_kv_quant: kv_mode must be 1 (int8), 2 (int4) or 3 (fp8)");
   }
   if (keys.ndim() != 3 || values.shape() != keys.shape() || dst.ndim() != 3 ||
       dst.shape(1) != keys.shape(1) ||
@@ -1803,7 +1804,8 @@ NB_MODULE(_native, m) {
         nb::arg("keys"), nb::arg("values"), nb::arg("kv_mode"),
         nb::arg("rht_signs").none() = nb::none(), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy in-place quantizing K/V write into a quantized pool [slots, Hkv, cell bytes] "
-        "(kv_mode 1: int8_per_token_head, 2: int4_per_token_head, vLLM's formats); the result "
+        "(kv_mode 1: int8_per_token_head, 2: int4_per_token_head, 3: fp8_per_token_head, vLLM's "
+        "formats); the result "
         "shares dst's buffer.");
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::kw_only(),
         nb::arg("stream") = nb::none(),

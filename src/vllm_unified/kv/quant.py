@@ -8,6 +8,10 @@ backend, their page layout (``TritonAttentionBackend.customize_spec``,
 
 * ``int8_per_token_head``: ``D`` int8 per side, scale ``max(|x|) / 127`` (at least 1e-6),
   ``q = clamp(round_half_away(x * (1 / scale)), -128, 127)``; storage dtype ``torch.int8``.
+* ``fp8_per_token_head``: as int8 with float8 e4m3fn values: scale ``max(|x|) / 448``,
+  ``q = fp8(clamp(x * (1 / scale), -448, 448))`` (round to nearest even); storage
+  ``torch.uint8``. MLX has no fp8 dtype: the pages are bytes, which the native kernels encode
+  and decode themselves.
 * ``int4_per_token_head``: the side first rotated by vLLM's randomized Hadamard transform
   (``single_rht``: fixed +-1 signs, then the unnormalised Walsh-Hadamard butterfly, block-diagonal
   over the largest power-of-two divisor ``b`` of ``D``), then asymmetric 4-bit:
@@ -32,10 +36,11 @@ from typing import Any
 
 #: ``--kv-cache-dtype`` values served, in the order the errors list them.
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8_per_token_head",
-                                              "int4_per_token_head")
+                                              "int4_per_token_head", "fp8_per_token_head")
 
 #: the native kernels' numbering of the formats (native/src/cpu_kvquant.h ``KVMode``)
-_NATIVE_MODE = {"auto": 0, "int8_per_token_head": 1, "int4_per_token_head": 2}
+_NATIVE_MODE = {"auto": 0, "int8_per_token_head": 1, "int4_per_token_head": 2,
+                "fp8_per_token_head": 3}
 
 #: Bytes of one fp32 scale per side of a cell.
 _SCALE_BYTES = 4
@@ -88,8 +93,8 @@ def kv_format(cache_dtype: str | None, head_size: int | None = None) -> KVFormat
     name = cache_dtype or "auto"
     if name not in _NATIVE_MODE:
         raise ValueError(
-            f"--kv-cache-dtype {name}: not supported by vllm-unified (MLX has no fp8 KV path "
-            "here and the TurboQuant, NVFP4 and UltraQuant formats are not implemented); "
+            f"--kv-cache-dtype {name}: not supported by vllm-unified (per-tensor fp8 and the "
+            "TurboQuant, NVFP4 and UltraQuant formats are not implemented); "
             f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
     fmt = KVFormat(name, _NATIVE_MODE[name])
     if fmt.quantized and head_size is not None and (head_size % 8 or head_size > 512):
@@ -126,6 +131,15 @@ def rht_signs(head_size: int) -> Any:
     import mlx.core as mx
 
     return mx.array(_signs_list(head_size), dtype=mx.float32)
+
+
+def _e4m3_table() -> Any:
+    """Every float8 e4m3fn byte's value, decoded by torch (``torch.float8_e4m3fn``)."""
+    import mlx.core as mx
+    import torch
+
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return mx.array(table.numpy())
 
 
 def _butterfly(x: Any) -> Any:
@@ -181,6 +195,9 @@ def dequantize_pool(pool: Any, fmt: KVFormat, head_size: int) -> Any:
             scale = (word & mx.array(0xFFFFFFF0, dtype=mx.uint32)).view(mx.float32)
             x = (nib.astype(mx.float32) - zp) * scale
             x = unrotate(x, head_size)
+        elif fmt.name == "fp8_per_token_head":
+            scale = word.view(mx.float32)
+            x = _e4m3_table()[data.astype(mx.int32)] * scale
         else:
             scale = word.view(mx.float32)
             x = mx.contiguous(data).view(mx.int8).astype(mx.float32) * scale
