@@ -84,8 +84,8 @@ def test_quantizing_write_gives_vllms_page_bytes(tmp_path):
                               num_blocks=num_blocks, block_size=block_size, cache_dtype=name))
             ours.append((name, dim, fmt, spec, buf.numpy().view(np.uint8).copy(), slots, keys,
                          values))
-    for (name, dim, fmt, spec, mine, slots, keys, values), ref in zip(ours, _oracle(tmp_path, cases),
-                                                        strict=True):
+    refs = _oracle(tmp_path, cases)
+    for (name, dim, fmt, spec, mine, slots, keys, values), ref in zip(ours, refs, strict=True):
         assert int(ref["page_size"]) == spec.page_size_bytes, name
         assert int(ref["cell"]) == fmt.cell_bytes(dim), name
         cell = fmt.cell_bytes(dim)
