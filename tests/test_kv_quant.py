@@ -348,7 +348,7 @@ def test_quantized_cache_is_refused_where_no_kernel_reads_it():
 @pytest.mark.slow
 def test_scheduler_capacity_per_format(default_model, tmp_path):
     """As vLLM's scheduler sees it (its "KV cache size: N tokens" for a 256 MiB pool):
-    int8 >= 3.5x and int4 >= 6x the fp32 cache's tokens."""
+    int8 and fp8 >= 3.5x, int4 >= 6x the fp32 cache's tokens."""
     import json
     import os
     import re
@@ -371,6 +371,7 @@ def test_scheduler_capacity_per_format(default_model, tmp_path):
                            .group(1).replace(",", ""))
     assert tokens["int8_per_token_head"] >= 3.5 * tokens["auto"], tokens
     assert tokens["int4_per_token_head"] >= 6 * tokens["auto"], tokens
+    assert tokens["fp8_per_token_head"] >= 3.5 * tokens["auto"], tokens
 
 
 def test_attention_without_avx512_equals_reference():
