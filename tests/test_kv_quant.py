@@ -398,3 +398,26 @@ def test_attention_without_avx512_equals_reference():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_zeroing_a_quantized_block_zeroes_its_bytes_in_place():
+    """vLLM's new_block_ids_to_zero on a quantized pool: the blocks' cells become zero bytes
+    (as vLLM's zeroing of its pages), in place, the other blocks untouched."""
+    import mlx.core as mx
+
+    from vllm_unified import bridge
+    from vllm_unified.kv.quant import kv_format
+
+    fmt = kv_format("int8_per_token_head")
+    pool, buf, _ = _pool(fmt, 4, 16, 2, 64)
+    rng = np.random.default_rng(0)
+    kv = mx.array(rng.standard_normal((64, 2, 64)).astype(np.float32))
+    pool.write(0, mx.arange(64, dtype=mx.int32), kv, kv)
+    mx.eval(pool.kv)
+    before = buf.numpy().copy()
+    ptr = bridge.data_ptr(pool.kv[0])
+    pool.zero_blocks([2])
+    after = buf.numpy().reshape(4, -1)
+    assert bridge.data_ptr(pool.kv[0]) == ptr
+    assert (after[2] == 0).all()
+    assert (after[[0, 1, 3]] == before.reshape(4, -1)[[0, 1, 3]]).all()
