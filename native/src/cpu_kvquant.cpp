@@ -400,65 +400,104 @@ VUN_KVQ_INLINE VUN_AVX512 void side_scale(bool int4, const uint8_t* p, float* sc
   }
 }
 
-// attend_rows_quant for D = 16 * NC: each key's and value's data widened 16 at a time into
-// registers, 4 keys per dot-product reduction tree, each head's output accumulated in
-// registers across all keys.
+// attend_rows_quant for D = 16 * NC, a block of kBlock keys at a time: the block's key (then
+// value) data widened once into a small scratch (kBlock x D floats, L1-resident; never the
+// whole context), then every query head's dot products over it 4 keys per reduction tree, and
+// the weighted values accumulated into the head's output.
+constexpr size_t kBlock = 16;
+
 template <int NC, int MODE>
 VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
-                                       const uint8_t* const* cells, size_t n, float scale,
-                                       float* scores, float* out) {
+                                                  const uint8_t* const* cells, size_t n,
+                                                  float scale, float* scores, float* out) {
   constexpr size_t D = 16 * NC;
   constexpr bool INT4 = MODE == kKVInt4;
   constexpr size_t dk = INT4 ? D / 2 : D;
+  alignas(64) float blk[kBlock * D];
+  float fac[kBlock], zp[kBlock];
+  float qsum[64];
   for (size_t r = 0; r < heads; ++r) {
-    v16 qv[NC];
     v16 qs = {};
     for (int c = 0; c < NC; ++c) {
-      qv[c] = load16f(q + r * D + 16 * c);
-      qs += qv[c];
+      qs += load16f(q + r * D + 16 * c);
     }
-    const float qsum = hsum16(qs);
-    float* sr = scores + r * n;
-    size_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-      v16 acc[4] = {};
+    qsum[r] = hsum16(qs);
+  }
+  // scores
+  for (size_t j0 = 0; j0 < n; j0 += kBlock) {
+    const size_t nb = std::min(kBlock, n - j0);
+    for (size_t t = 0; t < nb; ++t) {
+      const uint8_t* k = cells[j0 + t];
       for (int c = 0; c < NC; ++c) {
-        for (int t = 0; t < 4; ++t) {
-          acc[t] += qv[c] * widen<MODE>(cells[j + t], c);
+        const v16 x = widen<MODE>(k, c);
+        __builtin_memcpy(blk + t * D + 16 * c, &x, sizeof(v16));
+      }
+      side_scale(INT4, k + dk, &fac[t], &zp[t]);
+      fac[t] *= scale;
+    }
+    for (size_t r = 0; r < heads; ++r) {
+      v16 qv[NC];
+      for (int c = 0; c < NC; ++c) {
+        qv[c] = load16f(q + r * D + 16 * c);
+      }
+      float* sr = scores + r * n + j0;
+      size_t t = 0;
+      for (; t + 4 <= nb; t += 4) {
+        v16 acc[4] = {};
+        for (int c = 0; c < NC; ++c) {
+          for (int u = 0; u < 4; ++u) {
+            acc[u] += qv[c] * load16f(blk + (t + u) * D + 16 * c);
+          }
+        }
+        const v16 red = reduce4(acc[0], acc[1], acc[2], acc[3]);
+        for (int u = 0; u < 4; ++u) {
+          sr[t + u] = (red[4 * u] - qsum[r] * zp[t + u]) * fac[t + u];
         }
       }
-      const v16 red = reduce4(acc[0], acc[1], acc[2], acc[3]);
-      for (int t = 0; t < 4; ++t) {
-        float ks, kz;
-        side_scale(INT4, cells[j + t] + dk, &ks, &kz);
-        sr[j + t] = (red[4 * t] - qsum * kz) * (scale * ks);
+      for (; t < nb; ++t) {
+        v16 acc = {};
+        for (int c = 0; c < NC; ++c) {
+          acc += qv[c] * load16f(blk + t * D + 16 * c);
+        }
+        sr[t] = (hsum16(acc) - qsum[r] * zp[t]) * fac[t];
       }
     }
-    for (; j < n; ++j) {
-      v16 acc = {};
-      for (int c = 0; c < NC; ++c) {
-        acc += qv[c] * widen<MODE>(cells[j], c);
-      }
-      float ks, kz;
-      side_scale(INT4, cells[j] + dk, &ks, &kz);
-      sr[j] = (hsum16(acc) - qsum * kz) * (scale * ks);
-    }
+  }
+  // softmax numerators; out = 0
+  for (size_t r = 0; r < heads; ++r) {
+    float* sr = scores + r * n;
     const float inv = 1.f / softmax_exp(sr, n);
-    v16 o[NC] = {};
-    float zsum = 0.f;  // int4: sum_j w_j * zp_j, taken off every element once
-    for (j = 0; j < n; ++j) {
-      const uint8_t* v = cells[j] + dk + 4;
-      float vs, vz;
-      side_scale(INT4, v + dk, &vs, &vz);
-      const float w = sr[j] * inv * vs;
-      zsum += w * vz;
+    for (size_t j = 0; j < n; ++j) {
+      sr[j] *= inv;
+    }
+    std::fill(out + r * D, out + (r + 1) * D, 0.f);
+  }
+  // values (int4: the zero point taken off each widened value)
+  for (size_t j0 = 0; j0 < n; j0 += kBlock) {
+    const size_t nb = std::min(kBlock, n - j0);
+    for (size_t t = 0; t < nb; ++t) {
+      const uint8_t* v = cells[j0 + t] + dk + 4;
+      side_scale(INT4, v + dk, &fac[t], &zp[t]);
       for (int c = 0; c < NC; ++c) {
-        o[c] += w * widen<MODE>(v, c);
+        const v16 x = widen<MODE>(v, c) - zp[t];
+        __builtin_memcpy(blk + t * D + 16 * c, &x, sizeof(v16));
       }
     }
-    for (int c = 0; c < NC; ++c) {
-      o[c] -= zsum;
-      __builtin_memcpy(out + r * D + 16 * c, &o[c], sizeof(v16));
+    for (size_t r = 0; r < heads; ++r) {
+      const float* sr = scores + r * n + j0;
+      v16 o[NC];
+      for (int c = 0; c < NC; ++c) {
+        o[c] = load16f(out + r * D + 16 * c);
+      }
+      for (size_t t = 0; t < nb; ++t) {
+        const float w = sr[t] * fac[t];
+        for (int c = 0; c < NC; ++c) {
+          o[c] += w * load16f(blk + t * D + 16 * c);
+        }
+      }
+      for (int c = 0; c < NC; ++c) {
+        __builtin_memcpy(out + r * D + 16 * c, &o[c], sizeof(v16));
+      }
     }
   }
 }
