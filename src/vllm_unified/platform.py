@@ -21,6 +21,7 @@ from vllm_unified import compat, envs, patches, request_guard, request_policy, v
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
 from vllm_unified.kv.block_translation import KERNEL_BLOCK_SIZES, select_kernel_block_size
+from vllm_unified.kv.quant import kv_format
 from vllm_unified.offload.config import configure_kv_offloading
 
 if TYPE_CHECKING:
@@ -266,11 +267,17 @@ class MLXPlatform(Platform):
                 f"--block-size {cache.block_size}: must be a multiple of one of the MLX "
                 f"kernel block sizes {list(KERNEL_BLOCK_SIZES)}"
             )
-        if cache.cache_dtype not in ("auto", None):
-            raise ValueError(
-                f"--kv-cache-dtype {cache.cache_dtype}: vllm-unified stores the KV cache in the "
-                "model dtype; use auto"
-            )
+        # vLLM's quantized KV formats served here (kv/quant.py); the rest refused by name.
+        if kv_format(cache.cache_dtype).quantized:
+            if cache.kv_cache_dtype_skip_layers:
+                raise ValueError(
+                    f"--kv-cache-dtype-skip-layers {cache.kv_cache_dtype_skip_layers}: "
+                    "vllm-unified quantizes every attention layer (mixed KV precision is "
+                    "not implemented)")
+            if hybrid:
+                raise ValueError(
+                    f"--kv-cache-dtype {cache.cache_dtype}: hybrid (attention + state-space) "
+                    "models keep the model dtype here; use auto")
 
         # vLLM's OffloadingConnector with our spec and disk tier; other connectors refused.
         configure_kv_offloading(vllm_config)
