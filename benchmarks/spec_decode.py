@@ -127,7 +127,12 @@ def child(cfg: dict) -> None:
     if cfg["spec"]:
         engine["speculative_config"] = {"method": "ngram", "num_speculative_tokens": cfg["k"],
                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    llm = LLM(model=cfg["model"], **engine)
+    model = cfg["model"]
+    if model.endswith(".gguf"):  # vLLM 0.32 reads no GGUF: the HF-style folder `vllm serve` uses
+        from vllm_unified.models.gguf_dir import prepare_gguf_dir
+
+        model = str(prepare_gguf_dir(model))
+    llm = LLM(model=model, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
                             ignore_eos=cfg["workload"] == "random")
     if cfg["workload"] == "edit":
@@ -162,7 +167,11 @@ def run(cfg: dict) -> dict:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"run {cfg} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too (also after the result, at shutdown): take the result's line
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"tokens"')]
+    if not lines:
+        raise SystemExit(f"run {cfg}: no result line:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(lines[-1])
 
 
 def main() -> None:
