@@ -445,3 +445,79 @@ def test_default_model_structured_output_and_stop_strings(default_model, tmp_pat
     assert re.fullmatch("( 19[0-9]{2}){3}", texts[1]), texts[1]
     assert spec["outputs"][2]["completions"][0]["finish_reason"] == "stop"
     assert spec["rpc_after"]["runner_stats"]["spec_accepted_tokens"] > 0
+
+
+# ------------------------------------------------------------------------------ start-up and server
+def test_suffix_without_arctic_inference_is_refused_in_one_line(tmp_path):
+    """``vllm serve --speculative-config '{"method": "suffix"}'`` without ``arctic-inference``:
+    our CLI stops before vLLM starts, with one line naming the flag, the method and the
+    package (vLLM's own refusal is a ~40-line traceback); vLLM's config, reached from
+    ``LLM(...)``, still refuses with its own message."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import default_model_path
+
+    if importlib.util.find_spec("arctic_inference") is not None:
+        pytest.skip("arctic-inference is installed: nothing is missing")
+    vllm = Path(sys.executable).parent / "vllm"
+    for spec_args in (["--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3}'],
+                      ['-sc={"method":"suffix"}'], ["--speculative-config.method", "suffix"]):
+        proc = subprocess.run([str(vllm), "serve", default_model_path(), *spec_args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (spec_args, proc.stdout[-2000:], proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert "--speculative-config" in lines[0] and "'suffix'" in lines[0]
+        assert "arctic-inference" in lines[0], lines[0]
+    with pytest.raises(ImportError, match="Arctic Inference is required"):
+        compat.SpeculativeConfig(method="suffix", num_speculative_tokens=3)
+
+
+def _metric_samples(text: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one Prometheus metric (``name`` with its ``_total``)."""
+    import re
+
+    out = {}
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1) or ""] = float(m.group(2))
+    return out
+
+
+@pytest.mark.slow
+def test_server_reports_spec_decode_metrics(tmp_path):
+    """``vllm serve`` the default model with ngram: after a repetitive prompt, /metrics holds
+    vLLM's ``vllm:spec_decode_*`` counters (drafts, draft tokens, accepted tokens, accepted
+    per position 0..k-1) with drafts and acceptances counted, and the start-up log names the
+    method and k."""
+    import requests as http
+    from conftest import default_server_args, vllm_server
+
+    k = 3
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3})
+    args = [*default_server_args("smollm2"), "--speculative-config", spec]
+    text = "def add(a, b):\n    return a + b\n\n" * 4
+    with vllm_server(tmp_path, args) as (base, _):
+        r = http.post(f"{base}/v1/completions", timeout=300, json={
+            "model": "smollm2", "prompt": text + "Repeat the function above:\n",
+            "temperature": 0.0, "max_tokens": 48})
+        assert r.status_code == 200, r.text
+        metrics = http.get(f"{base}/metrics", timeout=30).text
+    log = (tmp_path / "server.log").read_text()
+    assert f"speculative decoding, method ngram, k = {k} draft tokens per step" in log
+    drafts = _metric_samples(metrics, "vllm:spec_decode_num_drafts")
+    draft_tokens = _metric_samples(metrics, "vllm:spec_decode_num_draft_tokens")
+    accepted = _metric_samples(metrics, "vllm:spec_decode_num_accepted_tokens")
+    per_pos = _metric_samples(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos")
+    assert sum(drafts.values()) > 0, metrics
+    assert sum(draft_tokens.values()) >= sum(drafts.values())
+    assert 0 < sum(accepted.values()) <= sum(draft_tokens.values())
+    positions = {label: v for label, v in per_pos.items() if 'position="' in label}
+    assert len(positions) == k, per_pos
+    assert sum(positions.values()) == sum(accepted.values())
+    first = next(v for label, v in positions.items() if 'position="0"' in label)
+    assert first > 0 and all(v <= first for v in positions.values())
