@@ -521,3 +521,85 @@ def test_server_reports_spec_decode_metrics(tmp_path):
     assert sum(positions.values()) == sum(accepted.values())
     first = next(v for label, v in positions.items() if 'position="0"' in label)
     assert first > 0 and all(v <= first for v in positions.values())
+
+
+# ------------------------------------------------------------------------------ draft model
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_seed", [0, 1], ids=["draft-is-target", "other-draft"])
+def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, tmp_path,
+                                                  draft_seed):
+    """``method: draft_model`` with a tiny Llama draft of the target's vocabulary (its own
+    paged KV cache from the draft layers vLLM's KV manager allocated next to the target's):
+    greedy tokens equal those without speculation, batched and chunked. A draft with the
+    target's own weights has every draft accepted (this fails if the draft's KV were wrong:
+    drafts would then differ from the target's argmax); a different random draft has some
+    rejected."""
+    from tiny_models import make_tiny_checkpoint
+
+    draft = tiny_llama if draft_seed == 0 else str(make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-llama-draft"), "llama", seed=draft_seed))
+    prompts = _repetitive(4, seed=21) + _prompts(2, [70, 9], vocab=49152, seed=22)
+    params = [{"temperature": 0.0, "max_tokens": 20 + 3 * i, "ignore_eos": True}
+              for i in range(6)]
+    requests = [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params,
+                                                                    strict=True)]
+    base = _engine(dtype="float32", max_num_batched_tokens=64)
+    k = 3
+    spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "spec").mkdir()
+    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
+                    tmp_path / "plain")
+    spec = run_llm({"model": tiny_llama, "engine": {**base, "speculative_config": spec_cfg},
+                    "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "spec")
+    assert _ids(spec) == _ids(plain)
+    stats = spec["rpc_after"]["runner_stats"]
+    assert stats["spec_draft_tokens"] > 0
+    if draft_seed == 0:
+        assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"], stats
+        assert stats["forwards"] < sum(p["max_tokens"] for p in params) / 2
+    else:
+        assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    assert stats["live_requests"] == 0
+    assert f"speculative decoding, method draft_model, k = {k}" in spec["log"]
+
+
+@pytest.mark.slow
+def test_greedy_draft_model_with_preemption_and_max_model_len(tiny_llama, tmp_path):
+    """``draft_model`` with too few KV blocks (vLLM preempts and resumes requests: the draft
+    recomputes its KV under the new blocks) and one request running up to ``max_model_len``
+    (no draft position past it): the same tokens as without speculation."""
+    prompts = _repetitive(6, seed=5)
+    requests = [{"prompt_token_ids": p[:60], "params": {"temperature": 0.0, "max_tokens": 40,
+                                                        "ignore_eos": True}} for p in prompts]
+    requests[0]["params"]["max_tokens"] = 68  # 60 + 68 = max_model_len
+    base = _engine(dtype="float32", max_model_len=128)
+    spec_cfg = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "tight").mkdir()
+    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
+                    tmp_path / "plain")
+    tight = run_llm({"model": tiny_llama,
+                     "engine": {**base, "num_gpu_blocks_override": 14,
+                                "speculative_config": spec_cfg},
+                     "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "tight")
+    stats = tight["rpc_after"]["runner_stats"]
+    assert stats["resumed"] > 0, "no request was preempted"
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
+    assert _ids(tight) == _ids(plain)
+    assert len(_ids(tight)[0]) == 68
+
+
+def test_draft_model_options_the_runner_lacks_are_refused():
+    """``draft_model`` with probabilistic drafting, a heterogeneous vocabulary or parallel
+    drafting: refused at start-up naming the field."""
+    from vllm_unified.platform import _draft_model_policy
+
+    for field, value in (("draft_sample_method", "probabilistic"),
+                         ("use_heterogeneous_vocab", True), ("parallel_drafting", True)):
+        spec = types.SimpleNamespace(draft_sample_method="greedy",
+                                     use_heterogeneous_vocab=False, parallel_drafting=False,
+                                     verify_equal_vocab_size_if_draft_model=lambda: None)
+        setattr(spec, field, value)
+        with pytest.raises(ValueError, match=f"--speculative-config.*{field}"):
+            _draft_model_policy(spec)
