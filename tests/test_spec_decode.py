@@ -418,7 +418,8 @@ def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_pat
 def test_default_model_structured_output_and_stop_strings(default_model, tmp_path):
     """The default model (SmolLM2 GGUF): greedy code-editing style prompt, a regex-constrained
     request (grammar bitmask over the draft rows), a stop string and penalties: the same
-    outputs with ngram speculation as without, with drafts accepted."""
+    outputs with ngram speculation as without, with drafts accepted; with ``draft_model``
+    (the model as its own draft) the same outputs with every draft accepted."""
     text = "def add(a, b):\n    return a + b\n\n" * 3
     requests = [
         {"prompt": text + "Repeat the function above:\n", "params": {"temperature": 0.0,
@@ -445,6 +446,18 @@ def test_default_model_structured_output_and_stop_strings(default_model, tmp_pat
     assert re.fullmatch("( 19[0-9]{2}){3}", texts[1]), texts[1]
     assert spec["outputs"][2]["completions"][0]["finish_reason"] == "stop"
     assert spec["rpc_after"]["runner_stats"]["spec_accepted_tokens"] > 0
+
+    # draft_model with the default model (GGUF, kept quantized) as its own draft: the same
+    # outputs, every draft accepted where no grammar or penalty changes the target's argmax.
+    (tmp_path / "draft").mkdir()
+    draft_cfg = {"method": "draft_model", "model": default_model, "num_speculative_tokens": 3}
+    draft = run_llm({"model": default_model,
+                     "engine": {**base, "speculative_config": draft_cfg},
+                     "requests": requests[:1] + requests[2:3], "rpc": ["runner_stats"]},
+                    tmp_path / "draft")
+    assert _ids(draft) == [_ids(plain)[0], _ids(plain)[2]]
+    stats = draft["rpc_after"]["runner_stats"]
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
 
 
 # ------------------------------------------------------------------------------ start-up and server
@@ -525,19 +538,21 @@ def test_server_reports_spec_decode_metrics(tmp_path):
 
 # ------------------------------------------------------------------------------ draft model
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_seed", [0, 1], ids=["draft-is-target", "other-draft"])
+@pytest.mark.parametrize("draft_family", [None, "llama", "llama_draft"],
+                         ids=["draft-is-target", "other-draft", "smaller-draft"])
 def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, tmp_path,
-                                                  draft_seed):
+                                                  draft_family):
     """``method: draft_model`` with a tiny Llama draft of the target's vocabulary (its own
     paged KV cache from the draft layers vLLM's KV manager allocated next to the target's):
     greedy tokens equal those without speculation, batched and chunked. A draft with the
     target's own weights has every draft accepted (this fails if the draft's KV were wrong:
     drafts would then differ from the target's argmax); a different random draft has some
-    rejected."""
+    rejected; a smaller draft (one layer, 4 KV heads: pages of another size in the same KV
+    cache group) too."""
     from tiny_models import make_tiny_checkpoint
 
-    draft = tiny_llama if draft_seed == 0 else str(make_tiny_checkpoint(
-        tmp_path_factory.mktemp("tiny-llama-draft"), "llama", seed=draft_seed))
+    draft = tiny_llama if draft_family is None else str(make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-draft"), draft_family, seed=1))
     prompts = _repetitive(4, seed=21) + _prompts(2, [70, 9], vocab=49152, seed=22)
     params = [{"temperature": 0.0, "max_tokens": 20 + 3 * i, "ignore_eos": True}
               for i in range(6)]
@@ -555,7 +570,7 @@ def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, 
     assert _ids(spec) == _ids(plain)
     stats = spec["rpc_after"]["runner_stats"]
     assert stats["spec_draft_tokens"] > 0
-    if draft_seed == 0:
+    if draft_family is None:
         assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"], stats
         assert stats["forwards"] < sum(p["max_tokens"] for p in params) / 2
     else:

@@ -12,7 +12,9 @@ that stays (``scripts/setup.sh`` checks). :func:`main` answers that lookup first
 the model (positional or ``--model``) or as ``--tokenizer`` is replaced by the HF-style folder
 that :func:`vllm_unified.models.gguf_dir.prepare_gguf_dir` derives from it (config, tokenizer and
 chat template from the file's metadata, plus a link to the file, which our worker loads with
-MLX). Unless ``--served-model-name`` is given, the model keeps the name the user typed.
+MLX). Unless ``--served-model-name`` is given, the model keeps the name the user typed. The
+draft model of ``--speculative-config`` (its ``model``, in the JSON or as
+``--speculative-config.model``) is rewritten the same way.
 
 **3. Missing speculative-decoding dependencies.** ``--speculative-config`` with method
 ``suffix`` needs ``arctic-inference`` (vLLM's ``SuffixDecodingProposer`` imports it); vLLM
@@ -74,6 +76,24 @@ def prepare_gguf_args(argv: list[str]) -> list[str]:
             continue
         if flag == "--model":
             model_name = value
+    for i in range(2, len(out)):
+        flag, eq, value = out[i].partition("=")
+        j = i if eq else i + 1
+        if j >= len(out):
+            continue
+        if not eq:
+            value = out[j]
+        if flag == "--speculative-config.model" and _is_gguf_file(value):
+            out[j] = f"{flag}={folder(value)}" if eq else folder(value)
+        elif flag in ("--speculative-config", "-sc"):
+            try:
+                config = json.loads(value)
+            except json.JSONDecodeError:
+                continue  # vLLM's parser reports a malformed value itself
+            draft = config.get("model") if isinstance(config, dict) else None
+            if isinstance(draft, str) and _is_gguf_file(draft):
+                value = json.dumps({**config, "model": folder(draft)})
+                out[j] = f"{flag}={value}" if eq else value
     named = any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in out)
     if model_name is not None and not named:
         out += ["--served-model-name", model_name]
