@@ -618,3 +618,40 @@ def test_draft_model_options_the_runner_lacks_are_refused():
         setattr(spec, field, value)
         with pytest.raises(ValueError, match=f"--speculative-config.*{field}"):
             _draft_model_policy(spec)
+
+
+def test_split_kv_cache_config_gives_each_model_its_layers():
+    """vLLM's config over target + draft layers (one group, one stacked tensor, pages of two
+    sizes) splits into the target's and the draft's (prefix taken off), same num_blocks,
+    layer layout kept, each tensor from offset 0 of its own allocation."""
+    from vllm_unified.worker.draft_model import split_kv_cache_config
+
+    def attn(heads):
+        return compat.FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=32,
+                                        dtype=torch.float32)
+
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    names = ["draft_model.model.layers.0.self_attn.attn", "model.layers.0.self_attn.attn",
+             "model.layers.1.self_attn.attn"]
+    specs = {names[0]: attn(4), names[1]: attn(2), names[2]: attn(2)}
+    group = KVCacheGroupSpec(names, UniformTypeKVCacheSpecs(block_size=16,
+                                                            kv_cache_specs=specs))
+    tensor = compat.KVCacheTensor(size=64 + 3 * 1000, layers=names, layer_stride=1000,
+                                  block_stride=10, offset=64)
+    config = compat.KVCacheConfig(num_blocks=100, kv_cache_tensors=[tensor],
+                                  kv_cache_groups=[group])
+    target, draft = split_kv_cache_config(config, {names[0]})
+    assert target.num_blocks == draft.num_blocks == 100
+    assert [g.layer_names for g in target.kv_cache_groups] == [names[1:]]
+    assert target.kv_cache_groups[0].kv_cache_spec == attn(2)
+    assert draft.kv_cache_groups[0].layer_names == ["model.layers.0.self_attn.attn"]
+    assert draft.kv_cache_groups[0].kv_cache_spec == attn(4)
+    (t,), (d,) = target.kv_cache_tensors, draft.kv_cache_tensors
+    assert (t.size, t.layers, t.layer_stride, t.block_stride, t.offset) == (
+        2000, names[1:], 1000, 10, 0)
+    assert (d.size, d.layers, d.offset) == (1000, ["model.layers.0.self_attn.attn"], 0)
+    mixed = compat.KVCacheTensor(size=3000, layers=[names[1], names[0], names[2]],
+                                 layer_stride=1000, block_stride=10)
+    with pytest.raises(ValueError, match="stacked apart"):
+        split_kv_cache_config(compat.KVCacheConfig(100, [mixed], [group]), {names[0]})

@@ -68,13 +68,13 @@ def split_kv_cache_config(config: KVCacheConfig, draft_names: set[str]
     def tensor_part(t: Any, names: list[str], strip: bool) -> Any:
         idx = [t.layers.index(n) for n in names]
         if idx != list(range(idx[0], idx[0] + len(idx))):
-            raise ValueError(f"KV tensor layers {t.layers}: draft/target not contiguous")
-        offset = t.offset + idx[0] * t.layer_stride
-        page_span = t.size - t.offset - (len(t.layers) - 1) * t.layer_stride
-        size = (len(names) - 1) * t.layer_stride + page_span
+            raise ValueError(f"KV tensor layers {t.layers}: draft and target layers are not "
+                             "stacked apart")
+        # bytes from the last layer's start to the end of the allocation (its blocks)
+        last_span = t.size - t.offset - (len(t.layers) - 1) * t.layer_stride
         out_names = [n[len(DRAFT_PREFIX):] for n in names] if strip else names
-        del offset  # the part gets its own allocation, starting at 0
-        return replace(t, size=size, layers=out_names, offset=0)
+        return replace(t, size=(len(names) - 1) * t.layer_stride + last_span,
+                       layers=out_names, offset=0)
 
     parts = []
     for strip in (False, True):
