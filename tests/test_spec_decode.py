@@ -538,21 +538,16 @@ def test_server_reports_spec_decode_metrics(tmp_path):
 
 # ------------------------------------------------------------------------------ draft model
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_family", [None, "llama", "llama_draft"],
-                         ids=["draft-is-target", "other-draft", "smaller-draft"])
-def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, tmp_path,
-                                                  draft_family):
-    """``method: draft_model`` with a tiny Llama draft of the target's vocabulary (its own
-    paged KV cache from the draft layers vLLM's KV manager allocated next to the target's):
-    greedy tokens equal those without speculation, batched and chunked. A draft with the
-    target's own weights has every draft accepted (this fails if the draft's KV were wrong:
-    drafts would then differ from the target's argmax); a different random draft has some
-    rejected; a smaller draft (one layer, 4 KV heads: pages of another size in the same KV
-    cache group) too."""
+def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, tmp_path):
+    """``method: draft_model`` with tiny Llama drafts of the target's vocabulary (each with its
+    own paged KV cache from the draft layers vLLM's KV manager allocated next to the
+    target's): greedy tokens equal those without speculation, batched and chunked. The target
+    as its own draft has every draft accepted (this fails if the draft's KV were wrong: its
+    drafts would then differ from the target's argmax); another random Llama and a smaller
+    one (one layer, 4 KV heads: pages of another size in the same KV cache group) have some
+    rejected."""
     from tiny_models import make_tiny_checkpoint
 
-    draft = tiny_llama if draft_family is None else str(make_tiny_checkpoint(
-        tmp_path_factory.mktemp("tiny-draft"), draft_family, seed=1))
     prompts = _repetitive(4, seed=21) + _prompts(2, [70, 9], vocab=49152, seed=22)
     params = [{"temperature": 0.0, "max_tokens": 20 + 3 * i, "ignore_eos": True}
               for i in range(6)]
@@ -560,23 +555,28 @@ def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, 
                                                                     strict=True)]
     base = _engine(dtype="float32", max_num_batched_tokens=64)
     k = 3
-    spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
     (tmp_path / "plain").mkdir()
-    (tmp_path / "spec").mkdir()
     plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
                     tmp_path / "plain")
-    spec = run_llm({"model": tiny_llama, "engine": {**base, "speculative_config": spec_cfg},
-                    "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "spec")
-    assert _ids(spec) == _ids(plain)
-    stats = spec["rpc_after"]["runner_stats"]
-    assert stats["spec_draft_tokens"] > 0
-    if draft_family is None:
-        assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"], stats
-        assert stats["forwards"] < sum(p["max_tokens"] for p in params) / 2
-    else:
-        assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
-    assert stats["live_requests"] == 0
-    assert f"speculative decoding, method draft_model, k = {k}" in spec["log"]
+    for family in (None, "llama", "llama_draft"):
+        draft = tiny_llama if family is None else str(make_tiny_checkpoint(
+            tmp_path_factory.mktemp(f"draft-{family}"), family, seed=1))
+        spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+        out = tmp_path / f"spec-{family}"
+        out.mkdir()
+        spec = run_llm({"model": tiny_llama,
+                        "engine": {**base, "speculative_config": spec_cfg},
+                        "requests": requests, "rpc": ["runner_stats"]}, out)
+        assert _ids(spec) == _ids(plain), family
+        stats = spec["rpc_after"]["runner_stats"]
+        assert stats["spec_draft_tokens"] > 0, family
+        if family is None:
+            assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"], stats
+            assert stats["forwards"] < sum(p["max_tokens"] for p in params) / 2
+        else:
+            assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], (family, stats)
+        assert stats["live_requests"] == 0
+        assert f"speculative decoding, method draft_model, k = {k}" in spec["log"]
 
 
 @pytest.mark.slow
