@@ -156,6 +156,8 @@ class DraftModel:
 
     def initialize(self, config: KVCacheConfig, layout: str | None) -> None:
         """Allocate the draft's pool over its part of vLLM's config (already split)."""
+        logger.info("vllm-unified: draft model's KV pool (%d layers, the target's block table):",
+                    len(self.kv_cache.layers.attention))
         self.kv_cache.initialize(config, layout)
         if self.kv_cache.kernel_block_size is None:
             raise ValueError("draft KV cache without a kernel block size")
