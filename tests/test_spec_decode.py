@@ -655,3 +655,11 @@ def test_split_kv_cache_config_gives_each_model_its_layers():
                                  layer_stride=1000, block_stride=10)
     with pytest.raises(ValueError, match="stacked apart"):
         split_kv_cache_config(compat.KVCacheConfig(100, [mixed], [group]), {names[0]})
+
+
+def test_methods_the_runner_lacks_are_refused_naming_the_flag():
+    from vllm_unified.platform import _speculative_policy
+
+    config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(method="eagle3"))
+    with pytest.raises(ValueError, match=r"--speculative-config method 'eagle3'.*'draft_model'"):
+        _speculative_policy(config, hybrid=False)
