@@ -13,9 +13,11 @@ KVCache` (same lazily committed pool design, its own buffer) over the draft's pa
 
 Proposal (after a step is sampled, on the host tokens): each sampling request feeds the tokens
 the draft has no KV for yet (the whole sequence the first time, afterwards the tokens accepted
-in the last step plus the new one) in one draft forward, the argmax of its last row is draft
-1; ``k - 1`` one-token forwards give the rest. Draft tokens are argmax (deterministic), so
-vLLM's rejection sampler with ``draft_probs=None`` keeps the target's distribution exactly.
+in the last step plus the new one) in draft forwards of at most ``max_num_batched_tokens``
+tokens (the target's prefill is chunked the same way); the argmax after its last token is
+draft 1, and ``k - 1`` one-token forwards give the rest. Draft tokens are argmax
+(deterministic), so vLLM's rejection sampler with ``draft_probs=None`` keeps the target's
+distribution exactly.
 """
 
 from __future__ import annotations
@@ -111,6 +113,9 @@ class DraftModel:
         self.model_config = spec.draft_model_config
         self.backend = backend
         self.max_model_len = vllm_config.model_config.max_model_len
+        #: tokens per draft forward at most (the target's step budget)
+        self.budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        self._first: list[int] = []
         self.model: Any = None
         self.kv_cache: KVCache | None = None
         #: req_id -> (the block list the draft's KV was written under, tokens with draft KV)
@@ -178,6 +183,37 @@ class DraftModel:
         self.forwards += 1
         return tokens.tolist()
 
+    def _catch_up(self, states: list[RequestState], active: list[int], starts: list[int],
+                  slens: list[int], table: np.ndarray) -> None:
+        """Feed each active request's tokens ``[start, len)`` (KV written), in forwards of at
+        most ``max_num_batched_tokens`` tokens, as the target's prefill is chunked; sets
+        ``_first[j]``, the argmax after each request's last token."""
+        budget = self.budget
+        pieces: list[tuple[int, int, int]] = []  # (row j, first position, end position)
+        for j in range(len(active)):
+            for a in range(starts[j], slens[j], budget):
+                pieces.append((j, a, min(a + budget, slens[j])))
+        self._first = [0] * len(active)
+        group: list[tuple[int, int, int]] = []
+
+        def run(group: list[tuple[int, int, int]]) -> None:
+            ids: list[int] = []
+            for j, a, e in group:
+                ids += states[active[j]].token_ids[a:e]
+            out = self._forward(ids, [e - a for _, a, e in group], [e for _, _, e in group],
+                                table[[j for j, _, _ in group]])
+            for (j, _, e), t in zip(group, out, strict=True):
+                if e == slens[j]:
+                    self._first[j] = t
+
+        for piece in pieces:
+            if group and sum(e - a for _, a, e in group) + piece[2] - piece[1] > budget:
+                run(group)
+                group = []
+            group.append(piece)
+        if group:
+            run(group)
+
     def propose(self, states: list[RequestState], sampled: list[list[int]],
                 live: dict[str, Any]) -> list[list[int]]:
         """Up to ``k`` greedy drafts per request that sampled this step (none for the rest).
@@ -199,13 +235,11 @@ class DraftModel:
         if not active:
             return drafts
         bs = self.kv_cache.block_size
-        ids, qlens, slens = [], [], []
+        starts, slens = [], []
         for i in active:
             s = states[i]
             owner, done = self._computed.get(s.req_id, (None, 0))
-            start = min(done, len(s.token_ids) - 1) if owner is s.block_ids else 0
-            ids += s.token_ids[start:]
-            qlens.append(len(s.token_ids) - start)
+            starts.append(min(done, len(s.token_ids) - 1) if owner is s.block_ids else 0)
             slens.append(len(s.token_ids))
         width = max(len(states[i].block_ids) for i in active)
         table = np.zeros((len(active), width), dtype=np.int32)
@@ -218,9 +252,9 @@ class DraftModel:
                 raise RuntimeError(
                     f"request {states[i].req_id}: draft position {last} has no KV block "
                     f"({len(states[i].block_ids)} blocks of {bs}): lookahead slots missing")
-        out = self._forward(ids, qlens, slens, table)
+        self._catch_up(states, active, starts, slens, table)
         for j, i in enumerate(active):
-            drafts[i].append(out[j])
+            drafts[i].append(self._first[j])
             self._computed[states[i].req_id] = (states[i].block_ids, slens[j])
         for step in range(1, self.k):
             rows = [j for j in range(len(active)) if steps[j] > step]
