@@ -261,17 +261,21 @@ def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
 
 
 @pytest.mark.slow
-def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path):
-    """A request aborted while its drafts are scheduled for verification: every KV block is
-    free again, the runner holds no request, the other request finishes all its tokens."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path, method):
+    """A request aborted while its drafts are scheduled for verification (ngram; a draft
+    model, here the target itself): every KV block is free again, the runner holds no
+    request, the other request finishes all its tokens."""
     import subprocess
     import sys
 
     from conftest import TESTS
 
     out = tmp_path / "abort.json"
+    spec = ([] if method == "ngram" else [json.dumps(
+        {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3})])
     proc = subprocess.run([sys.executable, str(TESTS / "spec_abort_harness.py"), tiny_llama,
-                           str(out)], capture_output=True, text=True, timeout=600)
+                           str(out), *spec], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     result = json.loads(out.read_text())
     assert result["aborted_with_drafts"] > 0, "the victim had no drafts when aborted"
