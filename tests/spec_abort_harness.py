@@ -49,7 +49,8 @@ def main(model: str, out_path: str, spec: dict | None = None) -> None:
         json.dump({"free_before": free_before, "free_after": pool.get_num_free_blocks(),
                    "aborted_with_drafts": aborted_with_drafts,
                    "live_requests": stats["live_requests"], "outputs": outputs,
-                   "spec_draft_tokens": stats["spec_draft_tokens"]}, f)
+                   "spec_draft_tokens": stats["spec_draft_tokens"],
+                   "draft_tracked_requests": stats.get("draft_tracked_requests")}, f)
 
 
 if __name__ == "__main__":

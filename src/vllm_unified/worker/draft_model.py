@@ -214,21 +214,27 @@ class DraftModel:
         if group:
             run(group)
 
-    def propose(self, states: list[RequestState], sampled: list[list[int]],
-                live: dict[str, Any]) -> list[list[int]]:
+    def stats(self) -> dict[str, int]:
+        """Draft forwards so far and requests whose draft KV is tracked."""
+        return {"draft_forwards": self.forwards, "draft_tracked_requests": len(self._computed)}
+
+    def forget(self, req_ids: Any) -> None:
+        """Drop the KV bookkeeping of finished requests."""
+        for req_id in req_ids:
+            self._computed.pop(req_id, None)
+
+    def propose(self, states: list[RequestState], sampled: list[list[int]]
+                ) -> list[list[int]]:
         """Up to ``k`` greedy drafts per request that sampled this step (none for the rest).
 
         Args:
             states: the step's requests; ``token_ids`` hold this step's tokens.
             sampled: tokens sampled per request this step (empty: no drafts).
-            live: the runner's live requests (entries of finished ones are dropped).
 
         Raises:
             RuntimeError: a position the draft writes has no block in the request's table
                 (vLLM's lookahead slots were not reserved).
         """
-        for req_id in [r for r in self._computed if r not in live]:
-            del self._computed[req_id]
         drafts: list[list[int]] = [[] for _ in states]
         active = [i for i, s in enumerate(states) if sampled[i]
                   and len(s.token_ids) < self.max_model_len]

@@ -411,6 +411,8 @@ class MLXModelRunner:
         blocks vLLM asks to zero."""
         self.kv_connector.handle_preemptions(scheduler_output)
         self.input_batch.update(scheduler_output, self._new_request)
+        if self.spec is not None and scheduler_output.finished_req_ids:
+            self.spec.forget(scheduler_output.finished_req_ids)
         if scheduler_output.new_block_ids_to_zero:
             self.kv_cache.zero_blocks(list(scheduler_output.new_block_ids_to_zero))
 
@@ -591,7 +593,7 @@ class MLXModelRunner:
                 states[i].pending = None  # now known on the host
         self.stats.sampled += sum(len(sampled[i]) for i in step.sample_req_idx)
         if self.spec is not None:
-            self.spec.propose(states, sampled, self.requests)
+            self.spec.propose(states, sampled)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},

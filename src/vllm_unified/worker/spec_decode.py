@@ -185,13 +185,11 @@ class SpecDecoder:
         return SpecSampled(token_ids, logprobs)
 
     # ------------------------------------------------------------------ proposal
-    def propose(self, states: list[RequestState], sampled: list[list[int]],
-                live: dict[str, Any] | None = None) -> None:
+    def propose(self, states: list[RequestState], sampled: list[list[int]]) -> None:
         """Propose drafts for the requests of a finished step (their ``token_ids`` hold this
-        step's tokens); requests that sampled nothing (prefill chunks) get none. ``live``:
-        the runner's live requests (the draft model forgets the others)."""
+        step's tokens); requests that sampled nothing (prefill chunks) get none."""
         if self.method == "draft_model":
-            drafts = self.proposer.propose(states, sampled, live or {})
+            drafts = self.proposer.propose(states, sampled)
             self._drafts = ([s.req_id for s in states], drafts)
             return
         num_tokens = np.array([len(s.token_ids) for s in states], dtype=np.int32)
@@ -206,6 +204,11 @@ class SpecDecoder:
                                            sampled)
         self._drafts = ([s.req_id for s in states], [list(d) for d in drafts])
 
+    def forget(self, req_ids: Any) -> None:
+        """Finished requests: the draft model drops what it tracks for them."""
+        if self.method == "draft_model":
+            self.proposer.forget(req_ids)
+
     def take(self) -> Any:
         """vLLM ``DraftTokenIds`` of the last step's proposals (once), or None."""
         drafts, self._drafts = self._drafts, None
@@ -214,8 +217,11 @@ class SpecDecoder:
         return compat.DraftTokenIds(*drafts)
 
     def stats(self) -> dict[str, int]:
-        return {"spec_drafts": self.num_drafts, "spec_draft_tokens": self.num_draft_tokens,
-                "spec_accepted_tokens": self.num_accepted_tokens}
+        out = {"spec_drafts": self.num_drafts, "spec_draft_tokens": self.num_draft_tokens,
+               "spec_accepted_tokens": self.num_accepted_tokens}
+        if self.method == "draft_model":
+            out.update(self.proposer.stats())
+        return out
 
 
 def logprobs_for_requests(lists: Any, rows: list[int], counts: list[int], num_reqs: int
