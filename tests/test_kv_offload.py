@@ -255,7 +255,8 @@ def _config(size=1.0, connector=None, extra=None, backend="native", hybrid=False
                                   get_head_size=lambda: 64)
     return types.SimpleNamespace(
         cache_config=types.SimpleNamespace(kv_offloading_size=size,
-                                           kv_offloading_backend=backend, block_size=16),
+                                           kv_offloading_backend=backend, block_size=16,
+                                           cache_dtype="auto"),
         kv_transfer_config=kvt, model_config=model, parallel_config=None)
 
 
@@ -269,7 +270,8 @@ def test_offloading_size_selects_our_spec_and_disk_tier(tmp_path):
     assert extra["spec_name"] == SPEC_NAME and extra["cpu_bytes_to_use"] == 0.5 * 2**30
     assert extra["secondary_tiers"] == [{"type": FS_TIER_TYPE, "root_dir": str(tmp_path),
                                          "module_path": "vllm_unified.offload.disk"}]
-    assert extra["kv_geometry"] == {"num_kv_heads": 3, "head_size": 64, "block_size": 16}
+    assert extra["kv_geometry"] == {"num_kv_heads": 3, "head_size": 64, "block_size": 16,
+                                    "kv_cache_dtype": "auto"}
 
 
 def test_no_offloading_leaves_config_alone():
@@ -321,7 +323,8 @@ def test_engine_config_with_offloading_size_uses_our_spec(default_model, tmp_pat
         SPEC_NAME, "vllm_unified.offload.spec")
     assert extra["cpu_bytes_to_use"] == 0.5 * 2**30
     assert extra["secondary_tiers"][0]["type"] == FS_TIER_TYPE
-    assert extra["kv_geometry"] == {"num_kv_heads": 3, "head_size": 64, "block_size": 16}
+    assert extra["kv_geometry"] == {"num_kv_heads": 3, "head_size": 64, "block_size": 16,
+                                    "kv_cache_dtype": "auto"}
 
 
 def test_engine_config_refuses_another_connector(default_model):

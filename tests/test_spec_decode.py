@@ -586,15 +586,17 @@ def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, 
 
 
 @pytest.mark.slow
-def test_greedy_draft_model_with_preemption_and_max_model_len(tiny_llama, tmp_path):
+def test_greedy_draft_model_with_preemption_max_model_len_int8_kv(tiny_llama, tmp_path):
     """``draft_model`` with too few KV blocks (vLLM preempts and resumes requests: the draft
     recomputes its KV under the new blocks) and one request running up to ``max_model_len``
-    (no draft position past it): the same tokens as without speculation."""
+    (no draft position past it), both with int8 KV pages (the draft's pages take the target's
+    ``--kv-cache-dtype``): the same tokens as without speculation."""
     prompts = _repetitive(6, seed=5)
     requests = [{"prompt_token_ids": p[:60], "params": {"temperature": 0.0, "max_tokens": 40,
                                                         "ignore_eos": True}} for p in prompts]
     requests[0]["params"]["max_tokens"] = 68  # 60 + 68 = max_model_len
-    base = _engine(dtype="float32", max_model_len=128)
+    base = {**_engine(dtype="float32", max_model_len=128),
+            "kv_cache_dtype": "int8_per_token_head"}
     spec_cfg = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
     (tmp_path / "plain").mkdir()
     (tmp_path / "tight").mkdir()
@@ -609,6 +611,7 @@ def test_greedy_draft_model_with_preemption_and_max_model_len(tiny_llama, tmp_pa
     assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
     assert _ids(tight) == _ids(plain)
     assert len(_ids(tight)[0]) == 68
+    assert tight["log"].count("KV format int8_per_token_head") == 2  # target and draft
 
 
 def test_draft_model_options_the_runner_lacks_are_refused():
@@ -617,13 +620,21 @@ def test_draft_model_options_the_runner_lacks_are_refused():
     from vllm_unified.platform import _draft_model_policy
 
     for field, value in (("draft_sample_method", "probabilistic"),
-                         ("use_heterogeneous_vocab", True), ("parallel_drafting", True)):
+                         ("use_heterogeneous_vocab", True), ("parallel_drafting", True),
+                         ("kv_cache_dtype", "int8_per_token_head")):
         spec = types.SimpleNamespace(draft_sample_method="greedy",
                                      use_heterogeneous_vocab=False, parallel_drafting=False,
+                                     kv_cache_dtype=None,
                                      verify_equal_vocab_size_if_draft_model=lambda: None)
         setattr(spec, field, value)
         with pytest.raises(ValueError, match=f"--speculative-config.*{field}"):
-            _draft_model_policy(spec)
+            _draft_model_policy(spec, "auto")
+        setattr(spec, field, None if field == "kv_cache_dtype" else getattr(
+            types.SimpleNamespace(draft_sample_method="greedy", use_heterogeneous_vocab=False,
+                                  parallel_drafting=False), field))
+        _draft_model_policy(spec, "auto")  # the defaults pass
+    spec.kv_cache_dtype = "int8_per_token_head"  # the target's own format passes
+    _draft_model_policy(spec, "int8_per_token_head")
 
 
 def test_split_kv_cache_config_gives_each_model_its_layers():
@@ -657,6 +668,10 @@ def test_split_kv_cache_config_gives_each_model_its_layers():
     assert (t.size, t.layers, t.layer_stride, t.block_stride, t.offset) == (
         2000, names[1:], 1000, 10, 0)
     assert (d.size, d.layers, d.offset) == (1000, ["model.layers.0.self_attn.attn"], 0)
+    alone = compat.KVCacheConfig(100, [tensor], [KVCacheGroupSpec(names[:1], attn(4)),
+                                                 KVCacheGroupSpec(names[1:], attn(2))])
+    with pytest.raises(ValueError, match="block table"):
+        split_kv_cache_config(alone, {names[0]})
     mixed = compat.KVCacheTensor(size=3000, layers=[names[1], names[0], names[2]],
                                  layer_stride=1000, block_stride=10)
     with pytest.raises(ValueError, match="stacked apart"):

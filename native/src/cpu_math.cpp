@@ -51,6 +51,10 @@ inline __attribute__((always_inline)) float exp_shifted(float* s, size_t n) {
 
 } // namespace
 
+VUN_CLONES float softmax_exp(float* s, size_t n) {
+  return exp_shifted(s, n);
+}
+
 VUN_CLONES void attend_rows_f32(
     const float* q, size_t heads, size_t dim, const float* const* keys, const float* const* values,
     size_t n, float scale, float* scores, float* out) {

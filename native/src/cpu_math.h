@@ -50,6 +50,10 @@ void attend_rows_f32(
     const float* q, size_t heads, size_t dim, const float* const* keys, const float* const* values,
     size_t n, float scale, float* scores, float* out);
 
+// s[j] = exp(s[j] - max(s)) for j < n (n >= 1), vectorized (the attention kernels' softmax
+// numerator); returns the sum.
+float softmax_exp(float* s, size_t n);
+
 // attend_rows_f32 for head sizes 64, 128 and 256, with the dot products and the weighted sum
 // of values in 16-wide registers (4 keys per reduction tree; the output accumulated in
 // registers across all keys). Returns false, computing nothing, for other head sizes.

@@ -70,6 +70,7 @@
 #include "mlx/transforms.h"
 #include "mlx/utils.h"
 
+#include "cpu_kvquant.h"
 #include "cpu_math.h"
 #include "thread_pool.h"
 
@@ -828,6 +829,12 @@ struct PagedAttentionArgs {
   int64_t batch, heads, kv_heads, dim, max_blocks, block_size, slots, num_seqs;
   int64_t window;  // keys visible to the query, 0: all
   float scale;
+  // Quantized pools (vun::KVMode != kKVDense): kv is unused and kvq holds [slots, Hkv, cell]
+  // bytes; int4 rotates the queries (rht signs, `block` of them) and un-rotates the output.
+  int mode = vun::kKVDense;
+  const uint8_t* kvq = nullptr;
+  const float* signs = nullptr;
+  int64_t block = 0;
 };
 
 // One (row, KV head) item: the R query heads of KV head g of row b over the row's keys.
@@ -890,6 +897,75 @@ void paged_attention_item(const PagedAttentionArgs<T>& a, int64_t b, int64_t g) 
   }
 }
 
+// paged_attention_item over a quantized pool: each key's cell is read where it lies and
+// dequantized in registers (vun::attend_rows_quant). int4 follows vLLM's
+// unified_attention_int4: queries rotated (single_rht, rounded to T), the scale divided by the
+// rotation's norm `block`, the output rotated back (rounded to T first) and divided by it.
+template <typename T>
+void paged_attention_item_quant(const PagedAttentionArgs<T>& a, int64_t b, int64_t g) {
+  const int64_t D = a.dim;
+  const int64_t R = a.heads / a.kv_heads;
+  const int64_t cell_bytes = static_cast<int64_t>(vun::kv_cell_bytes(a.mode, D));
+  thread_local std::vector<float> qf, of, scores;
+  thread_local std::vector<const uint8_t*> cells;
+  const int64_t len = a.lens[b];
+  const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+  const int64_t n = len - first;
+  qf.resize(R * D);
+  of.resize(R * D);
+  scores.resize(R * n);
+  cells.resize(n);
+  const int32_t* table = a.tables + a.seqs[b] * a.max_blocks;
+  for (int64_t k = first / a.block_size, j = first; j < len; ++k) {
+    const int64_t blk = table[k];
+    const int64_t j1 = std::min(len, (k + 1) * a.block_size);
+    if (blk < 0 || blk * a.block_size + (j1 - 1) % a.block_size >= a.slots) {
+      throw std::out_of_range(
+          "[paged_attention] block " + std::to_string(blk) + " is outside a pool of " +
+          std::to_string(a.slots) + " slots");
+    }
+    const uint8_t* cell =
+        a.kvq + ((blk * a.block_size + j % a.block_size) * a.kv_heads + g) * cell_bytes;
+    for (; j < j1; ++j, cell += a.kv_heads * cell_bytes) {
+      cells[j - first] = cell;
+    }
+  }
+  const T* qp = a.q + (b * a.heads + g * R) * D;
+  for (int64_t i = 0; i < R * D; ++i) {
+    qf[i] = static_cast<float>(qp[i]);
+  }
+  float scale = a.scale;
+  const bool rotate = a.mode == vun::kKVInt4;
+  if (rotate) {
+    for (int64_t r = 0; r < R; ++r) {
+      float* x = qf.data() + r * D;
+      vun::rht_forward(x, D, a.block, a.signs);
+      for (int64_t e = 0; e < D; ++e) {
+        x[e] = static_cast<float>(static_cast<T>(x[e]));
+      }
+    }
+    scale = a.scale / static_cast<float>(a.block);
+  }
+  vun::attend_rows_quant(a.mode, qf.data(), R, D, cells.data(), n, scale, scores.data(),
+                         of.data());
+  if (rotate) {
+    for (int64_t r = 0; r < R; ++r) {
+      float* x = of.data() + r * D;
+      for (int64_t e = 0; e < D; ++e) {
+        x[e] = static_cast<float>(static_cast<T>(x[e]));
+      }
+      vun::rht_inverse(x, D, a.block, a.signs);
+      for (int64_t e = 0; e < D; ++e) {
+        x[e] /= static_cast<float>(a.block);
+      }
+    }
+  }
+  T* op = a.out + (b * a.heads + g * R) * D;
+  for (int64_t i = 0; i < R * D; ++i) {
+    op[i] = static_cast<T>(of[i]);
+  }
+}
+
 // Checks every row's sequence and length first (a bad row writes nothing), then runs the
 // (row, KV head) items on the kernel pool. Each item's arithmetic depends on its own row
 // alone, so a row's output is the same whatever else the step holds and however the items
@@ -915,17 +991,22 @@ void paged_attention_impl(const PagedAttentionArgs<T>& a) {
   const size_t items = static_cast<size_t>(a.batch * a.kv_heads);
   split_work(items, SIZE_MAX / (items + 1), 1, [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) {
-      paged_attention_item(a, static_cast<int64_t>(i) / a.kv_heads,
-                           static_cast<int64_t>(i) % a.kv_heads);
+      if (a.mode == vun::kKVDense) {
+        paged_attention_item(a, static_cast<int64_t>(i) / a.kv_heads,
+                             static_cast<int64_t>(i) % a.kv_heads);
+      } else {
+        paged_attention_item_quant(a, static_cast<int64_t>(i) / a.kv_heads,
+                                   static_cast<int64_t>(i) % a.kv_heads);
+      }
     }
   });
 }
 
 class PagedAttention : public SameShapePrimitive {
  public:
-  PagedAttention(mx::Stream s, float scale, int64_t block_size, int64_t window)
+  PagedAttention(mx::Stream s, float scale, int64_t block_size, int64_t window, int mode)
       : SameShapePrimitive(s, "paged_attention"), scale_(scale), block_size_(block_size),
-        window_(window) {}
+        window_(window), mode_(mode) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -969,35 +1050,76 @@ class PagedAttention : public SameShapePrimitive {
   template <typename T>
   void dispatch(
       mx::cpu::CommandEncoder& enc, const std::vector<mx::array>& in, mx::array& out) {
+    const bool quant = mode_ != vun::kKVDense;
     PagedAttentionArgs<T> a{
-        in[0].data<T>(), in[1].data<T>(), in[2].data<int32_t>(), in[3].data<int32_t>(),
-        in[4].data<int32_t>(), out.data<T>(), in[0].shape(0), in[0].shape(1), in[1].shape(1),
-        in[0].shape(2), in[2].shape(1), block_size_, in[1].shape(0), in[2].shape(0), window_,
-        scale_};
+        in[0].data<T>(), quant ? nullptr : in[1].data<T>(), in[2].data<int32_t>(),
+        in[3].data<int32_t>(), in[4].data<int32_t>(), out.data<T>(), in[0].shape(0),
+        in[0].shape(1), in[1].shape(1), in[0].shape(2), in[2].shape(1), block_size_,
+        in[1].shape(0), in[2].shape(0), window_, scale_};
+    if (quant) {
+      a.mode = mode_;
+      a.kvq = in[1].data<uint8_t>();
+      a.signs = in[5].data<float>();
+      a.block = in[5].shape(0);
+    }
     enc.dispatch([a]() { paged_attention_impl<T>(a); });
   }
 
   float scale_;
   int64_t block_size_;
   int64_t window_;
+  int mode_;
 };
 
 // out = paged_attention(q [N, H, D], kv_pool [slots, Hkv, 2D], tables int32 [S, MB],
-//                       seqs int32 [N], lens int32 [N], scale, block_size, window) -> [N, H, D]
+//                       seqs int32 [N], lens int32 [N], scale, block_size, window,
+//                       kv_mode, rht_signs) -> [N, H, D]
+// kv_mode != 0 (vun::KVMode): kv_pool is uint8/int8 [slots, Hkv, cell bytes] of that format;
+// int4 takes vLLM's RHT signs (fp32 [block], block the largest power-of-two divisor of D).
 mx::array paged_attention(
     const mx::array& q, const mx::array& kv_pool, const mx::array& tables, const mx::array& seqs,
-    const mx::array& lens, float scale, int64_t block_size, int64_t window, nb::handle stream) {
+    const mx::array& lens, float scale, int64_t block_size, int64_t window, int kv_mode,
+    std::optional<mx::array> rht_signs, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "paged_attention");
-  if (q.ndim() != 3 || kv_pool.ndim() != 3 || kv_pool.shape(2) != 2 * q.shape(2) ||
+  if (kv_mode < vun::kKVDense || kv_mode > vun::kKVFp8) {
+    raise_py(PyExc_ValueError,
+             "paged_attention: kv_mode must be 0 (dense), 1 (int8), 2 (int4) or 3 (fp8)");
+  }
+  const bool quant = kv_mode != vun::kKVDense;
+  const int64_t want_c = quant && q.ndim() == 3
+      ? static_cast<int64_t>(vun::kv_cell_bytes(kv_mode, q.shape(2))) : 2 * q.shape(2);
+  if (q.ndim() != 3 || kv_pool.ndim() != 3 || kv_pool.shape(2) != want_c ||
       kv_pool.shape(1) < 1 || q.shape(1) % kv_pool.shape(1) != 0) {
     raise_py(
         PyExc_ValueError,
-        "paged_attention: q must be [N, H, D] and kv_pool [slots, Hkv, 2D] with Hkv >= 1 and "
-        "H % Hkv == 0, got " +
+        "paged_attention: q must be [N, H, D] and kv_pool [slots, Hkv, " +
+            std::string(quant ? "cell bytes" : "2D") + "] with Hkv >= 1 and "
+            "H % Hkv == 0, got " +
             shape_str(q.shape()) + " and " + shape_str(kv_pool.shape()));
   }
-  if (q.dtype() != kv_pool.dtype()) {
+  if (!quant && q.dtype() != kv_pool.dtype()) {
     raise_py(PyExc_TypeError, "paged_attention: q and kv_pool must have one dtype");
+  }
+  if (quant) {
+    if (kv_pool.dtype() != mx::uint8 && kv_pool.dtype() != mx::int8) {
+      raise_py(PyExc_TypeError, "paged_attention: a quantized kv_pool must be uint8 or int8");
+    }
+    if (q.shape(2) % 8 != 0 || q.shape(2) > 512 || q.shape(1) / kv_pool.shape(1) > 64) {
+      raise_py(PyExc_ValueError,
+               "paged_attention: quantized pools take head sizes that are multiples of 8 up "
+               "to 512 and at most 64 query heads per KV head");
+    }
+  }
+  mx::array signs = mx::array({1.0f});
+  if (kv_mode == vun::kKVInt4) {
+    if (!rht_signs || rht_signs->dtype() != mx::float32 || rht_signs->ndim() != 1 ||
+        rht_signs->shape(0) < 2 || q.shape(2) % rht_signs->shape(0) != 0 ||
+        (rht_signs->shape(0) & (rht_signs->shape(0) - 1)) != 0) {
+      raise_py(PyExc_ValueError,
+               "paged_attention: int4 needs rht_signs, fp32 [block] with block a power of two "
+               "dividing the head size");
+    }
+    signs = *rht_signs;
   }
   if (tables.dtype() != mx::int32 || seqs.dtype() != mx::int32 || lens.dtype() != mx::int32) {
     raise_py(PyExc_TypeError, "paged_attention: tables, seqs and lens must be int32");
@@ -1020,9 +1142,176 @@ mx::array paged_attention(
     raise_py(PyExc_ValueError, "paged_attention: kv_pool must be row-contiguous");
   }
   return mx::array(
-      q.shape(), q.dtype(), std::make_shared<PagedAttention>(s, scale, block_size, window),
+      q.shape(), q.dtype(),
+      std::make_shared<PagedAttention>(s, scale, block_size, window, kv_mode),
       {q, kv_pool, contiguous_input(tables, s), contiguous_input(seqs, s),
-       contiguous_input(lens, s)});
+       contiguous_input(lens, s), contiguous_input(signs, s)});
+}
+
+// ---------------------------------------------------------------------------------------------
+// write_kv_quant
+
+// Quantizes keys/values [T, Hkv, D] (float32/16, bfloat16) per (token, head) into the cells of
+// a quantized pool [slots, Hkv, cell bytes] at slot_mapping[t] (negative: skipped, as vLLM's
+// kernels do), in place: the output shares the pool's buffer (write_rows' contract). int4
+// rotates each row first (vLLM's single_rht, rounded to the input dtype).
+struct KVQuantArgs {
+  uint8_t* dst;
+  const void* keys;
+  const void* values;
+  const void* slots;
+  const float* signs;
+  bool slots_i32;
+  int64_t tokens, kv_heads, dim, nrows, block;
+  int mode;
+};
+
+template <typename T>
+void write_kv_quant_impl(const KVQuantArgs& a) {
+  const int64_t D = a.dim;
+  const int64_t cell = static_cast<int64_t>(vun::kv_cell_bytes(a.mode, D));
+  const int64_t dk = static_cast<int64_t>(vun::kv_data_bytes(a.mode, D));
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    const int64_t slot = a.slots_i32 ? static_cast<const int32_t*>(a.slots)[t]
+                                     : static_cast<const int64_t*>(a.slots)[t];
+    if (slot >= a.nrows) {
+      throw std::out_of_range(out_of_range_msg(slot, a.nrows));
+    }
+  }
+  const size_t items = static_cast<size_t>(a.tokens * a.kv_heads);
+  split_work(items, 8 * static_cast<size_t>(D), 1, [&](size_t begin, size_t end) {
+    std::vector<float> x(D);
+    for (size_t i = begin; i < end; ++i) {
+      const int64_t t = static_cast<int64_t>(i) / a.kv_heads;
+      const int64_t h = static_cast<int64_t>(i) % a.kv_heads;
+      const int64_t slot = a.slots_i32 ? static_cast<const int32_t*>(a.slots)[t]
+                                       : static_cast<const int64_t*>(a.slots)[t];
+      if (slot < 0) {
+        continue;
+      }
+      uint8_t* c = a.dst + (slot * a.kv_heads + h) * cell;
+      for (int side = 0; side < 2; ++side) {
+        const T* src = static_cast<const T*>(side == 0 ? a.keys : a.values) +
+            (t * a.kv_heads + h) * D;
+        for (int64_t e = 0; e < D; ++e) {
+          x[e] = static_cast<float>(src[e]);
+        }
+        if (a.mode == vun::kKVInt4) {
+          vun::rht_forward(x.data(), D, a.block, a.signs);
+          for (int64_t e = 0; e < D; ++e) {
+            x[e] = static_cast<float>(static_cast<T>(x[e]));
+          }
+        }
+        vun::quantize_side(a.mode, x.data(), D, c + side * (dk + 4));
+      }
+    }
+  });
+}
+
+class WriteKVQuant : public mx::Primitive {
+ public:
+  WriteKVQuant(mx::Stream s, int mode) : mx::Primitive(s), mode_(mode) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& dst = inputs[0];
+    auto& out = outputs[0];
+    if (!dst.flags().row_contiguous) {
+      throw std::invalid_argument("[write_kv_quant] the pool is not row-contiguous");
+    }
+    out.copy_shared_buffer(dst);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array idx = row_contiguous(inputs[1], enc);
+    const mx::array k = row_contiguous(inputs[2], enc);
+    const mx::array v = row_contiguous(inputs[3], enc);
+    const mx::array sg = row_contiguous(inputs[4], enc);
+    if (idx.size() == 0) {
+      return;
+    }
+    enc.set_input_array(dst);
+    enc.set_input_array(idx);
+    enc.set_input_array(k);
+    enc.set_input_array(v);
+    enc.set_input_array(sg);
+    enc.set_output_array(out);
+    KVQuantArgs a{out.data<uint8_t>(), k.data<void>(), v.data<void>(),
+                  idx.dtype() == mx::int32 ? static_cast<const void*>(idx.data<int32_t>())
+                                           : static_cast<const void*>(idx.data<int64_t>()),
+                  sg.data<float>(), idx.dtype() == mx::int32, k.shape(0), k.shape(1),
+                  k.shape(2), dst.shape(0), sg.shape(0), mode_};
+    switch (k.dtype()) {
+      case mx::float32:
+        enc.dispatch([a]() { write_kv_quant_impl<float>(a); });
+        break;
+      case mx::float16:
+        enc.dispatch([a]() { write_kv_quant_impl<mx::float16_t>(a); });
+        break;
+      case mx::bfloat16:
+        enc.dispatch([a]() { write_kv_quant_impl<mx::bfloat16_t>(a); });
+        break;
+      default:
+        throw std::invalid_argument("[write_kv_quant] float32, float16 or bfloat16 only");
+    }
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[write_kv_quant] CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "WriteKVQuant";
+  }
+
+ private:
+  int mode_;
+};
+
+mx::array write_kv_quant(
+    const mx::array& dst, const mx::array& slot_mapping, const mx::array& keys,
+    const mx::array& values, int kv_mode, std::optional<mx::array> rht_signs,
+    nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "write_kv_quant");
+  if (kv_mode != vun::kKVInt8 && kv_mode != vun::kKVInt4 && kv_mode != vun::kKVFp8) {
+    raise_py(PyExc_ValueError, "write_kv_quant: kv_mode must be 1 (int8), 2 (int4) or 3 (fp8)");
+  }
+  if (keys.ndim() != 3 || values.shape() != keys.shape() || dst.ndim() != 3 ||
+      dst.shape(1) != keys.shape(1) ||
+      dst.shape(2) != static_cast<int64_t>(vun::kv_cell_bytes(kv_mode, keys.shape(2))) ||
+      keys.shape(2) % 8 != 0) {
+    raise_py(PyExc_ValueError,
+             "write_kv_quant: keys and values must be [T, Hkv, D] (D a multiple of 8) and dst "
+             "[slots, Hkv, cell bytes], got " + shape_str(keys.shape()) + ", " +
+                 shape_str(values.shape()) + " and " + shape_str(dst.shape()));
+  }
+  if (dst.dtype() != mx::uint8 && dst.dtype() != mx::int8) {
+    raise_py(PyExc_TypeError, "write_kv_quant: dst must be uint8 or int8");
+  }
+  if (keys.dtype() != values.dtype()) {
+    raise_py(PyExc_TypeError, "write_kv_quant: keys and values must have one dtype");
+  }
+  if (slot_mapping.ndim() != 1 || slot_mapping.shape(0) != keys.shape(0) ||
+      (slot_mapping.dtype() != mx::int32 && slot_mapping.dtype() != mx::int64)) {
+    raise_py(PyExc_TypeError, "write_kv_quant: slot_mapping must be int32/int64 [T]");
+  }
+  mx::array signs = mx::array({1.0f});
+  if (kv_mode == vun::kKVInt4) {
+    if (!rht_signs || rht_signs->dtype() != mx::float32 || rht_signs->ndim() != 1 ||
+        rht_signs->shape(0) < 2 || keys.shape(2) % rht_signs->shape(0) != 0 ||
+        (rht_signs->shape(0) & (rht_signs->shape(0) - 1)) != 0) {
+      raise_py(PyExc_ValueError,
+               "write_kv_quant: int4 needs rht_signs, fp32 [block] with block a power of two "
+               "dividing the head size");
+    }
+    signs = *rht_signs;
+  }
+  if (dst.status() != mx::array::Status::unscheduled && !dst.flags().row_contiguous) {
+    raise_py(PyExc_ValueError, "write_kv_quant: dst is not row-contiguous");
+  }
+  return mx::array(dst.shape(), dst.dtype(), std::make_shared<WriteKVQuant>(s, kv_mode),
+                   {dst, slot_mapping, keys, values, contiguous_input(signs, s)});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1506,10 +1795,18 @@ NB_MODULE(_native, m) {
   m.def("paged_attention", &paged_attention, nb::arg("q"), nb::arg("kv_pool"),
         nb::arg("tables"), nb::arg("seqs"), nb::arg("lens"), nb::arg("scale"),
         nb::arg("block_size"), nb::arg("window") = 0, nb::kw_only(),
+        nb::arg("kv_mode") = 0, nb::arg("rht_signs").none() = nb::none(),
         nb::arg("stream") = nb::none(),
         "Lazy attention read from a paged K|V pool [slots, Hkv, 2D] through block tables, one "
         "query token per row (row r: sequence seqs[r], keys [0, lens[r])); q [N, H, D] -> "
         "[N, H, D]; CPU streams only.");
+  m.def("write_kv_quant", &write_kv_quant, nb::arg("dst"), nb::arg("slot_mapping"),
+        nb::arg("keys"), nb::arg("values"), nb::arg("kv_mode"),
+        nb::arg("rht_signs").none() = nb::none(), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "Lazy in-place quantizing K/V write into a quantized pool [slots, Hkv, cell bytes] "
+        "(kv_mode 1: int8_per_token_head, 2: int4_per_token_head, 3: fp8_per_token_head, vLLM's "
+        "formats); the result "
+        "shares dst's buffer.");
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 x @ w.T for x [M, K], w [N, K] without packing w (small M); CPU streams only.");

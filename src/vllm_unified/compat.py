@@ -36,6 +36,7 @@ _LAZY: dict[str, str] = {
     "SchedulerOutput": "vllm.v1.core.sched.output",
     "FullAttentionSpec": "vllm.v1.kv_cache_interface",
     "KVCacheConfig": "vllm.v1.kv_cache_interface",
+    "KVCacheGroupSpec": "vllm.v1.kv_cache_interface",
     "KVCacheTensor": "vllm.v1.kv_cache_interface",
     "MambaSpec": "vllm.v1.kv_cache_interface",
     "ModelRegistry": "vllm.model_executor.models",
@@ -90,7 +91,20 @@ _LAZY: dict[str, str] = {
     "get_kv_transfer_group": "vllm.distributed.kv_transfer",
     "init_distributed_environment": "vllm.distributed",
     "ensure_model_parallel_initialized": "vllm.distributed",
+    # Quantized KV cache formats (kv/quant.py): vLLM's names, dtypes and RHT signs.
+    "KVQuantMode": "vllm.v1.kv_cache_interface",
+    "get_kv_quant_mode": "vllm.v1.kv_cache_interface",
+    "STR_DTYPE_TO_TORCH_DTYPE": "vllm.utils.torch_utils",
+    "largest_power_of_2_divisor": "vllm.utils.math_utils",
 }
+
+
+def get_rht_signs(d: int, round_idx: int, device: str) -> Any:
+    """vLLM's deterministic +-1 RHT sign vector of length ``d`` for its int4 KV format
+    (``vllm.v1.attention.ops.int4_per_token_head._get_rht_signs``; private in vLLM 0.32)."""
+    from vllm.v1.attention.ops.int4_per_token_head import _get_rht_signs
+
+    return _get_rht_signs(d, round_idx, device)
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ from vllm_unified import compat, envs, patches, request_guard, request_policy, v
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
 from vllm_unified.kv.block_translation import KERNEL_BLOCK_SIZES, select_kernel_block_size
+from vllm_unified.kv.quant import kv_format
 from vllm_unified.offload.config import configure_kv_offloading
 
 if TYPE_CHECKING:
@@ -266,11 +267,17 @@ class MLXPlatform(Platform):
                 f"--block-size {cache.block_size}: must be a multiple of one of the MLX "
                 f"kernel block sizes {list(KERNEL_BLOCK_SIZES)}"
             )
-        if cache.cache_dtype not in ("auto", None):
-            raise ValueError(
-                f"--kv-cache-dtype {cache.cache_dtype}: vllm-unified stores the KV cache in the "
-                "model dtype; use auto"
-            )
+        # vLLM's quantized KV formats served here (kv/quant.py); the rest refused by name.
+        if kv_format(cache.cache_dtype).quantized:
+            if cache.kv_cache_dtype_skip_layers:
+                raise ValueError(
+                    f"--kv-cache-dtype-skip-layers {cache.kv_cache_dtype_skip_layers}: "
+                    "vllm-unified quantizes every attention layer (mixed KV precision is "
+                    "not implemented)")
+            if hybrid:
+                raise ValueError(
+                    f"--kv-cache-dtype {cache.cache_dtype}: hybrid (attention + state-space) "
+                    "models keep the model dtype here; use auto")
 
         # vLLM's OffloadingConnector with our spec and disk tier; other connectors refused.
         configure_kv_offloading(vllm_config)
@@ -386,7 +393,7 @@ def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
             "hidden-state proposers are not implemented yet)"
         )
     if spec.method == "draft_model":
-        _draft_model_policy(spec)
+        _draft_model_policy(spec, vllm_config.cache_config.cache_dtype)
     if hybrid:
         raise ValueError(
             "--speculative-config: speculative decoding with a hybrid attention + "
@@ -412,9 +419,10 @@ def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
     )
 
 
-def _draft_model_policy(spec: Any) -> None:
+def _draft_model_policy(spec: Any, cache_dtype: str | None) -> None:
     """``draft_model``: the MLX runner drafts greedily (vLLM's default ``draft_sample_method``)
-    one token per draft forward, with a draft of the target's vocabulary.
+    one token per draft forward, with a draft of the target's vocabulary whose KV pages have
+    the target's format (``cache_dtype``, its ``--kv-cache-dtype``: one KV cache group).
 
     Raises:
         ValueError: naming the ``--speculative-config`` field vllm-unified does not implement,
@@ -424,13 +432,14 @@ def _draft_model_policy(spec: Any) -> None:
         "draft_sample_method": spec.draft_sample_method != "greedy",
         "use_heterogeneous_vocab": bool(spec.use_heterogeneous_vocab),
         "parallel_drafting": bool(spec.parallel_drafting),
+        "kv_cache_dtype": spec.kv_cache_dtype not in (None, cache_dtype or "auto"),
     }
     bad = [name for name, set_ in unsupported.items() if set_]
     if bad:
         raise ValueError(
             f"--speculative-config method 'draft_model' with {', '.join(bad)}: not supported "
             "by vllm-unified (greedy drafts of a draft model with the target's vocabulary, "
-            "one token per draft forward)"
+            "one token per draft forward, KV pages in the target's --kv-cache-dtype)"
         )
     spec.verify_equal_vocab_size_if_draft_model()
 

@@ -29,7 +29,7 @@ from vllm_unified.attention.metadata import AttentionMetadata, Window
 
 def paged_attention_rows(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
-    window: Window,
+    window: Window, kv_mode: int = 0, rht_signs: mx.array | None = None,
 ) -> mx.array:
     """Every token row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V).
 
@@ -41,6 +41,10 @@ def paged_attention_rows(
         meta: the step's metadata (block tables, each row's sequence and position).
         scale: score multiplier.
         window: sliding window in tokens or None.
+        kv_mode: a quantized pool's format (:class:`vllm_unified.kv.quant.KVFormat`
+            ``native_mode``; 0: the pool holds the model dtype); the pool is then vLLM's page
+            bytes ``[slots, Hkv, cell bytes]`` and every cell is dequantized in registers.
+        rht_signs: vLLM's RHT signs (``int4_per_token_head``).
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
@@ -58,5 +62,6 @@ def paged_attention_rows(
     tokens, heads, _, dim = queries.shape
     tables, seqs, lens = meta.row_tables_seqs_lens()
     out = native.paged_attention(queries.reshape(tokens, heads, dim), kv_pool, tables, seqs,
-                                 lens, scale, meta.block_size, window or 0)
+                                 lens, scale, meta.block_size, window or 0, kv_mode=kv_mode,
+                                 rht_signs=rht_signs)
     return out.reshape(tokens, heads, 1, dim)

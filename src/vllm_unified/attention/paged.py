@@ -26,6 +26,7 @@ from vllm_unified.attention.metadata import AttentionMetadata, Window
 
 if TYPE_CHECKING:
     from vllm_unified.backend import BackendProfile
+    from vllm_unified.kv.quant import KVFormat
 
 #: Reads the keys and values at int32 pool rows ``[..., S]`` -> two ``[..., S, D]`` arrays.
 Gather = Callable[[mx.array], tuple[mx.array, mx.array]]
@@ -127,6 +128,8 @@ def paged_attention_kv(
     accelerate: bool = True,
     backend: BackendProfile | None = None,
     fresh: tuple[mx.array, mx.array] | None = None,
+    kv_format: KVFormat | None = None,
+    rht_signs: mx.array | None = None,
 ) -> mx.array:
     """:func:`paged_attention` over one pool holding K and V side by side.
 
@@ -146,9 +149,19 @@ def paged_attention_kv(
     ``fresh``: the layer's keys and values of this step (``[T, Hkv, 1, D]``, as written to the
     pool), or None.
 
+    ``kv_format``: a quantized format (:mod:`vllm_unified.kv.quant`) makes ``kv_pool`` vLLM's
+    page bytes ``[slots, Hkv, cell bytes]``; accelerated, the native CPU kernel reads them
+    (``rht_signs``: vLLM's RHT signs for int4); the reference dequantizes the whole pool
+    (:func:`vllm_unified.kv.quant.dequantize_pool`) and attends over it in fp32.
+
     Raises:
-        ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D``.
+        ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D`` (the
+            format's cell bytes).
+        RuntimeError: a quantized pool, accelerated, without the native CPU kernel.
     """
+    if kv_format is not None and kv_format.quantized:
+        return _quantized_attention(queries, kv_pool, meta, scale, window, accelerate,
+                                    backend, kv_format, rht_signs)
     if kv_pool.ndim != 3 or kv_pool.shape[-1] != 2 * queries.shape[-1]:
         raise ValueError(f"kv_pool must be [slots, Hkv, 2*{queries.shape[-1]}], "
                          f"got {kv_pool.shape}")
@@ -178,6 +191,41 @@ def paged_attention_kv(
         return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
 
     return _attend(queries, gather, kv_pool.shape[1], meta, scale, window)
+
+
+def _quantized_attention(
+    queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
+    window: int | None, accelerate: bool, backend: BackendProfile | None, fmt: KVFormat,
+    rht_signs: mx.array | None,
+) -> mx.array:
+    """:func:`paged_attention_kv` over a quantized pool (see there)."""
+    from vllm_unified.kv.quant import dequantize_pool
+
+    head_dim = queries.shape[-1]
+    if kv_pool.ndim != 3 or kv_pool.shape[-1] != fmt.cell_bytes(head_dim):
+        raise ValueError(f"a {fmt.name} pool must be [slots, Hkv, {fmt.cell_bytes(head_dim)}], "
+                         f"got {kv_pool.shape}")
+    half = (*kv_pool.shape[:2], head_dim)
+    _check_inputs(queries.shape, half, half, meta, window)
+    if not accelerate:
+        dense = dequantize_pool(kv_pool, fmt, head_dim)
+        return paged_attention_kv(queries.astype(mx.float32), dense, meta, scale, window,
+                                  accelerate=False).astype(queries.dtype)
+    if backend is None:
+        from vllm_unified.backend import profile
+
+        backend = profile()
+    if not _cpu_rows_kernel(backend):
+        raise RuntimeError(f"--kv-cache-dtype {fmt.name}: the quantized pages are read by the "
+                           "native CPU attention kernel, which this backend profile does not "
+                           "run (MLX's CPU backend with the native extension, "
+                           "VLLM_UNIFIED_CPU_ATTENTION on)")
+    if not meta.num_tokens:
+        return mx.zeros(queries.shape, dtype=queries.dtype)
+    from vllm_unified.attention.cpu_paged import paged_attention_rows
+
+    return paged_attention_rows(queries, kv_pool, meta, scale, window, fmt.native_mode,
+                                rht_signs)
 
 
 def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:

@@ -31,6 +31,7 @@ from vllm_unified.kv.block_translation import (
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.layer_cache import PagedLayerCache, StateLayerCache
 from vllm_unified.kv.pool import KVPool
+from vllm_unified.kv.quant import KVFormat, attention_spec, kv_format, tokens_per_gib
 from vllm_unified.kv.state_pages import StatePages, StateStore, build_state_metadata, page_rows
 from vllm_unified.memory.wired import prepare_kv_adoption
 
@@ -44,11 +45,19 @@ def layer_name(i: int) -> str:
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """What every attention layer's pages hold: KV heads, head size and vLLM's torch dtype."""
+    """What every attention layer's pages hold: KV heads, head size, the model's torch dtype
+    and ``--kv-cache-dtype`` (``auto``: the model dtype; else a quantized format of
+    :mod:`vllm_unified.kv.quant`)."""
 
     num_kv_heads: int
     head_size: int
     dtype: Any
+    cache_dtype: str = "auto"
+
+    @property
+    def fmt(self) -> KVFormat:
+        """The pages' format (ValueError naming the flag for one not served)."""
+        return kv_format(self.cache_dtype, self.head_size)
 
 
 class KVCache:
@@ -60,6 +69,10 @@ class KVCache:
         shape: the attention pages' shape.
         windows: sliding window (tokens) per attention layer index, None for full attention.
         dtype: the model's MLX compute dtype (an MLX-owned pool's dtype).
+
+    Raises:
+        ValueError: a quantized ``--kv-cache-dtype`` on a backend whose attention does not
+            read quantized pages (only the native CPU kernel does), or for a hybrid model.
     """
 
     def __init__(self, profile: BackendProfile, layers: HybridLayers, shape: AttentionShape,
@@ -69,6 +82,17 @@ class KVCache:
         self.shape = shape
         self.windows = windows
         self.dtype = dtype
+        #: the pages' format (vLLM's --kv-cache-dtype)
+        self.fmt = shape.fmt
+        if self.fmt.quantized and not (profile.cpu_attention and profile.kv_pool == "torch_shared"):
+            raise ValueError(
+                f"--kv-cache-dtype {self.fmt.name}: quantized KV pages are written and read by "
+                f"the native CPU kernels only (MLX's CPU backend with the native extension; "
+                f"this is the {profile.kind} backend, CPU attention "
+                f"{'on' if profile.cpu_attention else 'off'}); use auto")
+        if self.fmt.quantized and layers.is_hybrid:
+            raise ValueError(f"--kv-cache-dtype {self.fmt.name}: hybrid models keep the model "
+                             "dtype; use auto")
         self.pool: KVPool | None = None
         self.store: StateStore | None = None
         #: one cache per model layer (attention or state pages), what mlx-lm's forward takes
@@ -91,8 +115,8 @@ class KVCache:
         window: vLLM keeps blocks for all tokens, the attention applies the window) and one
         ``MambaSpec`` per recurrent layer of a hybrid model."""
         specs: dict[str, KVCacheSpec] = {
-            layer_name(i): FullAttentionSpec(
-                block_size=block_size, num_kv_heads=self.shape.num_kv_heads,
+            layer_name(i): attention_spec(
+                self.fmt, block_size=block_size, num_kv_heads=self.shape.num_kv_heads,
                 head_size=self.shape.head_size, dtype=self.shape.dtype,
                 sliding_window=self.windows[i],
             )
@@ -147,6 +171,9 @@ class KVCache:
             f"{len(groups) - 1} state groups" if self.layers.is_hybrid else "",
             self.pool.nbytes / 2**30, self._describe_pool(),
         )
+        logger.info("vllm-unified: KV format %s, %s tokens per GiB of KV (%s)",
+                    self.describe_format(), f"{self.tokens_per_gib():,.0f}",
+                    f"{kv_cache_config.num_blocks * spec.block_size:,} tokens in the pool")
 
     def _allocate(self, kv_cache_config: KVCacheConfig, spec: Any, names: list[str],
                   layout: str) -> None:
@@ -172,7 +199,8 @@ class KVCache:
             write = self.profile.kv_write
             self._views = {n: views[n] for n in names}
             self.pool = KVPool(arrays[:len(names)], spec.block_size, shared=True,
-                               torch_views=[views[n] for n in names], buffer=buf, write=write)
+                               torch_views=[views[n] for n in names], buffer=buf, write=write,
+                               fmt=self.fmt, head_size=self.shape.head_size)
             if state:
                 pages = {i: StatePages(arr, fields, shared=True, write=write)
                          for (i, (_, _, fields)), arr in zip(state.items(), arrays[len(names):],
@@ -202,6 +230,21 @@ class KVCache:
         storage = rows[0].untyped_storage().nbytes()
         prepare_kv_adoption(mx, storage, logger)
         return import_views(rows, max_chunk=max_chunk)
+
+    def tokens_per_gib(self) -> float:
+        """KV tokens one GiB of pool holds over all attention layers, in this format."""
+        return tokens_per_gib(self.fmt, len(self.layers.attention), self.shape.num_kv_heads,
+                              self.shape.head_size, self.shape.dtype.itemsize)
+
+    def describe_format(self) -> str:
+        """The KV format for the start-up log."""
+        d = self.shape.head_size
+        if not self.fmt.quantized:
+            return (f"{str(self.shape.dtype).removeprefix('torch.')} (the model dtype, "
+                    f"{2 * d * self.shape.dtype.itemsize} bytes per token and KV head)")
+        return (f"{self.fmt.name} (vLLM's page layout, {self.fmt.cell_bytes(d)} bytes per "
+                "token and KV head, quantized in place by the native write, read by the "
+                "native paged attention)")
 
     def _describe_pool(self) -> str:
         if not self.pool.shared:
@@ -291,7 +334,7 @@ class KVCache:
                                                                    "metal_kernel") else "scatter"
         pool = KVPool.allocate_mlx(len(self.layers.attention), blocks, block_size,
                                    self.shape.num_kv_heads, self.shape.head_size, self.dtype,
-                                   write=write)
+                                   write=write, fmt=self.fmt)
         store = self.layers.temp_store(vllm_config, 2)
         table = np.arange(1, blocks, dtype=np.int32)[None]
         ctx = self._context([num_tokens], [num_tokens], table, None, block_size, None, store)

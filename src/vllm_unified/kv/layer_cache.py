@@ -76,7 +76,8 @@ class PagedLayerCache:
         result), which a GPU kernel may attend directly for chunks with no earlier context.
         See :func:`vllm_unified.attention.paged.paged_attention_kv`."""
         return paged_attention_kv(queries, self._arrays()[self.layer], get_step_context().attn,
-                                  scale, window, backend=self.backend, fresh=fresh)
+                                  scale, window, backend=self.backend, fresh=fresh,
+                                  kv_format=self.pool.fmt, rht_signs=self.pool.signs)
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803

@@ -18,6 +18,7 @@ import numpy as np
 
 from vllm_unified.backend import KVWritePath
 from vllm_unified.kv.gpu_write import write_kv_gpu
+from vllm_unified.kv.quant import KVFormat, rht_signs
 
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 
@@ -82,18 +83,35 @@ class KVPool:
     cache's current arrays: a write rebinds its entry to the written array (the same buffer),
     so later readers are ordered after the write.
 
+    ``fmt``: a quantized KV format (:mod:`vllm_unified.kv.quant`) makes ``kv[l]`` vLLM's
+    quantized page bytes ``[slots, Hkv, cell bytes]`` (int8 / uint8), written by the native
+    quantizing write (``write_kv_quant``, in place; write path ``native_rows``, MLX's CPU
+    backend only) and read by the native paged attention; ``head_size`` is then required.
+
     Raises:
         ValueError: a shared pool with a write path that would not write in place
-            (``scatter``, ``cuda_kernel``).
+            (``scatter``, ``cuda_kernel``); a quantized format on another write path or
+            without ``head_size``.
     """
 
     def __init__(self, kv: list[mx.array], block_size: int, *, shared: bool,
                  torch_views: list | None = None, buffer: object = None,
-                 write: KVWritePath | None = None) -> None:
-        write = write or ("native_rows" if shared else "scatter")
+                 write: KVWritePath | None = None, fmt: KVFormat | None = None,
+                 head_size: int | None = None) -> None:
+        fmt = fmt or KVFormat()
+        write = write or ("native_rows" if shared or fmt.quantized else "scatter")
         if shared and write not in ("native_rows", "metal_kernel"):
             raise ValueError(f"a KV pool shared with torch cannot be written by {write}: "
                              "only native_rows / metal_kernel write it in place")
+        if fmt.quantized and (write != "native_rows" or head_size is None):
+            raise ValueError(f"--kv-cache-dtype {fmt.name}: the quantized KV pool is written "
+                             "by the native CPU kernel (MLX's CPU backend with the native "
+                             f"extension); write path {write}, head size {head_size}")
+        #: the pages' format (the model dtype unless --kv-cache-dtype quantizes)
+        self.fmt = fmt
+        self.head_size = head_size
+        #: vLLM's RHT signs (int4), an input of the write and the attention
+        self.signs = rht_signs(head_size) if fmt.rotated else None
         self.kv = kv
         self.block_size = block_size
         self.num_blocks = kv[0].shape[0] // block_size
@@ -118,15 +136,20 @@ class KVPool:
     def allocate_mlx(
         cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
         head_dim: int, dtype: mx.Dtype, cuda_write: bool | None = None,
-        write: KVWritePath | None = None,
+        write: KVWritePath | None = None, fmt: KVFormat | None = None,
     ) -> KVPool:
         """MLX-owned pool, one array per layer, zero-filled then handed back page by page.
 
         ``write``: the write path (``scatter``, or an in-place kernel: ``cuda_kernel``,
         ``metal_kernel``, ``native_rows``). Without it, ``cuda_write`` picks the CUDA kernel or
         the scatter; with neither, the backend profile's ``kv_write`` decides (the CUDA kernel
-        where it says so, else the scatter)."""
+        where it says so, else the scatter). A quantized ``fmt`` holds its cells as uint8
+        bytes and is written by the native quantizing write."""
+        fmt = fmt or KVFormat()
         shape = (num_blocks * block_size, num_kv_heads, 2 * head_dim)
+        if fmt.quantized:
+            shape, dtype, write = shape[:2] + (fmt.cell_bytes(head_dim),), mx.uint8, \
+                "native_rows"
         kv = []
         # One array at a time: MLX's zero fill commits every page it writes, so hand the pages
         # back before allocating the next one; start-up RSS then stays flat.
@@ -141,11 +164,12 @@ class KVPool:
 
                 cuda_write = profile().kv_write == "cuda_kernel"
             write = "cuda_kernel" if cuda_write else "scatter"
-        return cls(kv, block_size, shared=False, write=write)
+        return cls(kv, block_size, shared=False, write=write, fmt=fmt, head_size=head_dim)
 
     @classmethod
     def from_torch_views(cls, views: list, block_size: int, buffer: object = None, *,
-                         write: KVWritePath = "native_rows", max_chunk: int | None = None
+                         write: KVWritePath = "native_rows", max_chunk: int | None = None,
+                         fmt: KVFormat | None = None, head_size: int | None = None
                          ) -> KVPool:
         """Import vLLM-layout torch views (``[B, H, N, C]``, LBNHC strides, one per layer, in
         model layer order) as MLX arrays sharing their bytes.
@@ -164,7 +188,7 @@ class KVPool:
 
         kv = import_views([slot_major(v) for v in views], max_chunk=max_chunk)
         return cls(kv, block_size, shared=True, torch_views=list(views), buffer=buffer,
-                   write=write)
+                   write=write, fmt=fmt, head_size=head_size)
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +207,18 @@ class KVPool:
         default: this pool's own :attr:`kv`."""
         kv = self.kv if arrays is None else arrays
         dst = kv[layer]
+        if self.fmt.quantized:
+            from vllm_unified import bridge
+
+            if keys.ndim == 4:
+                keys, values = keys.squeeze(2), values.squeeze(2)
+            native = bridge.native_kernels()
+            if native is None:
+                raise RuntimeError(f"--kv-cache-dtype {self.fmt.name} needs the native CPU "
+                                   "extension (see bridge.native_error)")
+            kv[layer] = native.write_kv_quant(dst, slot_mapping, keys, values,
+                                              self.fmt.native_mode, self.signs)
+            return
         if keys.dtype != dst.dtype:
             keys, values = keys.astype(dst.dtype), values.astype(dst.dtype)
         if self.write_path in ("cuda_kernel", "metal_kernel"):
@@ -218,6 +254,14 @@ class KVPool:
             return
         slots = (mx.array(block_ids, dtype=mx.int32)[:, None] * self.block_size
                  + mx.arange(self.block_size, dtype=mx.int32)[None]).reshape(-1)
+        if self.fmt.quantized:  # zero bytes, as vLLM zeroes its pages
+            from vllm_unified.bridge import write_rows
+
+            for layer, arr in enumerate(self.kv):
+                rows = mx.zeros((slots.size, *arr.shape[1:]), dtype=arr.dtype)
+                self.kv[layer] = write_rows(arr, slots, rows)
+            mx.eval(self.kv)
+            return
         for layer, arr in enumerate(self.kv):
             half = arr.shape[-1] // 2
             zeros = mx.zeros((slots.size, arr.shape[1], half), dtype=arr.dtype)

@@ -70,6 +70,8 @@ def configure_kv_offloading(vllm_config: Any) -> None:
         extra["kv_geometry"] = {
             "num_kv_heads": model.get_num_kv_heads(parallel), "head_size": model.get_head_size(),
             "block_size": cache.block_size,
+            # the pages' format: a file of one --kv-cache-dtype never loads into another
+            "kv_cache_dtype": cache.cache_dtype or "auto",
         }
     kvt.kv_connector = CONNECTOR
     kvt.kv_role = kvt.kv_role or "kv_both"

@@ -59,6 +59,9 @@ def split_kv_cache_config(config: KVCacheConfig, draft_names: set[str]
     groups = [g for g in config.kv_cache_groups if draft_names & set(g.layer_names)]
     if len(groups) != 1:
         raise ValueError(f"draft layers in {len(groups)} KV cache groups (one expected)")
+    if not set(groups[0].layer_names) - draft_names:
+        raise ValueError("the draft's KV cache group holds no target layer: the draft would "
+                         "not share the target's block table")
 
     def group_part(g: Any, names: list[str], strip: bool) -> Any:
         spec = g.kv_cache_spec
@@ -139,7 +142,10 @@ class DraftModel:
                              "model is not supported by vllm-unified")
         install_paged_attention(self.model, layers.recurrent)
         pc = self.vllm_config.parallel_config
-        shape = AttentionShape(mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype)
+        cache_dtype = (self.vllm_config.speculative_config.kv_cache_dtype
+                       or self.vllm_config.cache_config.cache_dtype or "auto")
+        shape = AttentionShape(mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
+                               cache_dtype)
         for i in layers.attention:
             attn = getattr(self.model.layers[i], "self_attn", None)
             if getattr(self.model.layers[i], "use_sliding", False) or getattr(

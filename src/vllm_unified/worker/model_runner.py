@@ -248,7 +248,8 @@ class MLXModelRunner:
             )
         pc = self.vllm_config.parallel_config
         shape = AttentionShape(self.model_config.get_num_kv_heads(pc),
-                               self.model_config.get_head_size(), self.model_config.dtype)
+                               self.model_config.get_head_size(), self.model_config.dtype,
+                               self.vllm_config.cache_config.cache_dtype or "auto")
         windows = {i: self._window(i) for i in self.layers.attention}
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype)
         if self.draft is not None:

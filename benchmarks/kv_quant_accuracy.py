@@ -1,0 +1,138 @@
+"""Accuracy of the quantized KV formats: perplexity on real English text and greedy outputs,
+each ``--kv-cache-dtype`` against the unquantized cache (the model dtype, fp32 here).
+
+* **Text**: the topics of Python's own documentation that ship with every CPython
+  (the stdlib package ``pydoc_data``, ``pydoc_data.topics.topics``, the values in key order,
+  joined by blank lines), tokenized by the model's tokenizer; the first
+  ``--windows x --window`` tokens (default 20 x 1,024 = 20,480) cut into windows, each scored
+  as its own prompt with vLLM's ``prompt_logprobs=0`` (the logprob of every prompt token but
+  the first). Perplexity = exp(mean negative logprob) over all scored tokens. Every prompt
+  token attends over the quantized pages (the paged attention reads the pool for prefill rows
+  too), so the figure carries the cache's error.
+* **Greedy**: the 8 prompts of :data:`PROMPTS`, 32 tokens each, temperature 0.
+
+Targets (issue 18): perplexity rises by at most 1% with ``int8_per_token_head`` and 5% with
+``int4_per_token_head``; int8's greedy tokens equal the unquantized cache's for all 32 tokens
+of every prompt. Each (model, format) is its own engine process. Prints a table, exits 1 when a
+target is missed, writes ``benchmarks/results/kv_quant_accuracy-<ts>.json``.
+
+    .venv/bin/python benchmarks/kv_quant_accuracy.py                 # SmolLM2 (~2 min, 2 cores)
+    .venv/bin/python benchmarks/kv_quant_accuracy.py --qwen-gguf PATH  # and Qwen2.5-Coder-0.5B
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kv_quant_models import models  # noqa: E402
+from run_env import run_child, versions  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head")
+PPL_TARGETS = {"int8_per_token_head": 0.01, "int4_per_token_head": 0.05}
+GREEDY_EXACT = ("int8_per_token_head",)
+GREEDY_TOKENS = 32
+PROMPTS = [
+    "The capital of France is",
+    "The largest planet is",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one paragraph.",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "Translate to French: The weather is nice today.",
+]
+
+
+def english_text() -> str:
+    """Python's documentation topics (stdlib ``pydoc_data.topics``), key order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def child(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    from vllm_unified.models.gguf_dir import prepare_gguf_dir
+
+    spec = json.loads(Path(spec_path).read_text())
+    window, windows = spec["window"], spec["windows"]
+    llm = LLM(model=str(prepare_gguf_dir(Path(spec["gguf"]))), dtype="float32",
+              kv_cache_dtype=spec["format"], max_model_len=max(2048, window + 64),
+              kv_cache_memory_bytes=1 << 30, seed=0)
+    ids = llm.get_tokenizer().encode(english_text(), add_special_tokens=False)
+    if len(ids) < window * windows:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {window * windows}")
+    prompts = [{"prompt_token_ids": ids[i * window:(i + 1) * window]} for i in range(windows)]
+    scored = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                  temperature=0), use_tqdm=False)
+    nll, n = 0.0, 0
+    for res, prompt in zip(scored, prompts, strict=True):
+        for tok, step in zip(prompt["prompt_token_ids"][1:], res.prompt_logprobs[1:],
+                             strict=True):
+            nll -= step[tok].logprob
+            n += 1
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS,
+                                                  ignore_eos=True), use_tqdm=False)
+    Path(out_path).write_text(json.dumps({
+        "scored_tokens": n, "nll": nll, "ppl": math.exp(nll / n),
+        "greedy": [list(r.outputs[0].token_ids) for r in greedy],
+        "greedy_text": [r.outputs[0].text for r in greedy]}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--qwen-gguf", help="also Qwen2.5-Coder-0.5B-Instruct q4_k_m (GGUF path)")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--windows", type=int, default=20)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    ts = datetime.now().strftime("%Y%m%d-%H%M%S")
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    results: dict = {"versions": versions(), "text": "pydoc_data.topics (CPython stdlib)",
+                     "window": args.window, "windows": args.windows, "models": {}}
+    ok = True
+    for name, gguf in models(args.qwen_gguf).items():
+        rows = {}
+        for fmt in FORMATS:
+            rows[fmt] = run_child(__file__, f"kv_quant_accuracy-{ts}-{name}-{fmt}",
+                                  {"gguf": str(gguf), "format": fmt, "window": args.window,
+                                   "windows": args.windows}, env, 1800, "KV format")
+        base = rows["auto"]
+        print(f"{name}: {base['scored_tokens']:,} tokens scored")
+        for fmt, row in rows.items():
+            rise = row["ppl"] / base["ppl"] - 1
+            same = [a == b for a, b in zip(row["greedy"], base["greedy"], strict=True)]
+            first_diff = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y),
+                               None) for a, b in zip(row["greedy"], base["greedy"], strict=True)]
+            row.update(ppl_rise=rise, greedy_identical=sum(same), first_divergence=first_diff)
+            target = PPL_TARGETS.get(fmt)
+            ppl_ok = target is None or rise <= target
+            greedy_ok = fmt not in GREEDY_EXACT or all(same)
+            ok &= ppl_ok and greedy_ok
+            print(f"  {fmt:22s} ppl {row['ppl']:8.4f} ({rise:+.2%}"
+                  f"{'' if target is None else f', target <= +{target:.0%}'}"
+                  f"{'' if ppl_ok else ' MISSED'}); greedy identical {sum(same)}/8 x "
+                  f"{GREEDY_TOKENS} tokens{'' if greedy_ok else ' MISSED'}; first divergence "
+                  f"{first_diff}")
+        results["models"][name] = rows
+    path = REPO / "benchmarks" / "results" / f"kv_quant_accuracy-{ts}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Quantized KV cache formats: vLLM's own ``--kv-cache-dtype`` per-token-head pages.
+
+vLLM 0.32 defines the formats (``vllm/v1/kv_cache_interface.py`` ``KVQuantMode``,
+``get_kv_quant_mode``; ``vllm/config/cache.py`` ``CacheDType``) and, for its Triton attention
+backend, their page layout (``TritonAttentionBackend.customize_spec``,
+``TritonAttentionImpl._ensure_scale_caches``). Each (slot, KV head) cell of a layer's page holds
+``[K data | K scale (fp32) | V data | V scale (fp32)]``, in bytes:
+
+* ``int8_per_token_head``: ``D`` int8 per side, scale ``max(|x|) / 127`` (at least 1e-6),
+  ``q = clamp(round_half_away(x * (1 / scale)), -128, 127)``; storage dtype ``torch.int8``.
+* ``fp8_per_token_head``: as int8 with float8 e4m3fn values: scale ``max(|x|) / 448``,
+  ``q = fp8(clamp(x * (1 / scale), -448, 448))`` (round to nearest even); storage
+  ``torch.uint8``. MLX has no fp8 dtype: the pages are bytes, which the native kernels encode
+  and decode themselves.
+* ``int4_per_token_head``: the side first rotated by vLLM's randomized Hadamard transform
+  (``single_rht``: fixed +-1 signs, then the unnormalised Walsh-Hadamard butterfly, block-diagonal
+  over the largest power-of-two divisor ``b`` of ``D``), then asymmetric 4-bit:
+  ``scale = max((max - min) / 15, 1e-6)``, zero point ``zp = clamp(round_half_away(-min /
+  scale), 0, 15)``, ``q = clamp(round_half_away(x * (1 / scale) + zp), 0, 15)``, two values per
+  byte (even element in the low nibble), ``D / 2`` bytes per side; the zero point is stored in
+  the scale's low 4 mantissa bits. Queries are rotated the same way, the softmax scale is
+  divided by ``b`` and the output rotated back and divided by ``b``. Storage ``torch.uint8``.
+
+So the pages are vLLM's bytes: its block accounting (``page_size_bytes``), prefix caching and
+the offloading tiers carry them unchanged. The native CPU kernels write them
+(``write_kv_quant``, in place) and attend over them directly (``paged_attention`` with
+``kv_mode``), each cell dequantized in registers. :func:`dequantize_pool` is the pure-MLX
+dequantization the reference attention reads in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+#: ``--kv-cache-dtype`` values served, in the order the errors list them.
+SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8_per_token_head",
+                                              "int4_per_token_head", "fp8_per_token_head")
+
+#: the native kernels' numbering of the formats (native/src/cpu_kvquant.h ``KVMode``)
+_NATIVE_MODE = {"auto": 0, "int8_per_token_head": 1, "int4_per_token_head": 2,
+                "fp8_per_token_head": 3}
+
+#: Bytes of one fp32 scale per side of a cell.
+_SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How the attention pages hold K and V.
+
+    Attributes:
+        name: the ``--kv-cache-dtype`` value (``auto``: the model dtype, unquantized).
+        native_mode: the native kernels' format number (0: dense).
+    """
+
+    name: str = "auto"
+    native_mode: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.native_mode != 0
+
+    @property
+    def rotated(self) -> bool:
+        """Sides are Hadamard-rotated before quantization (int4)."""
+        return self.name == "int4_per_token_head"
+
+    def data_bytes(self, head_size: int) -> int:
+        """Bytes of one side's (K or V) data in a cell (quantized formats)."""
+        return head_size // 2 if self.rotated else head_size
+
+    def cell_bytes(self, head_size: int) -> int:
+        """Bytes of one (slot, KV head) cell: both sides' data and scales (quantized)."""
+        return 2 * (self.data_bytes(head_size) + _SCALE_BYTES)
+
+    def bytes_per_token_head(self, head_size: int, model_dtype_size: int) -> int:
+        """Bytes one token takes per KV head and layer in this format."""
+        if not self.quantized:
+            return 2 * head_size * model_dtype_size
+        return self.cell_bytes(head_size)
+
+
+def kv_format(cache_dtype: str | None, head_size: int | None = None) -> KVFormat:
+    """The format of ``--kv-cache-dtype`` ``cache_dtype``.
+
+    Raises:
+        ValueError: a value this platform does not serve (naming the flag and the supported
+            values; vLLM's fp8 and TurboQuant formats among them), or a head size the quantized
+            kernels do not take (a multiple of 8 up to 512).
+    """
+    name = cache_dtype or "auto"
+    if name not in _NATIVE_MODE:
+        raise ValueError(
+            f"--kv-cache-dtype {name}: not supported by vllm-unified (per-tensor fp8 and the "
+            "TurboQuant, NVFP4 and UltraQuant formats are not implemented); "
+            f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+    fmt = KVFormat(name, _NATIVE_MODE[name])
+    if fmt.quantized and head_size is not None and (head_size % 8 or head_size > 512):
+        raise ValueError(f"--kv-cache-dtype {name}: head size {head_size} is not supported "
+                         "by the quantized KV kernels (a multiple of 8, at most 512)")
+    return fmt
+
+
+def storage_dtype(fmt: KVFormat) -> Any:
+    """vLLM's torch dtype of the pages (``STR_DTYPE_TO_TORCH_DTYPE``) for a quantized format."""
+    from vllm_unified import compat
+
+    return compat.STR_DTYPE_TO_TORCH_DTYPE[fmt.name]
+
+
+def quant_mode(fmt: KVFormat) -> Any:
+    """vLLM's ``KVQuantMode`` of the format (``get_kv_quant_mode``)."""
+    from vllm_unified import compat
+
+    return compat.get_kv_quant_mode(fmt.name)
+
+
+@lru_cache(maxsize=8)
+def _signs_list(head_size: int) -> tuple[float, ...]:
+    from vllm_unified import compat
+
+    block = compat.largest_power_of_2_divisor(head_size)
+    return tuple(float(s) for s in compat.get_rht_signs(block, 0, "cpu").tolist())
+
+
+def rht_signs(head_size: int) -> Any:
+    """vLLM's RHT signs for ``head_size`` (fp32 ``[b]``, ``b`` the largest power-of-two
+    divisor of the head size; vLLM's ``_get_rht_signs(b, 0)``), as an MLX array."""
+    import mlx.core as mx
+
+    return mx.array(_signs_list(head_size), dtype=mx.float32)
+
+
+def _e4m3_table() -> Any:
+    """Every float8 e4m3fn byte's value, decoded by torch (``torch.float8_e4m3fn``)."""
+    import mlx.core as mx
+    import torch
+
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return mx.array(table.numpy())
+
+
+def _butterfly(x: Any) -> Any:
+    """vLLM's ``fast_hadamard_transform`` CPU butterfly over the last axis (a power of two)."""
+    import mlx.core as mx
+
+    d = x.shape[-1]
+    h = 1
+    while h < d:
+        xv = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        a, b = xv[..., 0, :], xv[..., 1, :]
+        x = mx.stack([a + b, a - b], axis=-2).reshape(*x.shape[:-1], d)
+        h *= 2
+    return x
+
+
+def unrotate(x: Any, head_size: int) -> Any:
+    """Undo vLLM's ``single_rht`` (``x`` fp32 ``[..., D]`` rotated): ``single_rht(x,
+    inverse=True) / b``, pure MLX."""
+    signs = rht_signs(head_size)
+    block = signs.shape[0]
+    lead = x.shape[:-1]
+    y = _butterfly(x.reshape(*lead, head_size // block, block)) * signs
+    return (y / block).reshape(*lead, head_size)
+
+
+def dequantize_pool(pool: Any, fmt: KVFormat, head_size: int) -> Any:
+    """A quantized layer pool ``[slots, Hkv, cell bytes]`` (int8/uint8) as fp32
+    ``[slots, Hkv, 2 * D]`` K|V rows, pure MLX (the reference attention's input in tests;
+    int4 rotated back to the model's basis). Materialises the whole pool: never on the serving
+    path.
+
+    Raises:
+        ValueError: the pool's last axis is not the format's cell size.
+    """
+    import mlx.core as mx
+
+    if pool.shape[-1] != fmt.cell_bytes(head_size):
+        raise ValueError(f"pool cells of {pool.shape[-1]} bytes, expected "
+                         f"{fmt.cell_bytes(head_size)} for {fmt.name} and head size "
+                         f"{head_size}")
+    u8 = pool.view(mx.uint8)
+    dk = fmt.data_bytes(head_size)
+    sides = []
+    for side in range(2):
+        base = side * (dk + _SCALE_BYTES)
+        data = u8[..., base:base + dk]
+        word = mx.contiguous(u8[..., base + dk:base + dk + _SCALE_BYTES]).view(mx.uint32)
+        if fmt.rotated:
+            lo, hi = data & 15, data >> 4
+            nib = mx.stack([lo, hi], axis=-1).reshape(*data.shape[:-1], head_size)
+            zp = (word & 15).astype(mx.float32)
+            scale = (word & mx.array(0xFFFFFFF0, dtype=mx.uint32)).view(mx.float32)
+            x = (nib.astype(mx.float32) - zp) * scale
+            x = unrotate(x, head_size)
+        elif fmt.name == "fp8_per_token_head":
+            scale = word.view(mx.float32)
+            x = _e4m3_table()[data.astype(mx.int32)] * scale
+        else:
+            scale = word.view(mx.float32)
+            x = mx.contiguous(data).view(mx.int8).astype(mx.float32) * scale
+        sides.append(x)
+    return mx.concatenate(sides, axis=-1)
+
+
+def tokens_per_gib(fmt: KVFormat, num_layers: int, num_kv_heads: int, head_size: int,
+                   model_dtype_size: int) -> float:
+    """KV tokens one GiB holds in this format over all attention layers."""
+    per_token = num_layers * num_kv_heads * fmt.bytes_per_token_head(head_size,
+                                                                      model_dtype_size)
+    return 2**30 / per_token
+
+
+def attention_spec(fmt: KVFormat, *, block_size: int, num_kv_heads: int, head_size: int,
+                   dtype: Any, sliding_window: int | None = None) -> Any:
+    """vLLM's ``FullAttentionSpec`` of one attention layer in this format: the model dtype
+    ``dtype`` unquantized, else vLLM's storage dtype, ``kv_quant_mode`` and packed cell size
+    (``state_content_bytes``, what ``TritonAttentionBackend.customize_spec`` sets:
+    ``(data_k + data_v) + 2 * 4`` bytes), so ``page_size_bytes`` is vLLM's."""
+    from vllm_unified import compat
+
+    if not fmt.quantized:
+        return compat.FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
+                                        head_size=head_size, dtype=dtype,
+                                        sliding_window=sliding_window)
+    return compat.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+        dtype=storage_dtype(fmt), sliding_window=sliding_window,
+        kv_quant_mode=quant_mode(fmt), state_content_bytes=fmt.cell_bytes(head_size))
