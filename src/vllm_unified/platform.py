@@ -389,9 +389,11 @@ def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
     if spec.method not in SUPPORTED_METHODS:
         raise ValueError(
             f"--speculative-config method {spec.method!r}: vllm-unified implements "
-            f"{', '.join(repr(m) for m in SUPPORTED_METHODS)} (draft-model, EAGLE and MTP "
-            "proposers are not implemented yet)"
+            f"{', '.join(repr(m) for m in SUPPORTED_METHODS)} (EAGLE, MTP and the other "
+            "hidden-state proposers are not implemented yet)"
         )
+    if spec.method == "draft_model":
+        _draft_model_policy(spec, vllm_config.cache_config.cache_dtype)
     if hybrid:
         raise ValueError(
             "--speculative-config: speculative decoding with a hybrid attention + "
@@ -415,6 +417,31 @@ def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
         f" (n-gram {spec.prompt_lookup_min}..{spec.prompt_lookup_max})"
         if spec.method == "ngram" else "",
     )
+
+
+def _draft_model_policy(spec: Any, cache_dtype: str | None) -> None:
+    """``draft_model``: the MLX runner drafts greedily (vLLM's default ``draft_sample_method``)
+    one token per draft forward, with a draft of the target's vocabulary whose KV pages have
+    the target's format (``cache_dtype``, its ``--kv-cache-dtype``: one KV cache group).
+
+    Raises:
+        ValueError: naming the ``--speculative-config`` field vllm-unified does not implement,
+            or vLLM's own message for a vocabulary size mismatch.
+    """
+    unsupported = {
+        "draft_sample_method": spec.draft_sample_method != "greedy",
+        "use_heterogeneous_vocab": bool(spec.use_heterogeneous_vocab),
+        "parallel_drafting": bool(spec.parallel_drafting),
+        "kv_cache_dtype": spec.kv_cache_dtype not in (None, cache_dtype or "auto"),
+    }
+    bad = [name for name, set_ in unsupported.items() if set_]
+    if bad:
+        raise ValueError(
+            f"--speculative-config method 'draft_model' with {', '.join(bad)}: not supported "
+            "by vllm-unified (greedy drafts of a draft model with the target's vocabulary, "
+            "one token per draft forward, KV pages in the target's --kv-cache-dtype)"
+        )
+    spec.verify_equal_vocab_size_if_draft_model()
 
 
 def _unsupported_sampling(p: Any) -> dict[str, bool]:

@@ -57,6 +57,7 @@ from vllm_unified.models.routing import install_paged_attention, install_recurre
 from vllm_unified.offload.runner import KVConnectorHooks
 from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode
+from vllm_unified.worker.draft_model import DraftModel, split_kv_cache_config
 from vllm_unified.worker.encode_thread import EncodeThread
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch, split_groups
 from vllm_unified.worker.sampler import SamplingRow, sample
@@ -186,8 +187,12 @@ class MLXModelRunner:
         self.vllm_sampling = VllmSampling(vllm_config)
         #: speculative decoding (vLLM's proposer and rejection sampler), None without it
         self.spec: SpecDecoder | None = None
+        #: the draft model of method ``draft_model`` (its own KV cache), else None
+        self.draft: DraftModel | None = None
         if vllm_config.speculative_config is not None:
-            self.spec = SpecDecoder(vllm_config, self.vllm_sampling.sampler)
+            if vllm_config.speculative_config.method == "draft_model":
+                self.draft = DraftModel(vllm_config, backend)
+            self.spec = SpecDecoder(vllm_config, self.vllm_sampling.sampler, self.draft)
             logger.info("vllm-unified: speculative decoding, %s; every request is sampled "
                         "by vLLM's rejection sampler", self.spec.describe())
         if self.vllm_sampling.custom_logitsprocs:
@@ -247,6 +252,10 @@ class MLXModelRunner:
                                self.vllm_config.cache_config.cache_dtype or "auto")
         windows = {i: self._window(i) for i in self.layers.attention}
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype)
+        if self.draft is not None:
+            self.draft.load(
+                _checkpoint_path(self.draft.model_config.model),
+                keep_quantized=self.backend.keep_quantized or keep_quantized_on_cpu(self.dtype))
         logger.info(
             "vllm-unified: loaded %s (%s, %d layers, dtype %s, quantized=%s) in %.2f s; "
             "paged attention routed in %s; native CPU kernels: %s; fused projections: %s",
@@ -274,13 +283,20 @@ class MLXModelRunner:
         return None
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """vLLM's per-layer KV cache specs (:meth:`KVCache.kv_cache_spec`)."""
-        return self.kv_cache.kv_cache_spec(self.block_size, self.vllm_config)
+        """vLLM's per-layer KV cache specs (:meth:`KVCache.kv_cache_spec`), with the draft
+        model's layers (``draft_model.`` names) as vLLM's GPU runner reports them."""
+        specs = self.kv_cache.kv_cache_spec(self.block_size, self.vllm_config)
+        if self.draft is not None:
+            specs.update(self.draft.kv_cache_spec(self.block_size))
+        return specs
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one KV block takes over all attention layers (:meth:`KVCache.
         bytes_per_block`)."""
-        return self.kv_cache.bytes_per_block(self.block_size, self.vllm_config)
+        draft = 0
+        if self.draft is not None:
+            draft = self.draft.kv_cache.bytes_per_block(self.block_size, self.vllm_config)
+        return self.kv_cache.bytes_per_block(self.block_size, self.vllm_config) + draft
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV cache for ``kv_cache_config`` (:meth:`KVCache.initialize`), then
@@ -290,7 +306,12 @@ class MLXModelRunner:
             ValueError: as :meth:`KVCache.initialize`, or KV offloading with kernel blocks
                 smaller than vLLM's blocks.
         """
-        self.kv_cache.initialize(kv_cache_config, self.vllm_config.cache_config.kv_cache_layout)
+        layout = self.vllm_config.cache_config.kv_cache_layout
+        if self.draft is not None:
+            kv_cache_config, draft_config = split_kv_cache_config(kv_cache_config,
+                                                                  self.draft.layer_names())
+            self.draft.initialize(draft_config, layout)
+        self.kv_cache.initialize(kv_cache_config, layout)
         self.input_batch.attn_group = self.kv_cache.attn_group
         self.compiled_decode = self._compiled_decode()
         if self.kv_connector.enabled:
@@ -391,6 +412,8 @@ class MLXModelRunner:
         blocks vLLM asks to zero."""
         self.kv_connector.handle_preemptions(scheduler_output)
         self.input_batch.update(scheduler_output, self._new_request)
+        if self.spec is not None and scheduler_output.finished_req_ids:
+            self.spec.forget(scheduler_output.finished_req_ids)
         if scheduler_output.new_block_ids_to_zero:
             self.kv_cache.zero_blocks(list(scheduler_output.new_block_ids_to_zero))
 

@@ -42,7 +42,7 @@ from vllm_unified import compat, patches
 from vllm_unified.worker.input_batch import RequestState
 
 #: ``--speculative-config`` methods the MLX runner implements.
-SUPPORTED_METHODS = ("ngram", "suffix")
+SUPPORTED_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass
@@ -118,12 +118,14 @@ class SpecDecoder:
         vllm_config: vLLM's config (``speculative_config`` set, method in
             :data:`SUPPORTED_METHODS`).
         sampler: the runner's vLLM ``Sampler`` (bonus tokens are sampled by it).
+        draft: the draft model (:class:`vllm_unified.worker.draft_model.DraftModel`) for
+            method ``draft_model``.
 
     Raises:
         ValueError: a method the runner does not implement (names ``--speculative-config``).
     """
 
-    def __init__(self, vllm_config: Any, sampler: Any) -> None:
+    def __init__(self, vllm_config: Any, sampler: Any, draft: Any = None) -> None:
         spec = vllm_config.speculative_config
         self.method: str = spec.method
         self.k: int = int(spec.num_speculative_tokens)
@@ -132,6 +134,8 @@ class SpecDecoder:
             self.proposer = compat.NgramProposer(vllm_config)
         elif self.method == "suffix":
             self.proposer = compat.SuffixDecodingProposer(vllm_config)
+        elif self.method == "draft_model" and draft is not None:
+            self.proposer = draft
         else:
             raise ValueError(
                 f"--speculative-config method {self.method!r}: vllm-unified implements "
@@ -184,6 +188,10 @@ class SpecDecoder:
     def propose(self, states: list[RequestState], sampled: list[list[int]]) -> None:
         """Propose drafts for the requests of a finished step (their ``token_ids`` hold this
         step's tokens); requests that sampled nothing (prefill chunks) get none."""
+        if self.method == "draft_model":
+            drafts = self.proposer.propose(states, sampled)
+            self._drafts = ([s.req_id for s in states], drafts)
+            return
         num_tokens = np.array([len(s.token_ids) for s in states], dtype=np.int32)
         width = int(num_tokens.max()) if len(states) else 0
         token_ids = np.zeros((len(states), max(width, 1)), dtype=np.int32)
@@ -196,6 +204,11 @@ class SpecDecoder:
                                            sampled)
         self._drafts = ([s.req_id for s in states], [list(d) for d in drafts])
 
+    def forget(self, req_ids: Any) -> None:
+        """Finished requests: the draft model drops what it tracks for them."""
+        if self.method == "draft_model":
+            self.proposer.forget(req_ids)
+
     def take(self) -> Any:
         """vLLM ``DraftTokenIds`` of the last step's proposals (once), or None."""
         drafts, self._drafts = self._drafts, None
@@ -204,8 +217,11 @@ class SpecDecoder:
         return compat.DraftTokenIds(*drafts)
 
     def stats(self) -> dict[str, int]:
-        return {"spec_drafts": self.num_drafts, "spec_draft_tokens": self.num_draft_tokens,
-                "spec_accepted_tokens": self.num_accepted_tokens}
+        out = {"spec_drafts": self.num_drafts, "spec_draft_tokens": self.num_draft_tokens,
+               "spec_accepted_tokens": self.num_accepted_tokens}
+        if self.method == "draft_model":
+            out.update(self.proposer.stats())
+        return out
 
 
 def logprobs_for_requests(lists: Any, rows: list[int], counts: list[int], num_reqs: int
