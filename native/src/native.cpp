@@ -402,6 +402,23 @@ class WriteRows : public mx::Primitive {
   // is_equivalent stays false: two writes must never be merged by mx.compile's simplification.
 };
 
+// The Hadamard signs an int4 pool needs (vLLM's rotation block): fp32 [block], block a power
+// of two dividing the head size; [1.0] (unused) for the other modes. `op` names the caller.
+mx::array kv_rht_signs(const char* op, int kv_mode, const std::optional<mx::array>& rht_signs,
+                       int head_size) {
+  if (kv_mode != vun::kKVInt4) {
+    return mx::array({1.0f});
+  }
+  if (!rht_signs || rht_signs->dtype() != mx::float32 || rht_signs->ndim() != 1 ||
+      rht_signs->shape(0) < 2 || head_size % rht_signs->shape(0) != 0 ||
+      (rht_signs->shape(0) & (rht_signs->shape(0) - 1)) != 0) {
+    raise_py(PyExc_ValueError,
+             std::string(op) + ": int4 needs rht_signs, fp32 [block] with block a power of two "
+             "dividing the head size");
+  }
+  return *rht_signs;
+}
+
 [[noreturn]] void raise_gpu_not_implemented(const char* what) {
   raise_py(
       PyExc_NotImplementedError,
@@ -1110,17 +1127,7 @@ mx::array paged_attention(
                "to 512 and at most 64 query heads per KV head");
     }
   }
-  mx::array signs = mx::array({1.0f});
-  if (kv_mode == vun::kKVInt4) {
-    if (!rht_signs || rht_signs->dtype() != mx::float32 || rht_signs->ndim() != 1 ||
-        rht_signs->shape(0) < 2 || q.shape(2) % rht_signs->shape(0) != 0 ||
-        (rht_signs->shape(0) & (rht_signs->shape(0) - 1)) != 0) {
-      raise_py(PyExc_ValueError,
-               "paged_attention: int4 needs rht_signs, fp32 [block] with block a power of two "
-               "dividing the head size");
-    }
-    signs = *rht_signs;
-  }
+  mx::array signs = kv_rht_signs("paged_attention", kv_mode, rht_signs, q.shape(2));
   if (tables.dtype() != mx::int32 || seqs.dtype() != mx::int32 || lens.dtype() != mx::int32) {
     raise_py(PyExc_TypeError, "paged_attention: tables, seqs and lens must be int32");
   }
@@ -1296,17 +1303,7 @@ mx::array write_kv_quant(
       (slot_mapping.dtype() != mx::int32 && slot_mapping.dtype() != mx::int64)) {
     raise_py(PyExc_TypeError, "write_kv_quant: slot_mapping must be int32/int64 [T]");
   }
-  mx::array signs = mx::array({1.0f});
-  if (kv_mode == vun::kKVInt4) {
-    if (!rht_signs || rht_signs->dtype() != mx::float32 || rht_signs->ndim() != 1 ||
-        rht_signs->shape(0) < 2 || keys.shape(2) % rht_signs->shape(0) != 0 ||
-        (rht_signs->shape(0) & (rht_signs->shape(0) - 1)) != 0) {
-      raise_py(PyExc_ValueError,
-               "write_kv_quant: int4 needs rht_signs, fp32 [block] with block a power of two "
-               "dividing the head size");
-    }
-    signs = *rht_signs;
-  }
+  mx::array signs = kv_rht_signs("write_kv_quant", kv_mode, rht_signs, keys.shape(2));
   if (dst.status() != mx::array::Status::unscheduled && !dst.flags().row_contiguous) {
     raise_py(PyExc_ValueError, "write_kv_quant: dst is not row-contiguous");
   }
