@@ -49,6 +49,19 @@ def assert_views_like_vllms(ours: dict, theirs: dict, buf: Any) -> None:
         assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 
+def profile_for(kind: str, allocator: str) -> Any:
+    """``backend.profile()``'s own decision for a mocked backend kind and MLX build."""
+    from vllm_unified import backend
+
+    info = backend.BackendInfo(kind, f"test {kind}", 16 * 2**30, kind != "cuda", "test")
+    saved = backend.detect_backend, backend.mlx_allocator
+    backend.detect_backend, backend.mlx_allocator = (lambda: info), (lambda: allocator)
+    try:
+        return backend.profile.__wrapped__()
+    finally:
+        backend.detect_backend, backend.mlx_allocator = saved
+
+
 def run_llm(
     spec: dict[str, Any], tmp_path: Path, *, native: bool = False, timeout: int = 900
 ) -> dict[str, Any]:

@@ -7,11 +7,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import profile_for
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
-from vllm_unified import backend as backend_mod
 from vllm_unified.models.fused_projections import FusedPart, fuse_projections
 
 QWEN3 = qwen3.ModelArgs(
@@ -114,23 +114,12 @@ def test_unfusable_siblings_stay_separate() -> None:
     assert fuse_projections(mixed) == {}
 
 
-def _profile(kind: str, allocator: str) -> backend_mod.BackendProfile:
-    """``backend.profile()``'s own decision for a mocked backend kind and MLX build."""
-    info = backend_mod.BackendInfo(kind, f"test {kind}", 16 * 2**30, kind != "cuda", "test")
-    saved = backend_mod.detect_backend, backend_mod.mlx_allocator
-    backend_mod.detect_backend, backend_mod.mlx_allocator = (lambda: info), (lambda: allocator)
-    try:
-        return backend_mod.profile.__wrapped__()
-    finally:
-        backend_mod.detect_backend, backend_mod.mlx_allocator = saved
-
-
 def test_profile_fuses_on_gpu_compute_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU backend keeps its native per-projection kernels (and CPU compute on a GPU
     build's buffers stays unfused); GPU compute fuses unless VLLM_UNIFIED_FUSE_PROJECTIONS=0."""
-    assert _profile("cuda", "cuda").fuse_projections
-    assert _profile("metal", "metal").fuse_projections
-    assert not _profile("cpu", "cpu").fuse_projections
-    assert not _profile("cpu", "cuda").fuse_projections
+    assert profile_for("cuda", "cuda").fuse_projections
+    assert profile_for("metal", "metal").fuse_projections
+    assert not profile_for("cpu", "cpu").fuse_projections
+    assert not profile_for("cpu", "cuda").fuse_projections
     monkeypatch.setenv("VLLM_UNIFIED_FUSE_PROJECTIONS", "0")
-    assert not _profile("cuda", "cuda").fuse_projections
+    assert not profile_for("cuda", "cuda").fuse_projections

@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import assert_views_like_vllms
+from conftest import assert_views_like_vllms, profile_for
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache as vllm_allocate_kv_cache
 
-from vllm_unified import backend, bridge
+from vllm_unified import bridge
 from vllm_unified.kv import pool as kv_pool
 from vllm_unified.kv import state_pages
 from vllm_unified.kv.allocation import KV_LAYOUT, PAGE_ALIGN, allocate_kv_cache, import_views
@@ -78,17 +78,6 @@ def _hybrid_config(vllm_config, memory: int):
 
 
 # ----------------------------------------------------------------------------- Metal stand-ins
-def _profile(kind: str, allocator: str) -> backend.BackendProfile:
-    """``backend.profile()``'s own decision for a mocked backend kind and MLX build."""
-    info = backend.BackendInfo(kind, f"test {kind}", 16 * 2**30, kind != "cuda", "test")
-    saved = backend.detect_backend, backend.mlx_allocator
-    backend.detect_backend, backend.mlx_allocator = (lambda: info), (lambda: allocator)
-    try:
-        return backend.profile.__wrapped__()
-    finally:
-        backend.detect_backend, backend.mlx_allocator = saved
-
-
 @dataclasses.dataclass
 class MetalStandIns:
     """What the mocked Metal calls saw, in order."""
@@ -155,10 +144,10 @@ def _cache(profile, layers: int, recurrent: list[int], block_dtype=torch.float32
 
 # ----------------------------------------------------------------------------- the decision
 def test_profile_on_metal_takes_the_shared_path_and_cuda_keeps_mlx_owned():
-    metal = _profile("metal", "metal")
+    metal = profile_for("metal", "metal")
     assert (metal.kv_pool, metal.kv_pool_reason, metal.kv_write) == (
         "torch_shared", None, "metal_kernel")
-    cuda = _profile("cuda", "cuda")
+    cuda = profile_for("cuda", "cuda")
     assert (cuda.kv_pool, cuda.kv_write) == ("mlx_owned", "cuda_kernel")
     assert "cannot be shared" in cuda.kv_pool_reason
 
@@ -190,7 +179,7 @@ def test_zeroing_kept_for_a_hybrid_and_skipped_otherwise(vllm_config, metal):
     size = 128 * 2**20
     hybrid_cfg = _hybrid_config(vllm_config, size)
     assert hybrid_cfg.needs_kv_cache_zeroing
-    hybrid = _cache(_profile("metal", "metal"), 4, [1, 3])
+    hybrid = _cache(profile_for("metal", "metal"), 4, [1, 3])
     before = proc.memory_info().rss
     hybrid.initialize(hybrid_cfg, KV_LAYOUT)
     grown = proc.memory_info().rss - before
@@ -206,7 +195,7 @@ def test_zeroing_kept_for_a_hybrid_and_skipped_otherwise(vllm_config, metal):
 
     plain_cfg = _attention_config(vllm_config, 4, size)
     assert not plain_cfg.needs_kv_cache_zeroing
-    plain = _cache(_profile("metal", "metal"), 4, [], heads=3)
+    plain = _cache(profile_for("metal", "metal"), 4, [], heads=3)
     before = proc.memory_info().rss
     plain.initialize(plain_cfg, KV_LAYOUT)
     grown = proc.memory_info().rss - before
@@ -220,7 +209,7 @@ def test_hybrid_on_metal_is_served_from_vllms_pages(vllm_config, metal):
     MLX arrays over vLLM's views (one aligned import of the whole buffer, after the wired and
     memory limits were prepared), written in place by the Metal kernels."""
     cfg = _hybrid_config(vllm_config, 32 * ATTN_PAGE)
-    cache = _cache(_profile("metal", "metal"), 4, [1, 3])
+    cache = _cache(profile_for("metal", "metal"), 4, [1, 3])
     cache.initialize(cfg, KV_LAYOUT)
     pool, store = cache.pool, cache.store
     assert pool.shared and pool.write_path == "metal_kernel" and store is not None
@@ -274,7 +263,7 @@ def test_hybrid_on_metal_is_served_from_vllms_pages(vllm_config, metal):
 
 def test_offloading_connector_gets_vllms_views_on_metal(vllm_config, metal):
     cfg = _attention_config(vllm_config, 4, 4 * 2**20)
-    cache = _cache(_profile("metal", "metal"), 4, [], heads=3)
+    cache = _cache(profile_for("metal", "metal"), 4, [], heads=3)
     cache.initialize(cfg, KV_LAYOUT)
     views = cache.connector_views()
     assert views is not None and list(views) == [layer_name(i) for i in range(4)]
@@ -290,7 +279,7 @@ def test_pool_beyond_metals_largest_buffer_is_imported_in_aligned_chunks(vllm_co
     cfg = _attention_config(vllm_config, 6, 3 * 2**20)
     layer = cfg.kv_cache_tensors[0].layer_stride
     metal.max_buffer_length = 2 * layer + 2 * PAGE_ALIGN  # two layers (and a page) per buffer
-    cache = _cache(_profile("metal", "metal"), 6, [], heads=3)
+    cache = _cache(profile_for("metal", "metal"), 6, [], heads=3)
     cache.initialize(cfg, KV_LAYOUT)
     imports = [e for e in metal.events if e[0] == "import"]
     assert len(imports) == 3
@@ -298,7 +287,7 @@ def test_pool_beyond_metals_largest_buffer_is_imported_in_aligned_chunks(vllm_co
     assert cache.pool.data_ptrs() == [v.data_ptr() for v in cache.pool.torch_views]
     metal.max_buffer_length = layer // 2  # one layer's view cannot be cut
     with pytest.raises(ValueError, match="max_buffer_length"):
-        _cache(_profile("metal", "metal"), 6, [], heads=3).initialize(cfg, KV_LAYOUT)
+        _cache(profile_for("metal", "metal"), 6, [], heads=3).initialize(cfg, KV_LAYOUT)
 
 
 def test_unaligned_memory_is_refused_not_copied(metal):
@@ -345,7 +334,7 @@ def test_adoption_caps_the_wired_limit_and_raises_the_memory_limit():
 
 # --------------------------------------------------------------- CUDA keeps its refusals
 def test_cuda_keeps_the_mlx_owned_pool_and_its_refusals(vllm_config):
-    cuda = _profile("cuda", "cuda")
+    cuda = profile_for("cuda", "cuda")
     with pytest.raises(NotImplementedError, match="cannot be shared"):
         _cache(cuda, 4, [1, 3]).initialize(_hybrid_config(vllm_config, 32 * ATTN_PAGE),
                                            KV_LAYOUT)
