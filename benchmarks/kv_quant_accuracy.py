@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_quant_models import models  # noqa: E402
-from run_env import run_child, versions  # noqa: E402
+from real_models import models  # noqa: E402
+from run_env import run_child, versions, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head")
@@ -128,9 +128,7 @@ def main() -> None:
                   f"{GREEDY_TOKENS} tokens{'' if greedy_ok else ' MISSED'}; first divergence "
                   f"{first_diff}")
         results["models"][name] = rows
-    path = REPO / "benchmarks" / "results" / f"kv_quant_accuracy-{ts}.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    write_result("kv_quant_accuracy", ts, results)
     sys.exit(0 if ok else 1)
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_quant_models import models  # noqa: E402
-from run_env import run_child, versions  # noqa: E402
+from real_models import models  # noqa: E402
+from run_env import run_child, versions, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head")
@@ -75,9 +75,7 @@ def main() -> None:
                   f"{row['tokens_per_gib']:9,d} tokens/GiB  {ratio:5.2f}x"
                   f"{'' if target is None else f' (target >= {target}x)'}{verdict}")
         results["models"][name] = rows
-    path = REPO / "benchmarks" / "results" / f"kv_quant_capacity-{ts}.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    write_result("kv_quant_capacity", ts, results)
     sys.exit(0 if ok else 1)
 
 

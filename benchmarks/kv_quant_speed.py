@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_quant_models import models  # noqa: E402
-from run_env import machine_info, run_child, versions  # noqa: E402
+from real_models import models  # noqa: E402
+from run_env import machine_info, run_child, versions, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = {"int8_per_token_head": 0.9}
@@ -111,9 +111,7 @@ def main() -> None:
               f"{row['decode_tok_s']:8.1f} tok/s")
     results = {"versions": versions(), "machine": machine_info(load_before, os.getloadavg()),
                "model": name, "args": vars(args), "formats": rows}
-    path = REPO / "benchmarks" / "results" / f"kv_quant_speed-{ts}.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    write_result("kv_quant_speed", ts, results)
     sys.exit(0 if ok else 1)
 
 

