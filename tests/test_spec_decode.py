@@ -239,6 +239,19 @@ def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
     assert "speculative decoding, method ngram, k = 4" in spec["log"]
 
 
+def _plain_and_preempted(model: str, base: dict, spec: dict, requests: list, tmp_path
+                         ) -> tuple[dict, dict]:
+    """``requests`` without speculation, then with ``spec`` on 14 KV blocks (vLLM preempts)."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "tight").mkdir()
+    plain = run_llm({"model": model, "engine": base, "requests": requests}, tmp_path / "plain")
+    tight = run_llm({"model": model,
+                     "engine": {**base, "num_gpu_blocks_override": 14,
+                                "speculative_config": spec},
+                     "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "tight")
+    return plain, tight
+
+
 @pytest.mark.slow
 def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
     """Too few KV blocks: vLLM preempts and resumes requests mid-speculation; same tokens."""
@@ -246,14 +259,7 @@ def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
     requests = [{"prompt_token_ids": p[:60], "params": {"temperature": 0.0, "max_tokens": 40,
                                                         "ignore_eos": True}} for p in prompts]
     base = _engine(dtype="float32", max_model_len=128)
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "tight").mkdir()
-    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
-                    tmp_path / "plain")
-    tight = run_llm({"model": tiny_llama,
-                     "engine": {**base, "num_gpu_blocks_override": 14,
-                                "speculative_config": NGRAM},
-                     "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "tight")
+    plain, tight = _plain_and_preempted(tiny_llama, base, NGRAM, requests, tmp_path)
     stats = tight["rpc_after"]["runner_stats"]
     assert stats["resumed"] > 0, "no request was preempted"
     assert stats["spec_draft_tokens"] > 0
@@ -598,14 +604,7 @@ def test_greedy_draft_model_with_preemption_max_model_len_int8_kv(tiny_llama, tm
     base = {**_engine(dtype="float32", max_model_len=128),
             "kv_cache_dtype": "int8_per_token_head"}
     spec_cfg = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "tight").mkdir()
-    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
-                    tmp_path / "plain")
-    tight = run_llm({"model": tiny_llama,
-                     "engine": {**base, "num_gpu_blocks_override": 14,
-                                "speculative_config": spec_cfg},
-                     "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "tight")
+    plain, tight = _plain_and_preempted(tiny_llama, base, spec_cfg, requests, tmp_path)
     stats = tight["rpc_after"]["runner_stats"]
     assert stats["resumed"] > 0, "no request was preempted"
     assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
