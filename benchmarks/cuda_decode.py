@@ -259,7 +259,7 @@ def _bench_batch(llm, sampling_params, batch: int, cfg: dict, warm: bool) -> dic
     steps = cfg["long"] - cfg["short"]
     per_step = {k: (long[k] - short[k]) / steps * 1e3
                 for k in ("prepare_s", "build_s", "eval_s", "finish_s",
-                          "encode_thread_s", "encode_wait_s")}
+                          "encode_thread_s", "encode_wait_s", "read_back_s")}
     period_ms = long["decode_period_s"] / max(long["decode_steps"], 1) * 1e3
     return {
         "batch": batch, "short_wall_s": short_wall, "long_wall_s": long_wall,
@@ -753,7 +753,7 @@ def print_table(report: dict) -> None:
     print(f"{'batch':>5} {'ours mode':>9} {'rounds':>6} | {'mlx-lm ms/step':>14} {'tok/s':>7} | "
           f"{'ours ms/step':>12} {'tok/s':>7} {'engine ms':>9} | {'ratio med':>9} "
           f"{'(min-max)':>11} | breakdown ms/step (prepare/build/eval/finish; encode thread "
-          f"busy/waited for)")
+          f"busy/waited for/read-back)")
     for mode in [k.removeprefix("summary_") for k in report if k.startswith("summary_")]:
         for row in report[f"summary_{mode}"]:
             b = row["breakdown_ms"]
@@ -762,7 +762,8 @@ def print_table(report: dict) -> None:
                   f"{row['ours_tok_s']:>7.0f} {row['engine_period_ms']:>9.2f} | "
                   f"{row['ratio_median']:>9.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
                   f"{b['prepare_s']:.2f}/{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}"
-                  f"; {b.get('encode_thread_s', 0):.2f}/{b.get('encode_wait_s', 0):.2f}")
+                  f"; {b.get('encode_thread_s', 0):.2f}/{b.get('encode_wait_s', 0):.2f}"
+                  f"/{b.get('read_back_s', 0):.2f}")
     for mode in [k.removeprefix("ttft_summary_") for k in report
                  if k.startswith("ttft_summary_")]:
         t = report[f"ttft_summary_{mode}"]

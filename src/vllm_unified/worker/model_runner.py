@@ -152,8 +152,10 @@ class _PendingStep:
     #: MLX-sampled tokens are ``lazy_tokens`` (read back by ``_sample``), None if it has none
     lazy: bool = False
     lazy_tokens: mx.array | None = None
-    #: the encode thread's job for a lazy step (its result: the MLX-sampled tokens as a list)
+    #: the encode thread's job for a lazy step, and the copy of ``lazy_tokens`` it evaluates
+    #: for the host to read back (:meth:`EncodeThread.read_back`)
     lazy_job: Future | None = None
+    read_back: mx.array | None = None
     timer: StepTimer | None = None
     #: every request had one query token (``AttentionMetadata.is_pure_decode``)
     pure_decode: bool = False
@@ -512,9 +514,11 @@ class MLXModelRunner:
         lazy = self.async_scheduling and not inputs.needs_torch
         outputs = [*([logits] if inputs.needs_torch else []),
                    *([tokens] if tokens is not None else []), self.kv_cache.arrays()]
-        job = None
+        job = read_back = None
         if lazy and self.encoder is not None:
-            job = self.encoder.submit(outputs, tokens)
+            # the host reads a copy: the next step's graph holds `tokens` (encode_thread.py)
+            read_back = mx.contiguous(tokens) if tokens is not None else None
+            job = self.encoder.submit([*outputs, *([read_back] if read_back is not None else [])])
         else:
             (mx.async_eval if lazy else mx.eval)(*outputs)
         self._timer.mark("eval")
@@ -530,7 +534,8 @@ class MLXModelRunner:
             mlx_idx=mlx_idx, prompt=inputs.prompt, num_vllm_rows=inputs.num_vllm_rows,
             logits=logits if inputs.needs_torch else None,
             mlx_tokens=tokens.tolist() if tokens is not None and not lazy else [],
-            lazy=lazy, lazy_tokens=tokens if lazy else None, lazy_job=job, timer=self._timer,
+            lazy=lazy, lazy_tokens=tokens if lazy else None, lazy_job=job, read_back=read_back,
+            timer=self._timer,
             pure_decode=inputs.ctx.attn.is_pure_decode,
         )
 
@@ -555,8 +560,10 @@ class MLXModelRunner:
 
     def _sample(self, pending: _PendingStep, grammar_output: GrammarOutput | None):
         step, states = pending.step, pending.states
-        if pending.lazy_job is not None:  # the encode thread read them back
-            pending.mlx_tokens = pending.lazy_job.result() or []
+        if pending.lazy_job is not None:  # queued on the encode thread
+            job, copy = pending.lazy_job, pending.read_back
+            pending.mlx_tokens = (self.encoder.read_back(job, copy) if copy is not None
+                                  else job.result() or [])
         elif pending.lazy_tokens is not None:  # waits for the queued step
             pending.mlx_tokens = pending.lazy_tokens.tolist()
         sampled: list[list[int]] = [[] for _ in step.req_ids]
@@ -683,6 +690,7 @@ class MLXModelRunner:
                 **(self.spec.stats() if self.spec is not None else {}),
                 "encode_thread_s": encoder.encode_s if encoder else 0.0,
                 "encode_wait_s": encoder.wait_s if encoder else 0.0,
+                "read_back_s": encoder.read_back_s if encoder else 0.0,
                 "live_requests": len(self.requests),
                 "prepare_s": phases["prepare"], "build_s": phases["graph"],
                 "eval_s": phases["eval"], "finish_s": phases["output"],
