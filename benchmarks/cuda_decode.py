@@ -78,8 +78,11 @@ FUSE_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"  # envs.FUSE_PROJECTIONS_ENV
 THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"  # envs.ENCODE_THREAD_ENV
 #: engines to run, comma-separated: "compiled" (the default forward), "eager" (no mx.compile),
 #: "unfused" (compiled, q/k/v and gate/up as separate matmuls) and/or "nothread" (compiled,
-#: queued steps evaluated on the engine's thread)
+#: queued steps evaluated on the engine's thread); a mode may end in "@VAR=VALUE" terms (e.g.
+#: "compiled@MLX_MAX_OPS_PER_BUFFER=1000") that set environment variables for our engine only
 MODES_ENV = "CUDA_BENCH_MODES"
+#: set in an engine's environment: the "@VAR" names of its mode, removed for plain mlx-lm
+ENGINE_ONLY_ENV = "CUDA_BENCH_ENGINE_ONLY"
 #: 1: stop after the device facts, the greedy check and the kernel grid (no engines)
 CHECK_ONLY_ENV = "CUDA_BENCH_CHECK_ONLY"
 #: 1: skip the greedy check and the kernel grid (a CHECK_ONLY run on this machine did them)
@@ -172,8 +175,10 @@ def run_mlx_lm(checkpoint: Path, batches: list[int], ttft_len: int = 0) -> dict:
     """Plain mlx-lm in a fresh process (``mlx_lm`` subcommand): ``{"decode": [per batch
     size], "ttft": time to first token of a ``ttft_len``-token prompt, or None when 0}``."""
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlx_lm_{os.getpid()}.json"
+    env = {k: v for k, v in os.environ.items()
+           if k not in os.environ.get(ENGINE_ONLY_ENV, "").split(",")}
     subprocess.run([sys.executable, __file__, "mlx_lm", str(checkpoint), str(out),
-                    str(ttft_len), *map(str, batches)], check=True)
+                    str(ttft_len), *map(str, batches)], check=True, env=env)
     return json.loads(out.read_text())
 
 
@@ -682,11 +687,14 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
     # engine's process, interleaved with it.
     for mode in os.environ.get(MODES_ENV, "compiled,eager").split(","):
         spec = {"model": str(ckpt), "engine": engine, "bench": bench}
+        base, *terms = mode.split("@")
+        extra = dict(term.split("=", 1) for term in terms)
         try:
             ours = run_engine(spec, work, f"qwen3_gpu_{mode}",
-                              {**env, COMPILE_ENV: "0" if mode == "eager" else "1",
-                               FUSE_ENV: "0" if mode == "unfused" else "1",
-                               THREAD_ENV: "0" if mode == "nothread" else "1"})
+                              {**env, COMPILE_ENV: "0" if base == "eager" else "1",
+                               FUSE_ENV: "0" if base == "unfused" else "1",
+                               THREAD_ENV: "0" if base == "nothread" else "1",
+                               **extra, ENGINE_ONLY_ENV: ",".join(extra)})
         except SystemExit as err:
             print(f"ours ({mode}) failed: {err}", flush=True)
             continue
