@@ -83,6 +83,9 @@ THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"  # envs.ENCODE_THREAD_ENV
 MODES_ENV = "CUDA_BENCH_MODES"
 #: set in an engine's environment: the "@VAR" names of its mode, removed for plain mlx-lm
 ENGINE_ONLY_ENV = "CUDA_BENCH_ENGINE_ONLY"
+#: this process's environment before our plugin set MLX defaults in it (backend.
+#: set_mlx_defaults): plain mlx-lm runs with MLX's own defaults
+BASE_ENV = dict(os.environ)
 #: 1: stop after the device facts, the greedy check and the kernel grid (no engines)
 CHECK_ONLY_ENV = "CUDA_BENCH_CHECK_ONLY"
 #: 1: skip the greedy check and the kernel grid (a CHECK_ONLY run on this machine did them)
@@ -175,8 +178,8 @@ def run_mlx_lm(checkpoint: Path, batches: list[int], ttft_len: int = 0) -> dict:
     """Plain mlx-lm in a fresh process (``mlx_lm`` subcommand): ``{"decode": [per batch
     size], "ttft": time to first token of a ``ttft_len``-token prompt, or None when 0}``."""
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlx_lm_{os.getpid()}.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in os.environ.get(ENGINE_ONLY_ENV, "").split(",")}
+    env = {k: v for k, v in BASE_ENV.items()
+           if k not in BASE_ENV.get(ENGINE_ONLY_ENV, "").split(",")}
     subprocess.run([sys.executable, __file__, "mlx_lm", str(checkpoint), str(out),
                     str(ttft_len), *map(str, batches)], check=True, env=env)
     return json.loads(out.read_text())
@@ -286,7 +289,8 @@ def run_engine(spec: dict, work: Path, name: str, env: dict) -> dict:
     for line in lines:
         if ("vllm-unified" in line and ("budget" in line or "backend" in line
                                         or "KV pool" in line or "worker on" in line
-                                        or "compiled" in line or "fused" in line)
+                                        or "compiled" in line or "fused" in line
+                                        or "CUDA graphs" in line)
                 ) or line.startswith("round "):
             print(f"  [{name}] {line.strip()[-260:]}")
     if proc.returncode != 0:
