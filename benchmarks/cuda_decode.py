@@ -83,8 +83,7 @@ THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"  # envs.ENCODE_THREAD_ENV
 MODES_ENV = "CUDA_BENCH_MODES"
 #: set in an engine's environment: the "@VAR" names of its mode, removed for plain mlx-lm
 ENGINE_ONLY_ENV = "CUDA_BENCH_ENGINE_ONLY"
-#: this process's environment before our plugin set MLX defaults in it (backend.
-#: set_mlx_defaults): plain mlx-lm runs with MLX's own defaults
+#: this process's environment before the engine starts in it: plain mlx-lm runs with it
 BASE_ENV = dict(os.environ)
 #: 1: stop after the device facts, the greedy check and the kernel grid (no engines)
 CHECK_ONLY_ENV = "CUDA_BENCH_CHECK_ONLY"
@@ -289,8 +288,7 @@ def run_engine(spec: dict, work: Path, name: str, env: dict) -> dict:
     for line in lines:
         if ("vllm-unified" in line and ("budget" in line or "backend" in line
                                         or "KV pool" in line or "worker on" in line
-                                        or "compiled" in line or "fused" in line
-                                        or "CUDA graphs" in line)
+                                        or "compiled" in line or "fused" in line)
                 ) or line.startswith("round "):
             print(f"  [{name}] {line.strip()[-260:]}")
     if proc.returncode != 0:

@@ -145,19 +145,3 @@ def test_supported_sampling_accepted():
         {"structured_outputs": StructuredOutputsParams(choice=["a", "b"])},
     ):
         MLXPlatform.validate_request({"prompt_token_ids": [1, 2]}, SamplingParams(**params))
-
-
-def test_mlx_cuda_graph_default(monkeypatch):
-    """On CUDA MLX_MAX_OPS_PER_BUFFER gets our default unless the user set it; other backends
-    are left alone."""
-    from vllm_unified.backend import CUDA_GRAPH_OPS, MLX_GRAPH_OPS_ENV, set_mlx_defaults
-
-    monkeypatch.delenv(MLX_GRAPH_OPS_ENV, raising=False)
-    assert set_mlx_defaults("cpu") is None and set_mlx_defaults("metal") is None
-    assert MLX_GRAPH_OPS_ENV not in os.environ
-    line = set_mlx_defaults("cuda")
-    assert os.environ[MLX_GRAPH_OPS_ENV] == str(CUDA_GRAPH_OPS)
-    assert f"up to {CUDA_GRAPH_OPS} operations" in line and "default" in line
-    monkeypatch.setenv(MLX_GRAPH_OPS_ENV, "250")
-    line = set_mlx_defaults("cuda")
-    assert os.environ[MLX_GRAPH_OPS_ENV] == "250" and "set by the user" in line

@@ -230,31 +230,6 @@ class BackendProfile:
                 f"{'as a view' if self.logits_zero_copy else 'by copy'}")
 
 
-#: MLX's own variable: how many operations its CUDA backend records into one CUDA graph before
-#: launching it (MLX's default for Hopper-class GPUs: 100). Read once per process, when MLX
-#: makes its first GPU stream.
-MLX_GRAPH_OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
-#: our default on CUDA: one decode step of a 28-layer model is about 700-900 operations, so
-#: MLX's 100 cuts it into 7-9 graphs, each recorded, updated and launched on its own; at 1,000
-#: one graph takes the step (H200 run O: the encode thread busy 3.1 instead of 6.5 ms per
-#: step at batch 64; docs/benchmarking.md)
-CUDA_GRAPH_OPS = 1000
-
-
-def set_mlx_defaults(kind: BackendKind) -> str | None:
-    """Set MLX's environment defaults for this backend where the user has not set them;
-    call before MLX makes a GPU stream in this process (child processes inherit them).
-
-    Returns:
-        A line for the start-up log naming what is in effect, or None (nothing applies).
-    """
-    if kind != "cuda":
-        return None
-    source = "set by the user" if MLX_GRAPH_OPS_ENV in os.environ else "vllm-unified's default"
-    value = os.environ.setdefault(MLX_GRAPH_OPS_ENV, str(CUDA_GRAPH_OPS))
-    return f"MLX CUDA graphs of up to {value} operations ({MLX_GRAPH_OPS_ENV}, {source})"
-
-
 @functools.cache
 def mlx_allocator() -> BackendKind:
     """Which allocator MLX's buffers come from: decided by the MLX build, not the default

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_unified import compat, envs, patches, request_guard, request_policy, versions
-from vllm_unified.backend import detect_backend, set_mlx_defaults
+from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
 from vllm_unified.kv.block_translation import KERNEL_BLOCK_SIZES, select_kernel_block_size
 from vllm_unified.kv.quant import kv_format
@@ -207,7 +207,6 @@ class MLXPlatform(Platform):
                 pins are warnings).
         """
         versions.check_once()
-        set_mlx_defaults(detect_backend().kind)  # before the engine process starts MLX
         parallel = vllm_config.parallel_config
         for flag, size in (
             ("--tensor-parallel-size", parallel.tensor_parallel_size),

@@ -15,7 +15,7 @@ import time
 import psutil
 import torch
 
-from vllm_unified.backend import detect_backend, import_mlx, set_mlx_defaults
+from vllm_unified.backend import detect_backend, import_mlx
 from vllm_unified.backend import profile as resolve_profile
 from vllm_unified.compat import (
     CompilationTimes,
@@ -65,9 +65,8 @@ class MLXWorker(WorkerBase):
     def init_device(self) -> None:
         """Import MLX, resolve the backend profile (the one backend decision of this
         process, passed down to the runner and the KV cache), wire the weights' memory."""
-        info = detect_backend()
-        mlx_defaults = set_mlx_defaults(info.kind)  # before MLX makes its first GPU stream
         mx = import_mlx()
+        info = detect_backend()
         backend = resolve_profile()
         if backend.encode_thread and self.vllm_config.scheduler_config.async_scheduling:
             from vllm_unified.worker.encode_thread import share_default_streams
@@ -82,8 +81,6 @@ class MLXWorker(WorkerBase):
 
         self.model_runner = MLXModelRunner(self.vllm_config, backend)
         logger.info("vllm-unified: worker on %s (%s)", backend.describe(), mx.default_device())
-        if mlx_defaults is not None:
-            logger.info("vllm-unified: %s", mlx_defaults)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
