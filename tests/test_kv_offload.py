@@ -187,7 +187,7 @@ def _payload(n=3 * 4096, seed=0):
 
 
 def test_block_file_round_trip_private_modes(tmp_path):
-    tier = PrivateDir(str(tmp_path / "root"))
+    tier = PrivateDir(str(tmp_path), "root")
     path = str(tmp_path / "root" / "a" / "b" / "blk.bin")
     src = _payload()
     disk.store_block(tier, path, memoryview(src), LAYOUT, b"key-1")
@@ -207,8 +207,8 @@ def test_block_file_round_trip_private_modes(tmp_path):
     ("layout", "foreign"), ("key", "foreign"), ("size", "truncated"),
 ])
 def test_damaged_block_file_is_rejected_and_removed(tmp_path, damage, reason):
-    tier = PrivateDir(str(tmp_path))
-    path = str(tmp_path / "blk.bin")
+    tier = PrivateDir(str(tmp_path), "tier")
+    path = str(tmp_path / "tier" / "blk.bin")
     src = _payload()
     disk.store_block(tier, path, memoryview(src), LAYOUT, b"key-1")
     layout, key, dst = LAYOUT, b"key-1", np.zeros_like(src)
@@ -446,4 +446,5 @@ def test_corrupted_block_file_is_a_counted_miss(restart_run, host_run):
         layout = f.read(disk.HEADER_SIZE)[16:48]
     key = bytes.fromhex(os.path.basename(victim)[:-4]) + (0).to_bytes(4, "big")
     buf = np.empty(os.path.getsize(victim) - disk.HEADER_SIZE, dtype=np.int8)
-    disk.load_block(PrivateDir(os.path.dirname(victim)), victim, memoryview(buf), layout, key)
+    tier = PrivateDir(*os.path.split(os.path.dirname(victim)))
+    disk.load_block(tier, victim, memoryview(buf), layout, key)

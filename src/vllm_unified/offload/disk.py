@@ -170,10 +170,13 @@ def _load_at(dir_fd: int, name: str, path: str, dest: memoryview, layout: bytes,
     flags = os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | (_O_DIRECT if o_direct else 0)
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        _reject(dir_fd, name, path, "unsafe", "a symbolic link")
+    except OSError:
+        # ELOOP for a link; EINVAL (O_DIRECT) or ENXIO for a FIFO, socket or device
+        st = _lstat(dir_fd, name)
+        reason = st and unsafe_reason(st, kind="file")
+        if reason:
+            _reject(dir_fd, name, path, "unsafe", reason)
+        raise
     try:
         st = os.fstat(fd)
         reason = unsafe_reason(st, kind="file")
@@ -277,8 +280,7 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
         check_buffer_address(primary_kv_view, region.base_tensor.data_ptr(),
                              "disk tier's host pool view")
         self._layout = layout_digest(offloading_spec)
-        self._dir = PrivateDir(os.path.join(os.path.abspath(root_dir),
-                                            f"vllm-unified-{self._layout.hex()[:16]}"))
+        self._dir = PrivateDir(root_dir, f"vllm-unified-{self._layout.hex()[:16]}")
         try:
             _write_private_config(self._dir, offloading_spec)
             super().__init__(offloading_spec, primary_kv_view, tier_type, self._dir.path,

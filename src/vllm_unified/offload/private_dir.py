@@ -75,26 +75,31 @@ def _parts(relative: str) -> list[str]:
 
 
 class PrivateDir:
-    """The tier directory ``path``, created (``0700``, with missing parents) or checked, and
-    held open.
+    """The tier directory ``name`` inside ``parent``, created (``0700``, with missing parents)
+    or checked, and held open. ``parent`` (the configured ``root_dir``) is resolved once with
+    ``realpath``; ``name`` and everything below it are never followed if they are links.
 
     Raises:
-        UnsafePath: ``path`` or one of its ancestors breaks the rules of this module.
+        UnsafePath: the tier directory or one of its ancestors breaks the rules of this
+            module.
         OSError: it cannot be created or opened.
+        ValueError: ``name`` is not one plain path component.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = os.path.realpath(path)
+    def __init__(self, parent: str, name: str) -> None:
+        if len(_parts(name)) != 1:
+            raise ValueError(f"{name!r} is not one path component")
+        self.path = os.path.join(os.path.realpath(parent), name)
         uid = os.geteuid()
         fd = os.open("/", _DIR_FLAGS)
         try:
             where = ""
             parts = _parts(self.path.lstrip("/"))
-            for i, name in enumerate(parts):
-                where += "/" + name
+            for i, part in enumerate(parts):
+                where += "/" + part
                 last = i == len(parts) - 1
-                parent, fd = fd, -1  # _step closes the parent
-                fd = self._step(parent, name, where, create=True,
+                parent_fd, fd = fd, -1  # _step closes the parent
+                fd = self._step(parent_fd, part, where, create=True,
                                 owners=(uid,) if last else (0, uid), sticky_ok=not last)
         except BaseException:
             if fd >= 0:
