@@ -12,21 +12,19 @@ user these tests fail, naming why, rather than skip.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gc
 import os
 import re
 import shutil
 import stat
-import subprocess
 import types
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import remount, require_root, tmpfs
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
@@ -38,32 +36,6 @@ from vllm_unified.offload.weights_identity import weights_identity
 CHUNK = 2 * 4096  # bytes of one offloaded chunk (one KV block)
 NUM_CHUNKS = 8
 OTHER_UID = 65534  # "nobody"
-
-
-def _require_root(what: str) -> None:
-    if os.geteuid() != 0:
-        pytest.fail(f"{what} needs root (uid 0) to provoke the fault; this run is uid "
-                    f"{os.geteuid()}", pytrace=False)
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A fresh tmpfs of ``size`` mounted at ``path`` (unmounted afterwards)."""
-    _require_root("mounting a tmpfs")
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
-                           str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs at {path} to provoke the fault: {done.stderr}",
-                    pytrace=False)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-def _remount(path: Path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
 
 
 def _spec(region, model: str = "m", dtype: str = "float16", heads: int = 2, revision=None):
@@ -218,7 +190,7 @@ def test_read_only_file_system_fails_stores_serves_loads(tmp_path, make_tier):
         with open(t.path(key(3)), "r+b") as f:  # corrupt the payload of key 3
             f.seek(disk.HEADER_SIZE + 7)
             f.write(b"\xff\xfe")
-        _remount(mnt, "ro")
+        remount(mnt, "ro")
         try:
             before = _files(mnt)
             assert not t.store([key(2)], [1]).success
@@ -229,7 +201,7 @@ def test_read_only_file_system_fails_stores_serves_loads(tmp_path, make_tier):
             assert t.invalid() == {"corrupt": 1}
             assert _files(mnt) == before
         finally:
-            _remount(mnt, "rw")
+            remount(mnt, "rw")
 
 
 def test_truncated_file_fails_its_load_and_keeps_earlier_blocks(tmp_path, make_tier):
@@ -297,7 +269,7 @@ def test_fifo_in_a_files_place_does_not_block_the_load(tmp_path, make_tier):
 
 
 def test_files_and_directories_of_another_user_are_not_used(tmp_path, make_tier):
-    _require_root("chown to another user")
+    require_root("chown to another user")
     t = make_tier(tmp_path / "kv")
     for i in range(2):
         _fill(t, i, i)
@@ -325,7 +297,7 @@ def test_files_and_directories_of_another_user_are_not_used(tmp_path, make_tier)
     ("link", "a symbolic link"),
 ])
 def test_directory_others_can_write_is_refused_at_start(tmp_path, make_tier, setup, words):
-    _require_root("chown to another user")
+    require_root("chown to another user")
     root = tmp_path / "kv"
     root.mkdir()
     probe = Tier(tmp_path / "probe")  # where this spec's tier directory goes

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import time
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
@@ -127,6 +129,17 @@ def test_chunked_body_is_checked_and_limited():
 
 
 # ----------------------------------------------------------------------------- --api-key
+def test_plugin_registers_no_route():
+    """What the plugin adds to vLLM's server is middleware only: no route of its own that
+    vLLM's --api-key prefixes might not cover."""
+    src = Path(__file__).resolve().parents[1] / "src" / "vllm_unified"
+    route = re.compile(r"APIRouter|add_api_route|add_route|include_router|Mount\(|"
+                       r"\.(get|post|put|patch|delete|api_route|route|websocket)\(\s*[\"']/")
+    found = [f"{p.relative_to(src)}:{n}" for p in src.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if route.search(line)]
+    assert found == []
+
+
 def _vllm_app(api_key: str | None):
     """A FastAPI app with vLLM's own middleware set-up (``init_entrypoints_middleware``) for
     ``vllm serve`` arguments parsed by vLLM's parser with the platform's defaults, and a
