@@ -22,6 +22,7 @@ from conftest import default_server_args, stream_completion, vllm_server
 
 from vllm_unified.request_guard import (
     GUARD_PATH,
+    MIDDLEWARE,
     RequestGuard,
     RequestRejected,
     check_fields,
@@ -156,9 +157,11 @@ def test_platform_installs_guard_in_vllm_serve_parser():
 
     assert type(current_platform).__name__ == "MLXPlatform"
     parser = make_arg_parser(FlexibleArgumentParser())
-    assert parser.parse_args(["m"]).middleware == [GUARD_PATH]
-    assert parser.parse_args(["m", "--middleware", "a.B"]).middleware == [GUARD_PATH, "a.B"]
-    assert parser.parse_args(["m"]).middleware == [GUARD_PATH]  # the default is not mutated
+    ours = list(MIDDLEWARE)
+    assert GUARD_PATH in ours
+    assert parser.parse_args(["m"]).middleware == ours
+    assert parser.parse_args(["m", "--middleware", "a.B"]).middleware == [*ours, "a.B"]
+    assert parser.parse_args(["m"]).middleware == ours  # the default is not mutated
 
 
 # ------------------------------------------------------------------------- end to end (server)

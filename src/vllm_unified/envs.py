@@ -81,6 +81,9 @@ _SETTINGS = (
             "largest HTTP request body in bytes (larger: HTTP 413)"),
     Setting("VLLM_UNIFIED_UNKNOWN_FIELDS", "reject", _choice("reject", "ignore"),
             "top-level request fields the endpoint does not know: reject (HTTP 400) or ignore"),
+    Setting("VLLM_UNIFIED_STALLED_CLIENT_TIMEOUT_S", 60, _count(0),
+            "seconds a response may wait for a client that reads nothing before the request "
+            "is aborted and the connection closed (0: no limit)"),
     Setting("VLLM_UNIFIED_BLAS", None, _text,
             "CPU backend: path of the BLAS library to interpose, or none for MLX's bundled one"),
     Setting("VLLM_UNIFIED_CACHE", None, _text,
@@ -120,6 +123,7 @@ DEVICE_ENV = "VLLM_UNIFIED_DEVICE"
 MAX_N_ENV = "VLLM_UNIFIED_MAX_N"
 MAX_REQUEST_BYTES_ENV = "VLLM_UNIFIED_MAX_REQUEST_BYTES"
 UNKNOWN_FIELDS_ENV = "VLLM_UNIFIED_UNKNOWN_FIELDS"
+STALLED_CLIENT_TIMEOUT_ENV = "VLLM_UNIFIED_STALLED_CLIENT_TIMEOUT_S"
 BLAS_ENV = "VLLM_UNIFIED_BLAS"
 CACHE_ENV = "VLLM_UNIFIED_CACHE"
 CPU_QUANTIZED_ENV = "VLLM_UNIFIED_CPU_QUANTIZED"
