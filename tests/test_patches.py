@@ -18,7 +18,9 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.install_version_fallback, patches.route_mlx_lm_swiglu,
                          patches.route_mlx_lm_attention,
                          patches.place_offload_region_outside_dev_shm,
-                         patches.route_rejection_sampler_kernels}
+                         patches.route_rejection_sampler_kernels,
+                         patches.name_chat_template_flag,
+                         patches.stop_engine_core_gracefully}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""
@@ -77,3 +79,43 @@ def test_offload_region_leaves_dev_shm_where_there_is_none(region_class, tmp_pat
         joiner.cleanup()
         creator.cleanup()
     assert not os.path.exists(path)
+
+
+def test_chat_without_template_names_the_flag_and_warns_once(default_model, caplog,
+                                                              monkeypatch) -> None:
+    """Issue 20, defect 2: vLLM's error for chat on a model without a chat template names
+    ``--chat-template`` (not transformers' "default chat template is no longer allowed"), and
+    the first one is logged as a warning (at start-up, where vLLM's renderer warm-up renders
+    a chat)."""
+    import logging
+    import types
+
+    from transformers import AutoTokenizer
+    from vllm.renderers import hf
+    from vllm.renderers.chat_utils import ChatTemplateResolutionError
+
+    original = hf.safe_apply_chat_template
+    original = getattr(original, "__wrapped__", original)  # a platform hook may have run
+    monkeypatch.setattr(hf, "safe_apply_chat_template", original)
+    log = logging.getLogger("test_chat_template_patch")
+    patches.name_chat_template_flag(log)
+    wrapped = hf.safe_apply_chat_template
+    patches.name_chat_template_flag(log)
+    assert hf.safe_apply_chat_template is wrapped  # idempotent
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    conversation = [{"role": "user", "content": "hi"}]
+    config = types.SimpleNamespace(
+        model=default_model, served_model_name=["base-model"], tokenizer=default_model,
+        tokenizer_revision=None, code_revision=None, trust_remote_code=False,
+        hf_config=types.SimpleNamespace(model_type="llama"))
+    assert "hi" in hf.safe_apply_chat_template(config, tokenizer, conversation, tokenize=False)
+    tokenizer.chat_template = None
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        for _ in range(2):
+            with pytest.raises(ChatTemplateResolutionError) as e:
+                hf.safe_apply_chat_template(config, tokenizer, conversation, tokenize=False)
+            assert "'base-model' has no chat template" in str(e.value)
+            assert "--chat-template" in str(e.value)
+            assert "no longer allowed" in str(e.value.__cause__)
+    warnings = [r.getMessage() for r in caplog.records if "--chat-template" in r.getMessage()]
+    assert len(warnings) == 1, warnings

@@ -35,6 +35,7 @@ import os
 import random
 import struct
 import threading
+import time
 import zlib
 from typing import Any
 
@@ -55,6 +56,9 @@ MAX_KEY = 256
 _FIELDS = struct.Struct(f"<8sII32sQII{MAX_KEY}s")
 _HEADER_CRC = struct.Struct("<I")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Seconds :meth:`VerifiedFileSystemTier.shutdown` waits for queued stores before dropping
+#: the rest (below the engine core's teardown window, vllm_unified.platform).
+SHUTDOWN_DRAIN_S = 5.0
 _local = threading.local()
 
 
@@ -304,10 +308,27 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
         return stats
 
     def shutdown(self) -> None:
-        """Finish queued stores first, so what was offloaded reaches the disk."""
-        self._pool.wait_idle()
-        super().shutdown()
+        """Finish the queued stores for up to :data:`SHUTDOWN_DRAIN_S` seconds, then drop
+        the ones not started (vLLM's pool shutdown: queues cleared, each writer thread
+        finishes the job it is on). A dropped block never had a file: a store writes a temp
+        name and renames it into place only once complete, so nothing a later start would
+        load is left half-written. The outcome is logged."""
+        start = time.monotonic()
+        waiter = threading.Thread(target=self._pool.wait_idle, name="fs_tier_drain",
+                                  daemon=True)
+        waiter.start()
+        waiter.join(SHUTDOWN_DRAIN_S)
+        drained = not waiter.is_alive()
+        super().shutdown()  # clears what is queued, joins the writers; wait_idle returns
+        waiter.join()
         self._bytes.release()  # lets vLLM unmap the shared region
+        if drained:
+            logger.info("vllm-unified: KV offload disk tier shut down, queued writes finished "
+                        "(%.2f s)", time.monotonic() - start)
+        else:
+            logger.warning("vllm-unified: KV offload disk tier shut down after %.0f s with "
+                           "block writes still queued: those were dropped (no file written)",
+                           SHUTDOWN_DRAIN_S)
 
 
 def _write_private_config(root: str, spec) -> None:
