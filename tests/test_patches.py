@@ -20,7 +20,8 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.place_offload_region_outside_dev_shm,
                          patches.route_rejection_sampler_kernels,
                          patches.name_chat_template_flag,
-                         patches.stop_engine_core_gracefully}
+                         patches.stop_engine_core_gracefully,
+                         patches.harden_engine_core_signals}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""

@@ -239,6 +239,56 @@ class _ExpectedEngineDeadFilter(logging.Filter):
         return True
 
 
+def harden_engine_core_signals() -> None:
+    """Keep a second SIGTERM from hanging or killing the engine core while it shuts down
+    (vLLM 0.32, ``vllm.v1.engine.utils.SignalCallback.trigger`` and ``.stop``).
+
+    A server stopped through its process group (``kill -TERM -PGID``, systemd, Ctrl-C) sends
+    the engine core two signals within milliseconds: the group's, then vLLM's process
+    manager's SIGTERM. Two failures follow, both seen here:
+
+    * the engine core's handler calls ``SignalCallback.trigger``, i.e. ``threading.Event.
+      set``, which takes the event's lock; when the second signal interrupts the first
+      handler inside ``Event.set``, the nested ``Event.set`` waits for the lock its own thread
+      holds and the engine core hangs until it is killed (py-spy: ``Condition.__enter__``
+      under ``Condition.notify_all``, both in ``signal_handler``). The callback runs once
+      anyway: the wrapped ``trigger`` sets the event on the first call only (a plain
+      attribute store marks it before the lock is taken) and returns at once on a nested one;
+    * once its busy loop has ended, ``run_engine_core`` puts SIGTERM back to its default
+      action and then tears down (workers, scheduler, KV connector, the disk tier's queued
+      writes); the manager's SIGTERM arriving then kills it mid-teardown. ``stop`` is what
+      ``run_engine_core`` calls right after that reset, so the wrapped ``stop`` ignores
+      SIGTERM for the rest of the process's life (main thread only; the manager still kills
+      an engine core that outlives its shutdown window, and SIGINT keeps vLLM's handling).
+
+    Applied by ``MLXPlatform.check_and_update_config``, which vLLM runs in the engine core
+    before it creates the callback. Idempotent.
+    """
+    import signal
+
+    from vllm.v1.engine.utils import SignalCallback
+
+    trigger, stop = SignalCallback.trigger, SignalCallback.stop
+    if getattr(trigger, "__wrapped__", None) is not None:
+        return
+
+    @functools.wraps(trigger)
+    def reentrant_trigger(self: Any) -> None:
+        if self.__dict__.get("_vllm_unified_triggered"):
+            return
+        self.__dict__["_vllm_unified_triggered"] = True
+        trigger(self)
+
+    @functools.wraps(stop)
+    def stop_and_ignore_sigterm(self: Any) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop(self)
+
+    SignalCallback.trigger = reentrant_trigger
+    SignalCallback.stop = stop_and_ignore_sigterm
+
+
 def stop_engine_core_gracefully(seconds: float, logger: logging.Logger) -> None:
     """Let the engine core finish its own teardown when the server stops with vLLM's default
     ``--shutdown-timeout 0``, and keep the expected ``EngineDeadError`` of a stopped engine
@@ -439,6 +489,9 @@ PATCHES: tuple[Patch, ...] = (
           "vLLM 0.32", place_offload_region_outside_dev_shm,
           "vllm_unified.offload.spec (at import, where there is no /dev/shm)"),
     Patch("vllm.renderers.hf.safe_apply_chat_template", "vLLM 0.32", name_chat_template_flag,
+          "vllm_unified.platform.MLXPlatform.check_and_update_config"),
+    Patch("vllm.v1.engine.utils.SignalCallback.trigger, .stop", "vLLM 0.32",
+          harden_engine_core_signals,
           "vllm_unified.platform.MLXPlatform.check_and_update_config"),
     Patch("vllm.v1.engine.utils.shutdown (vllm.v1.utils.shutdown); a filter on the logger "
           "vllm.v1.engine.async_llm", "vLLM 0.32", stop_engine_core_gracefully,

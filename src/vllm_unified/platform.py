@@ -322,6 +322,7 @@ class MLXPlatform(Platform):
         patches.name_chat_template_flag(logger)
         # SIGTERM: the engine core tears down (KV offload writes) before it is killed.
         patches.stop_engine_core_gracefully(ENGINE_EXIT_GRACE_S, logger)
+        patches.harden_engine_core_signals()
 
         # MLX is not fork-safe: a forked engine core hangs if the parent touched MLX.
         if "mlx.core" in sys.modules:

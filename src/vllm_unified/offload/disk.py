@@ -314,13 +314,8 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
         name and renames it into place only once complete, so nothing a later start would
         load is left half-written. The outcome is logged."""
         start = time.monotonic()
-        waiter = threading.Thread(target=self._pool.wait_idle, name="fs_tier_drain",
-                                  daemon=True)
-        waiter.start()
-        waiter.join(SHUTDOWN_DRAIN_S)
-        drained = not waiter.is_alive()
-        super().shutdown()  # clears what is queued, joins the writers; wait_idle returns
-        waiter.join()
+        drained = drain(self._pool, SHUTDOWN_DRAIN_S)
+        super().shutdown()  # clears what is queued, joins the writers
         self._bytes.release()  # lets vLLM unmap the shared region
         if drained:
             logger.info("vllm-unified: KV offload disk tier shut down, queued writes finished "
@@ -329,6 +324,16 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
             logger.warning("vllm-unified: KV offload disk tier shut down after %.0f s with "
                            "block writes still queued: those were dropped (no file written)",
                            SHUTDOWN_DRAIN_S)
+
+
+def drain(pool: Any, seconds: float) -> bool:
+    """Wait up to ``seconds`` for every job queued on vLLM's fs-tier thread pool
+    (``DualQueueThreadPool``) to finish; True if they all did. Nothing is cancelled: the
+    caller's ``pool.shutdown()`` drops what has not started (and releases the waiter)."""
+    waiter = threading.Thread(target=pool.wait_idle, name="fs_tier_drain", daemon=True)
+    waiter.start()
+    waiter.join(seconds)
+    return not waiter.is_alive()
 
 
 def _write_private_config(root: str, spec) -> None:
