@@ -28,9 +28,6 @@ import pytest
 import requests
 from conftest import default_model_path, vllm_server
 
-from vllm_unified.errors import StartupRefused
-from vllm_unified.memory.budget import check_kv_budget_before_load, kv_space_from_env
-
 GIB = 2**30
 #: SmolLM2-135M: 30 layers x 2 x 16 tokens x 3 KV heads x 64 x 4 bytes (fp32) per block.
 SMOLLM2_BLOCK_BYTES = 737280
@@ -39,6 +36,9 @@ VLLM = Path(sys.executable).parent / "vllm"
 
 # ------------------------------------------------------------------ 3. VLLM_CPU_KVCACHE_SPACE
 def test_cpu_kvcache_space_is_read_as_vllms_cpu_backend_does():
+    from vllm_unified.errors import StartupRefused
+    from vllm_unified.memory.budget import kv_space_from_env
+
     assert kv_space_from_env({}) is None
     assert kv_space_from_env({"VLLM_CPU_KVCACHE_SPACE": ""}) is None
     assert kv_space_from_env({"VLLM_CPU_KVCACHE_SPACE": "4"}) == 4 * GIB
@@ -59,10 +59,10 @@ def test_cpu_kvcache_space_sets_the_kv_budget(default_model, monkeypatch):
     ``--kv-cache-memory-bytes`` (it was ignored: the budget came from
     ``--gpu-memory-utilization``); the same value given both ways is accepted, different
     ones are refused naming both."""
-    from vllm_unified.cli import startup_refusal
-
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert _engine_config(default_model).cache_config.kv_cache_memory_bytes == 2 * GIB
+    from vllm_unified.cli import startup_refusal
+
     assert _engine_config(default_model, kv_cache_memory_bytes=2 * GIB
                           ).cache_config.kv_cache_memory_bytes == 2 * GIB
     with pytest.raises(Exception) as e:
@@ -74,6 +74,9 @@ def test_cpu_kvcache_space_sets_the_kv_budget(default_model, monkeypatch):
 
 # ---------------------------------------------------------------- 4. KV budget before loading
 def test_kv_budget_check_before_load():
+    from vllm_unified.errors import StartupRefused
+    from vllm_unified.memory.budget import check_kv_budget_before_load
+
     common = dict(total=16 * GIB, bytes_per_block=SMOLLM2_BLOCK_BYTES, block_size=16,
                   max_model_len=2048)
     need = 129 * SMOLLM2_BLOCK_BYTES  # 128 blocks of the sequence + vLLM's null block
@@ -98,13 +101,13 @@ def test_engine_config_refuses_a_tiny_budget_before_loading(default_model):
     """The platform hook computes the same bytes per block as the worker after loading
     (SmolLM2: 737,280) and refuses in vLLM's config step, i.e. in the API server before the
     engine core exists."""
-    from vllm_unified.cli import startup_refusal
-
     for kwargs, words in (({"kv_cache_memory_bytes": 100_000},
                            f"129 blocks x {SMOLLM2_BLOCK_BYTES} bytes"),
                           ({"gpu_memory_utilization": 0.001}, "GiB of weights")):
         with pytest.raises(Exception) as e:
             _engine_config(default_model, **kwargs)
+        from vllm_unified.cli import startup_refusal
+
         refused = startup_refusal(e.value)
         assert refused is not None and words in str(refused), e.value
     _engine_config(default_model, kv_cache_memory_bytes=129 * SMOLLM2_BLOCK_BYTES)
@@ -190,11 +193,10 @@ def test_sigterm_with_kv_offloading_is_quiet_and_leaves_only_valid_files(tmp_pat
         rc = proc.wait(timeout=120)
         stopped_in = time.monotonic() - start
     log = (tmp_path / "server.log").read_text()
-    assert "vllm-unified: KV budget = --kv-cache-memory-bytes = 1.00 GiB" in log
+    assert "force killing" not in log, "the engine core was killed before its teardown"
+    assert "Traceback" not in log and "EngineDeadError:" not in log, log[-5000:]
     assert rc == 0, log[-3000:]
     assert stopped_in < 60
-    assert "Traceback" not in log and "EngineDeadError:" not in log, log[-5000:]
-    assert "force killing" not in log, "the engine core was killed before its teardown"
     assert "KV offload disk tier shut down, queued writes finished" in log
     files, temps = _block_files(root)
     assert not temps, temps
@@ -205,3 +207,4 @@ def test_sigterm_with_kv_offloading_is_quiet_and_leaves_only_valid_files(tmp_pat
         key = bytes.fromhex(path.stem) + (0).to_bytes(4, "big")
         payload = np.empty(path.stat().st_size - disk.HEADER_SIZE, dtype=np.int8)
         disk.load_block(str(path), memoryview(payload), layout, key)
+    assert "vllm-unified: KV budget = --kv-cache-memory-bytes = 1.00 GiB" in log
