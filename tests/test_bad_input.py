@@ -91,12 +91,15 @@ def test_prompt_filling_the_context_is_refused_naming_length_and_limit(monkeypat
     prompt_len`` (``get_max_tokens``, which asks the platform for its own cap) and then
     rejects its own 0 as "max_tokens must be at least 1, got 0". The platform's cap refuses
     the prompt instead, naming its length and the limit; one token shorter is served."""
+    import types
+
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
     from vllm_unified.compat import VLLMValidationError
     from vllm_unified.platform import MLXPlatform
 
-    monkeypatch.setattr(MLXPlatform, "serving_max_model_len", 256)
+    monkeypatch.setattr(MLXPlatform, "serving_model_config",
+                        types.SimpleNamespace(max_model_len=256), raising=False)
     assert get_max_tokens(256, 50, 255, {}) == 1
     assert get_max_tokens(256, None, 200, {}) == 56
     for max_tokens in (50, None):

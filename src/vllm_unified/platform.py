@@ -61,9 +61,10 @@ class MLXPlatform(Platform):
     dist_backend: str = "gloo"
     device_control_env_var: str = envs.VISIBLE_DEVICES_ENV
     simple_compile_backend: str = "eager"
-    #: ``--max-model-len`` of the engine this process was last configured for
-    #: (:meth:`check_and_update_config`); None before. Read by :meth:`get_max_output_tokens`.
-    serving_max_model_len: int | None = None
+    #: vLLM's model config this process was last configured with (:meth:`check_and_update_
+    #: config`), None before; :meth:`get_max_output_tokens` reads its ``max_model_len`` when
+    #: called (vLLM may lower it once the engine has sized the KV cache).
+    serving_model_config: Any = None
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -137,8 +138,9 @@ class MLXPlatform(Platform):
             VLLMValidationError: ``prompt_len >= --max-model-len`` (HTTP 400, parameter
                 ``input_tokens``).
         """
-        if cls.serving_max_model_len is not None:
-            request_policy.check_room_for_output(prompt_len, cls.serving_max_model_len)
+        if cls.serving_model_config is not None:
+            request_policy.check_room_for_output(prompt_len,
+                                                 cls.serving_model_config.max_model_len)
         return sys.maxsize
 
     @classmethod
@@ -330,7 +332,7 @@ class MLXPlatform(Platform):
 
         model_config = vllm_config.model_config
         if model_config is not None:
-            cls.serving_max_model_len = model_config.max_model_len
+            cls.serving_model_config = model_config
             logger.info(
                 "vllm-unified: worker=%s dtype=%s block_size=%d max_model_len=%d "
                 "max_num_batched_tokens=%d prefix_caching=%s chunked_prefill=%s",

@@ -20,6 +20,8 @@ file naming) and replaces the file I/O:
   reported as a failed load: vLLM's tiering manager then releases that slot without making it
   readable and the prefix is recomputed. Each one is counted in
   ``vllm:kv_offload_fs_invalid_blocks{reason=...}``.
+* at shutdown, queued stores are finished for up to :data:`SHUTDOWN_DRAIN_S` seconds and the
+  rest dropped before they start; a file gets its final name only once complete.
 
 The header is a full page so that ``O_DIRECT`` (used where the file system supports it, as
 vLLM does) keeps its alignment.
