@@ -120,3 +120,69 @@ def test_chat_without_template_names_the_flag_and_warns_once(default_model, capl
             assert "no longer allowed" in str(e.value.__cause__)
     warnings = [r.getMessage() for r in caplog.records if "--chat-template" in r.getMessage()]
     assert len(warnings) == 1, warnings
+
+
+def test_engine_core_shutdown_window_and_expected_engine_dead(monkeypatch) -> None:
+    """Issue 20, defect 5: under vLLM's default ``--shutdown-timeout 0`` the process manager
+    waits up to the window for the engine core (other timeouts are kept), and once the server
+    is stopping, only vLLM's output-handler ``EngineDeadError`` record is dropped."""
+    import logging
+    import threading
+
+    from vllm.v1.engine import utils
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    calls: list[float | None] = []
+    monkeypatch.setattr(utils, "shutdown", lambda procs, timeout=None: calls.append(timeout))
+    monkeypatch.setattr(patches, "engine_core_stopping", threading.Event())
+    vllm_logger = logging.getLogger("vllm.v1.engine.async_llm")
+    monkeypatch.setattr(vllm_logger, "filters", list(vllm_logger.filters))
+    patches.stop_engine_core_gracefully(10.0, logging.getLogger("test_shutdown_patch"))
+    ours = vllm_logger.filters[-1]
+
+    def record(msg: str, exc: BaseException | None) -> logging.LogRecord:
+        info = (type(exc), exc, None) if exc is not None else None
+        return logging.LogRecord(vllm_logger.name, logging.ERROR, __file__, 1, msg, (), info)
+
+    dead = record("AsyncLLM output_handler failed.", EngineDeadError())
+    utils.shutdown([], timeout=None)  # vLLM's clean-up after an engine core died by itself
+    assert calls == [None] and not patches.engine_core_stopping.is_set()
+    assert ours.filter(dead)  # that death keeps its traceback
+    utils.shutdown([], timeout=0)
+    assert calls[-1] == 10.0 and patches.engine_core_stopping.is_set()
+    utils.shutdown([], timeout=3)
+    assert calls[-1] == 3
+    assert not ours.filter(dead)
+    assert ours.filter(record("AsyncLLM output_handler failed.", RuntimeError("x")))
+    assert ours.filter(record("something else", EngineDeadError()))
+
+
+def test_engine_core_signal_trigger_survives_a_nested_signal(monkeypatch) -> None:
+    """Issue 20, defect 5: a second signal arriving inside the first handler's
+    ``Event.set`` (a process-group SIGTERM, then vLLM's own) must not re-enter it (vLLM's
+    version deadlocks on the event's lock); the shutdown callback still runs once. ``stop``
+    (called once the engine core's busy loop has ended) leaves SIGTERM ignored."""
+    import signal
+
+    from vllm.v1.engine.utils import SignalCallback
+
+    patches.harden_engine_core_signals()
+    ran, nested = [], []
+    callback = SignalCallback(lambda: ran.append(1))
+    real_set = callback._event.set
+
+    def set_with_a_nested_signal() -> None:
+        nested.append(1)
+        callback.trigger()  # the second signal's handler, inside the first Event.set
+        real_set()
+
+    callback._event.set = set_with_a_nested_signal
+    callback.trigger()
+    callback._thread.join(10)
+    assert (nested, ran) == ([1], [1])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        callback.stop()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)

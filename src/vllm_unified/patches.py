@@ -302,9 +302,11 @@ def stop_engine_core_gracefully(seconds: float, logger: logging.Logger) -> None:
     lost). The engine core aborts its requests on SIGTERM by itself; what it needs is a short
     window to tear down, which vLLM already gives on ROCm (``get_engine_process_shutdown_
     timeout``, 15 s). The wrapper turns a process timeout of 0 into ``seconds`` (an engine core
-    that exits sooner is not waited for; one still alive then is killed as before), logs it,
-    and sets :data:`engine_core_stopping`. Other timeouts (drain mode, ``--shutdown-timeout
-    N``) are kept.
+    that exits sooner is not waited for; one still alive then is killed as before) and logs
+    it. Other timeouts (drain mode, ``--shutdown-timeout N``) are kept. A timeout that is not
+    None (the server stopping with its ``--shutdown-timeout``) sets
+    :data:`engine_core_stopping`; vLLM's clean-up after an engine core that died on its own
+    passes None, so that death keeps its error log.
 
     Once the engine core is gone vLLM closes its output socket, and its output handler,
     racing its own cancellation, may log "AsyncLLM output_handler failed." with an
@@ -322,7 +324,8 @@ def stop_engine_core_gracefully(seconds: float, logger: logging.Logger) -> None:
 
     @functools.wraps(current)
     def shutdown(procs: Any, timeout: float | None = None) -> None:
-        engine_core_stopping.set()
+        if timeout is not None:  # the server's own shutdown (--shutdown-timeout); vLLM's
+            engine_core_stopping.set()  # clean-up after an engine core died passes None
         if timeout == 0:
             logger.info("vllm-unified: requests aborted; the engine core gets up to %.0f s to "
                         "finish its teardown (KV offload writes) before it is killed", seconds)
