@@ -84,6 +84,7 @@ _LAZY: dict[str, str] = {
     "SharedOffloadRegion": "vllm.v1.kv_offload.cpu.shared_offload_region",
     "TieringOffloadingSpec": "vllm.v1.kv_offload.tiering.spec",
     "FileSystemTierManager": "vllm.v1.kv_offload.tiering.fs.manager",
+    "DualQueueThreadPool": "vllm.v1.kv_offload.tiering.fs.thread_pool",
     "FileMapper": "vllm.v1.kv_offload.file_mapper",
     "OffloadingConnectorStats":
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",

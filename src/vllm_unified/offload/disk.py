@@ -25,6 +25,8 @@ file naming) and replaces the file I/O:
   removed and reported as a failed load: vLLM's tiering manager then releases that slot
   without making it readable and the prefix is recomputed. Each one is counted in
   ``vllm:kv_offload_fs_invalid_blocks{reason=...}``.
+* at shutdown, queued stores are finished for up to :data:`SHUTDOWN_DRAIN_S` seconds and the
+  rest dropped before they start; a file gets its final name only once complete.
 
 The header is a full page so that ``O_DIRECT`` (used where the file system supports it, as
 vLLM does) keeps its alignment.
@@ -42,6 +44,7 @@ import os
 import random
 import struct
 import threading
+import time
 import zlib
 from typing import Any
 
@@ -67,6 +70,9 @@ _FIELDS = struct.Struct(f"<8sII32sQII{MAX_KEY}s")
 _HEADER_CRC = struct.Struct("<I")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+#: Seconds :meth:`VerifiedFileSystemTier.shutdown` waits for queued stores before dropping
+#: the rest (below the engine core's teardown window, vllm_unified.platform).
+SHUTDOWN_DRAIN_S = 5.0
 _local = threading.local()
 
 
@@ -356,11 +362,33 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
         return stats
 
     def shutdown(self) -> None:
-        """Finish queued stores first, so what was offloaded reaches the disk."""
-        self._pool.wait_idle()
-        super().shutdown()
+        """Finish the queued stores for up to :data:`SHUTDOWN_DRAIN_S` seconds, then drop
+        the ones not started (vLLM's pool shutdown: queues cleared, each writer thread
+        finishes the job it is on). A dropped block never had a file: a store writes a temp
+        name and renames it into place only once complete, so nothing a later start would
+        load is left half-written. The outcome is logged."""
+        start = time.monotonic()
+        drained = drain(self._pool, SHUTDOWN_DRAIN_S)
+        super().shutdown()  # clears what is queued, joins the writers
         self._bytes.release()  # lets vLLM unmap the shared region
         self._dir.close()
+        if drained:
+            logger.info("vllm-unified: KV offload disk tier shut down, queued writes finished "
+                        "(%.2f s)", time.monotonic() - start)
+        else:
+            logger.warning("vllm-unified: KV offload disk tier shut down after %.0f s with "
+                           "block writes still queued: those were dropped (no file written)",
+                           SHUTDOWN_DRAIN_S)
+
+
+def drain(pool: Any, seconds: float) -> bool:
+    """Wait up to ``seconds`` for every job queued on vLLM's fs-tier thread pool
+    (``DualQueueThreadPool``) to finish; True if they all did. Nothing is cancelled: the
+    caller's ``pool.shutdown()`` drops what has not started (and releases the waiter)."""
+    waiter = threading.Thread(target=pool.wait_idle, name="fs_tier_drain", daemon=True)
+    waiter.start()
+    waiter.join(seconds)
+    return not waiter.is_alive()
 
 
 def _write_private_config(tier: PrivateDir, spec) -> None:
