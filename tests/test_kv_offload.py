@@ -244,12 +244,13 @@ def test_shutdown_finishes_or_drops_queued_writes_never_half(tmp_path):
     pool = compat.DualQueueThreadPool(n_read_threads=0, n_write_threads=1)
     layout, payload = b"L" * 32, np.arange(256, dtype=np.int8)
     release = threading.Event()
+    tier = PrivateDir(str(tmp_path), "d")
     paths = [str(tmp_path / "d" / f"{i}.bin") for i in range(3)]
 
     def store(i: int, gate: threading.Event | None = None) -> None:
         if gate is not None:
             assert gate.wait(30)
-        disk.store_block(paths[i], memoryview(payload), layout, b"key%d" % i)
+        disk.store_block(tier, paths[i], memoryview(payload), layout, b"key%d" % i)
 
     pool.enqueue_store(0, 1, [lambda: store(0)])
     assert disk.drain(pool, 30)  # finished within the deadline
@@ -268,8 +269,9 @@ def test_shutdown_finishes_or_drops_queued_writes_never_half(tmp_path):
     assert not [n for n in os.listdir(tmp_path / "d") if n.endswith(".tmp")]
     for i in (0, 1):
         out = np.empty_like(payload)
-        disk.load_block(paths[i], memoryview(out), layout, b"key%d" % i)
+        disk.load_block(tier, paths[i], memoryview(out), layout, b"key%d" % i)
         assert np.array_equal(out, payload)
+    tier.close()
 
 
 def test_layout_digest_separates_dtype_and_geometry():
