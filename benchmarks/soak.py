@@ -343,6 +343,30 @@ def run_load(base_url: str, plan: list[traffic.Planned], solo: list[traffic.Outc
     return [r for r in records if r is not None]
 
 
+def diagnose_mismatches(base_url: str, pool: list[traffic.Body], solo: list[traffic.Outcome],
+                        records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each greedy body whose load text differed from its solo text: the body sent alone
+    again with top-2 logprobs, and where each differing text left it
+    (:func:`soak_traffic.divergence`)."""
+    out = []
+    for ref in sorted({r["greedy_ref"] for r in records if r.get("greedy_mismatch")}):
+        p = traffic.Planned(-1, traffic.with_logprobs(pool[ref]), False, ref, None)
+        again = traffic.send(base_url, p, time.perf_counter())
+        entry: dict[str, Any] = {"ref": ref, "features": pool[ref].features(),
+                                 "rerun_status": again.status, "rerun_error": again.error}
+        if again.status == "ok":
+            solo_text = solo[ref].choices[0].text
+            entry["rerun_equals_solo"] = again.choices[0].text == solo_text
+            entry["solo_vs_rerun"] = (None if entry["rerun_equals_solo"] else
+                                      traffic.divergence(again, solo_text))
+            entry["mismatches"] = [
+                {"idx": r["idx"], "stream": r["stream"],
+                 **traffic.divergence(again, r["choices"].get(0, {}).get("text", ""))}
+                for r in records if r["greedy_ref"] == ref and r.get("greedy_mismatch")]
+        out.append(entry)
+    return out
+
+
 def settle(base_url: str) -> tuple[bool, float, dict[str, float]]:
     """Poll ``/metrics`` until nothing runs or waits and KV usage is 0; (reached, seconds,
     the last gauges)."""
@@ -389,8 +413,10 @@ def drift(samples: list[dict[str, Any]], mlx: list[dict[str, Any]], drift_from: 
                                  "max": max(m[key] for m in mlx_after),
                                  "growth_pct": _growth(mlx_after[0][key], mlx_after[-1][key])}
     rss_growth = out["engine_rss"]["growth_pct"]
+    less_pool = out.get("engine_rss_less_kv_pool", {}).get("growth_pct")
     out["verdict"] = {
         "engine_rss_growth_below_2pct": rss_growth is not None and rss_growth < 2.0,
+        "engine_rss_less_kv_pool_growth_below_2pct": less_pool is not None and less_pool < 2.0,
         "fds_flat": all(out[k]["end"] is not None and out[k]["start"] is not None
                         and out[k]["end"] <= out[k]["start"] for k in ("engine_fds", "api_fds")),
     }
@@ -419,6 +445,13 @@ def print_summary(r: dict[str, Any]) -> None:
           f"greedy logprob max diff vs solo {s['greedy_logprob_max_diff']}; structured outputs "
           f"cut by max_tokens {s['truncated_structured']}")
     print(f"  features: {json.dumps(s['features'])}")
+    for d in r["greedy_mismatch_diagnosis"]:
+        print(f"  greedy body {d['ref']} {d['features']} mismatched; alone again with logprobs: "
+              f"{d.get('rerun_status')}, equals solo: {d.get('rerun_equals_solo')}")
+        for m in d.get("mismatches", []):
+            print(f"    request {m['idx']}: leaves at char {m['char']}, solo token "
+                  f"{m.get('solo_token')!r}, solo top-2 {m.get('solo_top')}, gap {m.get('gap')}, "
+                  f"load text continues {m['other_continues']!r}")
     print(f"  settle: {r['settle']}; final greedy request equals solo: {r['final_check']['ok']}")
     if "error" in d:
         print(f"  drift: {d['error']}")
@@ -441,9 +474,12 @@ def print_summary(r: dict[str, Any]) -> None:
                 v = d[key]
                 print(f"    {key:<24} {v['start']:.1f} -> {v['end']:.1f} MiB (max {v['max']:.1f})")
         verdict = d["verdict"]
-        print(f"    acceptance: engine RSS growth < 2%: "
-              f"{'yes' if verdict['engine_rss_growth_below_2pct'] else 'NO'}; fds flat: "
-              f"{'yes' if verdict['fds_flat'] else 'NO'}")
+        def yes(key: str) -> str:
+            return "yes" if verdict[key] else "NO"
+
+        print(f"    acceptance: engine RSS growth < 2%: {yes('engine_rss_growth_below_2pct')} "
+              f"(less its KV-pool pages: {yes('engine_rss_less_kv_pool_growth_below_2pct')}); "
+              f"fds flat: {yes('fds_flat')}")
     print(f"  checks: {json.dumps(r['checks'])}")
     print("PASSED" if all(r["checks"].values()) else "FAILED")
 
@@ -575,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = traffic.check(p, out, solo[0])[0] if out.status == "ok" else [out.error]
         end = sampler.sample()
         engine_alive = srv.engine.is_running()
+        diagnosis = diagnose_mismatches(srv.base_url, pool, solo, records)
     load_after = os.getloadavg()
 
     summary = {"requests": len(plan), "concurrency": args.concurrency, "greedy_pool": len(pool),
@@ -593,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "settle": {"reached": reached, "seconds": round(settle_s, 1), "gauges": gauges},
         "final_check": {"ok": not problems, "problems": problems},
+        "greedy_mismatch_diagnosis": diagnosis,
         "idle_before_load": idle_before, "end": end,
         "drift": drift(sampler.samples, sampler.mlx, drift_from, end) if end else
         {"error": "no final sample"},

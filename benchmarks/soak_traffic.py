@@ -292,12 +292,13 @@ def make_plan(requests_n: int, pool: list[Body], docs: list[str], seed: int,
 @dataclass
 class Choice:
     """One choice of a response: its text, how it finished and its logprobs as
-    ``(chosen logprob, {top token: logprob})`` per generated token (empty without logprobs)."""
+    ``(token, chosen logprob, {top token: logprob})`` per generated token (empty without
+    logprobs)."""
 
     text: str = ""
     finish_reason: str | None = None
     stop_reason: Any = None
-    logprobs: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    logprobs: list[tuple[str, float, dict[str, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -326,14 +327,16 @@ class Outcome:
     done_at_s: float = 0.0
 
 
-def _logprob_entries(endpoint: str, logprobs: dict | None) -> list[tuple[float, dict]]:
+def _logprob_entries(endpoint: str, logprobs: dict | None) -> list[tuple[str, float, dict]]:
     if not logprobs:
         return []
     if endpoint == "chat":
-        return [(e["logprob"], {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
+        return [(e["token"], e["logprob"],
+                 {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
                 for e in logprobs.get("content") or []]
-    return [(lp, top or {}) for lp, top in zip(logprobs.get("token_logprobs") or [],
-                                               logprobs.get("top_logprobs") or [], strict=True)]
+    return [(tok, lp, top or {}) for tok, lp, top in zip(
+        logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [],
+        logprobs.get("top_logprobs") or [], strict=True)]
 
 
 def _absorb(endpoint: str, out: Outcome, choice: dict, streamed: bool) -> None:
@@ -478,7 +481,7 @@ def check(p: Planned, out: Outcome, solo: Outcome | None) -> tuple[list[str], di
             if not c.logprobs:
                 problems.append(f"choice {i} has no logprobs")
             logprob_count += len(c.logprobs)
-            for lp, top in c.logprobs:
+            for _, lp, top in c.logprobs:
                 if not (math.isfinite(lp) and lp <= 1e-6):
                     problems.append(f"choice {i} logprob {lp}")
                     break
@@ -496,7 +499,7 @@ def check(p: Planned, out: Outcome, solo: Outcome | None) -> tuple[list[str], di
             diff = _first_difference(ref.text, mine.text)
             problems.append(f"greedy text differs from solo: {diff}")
         elif b.logprobs and len(mine.logprobs) == len(ref.logprobs):
-            diff = max((abs(a[0] - r[0]) for a, r in zip(mine.logprobs, ref.logprobs,
+            diff = max((abs(a[1] - r[1]) for a, r in zip(mine.logprobs, ref.logprobs,
                                                          strict=True)), default=0.0)
             notes["logprob_max_diff"] = diff
             if diff > LOGPROB_TOL:
@@ -517,23 +520,58 @@ def check_aborted(p: Planned, out: Outcome, solo: Outcome | None) -> list[str]:
     return []
 
 
-def _first_difference(ref: str, got: str) -> str:
+def with_logprobs(body: Body) -> Body:
+    """``body`` asking for the top-2 logprobs too (a greedy body's tokens stay the same)."""
+    payload = dict(body.payload)
+    if body.endpoint == "chat":
+        payload.update(logprobs=True, top_logprobs=2)
+    else:
+        payload["logprobs"] = 2
+    return Body(body.endpoint, payload, body.n, body.greedy, body.long, True, body.stop,
+                body.structured)
+
+
+def divergence(solo: Outcome, other: str) -> dict[str, Any]:
+    """Where the text ``other`` leaves ``solo``'s text (``solo`` has logprobs): the character,
+    the solo token there, the solo's two best candidates for it and their logprob gap (a tiny
+    gap is a near-tie that last-bit differences can flip)."""
+    c = solo.choices.get(0, Choice())
+    char = _first_index(c.text, other)
+    pos = 0
+    for k, (tok, _, top) in enumerate(c.logprobs):
+        if pos + len(tok) > char:
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])
+            return {"char": char, "token_index": k, "solo_token": tok,
+                    "solo_top": ranked[:2],
+                    "gap": ranked[0][1] - ranked[1][1] if len(ranked) >= 2 else None,
+                    "other_continues": other[pos:pos + 24]}
+        pos += len(tok)
+    return {"char": char, "token_index": None, "other_continues": other[pos:pos + 24]}
+
+
+def _first_index(ref: str, got: str) -> int:
     common = min(len(ref), len(got))
-    i = next((k for k in range(common) if ref[k] != got[k]), common)
+    return next((k for k in range(common) if ref[k] != got[k]), common)
+
+
+def _first_difference(ref: str, got: str) -> str:
+    i = _first_index(ref, got)
     return (f"first difference at char {i}: solo {ref[max(0, i - 20):i + 40]!r} vs "
             f"{got[max(0, i - 20):i + 40]!r} (lengths {len(ref)} / {len(got)})")
 
 
 def outcome_record(p: Planned, out: Outcome, problems: list[str], notes: dict[str, Any]
                    ) -> dict[str, Any]:
-    """One request as the result JSON keeps it (texts cut to 300 characters)."""
+    """One request as the result JSON keeps it (texts cut to 300 characters, but for a greedy
+    mismatch)."""
     return {
         "idx": p.idx, "features": p.body.features(), "stream": p.stream,
         "greedy_ref": p.greedy_ref, "abort": list(p.abort) if p.abort else None,
         "status": out.status, "error": out.error, "problems": problems, **notes,
         "latency_s": round(out.latency_s, 4), "ttft_s": out.ttft_s, "chunks": out.chunks,
         "done_at_s": round(out.done_at_s, 3), "usage": out.usage,
-        "choices": {i: {"text": c.text[:300], "finish_reason": c.finish_reason,
+        "choices": {i: {"text": c.text if notes.get("greedy_mismatch") else c.text[:300],
+                        "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason} for i, c in sorted(out.choices.items())},
     }
 
@@ -544,7 +582,7 @@ def solo_record(i: int, body: Body, out: Outcome) -> dict[str, Any]:
     return {"ref": i, "features": body.features(), "payload": _short_payload(body.payload),
             "text": c.text, "finish_reason": c.finish_reason, "usage": out.usage,
             "latency_s": round(out.latency_s, 3),
-            "logprobs": [lp for lp, _ in c.logprobs] or None}
+            "logprobs": [lp for _, lp, _ in c.logprobs] or None}
 
 
 def _short_payload(payload: dict[str, Any]) -> dict[str, Any]:

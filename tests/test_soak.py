@@ -115,28 +115,41 @@ def test_checks_pass_good_responses_and_name_bad_ones() -> None:
     assert "not one of" in _problems(_body(structured="choice"), _out("perhaps"))[0]
     assert _problems(_body(structured="regex"), _out("AB-123")) == []
     assert "does not match" in _problems(_body(structured="regex"), _out("AB-12"))[0]
-    lps = [(-0.1, {"a": -0.1, "b": -2.0})] * 3
+    lps = [("a", -0.1, {"a": -0.1, "b": -2.0})] * 3
     assert _problems(_body(logprobs=True, greedy=True), _out("abc", logprobs=lps)) == []
     assert "2 logprob entries for 3" in _problems(_body(logprobs=True),
                                                   _out("ab", logprobs=lps[:2]))[0]
-    below_top = [(-2.0, {"a": -0.1, "b": -2.0})] * 3
+    below_top = [("b", -2.0, {"a": -0.1, "b": -2.0})] * 3
     assert "below the top" in _problems(_body(logprobs=True, greedy=True),
                                         _out("abc", logprobs=below_top))[0]
 
 
 def test_greedy_checks_against_the_solo_text() -> None:
     body = _body(greedy=True, logprobs=True)
-    lps = [(-0.1, {"a": -0.1})] * 3
+    lps = [("x", -0.1, {"x": -0.1})] * 3
     solo = _out("The capital is Paris", logprobs=lps)
     assert _problems(body, _out("The capital is Paris", logprobs=lps), solo) == []
     mismatch = _problems(body, _out("The capital is Rome", logprobs=lps), solo)
     assert "differs from solo" in mismatch[0] and "char 15" in mismatch[0]
-    drifted = [(-0.1 - 2e-3, {"a": -0.1 - 2e-3})] * 3
+    drifted = [("x", -0.1 - 2e-3, {"x": -0.1 - 2e-3})] * 3
     assert "logprobs differ" in _problems(body, _out("The capital is Paris", logprobs=drifted),
                                           solo)[0]
     planned = traffic.Planned(0, body, True, 0, ("chunks", 3.0))
     assert traffic.check_aborted(planned, _out("The capital"), solo) == []
     assert "not a prefix" in traffic.check_aborted(planned, _out("The town"), solo)[0]
+
+
+def test_divergence_names_the_solo_token_and_its_gap() -> None:
+    tokens = [("The", -0.1, {"The": -0.1, "A": -3.0}), (" capital", -0.2, {" capital": -0.2}),
+              (" is", -0.01, {" is": -0.01}),
+              (" Paris", -0.69310, {" Paris": -0.69310, " Rome": -0.69312})]
+    solo = _out("The capital is Paris", usage=4, logprobs=tokens)
+    d = traffic.divergence(solo, "The capital is Rome")
+    assert (d["char"], d["token_index"], d["solo_token"]) == (15, 3, " Paris")
+    assert d["solo_top"][1][0] == " Rome" and d["gap"] == pytest.approx(2e-5)
+    assert d["other_continues"] == " Rome"
+    body = traffic.with_logprobs(traffic.Body("chat", {"temperature": 0.0}, greedy=True))
+    assert body.payload == {"temperature": 0.0, "logprobs": True, "top_logprobs": 2}
 
 
 @pytest.mark.slow
