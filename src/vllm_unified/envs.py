@@ -110,6 +110,8 @@ _SETTINGS = (
             "1 zero-fills the KV pool at start as vLLM does (benchmarks compare start-up memory)"),
     Setting("VLLM_UNIFIED_STEP_PROFILE", 0, _count(0),
             "log the step-phase profile every N steps (0: never)"),
+    Setting("VLLM_UNIFIED_MEMORY_LOG", 0, _count(0),
+            "log MLX's active, cache and peak memory every N steps (0: never)"),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _SETTINGS}
@@ -136,6 +138,7 @@ FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"
 ENCODE_THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
+MEMORY_LOG_ENV = "VLLM_UNIFIED_MEMORY_LOG"
 
 
 def read(name: str, environ: Mapping[str, str] | None = None) -> Any:

@@ -49,6 +49,7 @@ from vllm_unified.envs import COMPILE_DECODE_ENV
 from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.hybrid import HybridLayers
+from vllm_unified.memory.mlx_log import MemoryLog
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
 from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
@@ -183,6 +184,8 @@ class MLXModelRunner:
         self.input_batch = InputBatch()
         self.stats = RunnerStats()
         self.step_profile = StepProfile()
+        #: MLX's memory counters in the log every VLLM_UNIFIED_MEMORY_LOG steps
+        self.memory_log = MemoryLog()
         #: the timer of the step being prepared (each queued step keeps its own)
         self._timer: StepTimer = self.step_profile.start()
         self.vocab_size: int = self.model_config.get_vocab_size()
@@ -484,6 +487,9 @@ class MLXModelRunner:
         line = self.step_profile.finish(
             pending.timer, len(pending.step.req_ids), int(pending.step.input_ids.size),
             pending.pure_decode)
+        if line is not None:
+            logger.info(line)
+        line = self.memory_log.step(mx)
         if line is not None:
             logger.info(line)
         return output
