@@ -8,7 +8,8 @@ hurt the server or silently lose what the client asked for.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,9 @@ from vllm_unified.envs import MAX_N_ENV, MAX_REQUEST_BYTES_ENV, UNKNOWN_FIELDS_E
 
 DEFAULT_MAX_N: int = envs.SETTINGS[MAX_N_ENV].default
 DEFAULT_MAX_REQUEST_BYTES: int = envs.SETTINGS[MAX_REQUEST_BYTES_ENV].default
+#: The signed 64-bit range: vLLM hands a request to its engine process as msgpack, which
+#: carries no integer outside [-2**63, 2**64 - 1], and its samplers keep integers as int64.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,57 @@ def sampling_problem(
     return None
 
 
+def _numbers(name: str, value: Any) -> Iterator[tuple[str, int | float]]:
+    """The numbers of one field with their names: the value itself, or the items, keys and
+    values of a list / tuple / dict value (one level; booleans are not numbers)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int | float):
+        yield name, value
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if isinstance(item, int | float) and not isinstance(item, bool):
+                yield f"{name}[{i}]", item
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, int | float) and not isinstance(key, bool):
+                yield f"{name} key", key
+            if isinstance(item, int | float) and not isinstance(item, bool):
+                yield f"{name}[{key!r}]", item
+
+
+def _short(number: int) -> str:
+    text = str(number)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text.lstrip('-'))} digits)"
+
+
+def number_problem(fields: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first number vLLM accepts but cannot serve, as (message, field), else None.
+
+    - an integer outside the signed 64-bit range (:data:`INT64_MIN`, :data:`INT64_MAX`):
+      vLLM checks the range of ``seed`` and ``priority`` only; a larger ``top_k`` or
+      ``stream_interval`` fails when the request is handed to the engine, as HTTP 500 with
+      an empty message (vLLM 0.32, its own CPU backend too);
+    - a NaN: vLLM refuses NaN temperature, top_p, penalties, but takes a NaN ``logit_bias``
+      value (a bias that is no number) and applies it to the logits.
+
+    Args:
+        fields: field name -> value (a request body's top-level fields, or a
+            ``SamplingParams``' fields); lists and dicts are looked into one level deep.
+    """
+    for field, value in fields.items():
+        for name, number in _numbers(field, value):
+            if isinstance(number, int) and not INT64_MIN <= number <= INT64_MAX:
+                return (f"{name} = {_short(number)} is outside the 64-bit integer range "
+                        f"[-2**63, 2**63 - 1] this server accepts", field)
+            if isinstance(number, float) and math.isnan(number):
+                return f"{name} is NaN; it must be a number", field
+    return None
+
+
 def check_sampling(params: Any, limits: RequestLimits) -> None:
-    """Refuse sampling requests vLLM accepts but that would hurt the server or fail late.
+    """Refuse sampling requests vLLM accepts but that would hurt the server or fail late:
+    :func:`sampling_problem`, and :func:`number_problem` on every public field.
 
     Args:
         params: the request's ``SamplingParams`` (before vLLM fans ``n`` out).
@@ -92,7 +145,7 @@ def check_sampling(params: Any, limits: RequestLimits) -> None:
     problem = sampling_problem(
         params.n, params.prompt_logprobs is not None,
         params.output_kind == compat.RequestOutputKind.DELTA, limits,
-    )
+    ) or number_problem(compat.sampling_fields(params))
     if problem is not None:
         message, field = problem
         raise compat.VLLMValidationError(message, parameter=field, value=getattr(params, field))
