@@ -56,16 +56,20 @@ class FuzzRequest:
         path: URL path (with path parameters filled in).
         kwargs: for ``requests.Session.request`` besides method and URL (``json`` or
             ``data``, ``headers``, ``params``, ``cookies``).
+        template: the operation's path in the schema (``/v1/responses/{response_id}``), if
+            it has path parameters.
     """
 
     source: str
     method: str
     path: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    template: str | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.method} {self.path}"
+        """``METHOD /path`` of the operation (path parameters as in the schema)."""
+        return f"{self.method} {self.template or self.path}"
 
     def to_loopback(self) -> FuzzRequest:
         """The same request with every ``scheme://host`` in its body and query pointing at a
@@ -78,7 +82,7 @@ class FuzzRequest:
             kwargs["data"] = _loopback(kwargs["data"].decode("latin-1")).encode("latin-1")
         if kwargs.get("params"):
             kwargs["params"] = {k: _loopback(str(v)) for k, v in kwargs["params"].items()}
-        return FuzzRequest(self.source, self.method, self.path, kwargs)
+        return FuzzRequest(self.source, self.method, self.path, kwargs, self.template)
 
     def describe(self) -> dict[str, Any]:
         """The request for a report: method, path, and the body or params, truncated."""
@@ -213,81 +217,119 @@ def response_formats() -> st.SearchStrategy[Any]:
     )
 
 
-def common_fields() -> dict[str, st.SearchStrategy[Any]]:
-    """Generation fields both endpoints share, each with hostile values."""
-    small = st.one_of(st.integers(1, 8), extreme_ints())
+Field = tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]
+
+
+def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
+    return st.integers(lo, hi)
+
+
+def _floats(lo: float, hi: float) -> st.SearchStrategy[float]:
+    return st.floats(lo, hi, allow_nan=False)
+
+
+def common_fields() -> dict[str, Field]:
+    """Generation fields both endpoints share: (a plausible value, a hostile value) each."""
+    ids = _ints(0, 49151)
+    words = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1,
+                    max_size=5)
     return {
-        "max_tokens": st.one_of(small, extreme_numbers()),
-        "temperature": st.one_of(st.sampled_from([0.0, 0.7, 1.0]), extreme_numbers()),
-        "top_p": st.one_of(st.sampled_from([0.1, 0.9, 1.0]), extreme_numbers()),
-        "top_k": st.one_of(st.sampled_from([-1, 0, 1, 40, 49152, 49153]), extreme_numbers()),
-        "min_p": extreme_numbers(),
-        "n": st.one_of(st.integers(1, 4), st.sampled_from([0, -1, 128, 129, 10**6]),
-                       extreme_numbers()),
-        "seed": st.one_of(extreme_ints(), extreme_numbers()),
-        "presence_penalty": extreme_numbers(),
-        "frequency_penalty": extreme_numbers(),
-        "repetition_penalty": extreme_numbers(),
-        "length_penalty": extreme_numbers(),
-        "min_tokens": st.one_of(st.integers(0, 8), extreme_numbers()),
-        "stop": st.one_of(odd_text(20), huge_arrays(odd_text(10)), extreme_numbers()),
-        "stop_token_ids": st.one_of(huge_arrays(token_ids()), extreme_numbers()),
-        "logit_bias": logit_biases(),
-        "allowed_token_ids": st.one_of(huge_arrays(token_ids()), extreme_numbers()),
-        "bad_words": st.one_of(huge_arrays(odd_text(10)), extreme_numbers()),
-        "logprob_token_ids": st.one_of(st.lists(token_ids(), max_size=30), extreme_numbers()),
-        "prompt_logprobs": st.one_of(st.integers(-2, 25), extreme_numbers()),
-        "ignore_eos": st.one_of(st.booleans(), extreme_numbers()),
-        "include_stop_str_in_output": st.booleans(),
-        "skip_special_tokens": st.booleans(),
-        "spaces_between_special_tokens": st.booleans(),
-        "stream": st.one_of(st.booleans(), extreme_numbers()),
-        "stream_options": st.one_of(st.fixed_dictionaries(
-            {}, optional={"include_usage": st.booleans(),
-                          "continuous_usage_stats": st.booleans()}), json_values(4)),
-        "use_beam_search": st.booleans(),
-        "truncate_prompt_tokens": st.one_of(st.integers(-2, 600), extreme_numbers()),
-        "truncation_side": st.sampled_from(["left", "right", "middle", None]),
-        "structured_outputs": structured_outputs(),
-        "response_format": response_formats(),
-        "priority": extreme_numbers(),
-        "return_tokens_as_token_ids": st.booleans(),
-        "return_token_ids": st.booleans(),
-        "cache_salt": odd_text(20),
-        "user": odd_text(20),
-        "request_id": odd_text(20),
-        "stream_interval": extreme_numbers(),
-        "thinking_token_budget": extreme_numbers(),
-        "repetition_detection": json_values(4),
-        "kv_transfer_params": json_values(4),
-        "vllm_xargs": json_values(4),
-        "best_of": st.integers(1, 4),  # removed from vLLM: an unknown field now
-        "guided_choice": st.lists(st.text(max_size=5), max_size=3),  # removed: refused
+        "max_tokens": (_ints(1, 16), extreme_numbers()),
+        "temperature": (st.one_of(st.sampled_from([0.0, 0.7, 1.0, 2.0]), _floats(0, 2)),
+                        extreme_numbers()),
+        "top_p": (_floats(0.01, 1), extreme_numbers()),
+        "top_k": (st.sampled_from([-1, 0, 1, 5, 40, 49152, 10**9]), extreme_numbers()),
+        "min_p": (_floats(0, 1), extreme_numbers()),
+        "n": (_ints(1, 4), st.one_of(st.sampled_from([0, -1, 128, 129, 10**6]),
+                                     extreme_numbers())),
+        "seed": (_ints(-(2**63), 2**63 - 1), extreme_numbers()),
+        "presence_penalty": (_floats(-2, 2), extreme_numbers()),
+        "frequency_penalty": (_floats(-2, 2), extreme_numbers()),
+        "repetition_penalty": (_floats(0.01, 2), extreme_numbers()),
+        "length_penalty": (_floats(-2, 2), extreme_numbers()),
+        "min_tokens": (_ints(0, 8), extreme_numbers()),
+        "stop": (st.one_of(words, st.lists(words, max_size=4)),
+                 st.one_of(odd_text(20), huge_arrays(odd_text(10)), extreme_numbers())),
+        "stop_token_ids": (st.lists(ids, max_size=5),
+                           st.one_of(huge_arrays(token_ids()), extreme_numbers())),
+        "logit_bias": (st.dictionaries(ids.map(str), _floats(-100, 100), max_size=10),
+                       logit_biases()),
+        "allowed_token_ids": (st.lists(ids, min_size=1, max_size=50),
+                              st.one_of(huge_arrays(token_ids()), extreme_numbers())),
+        "bad_words": (st.lists(words, max_size=3),
+                      st.one_of(huge_arrays(odd_text(10)), extreme_numbers())),
+        "logprob_token_ids": (st.lists(ids, max_size=5),
+                              st.one_of(st.lists(token_ids(), max_size=30), extreme_numbers())),
+        "prompt_logprobs": (_ints(0, 5), st.one_of(st.integers(-2, 25), extreme_numbers())),
+        "ignore_eos": (st.booleans(), extreme_numbers()),
+        "include_stop_str_in_output": (st.booleans(), extreme_numbers()),
+        "skip_special_tokens": (st.booleans(), extreme_numbers()),
+        "spaces_between_special_tokens": (st.booleans(), extreme_numbers()),
+        "stream": (st.booleans(), extreme_numbers()),
+        "stream_options": (st.fixed_dictionaries({}, optional={
+            "include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}),
+            json_values(4)),
+        "use_beam_search": (st.booleans(), extreme_numbers()),
+        "truncate_prompt_tokens": (st.one_of(st.just(-1), _ints(1, 20)),
+                                   st.one_of(st.integers(-2, 600), extreme_numbers())),
+        "truncation_side": (st.sampled_from(["left", "right"]),
+                            st.one_of(st.just("middle"), extreme_numbers())),
+        "structured_outputs": (st.one_of(
+            st.builds(lambda c: {"choice": c}, st.lists(words, min_size=1, max_size=4)),
+            st.just({"regex": "[a-z]{1,5}"}), st.just({"json": SCHEMA}),
+            st.just({"json_object": True})), structured_outputs()),
+        "response_format": (st.sampled_from([
+            {"type": "text"}, {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}]),
+            response_formats()),
+        "priority": (st.just(0), extreme_numbers()),
+        "return_tokens_as_token_ids": (st.booleans(), extreme_numbers()),
+        "return_token_ids": (st.booleans(), extreme_numbers()),
+        "cache_salt": (words, odd_text(20)),
+        "user": (words, odd_text(20)),
+        "request_id": (words, odd_text(20)),
+        "stream_interval": (_ints(1, 10), extreme_numbers()),
+        "thinking_token_budget": (st.none(), extreme_numbers()),
+        "repetition_detection": (st.none(), json_values(4)),
+        "kv_transfer_params": (st.none(), json_values(4)),
+        "vllm_xargs": (st.none(), json_values(4)),
+        "best_of": (st.none(), st.integers(1, 4)),  # removed from vLLM: an unknown field now
+        "guided_choice": (st.none(), st.lists(st.text(max_size=5), max_size=3)),  # removed
     }
 
 
 @st.composite
-def _with_optional(draw: Callable, required: dict[str, st.SearchStrategy[Any]],
-                   optional: dict[str, st.SearchStrategy[Any]]) -> dict[str, Any]:
-    body = draw(st.fixed_dictionaries(required))
-    for name in draw(st.lists(st.sampled_from(sorted(optional)), max_size=8, unique=True)):
-        body[name] = draw(optional[name], label=name)
+def _with_optional(draw: Callable, required: dict[str, Field],
+                   optional: dict[str, Field]) -> dict[str, Any]:
+    """A body with the ``required`` fields and 0..6 of the ``optional`` ones; each field is
+    hostile with probability 1/4, so that a good share of requests reach the engine with one
+    or two odd values among plausible ones."""
+    body = {}
+    for name, (valid, hostile) in [*required.items(),
+                                   *((n, optional[n]) for n in draw(st.lists(
+                                       st.sampled_from(sorted(optional)), max_size=6,
+                                       unique=True)))]:
+        odd = draw(st.sampled_from([False, False, False, True]), label=f"{name} hostile")
+        body[name] = draw(hostile if odd else valid, label=name)
     return body
 
 
 def completion_body(model: str) -> st.SearchStrategy[dict[str, Any]]:
     """``/v1/completions`` bodies: a prompt (text, token ids, lists of either, odd text) and
     hostile generation fields."""
-    prompt = st.one_of(st.sampled_from(["Hello", "The capital of France is"]), odd_text(),
-                       token_lists(), st.lists(odd_text(30), max_size=4),
-                       st.lists(token_lists(40), max_size=4), extreme_numbers())
+    prompt = (st.one_of(st.sampled_from(["Hello", "The capital of France is"]),
+                        st.text(min_size=1, max_size=50).filter(str.strip),
+                        st.lists(_ints(1, 49151), min_size=1, max_size=50),
+                        st.lists(st.sampled_from(["a", "b c"]), min_size=1, max_size=3)),
+              st.one_of(odd_text(), token_lists(), st.lists(odd_text(30), max_size=4),
+                        st.lists(token_lists(40), max_size=4), extreme_numbers()))
     optional = {**common_fields(),
-                "echo": st.one_of(st.booleans(), extreme_numbers()),
-                "logprobs": st.one_of(st.integers(0, 21), extreme_numbers()),
-                "suffix": odd_text(20),
-                "add_special_tokens": st.booleans(),
-                "return_token_offsets": st.booleans()}
-    return _with_optional({"model": st.just(model), "prompt": prompt}, optional)
+                "echo": (st.booleans(), extreme_numbers()),
+                "logprobs": (_ints(0, 5), st.one_of(st.integers(0, 21), extreme_numbers())),
+                "suffix": (st.none(), odd_text(20)),
+                "add_special_tokens": (st.booleans(), extreme_numbers()),
+                "return_token_offsets": (st.booleans(), extreme_numbers())}
+    return _with_optional({"model": (st.just(model), odd_text(20)), "prompt": prompt}, optional)
 
 
 def chat_messages() -> st.SearchStrategy[Any]:
@@ -315,31 +357,39 @@ def chat_body(model: str) -> st.SearchStrategy[dict[str, Any]]:
     """``/v1/chat/completions`` bodies: odd messages, tools and hostile generation fields."""
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
     optional = {**common_fields(),
-                "logprobs": st.one_of(st.booleans(), extreme_numbers()),
-                "top_logprobs": st.one_of(st.integers(-1, 25), extreme_numbers()),
-                "max_completion_tokens": st.one_of(st.integers(1, 8), extreme_numbers()),
-                "echo": st.booleans(),
-                "tools": st.one_of(st.just([tool]), st.lists(json_values(4), max_size=3),
-                                   st.integers(100, 3000).map(lambda n: [tool] * n)),
-                "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "x"]),
-                                         st.just({"type": "function",
-                                                  "function": {"name": "missing"}}),
-                                         json_values(3)),
-                "parallel_tool_calls": st.booleans(),
-                "add_generation_prompt": st.booleans(),
-                "continue_final_message": st.booleans(),
-                "add_special_tokens": st.booleans(),
-                "documents": st.one_of(st.lists(st.dictionaries(odd_text(5), odd_text(20),
-                                                                max_size=2), max_size=3),
-                                       json_values(3)),
-                "chat_template": st.sampled_from(["{{ messages }}", "{% for %}", ""]),
-                "chat_template_kwargs": st.one_of(st.dictionaries(st.sampled_from(
-                    ["add_generation_prompt", "tools", "messages", "enable_thinking", "x"]),
-                    json_values(3), max_size=3), json_values(3)),
-                "reasoning_effort": st.sampled_from(["low", "high", "max", "nope", None]),
-                "include_reasoning": st.booleans(),
-                "return_prompt_text": st.booleans()}
-    return _with_optional({"model": st.just(model), "messages": chat_messages()}, optional)
+                "logprobs": (st.booleans(), extreme_numbers()),
+                "top_logprobs": (_ints(0, 5), st.one_of(st.integers(-1, 25), extreme_numbers())),
+                "max_completion_tokens": (_ints(1, 8), extreme_numbers()),
+                "echo": (st.booleans(), extreme_numbers()),
+                "tools": (st.just([tool]), st.one_of(
+                    st.lists(json_values(4), max_size=3),
+                    st.integers(100, 3000).map(lambda n: [tool] * n))),
+                "tool_choice": (st.sampled_from(["none", "auto"]), st.one_of(
+                    st.sampled_from(["required", "x"]),
+                    st.just({"type": "function", "function": {"name": "missing"}}),
+                    json_values(3))),
+                "parallel_tool_calls": (st.booleans(), extreme_numbers()),
+                "add_generation_prompt": (st.booleans(), extreme_numbers()),
+                "continue_final_message": (st.booleans(), extreme_numbers()),
+                "add_special_tokens": (st.booleans(), extreme_numbers()),
+                "documents": (st.lists(st.fixed_dictionaries(
+                    {"title": st.text(max_size=5), "text": st.text(max_size=20)}), max_size=2),
+                    st.one_of(st.lists(st.dictionaries(odd_text(5), odd_text(20), max_size=2),
+                                       max_size=3), json_values(3))),
+                "chat_template": (st.none(),
+                                  st.sampled_from(["{{ messages }}", "{% for %}", ""])),
+                "chat_template_kwargs": (st.just({"add_generation_prompt": True}), st.one_of(
+                    st.dictionaries(st.sampled_from(["add_generation_prompt", "tools",
+                                                     "messages", "enable_thinking", "x"]),
+                                    json_values(3), max_size=3), json_values(3))),
+                "reasoning_effort": (st.none(), st.sampled_from(["low", "high", "max", "x"])),
+                "include_reasoning": (st.booleans(), extreme_numbers()),
+                "return_prompt_text": (st.booleans(), extreme_numbers())}
+    plain = st.lists(st.builds(lambda r, c: {"role": r, "content": c},
+                               st.sampled_from(["user", "assistant", "system"]),
+                               st.text(max_size=60)), min_size=1, max_size=4)
+    return _with_optional({"model": (st.just(model), odd_text(20)),
+                           "messages": (plain, chat_messages())}, optional)
 
 
 def generation_requests(path: str, model: str) -> st.SearchStrategy[FuzzRequest]:
@@ -423,7 +473,8 @@ def schema_sources(base: str) -> dict[str, st.SearchStrategy[FuzzRequest]]:
 def _from_case(case: Any, source: str, base: str) -> FuzzRequest:
     kwargs = case.as_transport_kwargs(base_url=base)
     method, url = kwargs.pop("method"), kwargs.pop("url")
-    return FuzzRequest(source, method, url.removeprefix(base), kwargs).to_loopback()
+    return FuzzRequest(source, method, url.removeprefix(base), kwargs,
+                       case.operation.path).to_loopback()
 
 
 # ------------------------------------------------------------------------------------ running
@@ -628,22 +679,25 @@ def sources_for(base: str, model: str) -> dict[str, st.SearchStrategy[FuzzReques
     return sources
 
 
-def round_robin(sources: dict[str, st.SearchStrategy[FuzzRequest]], batch: int, seed: int,
-                generation_share: float = 0.5,
-                ) -> Iterator[tuple[st.SearchStrategy[FuzzRequest], int, int]]:
-    """An endless plan: batches of ``batch`` requests cycling through the sources, with
-    ``generation_share`` of all batches from the ``generation:`` / ``raw:`` sources (our
-    own strategies) and the rest spread over the schema's operations; each batch its own seed.
-    """
+def rounds(sources: dict[str, st.SearchStrategy[FuzzRequest]], seed: int,
+           schema_batch: int = 4, ours_batch: int | None = None,
+           ) -> Iterator[tuple[st.SearchStrategy[FuzzRequest], int, int]]:
+    """An endless plan of rounds; each round draws one batch from every source:
+    ``schema_batch`` requests per schema source (each operation, both modes), and
+    ``ours_batch`` per ``generation:`` / ``raw:`` source (default: as many requests in all as
+    the schema sources get, so half of all requests come from our own strategies). Our
+    batches are spread between the schema ones; every batch has its own seed."""
     ours = [s for name, s in sorted(sources.items()) if not name.startswith("schema:")]
     schema = [s for name, s in sorted(sources.items()) if name.startswith("schema:")]
-    i = j = 0
-    credit = 0.0
-    for n in range(10**9):
-        credit += generation_share
-        if credit >= 1.0 or not schema:
-            credit -= 1.0
-            strategy, i = ours[i % len(ours)], i + 1
-        else:
-            strategy, j = schema[j % len(schema)], j + 1
-        yield strategy, batch, seed * 1_000_003 + n
+    if ours_batch is None:
+        ours_batch = max(1, schema_batch * len(schema) // max(1, len(ours)))
+    per_ours = max(1, len(schema) // max(1, len(ours)))
+    n = 0
+    while True:
+        for i, strategy in enumerate(ours):
+            yield strategy, ours_batch, seed * 1_000_003 + n
+            n += 1
+            for other in schema[i * per_ours:(i + 1) * per_ours if i < len(ours) - 1
+                                else len(schema)]:
+                yield other, schema_batch, seed * 1_000_003 + n
+                n += 1

@@ -18,7 +18,8 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.install_version_fallback, patches.route_mlx_lm_swiglu,
                          patches.route_mlx_lm_attention,
                          patches.place_offload_region_outside_dev_shm,
-                         patches.route_rejection_sampler_kernels}
+                         patches.route_rejection_sampler_kernels,
+                         patches.patch_anthropic_stream_errors}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""

@@ -18,9 +18,10 @@ and answers with vLLM's error format (``{"error": {"message", "type", "param", "
 - a body nested too deeply for Python's JSON parser (about 1,000 levels of arrays/objects)
   -> 400 saying so (the parser's ``RecursionError`` was an HTTP 500);
 - the sampling limits of :mod:`vllm_unified.request_policy` (``n``; streaming ``n`` > 1 with
-  prompt logprobs; integers outside 64 bits and NaNs in top-level fields), which
+  prompt logprobs; integers outside 64 bits, NaNs and infinities in top-level fields), which
   ``validate_request`` also applies, so streamed requests get a real 400 instead of an error
   event inside a 200 stream;
+- beam search with structured output, whose constraint vLLM's beam search drops -> 400;
 - a body on which vLLM's request model fails internally (a field of the wrong type that a
   validator reads before pydantic checks it, e.g. ``structured_outputs`` as a list) -> 400
   naming the field, where vLLM answers 500 (:func:`check_model`);
@@ -38,7 +39,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from http import HTTPStatus
 from typing import Any
 
-from vllm_unified import compat
+from vllm_unified import compat, patches
 from vllm_unified.request_policy import (
     MAX_REQUEST_BYTES_ENV,
     UNKNOWN_FIELDS_ENV,
@@ -155,6 +156,30 @@ def check_sampling_fields(body: dict[str, Any], endpoint: str, limits: RequestLi
     problem = sampling_problem(n, prompt_logprobs, body.get("stream") is True, limits)
     if problem is not None:
         raise RequestRejected(problem[0], problem[1], HTTPStatus.BAD_REQUEST)
+
+
+#: ``response_format`` types that constrain the output.
+CONSTRAINING_FORMATS = ("json_object", "json_schema", "structural_tag")
+
+
+def check_beam_search(body: dict[str, Any]) -> None:
+    """Beam search with structured output: vLLM's beam search builds its own per-step
+    sampling parameters without the constraint, so the output is silently unconstrained.
+
+    Raises:
+        RequestRejected: 400 naming ``use_beam_search``.
+    """
+    if body.get("use_beam_search") is not True:
+        return
+    response_format = body.get("response_format")
+    constrained = bool(body.get("structured_outputs")) or (
+        isinstance(response_format, dict)
+        and response_format.get("type") in CONSTRAINING_FORMATS)
+    if constrained:
+        raise RequestRejected(
+            "use_beam_search cannot be combined with structured output (structured_outputs, "
+            "response_format): vLLM's beam search does not apply the constraint",
+            "use_beam_search", HTTPStatus.BAD_REQUEST)
 
 
 def check_numbers(body: dict[str, Any]) -> None:
@@ -283,6 +308,9 @@ class RequestGuard:
         self.app = app
         self.limits = limits or current_limits()
         self._known: dict[str, frozenset[str]] = {}
+        # vLLM builds its app, and this middleware with it, once in the API-server process:
+        # the server-side patch of vLLM's streaming error path goes in here.
+        patches.patch_anthropic_stream_errors()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -370,6 +398,7 @@ class RequestGuard:
             check_fields(body, self._known[path], path, self.limits)
             check_sampling_fields(body, path, self.limits)
             check_numbers(body)
+            check_beam_search(body)
             check_model(body, path)
 
 

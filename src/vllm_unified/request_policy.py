@@ -115,8 +115,10 @@ def number_problem(fields: Mapping[str, Any]) -> tuple[str, str] | None:
       vLLM checks the range of ``seed`` and ``priority`` only; a larger ``top_k`` or
       ``stream_interval`` fails when the request is handed to the engine, as HTTP 500 with
       an empty message (vLLM 0.32, its own CPU backend too);
-    - a NaN: vLLM refuses NaN temperature, top_p, penalties, but takes a NaN ``logit_bias``
-      value (a bias that is no number) and applies it to the logits.
+    - a NaN or an infinity (JSON has neither; Python's parser reads ``NaN``, ``Infinity``
+      and ``1e999``): vLLM refuses them for temperature, top_p and the penalties, but takes
+      them as ``logit_bias`` values and adds them to the logits (a NaN logit; an infinite one
+      that turns NaN under a structured-output mask).
 
     Args:
         fields: field name -> value (a request body's top-level fields, or a
@@ -127,14 +129,45 @@ def number_problem(fields: Mapping[str, Any]) -> tuple[str, str] | None:
             if isinstance(number, int) and not INT64_MIN <= number <= INT64_MAX:
                 return (f"{name} = {_short(number)} is outside the 64-bit integer range "
                         f"[-2**63, 2**63 - 1] this server accepts", field)
-            if isinstance(number, float) and math.isnan(number):
-                return f"{name} is NaN; it must be a number", field
+            if isinstance(number, float) and not math.isfinite(number):
+                return f"{name} is {number}; numbers must be finite", field
+    return None
+
+
+#: Token restrictions that can leave no token a structured-output grammar allows.
+TOKEN_RESTRICTIONS = ("allowed_token_ids", "bad_words")
+
+
+def constraint_problem(fields: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Structured output together with a token restriction (:data:`TOKEN_RESTRICTIONS`), as
+    (message, field), else None.
+
+    When the grammar's tokens and the restriction have none in common (a regex of digits
+    with ``allowed_token_ids`` of letters; ``choice: ["a"]`` with ``bad_words: ["a"]``),
+    vLLM's sampler has no token left, samples a masked one, the grammar rejects it and the
+    engine ends the request: HTTP 500 "Internal server error" (vLLM 0.32, its own backend
+    too). That cannot be known before generating, so the combination is refused.
+
+    Args:
+        fields: a ``SamplingParams``' fields (``structured_outputs`` is set for
+            ``structured_outputs``, ``response_format`` and a ``tool_choice`` that forces
+            a tool alike).
+    """
+    if fields.get("structured_outputs") is None:
+        return None
+    for name in TOKEN_RESTRICTIONS:
+        if fields.get(name):
+            return (f"{name} cannot be combined with structured output (structured_outputs, "
+                    "response_format, or a tool_choice that forces a tool): where they leave "
+                    "no token allowed, the engine could only end the request with an error",
+                    name)
     return None
 
 
 def check_sampling(params: Any, limits: RequestLimits) -> None:
     """Refuse sampling requests vLLM accepts but that would hurt the server or fail late:
-    :func:`sampling_problem`, and :func:`number_problem` on every public field.
+    :func:`sampling_problem`, :func:`number_problem` on every public field,
+    :func:`constraint_problem`.
 
     Args:
         params: the request's ``SamplingParams`` (before vLLM fans ``n`` out).
@@ -145,7 +178,9 @@ def check_sampling(params: Any, limits: RequestLimits) -> None:
     problem = sampling_problem(
         params.n, params.prompt_logprobs is not None,
         params.output_kind == compat.RequestOutputKind.DELTA, limits,
-    ) or number_problem(compat.sampling_fields(params))
+    )
+    fields = compat.sampling_fields(params)
+    problem = problem or number_problem(fields) or constraint_problem(fields)
     if problem is not None:
         message, field = problem
         raise compat.VLLMValidationError(message, parameter=field, value=getattr(params, field))
