@@ -701,3 +701,14 @@ def rounds(sources: dict[str, st.SearchStrategy[FuzzRequest]], seed: int,
                                 else len(schema)]:
                 yield other, schema_batch, seed * 1_000_003 + n
                 n += 1
+
+
+def server_args(model: str, served_name: str) -> list[str]:
+    """``vllm serve`` arguments of the fuzzed server: ``model`` (a checkpoint folder or GGUF)
+    as ``served_name``, a 512-token context (bounds every generation), 32 output tokens for
+    requests that name no ``max_tokens`` (vLLM's default is the rest of the context), a fixed
+    256 MiB KV budget, vLLM's tool calling (so ``tool_choice`` reaches its tool machinery)."""
+    return [model, "--served-model-name", served_name, "--max-model-len", "512",
+            "--override-generation-config", '{"max_new_tokens": 32}',
+            "--kv-cache-memory-bytes", str(256 * 2**20), "--seed", "0",
+            "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
