@@ -275,6 +275,13 @@ def test_fuzzer_findings_get_their_4xx(fuzz_server):
                 or (param and error.get("param") != param)):
             wrong.append(f"{what}: HTTP {r.status_code}, {r.text[:300]}")
     assert not wrong, "\n".join(wrong)
+    # A one-token prompt with prompt_logprobs killed the engine (every later request: 500).
+    for prompt in ([11], [11, 12]):
+        r = _post(base, C, _c(prompt=prompt, prompt_logprobs=3, max_tokens=3))
+        assert r.status_code == 200, r.text
+        logprobs = r.json()["choices"][0]["prompt_logprobs"]
+        assert len(logprobs) == len(prompt) and logprobs[0] is None
+        assert all(len(entry) >= 3 for entry in logprobs[1:])
     # /v1/messages streamed: the platform's 400 arrives as an Anthropic error event of its type
     r = _post(base, MSG, _chat(top_k=10**20, stream=True))
     assert r.status_code == 200
