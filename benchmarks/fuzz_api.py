@@ -86,7 +86,9 @@ def main() -> int:
             except ServerDown as e:
                 down = str(e)
             elapsed = time.monotonic() - started
-            log_tail = (Path(tmp) / "server.log").read_text(errors="replace")[-4000:]
+            log = (Path(tmp) / "server.log").read_text(errors="replace").splitlines()
+            # the engine's and API server's error lines (their tracebacks), the last 400
+            server_errors = [line for line in log if " ERROR " in line][-400:]
     report = fuzzer.report()
     print_counts(report)
     for failure in report["failed_requests"]:
@@ -98,8 +100,8 @@ def main() -> int:
                "sources": sorted(sources), "server_down": down, "elapsed_s": round(elapsed, 1),
                **report, "versions": versions(),
                "machine": machine_info(load_before, os.getloadavg())}
-    if down:
-        results["server_log_tail"] = log_tail
+    if down or report["failed_requests"]:
+        results["server_errors"] = server_errors
     write_result("fuzz_api", ts, results)
     ok = not report["failed_requests"] and down is None and report["requests"] >= args.requests
     print(f"{report['requests']} requests, {report['failures']} failures, "

@@ -190,6 +190,28 @@ def test_anthropic_stream_passes_the_chat_streams_error_on():
     assert stream_server_error('data: {"error": {"code": 500, "message": ""}}') is not None
 
 
+def test_responses_output_message_without_content_is_a_validation_error():
+    from vllm.entrypoints.openai.responses import utils
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    from vllm_unified import patches
+    from vllm_unified.compat import VLLMValidationError
+
+    patches.patch_responses_empty_output_message()
+    patches.patch_responses_empty_output_message()  # idempotent
+
+    def items(content: list) -> list:
+        return ResponsesRequest.model_validate({"model": "m", "input": [
+            {"type": "message", "role": "assistant", "content": content,
+             "status": "completed", "id": "m1"}]}).input
+
+    with pytest.raises(VLLMValidationError, match="has no content"):  # was IndexError: 500
+        utils.construct_chat_messages_with_tool_call(items([]))
+    text = [{"type": "output_text", "text": "hi", "annotations": []}]
+    assert utils.construct_chat_messages_with_tool_call(items(text)) == [
+        {"role": "assistant", "content": "hi"}]
+
+
 # ------------------------------------------------------------------------- end to end (server)
 
 MODEL = "tiny"
@@ -238,6 +260,11 @@ REGRESSIONS = [
     ("beam search with structured output", C, _c(
         use_beam_search=True, n=2, structured_outputs={"choice": ["a", "b"]}), 400,
      "use_beam_search", "does not apply the constraint"),
+    ("output message without content", "/v1/responses", {
+        "model": MODEL, "max_output_tokens": 4, "input": [
+            {"type": "message", "role": "assistant", "content": [], "status": "completed",
+             "id": "m1"}, {"role": "user", "content": "hi"}]}, 400, "input",
+     "an output message item (type 'message', role 'assistant') has no content"),
     ("structured decisions API", "/v1/systemone", {"questions": {}, "state": None}, 404, None,
      "is not available on this server: The structured decisions API does not support"),
     ("elastic EP scaling", "/scale_elastic_ep", {"new_data_parallel_size": 2}, 404, None,

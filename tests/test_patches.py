@@ -19,7 +19,8 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.route_mlx_lm_attention,
                          patches.place_offload_region_outside_dev_shm,
                          patches.route_rejection_sampler_kernels,
-                         patches.patch_anthropic_stream_errors}
+                         patches.patch_anthropic_stream_errors,
+                         patches.patch_responses_empty_output_message}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""

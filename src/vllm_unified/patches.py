@@ -380,6 +380,36 @@ def patch_anthropic_stream_errors() -> None:
     cls.message_stream_converter = message_stream_converter
 
 
+def patch_responses_empty_output_message() -> None:
+    """Refuse, as HTTP 400 naming ``input``, an output message without content in the input of
+    vLLM's Responses API (``POST /v1/responses``) (vLLM 0.32).
+
+    vLLM's ``responses.utils._construct_message_from_response_item`` turns an earlier
+    assistant output (``{"type": "message", "role": "assistant", "content": [], ...}``) into a
+    chat message by reading ``item.content[0]``: with no content it raises ``IndexError``,
+    which the server answers as HTTP 500 "list index out of range". The replacement raises
+    vLLM's ``VLLMValidationError`` for that item and otherwise calls vLLM's function.
+    Applied by :class:`vllm_unified.request_guard.RequestGuard` when vLLM builds the server
+    app. Idempotent.
+    """
+    from vllm.entrypoints.openai.responses import utils
+    from vllm.exceptions import VLLMValidationError
+
+    original = utils._construct_message_from_response_item
+    if getattr(original, "_vllm_unified_patched", False):
+        return
+
+    def construct(item: Any, prev_msg: Any = None) -> Any:
+        if isinstance(item, utils.ResponseOutputMessage) and not item.content:
+            raise VLLMValidationError(
+                "input: an output message item (type 'message', role 'assistant') has no "
+                "content; give it at least one output_text part", parameter="input")
+        return original(item, prev_msg)
+
+    construct._vllm_unified_patched = True  # type: ignore[attr-defined]
+    utils._construct_message_from_response_item = construct
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("torch.accelerator.empty_cache, torch.accelerator.empty_host_cache", "torch 2.13",
           patch_torch_accelerator_teardown, "vllm_unified.platform (at import)"),
@@ -398,5 +428,8 @@ PATCHES: tuple[Patch, ...] = (
           "vllm_unified.platform.MLXPlatform.register_triton_kernel_overrides"),
     Patch("vllm.entrypoints.anthropic.serving.AnthropicServingMessages.message_stream_converter",
           "vLLM 0.32", patch_anthropic_stream_errors,
+          "vllm_unified.request_guard.RequestGuard (when vLLM builds the server app)"),
+    Patch("vllm.entrypoints.openai.responses.utils._construct_message_from_response_item",
+          "vLLM 0.32", patch_responses_empty_output_message,
           "vllm_unified.request_guard.RequestGuard (when vLLM builds the server app)"),
 )

@@ -309,8 +309,9 @@ class RequestGuard:
         self.limits = limits or current_limits()
         self._known: dict[str, frozenset[str]] = {}
         # vLLM builds its app, and this middleware with it, once in the API-server process:
-        # the server-side patch of vLLM's streaming error path goes in here.
+        # the patches of vLLM's server code go in here.
         patches.patch_anthropic_stream_errors()
+        patches.patch_responses_empty_output_message()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
