@@ -309,6 +309,14 @@ def test_fuzzer_findings_get_their_4xx(fuzz_server):
         logprobs = r.json()["choices"][0]["prompt_logprobs"]
         assert len(logprobs) == len(prompt) and logprobs[0] is None
         assert all(len(entry) >= 3 for entry in logprobs[1:])
+    # A negative seed (vLLM takes any int64) killed the engine: MLX keys are unsigned.
+    texts = []
+    for seed in (-189, -189, -(2**63)):
+        r = _post(base, C, _c(prompt="The capital of France is", seed=seed, temperature=1.0,
+                              max_tokens=8))
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]
     # /v1/messages streamed: the platform's 400 arrives as an Anthropic error event of its type
     r = _post(base, MSG, _chat(top_k=10**20, stream=True))
     assert r.status_code == 200

@@ -344,7 +344,9 @@ class MLXModelRunner:
                 generator = torch.Generator(device="cpu")
                 generator.manual_seed(params.seed)
             else:
-                key = mx.random.key(params.seed)
+                # MLX keys take an unsigned 64-bit seed, vLLM's are signed (any int64; a
+                # negative one raised TypeError here and killed the engine): the same 64 bits.
+                key = mx.random.key(params.seed % 2**64)
         num_prompt_logprobs = None
         if params.prompt_logprobs is not None:
             num_prompt_logprobs = (
