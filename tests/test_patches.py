@@ -21,7 +21,9 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.route_rejection_sampler_kernels,
                          patches.name_chat_template_flag,
                          patches.stop_engine_core_gracefully,
-                         patches.harden_engine_core_signals}
+                         patches.harden_engine_core_signals,
+                         patches.patch_anthropic_stream_errors,
+                         patches.patch_responses_empty_output_message}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""

@@ -138,6 +138,43 @@ def vllm_environment_variables() -> set[str]:
     return set(envs.environment_variables)
 
 
+def sampling_fields(params: Any) -> dict[str, Any]:
+    """A ``SamplingParams``' public fields and their values (a msgspec struct in vLLM 0.32:
+    ``__struct_fields__``, private ones starting with ``_``)."""
+    return {name: getattr(params, name) for name in params.__struct_fields__
+            if not name.startswith("_")}
+
+
+def structured_decisions_unavailable(app: Any) -> str | None:
+    """Why vLLM's structured decisions API (``POST /v1/systemone``) is off on the OpenAI
+    server ``app`` (a FastAPI app, after start-up), or None when it is on.
+
+    vLLM registers the route for every model and answers 501 when no handler was made; the
+    reason is the one vLLM logs at debug level, recomputed for the tasks this platform
+    serves (``generate``).
+    """
+    from vllm.entrypoints.generate.structured_decisions import strategies
+
+    if getattr(app.state, "serving_structured_decisions", None) is not None:
+        return None
+    try:
+        strategies.select_read_strategy(app.state.vllm_config.model_config, ("generate",))
+    except ValueError as e:
+        return str(e)
+    return "vLLM did not enable it at start-up"
+
+
+def elastic_ep_unavailable(app: Any) -> str | None:
+    """Why ``POST /scale_elastic_ep`` cannot work on the OpenAI server ``app``, or None.
+
+    vLLM registers the route on every generating server; without elastic EP its engine
+    client raises ``NotImplementedError``, which the route answers as HTTP 500 "Scale failed".
+    """
+    if app.state.vllm_config.parallel_config.enable_elastic_ep:
+        return None
+    return "the server was not started with --enable-elastic-ep"
+
+
 def init_logger(name: str):
     """A logger under vLLM's ``vllm.`` hierarchy: vLLM only attaches handlers there, so a
     plugin logger named ``vllm_unified.*`` would print nothing."""
@@ -148,7 +185,10 @@ __all__ = [  # the lazy names resolve through __getattr__
     "Platform",
     "PlatformEnum",
     "SAMPLING_EPS",
+    "elastic_ep_unavailable",
     "init_logger",
+    "sampling_fields",
+    "structured_decisions_unavailable",
     "vllm_cli_main",
     "vllm_environment_variables",
     *_LAZY,

@@ -483,6 +483,107 @@ def require_rejection_sampler_kernels() -> None:
                        "build of vLLM) for its rejection sampler") from _rejection_kernels
 
 
+# -- vLLM's OpenAI server --------------------------------------------------------------------------
+
+
+def _chat_stream_error(item: str) -> dict[str, Any] | None:
+    """The ``error`` object of a chat-completions stream chunk ``data: {"error": {...}}``."""
+    if not item.startswith("data:"):
+        return None
+    data = item[5:].strip()
+    if not data.startswith("{") or '"error"' not in data:
+        return None
+    import json
+
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return None
+    error = chunk.get("error") if isinstance(chunk, dict) else None
+    return error if isinstance(error, dict) and "choices" not in chunk else None
+
+
+def patch_anthropic_stream_errors() -> None:
+    """Pass an error of the chat stream under vLLM's Anthropic Messages stream
+    (``POST /v1/messages`` with ``stream: true``) on as an Anthropic ``error`` event of that
+    error's type and message (vLLM 0.32).
+
+    vLLM's ``AnthropicServingMessages.message_stream_converter`` parses every chunk of the
+    chat-completions stream it wraps as a ``ChatCompletionStreamResponse``. When a request fails
+    after that stream started (a 400 from the platform's ``validate_request``, an engine error),
+    the chat stream sends ``data: {"error": {...}}``; the parse fails, the server logs a
+    traceback and the client gets ``internal_error`` with pydantic's message instead of the
+    error. The replacement stops the chat stream at its error chunk (closing it, which aborts
+    the request), lets vLLM's converter close the message, and sends
+    ``event: error`` with ``{"type": "error", "error": {"type", "message"}}``, the format of
+    vLLM's non-streamed Anthropic errors. Applied by :class:`vllm_unified.request_guard.
+    RequestGuard` when vLLM builds the server app. Idempotent.
+    """
+    import json
+
+    from vllm.entrypoints.anthropic import serving
+
+    cls = serving.AnthropicServingMessages
+    original = cls.message_stream_converter
+    if getattr(original, "_vllm_unified_patched", False):
+        return
+
+    async def message_stream_converter(self: Any, generator: Any, *args: Any, **kwargs: Any):
+        failure: list[dict[str, Any]] = []
+
+        async def until_error():
+            try:
+                async for item in generator:
+                    error = _chat_stream_error(item)
+                    if error is not None:
+                        failure.append(error)
+                        return
+                    yield item
+            finally:
+                await generator.aclose()
+
+        async for event in original(self, until_error(), *args, **kwargs):
+            yield event
+        if failure:
+            error = {"type": str(failure[0].get("type") or "BadRequestError"),
+                     "message": str(failure[0].get("message", ""))}
+            yield serving.wrap_data_with_event(json.dumps({"type": "error", "error": error}),
+                                               "error")
+
+    message_stream_converter._vllm_unified_patched = True  # type: ignore[attr-defined]
+    cls.message_stream_converter = message_stream_converter
+
+
+def patch_responses_empty_output_message() -> None:
+    """Refuse, as HTTP 400 naming ``input``, an output message without content in the input of
+    vLLM's Responses API (``POST /v1/responses``) (vLLM 0.32).
+
+    vLLM's ``responses.utils._construct_message_from_response_item`` turns an earlier
+    assistant output (``{"type": "message", "role": "assistant", "content": [], ...}``) into a
+    chat message by reading ``item.content[0]``: with no content it raises ``IndexError``,
+    which the server answers as HTTP 500 "list index out of range". The replacement raises
+    vLLM's ``VLLMValidationError`` for that item and otherwise calls vLLM's function.
+    Applied by :class:`vllm_unified.request_guard.RequestGuard` when vLLM builds the server
+    app. Idempotent.
+    """
+    from vllm.entrypoints.openai.responses import utils
+    from vllm.exceptions import VLLMValidationError
+
+    original = utils._construct_message_from_response_item
+    if getattr(original, "_vllm_unified_patched", False):
+        return
+
+    def construct(item: Any, prev_msg: Any = None) -> Any:
+        if isinstance(item, utils.ResponseOutputMessage) and not item.content:
+            raise VLLMValidationError(
+                "input: an output message item (type 'message', role 'assistant') has no "
+                "content; give it at least one output_text part", parameter="input")
+        return original(item, prev_msg)
+
+    construct._vllm_unified_patched = True  # type: ignore[attr-defined]
+    utils._construct_message_from_response_item = construct
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("torch.accelerator.empty_cache, torch.accelerator.empty_host_cache", "torch 2.13",
           patch_torch_accelerator_teardown, "vllm_unified.platform (at import)"),
@@ -507,4 +608,10 @@ PATCHES: tuple[Patch, ...] = (
           "sample_recovered_tokens,expand}_kernel", "vLLM 0.32",
           route_rejection_sampler_kernels,
           "vllm_unified.platform.MLXPlatform.register_triton_kernel_overrides"),
+    Patch("vllm.entrypoints.anthropic.serving.AnthropicServingMessages.message_stream_converter",
+          "vLLM 0.32", patch_anthropic_stream_errors,
+          "vllm_unified.request_guard.RequestGuard (when vLLM builds the server app)"),
+    Patch("vllm.entrypoints.openai.responses.utils._construct_message_from_response_item",
+          "vLLM 0.32", patch_responses_empty_output_message,
+          "vllm_unified.request_guard.RequestGuard (when vLLM builds the server app)"),
 )

@@ -20,9 +20,19 @@ and answers with vLLM's error format (``{"error": {"message", "type", "param", "
   takes the last, so one value would be silently dropped);
 - text holding a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but not Unicode text)
   -> 400 naming the field, instead of a tokenizer encoding error;
+- a body nested too deeply for Python's JSON parser (about 1,000 levels of arrays/objects)
+  -> 400 saying so (the parser's ``RecursionError`` was an HTTP 500);
 - the sampling limits of :mod:`vllm_unified.request_policy` (``n``; streaming ``n`` > 1 with
-  prompt logprobs), which ``validate_request`` also applies, so streamed requests get a real
-  400 instead of an error event inside a 200 stream.
+  prompt logprobs; integers outside 64 bits, NaNs and infinities in top-level fields), which
+  ``validate_request`` also applies, so streamed requests get a real 400 instead of an error
+  event inside a 200 stream;
+- beam search with structured output, whose constraint vLLM's beam search drops -> 400;
+- a body on which vLLM's request model fails internally (a field of the wrong type that a
+  validator reads before pydantic checks it, e.g. ``structured_outputs`` as a list) -> 400
+  naming the field, where vLLM answers 500 (:func:`check_model`);
+- ``POST /v1/systemone`` (vLLM's structured decisions API) while vLLM has not enabled it for
+  the served model, ``POST /scale_elastic_ep`` without elastic EP -> 404 with the reason,
+  instead of vLLM's 501 / 500 (:data:`CONDITIONAL_ROUTES`).
 
 Everything else, including malformed JSON and wrong types, is left to vLLM's own validation.
 
@@ -41,12 +51,13 @@ from typing import Any
 
 from starlette.datastructures import Headers
 
-from vllm_unified import compat
+from vllm_unified import compat, patches
 from vllm_unified.request_policy import (
     MAX_REQUEST_BYTES_ENV,
     UNKNOWN_FIELDS_ENV,
     RequestLimits,
     current_limits,
+    number_problem,
     sampling_problem,
 )
 
@@ -71,6 +82,15 @@ REMOVED_GUIDED_FIELDS: dict[str, str] = {
     "guided_whitespace_pattern": '"structured_outputs": {"whitespace_pattern": ...}',
 }
 
+
+#: Routes vLLM registers on every server although they work only on some: path -> (what
+#: the route is, the compat function giving why it cannot work on a server app, or None).
+#: vLLM answers them 501 (structured decisions off for the model) or 500 "Scale failed"
+#: (no elastic EP); the guard answers 404 with the reason.
+CONDITIONAL_ROUTES: dict[str, tuple[str, str]] = {
+    "/v1/systemone": ("vLLM's structured decisions API", "structured_decisions_unavailable"),
+    "/scale_elastic_ep": ("elastic EP scaling", "elastic_ep_unavailable"),
+}
 
 #: Import path given to vLLM's ``--middleware``.
 GUARD_PATH = "vllm_unified.request_guard.RequestGuard"
@@ -156,18 +176,61 @@ def check_sampling_fields(body: dict[str, Any], endpoint: str, limits: RequestLi
         raise RequestRejected(problem[0], problem[1], HTTPStatus.BAD_REQUEST)
 
 
+#: ``response_format`` types that constrain the output.
+CONSTRAINING_FORMATS = ("json_object", "json_schema", "structural_tag")
+
+
+def check_beam_search(body: dict[str, Any]) -> None:
+    """Beam search with structured output: vLLM's beam search builds its own per-step
+    sampling parameters without the constraint, so the output is silently unconstrained.
+
+    Raises:
+        RequestRejected: 400 naming ``use_beam_search``.
+    """
+    if body.get("use_beam_search") is not True:
+        return
+    response_format = body.get("response_format")
+    constrained = bool(body.get("structured_outputs")) or (
+        isinstance(response_format, dict)
+        and response_format.get("type") in CONSTRAINING_FORMATS)
+    if constrained:
+        raise RequestRejected(
+            "use_beam_search cannot be combined with structured output (structured_outputs, "
+            "response_format): vLLM's beam search does not apply the constraint",
+            "use_beam_search", HTTPStatus.BAD_REQUEST)
+
+
+def check_numbers(body: dict[str, Any]) -> None:
+    """:func:`~vllm_unified.request_policy.number_problem` on the body's top-level fields
+    (an integer outside 64 bits, a NaN).
+
+    Raises:
+        RequestRejected: 400 naming the field.
+    """
+    problem = number_problem(body)
+    if problem is not None:
+        raise RequestRejected(problem[0], problem[1], HTTPStatus.BAD_REQUEST)
+
+
 def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
-    """Every string in a parsed JSON value (keys too), with its JSON path."""
-    if isinstance(value, str):
-        yield path, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            child = f"{path}.{key}" if path else str(key)
-            yield child, key
-            yield from _strings(item, child)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            yield from _strings(item, f"{path}[{i}]")
+    """Every string in a parsed JSON value (keys too), with its JSON path, in document order.
+
+    Iterative: a value nested as deeply as the JSON parser allows must not exhaust the
+    interpreter's recursion limit here.
+    """
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            yield path, value
+        elif isinstance(value, dict):
+            children = []
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else str(key)
+                children += [(child, key), (child, item)]
+            stack.extend(reversed(children))
+        elif isinstance(value, list):
+            stack.extend(reversed([(f"{path}[{i}]", item) for i, item in enumerate(value)]))
 
 
 def check_text(body: Any) -> None:
@@ -238,6 +301,12 @@ def parse_body(raw: bytes) -> Any:
         ) from None
     except ValueError:
         return None  # vLLM answers malformed JSON itself, naming the position
+    except RecursionError:
+        raise RequestRejected(
+            "request body nests JSON arrays/objects too deeply to parse (the JSON parser "
+            "stops at about 1,000 levels)",
+            None, HTTPStatus.BAD_REQUEST,
+        ) from None
 
 
 def _find_authentication(app: Any) -> Any:
@@ -250,6 +319,69 @@ def _find_authentication(app: Any) -> Any:
             return app
         app = getattr(app, "app", None)
     return None
+
+
+def _field_adapter(model_name: str, name: str) -> Any:
+    """A pydantic ``TypeAdapter`` for one field of vLLM's request model (by name or alias),
+    or None if the model has no such field."""
+    key = (model_name, name)
+    if key not in _ADAPTERS:
+        from typing import Annotated
+
+        from pydantic import TypeAdapter
+
+        fields = getattr(compat, model_name).model_fields
+        info = fields.get(name) or next((f for f in fields.values() if f.alias == name), None)
+        _ADAPTERS[key] = None if info is None else TypeAdapter(
+            Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation)
+    return _ADAPTERS[key]
+
+
+_ADAPTERS: dict[tuple[str, str], Any] = {}
+
+
+def _wrong_field(body: dict[str, Any], model_name: str) -> tuple[str, str] | None:
+    """The first top-level field whose value is not of its declared type, with pydantic's
+    message, else None."""
+    from pydantic import ValidationError
+
+    for name, value in body.items():
+        adapter = _field_adapter(model_name, name)
+        if adapter is None:
+            continue
+        try:
+            adapter.validate_python(value)
+        except ValidationError as e:
+            return name, e.errors()[0]["msg"]
+    return None
+
+
+def check_model(body: dict[str, Any], endpoint: str) -> None:
+    """vLLM's own request model on the body, for what its validators fail on internally.
+
+    vLLM's ``mode="before"`` model validators read fields before pydantic has checked their
+    types (``structured_outputs`` as a list: ``AttributeError``), and the server answers
+    HTTP 500. When validating raises an error that vLLM's error mapping
+    (``create_error_response``) would answer with a 5xx, the request is refused here instead,
+    naming the field of the wrong type; everything else is left to vLLM (the same validation
+    runs again there and gives vLLM's own answer).
+
+    Raises:
+        RequestRejected: 400 naming the field, or the validator's error when no single field
+            is of the wrong type.
+    """
+    model_name = CHECKED_ENDPOINTS[endpoint]
+    try:
+        getattr(compat, model_name).model_validate(body)
+    except Exception as e:  # any error: vLLM's own mapping decides what it would answer
+        if compat.create_error_response(e).error.code < 500:
+            return
+        wrong = _wrong_field(body, model_name)
+        if wrong is not None:
+            raise RequestRejected(f"field '{wrong[0]}' of {endpoint}: {wrong[1]}",
+                                  wrong[0], HTTPStatus.BAD_REQUEST) from None
+        raise RequestRejected(f"{endpoint} request is malformed: vLLM's validation failed with "
+                              f"{type(e).__name__}: {e}", None, HTTPStatus.BAD_REQUEST) from None
 
 
 class RequestGuard:
@@ -273,6 +405,10 @@ class RequestGuard:
         path = scope["path"].removeprefix(scope.get("root_path", "") or "")
         return (path.startswith(compat.GUARDED_PREFIX)
                 and not self._auth.verify_token(Headers(scope=scope)))
+        # vLLM builds its app, and this middleware with it, once in the API-server process:
+        # the patches of vLLM's server code go in here.
+        patches.patch_anthropic_stream_errors()
+        patches.patch_responses_empty_output_message()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope["method"] != "POST"
@@ -283,6 +419,7 @@ class RequestGuard:
             body = await self._read_body(scope, receive)
             if body is None:  # client went away
                 return
+            self._check_route(scope)
             self._check(scope, body)
         except RequestRejected as e:
             await _send_error(send, e)
@@ -316,8 +453,23 @@ class RequestGuard:
             raise _too_large(max(size, int(declared or 0)), limit)
         return b"".join(chunks)
 
+    def _check_route(self, scope: Scope) -> None:
+        """A :data:`CONDITIONAL_ROUTES` route that cannot work on this server.
+
+        Raises:
+            RequestRejected: 404 with the reason.
+        """
+        path = _path(scope)
+        if path not in CONDITIONAL_ROUTES or "app" not in scope:
+            return  # no app in the scope: not vLLM's FastAPI server
+        what, why = CONDITIONAL_ROUTES[path]
+        reason = getattr(compat, why)(scope["app"])
+        if reason is not None:
+            raise RequestRejected(f"POST {path} ({what}) is not available on this server: "
+                                  f"{reason}", None, HTTPStatus.NOT_FOUND)
+
     def _check(self, scope: Scope, raw: bytes) -> None:
-        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+        path = _path(scope)
         if path not in CHECKED_ENDPOINTS:
             return
         coding = (_header(scope, b"content-encoding") or "identity").strip().lower()
@@ -335,6 +487,13 @@ class RequestGuard:
                 self._known[path] = known_fields(CHECKED_ENDPOINTS[path])
             check_fields(body, self._known[path], path, self.limits)
             check_sampling_fields(body, path, self.limits)
+            check_numbers(body)
+            check_beam_search(body)
+            check_model(body, path)
+
+
+def _path(scope: Scope) -> str:
+    return scope["path"].removeprefix(scope.get("root_path", "") or "")
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

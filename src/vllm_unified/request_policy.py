@@ -8,7 +8,8 @@ hurt the server or silently lose what the client asked for.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,9 @@ from vllm_unified.envs import MAX_N_ENV, MAX_REQUEST_BYTES_ENV, UNKNOWN_FIELDS_E
 
 DEFAULT_MAX_N: int = envs.SETTINGS[MAX_N_ENV].default
 DEFAULT_MAX_REQUEST_BYTES: int = envs.SETTINGS[MAX_REQUEST_BYTES_ENV].default
+#: The signed 64-bit range: vLLM hands a request to its engine process as msgpack, which
+#: carries no integer outside [-2**63, 2**64 - 1], and its samplers keep integers as int64.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,90 @@ def sampling_problem(
     return None
 
 
+def _numbers(name: str, value: Any) -> Iterator[tuple[str, int | float]]:
+    """The numbers of one field with their names: the value itself, or the items, keys and
+    values of a list / tuple / dict value (one level; booleans are not numbers)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int | float):
+        yield name, value
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if isinstance(item, int | float) and not isinstance(item, bool):
+                yield f"{name}[{i}]", item
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, int | float) and not isinstance(key, bool):
+                yield f"{name} key", key
+            if isinstance(item, int | float) and not isinstance(item, bool):
+                yield f"{name}[{key!r}]", item
+
+
+def _short(number: int) -> str:
+    text = str(number)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text.lstrip('-'))} digits)"
+
+
+def number_problem(fields: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first number vLLM accepts but cannot serve, as (message, field), else None.
+
+    - an integer outside the signed 64-bit range (:data:`INT64_MIN`, :data:`INT64_MAX`):
+      vLLM checks the range of ``seed`` and ``priority`` only; a larger ``top_k`` or
+      ``stream_interval`` fails when the request is handed to the engine, as HTTP 500 with
+      an empty message (vLLM 0.32, its own CPU backend too);
+    - a NaN or an infinity (JSON has neither; Python's parser reads ``NaN``, ``Infinity``
+      and ``1e999``): vLLM refuses them for temperature, top_p and the penalties, but takes
+      them as ``logit_bias`` values and adds them to the logits (a NaN logit; an infinite one
+      that turns NaN under a structured-output mask).
+
+    Args:
+        fields: field name -> value (a request body's top-level fields, or a
+            ``SamplingParams``' fields); lists and dicts are looked into one level deep.
+    """
+    for field, value in fields.items():
+        for name, number in _numbers(field, value):
+            if isinstance(number, int) and not INT64_MIN <= number <= INT64_MAX:
+                return (f"{name} = {_short(number)} is outside the 64-bit integer range "
+                        f"[-2**63, 2**63 - 1] this server accepts", field)
+            if isinstance(number, float) and not math.isfinite(number):
+                return f"{name} is {number}; numbers must be finite", field
+    return None
+
+
+#: Token restrictions that can leave no token a structured-output grammar allows.
+TOKEN_RESTRICTIONS = ("allowed_token_ids", "bad_words")
+
+
+def constraint_problem(fields: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Structured output together with a token restriction (:data:`TOKEN_RESTRICTIONS`), as
+    (message, field), else None.
+
+    When the grammar's tokens and the restriction have none in common (a regex of digits
+    with ``allowed_token_ids`` of letters; ``choice: ["a"]`` with ``bad_words: ["a"]``),
+    vLLM's sampler has no token left, samples a masked one, the grammar rejects it and the
+    engine ends the request: HTTP 500 "Internal server error" (vLLM 0.32, its own backend
+    too). That cannot be known before generating, so the combination is refused.
+
+    Args:
+        fields: a ``SamplingParams``' fields (``structured_outputs`` is set for
+            ``structured_outputs``, ``response_format`` and a ``tool_choice`` that forces
+            a tool alike).
+    """
+    if fields.get("structured_outputs") is None:
+        return None
+    for name in TOKEN_RESTRICTIONS:
+        if fields.get(name):
+            return (f"{name} cannot be combined with structured output (structured_outputs, "
+                    "response_format, or a tool_choice that forces a tool): where they leave "
+                    "no token allowed, the engine could only end the request with an error",
+                    name)
+    return None
+
+
 def check_sampling(params: Any, limits: RequestLimits) -> None:
-    """Refuse sampling requests vLLM accepts but that would hurt the server or fail late.
+    """Refuse sampling requests vLLM accepts but that would hurt the server or fail late:
+    :func:`sampling_problem`, :func:`number_problem` on every public field,
+    :func:`constraint_problem`.
 
     Args:
         params: the request's ``SamplingParams`` (before vLLM fans ``n`` out).
@@ -93,6 +179,8 @@ def check_sampling(params: Any, limits: RequestLimits) -> None:
         params.n, params.prompt_logprobs is not None,
         params.output_kind == compat.RequestOutputKind.DELTA, limits,
     )
+    fields = compat.sampling_fields(params)
+    problem = problem or number_problem(fields) or constraint_problem(fields)
     if problem is not None:
         message, field = problem
         raise compat.VLLMValidationError(message, parameter=field, value=getattr(params, field))

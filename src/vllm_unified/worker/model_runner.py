@@ -349,7 +349,9 @@ class MLXModelRunner:
                 generator = torch.Generator(device="cpu")
                 generator.manual_seed(params.seed)
             else:
-                key = mx.random.key(params.seed)
+                # MLX keys take an unsigned 64-bit seed, vLLM's are signed (any int64; a
+                # negative one raised TypeError here and killed the engine): the same 64 bits.
+                key = mx.random.key(params.seed % 2**64)
         num_prompt_logprobs = None
         if params.prompt_logprobs is not None:
             num_prompt_logprobs = (
@@ -551,12 +553,22 @@ class MLXModelRunner:
         """Which rows of this step give prompt logprobs, with the chunking rules of vLLM's GPU
         runner (``_get_prompt_logprobs_dict``): the row of prompt position ``p`` scores token
         ``p + 1``; the tensors are handed over when the last prompt row has been scored, or,
-        if a chunk ends exactly there, with the next step's sampled token."""
+        if a chunk ends exactly there, with the next step's sampled token.
+
+        A step that starts past the prompt has no prompt rows: the step that reached the
+        prompt's end hands the tensors over. That step's sampling may not have run yet when
+        this one is laid out (async scheduling resolves a step's outputs after the next step
+        was prepared), so such a step is skipped here rather than by the cleared
+        ``num_prompt_logprobs`` alone; counting it again killed the engine (a one-token
+        prompt with ``prompt_logprobs``).
+        """
         slices = []
         for i, state in enumerate(states):
             if state.num_prompt_logprobs is None:
                 continue
             start = int(step.seq_lens[i] - step.query_lens[i])  # num_computed_tokens
+            if start >= state.num_prompt_tokens:
+                continue
             num_tokens = int(step.query_lens[i])
             remaining = state.num_prompt_tokens - (start + 1)
             complete = num_tokens > remaining

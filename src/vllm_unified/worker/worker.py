@@ -90,7 +90,8 @@ class MLXWorker(WorkerBase):
 
             share_default_streams()  # before any array: queued steps evaluate off-thread
         self.device = torch.device("cpu")  # vLLM's bookkeeping tensors live on the host
-        mx.random.seed(self.model_config.seed if self.model_config.seed is not None else 0)
+        seed = self.model_config.seed if self.model_config.seed is not None else 0
+        mx.random.seed(seed % 2**64)  # MLX takes an unsigned 64-bit seed, vLLM a signed one
         init_single_rank_groups(self.vllm_config, self.distributed_init_method)
         # Before any weight is allocated, so the weights are wired as they load (Metal only).
         configure_wired_limit(mx, info.kind, logger)
