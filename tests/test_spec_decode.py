@@ -141,7 +141,14 @@ def test_all_accepted_and_all_rejected_drafts():
     logits[9, 11] = 5.0  # request 2: plain bonus token
     out = dec.sample(logits, [4, 3, 0], [3, 4, 5, 6, 1, 2, 2], _greedy_metadata(3), vocab)
     assert out.token_ids == [[3, 4, 5, 6, 7], [9], [11]]
-    assert dec.stats() == {"spec_drafts": 2, "spec_draft_tokens": 7, "spec_accepted_tokens": 4}
+    stats = dec.stats()
+    assert {k: stats[k] for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+            } == {"spec_drafts": 2, "spec_draft_tokens": 7, "spec_accepted_tokens": 4}
+    # the budget's acceptance counts (weights decay slowly): positions 1-3 drafted twice and
+    # accepted once, position 4 drafted and accepted once
+    acc = dec.budget.acceptance
+    assert acc.drafted.tolist() == pytest.approx([2, 2, 2, 1], rel=1e-2)
+    assert acc.accepted.tolist() == pytest.approx([1, 1, 1, 1], rel=1e-2)
 
 
 def test_random_drafts_the_target_is_sure_of_are_accepted():

@@ -107,6 +107,9 @@ _SETTINGS = (
             "1 zero-fills the KV pool at start as vLLM does (benchmarks compare start-up memory)"),
     Setting("VLLM_UNIFIED_STEP_PROFILE", 0, _count(0),
             "log the step-phase profile every N steps (0: never)"),
+    Setting("VLLM_UNIFIED_SPEC_BUDGET", True, _bool,
+            "speculative decoding: 0 hands vLLM every draft token (no adaptive draft budget "
+            "from measured step cost and acceptance)"),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _SETTINGS}
@@ -132,6 +135,7 @@ FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"
 ENCODE_THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
+SPEC_BUDGET_ENV = "VLLM_UNIFIED_SPEC_BUDGET"
 
 
 def read(name: str, environ: Mapping[str, str] | None = None) -> Any:

@@ -157,6 +157,8 @@ class _PendingStep:
     timer: StepTimer | None = None
     #: every request had one query token (``AttentionMetadata.is_pure_decode``)
     pure_decode: bool = False
+    #: ``time.perf_counter()`` at the step's ``execute_model`` start
+    started: float = 0.0
 
 
 class MLXModelRunner:
@@ -386,6 +388,8 @@ class MLXModelRunner:
         if scheduler_output.kv_cache_block_copies:
             raise RuntimeError("KV block copies requested: not supported by vllm-unified")
         self._timer = self.step_profile.start()
+        if self.spec is not None:
+            self.spec.step_started(scheduler_output, started)
         self._update_states(scheduler_output)
         self.stats.steps += 1
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -396,6 +400,7 @@ class MLXModelRunner:
         with self.kv_connector.step(scheduler_output) as kv_output:
             pending = self._model_forward(inputs, scheduler_output)
         pending.kv_output = kv_output
+        pending.started = started
         if inputs.ctx.attn.is_pure_decode:
             self._decode_started = started
             if previous_decode is not None:  # two decode steps in a row: one whole period
@@ -594,7 +599,7 @@ class MLXModelRunner:
                 states[i].pending = None  # now known on the host
         self.stats.sampled += sum(len(sampled[i]) for i in step.sample_req_idx)
         if self.spec is not None:
-            self.spec.propose(states, sampled)
+            self.spec.propose(states, sampled, pending.out.num_spec_tokens_to_schedule)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
@@ -619,6 +624,11 @@ class MLXModelRunner:
                                               rows.shape[-1])
         result = self.spec.sample(rows, [int(drafts[i]) for i in idx], draft_ids, metadata,
                                   self.vocab_size)
+        # A decode/verification step (every request its last token and its drafts) times the
+        # draft budget's step cost.
+        self.spec.verified(pending.started, int(step.input_ids.size), step.req_ids,
+                           len(idx) == len(step.req_ids)
+                           and bool(np.all(step.query_lens == drafts + 1)))
         for i, tokens in zip(idx, result.token_ids, strict=True):
             sampled[i] = tokens
         if result.logprobs is None:
