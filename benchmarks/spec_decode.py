@@ -119,12 +119,14 @@ def child(cfg: dict) -> None:
                   for _ in range(cfg["requests"])]
     llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     before = llm.collective_rpc("runner_stats")[0]
+    cpu_before = _tree_cpu_s()
     start = time.perf_counter()
     if cfg["workload"] == "edit":  # concurrency 1: one request after the other
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in inputs]
     else:
         outs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    cpu_s = _tree_cpu_s() - cpu_before
     after = llm.collective_rpc("runner_stats")[0]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     delta = {k: after.get(k, 0) - before.get(k, 0)
@@ -132,8 +134,27 @@ def child(cfg: dict) -> None:
                        "spec_handed_tokens", "spec_withheld_tokens",
                        "spec_budget_low_probes", "spec_budget_high_probes")}
     print(json.dumps({"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+                      "cpu_s": cpu_s, "tok_per_cpu_s": tokens / max(cpu_s, 1e-9),
+                      "step_profile": after["step_profile"],
                       "outputs": [list(o.outputs[0].token_ids) for o in outs],
                       "text0": outs[0].outputs[0].text, **delta}))
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its children so far (the engine core
+    runs in a child): on a machine shared with other work, CPU time per token moves far less
+    than wall time."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def run(cfg: dict, env: dict | None = None) -> dict:
@@ -189,13 +210,19 @@ def main() -> None:
                "handed_tokens": ngram["spec_handed_tokens"],
                "low_probes": ngram["spec_budget_low_probes"],
                "high_probes": ngram["spec_budget_high_probes"],
+               "none_tok_per_cpu_s": none["tok_per_cpu_s"],
+               "ngram_tok_per_cpu_s": ngram["tok_per_cpu_s"],
+               "cpu_ratio": ngram["tok_per_cpu_s"] / none["tok_per_cpu_s"],
+               "decode_ms_none": none["step_profile"]["decode"]["mean_ms"],
+               "decode_ms_ngram": ngram["step_profile"]["decode"]["mean_ms"],
                "tokens": ngram["tokens"], "outputs_equal": none["outputs"] == ngram["outputs"],
                "forwards_none": none["forwards"], "forwards_ngram": ngram["forwards"]}
         line = (f"{workload:6s} concurrency {conc:2d}: none {row['none_tok_s']:7.1f} tok/s, "
                 f"ngram {row['ngram_tok_s']:7.1f} tok/s ({row['speedup']:.2f}x); mean "
                 f"acceptance length {row['mean_acceptance_length']:.2f}, acceptance rate "
                 f"{row['acceptance_rate']:.2f}; drafts withheld by the budget "
-                f"{row['withheld_tokens']} of {row['withheld_tokens'] + row['handed_tokens']}")
+                f"{row['withheld_tokens']} of {row['withheld_tokens'] + row['handed_tokens']}; "
+                f"tokens per CPU second {row['cpu_ratio']:.2f}x")
         if args.budget_off:
             off = run({**base, "spec": True}, {SPEC_BUDGET_ENV: "0"})
             row["ngram_budget_off_tok_s"] = off["tok_s"]
@@ -203,6 +230,7 @@ def main() -> None:
             row["mean_acceptance_length_budget_off"] = (
                 1 + off["spec_accepted_tokens"] / max(off["spec_drafts"], 1))
             row["outputs_equal"] = row["outputs_equal"] and off["outputs"] == none["outputs"]
+            row["cpu_ratio_budget_off"] = off["tok_per_cpu_s"] / none["tok_per_cpu_s"]
             line += (f"; budget off {off['tok_s']:7.1f} tok/s ({row['speedup_budget_off']:.2f}x, "
                      f"acceptance length {row['mean_acceptance_length_budget_off']:.2f})")
         results[workload] = row

@@ -32,9 +32,10 @@ def test_compute_bound_rows_hand_none():
     assert 0 < best_depth([4] * 16, HIGH, fixed_s=0.2, per_row_s=0.015) < 4
 
 
-def _throughput(lengths, rates, fixed, per_row, d):
+def _throughput(lengths, rates, fixed, per_row, d, exempt=None):
     """Expected tokens/s of cap d, written out longhand."""
-    handed = [min(m, d) for m in lengths]
+    exempt = exempt or [False] * len(lengths)
+    handed = [m if e else min(m, d) for m, e in zip(lengths, exempt, strict=True)]
     tokens = len(lengths) + sum(rates[:h].sum() for h in handed)
     return tokens / (fixed + per_row * (len(lengths) + sum(handed)))
 
@@ -199,6 +200,27 @@ def test_compute_bound_steps_hand_none_but_probe():
     # the probes go round the requests
     probed = {c.index(4) for c in late if sum(c)}
     assert len(probed) == len(late) // db.PROBE_EVERY
+
+
+def test_exempt_requests_hand_everything_and_count_in_the_cost():
+    budget = DraftBudget(4)
+    assert budget.caps([4, 3], exempt=[True, False]) == [4, 3]  # cold start: all
+    assert budget.caps([4, 3], exempt=[True, False]) == [4, 0]  # cold low probe: not exempt
+    assert budget.caps([4, 0], exempt=[True, False]) == [4, 0]  # nothing to decide
+    assert budget.decisions == 2
+    with pytest.raises(ValueError, match="1 exemptions for 2 requests"):
+        budget.caps([1, 1], exempt=[True])
+    # an exempt request's drafts are paid whatever the cap: the others' cap is still the best
+    assert best_depth([4] * 8, HIGH, 0.0, 0.01, exempt=[True] + [False] * 7) == 0
+    rng = np.random.default_rng(6)
+    for _ in range(100):
+        lengths = rng.integers(0, 5, size=6).tolist()
+        exempt = (rng.random(6) < 0.3).tolist()
+        fixed, per_row = rng.uniform(0, 0.1), rng.uniform(0, 0.02)
+        best = best_depth(lengths, HIGH, fixed, per_row, exempt=exempt)
+        throughput = [_throughput(lengths, np.array(HIGH), fixed, per_row, d, exempt)
+                      for d in range(max(lengths) + 1)]
+        assert throughput[best] >= max(throughput) * (1 - 1e-9)
 
 
 def test_draft_forward_cost_counts_per_position():

@@ -71,9 +71,10 @@ class _Out:
         self.scheduled_spec_decode_tokens = spec or {}
 
 
-def _state(req_id, tokens, prompt, computed):
+def _state(req_id, tokens, prompt, computed, sampling_type=None):
+    params = types.SimpleNamespace(sampling_type=sampling_type or compat.SamplingType.GREEDY)
     return RequestState(req_id=req_id, token_ids=list(tokens), num_prompt_tokens=prompt,
-                        block_ids=[1, 2], num_computed_tokens=computed, sampling_params=None)
+                        block_ids=[1, 2], num_computed_tokens=computed, sampling_params=params)
 
 
 def test_layout_feeds_drafts_after_the_known_tokens():
@@ -247,6 +248,13 @@ def test_proposals_are_capped_by_vllms_count_and_by_the_budget(monkeypatch):
     assert stats["spec_handed_tokens"] == 8 + sum(handed)
     assert stats["spec_withheld_tokens"] == 32 * 16 - sum(handed)
     assert stats["spec_policy"] == "adaptive" and stats["spec_budget_last_cap"] == 0
+    # a seeded request keeps all its drafts (which random numbers it draws depends on them)
+    mixed = states()
+    mixed[1] = _state("b", mixed[1].token_ids, 12, 11, compat.SamplingType.RANDOM_SEED)
+    for _ in range(3):
+        dec.propose(mixed, [[2]] * 4)
+        drafts = dec.take().draft_token_ids
+        assert drafts[1] == [3, 4, 5, 1] and drafts[0] == drafts[2] == drafts[3] == []
     monkeypatch.setenv(envs.SPEC_BUDGET_ENV, "0")
     off = _decoder()
     off.propose(states(), [[2]] * 4)

@@ -211,7 +211,7 @@ class Acceptance:
 
 
 def best_depth(lengths: Sequence[int], rates: Sequence[float], fixed_s: float, per_row_s: float,
-               per_position_s: float = 0.0) -> int:
+               per_position_s: float = 0.0, exempt: Sequence[bool] | None = None) -> int:
     """The draft cap ``D`` that maximizes expected tokens per second of the next step.
 
     Args:
@@ -222,10 +222,11 @@ def best_depth(lengths: Sequence[int], rates: Sequence[float], fixed_s: float, p
         per_row_s: seconds per scheduled row (``b`` >= 0).
         per_position_s: seconds per draft position reached by any request (a draft model's
             forward over the requests; 0 for proposers whose cost does not depend on ``D``).
+        exempt: ``[B]`` requests that hand all their drafts whatever ``D`` (None: none).
 
     Returns:
-        ``D`` in ``0..max(lengths)``; request ``i`` hands ``min(lengths[i], D)`` drafts. Ties go
-        to the smaller ``D``.
+        ``D`` in ``0..max(lengths)``; request ``i`` hands ``min(lengths[i], D)`` drafts (all of
+        them if exempt). Ties go to the smaller ``D``.
 
     Raises:
         ValueError: a length above ``len(rates)``, or negative costs.
@@ -240,9 +241,11 @@ def best_depth(lengths: Sequence[int], rates: Sequence[float], fixed_s: float, p
     cum = np.concatenate([[0.0], np.cumsum(np.asarray(rates, dtype=np.float64))])
     depths = np.arange(int(m.max()) + 1)
     handed = np.minimum(m[None, :], depths[:, None])  # [D + 1, B]
+    if exempt is not None:
+        handed = np.where(np.asarray(exempt, dtype=bool)[None, :], m[None, :], handed)
     tokens = len(m) + cum[handed].sum(axis=1)
     seconds = np.maximum(fixed_s + per_row_s * (len(m) + handed.sum(axis=1))
-                         + per_position_s * depths, 1e-9)
+                         + per_position_s * handed.max(axis=1), 1e-9)
     throughput = tokens / seconds
     best = 0
     for d in depths[1:]:  # strictly better only: ties keep the smaller cap
@@ -289,18 +292,26 @@ class DraftBudget:
         self.acceptance.observe(num_drafts, num_accepted)
 
     # ------------------------------------------------------------------ decision
-    def caps(self, lengths: Sequence[int]) -> list[int]:
+    def caps(self, lengths: Sequence[int], exempt: Sequence[bool] | None = None) -> list[int]:
         """Drafts to hand per request for the next step.
 
         Args:
             lengths: ``[B]`` drafts proposed (or, for a draft model, that could be proposed)
                 for each request that sampled this step, each in ``0..k``.
+            exempt: ``[B]`` requests that always hand all their drafts (seeded ones: how many
+                drafts they verify decides which random numbers they draw, so a budget that
+                depends on timing would make their outputs irreproducible); they count in the
+                step's cost like the others. None: none.
 
         Returns:
-            ``[B]`` counts, ``0 <= caps[i] <= lengths[i]``.
+            ``[B]`` counts, ``0 <= caps[i] <= lengths[i]``, ``caps[i] == lengths[i]`` where
+            exempt.
         """
         lengths = [int(m) for m in lengths]
-        longest = max(lengths, default=0)
+        keep = [False] * len(lengths) if exempt is None else [bool(e) for e in exempt]
+        if len(keep) != len(lengths):
+            raise ValueError(f"{len(keep)} exemptions for {len(lengths)} requests")
+        longest = max((m for m, e in zip(lengths, keep, strict=True) if not e), default=0)
         if longest == 0:
             return lengths
         self.decisions += 1
@@ -312,24 +323,30 @@ class DraftBudget:
             every = (COLD_PROBE_EVERY if self.step_cost.count < COLD_STEPS else PROBE_EVERY)
             if self.cold_decisions % every == 0:
                 self.low_probes += 1
-                return self._done([0] * base, 0)
+                return self._done(self._none(lengths, keep), 0)
             return self._done(lengths, longest)
         per_position = 0.0
         if self.draft_forwards:
             per_position = self.draft_cost.level(base) or 0.0
-        cap = best_depth(lengths, self.acceptance.rates(), fit.a, fit.b, per_position)
-        caps = [min(m, cap) for m in lengths]
+        cap = best_depth(lengths, self.acceptance.rates(), fit.a, fit.b, per_position, keep)
+        caps = [m if e else min(m, cap) for m, e in zip(lengths, keep, strict=True)]
         if self.decisions % PROBE_EVERY == 0:
             if cap < longest:  # high probe: one request hands all it has
-                candidates = [i for i, m in enumerate(lengths) if m == longest]
+                candidates = [i for i, (m, e) in enumerate(zip(lengths, keep, strict=True))
+                              if m == longest and not e]
                 i = candidates[self._probe_turn % len(candidates)]
                 self._probe_turn += 1
                 caps[i] = lengths[i]
                 self.high_probes += 1
             elif fit.slope_error * drafted > CONFIDENCE * fit(base):
                 self.low_probes += 1
-                return self._done([0] * base, 0)
+                return self._done(self._none(lengths, keep), 0)
         return self._done(caps, cap)
+
+    @staticmethod
+    def _none(lengths: list[int], keep: list[bool]) -> list[int]:
+        """No drafts, but for the exempt requests."""
+        return [m if e else 0 for m, e in zip(lengths, keep, strict=True)]
 
     def _done(self, caps: list[int], cap: int) -> list[int]:
         self.last_cap = cap

@@ -338,8 +338,9 @@ class MLXModelRunner:
         if new.prompt_token_ids is None:
             raise ValueError(f"request {new.req_id}: prompt embeddings are not supported")
         params = new.sampling_params
-        uses_vllm = (needs_vllm_sampler(params) or bool(self.vllm_sampling.custom_logitsprocs)
-                     or self.spec is not None)
+        mlx_capable = not (needs_vllm_sampler(params)
+                           or self.vllm_sampling.custom_logitsprocs)
+        uses_vllm = not mlx_capable or self.spec is not None
         key = generator = None
         if params.sampling_type == SamplingType.RANDOM_SEED:
             if uses_vllm:
@@ -359,6 +360,8 @@ class MLXModelRunner:
             other_block_ids=other_blocks,
             num_computed_tokens=new.num_computed_tokens, sampling_params=params, rng_key=key,
             uses_vllm_sampler=uses_vllm, generator=generator,
+            mlx_when_undrafted=(self.spec is not None and mlx_capable
+                                and params.sampling_type != SamplingType.RANDOM_SEED),
             num_prompt_logprobs=num_prompt_logprobs,
         )
 
@@ -428,13 +431,20 @@ class MLXModelRunner:
         whose logprobs were asked for."""
         step = self.input_batch.layout(scheduler_output)
         states = [self.requests[r] for r in step.req_ids]
-        vllm_idx = [i for i in step.sample_req_idx if states[i].uses_vllm_sampler]
-        mlx_idx = [i for i in step.sample_req_idx if not states[i].uses_vllm_sampler]
+        drafts = step.num_draft_tokens
+        # With speculative decoding a request without drafts this step is sampled in MLX
+        # when it can be (RequestState.mlx_when_undrafted): no logits to torch for it, no
+        # rejection sampler (when the draft budget withholds every draft, the step samples
+        # as it would without speculation).
+        by_vllm = [states[i].uses_vllm_sampler
+                   and not (drafts[i] == 0 and states[i].mlx_when_undrafted)
+                   for i in range(len(states))]
+        vllm_idx = [i for i in step.sample_req_idx if by_vllm[i]]
+        mlx_idx = [i for i in step.sample_req_idx if not by_vllm[i]]
         last_rows = np.cumsum(step.query_lens) - 1
         first_rows = last_rows - step.query_lens + 1
         prompt = self._prompt_logprob_slices(step, states, first_rows)
         # A request with d drafts verifies on its last d + 1 rows (vLLM's logits_indices).
-        drafts = step.num_draft_tokens
         vllm_rows = [np.arange(last_rows[i] - drafts[i], last_rows[i] + 1) for i in vllm_idx]
         rows = np.concatenate([
             *vllm_rows, last_rows[mlx_idx],
@@ -599,6 +609,11 @@ class MLXModelRunner:
                 states[i].pending = None  # now known on the host
         self.stats.sampled += sum(len(sampled[i]) for i in step.sample_req_idx)
         if self.spec is not None:
+            # A decode/verification step (every request its last token and its drafts) times
+            # the draft budget's step cost.
+            self.spec.verified(pending.started, int(step.input_ids.size), step.req_ids,
+                               len(step.sample_req_idx) == len(step.req_ids)
+                               and bool(np.all(step.query_lens == step.num_draft_tokens + 1)))
             self.spec.propose(states, sampled, pending.out.num_spec_tokens_to_schedule)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
@@ -624,11 +639,6 @@ class MLXModelRunner:
                                               rows.shape[-1])
         result = self.spec.sample(rows, [int(drafts[i]) for i in idx], draft_ids, metadata,
                                   self.vocab_size)
-        # A decode/verification step (every request its last token and its drafts) times the
-        # draft budget's step cost.
-        self.spec.verified(pending.started, int(step.input_ids.size), step.req_ids,
-                           len(idx) == len(step.req_ids)
-                           and bool(np.all(step.query_lens == drafts + 1)))
         for i, tokens in zip(idx, result.token_ids, strict=True):
             sampled[i] = tokens
         if result.logprobs is None:

@@ -270,9 +270,11 @@ class SpecDecoder:
         if k <= 0 or not active:
             self._drafts = (req_ids, [[] for _ in states])
             return
+        seeded = [states[i].sampling_params.sampling_type == compat.SamplingType.RANDOM_SEED
+                  for i in active]
         if self.method == "draft_model":
             room = [min(k, self.max_model_len - len(states[i].token_ids)) for i in active]
-            caps = self._caps(room)
+            caps = self._caps(room, seeded)
             depths = [0] * len(states)
             for i, c in zip(active, caps, strict=True):
                 depths[i] = c
@@ -295,16 +297,17 @@ class SpecDecoder:
                     k, _ProposerBatch(states, token_ids, num_tokens), sampled)
             drafts = [list(d)[:k] for d in proposed]
             lengths = [len(drafts[i]) for i in active]
-            caps = self._caps(lengths)
+            caps = self._caps(lengths, seeded)
             for i, c in zip(active, caps, strict=True):
                 drafts[i] = drafts[i][:c]
             self.num_withheld_tokens += sum(lengths) - sum(caps)
         self.num_handed_tokens += sum(len(d) for d in drafts)
         self._drafts = (req_ids, drafts)
 
-    def _caps(self, lengths: list[int]) -> list[int]:
-        """The budget's caps, or the lengths themselves without an adaptive budget."""
-        return self.budget.caps(lengths) if self.budget is not None else lengths
+    def _caps(self, lengths: list[int], seeded: list[bool]) -> list[int]:
+        """The budget's caps (seeded requests exempt: their drafts decide which random numbers
+        they draw), or the lengths themselves without an adaptive budget."""
+        return self.budget.caps(lengths, seeded) if self.budget is not None else lengths
 
     def forget(self, req_ids: Any) -> None:
         """Finished requests: the draft model drops what it tracks for them."""
