@@ -98,7 +98,8 @@ def child(cfg: dict) -> None:
               "kv_cache_memory_bytes": 1024 * 2**20, "max_num_seqs": cfg["concurrency"]}
     if cfg["spec"]:
         engine["speculative_config"] = {"method": "ngram", "num_speculative_tokens": cfg["k"],
-                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                                        **cfg.get("spec_extra", {})}
     model = cfg["model"]
     if model.endswith(".gguf"):  # vLLM 0.32 reads no GGUF: the HF-style folder `vllm serve` uses
         from vllm_unified.models.gguf_dir import prepare_gguf_dir
@@ -183,6 +184,9 @@ def main() -> None:
                     help="random prompts, all at once (concurrency 16)")
     ap.add_argument("--budget-off", action="store_true",
                     help="also run ngram with VLLM_UNIFIED_SPEC_BUDGET=0 (every draft handed)")
+    ap.add_argument("--spec-extra", default="{}",
+                    help="JSON fields added to the ngram --speculative-config, e.g. "
+                         "'{\"num_speculative_tokens_per_batch_size\": [[1, 4, 4], [5, 256, 0]]}'")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -198,7 +202,8 @@ def main() -> None:
         conc = 1 if workload == "edit" else args.random_requests
         max_tokens = args.max_tokens if workload == "edit" else min(args.max_tokens, 128)
         base = {"model": model, "workload": workload, "requests": n, "concurrency": conc,
-                "max_tokens": max_tokens, "max_model_len": 2048, "k": args.k}
+                "max_tokens": max_tokens, "max_model_len": 2048, "k": args.k,
+                "spec_extra": json.loads(args.spec_extra)}
         none, ngram = run({**base, "spec": False}), run({**base, "spec": True})
         drafts = max(ngram["spec_drafts"], 1)
         row = {"none_tok_s": none["tok_s"], "ngram_tok_s": ngram["tok_s"],
