@@ -195,8 +195,8 @@ class MLXModelRunner:
             if vllm_config.speculative_config.method == "draft_model":
                 self.draft = DraftModel(vllm_config, backend)
             self.spec = SpecDecoder(vllm_config, self.vllm_sampling.sampler, self.draft)
-            logger.info("vllm-unified: speculative decoding, %s; every request is sampled "
-                        "by vLLM's rejection sampler", self.spec.describe())
+            logger.info("vllm-unified: speculative decoding, %s; requests with drafts are "
+                        "sampled by vLLM's rejection sampler", self.spec.describe())
         if self.vllm_sampling.custom_logitsprocs:
             logger.info(
                 "vllm-unified: custom logits processors %s: every request is sampled by "
@@ -626,8 +626,9 @@ class MLXModelRunner:
 
     def _verify(self, pending: _PendingStep, rows: torch.Tensor,
                 sampled: list[list[int]]) -> Any:
-        """Speculative decoding: every sampling request through vLLM's rejection sampler
-        (:meth:`SpecDecoder.sample`) on its ``d + 1`` rows; ``sampled[i]`` gets request
+        """Speculative decoding: the vLLM-sampled requests (those with drafts, and those the
+        MLX sampler cannot take) through vLLM's rejection sampler (:meth:`SpecDecoder.sample`)
+        on their ``d + 1`` rows; ``sampled[i]`` gets request
         ``i``'s accepted drafts and its bonus (or recovered) token. Returns the logprobs as
         ``LogprobsLists`` indexed by scheduled request, or None."""
         step, idx = pending.step, pending.vllm_idx

@@ -19,9 +19,12 @@ scheduling (vLLM 0.32 turns async scheduling off for the ``ngram`` and ``suffix`
    per-request generators, penalties with the drafts counted as outputs, min tokens, bad
    words, allowed token ids, the grammar bitmask applied beforehand, logprobs of every
    accepted token. Rejected drafts' K/V stay in the pool where the next step overwrites them
-   (vLLM's scheduler rolls ``num_computed_tokens`` back).
+   (vLLM's scheduler rolls ``num_computed_tokens`` back). A request with no draft in the step
+   that needs nothing else of vLLM's sampler and has no seed is sampled in MLX instead, as
+   without speculation (``RequestState.mlx_when_undrafted``, decided by the runner).
 
-How many drafts each request hands to vLLM (the draft budget, :meth:`SpecDecoder.policy`):
+How many drafts each request hands to vLLM (the draft budget, :attr:`SpecDecoder.policy`;
+seeded requests always hand all theirs):
 
 * ``adaptive`` (the default): :class:`~vllm_unified.worker.draft_budget.DraftBudget` caps
   each request's drafts per step from the runner's own timing of recent steps and the
