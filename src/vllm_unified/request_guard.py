@@ -273,8 +273,8 @@ def parse_body(raw: bytes) -> Any:
 
     Raises:
         RequestRejected: 400 for a body that is not UTF-8, that ``json.loads`` would decode
-            as another encoding (a UTF-8 byte order mark, UTF-16/32), or with a key twice in
-            one object.
+            as another encoding (a UTF-8 byte order mark, UTF-16/32), with a key twice in
+            one object, or nested too deeply for the JSON parser.
     """
     try:
         text = raw.decode("utf-8")
