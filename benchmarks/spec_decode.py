@@ -11,7 +11,10 @@ Two workloads, each configuration in a fresh process (vLLM resolves its platform
 Reports output tokens/s per configuration, the ngram/none ratio, and with ngram the mean
 acceptance length (1 + accepted / drafts: tokens per verification of a request) and the
 acceptance rate, from the runner's counters (the same numbers vLLM's ``vllm:spec_decode_*``
-metrics count). Greedy outputs of both configurations are compared (they must be equal).
+metrics count), and how many drafts the adaptive draft budget withheld. ``--budget-off``
+adds a third configuration, ngram with ``VLLM_UNIFIED_SPEC_BUDGET=0`` (every draft handed:
+the behaviour before the budget). Greedy outputs of all configurations are compared (they
+must be equal).
 
     .venv/bin/python benchmarks/spec_decode.py --model smollm2
     .venv/bin/python benchmarks/spec_decode.py --model qwen-coder --k 4 --json out.json
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -34,6 +38,8 @@ import time
 from pathlib import Path
 
 from real_models import qwen_gguf, smollm2_gguf
+
+from vllm_unified.envs import SPEC_BUDGET_ENV
 
 FUNCTION = '''def merge_intervals(intervals, min_gap=0):
     """Merge overlapping or nearly touching intervals.
@@ -92,7 +98,8 @@ def child(cfg: dict) -> None:
               "kv_cache_memory_bytes": 1024 * 2**20, "max_num_seqs": cfg["concurrency"]}
     if cfg["spec"]:
         engine["speculative_config"] = {"method": "ngram", "num_speculative_tokens": cfg["k"],
-                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                                        **cfg.get("spec_extra", {})}
     model = cfg["model"]
     if model.endswith(".gguf"):  # vLLM 0.32 reads no GGUF: the HF-style folder `vllm serve` uses
         from vllm_unified.models.gguf_dir import prepare_gguf_dir
@@ -113,24 +120,48 @@ def child(cfg: dict) -> None:
                   for _ in range(cfg["requests"])]
     llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     before = llm.collective_rpc("runner_stats")[0]
+    cpu_before = _tree_cpu_s()
     start = time.perf_counter()
     if cfg["workload"] == "edit":  # concurrency 1: one request after the other
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in inputs]
     else:
         outs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    cpu_s = _tree_cpu_s() - cpu_before
     after = llm.collective_rpc("runner_stats")[0]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     delta = {k: after.get(k, 0) - before.get(k, 0)
-             for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "forwards")}
+             for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "forwards",
+                       "spec_handed_tokens", "spec_withheld_tokens",
+                       "spec_budget_low_probes", "spec_budget_high_probes")}
     print(json.dumps({"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+                      "cpu_s": cpu_s, "tok_per_cpu_s": tokens / max(cpu_s, 1e-9),
+                      "step_profile": after["step_profile"],
                       "outputs": [list(o.outputs[0].token_ids) for o in outs],
                       "text0": outs[0].outputs[0].text, **delta}))
 
 
-def run(cfg: dict) -> dict:
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its children so far (the engine core
+    runs in a child): on a machine shared with other work, CPU time per token moves far less
+    than wall time."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def run(cfg: dict, env: dict | None = None) -> dict:
+    """One configuration in a fresh process; ``env``: variables to set for it."""
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         raise SystemExit(f"run {cfg} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     # vLLM logs to stdout too (also after the result, at shutdown): take the result's line
@@ -151,6 +182,11 @@ def main() -> None:
                     help="edit prompts, run one after the other (concurrency 1)")
     ap.add_argument("--random-requests", type=int, default=16,
                     help="random prompts, all at once (concurrency 16)")
+    ap.add_argument("--budget-off", action="store_true",
+                    help="also run ngram with VLLM_UNIFIED_SPEC_BUDGET=0 (every draft handed)")
+    ap.add_argument("--spec-extra", default="{}",
+                    help="JSON fields added to the ngram --speculative-config, e.g. "
+                         "'{\"num_speculative_tokens_per_batch_size\": [[1, 4, 4], [5, 256, 0]]}'")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -166,7 +202,8 @@ def main() -> None:
         conc = 1 if workload == "edit" else args.random_requests
         max_tokens = args.max_tokens if workload == "edit" else min(args.max_tokens, 128)
         base = {"model": model, "workload": workload, "requests": n, "concurrency": conc,
-                "max_tokens": max_tokens, "max_model_len": 2048, "k": args.k}
+                "max_tokens": max_tokens, "max_model_len": 2048, "k": args.k,
+                "spec_extra": json.loads(args.spec_extra)}
         none, ngram = run({**base, "spec": False}), run({**base, "spec": True})
         drafts = max(ngram["spec_drafts"], 1)
         row = {"none_tok_s": none["tok_s"], "ngram_tok_s": ngram["tok_s"],
@@ -174,13 +211,35 @@ def main() -> None:
                "mean_acceptance_length": 1 + ngram["spec_accepted_tokens"] / drafts,
                "acceptance_rate": ngram["spec_accepted_tokens"]
                / max(ngram["spec_draft_tokens"], 1),
+               "withheld_tokens": ngram["spec_withheld_tokens"],
+               "handed_tokens": ngram["spec_handed_tokens"],
+               "low_probes": ngram["spec_budget_low_probes"],
+               "high_probes": ngram["spec_budget_high_probes"],
+               "none_tok_per_cpu_s": none["tok_per_cpu_s"],
+               "ngram_tok_per_cpu_s": ngram["tok_per_cpu_s"],
+               "cpu_ratio": ngram["tok_per_cpu_s"] / none["tok_per_cpu_s"],
+               "decode_ms_none": none["step_profile"]["decode"]["mean_ms"],
+               "decode_ms_ngram": ngram["step_profile"]["decode"]["mean_ms"],
                "tokens": ngram["tokens"], "outputs_equal": none["outputs"] == ngram["outputs"],
                "forwards_none": none["forwards"], "forwards_ngram": ngram["forwards"]}
+        line = (f"{workload:6s} concurrency {conc:2d}: none {row['none_tok_s']:7.1f} tok/s, "
+                f"ngram {row['ngram_tok_s']:7.1f} tok/s ({row['speedup']:.2f}x); mean "
+                f"acceptance length {row['mean_acceptance_length']:.2f}, acceptance rate "
+                f"{row['acceptance_rate']:.2f}; drafts withheld by the budget "
+                f"{row['withheld_tokens']} of {row['withheld_tokens'] + row['handed_tokens']}; "
+                f"tokens per CPU second {row['cpu_ratio']:.2f}x")
+        if args.budget_off:
+            off = run({**base, "spec": True}, {SPEC_BUDGET_ENV: "0"})
+            row["ngram_budget_off_tok_s"] = off["tok_s"]
+            row["speedup_budget_off"] = off["tok_s"] / none["tok_s"]
+            row["mean_acceptance_length_budget_off"] = (
+                1 + off["spec_accepted_tokens"] / max(off["spec_drafts"], 1))
+            row["outputs_equal"] = row["outputs_equal"] and off["outputs"] == none["outputs"]
+            row["cpu_ratio_budget_off"] = off["tok_per_cpu_s"] / none["tok_per_cpu_s"]
+            line += (f"; budget off {off['tok_s']:7.1f} tok/s ({row['speedup_budget_off']:.2f}x, "
+                     f"acceptance length {row['mean_acceptance_length_budget_off']:.2f})")
         results[workload] = row
-        print(f"{workload:6s} concurrency {conc:2d}: none {row['none_tok_s']:7.1f} tok/s, "
-              f"ngram {row['ngram_tok_s']:7.1f} tok/s ({row['speedup']:.2f}x); mean acceptance "
-              f"length {row['mean_acceptance_length']:.2f}, acceptance rate "
-              f"{row['acceptance_rate']:.2f}; greedy outputs equal: {row['outputs_equal']}")
+        print(f"{line}; greedy outputs equal: {row['outputs_equal']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -139,12 +139,43 @@ def vllm_server(
             time.sleep(1)
         yield base, proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # a test may have ended it already
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def require_root(what: str) -> None:
+    """Fail (not skip) the test, naming ``what``, unless it runs as root."""
+    if os.geteuid() != 0:
+        pytest.fail(f"{what} needs root (uid 0) to provoke the fault; this run is uid "
+                    f"{os.geteuid()}", pytrace=False)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A fresh tmpfs of ``size`` (``mount -o size=``) mounted at ``path``, unmounted after.
+    Fails the test with the reason where it cannot be mounted."""
+    require_root("mounting a tmpfs")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                           str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs at {path} to provoke the fault: {done.stderr}",
+                    pytrace=False)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def remount(path: Path, mode: str) -> None:
+    """Remount the file system at ``path`` ``ro`` or ``rw``."""
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
 
 
 def stream_completion(base: str, body: dict[str, Any], started: Any = None,

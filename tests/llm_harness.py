@@ -6,7 +6,8 @@ reference of the differential tests).
 
 Usage: ``python tests/llm_harness.py SPEC.json OUT.json`` where SPEC holds
 ``{"model": str, "engine": {LLM kwargs}, "requests": [{"prompt" | "prompt_token_ids", "params":
-{SamplingParams kwargs}}], "rpc": [worker method names called before and after generation]}``.
+{SamplingParams kwargs}}], "rpc": [worker method names called before and after generation],
+"metrics": true for vLLM's counters after generation (needs ``"disable_log_stats": false``)}``.
 Logprobs come back as ``[token_id, logprob, rank]`` lists, most likely first.
 """
 
@@ -57,6 +58,8 @@ def main(spec_path: str, out_path: str) -> None:
         "rpc_before": before,
         "rpc_after": after,
     }
+    if spec.get("metrics"):
+        out["metrics"] = _counters(llm)
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f)
 
@@ -78,6 +81,21 @@ def _wait_for_finished_ids(llm, rpc: list[str], timeout_s: float = 10.0) -> None
     while (llm.collective_rpc("runner_stats")[0].get("live_requests", 0)
            and time.monotonic() < deadline):
         time.sleep(0.05)
+
+
+def _counters(llm) -> dict:
+    """vLLM's counters (``LLM.get_metrics``) by name, summed over their label sets; the
+    per-position vector (``..._per_pos``) as a list."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    out: dict = {}
+    for m in llm.get_metrics():
+        if isinstance(m, Counter):
+            out[m.name] = out.get(m.name, 0) + m.value
+        elif isinstance(m, Vector):
+            prev = out.get(m.name, [0] * len(m.values))
+            out[m.name] = [a + b for a, b in zip(prev, m.values, strict=True)]
+    return out
 
 
 def _params(p: dict) -> dict:

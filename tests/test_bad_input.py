@@ -22,6 +22,7 @@ from conftest import default_server_args, stream_completion, vllm_server
 
 from vllm_unified.request_guard import (
     GUARD_PATH,
+    MIDDLEWARE,
     RequestGuard,
     RequestRejected,
     check_fields,
@@ -84,6 +85,30 @@ def test_platform_validate_request_applies_limits():
     with pytest.raises(VLLMValidationError, match="n=129 exceeds") as e:
         MLXPlatform.validate_request({}, SamplingParams(n=129, temperature=1.0))
     assert e.value.parameter == "n"
+
+
+def test_prompt_filling_the_context_is_refused_naming_length_and_limit(monkeypatch):
+    """Issue 20, defect 1: vLLM's OpenAI server lowers ``max_tokens`` to ``max_model_len -
+    prompt_len`` (``get_max_tokens``, which asks the platform for its own cap) and then
+    rejects its own 0 as "max_tokens must be at least 1, got 0". The platform's cap refuses
+    the prompt instead, naming its length and the limit; one token shorter is served."""
+    import types
+
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+    from vllm_unified.compat import VLLMValidationError
+    from vllm_unified.platform import MLXPlatform
+
+    monkeypatch.setattr(MLXPlatform, "serving_model_config",
+                        types.SimpleNamespace(max_model_len=256), raising=False)
+    assert get_max_tokens(256, 50, 255, {}) == 1
+    assert get_max_tokens(256, None, 200, {}) == 56
+    for max_tokens in (50, None):
+        with pytest.raises(VLLMValidationError,
+                           match="maximum context length is 256 tokens.*contains 256 input "
+                                 "tokens.*at most 255 tokens") as e:
+            get_max_tokens(256, max_tokens, 256, {})
+        assert e.value.parameter == "input_tokens"
 
 
 def test_check_fields():
@@ -156,9 +181,11 @@ def test_platform_installs_guard_in_vllm_serve_parser():
 
     assert type(current_platform).__name__ == "MLXPlatform"
     parser = make_arg_parser(FlexibleArgumentParser())
-    assert parser.parse_args(["m"]).middleware == [GUARD_PATH]
-    assert parser.parse_args(["m", "--middleware", "a.B"]).middleware == [GUARD_PATH, "a.B"]
-    assert parser.parse_args(["m"]).middleware == [GUARD_PATH]  # the default is not mutated
+    ours = list(MIDDLEWARE)
+    assert GUARD_PATH in ours
+    assert parser.parse_args(["m"]).middleware == ours
+    assert parser.parse_args(["m", "--middleware", "a.B"]).middleware == [*ours, "a.B"]
+    assert parser.parse_args(["m"]).middleware == ours  # the default is not mutated
 
 
 # ------------------------------------------------------------------------- end to end (server)
@@ -191,6 +218,9 @@ BAD_INPUTS = [
     ("empty chat", CHAT, _chat([]), 400, None, "empty conversation"),
     ("prompt longer than max_model_len", C, _c(prompt="hello " * (MAX_MODEL_LEN + 10)), 400,
      "input_tokens", f"maximum context length is {MAX_MODEL_LEN} tokens"),
+    ("prompt of exactly max_model_len tokens", C, _c(prompt=[1] * MAX_MODEL_LEN, max_tokens=5),
+     400, "input_tokens", f"maximum context length is {MAX_MODEL_LEN} tokens (--max-model-len) "
+     f"and your prompt contains {MAX_MODEL_LEN} input tokens"),
     ("max_tokens 0", C, _c(max_tokens=0), 400, "max_tokens", "max_tokens must be at least 1"),
     ("max_tokens negative", C, _c(max_tokens=-1), 400, "max_tokens", "at least 1, got -1"),
     ("max_tokens huge", C, _c(max_tokens=10**9), 400, "max_tokens",
@@ -306,6 +336,42 @@ def test_bad_inputs_answered_while_streams_complete(bad_input_server):
         assert text == alone
     assert proc.poll() is None, "the server process died"
     assert requests.get(f"{base}/health", timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_chat_filling_the_context_names_length_and_limit(bad_input_server):
+    """Issue 20, defect 1 on the chat endpoint: a conversation whose templated prompt is
+    exactly ``--max-model-len`` tokens gets a 400 naming both numbers (it used to be "max_tokens
+    must be at least 1, got 0", whatever max_tokens the client sent); one token less is
+    served."""
+    base, _ = bad_input_server
+
+    def templated(words: int) -> tuple[list[dict], int]:
+        messages = [{"role": "user", "content": "hello " * words}]
+        r = requests.post(f"{base}/tokenize", json={"model": MODEL, "messages": messages},
+                          timeout=60)
+        assert r.status_code == 200, r.text
+        return messages, r.json()["count"]
+
+    words = MAX_MODEL_LEN // 2
+    for _ in range(4):  # "hello " is one token each here; converge in case it is not
+        messages, count = templated(words)
+        if count == MAX_MODEL_LEN:
+            break
+        words += MAX_MODEL_LEN - count
+    assert count == MAX_MODEL_LEN
+    for limit in ({"max_tokens": 5}, {"max_completion_tokens": 5}, {}):
+        status, error = _post(base, CHAT, {"model": MODEL, "messages": messages, **limit})
+        assert status == 400, error
+        assert error["param"] == "input_tokens", error
+        assert (f"maximum context length is {MAX_MODEL_LEN} tokens (--max-model-len) and your "
+                f"prompt contains {MAX_MODEL_LEN} input tokens") in error["message"], error
+    messages, count = templated(words - 1)
+    assert count == MAX_MODEL_LEN - 1
+    r = requests.post(f"{base}{CHAT}", json={"model": MODEL, "messages": messages,
+                                            "max_tokens": 5, "temperature": 0.0}, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
 
 
 @pytest.mark.slow

@@ -85,3 +85,20 @@ def test_other_layouts_are_refused(vllm_config):
     _, views = allocate_kv_cache(cfg, "LBHNC")
     with pytest.raises(ValueError, match="LBNHC"):
         KVPool.from_torch_views(list(views.values()), 16)
+
+
+def test_lazy_pool_that_can_outgrow_memory_is_reported(monkeypatch):
+    """A lazy pool larger than the memory available at start-up is named in a warning with
+    the way out; committed (eager) or fitting pools are not."""
+    from vllm_unified.kv import cache
+
+    said = []
+    monkeypatch.setattr(cache.logger, "warning", lambda msg, *args: said.append(msg % args))
+    gib = 2**30
+    assert cache.warn_if_pool_can_outgrow_memory(8 * gib, False, available=6 * gib) == 2 * gib
+    assert len(said) == 1
+    assert "KV pool (8.00 GiB)" in said[0] and "outgrow the 6.00 GiB" in said[0]
+    assert "VLLM_UNIFIED_KV_EAGER_ZERO=1" in said[0]
+    assert cache.warn_if_pool_can_outgrow_memory(8 * gib, True, available=6 * gib) == 0
+    assert cache.warn_if_pool_can_outgrow_memory(4 * gib, False, available=6 * gib) == 0
+    assert len(said) == 1

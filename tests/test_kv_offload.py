@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 import types
 import uuid
 
@@ -18,6 +19,7 @@ import torch
 from vllm_unified import compat
 from vllm_unified.offload import disk, host_views
 from vllm_unified.offload.config import FS_TIER_TYPE, SPEC_NAME, configure_kv_offloading
+from vllm_unified.offload.private_dir import PrivateDir
 from vllm_unified.offload.worker import MLXOffloadingWorker
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -186,17 +188,19 @@ def _payload(n=3 * 4096, seed=0):
 
 
 def test_block_file_round_trip_private_modes(tmp_path):
+    tier = PrivateDir(str(tmp_path), "root")
     path = str(tmp_path / "root" / "a" / "b" / "blk.bin")
     src = _payload()
-    disk.store_block(path, memoryview(src), LAYOUT, b"key-1")
+    disk.store_block(tier, path, memoryview(src), LAYOUT, b"key-1")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     for d in (tmp_path / "root", tmp_path / "root" / "a", tmp_path / "root" / "a" / "b"):
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     assert os.path.getsize(path) == disk.HEADER_SIZE + src.nbytes
     dst = np.zeros_like(src)
-    disk.load_block(path, memoryview(dst), LAYOUT, b"key-1")
+    disk.load_block(tier, path, memoryview(dst), LAYOUT, b"key-1")
     assert np.array_equal(src, dst)
     assert not [p for p in os.listdir(os.path.dirname(path)) if p.endswith(".tmp")]
+    tier.close()
 
 
 @pytest.mark.parametrize("damage,reason", [
@@ -204,9 +208,10 @@ def test_block_file_round_trip_private_modes(tmp_path):
     ("layout", "foreign"), ("key", "foreign"), ("size", "truncated"),
 ])
 def test_damaged_block_file_is_rejected_and_removed(tmp_path, damage, reason):
-    path = str(tmp_path / "blk.bin")
+    tier = PrivateDir(str(tmp_path), "tier")
+    path = str(tmp_path / "tier" / "blk.bin")
     src = _payload()
-    disk.store_block(path, memoryview(src), LAYOUT, b"key-1")
+    disk.store_block(tier, path, memoryview(src), LAYOUT, b"key-1")
     layout, key, dst = LAYOUT, b"key-1", np.zeros_like(src)
     if damage in ("payload", "header"):
         with open(path, "r+b") as f:
@@ -223,9 +228,50 @@ def test_damaged_block_file_is_rejected_and_removed(tmp_path, damage, reason):
     elif damage == "size":
         dst = np.zeros(src.size + 4096, dtype=np.int8)
     with pytest.raises(disk.InvalidBlockFile) as err:
-        disk.load_block(path, memoryview(dst), layout, key)
+        disk.load_block(tier, path, memoryview(dst), layout, key)
     assert err.value.reason == reason
     assert not os.path.exists(path)
+    tier.close()
+
+
+def test_shutdown_finishes_or_drops_queued_writes_never_half(tmp_path):
+    """The disk tier's shutdown (issue 20, defect 5): :func:`disk.drain` waits for queued
+    writes up to its deadline; then vLLM's pool shutdown drops the jobs not started while the
+    one in progress completes. What is left is whole files that load and verify, and no
+    temporary file."""
+    import threading
+
+    pool = compat.DualQueueThreadPool(n_read_threads=0, n_write_threads=1)
+    layout, payload = b"L" * 32, np.arange(256, dtype=np.int8)
+    release = threading.Event()
+    tier = PrivateDir(str(tmp_path), "d")
+    paths = [str(tmp_path / "d" / f"{i}.bin") for i in range(3)]
+
+    def store(i: int, gate: threading.Event | None = None) -> None:
+        if gate is not None:
+            assert gate.wait(30)
+        disk.store_block(tier, paths[i], memoryview(payload), layout, b"key%d" % i)
+
+    pool.enqueue_store(0, 1, [lambda: store(0)])
+    assert disk.drain(pool, 30)  # finished within the deadline
+    pool.enqueue_store(1, 1, [lambda: store(1, release)])  # in progress at shutdown
+    pool.enqueue_store(2, 1, [lambda: store(2)])  # queued behind it
+    assert not disk.drain(pool, 0.2)
+    stopper = threading.Thread(target=pool.shutdown)
+    stopper.start()
+    deadline = time.monotonic() + 30
+    while pool._store_q and time.monotonic() < deadline:  # shutdown clears the queue first
+        time.sleep(0.01)
+    release.set()
+    stopper.join(30)
+    assert not stopper.is_alive()
+    assert [os.path.exists(p) for p in paths] == [True, True, False]
+    assert not [n for n in os.listdir(tmp_path / "d") if n.endswith(".tmp")]
+    for i in (0, 1):
+        out = np.empty_like(payload)
+        disk.load_block(tier, paths[i], memoryview(out), layout, b"key%d" % i)
+        assert np.array_equal(out, payload)
+    tier.close()
 
 
 def test_layout_digest_separates_dtype_and_geometry():
@@ -251,7 +297,7 @@ def _config(size=1.0, connector=None, extra=None, backend="native", hybrid=False
     if connector is not None or extra is not None:
         kvt = compat.KVTransferConfig(kv_connector=connector, kv_role="kv_both" if connector
                                       else None, kv_connector_extra_config=extra or {})
-    model = types.SimpleNamespace(is_hybrid=hybrid, get_num_kv_heads=lambda p: 3,
+    model = types.SimpleNamespace(is_hybrid=hybrid, revision=None, get_num_kv_heads=lambda p: 3,
                                   get_head_size=lambda: 64)
     return types.SimpleNamespace(
         cache_config=types.SimpleNamespace(kv_offloading_size=size,
@@ -441,4 +487,5 @@ def test_corrupted_block_file_is_a_counted_miss(restart_run, host_run):
         layout = f.read(disk.HEADER_SIZE)[16:48]
     key = bytes.fromhex(os.path.basename(victim)[:-4]) + (0).to_bytes(4, "big")
     buf = np.empty(os.path.getsize(victim) - disk.HEADER_SIZE, dtype=np.int8)
-    disk.load_block(victim, memoryview(buf), layout, key)
+    tier = PrivateDir(*os.path.split(os.path.dirname(victim)))
+    disk.load_block(tier, victim, memoryview(buf), layout, key)

@@ -19,6 +19,9 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.route_mlx_lm_attention,
                          patches.place_offload_region_outside_dev_shm,
                          patches.route_rejection_sampler_kernels,
+                         patches.name_chat_template_flag,
+                         patches.stop_engine_core_gracefully,
+                         patches.harden_engine_core_signals,
                          patches.patch_anthropic_stream_errors,
                          patches.patch_responses_empty_output_message}
     for patch in patches.PATCHES:
@@ -79,3 +82,109 @@ def test_offload_region_leaves_dev_shm_where_there_is_none(region_class, tmp_pat
         joiner.cleanup()
         creator.cleanup()
     assert not os.path.exists(path)
+
+
+def test_chat_without_template_names_the_flag_and_warns_once(default_model, caplog,
+                                                              monkeypatch) -> None:
+    """Issue 20, defect 2: vLLM's error for chat on a model without a chat template names
+    ``--chat-template`` (not transformers' "default chat template is no longer allowed"), and
+    the first one is logged as a warning (at start-up, where vLLM's renderer warm-up renders
+    a chat)."""
+    import logging
+    import types
+
+    from transformers import AutoTokenizer
+    from vllm.renderers import hf
+    from vllm.renderers.chat_utils import ChatTemplateResolutionError
+
+    original = hf.safe_apply_chat_template
+    original = getattr(original, "__wrapped__", original)  # a platform hook may have run
+    monkeypatch.setattr(hf, "safe_apply_chat_template", original)
+    log = logging.getLogger("test_chat_template_patch")
+    patches.name_chat_template_flag(log)
+    wrapped = hf.safe_apply_chat_template
+    patches.name_chat_template_flag(log)
+    assert hf.safe_apply_chat_template is wrapped  # idempotent
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    conversation = [{"role": "user", "content": "hi"}]
+    config = types.SimpleNamespace(
+        model=default_model, served_model_name=["base-model"], tokenizer=default_model,
+        tokenizer_revision=None, code_revision=None, trust_remote_code=False,
+        hf_config=types.SimpleNamespace(model_type="llama"))
+    assert "hi" in hf.safe_apply_chat_template(config, tokenizer, conversation, tokenize=False)
+    tokenizer.chat_template = None
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        for _ in range(2):
+            with pytest.raises(ChatTemplateResolutionError) as e:
+                hf.safe_apply_chat_template(config, tokenizer, conversation, tokenize=False)
+            assert "'base-model' has no chat template" in str(e.value)
+            assert "--chat-template" in str(e.value)
+            assert "no longer allowed" in str(e.value.__cause__)
+    warnings = [r.getMessage() for r in caplog.records if "--chat-template" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+
+
+def test_engine_core_shutdown_window_and_expected_engine_dead(monkeypatch) -> None:
+    """Issue 20, defect 5: under vLLM's default ``--shutdown-timeout 0`` the process manager
+    waits up to the window for the engine core (other timeouts are kept), and once the server
+    is stopping, only vLLM's output-handler ``EngineDeadError`` record is dropped."""
+    import logging
+    import threading
+
+    from vllm.v1.engine import utils
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    calls: list[float | None] = []
+    monkeypatch.setattr(utils, "shutdown", lambda procs, timeout=None: calls.append(timeout))
+    monkeypatch.setattr(patches, "engine_core_stopping", threading.Event())
+    vllm_logger = logging.getLogger("vllm.v1.engine.async_llm")
+    monkeypatch.setattr(vllm_logger, "filters", list(vllm_logger.filters))
+    patches.stop_engine_core_gracefully(10.0, logging.getLogger("test_shutdown_patch"))
+    ours = vllm_logger.filters[-1]
+
+    def record(msg: str, exc: BaseException | None) -> logging.LogRecord:
+        info = (type(exc), exc, None) if exc is not None else None
+        return logging.LogRecord(vllm_logger.name, logging.ERROR, __file__, 1, msg, (), info)
+
+    dead = record("AsyncLLM output_handler failed.", EngineDeadError())
+    utils.shutdown([], timeout=None)  # vLLM's clean-up after an engine core died by itself
+    assert calls == [None] and not patches.engine_core_stopping.is_set()
+    assert ours.filter(dead)  # that death keeps its traceback
+    utils.shutdown([], timeout=0)
+    assert calls[-1] == 10.0 and patches.engine_core_stopping.is_set()
+    utils.shutdown([], timeout=3)
+    assert calls[-1] == 3
+    assert not ours.filter(dead)
+    assert ours.filter(record("AsyncLLM output_handler failed.", RuntimeError("x")))
+    assert ours.filter(record("something else", EngineDeadError()))
+
+
+def test_engine_core_signal_trigger_survives_a_nested_signal(monkeypatch) -> None:
+    """Issue 20, defect 5: a second signal arriving inside the first handler's
+    ``Event.set`` (a process-group SIGTERM, then vLLM's own) must not re-enter it (vLLM's
+    version deadlocks on the event's lock); the shutdown callback still runs once. ``stop``
+    (called once the engine core's busy loop has ended) leaves SIGTERM ignored."""
+    import signal
+
+    from vllm.v1.engine.utils import SignalCallback
+
+    patches.harden_engine_core_signals()
+    ran, nested = [], []
+    callback = SignalCallback(lambda: ran.append(1))
+    real_set = callback._event.set
+
+    def set_with_a_nested_signal() -> None:
+        nested.append(1)
+        callback.trigger()  # the second signal's handler, inside the first Event.set
+        real_set()
+
+    callback._event.set = set_with_a_nested_signal
+    callback.trigger()
+    callback._thread.join(10)
+    assert (nested, ran) == ([1], [1])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        callback.stop()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)

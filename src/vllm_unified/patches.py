@@ -13,11 +13,14 @@ function imports what it patches.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import logging
 import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +163,177 @@ def place_offload_region_outside_dev_shm(directory: str | None = None) -> str | 
     get.directory = directory  # type: ignore[attr-defined]
     SharedOffloadRegion.mmap_path = property(get, put, doc="the region file's path")
     return directory
+
+
+def no_chat_template_message(model: str) -> str:
+    """The error for a chat request to ``model``, which has no chat template."""
+    return (f"model {model!r} has no chat template (its tokenizer defines none and vLLM has "
+            "no fallback for it), so chat messages cannot be turned into a prompt: start the "
+            "server with --chat-template <file or Jinja template>, or send a plain prompt to "
+            "/v1/completions")
+
+
+def name_chat_template_flag(logger: logging.Logger) -> None:
+    """Make vLLM's error for chat on a model without a chat template name ``--chat-template``
+    (vLLM 0.32, ``vllm.renderers.hf.safe_apply_chat_template``), and say so once in the log.
+
+    vLLM raises ``ChatTemplateResolutionError("As of transformers v4.44, default chat
+    template is no longer allowed, ...")``, a 400 that names neither the flag nor the model
+    (a GGUF of a base model, e.g. Gemma-3-270M, has no template). The wrapper raises the same
+    exception type (vLLM's start-up warm-up catches it, the server answers 400) with
+    :func:`no_chat_template_message`, the original chained; the first time, it logs a warning
+    (vLLM's renderer warm-up renders a chat at start-up, so the warning comes at start-up).
+    vLLM's HF renderer binds the function when it is built (``make_async``), so this must run
+    before: ``MLXPlatform.check_and_update_config`` (the engine config is made before the
+    renderer). Idempotent.
+    """
+    from vllm.renderers import hf
+    from vllm.renderers.chat_utils import ChatTemplateResolutionError
+
+    current = hf.safe_apply_chat_template
+    if getattr(current, "__wrapped__", None) is not None:
+        return
+    warned = False
+
+    @functools.wraps(current)
+    def safe_apply_chat_template(model_config: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal warned
+        try:
+            return current(model_config, *args, **kwargs)
+        except ChatTemplateResolutionError as exc:
+            names = model_config.served_model_name
+            model = names[0] if isinstance(names, list | tuple) and names else (
+                names or model_config.model)
+            message = no_chat_template_message(str(model))
+            if not warned:
+                warned = True
+                logger.warning("vllm-unified: chat requests will get HTTP 400: %s", message)
+            raise ChatTemplateResolutionError(message) from exc
+
+    hf.safe_apply_chat_template = safe_apply_chat_template
+
+
+#: Set in the API server once vLLM starts stopping its engine core (see
+#: :func:`stop_engine_core_gracefully`).
+engine_core_stopping = threading.Event()
+
+_OUTPUT_HANDLER_FAILED = "AsyncLLM output_handler failed."
+
+
+class _ExpectedEngineDeadFilter(logging.Filter):
+    """Drops vLLM's "AsyncLLM output_handler failed." ``EngineDeadError`` traceback once
+    :data:`engine_core_stopping` is set, logging one info line instead; everything else
+    (an engine core that dies while serving) passes unchanged."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logger = logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if (engine_core_stopping.is_set() and record.msg == _OUTPUT_HANDLER_FAILED
+                and type(exc).__name__ == "EngineDeadError"):
+            self.logger.info("vllm-unified: the engine core has stopped (server shutdown); "
+                             "vLLM's output handler ended with the expected EngineDeadError")
+            return False
+        return True
+
+
+def harden_engine_core_signals() -> None:
+    """Keep a second SIGTERM from hanging or killing the engine core while it shuts down
+    (vLLM 0.32, ``vllm.v1.engine.utils.SignalCallback.trigger`` and ``.stop``).
+
+    A server stopped through its process group (``kill -TERM -PGID``, systemd, Ctrl-C) sends
+    the engine core two signals within milliseconds: the group's, then vLLM's process
+    manager's SIGTERM. Two failures follow, both seen here:
+
+    * the engine core's handler calls ``SignalCallback.trigger``, i.e. ``threading.Event.
+      set``, which takes the event's lock; when the second signal interrupts the first
+      handler inside ``Event.set``, the nested ``Event.set`` waits for the lock its own thread
+      holds and the engine core hangs until it is killed (py-spy: ``Condition.__enter__``
+      under ``Condition.notify_all``, both in ``signal_handler``). The callback runs once
+      anyway: the wrapped ``trigger`` sets the event on the first call only (a plain
+      attribute store marks it before the lock is taken) and returns at once on a nested one;
+    * once its busy loop has ended, ``run_engine_core`` puts SIGTERM back to its default
+      action and then tears down (workers, scheduler, KV connector, the disk tier's queued
+      writes); the manager's SIGTERM arriving then kills it mid-teardown. ``stop`` is what
+      ``run_engine_core`` calls right after that reset, so the wrapped ``stop`` ignores
+      SIGTERM for the rest of the process's life (main thread only; the manager still kills
+      an engine core that outlives its shutdown window, and SIGINT keeps vLLM's handling).
+
+    Applied by ``MLXPlatform.check_and_update_config``, which vLLM runs in the engine core
+    before it creates the callback. Idempotent.
+    """
+    import signal
+
+    from vllm.v1.engine.utils import SignalCallback
+
+    trigger, stop = SignalCallback.trigger, SignalCallback.stop
+    if getattr(trigger, "__wrapped__", None) is not None:
+        return
+
+    @functools.wraps(trigger)
+    def reentrant_trigger(self: Any) -> None:
+        if self.__dict__.get("_vllm_unified_triggered"):
+            return
+        self.__dict__["_vllm_unified_triggered"] = True
+        trigger(self)
+
+    @functools.wraps(stop)
+    def stop_and_ignore_sigterm(self: Any) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop(self)
+
+    SignalCallback.trigger = reentrant_trigger
+    SignalCallback.stop = stop_and_ignore_sigterm
+
+
+def stop_engine_core_gracefully(seconds: float, logger: logging.Logger) -> None:
+    """Let the engine core finish its own teardown when the server stops with vLLM's default
+    ``--shutdown-timeout 0``, and keep the expected ``EngineDeadError`` of a stopped engine
+    out of the log as a traceback (vLLM 0.32: the ``shutdown`` that ``vllm.v1.engine.utils.
+    CoreEngineProcManager.shutdown`` calls, bound from ``vllm.v1.utils``; the logger of
+    ``vllm.v1.engine.async_llm``).
+
+    With ``--shutdown-timeout 0`` ("abort") vLLM's process manager sends the engine core
+    SIGTERM and kills it at once, with no time to run its teardown: the KV offloading tiers
+    are cut off mid-write (the disk tier's temporary files stay behind, queued blocks are
+    lost). The engine core aborts its requests on SIGTERM by itself; what it needs is a short
+    window to tear down, which vLLM already gives on ROCm (``get_engine_process_shutdown_
+    timeout``, 15 s). The wrapper turns a process timeout of 0 into ``seconds`` (an engine core
+    that exits sooner is not waited for; one still alive then is killed as before) and logs
+    it. Other timeouts (drain mode, ``--shutdown-timeout N``) are kept. A timeout that is not
+    None (the server stopping with its ``--shutdown-timeout``) sets
+    :data:`engine_core_stopping`; vLLM's clean-up after an engine core that died on its own
+    passes None, so that death keeps its error log.
+
+    Once the engine core is gone vLLM closes its output socket, and its output handler,
+    racing its own cancellation, may log "AsyncLLM output_handler failed." with an
+    ``EngineDeadError`` traceback although nothing failed (the requests were aborted
+    first). After :data:`engine_core_stopping` is set, a filter on that logger turns exactly
+    that record into one info line; the error still reaches any request left (vLLM's
+    ``propagate_error``). Applied by ``MLXPlatform.check_and_update_config`` (the API
+    server's process manager). Idempotent.
+    """
+    from vllm.v1.engine import utils
+
+    current = utils.shutdown
+    if getattr(current, "__wrapped__", None) is not None:
+        return
+
+    @functools.wraps(current)
+    def shutdown(procs: Any, timeout: float | None = None) -> None:
+        if timeout is not None:  # the server's own shutdown (--shutdown-timeout); vLLM's
+            engine_core_stopping.set()  # clean-up after an engine core died passes None
+        if timeout == 0:
+            logger.info("vllm-unified: requests aborted; the engine core gets up to %.0f s to "
+                        "finish its teardown (KV offload writes) before it is killed", seconds)
+            timeout = seconds
+        current(procs, timeout=timeout)
+
+    utils.shutdown = shutdown
+    logging.getLogger("vllm.v1.engine.async_llm").addFilter(_ExpectedEngineDeadFilter(logger))
 
 
 # -- mlx-lm ----------------------------------------------------------------------------------------
@@ -418,6 +592,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.kv_offload.cpu.shared_offload_region.SharedOffloadRegion.mmap_path",
           "vLLM 0.32", place_offload_region_outside_dev_shm,
           "vllm_unified.offload.spec (at import, where there is no /dev/shm)"),
+    Patch("vllm.renderers.hf.safe_apply_chat_template", "vLLM 0.32", name_chat_template_flag,
+          "vllm_unified.platform.MLXPlatform.check_and_update_config"),
+    Patch("vllm.v1.engine.utils.SignalCallback.trigger, .stop", "vLLM 0.32",
+          harden_engine_core_signals,
+          "vllm_unified.platform.MLXPlatform.check_and_update_config"),
+    Patch("vllm.v1.engine.utils.shutdown (vllm.v1.utils.shutdown); a filter on the logger "
+          "vllm.v1.engine.async_llm", "vLLM 0.32", stop_engine_core_gracefully,
+          "vllm_unified.platform.MLXPlatform.check_and_update_config"),
     Patch("swiglu of mlx_lm.models.<model> modules", "mlx-lm 0.32.2",
           route_mlx_lm_swiglu, "vllm_unified.models.cpu_kernels.install_cpu_kernels"),
     Patch("scaled_dot_product_attention of mlx_lm.models.<model> modules", "mlx-lm 0.32.2",

@@ -20,8 +20,16 @@ import torch
 from vllm_unified import compat, envs, patches, request_guard, request_policy, versions
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
+from vllm_unified.errors import StartupRefused
 from vllm_unified.kv.block_translation import KERNEL_BLOCK_SIZES, select_kernel_block_size
-from vllm_unified.kv.quant import kv_format
+from vllm_unified.kv.quant import attention_spec, kv_format
+from vllm_unified.memory.budget import (
+    CPU_KVCACHE_SPACE_ENV,
+    GIB,
+    check_kv_budget_before_load,
+    kv_space_from_env,
+    weights_file_bytes,
+)
 from vllm_unified.offload.config import configure_kv_offloading
 
 if TYPE_CHECKING:
@@ -30,6 +38,10 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
+#: Seconds the engine core may take to tear down after SIGTERM under vLLM's default
+#: ``--shutdown-timeout 0`` before it is killed (:func:`vllm_unified.patches.
+#: stop_engine_core_gracefully`); above the disk tier's drain (offload/disk.py).
+ENGINE_EXIT_GRACE_S = 10.0
 WORKER_CLS = "vllm_unified.worker.worker.MLXWorker"
 
 patches.patch_torch_accelerator_teardown()
@@ -49,6 +61,10 @@ class MLXPlatform(Platform):
     dist_backend: str = "gloo"
     device_control_env_var: str = envs.VISIBLE_DEVICES_ENV
     simple_compile_backend: str = "eager"
+    #: vLLM's model config this process was last configured with (:meth:`check_and_update_
+    #: config`), None before; :meth:`get_max_output_tokens` reads its ``max_model_len`` when
+    #: called (vLLM may lower it once the engine has sized the KV cache).
+    serving_model_config: Any = None
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -107,6 +123,25 @@ class MLXPlatform(Platform):
         import psutil
 
         return float(psutil.Process().memory_info().rss)
+
+    @classmethod
+    def get_max_output_tokens(cls, prompt_len: int) -> int:
+        """vLLM's per-prompt cap on output tokens (``get_max_tokens`` of the OpenAI server,
+        which takes the least of it, ``max_model_len - prompt_len`` and the request's
+        ``max_tokens``): no cap of its own, but a prompt that fills the context window is
+        refused here, naming its length and the limit
+        (:func:`vllm_unified.request_policy.check_room_for_output`). Without this, vLLM lowers
+        ``max_tokens`` to 0 and then rejects its own value ("max_tokens must be at least 1,
+        got 0") whatever the client sent.
+
+        Raises:
+            VLLMValidationError: ``prompt_len >= --max-model-len`` (HTTP 400, parameter
+                ``input_tokens``).
+        """
+        if cls.serving_model_config is not None:
+            request_policy.check_room_for_output(prompt_len,
+                                                 cls.serving_model_config.max_model_len)
+        return sys.maxsize
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
@@ -279,8 +314,17 @@ class MLXPlatform(Platform):
                     f"--kv-cache-dtype {cache.cache_dtype}: hybrid (attention + state-space) "
                     "models keep the model dtype here; use auto")
 
+        # VLLM_CPU_KVCACHE_SPACE as on vLLM's CPU backend; a KV budget that cannot hold one
+        # sequence refused now, not after the weights have loaded.
+        _kv_budget_policy(vllm_config, hybrid)
+
         # vLLM's OffloadingConnector with our spec and disk tier; other connectors refused.
         configure_kv_offloading(vllm_config)
+        # Before vLLM builds its renderer: chat without a template names --chat-template.
+        patches.name_chat_template_flag(logger)
+        # SIGTERM: the engine core tears down (KV offload writes) before it is killed.
+        patches.stop_engine_core_gracefully(ENGINE_EXIT_GRACE_S, logger)
+        patches.harden_engine_core_signals()
 
         # MLX is not fork-safe: a forked engine core hangs if the parent touched MLX.
         if "mlx.core" in sys.modules:
@@ -288,6 +332,7 @@ class MLXPlatform(Platform):
 
         model_config = vllm_config.model_config
         if model_config is not None:
+            cls.serving_model_config = model_config
             logger.info(
                 "vllm-unified: worker=%s dtype=%s block_size=%d max_model_len=%d "
                 "max_num_batched_tokens=%d prefix_caching=%s chunked_prefill=%s",
@@ -369,6 +414,50 @@ def _hybrid_policy(vllm_config: VllmConfig) -> bool:
             "vllm-unified does not implement yet; pass --no-enable-prefix-caching"
         )
     return True
+
+
+def _kv_budget_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
+    """``VLLM_CPU_KVCACHE_SPACE`` (vLLM's CPU-backend KV size, whole GiB) becomes
+    ``--kv-cache-memory-bytes`` as on vLLM's CPU backend (on every MLX backend); then the KV
+    budget is checked against one ``--max-model-len`` sequence where that is possible before
+    loading (:func:`~vllm_unified.memory.budget.check_kv_budget_before_load`): models that are
+    not hybrid (a hybrid model's block size and state pages are known after loading), with
+    the target model's attention pages (a draft model's are added after loading). The weights
+    count on the CPU backend only, where the process's RSS (the budget's "in use") holds at
+    least the checkpoint's bytes once they are loaded.
+
+    Raises:
+        StartupRefused: ``VLLM_CPU_KVCACHE_SPACE`` not a positive whole number, or disagreeing
+            with ``--kv-cache-memory-bytes``; a budget that cannot fit (one line, naming the
+            flag and the numbers).
+    """
+    cache = vllm_config.cache_config
+    space = kv_space_from_env()
+    if space is not None:
+        if cache.kv_cache_memory_bytes not in (None, space):
+            raise StartupRefused(
+                f"{CPU_KVCACHE_SPACE_ENV}={space // GIB} ({space} bytes) and "
+                f"--kv-cache-memory-bytes {cache.kv_cache_memory_bytes} disagree; give one")
+        if cache.kv_cache_memory_bytes is None:
+            cache.kv_cache_memory_bytes = space
+            logger.info("vllm-unified: %s=%d (vLLM's CPU-backend variable): KV cache of %d "
+                        "GiB, as --kv-cache-memory-bytes %d", CPU_KVCACHE_SPACE_ENV,
+                        space // GIB, space // GIB, space)
+    model = vllm_config.model_config
+    if model is None or hybrid:
+        return
+    parallel = vllm_config.parallel_config
+    head_size = model.get_head_size()
+    page = attention_spec(kv_format(cache.cache_dtype or "auto", head_size),
+                          block_size=cache.block_size,
+                          num_kv_heads=model.get_num_kv_heads(parallel), head_size=head_size,
+                          dtype=model.dtype).page_size_bytes
+    info = detect_backend()
+    check_kv_budget_before_load(
+        total=info.total_memory, utilization=cache.gpu_memory_utilization,
+        weights=weights_file_bytes(model.model) if info.kind == "cpu" else 0,
+        bytes_per_block=page * model.get_num_layers(parallel), block_size=cache.block_size,
+        max_model_len=model.max_model_len, kv_cache_memory_bytes=cache.kv_cache_memory_bytes)
 
 
 def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:

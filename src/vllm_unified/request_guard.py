@@ -6,13 +6,18 @@ It sees the raw body, which vLLM's per-request platform hook (``validate_request
 and answers with vLLM's error format (``{"error": {"message", "type", "param", "code"}}``):
 
 - a body over ``VLLM_UNIFIED_MAX_REQUEST_BYTES`` -> 413 (the excess is read and dropped, never
-  kept);
+  kept), whether its length is declared or it comes in chunks;
 - on ``/v1/completions`` and ``/v1/chat/completions``: top-level fields the endpoint does not
   know -> 400 naming them (vLLM drops them with a debug log; ``VLLM_UNIFIED_UNKNOWN_FIELDS=
   ignore`` restores that), and vLLM's removed ``guided_*`` fields -> 400 always, since their
   constraint would silently not apply;
 - a body that is not UTF-8 -> 400 naming the offending byte (vLLM answers "There was an error
-  parsing the body");
+  parsing the body"), and one that is UTF-8 only by accident -> 400 naming its encoding: vLLM
+  parses the body with ``json.loads(bytes)``, which also reads UTF-8 with a byte order mark and
+  UTF-16/32, so such a body would say to vLLM what the guard never checked;
+- a ``Content-Encoding`` other than ``identity`` -> 415 (nothing on the way decompresses it);
+- a key twice in one JSON object -> 400 naming it (parsers disagree on which copy counts; vLLM's
+  takes the last, so one value would be silently dropped);
 - text holding a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but not Unicode text)
   -> 400 naming the field, instead of a tokenizer encoding error;
 - a body nested too deeply for Python's JSON parser (about 1,000 levels of arrays/objects)
@@ -30,6 +35,11 @@ and answers with vLLM's error format (``{"error": {"message", "type", "param", "
   instead of vLLM's 501 / 500 (:data:`CONDITIONAL_ROUTES`).
 
 Everything else, including malformed JSON and wrong types, is left to vLLM's own validation.
+
+With ``--api-key`` the guard stands aside for requests vLLM's ``AuthenticationMiddleware`` will
+refuse: vLLM installs user middleware outside its own, so without this the guard would read,
+parse and answer unauthenticated requests (e.g. a 400 naming a field) before vLLM's 401. They
+get vLLM's 401 and nothing else, whatever their body.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ import json
 from collections.abc import Awaitable, Callable, Iterator
 from http import HTTPStatus
 from typing import Any
+
+from starlette.datastructures import Headers
 
 from vllm_unified import compat, patches
 from vllm_unified.request_policy import (
@@ -82,16 +94,22 @@ CONDITIONAL_ROUTES: dict[str, tuple[str, str]] = {
 
 #: Import path given to vLLM's ``--middleware``.
 GUARD_PATH = "vllm_unified.request_guard.RequestGuard"
+#: The stalled-client timeout (:mod:`vllm_unified.stalled_clients`), installed with the guard.
+STALL_PATH = "vllm_unified.stalled_clients.StalledClientTimeout"
+#: Our middleware, in the order given to ``--middleware`` (vLLM adds each around the previous
+#: ones, so the last is outermost).
+MIDDLEWARE = (STALL_PATH, GUARD_PATH)
 
 
 def add_to_middleware_default(parser: Any) -> None:
-    """Make ``RequestGuard`` part of the default of vLLM's ``--middleware`` option, so
+    """Make :data:`MIDDLEWARE` part of the default of vLLM's ``--middleware`` option, so
     ``vllm serve`` installs it; a user's own ``--middleware`` values are appended to it."""
     if parser is None or not any(a.dest == "middleware" for a in parser._actions):
         return
     current = list(parser.get_default("middleware") or [])
-    if GUARD_PATH not in current:
-        parser.set_defaults(middleware=[GUARD_PATH, *current])
+    ours = [m for m in MIDDLEWARE if m not in current]
+    if ours:
+        parser.set_defaults(middleware=[*ours, *current])
 
 
 class RequestRejected(Exception):
@@ -233,6 +251,76 @@ def check_text(body: Any) -> None:
             ) from None
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` of :func:`parse_body`."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def parse_body(raw: bytes) -> Any:
+    """The JSON value of a request body exactly as vLLM will read it, or None where vLLM's own
+    parser (``json.loads`` of the bytes, via Starlette's ``Request.json``) will refuse it.
+
+    Raises:
+        RequestRejected: 400 for a body that is not UTF-8, that ``json.loads`` would decode
+            as another encoding (a UTF-8 byte order mark, UTF-16/32), or with a key twice in
+            one object.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestRejected(
+            f"request body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset "
+            f"{e.start}); JSON must be UTF-8 encoded",
+            None, HTTPStatus.BAD_REQUEST,
+        ) from None
+    encoding = json.detect_encoding(raw)
+    if encoding != "utf-8":
+        what = "has a UTF-8 byte order mark" if encoding == "utf-8-sig" else (
+            f"reads as {encoding.upper()}")
+        raise RequestRejected(
+            f"request body {what}; JSON must be UTF-8 without a byte order mark",
+            None, HTTPStatus.BAD_REQUEST,
+        )
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise RequestRejected(
+            f"key '{e.key}' appears more than once in one JSON object of the request body; "
+            "send each key once", e.key, HTTPStatus.BAD_REQUEST,
+        ) from None
+    except ValueError:
+        return None  # vLLM answers malformed JSON itself, naming the position
+    except RecursionError:
+        raise RequestRejected(
+            "request body nests JSON arrays/objects too deeply to parse (the JSON parser "
+            "stops at about 1,000 levels)",
+            None, HTTPStatus.BAD_REQUEST,
+        ) from None
+
+
+def _find_authentication(app: Any) -> Any:
+    """vLLM's ``AuthenticationMiddleware`` among the ASGI apps inside ``app`` (each
+    middleware holds the next as ``.app``), or None (no ``--api-key``)."""
+    for _ in range(64):
+        if app is None:
+            return None
+        if isinstance(app, compat.AuthenticationMiddleware):
+            return app
+        app = getattr(app, "app", None)
+    return None
+
+
 def _field_adapter(model_name: str, name: str) -> Any:
     """A pydantic ``TypeAdapter`` for one field of vLLM's request model (by name or alias),
     or None if the model has no such field."""
@@ -302,7 +390,7 @@ class RequestGuard:
     """ASGI middleware applying the checks above to POST requests.
 
     Args:
-        app: the next ASGI application.
+        app: the next ASGI application (vLLM's middleware stack, then its router).
         limits: the policy; read from the environment (:class:`RequestLimits`) if omitted.
     """
 
@@ -310,13 +398,23 @@ class RequestGuard:
         self.app = app
         self.limits = limits or current_limits()
         self._known: dict[str, frozenset[str]] = {}
+        self._auth = _find_authentication(app)
+
+    def _refused_by_auth(self, scope: Scope) -> bool:
+        """Whether vLLM's ``--api-key`` check, further in, will answer 401 (its own rule)."""
+        if self._auth is None:
+            return False
+        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+        return (path.startswith(compat.GUARDED_PREFIX)
+                and not self._auth.verify_token(Headers(scope=scope)))
         # vLLM builds its app, and this middleware with it, once in the API-server process:
         # the patches of vLLM's server code go in here.
         patches.patch_anthropic_stream_errors()
         patches.patch_responses_empty_output_message()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if (scope["type"] != "http" or scope["method"] != "POST"
+                or self._refused_by_auth(scope)):
             await self.app(scope, receive, send)
             return
         try:
@@ -376,24 +474,15 @@ class RequestGuard:
         path = _path(scope)
         if path not in CHECKED_ENDPOINTS:
             return
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
+        coding = (_header(scope, b"content-encoding") or "identity").strip().lower()
+        if coding != "identity":
             raise RequestRejected(
-                f"request body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset "
-                f"{e.start}); JSON must be UTF-8 encoded",
-                None, HTTPStatus.BAD_REQUEST,
-            ) from None
-        try:
-            body = json.loads(text)
-        except ValueError:
-            return  # vLLM answers malformed JSON itself, naming the position
-        except RecursionError:
-            raise RequestRejected(
-                "request body nests JSON arrays/objects too deeply to parse (the JSON parser "
-                "stops at about 1,000 levels)",
-                None, HTTPStatus.BAD_REQUEST,
-            ) from None
+                f"Content-Encoding '{coding}' is not supported: send the JSON body "
+                "uncompressed", None, HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+            )
+        body = parse_body(raw)
+        if body is None:
+            return
         check_text(body)
         if isinstance(body, dict):
             if path not in self._known:

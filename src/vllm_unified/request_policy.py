@@ -184,3 +184,26 @@ def check_sampling(params: Any, limits: RequestLimits) -> None:
     if problem is not None:
         message, field = problem
         raise compat.VLLMValidationError(message, parameter=field, value=getattr(params, field))
+
+
+def check_room_for_output(prompt_len: int, max_model_len: int) -> None:
+    """Refuse a prompt that leaves no room for one output token in the context window.
+
+    Args:
+        prompt_len: tokens of the prompt as the model sees it (after the chat template and
+            any truncation).
+        max_model_len: the engine's ``--max-model-len``.
+
+    Raises:
+        VLLMValidationError: ``prompt_len >= max_model_len``; the message names both numbers
+            and ``--max-model-len``; parameter ``input_tokens`` (vLLM's name for the prompt's
+            length in its own context-length error).
+    """
+    if prompt_len < max_model_len:
+        return
+    raise compat.VLLMValidationError(
+        f"This model's maximum context length is {max_model_len} tokens (--max-model-len) "
+        f"and your prompt contains {prompt_len} input tokens, which leaves no room for any "
+        f"output token (at least 1 is needed). Please reduce the prompt to at most "
+        f"{max_model_len - 1} tokens.",
+        parameter="input_tokens", value=prompt_len)

@@ -13,6 +13,15 @@ dtypes are exactly vLLM's. Never-written memory cannot reach an output: attentio
 positions below each sequence's length (and the MLX kernel keeps garbage in unread slots out of
 the softmax; see ``attention/metadata.py``).
 
+**Memory that is promised, not taken.** Because pages are committed only as blocks are
+written, the pool can be larger than the memory the host has free when a long request reaches
+it (other processes grew meanwhile, or the budget counted on RAM that is gone). No system call
+fails then: on Linux the kernel's OOM killer ends the largest process, the engine, with SIGKILL
+(vLLM's API server then fails every request in flight with an error and exits; see
+docs/reliability.md), and macOS swaps. :func:`commit_shortfall` says at start-up when the pool
+could outgrow what is free; ``VLLM_UNIFIED_KV_EAGER_ZERO=1`` commits the whole pool at start
+instead, so a shortage fails start-up rather than a request.
+
 **Alignment.** One buffer serves every unified-memory backend. On Metal, MLX 0.32.4 imports a
 CPU tensor without a copy (``mx.from_dlpack(t, copy=False)``, ``python/src/convert.cpp``
 ``cpu_nd_array_to_mlx_no_copy``) by wrapping the pointer as a shared Metal buffer
@@ -87,6 +96,20 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     del probe  # a live export would keep the mapping from ever being closed
     full = torch.frombuffer(mapping, dtype=torch.int8, count=length, offset=pad)
     return full[:nbytes]
+
+
+def commit_shortfall(pool_bytes: int, committed: int, available: int) -> int:
+    """Bytes by which committing the rest of a lazy pool would exceed the memory available.
+
+    Args:
+        pool_bytes: the pool's size.
+        committed: pool bytes already committed (written, or zero-filled eagerly).
+        available: memory the host has available now (``psutil.virtual_memory().available``).
+
+    Returns:
+        ``pool_bytes - committed - available`` when positive, else 0.
+    """
+    return max(0, pool_bytes - committed - available)
 
 
 def allocate_kv_cache(

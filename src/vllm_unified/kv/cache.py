@@ -22,7 +22,13 @@ from vllm_unified.backend import BackendProfile
 from vllm_unified.compat import FullAttentionSpec, KVCacheConfig, KVCacheSpec, init_logger
 from vllm_unified.envs import KV_EAGER_ZERO_ENV, read
 from vllm_unified.forward_context import StepContext
-from vllm_unified.kv.allocation import KV_LAYOUT, allocate_kv_cache, import_views, slot_major
+from vllm_unified.kv.allocation import (
+    KV_LAYOUT,
+    allocate_kv_cache,
+    commit_shortfall,
+    import_views,
+    slot_major,
+)
 from vllm_unified.kv.block_translation import (
     KERNEL_BLOCK_SIZES,
     expand_block_table,
@@ -192,6 +198,7 @@ class KVCache:
             buf, views = allocate_kv_cache(
                 kv_cache_config, layout, zero=self.zeroed,
                 kernel_block_sizes={self.attn_group: self.kernel_block_size})
+            warn_if_pool_can_outgrow_memory(buf.numel(), self.zeroed)
             state = self.layers.state_layout(kv_cache_config) if self.layers.is_hybrid else {}
             rows = [slot_major(views[n]) for n in names]
             rows += [page_rows(views[name], buf) for name, _, _ in state.values()]
@@ -343,3 +350,32 @@ class KVCache:
             return pool.arrays() + (store.arrays() if store is not None else [])
 
         return self._layer_caches(pool, store), ctx, arrays
+
+
+def warn_if_pool_can_outgrow_memory(pool_bytes: int, committed: bool,
+                                    available: int | None = None) -> int:
+    """Warn once at start-up when the lazy pool, once full, would need more memory than the
+    host has available now (:func:`~vllm_unified.kv.allocation.commit_shortfall`).
+
+    Args:
+        pool_bytes: the pool's size.
+        committed: the pool was committed at start (``VLLM_UNIFIED_KV_EAGER_ZERO=1``).
+        available: bytes available (default: ``psutil.virtual_memory().available``).
+
+    Returns:
+        The shortfall in bytes (0: none, nothing logged).
+    """
+    import psutil
+
+    if available is None:
+        available = psutil.virtual_memory().available
+    short = commit_shortfall(pool_bytes, pool_bytes if committed else 0, available)
+    if short:
+        logger.warning(
+            "vllm-unified: the KV pool (%.2f GiB) is committed as blocks are written and can "
+            "outgrow the %.2f GiB of memory available now by %.2f GiB: a host that runs out "
+            "kills the engine (every request in flight fails, the server exits). Lower "
+            "--gpu-memory-utilization or --kv-cache-memory-bytes, or set %s=1 to commit the "
+            "pool at start-up", pool_bytes / 2**30, available / 2**30, short / 2**30,
+            KV_EAGER_ZERO_ENV)
+    return short

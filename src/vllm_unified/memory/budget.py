@@ -13,10 +13,18 @@ MLX for more than exists (another process may hold part of the card).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
+from vllm_unified.errors import StartupRefused
+
 GIB = 2**30
+
+#: vLLM's CPU-backend KV cache size variable: whole GiB (``vllm/platforms/cpu.py``).
+CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,18 @@ class KVBudget:
         )
 
 
+def min_kv_blocks(bytes_per_block: int, block_size: int, max_model_len: int) -> tuple[int, int]:
+    """The smallest useful KV pool, as vLLM's own check asks for (``check_enough_kv_cache_
+    memory``: one ``max_model_len`` request of full-attention pages, plus the null block its
+    block pool holds back): ``ceil(max_model_len / block_size) + 1`` blocks.
+
+    Returns:
+        (blocks, bytes).
+    """
+    blocks = -(-max_model_len // block_size) + 1
+    return blocks, blocks * bytes_per_block
+
+
 def compute_kv_budget(
     *,
     total: int,
@@ -143,9 +163,7 @@ def compute_kv_budget(
             ``--gpu-memory-utilization`` and ``--max-model-len`` (or
             ``--kv-cache-memory-bytes``) and shows the arithmetic.
     """
-    # ceil(max_model_len / block_size) blocks for the sequence, + 1 for vLLM's null block.
-    min_blocks = -(-max_model_len // block_size) + 1
-    min_bytes = min_blocks * bytes_per_block
+    min_blocks, min_bytes = min_kv_blocks(bytes_per_block, block_size, max_model_len)
     if kv_cache_memory_bytes is not None:
         budget = KVBudget(total, utilization, in_use, activations, bytes_per_block, min_bytes,
                           int(kv_cache_memory_bytes), explicit=True, free=free)
@@ -175,3 +193,85 @@ def compute_kv_budget(
             f"--gpu-memory-utilization or lower --max-model-len / --max-num-batched-tokens."
         )
     return budget
+
+
+def kv_space_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """``VLLM_CPU_KVCACHE_SPACE`` as vLLM's CPU backend reads it: a whole number of GiB that
+    becomes ``--kv-cache-memory-bytes`` (``N x 2^30``); unset or empty: None.
+
+    Raises:
+        StartupRefused: a value that is not a positive whole number (vLLM's CPU backend fails
+            on a fraction with a traceback and on 0 later, with "No available memory for the
+            cache blocks"), naming the variable, the value and ``--kv-cache-memory-bytes``.
+    """
+    raw = (os.environ if environ is None else environ).get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) == 0:
+        raise StartupRefused(
+            f"{CPU_KVCACHE_SPACE_ENV}={raw!r}: the KV cache size in whole GiB (vLLM's CPU-backend "
+            f"variable, read as --kv-cache-memory-bytes N x 2^30) must be a positive integer; "
+            f"unset it to size the KV cache from --gpu-memory-utilization, or give "
+            f"--kv-cache-memory-bytes in bytes")
+    return int(raw) * GIB
+
+
+def weights_file_bytes(model_path: str) -> int:
+    """Bytes of the checkpoint files the worker loads from ``model_path``: the GGUF a
+    prepared folder links, else the folder's ``model*.safetensors``; 0 where that is not a
+    local folder (a hub name) or holds neither."""
+    from vllm_unified.models.gguf_dir import gguf_in_dir
+
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return 0
+    gguf = gguf_in_dir(folder)
+    if gguf is not None:
+        return gguf.stat().st_size
+    return sum(f.stat().st_size for f in folder.glob("model*.safetensors") if f.is_file())
+
+
+def check_kv_budget_before_load(
+    *,
+    total: int,
+    utilization: float,
+    weights: int,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    kv_cache_memory_bytes: int | None,
+) -> None:
+    """Refuse, before any weight loads, a KV budget that :func:`compute_kv_budget` would
+    refuse after loading.
+
+    With ``kv_cache_memory_bytes`` the check is the same one (the budget is that number).
+    Otherwise only a bound is known before loading: the budget will be at most
+    ``utilization x total - weights`` (the process then holds at least the weights; runtime
+    and activations come on top), so that must hold one ``max_model_len`` sequence.
+
+    Args:
+        total: device memory, bytes (system RAM on unified backends).
+        utilization: ``--gpu-memory-utilization``.
+        weights: a lower bound of the memory the loaded weights take (0: not known).
+        bytes_per_block: one KV block over the attention layers known now.
+
+    Raises:
+        StartupRefused: one line naming the flag and the numbers.
+    """
+    min_blocks, min_bytes = min_kv_blocks(bytes_per_block, block_size, max_model_len)
+    need = (f"one sequence of --max-model-len {max_model_len} needs {min_blocks} blocks x "
+            f"{bytes_per_block} bytes = {min_bytes} bytes ({min_bytes / GIB:.3f} GiB)")
+    if kv_cache_memory_bytes is not None:
+        if kv_cache_memory_bytes < min_bytes:
+            raise StartupRefused(
+                f"--kv-cache-memory-bytes {kv_cache_memory_bytes}: {need}; raise it or lower "
+                f"--max-model-len")
+        return
+    ceiling = int(utilization * total) - weights
+    if ceiling < min_bytes:
+        raise StartupRefused(
+            f"--gpu-memory-utilization {utilization}: {utilization} x {total / GIB:.2f} GiB "
+            f"total - {weights / GIB:.3f} GiB of weights (checkpoint files) leaves at most "
+            f"{max(ceiling, 0) / GIB:.3f} GiB for the KV cache, but {need}; raise "
+            f"--gpu-memory-utilization (or give --kv-cache-memory-bytes) or lower "
+            f"--max-model-len")

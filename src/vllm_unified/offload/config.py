@@ -73,6 +73,8 @@ def configure_kv_offloading(vllm_config: Any) -> None:
             # the pages' format: a file of one --kv-cache-dtype never loads into another
             "kv_cache_dtype": cache.cache_dtype or "auto",
         }
+        # the disk tier keys its files with the checkpoint's identity (weights_identity)
+        extra["model_revision"] = model.revision
     kvt.kv_connector = CONNECTOR
     kvt.kv_role = kvt.kv_role or "kv_both"
 

@@ -8,18 +8,25 @@ directories with the process umask, nothing checks the bytes on load, and its di
 out. :class:`VerifiedFileSystemTier` keeps vLLM's tier (lookups, thread pool, job accounting,
 file naming) and replaces the file I/O:
 
-* every directory this tier creates is ``0700``, every file ``0600``;
+* every directory this tier creates is ``0700``, every file ``0600``; nothing is opened through
+  a symbolic link, and only directories and files of this user that group and others cannot
+  write are used (:mod:`vllm_unified.offload.private_dir`: the tier directory is held open and
+  every path below it walked with ``O_NOFOLLOW``); a link, another user's file or one others
+  may write is removed and counted as ``unsafe``;
 * files live under ``ROOT/vllm-unified-<layout>/`` where ``<layout>`` hashes the offload
   layout (dtype, tokens per block and per hash, blocks per chunk, bytes per block and chunk,
-  KV layout, layers, heads and head size, model), so layouts never share files;
+  KV layout, layers, heads and head size, model, and the identity of the checkpoint's files,
+  :mod:`vllm_unified.offload.weights_identity`), so layouts and models never share files;
 * each file is a one-page header (magic, format version, layout digest, the block's key,
   payload size, CRC-32 of the payload, CRC-32 of the header) followed by the chunk's bytes.
   A store writes header and payload with one ``writev`` straight from the host pool; a load
   reads them with one ``readv`` straight into the host pool slot being promoted, then checks
-  size, header, key, layout and checksum. A truncated, corrupt or foreign file is removed and
-  reported as a failed load: vLLM's tiering manager then releases that slot without making it
-  readable and the prefix is recomputed. Each one is counted in
+  size, header, key, layout and checksum. A truncated, corrupt, foreign or unsafe file is
+  removed and reported as a failed load: vLLM's tiering manager then releases that slot
+  without making it readable and the prefix is recomputed. Each one is counted in
   ``vllm:kv_offload_fs_invalid_blocks{reason=...}``.
+* at shutdown, queued stores are finished for up to :data:`SHUTDOWN_DRAIN_S` seconds and the
+  rest dropped before they start; a file gets its final name only once complete.
 
 The header is a full page so that ``O_DIRECT`` (used where the file system supports it, as
 vLLM does) keeps its alignment.
@@ -27,6 +34,8 @@ vLLM does) keeps its alignment.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -35,17 +44,22 @@ import os
 import random
 import struct
 import threading
+import time
 import zlib
 from typing import Any
 
 from vllm_unified import compat
 from vllm_unified.compat import init_logger
 from vllm_unified.offload.host_views import check_buffer_address
+from vllm_unified.offload.private_dir import PrivateDir, UnsafePath, unsafe_reason
+from vllm_unified.offload.weights_identity import weights_identity
 
 logger = init_logger(__name__)
 
 INVALID_BLOCKS = "vllm:kv_offload_fs_invalid_blocks"
-REASONS = ("truncated", "corrupt", "foreign")
+#: ``unsafe``: a symbolic link, not a regular file, another user's, writable by group/others,
+#: or below such a directory.
+REASONS = ("truncated", "corrupt", "foreign", "unsafe")
 
 FORMAT_VERSION = 1
 MAGIC = b"VUKVBLK\x00"
@@ -55,6 +69,10 @@ MAX_KEY = 256
 _FIELDS = struct.Struct(f"<8sII32sQII{MAX_KEY}s")
 _HEADER_CRC = struct.Struct("<I")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+#: Seconds :meth:`VerifiedFileSystemTier.shutdown` waits for queued stores before dropping
+#: the rest (below the engine core's teardown window, vllm_unified.platform).
+SHUTDOWN_DRAIN_S = 5.0
 _local = threading.local()
 
 
@@ -64,21 +82,6 @@ class InvalidBlockFile(OSError):
     def __init__(self, path: str, reason: str, detail: str) -> None:
         super().__init__(f"{path}: {reason} KV block file ({detail})")
         self.reason = reason
-
-
-def make_private_dirs(path: str) -> None:
-    """Create ``path`` and its missing parents with mode 0700 (existing ones are left as
-    they are)."""
-    missing = []
-    while path and not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            if not os.path.isdir(d):
-                raise
 
 
 def _page() -> mmap.mmap:
@@ -106,86 +109,131 @@ def _fill_header(page: mmap.mmap, layout: bytes, key: bytes, payload: memoryview
     page[_FIELDS.size:_FIELDS.size + 4] = _HEADER_CRC.pack(zlib.crc32(fields))
 
 
-def store_block(path: str, payload: memoryview, layout: bytes, key: bytes,
+def store_block(tier: PrivateDir, path: str, payload: memoryview, layout: bytes, key: bytes,
                 o_direct: bool = False) -> None:
-    """Write ``payload`` (a slice of the host pool) to ``path`` with its header: a 0600 temp
-    file, one ``writev``, then an atomic rename. An existing file is kept.
+    """Write ``payload`` (a slice of the host pool) to ``path`` (below ``tier``) with its
+    header: a 0600 temp file in the same directory, one ``writev``, then an atomic rename.
+    Missing directories are created (0700). An existing file of this user is kept; a link or
+    another user's file in its place is replaced.
 
     Raises:
-        OSError: the write failed or was short (the temp file is removed).
+        UnsafePath: a directory on the way is a link, another user's or writable by others.
+        OSError: the write failed or was short (no space, read-only file system: the temp
+            file is removed, nothing is left behind).
     """
-    if os.path.exists(path):
-        return
-    make_private_dirs(os.path.dirname(path))
-    page = _page()
-    _fill_header(page, layout, key, payload)
-    tmp = path + _tmp_suffix()
-    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (_O_DIRECT if o_direct else 0)
-    try:
-        fd = os.open(tmp, flags, 0o600)
+    subdir, name = tier.relative(path)
+    with tier.opened(subdir, create=True) as dir_fd:
+        st = _lstat(dir_fd, name)
+        if st is not None:
+            if unsafe_reason(st, kind="file") is None:
+                return
+            os.unlink(name, dir_fd=dir_fd)
+        page = _page()
+        _fill_header(page, layout, key, payload)
+        tmp = name + _tmp_suffix()
+        flags = (os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_NOFOLLOW
+                 | (_O_DIRECT if o_direct else 0))
         try:
-            written = os.writev(fd, [page, payload])
-        finally:
-            os.close(fd)
-        if written != HEADER_SIZE + payload.nbytes:
-            raise OSError(f"short write to {tmp}: {written} of {HEADER_SIZE + payload.nbytes}")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            try:
+                written = os.writev(fd, [page, payload])
+            finally:
+                os.close(fd)
+            if written != HEADER_SIZE + payload.nbytes:
+                raise OSError(errno.ENOSPC, f"short write to {tmp}: {written} of "
+                                            f"{HEADER_SIZE + payload.nbytes} bytes")
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
 
 
-def load_block(path: str, dest: memoryview, layout: bytes, key: bytes,
+def load_block(tier: PrivateDir, path: str, dest: memoryview, layout: bytes, key: bytes,
                o_direct: bool = False) -> None:
-    """Read ``path`` into ``dest`` (the host pool slot) with one ``readv`` and verify it.
+    """Read ``path`` (below ``tier``) into ``dest`` (the host pool slot) with one ``readv``
+    and verify it. ``dest`` holds garbage after a failure: the caller must not make it
+    readable.
 
     Raises:
         InvalidBlockFile: the file is truncated (or too long), corrupt (header or payload
-            checksum) or foreign (another format, layout or key); it has been removed.
+            checksum), foreign (another format, layout or key) or unsafe (a link, not a
+            regular file, another user's, writable by group/others, or below such a
+            directory); the file (not a directory) has been removed.
         OSError: the file could not be opened or read.
     """
-    flags = os.O_RDONLY | (_O_DIRECT if o_direct else 0)
-    fd = os.open(path, flags)
+    subdir, name = tier.relative(path)
     try:
-        size = os.fstat(fd).st_size
+        with tier.opened(subdir) as dir_fd:
+            _load_at(dir_fd, name, path, dest, layout, key, o_direct)
+    except UnsafePath as exc:  # a directory on the way: left in place, never read through
+        raise InvalidBlockFile(path, "unsafe", str(exc)) from None
+
+
+def _load_at(dir_fd: int, name: str, path: str, dest: memoryview, layout: bytes, key: bytes,
+             o_direct: bool) -> None:
+    # O_NONBLOCK: a FIFO put in a file's place must not block the reading thread.
+    flags = os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | (_O_DIRECT if o_direct else 0)
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError:
+        # ELOOP for a link; EINVAL (O_DIRECT) or ENXIO for a FIFO, socket or device
+        st = _lstat(dir_fd, name)
+        reason = st and unsafe_reason(st, kind="file")
+        if reason:
+            _reject(dir_fd, name, path, "unsafe", reason)
+        raise
+    try:
+        st = os.fstat(fd)
+        reason = unsafe_reason(st, kind="file")
+        if reason:
+            _reject(dir_fd, name, path, "unsafe", reason)
         expected = HEADER_SIZE + dest.nbytes
-        if size != expected:
-            _reject(path, "truncated", f"{size} bytes, expected {expected}")
+        if st.st_size != expected:
+            _reject(dir_fd, name, path, "truncated", f"{st.st_size} bytes, expected {expected}")
         page = _page()
         got = os.readv(fd, [page, dest])
     finally:
         os.close(fd)
     if got != expected:
-        _reject(path, "truncated", f"read {got} of {expected} bytes")
+        _reject(dir_fd, name, path, "truncated", f"read {got} of {expected} bytes")
     fields = page[:_FIELDS.size]
     (stored_crc,) = _HEADER_CRC.unpack(page[_FIELDS.size:_FIELDS.size + 4])
     if zlib.crc32(fields) != stored_crc:
-        _reject(path, "corrupt", "header checksum mismatch")
+        _reject(dir_fd, name, path, "corrupt", "header checksum mismatch")
     magic, version, header_size, file_layout, nbytes, crc, key_len, file_key = (
         _FIELDS.unpack(fields))
     if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER_SIZE:
-        _reject(path, "foreign", f"format {magic!r} v{version}")
+        _reject(dir_fd, name, path, "foreign", f"format {magic!r} v{version}")
     if file_layout != layout or nbytes != dest.nbytes:
-        _reject(path, "foreign", "another KV layout")
+        _reject(dir_fd, name, path, "foreign", "another KV layout")
     if file_key[:key_len] != key:
-        _reject(path, "foreign", "another block's key")
+        _reject(dir_fd, name, path, "foreign", "another block's key")
     if zlib.crc32(dest) != crc:
-        _reject(path, "corrupt", "payload checksum mismatch")
+        _reject(dir_fd, name, path, "corrupt", "payload checksum mismatch")
 
 
-def _reject(path: str, reason: str, detail: str) -> None:
+def _lstat(dir_fd: int, name: str) -> os.stat_result | None:
     try:
-        os.remove(path)
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _reject(dir_fd: int, name: str, path: str, reason: str, detail: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
+    except OSError as exc:  # e.g. a directory in the file's place: still never loaded
+        logger.warning("vllm-unified: cannot remove rejected KV block file %s: %s", path, exc)
     raise InvalidBlockFile(path, reason, detail)
 
 
 def layout_fields(spec: Any) -> dict[str, Any]:
-    """What fixes the bytes of an offloaded chunk (and so which files may be shared)."""
+    """What fixes the bytes of an offloaded chunk (and so which files may be shared): the
+    geometry, and the checkpoint whose weights computed them
+    (:func:`~vllm_unified.offload.weights_identity.weights_identity`)."""
     config = spec.config
     return {
         "format": FORMAT_VERSION,
@@ -198,6 +246,8 @@ def layout_fields(spec: Any) -> dict[str, Any]:
         "bytes_per_chunk": spec.kv_bytes_per_chunk,
         "kv_cache_layout": config.kv_cache_layout,
         "kv_geometry": spec.extra_config.get("kv_geometry"),
+        "weights": weights_identity(config.model.name,
+                                    spec.extra_config.get("model_revision")),
     }
 
 
@@ -215,13 +265,16 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
     Raises:
         RuntimeError: the primary view is not over vLLM's shared offload region (a copy
             would make the disk tier read and write bytes the host pool never sees).
+        UnsafePath: ``root_dir``, an ancestor or the tier directory may be written by another
+            user, or is a link (:mod:`vllm_unified.offload.private_dir`).
     """
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         return {INVALID_BLOCKS: compat.OffloadingCounterMetadata(
-            documentation="KV block files found truncated, corrupt or of a foreign layout "
-                          "on load (removed, counted as a miss and recomputed).",
+            documentation="KV block files found truncated, corrupt, of a foreign layout or "
+                          "unsafe (a link, another user's) on load (removed, counted as a miss "
+                          "and recomputed).",
             labelnames=("reason",),
         )}
 
@@ -233,9 +286,14 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
         check_buffer_address(primary_kv_view, region.base_tensor.data_ptr(),
                              "disk tier's host pool view")
         self._layout = layout_digest(offloading_spec)
-        root = os.path.join(os.path.abspath(root_dir), f"vllm-unified-{self._layout.hex()[:16]}")
-        _write_private_config(root, offloading_spec)
-        super().__init__(offloading_spec, primary_kv_view, tier_type, root, **kwargs)
+        self._dir = PrivateDir(root_dir, f"vllm-unified-{self._layout.hex()[:16]}")
+        try:
+            _write_private_config(self._dir, offloading_spec)
+            super().__init__(offloading_spec, primary_kv_view, tier_type, self._dir.path,
+                             **kwargs)
+        except BaseException:
+            self._dir.close()
+            raise
         self._bytes = primary_kv_view.cast("B")
         self._invalid_lock = threading.Lock()
         self._invalid: dict[str, int] = {}
@@ -265,7 +323,7 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
 
     def _store(self, paths: list[str], keys: list[bytes], views: list[memoryview]) -> None:
         for path, key, view in zip(paths, keys, views, strict=True):
-            store_block(path, view, self._layout, bytes(key), self._use_o_direct)
+            store_block(self._dir, path, view, self._layout, bytes(key), self._use_o_direct)
 
     def submit_load(self, job_metadata) -> None:
         job_id = job_metadata.job_id
@@ -281,7 +339,7 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
               views: list[memoryview]) -> None:
         for i, (path, key, view) in enumerate(zip(paths, keys, views, strict=True)):
             try:
-                load_block(path, view, self._layout, bytes(key), self._use_o_direct)
+                load_block(self._dir, path, view, self._layout, bytes(key), self._use_o_direct)
             except OSError as exc:
                 # vLLM's fs tier keeps the blocks loaded before the failing one.
                 self._load_progress[job_id] = i
@@ -304,23 +362,55 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
         return stats
 
     def shutdown(self) -> None:
-        """Finish queued stores first, so what was offloaded reaches the disk."""
-        self._pool.wait_idle()
-        super().shutdown()
+        """Finish the queued stores for up to :data:`SHUTDOWN_DRAIN_S` seconds, then drop
+        the ones not started (vLLM's pool shutdown: queues cleared, each writer thread
+        finishes the job it is on). A dropped block never had a file: a store writes a temp
+        name and renames it into place only once complete, so nothing a later start would
+        load is left half-written. The outcome is logged."""
+        start = time.monotonic()
+        drained = drain(self._pool, SHUTDOWN_DRAIN_S)
+        super().shutdown()  # clears what is queued, joins the writers
         self._bytes.release()  # lets vLLM unmap the shared region
+        self._dir.close()
+        if drained:
+            logger.info("vllm-unified: KV offload disk tier shut down, queued writes finished "
+                        "(%.2f s)", time.monotonic() - start)
+        else:
+            logger.warning("vllm-unified: KV offload disk tier shut down after %.0f s with "
+                           "block writes still queued: those were dropped (no file written)",
+                           SHUTDOWN_DRAIN_S)
 
 
-def _write_private_config(root: str, spec) -> None:
-    """vLLM's fs tier writes ``config.json`` with default modes when it is missing: create the
-    directories (0700) and the file (0600) first, with the same content."""
+def drain(pool: Any, seconds: float) -> bool:
+    """Wait up to ``seconds`` for every job queued on vLLM's fs-tier thread pool
+    (``DualQueueThreadPool``) to finish; True if they all did. Nothing is cancelled: the
+    caller's ``pool.shutdown()`` drops what has not started (and releases the waiter)."""
+    waiter = threading.Thread(target=pool.wait_idle, name="fs_tier_drain", daemon=True)
+    waiter.start()
+    waiter.join(seconds)
+    return not waiter.is_alive()
+
+
+def _write_private_config(tier: PrivateDir, spec) -> None:
+    """vLLM's fs tier writes ``config.json`` with default modes when it is missing, following
+    links: create its directory (0700) and the file (0600) first, with the same content, and
+    replace a link or another user's file found there.
+
+    Raises:
+        UnsafePath: the config directory is a link, another user's or writable by others.
+    """
     mapper = compat.FileMapper.from_offloading_spec(
-        root_dir=root, offloading_spec=spec, blocks_per_file=spec.blocks_per_chunk,
+        root_dir=tier.path, offloading_spec=spec, blocks_per_file=spec.blocks_per_chunk,
         parallel_agnostic=True,
     )
-    path = mapper.get_config_file_path()
-    make_private_dirs(os.path.dirname(path))
-    if os.path.exists(path):
-        return
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(mapper.get_run_config(), f, indent=2, sort_keys=True)
+    subdir, name = tier.relative(mapper.get_config_file_path())
+    with tier.opened(subdir, create=True) as dir_fd:
+        st = _lstat(dir_fd, name)
+        if st is not None:
+            if unsafe_reason(st, kind="file") is None:
+                return
+            os.unlink(name, dir_fd=dir_fd)
+        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_NOFOLLOW, 0o600,
+                     dir_fd=dir_fd)
+        with os.fdopen(fd, "w") as f:
+            json.dump(mapper.get_run_config(), f, indent=2, sort_keys=True)

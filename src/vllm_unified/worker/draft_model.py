@@ -15,13 +15,16 @@ Proposal (after a step is sampled, on the host tokens): each sampling request fe
 the draft has no KV for yet (the whole sequence the first time, afterwards the tokens accepted
 in the last step plus the new one) in draft forwards of at most ``max_num_batched_tokens``
 tokens (the target's prefill is chunked the same way); the argmax after its last token is
-draft 1, and ``k - 1`` one-token forwards give the rest. Draft tokens are argmax
+draft 1, and one-token forwards give the rest, up to each request's depth (``k``, or fewer
+when the draft budget caps it: :mod:`vllm_unified.worker.draft_budget`; depth 0 drafts
+nothing and leaves the request's draft KV to be caught up later). Draft tokens are argmax
 (deterministic), so vLLM's rejection sampler with ``draft_probs=None`` keeps the target's
 distribution exactly.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -124,6 +127,10 @@ class DraftModel:
         #: req_id -> (the block list the draft's KV was written under, tokens with draft KV)
         self._computed: dict[str, tuple[list[int], int]] = {}
         self.forwards = 0
+        #: the last :meth:`propose`'s forwards: (token rows, seconds), rows of at most
+        #: 8 tokens per request (catch-ups of whole prompts are not kept: a prefill's cost
+        #: per row is another)
+        self.last_forwards: list[tuple[int, float]] = []
 
     def load(self, checkpoint: str, keep_quantized: bool) -> None:
         """Load the draft's weights (the target's loader) and route its attention to its own
@@ -179,6 +186,7 @@ class DraftModel:
         """One draft forward; the argmax token of each request's last row."""
         from vllm_unified.worker.model_runner import forward
 
+        started = time.perf_counter()
         ctx = self.kv_cache.step_context(query_lens, seq_lens, table, None)
         rows = (np.cumsum(query_lens) - 1).astype(np.int32)
         with set_step_context(ctx):
@@ -186,8 +194,11 @@ class DraftModel:
                              mx.array(np.asarray(ids, np.int32)), rows)
         tokens = mx.argmax(logits, axis=-1)
         mx.eval(tokens, self.kv_cache.arrays())
+        out = tokens.tolist()
         self.forwards += 1
-        return tokens.tolist()
+        if len(ids) <= 8 * len(query_lens):
+            self.last_forwards.append((len(ids), time.perf_counter() - started))
+        return out
 
     def _catch_up(self, states: list[RequestState], active: list[int], starts: list[int],
                   slens: list[int], table: np.ndarray) -> None:
@@ -229,20 +240,28 @@ class DraftModel:
         for req_id in req_ids:
             self._computed.pop(req_id, None)
 
-    def propose(self, states: list[RequestState], sampled: list[list[int]]
-                ) -> list[list[int]]:
-        """Up to ``k`` greedy drafts per request that sampled this step (none for the rest).
+    def propose(self, states: list[RequestState], sampled: list[list[int]],
+                depths: list[int] | None = None) -> list[list[int]]:
+        """Greedy drafts per request that sampled this step (none for the rest).
 
         Args:
             states: the step's requests; ``token_ids`` hold this step's tokens.
             sampled: tokens sampled per request this step (empty: no drafts).
+            depths: drafts wanted per request (``0..k``; 0: none, and no draft forward for
+                it); None: ``k`` each. Positions past ``max_model_len`` are never drafted.
 
         Raises:
             RuntimeError: a position the draft writes has no block in the request's table
                 (vLLM's lookahead slots were not reserved).
+            ValueError: a depth outside ``0..k``.
         """
         drafts: list[list[int]] = [[] for _ in states]
-        active = [i for i, s in enumerate(states) if sampled[i]
+        self.last_forwards = []
+        if depths is None:
+            depths = [self.k] * len(states)
+        if any(not 0 <= d <= self.k for d in depths):
+            raise ValueError(f"draft depths {depths}: each must be in 0..{self.k}")
+        active = [i for i, s in enumerate(states) if sampled[i] and depths[i]
                   and len(s.token_ids) < self.max_model_len]
         if not active:
             return drafts
@@ -257,7 +276,7 @@ class DraftModel:
         table = np.zeros((len(active), width), dtype=np.int32)
         for j, i in enumerate(active):
             table[j, :len(states[i].block_ids)] = states[i].block_ids
-        steps = [min(self.k, self.max_model_len - slens[j]) for j in range(len(active))]
+        steps = [min(depths[i], self.max_model_len - slens[j]) for j, i in enumerate(active)]
         for j, i in enumerate(active):
             last = slens[j] + steps[j] - 2  # the last position a draft forward writes
             if last // bs >= len(states[i].block_ids):
@@ -268,7 +287,7 @@ class DraftModel:
         for j, i in enumerate(active):
             drafts[i].append(self._first[j])
             self._computed[states[i].req_id] = (states[i].block_ids, slens[j])
-        for step in range(1, self.k):
+        for step in range(1, max(steps)):
             rows = [j for j in range(len(active)) if steps[j] > step]
             if not rows:
                 break

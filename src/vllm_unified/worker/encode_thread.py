@@ -5,17 +5,26 @@ MLX encoding the step (``mx.async_eval``: every primitive's launch, several mill
 CUDA; docs/benchmarking.md). With asynchronous scheduling vLLM's engine, in the same thread,
 then processes the previous step's output and schedules the next step: Python that does not
 touch MLX. ``mx.async_eval`` releases the GIL, so running it on a second thread lets the two
-overlap instead of adding up. The same job then reads the step's MLX-sampled tokens back to
-the host, so ``get_output`` of the step (vLLM asks for it while the next step is encoding)
-needs no MLX call.
+overlap instead of adding up.
+
+A job only encodes: it returns once the step is launched, so the engine's thread can build the
+next step's graph while the device still computes this one. The step's MLX-sampled tokens are
+read back by the engine's thread when vLLM asks for the step's output (:meth:`EncodeThread.
+read_back`), usually while the next step's job is encoding. That read-back is the one MLX call
+allowed alongside a job, and only under two conditions that make it touch nothing the job
+touches: the array's own job has finished (so the array is already scheduled and reading it
+only waits for its event: MLX's ``eval`` of scheduled arrays, ``mlx/transforms.cpp``), and the
+array is a copy that no later step's graph contains (the next step feeds the original token
+array, whose graph node a later job's evaluation detaches).
 
 MLX streams made by ``mx.new_stream`` (every thread's default ones) can only be evaluated on
 the thread that made them, so the worker makes its thread's default streams with
 ``mx.new_thread_unsafe_stream`` first (:func:`share_default_streams`, before any array
 exists), which any thread may evaluate, one at a time. The contract that makes it safe: while
-a job runs, no other thread calls MLX. Every runner and worker entry point that touches MLX calls
-:meth:`EncodeThread.wait` first; only the Python between them (vLLM's scheduler, output
-processing, the runner's own bookkeeping of an asynchronous step) runs alongside a job.
+a job runs, no other thread calls MLX (except the read-back above). Every runner and worker entry
+point that touches MLX calls :meth:`EncodeThread.wait` first; only the Python between them
+(vLLM's scheduler, output processing, the runner's own bookkeeping of an asynchronous step)
+runs alongside a job.
 
 Used only with asynchronous scheduling, for steps whose outputs stay in MLX (their logits
 do not go to torch), and where the backend profile says so (``encode_thread``: CUDA by
@@ -50,11 +59,12 @@ def share_default_streams() -> None:
 
 
 class EncodeThread:
-    """One background thread that evaluates queued steps, one at a time.
+    """One background thread that encodes queued steps, one at a time.
 
     Attributes:
-        encode_s: seconds the thread spent in jobs (encoding plus the token read-back).
+        encode_s: seconds the thread spent in jobs (``mx.async_eval``: encoding and launching).
         wait_s: seconds callers spent blocked in :meth:`wait` for a job to finish.
+        read_back_s: seconds callers spent in :meth:`read_back` (waiting for the device).
     """
 
     def __init__(self) -> None:
@@ -64,23 +74,41 @@ class EncodeThread:
         self._job: Future | None = None
         self.encode_s = 0.0
         self.wait_s = 0.0
+        self.read_back_s = 0.0
 
-    def submit(self, arrays: list[Any], tokens: mx.array | None) -> Future:
-        """Queue ``mx.async_eval(*arrays)`` then ``tokens.tolist()``; returns the job, whose
-        result is the tokens as a list (None without ``tokens``). Waits for the previous job
-        first (one at a time, in step order)."""
+    def submit(self, arrays: list[Any]) -> Future:
+        """Queue ``mx.async_eval(*arrays)``; returns the job (its result is None). Waits for the
+        previous job first (one at a time, in step order)."""
         self.wait()
 
-        def job() -> list[int] | None:
+        def job() -> None:
             start = time.perf_counter()
             try:
                 mx.async_eval(*arrays)
-                return tokens.tolist() if tokens is not None else None
             finally:
                 self.encode_s += time.perf_counter() - start
 
         self._job = self._pool.submit(job)
         return self._job
+
+    def read_back(self, job: Future, tokens: mx.array) -> list[int]:
+        """``tokens.tolist()`` once ``job`` (the job that evaluates ``tokens``) has finished;
+        other jobs may be running meanwhile.
+
+        Args:
+            job: the :meth:`submit` future whose arrays include ``tokens``.
+            tokens: ``[R]`` integer array that no later job's graph contains (a copy made for
+                the read-back; see the module docstring).
+
+        Raises:
+            Exception: the job's own failure (an ``mx.async_eval`` error), re-raised.
+        """
+        start = time.perf_counter()
+        try:
+            job.result()
+            return tokens.tolist()
+        finally:
+            self.read_back_s += time.perf_counter() - start
 
     def wait(self) -> None:
         """Block until the running job (if any) is done; re-raise its exception (the step's

@@ -32,6 +32,10 @@ class RequestState:
             words, allowed token ids, min tokens, logprobs, structured output) rather than by
             the MLX sampler; fixed for the request's lifetime so a seeded request always draws
             from the same generator.
+        mlx_when_undrafted: with speculative decoding (``uses_vllm_sampler`` then always
+            True), a step that verifies no draft of this request may sample it in MLX
+            instead: it needs nothing the MLX sampler lacks, no custom logits processor runs
+            and it has no seed (a seeded request keeps drawing from its one generator).
         generator: torch generator of a seeded request sampled by vLLM's ``Sampler``; it
             persists across steps (and preemption), as in vLLM's GPU runner.
         output_token_ids: the output part of ``token_ids``, as its own list that is only ever
@@ -56,6 +60,7 @@ class RequestState:
     sampling_params: object
     rng_key: object | None = None
     uses_vllm_sampler: bool = False
+    mlx_when_undrafted: bool = False
     generator: object | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_prompt_logprobs: int | None = None

@@ -49,6 +49,7 @@ from vllm_unified.envs import COMPILE_DECODE_ENV
 from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.hybrid import HybridLayers
+from vllm_unified.memory.mlx_log import MemoryLog
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
 from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
@@ -152,11 +153,15 @@ class _PendingStep:
     #: MLX-sampled tokens are ``lazy_tokens`` (read back by ``_sample``), None if it has none
     lazy: bool = False
     lazy_tokens: mx.array | None = None
-    #: the encode thread's job for a lazy step (its result: the MLX-sampled tokens as a list)
+    #: the encode thread's job for a lazy step, and the copy of ``lazy_tokens`` it evaluates
+    #: for the host to read back (:meth:`EncodeThread.read_back`)
     lazy_job: Future | None = None
+    read_back: mx.array | None = None
     timer: StepTimer | None = None
     #: every request had one query token (``AttentionMetadata.is_pure_decode``)
     pure_decode: bool = False
+    #: ``time.perf_counter()`` at the step's ``execute_model`` start
+    started: float = 0.0
 
 
 class MLXModelRunner:
@@ -181,6 +186,8 @@ class MLXModelRunner:
         self.input_batch = InputBatch()
         self.stats = RunnerStats()
         self.step_profile = StepProfile()
+        #: MLX's memory counters in the log every VLLM_UNIFIED_MEMORY_LOG steps
+        self.memory_log = MemoryLog()
         #: the timer of the step being prepared (each queued step keeps its own)
         self._timer: StepTimer = self.step_profile.start()
         self.vocab_size: int = self.model_config.get_vocab_size()
@@ -193,8 +200,8 @@ class MLXModelRunner:
             if vllm_config.speculative_config.method == "draft_model":
                 self.draft = DraftModel(vllm_config, backend)
             self.spec = SpecDecoder(vllm_config, self.vllm_sampling.sampler, self.draft)
-            logger.info("vllm-unified: speculative decoding, %s; every request is sampled "
-                        "by vLLM's rejection sampler", self.spec.describe())
+            logger.info("vllm-unified: speculative decoding, %s; requests with drafts are "
+                        "sampled by vLLM's rejection sampler", self.spec.describe())
         if self.vllm_sampling.custom_logitsprocs:
             logger.info(
                 "vllm-unified: custom logits processors %s: every request is sampled by "
@@ -336,8 +343,9 @@ class MLXModelRunner:
         if new.prompt_token_ids is None:
             raise ValueError(f"request {new.req_id}: prompt embeddings are not supported")
         params = new.sampling_params
-        uses_vllm = (needs_vllm_sampler(params) or bool(self.vllm_sampling.custom_logitsprocs)
-                     or self.spec is not None)
+        mlx_capable = not (needs_vllm_sampler(params)
+                           or self.vllm_sampling.custom_logitsprocs)
+        uses_vllm = not mlx_capable or self.spec is not None
         key = generator = None
         if params.sampling_type == SamplingType.RANDOM_SEED:
             if uses_vllm:
@@ -359,6 +367,8 @@ class MLXModelRunner:
             other_block_ids=other_blocks,
             num_computed_tokens=new.num_computed_tokens, sampling_params=params, rng_key=key,
             uses_vllm_sampler=uses_vllm, generator=generator,
+            mlx_when_undrafted=(self.spec is not None and mlx_capable
+                                and params.sampling_type != SamplingType.RANDOM_SEED),
             num_prompt_logprobs=num_prompt_logprobs,
         )
 
@@ -388,6 +398,8 @@ class MLXModelRunner:
         if scheduler_output.kv_cache_block_copies:
             raise RuntimeError("KV block copies requested: not supported by vllm-unified")
         self._timer = self.step_profile.start()
+        if self.spec is not None:
+            self.spec.step_started(scheduler_output, started)
         self._update_states(scheduler_output)
         self.stats.steps += 1
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -398,6 +410,7 @@ class MLXModelRunner:
         with self.kv_connector.step(scheduler_output) as kv_output:
             pending = self._model_forward(inputs, scheduler_output)
         pending.kv_output = kv_output
+        pending.started = started
         if inputs.ctx.attn.is_pure_decode:
             self._decode_started = started
             if previous_decode is not None:  # two decode steps in a row: one whole period
@@ -425,13 +438,20 @@ class MLXModelRunner:
         whose logprobs were asked for."""
         step = self.input_batch.layout(scheduler_output)
         states = [self.requests[r] for r in step.req_ids]
-        vllm_idx = [i for i in step.sample_req_idx if states[i].uses_vllm_sampler]
-        mlx_idx = [i for i in step.sample_req_idx if not states[i].uses_vllm_sampler]
+        drafts = step.num_draft_tokens
+        # With speculative decoding a request without drafts this step is sampled in MLX
+        # when it can be (RequestState.mlx_when_undrafted): no logits to torch for it, no
+        # rejection sampler (when the draft budget withholds every draft, the step samples
+        # as it would without speculation).
+        by_vllm = [states[i].uses_vllm_sampler
+                   and not (drafts[i] == 0 and states[i].mlx_when_undrafted)
+                   for i in range(len(states))]
+        vllm_idx = [i for i in step.sample_req_idx if by_vllm[i]]
+        mlx_idx = [i for i in step.sample_req_idx if not by_vllm[i]]
         last_rows = np.cumsum(step.query_lens) - 1
         first_rows = last_rows - step.query_lens + 1
         prompt = self._prompt_logprob_slices(step, states, first_rows)
         # A request with d drafts verifies on its last d + 1 rows (vLLM's logits_indices).
-        drafts = step.num_draft_tokens
         vllm_rows = [np.arange(last_rows[i] - drafts[i], last_rows[i] + 1) for i in vllm_idx]
         rows = np.concatenate([
             *vllm_rows, last_rows[mlx_idx],
@@ -486,6 +506,9 @@ class MLXModelRunner:
             pending.pure_decode)
         if line is not None:
             logger.info(line)
+        line = self.memory_log.step(mx)
+        if line is not None:
+            logger.info(line)
         return output
 
     def _model_forward(self, inputs: _StepInputs, scheduler_output: SchedulerOutput
@@ -514,9 +537,11 @@ class MLXModelRunner:
         lazy = self.async_scheduling and not inputs.needs_torch
         outputs = [*([logits] if inputs.needs_torch else []),
                    *([tokens] if tokens is not None else []), self.kv_cache.arrays()]
-        job = None
+        job = read_back = None
         if lazy and self.encoder is not None:
-            job = self.encoder.submit(outputs, tokens)
+            # the host reads a copy: the next step's graph holds `tokens` (encode_thread.py)
+            read_back = mx.contiguous(tokens) if tokens is not None else None
+            job = self.encoder.submit([*outputs, *([read_back] if read_back is not None else [])])
         else:
             (mx.async_eval if lazy else mx.eval)(*outputs)
         self._timer.mark("eval")
@@ -532,7 +557,8 @@ class MLXModelRunner:
             mlx_idx=mlx_idx, prompt=inputs.prompt, num_vllm_rows=inputs.num_vllm_rows,
             logits=logits if inputs.needs_torch else None,
             mlx_tokens=tokens.tolist() if tokens is not None and not lazy else [],
-            lazy=lazy, lazy_tokens=tokens if lazy else None, lazy_job=job, timer=self._timer,
+            lazy=lazy, lazy_tokens=tokens if lazy else None, lazy_job=job, read_back=read_back,
+            timer=self._timer,
             pure_decode=inputs.ctx.attn.is_pure_decode,
         )
 
@@ -567,8 +593,10 @@ class MLXModelRunner:
 
     def _sample(self, pending: _PendingStep, grammar_output: GrammarOutput | None):
         step, states = pending.step, pending.states
-        if pending.lazy_job is not None:  # the encode thread read them back
-            pending.mlx_tokens = pending.lazy_job.result() or []
+        if pending.lazy_job is not None:  # queued on the encode thread
+            job, copy = pending.lazy_job, pending.read_back
+            pending.mlx_tokens = (self.encoder.read_back(job, copy) if copy is not None
+                                  else job.result() or [])
         elif pending.lazy_tokens is not None:  # waits for the queued step
             pending.mlx_tokens = pending.lazy_tokens.tolist()
         sampled: list[list[int]] = [[] for _ in step.req_ids]
@@ -606,7 +634,12 @@ class MLXModelRunner:
                 states[i].pending = None  # now known on the host
         self.stats.sampled += sum(len(sampled[i]) for i in step.sample_req_idx)
         if self.spec is not None:
-            self.spec.propose(states, sampled)
+            # A decode/verification step (every request its last token and its drafts) times
+            # the draft budget's step cost.
+            self.spec.verified(pending.started, int(step.input_ids.size), step.req_ids,
+                               len(step.sample_req_idx) == len(step.req_ids)
+                               and bool(np.all(step.query_lens == step.num_draft_tokens + 1)))
+            self.spec.propose(states, sampled, pending.out.num_spec_tokens_to_schedule)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
@@ -618,8 +651,9 @@ class MLXModelRunner:
 
     def _verify(self, pending: _PendingStep, rows: torch.Tensor,
                 sampled: list[list[int]]) -> Any:
-        """Speculative decoding: every sampling request through vLLM's rejection sampler
-        (:meth:`SpecDecoder.sample`) on its ``d + 1`` rows; ``sampled[i]`` gets request
+        """Speculative decoding: the vLLM-sampled requests (those with drafts, and those the
+        MLX sampler cannot take) through vLLM's rejection sampler (:meth:`SpecDecoder.sample`)
+        on their ``d + 1`` rows; ``sampled[i]`` gets request
         ``i``'s accepted drafts and its bonus (or recovered) token. Returns the logprobs as
         ``LogprobsLists`` indexed by scheduled request, or None."""
         step, idx = pending.step, pending.vllm_idx
@@ -695,6 +729,7 @@ class MLXModelRunner:
                 **(self.spec.stats() if self.spec is not None else {}),
                 "encode_thread_s": encoder.encode_s if encoder else 0.0,
                 "encode_wait_s": encoder.wait_s if encoder else 0.0,
+                "read_back_s": encoder.read_back_s if encoder else 0.0,
                 "live_requests": len(self.requests),
                 "prepare_s": phases["prepare"], "build_s": phases["graph"],
                 "eval_s": phases["eval"], "finish_s": phases["output"],

@@ -19,10 +19,25 @@ scheduling (vLLM 0.32 turns async scheduling off for the ``ngram`` and ``suffix`
    per-request generators, penalties with the drafts counted as outputs, min tokens, bad
    words, allowed token ids, the grammar bitmask applied beforehand, logprobs of every
    accepted token. Rejected drafts' K/V stay in the pool where the next step overwrites them
-   (vLLM's scheduler rolls ``num_computed_tokens`` back).
+   (vLLM's scheduler rolls ``num_computed_tokens`` back). A request with no draft in the step
+   that needs nothing else of vLLM's sampler and has no seed is sampled in MLX instead, as
+   without speculation (``RequestState.mlx_when_undrafted``, decided by the runner).
 
-vLLM's scheduler counts drafts and accepted tokens itself (``SpecDecodingStats``), so the
-``vllm:spec_decode_*`` metrics need nothing from the worker.
+How many drafts each request hands to vLLM (the draft budget, :attr:`SpecDecoder.policy`;
+seeded requests always hand all theirs):
+
+* ``adaptive`` (the default): :class:`~vllm_unified.worker.draft_budget.DraftBudget` caps
+  each request's drafts per step from the runner's own timing of recent steps and the
+  observed acceptance per position (:mod:`vllm_unified.worker.draft_budget`);
+  ``VLLM_UNIFIED_SPEC_BUDGET=0`` turns it off;
+* ``schedule``: the user set vLLM's ``num_speculative_tokens_per_batch_size``; vLLM's scheduler
+  puts that schedule's count for the step's batch size in ``num_spec_tokens_to_schedule`` and
+  the proposer drafts that many, as vLLM's GPU runner does (the adaptive budget stays off);
+* ``off``: every draft the proposer makes (up to ``k``) is handed.
+
+vLLM's scheduler counts drafts and accepted tokens itself (``SpecDecodingStats``) from the
+drafts it scheduled, so the ``vllm:spec_decode_*`` metrics need nothing from the worker and
+count only the drafts that were handed.
 
 On CPU tensors vLLM's rejection sampler runs its Triton kernels through vLLM's C++ stand-ins
 (``vllm.utils.cpu_triton_utils``; the expand kernel is ours, vLLM's is broken):
@@ -38,7 +53,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_unified import compat, patches
+from vllm_unified import compat, envs, patches
+from vllm_unified.envs import SPEC_BUDGET_ENV
+from vllm_unified.worker.draft_budget import DraftBudget
 from vllm_unified.worker.input_batch import RequestState
 
 #: ``--speculative-config`` methods the MLX runner implements.
@@ -143,15 +160,65 @@ class SpecDecoder:
             )
         patches.require_rejection_sampler_kernels()
         self.rejection_sampler = compat.RejectionSampler(sampler, spec, torch.device("cpu"))
+        #: vLLM's batch-size schedule of draft counts, when the user set one
+        self.schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+        #: the draft budget: "adaptive", "schedule" (vLLM's, set by the user) or "off"
+        self.policy = ("schedule" if self.schedule else
+                       "adaptive" if envs.read(SPEC_BUDGET_ENV) else "off")
+        self.budget: DraftBudget | None = (
+            DraftBudget(self.k, draft_forwards=self.method == "draft_model")
+            if self.policy == "adaptive" else None)
         #: drafts proposed after the last step, until vLLM takes them: (req_ids, drafts)
         self._drafts: tuple[list[str], list[list[int]]] | None = None
+        #: the last decode/verification step whose period is still open:
+        #: (scheduled tokens, its execute_model start, its request ids)
+        self._open: tuple[int, float, set[str]] | None = None
+        #: seconds of draft-model forwards since that step's verification
+        self._draft_s = 0.0
         #: totals for logs and tests
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        #: drafts handed to vLLM, and those the budget kept back (proposed, or for a draft
+        #: model positions it did not draft)
+        self.num_handed_tokens = 0
+        self.num_withheld_tokens = 0
 
     def describe(self) -> str:
-        return f"method {self.method}, k = {self.k} draft tokens per step"
+        """The start-up log's words: method, k and the draft budget in use."""
+        if self.policy == "adaptive":
+            budget = (f"draft budget adaptive (per step, the draft count with the most expected "
+                      f"tokens/s from measured step times and acceptance; {SPEC_BUDGET_ENV}=0 "
+                      f"hands every draft)")
+        elif self.policy == "schedule":
+            budget = (f"draft budget: vLLM's num_speculative_tokens_per_batch_size "
+                      f"{self.schedule}")
+        else:
+            budget = f"draft budget off ({SPEC_BUDGET_ENV}=0): every draft is handed"
+        return f"method {self.method}, k = {self.k} draft tokens per step; {budget}"
+
+    # ------------------------------------------------------------------ step timing
+    def step_started(self, scheduler_output: Any, now: float) -> None:
+        """At every ``execute_model`` start: closes the open decode/verification step's
+        period (the budget's step-cost observation: ``now`` less that step's start, less the
+        draft forwards since), unless the new step admits new requests or shares none of
+        its requests (either may follow an idle engine)."""
+        prev, self._open = self._open, None
+        if prev is None or self.budget is None:
+            return
+        num_tokens, started, req_ids = prev
+        if scheduler_output.scheduled_new_reqs or not (
+                req_ids & set(scheduler_output.num_scheduled_tokens)):
+            return
+        self.budget.observe_step(num_tokens, now - started - self._draft_s)
+
+    def verified(self, started: float, num_tokens: int, req_ids: list[str],
+                 decode_only: bool) -> None:
+        """After a step's verification: opens its period if every scheduled request had one
+        token plus its drafts (``decode_only``), which :meth:`step_started` closes."""
+        self._draft_s = 0.0
+        self._open = ((num_tokens, started, set(req_ids))
+                      if decode_only and self.budget is not None else None)
 
     # ------------------------------------------------------------------ verification
     def sample(self, logits: torch.Tensor, num_draft_tokens: list[int],
@@ -182,27 +249,68 @@ class SpecDecoder:
                 self.num_drafts += 1
                 self.num_draft_tokens += d
                 self.num_accepted_tokens += len(toks) - 1
+                if self.budget is not None:
+                    self.budget.observe_acceptance(d, len(toks) - 1)
         return SpecSampled(token_ids, logprobs)
 
     # ------------------------------------------------------------------ proposal
-    def propose(self, states: list[RequestState], sampled: list[list[int]]) -> None:
+    def propose(self, states: list[RequestState], sampled: list[list[int]],
+                num_spec_tokens: int | None = None) -> None:
         """Propose drafts for the requests of a finished step (their ``token_ids`` hold this
-        step's tokens); requests that sampled nothing (prefill chunks) get none."""
-        if self.method == "draft_model":
-            drafts = self.proposer.propose(states, sampled)
-            self._drafts = ([s.req_id for s in states], drafts)
+        step's tokens); requests that sampled nothing (prefill chunks) get none.
+
+        Args:
+            states: the step's requests.
+            sampled: tokens sampled per request this step.
+            num_spec_tokens: the step's ``SchedulerOutput.num_spec_tokens_to_schedule`` (vLLM's
+                count for this batch size: ``k`` unless ``num_speculative_tokens_per_batch_size``
+                says otherwise); None: ``k``.
+        """
+        k = self.k if num_spec_tokens is None else min(self.k, int(num_spec_tokens))
+        req_ids = [s.req_id for s in states]
+        active = [i for i, s in enumerate(states)
+                  if sampled[i] and len(s.token_ids) < self.max_model_len]
+        if k <= 0 or not active:
+            self._drafts = (req_ids, [[] for _ in states])
             return
-        num_tokens = np.array([len(s.token_ids) for s in states], dtype=np.int32)
-        width = int(num_tokens.max()) if len(states) else 0
-        token_ids = np.zeros((len(states), max(width, 1)), dtype=np.int32)
-        for i, s in enumerate(states):
-            token_ids[i, :num_tokens[i]] = s.token_ids
-        if self.method == "ngram":
-            drafts = self.proposer.propose(self.k, sampled, num_tokens, token_ids)
+        seeded = [states[i].sampling_params.sampling_type == compat.SamplingType.RANDOM_SEED
+                  for i in active]
+        if self.method == "draft_model":
+            room = [min(k, self.max_model_len - len(states[i].token_ids)) for i in active]
+            caps = self._caps(room, seeded)
+            depths = [0] * len(states)
+            for i, c in zip(active, caps, strict=True):
+                depths[i] = c
+            drafts = self.proposer.propose(states, sampled, depths)
+            for rows, seconds in self.proposer.last_forwards:
+                self._draft_s += seconds
+                if self.budget is not None:
+                    self.budget.observe_draft_forward(rows, seconds)
+            self.num_withheld_tokens += sum(room) - sum(caps)
         else:
-            drafts = self.proposer.propose(self.k, _ProposerBatch(states, token_ids, num_tokens),
-                                           sampled)
-        self._drafts = ([s.req_id for s in states], [list(d) for d in drafts])
+            num_tokens = np.array([len(s.token_ids) for s in states], dtype=np.int32)
+            width = int(num_tokens.max())
+            token_ids = np.zeros((len(states), max(width, 1)), dtype=np.int32)
+            for i, s in enumerate(states):
+                token_ids[i, :num_tokens[i]] = s.token_ids
+            if self.method == "ngram":
+                proposed = self.proposer.propose(k, sampled, num_tokens, token_ids)
+            else:
+                proposed = self.proposer.propose(
+                    k, _ProposerBatch(states, token_ids, num_tokens), sampled)
+            drafts = [list(d)[:k] for d in proposed]
+            lengths = [len(drafts[i]) for i in active]
+            caps = self._caps(lengths, seeded)
+            for i, c in zip(active, caps, strict=True):
+                drafts[i] = drafts[i][:c]
+            self.num_withheld_tokens += sum(lengths) - sum(caps)
+        self.num_handed_tokens += sum(len(d) for d in drafts)
+        self._drafts = (req_ids, drafts)
+
+    def _caps(self, lengths: list[int], seeded: list[bool]) -> list[int]:
+        """The budget's caps (seeded requests exempt: their drafts decide which random numbers
+        they draw), or the lengths themselves without an adaptive budget."""
+        return self.budget.caps(lengths, seeded) if self.budget is not None else lengths
 
     def forget(self, req_ids: Any) -> None:
         """Finished requests: the draft model drops what it tracks for them."""
@@ -216,9 +324,14 @@ class SpecDecoder:
             return None
         return compat.DraftTokenIds(*drafts)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        """Counters for logs and tests (JSON-able), the budget's among them."""
         out = {"spec_drafts": self.num_drafts, "spec_draft_tokens": self.num_draft_tokens,
-               "spec_accepted_tokens": self.num_accepted_tokens}
+               "spec_accepted_tokens": self.num_accepted_tokens,
+               "spec_handed_tokens": self.num_handed_tokens,
+               "spec_withheld_tokens": self.num_withheld_tokens, "spec_policy": self.policy}
+        if self.budget is not None:
+            out.update({f"spec_{k}": v for k, v in self.budget.stats().items()})
         if self.method == "draft_model":
             out.update(self.proposer.stats())
         return out
