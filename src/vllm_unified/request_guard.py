@@ -399,6 +399,10 @@ class RequestGuard:
         self.limits = limits or current_limits()
         self._known: dict[str, frozenset[str]] = {}
         self._auth = _find_authentication(app)
+        # vLLM builds its app, and this middleware with it, once in the API-server process:
+        # the patches of vLLM's server code go in here.
+        patches.patch_anthropic_stream_errors()
+        patches.patch_responses_empty_output_message()
 
     def _refused_by_auth(self, scope: Scope) -> bool:
         """Whether vLLM's ``--api-key`` check, further in, will answer 401 (its own rule)."""
@@ -407,10 +411,6 @@ class RequestGuard:
         path = scope["path"].removeprefix(scope.get("root_path", "") or "")
         return (path.startswith(compat.GUARDED_PREFIX)
                 and not self._auth.verify_token(Headers(scope=scope)))
-        # vLLM builds its app, and this middleware with it, once in the API-server process:
-        # the patches of vLLM's server code go in here.
-        patches.patch_anthropic_stream_errors()
-        patches.patch_responses_empty_output_message()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope["method"] != "POST"
