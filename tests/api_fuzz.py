@@ -514,13 +514,20 @@ def stream_server_error(text: str) -> str | None:
     return None
 
 
-def send(session: requests.Session, base: str, request: FuzzRequest,
-         timeout_s: float) -> Outcome:
-    """Send ``request``; read the whole body (streams too) within ``timeout_s`` between
-    bytes."""
+def send(base: str, request: FuzzRequest, timeout_s: float) -> Outcome:
+    """Send ``request`` on a connection of its own (``Connection: close``); read the whole
+    body (streams too) within ``timeout_s`` between bytes.
+
+    A connection per request: reusing idle keep-alive connections races with the server
+    closing them (uvicorn after 5 s), and a request sent on a connection just closed fails
+    with "connection reset" through no fault of the request.
+    """
+    headers = {**(request.kwargs.get("headers") or {}), "Connection": "close"}
+    kwargs = {**request.kwargs, "headers": headers}
     try:
-        with session.request(request.method, base + request.path, timeout=(10, timeout_s),
-                             stream=True, allow_redirects=False, **request.kwargs) as r:
+        with requests.Session() as session, session.request(
+                request.method, base + request.path, timeout=(10, timeout_s), stream=True,
+                allow_redirects=False, **kwargs) as r:
             body = r.content.decode("utf-8", "replace")
     except requests.Timeout:
         return Outcome("timeout", None, "")
@@ -614,11 +621,9 @@ class Fuzzer:
 
     def run_batch(self, requests_: list[FuzzRequest]) -> None:
         """Send ``requests_`` (``workers`` at a time) and record every outcome."""
-        session = requests.Session()
-
         def one(request: FuzzRequest) -> tuple[FuzzRequest, Outcome]:
             request = request.to_loopback()
-            return request, send(session, self.base, request, self.timeout_s)
+            return request, send(self.base, request, self.timeout_s)
 
         with ThreadPoolExecutor(self.workers) as pool:
             for request, outcome in pool.map(one, requests_):

@@ -157,6 +157,18 @@ def test_conditional_routes_answer_404_with_the_reason():
     assert served.post("/v1/systemone", json={"questions": {}}).text == "ok"
 
 
+def test_guard_applies_the_server_patches_when_built(monkeypatch):
+    """vLLM builds the guard with its app: that is where the server-code patches are applied
+    (a merge once left these calls unreachable, and the fixes silently off)."""
+    from vllm_unified import patches
+
+    called = []
+    for name in ("patch_anthropic_stream_errors", "patch_responses_empty_output_message"):
+        monkeypatch.setattr(patches, name, lambda name=name: called.append(name))
+    RequestGuard(lambda scope, receive, send: None, RequestLimits())
+    assert called == ["patch_anthropic_stream_errors", "patch_responses_empty_output_message"]
+
+
 def test_anthropic_stream_passes_the_chat_streams_error_on():
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 

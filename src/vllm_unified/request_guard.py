@@ -202,7 +202,7 @@ def check_beam_search(body: dict[str, Any]) -> None:
 
 def check_numbers(body: dict[str, Any]) -> None:
     """:func:`~vllm_unified.request_policy.number_problem` on the body's top-level fields
-    (an integer outside 64 bits, a NaN).
+    (an integer outside 64 bits, a NaN or an infinity).
 
     Raises:
         RequestRejected: 400 naming the field.
@@ -324,15 +324,17 @@ def _find_authentication(app: Any) -> Any:
 def _field_adapter(model_name: str, name: str) -> Any:
     """A pydantic ``TypeAdapter`` for one field of vLLM's request model (by name or alias),
     or None if the model has no such field."""
+    fields = getattr(compat, model_name).model_fields
+    info = fields.get(name) or next((f for f in fields.values() if f.alias == name), None)
+    if info is None:
+        return None  # not cached: the names come from clients
     key = (model_name, name)
     if key not in _ADAPTERS:
         from typing import Annotated
 
         from pydantic import TypeAdapter
 
-        fields = getattr(compat, model_name).model_fields
-        info = fields.get(name) or next((f for f in fields.values() if f.alias == name), None)
-        _ADAPTERS[key] = None if info is None else TypeAdapter(
+        _ADAPTERS[key] = TypeAdapter(
             Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation)
     return _ADAPTERS[key]
 
