@@ -201,10 +201,14 @@ def test_sigterm_with_kv_offloading_is_quiet_and_leaves_only_valid_files(tmp_pat
     files, temps = _block_files(root)
     assert not temps, temps
     assert 0 < len(files) <= blocks
+    from vllm_unified.offload.private_dir import PrivateDir
+
+    tier = PrivateDir(str(Path(root).parent), Path(root).name)
     for path in files:  # each file the next start would look up is complete and verified
         with open(path, "rb") as f:
             layout = f.read(disk.HEADER_SIZE)[16:48]
         key = bytes.fromhex(path.stem) + (0).to_bytes(4, "big")
         payload = np.empty(path.stat().st_size - disk.HEADER_SIZE, dtype=np.int8)
-        disk.load_block(str(path), memoryview(payload), layout, key)
+        disk.load_block(tier, str(path), memoryview(payload), layout, key)
+    tier.close()
     assert "vllm-unified: KV budget = --kv-cache-memory-bytes = 1.00 GiB" in log
