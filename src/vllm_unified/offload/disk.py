@@ -109,6 +109,18 @@ def _fill_header(page: mmap.mmap, layout: bytes, key: bytes, payload: memoryview
     page[_FIELDS.size:_FIELDS.size + 4] = _HEADER_CRC.pack(zlib.crc32(fields))
 
 
+def _keep_existing(dir_fd: int, name: str) -> bool:
+    """True if ``name`` in ``dir_fd`` is already a safe file of this user (keep it); a link,
+    FIFO or another user's file there is removed first (False: write a new one)."""
+    st = _lstat(dir_fd, name)
+    if st is None:
+        return False
+    if unsafe_reason(st, kind="file") is None:
+        return True
+    os.unlink(name, dir_fd=dir_fd)
+    return False
+
+
 def store_block(tier: PrivateDir, path: str, payload: memoryview, layout: bytes, key: bytes,
                 o_direct: bool = False) -> None:
     """Write ``payload`` (a slice of the host pool) to ``path`` (below ``tier``) with its
@@ -123,11 +135,8 @@ def store_block(tier: PrivateDir, path: str, payload: memoryview, layout: bytes,
     """
     subdir, name = tier.relative(path)
     with tier.opened(subdir, create=True) as dir_fd:
-        st = _lstat(dir_fd, name)
-        if st is not None:
-            if unsafe_reason(st, kind="file") is None:
-                return
-            os.unlink(name, dir_fd=dir_fd)
+        if _keep_existing(dir_fd, name):
+            return
         page = _page()
         _fill_header(page, layout, key, payload)
         tmp = name + _tmp_suffix()
@@ -405,11 +414,8 @@ def _write_private_config(tier: PrivateDir, spec) -> None:
     )
     subdir, name = tier.relative(mapper.get_config_file_path())
     with tier.opened(subdir, create=True) as dir_fd:
-        st = _lstat(dir_fd, name)
-        if st is not None:
-            if unsafe_reason(st, kind="file") is None:
-                return
-            os.unlink(name, dir_fd=dir_fd)
+        if _keep_existing(dir_fd, name):
+            return
         fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_NOFOLLOW, 0o600,
                      dir_fd=dir_fd)
         with os.fdopen(fd, "w") as f:
