@@ -95,6 +95,8 @@ def main() -> int:
         print("FAILED", failure)
     if down:
         print("SERVER DOWN:", down)
+    for name, reason in report["unsupported_sources"].items():
+        print(f"NOT FUZZED {name}: {reason}")
     results = {"kind": "fuzz_api", "timestamp": ts, "args": vars(args),
                "server_args": ["<model>", *served_args[1:]], "model": args.model,
                "sources": sorted(sources), "server_down": down, "elapsed_s": round(elapsed, 1),

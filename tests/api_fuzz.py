@@ -541,7 +541,13 @@ def send(base: str, request: FuzzRequest, timeout_s: float) -> Outcome:
 def draw_examples(strategy: st.SearchStrategy[Any], count: int, seed: int) -> list[Any]:
     """Up to ``count`` examples of ``strategy`` from one seeded Hypothesis run (fewer when the
     strategy has fewer distinct values, none when it has none: schemathesis' negative mode
-    for an operation without parameters or body)."""
+    for an operation without parameters or body).
+
+    Raises:
+        schemathesis.core.errors.UnsupportedSchema: schemathesis cannot generate cases for
+            this part of the schema (e.g. negative cases of a ``not`` below the root);
+            :meth:`Fuzzer.run` records it per source.
+    """
     out: list[Any] = []
 
     @settings(max_examples=count, database=None, deadline=None, phases=[Phase.generate],
@@ -585,6 +591,7 @@ class Fuzzer:
     sources: Counter = field(default_factory=Counter)
     stream_errors: Counter = field(default_factory=Counter)
     failures: list[dict[str, Any]] = field(default_factory=list)
+    unsupported: dict[str, str] = field(default_factory=dict)
     checks: int = 0
     reference: str | None = None
 
@@ -636,21 +643,34 @@ class Fuzzer:
                                           "stream_error": outcome.stream_error,
                                           "response": outcome.text})
 
-    def run(self, plan: Iterator[tuple[st.SearchStrategy[FuzzRequest], int, int]],
-            total: int, log: Callable[[str], None] | None = None) -> None:
-        """Draw and send batches from ``plan`` ((strategy, count, seed) triples) until
+    def run(self, plan: Iterator[Batch], total: int,
+            log: Callable[[str], None] | None = None) -> None:
+        """Draw and send batches from ``plan`` ((name, strategy, count, seed) tuples) until
         ``total`` requests were sent, checking liveness before the first and after each batch.
+
+        A source schemathesis cannot generate for is recorded in ``unsupported`` (name ->
+        schemathesis' reason, in the report) and not drawn from again; the plan goes on.
 
         Raises:
             ServerDown: at the first failed liveness check (the counts so far are kept).
         """
+        from schemathesis.core.errors import UnsupportedSchema
+
         self.check()
         started = time.monotonic()
-        for strategy, count, seed in plan:
+        for name, strategy, count, seed in plan:
             sent = self.total()
             if sent >= total:
                 break
-            batch = draw_examples(strategy, min(count, total - sent), seed)
+            if name in self.unsupported:
+                continue
+            try:
+                batch = draw_examples(strategy, min(count, total - sent), seed)
+            except UnsupportedSchema as e:
+                self.unsupported[name] = str(e)
+                if log is not None:
+                    log(f"{name}: schemathesis cannot generate it: {e}")
+                continue
             self.run_batch(batch)
             self.check()
             if log is not None:
@@ -672,7 +692,12 @@ class Fuzzer:
                                 for label, c in sorted(self.counts.items())},
                 "by_source": dict(sorted(self.sources.items())),
                 "stream_server_errors": dict(self.stream_errors),
+                "unsupported_sources": dict(sorted(self.unsupported.items())),
                 "failed_requests": self.failures}
+
+
+#: One batch of :func:`rounds`' plan: the source's name, its strategy, the count, the seed.
+Batch = tuple[str, st.SearchStrategy[FuzzRequest], int, int]
 
 
 def sources_for(base: str, model: str) -> dict[str, st.SearchStrategy[FuzzRequest]]:
@@ -685,26 +710,25 @@ def sources_for(base: str, model: str) -> dict[str, st.SearchStrategy[FuzzReques
 
 
 def rounds(sources: dict[str, st.SearchStrategy[FuzzRequest]], seed: int,
-           schema_batch: int = 4, ours_batch: int | None = None,
-           ) -> Iterator[tuple[st.SearchStrategy[FuzzRequest], int, int]]:
+           schema_batch: int = 4, ours_batch: int | None = None) -> Iterator[Batch]:
     """An endless plan of rounds; each round draws one batch from every source:
     ``schema_batch`` requests per schema source (each operation, both modes), and
     ``ours_batch`` per ``generation:`` / ``raw:`` source (default: as many requests in all as
     the schema sources get, so half of all requests come from our own strategies). Our
     batches are spread between the schema ones; every batch has its own seed."""
-    ours = [s for name, s in sorted(sources.items()) if not name.startswith("schema:")]
-    schema = [s for name, s in sorted(sources.items()) if name.startswith("schema:")]
+    ours = [(n, s) for n, s in sorted(sources.items()) if not n.startswith("schema:")]
+    schema = [(n, s) for n, s in sorted(sources.items()) if n.startswith("schema:")]
     if ours_batch is None:
         ours_batch = max(1, schema_batch * len(schema) // max(1, len(ours)))
     per_ours = max(1, len(schema) // max(1, len(ours)))
     n = 0
     while True:
-        for i, strategy in enumerate(ours):
-            yield strategy, ours_batch, seed * 1_000_003 + n
+        for i, (name, strategy) in enumerate(ours):
+            yield name, strategy, ours_batch, seed * 1_000_003 + n
             n += 1
-            for other in schema[i * per_ours:(i + 1) * per_ours if i < len(ours) - 1
-                                else len(schema)]:
-                yield other, schema_batch, seed * 1_000_003 + n
+            for other, other_strategy in schema[i * per_ours:(i + 1) * per_ours
+                                                if i < len(ours) - 1 else len(schema)]:
+                yield other, other_strategy, schema_batch, seed * 1_000_003 + n
                 n += 1
 
 
