@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import stat
+import time
 import types
 import uuid
 from pathlib import Path
@@ -103,6 +104,8 @@ class Tier:
                 if k.startswith(prefix)}
 
     def close(self) -> None:
+        if self.tier is None:  # closed already
+            return
         self.tier.shutdown()
         del self.host
         self.view.release()
@@ -215,6 +218,38 @@ def test_truncated_file_fails_its_load_and_keeps_earlier_blocks(tmp_path, make_t
     assert list(result.successful_keys) == [key(1)]  # vLLM keeps these, recomputes the rest
     assert not t.path(key(2)).exists()
     assert t.invalid() == {"truncated": 1}
+
+
+def test_temporary_files_of_a_killed_writer_are_removed_at_the_next_start(tmp_path,
+                                                                          make_tier):
+    """A SIGKILL mid-write leaves ``NAME.<random>.tmp`` behind (never looked up: only complete
+    files get their final name). The next tier at that directory removes such files once they
+    are older than ``disk.STALE_TMP_S``; a younger one (another server's write in flight), a
+    link and another user's file are left alone, and stored blocks still load."""
+    t = make_tier(tmp_path / "kv")
+    want = _fill(t, 0, 1)
+    assert t.store([key(1)], [0]).success
+    block = t.path(key(1))
+    t.close()
+    old = time.time() - disk.STALE_TMP_S - 5
+    stale = [block.with_name(block.name + ".1f.tmp"), block.parent / "x" / "y.bin.2e.tmp"]
+    stale[1].parent.mkdir(mode=0o700)
+    young = block.with_name(block.name + ".3d.tmp")
+    foreign = block.with_name(block.name + ".4c.tmp")
+    link = block.with_name(block.name + ".5b.tmp")
+    for path in (*stale, young, foreign):
+        path.write_bytes(b"half a block")
+        os.chmod(path, 0o600)
+    os.chown(foreign, OTHER_UID, OTHER_UID)
+    link.symlink_to(block)
+    for path in (*stale, foreign, link):
+        os.utime(path, (old, old), follow_symlinks=False)
+    t = make_tier(tmp_path / "kv")
+    assert [p.exists() for p in stale] == [False, False]
+    assert young.exists() and foreign.exists() and link.is_symlink() and block.exists()
+    t.host[3] = 0
+    assert t.load([key(1)], [3]).success
+    assert np.array_equal(t.host[3], want)
 
 
 def test_link_in_a_files_place_is_never_followed(tmp_path, make_tier):

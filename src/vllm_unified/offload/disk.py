@@ -73,6 +73,10 @@ _O_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 #: Seconds :meth:`VerifiedFileSystemTier.shutdown` waits for queued stores before dropping
 #: the rest (below the engine core's teardown window, vllm_unified.platform).
 SHUTDOWN_DRAIN_S = 5.0
+#: A temporary block file (``*.tmp``) not modified for this long when a tier starts was left by
+#: a process killed mid-write (a write takes milliseconds): the tier removes it. Younger ones
+#: may belong to another server writing to the same directory and are kept.
+STALE_TMP_S = 600.0
 _local = threading.local()
 
 
@@ -156,6 +160,29 @@ def store_block(tier: PrivateDir, path: str, payload: memoryview, layout: bytes,
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=dir_fd)
             raise
+
+
+def remove_stale_temp_files(tier: PrivateDir, older_than_s: float = STALE_TMP_S) -> int:
+    """Remove the temporary block files below ``tier`` (``*.tmp``, regular files of this
+    user) last modified more than ``older_than_s`` seconds ago; links are neither followed
+    nor removed. Returns how many were removed.
+
+    Raises:
+        OSError: the directory cannot be read.
+    """
+    removed = 0
+    cutoff = time.time() - older_than_s
+    for _, _, names, dir_fd in os.fwalk(".", dir_fd=tier.fd, follow_symlinks=False):
+        for name in names:
+            if not name.endswith(".tmp"):
+                continue
+            st = _lstat(dir_fd, name)
+            if st is None or unsafe_reason(st, kind="file") or st.st_mtime > cutoff:
+                continue
+            with contextlib.suppress(FileNotFoundError):  # another server's sweep
+                os.unlink(name, dir_fd=dir_fd)
+                removed += 1
+    return removed
 
 
 def load_block(tier: PrivateDir, path: str, dest: memoryview, layout: bytes, key: bytes,
@@ -298,6 +325,10 @@ class VerifiedFileSystemTier(compat.FileSystemTierManager):
         self._dir = PrivateDir(root_dir, f"vllm-unified-{self._layout.hex()[:16]}")
         try:
             _write_private_config(self._dir, offloading_spec)
+            stale = remove_stale_temp_files(self._dir)
+            if stale:
+                logger.info("vllm-unified: KV offload disk tier: removed %d temporary block "
+                            "file(s) left by a process killed mid-write", stale)
             super().__init__(offloading_spec, primary_kv_view, tier_type, self._dir.path,
                              **kwargs)
         except BaseException:
