@@ -8,7 +8,10 @@ Two workloads, each configuration in a fresh process (vLLM resolves its platform
 - ``random``: concurrency 16, random-token prompts (nothing for the n-gram proposer to find):
   speculation should cost little.
 
-Reports output tokens/s per configuration, the ngram/none ratio, and with ngram the mean
+Each workload runs ``--rounds`` interleaved pairs (none then ngram, then ngram then none, ...);
+the ratio reported is the median of the per-round ratios, each printed too (a wall-clock
+figure on a shared machine drifts between runs minutes apart). Reports output tokens/s per
+configuration (medians), the ngram/none ratio, and with ngram the mean
 acceptance length (1 + accepted / drafts: tokens per verification of a request) and the
 acceptance rate, from the runner's counters (the same numbers vLLM's ``vllm:spec_decode_*``
 metrics count), and how many drafts the adaptive draft budget withheld. ``--budget-off``
@@ -32,12 +35,14 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from real_models import qwen_gguf, smollm2_gguf
+from run_env import machine_info, versions, write_result
 
 from vllm_unified.envs import SPEC_BUDGET_ENV
 
@@ -171,6 +176,51 @@ def run(cfg: dict, env: dict | None = None) -> dict:
     return json.loads(lines[-1])
 
 
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _rounds(base: dict, rounds: int, env_ngram: dict | None = None) -> tuple[list, list]:
+    """``rounds`` pairs of (none, ngram) runs, the order alternating from round to round
+    (none first in even rounds) so that a load drift over the run weighs on both alike."""
+    nones, ngrams = [], []
+    for r in range(rounds):
+        order = [False, True] if r % 2 == 0 else [True, False]
+        for spec in order:
+            out = run({**base, "spec": spec}, env_ngram if spec else None)
+            (ngrams if spec else nones).append(out)
+    return nones, ngrams
+
+
+def _row(nones: list[dict], ngrams: list[dict]) -> dict:
+    """A workload's figures: per-round ratios and their median (the headline), throughputs
+    (medians), acceptance and the budget's counters summed over the ngram runs."""
+    ratios = [g["tok_s"] / n["tok_s"] for n, g in zip(nones, ngrams, strict=True)]
+    cpu_ratios = [g["tok_per_cpu_s"] / n["tok_per_cpu_s"]
+                  for n, g in zip(nones, ngrams, strict=True)]
+
+    def total(key: str) -> int:
+        return sum(g[key] for g in ngrams)
+
+    return {"none_tok_s": _median([n["tok_s"] for n in nones]),
+            "ngram_tok_s": _median([g["tok_s"] for g in ngrams]),
+            "speedup": _median(ratios), "round_ratios": ratios,
+            "mean_acceptance_length": 1 + total("spec_accepted_tokens")
+            / max(total("spec_drafts"), 1),
+            "acceptance_rate": total("spec_accepted_tokens")
+            / max(total("spec_draft_tokens"), 1),
+            "withheld_tokens": total("spec_withheld_tokens"),
+            "handed_tokens": total("spec_handed_tokens"),
+            "low_probes": total("spec_budget_low_probes"),
+            "high_probes": total("spec_budget_high_probes"),
+            "cpu_ratio": _median(cpu_ratios), "round_cpu_ratios": cpu_ratios,
+            "decode_ms_none": nones[0]["step_profile"]["decode"]["mean_ms"],
+            "decode_ms_ngram": ngrams[0]["step_profile"]["decode"]["mean_ms"],
+            "tokens": ngrams[0]["tokens"],
+            "outputs_equal": all(o["outputs"] == nones[0]["outputs"] for o in nones + ngrams),
+            "forwards_none": nones[0]["forwards"], "forwards_ngram": ngrams[0]["forwards"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2",
@@ -182,12 +232,16 @@ def main() -> None:
                     help="edit prompts, run one after the other (concurrency 1)")
     ap.add_argument("--random-requests", type=int, default=16,
                     help="random prompts, all at once (concurrency 16)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved (none, ngram) pairs per workload; the ratio reported is "
+                         "the median of the per-round ratios")
     ap.add_argument("--budget-off", action="store_true",
                     help="also run ngram with VLLM_UNIFIED_SPEC_BUDGET=0 (every draft handed)")
     ap.add_argument("--spec-extra", default="{}",
                     help="JSON fields added to the ngram --speculative-config, e.g. "
                          "'{\"num_speculative_tokens_per_batch_size\": [[1, 4, 4], [5, 256, 0]]}'")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", help="also write the results here (they always go to "
+                                   "benchmarks/results/spec_decode-<time>.json)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -195,7 +249,10 @@ def main() -> None:
         return
     model = {"smollm2": smollm2_path, "qwen-coder": qwen_coder_path}.get(
         args.model, lambda: args.model)()
-    results = {"model": model, "k": args.k}
+    ts = time.strftime("%Y%m%d-%H%M%S")
+    load_before = os.getloadavg()
+    results = {"kind": "spec_decode", "timestamp": ts, "model": model, "k": args.k,
+               "args": vars(args)}
     workloads = ["edit", "random"] if args.workload == "both" else [args.workload]
     for workload in workloads:
         n = args.edit_requests if workload == "edit" else args.random_requests
@@ -204,42 +261,33 @@ def main() -> None:
         base = {"model": model, "workload": workload, "requests": n, "concurrency": conc,
                 "max_tokens": max_tokens, "max_model_len": 2048, "k": args.k,
                 "spec_extra": json.loads(args.spec_extra)}
-        none, ngram = run({**base, "spec": False}), run({**base, "spec": True})
-        drafts = max(ngram["spec_drafts"], 1)
-        row = {"none_tok_s": none["tok_s"], "ngram_tok_s": ngram["tok_s"],
-               "speedup": ngram["tok_s"] / none["tok_s"],
-               "mean_acceptance_length": 1 + ngram["spec_accepted_tokens"] / drafts,
-               "acceptance_rate": ngram["spec_accepted_tokens"]
-               / max(ngram["spec_draft_tokens"], 1),
-               "withheld_tokens": ngram["spec_withheld_tokens"],
-               "handed_tokens": ngram["spec_handed_tokens"],
-               "low_probes": ngram["spec_budget_low_probes"],
-               "high_probes": ngram["spec_budget_high_probes"],
-               "none_tok_per_cpu_s": none["tok_per_cpu_s"],
-               "ngram_tok_per_cpu_s": ngram["tok_per_cpu_s"],
-               "cpu_ratio": ngram["tok_per_cpu_s"] / none["tok_per_cpu_s"],
-               "decode_ms_none": none["step_profile"]["decode"]["mean_ms"],
-               "decode_ms_ngram": ngram["step_profile"]["decode"]["mean_ms"],
-               "tokens": ngram["tokens"], "outputs_equal": none["outputs"] == ngram["outputs"],
-               "forwards_none": none["forwards"], "forwards_ngram": ngram["forwards"]}
+        nones, ngrams = _rounds(base, args.rounds)
+        row = _row(nones, ngrams)
         line = (f"{workload:6s} concurrency {conc:2d}: none {row['none_tok_s']:7.1f} tok/s, "
-                f"ngram {row['ngram_tok_s']:7.1f} tok/s ({row['speedup']:.2f}x); mean "
+                f"ngram {row['ngram_tok_s']:7.1f} tok/s (median of {args.rounds} rounds: "
+                f"{row['speedup']:.2f}x; rounds "
+                f"{', '.join(f'{r:.2f}' for r in row['round_ratios'])}); mean "
                 f"acceptance length {row['mean_acceptance_length']:.2f}, acceptance rate "
                 f"{row['acceptance_rate']:.2f}; drafts withheld by the budget "
                 f"{row['withheld_tokens']} of {row['withheld_tokens'] + row['handed_tokens']}; "
                 f"tokens per CPU second {row['cpu_ratio']:.2f}x")
         if args.budget_off:
-            off = run({**base, "spec": True}, {SPEC_BUDGET_ENV: "0"})
+            _, offs = _rounds(base, 1, {SPEC_BUDGET_ENV: "0"})
+            off = offs[0]
             row["ngram_budget_off_tok_s"] = off["tok_s"]
-            row["speedup_budget_off"] = off["tok_s"] / none["tok_s"]
+            row["speedup_budget_off"] = off["tok_s"] / row["none_tok_s"]
             row["mean_acceptance_length_budget_off"] = (
                 1 + off["spec_accepted_tokens"] / max(off["spec_drafts"], 1))
-            row["outputs_equal"] = row["outputs_equal"] and off["outputs"] == none["outputs"]
-            row["cpu_ratio_budget_off"] = off["tok_per_cpu_s"] / none["tok_per_cpu_s"]
-            line += (f"; budget off {off['tok_s']:7.1f} tok/s ({row['speedup_budget_off']:.2f}x, "
+            row["outputs_equal"] = row["outputs_equal"] and off["outputs"] == nones[0]["outputs"]
+            line += (f"; budget off (one more round) {off['tok_s']:7.1f} tok/s "
+                     f"({row['speedup_budget_off']:.2f}x of the median without speculation, "
                      f"acceptance length {row['mean_acceptance_length_budget_off']:.2f})")
         results[workload] = row
-        print(f"{line}; greedy outputs equal: {row['outputs_equal']}")
+        print(f"{line}; greedy outputs equal: {row['outputs_equal']}", flush=True)
+    results.update(versions=versions(), machine=machine_info(load_before, os.getloadavg()))
+    name = args.model if args.model in ("smollm2", "qwen-coder") else "custom"
+    write_result(f"spec_decode-{name}", ts, results)
+    print(f"machine: {results['machine']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
