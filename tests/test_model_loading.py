@@ -157,7 +157,18 @@ def test_gemma3_270m_q4_k_m_matches_transformers_greedy():
     assert lm.config["sliding_window_pattern"] == 6
     assert lm.config["rope_local_base_freq"] == 10000.0 and lm.config["rope_theta"] == 1e6
     bits = {m.bits for m in quantized_modules(lm.model).values()}
-    assert bits == {4, 8}  # Q4_K and Q8_0 kept; Q5_0 / Q6_K dequantized
+    assert bits == {4, 8}  # Q4_K (4 bits), Q8_0 and Q5_0 (8 bits) kept; Q6_K dequantized
+    index = G.read_gguf_index(path)
+    repacked = [n for n, t in index.tensors.items()
+                if t.ggml_type in G.REPACKABLE_TYPES and len(t.shape) == 2]
+    assert any(index.tensors[n].ggml_type == T.Q5_0 for n in repacked)
+    assert len(quantized_modules(lm.model)) == len(repacked)
+    lines = G.describe_weights(index, G.read_gguf_tensors(path, index, quantized=True))
+    by_type = {line.split(":")[0]: line for line in lines}
+    assert "kept as 8-bit affine" in by_type["Q5_0"] and "kept as 4-bit" in by_type["Q4_K"]
+    assert ("dequantized to float32 (16-value sub-blocks; MLX affine groups are 32, 64 or "
+            "128)") in by_type["Q6_K"]
+    assert "dense float32" in by_type["F32"]
     assert greedy(lm.model, prompt, len(expected)) == expected
 
 
@@ -350,21 +361,37 @@ def _random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> 
     """Random raw blocks of ``qtype`` with sane (finite, modest) float16 block scales."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    n_halfs = 2 if qtype in (T.Q4_1, T.Q4_K) else 1
+    n_halfs = 2 if qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K) else 1
     halfs = rng.uniform(-0.05, 0.05, (rows, cols // block, n_halfs)).astype(np.float16)
     raw[..., : 2 * n_halfs] = halfs.view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K,
+                                   T.IQ4_NL])
 def test_repack_is_exact(qtype):
+    """Random blocks of every repacked type: MLX's dequantization of the triple equals the
+    gguf package's reference bit for bit (Q5_0/Q5_1/Q5_K/IQ4_NL widened to 8 bits), and
+    a zero block scale (all values equal the bias) is kept."""
     rows, cols = 6, 512
     raw = _random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
+    raw[0, :2] = 0  # the first block's d = +0.0
     info = G.GGUFTensorInfo("t.weight", int(qtype), (rows, cols), 0, raw.size)
     qt = G._repack(raw.reshape(-1), info)
     ref = gguf.quants.dequantize(raw, qtype)
-    assert qt.shape == (rows, cols) and qt.bits == (8 if qtype == T.Q8_0 else 4)
+    assert qt.shape == (rows, cols) and qt.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K)
+                                                    else 8)
+    assert qt.source_type == qtype.name
     np.testing.assert_array_equal(np.array(qt.dequantize(mx.float32)), ref)
+
+
+def test_widened_type_with_a_non_finite_scale_is_refused():
+    raw = _random_blocks(T.Q5_0, 2, 64, np.random.default_rng(0))
+    raw[1, :2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    info = G.GGUFTensorInfo("blk.0.ffn_up.weight", int(T.Q5_0), (2, 64), 0, raw.size)
+    with pytest.raises(ValueError, match="'blk.0.ffn_up.weight' \\(Q5_0\\) does not map "
+                                         "exactly onto 8-bit affine groups of 32"):
+        G._repack(raw.reshape(-1), info)
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

@@ -35,6 +35,7 @@ __all__ = [
     "GGUFIndex",
     "GGUFTensorInfo",
     "QuantizedTensor",
+    "describe_weights",
     "gguf_to_hf_name",
     "read_gguf_index",
     "read_gguf_tensors",
@@ -42,14 +43,18 @@ __all__ = [
 ]
 
 # GGML type ids (ggml.h); only the ones this module treats specially are named.
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, BF16 = 0, 1, 2, 3, 8, 12, 30
-_TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K",
-               BF16: "BF16"}
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL, BF16 = (
+    0, 1, 2, 3, 6, 7, 8, 12, 13, 20, 30)
+_TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
+               Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", IQ4_NL: "IQ4_NL", BF16: "BF16"}
 
 # Types MLX 0.32.4's reader decodes exactly (checked against the gguf package's reference).
 MLX_EXACT_TYPES = frozenset({F32, F16, Q4_0, Q4_1, Q8_0})
-# Types this module repacks into MLX affine triples (bit-exact, group size 32).
-REPACKABLE_TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K})
+# Types this module repacks into MLX affine triples (bit-exact, group size 32): in their own
+# width (Q4_0/Q4_1/Q4_K as 4 bits, Q8_0 as 8), or widened to 8 bits (Q5_0/Q5_1/Q5_K/IQ4_NL:
+# MLX's 5-bit layers have no native CPU kernel, and IQ4_NL's levels are not evenly spaced).
+WIDENED_TO_8_BITS = frozenset({Q5_0, Q5_1, Q5_K, IQ4_NL})
+REPACKABLE_TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K}) | WIDENED_TO_8_BITS
 GROUP_SIZE = 32
 
 _GGUF_MAGIC = b"GGUF"
@@ -325,6 +330,8 @@ def _repack(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
     t = info.ggml_type
     if t == Q4_K:
         return _repack_q4_k(raw, rows, cols)
+    if t in WIDENED_TO_8_BITS:
+        return _widen_to_8_bits(raw, info)
     block_bytes = {Q4_0: 18, Q4_1: 20, Q8_0: 34}[t]
     blocks = raw.reshape(rows, cols // 32, block_bytes)
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
@@ -348,9 +355,7 @@ def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantizedTensor:
     sb = raw.reshape(rows, cols // 256, 144)
     d = np.ascontiguousarray(sb[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
     dmin = np.ascontiguousarray(sb[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-    s = sb[..., 4:16].astype(np.uint8)  # 12 bytes: 8 six-bit scales and 8 six-bit mins
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], -1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    sc, mn = _k_scales_mins(sb[..., 4:16])  # 12 bytes: 8 six-bit scales and 8 six-bit mins
     qs = sb[..., 16:144].reshape(rows, cols // 256, 4, 32)  # 4 chunks of 64 values
     # chunk c: low nibbles are sub-block 2c, high nibbles sub-block 2c+1
     q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
@@ -359,6 +364,110 @@ def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantizedTensor:
     biases = (-(dmin[..., None] * mn)).reshape(rows, cols // 32)
     return QuantizedTensor(mx.array(_pack_nibbles(q)), mx.array(scales), mx.array(biases),
                            bits=4, source_type="Q4_K")
+
+
+def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit sub-block scales and mins of a Q4_K/Q5_K super-block from its 12 packed
+    bytes ``s[..., 12]`` (ggml's ``get_scale_min_k4``)."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc, mn
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte ``at`` of every block, as float32."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(
+        np.float32)
+
+
+def _group_affine(raw: np.ndarray, t: int, rows: int, cols: int
+                  ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per 32-value group of a Q5_0/Q5_1/Q5_K/IQ4_NL tensor: the scale, the bias, and the
+    integer offset ``o`` of the unsigned 8-bit code (``value = scale * code + bias`` with
+    ``code = q + o``; ``o`` is 0 where the bias is the block's own minimum), float32
+    ``[rows, cols / 32]`` each. Layouts: ggml-common.h (``block_q5_0``: f16 d, 32 high bits,
+    nibbles, value ``d (q - 16)``; ``block_q5_1``: f16 d, f16 m, ``d q + m``; ``block_q5_K``:
+    f16 d, f16 dmin, Q4_K's 12 scale bytes, sub-block j ``d sc_j q - dmin m_j``;
+    ``block_iq4_nl``: f16 d, nibbles indexing ``kvalues_iq4nl``, ``d kvalues[q]``)."""
+    if t == Q5_K:
+        sb = raw.reshape(rows, cols // 256, 176)
+        sc, mn = _k_scales_mins(sb[..., 4:16])
+        scales = (_f16(sb, 0)[..., None] * sc).reshape(rows, -1)
+        return scales, (-(_f16(sb, 2)[..., None] * mn)).reshape(rows, -1), 0
+    size = {Q5_0: 22, Q5_1: 24, IQ4_NL: 18}[t]
+    d = _f16(raw.reshape(rows, cols // 32, size), 0)
+    if t == Q5_1:
+        return d, _f16(raw.reshape(rows, cols // 32, size), 2), 0
+    offset = 16 if t == Q5_0 else 128
+    return d, d * np.float32(-offset), offset
+
+
+def _widen_to_8_bits(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
+    """A Q5_0/Q5_1/Q5_K/IQ4_NL tensor as an MLX 8-bit affine triple, value for value.
+
+    The codes come from the ``gguf`` package's reference dequantization (no bit unpacking of
+    our own): ``code = round((value - bias) / scale)`` per group, then the triple is decoded
+    back in float32 and must give the reference's values bit for bit.
+
+    Raises:
+        ValueError: a code falls outside 0..255 or a value does not come back exactly (a
+            block that does not fit the layout above, e.g. a non-finite scale).
+    """
+    import gguf
+
+    rows, cols = info.shape
+    t = info.ggml_type
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite scale: refused below
+        ref = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType(t))
+    ref = ref.astype(np.float32, copy=False).reshape(rows, cols // 32, 32)
+    scales, biases, offset = _group_affine(raw, t, rows, cols)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        code = np.rint((ref - biases[..., None]) / scales[..., None])
+    code = np.where(scales[..., None] == 0, offset, code)  # all values equal the bias
+    back = scales[..., None] * code + biases[..., None]
+    if not (np.all((code >= 0) & (code <= 255)) and np.array_equal(back, ref)):
+        raise ValueError(f"GGUF tensor {info.name!r} ({info.type_name}) does not map exactly "
+                         "onto 8-bit affine groups of 32")
+    weight = np.ascontiguousarray(code.astype(np.uint8).reshape(rows, cols)).view("<u4")
+    return QuantizedTensor(mx.array(weight), mx.array(scales), mx.array(biases), bits=8,
+                           source_type=info.type_name)
+
+
+#: Why a quantized GGML type is still dequantized to float32 at load (types not named here
+#: and not repacked: "no MLX layout implemented yet").
+_DEQUANTIZED_WHY = {
+    "Q6_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128",
+    "Q3_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128",
+    "Q2_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128",
+}
+
+
+def describe_weights(index: GGUFIndex, tensors: dict[str, mx.array | QuantizedTensor]
+                     ) -> list[str]:
+    """One line per GGML type of the file, for the start-up log: how many tensors, how they
+    are held (``kept as N-bit affine``, ``dense``, or ``dequantized to float32`` with the
+    reason) and their resident bytes as read (MiB)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for name, info in index.tensors.items():
+        t = tensors.get(name)
+        if t is None:
+            continue
+        if isinstance(t, QuantizedTensor):
+            how = f"kept as {t.bits}-bit affine"
+            nbytes = t.weight.nbytes + t.scales.nbytes + t.biases.nbytes
+        elif info.ggml_type in (F32, F16, BF16):
+            how, nbytes = f"dense {str(t.dtype).removeprefix('mlx.core.')}", t.nbytes
+        else:
+            why = _DEQUANTIZED_WHY.get(info.type_name, "no MLX layout implemented yet")
+            if info.ggml_type in REPACKABLE_TYPES:
+                why = "not a matrix" if len(info.shape) != 2 else "quantized layers off"
+            how, nbytes = f"dequantized to float32 ({why})", t.nbytes
+        entry = groups.setdefault((info.type_name, how), [0, 0, 0])
+        entry[0] += 1
+        entry[1] += info.nbytes
+        entry[2] += nbytes
+    return [f"{name}: {n} tensors, {how}, {held / 2**20:.1f} MiB (file {file / 2**20:.1f} MiB)"
+            for (name, how), (n, file, held) in sorted(groups.items())]
 
 
 # ----------------------------------------------------------------------------- names

@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 
 from vllm_unified.models.gguf import (
     QuantizedTensor,
+    describe_weights,
     gguf_to_hf_name,
     read_gguf_index,
     read_gguf_tensors,
@@ -253,6 +254,8 @@ def _load_gguf(
                          f"GGUF architecture {arch!r} ({model_type})")
     config = mlx_lm_config(hf)
     tensors = read_gguf_tensors(path, index, quantized=keep_quantized)
+    for line in describe_weights(index, tensors):
+        logger.info("GGUF weights %s", line)
 
     n_heads = int(config["num_attention_heads"])
     n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
