@@ -166,9 +166,18 @@ def test_gemma3_270m_q4_k_m_matches_transformers_greedy():
     lines = G.describe_weights(index, G.read_gguf_tensors(path, index, quantized=True))
     by_type = {line.split(":")[0]: line for line in lines}
     assert "kept as 8-bit affine" in by_type["Q5_0"] and "kept as 4-bit" in by_type["Q4_K"]
-    assert ("dequantized to float32 (16-value sub-blocks; MLX affine groups are 32, 64 or "
-            "128)") in by_type["Q6_K"]
+    assert "dequantized to float32 (16-value sub-blocks" in by_type["Q6_K"]
     assert "dense float32" in by_type["F32"]
+    # with the native CPU kernels, Q6_K linear layers stay quantized (8-bit groups of 16)
+    from vllm_unified.models.cpu_kernels import install_cpu_kernels
+
+    native = load_model(path, hf_config=GEMMA3_270M_CONFIG, dtype=mx.float32,
+                        keep_quantized=True, native_groups=True)
+    install_cpu_kernels(native.model)
+    groups = {n: m.group_size for n, m in quantized_modules(native.model).items()}
+    q6 = [n for n, t in index.tensors.items() if t.ggml_type == T.Q6_K and n != "token_embd.weight"]
+    assert q6 and sorted(groups.values()).count(16) == len(q6)
+    assert greedy(native.model, prompt, len(expected)) == expected
     assert greedy(lm.model, prompt, len(expected)) == expected
 
 
@@ -383,6 +392,49 @@ def test_repack_is_exact(qtype):
                                                     else 8)
     assert qt.source_type == qtype.name
     np.testing.assert_array_equal(np.array(qt.dequantize(mx.float32)), ref)
+
+
+def test_q6_k_as_8_bit_groups_of_16_is_exact():
+    """Q6_K (16-value sub-blocks, signed scales) as 8-bit groups of 16 for the native CPU
+    kernels: our dequantization (MLX's refuses groups of 16) and the native kernel's equal the
+    gguf reference bit for bit."""
+    from vllm_unified import bridge
+
+    rows, cols = 6, 512
+    rng = np.random.default_rng(14)
+    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = rng.uniform(-0.05, 0.05, (rows, cols // 256, 1)).astype(
+        np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    info = G.GGUFTensorInfo("blk.0.ffn_down.weight", int(T.Q6_K), (rows, cols), 0, raw.size)
+    qt = G._widen_to_8_bits(raw.reshape(-1), info)
+    ref = gguf.quants.dequantize(raw, T.Q6_K)
+    assert (qt.bits, qt.group_size, qt.shape) == (8, 16, (rows, cols))
+    assert float(mx.min(qt.scales).item()) < 0  # signed sub-block scales kept as they are
+    np.testing.assert_array_equal(np.array(qt.dequantize(mx.float32)), ref)
+    native = bridge.native_kernels()
+    assert native is not None, "the native extension is not built: run scripts/setup.sh"
+    dense = native.dequantize(qt.weight, qt.scales, qt.biases, 16, 8)
+    np.testing.assert_array_equal(np.array(dense), ref)
+
+
+def test_q6_k_stays_dense_without_native_groups():
+    raw = np.zeros((2, 210), dtype=np.uint8)
+    info = G.GGUFTensorInfo("blk.0.ffn_down.weight", int(T.Q6_K), (2, 256), 0, raw.size)
+    index = G.GGUFIndex({}, {info.name: info})
+    path_bytes = raw.tobytes()
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
+        f.write(path_bytes)
+        f.flush()
+        dense = G.read_gguf_tensors(f.name, index, quantized=True)[info.name]
+        kept = G.read_gguf_tensors(f.name, index, quantized=True, group16=True)[info.name]
+        embd = G.GGUFTensorInfo("token_embd.weight", int(T.Q6_K), (2, 256), 0, raw.size)
+        lookup = G.read_gguf_tensors(f.name, G.GGUFIndex({}, {embd.name: embd}),
+                                     quantized=True, group16=True)[embd.name]
+    assert isinstance(dense, mx.array) and isinstance(lookup, mx.array)
+    assert isinstance(kept, G.QuantizedTensor) and kept.group_size == 16
 
 
 def test_widened_type_with_a_non_finite_scale_is_refused():

@@ -43,10 +43,11 @@ __all__ = [
 ]
 
 # GGML type ids (ggml.h); only the ones this module treats specially are named.
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL, BF16 = (
-    0, 1, 2, 3, 6, 7, 8, 12, 13, 20, 30)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, BF16 = (
+    0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 20, 30)
 _TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
-               Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", IQ4_NL: "IQ4_NL", BF16: "BF16"}
+               Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL",
+               BF16: "BF16"}
 
 # Types MLX 0.32.4's reader decodes exactly (checked against the gguf package's reference).
 MLX_EXACT_TYPES = frozenset({F32, F16, Q4_0, Q4_1, Q8_0})
@@ -55,7 +56,16 @@ MLX_EXACT_TYPES = frozenset({F32, F16, Q4_0, Q4_1, Q8_0})
 # MLX's 5-bit layers have no native CPU kernel, and IQ4_NL's levels are not evenly spaced).
 WIDENED_TO_8_BITS = frozenset({Q5_0, Q5_1, Q5_K, IQ4_NL})
 REPACKABLE_TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K}) | WIDENED_TO_8_BITS
+# Types with 16-value sub-blocks, widened to 8-bit affine groups of 16 when the reader is told
+# the native CPU kernels will run them (``group16``): MLX's own quantized ops refuse groups of
+# 16, so such a layer exists only where the native kernels take every call (linear layers on
+# the CPU backend, not embeddings: an embedding's lookup is MLX's dequantize).
+GROUP16_TYPES = frozenset({Q6_K})
+#: GGUF tensors never given groups of 16 (their lookup runs MLX's dequantize)
+_NOT_GROUP16 = ("token_embd.weight",)
 GROUP_SIZE = 32
+#: the group sizes MLX's own quantized ops take
+MLX_GROUP_SIZES = (32, 64, 128)
 
 _GGUF_MAGIC = b"GGUF"
 # GGUF metadata value types -> struct format (scalars); 8 = string, 9 = array.
@@ -123,8 +133,14 @@ class QuantizedTensor:
     def dequantize(self, dtype: mx.Dtype) -> mx.array:
         """Dense ``[rows, cols]`` array in ``dtype``; computed in float32, so the only rounding
         is the final cast."""
-        w = mx.dequantize(self.weight, self.scales.astype(mx.float32),
-                          self.biases.astype(mx.float32), self.group_size, self.bits)
+        scales, biases = self.scales.astype(mx.float32), self.biases.astype(mx.float32)
+        if self.group_size in MLX_GROUP_SIZES:
+            w = mx.dequantize(self.weight, scales, biases, self.group_size, self.bits)
+        else:  # 8-bit groups of 16 (Q6_K): MLX's dequantize refuses them; same rounding
+            rows, cols = self.shape
+            codes = self.weight.view(mx.uint8).astype(mx.float32).reshape(rows, -1,
+                                                                         self.group_size)
+            w = (codes * scales[..., None] + biases[..., None]).reshape(rows, cols)
         return w.astype(dtype)
 
     def map_rows(self, fn: Callable[[mx.array], mx.array]) -> QuantizedTensor:
@@ -242,20 +258,22 @@ def _parse_index_unchecked(buf: memoryview) -> GGUFIndex:
 
 
 def read_gguf_tensors(
-    path: str | Path, index: GGUFIndex, *, quantized: bool
+    path: str | Path, index: GGUFIndex, *, quantized: bool, group16: bool = False
 ) -> dict[str, mx.array | QuantizedTensor]:
     """Read every tensor of a GGUF file, keyed by GGUF name.
 
     With ``quantized=True`` quantized tensors MLX can hold exactly come back as
-    :class:`QuantizedTensor` (MLX affine, group size 32: Q4_0/Q4_1/Q4_K as 4 bits, Q8_0 as 8 bits);
-    all others (and all of them with ``quantized=False``) come back dense: float32, or float16
-    for F16 tensors. Raises ValueError for GGML types neither MLX nor the ``gguf`` package can
-    decode.
+    :class:`QuantizedTensor` (MLX affine, group size 32: Q4_0/Q4_1/Q4_K as 4 bits; Q8_0,
+    Q5_0/Q5_1/Q5_K and IQ4_NL as 8 bits); with ``group16`` too, Q6_K matrices other than the
+    token embedding as 8-bit groups of 16 (:data:`GROUP16_TYPES`: only for models whose linear
+    layers the native CPU kernels run). All others (and all of them with ``quantized=False``)
+    come back dense: float32, or float16 for F16 tensors. Raises ValueError for GGML types
+    neither MLX nor the ``gguf`` package can decode.
     """
     types = {t.ggml_type for t in index.tensors.values()}
     if types <= MLX_EXACT_TYPES:
         return _read_with_mlx(path, index, quantized=quantized)
-    return _read_with_numpy(path, index, quantized=quantized)
+    return _read_with_numpy(path, index, quantized=quantized, group16=group16)
 
 
 def _read_with_mlx(
@@ -276,7 +294,7 @@ def _read_with_mlx(
 
 
 def _read_with_numpy(
-    path: str | Path, index: GGUFIndex, *, quantized: bool
+    path: str | Path, index: GGUFIndex, *, quantized: bool, group16: bool = False
 ) -> dict[str, mx.array | QuantizedTensor]:
     import gguf
 
@@ -296,6 +314,9 @@ def _read_with_numpy(
             out[name] = mx.array(wide.view(np.float32).reshape(info.shape))
         elif quantized and t in REPACKABLE_TYPES and len(info.shape) == 2:
             out[name] = _repack(raw, info)
+        elif (quantized and group16 and t in GROUP16_TYPES and len(info.shape) == 2
+              and name not in _NOT_GROUP16):
+            out[name] = _widen_to_8_bits(raw, info)
         else:
             try:
                 qtype = gguf.GGMLQuantizationType(t)
@@ -382,13 +403,20 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
 
 def _group_affine(raw: np.ndarray, t: int, rows: int, cols: int
                   ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Per 32-value group of a Q5_0/Q5_1/Q5_K/IQ4_NL tensor: the scale, the bias, and the
-    integer offset ``o`` of the unsigned 8-bit code (``value = scale * code + bias`` with
-    ``code = q + o``; ``o`` is 0 where the bias is the block's own minimum), float32
-    ``[rows, cols / 32]`` each. Layouts: ggml-common.h (``block_q5_0``: f16 d, 32 high bits,
-    nibbles, value ``d (q - 16)``; ``block_q5_1``: f16 d, f16 m, ``d q + m``; ``block_q5_K``:
-    f16 d, f16 dmin, Q4_K's 12 scale bytes, sub-block j ``d sc_j q - dmin m_j``;
-    ``block_iq4_nl``: f16 d, nibbles indexing ``kvalues_iq4nl``, ``d kvalues[q]``)."""
+    """Per group (32 values; 16 for Q6_K) of a Q5_0/Q5_1/Q5_K/IQ4_NL/Q6_K tensor: the scale,
+    the bias, and the integer offset ``o`` of the unsigned 8-bit code (``value = scale * code
+    + bias`` with ``code = q + o``; ``o`` is 0 where the bias is the block's own minimum),
+    float32 ``[rows, cols / group]`` each. Layouts (ggml-common.h): ``block_q5_0``: f16 d,
+    32 high bits, nibbles, value ``d (q - 16)``; ``block_q5_1``: f16 d, f16 m, ``d q + m``;
+    ``block_q5_K``: f16 d, f16 dmin, Q4_K's 12 scale bytes, sub-block j
+    ``d sc_j q - dmin m_j``; ``block_iq4_nl``: f16 d, nibbles indexing ``kvalues_iq4nl``,
+    ``d kvalues[q]``; ``block_q6_K``: 16 signed 8-bit sub-block scales and f16 d,
+    ``d sc_j (q - 32)``."""
+    if t == Q6_K:  # ql[128], qh[64], int8 scales[16], f16 d: sub-block j = d sc_j (q - 32)
+        sb = raw.reshape(rows, cols // 256, 210)
+        sc = sb[..., 192:208].view(np.int8).astype(np.float32)
+        scales = (_f16(sb, 208)[..., None] * sc).reshape(rows, -1)
+        return scales, scales * np.float32(-32), 32
     if t == Q5_K:
         sb = raw.reshape(rows, cols // 256, 176)
         sc, mn = _k_scales_mins(sb[..., 4:16])
@@ -403,7 +431,8 @@ def _group_affine(raw: np.ndarray, t: int, rows: int, cols: int
 
 
 def _widen_to_8_bits(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
-    """A Q5_0/Q5_1/Q5_K/IQ4_NL tensor as an MLX 8-bit affine triple, value for value.
+    """A Q5_0/Q5_1/Q5_K/IQ4_NL tensor as an MLX 8-bit affine triple with groups of 32, or a
+    Q6_K tensor with groups of 16 (for the native kernels only), value for value.
 
     The codes come from the ``gguf`` package's reference dequantization (no bit unpacking of
     our own): ``code = round((value - bias) / scale)`` per group, then the triple is decoded
@@ -419,24 +448,26 @@ def _widen_to_8_bits(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
     t = info.ggml_type
     with np.errstate(invalid="ignore", over="ignore"):  # a non-finite scale: refused below
         ref = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType(t))
-    ref = ref.astype(np.float32, copy=False).reshape(rows, cols // 32, 32)
     scales, biases, offset = _group_affine(raw, t, rows, cols)
+    group = cols // scales.shape[1]
+    ref = ref.astype(np.float32, copy=False).reshape(rows, cols // group, group)
     with np.errstate(divide="ignore", invalid="ignore"):
         code = np.rint((ref - biases[..., None]) / scales[..., None])
     code = np.where(scales[..., None] == 0, offset, code)  # all values equal the bias
     back = scales[..., None] * code + biases[..., None]
     if not (np.all((code >= 0) & (code <= 255)) and np.array_equal(back, ref)):
         raise ValueError(f"GGUF tensor {info.name!r} ({info.type_name}) does not map exactly "
-                         "onto 8-bit affine groups of 32")
+                         f"onto 8-bit affine groups of {group}")
     weight = np.ascontiguousarray(code.astype(np.uint8).reshape(rows, cols)).view("<u4")
     return QuantizedTensor(mx.array(weight), mx.array(scales), mx.array(biases), bits=8,
-                           source_type=info.type_name)
+                           source_type=info.type_name, group_size=group)
 
 
 #: Why a quantized GGML type is still dequantized to float32 at load (types not named here
 #: and not repacked: "no MLX layout implemented yet").
 _DEQUANTIZED_WHY = {
-    "Q6_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128",
+    "Q6_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128, and groups of 16 are "
+            "kept only for linear layers the native CPU kernels run",
     "Q3_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128",
     "Q2_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128",
 }
@@ -453,7 +484,8 @@ def describe_weights(index: GGUFIndex, tensors: dict[str, mx.array | QuantizedTe
         if t is None:
             continue
         if isinstance(t, QuantizedTensor):
-            how = f"kept as {t.bits}-bit affine"
+            how = f"kept as {t.bits}-bit affine" + (
+                f" (groups of {t.group_size})" if t.group_size != GROUP_SIZE else "")
             nbytes = t.weight.nbytes + t.scales.nbytes + t.biases.nbytes
         elif info.ggml_type in (F32, F16, BF16):
             how, nbytes = f"dense {str(t.dtype).removeprefix('mlx.core.')}", t.nbytes

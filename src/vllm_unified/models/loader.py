@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from vllm_unified.models.gguf import (
+    MLX_GROUP_SIZES,
     QuantizedTensor,
     describe_weights,
     gguf_to_hf_name,
@@ -78,6 +79,7 @@ def load_model(
     hf_config: Mapping[str, Any] | Any | None = None,
     dtype: mx.Dtype,
     keep_quantized: bool,
+    native_groups: bool = False,
 ) -> LoadedModel:
     """Load ``path`` into an mlx-lm model.
 
@@ -92,6 +94,10 @@ def load_model(
         keep_quantized: keep quantized weights quantized (``nn.QuantizedLinear`` /
             ``nn.QuantizedEmbedding``, MLX affine) where MLX can hold them exactly; otherwise
             dequantize them once, here, to ``dtype``.
+        native_groups: the native CPU kernels will run every ``nn.QuantizedLinear`` (MLX's
+            CPU backend, fp32, the extension built: ``cpu_kernels.keep_quantized_on_cpu``),
+            so GGUF Q6_K linear layers may stay quantized as 8-bit groups of 16, which MLX's
+            own quantized ops refuse. Off: they are dequantized.
 
     Raises:
         ValueError: unsupported architecture or config feature, GGUF tensor without a
@@ -105,7 +111,7 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{str(path)!r}: expected a .gguf file or a checkpoint folder")
-        loaded = _load_gguf(path, hf_config, dtype, keep_quantized)
+        loaded = _load_gguf(path, hf_config, dtype, keep_quantized, native_groups)
     else:
         loaded = _load_folder(path, hf_config, dtype, keep_quantized)
     logger.info("Loaded %s (%s, %s, %s) in %.2f s", path.name, loaded.config["model_type"],
@@ -240,7 +246,7 @@ def _gguf_hf_config(path: Path) -> dict[str, Any]:
 
 
 def _load_gguf(
-    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool
+    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_groups: bool
 ) -> LoadedModel:
     index = read_gguf_index(path)
     arch = index.architecture
@@ -253,7 +259,8 @@ def _load_gguf(
         raise ValueError(f"hf_config model_type {hf.get('model_type')!r} does not match the "
                          f"GGUF architecture {arch!r} ({model_type})")
     config = mlx_lm_config(hf)
-    tensors = read_gguf_tensors(path, index, quantized=keep_quantized)
+    tensors = read_gguf_tensors(path, index, quantized=keep_quantized,
+                                group16=keep_quantized and native_groups)
     for line in describe_weights(index, tensors):
         logger.info("GGUF weights %s", line)
 
@@ -291,9 +298,12 @@ def _load_gguf(
             qt = quantized_layers.get(p)
             if qt is None:
                 return False
-            return {"group_size": qt.group_size, "bits": qt.bits, "mode": "affine"}
+            # groups MLX cannot make (16) are built as 32 and resized below
+            return {"group_size": qt.group_size if qt.group_size in MLX_GROUP_SIZES else 32,
+                    "bits": qt.bits, "mode": "affine"}
 
         nn.quantize(model, class_predicate=predicate)
+        _resize_groups(model, quantized_layers)
 
     flat: dict[str, mx.array] = {}
     for name, value in weights.items():
@@ -309,6 +319,23 @@ def _load_gguf(
     model.eval()
     mx.eval(model.parameters())
     return LoadedModel(model, config, dtype, _has_quantized(model), "gguf")
+
+
+def _resize_groups(model: nn.Module, layers: Mapping[str, QuantizedTensor]) -> None:
+    """Give the layers whose groups MLX cannot make (8-bit groups of 16, for the native CPU
+    kernels: ``read_gguf_tensors(group16=True)``) their group size and scales/biases of the
+    loaded shapes (the values are loaded next). Only ``nn.QuantizedLinear`` may have them."""
+    modules = dict(model.named_modules())
+    for name, qt in layers.items():
+        if qt.group_size in MLX_GROUP_SIZES:
+            continue
+        module = modules[name]
+        if type(module) is not nn.QuantizedLinear:
+            raise ValueError(f"{name}: groups of {qt.group_size} ({qt.source_type}) are only "
+                             f"supported for linear layers, not {type(module).__name__}")
+        module.group_size = qt.group_size
+        module.scales = mx.zeros(qt.scales.shape, dtype=module.scales.dtype)
+        module.biases = mx.zeros(qt.biases.shape, dtype=module.biases.dtype)
 
 
 def _map_rows(

@@ -235,9 +235,10 @@ class MLXModelRunner:
         start = time.perf_counter()
         hf_config = self.model_config.hf_config.to_dict()
         path = self.model_config.model
+        native = not self.backend.keep_quantized and keep_quantized_on_cpu(self.dtype)
         self.loaded = load_model(
             _checkpoint_path(path), hf_config=hf_config, dtype=self.dtype,
-            keep_quantized=self.backend.keep_quantized or keep_quantized_on_cpu(self.dtype),
+            keep_quantized=self.backend.keep_quantized or native, native_groups=native,
         )
         self.model = self.loaded.model
         check_dtype_supported(self.model, self.dtype, self.backend.kind)
@@ -260,9 +261,8 @@ class MLXModelRunner:
         windows = {i: self._window(i) for i in self.layers.attention}
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype)
         if self.draft is not None:
-            self.draft.load(
-                _checkpoint_path(self.draft.model_config.model),
-                keep_quantized=self.backend.keep_quantized or keep_quantized_on_cpu(self.dtype))
+            self.draft.load(_checkpoint_path(self.draft.model_config.model),
+                            keep_quantized=self.backend.keep_quantized or native)
         logger.info(
             "vllm-unified: loaded %s (%s, %d layers, dtype %s, quantized=%s) in %.2f s; "
             "paged attention routed in %s; native CPU kernels: %s; fused projections: %s",
