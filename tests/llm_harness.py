@@ -7,7 +7,9 @@ reference of the differential tests).
 Usage: ``python tests/llm_harness.py SPEC.json OUT.json`` where SPEC holds
 ``{"model": str, "engine": {LLM kwargs}, "requests": [{"prompt" | "prompt_token_ids", "params":
 {SamplingParams kwargs}}], "rpc": [worker method names called before and after generation],
-"metrics": true for vLLM's counters after generation (needs ``"disable_log_stats": false``)}``.
+"metrics": true for vLLM's counters after generation (needs ``"disable_log_stats": false``),
+"rpc_workers": worker methods whose results from every worker are kept (pipeline stages),
+"rounds": how many times the requests are generated (outputs of all rounds, in order)}``.
 Logprobs come back as ``[token_id, logprob, rank]`` lists, most likely first.
 """
 
@@ -33,7 +35,9 @@ def main(spec_path: str, out_path: str) -> None:
         else:
             prompts.append(req["prompt"])
         params.append(SamplingParams(**_params(req.get("params", {}))))
-    results = llm.generate(prompts, params, use_tqdm=False)
+    results = []
+    for _ in range(spec.get("rounds", 1)):
+        results += llm.generate(prompts, params, use_tqdm=False)
     outputs = []
     for res in results:
         completions = []
@@ -58,6 +62,8 @@ def main(spec_path: str, out_path: str) -> None:
         "rpc_before": before,
         "rpc_after": after,
     }
+    if spec.get("rpc_workers"):
+        out["rpc_workers"] = {name: llm.collective_rpc(name) for name in spec["rpc_workers"]}
     if spec.get("metrics"):
         out["metrics"] = _counters(llm)
     with open(out_path, "w", encoding="utf-8") as f:

@@ -95,6 +95,10 @@ _LAZY: dict[str, str] = {
     "get_kv_transfer_group": "vllm.distributed.kv_transfer",
     "init_distributed_environment": "vllm.distributed",
     "ensure_model_parallel_initialized": "vllm.distributed",
+    # Pipeline parallelism (vllm_unified.distributed): vLLM's stage split and PP group.
+    "get_pp_group": "vllm.distributed",
+    "get_pp_indices": "vllm.distributed.utils",
+    "IntermediateTensors": "vllm.sequence",
     # Quantized KV cache formats (kv/quant.py): vLLM's names, dtypes and RHT signs.
     "KVQuantMode": "vllm.v1.kv_cache_interface",
     "get_kv_quant_mode": "vllm.v1.kv_cache_interface",

@@ -112,7 +112,11 @@ class MLXPlatform(Platform):
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
-        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+        """torch.distributed over gloo for every group (pipeline stages on one machine or
+        several: plain TCP). vLLM's CpuCommunicator would need its CPU worker's shared-memory
+        set-up (``VLLM_DIST_IDENT``) and only works within one machine."""
+        return ("vllm.distributed.device_communicators.base_device_communicator."
+                "DeviceCommunicatorBase")
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
@@ -245,13 +249,7 @@ class MLXPlatform(Platform):
         """
         versions.check_once()
         parallel = vllm_config.parallel_config
-        for flag, size in (
-            ("--tensor-parallel-size", parallel.tensor_parallel_size),
-            ("--pipeline-parallel-size", parallel.pipeline_parallel_size),
-            ("--data-parallel-size", parallel.data_parallel_size),
-        ):
-            if size != 1:
-                raise ValueError(f"{flag} {size}: vllm-unified runs on one MLX device; use 1")
+        _parallel_sizes_policy(parallel)
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER_CLS
         if parallel.distributed_executor_backend not in (None, "uni", "mp"):
@@ -259,7 +257,8 @@ class MLXPlatform(Platform):
                 f"--distributed-executor-backend {parallel.distributed_executor_backend}: "
                 "vllm-unified supports 'uni' or 'mp'"
             )
-        parallel.distributed_executor_backend = parallel.distributed_executor_backend or "uni"
+        parallel.distributed_executor_backend = parallel.distributed_executor_backend or (
+            "mp" if parallel.world_size > 1 else "uni")
         parallel.disable_custom_all_reduce = True
 
         # MLX runs the model: no torch.compile, no CUDA graphs.
@@ -288,6 +287,7 @@ class MLXPlatform(Platform):
         cache = vllm_config.cache_config
         hybrid = _hybrid_policy(vllm_config)
         _speculative_policy(vllm_config, hybrid)
+        _pipeline_policy(vllm_config, hybrid)
         # Async scheduling is tested with plain decoder models; hybrid models (state pages) and
         # KV offloading (the connector reads the pool each step) run steps synchronously.
         sched = vllm_config.scheduler_config
@@ -391,6 +391,53 @@ class MLXAttentionKernel:
     @staticmethod
     def customize_spec(spec: Any) -> Any:
         return spec  # pages are vLLM's FullAttentionSpec pages, unchanged
+
+
+def _parallel_sizes_policy(parallel: Any) -> None:
+    """Tensor parallelism refused (one MLX device per unified-memory machine: a layer split
+    over machines would cross the network twice per layer; pipeline stages cross it once per
+    stage). Pipeline and data parallelism go through vLLM's own executors and engines.
+
+    Raises:
+        ValueError: ``--tensor-parallel-size`` other than 1, naming the alternative.
+    """
+    if parallel.tensor_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-parallel-size {parallel.tensor_parallel_size}: vllm-unified runs one "
+            "MLX device per machine, and tensor parallelism across machines would exchange "
+            "activations twice per layer; use --pipeline-parallel-size N to spread the layers "
+            "over N machines (or processes), or --data-parallel-size N for more engines")
+
+
+def _pipeline_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
+    """What ``--pipeline-parallel-size`` > 1 runs with here, refused at start-up by flag.
+
+    Raises:
+        ValueError: an executor other than ``mp``, a model type outside
+            :data:`~vllm_unified.distributed.pipeline.PP_MODEL_TYPES` (or hybrid),
+            speculative decoding, or a KV connector (``--kv-offloading-size``).
+    """
+    from vllm_unified.distributed.pipeline import PP_MODEL_TYPES
+
+    parallel = vllm_config.parallel_config
+    size = parallel.pipeline_parallel_size
+    if size == 1:
+        return
+    flag = f"--pipeline-parallel-size {size}"
+    if parallel.distributed_executor_backend != "mp":
+        raise ValueError(f"{flag}: needs --distributed-executor-backend mp (one worker process "
+                         f"per stage), not {parallel.distributed_executor_backend}")
+    model = vllm_config.model_config
+    model_type = getattr(model.hf_config, "model_type", None) if model is not None else None
+    if hybrid or model_type not in PP_MODEL_TYPES:
+        raise ValueError(f"{flag}: model type {model_type!r} is not supported with pipeline "
+                         f"parallelism by vllm-unified (supported: {', '.join(PP_MODEL_TYPES)})")
+    if vllm_config.speculative_config is not None:
+        raise ValueError(f"{flag}: --speculative-config is not supported with pipeline "
+                         "parallelism by vllm-unified yet")
+    if vllm_config.kv_transfer_config is not None:
+        raise ValueError(f"{flag}: KV offloading (--kv-offloading-size / --kv-transfer-config) "
+                         "is not supported with pipeline parallelism by vllm-unified yet")
 
 
 def _hybrid_policy(vllm_config: VllmConfig) -> bool:

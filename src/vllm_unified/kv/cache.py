@@ -35,7 +35,7 @@ from vllm_unified.kv.block_translation import (
     select_kernel_block_size,
 )
 from vllm_unified.kv.hybrid import HybridLayers
-from vllm_unified.kv.layer_cache import PagedLayerCache, StateLayerCache
+from vllm_unified.kv.layer_cache import MissingLayerCache, PagedLayerCache, StateLayerCache
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.quant import KVFormat, attention_spec, kv_format, tokens_per_gib
 from vllm_unified.kv.state_pages import StatePages, StateStore, build_state_metadata, page_rows
@@ -264,9 +264,11 @@ class KVCache:
                 "blocks are written")
 
     def _layer_caches(self, pool: KVPool, store: StateStore | None) -> list[Any]:
-        """One cache per model layer: paged attention (pool layer = attention ordinal) or
-        state pages."""
-        caches: list[Any] = [None] * (len(self.layers.attention) + len(self.layers.recurrent))
+        """One cache per model layer: paged attention (pool layer = attention ordinal), state
+        pages, or :class:`~vllm_unified.kv.layer_cache.MissingLayerCache` for a layer of
+        another pipeline stage."""
+        # a layer another pipeline stage holds only answers mask construction
+        caches: list[Any] = [MissingLayerCache() for _ in range(self.layers.num_layers)]
         for j, i in enumerate(self.layers.attention):
             caches[i] = PagedLayerCache(pool, j, self.profile)
         for i in self.layers.recurrent:

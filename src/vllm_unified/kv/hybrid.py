@@ -97,14 +97,18 @@ class HybridLayers:
     """The runner's view of a model's layer kinds: attention layers (on the paged KV pool, in
     pool order) and recurrent layers (on state pages), plus the state store once bound.
 
-    For a model that is not hybrid every layer is an attention layer.
+    For a model that is not hybrid every layer is an attention layer. ``held``: the layer
+    indices this worker holds (a pipeline stage's; default all): only they have pages here.
     """
 
-    def __init__(self, model_type: str, num_layers: int, recurrent: list[int]) -> None:
+    def __init__(self, model_type: str, num_layers: int, recurrent: list[int],
+                 held: range | None = None) -> None:
         self.model_type = model_type
-        self.recurrent = list(recurrent)
+        self.num_layers = num_layers
+        held = range(num_layers) if held is None else held
+        self.recurrent = [i for i in recurrent if i in held]
         rec = set(self.recurrent)
-        self.attention = [i for i in range(num_layers) if i not in rec]
+        self.attention = [i for i in held if i not in rec]
         #: request id -> its state slot per state group, recorded when first scheduled, for
         #: the last ``SLOT_HISTORY`` requests (tests check that a finished request's slot is
         #: reused cleanly; bounded so a long-running server does not grow it)

@@ -94,6 +94,18 @@ class PagedLayerCache:
         raise NotImplementedError("the paged cache state lives in the KV pool")
 
 
+class MissingLayerCache:
+    """The cache of a layer another pipeline stage holds: it only answers mlx-lm's mask
+    construction (a model may build its masks from any layer's cache)."""
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803
+    ) -> PagedMask:
+        if return_array:
+            raise NotImplementedError("paged attention does not materialise dense masks")
+        return PagedMask(window_size)
+
+
 class StateLayerCache:
     """What a recurrent layer gets as its "cache" in the token-major forward: its state pages
     and its KV-cache group."""

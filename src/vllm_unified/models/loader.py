@@ -17,6 +17,7 @@ silently run with rope theta 10000 instead of 100000.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from vllm_unified.distributed.pipeline import PipelineStage, prune_model
 from vllm_unified.models.gguf import (
     MLX_GROUP_SIZES,
     QuantizedTensor,
@@ -80,6 +82,7 @@ def load_model(
     dtype: mx.Dtype,
     keep_quantized: bool,
     native_groups: bool = False,
+    stage: PipelineStage | None = None,
 ) -> LoadedModel:
     """Load ``path`` into an mlx-lm model.
 
@@ -98,6 +101,9 @@ def load_model(
             CPU backend, fp32, the extension built: ``cpu_kernels.keep_quantized_on_cpu``),
             so GGUF Q6_K linear layers may stay quantized as 8-bit groups of 16, which MLX's
             own quantized ops refuse. Off: they are dequantized.
+        stage: the pipeline stage this process runs (``--pipeline-parallel-size``): only its
+            layers' weights are evaluated and kept (:func:`~vllm_unified.distributed.pipeline.
+            prune_model`). None: the whole model.
 
     Raises:
         ValueError: unsupported architecture or config feature, GGUF tensor without a
@@ -111,9 +117,9 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{str(path)!r}: expected a .gguf file or a checkpoint folder")
-        loaded = _load_gguf(path, hf_config, dtype, keep_quantized, native_groups)
+        loaded = _load_gguf(path, hf_config, dtype, keep_quantized, native_groups, stage)
     else:
-        loaded = _load_folder(path, hf_config, dtype, keep_quantized)
+        loaded = _load_folder(path, hf_config, dtype, keep_quantized, stage)
     logger.info("Loaded %s (%s, %s, %s) in %.2f s", path.name, loaded.config["model_type"],
                 loaded.source, "quantized" if loaded.quantized else f"dense {dtype}",
                 time.perf_counter() - start)
@@ -246,7 +252,8 @@ def _gguf_hf_config(path: Path) -> dict[str, Any]:
 
 
 def _load_gguf(
-    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_groups: bool
+    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_groups: bool,
+    stage: PipelineStage | None,
 ) -> LoadedModel:
     index = read_gguf_index(path)
     arch = index.architecture
@@ -290,6 +297,9 @@ def _load_gguf(
     model = model_class(args_class.from_dict(config))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
+    if stage is not None and stage.size > 1:
+        prune_model(model, stage, model_type)
+        weights = _held_weights(model, weights)
 
     quantized_layers = {k.removesuffix(".weight"): v for k, v in weights.items()
                         if isinstance(v, QuantizedTensor)}
@@ -319,6 +329,19 @@ def _load_gguf(
     model.eval()
     mx.eval(model.parameters())
     return LoadedModel(model, config, dtype, _has_quantized(model), "gguf")
+
+
+def _held_weights(model: nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` without those of the modules :func:`prune_model` removed (another pipeline
+    stage's layers, embedding, norm or LM head); any other name is kept for
+    :func:`_check_names` to judge."""
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    return {k: v for k, v in weights.items() if k in expected or not _STAGE_OWNED.match(k)}
+
+
+#: weight names a pipeline stage may not hold (mlx-lm / HF names)
+_STAGE_OWNED = re.compile(r"^(model\.layers\.\d+\.|model\.embed_tokens\.|model\.norm\.|"
+                          r"lm_head\.)")
 
 
 def _resize_groups(model: nn.Module, layers: Mapping[str, QuantizedTensor]) -> None:
@@ -376,7 +399,8 @@ def _check_names(model: nn.Module, weights: Mapping[str, mx.array],
 
 
 def _load_folder(
-    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool
+    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool,
+    stage: PipelineStage | None,
 ) -> LoadedModel:
     from mlx_lm.utils import dequantize_model, load_config
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -396,6 +420,8 @@ def _load_folder(
     config = mlx_lm_config({**raw, **_as_dict(hf_config)})
     model, config = mlx_lm_load_model(path, lazy=True, strict=True, model_config=config,
                                       get_model_classes=_model_classes)
+    if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
+        prune_model(model, stage, config["model_type"])
     if not keep_quantized and _has_quantized(model):
         model = dequantize_model(model)
     model.update(_cast_floats(model.parameters(), dtype))

@@ -66,7 +66,8 @@ def install_paged_attention(model: Any, recurrent: Collection[int] = ()) -> list
     """Route the attention of every module that defines a layer of ``model`` to
     :func:`paged_sdpa` (an architecture built from another's layers is covered too).
 
-    ``recurrent``: indices of state-space layers (hybrid models), which have no attention.
+    ``recurrent``: indices of layers without attention here: state-space layers (hybrid
+    models) and layers another pipeline stage holds.
     Idempotent. Returns the names of the modules patched, for the log.
 
     Raises:

@@ -89,6 +89,19 @@ class RequestState:
         self.token_ids = list(token_ids)
         self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]
 
+    def set_scheduled_tokens(self, start: int, tokens: list[int]) -> None:
+        """Make ``tokens`` the known tokens from position ``start`` on (the scheduler's copy,
+        with pipeline parallelism); the output list keeps its identity.
+
+        Raises:
+            RuntimeError: ``start`` is past the known tokens (a token would be missing).
+        """
+        if start > len(self.token_ids):
+            raise RuntimeError(f"request {self.req_id!r}: tokens from position {start} sent, "
+                               f"but only {len(self.token_ids)} are known")
+        self.token_ids[start:start + len(tokens)] = tokens
+        self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]
+
     def truncate_outputs(self, num_output: int) -> None:
         del self.token_ids[self.num_prompt_tokens + num_output:]
         del self.output_token_ids[num_output:]
@@ -163,6 +176,10 @@ class InputBatch:
             elif num_output < state.num_output_tokens:
                 # Tokens the scheduler did not accept (e.g. sampled past a stop) are dropped.
                 state.truncate_outputs(num_output)
+            if cached.new_token_ids:
+                # Pipeline parallelism: the scheduler sends the tokens to feed (a stage before
+                # the last samples nothing; on the last they are the ones it sampled).
+                state.set_scheduled_tokens(state.num_computed_tokens, cached.new_token_ids[i])
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 self.num_resumed += 1

@@ -35,6 +35,7 @@ from vllm_unified.bridge import mlx_dtype
 from vllm_unified.compat import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     GrammarOutput,
+    IntermediateTensors,
     KVCacheConfig,
     KVCacheSpec,
     LogprobsTensors,
@@ -45,6 +46,7 @@ from vllm_unified.compat import (
     VllmConfig,
     init_logger,
 )
+from vllm_unified.distributed.pipeline import HIDDEN, PipelineStage
 from vllm_unified.envs import COMPILE_DECODE_ENV
 from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
@@ -216,6 +218,8 @@ class MLXModelRunner:
         self._unresolved: list[MLXAsyncOutput] = []
         self._pending: _PendingStep | None = None
         self.kv_connector = KVConnectorHooks(vllm_config)
+        #: the pipeline stage this worker runs (set when the model loads)
+        self.stage: PipelineStage | None = None
         #: start time of the previous step if it was pure decode (for RunnerStats.decode_*)
         self._decode_started: float | None = None
 
@@ -236,25 +240,28 @@ class MLXModelRunner:
         hf_config = self.model_config.hf_config.to_dict()
         path = self.model_config.model
         native = not self.backend.keep_quantized and keep_quantized_on_cpu(self.dtype)
+        pc = self.vllm_config.parallel_config
+        self.stage = PipelineStage.of_this_worker(
+            self.model_config.get_total_num_hidden_layers(), pc.pipeline_parallel_size)
         self.loaded = load_model(
             _checkpoint_path(path), hf_config=hf_config, dtype=self.dtype,
             keep_quantized=self.backend.keep_quantized or native, native_groups=native,
+            stage=self.stage,
         )
         self.model = self.loaded.model
         check_dtype_supported(self.model, self.dtype, self.backend.kind)
         model_type = self.loaded.config["model_type"]
         num_layers = len(self.model.layers)
+        if num_layers != self.stage.num_layers:
+            raise ValueError(f"mlx-lm built {num_layers} layers but vLLM's config has "
+                             f"{self.stage.num_layers}")
         self.layers = HybridLayers(model_type, num_layers,
-                                   install_recurrent_mixers(model_type, self.model))
-        patched = install_paged_attention(self.model, self.layers.recurrent)
+                                   install_recurrent_mixers(model_type, self.model),
+                                   held=self.stage.layers)
+        patched = install_paged_attention(
+            self.model, [i for i in range(num_layers) if i not in self.layers.attention])
         cpu_kernels = install_cpu_kernels(self.model)
         fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
-        if num_layers != self.model_config.get_num_layers(self.vllm_config.parallel_config):
-            raise ValueError(
-                f"mlx-lm built {num_layers} layers but vLLM's config has "
-                f"{self.model_config.get_num_layers(self.vllm_config.parallel_config)}"
-            )
-        pc = self.vllm_config.parallel_config
         shape = AttentionShape(self.model_config.get_num_kv_heads(pc),
                                self.model_config.get_head_size(), self.model_config.dtype,
                                self.vllm_config.cache_config.cache_dtype or "auto")
@@ -271,6 +278,8 @@ class MLXModelRunner:
             ", ".join(cpu_kernels) or "(none)",
             ", ".join(f"{n} {name}" for name, n in fused.items()) or "(none)",
         )
+        if self.stage.size > 1:
+            logger.info("vllm-unified: %s", self.stage.describe())
 
     @property
     def block_size(self) -> int:
@@ -330,7 +339,8 @@ class MLXModelRunner:
         paged GPU attention kernel, no recurrent layers, not turned off by its variable."""
         head_dim = self.model_config.get_head_size()
         if not (self.kv_cache.pool.cuda_write and gpu_attention_routed(head_dim, self.backend)
-                and not self.layers.is_hybrid and self.backend.compile_decode):
+                and not self.layers.is_hybrid and self.backend.compile_decode
+                and self.stage.size == 1):
             return None
         logger.info("vllm-unified: pure-decode steps run as one compiled MLX graph "
                     "(mx.compile, one trace per batch size; %s=0 turns it off)",
@@ -372,15 +382,23 @@ class MLXModelRunner:
             num_prompt_logprobs=num_prompt_logprobs,
         )
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, hidden_in: mx.array | None = None
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
         """Run one scheduler step: update request states, one forward, sample.
+
+        Args:
+            hidden_in: with pipeline parallelism, on every stage but the first: the previous
+                stage's ``[T, D]`` hidden states of this step.
 
         Returns:
             ``ModelRunnerOutput`` with one entry per scheduled request (``[]`` for a request
             whose prefill chunk does not reach the end of its prompt); None when the step has
-            structured-output requests or async scheduling is on: vLLM's engine then computes
-            the grammar bitmask and calls :meth:`sample_tokens`, which samples from this
-            step's logits.
+            structured-output requests, async scheduling is on or this is the last of several
+            pipeline stages (vLLM's batch queue): vLLM's engine then computes the grammar
+            bitmask and calls :meth:`sample_tokens`, which samples from this step's logits.
+            On a pipeline stage before the last: ``IntermediateTensors`` with the step's
+            hidden states for the next stage (a torch view of the evaluated MLX array).
 
         Raises:
             RuntimeError: called before the previous step's ``sample_tokens``; speculative
@@ -407,8 +425,10 @@ class MLXModelRunner:
             return self.kv_connector.empty_step(scheduler_output)
 
         inputs = self._prepare_inputs(scheduler_output)
+        if not self.stage.is_last:
+            return self._forward_to_next_stage(inputs, hidden_in)
         with self.kv_connector.step(scheduler_output) as kv_output:
-            pending = self._model_forward(inputs, scheduler_output)
+            pending = self._model_forward(inputs, scheduler_output, hidden_in)
         pending.kv_output = kv_output
         pending.started = started
         if inputs.ctx.attn.is_pure_decode:
@@ -416,7 +436,8 @@ class MLXModelRunner:
             if previous_decode is not None:  # two decode steps in a row: one whole period
                 self.stats.decode_steps += 1
                 self.stats.decode_period_s += started - previous_decode
-        if scheduler_output.has_structured_output_requests or self.async_scheduling:
+        if (scheduler_output.has_structured_output_requests or self.async_scheduling
+                or self.stage.size > 1):
             self._pending = pending
             return None
         return self._finish_step(pending, self._sample(pending, None))
@@ -511,10 +532,24 @@ class MLXModelRunner:
             logger.info(line)
         return output
 
-    def _model_forward(self, inputs: _StepInputs, scheduler_output: SchedulerOutput
-                       ) -> _PendingStep:
-        """The step's one forward under its step context; the MLX rows are sampled in the
-        same evaluation as the forward and the KV writes."""
+    def _forward_to_next_stage(self, inputs: _StepInputs,
+                               hidden_in: mx.array | None) -> IntermediateTensors:
+        """A pipeline stage before the last: its layers over the step (KV writes included),
+        evaluated, as ``IntermediateTensors`` for the next stage."""
+        self._timer.mark("prepare")
+        with set_step_context(inputs.ctx):
+            hidden = forward_hidden(self.model, self.kv_cache.layer_caches,
+                                    mx.array(inputs.step.input_ids), hidden_in)
+        mx.eval(hidden, self.kv_cache.arrays())
+        self.stats.forwards += 1
+        self.stats.tokens += int(inputs.step.input_ids.size)
+        return IntermediateTensors({HIDDEN: mlx_to_torch(hidden, self.backend.logits_zero_copy)})
+
+    def _model_forward(self, inputs: _StepInputs, scheduler_output: SchedulerOutput,
+                       hidden_in: mx.array | None = None) -> _PendingStep:
+        """The step's one forward under its step context (from ``hidden_in`` on a later
+        pipeline stage); the MLX rows are sampled in the same evaluation as the forward and
+        the KV writes."""
         step, states, mlx_idx = inputs.step, inputs.states, inputs.mlx_idx
         self._timer.mark("prepare")
         if self.compiled_decode is not None and inputs.ctx.attn.is_pure_decode:
@@ -523,7 +558,8 @@ class MLXModelRunner:
         else:
             with set_step_context(inputs.ctx):
                 input_ids = feed_pending(mx.array(step.input_ids), step.pending_rows)
-                logits = self.forward(input_ids, inputs.logit_rows)
+                logits = forward(self.model, self.kv_cache.layer_caches, input_ids,
+                                 inputs.logit_rows, hidden_in)
         mlx_rows = [self._sampling_row(step.req_ids[i]) for i in mlx_idx]
         tokens = None
         if mlx_rows:
@@ -746,6 +782,12 @@ class MLXModelRunner:
         )
 
     # ----------------------------------------------------------------------------- memory
+    def weights_nbytes(self) -> int:
+        """Bytes of the model's parameters this process holds (a pipeline stage: its own)."""
+        from mlx.utils import tree_flatten
+
+        return sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+
     def profile_activations(self, num_tokens: int) -> int:
         """Peak MLX memory (bytes) above what is allocated now, of one prefill forward over
         ``num_tokens`` tokens of a single sequence (the largest attention a step can hold),
@@ -758,7 +800,7 @@ class MLXModelRunner:
         mx.reset_peak_memory()
         ids = mx.zeros((num_tokens,), dtype=mx.int32)
         with set_step_context(ctx):
-            logits = forward(self.model, caches, ids, np.array([num_tokens - 1], np.int32))
+            logits = self._stage_forward(caches, ids, np.array([num_tokens - 1], np.int32))
         mx.eval(logits, arrays())
         peak = mx.get_peak_memory() - base
         del caches, ctx, arrays, logits
@@ -773,13 +815,28 @@ class MLXModelRunner:
         n = min(self.block_size, self.model_config.max_model_len)
         ctx = self.kv_cache.step_context([n], [n], np.zeros((1, 1), dtype=np.int32), None)
         with set_step_context(ctx):
-            logits = self.forward(mx.zeros((n,), dtype=mx.int32), np.array([n - 1], np.int32))
+            logits = self._stage_forward(self.kv_cache.layer_caches,
+                                         mx.zeros((n,), dtype=mx.int32),
+                                         np.array([n - 1], np.int32))
         mx.eval(logits, self.kv_cache.arrays())
         return time.perf_counter() - start
+
+    def _stage_forward(self, caches: list[Any], input_ids: mx.array,
+                       rows: np.ndarray) -> mx.array:
+        """A dummy forward of this pipeline stage alone (profiling, warm-up): zero hidden
+        states in on a later stage, hidden states out (no LM head) before the last."""
+        hidden_in = None
+        if not self.stage.is_first:
+            width = int(self.loaded.config["hidden_size"])
+            hidden_in = mx.zeros((input_ids.shape[0], width), dtype=self.dtype)
+        if not self.stage.is_last:
+            return forward_hidden(self.model, caches, input_ids, hidden_in)
+        return forward(self.model, caches, input_ids, rows, hidden_in)
 
 
 def forward(
     model: nn.Module, layer_caches: list[Any], input_ids: mx.array, rows: np.ndarray,
+    input_embeddings: mx.array | None = None,
 ) -> mx.array:
     """One token-major forward of an mlx-lm model over the paged cache (lazy). Call it inside
     :func:`~vllm_unified.forward_context.set_step_context` with the step's context.
@@ -790,16 +847,36 @@ def forward(
         input_ids: ``[T]`` int32 token ids, one row per scheduled token.
         rows: ``[R]`` int32 rows whose logits are needed (numpy, or an MLX array): the rows
             that sample, plus prompt rows only for requests that asked for prompt logprobs.
+        input_embeddings: ``[T, D]`` hidden states fed instead of the token embedding (a
+            later pipeline stage: the previous stage's output), or None.
 
     Returns:
         ``[R, V]`` logits in the model dtype (the LM head runs on those rows only).
     """
-    hidden = model.model(input_ids[:, None], cache=layer_caches)  # [T, 1, D]
+    hidden = _inner_forward(model, layer_caches, input_ids, input_embeddings)  # [T, 1, D]
     if rows.size:
         hidden = hidden[rows if isinstance(rows, mx.array) else mx.array(rows), 0, :]
     else:
         hidden = hidden[:0, 0, :]
     return _lm_head(model, hidden)
+
+
+def forward_hidden(
+    model: nn.Module, layer_caches: list[Any], input_ids: mx.array,
+    input_embeddings: mx.array | None,
+) -> mx.array:
+    """:func:`forward` of a pipeline stage before the last (lazy): ``[T, D]`` hidden states
+    after this stage's layers (its final norm is the identity: the residual stream)."""
+    return _inner_forward(model, layer_caches, input_ids, input_embeddings)[:, 0, :]
+
+
+def _inner_forward(model: nn.Module, layer_caches: list[Any], input_ids: mx.array,
+                   input_embeddings: mx.array | None) -> mx.array:
+    """The mlx-lm inner model over ``[T, 1]`` rows: ``[T, 1, D]``."""
+    if input_embeddings is None:
+        return model.model(input_ids[:, None], cache=layer_caches)
+    return model.model(input_ids[:, None], cache=layer_caches,
+                       input_embeddings=input_embeddings[:, None, :])
 
 
 def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:

@@ -14,6 +14,7 @@ import multiprocessing
 import resource
 import sys
 import time
+from dataclasses import replace
 
 import psutil
 import torch
@@ -22,6 +23,7 @@ from vllm_unified.backend import detect_backend, import_mlx
 from vllm_unified.backend import profile as resolve_profile
 from vllm_unified.compat import (
     CompilationTimes,
+    IntermediateTensors,
     KVCacheConfig,
     KVCacheSpec,
     ModelRunnerOutput,
@@ -30,6 +32,7 @@ from vllm_unified.compat import (
     WorkerBase,
     init_logger,
 )
+from vllm_unified.distributed.pipeline import init_stage_groups, recv_hidden, send_intermediate
 from vllm_unified.memory.budget import compute_kv_budget, read_device_memory
 from vllm_unified.memory.wired import configure_wired_limit
 from vllm_unified.offload.runner import init_single_rank_groups
@@ -92,7 +95,11 @@ class MLXWorker(WorkerBase):
         self.device = torch.device("cpu")  # vLLM's bookkeeping tensors live on the host
         seed = self.model_config.seed if self.model_config.seed is not None else 0
         mx.random.seed(seed % 2**64)  # MLX takes an unsigned 64-bit seed, vLLM a signed one
-        init_single_rank_groups(self.vllm_config, self.distributed_init_method)
+        if self.parallel_config.world_size > 1:
+            init_stage_groups(self.vllm_config, self.rank, self.local_rank,
+                              self.distributed_init_method)
+        else:
+            init_single_rank_groups(self.vllm_config, self.distributed_init_method)
         # Before any weight is allocated, so the weights are wired as they load (Metal only).
         configure_wired_limit(mx, info.kind, logger)
         from vllm_unified.worker.model_runner import MLXModelRunner
@@ -148,6 +155,11 @@ class MLXWorker(WorkerBase):
             mx.set_cache_limit(activations)
         mem = read_device_memory(mx, info.kind, rss=psutil.Process().memory_info().rss,
                                  ram=info.total_memory)
+        sharing = self._engine_processes_on_this_machine()
+        if info.unified and sharing > 1:
+            # Pipeline stages and data-parallel engines on one machine share its RAM: each
+            # takes its share of --gpu-memory-utilization x RAM.
+            mem = replace(mem, total=mem.total // sharing)
         budget = compute_kv_budget(
             total=mem.total,
             utilization=cache.gpu_memory_utilization,
@@ -159,19 +171,31 @@ class MLXWorker(WorkerBase):
             max_model_len=self.model_config.max_model_len,
             kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
         )
+        where = self.model_runner.stage.describe() + ": " if self.model_runner.stage.size > 1 \
+            else ""
+        if info.unified and sharing > 1:
+            where += (f"RAM shared by {sharing} worker processes on this machine (total below is "
+                      "this worker's share); ")
         if budget.explicit:
-            logger.info("vllm-unified: %s%s", budget.describe(),
+            logger.info("vllm-unified: %s%s%s", where, budget.describe(),
                         f"; MLX buffer cache capped at {activations / 2**30:.2f} GiB (profiled)"
                         if activations else "")
         else:
             logger.info(
-                "vllm-unified: %s; activations: %.2f GiB for a %d-token chunk (profiling forward "
-                "of %d tokens in %.2f s, scaled, plus its attention scores), plus logits of %d "
-                "sampled rows; MLX buffer cache capped at %.2f GiB",
-                budget.describe(), activations / 2**30, tokens, min(tokens, _PROFILE_TOKENS),
+                "vllm-unified: %s%s; activations: %.2f GiB for a %d-token chunk (profiling "
+                "forward of %d tokens in %.2f s, scaled, plus its attention scores), plus logits "
+                "of %d sampled rows; MLX buffer cache capped at %.2f GiB",
+                where, budget.describe(), activations / 2**30, tokens, min(tokens, _PROFILE_TOKENS),
                 time.perf_counter() - start, sched.max_num_seqs, activations / 2**30,
             )
         return budget.budget
+
+    def _engine_processes_on_this_machine(self) -> int:
+        """Worker processes of this model on this machine: this engine's local pipeline
+        stages times its local data-parallel engines (vLLM's ``local_world_size`` and
+        ``data_parallel_size_local``)."""
+        pc = self.parallel_config
+        return max(pc.local_world_size, 1) * max(pc.data_parallel_size_local, 1)
 
     def _activation_peak(self, tokens: int) -> int:
         """Activation bytes of the largest step: one sequence's chunk of ``tokens`` tokens.
@@ -204,8 +228,20 @@ class MLXWorker(WorkerBase):
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's forward and, unless it has structured-output requests (then None:
-        vLLM calls :meth:`sample_tokens` with the grammar bitmask), its sampling."""
-        return self.model_runner.execute_model(scheduler_output)
+        vLLM calls :meth:`sample_tokens` with the grammar bitmask), its sampling.
+
+        With pipeline parallelism (as vLLM's GPU worker) a stage after the first receives the
+        step's hidden states from the previous one, and a stage before the last sends its
+        own to the next and returns None (the last stage's output is the step's)."""
+        hidden_in = None
+        stage = self.model_runner.stage
+        if not stage.is_first and scheduler_output.total_num_scheduled_tokens > 0:
+            hidden_in = recv_hidden()
+        output = self.model_runner.execute_model(scheduler_output, hidden_in)
+        if isinstance(output, IntermediateTensors):
+            send_intermediate(output)
+            return None
+        return output
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
@@ -244,7 +280,8 @@ class MLXWorker(WorkerBase):
 
     def memory_report(self) -> dict[str, int]:
         """Resident memory (bytes) of this process now, after weight load and after the KV
-        cache was allocated, and the KV pool's size (``LLM.collective_rpc("memory_report")``).
+        cache was allocated, the KV pool's size and the bytes of the model weights this
+        process holds (``LLM.collective_rpc("memory_report")``).
 
         MLX's buffer cache and malloc's free lists are emptied first, so "now" counts live
         memory (weights, KV pages written, runtime), not recyclable scratch.
@@ -256,6 +293,7 @@ class MLXWorker(WorkerBase):
                 "rss_after_load": self.rss_after_load,
                 "rss_after_kv_init": self.rss_after_kv_init,
                 "kv_pool_bytes": self.model_runner.pool.nbytes,
+                "weights_bytes": self.model_runner.weights_nbytes(),
                 # ru_maxrss is in KiB on Linux (bytes on macOS)
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 * (1 if sys.platform == "darwin" else 1024)}
