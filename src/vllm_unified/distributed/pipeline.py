@@ -5,30 +5,32 @@ vLLM splits the decoder layers over ``--pipeline-parallel-size`` stages with its
 states from one stage to the next through its pipeline group (``get_pp_group()``: gloo over TCP
 for CPU tensors), as ``IntermediateTensors``. Here a stage:
 
-* keeps only its layers' weights: the other decoder layers become :class:`MissingLayer`
-  (no parameters; an identity in the model's own layer loop), the token embedding stays on the
-  first stage (and on the last when the LM head is the tied embedding), the final norm and the
-  LM head on the last;
+* keeps only its layers' weights (:func:`vllm_unified.models.pipeline_layers.prune_model`): the
+  other decoder layers become parameterless identities in the model's own layer loop, the
+  token embedding stays on the first stage (and on the last when the LM head is the tied
+  embedding), the final norm and the LM head on the last;
 * runs the mlx-lm model's own forward over all layer indices (masks and per-layer choices keep
   their meaning), with :class:`~vllm_unified.kv.layer_cache.MissingLayerCache` for the layers
   it does not hold;
 * sends ``[T, D]`` hidden states (the residual stream before the final norm) to the next stage
   as a torch view of the MLX array, and adopts what it receives without a copy
   (:mod:`vllm_unified.bridge`).
+
+Nothing here imports MLX at module import: the worker module imports this before
+:func:`vllm_unified.backend.import_mlx` has interposed the fast BLAS.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import mlx.core as mx
-import mlx.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from vllm_unified import bridge, compat
 
-__all__ = ["PP_MODEL_TYPES", "MissingLayer", "PipelineStage",
-           "init_stage_groups", "prune_model", "recv_hidden",
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+__all__ = ["HIDDEN", "PP_MODEL_TYPES", "PipelineStage", "init_stage_groups", "recv_hidden",
            "send_intermediate"]
 
 #: mlx-lm architectures whose inner model takes ``input_embeddings`` unchanged (no scaling
@@ -86,62 +88,6 @@ class PipelineStage:
                 f"{self.end - 1} of {self.num_layers}"
                 f"{', token embedding' if self.is_first else ''}"
                 f"{', final norm and LM head' if self.is_last else ''}")
-
-
-class MissingLayer(nn.Module):
-    """Stands in for a decoder layer another stage holds: no parameters, passes the hidden
-    states through. Per-layer flags the model's loop reads (``use_sliding``, ``is_sliding``,
-    ``is_linear``) are kept from the layer it replaces."""
-
-    def __init__(self, layer: nn.Module | None = None) -> None:
-        super().__init__()
-        for flag in ("use_sliding", "is_sliding", "is_linear"):
-            if layer is not None and hasattr(layer, flag):
-                setattr(self, flag, getattr(layer, flag))
-
-    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        return x
-
-
-class _Unheld(nn.Module):
-    """A module this stage does not hold (embedding, norm or LM head of another stage)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self._what = name
-
-    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
-        raise RuntimeError(f"{self._what} is held by another pipeline stage")
-
-
-def prune_model(model: nn.Module, stage: PipelineStage, model_type: str) -> None:
-    """Drop from ``model`` (an mlx-lm ``Model``, weights not yet evaluated) what ``stage``
-    does not hold, so those weights are never read or kept.
-
-    Raises:
-        ValueError: the architecture is not in :data:`PP_MODEL_TYPES`, or the model's layer
-            count is not the stage's.
-    """
-    if stage.size == 1:
-        return
-    if model_type not in PP_MODEL_TYPES:
-        raise ValueError(f"--pipeline-parallel-size {stage.size}: model type {model_type!r} is "
-                         f"not supported with pipeline parallelism by vllm-unified (supported: "
-                         f"{', '.join(PP_MODEL_TYPES)})")
-    inner = model.model
-    if len(inner.layers) != stage.num_layers:
-        raise ValueError(f"mlx-lm built {len(inner.layers)} layers, the pipeline split has "
-                         f"{stage.num_layers}")
-    for i, layer in enumerate(inner.layers):
-        if i not in stage.layers:
-            inner.layers[i] = MissingLayer(layer)
-    tied = "lm_head" not in model
-    if not stage.is_first and not (stage.is_last and tied):
-        inner.embed_tokens = _Unheld("the token embedding")
-    if not stage.is_last:
-        inner.norm = nn.Identity()  # the next stage receives the residual stream
-        if not tied:
-            model.lm_head = _Unheld("the LM head")
 
 
 def init_stage_groups(vllm_config: Any, rank: int, local_rank: int,

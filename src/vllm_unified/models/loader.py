@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from vllm_unified.distributed.pipeline import PipelineStage, prune_model
+from vllm_unified.distributed.pipeline import PipelineStage
 from vllm_unified.models.gguf import (
     MLX_GROUP_SIZES,
     QuantizedTensor,
@@ -38,6 +38,7 @@ from vllm_unified.models.gguf import (
     read_gguf_tensors,
     unpermute_rows,
 )
+from vllm_unified.models.pipeline_layers import prune_model
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "LoadedModel", "check_dtype_supported", "load_model",
            "mlx_lm_config"]

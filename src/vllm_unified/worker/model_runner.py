@@ -782,11 +782,15 @@ class MLXModelRunner:
         )
 
     # ----------------------------------------------------------------------------- memory
-    def weights_nbytes(self) -> int:
-        """Bytes of the model's parameters this process holds (a pipeline stage: its own)."""
+    def weights_nbytes(self) -> dict[str, int]:
+        """Bytes of the model parameters this process holds (a pipeline stage: its own):
+        ``layers`` (the decoder layers) and ``other`` (embedding, final norm, LM head)."""
         from mlx.utils import tree_flatten
 
-        return sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+        sizes = {"layers": 0, "other": 0}
+        for name, a in tree_flatten(self.model.parameters()):
+            sizes["layers" if name.startswith("model.layers.") else "other"] += a.nbytes
+        return sizes
 
     def profile_activations(self, num_tokens: int) -> int:
         """Peak MLX memory (bytes) above what is allocated now, of one prefill forward over

@@ -293,7 +293,8 @@ class MLXWorker(WorkerBase):
                 "rss_after_load": self.rss_after_load,
                 "rss_after_kv_init": self.rss_after_kv_init,
                 "kv_pool_bytes": self.model_runner.pool.nbytes,
-                "weights_bytes": self.model_runner.weights_nbytes(),
+                **{f"weights_{k}_bytes": v
+                   for k, v in self.model_runner.weights_nbytes().items()},
                 # ru_maxrss is in KiB on Linux (bytes on macOS)
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 * (1 if sys.platform == "darwin" else 1024)}
