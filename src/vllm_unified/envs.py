@@ -112,6 +112,9 @@ _SETTINGS = (
             "log the step-phase profile every N steps (0: never)"),
     Setting("VLLM_UNIFIED_MEMORY_LOG", 0, _count(0),
             "log MLX's active, cache and peak memory every N steps (0: never)"),
+    Setting("VLLM_UNIFIED_LOCAL_ENGINES", 1, _count(1),
+            "set by the server for its engine processes: data-parallel engines on this "
+            "machine (--data-parallel-size-local), whose KV budgets share its RAM"),
     Setting("VLLM_UNIFIED_SPEC_BUDGET", True, _bool,
             "speculative decoding: 0 hands vLLM every draft token (no adaptive draft budget "
             "from measured step cost and acceptance)"),
@@ -143,6 +146,7 @@ KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
 MEMORY_LOG_ENV = "VLLM_UNIFIED_MEMORY_LOG"
 SPEC_BUDGET_ENV = "VLLM_UNIFIED_SPEC_BUDGET"
+LOCAL_ENGINES_ENV = "VLLM_UNIFIED_LOCAL_ENGINES"
 
 
 def read(name: str, environ: Mapping[str, str] | None = None) -> Any:

@@ -250,6 +250,10 @@ class MLXPlatform(Platform):
         versions.check_once()
         parallel = vllm_config.parallel_config
         _parallel_sizes_policy(parallel)
+        if parallel.data_parallel_size_local > 1:
+            # vLLM gives each engine of a dense model a config of DP size 1: tell the engine
+            # processes (they inherit the environment) how many of them share this machine.
+            os.environ[envs.LOCAL_ENGINES_ENV] = str(parallel.data_parallel_size_local)
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER_CLS
         if parallel.distributed_executor_backend not in (None, "uni", "mp"):

@@ -19,6 +19,7 @@ from dataclasses import replace
 import psutil
 import torch
 
+from vllm_unified import envs
 from vllm_unified.backend import detect_backend, import_mlx
 from vllm_unified.backend import profile as resolve_profile
 from vllm_unified.compat import (
@@ -32,7 +33,9 @@ from vllm_unified.compat import (
     WorkerBase,
     init_logger,
 )
+from vllm_unified.distributed.liveness import PeerWatch, abandon_pipeline
 from vllm_unified.distributed.pipeline import init_stage_groups, recv_hidden, send_intermediate
+from vllm_unified.envs import LOCAL_ENGINES_ENV
 from vllm_unified.memory.budget import compute_kv_budget, read_device_memory
 from vllm_unified.memory.wired import configure_wired_limit
 from vllm_unified.offload.runner import init_single_rank_groups
@@ -79,6 +82,8 @@ class MLXWorker(WorkerBase):
         self.model_runner = None
         self.rss_after_load = 0
         self.rss_after_kv_init = 0
+        #: liveness of the other nodes' workers (multi-node engines), else None
+        self.peer_watch: PeerWatch | None = None
 
     # ------------------------------------------------------------------ device and model
     def init_device(self) -> None:
@@ -98,6 +103,11 @@ class MLXWorker(WorkerBase):
         if self.parallel_config.world_size > 1:
             init_stage_groups(self.vllm_config, self.rank, self.local_rank,
                               self.distributed_init_method)
+            if self.parallel_config.nnodes > 1:  # vLLM watches only this node's workers
+                pc = self.parallel_config
+                self.peer_watch = PeerWatch(pc.master_addr, pc.master_port, self.rank,
+                                            pc.world_size)
+                self.peer_watch.start()
         else:
             init_single_rank_groups(self.vllm_config, self.distributed_init_method)
         # Before any weight is allocated, so the weights are wired as they load (Metal only).
@@ -192,10 +202,12 @@ class MLXWorker(WorkerBase):
 
     def _engine_processes_on_this_machine(self) -> int:
         """Worker processes of this model on this machine: this engine's local pipeline
-        stages times its local data-parallel engines (vLLM's ``local_world_size`` and
-        ``data_parallel_size_local``)."""
+        stages times the data-parallel engines on this machine (vLLM's ``local_world_size``;
+        ``data_parallel_size_local``, which vLLM resets to 1 in the engines of a dense model,
+        so the server passes it in ``VLLM_UNIFIED_LOCAL_ENGINES``)."""
         pc = self.parallel_config
-        return max(pc.local_world_size, 1) * max(pc.data_parallel_size_local, 1)
+        engines = max(pc.data_parallel_size_local, envs.read(LOCAL_ENGINES_ENV), 1)
+        return max(pc.local_world_size, 1) * engines
 
     def _activation_peak(self, tokens: int) -> int:
         """Activation bytes of the largest step: one sequence's chunk of ``tokens`` tokens.
@@ -232,16 +244,30 @@ class MLXWorker(WorkerBase):
 
         With pipeline parallelism (as vLLM's GPU worker) a stage after the first receives the
         step's hidden states from the previous one, and a stage before the last sends its
-        own to the next and returns None (the last stage's output is the step's)."""
-        hidden_in = None
+        own to the next and returns None (the last stage's output is the step's). A stage
+        before the last that fails (its peer lost: gloo's "Connection reset by peer") ends its
+        process and its engine (:func:`~vllm_unified.distributed.liveness.abandon_pipeline`):
+        requests get an error instead of waiting forever."""
         stage = self.model_runner.stage
-        if not stage.is_first and scheduler_output.total_num_scheduled_tokens > 0:
-            hidden_in = recv_hidden()
-        output = self.model_runner.execute_model(scheduler_output, hidden_in)
-        if isinstance(output, IntermediateTensors):
-            send_intermediate(output)
-            return None
-        return output
+        if stage.size == 1:
+            return self.model_runner.execute_model(scheduler_output)
+        try:
+            hidden_in = None
+            if not stage.is_first and scheduler_output.total_num_scheduled_tokens > 0:
+                hidden_in = recv_hidden()
+            output = self.model_runner.execute_model(scheduler_output, hidden_in)
+            if isinstance(output, IntermediateTensors):
+                send_intermediate(output)
+                return None
+            return output
+        except Exception:
+            if stage.is_last:
+                raise  # the last stage's errors reach the engine (its reply is the step's)
+            # vLLM's worker process only logs an error of a stage whose reply nobody reads,
+            # and the engine would wait for the last stage forever (a lost node, a failed
+            # step): end this process so the executor's monitor fails the engine.
+            logger.exception("vllm-unified: %s failed", stage.describe())
+            abandon_pipeline(f"{stage.describe()} failed; the pipeline cannot go on without it")
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
@@ -258,6 +284,8 @@ class MLXWorker(WorkerBase):
         return
 
     def shutdown(self) -> None:
+        if self.peer_watch is not None:
+            self.peer_watch.stop()
         if self.model_runner is not None:
             if self.model_runner.encoder is not None:
                 self.model_runner.encoder.shutdown()
