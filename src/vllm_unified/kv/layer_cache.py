@@ -40,7 +40,18 @@ class PagedMask:
     window: int | None = None
 
 
-class PagedLayerCache:
+class _PagedMaskSource:
+    """mlx-lm builds masks through a layer's cache: paged layers answer with a marker."""
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803
+    ) -> PagedMask:
+        if return_array:
+            raise NotImplementedError("paged attention does not materialise dense masks")
+        return PagedMask(window_size)
+
+
+class PagedLayerCache(_PagedMaskSource):
     """mlx-lm cache protocol for one attention layer, backed by :class:`KVPool` layer
     ``layer`` (its attention ordinal, not the model layer index of a hybrid model);
     ``backend``: the profile whose attention kernels run (default: the process's)."""
@@ -79,13 +90,6 @@ class PagedLayerCache:
                                   scale, window, backend=self.backend, fresh=fresh,
                                   kv_format=self.pool.fmt, rht_signs=self.pool.signs)
 
-    def make_mask(
-        self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803
-    ) -> PagedMask:
-        if return_array:
-            raise NotImplementedError("paged attention does not materialise dense masks")
-        return PagedMask(window_size)
-
     def is_trimmable(self) -> bool:
         return False
 
@@ -94,16 +98,9 @@ class PagedLayerCache:
         raise NotImplementedError("the paged cache state lives in the KV pool")
 
 
-class MissingLayerCache:
+class MissingLayerCache(_PagedMaskSource):
     """The cache of a layer another pipeline stage holds: it only answers mlx-lm's mask
     construction (a model may build its masks from any layer's cache)."""
-
-    def make_mask(
-        self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803
-    ) -> PagedMask:
-        if return_array:
-            raise NotImplementedError("paged attention does not materialise dense masks")
-        return PagedMask(window_size)
 
 
 class StateLayerCache:
