@@ -259,7 +259,9 @@ class MLXPlatform(Platform):
         if parallel.distributed_executor_backend not in (None, "uni", "mp"):
             raise ValueError(
                 f"--distributed-executor-backend {parallel.distributed_executor_backend}: "
-                "vllm-unified supports 'uni' or 'mp'"
+                "vllm-unified supports 'uni' or 'mp' (vLLM 0.32's Ray executor places workers "
+                "on a platform's Ray device resource, which neither its CPU platform nor this "
+                "one has; across machines use 'mp' with --nnodes / --node-rank / --headless)"
             )
         parallel.distributed_executor_backend = parallel.distributed_executor_backend or (
             "mp" if parallel.world_size > 1 else "uni")
