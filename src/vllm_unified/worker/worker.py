@@ -161,7 +161,8 @@ class MLXWorker(WorkerBase):
         # the card (out of memory at batch 64 on an H200).
         if cache.kv_cache_memory_bytes is None or info.kind != "cpu":
             activations = self._activation_peak(tokens)
-            logits = sched.max_num_seqs * self.model_config.get_vocab_size() * 4 * 2
+            if self.model_runner.stage.is_last:  # only the last pipeline stage has logits
+                logits = sched.max_num_seqs * self.model_config.get_vocab_size() * 4 * 2
             mx.set_cache_limit(activations)
         mem = read_device_memory(mx, info.kind, rss=psutil.Process().memory_info().rss,
                                  ram=info.total_memory)
