@@ -137,6 +137,7 @@ def test_nearly_full_card_names_the_flags():
 
 def test_worker_budget_on_cuda_reads_the_card(monkeypatch):
     """MLXWorker.determine_available_memory on CUDA: card memory, MLX's active bytes, free cap."""
+    from vllm_unified.distributed.pipeline import PipelineStage
     from vllm_unified.worker import worker
 
     mx = FakeCudaMX(total=CARD, free=30 * GIB, active=2 * GIB)
@@ -149,9 +150,10 @@ def test_worker_budget_on_cuda_reads_the_card(monkeypatch):
     w.scheduler_config = SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=4)
     w.model_config = SimpleNamespace(max_model_len=4096, get_vocab_size=lambda: 1000,
                                      get_num_attention_heads=lambda pc: 16)
-    w.parallel_config = None
+    w.parallel_config = SimpleNamespace(local_world_size=1, data_parallel_size_local=1)
     w.model_runner = SimpleNamespace(profile_activations=lambda n: 100 * 2**20,
-                                     kv_bytes_per_block=lambda: BLOCK_BYTES)
+                                     kv_bytes_per_block=lambda: BLOCK_BYTES,
+                                     stage=PipelineStage.whole(2))
     activations = 100 * 2**20 + 2 * 16 * 256 * 256 * 4 + 4 * 1000 * 4 * 2
     assert w.determine_available_memory() == 30 * GIB - activations
 
