@@ -111,9 +111,10 @@ def send_intermediate(intermediate: Any) -> None:
     compat.get_pp_group().send_tensor_dict(intermediate.tensors)
 
 
-def recv_hidden() -> mx.array:
+def recv_hidden(zero_copy: bool) -> mx.array:
     """The previous stage's ``[T, D]`` hidden states of this step, as an MLX array over the
-    received tensor's memory (no copy on the CPU backend).
+    received tensor's memory when ``zero_copy`` (the backend profile's ``logits_zero_copy``:
+    MLX's CPU backend), else a copy.
 
     Raises:
         RuntimeError: the previous stage sent nothing or no hidden states.
@@ -122,10 +123,4 @@ def recv_hidden() -> mx.array:
     if not received or HIDDEN not in received:
         raise RuntimeError(f"pipeline stage received {sorted(received or {})}, expected "
                            f"{HIDDEN!r}")
-    return bridge.to_mlx(received[HIDDEN].contiguous(), copy=not _zero_copy())
-
-
-def _zero_copy() -> bool:
-    from vllm_unified.backend import profile
-
-    return profile().logits_zero_copy
+    return bridge.to_mlx(received[HIDDEN].contiguous(), copy=not zero_copy)

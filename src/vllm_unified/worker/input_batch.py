@@ -100,7 +100,9 @@ class RequestState:
             raise RuntimeError(f"request {self.req_id!r}: tokens from position {start} sent, "
                                f"but only {len(self.token_ids)} are known")
         self.token_ids[start:start + len(tokens)] = tokens
-        self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]
+        # only the tail from `start` changed: update that part of the outputs (per step)
+        out = max(start - self.num_prompt_tokens, 0)
+        self.output_token_ids[out:] = self.token_ids[self.num_prompt_tokens + out:]
 
     def truncate_outputs(self, num_output: int) -> None:
         del self.token_ids[self.num_prompt_tokens + num_output:]

@@ -255,7 +255,7 @@ class MLXWorker(WorkerBase):
         try:
             hidden_in = None
             if not stage.is_first and scheduler_output.total_num_scheduled_tokens > 0:
-                hidden_in = recv_hidden()
+                hidden_in = recv_hidden(self.model_runner.backend.logits_zero_copy)
             output = self.model_runner.execute_model(scheduler_output, hidden_in)
             if isinstance(output, IntermediateTensors):
                 send_intermediate(output)
