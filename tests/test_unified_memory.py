@@ -4,6 +4,7 @@ fails at start-up naming the flags."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,6 +58,52 @@ def test_pool_is_paid_as_blocks_are_written(default_model, tmp_path):
     assert written / 2 <= grown <= 2 * written, (
         f"RSS grew {grown / 2**20:.1f} MiB for {blocks} blocks ({written / 2**20:.1f} MiB)"
     )
+
+
+BLOCK_BYTES = 737_280  # SmolLM2 fp32 KV block: 2 x 16 x 3 x 64 x 4 bytes x 30 layers
+
+
+@pytest.mark.parametrize("retain", ["default", "all"])
+def test_the_pool_commits_what_the_load_needs_not_what_the_prefix_cache_saw(
+        default_model, tmp_path, monkeypatch, retain):
+    """16 distinct ~300-token prompts, one at a time: with the default bound (max_model_len =
+    512 tokens = 32 blocks) the pool's resident pages stay within one request's blocks plus
+    the bound; vLLM's order (``all``) writes fresh blocks for every prompt. The tokens are the
+    same either way (checked against the ``all`` run's, kept in a file)."""
+    if retain == "all":
+        monkeypatch.setenv("VLLM_UNIFIED_PREFIX_CACHE_RETAIN", "all")
+    else:
+        monkeypatch.delenv("VLLM_UNIFIED_PREFIX_CACHE_RETAIN", raising=False)
+    words = "river stone lamp orchard winter copper violin harbor meadow lantern".split()
+    prompts = [" ".join(words[(i + j * 7) % 10] + str(i * 31 + j) for j in range(100))
+               for i in range(16)]
+    spec = {
+        "model": default_model,
+        "engine": {"max_model_len": 512, "max_num_seqs": 1, "seed": 0,
+                   "kv_cache_memory_bytes": 1 * GIB},
+        "requests": [{"prompt": p, "params": {"temperature": 0.0, "max_tokens": 4}}
+                     for p in prompts],
+        "rpc": ["memory_report"],
+    }
+    out = run_llm(spec, tmp_path)
+    report = out["rpc_after"]["memory_report"]
+    resident = report["kv_pool_resident_bytes"]
+    blocks = [-(-(len(o["prompt_token_ids"]) + 4) // 16) for o in out["outputs"]]
+    request_blocks = max(blocks)
+    assert 15 <= request_blocks <= 32
+    tokens = [o["completions"][0]["token_ids"] for o in out["outputs"]]
+    reference = tmp_path.parent / "pool-commit-reference.json"
+    if retain == "default":
+        assert "prefix cache keeps up to 32 freed blocks (512 tokens" in out["log"]
+        assert resident <= (request_blocks + 32 + 4) * BLOCK_BYTES, (
+            f"{resident / 2**20:.1f} MiB resident for {request_blocks}-block requests")
+    else:
+        assert "prefix cache keeps every freed block" in out["log"]
+        assert resident >= 0.95 * sum(blocks) * BLOCK_BYTES
+    if reference.exists():
+        assert json.loads(reference.read_text()) == tokens
+    else:
+        reference.write_text(json.dumps(tokens))
 
 
 def test_impossible_budget_fails_at_start_naming_the_flags(tmp_path):

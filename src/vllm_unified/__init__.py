@@ -19,13 +19,7 @@ from vllm_unified.envs import DISABLE_ENV
 __version__ = "0.1.0"
 
 
-def register() -> str | None:
-    """Entry point for ``vllm.platform_plugins``.
-
-    Returns:
-        The qualified name of our Platform class, or ``None`` when the plugin is disabled via
-        ``VLLM_UNIFIED_DISABLE=1`` or MLX / mlx-lm are not installed (vLLM then keeps looking).
-    """
+def _active() -> bool:
     try:
         disabled = envs.read(DISABLE_ENV)
     except ValueError:
@@ -33,10 +27,36 @@ def register() -> str | None:
         # registered instead, so that validate_environ names the bad value at start-up.
         disabled = False
     if disabled:
-        return None
-    if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
+        return False
+    return importlib.util.find_spec("mlx") is not None and \
+        importlib.util.find_spec("mlx_lm") is not None
+
+
+def register() -> str | None:
+    """Entry point for ``vllm.platform_plugins``.
+
+    Returns:
+        The qualified name of our Platform class, or ``None`` when the plugin is disabled via
+        ``VLLM_UNIFIED_DISABLE=1`` or MLX / mlx-lm are not installed (vLLM then keeps looking).
+    """
+    if not _active():
         return None
     # Pin the scheduler's message format we implement: with Triton importable vLLM 0.32 would
     # otherwise switch to the "model runner V2" format.
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     return "vllm_unified.platform.MLXPlatform"
+
+
+def register_general() -> None:
+    """Entry point for ``vllm.general_plugins``, which vLLM loads in every process, the engine
+    core included, before it builds its scheduler: the scheduler-side patches
+    (:func:`vllm_unified.patches.bound_prefix_cache_residency`) where our platform is active.
+    Imports vLLM's scheduler modules, never MLX."""
+    if not _active():
+        return
+    import logging
+
+    from vllm_unified import patches
+
+    # A ``vllm.`` name so that vLLM's logging configuration shows our records.
+    patches.bound_prefix_cache_residency(logging.getLogger("vllm.vllm_unified.scheduler"))

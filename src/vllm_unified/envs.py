@@ -66,6 +66,14 @@ def _count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _tokens_or_all(raw: str) -> int | str:
+    if raw.lower() == "all":
+        return "all"
+    if not raw.isdigit():
+        raise ValueError("expected a number of tokens (>= 0) or all")
+    return int(raw)
+
+
 def _text(raw: str) -> str:
     return raw
 
@@ -108,6 +116,10 @@ _SETTINGS = (
             "CUDA backend: 0 builds every decode step's graph in Python (no mx.compile)"),
     Setting("VLLM_UNIFIED_KV_EAGER_ZERO", False, _bool,
             "1 zero-fills the KV pool at start as vLLM does (benchmarks compare start-up memory)"),
+    Setting("VLLM_UNIFIED_PREFIX_CACHE_RETAIN", None, _tokens_or_all,
+            "tokens of freed KV blocks the prefix cache keeps before it reuses its least "
+            "recently used block rather than commit fresh pool pages; all: vLLM's order (the "
+            "cache may fill the pool). Default: --max-model-len on Metal and CPU, all on CUDA"),
     Setting("VLLM_UNIFIED_STEP_PROFILE", 0, _count(0),
             "log the step-phase profile every N steps (0: never)"),
     Setting("VLLM_UNIFIED_MEMORY_LOG", 0, _count(0),
@@ -144,6 +156,7 @@ FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"
 ENCODE_THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
+PREFIX_CACHE_RETAIN_ENV = "VLLM_UNIFIED_PREFIX_CACHE_RETAIN"
 MEMORY_LOG_ENV = "VLLM_UNIFIED_MEMORY_LOG"
 SPEC_BUDGET_ENV = "VLLM_UNIFIED_SPEC_BUDGET"
 LOCAL_ENGINES_ENV = "VLLM_UNIFIED_LOCAL_ENGINES"

@@ -165,6 +165,73 @@ def place_offload_region_outside_dev_shm(directory: str | None = None) -> str | 
     return directory
 
 
+def prefix_cache_retain_tokens(max_model_len: int) -> int | None:
+    """Tokens of freed KV blocks the prefix cache keeps in written pool pages before it reuses
+    its least recently used block (``VLLM_UNIFIED_PREFIX_CACHE_RETAIN``), or None for vLLM's
+    own order. Unset: ``max_model_len`` where the pool is committed lazily (Metal, CPU), None
+    where it is committed whole (CUDA, or ``VLLM_UNIFIED_KV_EAGER_ZERO=1``): there fresh
+    blocks cost nothing.
+
+    Raises:
+        ValueError: the variable does not parse.
+    """
+    from vllm_unified import envs
+    from vllm_unified.backend import detect_backend
+
+    value = envs.read(envs.PREFIX_CACHE_RETAIN_ENV)
+    if value is None:
+        lazy = detect_backend().unified and not envs.read(envs.KV_EAGER_ZERO_ENV)
+        return max_model_len if lazy else None
+    return None if value == "all" else int(value)
+
+
+def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
+    """Give ``manager``'s block pool a :class:`~vllm_unified.kv.block_reuse.CommittedFirstQueue`
+    keeping :func:`prefix_cache_retain_tokens` tokens of every KV cache group; log the bound."""
+    from vllm_unified.kv.block_reuse import CommittedFirstQueue
+
+    tokens = prefix_cache_retain_tokens(manager.max_model_len)
+    if tokens is None:
+        logger.info("vllm-unified: prefix cache keeps every freed block (vLLM's order; "
+                    "VLLM_UNIFIED_PREFIX_CACHE_RETAIN=all or a pool committed whole)")
+        return
+    config = manager.kv_cache_config
+    blocks = sum(-(-tokens // g.kv_cache_spec.block_size) for g in config.kv_cache_groups)
+    pool = manager.block_pool
+    pool.free_block_queue = CommittedFirstQueue.replacing(pool.free_block_queue, blocks)
+    block_bytes = max(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                      for g in config.kv_cache_groups)
+    logger.info(
+        "vllm-unified: prefix cache keeps up to %d freed blocks (%d tokens, %.1f MiB) before "
+        "it reuses its least recently used one; fresh blocks of the %d-block pool are written "
+        "only when running requests need more (VLLM_UNIFIED_PREFIX_CACHE_RETAIN)",
+        blocks, tokens, blocks * block_bytes / 2**20, config.num_blocks)
+
+
+def bound_prefix_cache_residency(logger: logging.Logger) -> None:
+    """Make the scheduler hand out written KV blocks before never-written ones (vLLM 0.32,
+    ``vllm.v1.core.kv_cache_manager.KVCacheManager.__init__``), so that the lazily committed
+    pool stays as large as the load needs instead of growing to its size with prefix-cached
+    blocks (:mod:`vllm_unified.kv.block_reuse` says why). The wrapped ``__init__`` runs
+    vLLM's and then replaces its block pool's free queue (none of it handed out yet).
+    Applied by :func:`vllm_unified.register_general` (vLLM's general plugin, loaded in the
+    engine core before it builds its scheduler). Idempotent.
+    """
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    original = KVCacheManager.__init__
+    if getattr(original, "_vllm_unified_patched", False):
+        return
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _install_committed_first(self, logger)
+
+    init._vllm_unified_patched = True  # type: ignore[attr-defined]
+    KVCacheManager.__init__ = init  # type: ignore[method-assign]
+
+
 def no_chat_template_message(model: str) -> str:
     """The error for a chat request to ``model``, which has no chat template."""
     return (f"model {model!r} has no chat template (its tokenizer defines none and vLLM has "
@@ -592,6 +659,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.kv_offload.cpu.shared_offload_region.SharedOffloadRegion.mmap_path",
           "vLLM 0.32", place_offload_region_outside_dev_shm,
           "vllm_unified.offload.spec (at import, where there is no /dev/shm)"),
+    Patch("vllm.v1.core.kv_cache_manager.KVCacheManager.__init__ (its block pool's "
+          "free_block_queue)", "vLLM 0.32", bound_prefix_cache_residency,
+          "vllm_unified.register_general (vLLM's general plugin, in the engine core)"),
     Patch("vllm.renderers.hf.safe_apply_chat_template", "vLLM 0.32", name_chat_template_flag,
           "vllm_unified.platform.MLXPlatform.check_and_update_config"),
     Patch("vllm.v1.engine.utils.SignalCallback.trigger, .stop", "vLLM 0.32",

@@ -10,7 +10,9 @@
 - ``hybrid``: which layers are recurrent, their specs, each request's state slot;
 - ``block_translation``: kernel block sizes and vLLM's pages read as kernel blocks;
 - ``layer_cache``: the per-layer caches mlx-lm's model code sees;
-- ``cache``: the facade.
+- ``cache``: the facade;
+- ``block_reuse``: the scheduler's free-block order (written blocks before fresh ones), which
+  keeps the lazy pool's resident pages to what the load needs.
 
 This ``__init__`` imports nothing: the platform reads ``block_translation`` (no MLX) in vLLM's
 API-server process, before the engine is forked.

@@ -51,6 +51,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,6 +97,26 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     del probe  # a live export would keep the mapping from ever being closed
     full = torch.frombuffer(mapping, dtype=torch.int8, count=length, offset=pad)
     return full[:nbytes]
+
+
+def resident_bytes(buffer: torch.Tensor) -> int:
+    """Bytes of ``buffer``'s memory that are resident (committed) now, whole host pages
+    counted (``mincore(2)``, Linux and macOS); for a lazy pool, the pages written so far.
+
+    Raises:
+        OSError: ``mincore`` fails (``buffer`` not in a mapping).
+    """
+    page = mmap.PAGESIZE
+    start = buffer.data_ptr() // page * page
+    end = buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    pages = -(-(end - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore: {os.strerror(err)}")
+    return sum(b & 1 for b in vec) * page
 
 
 def commit_shortfall(pool_bytes: int, committed: int, available: int) -> int:

@@ -194,6 +194,13 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.kv)
 
+    def resident_bytes(self) -> int | None:
+        """Bytes of the shared pool's buffer committed to memory now (its pages written so
+        far); None for an MLX-owned pool (not a mapping of ours)."""
+        from vllm_unified.kv.allocation import resident_bytes
+
+        return None if self._buffer is None else resident_bytes(self._buffer)
+
     def arrays(self) -> list[mx.array]:
         """The per-layer arrays, to evaluate together with a step's outputs."""
         return self.kv

@@ -309,8 +309,9 @@ class MLXWorker(WorkerBase):
 
     def memory_report(self) -> dict[str, int]:
         """Resident memory (bytes) of this process now, after weight load and after the KV
-        cache was allocated, the KV pool's size and the bytes of the model weights this
-        process holds (``LLM.collective_rpc("memory_report")``).
+        cache was allocated, the KV pool's size and its committed pages (None for an
+        MLX-owned pool), and the bytes of the model weights this process holds
+        (``LLM.collective_rpc("memory_report")``).
 
         MLX's buffer cache and malloc's free lists are emptied first, so "now" counts live
         memory (weights, KV pages written, runtime), not recyclable scratch.
@@ -322,6 +323,7 @@ class MLXWorker(WorkerBase):
                 "rss_after_load": self.rss_after_load,
                 "rss_after_kv_init": self.rss_after_kv_init,
                 "kv_pool_bytes": self.model_runner.pool.nbytes,
+                "kv_pool_resident_bytes": self.model_runner.pool.resident_bytes(),
                 **{f"weights_{k}_bytes": v
                    for k, v in self.model_runner.weights_nbytes().items()},
                 # ru_maxrss is in KiB on Linux (bytes on macOS)

@@ -1,0 +1,126 @@
+"""Which free block vLLM's scheduler hands out next: written blocks before fresh ones.
+
+The KV pool on unified memory is lazy (:mod:`vllm_unified.kv.allocation`): a block's pages are
+committed to RAM when it is first written and stay committed. vLLM 0.32's ``BlockPool`` takes
+new blocks from the front of its ``FreeKVCacheBlockQueue``, which starts as every block in id
+order, and puts every freed block that the prefix cache keeps (it has a hash) at the back
+(``BlockPool.free_blocks``). So it hands out never-written blocks until the whole pool has been
+written once, and the engine's resident memory climbs with the traffic towards the pool's size
+(the prefix cache keeping every freed block), whatever the load needs. On a CUDA card the pool
+is committed device memory from the start and that order costs nothing; on a Mac it is RAM
+taken from everything else.
+
+:class:`CommittedFirstQueue` is vLLM's queue with one change of order: never-written ("fresh")
+blocks stay in a segment at the back, and a free block that has been written is handed out
+before a fresh one when it holds nothing the prefix cache keeps (no hash), or when more than
+``retain_blocks`` written blocks are free. The prefix cache thus keeps at least
+``retain_blocks`` freed blocks (as many as are free) and evicts its least recently used block
+rather than commit new memory beyond that; fresh pages are committed only while running requests
+need more blocks than are written. The pool's committed blocks stay at most the most blocks
+running requests have held at once plus ``retain_blocks``. Everything else is vLLM's: the
+free-block count, LRU order among cached blocks, eviction (``BlockPool.get_new_blocks`` evicts a
+handed-out block's hash), prefix-cache hits (``touch`` removes any free block).
+
+Installed by :func:`vllm_unified.patches.bound_prefix_cache_residency` in the scheduler's
+process; ``VLLM_UNIFIED_PREFIX_CACHE_RETAIN`` (:mod:`vllm_unified.envs`) sets the bound in
+tokens or restores vLLM's order (``all``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+
+class CommittedFirstQueue(FreeKVCacheBlockQueue):
+    """vLLM's free-block queue, handing out written blocks before never-written ones.
+
+    The doubly linked list is ``[written free blocks, vLLM's order] + [fresh blocks, id order]``;
+    every block starts fresh. ``num_free_blocks`` counts both segments, as vLLM's does.
+
+    Args:
+        blocks: every block of the pool, as vLLM's ``BlockPool`` passes them (none written).
+        retain_blocks: written free blocks the prefix cache keeps before a cached one is handed
+            out instead of a fresh one (>= 0).
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock], retain_blocks: int) -> None:
+        if retain_blocks < 0:
+            raise ValueError(f"retain_blocks must be >= 0, got {retain_blocks}")
+        super().__init__(blocks)
+        self.retain_blocks = retain_blocks
+        self._fresh_ids: set[int] = {b.block_id for b in blocks}
+        self._first_fresh: KVCacheBlock | None = blocks[0] if blocks else None
+
+    @classmethod
+    def replacing(cls, queue: FreeKVCacheBlockQueue, retain_blocks: int) -> CommittedFirstQueue:
+        """The same free blocks as ``queue`` (vLLM's, none handed out yet but the null block),
+        all fresh, in the same order. Raises ValueError if any has a hash (it was used)."""
+        blocks = queue.get_all_free_blocks()
+        if any(b.block_hash is not None for b in blocks):
+            raise ValueError("the free-block queue to replace has cached blocks")
+        for b in blocks:
+            b.prev_free_block = b.next_free_block = None
+        return cls(blocks, retain_blocks)
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        """Free blocks never handed out (their pages not committed by the pool)."""
+        return len(self._fresh_ids)
+
+    @property
+    def num_written_free_blocks(self) -> int:
+        """Free blocks handed out before: the prefix cache's candidates and hashless ones."""
+        return self.num_free_blocks - len(self._fresh_ids)
+
+    def _take_written(self) -> bool:
+        written = self.num_written_free_blocks
+        if written == 0:
+            return False
+        head = self.fake_free_list_head.next_free_block
+        assert head is not None and head.block_id not in self._fresh_ids
+        return (head.block_hash is None or written > self.retain_blocks
+                or not self._fresh_ids)
+
+    def popleft(self) -> KVCacheBlock:
+        if self._take_written():
+            return super().popleft()
+        block = self._first_fresh
+        if block is None:
+            return super().popleft()  # empty: vLLM's own error
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot take {n} blocks from {self.num_free_blocks} free ones")
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if block.block_id in self._fresh_ids:
+            self._fresh_ids.discard(block.block_id)
+            if block is self._first_fresh:
+                nxt = block.next_free_block
+                self._first_fresh = None if nxt is self.fake_free_list_tail else nxt
+        super().remove(block)
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        blocks = list(blocks)
+        anchor = self._first_fresh
+        if anchor is None or not blocks:
+            super().append_n(blocks)
+            return
+        # Insert before the fresh segment: the back of the written blocks.
+        prev = anchor.prev_free_block
+        assert prev is not None
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = anchor
+        anchor.prev_free_block = prev
+        self.num_free_blocks += len(blocks)

@@ -1,0 +1,211 @@
+"""The scheduler's free-block order on lazily committed pools (``kv/block_reuse.py``).
+
+Driven through vLLM's own ``KVCacheManager`` (prefix cache, hashes, ``free``, ``touch``) with
+the patch installed, as the engine core runs it; vLLM's unpatched queue is the contrast.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, get_request_block_hasher
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.request import Request
+
+from vllm_unified import envs, patches
+from vllm_unified.kv.block_reuse import CommittedFirstQueue
+
+BLOCK = 16
+NUM_BLOCKS = 400
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(autouse=True)
+def _patched(monkeypatch):
+    kv_cache_utils.init_none_hash(sha256)
+    saved = KVCacheManager.__init__
+    patches.bound_prefix_cache_residency(patches.logging.getLogger("test"))
+    yield
+    KVCacheManager.__init__ = saved
+
+
+def _manager(monkeypatch, retain: str | None, caching: bool = True) -> KVCacheManager:
+    if retain is None:
+        monkeypatch.delenv(envs.PREFIX_CACHE_RETAIN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(envs.PREFIX_CACHE_RETAIN_ENV, retain)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
+                             dtype=torch.float32)
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * NUM_BLOCKS,
+                                        layers=["layer.0"], layer_stride=0,
+                                        block_stride=spec.page_size_bytes)],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    return KVCacheManager(config, MAX_MODEL_LEN, scheduler_block_size=BLOCK,
+                          hash_block_size=BLOCK, enable_caching=caching)
+
+
+class Traffic:
+    """Requests through the manager as the scheduler does it: computed prefix, allocate the
+    rest of the prompt, free. Records every block id handed out."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.used: set[int] = set()
+        self.live: dict[str, Request] = {}
+        self.peak_live_blocks = 0
+        self.n = 0
+
+    def start(self, tokens: list[int]) -> int:
+        """Admit a request for ``tokens`` (its whole prompt computed); returns the prompt
+        tokens served from the prefix cache."""
+        self.n += 1
+        req = Request(f"r{self.n}", tokens, SamplingParams(max_tokens=1), None,
+                      block_hasher=self.hasher)
+        blocks, hit, _ = self.manager.get_computed_blocks(req)
+        new = self.manager.allocate_slots(req, len(tokens) - hit, hit, blocks)
+        assert new is not None, "the pool ran out"
+        req.num_computed_tokens = len(tokens)
+        self.manager.cache_blocks(req, len(tokens))
+        ids = self.manager.get_block_ids(req.request_id)[0]
+        self.used.update(ids)
+        self.live[req.request_id] = req
+        held = {b for r in self.live.values()
+                for b in self.manager.get_block_ids(r.request_id)[0]}
+        self.peak_live_blocks = max(self.peak_live_blocks, len(held))
+        return hit
+
+    def finish(self, request_id: str | None = None) -> None:
+        req = self.live.pop(request_id or next(iter(self.live)))
+        self.manager.free(req)
+
+    def run(self, tokens: list[int]) -> int:
+        hit = self.start(tokens)
+        self.finish()
+        return hit
+
+
+def _prompt(seed: int, blocks: float) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30_000) for _ in range(int(blocks * BLOCK))]
+
+
+def test_distinct_prompts_reuse_written_blocks_instead_of_the_whole_pool(monkeypatch):
+    """60 distinct 10-block prompts one after another: vLLM's order hands out 600 different
+    blocks (every one fresh); with a 20-block bound the pool writes 10 + 20 of them."""
+    ours = Traffic(_manager(monkeypatch, str(20 * BLOCK)))
+    vllms = Traffic(_manager(monkeypatch, "all"))
+    assert isinstance(ours.manager.block_pool.free_block_queue, CommittedFirstQueue)
+    assert type(vllms.manager.block_pool.free_block_queue) is FreeKVCacheBlockQueue
+    for i in range(60):
+        assert ours.run(_prompt(i, 10)) == 0
+        vllms.run(_prompt(i, 10))
+    assert len(vllms.used) == NUM_BLOCKS - 1  # every block but the null block, and it wrapped
+    assert len(ours.used) == 10 + 20
+    queue = ours.manager.block_pool.free_block_queue
+    assert queue.num_free_blocks == vllms.manager.block_pool.get_num_free_blocks()
+    assert queue.num_fresh_blocks == NUM_BLOCKS - 1 - 30
+    assert len(queue.get_all_free_blocks()) == queue.num_free_blocks
+
+
+def test_the_prefix_cache_keeps_the_bound_and_evicts_least_recently_used(monkeypatch):
+    """A prompt is still a full hit after 1 other prompt (its blocks fit the 20-block bound)
+    and a miss after 3 (evicted, least recently used first), as vLLM would with a pool that
+    small; the hit re-uses its blocks without writing any."""
+    traffic = Traffic(_manager(monkeypatch, str(20 * BLOCK)))
+    a = _prompt(100, 10)
+    traffic.run(a)
+    traffic.run(_prompt(101, 10))
+    used = set(traffic.used)
+    # A's last token is recomputed by vLLM's rule (the last block of a full hit is dropped).
+    assert traffic.run(a) == 9 * BLOCK
+    assert len(traffic.used - used) == 1  # the recomputed last block: a fresh one (bound)
+    for seed in (102, 103, 104):
+        traffic.run(_prompt(seed, 10))
+    assert traffic.run(a) == 0
+
+
+def test_hashless_blocks_are_reused_before_fresh_ones(monkeypatch):
+    """A partial block (no hash: nothing for the prefix cache) is handed out again first, even
+    with room left under the bound; with caching off every freed block is."""
+    traffic = Traffic(_manager(monkeypatch, str(100 * BLOCK)))
+    traffic.run(_prompt(1, 2.5))  # 2 full blocks kept, 1 partial freed hashless
+    partial = max(traffic.used)
+    queue = traffic.manager.block_pool.free_block_queue
+    assert queue.fake_free_list_head.next_free_block.block_id == partial
+    traffic.start(_prompt(2, 1))
+    assert traffic.manager.get_block_ids("r2")[0] == [partial]
+
+    off = Traffic(_manager(monkeypatch, str(100 * BLOCK), caching=False))
+    for i in range(20):
+        off.run(_prompt(i, 5))
+    assert len(off.used) == 5
+
+
+def test_random_traffic_keeps_vllms_accounting_and_the_bound(monkeypatch):
+    """Random overlapping requests (shared prefixes, partial blocks, up to 8 live): the free
+    count and free list are consistent after every step and blocks ever written stay within the
+    live peak plus the bound; the same traffic in vLLM's order writes most of the pool."""
+    retain = 24
+    ours = _random_traffic(Traffic(_manager(monkeypatch, str(retain * BLOCK))), retain)
+    vllms = _random_traffic(Traffic(_manager(monkeypatch, "all")), None)
+    assert len(ours.used) < NUM_BLOCKS // 2 < len(vllms.used)
+
+
+def _random_traffic(traffic: Traffic, retain: int | None) -> Traffic:
+    rng = random.Random(0)
+    prefixes = [_prompt(1000 + i, 4) for i in range(3)]
+    for step in range(400):
+        if traffic.live and (len(traffic.live) >= 8 or rng.random() < 0.45):
+            traffic.finish(rng.choice(list(traffic.live)))
+        else:
+            tail = _prompt(step, rng.choice([0.5, 1, 2.25, 3, 6]))
+            traffic.start((rng.choice(prefixes) if rng.random() < 0.5 else []) + tail)
+        pool = traffic.manager.block_pool
+        queue = pool.free_block_queue
+        free = queue.get_all_free_blocks()
+        assert len(free) == queue.num_free_blocks == pool.get_num_free_blocks()
+        assert all(b.ref_cnt == 0 for b in free)
+        if retain is not None:
+            fresh = [b.block_id in queue._fresh_ids for b in free]
+            assert fresh == sorted(fresh), "fresh blocks are not all behind the written ones"
+            assert len(traffic.used) <= traffic.peak_live_blocks + retain + 1
+    return traffic
+
+
+def test_default_bound_is_max_model_len_on_a_lazy_pool_and_none_on_cuda(monkeypatch):
+    monkeypatch.delenv(envs.PREFIX_CACHE_RETAIN_ENV, raising=False)
+    monkeypatch.delenv(envs.KV_EAGER_ZERO_ENV, raising=False)
+    assert patches.prefix_cache_retain_tokens(2048) == 2048  # this CPU machine: lazy pool
+    monkeypatch.setenv(envs.KV_EAGER_ZERO_ENV, "1")
+    assert patches.prefix_cache_retain_tokens(2048) is None
+    monkeypatch.setenv(envs.PREFIX_CACHE_RETAIN_ENV, "0")
+    assert patches.prefix_cache_retain_tokens(2048) == 0
+    monkeypatch.setenv(envs.PREFIX_CACHE_RETAIN_ENV, "ALL")
+    assert patches.prefix_cache_retain_tokens(2048) is None
+    monkeypatch.setenv(envs.PREFIX_CACHE_RETAIN_ENV, "-5")
+    with pytest.raises(ValueError, match="VLLM_UNIFIED_PREFIX_CACHE_RETAIN='-5'"):
+        patches.prefix_cache_retain_tokens(2048)
+
+
+def test_the_patch_is_idempotent_and_logged(monkeypatch, caplog):
+    patches.bound_prefix_cache_residency(patches.logging.getLogger("test"))
+    patched = KVCacheManager.__init__
+    patches.bound_prefix_cache_residency(patches.logging.getLogger("test"))
+    assert KVCacheManager.__init__ is patched
+    with caplog.at_level("INFO", logger="test"):
+        _manager(monkeypatch, "160")
+    assert "prefix cache keeps up to 10 freed blocks (160 tokens" in caplog.text
