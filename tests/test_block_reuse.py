@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from vllm_unified import envs, patches
+from vllm_unified.kv import block_reuse, page_release
 from vllm_unified.kv.block_reuse import CommittedFirstQueue
 
 BLOCK = 16
@@ -34,10 +35,12 @@ MAX_MODEL_LEN = 512
 @pytest.fixture(autouse=True)
 def _patched(monkeypatch):
     kv_cache_utils.init_none_hash(sha256)
-    saved = KVCacheManager.__init__
+    saved, saved_release = KVCacheManager.__init__, page_release.registered()
     patches.bound_prefix_cache_residency(patches.logging.getLogger("test"))
+    page_release.register(None)
     yield
     KVCacheManager.__init__ = saved
+    page_release.register(saved_release)
 
 
 def _manager(monkeypatch, retain: str | None, caching: bool = True) -> KVCacheManager:
@@ -189,16 +192,16 @@ def _random_traffic(traffic: Traffic, retain: int | None) -> Traffic:
 def test_default_bound_is_max_model_len_on_a_lazy_pool_and_none_on_cuda(monkeypatch):
     monkeypatch.delenv(envs.PREFIX_CACHE_RETAIN_ENV, raising=False)
     monkeypatch.delenv(envs.KV_EAGER_ZERO_ENV, raising=False)
-    assert patches.prefix_cache_retain_tokens(2048) == 2048  # this CPU machine: lazy pool
+    assert block_reuse.prefix_cache_retain_tokens(2048) == 2048  # this CPU machine: lazy pool
     monkeypatch.setenv(envs.KV_EAGER_ZERO_ENV, "1")
-    assert patches.prefix_cache_retain_tokens(2048) is None
+    assert block_reuse.prefix_cache_retain_tokens(2048) is None
     monkeypatch.setenv(envs.PREFIX_CACHE_RETAIN_ENV, "0")
-    assert patches.prefix_cache_retain_tokens(2048) == 0
+    assert block_reuse.prefix_cache_retain_tokens(2048) == 0
     monkeypatch.setenv(envs.PREFIX_CACHE_RETAIN_ENV, "ALL")
-    assert patches.prefix_cache_retain_tokens(2048) is None
+    assert block_reuse.prefix_cache_retain_tokens(2048) is None
     monkeypatch.setenv(envs.PREFIX_CACHE_RETAIN_ENV, "-5")
     with pytest.raises(ValueError, match="VLLM_UNIFIED_PREFIX_CACHE_RETAIN='-5'"):
-        patches.prefix_cache_retain_tokens(2048)
+        block_reuse.prefix_cache_retain_tokens(2048)
 
 
 def test_the_patch_is_idempotent_and_logged(monkeypatch, caplog):
@@ -209,3 +212,79 @@ def test_the_patch_is_idempotent_and_logged(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="test"):
         _manager(monkeypatch, "160")
     assert "prefix cache keeps up to 10 freed blocks (160 tokens" in caplog.text
+
+
+class Released:
+    """A page-release target recording what the queue hands it."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+
+    def __call__(self, ids: list[int]) -> None:
+        self.ids += ids
+
+
+def test_blocks_beyond_the_bound_are_evicted_and_released(monkeypatch):
+    """With a release target, written free blocks never exceed the bound: the least recently
+    used are evicted from the prefix cache and released, and a later prompt is a miss for
+    them and a hit for the ones kept; a block vLLM keeps readable (unpinned) is never
+    released."""
+    released = Released()
+    page_release.register(released)
+    traffic = Traffic(_manager(monkeypatch, str(20 * BLOCK)))
+    queue = traffic.manager.block_pool.free_block_queue
+    prompts = [_prompt(200 + i, 10) for i in range(6)]
+    for p in prompts:
+        traffic.run(p)
+        assert queue.num_written_free_blocks <= 20
+    assert len(released.ids) == 6 * 10 - 20
+    assert len(traffic.used) == 10 + 20  # released blocks are handed out again first
+    pool = traffic.manager.block_pool
+    back_to_fresh = set(released.ids) & queue._fresh_ids
+    assert len(back_to_fresh) == 10
+    assert all(pool.blocks[i].block_hash is None for i in back_to_fresh)
+    assert traffic.run(prompts[0]) == 0  # evicted with its pages
+    assert traffic.run(prompts[5]) == 9 * BLOCK  # kept: among the 20 most recent blocks
+    assert traffic.run(prompts[4]) == 0  # the least recently used when prompts[0] came back
+    # A block vLLM still reads until it is handed out again is never released while so.
+    pinned_released: list[int] = []
+    page_release.register(lambda ids: pinned_released.extend(
+        i for i in ids if i in pool._reuse_watchers))
+    traffic.start(_prompt(300, 30))
+    req = next(iter(traffic.live.values()))
+    blocks = list(traffic.manager.coordinator.get_blocks(req.request_id)[0])
+    pool.unpin_blocks(blocks, on_reuse=lambda block: None)
+    del traffic.live[req.request_id]
+    assert queue.num_written_free_blocks > 20  # surplus, all of it pinned
+    for i in range(8):
+        traffic.run(_prompt(400 + i, 5))
+    assert not pinned_released
+
+
+def test_page_release_drops_pages_only_after_the_steps_before_it(monkeypatch):
+    """Real pages: a block's pages stay while a forward queued before the release has not
+    finished, then read as zeros and leave the resident set; other blocks keep their bytes."""
+    from vllm_unified.kv.allocation import aligned_empty, resident_bytes
+    from vllm_unified.kv.page_release import PageRelease
+
+    block_bytes, num_layers, num_blocks = 3 * 4096, 2, 8
+    buf = aligned_empty(block_bytes * num_blocks * num_layers)
+    buf.fill_(7)
+    queued, done = [3], [2]
+    release = PageRelease(buf.data_ptr(), buf.numel(),
+                          [(0, block_bytes * num_blocks, block_bytes, block_bytes, num_layers)],
+                          lambda: queued[0], lambda: done[0])
+    full = resident_bytes(buf)
+    release.request([2, 5])
+    assert resident_bytes(buf) == full and release.blocks_released == 0
+    done[0] = 3
+    release.flush()
+    assert release.blocks_released == 2 and release.bytes_released == 4 * block_bytes
+    assert resident_bytes(buf) == full - 4 * block_bytes
+    view = buf.view(num_layers, num_blocks, block_bytes)
+    for layer in range(num_layers):
+        for block in range(num_blocks):
+            want = 0 if block in (2, 5) else 7
+            assert bool((view[layer, block] == want).all()), (layer, block)
+    release.request([1])  # nothing in flight: at once
+    assert release.blocks_released == 3

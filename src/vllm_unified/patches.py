@@ -165,30 +165,10 @@ def place_offload_region_outside_dev_shm(directory: str | None = None) -> str | 
     return directory
 
 
-def prefix_cache_retain_tokens(max_model_len: int) -> int | None:
-    """Tokens of freed KV blocks the prefix cache keeps in written pool pages before it reuses
-    its least recently used block (``VLLM_UNIFIED_PREFIX_CACHE_RETAIN``), or None for vLLM's
-    own order. Unset: ``max_model_len`` where the pool is committed lazily (Metal, CPU), None
-    where it is committed whole (CUDA, or ``VLLM_UNIFIED_KV_EAGER_ZERO=1``): there fresh
-    blocks cost nothing.
-
-    Raises:
-        ValueError: the variable does not parse.
-    """
-    from vllm_unified import envs
-    from vllm_unified.backend import detect_backend
-
-    value = envs.read(envs.PREFIX_CACHE_RETAIN_ENV)
-    if value is None:
-        lazy = detect_backend().unified and not envs.read(envs.KV_EAGER_ZERO_ENV)
-        return max_model_len if lazy else None
-    return None if value == "all" else int(value)
-
-
 def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
     """Give ``manager``'s block pool a :class:`~vllm_unified.kv.block_reuse.CommittedFirstQueue`
     keeping :func:`prefix_cache_retain_tokens` tokens of every KV cache group; log the bound."""
-    from vllm_unified.kv.block_reuse import CommittedFirstQueue
+    from vllm_unified.kv.block_reuse import CommittedFirstQueue, prefix_cache_retain_tokens
 
     tokens = prefix_cache_retain_tokens(manager.max_model_len)
     if tokens is None:
@@ -199,6 +179,7 @@ def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
     blocks = sum(-(-tokens // g.kv_cache_spec.block_size) for g in config.kv_cache_groups)
     pool = manager.block_pool
     pool.free_block_queue = CommittedFirstQueue.replacing(pool.free_block_queue, blocks)
+    pool.free_block_queue.block_pool = pool
     block_bytes = max(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
                       for g in config.kv_cache_groups)
     logger.info(

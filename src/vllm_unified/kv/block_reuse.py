@@ -21,6 +21,14 @@ running requests have held at once plus ``retain_blocks``. Everything else is vL
 free-block count, LRU order among cached blocks, eviction (``BlockPool.get_new_blocks`` evicts a
 handed-out block's hash), prefix-cache hits (``touch`` removes any free block).
 
+Where the worker shares the scheduler's process and can drop pages
+(:mod:`vllm_unified.kv.page_release`), the queue also gives memory back: whenever more than
+``retain_blocks`` written blocks are free, the least recently used of them are evicted from the
+prefix cache (``BlockPool._maybe_evict_cached_block``, as vLLM evicts), moved back to the fresh
+segment and their pages released. The pool's resident pages then follow the blocks running
+requests hold now plus the bound, instead of their peak. A block vLLM keeps readable until
+reuse (``BlockPool.unpin_blocks``) is never released.
+
 Installed by :func:`vllm_unified.patches.bound_prefix_cache_residency` in the scheduler's
 process; ``VLLM_UNIFIED_PREFIX_CACHE_RETAIN`` (:mod:`vllm_unified.envs`) sets the bound in
 tokens or restores vLLM's order (``all``).
@@ -29,8 +37,30 @@ tokens or restores vLLM's order (``all``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from vllm_unified import envs
+from vllm_unified.backend import detect_backend
+from vllm_unified.kv import page_release
+
+
+def prefix_cache_retain_tokens(max_model_len: int) -> int | None:
+    """Tokens of freed KV blocks the prefix cache keeps in written pool pages before it reuses
+    its least recently used block (``VLLM_UNIFIED_PREFIX_CACHE_RETAIN``), or None for vLLM's
+    own order. Unset: ``max_model_len`` where the pool is committed lazily (Metal, CPU), None
+    where it is committed whole (CUDA, or ``VLLM_UNIFIED_KV_EAGER_ZERO=1``): there fresh
+    blocks cost nothing.
+
+    Raises:
+        ValueError: the variable does not parse.
+    """
+    value = envs.read(envs.PREFIX_CACHE_RETAIN_ENV)
+    if value is None:
+        lazy = detect_backend().unified and not envs.read(envs.KV_EAGER_ZERO_ENV)
+        return max_model_len if lazy else None
+    return None if value == "all" else int(value)
 
 
 class CommittedFirstQueue(FreeKVCacheBlockQueue):
@@ -52,6 +82,8 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
         self.retain_blocks = retain_blocks
         self._fresh_ids: set[int] = {b.block_id for b in blocks}
         self._first_fresh: KVCacheBlock | None = blocks[0] if blocks else None
+        #: vLLM's BlockPool owning this queue (set by the installer): evicts released blocks
+        self.block_pool: Any = None
 
     @classmethod
     def replacing(cls, queue: FreeKVCacheBlockQueue, retain_blocks: int) -> CommittedFirstQueue:
@@ -113,8 +145,15 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
         anchor = self._first_fresh
         if anchor is None or not blocks:
             super().append_n(blocks)
-            return
-        # Insert before the fresh segment: the back of the written blocks.
+        else:
+            self._insert_before(anchor, blocks)
+        self._release_surplus()
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        super().prepend_n(blocks)
+        self._release_surplus()
+
+    def _insert_before(self, anchor: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
         prev = anchor.prev_free_block
         assert prev is not None
         for block in blocks:
@@ -124,3 +163,30 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
         prev.next_free_block = anchor
         anchor.prev_free_block = prev
         self.num_free_blocks += len(blocks)
+
+    def _release_surplus(self) -> None:
+        """Evict and release the least recently used written free blocks beyond the bound."""
+        release = page_release.registered()
+        surplus = self.num_written_free_blocks - self.retain_blocks
+        if release is None or surplus <= 0 or self.block_pool is None:
+            return
+        pinned = self.block_pool._reuse_watchers
+        victims: list[KVCacheBlock] = []
+        block = self.fake_free_list_head.next_free_block
+        while len(victims) < surplus and block is not None and block is not self._first_fresh \
+                and block is not self.fake_free_list_tail:
+            if block.block_id not in pinned:
+                victims.append(block)
+            block = block.next_free_block
+        for block in victims:
+            self.block_pool._maybe_evict_cached_block(block)
+            super().remove(block)
+        anchor = self._first_fresh
+        if anchor is None:
+            super().append_n(victims)
+        else:
+            self._insert_before(anchor, victims)
+        self._fresh_ids.update(b.block_id for b in victims)
+        if victims:
+            self._first_fresh = victims[0]
+            release([b.block_id for b in victims])

@@ -12,6 +12,7 @@ import ctypes
 import mmap
 import os
 import sys
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -193,6 +194,11 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.kv)
+
+    @property
+    def backing_buffer(self) -> Any:
+        """The shared pool's int8 backing buffer (a mapping of ours), None when MLX owns it."""
+        return self._buffer
 
     def resident_bytes(self) -> int | None:
         """Bytes of the shared pool's buffer committed to memory now (its pages written so

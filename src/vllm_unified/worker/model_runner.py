@@ -49,8 +49,11 @@ from vllm_unified.compat import (
 from vllm_unified.distributed.pipeline import HIDDEN, PipelineStage
 from vllm_unified.envs import COMPILE_DECODE_ENV
 from vllm_unified.forward_context import StepContext, set_step_context
+from vllm_unified.kv import page_release
+from vllm_unified.kv.block_reuse import prefix_cache_retain_tokens
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.hybrid import HybridLayers
+from vllm_unified.kv.page_release import PageRelease, placements
 from vllm_unified.memory.mlx_log import MemoryLog
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
 from vllm_unified.models.fused_projections import fuse_projections
@@ -164,6 +167,8 @@ class _PendingStep:
     pure_decode: bool = False
     #: ``time.perf_counter()`` at the step's ``execute_model`` start
     started: float = 0.0
+    #: ``RunnerStats.forwards`` once this step's forward was queued
+    forward_index: int = 0
 
 
 class MLXModelRunner:
@@ -173,6 +178,11 @@ class MLXModelRunner:
         vllm_config: vLLM's config.
         backend: the worker's backend profile (:func:`vllm_unified.backend.profile`).
     """
+
+    #: forwards whose MLX graph has finished (the later ones may still read the pool)
+    forwards_done: int = 0
+    #: drops the pages of blocks the scheduler no longer caches (None: never)
+    page_release: PageRelease | None = None
 
     def __init__(self, vllm_config: VllmConfig, backend: BackendProfile) -> None:
         self.vllm_config = vllm_config
@@ -333,6 +343,23 @@ class MLXModelRunner:
         if self.kv_connector.enabled:
             self.kv_connector.register(kv_cache_config, self.kv_cache.connector_views(),
                                        lambda: mx.eval(self.kv_cache.arrays()))
+        self.page_release = self._page_release(kv_cache_config)
+
+    def _page_release(self, kv_cache_config: KVCacheConfig) -> PageRelease | None:
+        """The pool's page release (:mod:`vllm_unified.kv.page_release`), registered for the
+        scheduler of this process, where it applies: a pool that is a mapping of ours, one
+        pipeline stage, no KV connector (its transfers read blocks on their own schedule), no
+        draft model (its pages are another buffer's), vLLM's prefix-cache bound in force."""
+        buffer = self.kv_cache.pool.backing_buffer
+        if (buffer is None or self.kv_connector.enabled or self.draft is not None
+                or self.stage.size > 1
+                or prefix_cache_retain_tokens(self.model_config.max_model_len) is None):
+            page_release.register(None)
+            return None
+        release = PageRelease(buffer.data_ptr(), buffer.numel(), placements(kv_cache_config),
+                              lambda: self.stats.forwards, lambda: self.forwards_done)
+        page_release.register(release.request)
+        return release
 
     def _compiled_decode(self) -> CompiledDecode | None:
         """The compiled pure-decode forward where it applies: the in-place CUDA KV write, the
@@ -407,6 +434,8 @@ class MLXModelRunner:
         """
         started = time.perf_counter()
         self.quiesce()
+        if self.page_release is not None:
+            self.page_release.flush()
         previous_decode, self._decode_started = self._decode_started, None
         if self._pending is not None:
             raise RuntimeError("execute_model called before sample_tokens of the previous step")
@@ -582,6 +611,8 @@ class MLXModelRunner:
             (mx.async_eval if lazy else mx.eval)(*outputs)
         self._timer.mark("eval")
         self.stats.forwards += 1
+        if not lazy:
+            self.forwards_done = self.stats.forwards
         self.stats.tokens += int(step.input_ids.size)
         by_reqs = self.stats.forwards_by_num_reqs
         by_reqs[len(step.req_ids)] = by_reqs.get(len(step.req_ids), 0) + 1
@@ -594,7 +625,7 @@ class MLXModelRunner:
             logits=logits if inputs.needs_torch else None,
             mlx_tokens=tokens.tolist() if tokens is not None and not lazy else [],
             lazy=lazy, lazy_tokens=tokens if lazy else None, lazy_job=job, read_back=read_back,
-            timer=self._timer,
+            timer=self._timer, forward_index=self.stats.forwards,
             pure_decode=inputs.ctx.attn.is_pure_decode,
         )
 
@@ -635,6 +666,11 @@ class MLXModelRunner:
                                   else job.result() or [])
         elif pending.lazy_tokens is not None:  # waits for the queued step
             pending.mlx_tokens = pending.lazy_tokens.tolist()
+        if pending.lazy_tokens is not None:
+            # this step's graph has finished, and every forward queued before it
+            self.forwards_done = max(self.forwards_done, pending.forward_index)
+            if self.page_release is not None:
+                self.page_release.flush()
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         for i, token in zip(pending.mlx_idx, pending.mlx_tokens, strict=True):
             sampled[i] = [token]

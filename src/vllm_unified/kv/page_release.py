@@ -1,0 +1,131 @@
+"""Give a lazy KV pool's pages back to the OS when the scheduler drops blocks from its cache.
+
+The scheduler side (:class:`vllm_unified.kv.block_reuse.CommittedFirstQueue`) decides which free
+blocks the prefix cache no longer keeps (beyond ``VLLM_UNIFIED_PREFIX_CACHE_RETAIN``), evicts
+their hashes and hands their ids to the function registered here with :func:`register`; this
+module, on the worker side, drops the pages of those blocks (``madvise``) once no step that was
+queued before the release can still read them. vLLM lets a step in flight read blocks the
+scheduler has just freed (a preempted request's in-flight tokens are delivered; with
+asynchronous scheduling a step is evaluated while the next is scheduled): it only hands such a
+block to another request, whose writes come after the step in the device's order. Pages dropped
+at once would read as zeros under that step; so a release waits until every forward queued
+before it has finished (:meth:`PageRelease.flush` after each step's read-back).
+
+Only where the scheduler and the worker share a process (vLLM's uniprocess executor, the
+default for one worker), for a pool that is a mapping of ours, and without a KV connector
+(whose transfers read blocks on their own schedule). A block's bytes are vLLM's
+``KVCacheTensor`` placement: layer ``l`` of a tensor at ``offset + l * layer_stride + b *
+block_stride`` for ``page_size_bytes`` of the layer's spec; only the whole host pages inside
+each range are dropped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+from collections import deque
+from collections.abc import Callable
+
+#: the scheduler's release target in this process (None: pages are never dropped)
+_release: Callable[[list[int]], None] | None = None
+
+
+def register(release: Callable[[list[int]], None] | None) -> None:
+    """Set (or clear, with None) the function the scheduler calls with block ids to drop."""
+    global _release
+    _release = release
+
+
+def registered() -> Callable[[list[int]], None] | None:
+    """The registered release function, if any (the scheduler's queue reads it per release)."""
+    return _release
+
+
+def _advice() -> int:
+    # Linux: MADV_DONTNEED drops private anonymous pages now (they read as zeros after).
+    # macOS: MADV_FREE_REUSABLE, what its malloc uses, takes them off the footprint now.
+    if sys.platform == "darwin" and hasattr(mmap, "MADV_FREE_REUSABLE"):
+        return mmap.MADV_FREE_REUSABLE
+    return mmap.MADV_DONTNEED
+
+
+class PageRelease:
+    """The worker side: block ids in, pages out once the steps before them have finished.
+
+    Args:
+        base: address of the pool's backing buffer (its ``data_ptr()``).
+        nbytes: the buffer's length.
+        ranges: per tensor placement, ``(offset, layer_stride, block_stride, page_bytes,
+            num_layers)`` (vLLM's ``KVCacheTensor`` fields and the layers' page size).
+        forwards_queued: the number of forwards queued so far (a counter that only grows).
+        forwards_done: the number of those whose graph has finished (forwards finish in
+            order).
+    """
+
+    def __init__(self, base: int, nbytes: int,
+                 ranges: list[tuple[int, int, int, int, int]],
+                 forwards_queued: Callable[[], int], forwards_done: Callable[[], int]) -> None:
+        self.base, self.nbytes, self.ranges = base, nbytes, ranges
+        self._queued, self._done = forwards_queued, forwards_done
+        self._pending: deque[tuple[int, list[int]]] = deque()
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        self._advice = _advice()
+        #: blocks whose pages were dropped, and the bytes (whole pages) dropped
+        self.blocks_released = 0
+        self.bytes_released = 0
+
+    def request(self, block_ids: list[int]) -> None:
+        """The scheduler's call: drop these free blocks' pages once the forwards queued now
+        have finished (at once if they have)."""
+        if block_ids:
+            self._pending.append((self._queued(), list(block_ids)))
+            self.flush()
+
+    def flush(self) -> None:
+        """Drop the pages of every request made when no more forwards had been queued than
+        have finished now.
+
+        Raises:
+            OSError: ``madvise`` refused a range (never expected: the ranges are inside the
+                mapping).
+        """
+        done = self._done()
+        while self._pending and self._pending[0][0] <= done:
+            _, ids = self._pending.popleft()
+            for block in ids:
+                self._drop(block)
+            self.blocks_released += len(ids)
+
+    def _drop(self, block: int) -> None:
+        page = mmap.PAGESIZE
+        for offset, layer_stride, block_stride, page_bytes, num_layers in self.ranges:
+            for layer in range(num_layers):
+                start = self.base + offset + layer * layer_stride + block * block_stride
+                first = -(-start // page) * page
+                last = (start + page_bytes) // page * page
+                if last <= first:
+                    continue
+                if not (self.base <= first and last <= self.base + self.nbytes):
+                    raise ValueError(f"block {block}: bytes outside the KV buffer")
+                if self._libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first),
+                                      self._advice) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"madvise: {os.strerror(err)}")
+                self.bytes_released += last - first
+
+
+def placements(kv_cache_config) -> list[tuple[int, int, int, int, int]]:
+    """``(offset, layer_stride, block_stride, page_bytes, num_layers)`` for every tensor of
+    vLLM's ``KVCacheConfig`` (a layer's page size from its group's spec)."""
+    page_of = {name: g.kv_cache_spec.page_size_bytes
+               for g in kv_cache_config.kv_cache_groups for name in g.layer_names}
+    out = []
+    for t in kv_cache_config.kv_cache_tensors:
+        pages = {page_of[name] for name in t.layers if name in page_of}
+        if not pages:
+            continue
+        out.append((t.offset, t.layer_stride, t.block_stride, min(pages), len(t.layers)))
+    return out
