@@ -185,7 +185,8 @@ def _random_traffic(traffic: Traffic, retain: int | None) -> Traffic:
         if retain is not None:
             fresh = [b.block_id in queue._fresh_ids for b in free]
             assert fresh == sorted(fresh), "fresh blocks are not all behind the written ones"
-            assert len(traffic.used) <= traffic.peak_live_blocks + retain + 1
+            peak = traffic.peak_live_blocks
+            assert len(traffic.used) <= peak + max(retain, peak) + 1
     return traffic
 
 
@@ -217,11 +218,18 @@ def test_the_patch_is_idempotent_and_logged(monkeypatch, caplog):
 class Released:
     """A page-release target recording what the queue hands it."""
 
-    def __init__(self) -> None:
+    def __init__(self, check=None) -> None:
         self.ids: list[int] = []
+        self.cancelled: list[int] = []
+        self.check = check
 
-    def __call__(self, ids: list[int]) -> None:
+    def request(self, ids: list[int]) -> None:
+        if self.check is not None:
+            self.check(ids)
         self.ids += ids
+
+    def cancel(self, block_id: int) -> None:
+        self.cancelled.append(block_id)
 
 
 def test_blocks_beyond_the_bound_are_evicted_and_released(monkeypatch):
@@ -239,6 +247,9 @@ def test_blocks_beyond_the_bound_are_evicted_and_released(monkeypatch):
         assert queue.num_written_free_blocks <= 20
     assert len(released.ids) == 6 * 10 - 20
     assert len(traffic.used) == 10 + 20  # released blocks are handed out again first
+    # ... and each such hand-out cancels its release (the new owner writes those pages)
+    assert sorted(released.cancelled) == sorted(released.ids[:len(released.cancelled)])
+    assert len(released.cancelled) == 6 * 10 - 20 - 10
     pool = traffic.manager.block_pool
     back_to_fresh = set(released.ids) & queue._fresh_ids
     assert len(back_to_fresh) == 10
@@ -248,8 +259,8 @@ def test_blocks_beyond_the_bound_are_evicted_and_released(monkeypatch):
     assert traffic.run(prompts[4]) == 0  # the least recently used when prompts[0] came back
     # A block vLLM still reads until it is handed out again is never released while so.
     pinned_released: list[int] = []
-    page_release.register(lambda ids: pinned_released.extend(
-        i for i in ids if i in pool._reuse_watchers))
+    page_release.register(Released(lambda ids: pinned_released.extend(
+        i for i in ids if i in pool._reuse_watchers)))
     traffic.start(_prompt(300, 30))
     req = next(iter(traffic.live.values()))
     blocks = list(traffic.manager.coordinator.get_blocks(req.request_id)[0])
@@ -288,3 +299,23 @@ def test_page_release_drops_pages_only_after_the_steps_before_it(monkeypatch):
             assert bool((view[layer, block] == want).all()), (layer, block)
     release.request([1])  # nothing in flight: at once
     assert release.blocks_released == 3
+    # A block handed out again before its turn keeps its pages (its new owner writes them).
+    queued[0] = 4
+    release.request([6, 7])
+    release.cancel(6)
+    done[0] = 4
+    release.flush()
+    assert release.blocks_released == 4
+    assert bool((view[:, 6] == 7).all()) and bool((view[:, 7] == 0).all())
+    # Released, handed out, freed and released again: only the later release's turn counts.
+    queued[0] = 5
+    release.request([0])
+    release.cancel(0)
+    queued[0] = 6
+    release.request([0])
+    done[0] = 5
+    release.flush()
+    assert bool((view[:, 0] == 7).all()), "dropped at the first request's turn"
+    done[0] = 6
+    release.flush()
+    assert bool((view[:, 0] == 0).all()) and release.blocks_released == 5

@@ -182,11 +182,16 @@ def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
     pool.free_block_queue.block_pool = pool
     block_bytes = max(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
                       for g in config.kv_cache_groups)
+    from vllm_unified.kv import page_release
+
+    given_back = ("the pages of blocks beyond it are given back to the OS"
+                  if page_release.registered() is not None else
+                  "fresh blocks of the pool are written only when running requests need more")
     logger.info(
-        "vllm-unified: prefix cache keeps up to %d freed blocks (%d tokens, %.1f MiB) before "
-        "it reuses its least recently used one; fresh blocks of the %d-block pool are written "
-        "only when running requests need more (VLLM_UNIFIED_PREFIX_CACHE_RETAIN)",
-        blocks, tokens, blocks * block_bytes / 2**20, config.num_blocks)
+        "vllm-unified: prefix cache keeps up to %d freed blocks (%d tokens, %.1f MiB) of the "
+        "%d-block pool before it evicts its least recently used one; %s "
+        "(VLLM_UNIFIED_PREFIX_CACHE_RETAIN)",
+        blocks, tokens, blocks * block_bytes / 2**20, config.num_blocks, given_back)
 
 
 def bound_prefix_cache_residency(logger: logging.Logger) -> None:

@@ -11,8 +11,9 @@
 - ``block_translation``: kernel block sizes and vLLM's pages read as kernel blocks;
 - ``layer_cache``: the per-layer caches mlx-lm's model code sees;
 - ``cache``: the facade;
-- ``block_reuse``: the scheduler's free-block order (written blocks before fresh ones), which
-  keeps the lazy pool's resident pages to what the load needs.
+- ``block_reuse``: the scheduler's free-block order (written blocks before fresh ones) and the
+  prefix-cache bound, which keep the lazy pool's resident pages to what the load needs;
+- ``page_release``: the pages of blocks beyond that bound given back to the OS.
 
 This ``__init__`` imports nothing: the platform reads ``block_translation`` (no MLX) in vLLM's
 API-server process, before the engine is forked.

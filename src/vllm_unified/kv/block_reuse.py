@@ -12,21 +12,21 @@ taken from everything else.
 
 :class:`CommittedFirstQueue` is vLLM's queue with one change of order: never-written ("fresh")
 blocks stay in a segment at the back, and a free block that has been written is handed out
-before a fresh one when it holds nothing the prefix cache keeps (no hash), or when more than
-``retain_blocks`` written blocks are free. The prefix cache thus keeps at least
-``retain_blocks`` freed blocks (as many as are free) and evicts its least recently used block
-rather than commit new memory beyond that; fresh pages are committed only while running requests
-need more blocks than are written. The pool's committed blocks stay at most the most blocks
-running requests have held at once plus ``retain_blocks``. Everything else is vLLM's: the
+before a fresh one when it holds nothing the prefix cache keeps (no hash), or when more written
+blocks are free than the cache retains: ``max(retain_blocks, the most blocks held at once)``.
+The prefix cache thus keeps at least that many freed blocks (as many as are free) and evicts its
+least recently used block rather than commit new memory beyond that; fresh pages are committed
+only while the load needs more blocks than are written. Everything else is vLLM's: the
 free-block count, LRU order among cached blocks, eviction (``BlockPool.get_new_blocks`` evicts a
 handed-out block's hash), prefix-cache hits (``touch`` removes any free block).
 
 Where the worker shares the scheduler's process and can drop pages
-(:mod:`vllm_unified.kv.page_release`), the queue also gives memory back: whenever more than
-``retain_blocks`` written blocks are free, the least recently used of them are evicted from the
+(:mod:`vllm_unified.kv.page_release`), the queue also gives memory back: whenever more written
+blocks are free than the cache retains, the least recently used of them are evicted from the
 prefix cache (``BlockPool._maybe_evict_cached_block``, as vLLM evicts), moved back to the fresh
-segment and their pages released. The pool's resident pages then follow the blocks running
-requests hold now plus the bound, instead of their peak. A block vLLM keeps readable until
+segment and their pages released. The pool's resident pages are then the blocks in use now plus
+at most the retained ones: at most twice the load's peak (or the peak plus ``retain_blocks``),
+and back to the retained blocks when the server is idle. A block vLLM keeps readable until
 reuse (``BlockPool.unpin_blocks``) is never released.
 
 Installed by :func:`vllm_unified.patches.bound_prefix_cache_residency` in the scheduler's
@@ -71,8 +71,10 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
 
     Args:
         blocks: every block of the pool, as vLLM's ``BlockPool`` passes them (none written).
-        retain_blocks: written free blocks the prefix cache keeps before a cached one is handed
-            out instead of a fresh one (>= 0).
+        retain_blocks: the fewest written free blocks the prefix cache keeps before a cached
+            one is handed out instead of a fresh one, or released (>= 0). The cache keeps more
+            when running requests have held more blocks at once: ``max(retain_blocks, peak)``
+            (:attr:`retained_blocks`), so its share scales with the load it serves.
     """
 
     def __init__(self, blocks: list[KVCacheBlock], retain_blocks: int) -> None:
@@ -80,10 +82,15 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
             raise ValueError(f"retain_blocks must be >= 0, got {retain_blocks}")
         super().__init__(blocks)
         self.retain_blocks = retain_blocks
+        self._num_blocks = len(blocks)
+        #: the most blocks held at once (by running requests and prefix-cache hits)
+        self.peak_used_blocks = 0
         self._fresh_ids: set[int] = {b.block_id for b in blocks}
         self._first_fresh: KVCacheBlock | None = blocks[0] if blocks else None
         #: vLLM's BlockPool owning this queue (set by the installer): evicts released blocks
         self.block_pool: Any = None
+        #: fresh-segment blocks whose pages were handed to the release target
+        self._released_ids: set[int] = set()
 
     @classmethod
     def replacing(cls, queue: FreeKVCacheBlockQueue, retain_blocks: int) -> CommittedFirstQueue:
@@ -102,6 +109,11 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
         return len(self._fresh_ids)
 
     @property
+    def retained_blocks(self) -> int:
+        """How many written free blocks the prefix cache may keep now."""
+        return max(self.retain_blocks, self.peak_used_blocks)
+
+    @property
     def num_written_free_blocks(self) -> int:
         """Free blocks handed out before: the prefix cache's candidates and hashless ones."""
         return self.num_free_blocks - len(self._fresh_ids)
@@ -112,17 +124,23 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
             return False
         head = self.fake_free_list_head.next_free_block
         assert head is not None and head.block_id not in self._fresh_ids
-        return (head.block_hash is None or written > self.retain_blocks
+        return (head.block_hash is None or written > self.retained_blocks
                 or not self._fresh_ids)
 
     def popleft(self) -> KVCacheBlock:
         if self._take_written():
-            return super().popleft()
-        block = self._first_fresh
-        if block is None:
-            return super().popleft()  # empty: vLLM's own error
-        self.remove(block)
+            block = super().popleft()
+        elif self._first_fresh is None:
+            block = super().popleft()  # empty: vLLM's own error
+        else:
+            block = self._first_fresh
+            self.remove(block)
+        self._note_use()
         return block
+
+    def _note_use(self) -> None:
+        self.peak_used_blocks = max(self.peak_used_blocks,
+                                    self._num_blocks - self.num_free_blocks)
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
@@ -130,12 +148,18 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
         return [self.popleft() for _ in range(n)]
 
     def remove(self, block: KVCacheBlock) -> None:
+        if block.block_id in self._released_ids:  # handed out again before its pages went
+            self._released_ids.discard(block.block_id)
+            target = page_release.registered()
+            if target is not None:
+                target.cancel(block.block_id)
         if block.block_id in self._fresh_ids:
             self._fresh_ids.discard(block.block_id)
             if block is self._first_fresh:
                 nxt = block.next_free_block
                 self._first_fresh = None if nxt is self.fake_free_list_tail else nxt
         super().remove(block)
+        self._note_use()
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
@@ -166,9 +190,9 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
 
     def _release_surplus(self) -> None:
         """Evict and release the least recently used written free blocks beyond the bound."""
-        release = page_release.registered()
-        surplus = self.num_written_free_blocks - self.retain_blocks
-        if release is None or surplus <= 0 or self.block_pool is None:
+        target = page_release.registered()
+        surplus = self.num_written_free_blocks - self.retained_blocks
+        if target is None or surplus <= 0 or self.block_pool is None:
             return
         pinned = self.block_pool._reuse_watchers
         victims: list[KVCacheBlock] = []
@@ -186,7 +210,9 @@ class CommittedFirstQueue(FreeKVCacheBlockQueue):
             super().append_n(victims)
         else:
             self._insert_before(anchor, victims)
-        self._fresh_ids.update(b.block_id for b in victims)
+        ids = [b.block_id for b in victims]
+        self._fresh_ids.update(ids)
+        self._released_ids.update(ids)
         if victims:
             self._first_fresh = victims[0]
-            release([b.block_id for b in victims])
+            target.request(ids)

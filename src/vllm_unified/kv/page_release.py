@@ -2,12 +2,15 @@
 
 The scheduler side (:class:`vllm_unified.kv.block_reuse.CommittedFirstQueue`) decides which free
 blocks the prefix cache no longer keeps (beyond ``VLLM_UNIFIED_PREFIX_CACHE_RETAIN``), evicts
-their hashes and hands their ids to the function registered here with :func:`register`; this
+their hashes and hands their ids to the target registered here with :func:`register`; this
 module, on the worker side, drops the pages of those blocks (``madvise``) once no step that was
-queued before the release can still read them. vLLM lets a step in flight read blocks the
-scheduler has just freed (a preempted request's in-flight tokens are delivered; with
-asynchronous scheduling a step is evaluated while the next is scheduled): it only hands such a
-block to another request, whose writes come after the step in the device's order. Pages dropped
+queued before the release can still read them, unless the scheduler has handed the block out
+again meanwhile (``cancel``: the new owner's writes may already be queued).
+
+vLLM lets a step in flight read blocks the scheduler has just freed (a preempted request's
+in-flight tokens are delivered; with asynchronous scheduling a step is evaluated while the next
+is scheduled): it only hands such a block to another request, whose writes come after the step
+in the device's order. Pages dropped
 at once would read as zeros under that step; so a release waits until every forward queued
 before it has finished (:meth:`PageRelease.flush` after each step's read-back).
 
@@ -27,20 +30,32 @@ import os
 import sys
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
+
+
+class ReleaseTarget(Protocol):
+    """What the scheduler's queue calls: ``request`` with the ids of free blocks whose pages
+    may go, ``cancel`` with the id of such a block when it hands it out again (its pages must
+    then stay: the new owner writes them)."""
+
+    def request(self, block_ids: list[int]) -> None: ...
+
+    def cancel(self, block_id: int) -> None: ...
+
 
 #: the scheduler's release target in this process (None: pages are never dropped)
-_release: Callable[[list[int]], None] | None = None
+_target: ReleaseTarget | None = None
 
 
-def register(release: Callable[[list[int]], None] | None) -> None:
-    """Set (or clear, with None) the function the scheduler calls with block ids to drop."""
-    global _release
-    _release = release
+def register(target: ReleaseTarget | None) -> None:
+    """Set (or clear, with None) the release target of this process's scheduler."""
+    global _target
+    _target = target
 
 
-def registered() -> Callable[[list[int]], None] | None:
-    """The registered release function, if any (the scheduler's queue reads it per release)."""
-    return _release
+def registered() -> ReleaseTarget | None:
+    """The registered release target, if any (the scheduler's queue reads it per release)."""
+    return _target
 
 
 def _advice() -> int:
@@ -70,6 +85,9 @@ class PageRelease:
         self.base, self.nbytes, self.ranges = base, nbytes, ranges
         self._queued, self._done = forwards_queued, forwards_done
         self._pending: deque[tuple[int, list[int]]] = deque()
+        #: block id -> the tag of its latest release request (an id can be released, handed
+        #: out, freed and released again before the first request's turn)
+        self._pending_ids: dict[int, int] = {}
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         self._advice = _advice()
@@ -81,8 +99,14 @@ class PageRelease:
         """The scheduler's call: drop these free blocks' pages once the forwards queued now
         have finished (at once if they have)."""
         if block_ids:
-            self._pending.append((self._queued(), list(block_ids)))
+            tag = self._queued()
+            self._pending.append((tag, list(block_ids)))
+            self._pending_ids.update(dict.fromkeys(block_ids, tag))
             self.flush()
+
+    def cancel(self, block_id: int) -> None:
+        """The scheduler hands ``block_id`` out again before its pages were dropped: keep them."""
+        self._pending_ids.pop(block_id, None)
 
     def flush(self) -> None:
         """Drop the pages of every request made when no more forwards had been queued than
@@ -94,10 +118,12 @@ class PageRelease:
         """
         done = self._done()
         while self._pending and self._pending[0][0] <= done:
-            _, ids = self._pending.popleft()
+            tag, ids = self._pending.popleft()
             for block in ids:
-                self._drop(block)
-            self.blocks_released += len(ids)
+                if self._pending_ids.get(block) == tag:
+                    del self._pending_ids[block]
+                    self._drop(block)
+                    self.blocks_released += 1
 
     def _drop(self, block: int) -> None:
         page = mmap.PAGESIZE

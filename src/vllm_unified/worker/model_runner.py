@@ -358,7 +358,7 @@ class MLXModelRunner:
             return None
         release = PageRelease(buffer.data_ptr(), buffer.numel(), placements(kv_cache_config),
                               lambda: self.stats.forwards, lambda: self.forwards_done)
-        page_release.register(release.request)
+        page_release.register(release)
         return release
 
     def _compiled_decode(self) -> CompiledDecode | None:
