@@ -95,7 +95,7 @@ def test_the_pool_commits_what_the_load_needs_not_what_the_prefix_cache_saw(
     tokens = [o["completions"][0]["token_ids"] for o in out["outputs"]]
     reference = tmp_path.parent / "pool-commit-reference.json"
     if retain == "default":
-        assert "prefix cache keeps up to 32 freed blocks (512 tokens" in out["log"]
+        assert "prefix cache keeps at least 32 freed blocks (512 tokens" in out["log"]
         assert "the pages of blocks beyond it are given back to the OS" in out["log"]
         assert resident <= (32 + 2) * BLOCK_BYTES, (
             f"{resident / BLOCK_BYTES:.1f} blocks resident after the load")

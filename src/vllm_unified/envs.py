@@ -117,9 +117,10 @@ _SETTINGS = (
     Setting("VLLM_UNIFIED_KV_EAGER_ZERO", False, _bool,
             "1 zero-fills the KV pool at start as vLLM does (benchmarks compare start-up memory)"),
     Setting("VLLM_UNIFIED_PREFIX_CACHE_RETAIN", None, _tokens_or_all,
-            "tokens of freed KV blocks the prefix cache keeps before it reuses its least "
-            "recently used block rather than commit fresh pool pages; all: vLLM's order (the "
-            "cache may fill the pool). Default: --max-model-len on Metal and CPU, all on CUDA"),
+            "fewest tokens of freed KV blocks the prefix cache keeps (it keeps as many blocks "
+            "as the load has held at once if that is more); blocks beyond are evicted and "
+            "their pool pages given back. all: vLLM's order (the cache may fill the pool). "
+            "Default: --max-model-len on Metal and CPU, all on CUDA"),
     Setting("VLLM_UNIFIED_STEP_PROFILE", 0, _count(0),
             "log the step-phase profile every N steps (0: never)"),
     Setting("VLLM_UNIFIED_MEMORY_LOG", 0, _count(0),

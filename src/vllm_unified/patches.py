@@ -188,9 +188,9 @@ def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
                   if page_release.registered() is not None else
                   "fresh blocks of the pool are written only when running requests need more")
     logger.info(
-        "vllm-unified: prefix cache keeps up to %d freed blocks (%d tokens, %.1f MiB) of the "
-        "%d-block pool before it evicts its least recently used one; %s "
-        "(VLLM_UNIFIED_PREFIX_CACHE_RETAIN)",
+        "vllm-unified: prefix cache keeps at least %d freed blocks (%d tokens, %.1f MiB) of the "
+        "%d-block pool, or as many as running requests have held at once, before it evicts "
+        "its least recently used one; %s (VLLM_UNIFIED_PREFIX_CACHE_RETAIN)",
         blocks, tokens, blocks * block_bytes / 2**20, config.num_blocks, given_back)
 
 
