@@ -23,7 +23,8 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.stop_engine_core_gracefully,
                          patches.harden_engine_core_signals,
                          patches.patch_anthropic_stream_errors,
-                         patches.patch_responses_empty_output_message}
+                         patches.patch_responses_empty_output_message,
+                         patches.bound_prefix_cache_residency}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""
