@@ -233,7 +233,7 @@ def test_launch_shape_stays_within_shared_memory(group, dim, rotated):
     for r in (1, rows):
         warps, cb = gpu_paged_quant.launch_shape(group, dim, r, rotated)
         qg = r * group
-        used = 4 * (warps * (2 * qg + cb * dim) + (qg * dim if rotated else 0))
+        used = 4 * (warps * (2 * qg + cb * dim) + (qg if rotated else 1) * dim)
         assert warps in (16, 8, 4, 2, 1) and 1 <= cb <= qg
         assert used <= gpu_paged_quant.gpu_paged.SHARED_BYTES, (r, warps, cb, used)
 

@@ -301,10 +301,10 @@ def launch_shape(group: int, head_dim: int, rows: int, rotated: bool) -> tuple[i
     """``(WARPS, CB)`` for ``rows`` query rows x ``group`` heads of ``head_dim``: the dense
     kernel's warps (:func:`gpu_paged.warps_per_group`), halved while the shared memory
     (``WARPS x (2 QG + CB x D) x 4`` bytes with ``CB = 1``, plus the rotation buffer
-    ``QG x D x 4`` for int4) exceeds :data:`gpu_paged.SHARED_BYTES`; CB as many pairs as the
-    rest holds, at least 1, at most ``QG``."""
+    ``RQ x D x 4``, ``RQ = QG`` for int4, else 1) exceeds :data:`gpu_paged.SHARED_BYTES`; CB as
+    many pairs as the rest holds, at least 1, at most ``QG``."""
     qg = rows * group
-    floats = gpu_paged.SHARED_BYTES // 4 - (qg * head_dim if rotated else 0)
+    floats = gpu_paged.SHARED_BYTES // 4 - rotation_rows(group, rows, rotated) * head_dim
     warps = gpu_paged.warps_per_group(group, head_dim, rows)
     while warps > 1 and warps * (2 * qg + head_dim) > floats:
         warps //= 2
@@ -318,9 +318,15 @@ def q_tile(group: int, head_dim: int, rotated: bool) -> int:
     rows = gpu_paged.q_tile(group, head_dim)
     while rows > 1 and launch_shape(group, head_dim, rows, rotated)[0] * \
             (2 * rows * group + head_dim) > gpu_paged.SHARED_BYTES // 4 - \
-            (rows * group * head_dim if rotated else 0):
+            rotation_rows(group, rows, rotated) * head_dim:
         rows -= 1
     return rows
+
+
+def rotation_rows(group: int, rows: int, rotated: bool) -> int:
+    """RQ, the rows of the kernel's rotation buffer: every (row, head) pair of a tile for int4
+    (its queries, then the output rows of a combine pass), else 1 (unused)."""
+    return rows * group if rotated else 1
 
 
 @functools.cache
@@ -358,7 +364,7 @@ def launch_args(
         inputs=[queries, kv_pool, tables, tiles, _scale(scale / block),
                 signs if fmt.rotated else _no_signs()],
         template=[("T", queries.dtype), ("P", kv_pool.dtype), ("MODE", fmt.native_mode),
-                  ("BLK", block), ("RQ", rows * group if fmt.rotated else 1), ("D", dim),
+                  ("BLK", block), ("RQ", rotation_rows(group, rows, fmt.rotated)), ("D", dim),
                   ("H", heads), ("HKV", kv_heads), ("BS", block_size), ("WARPS", warps),
                   ("WINDOW", 0 if window is None else int(window)), ("QT", rows),
                   ("CB", cb), ("DECODE", int(decode))],
