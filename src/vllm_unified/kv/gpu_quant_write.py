@@ -67,8 +67,8 @@ UNI_FUNC uint32_t uni_kvq_e4m3(float x) {
         const uint32_t m = (a & 0x7fffffu) | 0x800000u;
         uint32_t q = m >> shift;
         const uint32_t rest = m & ((1u << shift) - 1u);
-        const uint32_t half = 1u << (shift - 1u);
-        if (rest > half || (rest == half && (q & 1u) != 0u)) {
+        const uint32_t halfway = 1u << (shift - 1u);
+        if (rest > halfway || (rest == halfway && (q & 1u) != 0u)) {
             q += 1u;
         }
         return sign | q;
