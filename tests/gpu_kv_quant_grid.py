@@ -111,7 +111,7 @@ def write_inputs(case: WriteCase) -> WriteInputs:
                                    0.0068359375, 0.0146484375, -0.0185546875, -3.375,
                                    0.000976], np.float32), d)
         row[0] = 448.0
-        keys[5, 0] = row
+        keys[4, 0] = row  # token 4: never the padding slot (token t // 2)
     keys = round_to_dtype_reference(keys, case.dtype)
     values = round_to_dtype_reference(values, case.dtype)
     cell = fmt.cell_bytes(d)

@@ -147,6 +147,28 @@ def test_metal_write_is_the_native_write_byte_for_byte(emulated_metal, case):
     assert out.shape == inp.pool.shape and out.dtype == inp.pool.dtype
 
 
+@needs_clang
+@pytest.mark.parametrize("mode,change", [
+    ("int8_per_token_head", ("uni_add_rn(q, 0.5f)", "q")),  # truncation for rounding
+    ("int4_per_token_head", ("| (uint32_t)zp;", ";")),  # the zero point dropped
+    ("fp8_per_token_head", ("(q & 1u) != 0u", "false")),  # ties away instead of to even
+    ("int4_per_token_head", ("x[i] + o", "o + x[i] + 0.0f * o")),  # same value: must pass
+], ids=["int8-rounding", "int4-zero-point", "fp8-ties", "int4-equivalent"])
+def test_a_wrong_write_kernel_fails_the_check(emulated_metal, monkeypatch, mode, change):
+    """The byte comparison catches a kernel one rule off (and passes an equivalent one)."""
+    case = next(c for c in write_cases() if c.mode == mode and c.tokens > 5)
+    inp = write_inputs(case)
+    fmt = kv_format(mode)
+    assert change[0] in gpu_quant_write.SOURCE + gpu_quant_write.HEADER
+    monkeypatch.setattr(gpu_quant_write, "SOURCE", gpu_quant_write.SOURCE.replace(*change))
+    monkeypatch.setattr(gpu_quant_write, "HEADER", gpu_quant_write.HEADER.replace(*change))
+    gpu_quant_write.write_kv_quant_gpu(inp.pool, inp.slots, inp.keys, inp.values, fmt,
+                                       rht_signs(case.dim) if fmt.rotated else None,
+                                       dialect="metal")
+    same = np.array_equal(pool_bytes(emulated_metal[-1][1][0]), inp.expected)
+    assert same == (change[1].startswith("o + x[i]"))
+
+
 def test_write_rejects_bad_input():
     fmt = kv_format("int8_per_token_head")
     pool = mx.zeros((8, 2, fmt.cell_bytes(64)), mx.int8)
@@ -208,6 +230,23 @@ def test_metal_attention_matches_the_reference_on_the_grid(case, monkeypatch):
     monkeypatch.setattr(gpu_paged_quant, "launch", _emulated_launch)
     err = max_error(case, _attend("metal"))
     assert err <= TOLERANCE[case.dtype], f"{case.name}: max abs error {err}"
+
+
+@needs_clang
+@pytest.mark.parametrize("change", [
+    ("s[g] = uni_simd_sum(t) * ks;", "s[g] = uni_simd_sum(t);"),  # the key scale dropped
+    ("qi < nrows && j < lr &&", "qi < nrows && j <= lr &&"),  # a row sees the next key
+    ("static_cast<T>((srot[c][d] * signs[d % BLK]) / (float)BLK)",
+     "static_cast<T>(srot[c][d] / (float)BLK)"),  # int4: the output's signs forgotten
+], ids=["key-scale", "one-key-more", "int4-signs"])
+def test_a_wrong_attention_kernel_fails_the_check(monkeypatch, change):
+    case = next(c for c in grid(("float32",)) if c.mode == "int4_per_token_head"
+                and c.kind == "mixed")
+    assert change[0] in gpu_paged_quant.SOURCE
+    monkeypatch.setattr(gpu_paged_quant, "SOURCE", gpu_paged_quant.SOURCE.replace(*change))
+    monkeypatch.setattr(gpu_paged_quant, "launch", _emulated_launch)
+    err = max_error(dataclasses.replace(case, route="kernel"), _attend("metal"))
+    assert not err <= TOLERANCE[case.dtype], err  # NaN fails too
 
 
 def test_grid_covers_formats_head_sizes_kinds_windows_and_routes():
