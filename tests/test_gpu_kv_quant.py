@@ -104,7 +104,9 @@ def test_fp8_reference_encoding_is_torchs():
 @pytest.fixture
 def emulated_metal(monkeypatch):
     """mx.fast.metal_kernel replaced by MLX's assembly plus the emulator (as in
-    test_metal_dialect.py): the call runs on the CPU, its inputs after the run are kept."""
+    test_metal_dialect.py): the call runs on the CPU, its inputs after the run are kept, and
+    a byte input the kernel wrote (through UNI_WRITABLE) gets the written bytes in its own MLX
+    buffer, as on a GPU (so ``mx.depends(pool, token)`` reads them)."""
     runs = []
 
     def make(*, name, input_names, output_names, source, header="", **_):
@@ -112,6 +114,12 @@ def emulated_metal(monkeypatch):
             _, text = gd.mlx_metal_source(name, input_names, output_names, source, inputs,
                                           template, output_dtypes=output_dtypes, header=header)
             ins, outs = emu.run(text, inputs, output_shapes, output_dtypes, grid, threadgroup)
+            for x, after in zip(inputs, ins, strict=True):
+                if x.dtype in (mx.int8, mx.uint8):
+                    mx.eval(x)
+                    buf = np.asarray(memoryview(x))
+                    if not np.array_equal(buf, after):
+                        buf[...] = after
             runs.append((text, ins, outs))
             return [mx.array(o) for o in outs]
         return call
@@ -130,6 +138,7 @@ def test_metal_write_is_the_native_write_byte_for_byte(emulated_metal, case):
     """Every cell at a slot the native write's bytes, every other byte untouched (the padding
     slot -1 skipped), the token written; the text is MLX's assembly of the instance."""
     inp = write_inputs(case)
+    native = _native_write(inp, case.mode)
     fmt = kv_format(case.mode)
     signs = rht_signs(case.dim) if fmt.rotated else None
     out = gpu_quant_write.write_kv_quant_gpu(inp.pool, inp.slots, inp.keys, inp.values, fmt,
@@ -141,10 +150,11 @@ def test_metal_write_is_the_native_write_byte_for_byte(emulated_metal, case):
                                      output_dtypes=[mx.int32],
                                      header=gpu_quant_write.HEADER)[1]
     got = pool_bytes(ins[0])
-    np.testing.assert_array_equal(got, _native_write(inp, case.mode))
+    np.testing.assert_array_equal(got, native)
     np.testing.assert_array_equal(got, inp.expected)
     assert outs[0].tolist() == [1]
     assert out.shape == inp.pool.shape and out.dtype == inp.pool.dtype
+    np.testing.assert_array_equal(pool_bytes(out), got)  # the result is the written buffer
 
 
 @needs_clang
@@ -448,3 +458,44 @@ def test_metal_quantized_cache_writes_vllms_views_in_place(name, monkeypatch, de
     got = pool_bytes(pool.kv[1])
     np.testing.assert_array_equal(raw.numpy(), got)
     assert got[17].any() and not got[16].any()
+
+
+# --- the H200 check, run here with the Metal instances emulated ----------------------------
+
+@needs_clang
+def test_h200_check_reports_worst_figures_per_format(emulated_metal, monkeypatch):
+    """benchmarks/cuda_decode.py's quantized-KV check (what the H200 runs in check-only mode)
+    end to end, with the CUDA launches replaced by the Metal instances of the same bodies
+    under the emulation: every write exact, every attention case within tolerance, worst
+    figures per format."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_decode.py"
+    spec = importlib.util.spec_from_file_location("cuda_decode_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real_write = gpu_quant_write.write_kv_quant_gpu
+    real_attention = gpu_paged_quant.paged_gpu_attention_quant
+
+    def write(*args, dialect):
+        assert dialect == "cuda"
+        return real_write(*args, dialect="metal")
+
+    def attention(dialect, *args):
+        assert dialect == "cuda"
+        return real_attention("metal", *args)
+
+    monkeypatch.setattr(gpu_quant_write, "write_kv_quant_gpu", write)
+    monkeypatch.setattr(gpu_paged_quant, "paged_gpu_attention_quant", attention)
+    monkeypatch.setattr(gpu_paged_quant, "launch", _emulated_launch)
+    report = bench.kvquant_check(mx)
+    print({k: v for k, v in report.items()
+           if k not in ("write_bytes_differing", "attention_max_abs_error")})
+    assert report["all_exact_and_within_tolerance"], report["failed"]
+    assert report["write_cases"] == len(write_cases())
+    assert report["attention_cases"] == len(grid())
+    assert report["worst_write_bytes_differing"] == {m: 0 for m in MODES}
+    worst = report["worst_attention_max_abs_error"]
+    assert set(worst) == {f"{m}/{d}" for m in MODES for d in ("float32", "bfloat16")}
+    assert all(worst[f"{m}/float32"] <= 1e-5 and worst[f"{m}/bfloat16"] <= 2e-2 for m in MODES)
