@@ -46,16 +46,16 @@ OUTPUT_NAMES = ["out"]
 #: the kernel's helpers: the dense kernel's vector type, vLLM's float8 e4m3fn decoding and the
 #: fp32 scale word of a cell side (read byte by byte: any alignment)
 HEADER = gpu_paged.HEADER + QUANT_HEADER + """
-UNI_FUNC float uni_kvq_e4m3_value(uint32_t b) {
-    const uint32_t e = (b >> 3) & 15u;
-    const uint32_t m = b & 7u;
+UNI_FUNC float uni_kvq_e4m3_value(unsigned int b) {
+    const unsigned int e = (b >> 3) & 15u;
+    const unsigned int m = b & 7u;
     const float mag = e == 0u ? (float)m * 0.001953125f
                               : uni_as_float(((e + 120u) << 23) | (m << 20));
     return (b & 0x80u) != 0u ? -mag : mag;
 }
-UNI_FUNC uint32_t uni_kvq_word(const UNI_DEVICE uint8_t* p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16)
-        | ((uint32_t)p[3] << 24);
+UNI_FUNC unsigned int uni_kvq_word(const UNI_DEVICE unsigned char* p) {
+    return (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16)
+        | ((unsigned int)p[3] << 24);
 }
 """
 

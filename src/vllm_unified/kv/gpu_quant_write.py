@@ -51,35 +51,35 @@ UNI_FUNC float uni_kvq_round(float x) {
     return x >= 0.0f ? (float)(int)uni_add_rn(x, 0.5f) : (float)(int)uni_add_rn(x, -0.5f);
 }
 // float -> float8 e4m3fn byte, round to nearest even (native f32_to_e4m3, in integers)
-UNI_FUNC uint32_t uni_kvq_e4m3(float x) {
-    const uint32_t bits = uni_as_uint(x);
-    const uint32_t sign = (bits >> 24) & 0x80u;
-    const uint32_t a = bits & 0x7fffffffu;
+UNI_FUNC unsigned int uni_kvq_e4m3(float x) {
+    const unsigned int bits = uni_as_uint(x);
+    const unsigned int sign = (bits >> 24) & 0x80u;
+    const unsigned int a = bits & 0x7fffffffu;
     if (a > 0x7f800000u) {
         return sign | 0x7fu;  // NaN
     }
     if (a < 0x3c800000u) {  // below 2^-6: multiples of 2^-9 (8 of them are the first normal)
-        const uint32_t e = a >> 23;
-        const uint32_t shift = 141u - e;  // |x| / 2^-9 = significand >> shift
+        const unsigned int e = a >> 23;
+        const unsigned int shift = 141u - e;  // |x| / 2^-9 = significand >> shift
         if (e == 0u || shift > 24u) {
             return sign;  // below 2^-10: rounds to zero
         }
-        const uint32_t m = (a & 0x7fffffu) | 0x800000u;
-        uint32_t q = m >> shift;
-        const uint32_t rest = m & ((1u << shift) - 1u);
-        const uint32_t halfway = 1u << (shift - 1u);
+        const unsigned int m = (a & 0x7fffffu) | 0x800000u;
+        unsigned int q = m >> shift;
+        const unsigned int rest = m & ((1u << shift) - 1u);
+        const unsigned int halfway = 1u << (shift - 1u);
         if (rest > halfway || (rest == halfway && (q & 1u) != 0u)) {
             q += 1u;
         }
         return sign | q;
     }
-    const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);  // 3 mantissa bits, ties to even
+    const unsigned int r = a + 0x7ffffu + ((a >> 20) & 1u);  // 3 mantissa bits, ties to even
     const int e = (int)(r >> 23) - 120;
-    const uint32_t m = (r >> 20) & 7u;
+    const unsigned int m = (r >> 20) & 7u;
     if (e > 15 || (e == 15 && m == 7u)) {
         return sign | 0x7fu;  // beyond 448: e4m3fn has no infinity
     }
-    return sign | ((uint32_t)e << 3) | m;
+    return sign | ((unsigned int)e << 3) | m;
 }
 """
 
