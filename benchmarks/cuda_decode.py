@@ -22,7 +22,11 @@ lent H200). Subcommands:
      ``paged_gpu_attention``: decode rows, prefill tiles, fresh chunks routed to MLX's SDPA)
      against the pure-MLX reference on the grid of ``tests/gpu_attention_grid.py`` (the one the
      Metal dialect is emulated on; every unowned slot NaN): max abs error per case, fp32 and
-     bf16 on the whole grid, fp16 on its mixed steps; then attention alone, one 28-layer step:
+     bf16 on the whole grid, fp16 on its mixed steps; the quantized-KV kernels'
+     CUDA dialect (``kv/gpu_quant_write.py``: bytes against the numpy reference of vLLM's
+     write, ``attention/gpu_paged_quant.py``: max abs error against the reference over the
+     dequantized pool; ``tests/gpu_kv_quant_grid.py``), worst per format in the JSON's
+     ``kvquant_grid``; then attention alone, one 28-layer step:
      decode at 650-token contexts and a 512-token chunk after 1,536 cached tokens, our kernel
      over a paged pool against MLX's SDPA over contiguous keys;
   5. per engine mode (``CUDA_BENCH_MODES``, default ``compiled,eager``: pure-decode steps
@@ -449,6 +453,81 @@ def kernel_grid_check(mx) -> dict:
             "max_abs_error": errors}
 
 
+def _quant_grid_module():
+    """tests/gpu_kv_quant_grid.py, found as :func:`_grid_module` finds its sibling."""
+    _grid_module()
+    import gpu_kv_quant_grid
+
+    return gpu_kv_quant_grid
+
+
+def kvquant_check(mx) -> dict:
+    """The quantized-KV GPU kernels' CUDA dialect: the quantizing write
+    (``kv/gpu_quant_write.py``) against the numpy reference bytes
+    (``kv/quant.quantize_cells_reference``, equal to the native write and vLLM's kernels in the
+    CPU tests) on ``gpu_kv_quant_grid.write_cases()`` (bytes that differ per case, 0 expected),
+    and the paged attention over quantized pages (``attention/gpu_paged_quant.py``, through
+    ``paged_gpu_attention_quant``) against the pure-MLX reference over the dequantized pool on
+    ``gpu_kv_quant_grid.grid()`` (fp32 and bf16; max abs error per case). Worst figures per
+    format (and per dtype for the attention)."""
+    from vllm_unified.attention.gpu_paged_quant import paged_gpu_attention_quant
+    from vllm_unified.kv.gpu_quant_write import write_kv_quant_gpu
+    from vllm_unified.kv.quant import kv_format
+
+    q = _quant_grid_module()
+    start = time.perf_counter()
+    write: dict = {}
+    failed = []
+    for case in q.write_cases():
+        try:
+            inp = q.write_inputs(case)
+            fmt = kv_format(case.mode)
+            out = write_kv_quant_gpu(inp.pool, inp.slots, inp.keys, inp.values, fmt,
+                                     q.signs_for(case.mode, case.dim), dialect="cuda")
+            mx.eval(out)
+            bad = int((q.pool_bytes(out) != inp.expected).sum())
+        except Exception as exc:  # reported per case; the others still run
+            write[case.name] = repr(exc)
+            failed.append(case.name)
+            continue
+        write[case.name] = bad
+        if bad:
+            failed.append(case.name)
+
+    def attend(qs, pool, meta, scale, window, fmt, signs, max_chunk):
+        return paged_gpu_attention_quant("cuda", qs, pool, meta, scale, window, fmt, signs,
+                                         max_chunk)
+
+    attention: dict = {}
+    cases = q.grid(("float32", "bfloat16"))
+    for case in cases:
+        try:
+            err = q.max_error(case, attend)
+        except Exception as exc:
+            attention[case.name] = repr(exc)
+            failed.append(case.name)
+            continue
+        attention[case.name] = err
+        if not err <= q.TOLERANCE[case.dtype]:  # NaN fails too
+            failed.append(case.name)
+    worst_write = {}
+    for mode in q.MODES:
+        got = [write[c.name] for c in q.write_cases() if c.mode == mode]
+        worst_write[mode] = max(got) if all(isinstance(b, int) for b in got) else "error"
+    worst_attention: dict = {}
+    for mode in q.MODES:
+        for dtype in ("float32", "bfloat16"):
+            errs = [attention[c.name] for c in cases if c.mode == mode and c.dtype == dtype]
+            finite = all(isinstance(e, float) and np.isfinite(e) for e in errs)
+            worst_attention[f"{mode}/{dtype}"] = max(errs) if finite else float("nan")
+    return {"write_cases": len(write), "attention_cases": len(cases),
+            "elapsed_s": time.perf_counter() - start,
+            "worst_write_bytes_differing": worst_write,
+            "worst_attention_max_abs_error": worst_attention, "failed": failed,
+            "all_exact_and_within_tolerance": not failed, "tolerance": q.TOLERANCE,
+            "write_bytes_differing": write, "attention_max_abs_error": attention}
+
+
 def attention_timing(mx) -> dict:
     """Attention alone, one Qwen3-0.6B-shaped step (28 layers, 16 query / 8 KV heads of 128,
     bf16), ms per step (28 calls, evaluated together), median of 20: decode at 650-token
@@ -641,6 +720,16 @@ def device_main(carry: str, out_dir: str) -> None:
     report["kernel_grid"] = check
     print("paged GPU kernel (CUDA dialect) vs pure-MLX reference on the grid:",
           json.dumps({k: v for k, v in check.items() if k != "max_abs_error"}), flush=True)
+    try:
+        quant = ({"skipped": f"{SKIP_CHECKS_ENV}=grid"}
+                 if os.environ.get(SKIP_CHECKS_ENV) == "grid" else kvquant_check(mx))
+    except Exception as err:  # reported, and the engines below still run
+        quant = {"error": repr(err)}
+    report["kvquant_grid"] = quant
+    print("quantized KV kernels (CUDA dialect): write vs numpy bytes, attention vs reference:",
+          json.dumps({k: v for k, v in quant.items()
+                      if k not in ("write_bytes_differing", "attention_max_abs_error")}),
+          flush=True)
     (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
     mx.clear_cache()
     if os.environ.get(CHECK_ONLY_ENV) == "1":
@@ -750,6 +839,11 @@ def print_checks(report: dict) -> None:
     if "greedy" not in report:
         print(f"greedy check and kernel grid skipped ({SKIP_CHECKS_ENV}=1)")
         return
+    quant = report.get("kvquant_grid", {})
+    print(f"quantized KV kernels: write bytes differing (worst per format) "
+          f"{quant.get('worst_write_bytes_differing')}, attention worst max abs error "
+          f"{quant.get('worst_attention_max_abs_error')}, failed "
+          f"{quant.get('failed', quant.get('error', quant.get('skipped')))}")
     grid = report.get("kernel_grid", {})
     print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
     print(f"paged GPU kernel grid: {grid.get('cases')} cases, worst max abs error "

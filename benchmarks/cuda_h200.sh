@@ -20,8 +20,8 @@
 #               none), mlx-lm 0.32.2, and the pure-Python and small binary dependencies of
 #               offline LLM.generate that the machine lacks    -> `stash DEST/part3`
 #   DEST/run    this checkout's plugin (src/ + an entry-point dist-info), cuda_decode.py, this
-#               script, tests/gpu_attention_grid.py (the kernel grid), expected.json (greedy
-#               ids of the CPU backend)                                -> `device DEST/run`
+#               script, tests/gpu_attention_grid.py and tests/gpu_kv_quant_grid.py (the kernel
+#               grids), expected.json (greedy ids of the CPU backend)  -> `device DEST/run`
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -82,7 +82,7 @@ pack() {
   printf '[vllm.platform_plugins]\nvllm_unified = vllm_unified:register\n' \
     > "$di/entry_points.txt"
   cp "$REPO/benchmarks/cuda_decode.py" "$REPO/benchmarks/cuda_h200.sh" \
-    "$REPO/tests/gpu_attention_grid.py" "$DEST/run/"
+    "$REPO/tests/gpu_attention_grid.py" "$REPO/tests/gpu_kv_quant_grid.py" "$DEST/run/"
   if [ ! -f "$DEST/run/expected.json" ]; then
     rm -rf "$stage" && mkdir -p "$stage"
     (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda_decode.py expected "$stage")

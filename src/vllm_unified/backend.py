@@ -218,6 +218,25 @@ class BackendProfile:
     def kind(self) -> BackendKind:
         return self.info.kind
 
+    @property
+    def quantized_kv(self) -> Literal["native", "metal", "cuda"] | None:
+        """Which kernels write and read a quantized KV cache (``--kv-cache-dtype``
+        ``*_per_token_head``; :mod:`vllm_unified.kv.quant`), None where none does:
+        ``"native"``: the native CPU kernels (CPU attention over the torch-shared pool);
+        ``"metal"`` / ``"cuda"``: the GPU kernels of that dialect, where the profile writes
+        the pool with them and attends with the paged GPU kernel (Metal: the torch-shared
+        pool written by the Metal kernels; CUDA: the MLX-owned pool written by the CUDA
+        kernel). Head sizes are the kernels' own limit (the KV cache checks them)."""
+        if self.cpu_attention and self.kv_pool == "torch_shared":
+            return "native"
+        if (self.gpu_attention == "metal" and self.kv_pool == "torch_shared"
+                and self.kv_write == "metal_kernel"):
+            return "metal"
+        if (self.gpu_attention == "cuda" and self.kv_pool == "mlx_owned"
+                and self.kv_write == "cuda_kernel"):
+            return "cuda"
+        return None
+
     def describe(self) -> str:
         """One line for the start-up log."""
         attention = ("native CPU kernel" if self.cpu_attention else

@@ -31,7 +31,23 @@ name                      metal                                          cuda
 ``uni_neg_inf()``         ``-INFINITY``                                  ``__int_as_float(
                                                                          0xff800000)``
 ``UNI_WRITABLE(T, p)``    ``const_cast<device T*>(p)``                   ``const_cast<T*>(p)``
+``UNI_FUNC``              ``inline``                                     ``__device__
+                                                                         __forceinline__``
+``uni_as_uint(float)``    ``as_type<uint32_t>``                          ``__float_as_uint``
+``uni_as_float(uint32)``  ``as_type<float>``                             ``__uint_as_float``
+``uni_mul_rn(f, f)``      ``metal::fma(a, b, 0.0f)``                     ``__fmul_rn``
+``uni_add_rn(f, f)``      ``a + b``                                      ``__fadd_rn``
 ========================  =============================================  ===========================
+
+``UNI_FUNC`` declares a helper function of a kernel's own header (CUDA needs ``__device__``).
+``uni_mul_rn`` / ``uni_add_rn`` are the IEEE product and sum, each rounded on its own: never
+contracted into a fused multiply-add with a neighbouring operation (NVRTC fuses ``a * b + c`` by
+default; ``__fmul_rn``/``__fadd_rn`` are documented never to be fused). On Metal the product is
+an ``fma`` with ``+0.0``: one rounding of the exact product, which the compiler may neither fold
+into a plain multiply (a zero product comes out ``+0``, so the sign of a zero is not kept) nor
+merge with the sum that follows. Kernels whose bytes must equal another implementation's (the
+quantizing KV write) use them where a product feeds a sum, where the sign of a zero does not
+matter.
 
 Both dialects' SIMD groups are 32 lanes wide (NVIDIA warps; Apple GPUs' SIMD groups). The
 template type ``T`` is the array dtype (Metal ``float``/``float16_t``/``bfloat16_t``, CUDA
@@ -75,6 +91,11 @@ inline float uni_shfl_xor(float x, int mask) { return simd_shuffle_xor(x, ushort
 inline float uni_exp(float x) { return metal::fast::exp(x); }
 inline float uni_fmax(float a, float b) { return metal::max(a, b); }
 inline float uni_neg_inf() { return -INFINITY; }
+#define UNI_FUNC inline
+inline uint32_t uni_as_uint(float x) { return as_type<uint32_t>(x); }
+inline float uni_as_float(uint32_t x) { return as_type<float>(x); }
+inline float uni_mul_rn(float a, float b) { return metal::fma(a, b, 0.0f); }
+inline float uni_add_rn(float a, float b) { return a + b; }
 """,
     "cuda": """
 // vllm_unified.gpu_dialect: cuda
@@ -96,6 +117,11 @@ __device__ __forceinline__ float uni_simd_max(float x) {
 __device__ __forceinline__ float uni_exp(float x) { return __expf(x); }
 __device__ __forceinline__ float uni_fmax(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ float uni_neg_inf() { return __int_as_float(0xff800000); }
+#define UNI_FUNC __device__ __forceinline__
+__device__ __forceinline__ unsigned int uni_as_uint(float x) { return __float_as_uint(x); }
+__device__ __forceinline__ float uni_as_float(unsigned int x) { return __uint_as_float(x); }
+__device__ __forceinline__ float uni_mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float uni_add_rn(float a, float b) { return __fadd_rn(a, b); }
 """,
 }
 

@@ -150,14 +150,17 @@ def paged_attention_kv(
     pool), or None.
 
     ``kv_format``: a quantized format (:mod:`vllm_unified.kv.quant`) makes ``kv_pool`` vLLM's
-    page bytes ``[slots, Hkv, cell bytes]``; accelerated, the native CPU kernel reads them
-    (``rht_signs``: vLLM's RHT signs for int4); the reference dequantizes the whole pool
-    (:func:`vllm_unified.kv.quant.dequantize_pool`) and attends over it in fp32.
+    page bytes ``[slots, Hkv, cell bytes]``; accelerated, the native CPU kernel reads them, or
+    on a GPU backend the quantized paged GPU kernel of the profile's dialect
+    (attention/gpu_paged_quant.py; ``rht_signs``: vLLM's RHT signs for int4); the reference
+    dequantizes the whole pool (:func:`vllm_unified.kv.quant.dequantize_pool`) and attends
+    over it in fp32.
 
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D`` (the
             format's cell bytes).
-        RuntimeError: a quantized pool, accelerated, without the native CPU kernel.
+        RuntimeError: a quantized pool, accelerated, with neither the native CPU kernel nor
+            the paged GPU kernel for this head size.
     """
     if kv_format is not None and kv_format.quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, accelerate,
@@ -215,17 +218,47 @@ def _quantized_attention(
         from vllm_unified.backend import profile
 
         backend = profile()
-    if not _cpu_rows_kernel(backend):
+    gpu = _gpu_kernel(head_dim, backend) is not None
+    if not (_cpu_rows_kernel(backend) or gpu):
         raise RuntimeError(f"--kv-cache-dtype {fmt.name}: the quantized pages are read by the "
-                           "native CPU attention kernel, which this backend profile does not "
-                           "run (MLX's CPU backend with the native extension, "
-                           "VLLM_UNIFIED_CPU_ATTENTION on)")
+                           "native CPU attention kernel (MLX's CPU backend with the native "
+                           "extension, VLLM_UNIFIED_CPU_ATTENTION on) or the paged GPU kernel "
+                           "(head sizes that are multiples of 32 up to 256), neither of which "
+                           "this backend profile runs")
     if not meta.num_tokens:
         return mx.zeros(queries.shape, dtype=queries.dtype)
+    if gpu and not _cpu_rows_kernel(backend):
+        from vllm_unified.attention.gpu_paged_quant import paged_gpu_attention_quant
+
+        return paged_gpu_attention_quant(backend.gpu_attention, queries, kv_pool, meta, scale,
+                                         window, fmt, rht_signs)
     from vllm_unified.attention.cpu_paged import paged_attention_rows
 
     return paged_attention_rows(queries, kv_pool, meta, scale, window, fmt.native_mode,
                                 rht_signs)
+
+
+def quantized_chunk_attention(
+    queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
+    window: Window, fmt: KVFormat,
+) -> mx.array:
+    """Prefill chunk ``index`` of a step over a quantized pool by MLX's SDPA: its
+    ``[L, H, 1, D]`` rows of ``queries`` over its own context's cells gathered from ``kv_pool``
+    (``[slots, Hkv, cell bytes]``) and dequantized by pure MLX
+    (:func:`vllm_unified.kv.quant.dequantize_pool`: that chunk's keys only, never the pool),
+    in fp32 as the reference; ``[L, H, 1, D]`` in the queries' dtype out (for GPU kernels that
+    leave long chunks to SDPA)."""
+    from vllm_unified.kv.quant import dequantize_pool
+
+    dim = queries.shape[-1]
+    cell_rows = kv_pool.reshape(-1, kv_pool.shape[-1])
+
+    def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
+        dense = dequantize_pool(cell_rows[rows], fmt, dim)
+        return dense[..., :dim], dense[..., dim:]
+
+    return _prefill_attention(queries.astype(mx.float32), gather, meta, index, scale, window,
+                              kv_pool.shape[1]).astype(queries.dtype)
 
 
 def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:

@@ -77,8 +77,10 @@ class KVCache:
         dtype: the model's MLX compute dtype (an MLX-owned pool's dtype).
 
     Raises:
-        ValueError: a quantized ``--kv-cache-dtype`` on a backend whose attention does not
-            read quantized pages (only the native CPU kernel does), or for a hybrid model.
+        ValueError: a quantized ``--kv-cache-dtype`` on a backend profile no quantized kernels
+            serve (:attr:`BackendProfile.quantized_kv`: the native CPU kernels, or the Metal /
+            CUDA kernels where the profile writes and attends with them), with a head size
+            the GPU kernels do not take, or for a hybrid model.
     """
 
     def __init__(self, profile: BackendProfile, layers: HybridLayers, shape: AttentionShape,
@@ -90,12 +92,8 @@ class KVCache:
         self.dtype = dtype
         #: the pages' format (vLLM's --kv-cache-dtype)
         self.fmt = shape.fmt
-        if self.fmt.quantized and not (profile.cpu_attention and profile.kv_pool == "torch_shared"):
-            raise ValueError(
-                f"--kv-cache-dtype {self.fmt.name}: quantized KV pages are written and read by "
-                f"the native CPU kernels only (MLX's CPU backend with the native extension; "
-                f"this is the {profile.kind} backend, CPU attention "
-                f"{'on' if profile.cpu_attention else 'off'}); use auto")
+        if self.fmt.quantized:
+            check_quantized_kv(profile, self.fmt, shape.head_size)
         if self.fmt.quantized and layers.is_hybrid:
             raise ValueError(f"--kv-cache-dtype {self.fmt.name}: hybrid models keep the model "
                              "dtype; use auto")
@@ -223,7 +221,7 @@ class KVCache:
             num_layers=len(names), num_blocks=kv_cache_config.num_blocks,
             block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_size, dtype=self.dtype,
-            cuda_write=self.profile.kv_write == "cuda_kernel",
+            cuda_write=self.profile.kv_write == "cuda_kernel", fmt=self.fmt,
         )
 
     def _import(self, rows: list[Any]) -> list[mx.array]:
@@ -249,9 +247,11 @@ class KVCache:
         if not self.fmt.quantized:
             return (f"{str(self.shape.dtype).removeprefix('torch.')} (the model dtype, "
                     f"{2 * d * self.shape.dtype.itemsize} bytes per token and KV head)")
+        kernels = self.profile.quantized_kv
+        by = ("the native write, read by the native paged attention" if kernels == "native"
+              else f"the {kernels} kernel, read by the paged GPU kernel ({kernels})")
         return (f"{self.fmt.name} (vLLM's page layout, {self.fmt.cell_bytes(d)} bytes per "
-                "token and KV head, quantized in place by the native write, read by the "
-                "native paged attention)")
+                f"token and KV head, quantized in place by {by})")
 
     def _describe_pool(self) -> str:
         if not self.pool.shared:
@@ -352,6 +352,31 @@ class KVCache:
             return pool.arrays() + (store.arrays() if store is not None else [])
 
         return self._layer_caches(pool, store), ctx, arrays
+
+
+def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int) -> None:
+    """Refuse, at start-up, a quantized KV cache that no kernels of this profile serve.
+
+    Raises:
+        ValueError: naming the flag: the profile has no quantized KV kernels
+            (:attr:`BackendProfile.quantized_kv`), or the GPU kernels do not take the head
+            size (a multiple of 32 up to 256).
+    """
+    from vllm_unified.kv.gpu_quant_write import supported
+
+    kernels = profile.quantized_kv
+    if kernels is None:
+        raise ValueError(
+            f"--kv-cache-dtype {fmt.name}: quantized KV pages are written and read by the "
+            "native CPU kernels (MLX's CPU backend with the native extension and CPU "
+            "attention) or the Metal / CUDA kernels (the paged GPU attention with the pool "
+            f"written by the GPU kernels); this {profile.kind} backend profile has neither "
+            f"(CPU attention {'on' if profile.cpu_attention else 'off'}, GPU attention "
+            f"{profile.gpu_attention or 'off'}, KV write {profile.kv_write}); use auto")
+    if kernels != "native" and not supported(head_size):
+        raise ValueError(
+            f"--kv-cache-dtype {fmt.name}: the {kernels} quantized KV kernels take head sizes "
+            f"that are multiples of 32 up to 256, not {head_size}; use auto")
 
 
 def warn_if_pool_can_outgrow_memory(pool_bytes: int, committed: bool,

@@ -85,13 +85,15 @@ class KVPool:
     so later readers are ordered after the write.
 
     ``fmt``: a quantized KV format (:mod:`vllm_unified.kv.quant`) makes ``kv[l]`` vLLM's
-    quantized page bytes ``[slots, Hkv, cell bytes]`` (int8 / uint8), written by the native
-    quantizing write (``write_kv_quant``, in place; write path ``native_rows``, MLX's CPU
-    backend only) and read by the native paged attention; ``head_size`` is then required.
+    quantized page bytes ``[slots, Hkv, cell bytes]`` (int8 / uint8), written in place by the
+    quantizing write of the write path (``native_rows``: the native ``write_kv_quant``, MLX's
+    CPU backend; ``metal_kernel`` / ``cuda_kernel``: the GPU kernel of
+    :mod:`vllm_unified.kv.gpu_quant_write`) and read by the paged attention of the backend;
+    ``head_size`` is then required.
 
     Raises:
         ValueError: a shared pool with a write path that would not write in place
-            (``scatter``, ``cuda_kernel``); a quantized format on another write path or
+            (``scatter``, ``cuda_kernel``); a quantized format on the ``scatter`` path or
             without ``head_size``.
     """
 
@@ -104,10 +106,10 @@ class KVPool:
         if shared and write not in ("native_rows", "metal_kernel"):
             raise ValueError(f"a KV pool shared with torch cannot be written by {write}: "
                              "only native_rows / metal_kernel write it in place")
-        if fmt.quantized and (write != "native_rows" or head_size is None):
+        if fmt.quantized and (write == "scatter" or head_size is None):
             raise ValueError(f"--kv-cache-dtype {fmt.name}: the quantized KV pool is written "
-                             "by the native CPU kernel (MLX's CPU backend with the native "
-                             f"extension); write path {write}, head size {head_size}")
+                             "by a quantizing kernel (the native CPU one, or the Metal / CUDA "
+                             f"one); write path {write}, head size {head_size}")
         #: the pages' format (the model dtype unless --kv-cache-dtype quantizes)
         self.fmt = fmt
         self.head_size = head_size
@@ -145,12 +147,14 @@ class KVPool:
         ``metal_kernel``, ``native_rows``). Without it, ``cuda_write`` picks the CUDA kernel or
         the scatter; with neither, the backend profile's ``kv_write`` decides (the CUDA kernel
         where it says so, else the scatter). A quantized ``fmt`` holds its cells as uint8
-        bytes and is written by the native quantizing write."""
+        bytes, written by the GPU quantizing kernel of ``write`` (``cuda_kernel``,
+        ``metal_kernel``; or ``cuda_write``), else by the native quantizing write."""
         fmt = fmt or KVFormat()
         shape = (num_blocks * block_size, num_kv_heads, 2 * head_dim)
         if fmt.quantized:
-            shape, dtype, write = shape[:2] + (fmt.cell_bytes(head_dim),), mx.uint8, \
-                "native_rows"
+            shape, dtype = shape[:2] + (fmt.cell_bytes(head_dim),), mx.uint8
+            if write not in ("cuda_kernel", "metal_kernel"):
+                write = "cuda_kernel" if cuda_write else "native_rows"
         kv = []
         # One array at a time: MLX's zero fill commits every page it writes, so hand the pages
         # back before allocating the next one; start-up RSS then stays flat.
@@ -220,6 +224,12 @@ class KVPool:
         default: this pool's own :attr:`kv`."""
         kv = self.kv if arrays is None else arrays
         dst = kv[layer]
+        if self.fmt.quantized and self.write_path in ("cuda_kernel", "metal_kernel"):
+            from vllm_unified.kv.gpu_quant_write import write_kv_quant_gpu
+
+            kv[layer] = write_kv_quant_gpu(dst, slot_mapping, keys, values, self.fmt,
+                                           self.signs, dialect=self._dialect())
+            return
         if self.fmt.quantized:
             from vllm_unified import bridge
 
@@ -236,9 +246,7 @@ class KVPool:
             keys, values = keys.astype(dst.dtype), values.astype(dst.dtype)
         if self.write_path in ("cuda_kernel", "metal_kernel"):
             # K and V side by side by the kernel itself: no concatenation.
-            kv[layer] = write_kv_gpu(dst, slot_mapping, keys, values,
-                                     dialect="cuda" if self.write_path == "cuda_kernel"
-                                     else "metal")
+            kv[layer] = write_kv_gpu(dst, slot_mapping, keys, values, dialect=self._dialect())
             return
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
@@ -249,6 +257,10 @@ class KVPool:
             kv[layer] = write_rows(dst, slot_mapping, rows)
         else:
             dst[slot_mapping] = rows  # rebinds kv[layer] in place: MLX donates the buffer
+
+    def _dialect(self) -> str:
+        """The GPU dialect of the write path (``cuda_kernel`` / ``metal_kernel``)."""
+        return "cuda" if self.write_path == "cuda_kernel" else "metal"
 
     def data_ptrs(self) -> list[int]:
         """Addresses of every layer's buffer (for checks that writes stay in place).
@@ -269,10 +281,13 @@ class KVPool:
                  + mx.arange(self.block_size, dtype=mx.int32)[None]).reshape(-1)
         if self.fmt.quantized:  # zero bytes, as vLLM zeroes its pages
             from vllm_unified.bridge import write_rows
+            from vllm_unified.kv.gpu_write import write_rows_gpu
 
+            gpu = self.write_path in ("cuda_kernel", "metal_kernel")
             for layer, arr in enumerate(self.kv):
                 rows = mx.zeros((slots.size, *arr.shape[1:]), dtype=arr.dtype)
-                self.kv[layer] = write_rows(arr, slots, rows)
+                self.kv[layer] = (write_rows_gpu(arr, slots, rows, dialect=self._dialect())
+                                  if gpu else write_rows(arr, slots, rows))
             mx.eval(self.kv)
             return
         for layer, arr in enumerate(self.kv):

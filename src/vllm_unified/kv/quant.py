@@ -117,6 +117,12 @@ def quant_mode(fmt: KVFormat) -> Any:
     return compat.get_kv_quant_mode(fmt.name)
 
 
+def rotation_block(head_size: int) -> int:
+    """int4's rotation block ``b``: the largest power of two dividing ``head_size`` (vLLM's
+    ``largest_power_of_2_divisor``)."""
+    return head_size & -head_size
+
+
 @lru_cache(maxsize=8)
 def _signs_list(head_size: int) -> tuple[float, ...]:
     from vllm_unified import compat
@@ -203,6 +209,115 @@ def dequantize_pool(pool: Any, fmt: KVFormat, head_size: int) -> Any:
             x = mx.contiguous(data).view(mx.int8).astype(mx.float32) * scale
         sides.append(x)
     return mx.concatenate(sides, axis=-1)
+
+
+def f32_to_e4m3_reference(x: Any) -> Any:
+    """float32 -> float8 e4m3fn bytes (numpy uint8, same shape), round to nearest even,
+    subnormals below 2^-6, NaN (0x7f) beyond 448 and for NaN: the native ``f32_to_e4m3`` in
+    integer arithmetic on the bits (numpy; the reference of the GPU write's encoding)."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    sign = ((bits >> 24) & 0x80).astype(np.uint32)
+    a = bits & np.uint32(0x7FFFFFFF)
+    # normal range: round the 23-bit mantissa to 3 bits, ties to even
+    r = a + np.uint32(0x7FFFF) + ((a >> 20) & 1)
+    e = (r >> 23).astype(np.int64) - 120
+    m = (r >> 20) & 7
+    normal = (np.clip(e, 0, 15).astype(np.uint32) << 3) | m
+    normal = np.where((e > 15) | ((e == 15) & (m == 7)), np.uint32(0x7F), normal)
+    # below 2^-6: multiples of 2^-9, round to nearest even
+    ex = (a >> 23).astype(np.int64)
+    shift = np.clip(141 - ex, 1, 31).astype(np.uint32)
+    mant = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    q = mant >> shift
+    rest = mant & ((np.uint32(1) << shift) - 1)
+    half = np.uint32(1) << (shift - 1)
+    q = q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).astype(np.uint32)
+    small = np.where((ex == 0) | (141 - ex > 24), np.uint32(0), q)
+    out = np.where(a < 0x3C800000, small, normal)
+    out = np.where(a > 0x7F800000, np.uint32(0x7F), out)
+    return (sign | out).astype(np.uint8)
+
+
+def round_to_dtype_reference(x: Any, dtype: str) -> Any:
+    """float32 numpy values rounded to ``dtype`` (``float32``, ``float16``, ``bfloat16``; round
+    to nearest even) and back to float32, numpy only."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float32":
+        return x
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float32)
+    if dtype != "bfloat16":
+        raise ValueError(f"unknown dtype {dtype!r}")
+    u = x.view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16) << 16
+    return np.where(np.isnan(x), x, r.astype(np.uint32).view(np.float32))
+
+
+def quantize_cells_reference(keys: Any, values: Any, fmt: KVFormat, dtype: str,
+                             signs: Any = None) -> Any:
+    """The cells vLLM's quantizing write makes of ``keys``/``values`` (float32 numpy
+    ``[T, Hkv, D]`` holding values of the model dtype ``dtype``), as numpy uint8
+    ``[T, Hkv, cell bytes]``: the native write's arithmetic (cpu_kvquant.cpp) in numpy float32,
+    each operation rounded on its own. ``signs``: int4's RHT signs (numpy fp32 ``[b]``).
+    The expected bytes of the GPU write's checks; never on the serving path.
+
+    Raises:
+        ValueError: an unquantized format, or int4 without signs.
+    """
+    import numpy as np
+
+    if not fmt.quantized:
+        raise ValueError(f"{fmt.name}: not a quantized KV format")
+    f32 = np.float32
+    tokens, heads, dim = keys.shape
+    sides = []
+    for rows in (keys, values):
+        x = np.asarray(rows, dtype=f32).reshape(tokens * heads, dim).copy()
+        if fmt.rotated:
+            if signs is None:
+                raise ValueError(f"{fmt.name} needs the RHT signs")
+            block = len(signs)
+            x = (x.reshape(-1, dim // block, block) * np.asarray(signs, f32)).reshape(-1, dim)
+            h = 1
+            while h < block:  # vLLM's CPU butterfly, stage by stage
+                v = x.reshape(-1, dim // (2 * h), 2, h)
+                a, b = v[:, :, 0, :].copy(), v[:, :, 1, :].copy()
+                v[:, :, 0, :], v[:, :, 1, :] = a + b, a - b
+                h *= 2
+            x = round_to_dtype_reference(x, dtype)
+            lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+            scale = np.maximum((hi - lo) / f32(15), f32(1e-6))
+            zp = np.clip(_round_half_away(-lo / scale), f32(0), f32(15))
+            inv = f32(1) / scale
+            q = np.clip(_round_half_away((x * inv) + zp), f32(0), f32(15)).astype(np.uint8)
+            data = (q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)
+            word = (scale.view(np.uint32) & np.uint32(0xFFFFFFF0)) | zp.astype(np.uint32)
+        else:
+            amax = np.abs(x).max(axis=1, keepdims=True)
+            scale = np.maximum(amax / f32(127 if fmt.native_mode == 1 else 448), f32(1e-6))
+            inv = f32(1) / scale
+            q = x * inv
+            if fmt.native_mode == 1:
+                q = np.where(q >= 0, q + f32(0.5), q - f32(0.5))
+                data = np.clip(q, f32(-128), f32(127)).astype(np.int8).view(np.uint8)
+            else:
+                data = f32_to_e4m3_reference(np.clip(q, f32(-448), f32(448)))
+            word = scale.view(np.uint32)
+        sides += [data.astype(np.uint8), word.astype("<u4").view(np.uint8)]
+    return np.concatenate(sides, axis=1).reshape(tokens, heads, -1)
+
+
+def _round_half_away(x: Any) -> Any:
+    """Triton's ``where(x >= 0, (x + 0.5).to(int32), (x - 0.5).to(int32))``, float32 numpy."""
+    import numpy as np
+
+    f32 = np.float32
+    return np.where(x >= 0, np.trunc(x + f32(0.5)), np.trunc(x - f32(0.5))).astype(f32)
 
 
 def tokens_per_gib(fmt: KVFormat, num_layers: int, num_kv_heads: int, head_size: int,
