@@ -1098,9 +1098,10 @@ mx::array paged_attention(
     const mx::array& lens, float scale, int64_t block_size, int64_t window, int kv_mode,
     std::optional<mx::array> rht_signs, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "paged_attention");
-  if (kv_mode < vun::kKVDense || kv_mode > vun::kKVFp8) {
+  if (kv_mode < vun::kKVDense || kv_mode > vun::kKVLastMode) {
     raise_py(PyExc_ValueError,
-             "paged_attention: kv_mode must be 0 (dense), 1 (int8), 2 (int4) or 3 (fp8)");
+             "paged_attention: kv_mode must be 0 (dense), 1 (int8), 2 (int4), 3 (fp8) or 4 "
+             "(turboquant_k8v4)");
   }
   const bool quant = kv_mode != vun::kKVDense;
   const int64_t want_c = quant && q.ndim() == 3
@@ -1187,7 +1188,7 @@ void write_kv_quant_impl(const KVQuantArgs& a) {
   }
   const size_t items = static_cast<size_t>(a.tokens * a.kv_heads);
   split_work(items, 8 * static_cast<size_t>(D), 1, [&](size_t begin, size_t end) {
-    std::vector<float> x(D);
+    std::vector<float> x(D), y(D);
     for (size_t i = begin; i < end; ++i) {
       const int64_t t = static_cast<int64_t>(i) / a.kv_heads;
       const int64_t h = static_cast<int64_t>(i) % a.kv_heads;
@@ -1197,6 +1198,16 @@ void write_kv_quant_impl(const KVQuantArgs& a) {
         continue;
       }
       uint8_t* c = a.dst + (slot * a.kv_heads + h) * cell;
+      if (a.mode == vun::kKVTqK8V4) {  // one cell of both sides: [K fp8 | V 4-bit | s | z]
+        const T* kp = static_cast<const T*>(a.keys) + (t * a.kv_heads + h) * D;
+        const T* vp = static_cast<const T*>(a.values) + (t * a.kv_heads + h) * D;
+        for (int64_t e = 0; e < D; ++e) {
+          x[e] = static_cast<float>(kp[e]);
+          y[e] = static_cast<float>(vp[e]);
+        }
+        vun::quantize_tq_k8v4(x.data(), y.data(), D, c);
+        continue;
+      }
       for (int side = 0; side < 2; ++side) {
         const T* src = static_cast<const T*>(side == 0 ? a.keys : a.values) +
             (t * a.kv_heads + h) * D;
@@ -1281,8 +1292,10 @@ mx::array write_kv_quant(
     const mx::array& values, int kv_mode, std::optional<mx::array> rht_signs,
     nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "write_kv_quant");
-  if (kv_mode != vun::kKVInt8 && kv_mode != vun::kKVInt4 && kv_mode != vun::kKVFp8) {
-    raise_py(PyExc_ValueError, "write_kv_quant: kv_mode must be 1 (int8), 2 (int4) or 3 (fp8)");
+  if (kv_mode < vun::kKVInt8 || kv_mode > vun::kKVLastMode) {
+    raise_py(PyExc_ValueError,
+             "write_kv_quant: kv_mode must be 1 (int8), 2 (int4), 3 (fp8) or 4 "
+             "(turboquant_k8v4)");
   }
   if (keys.ndim() != 3 || values.shape() != keys.shape() || dst.ndim() != 3 ||
       dst.shape(1) != keys.shape(1) ||
@@ -1801,8 +1814,8 @@ NB_MODULE(_native, m) {
         nb::arg("keys"), nb::arg("values"), nb::arg("kv_mode"),
         nb::arg("rht_signs").none() = nb::none(), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy in-place quantizing K/V write into a quantized pool [slots, Hkv, cell bytes] "
-        "(kv_mode 1: int8_per_token_head, 2: int4_per_token_head, 3: fp8_per_token_head, vLLM's "
-        "formats); the result "
+        "(kv_mode 1: int8_per_token_head, 2: int4_per_token_head, 3: fp8_per_token_head, "
+        "4: turboquant_k8v4, vLLM's formats); the result "
         "shares dst's buffer.");
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
