@@ -16,7 +16,8 @@ each ``--kv-cache-dtype`` against the unquantized cache (the model dtype, fp32 h
 Targets (issue 18): perplexity rises by at most 1% with ``int8_per_token_head`` and 5% with
 ``int4_per_token_head`` and ``turboquant_k8v4``; int8's greedy tokens equal the unquantized
 cache's for all 32 tokens of every prompt. Each (model, format) is its own engine process.
-Prints a table, exits 1 when a target is missed, writes ``benchmarks/results/kv_quant_accuracy-<ts>.json``.
+Prints a table, exits 1 when a target is missed, writes
+``benchmarks/results/kv_quant_accuracy-<ts>.json``.
 
     .venv/bin/python benchmarks/kv_quant_accuracy.py                 # SmolLM2 (~2 min, 2 cores)
     .venv/bin/python benchmarks/kv_quant_accuracy.py --qwen-gguf PATH  # and Qwen2.5-Coder-0.5B

@@ -222,6 +222,69 @@ def test_attention_over_quantized_pages_equals_reference(name, dtype, tol, heads
     assert np.abs(g - w).max() / np.abs(w).max() < tol
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_turboquant_prefill_chunks_read_their_own_kv_as_vllm(heads, kv_heads, dim, window):
+    """vLLM's TurboQuant prefill (turboquant_attn.py _prefill_attention): a chunk that starts
+    its sequence, or one of more than 128 tokens after cached context, attends its own tokens'
+    K/V unquantized; decode rows and short chunks read every key from the cells. The native
+    kernel equals the reference (dequantized pool with those rows in place of their cells)
+    within fp32 rounding; a first chunk's rows equal attention over the unquantized K/V; the
+    other rows carry the quantization."""
+    import mlx.core as mx
+
+    from vllm_unified.attention import paged
+    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.pool import KVPool
+    from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, kv_format
+
+    tq_attn = pytest.importorskip("vllm.v1.attention.backends.turboquant_attn")
+    assert TQ_SHORT_CONTINUATION == tq_attn._CONTINUATION_DECODE_THRESHOLD
+    fmt = kv_format(TQ)
+    rng = np.random.default_rng(dim + heads)
+    # decode, first chunk, long continuation (130 > 128 after 20 cached), short continuation
+    query_lens, lens, block_size = [1, 40, 130, 9], [50, 40, 150, 39], 16
+    per_seq = -(-max(lens) // block_size)
+    num_blocks = len(lens) * per_seq + 1
+    tables = (1 + np.arange(len(lens) * per_seq)).reshape(len(lens), per_seq).astype(np.int32)
+    cells = mx.full((num_blocks * block_size, kv_heads, fmt.cell_bytes(dim)), 255, mx.uint8)
+    pool = KVPool([cells], block_size, shared=False, fmt=fmt, head_size=dim)
+    dense = np.full((num_blocks * block_size, kv_heads, 2 * dim), np.nan, np.float32)
+    fresh_k, fresh_v = [], []
+    for b, n in enumerate(lens):
+        pos = np.arange(n)
+        slots = (tables[b, pos // block_size] * block_size + pos % block_size).astype(np.int32)
+        k = rng.standard_normal((n, kv_heads, dim)).astype(np.float32)
+        v = rng.standard_normal((n, kv_heads, dim)).astype(np.float32)
+        k[:, :, 3] += 4.0
+        pool.write(0, mx.array(slots), mx.array(k), mx.array(v))
+        dense[slots] = np.concatenate([k, v], axis=-1)
+        fresh_k.append(k[n - query_lens[b]:])
+        fresh_v.append(v[n - query_lens[b]:])
+    mx.eval(pool.kv)
+    meta = build_attention_metadata(query_lens, lens, tables, block_size)
+    fresh = tuple(mx.array(np.concatenate(x)[:, :, None]) for x in (fresh_k, fresh_v))
+    q = mx.array(rng.standard_normal((sum(query_lens), heads, 1, dim)).astype(np.float32))
+    kw = dict(kv_format=fmt, fresh=fresh)
+    want = np.array(paged.paged_attention_kv(q, pool.kv[0], meta, 0.125, window,
+                                             accelerate=False, **kw))
+    got = np.array(paged.paged_attention_kv(q, pool.kv[0], meta, 0.125, window, **kw))
+    assert not np.isnan(got).any()
+    assert np.abs(got - want).max() / np.abs(want).max() < 2e-5
+    exact = np.array(paged.paged_attention_kv(q, mx.array(dense), meta, 0.125, window,
+                                              accelerate=False))
+    rows = np.split(np.arange(sum(query_lens)), np.cumsum(query_lens)[:-1])
+    err = [np.abs(got[r] - exact[r]).max() / np.abs(exact[r]).max() for r in rows]
+    assert err[1] < 2e-5, err  # the first chunk: its own K/V, unquantized
+    # decode and the short chunk read quantized cells; the long chunk its cached 20 tokens
+    # (within a window of 7 its rows but the first 6 see only their own chunk)
+    assert err[0] > 1e-4 and err[3] > 1e-4, err
+    if window is None:
+        assert err[2] > 1e-4, err
+    else:
+        assert np.abs(got[rows[2][6:]] - exact[rows[2][6:]]).max() < 2e-5 * np.abs(exact).max()
+
+
 def test_quantization_error_is_what_the_format_promises():
     """The dequantized pages are near the rows written (so the reference is not comparing a
     wrong dequantization with itself): int8 within half a step of 1/127 of each row's absmax,
@@ -349,7 +412,8 @@ def _delta(phases: list[dict], i: int, key: str) -> float:
 def test_prefix_cache_and_host_offload_carry_quantized_pages(default_model, tmp_path, name):
     """A 1,500-token prompt P served with the quantized cache: again at once (a prefix-cache
     hit on the quantized pages), then evicted from the KV pool by two other prompts and served
-    once more, its blocks restored from the host tier: the same greedy tokens every time."""
+    once more, its blocks restored from the host tier: the same greedy tokens every time
+    (turboquant_k8v4: the restored serving's tokens are the prefix-cache hit's)."""
     import json
     import os
 
@@ -375,11 +439,16 @@ def test_prefix_cache_and_host_offload_carry_quantized_pages(default_model, tmp_
     first = phases[0]
     assert 1450 <= first["num_prompt_tokens"] <= 1600
     assert _delta(phases, 1, DEVICE) >= 1400  # prefix cache hit on the quantized pages
-    assert phases[1]["token_ids"] == first["token_ids"]
+    # turboquant_k8v4 attends a long prefill chunk over its own unquantized K/V, as vLLM's
+    # backend does, and the short chunk after a prefix hit over the cells: the first serving
+    # and a cached one may differ (as they may on vLLM); the two cached ones may not.
+    if name != TQ:
+        assert phases[1]["token_ids"] == first["token_ids"]
     assert _delta(phases, 4, DEVICE) == 0  # P was evicted from the KV pool
     assert _delta(phases, 4, HOST) >= 1400  # ... and its quantized blocks came back from RAM
     assert phases[4]["metrics"]["vllm:kv_offload_load_bytes"] > 0
-    assert phases[4]["token_ids"] == first["token_ids"]
+    assert phases[4]["token_ids"] == phases[1]["token_ids"]
+    assert len(first["token_ids"]) == 16
 
 
 def test_turboquant_serves_the_default_model(default_model, tmp_path):
@@ -438,22 +507,20 @@ def test_turboquant_block_size_and_skip_layers_are_vllms(default_model):
     two), and the block size vLLM's own alignment gives with its TurboQuant backend (a
     quantized page covering a model-dtype page of 16 tokens: 96 here), idempotent over the
     platform's second configuration call."""
-    import copy
-
-    from vllm_unified import compat
     from vllm_unified.platform import MLXPlatform
 
     tq_attn = pytest.importorskip("vllm.v1.attention.backends.turboquant_attn")
     cfg = _engine_config(default_model, kv_cache_dtype=TQ)
     cache = cfg.cache_config
     assert cache.kv_cache_dtype_skip_layers == ["0", "1", "28", "29"]
-    theirs = copy.deepcopy(cfg)
-    theirs.cache_config.block_size = 16
-    compat.Platform._align_heterogeneous_kv_block_size.__func__(
-        MLXPlatform, theirs, tq_attn.TurboQuantAttentionBackend)
-    assert cache.block_size == theirs.cache_config.block_size == 96
+    ours = cache.block_size
+    cache.block_size = 16  # vLLM's own alignment, driven with its TurboQuant backend
+    MLXPlatform._align_heterogeneous_kv_block_size(cfg, tq_attn.TurboQuantAttentionBackend)
+    assert ours == cache.block_size == 96
     MLXPlatform.check_and_update_config(cfg)
-    assert cfg.cache_config.block_size == 96
+    assert cache.block_size == 96
+    MLXPlatform.update_block_size_for_backend(cfg)
+    assert cache.block_size == 96
 
 
 def test_turboquant_kv_cache_groups_are_vllms(default_model):
@@ -489,6 +556,7 @@ def test_turboquant_kv_cache_groups_are_vllms(default_model):
         dense = str(i) in skip
         assert spec.dtype == (torch.float32 if dense else torch.uint8), i
         assert spec.page_size_bytes == 96 * 3 * (512 if dense else 100), i
+    cfg.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves with our worker
     config = kv_cache_utils.get_kv_cache_config_from_groups(cfg, groups, 64 << 20)
     assert config.num_blocks == (64 << 20) // (96 * 3 * (4 * 512 + 26 * 100))
     cache.initialize(config, None)

@@ -304,7 +304,8 @@ void dequantize_tq_k8v4(const uint8_t* cell, size_t dim, float* k, float* v) {
 // Any head size (a multiple of 8): one key or value row widened at a time.
 VUN_CLONES void attend_rows_quant_generic(
     int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
-    float scale, float* scores, float* out) {
+    float scale, float* scores, float* out, const float* const* raw_k,
+    const float* const* raw_v) {
   const size_t dk = kv_data_bytes(mode, dim);
   const bool int4 = mode == kKVInt4;
   const float* lut = e4m3_table();
@@ -321,7 +322,10 @@ VUN_CLONES void attend_rows_quant_generic(
   for (size_t j = 0; j < n; ++j) {
     const uint8_t* c = cells[j];
     float ks, kz = 0.f;
-    if (int4) {
+    if (raw_k != nullptr && raw_k[j] != nullptr) {  // this step's unquantized key
+      ks = 1.f;
+      std::memcpy(row, raw_k[j], dim * sizeof(float));
+    } else if (int4) {
       int4_scale_zp(c + dk, &ks, &kz);
       for (size_t e = 0; e < dk; ++e) {
         row[2 * e] = static_cast<float>(c[e] & 0xF);
@@ -362,7 +366,10 @@ VUN_CLONES void attend_rows_quant_generic(
   for (size_t j = 0; j < n; ++j) {
     c = cells[j] + (mode == kKVTqK8V4 ? dim : dk + 4);  // the V side
     float vs, vz = 0.f;
-    if (mode == kKVTqK8V4) {  // q * s + min, weighted by p_j
+    if (raw_v != nullptr && raw_v[j] != nullptr) {  // this step's unquantized value
+      vs = 1.f;
+      std::memcpy(row, raw_v[j], dim * sizeof(float));
+    } else if (mode == kKVTqK8V4) {  // q * s + min, weighted by p_j
       float s, z;
       tq_scale_zero(c, dim, &s, &z);
       vs = 1.f;
@@ -508,7 +515,9 @@ constexpr size_t kBlock = 16;
 template <int NC, int MODE>
 VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
                                                   const uint8_t* const* cells, size_t n,
-                                                  float scale, float* scores, float* out) {
+                                                  float scale, float* scores, float* out,
+                                                  const float* const* raw_k,
+                                                  const float* const* raw_v) {
   constexpr size_t D = 16 * NC;
   constexpr bool INT4 = MODE == kKVInt4;
   constexpr bool TQ = MODE == kKVTqK8V4;
@@ -527,6 +536,12 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
   for (size_t j0 = 0; j0 < n; j0 += kBlock) {
     const size_t nb = std::min(kBlock, n - j0);
     for (size_t t = 0; t < nb; ++t) {
+      if (raw_k != nullptr && raw_k[j0 + t] != nullptr) {  // this step's unquantized key
+        __builtin_memcpy(blk + t * D, raw_k[j0 + t], D * sizeof(float));
+        fac[t] = scale;
+        zp[t] = 0.f;
+        continue;
+      }
       const uint8_t* k = cells[j0 + t];
       for (int c = 0; c < NC; ++c) {
         const v16 x = TQ ? widen_fp8(k + 16 * c) : widen<MODE>(k, c);
@@ -581,6 +596,12 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
   for (size_t j0 = 0; j0 < n; j0 += kBlock) {
     const size_t nb = std::min(kBlock, n - j0);
     for (size_t t = 0; t < nb; ++t) {
+      if (raw_v != nullptr && raw_v[j0 + t] != nullptr) {  // this step's unquantized value
+        __builtin_memcpy(blk + t * D, raw_v[j0 + t], D * sizeof(float));
+        fac[t] = 1.f;
+        zp[t] = 0.f;
+        continue;
+      }
       if constexpr (TQ) {  // q * s + min, weighted by p_j alone
         const uint8_t* v = cells[j0 + t] + D;
         float s, z;
@@ -621,16 +642,17 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
 template <int MODE>
 VUN_AVX512 bool attend_quant_dispatch(size_t dim, const float* q, size_t heads,
                                           const uint8_t* const* cells, size_t n, float scale,
-                                          float* scores, float* out) {
+                                          float* scores, float* out, const float* const* rk,
+                                          const float* const* rv) {
   switch (dim) {
     case 64:
-      attend_quant_fixed<4, MODE>(q, heads, cells, n, scale, scores, out);
+      attend_quant_fixed<4, MODE>(q, heads, cells, n, scale, scores, out, rk, rv);
       return true;
     case 128:
-      attend_quant_fixed<8, MODE>(q, heads, cells, n, scale, scores, out);
+      attend_quant_fixed<8, MODE>(q, heads, cells, n, scale, scores, out, rk, rv);
       return true;
     case 256:
-      attend_quant_fixed<16, MODE>(q, heads, cells, n, scale, scores, out);
+      attend_quant_fixed<16, MODE>(q, heads, cells, n, scale, scores, out, rk, rv);
       return true;
     default:
       return false;
@@ -642,7 +664,8 @@ VUN_AVX512 bool attend_quant_dispatch(size_t dim, const float* q, size_t heads,
 
 void attend_rows_quant(
     int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
-    float scale, float* scores, float* out) {
+    float scale, float* scores, float* out, const float* const* raw_k,
+    const float* const* raw_v) {
   bool done = false;
 #if defined(VUN_KVQ_X86)
   // The register path needs AVX-512 (and the ISA cap to allow it); else the generic loops.
@@ -652,21 +675,25 @@ void attend_rows_quant(
   if (avx512) {
     switch (mode) {
       case kKVInt4:
-        done = attend_quant_dispatch<kKVInt4>(dim, q, heads, cells, n, scale, scores, out);
+        done = attend_quant_dispatch<kKVInt4>(dim, q, heads, cells, n, scale, scores, out,
+                                              raw_k, raw_v);
         break;
       case kKVFp8:
-        done = attend_quant_dispatch<kKVFp8>(dim, q, heads, cells, n, scale, scores, out);
+        done = attend_quant_dispatch<kKVFp8>(dim, q, heads, cells, n, scale, scores, out,
+                                             raw_k, raw_v);
         break;
       case kKVTqK8V4:
-        done = attend_quant_dispatch<kKVTqK8V4>(dim, q, heads, cells, n, scale, scores, out);
+        done = attend_quant_dispatch<kKVTqK8V4>(dim, q, heads, cells, n, scale, scores, out,
+                                                raw_k, raw_v);
         break;
       default:
-        done = attend_quant_dispatch<kKVInt8>(dim, q, heads, cells, n, scale, scores, out);
+        done = attend_quant_dispatch<kKVInt8>(dim, q, heads, cells, n, scale, scores, out,
+                                              raw_k, raw_v);
     }
   }
 #endif
   if (!done) {
-    attend_rows_quant_generic(mode, q, heads, dim, cells, n, scale, scores, out);
+    attend_rows_quant_generic(mode, q, heads, dim, cells, n, scale, scores, out, raw_k, raw_v);
   }
 }
 

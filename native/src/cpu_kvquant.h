@@ -93,8 +93,12 @@ void dequantize_side(int mode, const uint8_t* src, size_t dim, float* out);
 // _tq_decode_stage1). q: [heads,
 // dim] fp32 (int4: rotated, scale already divided by the rotation's norm); scores: scratch of
 // heads * n floats; out: [heads, dim] (int4: still rotated). n >= 1.
+// raw_k / raw_v (optional, turboquant_k8v4 only): per key j, a fp32 key and value row to read
+// instead of the cell where raw_k[j] is not null (vLLM's TurboQuant backend attends a prefill
+// chunk over its own unquantized K/V: turboquant_attn.py _prefill_attention).
 void attend_rows_quant(
     int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
-    float scale, float* scores, float* out);
+    float scale, float* scores, float* out, const float* const* raw_k = nullptr,
+    const float* const* raw_v = nullptr);
 
 } // namespace vun

@@ -32,7 +32,10 @@ vLLM's TurboQuant backend (``vllm/v1/attention/backends/turboquant_attn.py``,
   0, 15)``; ``s`` and ``min`` stored rounded to fp16, the dequantized value ``q * s + min``.
   vLLM keeps the first and last two attention layers of a dense model in the model dtype
   (``TurboQuantConfig.get_boundary_skip_layers``, added to ``--kv-cache-dtype-skip-layers``):
-  those layers' pages are the model dtype's (:class:`KVFormat` ``auto``).
+  those layers' pages are the model dtype's (:class:`KVFormat` ``auto``). As vLLM's backend
+  does, a prefill chunk that starts its sequence, or is longer than
+  :data:`TQ_SHORT_CONTINUATION` tokens, attends its own tokens' K/V unquantized (earlier
+  tokens from the cells); decode rows and short chunks read every key from the cells.
 
 So the pages are vLLM's bytes: its block accounting (``page_size_bytes``), prefix caching and
 the offloading tiers carry them unchanged. The native CPU kernels write them
@@ -59,6 +62,11 @@ _NATIVE_MODE = {"auto": 0, "int8_per_token_head": 1, "int4_per_token_head": 2,
 
 #: Bytes of one fp32 scale per side of a cell.
 _SCALE_BYTES = 4
+
+#: vLLM's TurboQuant backend attends a prefill chunk after cached context through its cache
+#: (like decode rows) up to this many tokens, longer ones over their own unquantized K/V
+#: (``turboquant_attn.py`` ``_CONTINUATION_DECODE_THRESHOLD``; tests check it is vLLM's).
+TQ_SHORT_CONTINUATION = 128
 
 
 @dataclass(frozen=True)
