@@ -618,7 +618,9 @@ def test_scheduler_capacity_per_format(default_model, tmp_path):
     for name in ("auto", *MODES):
         spec = {"model": default_model, "requests": [{"prompt": "Hi", "params":
                                                        {"max_tokens": 1}}],
-                "engine": {"kv_cache_dtype": name, "dtype": "float32", "max_model_len": 512,
+                # vLLM's figure is whole requests' blocks x --max-model-len: 576 tokens is a
+                # whole number of blocks both of 16 and of turboquant_k8v4's 96
+                "engine": {"kv_cache_dtype": name, "dtype": "float32", "max_model_len": 576,
                            "kv_cache_memory_bytes": 256 << 20}}
         spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
         spec_path.write_text(json.dumps(spec))
@@ -630,6 +632,8 @@ def test_scheduler_capacity_per_format(default_model, tmp_path):
         assert proc.returncode == 0, log[-4000:]
         tokens[name] = int(re.search(r"KV cache size: ([\d,]+) tokens", log)
                            .group(1).replace(",", ""))
+        blocks, size = map(int, re.search(r"KV pool (\d+) blocks x (\d+) tokens", log).groups())
+        assert abs(tokens[name] - blocks * size) <= 1, (name, tokens[name], blocks, size)
     assert tokens["int8_per_token_head"] >= 3.5 * tokens["auto"], tokens
     assert tokens["int4_per_token_head"] >= 6 * tokens["auto"], tokens
     assert tokens["fp8_per_token_head"] >= 3.5 * tokens["auto"], tokens
