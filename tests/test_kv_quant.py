@@ -502,6 +502,20 @@ def test_platform_refuses_skip_layers_and_other_formats(default_model):
         _engine_config(default_model, kv_cache_dtype="turboquant_4bit_nc")
 
 
+def test_turboquant_with_a_draft_model_is_refused():
+    """A draft model's pages take the target's format; with turboquant_k8v4 the skip layers
+    would need vLLM's matching on the draft's layer names: refused naming the flags."""
+    import types
+
+    from vllm_unified.platform import _draft_model_policy
+
+    spec = types.SimpleNamespace(draft_sample_method="greedy", use_heterogeneous_vocab=False,
+                                 parallel_drafting=False, kv_cache_dtype=None,
+                                 verify_equal_vocab_size_if_draft_model=lambda: None)
+    with pytest.raises(ValueError, match="--speculative-config.*--kv-cache-dtype turboquant"):
+        _draft_model_policy(spec, TQ)
+
+
 def test_turboquant_block_size_and_skip_layers_are_vllms(default_model):
     """turboquant_k8v4 on SmolLM2 (30 layers): vLLM's boundary skip layers (first and last
     two), and the block size vLLM's own alignment gives with its TurboQuant backend (a
