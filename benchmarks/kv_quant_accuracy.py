@@ -8,16 +8,22 @@ each ``--kv-cache-dtype`` against the unquantized cache (the model dtype, fp32 h
   as its own prompt with vLLM's ``prompt_logprobs=0`` (the logprob of every prompt token but
   the first). Perplexity = exp(mean negative logprob) over all scored tokens. Every prompt
   token attends over the quantized pages (the paged attention reads the pool for prefill rows
-  too), so the figure carries the cache's error.
+  too), so the figure carries the cache's error; except ``turboquant_k8v4``, which attends a
+  prefill chunk that starts its sequence or is longer than 128 tokens over its own
+  unquantized K/V, as vLLM's TurboQuant backend does: its figure carries the cache's error
+  only where windows are split into short chunks; ``--max-num-batched-tokens 128`` makes every
+  chunk after a window's first 128 tokens read the quantized pages.
 * **Greedy**: the 8 prompts of :data:`PROMPTS`, 32 tokens each, temperature 0.
 
 Targets (issue 18): perplexity rises by at most 1% with ``int8_per_token_head`` and 5% with
-``int4_per_token_head``; int8's greedy tokens equal the unquantized cache's for all 32 tokens
-of every prompt. Each (model, format) is its own engine process. Prints a table, exits 1 when a
-target is missed, writes ``benchmarks/results/kv_quant_accuracy-<ts>.json``.
+``int4_per_token_head`` and ``turboquant_k8v4``; int8's greedy tokens equal the unquantized
+cache's for all 32 tokens of every prompt. Each (model, format) is its own engine process.
+Prints a table, exits 1 when a target is missed, writes
+``benchmarks/results/kv_quant_accuracy-<ts>.json``.
 
     .venv/bin/python benchmarks/kv_quant_accuracy.py                 # SmolLM2 (~2 min, 2 cores)
     .venv/bin/python benchmarks/kv_quant_accuracy.py --qwen-gguf PATH  # and Qwen2.5-Coder-0.5B
+    .venv/bin/python benchmarks/kv_quant_accuracy.py --formats auto turboquant_k8v4
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from real_models import models  # noqa: E402
 from run_env import run_child, versions, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head")
-PPL_TARGETS = {"int8_per_token_head": 0.01, "int4_per_token_head": 0.05}
+FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head",
+           "turboquant_k8v4")
+PPL_TARGETS = {"int8_per_token_head": 0.01, "int4_per_token_head": 0.05,
+               "turboquant_k8v4": 0.05}
 GREEDY_EXACT = ("int8_per_token_head",)
 GREEDY_TOKENS = 32
 PROMPTS = [
@@ -66,9 +74,12 @@ def child(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     window, windows = spec["window"], spec["windows"]
+    extra = {}
+    if spec.get("max_num_batched_tokens"):
+        extra["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     llm = LLM(model=str(prepare_gguf_dir(Path(spec["gguf"]))), dtype="float32",
               kv_cache_dtype=spec["format"], max_model_len=max(2048, window + 64),
-              kv_cache_memory_bytes=1 << 30, seed=0)
+              kv_cache_memory_bytes=1 << 30, seed=0, **extra)
     ids = llm.get_tokenizer().encode(english_text(), add_special_tokens=False)
     if len(ids) < window * windows:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than {window * windows}")
@@ -92,6 +103,11 @@ def child(spec_path: str, out_path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--qwen-gguf", help="also Qwen2.5-Coder-0.5B-Instruct q4_k_m (GGUF path)")
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS),
+                    help="formats to run (auto, the baseline, is always run)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="vLLM's step budget (default: vLLM's); 128 makes turboquant_k8v4's "
+                         "prefill chunks after the first read the quantized pages")
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=20)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -102,14 +118,17 @@ def main() -> None:
     ts = datetime.now().strftime("%Y%m%d-%H%M%S")
     env = dict(os.environ, PYTHONHASHSEED="0")
     results: dict = {"versions": versions(), "text": "pydoc_data.topics (CPython stdlib)",
-                     "window": args.window, "windows": args.windows, "models": {}}
+                     "window": args.window, "windows": args.windows,
+                     "max_num_batched_tokens": args.max_num_batched_tokens, "models": {}}
     ok = True
     for name, gguf in models(args.qwen_gguf).items():
         rows = {}
-        for fmt in FORMATS:
+        for fmt in dict.fromkeys(["auto", *args.formats]):
             rows[fmt] = run_child(__file__, f"kv_quant_accuracy-{ts}-{name}-{fmt}",
                                   {"gguf": str(gguf), "format": fmt, "window": args.window,
-                                   "windows": args.windows}, env, 1800, "KV format")
+                                   "windows": args.windows,
+                                   "max_num_batched_tokens": args.max_num_batched_tokens},
+                                  env, 1800, "KV format")
         base = rows["auto"]
         print(f"{name}: {base['scored_tokens']:,} tokens scored")
         for fmt, row in rows.items():

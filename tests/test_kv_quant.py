@@ -1,9 +1,14 @@
-"""Quantized KV cache (``--kv-cache-dtype int8_per_token_head / int4_per_token_head``).
+"""Quantized KV cache (``--kv-cache-dtype int8_per_token_head / int4_per_token_head /
+fp8_per_token_head / turboquant_k8v4``).
 
 * The quantizing write produces vLLM's page bytes: vLLM's own Triton write kernels, run on the
   CPU by Triton's interpreter (tests/kv_quant_oracle.py), are the oracle, byte for byte (fp8:
   the scales byte for byte, the data through torch's fp8 conversion, see _fp8_reference).
-* The page layout and size are vLLM's (``TritonAttentionBackend.customize_spec``).
+* The page layout and size are vLLM's (``TritonAttentionBackend.customize_spec``;
+  ``TurboQuantAttentionBackend.customize_spec`` for turboquant_k8v4, whose keys are checked as
+  fp8_per_token_head's data is and whose values byte for byte).
+* TurboQuant keeps vLLM's boundary layers in the model dtype, with vLLM's block size and KV
+  cache groups for pages of two precisions.
 * The native paged attention over quantized pages equals the pure-MLX reference over the
   dequantized pages within fp32 rounding (decode, prefill chunks, GQA, windows).
 * Unsupported values of the flag are refused naming it and the supported values.
@@ -20,7 +25,8 @@ import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parent
-MODES = ["int8_per_token_head", "int4_per_token_head", "fp8_per_token_head"]
+MODES = ["int8_per_token_head", "int4_per_token_head", "fp8_per_token_head", "turboquant_k8v4"]
+TQ = "turboquant_k8v4"
 
 
 def _pool(fmt, num_blocks: int, block_size: int, heads: int, dim: int):
@@ -96,6 +102,8 @@ def test_quantizing_write_gives_vllms_page_bytes(tmp_path):
         assert (ours_cells != 0).mean() > 0.5, (name, dim)  # the write did land
         if name == "fp8_per_token_head":
             ref_cells = _fp8_reference(ref_cells, keys, values, slots, dim)
+        elif name == TQ:
+            ref_cells = _tq_reference(ref_cells, keys, dim)
         mismatch = np.argwhere(ours_cells != ref_cells)
         assert mismatch.size == 0, (name, dim, mismatch[:10])
 
@@ -126,6 +134,31 @@ def _fp8_reference(ref_cells, keys, values, slots, dim):
         err_interp = np.abs(decode(interp[differ]) - q[differ])
         assert (err_torch < err_interp).all(), (data[differ], interp[differ], q[differ])
         out[..., base:base + dim] = data
+    return out
+
+
+def _torch_nearer(data, interp, q):
+    """Where the interpreter's fp8 bytes differ from torch's, torch's decode nearer to ``q``."""
+    def decode(b):
+        return torch.from_numpy(b).view(torch.float8_e4m3fn).float().numpy()
+
+    differ = data != interp
+    err_torch = np.abs(decode(data[differ]) - q[differ])
+    err_interp = np.abs(decode(interp[differ]) - q[differ])
+    assert (err_torch < err_interp).all(), (data[differ], interp[differ], q[differ])
+
+
+def _tq_reference(ref_cells, keys, dim):
+    """vLLM's turboquant_k8v4 cells with the key bytes re-encoded by torch's float8_e4m3fn
+    conversion of the keys themselves (no scale; within e4m3fn's range, so GPUs' saturating
+    conversion is the same), for the interpreter's fp8 conversion fault of _fp8_reference. The
+    value bytes (4-bit data, fp16 scale and zero: numpy's float16 conversion, round to nearest
+    even) are vLLM's as they are."""
+    out = ref_cells.copy()
+    assert np.abs(keys).max() < 448
+    data = torch.from_numpy(keys).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    _torch_nearer(data, ref_cells[..., :dim], keys)
+    out[..., :dim] = data
     return out
 
 
@@ -189,6 +222,69 @@ def test_attention_over_quantized_pages_equals_reference(name, dtype, tol, heads
     assert np.abs(g - w).max() / np.abs(w).max() < tol
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_turboquant_prefill_chunks_read_their_own_kv_as_vllm(heads, kv_heads, dim, window):
+    """vLLM's TurboQuant prefill (turboquant_attn.py _prefill_attention): a chunk that starts
+    its sequence, or one of more than 128 tokens after cached context, attends its own tokens'
+    K/V unquantized; decode rows and short chunks read every key from the cells. The native
+    kernel equals the reference (dequantized pool with those rows in place of their cells)
+    within fp32 rounding; a first chunk's rows equal attention over the unquantized K/V; the
+    other rows carry the quantization."""
+    import mlx.core as mx
+
+    from vllm_unified.attention import paged
+    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.pool import KVPool
+    from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, kv_format
+
+    tq_attn = pytest.importorskip("vllm.v1.attention.backends.turboquant_attn")
+    assert TQ_SHORT_CONTINUATION == tq_attn._CONTINUATION_DECODE_THRESHOLD
+    fmt = kv_format(TQ)
+    rng = np.random.default_rng(dim + heads)
+    # decode, first chunk, long continuation (130 > 128 after 20 cached), short continuation
+    query_lens, lens, block_size = [1, 40, 130, 9], [50, 40, 150, 39], 16
+    per_seq = -(-max(lens) // block_size)
+    num_blocks = len(lens) * per_seq + 1
+    tables = (1 + np.arange(len(lens) * per_seq)).reshape(len(lens), per_seq).astype(np.int32)
+    cells = mx.full((num_blocks * block_size, kv_heads, fmt.cell_bytes(dim)), 255, mx.uint8)
+    pool = KVPool([cells], block_size, shared=False, fmt=fmt, head_size=dim)
+    dense = np.full((num_blocks * block_size, kv_heads, 2 * dim), np.nan, np.float32)
+    fresh_k, fresh_v = [], []
+    for b, n in enumerate(lens):
+        pos = np.arange(n)
+        slots = (tables[b, pos // block_size] * block_size + pos % block_size).astype(np.int32)
+        k = rng.standard_normal((n, kv_heads, dim)).astype(np.float32)
+        v = rng.standard_normal((n, kv_heads, dim)).astype(np.float32)
+        k[:, :, 3] += 4.0
+        pool.write(0, mx.array(slots), mx.array(k), mx.array(v))
+        dense[slots] = np.concatenate([k, v], axis=-1)
+        fresh_k.append(k[n - query_lens[b]:])
+        fresh_v.append(v[n - query_lens[b]:])
+    mx.eval(pool.kv)
+    meta = build_attention_metadata(query_lens, lens, tables, block_size)
+    fresh = tuple(mx.array(np.concatenate(x)[:, :, None]) for x in (fresh_k, fresh_v))
+    q = mx.array(rng.standard_normal((sum(query_lens), heads, 1, dim)).astype(np.float32))
+    kw = dict(kv_format=fmt, fresh=fresh)
+    want = np.array(paged.paged_attention_kv(q, pool.kv[0], meta, 0.125, window,
+                                             accelerate=False, **kw))
+    got = np.array(paged.paged_attention_kv(q, pool.kv[0], meta, 0.125, window, **kw))
+    assert not np.isnan(got).any()
+    assert np.abs(got - want).max() / np.abs(want).max() < 2e-5
+    exact = np.array(paged.paged_attention_kv(q, mx.array(dense), meta, 0.125, window,
+                                              accelerate=False))
+    rows = np.split(np.arange(sum(query_lens)), np.cumsum(query_lens)[:-1])
+    err = [np.abs(got[r] - exact[r]).max() / np.abs(exact[r]).max() for r in rows]
+    assert err[1] < 2e-5, err  # the first chunk: its own K/V, unquantized
+    # decode and the short chunk read quantized cells; the long chunk its cached 20 tokens
+    # (within a window of 7 its rows but the first 6 see only their own chunk)
+    assert err[0] > 1e-4 and err[3] > 1e-4, err
+    if window is None:
+        assert err[2] > 1e-4, err
+    else:
+        assert np.abs(got[rows[2][6:]] - exact[rows[2][6:]]).max() < 2e-5 * np.abs(exact).max()
+
+
 def test_quantization_error_is_what_the_format_promises():
     """The dequantized pages are near the rows written (so the reference is not comparing a
     wrong dequantization with itself): int8 within half a step of 1/127 of each row's absmax,
@@ -205,7 +301,7 @@ def test_quantization_error_is_what_the_format_promises():
     k = rng.standard_normal((32, 2, 64)).astype(np.float32)
     v = rng.standard_normal((32, 2, 64)).astype(np.float32)
     for name, rel in (("int8_per_token_head", 0.5 / 127), ("int4_per_token_head", 0.5 / 15),
-                      ("fp8_per_token_head", 1 / 16)):
+                      ("fp8_per_token_head", 1 / 16), (TQ, 1 / 16)):
         fmt = kv_format(name)
         cells = mx.zeros((32, 2, fmt.cell_bytes(64)), mx.uint8)
         pool = KVPool([cells], 16, shared=False, fmt=fmt, head_size=64)
@@ -213,7 +309,14 @@ def test_quantization_error_is_what_the_format_promises():
         dense = np.array(dequantize_pool(pool.kv[0], fmt, 64))
         for got, want in ((dense[..., :64], k), (dense[..., 64:], v)):
             err = np.abs(got - want).max(axis=-1)
-            if name == "int8_per_token_head":
+            if name == TQ and want is k:  # fp8 of the key itself: half a mantissa step
+                bound = (np.abs(want) * rel + 2.0**-10).max(axis=-1)
+            elif name == TQ:  # half a 4-bit step, plus the fp16 rounding of scale and zero
+                lo, hi = want.min(-1), want.max(-1)
+                step = (hi - lo) / np.float32(15)
+                bound = (0.5 * step + 15 * np.abs(step - step.astype(np.float16))
+                         + np.abs(lo - lo.astype(np.float16)))
+            elif name == "int8_per_token_head":
                 bound = np.abs(want).max(axis=-1) * rel
             elif name == "fp8_per_token_head":  # half a 3-bit mantissa step, or subnormal
                 scale = np.abs(want).max(axis=-1, keepdims=True) / 448
@@ -227,16 +330,45 @@ def test_quantization_error_is_what_the_format_promises():
                 bound = np.sqrt(64) * step_err / np.sqrt(64)
             assert (err <= bound * 1.0001 + 1e-6).all(), name
         assert np.abs(dense[..., :64] - k).mean() < {"int8_per_token_head": 0.01,
-                                                     "fp8_per_token_head": 0.05}.get(name, 0.2)
+                                                     "fp8_per_token_head": 0.05,
+                                                     TQ: 0.05}.get(name, 0.2)
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e5m2", "turboquant_k8v4", "nvfp4", "bogus"])
+def test_turboquant_keys_saturate_and_cells_are_vllms():
+    """turboquant_k8v4 keys beyond e4m3fn's range saturate at +-448 (GPUs' satfinite
+    conversion; the interpreter has no such case right), the cell is 3D/2 + 4 bytes (vLLM's
+    slot_size_aligned), a constant value row decodes exactly."""
+    import mlx.core as mx
+
+    from vllm_unified import compat
+    from vllm_unified.kv.pool import KVPool
+    from vllm_unified.kv.quant import dequantize_pool, kv_format
+
+    fmt = kv_format(TQ)
+    for dim in (64, 96, 128):
+        assert fmt.cell_bytes(dim) == dim * 3 // 2 + 4 == \
+            compat.TurboQuantConfig.from_cache_dtype(TQ, dim).slot_size_aligned
+    k = np.zeros((2, 1, 64), np.float32)
+    k[0, 0, :4] = [500.0, -1000.0, 448.0, 1e-3]
+    v = np.full((2, 1, 64), 0.75, np.float32)
+    pool = KVPool([mx.zeros((2, 1, fmt.cell_bytes(64)), mx.uint8)], 1, shared=False, fmt=fmt,
+                  head_size=64)
+    pool.write(0, mx.arange(2, dtype=mx.int32), mx.array(k), mx.array(v))
+    dense = np.array(dequantize_pool(pool.kv[0], fmt, 64))
+    clamped = np.clip(k, -448, 448)
+    want = torch.from_numpy(clamped).to(torch.float8_e4m3fn).float().numpy()
+    assert (dense[..., :64] == want).all()
+    assert (dense[..., 64:] == 0.75).all()
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e5m2", "turboquant_4bit_nc",
+                                   "turboquant_3bit_nc", "nvfp4", "bogus"])
 def test_unsupported_kv_cache_dtype_is_refused_naming_the_flag(value):
     from vllm_unified.kv.quant import kv_format
 
     with pytest.raises(ValueError, match=rf"--kv-cache-dtype {value}:.*supported: auto, "
                                          "int8_per_token_head, int4_per_token_head, "
-                                         "fp8_per_token_head"):
+                                         "fp8_per_token_head, turboquant_k8v4$"):
         kv_format(value)
 
 
@@ -247,16 +379,20 @@ def test_spec_is_vllms_customised_spec():
     from vllm_unified.kv.quant import attention_spec, kv_format
 
     triton_attn = pytest.importorskip("vllm.v1.attention.backends.triton_attn")
+    tq_attn = pytest.importorskip("vllm.v1.attention.backends.turboquant_attn")
     for name in MODES:
+        backend = tq_attn.TurboQuantAttentionBackend if name == TQ else \
+            triton_attn.TritonAttentionBackend
         fmt = kv_format(name)
-        ours = attention_spec(fmt, block_size=16, num_kv_heads=3, head_size=64,
-                              dtype=torch.float32)
-        theirs = triton_attn.TritonAttentionBackend.customize_spec(compat.FullAttentionSpec(
-            block_size=16, num_kv_heads=3, head_size=64,
-            dtype=compat.STR_DTYPE_TO_TORCH_DTYPE[name],
-            kv_quant_mode=compat.get_kv_quant_mode(name)))
-        assert ours == theirs, name
-        assert ours.page_size_bytes == 16 * 3 * fmt.cell_bytes(64)
+        for dim in (64, 128):
+            ours = attention_spec(fmt, block_size=16, num_kv_heads=3, head_size=dim,
+                                  dtype=torch.float32)
+            theirs = backend.customize_spec(compat.FullAttentionSpec(
+                block_size=16, num_kv_heads=3, head_size=dim,
+                dtype=compat.STR_DTYPE_TO_TORCH_DTYPE[name],
+                kv_quant_mode=compat.get_kv_quant_mode(name)))
+            assert ours == theirs, name
+            assert ours.page_size_bytes == 16 * 3 * fmt.cell_bytes(dim)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -276,11 +412,14 @@ def _delta(phases: list[dict], i: int, key: str) -> float:
 def test_prefix_cache_and_host_offload_carry_quantized_pages(default_model, tmp_path, name):
     """A 1,500-token prompt P served with the quantized cache: again at once (a prefix-cache
     hit on the quantized pages), then evicted from the KV pool by two other prompts and served
-    once more, its blocks restored from the host tier: the same greedy tokens every time."""
+    once more, its blocks restored from the host tier: the same greedy tokens every time
+    (turboquant_k8v4: the restored serving's tokens are the prefix-cache hit's)."""
     import json
     import os
 
-    engine = {"max_model_len": 1600, "num_gpu_blocks_override": 102,
+    # about 1,630 tokens of pool: 102 blocks of 16, or (turboquant_k8v4, whose vLLM block
+    # size is 96 here) 18 blocks of 96, the fewest that hold one --max-model-len sequence
+    engine = {"max_model_len": 1600, "num_gpu_blocks_override": 18 if name == TQ else 102,
               "max_num_batched_tokens": 512, "kv_offloading_size": 0.25,
               "kv_cache_dtype": name, "dtype": "float32"}
     spec = {"model": default_model, "engine": engine, "prompts": OFFLOAD_PROMPTS,
@@ -300,11 +439,45 @@ def test_prefix_cache_and_host_offload_carry_quantized_pages(default_model, tmp_
     first = phases[0]
     assert 1450 <= first["num_prompt_tokens"] <= 1600
     assert _delta(phases, 1, DEVICE) >= 1400  # prefix cache hit on the quantized pages
-    assert phases[1]["token_ids"] == first["token_ids"]
+    # turboquant_k8v4 attends a long prefill chunk over its own unquantized K/V, as vLLM's
+    # backend does, and the short chunk after a prefix hit over the cells: the first serving
+    # and a cached one may differ (as they may on vLLM); the two cached ones may not.
+    if name != TQ:
+        assert phases[1]["token_ids"] == first["token_ids"]
     assert _delta(phases, 4, DEVICE) == 0  # P was evicted from the KV pool
     assert _delta(phases, 4, HOST) >= 1400  # ... and its quantized blocks came back from RAM
     assert phases[4]["metrics"]["vllm:kv_offload_load_bytes"] > 0
-    assert phases[4]["token_ids"] == first["token_ids"]
+    assert phases[4]["token_ids"] == phases[1]["token_ids"]
+    assert len(first["token_ids"]) == 16
+
+
+def test_turboquant_serves_the_default_model(default_model, tmp_path):
+    """turboquant_k8v4 end to end on SmolLM2: the engine starts with vLLM's block size and
+    skip layers, the start-up log states the mixed format and its capacity, and greedy
+    output is sane ("The capital of France is" -> Paris)."""
+    import json
+    import os
+
+    spec = {"model": default_model,
+            "requests": [{"prompt": "The capital of France is",
+                          "params": {"max_tokens": 8, "temperature": 0.0}}],
+            "engine": {"kv_cache_dtype": TQ, "dtype": "float32", "max_model_len": 512,
+                       "kv_cache_memory_bytes": 64 << 20}}
+    spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    proc = subprocess.run([sys.executable, str(TESTS / "llm_harness.py"), str(spec_path),
+                           str(out_path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "attention block size 96 tokens" in log
+    assert f"KV format {TQ} (vLLM's page layout, 100 bytes per token and KV head" in log
+    assert "layers 0, 1, 28, 29 in float32" in log
+    per_token = 3 * (4 * 512 + 26 * 100)
+    assert f"{2**30 / per_token:,.0f} tokens per GiB of KV" in log
+    text = json.loads(out_path.read_text())["outputs"][0]["completions"][0]["text"]
+    assert "Paris" in text, text
 
 
 def _engine_config(model: str, **kwargs):
@@ -324,8 +497,110 @@ def test_platform_refuses_skip_layers_and_other_formats(default_model):
     with pytest.raises(Exception, match="--kv-cache-dtype-skip-layers"):
         _engine_config(default_model, kv_cache_dtype="int8_per_token_head",
                        kv_cache_dtype_skip_layers=["0"])
-    with pytest.raises(Exception, match="--kv-cache-dtype turboquant_k8v4:.*supported"):
-        _engine_config(default_model, kv_cache_dtype="turboquant_k8v4")
+    with pytest.raises(Exception, match="--kv-cache-dtype turboquant_4bit_nc:.*only "
+                                        "turboquant_k8v4.*supported"):
+        _engine_config(default_model, kv_cache_dtype="turboquant_4bit_nc")
+
+
+def test_turboquant_with_a_draft_model_is_refused():
+    """A draft model's pages take the target's format; with turboquant_k8v4 the skip layers
+    would need vLLM's matching on the draft's layer names: refused naming the flags."""
+    import types
+
+    from vllm_unified.platform import _draft_model_policy
+
+    spec = types.SimpleNamespace(draft_sample_method="greedy", use_heterogeneous_vocab=False,
+                                 parallel_drafting=False, kv_cache_dtype=None,
+                                 verify_equal_vocab_size_if_draft_model=lambda: None)
+    with pytest.raises(ValueError, match="--speculative-config.*--kv-cache-dtype turboquant"):
+        _draft_model_policy(spec, TQ)
+
+
+def test_turboquant_block_size_and_skip_layers_are_vllms(default_model):
+    """turboquant_k8v4 on SmolLM2 (30 layers): vLLM's boundary skip layers (first and last
+    two), and the block size vLLM's own alignment gives with its TurboQuant backend (a
+    quantized page covering a model-dtype page of 16 tokens: 96 here), idempotent over the
+    platform's second configuration call."""
+    from vllm_unified.platform import MLXPlatform
+
+    tq_attn = pytest.importorskip("vllm.v1.attention.backends.turboquant_attn")
+    cfg = _engine_config(default_model, kv_cache_dtype=TQ)
+    cache = cfg.cache_config
+    assert cache.kv_cache_dtype_skip_layers == ["0", "1", "28", "29"]
+    ours = cache.block_size
+    cache.block_size = 16  # vLLM's own alignment, driven with its TurboQuant backend
+    MLXPlatform._align_heterogeneous_kv_block_size(cfg, tq_attn.TurboQuantAttentionBackend)
+    assert ours == cache.block_size == 96
+    MLXPlatform.check_and_update_config(cfg)
+    assert cache.block_size == 96
+    MLXPlatform.update_block_size_for_backend(cfg)
+    assert cache.block_size == 96
+
+
+def test_turboquant_kv_cache_groups_are_vllms(default_model):
+    """The specs of a 30-layer model with vLLM's skip layers, through vLLM's own grouping
+    and sizing (get_kv_cache_groups, get_kv_cache_config_from_groups): one group of
+    UniformTypeKVCacheSpecs (fp32 pages on layers 0, 1, 28, 29; 100-byte TurboQuant cells
+    elsewhere); our allocation gives vLLM's views; a step written and attended over the mixed
+    pool equals the reference on every layer."""
+    import mlx.core as mx
+    from conftest import assert_views_like_vllms
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.worker.utils import allocate_kv_cache as vllm_allocate_kv_cache
+
+    from vllm_unified import compat
+    from vllm_unified.attention import paged
+    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.backend import profile
+    from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
+    from vllm_unified.kv.hybrid import HybridLayers
+
+    cfg = _engine_config(default_model, kv_cache_dtype=TQ)
+    skip = tuple(cfg.cache_config.kv_cache_dtype_skip_layers)
+    shape = AttentionShape(3, 64, torch.float32, TQ, skip)
+    layers = HybridLayers("llama", 30, [])
+    cache = KVCache(profile(), layers, shape, dict.fromkeys(range(30)), mx.float32)
+    specs = cache.kv_cache_spec(96, cfg)
+    groups = kv_cache_utils.get_kv_cache_groups(cfg, specs)
+    assert len(groups) == 1
+    group = groups[0].kv_cache_spec
+    assert isinstance(group, compat.UniformTypeKVCacheSpecs)
+    for i in range(30):
+        spec = group.kv_cache_specs[layer_name(i)]
+        dense = str(i) in skip
+        assert spec.dtype == (torch.float32 if dense else torch.uint8), i
+        assert spec.page_size_bytes == 96 * 3 * (512 if dense else 100), i
+    cfg.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves with our worker
+    config = kv_cache_utils.get_kv_cache_config_from_groups(cfg, groups, 64 << 20)
+    assert config.num_blocks == (64 << 20) // (96 * 3 * (4 * 512 + 26 * 100))
+    cache.initialize(config, None)
+    theirs = vllm_allocate_kv_cache(config, torch.device("cpu"), compat.KVCacheLayout.LBNHC)
+    ours = cache.connector_views()  # vLLM's manager-block views of our buffer
+    assert_views_like_vllms(ours, theirs, cache.pool.backing_buffer)
+    assert cache.tokens_per_gib() == 2**30 / (3 * (4 * 512 + 26 * 100))
+    assert "layers 0, 1, 28, 29 in float32" in cache.describe_format()
+    # one decode row and one prefill chunk, written and attended on every layer
+    rng = np.random.default_rng(0)
+    lens, query_lens = [70, 30], [1, 30]
+    tables = np.array([[1, 0], [2, 0]], np.int32)
+    slots = np.concatenate([tables[b, np.arange(n) // 96] * 96 + np.arange(n) % 96
+                            for b, n in enumerate(lens)]).astype(np.int32)
+    for j in range(30):
+        k = mx.array(rng.standard_normal((len(slots), 3, 64)).astype(np.float32))
+        v = mx.array(rng.standard_normal((len(slots), 3, 64)).astype(np.float32))
+        cache.pool.write(j, mx.array(slots), k, v)
+    mx.eval(cache.pool.kv)
+    q = mx.array(rng.standard_normal((sum(query_lens), 9, 1, 64)).astype(np.float32))
+    meta = build_attention_metadata(query_lens, lens, tables, 96)
+    for j in range(30):
+        fmt = cache.pool.layer_format(j)
+        assert fmt.quantized == (str(j) not in skip)
+        kw = dict(kv_format=fmt, rht_signs=cache.pool.signs)
+        want = paged.paged_attention_kv(q, cache.pool.kv[j], meta, 0.125, accelerate=False,
+                                        **kw)
+        got = paged.paged_attention_kv(q, cache.pool.kv[j], meta, 0.125, **kw)
+        w, g = np.array(want), np.array(got)
+        assert np.abs(g - w).max() / np.abs(w).max() < 2e-5, j
 
 
 def test_quantized_cache_is_refused_where_no_kernel_reads_it():
@@ -348,7 +623,7 @@ def test_quantized_cache_is_refused_where_no_kernel_reads_it():
 @pytest.mark.slow
 def test_scheduler_capacity_per_format(default_model, tmp_path):
     """As vLLM's scheduler sees it (its "KV cache size: N tokens" for a 256 MiB pool):
-    int8 and fp8 >= 3.5x, int4 >= 6x the fp32 cache's tokens."""
+    int8 and fp8 >= 3.5x, int4 >= 6x, turboquant_k8v4 >= 3.2x the fp32 cache's tokens."""
     import json
     import os
     import re
@@ -357,7 +632,9 @@ def test_scheduler_capacity_per_format(default_model, tmp_path):
     for name in ("auto", *MODES):
         spec = {"model": default_model, "requests": [{"prompt": "Hi", "params":
                                                        {"max_tokens": 1}}],
-                "engine": {"kv_cache_dtype": name, "dtype": "float32", "max_model_len": 512,
+                # vLLM's figure is whole requests' blocks x --max-model-len: 576 tokens is a
+                # whole number of blocks both of 16 and of turboquant_k8v4's 96
+                "engine": {"kv_cache_dtype": name, "dtype": "float32", "max_model_len": 576,
                            "kv_cache_memory_bytes": 256 << 20}}
         spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
         spec_path.write_text(json.dumps(spec))
@@ -369,9 +646,13 @@ def test_scheduler_capacity_per_format(default_model, tmp_path):
         assert proc.returncode == 0, log[-4000:]
         tokens[name] = int(re.search(r"KV cache size: ([\d,]+) tokens", log)
                            .group(1).replace(",", ""))
+        blocks, size = map(int, re.search(r"KV pool (\d+) blocks x (\d+) tokens", log).groups())
+        assert abs(tokens[name] - blocks * size) <= 1, (name, tokens[name], blocks, size)
     assert tokens["int8_per_token_head"] >= 3.5 * tokens["auto"], tokens
     assert tokens["int4_per_token_head"] >= 6 * tokens["auto"], tokens
     assert tokens["fp8_per_token_head"] >= 3.5 * tokens["auto"], tokens
+    # 26 layers of 100-byte cells, 4 skip layers in fp32 (512 bytes): 3.30x at most
+    assert tokens[TQ] >= 3.2 * tokens["auto"], tokens
 
 
 def test_attention_without_avx512_equals_reference():

@@ -96,6 +96,71 @@ float e4m3_to_f32(uint8_t b) {
   return (b & 0x80) ? -mag : mag;
 }
 
+uint16_t f32_to_f16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t a = bits & 0x7fffffffu;
+  if (a > 0x7f800000u) {
+    return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  }
+  if (a >= 0x477ff000u) {  // from 65520 (half way past 65504) up: infinity
+    return static_cast<uint16_t>(sign | 0x7c00u);
+  }
+  if (a < 0x38800000u) {  // below 2^-14: subnormal steps of 2^-24 (1024 of them: 2^-14)
+    float f;
+    std::memcpy(&f, &a, 4);
+    const float q = std::nearbyint(f * 16777216.0f);  // exact scaling; the default mode is RNE
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(q));
+  }
+  uint32_t r = a + 0xfffu + ((a >> 13) & 1u);  // 23 -> 10 mantissa bits, ties to even
+  r -= (127u - 15u) << 23;                     // rebias the exponent (a carry lands in it)
+  return static_cast<uint16_t>(sign | (r >> 13));
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t e = (h >> 10) & 31u;
+  const uint32_t m = h & 0x3ffu;
+  float mag;
+  if (e == 0) {
+    mag = std::ldexp(static_cast<float>(m), -24);
+  } else if (e == 31) {
+    mag = m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    mag = std::ldexp(static_cast<float>(m + 1024u), static_cast<int>(e) - 25);
+  }
+  return (h & 0x8000u) ? -mag : mag;
+}
+
+void quantize_tq_k8v4(const float* k, const float* v, size_t dim, uint8_t* cell) {
+  // keys: float8 e4m3fn of the value itself (no scale); GPUs saturate to +-448
+  for (size_t e = 0; e < dim; ++e) {
+    cell[e] = f32_to_e4m3(std::min(std::max(k[e], -448.0f), 448.0f));
+  }
+  // values: 16 levels over [min, max] of the row
+  float lo = std::numeric_limits<float>::infinity();
+  float hi = -std::numeric_limits<float>::infinity();
+  for (size_t e = 0; e < dim; ++e) {
+    lo = std::min(lo, v[e]);
+    hi = std::max(hi, v[e]);
+  }
+  float s = (hi - lo) / 15.0f;
+  s = s > 1e-8f ? s : 1e-8f;
+  uint8_t* data = cell + dim;
+  for (size_t e = 0; e < dim; e += 2) {
+    // clamping before the truncation gives clamp(trunc(.)): the bounds are whole numbers
+    // (fmax/fmin take a NaN to 0, as Triton's int32 cast then max(., 0) does)
+    const float q0 = std::fmin(std::fmax((v[e] - lo) / s + 0.5f, 0.f), 15.f);
+    const float q1 = std::fmin(std::fmax((v[e + 1] - lo) / s + 0.5f, 0.f), 15.f);
+    data[e / 2] = static_cast<uint8_t>(static_cast<uint32_t>(q0) |
+                                       (static_cast<uint32_t>(q1) << 4));
+  }
+  const uint16_t sb = f32_to_f16(s);
+  const uint16_t zb = f32_to_f16(lo);
+  std::memcpy(data + dim / 2, &sb, 2);  // little-endian, as vLLM's byte stores
+  std::memcpy(data + dim / 2 + 2, &zb, 2);
+}
+
 namespace {
 
 // e4m3_to_f32 of every byte.
@@ -210,10 +275,37 @@ void dequantize_side(int mode, const uint8_t* src, size_t dim, float* out) {
   }
 }
 
+namespace {
+
+// turboquant_k8v4's value scale and zero (fp16 each, after the D / 2 data bytes at p).
+inline void tq_scale_zero(const uint8_t* p, size_t dim, float* scale, float* zero) {
+  uint16_t sb, zb;
+  std::memcpy(&sb, p + dim / 2, 2);
+  std::memcpy(&zb, p + dim / 2 + 2, 2);
+  *scale = f16_to_f32(sb);
+  *zero = f16_to_f32(zb);
+}
+
+} // namespace
+
+void dequantize_tq_k8v4(const uint8_t* cell, size_t dim, float* k, float* v) {
+  for (size_t e = 0; e < dim; ++e) {
+    k[e] = e4m3_to_f32(cell[e]);
+  }
+  const uint8_t* data = cell + dim;
+  float s, z;
+  tq_scale_zero(data, dim, &s, &z);
+  for (size_t e = 0; e < dim; e += 2) {
+    v[e] = static_cast<float>(data[e / 2] & 0xF) * s + z;
+    v[e + 1] = static_cast<float>(data[e / 2] >> 4) * s + z;
+  }
+}
+
 // Any head size (a multiple of 8): one key or value row widened at a time.
 VUN_CLONES void attend_rows_quant_generic(
     int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
-    float scale, float* scores, float* out) {
+    float scale, float* scores, float* out, const float* const* raw_k,
+    const float* const* raw_v) {
   const size_t dk = kv_data_bytes(mode, dim);
   const bool int4 = mode == kKVInt4;
   const float* lut = e4m3_table();
@@ -230,14 +322,17 @@ VUN_CLONES void attend_rows_quant_generic(
   for (size_t j = 0; j < n; ++j) {
     const uint8_t* c = cells[j];
     float ks, kz = 0.f;
-    if (int4) {
+    if (raw_k != nullptr && raw_k[j] != nullptr) {  // this step's unquantized key
+      ks = 1.f;
+      std::memcpy(row, raw_k[j], dim * sizeof(float));
+    } else if (int4) {
       int4_scale_zp(c + dk, &ks, &kz);
       for (size_t e = 0; e < dk; ++e) {
         row[2 * e] = static_cast<float>(c[e] & 0xF);
         row[2 * e + 1] = static_cast<float>(c[e] >> 4);
       }
-    } else if (mode == kKVFp8) {
-      ks = load_f32(c + dk);
+    } else if (mode == kKVFp8 || mode == kKVTqK8V4) {
+      ks = mode == kKVTqK8V4 ? 1.f : load_f32(c + dk);  // turboquant: fp8 keys, no scale
       for (size_t e = 0; e < dim; ++e) {
         row[e] = lut[c[e]];
       }
@@ -269,9 +364,20 @@ VUN_CLONES void attend_rows_quant_generic(
   }
   const uint8_t* c;
   for (size_t j = 0; j < n; ++j) {
-    c = cells[j] + dk + 4;  // the V side
+    c = cells[j] + (mode == kKVTqK8V4 ? dim : dk + 4);  // the V side
     float vs, vz = 0.f;
-    if (int4) {
+    if (raw_v != nullptr && raw_v[j] != nullptr) {  // this step's unquantized value
+      vs = 1.f;
+      std::memcpy(row, raw_v[j], dim * sizeof(float));
+    } else if (mode == kKVTqK8V4) {  // q * s + min, weighted by p_j
+      float s, z;
+      tq_scale_zero(c, dim, &s, &z);
+      vs = 1.f;
+      for (size_t e = 0; e < dim / 2; ++e) {
+        row[2 * e] = static_cast<float>(c[e] & 0xF) * s + z;
+        row[2 * e + 1] = static_cast<float>(c[e] >> 4) * s + z;
+      }
+    } else if (int4) {
       int4_scale_zp(c + dk, &vs, &vz);
       for (size_t e = 0; e < dk; ++e) {
         row[2 * e] = static_cast<float>(c[e] & 0xF) - vz;
@@ -409,9 +515,12 @@ constexpr size_t kBlock = 16;
 template <int NC, int MODE>
 VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
                                                   const uint8_t* const* cells, size_t n,
-                                                  float scale, float* scores, float* out) {
+                                                  float scale, float* scores, float* out,
+                                                  const float* const* raw_k,
+                                                  const float* const* raw_v) {
   constexpr size_t D = 16 * NC;
   constexpr bool INT4 = MODE == kKVInt4;
+  constexpr bool TQ = MODE == kKVTqK8V4;
   constexpr size_t dk = INT4 ? D / 2 : D;
   alignas(64) float blk[kBlock * D];
   float fac[kBlock], zp[kBlock];
@@ -427,13 +536,24 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
   for (size_t j0 = 0; j0 < n; j0 += kBlock) {
     const size_t nb = std::min(kBlock, n - j0);
     for (size_t t = 0; t < nb; ++t) {
+      if (raw_k != nullptr && raw_k[j0 + t] != nullptr) {  // this step's unquantized key
+        __builtin_memcpy(blk + t * D, raw_k[j0 + t], D * sizeof(float));
+        fac[t] = scale;
+        zp[t] = 0.f;
+        continue;
+      }
       const uint8_t* k = cells[j0 + t];
       for (int c = 0; c < NC; ++c) {
-        const v16 x = widen<MODE>(k, c);
+        const v16 x = TQ ? widen_fp8(k + 16 * c) : widen<MODE>(k, c);
         __builtin_memcpy(blk + t * D + 16 * c, &x, sizeof(v16));
       }
-      side_scale(INT4, k + dk, &fac[t], &zp[t]);
-      fac[t] *= scale;
+      if constexpr (TQ) {  // fp8 keys without a scale
+        fac[t] = scale;
+        zp[t] = 0.f;
+      } else {
+        side_scale(INT4, k + dk, &fac[t], &zp[t]);
+        fac[t] *= scale;
+      }
     }
     for (size_t r = 0; r < heads; ++r) {
       v16 qv[NC];
@@ -476,6 +596,23 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
   for (size_t j0 = 0; j0 < n; j0 += kBlock) {
     const size_t nb = std::min(kBlock, n - j0);
     for (size_t t = 0; t < nb; ++t) {
+      if (raw_v != nullptr && raw_v[j0 + t] != nullptr) {  // this step's unquantized value
+        __builtin_memcpy(blk + t * D, raw_v[j0 + t], D * sizeof(float));
+        fac[t] = 1.f;
+        zp[t] = 0.f;
+        continue;
+      }
+      if constexpr (TQ) {  // q * s + min, weighted by p_j alone
+        const uint8_t* v = cells[j0 + t] + D;
+        float s, z;
+        tq_scale_zero(v, D, &s, &z);
+        fac[t] = 1.f;
+        for (int c = 0; c < NC; ++c) {
+          const v16 x = widen_u4(v + 8 * c) * s + z;
+          __builtin_memcpy(blk + t * D + 16 * c, &x, sizeof(v16));
+        }
+        continue;
+      }
       const uint8_t* v = cells[j0 + t] + dk + 4;
       side_scale(INT4, v + dk, &fac[t], &zp[t]);
       for (int c = 0; c < NC; ++c) {
@@ -505,16 +642,17 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
 template <int MODE>
 VUN_AVX512 bool attend_quant_dispatch(size_t dim, const float* q, size_t heads,
                                           const uint8_t* const* cells, size_t n, float scale,
-                                          float* scores, float* out) {
+                                          float* scores, float* out, const float* const* rk,
+                                          const float* const* rv) {
   switch (dim) {
     case 64:
-      attend_quant_fixed<4, MODE>(q, heads, cells, n, scale, scores, out);
+      attend_quant_fixed<4, MODE>(q, heads, cells, n, scale, scores, out, rk, rv);
       return true;
     case 128:
-      attend_quant_fixed<8, MODE>(q, heads, cells, n, scale, scores, out);
+      attend_quant_fixed<8, MODE>(q, heads, cells, n, scale, scores, out, rk, rv);
       return true;
     case 256:
-      attend_quant_fixed<16, MODE>(q, heads, cells, n, scale, scores, out);
+      attend_quant_fixed<16, MODE>(q, heads, cells, n, scale, scores, out, rk, rv);
       return true;
     default:
       return false;
@@ -526,7 +664,8 @@ VUN_AVX512 bool attend_quant_dispatch(size_t dim, const float* q, size_t heads,
 
 void attend_rows_quant(
     int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
-    float scale, float* scores, float* out) {
+    float scale, float* scores, float* out, const float* const* raw_k,
+    const float* const* raw_v) {
   bool done = false;
 #if defined(VUN_KVQ_X86)
   // The register path needs AVX-512 (and the ISA cap to allow it); else the generic loops.
@@ -536,18 +675,25 @@ void attend_rows_quant(
   if (avx512) {
     switch (mode) {
       case kKVInt4:
-        done = attend_quant_dispatch<kKVInt4>(dim, q, heads, cells, n, scale, scores, out);
+        done = attend_quant_dispatch<kKVInt4>(dim, q, heads, cells, n, scale, scores, out,
+                                              raw_k, raw_v);
         break;
       case kKVFp8:
-        done = attend_quant_dispatch<kKVFp8>(dim, q, heads, cells, n, scale, scores, out);
+        done = attend_quant_dispatch<kKVFp8>(dim, q, heads, cells, n, scale, scores, out,
+                                             raw_k, raw_v);
+        break;
+      case kKVTqK8V4:
+        done = attend_quant_dispatch<kKVTqK8V4>(dim, q, heads, cells, n, scale, scores, out,
+                                                raw_k, raw_v);
         break;
       default:
-        done = attend_quant_dispatch<kKVInt8>(dim, q, heads, cells, n, scale, scores, out);
+        done = attend_quant_dispatch<kKVInt8>(dim, q, heads, cells, n, scale, scores, out,
+                                              raw_k, raw_v);
     }
   }
 #endif
   if (!done) {
-    attend_rows_quant_generic(mode, q, heads, dim, cells, n, scale, scores, out);
+    attend_rows_quant_generic(mode, q, heads, dim, cells, n, scale, scores, out, raw_k, raw_v);
   }
 }
 

@@ -852,6 +852,14 @@ struct PagedAttentionArgs {
   const uint8_t* kvq = nullptr;
   const float* signs = nullptr;
   int64_t block = 0;
+  // turboquant_k8v4: row r reads keys j >= raw_from[r] unquantized from this step's fresh K/V
+  // ([fresh_rows, Hkv, D] each), key j at fresh row raw_row0[r] + j - raw_from[r] (vLLM's
+  // TurboQuant prefill); fk == nullptr: every key from the cells.
+  const T* fk = nullptr;
+  const T* fv = nullptr;
+  const int32_t* raw_from = nullptr;
+  const int32_t* raw_row0 = nullptr;
+  int64_t fresh_rows = 0;
 };
 
 // One (row, KV head) item: the R query heads of KV head g of row b over the row's keys.
@@ -947,6 +955,39 @@ void paged_attention_item_quant(const PagedAttentionArgs<T>& a, int64_t b, int64
       cells[j - first] = cell;
     }
   }
+  // this step's own keys read unquantized (turboquant_k8v4 prefill chunks): fp32 rows where
+  // they lie, half-precision ones widened once
+  thread_local std::vector<float> raw;
+  thread_local std::vector<const float*> raw_k, raw_v;
+  const int64_t rf = a.fk != nullptr ? std::max<int64_t>(a.raw_from[b], first) : len;
+  if (rf < len) {
+    if constexpr (!std::is_same_v<T, float>) {
+      raw.resize((len - rf) * 2 * D);
+    }
+    raw_k.assign(n, nullptr);
+    raw_v.assign(n, nullptr);
+    for (int64_t j = rf; j < len; ++j) {
+      const int64_t row = a.raw_row0[b] + (j - a.raw_from[b]);
+      if (row < 0 || row >= a.fresh_rows) {
+        throw std::out_of_range("[paged_attention] fresh row " + std::to_string(row) +
+                                " is outside " + std::to_string(a.fresh_rows) + " rows");
+      }
+      const T* ks = a.fk + (row * a.kv_heads + g) * D;
+      const T* vs = a.fv + (row * a.kv_heads + g) * D;
+      if constexpr (std::is_same_v<T, float>) {
+        raw_k[j - first] = ks;
+        raw_v[j - first] = vs;
+      } else {
+        float* dst = raw.data() + (j - rf) * 2 * D;
+        for (int64_t e = 0; e < D; ++e) {
+          dst[e] = static_cast<float>(ks[e]);
+          dst[D + e] = static_cast<float>(vs[e]);
+        }
+        raw_k[j - first] = dst;
+        raw_v[j - first] = dst + D;
+      }
+    }
+  }
   const T* qp = a.q + (b * a.heads + g * R) * D;
   for (int64_t i = 0; i < R * D; ++i) {
     qf[i] = static_cast<float>(qp[i]);
@@ -964,7 +1005,8 @@ void paged_attention_item_quant(const PagedAttentionArgs<T>& a, int64_t b, int64
     scale = a.scale / static_cast<float>(a.block);
   }
   vun::attend_rows_quant(a.mode, qf.data(), R, D, cells.data(), n, scale, scores.data(),
-                         of.data());
+                         of.data(), rf < len ? raw_k.data() : nullptr,
+                         rf < len ? raw_v.data() : nullptr);
   if (rotate) {
     for (int64_t r = 0; r < R; ++r) {
       float* x = of.data() + r * D;
@@ -1078,6 +1120,13 @@ class PagedAttention : public SameShapePrimitive {
       a.kvq = in[1].data<uint8_t>();
       a.signs = in[5].data<float>();
       a.block = in[5].shape(0);
+      if (in.size() == 10) {  // fresh K/V of the step (turboquant_k8v4)
+        a.fk = in[6].data<T>();
+        a.fv = in[7].data<T>();
+        a.raw_from = in[8].data<int32_t>();
+        a.raw_row0 = in[9].data<int32_t>();
+        a.fresh_rows = in[6].shape(0);
+      }
     }
     enc.dispatch([a]() { paged_attention_impl<T>(a); });
   }
@@ -1096,11 +1145,14 @@ class PagedAttention : public SameShapePrimitive {
 mx::array paged_attention(
     const mx::array& q, const mx::array& kv_pool, const mx::array& tables, const mx::array& seqs,
     const mx::array& lens, float scale, int64_t block_size, int64_t window, int kv_mode,
-    std::optional<mx::array> rht_signs, nb::handle stream) {
+    std::optional<mx::array> rht_signs, std::optional<mx::array> fresh_k,
+    std::optional<mx::array> fresh_v, std::optional<mx::array> raw_from,
+    std::optional<mx::array> raw_row0, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "paged_attention");
-  if (kv_mode < vun::kKVDense || kv_mode > vun::kKVFp8) {
+  if (kv_mode < vun::kKVDense || kv_mode > vun::kKVLastMode) {
     raise_py(PyExc_ValueError,
-             "paged_attention: kv_mode must be 0 (dense), 1 (int8), 2 (int4) or 3 (fp8)");
+             "paged_attention: kv_mode must be 0 (dense), 1 (int8), 2 (int4), 3 (fp8) or 4 "
+             "(turboquant_k8v4)");
   }
   const bool quant = kv_mode != vun::kKVDense;
   const int64_t want_c = quant && q.ndim() == 3
@@ -1148,11 +1200,33 @@ mx::array paged_attention(
   if (kv_pool.is_available() && !kv_pool.flags().row_contiguous) {
     raise_py(PyExc_ValueError, "paged_attention: kv_pool must be row-contiguous");
   }
+  std::vector<mx::array> inputs{q, kv_pool, contiguous_input(tables, s),
+                                contiguous_input(seqs, s), contiguous_input(lens, s),
+                                contiguous_input(signs, s)};
+  const bool fresh = fresh_k || fresh_v || raw_from || raw_row0;
+  if (fresh) {
+    if (kv_mode != vun::kKVTqK8V4 || !fresh_k || !fresh_v || !raw_from || !raw_row0) {
+      raise_py(PyExc_ValueError,
+               "paged_attention: fresh_k, fresh_v, raw_from and raw_row0 go together, with "
+               "kv_mode 4 (turboquant_k8v4) only");
+    }
+    if (fresh_k->dtype() != q.dtype() || fresh_v->dtype() != q.dtype() ||
+        fresh_k->ndim() != 3 || fresh_v->shape() != fresh_k->shape() ||
+        fresh_k->shape(1) != kv_pool.shape(1) || fresh_k->shape(2) != q.shape(2) ||
+        raw_from->dtype() != mx::int32 || raw_row0->dtype() != mx::int32 ||
+        raw_from->shape() != mx::Shape{q.shape(0)} || raw_row0->shape() != raw_from->shape()) {
+      raise_py(PyExc_ValueError,
+               "paged_attention: fresh_k / fresh_v must be [T, Hkv, D] in q's dtype and "
+               "raw_from / raw_row0 int32 [N]");
+    }
+    for (const auto* x : {&*fresh_k, &*fresh_v, &*raw_from, &*raw_row0}) {
+      inputs.push_back(contiguous_input(*x, s));
+    }
+  }
   return mx::array(
       q.shape(), q.dtype(),
       std::make_shared<PagedAttention>(s, scale, block_size, window, kv_mode),
-      {q, kv_pool, contiguous_input(tables, s), contiguous_input(seqs, s),
-       contiguous_input(lens, s), contiguous_input(signs, s)});
+      std::move(inputs));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1187,7 +1261,7 @@ void write_kv_quant_impl(const KVQuantArgs& a) {
   }
   const size_t items = static_cast<size_t>(a.tokens * a.kv_heads);
   split_work(items, 8 * static_cast<size_t>(D), 1, [&](size_t begin, size_t end) {
-    std::vector<float> x(D);
+    std::vector<float> x(D), y(D);
     for (size_t i = begin; i < end; ++i) {
       const int64_t t = static_cast<int64_t>(i) / a.kv_heads;
       const int64_t h = static_cast<int64_t>(i) % a.kv_heads;
@@ -1197,6 +1271,16 @@ void write_kv_quant_impl(const KVQuantArgs& a) {
         continue;
       }
       uint8_t* c = a.dst + (slot * a.kv_heads + h) * cell;
+      if (a.mode == vun::kKVTqK8V4) {  // one cell of both sides: [K fp8 | V 4-bit | s | z]
+        const T* kp = static_cast<const T*>(a.keys) + (t * a.kv_heads + h) * D;
+        const T* vp = static_cast<const T*>(a.values) + (t * a.kv_heads + h) * D;
+        for (int64_t e = 0; e < D; ++e) {
+          x[e] = static_cast<float>(kp[e]);
+          y[e] = static_cast<float>(vp[e]);
+        }
+        vun::quantize_tq_k8v4(x.data(), y.data(), D, c);
+        continue;
+      }
       for (int side = 0; side < 2; ++side) {
         const T* src = static_cast<const T*>(side == 0 ? a.keys : a.values) +
             (t * a.kv_heads + h) * D;
@@ -1281,8 +1365,10 @@ mx::array write_kv_quant(
     const mx::array& values, int kv_mode, std::optional<mx::array> rht_signs,
     nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "write_kv_quant");
-  if (kv_mode != vun::kKVInt8 && kv_mode != vun::kKVInt4 && kv_mode != vun::kKVFp8) {
-    raise_py(PyExc_ValueError, "write_kv_quant: kv_mode must be 1 (int8), 2 (int4) or 3 (fp8)");
+  if (kv_mode < vun::kKVInt8 || kv_mode > vun::kKVLastMode) {
+    raise_py(PyExc_ValueError,
+             "write_kv_quant: kv_mode must be 1 (int8), 2 (int4), 3 (fp8) or 4 "
+             "(turboquant_k8v4)");
   }
   if (keys.ndim() != 3 || values.shape() != keys.shape() || dst.ndim() != 3 ||
       dst.shape(1) != keys.shape(1) ||
@@ -1793,6 +1879,8 @@ NB_MODULE(_native, m) {
         nb::arg("tables"), nb::arg("seqs"), nb::arg("lens"), nb::arg("scale"),
         nb::arg("block_size"), nb::arg("window") = 0, nb::kw_only(),
         nb::arg("kv_mode") = 0, nb::arg("rht_signs").none() = nb::none(),
+        nb::arg("fresh_k").none() = nb::none(), nb::arg("fresh_v").none() = nb::none(),
+        nb::arg("raw_from").none() = nb::none(), nb::arg("raw_row0").none() = nb::none(),
         nb::arg("stream") = nb::none(),
         "Lazy attention read from a paged K|V pool [slots, Hkv, 2D] through block tables, one "
         "query token per row (row r: sequence seqs[r], keys [0, lens[r])); q [N, H, D] -> "
@@ -1801,8 +1889,8 @@ NB_MODULE(_native, m) {
         nb::arg("keys"), nb::arg("values"), nb::arg("kv_mode"),
         nb::arg("rht_signs").none() = nb::none(), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy in-place quantizing K/V write into a quantized pool [slots, Hkv, cell bytes] "
-        "(kv_mode 1: int8_per_token_head, 2: int4_per_token_head, 3: fp8_per_token_head, vLLM's "
-        "formats); the result "
+        "(kv_mode 1: int8_per_token_head, 2: int4_per_token_head, 3: fp8_per_token_head, "
+        "4: turboquant_k8v4, vLLM's formats); the result "
         "shares dst's buffer.");
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::kw_only(),
         nb::arg("stream") = nb::none(),

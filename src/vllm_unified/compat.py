@@ -104,6 +104,11 @@ _LAZY: dict[str, str] = {
     "get_kv_quant_mode": "vllm.v1.kv_cache_interface",
     "STR_DTYPE_TO_TORCH_DTYPE": "vllm.utils.torch_utils",
     "largest_power_of_2_divisor": "vllm.utils.math_utils",
+    # TurboQuant (kv/quant.py): presets, packed slot size, boundary skip layers; the layer
+    # index vLLM's attention layer matches against --kv-cache-dtype-skip-layers.
+    "TurboQuantConfig": "vllm.model_executor.layers.quantization.turboquant.config",
+    "extract_layer_index": "vllm.model_executor.models.utils",
+    "UniformTypeKVCacheSpecs": "vllm.v1.kv_cache_interface",
 }
 
 

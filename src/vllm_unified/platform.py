@@ -22,7 +22,7 @@ from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
 from vllm_unified.errors import StartupRefused
 from vllm_unified.kv.block_translation import KERNEL_BLOCK_SIZES, select_kernel_block_size
-from vllm_unified.kv.quant import attention_spec, kv_format
+from vllm_unified.kv.quant import KVFormat, attention_spec, kv_format
 from vllm_unified.memory.budget import (
     CPU_KVCACHE_SPACE_ENV,
     GIB,
@@ -170,13 +170,17 @@ class MLXPlatform(Platform):
             return
         if model_config.is_hybrid:
             cls._align_hybrid_block_size(vllm_config, MLXAttentionKernel)
+        mixed = _align_mixed_precision_block_size(cls, vllm_config)
         kernel = select_kernel_block_size(cache.block_size, KERNEL_BLOCK_SIZES)
         logger.info(
             "vllm-unified: attention block size %d tokens (vLLM's pages%s), MLX kernel block "
             "size %d: each block is viewed as %d kernel blocks, no copy",
             cache.block_size,
             f", aligned to {cache.mamba_page_size_padded}-byte state pages"
-            if model_config.is_hybrid else "", kernel, cache.block_size // kernel,
+            if model_config.is_hybrid else
+            f", aligned by vLLM so a {cache.cache_dtype} page covers a model-dtype page of "
+            "the layers in --kv-cache-dtype-skip-layers" if mixed else "",
+            kernel, cache.block_size // kernel,
         )
 
     @classmethod
@@ -311,16 +315,25 @@ class MLXPlatform(Platform):
                 f"kernel block sizes {list(KERNEL_BLOCK_SIZES)}"
             )
         # vLLM's quantized KV formats served here (kv/quant.py); the rest refused by name.
-        if kv_format(cache.cache_dtype).quantized:
-            if cache.kv_cache_dtype_skip_layers:
+        fmt = kv_format(cache.cache_dtype)
+        if fmt.quantized:
+            if cache.kv_cache_dtype_skip_layers and not fmt.turboquant:
                 raise ValueError(
                     f"--kv-cache-dtype-skip-layers {cache.kv_cache_dtype_skip_layers}: "
-                    "vllm-unified quantizes every attention layer (mixed KV precision is "
-                    "not implemented)")
+                    f"vllm-unified quantizes every attention layer with --kv-cache-dtype "
+                    f"{cache.cache_dtype} (layers kept in the model dtype are implemented for "
+                    "turboquant_k8v4 only)")
             if hybrid:
                 raise ValueError(
                     f"--kv-cache-dtype {cache.cache_dtype}: hybrid (attention + state-space) "
                     "models keep the model dtype here; use auto")
+            if fmt.turboquant and parallel.pipeline_parallel_size > 1:
+                raise ValueError(
+                    f"--kv-cache-dtype {cache.cache_dtype} with --pipeline-parallel-size "
+                    f"{parallel.pipeline_parallel_size}: not supported by vllm-unified yet")
+            # vLLM's block size for pages of two precisions in one block pool (TurboQuant's
+            # skip layers): the block size just reset above is aligned again, every call.
+            _align_mixed_precision_block_size(cls, vllm_config)
 
         # VLLM_CPU_KVCACHE_SPACE as on vLLM's CPU backend; a KV budget that cannot hold one
         # sequence refused now, not after the weights have loaded.
@@ -396,7 +409,35 @@ class MLXAttentionKernel:
 
     @staticmethod
     def customize_spec(spec: Any) -> Any:
-        return spec  # pages are vLLM's FullAttentionSpec pages, unchanged
+        """vLLM's FullAttentionSpec pages, unchanged, except TurboQuant's packed cell (what
+        ``TurboQuantAttentionBackend.customize_spec`` sets: ``state_content_bytes`` =
+        ``TurboQuantConfig.slot_size_aligned``), which vLLM's block-size alignment asks for."""
+        from dataclasses import replace
+
+        mode = getattr(spec, "kv_quant_mode", None)
+        if spec.state_content_bytes is not None or mode is None or not mode.is_turboquant:
+            return spec
+        fmt = kv_format(mode.name.lower(), spec.head_size)
+        return replace(spec, state_content_bytes=fmt.cell_bytes(spec.head_size))
+
+
+def _align_mixed_precision_block_size(platform: type[MLXPlatform], vllm_config: Any) -> bool:
+    """vLLM's block size for a quantized cache with layers kept in the model dtype
+    (``--kv-cache-dtype-skip-layers``, where vLLM puts TurboQuant's boundary layers):
+    ``Platform._align_heterogeneous_kv_block_size`` with the MLX attention's kernel block sizes
+    and page packing, as vLLM's ``update_block_size_for_backend`` does with a CUDA backend
+    (the block grows until a quantized page covers a model-dtype page of the smallest kernel
+    block). Idempotent. Returns whether it applied.
+
+    Raises:
+        ValueError: the --kv-cache-dtype is not served (naming the flag).
+    """
+    cache = vllm_config.cache_config
+    if vllm_config.model_config is None or not cache.kv_cache_dtype_skip_layers or \
+            not kv_format(cache.cache_dtype).turboquant:
+        return False
+    platform._align_heterogeneous_kv_block_size(vllm_config, MLXAttentionKernel)
+    return True
 
 
 def _parallel_sizes_policy(parallel: Any) -> None:
@@ -503,15 +544,22 @@ def _kv_budget_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
         return
     parallel = vllm_config.parallel_config
     head_size = model.get_head_size()
-    page = attention_spec(kv_format(cache.cache_dtype or "auto", head_size),
-                          block_size=cache.block_size,
-                          num_kv_heads=model.get_num_kv_heads(parallel), head_size=head_size,
-                          dtype=model.dtype).page_size_bytes
+    fmt = kv_format(cache.cache_dtype or "auto", head_size)
+    # layers in --kv-cache-dtype-skip-layers keep the model dtype's pages (TurboQuant)
+    skip = set(cache.kv_cache_dtype_skip_layers or ()) if fmt.quantized else set()
+
+    def page(i: int) -> int:
+        return attention_spec(KVFormat() if str(i) in skip else fmt,
+                              block_size=cache.block_size,
+                              num_kv_heads=model.get_num_kv_heads(parallel),
+                              head_size=head_size, dtype=model.dtype).page_size_bytes
+
     info = detect_backend()
     check_kv_budget_before_load(
         total=info.total_memory, utilization=cache.gpu_memory_utilization,
         weights=weights_file_bytes(model.model) if info.kind == "cpu" else 0,
-        bytes_per_block=page * model.get_num_layers(parallel), block_size=cache.block_size,
+        bytes_per_block=sum(page(i) for i in range(model.get_num_layers(parallel))),
+        block_size=cache.block_size,
         max_model_len=model.max_model_len, kv_cache_memory_bytes=cache.kv_cache_memory_bytes)
 
 
@@ -577,6 +625,9 @@ def _draft_model_policy(spec: Any, cache_dtype: str | None) -> None:
         "use_heterogeneous_vocab": bool(spec.use_heterogeneous_vocab),
         "parallel_drafting": bool(spec.parallel_drafting),
         "kv_cache_dtype": spec.kv_cache_dtype not in (None, cache_dtype or "auto"),
+        # a TurboQuant target keeps skip layers in the model dtype; its draft pages would need
+        # vLLM's skip-layer matching on the draft's layer names, not implemented
+        "--kv-cache-dtype turboquant": kv_format(cache_dtype).turboquant,
     }
     bad = [name for name, set_ in unsupported.items() if set_]
     if bad:

@@ -30,6 +30,7 @@ from vllm_unified.attention.metadata import AttentionMetadata, Window
 def paged_attention_rows(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, kv_mode: int = 0, rht_signs: mx.array | None = None,
+    fresh: tuple[mx.array, mx.array, mx.array, mx.array] | None = None,
 ) -> mx.array:
     """Every token row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V).
 
@@ -45,6 +46,10 @@ def paged_attention_rows(
             ``native_mode``; 0: the pool holds the model dtype); the pool is then vLLM's page
             bytes ``[slots, Hkv, cell bytes]`` and every cell is dequantized in registers.
         rht_signs: vLLM's RHT signs (``int4_per_token_head``).
+        fresh: ``turboquant_k8v4`` only: ``(keys, values, raw_from, raw_row0)``, this step's
+            K/V (``[T, Hkv, D]`` in the queries' dtype) and per row (int32 ``[T]``) the first
+            position read from them and the fresh row of that position
+            (:meth:`~vllm_unified.attention.metadata.AttentionMetadata.fresh_key_rows`).
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
@@ -61,7 +66,10 @@ def paged_attention_rows(
                            "(see bridge.native_error)")
     tokens, heads, _, dim = queries.shape
     tables, seqs, lens = meta.row_tables_seqs_lens()
+    extra = {}
+    if fresh is not None:
+        extra = dict(zip(("fresh_k", "fresh_v", "raw_from", "raw_row0"), fresh, strict=True))
     out = native.paged_attention(queries.reshape(tokens, heads, dim), kv_pool, tables, seqs,
                                  lens, scale, meta.block_size, window or 0, kv_mode=kv_mode,
-                                 rht_signs=rht_signs)
+                                 rht_signs=rht_signs, **extra)
     return out.reshape(tokens, heads, 1, dim)

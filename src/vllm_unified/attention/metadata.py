@@ -207,6 +207,8 @@ class AttentionMetadata:
     _gpu_plans: dict[tuple[int, bool, int], GpuPlan] = field(default_factory=dict, repr=False)
     _fresh_masks: dict[tuple[int, Window], mx.array | str] = field(default_factory=dict,
                                                                    repr=False)
+    _fresh_rows: dict[int, tuple[mx.array, mx.array] | None] = field(default_factory=dict,
+                                                                     repr=False)
 
     @property
     def is_pure_decode(self) -> bool:
@@ -263,6 +265,37 @@ class AttentionMetadata:
                 mx.array(self.host_positions.astype(np.int32) + 1),
             )
         return self._row_kernel_inputs
+
+    def fresh_key_rows(self, max_short: int) -> tuple[mx.array, mx.array] | None:
+        """Which keys each row reads from this step's own (unquantized) K/V, the way vLLM's
+        TurboQuant backend attends prefill chunks (``turboquant_attn.py``
+        ``_prefill_attention``): a chunk that starts its sequence (``length == seq_len``) or
+        is longer than ``max_short`` tokens attends its own tokens unquantized (and earlier
+        ones from the cache); decode rows and chunks of at most ``max_short`` tokens after
+        cached context read everything from the cache.
+
+        Returns:
+            ``(raw_from, raw_row0)``, int32 ``[T]``: row r reads keys at positions
+            ``>= raw_from[r]`` from the step's K/V, the one at ``raw_from[r]`` in row
+            ``raw_row0[r]`` (the chunk's first row) and the rest after it; ``raw_from`` is
+            the row's own key count (nothing fresh) elsewhere. None when no row reads fresh
+            keys. Cached per step.
+        """
+        if max_short not in self._fresh_rows:
+            chunks = [c for c in self.prefills if c.length == c.seq_len or c.length > max_short]
+            out = None
+            if chunks:
+                if self.host_positions is None:
+                    raise ValueError("fresh key rows need the host-side positions")
+                raw_from = self.host_positions.astype(np.int32) + 1
+                raw_row0 = np.zeros(self.num_tokens, np.int32)
+                for c in chunks:
+                    rows = slice(c.start, c.start + c.length)
+                    raw_from[rows] = c.seq_len - c.length
+                    raw_row0[rows] = c.start
+                out = (mx.array(raw_from), mx.array(raw_row0))
+            self._fresh_rows[max_short] = out
+        return self._fresh_rows[max_short]
 
     def gpu_plan(self, rows: int, route_fresh: bool, max_chunk: int) -> GpuPlan:
         """The paged GPU kernel's plan for this step with tiles of at most ``rows`` rows.

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
 from vllm_unified import bridge
 from vllm_unified.attention.metadata import AttentionMetadata, Window
@@ -154,7 +155,11 @@ def paged_attention_kv(
     on a GPU backend the quantized paged GPU kernel of the profile's dialect
     (attention/gpu_paged_quant.py; ``rht_signs``: vLLM's RHT signs for int4); the reference
     dequantizes the whole pool (:func:`vllm_unified.kv.quant.dequantize_pool`) and attends
-    over it in fp32.
+    over it in fp32. For ``turboquant_k8v4`` (native CPU kernel only) with ``fresh``, prefill
+    chunks read their own tokens' keys and values from ``fresh`` unquantized, as vLLM's
+    TurboQuant backend attends them
+    (:meth:`~vllm_unified.attention.metadata.AttentionMetadata.fresh_key_rows`); the
+    reference puts those rows in place of their cells in the dequantized pool.
 
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D`` (the
@@ -164,7 +169,7 @@ def paged_attention_kv(
     """
     if kv_format is not None and kv_format.quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, accelerate,
-                                    backend, kv_format, rht_signs)
+                                    backend, kv_format, rht_signs, fresh)
     if kv_pool.ndim != 3 or kv_pool.shape[-1] != 2 * queries.shape[-1]:
         raise ValueError(f"kv_pool must be [slots, Hkv, 2*{queries.shape[-1]}], "
                          f"got {kv_pool.shape}")
@@ -199,10 +204,10 @@ def paged_attention_kv(
 def _quantized_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: int | None, accelerate: bool, backend: BackendProfile | None, fmt: KVFormat,
-    rht_signs: mx.array | None,
+    rht_signs: mx.array | None, fresh: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
     """:func:`paged_attention_kv` over a quantized pool (see there)."""
-    from vllm_unified.kv.quant import dequantize_pool
+    from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, dequantize_pool
 
     head_dim = queries.shape[-1]
     if kv_pool.ndim != 3 or kv_pool.shape[-1] != fmt.cell_bytes(head_dim):
@@ -210,8 +215,22 @@ def _quantized_attention(
                          f"got {kv_pool.shape}")
     half = (*kv_pool.shape[:2], head_dim)
     _check_inputs(queries.shape, half, half, meta, window)
+    raw = None
+    if fmt.turboquant and fresh is not None and meta.num_tokens:
+        rows = meta.fresh_key_rows(TQ_SHORT_CONTINUATION)
+        if rows is not None:
+            fk, fv = (x.reshape(x.shape[0], x.shape[1], head_dim).astype(queries.dtype)
+                      for x in fresh)
+            raw = (fk, fv, *rows)
     if not accelerate:
         dense = dequantize_pool(kv_pool, fmt, head_dim)
+        if raw is not None:  # the rows that read their own step's K/V, in place of the cells
+            fk, fv, raw_from, _ = raw
+            own = np.flatnonzero(np.array(raw_from) <= meta.host_positions)
+            if own.size:
+                sel = mx.array(own.astype(np.int32))
+                dense[meta.slot_mapping[sel]] = mx.concatenate(
+                    [fk[sel], fv[sel]], axis=-1).astype(mx.float32)
         return paged_attention_kv(queries.astype(mx.float32), dense, meta, scale, window,
                                   accelerate=False).astype(queries.dtype)
     if backend is None:
@@ -235,7 +254,7 @@ def _quantized_attention(
     from vllm_unified.attention.cpu_paged import paged_attention_rows
 
     return paged_attention_rows(queries, kv_pool, meta, scale, window, fmt.native_mode,
-                                rht_signs)
+                                rht_signs, raw)
 
 
 def quantized_chunk_attention(

@@ -161,7 +161,6 @@ def allocate_kv_cache(
         ValueError: the config's tensors do not share one backing allocation, or a layer has no
             per-layer view.
     """
-    layout = compat.KVCacheLayout[layout_name]
     tensors = kv_cache_config.kv_cache_tensors
     sizes = {t.size for t in tensors}
     if len(sizes) != 1:
@@ -169,11 +168,30 @@ def allocate_kv_cache(
     buf = aligned_empty(sizes.pop())
     if zero:
         buf.zero_()
+    return buf, kv_cache_views(buf, kv_cache_config, layout_name, kernel_block_sizes)
+
+
+def kv_cache_views(buf: torch.Tensor, kv_cache_config, layout_name: str = KV_LAYOUT,
+                   kernel_block_sizes: dict[int, int] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer views of ``buf`` for ``kv_cache_config`` (as
+    :func:`allocate_kv_cache` returns them; without ``kernel_block_sizes`` the manager-block
+    views ``[num_blocks, H, B, C]`` that vLLM hands KV connectors). A group of
+    ``UniformTypeKVCacheSpecs`` (layers of one kind with different pages, e.g. TurboQuant's
+    skip layers) views each layer with its own spec, as vLLM's ``allocate_kv_cache`` does.
+
+    Raises:
+        ValueError: a layer has no per-layer view.
+    """
+    layout = compat.KVCacheLayout[layout_name]
     views: dict[str, torch.Tensor] = {}
-    for tensor in tensors:
+    for tensor in kv_cache_config.kv_cache_tensors:
         gid = next(i for i, g in enumerate(kv_cache_config.kv_cache_groups)
                    if tensor.layers[0] in g.layer_names)
         spec = kv_cache_config.kv_cache_groups[gid].kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        if per_layer is not None:
+            spec = per_layer[tensor.layers[0]]
         if not getattr(spec, "has_layer_views", True):
             raise ValueError(f"layer {tensor.layers[0]} has no per-layer view")
         num_blocks = kv_cache_config.num_blocks_of(tensor)
@@ -181,7 +199,7 @@ def allocate_kv_cache(
         layer_views = compat.create_kv_cache_views(buf, spec, num_blocks, layout, tensor,
                                                    kernel_block_size=kernel)
         views.update(zip(tensor.layers, layer_views, strict=True))
-    return buf, views
+    return views
 
 
 def slot_major(view: torch.Tensor) -> torch.Tensor:

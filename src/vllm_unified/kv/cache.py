@@ -27,6 +27,7 @@ from vllm_unified.kv.allocation import (
     allocate_kv_cache,
     commit_shortfall,
     import_views,
+    kv_cache_views,
     slot_major,
 )
 from vllm_unified.kv.block_translation import (
@@ -53,17 +54,34 @@ def layer_name(i: int) -> str:
 class AttentionShape:
     """What every attention layer's pages hold: KV heads, head size, the model's torch dtype
     and ``--kv-cache-dtype`` (``auto``: the model dtype; else a quantized format of
-    :mod:`vllm_unified.kv.quant`)."""
+    :mod:`vllm_unified.kv.quant`); ``skip_layers``: vLLM's
+    ``cache_config.kv_cache_dtype_skip_layers`` (layer indices, or ``sliding_window``), whose
+    layers keep the model dtype (vLLM adds TurboQuant's boundary layers to it)."""
 
     num_kv_heads: int
     head_size: int
     dtype: Any
     cache_dtype: str = "auto"
+    skip_layers: tuple[str, ...] = ()
 
     @property
     def fmt(self) -> KVFormat:
         """The pages' format (ValueError naming the flag for one not served)."""
         return kv_format(self.cache_dtype, self.head_size)
+
+    def layer_format(self, index: int, window: int | None) -> KVFormat:
+        """The format of model layer ``index``'s pages: the model dtype where vLLM's attention
+        layer skips the quantization (its index in ``skip_layers``, matched through vLLM's
+        ``extract_layer_index`` on the layer's name, or a sliding-window layer with
+        ``sliding_window`` listed), else :attr:`fmt`."""
+        from vllm_unified import compat
+
+        fmt = self.fmt
+        if not fmt.quantized or not self.skip_layers:
+            return fmt
+        skip = (window is not None and "sliding_window" in self.skip_layers) or \
+            str(compat.extract_layer_index(layer_name(index))) in self.skip_layers
+        return KVFormat() if skip else fmt
 
 
 class KVCache:
@@ -92,6 +110,8 @@ class KVCache:
         self.dtype = dtype
         #: the pages' format (vLLM's --kv-cache-dtype)
         self.fmt = shape.fmt
+        #: each attention layer's format (model layer index -> format; skip layers: auto)
+        self.layer_formats = {i: shape.layer_format(i, windows[i]) for i in layers.attention}
         if self.fmt.quantized:
             check_quantized_kv(profile, self.fmt, shape.head_size)
         if self.fmt.quantized and layers.is_hybrid:
@@ -120,7 +140,8 @@ class KVCache:
         ``MambaSpec`` per recurrent layer of a hybrid model."""
         specs: dict[str, KVCacheSpec] = {
             layer_name(i): attention_spec(
-                self.fmt, block_size=block_size, num_kv_heads=self.shape.num_kv_heads,
+                self.layer_formats[i], block_size=block_size,
+                num_kv_heads=self.shape.num_kv_heads,
                 head_size=self.shape.head_size, dtype=self.shape.dtype,
                 sliding_window=self.windows[i],
             )
@@ -130,9 +151,10 @@ class KVCache:
         return specs
 
     def bytes_per_block(self, block_size: int, vllm_config: Any) -> int:
-        """Bytes one KV block takes over all attention layers (2 x block_size x kv_heads x
-        head_size x dtype size x layers). A hybrid model's state pages share vLLM's block pool
-        with them (a request holds one per state group), so they are not added."""
+        """Bytes one KV block takes over all attention layers (each layer's vLLM page: 2 x
+        block_size x kv_heads x head_size x dtype size, or its quantized format's). A hybrid
+        model's state pages share vLLM's block pool with them (a request holds one per state
+        group), so they are not added."""
         return sum(spec.page_size_bytes
                    for spec in self.kv_cache_spec(block_size, vllm_config).values()
                    if isinstance(spec, FullAttentionSpec))
@@ -157,7 +179,8 @@ class KVCache:
         """
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1 and not self.layers.is_hybrid:
-            raise ValueError(f"{len(groups)} KV cache groups: only one is supported")
+            raise ValueError(f"{len(groups)} KV cache groups: only one is supported (layers of "
+                             "two page sizes share one group: vLLM's UniformTypeKVCacheSpecs)")
         names = [layer_name(i) for i in self.layers.attention]
         self.attn_group = self.layers.attention_group(kv_cache_config, names)
         if sorted(groups[self.attn_group].layer_names) != sorted(names):
@@ -202,10 +225,15 @@ class KVCache:
             rows += [page_rows(views[name], buf) for name, _, _ in state.values()]
             arrays = self._import(rows)
             write = self.profile.kv_write
-            self._views = {n: views[n] for n in names}
+            # KV connectors get vLLM's manager-block views (as vLLM's own runner hands them),
+            # the same bytes the kernel-block views cover
+            manager = views if self.kernel_block_size == spec.block_size else \
+                kv_cache_views(buf, kv_cache_config, layout)
+            self._views = {n: manager[n] for n in names}
             self.pool = KVPool(arrays[:len(names)], spec.block_size, shared=True,
                                torch_views=[views[n] for n in names], buffer=buf, write=write,
-                               fmt=self.fmt, head_size=self.shape.head_size)
+                               fmt=self.fmt, head_size=self.shape.head_size,
+                               layer_formats=self._pool_formats())
             if state:
                 pages = {i: StatePages(arr, fields, shared=True, write=write)
                          for (i, (_, _, fields)), arr in zip(state.items(), arrays[len(names):],
@@ -219,10 +247,14 @@ class KVCache:
                        self.profile.kv_pool_reason)
         self.pool = KVPool.allocate_mlx(
             num_layers=len(names), num_blocks=kv_cache_config.num_blocks,
-            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_size, dtype=self.dtype,
+            block_size=spec.block_size, num_kv_heads=self.shape.num_kv_heads,
+            head_dim=self.shape.head_size, dtype=self.dtype,
             cuda_write=self.profile.kv_write == "cuda_kernel", fmt=self.fmt,
         )
+
+    def _pool_formats(self) -> list[KVFormat]:
+        """Each pool layer's format (pool layer = attention ordinal)."""
+        return [self.layer_formats[i] for i in self.layers.attention]
 
     def _import(self, rows: list[Any]) -> list[mx.array]:
         """MLX arrays over ``rows`` (contiguous views of the KV buffer), one import of the
@@ -237,21 +269,31 @@ class KVCache:
         return import_views(rows, max_chunk=max_chunk)
 
     def tokens_per_gib(self) -> float:
-        """KV tokens one GiB of pool holds over all attention layers, in this format."""
-        return tokens_per_gib(self.fmt, len(self.layers.attention), self.shape.num_kv_heads,
+        """KV tokens one GiB of pool holds over all attention layers, each in its format
+        (TurboQuant's skip layers in the model dtype)."""
+        return tokens_per_gib(self._pool_formats(), self.shape.num_kv_heads,
                               self.shape.head_size, self.shape.dtype.itemsize)
 
     def describe_format(self) -> str:
-        """The KV format for the start-up log."""
+        """The KV format for the start-up log (with the layers kept in the model dtype)."""
         d = self.shape.head_size
+        dtype = str(self.shape.dtype).removeprefix("torch.")
+        dense = f"{2 * d * self.shape.dtype.itemsize} bytes per token and KV head"
         if not self.fmt.quantized:
-            return (f"{str(self.shape.dtype).removeprefix('torch.')} (the model dtype, "
-                    f"{2 * d * self.shape.dtype.itemsize} bytes per token and KV head)")
+            return f"{dtype} (the model dtype, {dense})"
         kernels = self.profile.quantized_kv
         by = ("the native write, read by the native paged attention" if kernels == "native"
               else f"the {kernels} kernel, read by the paged GPU kernel ({kernels})")
-        return (f"{self.fmt.name} (vLLM's page layout, {self.fmt.cell_bytes(d)} bytes per "
+        text = (f"{self.fmt.name} (vLLM's page layout, {self.fmt.cell_bytes(d)} bytes per "
                 f"token and KV head, quantized in place by {by})")
+        skipped = [i for i in self.layers.attention if not self.layer_formats[i].quantized]
+        if skipped:
+            text += (f" on {len(self.layers.attention) - len(skipped)} of "
+                     f"{len(self.layers.attention)} attention layers; layers "
+                     f"{', '.join(map(str, skipped))} in {dtype} ({dense}; "
+                     "--kv-cache-dtype-skip-layers, where vLLM puts TurboQuant's first and "
+                     "last two layers)")
+        return text
 
     def _describe_pool(self) -> str:
         if not self.pool.shared:
@@ -319,16 +361,10 @@ class KVCache:
         connector; the same bytes MLX reads and writes on the CPU and Metal backends), None
         when the pool is MLX-owned (CUDA, or the CPU without the native bridge).
 
-        Raises:
-            ValueError: the attention reads vLLM's blocks as smaller kernel blocks (the views
-                are then the kernel-block views, whose block ids are not the scheduler's).
+        Where the attention reads vLLM's blocks as smaller kernel blocks, these are still
+        vLLM's manager-block views ``[num_blocks, H, B, C]`` (block ids the scheduler's), as
+        vLLM's own runner hands connectors.
         """
-        if self.kernel_block_size != self.block_size:
-            raise ValueError(
-                f"--kv-offloading-size with --block-size {self.block_size}: the attention reads "
-                f"{self.kernel_block_size}-token kernel blocks, and KV offloading needs a block "
-                f"size the attention reads directly ({', '.join(map(str, KERNEL_BLOCK_SIZES))})"
-            )
         return self._views
 
     def temporary(self, num_tokens: int, block_size: int, vllm_config: Any
@@ -343,7 +379,8 @@ class KVCache:
                                                                    "metal_kernel") else "scatter"
         pool = KVPool.allocate_mlx(len(self.layers.attention), blocks, block_size,
                                    self.shape.num_kv_heads, self.shape.head_size, self.dtype,
-                                   write=write, fmt=self.fmt)
+                                   write=write, fmt=self.fmt,
+                                   layer_formats=self._pool_formats())
         store = self.layers.temp_store(vllm_config, 2)
         table = np.arange(1, blocks, dtype=np.int32)[None]
         ctx = self._context([num_tokens], [num_tokens], table, None, block_size, None, store)
@@ -373,6 +410,11 @@ def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int) -
             f"written by the GPU kernels); this {profile.kind} backend profile has neither "
             f"(CPU attention {'on' if profile.cpu_attention else 'off'}, GPU attention "
             f"{profile.gpu_attention or 'off'}, KV write {profile.kv_write}); use auto")
+    if kernels != "native" and fmt.turboquant:
+        raise ValueError(
+            f"--kv-cache-dtype {fmt.name}: TurboQuant pages are written and read by the "
+            f"native CPU kernels only, not by the {kernels} kernels yet; use "
+            "int8_per_token_head, int4_per_token_head or fp8_per_token_head there")
     if kernels != "native" and not supported(head_size):
         raise ValueError(
             f"--kv-cache-dtype {fmt.name}: the {kernels} quantized KV kernels take head sizes "

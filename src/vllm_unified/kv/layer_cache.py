@@ -88,7 +88,8 @@ class PagedLayerCache(_PagedMaskSource):
         See :func:`vllm_unified.attention.paged.paged_attention_kv`."""
         return paged_attention_kv(queries, self._arrays()[self.layer], get_step_context().attn,
                                   scale, window, backend=self.backend, fresh=fresh,
-                                  kv_format=self.pool.fmt, rht_signs=self.pool.signs)
+                                  kv_format=self.pool.layer_format(self.layer),
+                                  rht_signs=self.pool.signs)
 
     def is_trimmable(self) -> bool:
         return False

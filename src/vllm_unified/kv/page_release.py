@@ -145,9 +145,14 @@ class PageRelease:
 
 def placements(kv_cache_config) -> list[tuple[int, int, int, int, int]]:
     """``(offset, layer_stride, block_stride, page_bytes, num_layers)`` for every tensor of
-    vLLM's ``KVCacheConfig`` (a layer's page size from its group's spec)."""
-    page_of = {name: g.kv_cache_spec.page_size_bytes
-               for g in kv_cache_config.kv_cache_groups for name in g.layer_names}
+    vLLM's ``KVCacheConfig`` (a layer's page size from its group's spec, or from its own spec
+    in a group of ``UniformTypeKVCacheSpecs``, whose ``page_size_bytes`` sums its layers')."""
+    page_of = {}
+    for g in kv_cache_config.kv_cache_groups:
+        per_layer = getattr(g.kv_cache_spec, "kv_cache_specs", None)
+        for name in g.layer_names:
+            spec = per_layer[name] if per_layer is not None else g.kv_cache_spec
+            page_of[name] = spec.page_size_bytes
     out = []
     for t in kv_cache_config.kv_cache_tensors:
         pages = {page_of[name] for name in t.layers if name in page_of}

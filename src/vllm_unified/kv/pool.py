@@ -91,16 +91,26 @@ class KVPool:
     :mod:`vllm_unified.kv.gpu_quant_write`) and read by the paged attention of the backend;
     ``head_size`` is then required.
 
+    ``layer_formats``: one format per layer where they differ (TurboQuant's skip layers keep
+    the model dtype, ``auto``, next to quantized ones; native CPU kernels only); default
+    ``fmt`` for every layer. :attr:`fmt` is then the pool's quantized format (``auto`` if
+    none).
+
     Raises:
         ValueError: a shared pool with a write path that would not write in place
             (``scatter``, ``cuda_kernel``); a quantized format on the ``scatter`` path or
-            without ``head_size``.
+            without ``head_size``; ``layer_formats`` not one per layer.
     """
 
     def __init__(self, kv: list[mx.array], block_size: int, *, shared: bool,
                  torch_views: list | None = None, buffer: object = None,
                  write: KVWritePath | None = None, fmt: KVFormat | None = None,
-                 head_size: int | None = None) -> None:
+                 head_size: int | None = None,
+                 layer_formats: list[KVFormat] | None = None) -> None:
+        if layer_formats is not None:
+            if len(layer_formats) != len(kv):
+                raise ValueError(f"{len(layer_formats)} layer formats for {len(kv)} layers")
+            fmt = next((f for f in layer_formats if f.quantized), KVFormat())
         fmt = fmt or KVFormat()
         write = write or ("native_rows" if shared or fmt.quantized else "scatter")
         if shared and write not in ("native_rows", "metal_kernel"):
@@ -112,6 +122,9 @@ class KVPool:
                              f"one); write path {write}, head size {head_size}")
         #: the pages' format (the model dtype unless --kv-cache-dtype quantizes)
         self.fmt = fmt
+        #: each layer's format (the model dtype on TurboQuant's skip layers)
+        self.layer_formats = list(layer_formats) if layer_formats is not None \
+            else [fmt] * len(kv)
         self.head_size = head_size
         #: vLLM's RHT signs (int4), an input of the write and the attention
         self.signs = rht_signs(head_size) if fmt.rotated else None
@@ -140,6 +153,7 @@ class KVPool:
         cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
         head_dim: int, dtype: mx.Dtype, cuda_write: bool | None = None,
         write: KVWritePath | None = None, fmt: KVFormat | None = None,
+        layer_formats: list[KVFormat] | None = None,
     ) -> KVPool:
         """MLX-owned pool, one array per layer, zero-filled then handed back page by page.
 
@@ -148,18 +162,25 @@ class KVPool:
         the scatter; with neither, the backend profile's ``kv_write`` decides (the CUDA kernel
         where it says so, else the scatter). A quantized ``fmt`` holds its cells as uint8
         bytes, written by the GPU quantizing kernel of ``write`` (``cuda_kernel``,
-        ``metal_kernel``; or ``cuda_write``), else by the native quantizing write."""
+        ``metal_kernel``; or ``cuda_write``), else by the native quantizing write;
+        ``layer_formats``: one format per layer where they differ (TurboQuant's skip layers in
+        the model dtype)."""
+        if layer_formats is not None:
+            fmt = next((f for f in layer_formats if f.quantized), KVFormat())
         fmt = fmt or KVFormat()
-        shape = (num_blocks * block_size, num_kv_heads, 2 * head_dim)
+        shape = dense_shape = (num_blocks * block_size, num_kv_heads, 2 * head_dim)
+        dense_dtype = dtype
         if fmt.quantized:
             shape, dtype = shape[:2] + (fmt.cell_bytes(head_dim),), mx.uint8
             if write not in ("cuda_kernel", "metal_kernel"):
                 write = "cuda_kernel" if cuda_write else "native_rows"
+        formats = layer_formats or [fmt] * num_layers
         kv = []
         # One array at a time: MLX's zero fill commits every page it writes, so hand the pages
         # back before allocating the next one; start-up RSS then stays flat.
-        for _ in range(num_layers):
-            arr = mx.zeros(shape, dtype=dtype)
+        for f in formats:
+            arr = mx.zeros(shape if f.quantized or not fmt.quantized else dense_shape,
+                           dtype=dtype if f.quantized or not fmt.quantized else dense_dtype)
             mx.eval(arr)
             release_zero_pages(arr)
             kv.append(arr)
@@ -169,13 +190,14 @@ class KVPool:
 
                 cuda_write = profile().kv_write == "cuda_kernel"
             write = "cuda_kernel" if cuda_write else "scatter"
-        return cls(kv, block_size, shared=False, write=write, fmt=fmt, head_size=head_dim)
+        return cls(kv, block_size, shared=False, write=write, fmt=fmt, head_size=head_dim,
+                   layer_formats=layer_formats)
 
     @classmethod
     def from_torch_views(cls, views: list, block_size: int, buffer: object = None, *,
                          write: KVWritePath = "native_rows", max_chunk: int | None = None,
-                         fmt: KVFormat | None = None, head_size: int | None = None
-                         ) -> KVPool:
+                         fmt: KVFormat | None = None, head_size: int | None = None,
+                         layer_formats: list[KVFormat] | None = None) -> KVPool:
         """Import vLLM-layout torch views (``[B, H, N, C]``, LBNHC strides, one per layer, in
         model layer order) as MLX arrays sharing their bytes.
 
@@ -193,7 +215,7 @@ class KVPool:
 
         kv = import_views([slot_major(v) for v in views], max_chunk=max_chunk)
         return cls(kv, block_size, shared=True, torch_views=list(views), buffer=buffer,
-                   write=write, fmt=fmt, head_size=head_size)
+                   write=write, fmt=fmt, head_size=head_size, layer_formats=layer_formats)
 
     @property
     def nbytes(self) -> int:
@@ -224,23 +246,24 @@ class KVPool:
         default: this pool's own :attr:`kv`."""
         kv = self.kv if arrays is None else arrays
         dst = kv[layer]
-        if self.fmt.quantized and self.write_path in ("cuda_kernel", "metal_kernel"):
+        fmt = self.layer_formats[layer]
+        if fmt.quantized and self.write_path in ("cuda_kernel", "metal_kernel"):
             from vllm_unified.kv.gpu_quant_write import write_kv_quant_gpu
 
-            kv[layer] = write_kv_quant_gpu(dst, slot_mapping, keys, values, self.fmt,
+            kv[layer] = write_kv_quant_gpu(dst, slot_mapping, keys, values, fmt,
                                            self.signs, dialect=self._dialect())
             return
-        if self.fmt.quantized:
+        if fmt.quantized:
             from vllm_unified import bridge
 
             if keys.ndim == 4:
                 keys, values = keys.squeeze(2), values.squeeze(2)
             native = bridge.native_kernels()
             if native is None:
-                raise RuntimeError(f"--kv-cache-dtype {self.fmt.name} needs the native CPU "
+                raise RuntimeError(f"--kv-cache-dtype {fmt.name} needs the native CPU "
                                    "extension (see bridge.native_error)")
             kv[layer] = native.write_kv_quant(dst, slot_mapping, keys, values,
-                                              self.fmt.native_mode, self.signs)
+                                              fmt.native_mode, self.signs)
             return
         if keys.dtype != dst.dtype:
             keys, values = keys.astype(dst.dtype), values.astype(dst.dtype)
@@ -262,6 +285,10 @@ class KVPool:
         """The GPU dialect of the write path (``cuda_kernel`` / ``metal_kernel``)."""
         return "cuda" if self.write_path == "cuda_kernel" else "metal"
 
+    def layer_format(self, layer: int) -> KVFormat:
+        """The format of layer ``layer``'s pages."""
+        return self.layer_formats[layer]
+
     def data_ptrs(self) -> list[int]:
         """Addresses of every layer's buffer (for checks that writes stay in place).
 
@@ -279,18 +306,16 @@ class KVPool:
             return
         slots = (mx.array(block_ids, dtype=mx.int32)[:, None] * self.block_size
                  + mx.arange(self.block_size, dtype=mx.int32)[None]).reshape(-1)
-        if self.fmt.quantized:  # zero bytes, as vLLM zeroes its pages
-            from vllm_unified.bridge import write_rows
-            from vllm_unified.kv.gpu_write import write_rows_gpu
+        gpu = self.write_path in ("cuda_kernel", "metal_kernel")
+        for layer, arr in enumerate(self.kv):
+            if self.layer_formats[layer].quantized:  # zero bytes, as vLLM zeroes its pages
+                from vllm_unified.bridge import write_rows
+                from vllm_unified.kv.gpu_write import write_rows_gpu
 
-            gpu = self.write_path in ("cuda_kernel", "metal_kernel")
-            for layer, arr in enumerate(self.kv):
                 rows = mx.zeros((slots.size, *arr.shape[1:]), dtype=arr.dtype)
                 self.kv[layer] = (write_rows_gpu(arr, slots, rows, dialect=self._dialect())
                                   if gpu else write_rows(arr, slots, rows))
-            mx.eval(self.kv)
-            return
-        for layer, arr in enumerate(self.kv):
+                continue
             half = arr.shape[-1] // 2
             zeros = mx.zeros((slots.size, arr.shape[1], half), dtype=arr.dtype)
             self.write(layer, slots, zeros, zeros)

@@ -21,6 +21,22 @@ backend, their page layout (``TritonAttentionBackend.customize_spec``,
   the scale's low 4 mantissa bits. Queries are rotated the same way, the softmax scale is
   divided by ``b`` and the output rotated back and divided by ``b``. Storage ``torch.uint8``.
 
+vLLM's TurboQuant backend (``vllm/v1/attention/backends/turboquant_attn.py``,
+``TurboQuantAttentionBackend.customize_spec``; the write ``triton_turboquant_store.py``
+``_tq_fused_store_fp8``) packs a (slot, KV head) cell differently:
+
+* ``turboquant_k8v4``: ``[K: D bytes float8 e4m3fn, no scale | V: D / 2 bytes of 4-bit values |
+  V scale fp16 | V zero fp16]``, ``TurboQuantConfig.slot_size_aligned`` bytes (``3D/2 + 4``, even).
+  Keys ``fp8(k)`` (round to nearest even, saturating at +-448 as GPUs convert); values
+  ``s = (max - min) / 15`` (``1e-8`` where not above it), ``q = clamp(trunc((v - min) / s + 0.5),
+  0, 15)``; ``s`` and ``min`` stored rounded to fp16, the dequantized value ``q * s + min``.
+  vLLM keeps the first and last two attention layers of a dense model in the model dtype
+  (``TurboQuantConfig.get_boundary_skip_layers``, added to ``--kv-cache-dtype-skip-layers``):
+  those layers' pages are the model dtype's (:class:`KVFormat` ``auto``). As vLLM's backend
+  does, a prefill chunk that starts its sequence, or is longer than
+  :data:`TQ_SHORT_CONTINUATION` tokens, attends its own tokens' K/V unquantized (earlier
+  tokens from the cells); decode rows and short chunks read every key from the cells.
+
 So the pages are vLLM's bytes: its block accounting (``page_size_bytes``), prefix caching and
 the offloading tiers carry them unchanged. The native CPU kernels write them
 (``write_kv_quant``, in place) and attend over them directly (``paged_attention`` with
@@ -30,20 +46,27 @@ dequantization the reference attention reads in tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 #: ``--kv-cache-dtype`` values served, in the order the errors list them.
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8_per_token_head",
-                                              "int4_per_token_head", "fp8_per_token_head")
+                                              "int4_per_token_head", "fp8_per_token_head",
+                                              "turboquant_k8v4")
 
 #: the native kernels' numbering of the formats (native/src/cpu_kvquant.h ``KVMode``)
 _NATIVE_MODE = {"auto": 0, "int8_per_token_head": 1, "int4_per_token_head": 2,
-                "fp8_per_token_head": 3}
+                "fp8_per_token_head": 3, "turboquant_k8v4": 4}
 
 #: Bytes of one fp32 scale per side of a cell.
 _SCALE_BYTES = 4
+
+#: vLLM's TurboQuant backend attends a prefill chunk after cached context through its cache
+#: (like decode rows) up to this many tokens, longer ones over their own unquantized K/V
+#: (``turboquant_attn.py`` ``_CONTINUATION_DECODE_THRESHOLD``; tests check it is vLLM's).
+TQ_SHORT_CONTINUATION = 128
 
 
 @dataclass(frozen=True)
@@ -67,12 +90,20 @@ class KVFormat:
         """Sides are Hadamard-rotated before quantization (int4)."""
         return self.name == "int4_per_token_head"
 
+    @property
+    def turboquant(self) -> bool:
+        """A TurboQuant preset (vLLM's TurboQuant backend's cell; boundary layers skipped)."""
+        return self.name.startswith("turboquant_")
+
     def data_bytes(self, head_size: int) -> int:
-        """Bytes of one side's (K or V) data in a cell (quantized formats)."""
+        """Bytes of one side's (K or V) data in a cell (per-token-head formats)."""
         return head_size // 2 if self.rotated else head_size
 
     def cell_bytes(self, head_size: int) -> int:
-        """Bytes of one (slot, KV head) cell: both sides' data and scales (quantized)."""
+        """Bytes of one (slot, KV head) cell (quantized): both sides' data and scales; for
+        TurboQuant vLLM's ``TurboQuantConfig.slot_size_aligned``."""
+        if self.turboquant:
+            return _turboquant_slot_bytes(self.name, head_size)
         return 2 * (self.data_bytes(head_size) + _SCALE_BYTES)
 
     def bytes_per_token_head(self, head_size: int, model_dtype_size: int) -> int:
@@ -82,20 +113,30 @@ class KVFormat:
         return self.cell_bytes(head_size)
 
 
+@lru_cache(maxsize=16)
+def _turboquant_slot_bytes(name: str, head_size: int) -> int:
+    from vllm_unified import compat
+
+    return compat.TurboQuantConfig.from_cache_dtype(name, head_size).slot_size_aligned
+
+
 def kv_format(cache_dtype: str | None, head_size: int | None = None) -> KVFormat:
     """The format of ``--kv-cache-dtype`` ``cache_dtype``.
 
     Raises:
         ValueError: a value this platform does not serve (naming the flag and the supported
-            values; vLLM's fp8 and TurboQuant formats among them), or a head size the quantized
-            kernels do not take (a multiple of 8 up to 512).
+            values; vLLM's per-tensor fp8 formats and TurboQuant presets other than
+            ``turboquant_k8v4`` among them), or a head size the quantized kernels do not take
+            (a multiple of 8 up to 512).
     """
     name = cache_dtype or "auto"
     if name not in _NATIVE_MODE:
-        raise ValueError(
-            f"--kv-cache-dtype {name}: not supported by vllm-unified (per-tensor fp8 and the "
-            "TurboQuant, NVFP4 and UltraQuant formats are not implemented); "
-            f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+        what = ("of vLLM's TurboQuant presets only turboquant_k8v4 is implemented (the "
+                "Lloyd-Max key presets are not)" if name.startswith("turboquant_") else
+                "per-tensor fp8, the TurboQuant presets other than turboquant_k8v4, NVFP4 "
+                "and UltraQuant are not implemented")
+        raise ValueError(f"--kv-cache-dtype {name}: not supported by vllm-unified ({what}); "
+                         f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
     fmt = KVFormat(name, _NATIVE_MODE[name])
     if fmt.quantized and head_size is not None and (head_size % 8 or head_size > 512):
         raise ValueError(f"--kv-cache-dtype {name}: head size {head_size} is not supported "
@@ -188,6 +229,8 @@ def dequantize_pool(pool: Any, fmt: KVFormat, head_size: int) -> Any:
                          f"{fmt.cell_bytes(head_size)} for {fmt.name} and head size "
                          f"{head_size}")
     u8 = pool.view(mx.uint8)
+    if fmt.turboquant:
+        return _dequantize_tq_k8v4(u8, head_size)
     dk = fmt.data_bytes(head_size)
     sides = []
     for side in range(2):
@@ -320,11 +363,29 @@ def _round_half_away(x: Any) -> Any:
     return np.where(x >= 0, np.trunc(x + f32(0.5)), np.trunc(x - f32(0.5))).astype(f32)
 
 
-def tokens_per_gib(fmt: KVFormat, num_layers: int, num_kv_heads: int, head_size: int,
+def _dequantize_tq_k8v4(u8: Any, head_size: int) -> Any:
+    """``turboquant_k8v4`` cells (uint8 ``[..., cell bytes]``) as fp32 ``[..., 2 * D]`` K|V:
+    keys the fp8 values, values ``q * scale + zero`` (both fp16 in the cell), as vLLM's
+    ``_tq_decode_stage1`` reads them."""
+    import mlx.core as mx
+
+    d = head_size
+    keys = _e4m3_table()[u8[..., :d].astype(mx.int32)]
+    data = u8[..., d:d + d // 2]
+    nib = mx.stack([data & 15, data >> 4], axis=-1).reshape(*data.shape[:-1], d)
+    halves = mx.contiguous(u8[..., d + d // 2:d + d // 2 + 4]).view(mx.float16)
+    scale = halves[..., :1].astype(mx.float32)
+    zero = halves[..., 1:2].astype(mx.float32)
+    values = nib.astype(mx.float32) * scale + zero
+    return mx.concatenate([keys, values], axis=-1)
+
+
+def tokens_per_gib(fmts: Sequence[KVFormat], num_kv_heads: int, head_size: int,
                    model_dtype_size: int) -> float:
-    """KV tokens one GiB holds in this format over all attention layers."""
-    per_token = num_layers * num_kv_heads * fmt.bytes_per_token_head(head_size,
-                                                                      model_dtype_size)
+    """KV tokens one GiB holds over the attention layers, layer ``l`` in format ``fmts[l]``
+    (TurboQuant's skip layers in ``auto``, the model dtype)."""
+    per_token = sum(num_kv_heads * f.bytes_per_token_head(head_size, model_dtype_size)
+                    for f in fmts)
     return 2**30 / per_token
 
 
@@ -333,7 +394,9 @@ def attention_spec(fmt: KVFormat, *, block_size: int, num_kv_heads: int, head_si
     """vLLM's ``FullAttentionSpec`` of one attention layer in this format: the model dtype
     ``dtype`` unquantized, else vLLM's storage dtype, ``kv_quant_mode`` and packed cell size
     (``state_content_bytes``, what ``TritonAttentionBackend.customize_spec`` sets:
-    ``(data_k + data_v) + 2 * 4`` bytes), so ``page_size_bytes`` is vLLM's."""
+    ``(data_k + data_v) + 2 * 4`` bytes; for TurboQuant what
+    ``TurboQuantAttentionBackend.customize_spec`` sets, ``slot_size_aligned``), so
+    ``page_size_bytes`` is vLLM's."""
     from vllm_unified import compat
 
     if not fmt.quantized:

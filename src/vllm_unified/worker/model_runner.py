@@ -272,9 +272,11 @@ class MLXModelRunner:
             self.model, [i for i in range(num_layers) if i not in self.layers.attention])
         cpu_kernels = install_cpu_kernels(self.model)
         fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
+        cache_config = self.vllm_config.cache_config
         shape = AttentionShape(self.model_config.get_num_kv_heads(pc),
                                self.model_config.get_head_size(), self.model_config.dtype,
-                               self.vllm_config.cache_config.cache_dtype or "auto")
+                               cache_config.cache_dtype or "auto",
+                               tuple(cache_config.kv_cache_dtype_skip_layers or ()))
         windows = {i: self._window(i) for i in self.layers.attention}
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype)
         if self.draft is not None:
