@@ -15,6 +15,11 @@ each ``--kv-cache-dtype`` against the unquantized cache (the model dtype, fp32 h
   chunk after a window's first 128 tokens read the quantized pages.
 * **Greedy**: the 8 prompts of :data:`PROMPTS`, 32 tokens each, temperature 0.
 
+``--skip-layers 0,1`` keeps those layers in the model dtype (vLLM's
+``--kv-cache-dtype-skip-layers``) in every quantized run; several sets run each format once per
+set (``none``: no skip layers), e.g. ``--skip-layers none 0,1 0,1,22,23``. Rows are keyed
+``FORMAT`` or ``FORMAT-skip0.1``.
+
 Targets (issue 18): perplexity rises by at most 1% with ``int8_per_token_head`` and 5% with
 ``int4_per_token_head`` and ``turboquant_k8v4``; int8's greedy tokens equal the unquantized
 cache's for all 32 tokens of every prompt. Each (model, format) is its own engine process.
@@ -24,6 +29,8 @@ Prints a table, exits 1 when a target is missed, writes
     .venv/bin/python benchmarks/kv_quant_accuracy.py                 # SmolLM2 (~2 min, 2 cores)
     .venv/bin/python benchmarks/kv_quant_accuracy.py --qwen-gguf PATH  # and Qwen2.5-Coder-0.5B
     .venv/bin/python benchmarks/kv_quant_accuracy.py --formats auto turboquant_k8v4
+    .venv/bin/python benchmarks/kv_quant_accuracy.py --qwen-gguf PATH --models qwen \
+        --formats int8_per_token_head int4_per_token_head --skip-layers 0,1
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ def child(spec_path: str, out_path: str) -> None:
     extra = {}
     if spec.get("max_num_batched_tokens"):
         extra["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("skip_layers"):
+        extra["kv_cache_dtype_skip_layers"] = spec["skip_layers"]
     llm = LLM(model=str(prepare_gguf_dir(Path(spec["gguf"]))), dtype="float32",
               kv_cache_dtype=spec["format"], max_model_len=max(2048, window + 64),
               kv_cache_memory_bytes=1 << 30, seed=0, **extra)
@@ -108,6 +117,13 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="vLLM's step budget (default: vLLM's); 128 makes turboquant_k8v4's "
                          "prefill chunks after the first read the quantized pages")
+    ap.add_argument("--skip-layers", nargs="+", default=["none"], metavar="LAYERS",
+                    help="layer indices kept in the model dtype, comma-separated "
+                         "(--kv-cache-dtype-skip-layers), one set per run of each quantized "
+                         "format; 'none' for none (default)")
+    ap.add_argument("--models", nargs="+", choices=("smollm2", "qwen"),
+                    default=["smollm2", "qwen"],
+                    help="which of the available models to run (qwen needs its GGUF)")
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=20)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -117,21 +133,30 @@ def main() -> None:
         return
     ts = datetime.now().strftime("%Y%m%d-%H%M%S")
     env = dict(os.environ, PYTHONHASHSEED="0")
+    skip_sets = [[] if s == "none" else s.split(",") for s in args.skip_layers]
     results: dict = {"versions": versions(), "text": "pydoc_data.topics (CPython stdlib)",
                      "window": args.window, "windows": args.windows,
-                     "max_num_batched_tokens": args.max_num_batched_tokens, "models": {}}
+                     "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "skip_layers": skip_sets, "models": {}}
     ok = True
-    for name, gguf in models(args.qwen_gguf).items():
-        rows = {}
+    found = {n: g for n, g in models(args.qwen_gguf).items()
+             if n.lower().startswith(tuple(args.models))}
+    for name, gguf in found.items():
+        rows, formats = {}, {}
         for fmt in dict.fromkeys(["auto", *args.formats]):
-            rows[fmt] = run_child(__file__, f"kv_quant_accuracy-{ts}-{name}-{fmt}",
-                                  {"gguf": str(gguf), "format": fmt, "window": args.window,
-                                   "windows": args.windows,
-                                   "max_num_batched_tokens": args.max_num_batched_tokens},
-                                  env, 1800, "KV format")
+            for skip in ([[]] if fmt == "auto" else skip_sets):
+                formats[fmt + (f"-skip{'.'.join(skip)}" if skip else "")] = (fmt, skip)
+        for label, (fmt, skip) in formats.items():
+            rows[label] = run_child(__file__, f"kv_quant_accuracy-{ts}-{name}-{label}",
+                                    {"gguf": str(gguf), "format": fmt, "window": args.window,
+                                     "windows": args.windows, "skip_layers": skip,
+                                     "max_num_batched_tokens": args.max_num_batched_tokens},
+                                    env, 1800, "KV format")
+            print(f"  ({name} {label}: ppl {rows[label]['ppl']:.4f})", flush=True)
         base = rows["auto"]
         print(f"{name}: {base['scored_tokens']:,} tokens scored")
-        for fmt, row in rows.items():
+        for label, row in rows.items():
+            fmt = formats[label][0]
             rise = row["ppl"] / base["ppl"] - 1
             same = [a == b for a, b in zip(row["greedy"], base["greedy"], strict=True)]
             first_diff = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y),
@@ -141,7 +166,7 @@ def main() -> None:
             ppl_ok = target is None or rise <= target
             greedy_ok = fmt not in GREEDY_EXACT or all(same)
             ok &= ppl_ok and greedy_ok
-            print(f"  {fmt:22s} ppl {row['ppl']:8.4f} ({rise:+.2%}"
+            print(f"  {label:30s} ppl {row['ppl']:8.4f} ({rise:+.2%}"
                   f"{'' if target is None else f', target <= +{target:.0%}'}"
                   f"{'' if ppl_ok else ' MISSED'}); greedy identical {sum(same)}/8 x "
                   f"{GREEDY_TOKENS} tokens{'' if greedy_ok else ' MISSED'}; first divergence "

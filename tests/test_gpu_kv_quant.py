@@ -324,12 +324,12 @@ def test_profiles_name_their_quantized_kv_kernels():
     assert profile_for("cpu", "cuda").quantized_kv is None
 
 
-def _cache(profile, dim=64, recurrent=(), name="int8_per_token_head"):
+def _cache(profile, dim=64, recurrent=(), name="int8_per_token_head", skip=()):
     from vllm_unified.kv.cache import AttentionShape, KVCache
     from vllm_unified.kv.hybrid import HybridLayers
 
     layers = HybridLayers("qwen3_next" if recurrent else "llama", 4, list(recurrent))
-    return KVCache(profile, layers, AttentionShape(2, dim, torch.bfloat16, name),
+    return KVCache(profile, layers, AttentionShape(2, dim, torch.bfloat16, name, tuple(skip)),
                    {i: None for i in layers.attention}, mx.bfloat16)
 
 
@@ -347,6 +347,12 @@ def test_gpu_profiles_serve_the_formats_and_refuse_the_rest(kind):
         _cache(dataclasses.replace(profile, gpu_attention=None))
     with pytest.raises(ValueError, match="turboquant_k8v4: TurboQuant pages .* native CPU"):
         _cache(profile, name="turboquant_k8v4")
+    # layers kept in the model dtype next to quantized ones: the native CPU kernels only
+    for name in MODES:
+        with pytest.raises(ValueError, match=f"--kv-cache-dtype-skip-layers with --kv-cache-"
+                                             f"dtype {name}: .*here 0, 1.* native CPU kernels"):
+            _cache(profile, name=name, skip=["0", "1"])
+    assert _cache(profile, name="auto", skip=["0"]).skipped_layers() == []
 
 
 def test_mlx_owned_quantized_pool_is_written_by_the_cuda_kernel(monkeypatch):

@@ -302,7 +302,7 @@ def _config(size=1.0, connector=None, extra=None, backend="native", hybrid=False
     return types.SimpleNamespace(
         cache_config=types.SimpleNamespace(kv_offloading_size=size,
                                            kv_offloading_backend=backend, block_size=16,
-                                           cache_dtype="auto"),
+                                           cache_dtype="auto", kv_cache_dtype_skip_layers=[]),
         kv_transfer_config=kvt, model_config=model, parallel_config=None)
 
 
@@ -318,6 +318,11 @@ def test_offloading_size_selects_our_spec_and_disk_tier(tmp_path):
                                          "module_path": "vllm_unified.offload.disk"}]
     assert extra["kv_geometry"] == {"num_kv_heads": 3, "head_size": 64, "block_size": 16,
                                     "kv_cache_dtype": "auto"}
+    # layers kept in the model dtype are part of the pages' layout (the disk tier's key)
+    cfg.cache_config.cache_dtype = "int8_per_token_head"
+    cfg.cache_config.kv_cache_dtype_skip_layers = ["1", "0"]
+    configure_kv_offloading(cfg)
+    assert extra["kv_geometry"]["kv_cache_dtype_skip_layers"] == ["0", "1"]
 
 
 def test_no_offloading_leaves_config_alone():

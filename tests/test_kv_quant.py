@@ -7,8 +7,9 @@ fp8_per_token_head / turboquant_k8v4``).
 * The page layout and size are vLLM's (``TritonAttentionBackend.customize_spec``;
   ``TurboQuantAttentionBackend.customize_spec`` for turboquant_k8v4, whose keys are checked as
   fp8_per_token_head's data is and whose values byte for byte).
-* TurboQuant keeps vLLM's boundary layers in the model dtype, with vLLM's block size and KV
-  cache groups for pages of two precisions.
+* Layers in ``--kv-cache-dtype-skip-layers`` (TurboQuant's boundary layers, which vLLM adds,
+  or the flag's with any format) keep the model dtype, with vLLM's block size and KV cache
+  groups for pages of two precisions.
 * The native paged attention over quantized pages equals the pure-MLX reference over the
   dequantized pages within fp32 rounding (decode, prefill chunks, GQA, windows).
 * Unsupported values of the flag are refused naming it and the supported values.
@@ -374,9 +375,11 @@ def test_unsupported_kv_cache_dtype_is_refused_naming_the_flag(value):
 
 def test_spec_is_vllms_customised_spec():
     """Our FullAttentionSpec equals the one vLLM's Triton backend builds for the mode (dtype,
-    quant mode, packed cell, page size)."""
+    quant mode, packed cell, page size), and so does the MLX attention's ``customize_spec``
+    of vLLM's bare spec (what vLLM's block-size alignment asks)."""
     from vllm_unified import compat
     from vllm_unified.kv.quant import attention_spec, kv_format
+    from vllm_unified.platform import MLXAttentionKernel
 
     triton_attn = pytest.importorskip("vllm.v1.attention.backends.triton_attn")
     tq_attn = pytest.importorskip("vllm.v1.attention.backends.turboquant_attn")
@@ -387,11 +390,12 @@ def test_spec_is_vllms_customised_spec():
         for dim in (64, 128):
             ours = attention_spec(fmt, block_size=16, num_kv_heads=3, head_size=dim,
                                   dtype=torch.float32)
-            theirs = backend.customize_spec(compat.FullAttentionSpec(
+            bare = compat.FullAttentionSpec(
                 block_size=16, num_kv_heads=3, head_size=dim,
                 dtype=compat.STR_DTYPE_TO_TORCH_DTYPE[name],
-                kv_quant_mode=compat.get_kv_quant_mode(name)))
-            assert ours == theirs, name
+                kv_quant_mode=compat.get_kv_quant_mode(name))
+            theirs = backend.customize_spec(bare)
+            assert ours == theirs == MLXAttentionKernel.customize_spec(bare), name
             assert ours.page_size_bytes == 16 * 3 * fmt.cell_bytes(dim)
 
 
@@ -451,17 +455,35 @@ def test_prefix_cache_and_host_offload_carry_quantized_pages(default_model, tmp_
     assert len(first["token_ids"]) == 16
 
 
-def test_turboquant_serves_the_default_model(default_model, tmp_path):
-    """turboquant_k8v4 end to end on SmolLM2: the engine starts with vLLM's block size and
-    skip layers, the start-up log states the mixed format and its capacity, and greedy
-    output is sane ("The capital of France is" -> Paris)."""
+#: (format, --kv-cache-dtype-skip-layers, vLLM's skip layers, block size, cell bytes) on
+#: SmolLM2 (30 layers, 3 KV heads of 64, fp32): TurboQuant's boundary layers, which vLLM adds
+#: itself, and the flag's with int8 / int4 (the block grows until a quantized page covers a
+#: 16-token fp32 page: 96, 64 and 128 tokens)
+SKIP_CASES = [(TQ, None, ["0", "1", "28", "29"], 96, 100),
+              ("int8_per_token_head", ["0", "1"], ["0", "1"], 64, 136),
+              ("int4_per_token_head", ["0", "1"], ["0", "1"], 128, 72)]
+
+
+def _skip_kwargs(name: str, flag: list[str] | None) -> dict:
+    return {"kv_cache_dtype": name,
+            **({"kv_cache_dtype_skip_layers": flag} if flag is not None else {})}
+
+
+@pytest.mark.parametrize("name, flag, skip, block, cell", SKIP_CASES[:2], ids=[TQ, "int8"])
+def test_skip_layers_serve_the_default_model(default_model, tmp_path, name, flag, skip, block,
+                                             cell):
+    """A quantized cache with layers kept in the model dtype end to end on SmolLM2
+    (turboquant_k8v4's boundary layers; int8_per_token_head with ``--kv-cache-dtype-skip-layers
+    0 1``): the engine starts with vLLM's block size and skip layers, the start-up log states
+    the mixed format and its capacity, and greedy output is sane ("The capital of France is"
+    -> Paris)."""
     import json
     import os
 
     spec = {"model": default_model,
             "requests": [{"prompt": "The capital of France is",
                           "params": {"max_tokens": 8, "temperature": 0.0}}],
-            "engine": {"kv_cache_dtype": TQ, "dtype": "float32", "max_model_len": 512,
+            "engine": {**_skip_kwargs(name, flag), "dtype": "float32", "max_model_len": 512,
                        "kv_cache_memory_bytes": 64 << 20}}
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec))
@@ -471,10 +493,11 @@ def test_turboquant_serves_the_default_model(default_model, tmp_path):
                           timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert "attention block size 96 tokens" in log
-    assert f"KV format {TQ} (vLLM's page layout, 100 bytes per token and KV head" in log
-    assert "layers 0, 1, 28, 29 in float32" in log
-    per_token = 3 * (4 * 512 + 26 * 100)
+    assert f"attention block size {block} tokens" in log
+    assert f"KV format {name} (vLLM's page layout, {cell} bytes per token and KV head" in log
+    assert (f"on {30 - len(skip)} of 30 attention layers; layers {', '.join(skip)} in float32 "
+            "(512 bytes per token and KV head; --kv-cache-dtype-skip-layers") in log
+    per_token = 3 * (len(skip) * 512 + (30 - len(skip)) * cell)
     assert f"{2**30 / per_token:,.0f} tokens per GiB of KV" in log
     text = json.loads(out_path.read_text())["outputs"][0]["completions"][0]["text"]
     assert "Paris" in text, text
@@ -493,18 +516,16 @@ def test_platform_accepts_the_served_formats(default_model, name):
     assert cfg.kv_transfer_config is None
 
 
-def test_platform_refuses_skip_layers_and_other_formats(default_model):
-    with pytest.raises(Exception, match="--kv-cache-dtype-skip-layers"):
-        _engine_config(default_model, kv_cache_dtype="int8_per_token_head",
-                       kv_cache_dtype_skip_layers=["0"])
+def test_platform_refuses_other_formats(default_model):
     with pytest.raises(Exception, match="--kv-cache-dtype turboquant_4bit_nc:.*only "
                                         "turboquant_k8v4.*supported"):
         _engine_config(default_model, kv_cache_dtype="turboquant_4bit_nc")
 
 
-def test_turboquant_with_a_draft_model_is_refused():
-    """A draft model's pages take the target's format; with turboquant_k8v4 the skip layers
-    would need vLLM's matching on the draft's layer names: refused naming the flags."""
+def test_skip_layers_with_a_draft_model_are_refused():
+    """A draft model's pages take the target's format; with skip layers (turboquant_k8v4's,
+    or the flag's) they would need vLLM's matching on the draft's layer names: refused naming
+    the flags. Without skip layers a quantized target's draft is taken."""
     import types
 
     from vllm_unified.platform import _draft_model_policy
@@ -514,35 +535,45 @@ def test_turboquant_with_a_draft_model_is_refused():
                                  verify_equal_vocab_size_if_draft_model=lambda: None)
     with pytest.raises(ValueError, match="--speculative-config.*--kv-cache-dtype turboquant"):
         _draft_model_policy(spec, TQ)
+    with pytest.raises(ValueError, match="--speculative-config.*--kv-cache-dtype-skip-layers"):
+        _draft_model_policy(spec, "int8_per_token_head", ["0", "1"])
+    _draft_model_policy(spec, "int8_per_token_head", [])
 
 
-def test_turboquant_block_size_and_skip_layers_are_vllms(default_model):
-    """turboquant_k8v4 on SmolLM2 (30 layers): vLLM's boundary skip layers (first and last
-    two), and the block size vLLM's own alignment gives with its TurboQuant backend (a
-    quantized page covering a model-dtype page of 16 tokens: 96 here), idempotent over the
-    platform's second configuration call."""
+@pytest.mark.parametrize("name, flag, skip, block, cell", SKIP_CASES, ids=[TQ, "int8", "int4"])
+def test_skip_layers_and_block_size_are_vllms(default_model, name, flag, skip, block, cell):
+    """On SmolLM2 (30 layers): vLLM's skip layers (turboquant_k8v4: its boundary layers, the
+    first and last two; int8 / int4: the flag's, as vLLM parses it), and the block size vLLM's
+    own alignment gives with its own backend for the format (TurboQuant's, or Triton's for the
+    per-token-head formats: a quantized page covering a model-dtype page of 16 tokens),
+    idempotent over the platform's second configuration call."""
     from vllm_unified.platform import MLXPlatform
 
-    tq_attn = pytest.importorskip("vllm.v1.attention.backends.turboquant_attn")
-    cfg = _engine_config(default_model, kv_cache_dtype=TQ)
+    backend = (pytest.importorskip("vllm.v1.attention.backends.turboquant_attn")
+               .TurboQuantAttentionBackend if name == TQ else
+               pytest.importorskip("vllm.v1.attention.backends.triton_attn")
+               .TritonAttentionBackend)
+    cfg = _engine_config(default_model, **_skip_kwargs(name, flag))
     cache = cfg.cache_config
-    assert cache.kv_cache_dtype_skip_layers == ["0", "1", "28", "29"]
+    assert cache.kv_cache_dtype_skip_layers == skip
     ours = cache.block_size
-    cache.block_size = 16  # vLLM's own alignment, driven with its TurboQuant backend
-    MLXPlatform._align_heterogeneous_kv_block_size(cfg, tq_attn.TurboQuantAttentionBackend)
-    assert ours == cache.block_size == 96
+    cache.block_size = 16  # vLLM's own alignment, driven with its backend for the format
+    MLXPlatform._align_heterogeneous_kv_block_size(cfg, backend)
+    assert ours == cache.block_size == block
     MLXPlatform.check_and_update_config(cfg)
-    assert cache.block_size == 96
+    assert cache.block_size == block
     MLXPlatform.update_block_size_for_backend(cfg)
-    assert cache.block_size == 96
+    assert cache.block_size == block
 
 
-def test_turboquant_kv_cache_groups_are_vllms(default_model):
-    """The specs of a 30-layer model with vLLM's skip layers, through vLLM's own grouping
-    and sizing (get_kv_cache_groups, get_kv_cache_config_from_groups): one group of
-    UniformTypeKVCacheSpecs (fp32 pages on layers 0, 1, 28, 29; 100-byte TurboQuant cells
-    elsewhere); our allocation gives vLLM's views; a step written and attended over the mixed
-    pool equals the reference on every layer."""
+@pytest.mark.parametrize("name, flag, skip, block, cell", SKIP_CASES[:2], ids=[TQ, "int8"])
+def test_skip_layer_kv_cache_groups_are_vllms(default_model, name, flag, skip, block, cell):
+    """The specs of a 30-layer model with vLLM's skip layers (turboquant_k8v4's boundary
+    layers; int8_per_token_head with ``--kv-cache-dtype-skip-layers 0 1``), through vLLM's own
+    grouping and sizing (get_kv_cache_groups, get_kv_cache_config_from_groups): one group of
+    UniformTypeKVCacheSpecs (fp32 pages on the skip layers, the format's cells elsewhere);
+    our allocation gives vLLM's views; a step written and attended over the mixed pool equals
+    the reference on every layer."""
     import mlx.core as mx
     from conftest import assert_views_like_vllms
     from vllm.v1.core import kv_cache_utils
@@ -555,35 +586,41 @@ def test_turboquant_kv_cache_groups_are_vllms(default_model):
     from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
     from vllm_unified.kv.hybrid import HybridLayers
 
-    cfg = _engine_config(default_model, kv_cache_dtype=TQ)
-    skip = tuple(cfg.cache_config.kv_cache_dtype_skip_layers)
-    shape = AttentionShape(3, 64, torch.float32, TQ, skip)
+    cfg = _engine_config(default_model, **_skip_kwargs(name, flag))
+    assert cfg.cache_config.block_size == block
+    shape = AttentionShape(3, 64, torch.float32, name,
+                           tuple(cfg.cache_config.kv_cache_dtype_skip_layers))
     layers = HybridLayers("llama", 30, [])
     cache = KVCache(profile(), layers, shape, dict.fromkeys(range(30)), mx.float32)
-    specs = cache.kv_cache_spec(96, cfg)
+    assert cache.skipped_layers() == [int(i) for i in skip]
+    specs = cache.kv_cache_spec(block, cfg)
     groups = kv_cache_utils.get_kv_cache_groups(cfg, specs)
     assert len(groups) == 1
     group = groups[0].kv_cache_spec
     assert isinstance(group, compat.UniformTypeKVCacheSpecs)
+    quantized = {TQ: torch.uint8, "int8_per_token_head": torch.int8}[name]
     for i in range(30):
         spec = group.kv_cache_specs[layer_name(i)]
         dense = str(i) in skip
-        assert spec.dtype == (torch.float32 if dense else torch.uint8), i
-        assert spec.page_size_bytes == 96 * 3 * (512 if dense else 100), i
+        assert spec.dtype == (torch.float32 if dense else quantized), i
+        assert spec.kv_quant_mode == compat.get_kv_quant_mode("auto" if dense else name), i
+        assert spec.page_size_bytes == block * 3 * (512 if dense else cell), i
+        assert cache.layer_formats[i].name == ("auto" if dense else name), i
     cfg.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves with our worker
+    per_token = 3 * (len(skip) * 512 + (30 - len(skip)) * cell)
     config = kv_cache_utils.get_kv_cache_config_from_groups(cfg, groups, 64 << 20)
-    assert config.num_blocks == (64 << 20) // (96 * 3 * (4 * 512 + 26 * 100))
+    assert config.num_blocks == (64 << 20) // (block * per_token)
     cache.initialize(config, None)
     theirs = vllm_allocate_kv_cache(config, torch.device("cpu"), compat.KVCacheLayout.LBNHC)
     ours = cache.connector_views()  # vLLM's manager-block views of our buffer
     assert_views_like_vllms(ours, theirs, cache.pool.backing_buffer)
-    assert cache.tokens_per_gib() == 2**30 / (3 * (4 * 512 + 26 * 100))
-    assert "layers 0, 1, 28, 29 in float32" in cache.describe_format()
+    assert cache.tokens_per_gib() == 2**30 / per_token
+    assert f"layers {', '.join(skip)} in float32" in cache.describe_format()
     # one decode row and one prefill chunk, written and attended on every layer
     rng = np.random.default_rng(0)
     lens, query_lens = [70, 30], [1, 30]
-    tables = np.array([[1, 0], [2, 0]], np.int32)
-    slots = np.concatenate([tables[b, np.arange(n) // 96] * 96 + np.arange(n) % 96
+    tables = np.array([[1, 2], [3, 0]], np.int32)
+    slots = np.concatenate([tables[b, np.arange(n) // block] * block + np.arange(n) % block
                             for b, n in enumerate(lens)]).astype(np.int32)
     for j in range(30):
         k = mx.array(rng.standard_normal((len(slots), 3, 64)).astype(np.float32))
@@ -591,7 +628,7 @@ def test_turboquant_kv_cache_groups_are_vllms(default_model):
         cache.pool.write(j, mx.array(slots), k, v)
     mx.eval(cache.pool.kv)
     q = mx.array(rng.standard_normal((sum(query_lens), 9, 1, 64)).astype(np.float32))
-    meta = build_attention_metadata(query_lens, lens, tables, 96)
+    meta = build_attention_metadata(query_lens, lens, tables, block)
     for j in range(30):
         fmt = cache.pool.layer_format(j)
         assert fmt.quantized == (str(j) not in skip)

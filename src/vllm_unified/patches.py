@@ -180,7 +180,7 @@ def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
     pool = manager.block_pool
     pool.free_block_queue = CommittedFirstQueue.replacing(pool.free_block_queue, blocks)
     pool.free_block_queue.block_pool = pool
-    # a group of UniformTypeKVCacheSpecs (TurboQuant's skip layers) sums its layers' pages
+    # a group of UniformTypeKVCacheSpecs (a quantized cache's skip layers) sums its pages
     block_bytes = max(g.kv_cache_spec.page_size_bytes
                       * (1 if hasattr(g.kv_cache_spec, "kv_cache_specs") else len(g.layer_names))
                       for g in config.kv_cache_groups)

@@ -317,22 +317,21 @@ class MLXPlatform(Platform):
         # vLLM's quantized KV formats served here (kv/quant.py); the rest refused by name.
         fmt = kv_format(cache.cache_dtype)
         if fmt.quantized:
-            if cache.kv_cache_dtype_skip_layers and not fmt.turboquant:
-                raise ValueError(
-                    f"--kv-cache-dtype-skip-layers {cache.kv_cache_dtype_skip_layers}: "
-                    f"vllm-unified quantizes every attention layer with --kv-cache-dtype "
-                    f"{cache.cache_dtype} (layers kept in the model dtype are implemented for "
-                    "turboquant_k8v4 only)")
             if hybrid:
                 raise ValueError(
                     f"--kv-cache-dtype {cache.cache_dtype}: hybrid (attention + state-space) "
                     "models keep the model dtype here; use auto")
-            if fmt.turboquant and parallel.pipeline_parallel_size > 1:
+            skip = cache.kv_cache_dtype_skip_layers
+            if parallel.pipeline_parallel_size > 1 and (fmt.turboquant or skip):
+                # a stage's pages would need vLLM's skip-layer matching on global indices
                 raise ValueError(
                     f"--kv-cache-dtype {cache.cache_dtype} with --pipeline-parallel-size "
-                    f"{parallel.pipeline_parallel_size}: not supported by vllm-unified yet")
-            # vLLM's block size for pages of two precisions in one block pool (TurboQuant's
-            # skip layers): the block size just reset above is aligned again, every call.
+                    f"{parallel.pipeline_parallel_size}"
+                    f"{' and --kv-cache-dtype-skip-layers' if skip else ''}: not supported "
+                    "by vllm-unified yet")
+            # vLLM's block size for pages of two precisions in one block pool (the layers in
+            # --kv-cache-dtype-skip-layers, TurboQuant's boundary layers among them): the block
+            # size just reset above is aligned again, every call.
             _align_mixed_precision_block_size(cls, vllm_config)
 
         # VLLM_CPU_KVCACHE_SPACE as on vLLM's CPU backend; a KV budget that cannot hold one
@@ -409,13 +408,16 @@ class MLXAttentionKernel:
 
     @staticmethod
     def customize_spec(spec: Any) -> Any:
-        """vLLM's FullAttentionSpec pages, unchanged, except TurboQuant's packed cell (what
-        ``TurboQuantAttentionBackend.customize_spec`` sets: ``state_content_bytes`` =
-        ``TurboQuantConfig.slot_size_aligned``), which vLLM's block-size alignment asks for."""
+        """vLLM's FullAttentionSpec pages, unchanged, except the packed cells of the quantized
+        formats served here, which vLLM's block-size alignment asks for: ``state_content_bytes``
+        as ``TritonAttentionBackend.customize_spec`` sets it for the per-token-head formats
+        (data and an fp32 scale per side) and ``TurboQuantAttentionBackend.customize_spec`` for
+        TurboQuant (``TurboQuantConfig.slot_size_aligned``)."""
         from dataclasses import replace
 
         mode = getattr(spec, "kv_quant_mode", None)
-        if spec.state_content_bytes is not None or mode is None or not mode.is_turboquant:
+        if spec.state_content_bytes is not None or mode is None or \
+                not (mode.is_turboquant or mode.is_per_token_head):
             return spec
         fmt = kv_format(mode.name.lower(), spec.head_size)
         return replace(spec, state_content_bytes=fmt.cell_bytes(spec.head_size))
@@ -423,7 +425,8 @@ class MLXAttentionKernel:
 
 def _align_mixed_precision_block_size(platform: type[MLXPlatform], vllm_config: Any) -> bool:
     """vLLM's block size for a quantized cache with layers kept in the model dtype
-    (``--kv-cache-dtype-skip-layers``, where vLLM puts TurboQuant's boundary layers):
+    (``--kv-cache-dtype-skip-layers``, with any served format; vLLM adds TurboQuant's boundary
+    layers to it):
     ``Platform._align_heterogeneous_kv_block_size`` with the MLX attention's kernel block sizes
     and page packing, as vLLM's ``update_block_size_for_backend`` does with a CUDA backend
     (the block grows until a quantized page covers a model-dtype page of the smallest kernel
@@ -434,7 +437,7 @@ def _align_mixed_precision_block_size(platform: type[MLXPlatform], vllm_config: 
     """
     cache = vllm_config.cache_config
     if vllm_config.model_config is None or not cache.kv_cache_dtype_skip_layers or \
-            not kv_format(cache.cache_dtype).turboquant:
+            not kv_format(cache.cache_dtype).quantized:
         return False
     platform._align_heterogeneous_kv_block_size(vllm_config, MLXAttentionKernel)
     return True
@@ -545,7 +548,7 @@ def _kv_budget_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
     parallel = vllm_config.parallel_config
     head_size = model.get_head_size()
     fmt = kv_format(cache.cache_dtype or "auto", head_size)
-    # layers in --kv-cache-dtype-skip-layers keep the model dtype's pages (TurboQuant)
+    # layers in --kv-cache-dtype-skip-layers keep the model dtype's pages
     skip = set(cache.kv_cache_dtype_skip_layers or ()) if fmt.quantized else set()
 
     def page(i: int) -> int:
@@ -585,7 +588,8 @@ def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
             "hidden-state proposers are not implemented yet)"
         )
     if spec.method == "draft_model":
-        _draft_model_policy(spec, vllm_config.cache_config.cache_dtype)
+        cache = vllm_config.cache_config
+        _draft_model_policy(spec, cache.cache_dtype, cache.kv_cache_dtype_skip_layers)
     if hybrid:
         raise ValueError(
             "--speculative-config: speculative decoding with a hybrid attention + "
@@ -611,10 +615,12 @@ def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
     )
 
 
-def _draft_model_policy(spec: Any, cache_dtype: str | None) -> None:
+def _draft_model_policy(spec: Any, cache_dtype: str | None,
+                        skip_layers: list[str] | None = None) -> None:
     """``draft_model``: the MLX runner drafts greedily (vLLM's default ``draft_sample_method``)
     one token per draft forward, with a draft of the target's vocabulary whose KV pages have
-    the target's format (``cache_dtype``, its ``--kv-cache-dtype``: one KV cache group).
+    the target's format (``cache_dtype``, its ``--kv-cache-dtype``: one KV cache group);
+    ``skip_layers``: the target's ``--kv-cache-dtype-skip-layers``.
 
     Raises:
         ValueError: naming the ``--speculative-config`` field vllm-unified does not implement,
@@ -625,9 +631,11 @@ def _draft_model_policy(spec: Any, cache_dtype: str | None) -> None:
         "use_heterogeneous_vocab": bool(spec.use_heterogeneous_vocab),
         "parallel_drafting": bool(spec.parallel_drafting),
         "kv_cache_dtype": spec.kv_cache_dtype not in (None, cache_dtype or "auto"),
-        # a TurboQuant target keeps skip layers in the model dtype; its draft pages would need
-        # vLLM's skip-layer matching on the draft's layer names, not implemented
+        # a target with skip layers (TurboQuant's boundary layers, or the flag's) keeps them in
+        # the model dtype; its draft pages would need vLLM's skip-layer matching on the
+        # draft's layer names, not implemented
         "--kv-cache-dtype turboquant": kv_format(cache_dtype).turboquant,
+        "--kv-cache-dtype-skip-layers": bool(skip_layers) and kv_format(cache_dtype).quantized,
     }
     bad = [name for name, set_ in unsupported.items() if set_]
     if bad:

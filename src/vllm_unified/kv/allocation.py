@@ -177,8 +177,9 @@ def kv_cache_views(buf: torch.Tensor, kv_cache_config, layout_name: str = KV_LAY
     """vLLM's per-layer views of ``buf`` for ``kv_cache_config`` (as
     :func:`allocate_kv_cache` returns them; without ``kernel_block_sizes`` the manager-block
     views ``[num_blocks, H, B, C]`` that vLLM hands KV connectors). A group of
-    ``UniformTypeKVCacheSpecs`` (layers of one kind with different pages, e.g. TurboQuant's
-    skip layers) views each layer with its own spec, as vLLM's ``allocate_kv_cache`` does.
+    ``UniformTypeKVCacheSpecs`` (layers of one kind with different pages, e.g. the skip layers
+    of a quantized cache) views each layer with its own spec, as vLLM's ``allocate_kv_cache``
+    does.
 
     Raises:
         ValueError: a layer has no per-layer view.

@@ -113,7 +113,8 @@ class KVCache:
         #: each attention layer's format (model layer index -> format; skip layers: auto)
         self.layer_formats = {i: shape.layer_format(i, windows[i]) for i in layers.attention}
         if self.fmt.quantized:
-            check_quantized_kv(profile, self.fmt, shape.head_size)
+            check_quantized_kv(profile, self.fmt, shape.head_size,
+                               skipped=self.skipped_layers())
         if self.fmt.quantized and layers.is_hybrid:
             raise ValueError(f"--kv-cache-dtype {self.fmt.name}: hybrid models keep the model "
                              "dtype; use auto")
@@ -252,6 +253,13 @@ class KVCache:
             cuda_write=self.profile.kv_write == "cuda_kernel", fmt=self.fmt,
         )
 
+    def skipped_layers(self) -> list[int]:
+        """The attention layers kept in the model dtype by ``--kv-cache-dtype-skip-layers``
+        under a quantized format (model layer indices, ascending)."""
+        if not self.fmt.quantized:
+            return []
+        return [i for i in self.layers.attention if not self.layer_formats[i].quantized]
+
     def _pool_formats(self) -> list[KVFormat]:
         """Each pool layer's format (pool layer = attention ordinal)."""
         return [self.layer_formats[i] for i in self.layers.attention]
@@ -270,7 +278,7 @@ class KVCache:
 
     def tokens_per_gib(self) -> float:
         """KV tokens one GiB of pool holds over all attention layers, each in its format
-        (TurboQuant's skip layers in the model dtype)."""
+        (the layers of --kv-cache-dtype-skip-layers in the model dtype)."""
         return tokens_per_gib(self._pool_formats(), self.shape.num_kv_heads,
                               self.shape.head_size, self.shape.dtype.itemsize)
 
@@ -286,13 +294,14 @@ class KVCache:
               else f"the {kernels} kernel, read by the paged GPU kernel ({kernels})")
         text = (f"{self.fmt.name} (vLLM's page layout, {self.fmt.cell_bytes(d)} bytes per "
                 f"token and KV head, quantized in place by {by})")
-        skipped = [i for i in self.layers.attention if not self.layer_formats[i].quantized]
+        skipped = self.skipped_layers()
         if skipped:
+            why = (", where vLLM puts TurboQuant's first and last two layers"
+                   if self.fmt.turboquant else "")
             text += (f" on {len(self.layers.attention) - len(skipped)} of "
                      f"{len(self.layers.attention)} attention layers; layers "
                      f"{', '.join(map(str, skipped))} in {dtype} ({dense}; "
-                     "--kv-cache-dtype-skip-layers, where vLLM puts TurboQuant's first and "
-                     "last two layers)")
+                     f"--kv-cache-dtype-skip-layers{why})")
         return text
 
     def _describe_pool(self) -> str:
@@ -391,13 +400,18 @@ class KVCache:
         return self._layer_caches(pool, store), ctx, arrays
 
 
-def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int) -> None:
-    """Refuse, at start-up, a quantized KV cache that no kernels of this profile serve.
+def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int,
+                       skipped: list[int] | None = None) -> None:
+    """Refuse, at start-up, a quantized KV cache that no kernels of this profile serve;
+    ``skipped``: the attention layers ``--kv-cache-dtype-skip-layers`` keeps in the model
+    dtype (served by the native CPU kernels only: the GPU path's MLX-owned pool and its
+    kernels are not proven on pages of two precisions).
 
     Raises:
         ValueError: naming the flag: the profile has no quantized KV kernels
-            (:attr:`BackendProfile.quantized_kv`), or the GPU kernels do not take the head
-            size (a multiple of 32 up to 256).
+            (:attr:`BackendProfile.quantized_kv`), TurboQuant or skip layers on the GPU
+            kernels, or the GPU kernels do not take the head size (a multiple of 32 up to
+            256).
     """
     from vllm_unified.kv.gpu_quant_write import supported
 
@@ -415,6 +429,12 @@ def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int) -
             f"--kv-cache-dtype {fmt.name}: TurboQuant pages are written and read by the "
             f"native CPU kernels only, not by the {kernels} kernels yet; use "
             "int8_per_token_head, int4_per_token_head or fp8_per_token_head there")
+    if kernels != "native" and skipped:
+        raise ValueError(
+            f"--kv-cache-dtype-skip-layers with --kv-cache-dtype {fmt.name}: layers kept in "
+            f"the model dtype next to quantized ones (here {', '.join(map(str, skipped))}) "
+            f"are served by the native CPU kernels only, not by the {kernels} kernels yet; "
+            "drop the flag (every layer quantized) or use auto")
     if kernels != "native" and not supported(head_size):
         raise ValueError(
             f"--kv-cache-dtype {fmt.name}: the {kernels} quantized KV kernels take head sizes "

@@ -91,10 +91,10 @@ class KVPool:
     :mod:`vllm_unified.kv.gpu_quant_write`) and read by the paged attention of the backend;
     ``head_size`` is then required.
 
-    ``layer_formats``: one format per layer where they differ (TurboQuant's skip layers keep
-    the model dtype, ``auto``, next to quantized ones; native CPU kernels only); default
-    ``fmt`` for every layer. :attr:`fmt` is then the pool's quantized format (``auto`` if
-    none).
+    ``layer_formats``: one format per layer where they differ (the layers of
+    ``--kv-cache-dtype-skip-layers`` keep the model dtype, ``auto``, next to quantized ones;
+    native CPU kernels only); default ``fmt`` for every layer. :attr:`fmt` is then the pool's
+    quantized format (``auto`` if none).
 
     Raises:
         ValueError: a shared pool with a write path that would not write in place
@@ -122,7 +122,7 @@ class KVPool:
                              f"one); write path {write}, head size {head_size}")
         #: the pages' format (the model dtype unless --kv-cache-dtype quantizes)
         self.fmt = fmt
-        #: each layer's format (the model dtype on TurboQuant's skip layers)
+        #: each layer's format (the model dtype on the skip layers)
         self.layer_formats = list(layer_formats) if layer_formats is not None \
             else [fmt] * len(kv)
         self.head_size = head_size
@@ -163,8 +163,8 @@ class KVPool:
         where it says so, else the scatter). A quantized ``fmt`` holds its cells as uint8
         bytes, written by the GPU quantizing kernel of ``write`` (``cuda_kernel``,
         ``metal_kernel``; or ``cuda_write``), else by the native quantizing write;
-        ``layer_formats``: one format per layer where they differ (TurboQuant's skip layers in
-        the model dtype)."""
+        ``layer_formats``: one format per layer where they differ (the skip layers in the
+        model dtype)."""
         if layer_formats is not None:
             fmt = next((f for f in layer_formats if f.quantized), KVFormat())
         fmt = fmt or KVFormat()

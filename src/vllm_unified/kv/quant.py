@@ -383,7 +383,7 @@ def _dequantize_tq_k8v4(u8: Any, head_size: int) -> Any:
 def tokens_per_gib(fmts: Sequence[KVFormat], num_kv_heads: int, head_size: int,
                    model_dtype_size: int) -> float:
     """KV tokens one GiB holds over the attention layers, layer ``l`` in format ``fmts[l]``
-    (TurboQuant's skip layers in ``auto``, the model dtype)."""
+    (the layers of ``--kv-cache-dtype-skip-layers`` in ``auto``, the model dtype)."""
     per_token = sum(num_kv_heads * f.bytes_per_token_head(head_size, model_dtype_size)
                     for f in fmts)
     return 2**30 / per_token

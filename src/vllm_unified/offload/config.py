@@ -73,6 +73,10 @@ def configure_kv_offloading(vllm_config: Any) -> None:
             # the pages' format: a file of one --kv-cache-dtype never loads into another
             "kv_cache_dtype": cache.cache_dtype or "auto",
         }
+        if cache.kv_cache_dtype_skip_layers:
+            # ... nor one whose model-dtype layers are others (same bytes per block)
+            extra["kv_geometry"]["kv_cache_dtype_skip_layers"] = \
+                sorted(cache.kv_cache_dtype_skip_layers)
         # the disk tier keys its files with the checkpoint's identity (weights_identity)
         extra["model_revision"] = model.revision
     kvt.kv_connector = CONNECTOR
