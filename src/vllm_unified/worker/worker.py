@@ -330,6 +330,37 @@ class MLXWorker(WorkerBase):
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 * (1 if sys.platform == "darwin" else 1024)}
 
+    def memory_breakdown(self) -> dict:
+        """Where this process's resident memory is, as it stands (nothing emptied first), then
+        after MLX's buffer cache is emptied, then after ``malloc_trim(0)``
+        (``LLM.collective_rpc("memory_breakdown")``, ``benchmarks/memory_startup.py --mode
+        breakdown``). Each stage: RSS, MLX's active/cache/peak bytes and the smaps split
+        (:func:`vllm_unified.memory.resident.smaps_breakdown`: anonymous vs file-backed)."""
+        from vllm_unified.memory.resident import smaps_breakdown
+
+        mx = import_mlx()
+        self.model_runner.quiesce()
+
+        def reading() -> dict:
+            return {"rss": psutil.Process().memory_info().rss,
+                    "mlx_active": mx.get_active_memory(), "mlx_cache": mx.get_cache_memory(),
+                    "mlx_peak": mx.get_peak_memory(), "smaps": smaps_breakdown()}
+
+        as_is = reading()
+        mx.clear_cache()
+        cleared = reading()
+        _malloc_trim()
+        trimmed = reading()
+        return {"as_is": as_is, "mlx_cache_cleared": cleared, "malloc_trimmed": trimmed,
+                "kv_pool_bytes": self.model_runner.pool.nbytes,
+                "kv_pool_resident_bytes": self.model_runner.pool.resident_bytes(),
+                **{f"weights_{k}_bytes": v
+                   for k, v in self.model_runner.weights_nbytes().items()},
+                "rss_after_load": self.rss_after_load,
+                "rss_after_kv_init": self.rss_after_kv_init,
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                * (1 if sys.platform == "darwin" else 1024)}
+
     def state_slots(self) -> dict[str, list[int]]:
         """A hybrid model's state slot per state group of every request seen, in the order
         they were first scheduled (``LLM.collective_rpc("state_slots")``)."""

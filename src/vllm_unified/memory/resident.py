@@ -1,0 +1,55 @@
+"""Where this process's resident memory is: ``/proc/self/smaps`` by kind of mapping.
+
+``psutil``'s RSS is one number; the engine's start-up memory mixes MLX's weights and buffer
+cache, torch, the Python heap, glibc's free lists, the shared libraries' code and any file the
+process still maps. :func:`smaps_breakdown` splits it by mapping kind (Linux only; None
+elsewhere):
+
+* ``anon``: anonymous private memory (malloc's heap and arenas, MLX and torch buffers, Python
+  objects): ``Anonymous`` summed over all mappings;
+* ``file``: file-backed resident pages (``Rss - Anonymous``): shared libraries' code and data,
+  and data files mapped by the process (a GGUF file's memory map while it is open);
+* ``libraries``: the file-backed part that belongs to code (``*.so*`` files and any file mapped
+  executable, e.g. the interpreter);
+* ``data_files``: the file-backed part of any other file (``largest_files`` names the biggest).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_KIB = 1024
+
+
+def smaps_breakdown(pid: int | str = "self", top: int = 5) -> dict | None:
+    """Resident bytes of process ``pid`` by mapping kind (see the module docstring), or None
+    where ``/proc/<pid>/smaps`` does not exist (not Linux)."""
+    path = Path(f"/proc/{pid}/smaps")
+    if not sys.platform.startswith("linux") or not path.exists():
+        return None
+    rss = anon = 0
+    files: dict[str, int] = {}  # file-backed resident bytes per mapped file
+    code: set[str] = set()  # files mapped executable somewhere (libraries, the interpreter)
+    name, mapping_rss = "", 0
+    with open(path) as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if not head.endswith(":"):  # a mapping: "start-end perms offset dev inode [path]"
+                parts = line.split(maxsplit=5)
+                name = parts[5].strip() if len(parts) > 5 else ""
+                if name.startswith("/") and "x" in parts[1]:
+                    code.add(name)
+            elif head == "Rss:":
+                mapping_rss = int(line.split()[1]) * _KIB
+                rss += mapping_rss
+            elif head == "Anonymous:":
+                mapping_anon = int(line.split()[1]) * _KIB
+                anon += mapping_anon
+                if name.startswith("/") and mapping_rss > mapping_anon:
+                    files[name] = files.get(name, 0) + mapping_rss - mapping_anon
+    libraries = sum(v for k, v in files.items() if k in code or ".so" in Path(k).name)
+    data = {k: v for k, v in files.items() if not (k in code or ".so" in Path(k).name)}
+    largest = sorted(data.items(), key=lambda kv: -kv[1])[:top]
+    return {"rss": rss, "anon": anon, "file": rss - anon, "libraries": libraries,
+            "data_files": sum(data.values()), "largest_files": dict(largest)}
