@@ -59,11 +59,14 @@ def child(spec_path: str, out_path: str) -> None:
     llm = LLM(model=spec["model"], seed=0, **spec["engine"])
     startup_s = time.perf_counter() - start
     breakdown = llm.collective_rpc("memory_breakdown")[0]
+    from vllm_unified.memory.resident import smaps_breakdown
+
+    front_end = smaps_breakdown()  # this process: vLLM's front end (LLM)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}],
                        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                        use_tqdm=False)
     Path(out_path).write_text(json.dumps({
-        "startup_s": startup_s, "breakdown": breakdown,
+        "startup_s": startup_s, "breakdown": breakdown, "front_end": front_end,
         "generated_tokens": len(out[0].outputs[0].token_ids),
     }))
     llm.llm_engine.engine_core.shutdown()
@@ -82,11 +85,13 @@ def row(b: dict, stage: str) -> dict:
     r = b[stage]
     s = r["smaps"] or {}
     return {"rss": r["rss"], "mlx_active": r["mlx_active"], "mlx_cache": r["mlx_cache"],
+            "uss": s.get("uss", 0), "pss": s.get("pss", 0),
             "anon": s.get("anon", 0), "file": s.get("file", 0),
             "libraries": s.get("libraries", 0), "data_files": s.get("data_files", 0)}
 
 
-COLUMNS = ("rss", "mlx_active", "mlx_cache", "anon", "file", "libraries", "data_files")
+COLUMNS = ("rss", "uss", "pss", "mlx_active", "mlx_cache", "anon", "file", "libraries",
+           "data_files")
 
 
 def print_setting(name: str, runs: dict[str, dict], file_size: int) -> dict:
@@ -112,8 +117,14 @@ def print_setting(name: str, runs: dict[str, dict], file_size: int) -> dict:
         b = r["breakdown"]
         print(f"  {model}: weights {(b['weights_layers_bytes'] + b['weights_other_bytes']) / MIB:,.1f}"
               f" MiB (MLX arrays); start-up peak RSS {b['peak_rss'] / MIB:,.1f} MiB; "
-              f"RSS after load {b['rss_after_load'] / MIB:,.1f} MiB; started in "
-              f"{r['startup_s']:.1f} s")
+              f"RSS before load {b['rss_before_load'] / MIB:,.1f}, after load "
+              f"{b['rss_after_load'] / MIB:,.1f}, after KV allocation "
+              f"{b['rss_after_kv_init'] / MIB:,.1f}, after warm-up "
+              f"{b['rss_after_warm_up'] / MIB:,.1f} MiB; started in "
+              f"{r['startup_s']:.1f} s; front end (LLM) RSS {r['front_end']['rss'] / MIB:,.1f},"
+              f" USS {r['front_end']['uss'] / MIB:,.1f}, PSS {r['front_end']['pss'] / MIB:,.1f};"
+              f" front end + engine PSS "
+              f"{(r['front_end']['pss'] + b['as_is']['smaps']['pss']) / MIB:,.1f} MiB")
     return figs
 
 

@@ -11,7 +11,11 @@ elsewhere):
   and data files mapped by the process (a GGUF file's memory map while it is open);
 * ``libraries``: the file-backed part that belongs to code (``*.so*`` files and any file mapped
   executable, e.g. the interpreter);
-* ``data_files``: the file-backed part of any other file (``largest_files`` names the biggest).
+* ``data_files``: the file-backed part of any other file (``largest_files`` names the biggest);
+* ``uss``: the pages only this process maps (``Private_Clean + Private_Dirty``), and ``pss``:
+  each page divided by the number of processes that map it. A forked process (vLLM's engine
+  core, unless it is spawned) maps its parent's heap copy-on-write: those pages count in its
+  RSS but not its USS until one side writes them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def smaps_breakdown(pid: int | str = "self", top: int = 5) -> dict | None:
     path = Path(f"/proc/{pid}/smaps")
     if not sys.platform.startswith("linux") or not path.exists():
         return None
-    rss = anon = 0
+    rss = anon = pss = private = 0
     files: dict[str, int] = {}  # file-backed resident bytes per mapped file
     code: set[str] = set()  # files mapped executable somewhere (libraries, the interpreter)
     name, mapping_rss = "", 0
@@ -43,6 +47,10 @@ def smaps_breakdown(pid: int | str = "self", top: int = 5) -> dict | None:
             elif head == "Rss:":
                 mapping_rss = int(line.split()[1]) * _KIB
                 rss += mapping_rss
+            elif head == "Pss:":
+                pss += int(line.split()[1]) * _KIB
+            elif head in ("Private_Clean:", "Private_Dirty:"):
+                private += int(line.split()[1]) * _KIB
             elif head == "Anonymous:":
                 mapping_anon = int(line.split()[1]) * _KIB
                 anon += mapping_anon
@@ -51,5 +59,6 @@ def smaps_breakdown(pid: int | str = "self", top: int = 5) -> dict | None:
     libraries = sum(v for k, v in files.items() if k in code or ".so" in Path(k).name)
     data = {k: v for k, v in files.items() if not (k in code or ".so" in Path(k).name)}
     largest = sorted(data.items(), key=lambda kv: -kv[1])[:top]
-    return {"rss": rss, "anon": anon, "file": rss - anon, "libraries": libraries,
+    return {"rss": rss, "pss": pss, "uss": private, "anon": anon, "file": rss - anon,
+            "libraries": libraries,
             "data_files": sum(data.values()), "largest_files": dict(largest)}

@@ -80,8 +80,12 @@ class MLXWorker(WorkerBase):
     ) -> None:
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.model_runner = None
+        #: RSS when vLLM made this worker (in a forked engine core: what it inherited)
+        self.rss_at_start = psutil.Process().memory_info().rss
+        self.rss_before_load = 0
         self.rss_after_load = 0
         self.rss_after_kv_init = 0
+        self.rss_after_warm_up = 0
         #: liveness of the other nodes' workers (multi-node engines), else None
         self.peer_watch: PeerWatch | None = None
 
@@ -120,6 +124,7 @@ class MLXWorker(WorkerBase):
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
             raise ValueError("--load-format dummy is not supported by vllm-unified")
+        self.rss_before_load = psutil.Process().memory_info().rss
         self.model_runner.load_model()
         self.rss_after_load = psutil.Process().memory_info().rss
 
@@ -235,6 +240,7 @@ class MLXWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         seconds = self.model_runner.warm_up()
+        self.rss_after_warm_up = psutil.Process().memory_info().rss
         logger.info("vllm-unified: warm-up forward took %.2f s", seconds)
         return CompilationTimes(language_model=seconds, encoder=0.0)
 
@@ -356,8 +362,11 @@ class MLXWorker(WorkerBase):
                 "kv_pool_resident_bytes": self.model_runner.pool.resident_bytes(),
                 **{f"weights_{k}_bytes": v
                    for k, v in self.model_runner.weights_nbytes().items()},
+                "rss_at_start": self.rss_at_start,
+                "rss_before_load": self.rss_before_load,
                 "rss_after_load": self.rss_after_load,
                 "rss_after_kv_init": self.rss_after_kv_init,
+                "rss_after_warm_up": self.rss_after_warm_up,
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 * (1 if sys.platform == "darwin" else 1024)}
 
