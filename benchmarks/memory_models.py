@@ -115,7 +115,8 @@ def print_setting(name: str, runs: dict[str, dict], file_size: int) -> dict:
               f"/ file size = {f['ratio']:.3f} (limit {LIMIT})")
     for model, r in runs.items():
         b = r["breakdown"]
-        print(f"  {model}: weights {(b['weights_layers_bytes'] + b['weights_other_bytes']) / MIB:,.1f}"
+        weights = b["weights_layers_bytes"] + b["weights_other_bytes"]
+        print(f"  {model}: weights {weights / MIB:,.1f}"
               f" MiB (MLX arrays); start-up peak RSS {b['peak_rss'] / MIB:,.1f} MiB; "
               f"RSS before load {b['rss_before_load'] / MIB:,.1f}, after load "
               f"{b['rss_after_load'] / MIB:,.1f}, after KV allocation "

@@ -20,10 +20,37 @@ elsewhere):
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
+from types import ModuleType
 
 _KIB = 1024
+
+
+def malloc_trim() -> bool:
+    """Give glibc's free heap memory back to the OS (``malloc_trim(0)``: free pages anywhere in
+    the heap and arenas, not only at the top). True if it released memory; False where there is
+    no glibc (not Linux) or nothing was released."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # a libc without it (musl)
+        return False
+    return bool(trim(0))
+
+
+def release_free_memory(mx: ModuleType) -> None:
+    """Return start-up's freed memory to the OS: MLX's buffer cache (on MLX's CPU backend its
+    buffers are malloc'ed, so emptying the cache hands them to glibc, which keeps them) and then
+    glibc's free lists. What a later step needs is allocated again; nothing live is touched.
+
+    Called by the worker after the weights load (the GGUF reader's numpy temporaries and MLX
+    arrays it freed) and after the warm-up forward, so the engine's resident memory after
+    start-up is the memory it holds, not the scratch of getting there."""
+    mx.clear_cache()
+    malloc_trim()
 
 
 def smaps_breakdown(pid: int | str = "self", top: int = 5) -> dict | None:

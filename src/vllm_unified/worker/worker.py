@@ -8,7 +8,6 @@ vLLM's executor drives it in this order: ``init_device`` -> ``load_model`` ->
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
 import multiprocessing
 import resource
@@ -37,6 +36,7 @@ from vllm_unified.distributed.liveness import PeerWatch, abandon_pipeline
 from vllm_unified.distributed.pipeline import init_stage_groups, recv_hidden, send_intermediate
 from vllm_unified.envs import LOCAL_ENGINES_ENV
 from vllm_unified.memory.budget import compute_kv_budget, read_device_memory
+from vllm_unified.memory.resident import malloc_trim, release_free_memory, smaps_breakdown
 from vllm_unified.memory.wired import configure_wired_limit
 from vllm_unified.offload.runner import init_single_rank_groups
 
@@ -59,12 +59,6 @@ def _skip_final_gc_scan() -> None:
     has already run."""
     if multiprocessing.parent_process() is not None:
         atexit.register(gc.freeze)
-
-
-def _malloc_trim() -> None:
-    """Give glibc's free heap memory back to the OS (Linux; a no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 class MLXWorker(WorkerBase):
@@ -126,6 +120,10 @@ class MLXWorker(WorkerBase):
             raise ValueError("--load-format dummy is not supported by vllm-unified")
         self.rss_before_load = psutil.Process().memory_info().rss
         self.model_runner.load_model()
+        # the loader's temporaries (numpy copies of the GGUF's blocks, MLX arrays replaced by
+        # casts) sit in MLX's cache and glibc's free lists: give them back before the KV
+        # budget reads this process's RSS
+        release_free_memory(import_mlx())
         self.rss_after_load = psutil.Process().memory_info().rss
 
     def get_model(self):
@@ -240,6 +238,8 @@ class MLXWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         seconds = self.model_runner.warm_up()
+        # the profiling and warm-up forwards' scratch: steps allocate what they need again
+        release_free_memory(import_mlx())
         self.rss_after_warm_up = psutil.Process().memory_info().rss
         logger.info("vllm-unified: warm-up forward took %.2f s", seconds)
         return CompilationTimes(language_model=seconds, encoder=0.0)
@@ -324,7 +324,7 @@ class MLXWorker(WorkerBase):
         """
         self.model_runner.quiesce()
         import_mlx().clear_cache()
-        _malloc_trim()
+        malloc_trim()
         return {"rss": psutil.Process().memory_info().rss,
                 "rss_after_load": self.rss_after_load,
                 "rss_after_kv_init": self.rss_after_kv_init,
@@ -342,8 +342,6 @@ class MLXWorker(WorkerBase):
         (``LLM.collective_rpc("memory_breakdown")``, ``benchmarks/memory_startup.py --mode
         breakdown``). Each stage: RSS, MLX's active/cache/peak bytes and the smaps split
         (:func:`vllm_unified.memory.resident.smaps_breakdown`: anonymous vs file-backed)."""
-        from vllm_unified.memory.resident import smaps_breakdown
-
         mx = import_mlx()
         self.model_runner.quiesce()
 
@@ -355,7 +353,7 @@ class MLXWorker(WorkerBase):
         as_is = reading()
         mx.clear_cache()
         cleared = reading()
-        _malloc_trim()
+        malloc_trim()
         trimmed = reading()
         return {"as_is": as_is, "mlx_cache_cleared": cleared, "malloc_trimmed": trimmed,
                 "kv_pool_bytes": self.model_runner.pool.nbytes,
