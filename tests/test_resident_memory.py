@@ -69,5 +69,7 @@ def test_engine_holds_no_startup_scratch(tiny_llama, tmp_path) -> None:
     assert b["as_is"]["mlx_cache"] == 0, f"MLX cache {b['as_is']['mlx_cache'] / MIB:.1f} MiB"
     trimmed = b["as_is"]["rss"] - b["malloc_trimmed"]["rss"]
     assert trimmed < 6 * MIB, f"malloc_trim still released {trimmed / MIB:.1f} MiB"
-    assert b["rss_after_warm_up"] >= b["rss_before_load"] > 0
+    # (the trims may leave less than before the load: they also return the heap the fork
+    # brought from the front end and freed since)
+    assert min(b["rss_at_start"], b["rss_before_load"], b["rss_after_warm_up"]) > 0
     assert b["as_is"]["smaps"]["uss"] > 0
