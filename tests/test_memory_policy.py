@@ -97,6 +97,9 @@ def test_worker_wires_before_weights_load(monkeypatch):
         def default_device(self):
             return "gpu"
 
+        def clear_cache(self):  # the worker gives the load's scratch back after it
+            pass
+
     class FakeRunner:
         def __init__(self, vllm_config, backend):
             events.append(("runner", backend.keep_quantized))

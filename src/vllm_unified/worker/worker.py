@@ -8,7 +8,6 @@ vLLM's executor drives it in this order: ``init_device`` -> ``load_model`` ->
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
 import multiprocessing
 import resource
@@ -37,6 +36,7 @@ from vllm_unified.distributed.liveness import PeerWatch, abandon_pipeline
 from vllm_unified.distributed.pipeline import init_stage_groups, recv_hidden, send_intermediate
 from vllm_unified.envs import LOCAL_ENGINES_ENV
 from vllm_unified.memory.budget import compute_kv_budget, read_device_memory
+from vllm_unified.memory.resident import malloc_trim, release_free_memory, smaps_breakdown
 from vllm_unified.memory.wired import configure_wired_limit
 from vllm_unified.offload.runner import init_single_rank_groups
 
@@ -61,12 +61,6 @@ def _skip_final_gc_scan() -> None:
         atexit.register(gc.freeze)
 
 
-def _malloc_trim() -> None:
-    """Give glibc's free heap memory back to the OS (Linux; a no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).malloc_trim(0)
-
-
 class MLXWorker(WorkerBase):
     """vLLM worker running the model in MLX on a single device."""
 
@@ -80,8 +74,12 @@ class MLXWorker(WorkerBase):
     ) -> None:
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.model_runner = None
+        #: RSS when vLLM made this worker (in a forked engine core: what it inherited)
+        self.rss_at_start = psutil.Process().memory_info().rss
+        self.rss_before_load = 0
         self.rss_after_load = 0
         self.rss_after_kv_init = 0
+        self.rss_after_warm_up = 0
         #: liveness of the other nodes' workers (multi-node engines), else None
         self.peer_watch: PeerWatch | None = None
 
@@ -120,7 +118,12 @@ class MLXWorker(WorkerBase):
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
             raise ValueError("--load-format dummy is not supported by vllm-unified")
+        self.rss_before_load = psutil.Process().memory_info().rss
         self.model_runner.load_model()
+        # the loader's temporaries (numpy copies of the GGUF's blocks, MLX arrays replaced by
+        # casts) sit in MLX's cache and glibc's free lists: give them back before the KV
+        # budget reads this process's RSS
+        release_free_memory(import_mlx())
         self.rss_after_load = psutil.Process().memory_info().rss
 
     def get_model(self):
@@ -235,6 +238,9 @@ class MLXWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         seconds = self.model_runner.warm_up()
+        # the profiling and warm-up forwards' scratch: steps allocate what they need again
+        release_free_memory(import_mlx())
+        self.rss_after_warm_up = psutil.Process().memory_info().rss
         logger.info("vllm-unified: warm-up forward took %.2f s", seconds)
         return CompilationTimes(language_model=seconds, encoder=0.0)
 
@@ -318,7 +324,7 @@ class MLXWorker(WorkerBase):
         """
         self.model_runner.quiesce()
         import_mlx().clear_cache()
-        _malloc_trim()
+        malloc_trim()
         return {"rss": psutil.Process().memory_info().rss,
                 "rss_after_load": self.rss_after_load,
                 "rss_after_kv_init": self.rss_after_kv_init,
@@ -327,6 +333,38 @@ class MLXWorker(WorkerBase):
                 **{f"weights_{k}_bytes": v
                    for k, v in self.model_runner.weights_nbytes().items()},
                 # ru_maxrss is in KiB on Linux (bytes on macOS)
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                * (1 if sys.platform == "darwin" else 1024)}
+
+    def memory_breakdown(self) -> dict:
+        """Where this process's resident memory is, as it stands (nothing emptied first), then
+        after MLX's buffer cache is emptied, then after ``malloc_trim(0)``
+        (``LLM.collective_rpc("memory_breakdown")``, ``benchmarks/memory_startup.py --mode
+        breakdown``). Each stage: RSS, MLX's active/cache/peak bytes and the smaps split
+        (:func:`vllm_unified.memory.resident.smaps_breakdown`: anonymous vs file-backed)."""
+        mx = import_mlx()
+        self.model_runner.quiesce()
+
+        def reading() -> dict:
+            return {"rss": psutil.Process().memory_info().rss,
+                    "mlx_active": mx.get_active_memory(), "mlx_cache": mx.get_cache_memory(),
+                    "mlx_peak": mx.get_peak_memory(), "smaps": smaps_breakdown()}
+
+        as_is = reading()
+        mx.clear_cache()
+        cleared = reading()
+        malloc_trim()
+        trimmed = reading()
+        return {"as_is": as_is, "mlx_cache_cleared": cleared, "malloc_trimmed": trimmed,
+                "kv_pool_bytes": self.model_runner.pool.nbytes,
+                "kv_pool_resident_bytes": self.model_runner.pool.resident_bytes(),
+                **{f"weights_{k}_bytes": v
+                   for k, v in self.model_runner.weights_nbytes().items()},
+                "rss_at_start": self.rss_at_start,
+                "rss_before_load": self.rss_before_load,
+                "rss_after_load": self.rss_after_load,
+                "rss_after_kv_init": self.rss_after_kv_init,
+                "rss_after_warm_up": self.rss_after_warm_up,
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 * (1 if sys.platform == "darwin" else 1024)}
 
