@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import mmap
 import os
 import subprocess
@@ -25,8 +24,7 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.harden_engine_core_signals,
                          patches.patch_anthropic_stream_errors,
                          patches.patch_responses_empty_output_message,
-                         patches.bound_prefix_cache_residency,
-                         patches.fill_tokenizer_pools_after_engine_start}
+                         patches.bound_prefix_cache_residency}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""
@@ -191,41 +189,3 @@ def test_engine_core_signal_trigger_survives_a_nested_signal(monkeypatch) -> Non
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _pool_size(tokenizer) -> int:
-    """Copies waiting in the pool of a tokenizer vLLM's maybe_make_thread_pool made."""
-    borrow = patches._pool_borrower(tokenizer)
-    gen = borrow.__wrapped__  # contextlib.contextmanager keeps the generator function
-    cells = dict(zip(gen.__code__.co_freevars, gen.__closure__, strict=True))
-    return cells["tokenizer_pool"].cell_contents.qsize()
-
-
-def test_renderer_tokenizer_copies_are_made_after_the_engine_starts() -> None:
-    """vLLM's HF renderer pools 2 deep copies of the tokenizer before the engine core is
-    forked (which then maps them): with the patch the pool starts empty and gets its 2 copies
-    when the engine client has been made; the pooled tokenizer decodes as the original."""
-    import logging
-
-    from tiny_models import smollm2_tokenizer
-    from vllm.renderers import hf
-    from vllm.tokenizers.hf import get_cached_tokenizer
-    from vllm.v1.engine.core_client import EngineCoreClient
-
-    logger = logging.getLogger("test")
-    patches.fill_tokenizer_pools_after_engine_start(logger)
-    patches.fill_tokenizer_pools_after_engine_start(logger)  # idempotent
-    assert hf.maybe_make_thread_pool.__wrapped__ is not None
-    assert EngineCoreClient.make_client.__wrapped__ is not None
-    assert EngineCoreClient.make_async_mp_client.__wrapped__ is not None
-    assert not hasattr(EngineCoreClient.make_client.__wrapped__, "__wrapped__")
-
-    original = get_cached_tokenizer(smollm2_tokenizer())
-    pooled = hf.maybe_make_thread_pool(copy.copy(original), 2)
-    assert _pool_size(pooled) == 0  # nothing copied before the engine core is forked
-    patches._fill_tokenizer_pools(logger)  # what the engine client wrapper runs
-    assert _pool_size(pooled) == 2
-    ids = original.encode("The capital of France is")
-    assert pooled.encode("The capital of France is") == ids
-    assert pooled.decode(ids) == original.decode(ids)
-    assert _pool_size(pooled) == 2

@@ -268,92 +268,6 @@ def name_chat_template_flag(logger: logging.Logger) -> None:
     hf.safe_apply_chat_template = safe_apply_chat_template
 
 
-#: Tokenizer pools vLLM's HF renderer made empty, with the copies each should hold, until the
-#: engine core has been started (see :func:`fill_tokenizer_pools_after_engine_start`).
-_EMPTY_TOKENIZER_POOLS: list[tuple[Any, int]] = []
-
-
-def _pool_borrower(tokenizer: Any) -> Callable[[], Any] | None:
-    """The ``_borrow_from_pool`` context manager of a tokenizer that vLLM 0.32's
-    ``maybe_make_thread_pool`` turned into a pool (a cell of its ``decode``'s closure), or None
-    where that shape is not found."""
-    decode = type(tokenizer).__dict__.get("decode")
-    code, closure = getattr(decode, "__code__", None), getattr(decode, "__closure__", None)
-    if code is None or closure is None:
-        return None
-    cells = dict(zip(code.co_freevars, closure, strict=False))
-    cell = cells.get("_borrow_from_pool")
-    return cell.cell_contents if cell is not None and callable(cell.cell_contents) else None
-
-
-def _fill_tokenizer_pools(logger: logging.Logger) -> None:
-    """Give every pool made empty before the engine started the copies vLLM would have made:
-    ``copies`` nested borrows, each of which deep-copies (the pool is empty) and puts its copy
-    back (vLLM's own path for a pool that runs dry)."""
-    import contextlib
-
-    while _EMPTY_TOKENIZER_POOLS:
-        tokenizer, copies = _EMPTY_TOKENIZER_POOLS.pop()
-        borrow = _pool_borrower(tokenizer)
-        if borrow is None:  # vLLM changed: its pool fills itself on first use
-            logger.debug("vllm-unified: tokenizer pool of %s not found; it fills on first use",
-                         type(tokenizer).__name__)
-            continue
-        with contextlib.ExitStack() as stack:
-            for _ in range(copies):
-                stack.enter_context(borrow())
-
-
-def fill_tokenizer_pools_after_engine_start(logger: logging.Logger) -> None:
-    """Make the front end's tokenizer copies after the engine core is forked, not before.
-
-    vLLM 0.32's HF renderer (``vllm.renderers.hf.HfRenderer.__init__``) deep-copies the
-    tokenizer ``renderer_num_workers + 1`` times into a thread-safe pool
-    (``vllm.tokenizers.hf.maybe_make_thread_pool``), then the engine client forks the engine
-    core (``EngineCoreClient.make_client`` / ``make_async_mp_client``; fork unless MLX was
-    imported first). The engine core never renders or decodes through that pool, but it
-    inherits the copies: they count in its resident memory (copy-on-write pages shared with
-    the front end, until either side writes them; Python's collector writes the headers of the
-    objects it scans). For Qwen2.5's 151,936-token vocabulary that was 2 x ~115 MiB of the
-    engine core's RSS (``benchmarks/memory_models.py``).
-
-    The renderer's pool is made empty instead (vLLM's function with 0 copies) and filled with
-    the same number of copies through vLLM's own borrow path right after the engine client is
-    made, in the front end: the front end holds what it held, the first request finds the
-    copies ready, the engine core no longer maps them. A pool whose borrow function is not
-    found (another vLLM) fills itself on first use, as vLLM's pool does when it runs dry.
-    Must run before the renderer is built: ``MLXPlatform.check_and_update_config``.
-    Idempotent.
-    """
-    from vllm.renderers import hf
-    from vllm.v1.engine.core_client import EngineCoreClient
-
-    current = hf.maybe_make_thread_pool
-    if getattr(current, "__wrapped__", None) is not None:
-        return
-
-    @functools.wraps(current)
-    def maybe_make_thread_pool(tokenizer: Any, copies: int = 1) -> Any:
-        pooled = current(tokenizer, 0)
-        if copies > 0 and pooled is not None:
-            _EMPTY_TOKENIZER_POOLS.append((pooled, copies))
-        return pooled
-
-    hf.maybe_make_thread_pool = maybe_make_thread_pool
-
-    for name in ("make_client", "make_async_mp_client"):
-        make = getattr(EngineCoreClient, name)
-
-        def made(*args: Any, _make: Callable[..., Any] = make, **kwargs: Any) -> Any:
-            try:
-                return _make(*args, **kwargs)
-            finally:
-                _fill_tokenizer_pools(logger)
-
-        made.__wrapped__ = make  # type: ignore[attr-defined]
-        setattr(EngineCoreClient, name, staticmethod(made))
-
-
 #: Set in the API server once vLLM starts stopping its engine core (see
 #: :func:`stop_engine_core_gracefully`).
 engine_core_stopping = threading.Event()
@@ -737,10 +651,6 @@ PATCHES: tuple[Patch, ...] = (
           "free_block_queue)", "vLLM 0.32", bound_prefix_cache_residency,
           "vllm_unified.register_general (vLLM's general plugin, in the engine core)"),
     Patch("vllm.renderers.hf.safe_apply_chat_template", "vLLM 0.32", name_chat_template_flag,
-          "vllm_unified.platform.MLXPlatform.check_and_update_config"),
-    Patch("vllm.renderers.hf.maybe_make_thread_pool; vllm.v1.engine.core_client."
-          "EngineCoreClient.make_client, .make_async_mp_client", "vLLM 0.32",
-          fill_tokenizer_pools_after_engine_start,
           "vllm_unified.platform.MLXPlatform.check_and_update_config"),
     Patch("vllm.v1.engine.utils.SignalCallback.trigger, .stop", "vLLM 0.32",
           harden_engine_core_signals,

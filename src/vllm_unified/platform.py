@@ -342,8 +342,6 @@ class MLXPlatform(Platform):
         configure_kv_offloading(vllm_config)
         # Before vLLM builds its renderer: chat without a template names --chat-template.
         patches.name_chat_template_flag(logger)
-        # The renderer's tokenizer copies are made after the engine core is forked.
-        patches.fill_tokenizer_pools_after_engine_start(logger)
         # SIGTERM: the engine core tears down (KV offload writes) before it is killed.
         patches.stop_engine_core_gracefully(ENGINE_EXIT_GRACE_S, logger)
         patches.harden_engine_core_signals()
