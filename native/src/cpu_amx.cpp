@@ -16,11 +16,12 @@
 //   of what the previous ones left; 3 x 8 significant bits cover fp32's 24), and each part's
 //   products with q are exact in fp32. Only the fp32 accumulation rounds, as in an fp32 GEMM.
 //
-// Layout: the weight is the tiles' A operand (16 rows n x 32 k, bf16 q unpacked from the 4/8-bit
-// rows, row-major as stored), x the B operand in the VNNI layout TDPBF16PS wants (row kp holds
-// the pairs (x[m, 2kp], x[m, 2kp + 1]) for 16 m), so each accumulator tile is C[n][m] and the
-// per-group epilogue scales a row by one s[n, g]. References: Intel 64 and IA-32 Architectures
-// Software Developer's Manual, vol. 2 (TDPBF16PS, LDTILECFG) and vol. 1 ch. 3 (AMX state);
+// Layout: the weight is the tiles' A operand (16 rows n x 32 k, bf16 q unpacked from the
+// 2/3/4/5/6/8-bit rows, row-major as stored), x the B operand in the VNNI layout TDPBF16PS
+// wants (row kp holds the pairs (x[m, 2kp], x[m, 2kp + 1]) for 16 m), so each accumulator
+// tile is C[n][m] and the per-group epilogue scales a row by one s[n, g]. References: Intel 64
+// and IA-32 Architectures Software Developer's Manual, vol. 2 (TDPBF16PS, LDTILECFG) and vol. 1
+// ch. 3 (AMX state);
 // Linux Documentation/arch/x86/xstate.rst (ARCH_REQ_XCOMP_PERM before first use).
 
 #include <algorithm>
@@ -148,10 +149,17 @@ VUN_AMX_TARGET inline void unpack_tile(const uint8_t* wq, size_t N, size_t K, si
           d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000f000f), 0xA8);  // (d | d<<12) & m
       out = _mm512_permutexvar_epi16(pair, lut);
     } else {
+      // 8 bits: the codes are the row's bytes; 2, 3, 5 and 6 bits: unpacked to bytes first.
+      alignas(64) uint8_t codes[kDepth];
+      const uint8_t* bytes = src;
+      if constexpr (BITS != 8) {
+        unpack_codes(src, 0, kDepth, BITS, codes);
+        bytes = codes;
+      }
       const __m512 lo = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
       const __m512 hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16))));
       out = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // exact: q < 256
     }
     _mm512_store_si512(dst + r * kDepth, out);
@@ -387,8 +395,16 @@ void amx_quantized_linear_blocks(
     const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, int bits,
     size_t nb0, size_t nb1) {
   const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
-  (bits == 4 ? qlinear_jit<4> : qlinear_jit<8>)(tiles, sums, w8, scales, biases, y, M, N, K,
-                                                group_size, nb0, nb1);
+  decltype(&qlinear_jit<8>) fn = qlinear_jit<8>;
+  switch (bits) {
+    case 2: fn = qlinear_jit<2>; break;
+    case 3: fn = qlinear_jit<3>; break;
+    case 4: fn = qlinear_jit<4>; break;
+    case 5: fn = qlinear_jit<5>; break;
+    case 6: fn = qlinear_jit<6>; break;
+    default: break;
+  }
+  fn(tiles, sums, w8, scales, biases, y, M, N, K, group_size, nb0, nb1);
 }
 
 VUN_AMX_TARGET void amx_unpack_weight(const uint32_t* wq, size_t N, size_t K, int bits,
@@ -398,10 +414,13 @@ VUN_AMX_TARGET void amx_unpack_weight(const uint32_t* wq, size_t N, size_t K, in
   for (size_t nb = nb0; nb < nb1; ++nb) {
     for (size_t s = 0; s < segs; ++s) {
       uint16_t* dst = panel + (nb * segs + s) * kTileElems;
-      if (bits == 4) {
-        unpack_tile<4>(w8, N, K, nb * kTile, s, dst);
-      } else {
-        unpack_tile<8>(w8, N, K, nb * kTile, s, dst);
+      switch (bits) {
+        case 2: unpack_tile<2>(w8, N, K, nb * kTile, s, dst); break;
+        case 3: unpack_tile<3>(w8, N, K, nb * kTile, s, dst); break;
+        case 4: unpack_tile<4>(w8, N, K, nb * kTile, s, dst); break;
+        case 5: unpack_tile<5>(w8, N, K, nb * kTile, s, dst); break;
+        case 6: unpack_tile<6>(w8, N, K, nb * kTile, s, dst); break;
+        default: unpack_tile<8>(w8, N, K, nb * kTile, s, dst); break;
       }
     }
   }

@@ -9,10 +9,16 @@
 // the byte -> int widening to scalar inserts), chosen once by what the CPU supports
 // (an ISA cap of avx2 or portable, see configure in cpu_math.h, forces a lower one); other
 // CPUs run the portable loop.
+//
+// Widths other than 4 and 8 (2, 3, 5, 6 bits) take a simple route: a row's codes are unpacked
+// to bytes first (unpack_codes), then dequantized by the 8-bit kernel, so every width rounds
+// the same way through the same code.
 
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "cpu_math.h"
 
@@ -135,14 +141,98 @@ RowsFn pick() {
   return rows_portable<BITS>;
 }
 
+// Elements [8 c, 8 c + 8) of a row take `BITS` bytes from byte c * BITS: read them as one
+// little-endian integer (only those bytes: the row may end there) and split it.
+template <int BITS>
+inline uint64_t chunk_bits(const uint8_t* p) {
+  uint64_t v = 0;
+  std::memcpy(&v, p, BITS);
+  return v;
+}
+
+template <int BITS>
+void unpack_portable(const uint8_t* row, size_t k0, size_t n, uint8_t* dst) {
+  constexpr uint64_t mask = (uint64_t{1} << BITS) - 1;
+  const uint8_t* src = row + k0 * BITS / 8;
+  for (size_t c = 0; c < n / 8; ++c) {
+    const uint64_t v = chunk_bits<BITS>(src + c * BITS);
+    for (int i = 0; i < 8; ++i) {
+      dst[8 * c + i] = static_cast<uint8_t>((v >> (BITS * i)) & mask);
+    }
+  }
+}
+
+#ifdef VUN_X86
+// BMI2's PDEP deposits the 8 consecutive BITS-bit fields into the low bits of 8 bytes at once.
+template <int BITS>
+__attribute__((target("bmi2"))) void unpack_bmi2(const uint8_t* row, size_t k0, size_t n,
+                                                 uint8_t* dst) {
+  constexpr uint64_t lanes = 0x0101010101010101ull * ((1u << BITS) - 1);
+  const uint8_t* src = row + k0 * BITS / 8;
+  for (size_t c = 0; c < n / 8; ++c) {
+    const uint64_t v = _pdep_u64(chunk_bits<BITS>(src + c * BITS), lanes);
+    std::memcpy(dst + 8 * c, &v, 8);
+  }
+}
+#endif
+
+using UnpackFn = void (*)(const uint8_t*, size_t, size_t, uint8_t*);
+
+template <int BITS>
+UnpackFn pick_unpack() {
+  if constexpr (BITS == 8) {
+    return [](const uint8_t* row, size_t k0, size_t n, uint8_t* dst) {
+      std::memcpy(dst, row + k0, n);
+    };
+  } else {
+#ifdef VUN_X86
+    __builtin_cpu_init();
+    if (isa_level() >= 1 && __builtin_cpu_supports("bmi2")) {
+      return unpack_bmi2<BITS>;
+    }
+#endif
+    return unpack_portable<BITS>;
+  }
+}
+
+// Rows [r0, r1) of a 2/3/5/6-bit matrix: each row's codes unpacked to bytes in a per-thread
+// buffer, then the 8-bit kernel on that one row.
+void rows_via_bytes(RowsFn eight, int bits, const uint32_t* wq, const float* scales,
+                    const float* biases, float* out, size_t r0, size_t r1, size_t K,
+                    size_t group_size) {
+  thread_local std::vector<uint8_t> codes;
+  if (codes.size() < K) {
+    codes.resize(K);
+  }
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  const size_t row_bytes = K * static_cast<size_t>(bits) / 8;
+  const size_t groups = K / group_size;
+  for (size_t r = r0; r < r1; ++r) {
+    unpack_codes(w8 + r * row_bytes, 0, K, bits, codes.data());
+    eight(reinterpret_cast<const uint32_t*>(codes.data()), scales + r * groups,
+          biases + r * groups, out + (r - r0) * K, 0, 1, K, group_size);
+  }
+}
+
 } // namespace
+
+void unpack_codes(const uint8_t* row, size_t k0, size_t n, int bits, uint8_t* dst) {
+  static const UnpackFn fns[9] = {nullptr, nullptr, pick_unpack<2>(), pick_unpack<3>(),
+                                  pick_unpack<4>(), pick_unpack<5>(), pick_unpack<6>(),
+                                  nullptr, pick_unpack<8>()};
+  fns[bits](row, k0, n, dst);
+}
 
 void dequantize_rows_f32(
     const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
     size_t r1, size_t K, size_t group_size, int bits) {
   static const RowsFn four = pick<4>();
   static const RowsFn eight = pick<8>();
-  (bits == 4 ? four : eight)(wq, scales, biases, out, r0, r1, K, group_size);
+  if (bits == 4 || bits == 8) {
+    (bits == 4 ? four : eight)(wq, scales, biases, out, r0, r1, K, group_size);
+  } else {
+    rows_via_bytes(eight, bits, wq, scales, biases, out, r0, r1, K, group_size);
+  }
 }
 
 } // namespace vun
