@@ -98,6 +98,25 @@ void dequantize_rows_f32(
     const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
     size_t r1, size_t K, size_t group_size, int bits);
 
+// The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)
+// as the low 8 * BITS bits of a little-endian integer; the bits above are other elements' (or
+// zero). Reads 8 bytes at once where they lie before `end` (the row's end), else only the
+// BITS bytes it needs, assembled in registers (a memcpy of BITS bytes into a zeroed integer
+// goes through the stack and stalls the load on store forwarding: 8x slower decode).
+template <int BITS>
+inline uint64_t load_chunk(const uint8_t* p, const uint8_t* end) {
+  uint64_t v;
+  if (end - p >= 8) {
+    __builtin_memcpy(&v, p, 8);
+    return v;
+  }
+  v = 0;
+  for (int i = 0; i < BITS; ++i) {
+    v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  }
+  return v;
+}
+
 // The codes of elements [k0, k0 + n) of one packed row (dequantize_rows_f32's layout) as bytes:
 // dst[i] = q[k0 + i]. k0 * bits and n * bits multiples of 8 (whole bytes; n a multiple of 8).
 void unpack_codes(const uint8_t* row, size_t k0, size_t n, int bits, uint8_t* dst);
