@@ -10,12 +10,14 @@ Three jobs, kept apart from the model-building code in :mod:`vllm_unified.models
   is off), refuses the whole file on Q5_0 / Q5_1, and narrows BF16 to float16. So ``mx.load`` is
   used only when every tensor has a type it handles exactly; otherwise each tensor is decoded
   from the memory-mapped file here: Q4_0 / Q4_1 / Q8_0 / Q4_K are repacked bit-exactly into MLX
-  affine triples, everything else is dequantized with the ``gguf`` package's reference code;
+  affine triples, Q5_* / IQ4_NL / IQ4_XS (and Q6_K / Q3_K / Q2_K where the native CPU kernels
+  run the model) re-coded from the ``gguf`` package's reference values into exact triples,
+  everything else is dequantized with that reference code;
 * GGUF -> Hugging Face tensor names for the supported families, and undoing llama.cpp's
   Q/K row permutation for Llama.
 
-A quantized tensor is returned as :class:`QuantizedTensor` (MLX affine, group size 32); a plain
-one as an ``mx.array``.
+A quantized tensor is returned as :class:`QuantizedTensor` (MLX affine, 2-8 bits, groups of 32
+or 16); a plain one as an ``mx.array``.
 """
 
 from __future__ import annotations

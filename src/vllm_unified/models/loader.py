@@ -98,10 +98,11 @@ def load_model(
         keep_quantized: keep quantized weights quantized (``nn.QuantizedLinear`` /
             ``nn.QuantizedEmbedding``, MLX affine) where MLX can hold them exactly; otherwise
             dequantize them once, here, to ``dtype``.
-        native_groups: the native CPU kernels will run every ``nn.QuantizedLinear`` (MLX's
-            CPU backend, fp32, the extension built: ``cpu_kernels.keep_quantized_on_cpu``),
-            so GGUF Q6_K linear layers may stay quantized as 8-bit groups of 16, which MLX's
-            own quantized ops refuse. Off: they are dequantized.
+        native_groups: the native CPU kernels will run every ``nn.QuantizedLinear`` and
+            ``nn.QuantizedEmbedding`` (MLX's CPU backend, fp32, the extension built:
+            ``cpu_kernels.keep_quantized_on_cpu``), so GGUF Q6_K / Q3_K / Q2_K layers may stay
+            quantized as 6 / 3 / 2-bit groups of 16, which MLX's own quantized ops refuse.
+            Off: they are dequantized.
         stage: the pipeline stage this process runs (``--pipeline-parallel-size``): only its
             layers' weights are evaluated and kept (:func:`~vllm_unified.distributed.pipeline.
             prune_model`). None: the whole model.
