@@ -519,6 +519,23 @@ def test_group16_types_stay_dense_without_native_groups(tmp_path, qtype):
         assert isinstance(t, G.QuantizedTensor) and t.group_size == 16
 
 
+def test_describe_weights_counts_the_bytes_held_after_the_cast():
+    """Q8_0's float16 scales and biases are held as float32 once the loader casts them to the
+    compute dtype: the log line counts 4 bytes each (1.25 bytes per weight), not 2."""
+    rows, cols = 512, 2048
+    raw = _random_blocks(T.Q8_0, rows, cols, np.random.default_rng(8))
+    info = G.GGUFTensorInfo("blk.0.ffn_up.weight", int(T.Q8_0), (rows, cols), 0, raw.size)
+    index = G.GGUFIndex({}, {info.name: info})
+    tensors = {info.name: G._repack(raw.reshape(-1), info)}
+    assert tensors[info.name].scales.dtype == mx.float16
+    held = rows * cols * 1.25 / 2**20
+    as_read = rows * cols * 1.125 / 2**20
+    assert G.describe_weights(index, tensors, mx.float32) == [
+        f"Q8_0: 1 tensors, kept as 8-bit affine, {held:.1f} MiB (file "
+        f"{raw.size / 2**20:.1f} MiB)"]
+    assert f"{as_read:.1f} MiB" in G.describe_weights(index, tensors)[0]
+
+
 def test_widened_type_with_a_non_finite_scale_is_refused():
     raw = _random_blocks(T.Q5_0, 2, 64, np.random.default_rng(0))
     raw[1, :2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
