@@ -117,10 +117,6 @@ inline uint64_t load_chunk(const uint8_t* p, const uint8_t* end) {
   return v;
 }
 
-// The codes of elements [k0, k0 + n) of one packed row (dequantize_rows_f32's layout) as bytes:
-// dst[i] = q[k0 + i]. k0 * bits and n * bits multiples of 8 (whole bytes; n a multiple of 8).
-void unpack_codes(const uint8_t* row, size_t k0, size_t n, int bits, uint8_t* dst);
-
 } // namespace vun
 
 namespace vun {

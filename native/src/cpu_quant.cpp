@@ -12,13 +12,12 @@
 //
 // Widths other than 4 and 8 (2, 3, 5, 6 bits): the vector kernels spread each 8-element chunk
 // (BITS bytes) to 8 bytes with BMI2's PDEP, in registers, then go on as for 8 bits; the
-// portable path unpacks a row's codes to bytes first (unpack_codes), then runs the 8-bit
+// portable path unpacks a row's codes to bytes first (rows_via_bytes), then runs the 8-bit
 // kernel. Every width rounds the same way (scale * q, then + bias).
 
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "cpu_math.h"
@@ -173,54 +172,21 @@ RowsFn pick() {
   }
 }
 
+// The codes of one packed row of K elements (dequantize_rows_f32's layout) as bytes.
 template <int BITS>
-void unpack_portable(const uint8_t* row, size_t k0, size_t n, uint8_t* dst) {
+void unpack_row(const uint8_t* row, size_t K, uint8_t* dst) {
   constexpr uint64_t mask = (uint64_t{1} << BITS) - 1;
-  const uint8_t* src = row + k0 * BITS / 8;
-  const uint8_t* end = src + n * BITS / 8;
-  for (size_t c = 0; c < n / 8; ++c) {
-    const uint64_t v = load_chunk<BITS>(src + c * BITS, end);
+  const uint8_t* end = row + K * BITS / 8;
+  for (size_t c = 0; c < K / 8; ++c) {
+    const uint64_t v = load_chunk<BITS>(row + c * BITS, end);
     for (int i = 0; i < 8; ++i) {
       dst[8 * c + i] = static_cast<uint8_t>((v >> (BITS * i)) & mask);
     }
   }
 }
 
-
-#ifdef VUN_X86
-template <int BITS>
-__attribute__((target("bmi2"))) void unpack_bmi2(const uint8_t* row, size_t k0, size_t n,
-                                                 uint8_t* dst) {
-  const uint8_t* src = row + k0 * BITS / 8;
-  const uint8_t* end = src + n * BITS / 8;
-  for (size_t c = 0; c < n / 8; ++c) {
-    const uint64_t v = spread8<BITS>(load_chunk<BITS>(src + c * BITS, end));
-    std::memcpy(dst + 8 * c, &v, 8);
-  }
-}
-
-#endif
-
-using UnpackFn = void (*)(const uint8_t*, size_t, size_t, uint8_t*);
-
-template <int BITS>
-UnpackFn pick_unpack() {
-  if constexpr (BITS == 8) {
-    return [](const uint8_t* row, size_t k0, size_t n, uint8_t* dst) {
-      std::memcpy(dst, row + k0, n);
-    };
-  } else {
-#ifdef VUN_X86
-    if (isa_level() >= 1 && has_bmi2()) {
-      return unpack_bmi2<BITS>;
-    }
-#endif
-    return unpack_portable<BITS>;
-  }
-}
-
-// Rows [r0, r1) of a 2/3/5/6-bit matrix: each row's codes unpacked to bytes in a per-thread
-// buffer, then the 8-bit kernel on that one row.
+// Rows [r0, r1) of a 2/3/5/6-bit matrix without the vector kernels (portable ISA, or no BMI2):
+// each row's codes unpacked to bytes in a per-thread buffer, then the 8-bit kernel on that row.
 void rows_via_bytes(RowsFn eight, int bits, const uint32_t* wq, const float* scales,
                     const float* biases, float* out, size_t r0, size_t r1, size_t K,
                     size_t group_size) {
@@ -232,20 +198,19 @@ void rows_via_bytes(RowsFn eight, int bits, const uint32_t* wq, const float* sca
   const size_t row_bytes = K * static_cast<size_t>(bits) / 8;
   const size_t groups = K / group_size;
   for (size_t r = r0; r < r1; ++r) {
-    unpack_codes(w8 + r * row_bytes, 0, K, bits, codes.data());
+    const uint8_t* row = w8 + r * row_bytes;
+    switch (bits) {
+      case 2: unpack_row<2>(row, K, codes.data()); break;
+      case 3: unpack_row<3>(row, K, codes.data()); break;
+      case 5: unpack_row<5>(row, K, codes.data()); break;
+      default: unpack_row<6>(row, K, codes.data()); break;
+    }
     eight(reinterpret_cast<const uint32_t*>(codes.data()), scales + r * groups,
           biases + r * groups, out + (r - r0) * K, 0, 1, K, group_size);
   }
 }
 
 } // namespace
-
-void unpack_codes(const uint8_t* row, size_t k0, size_t n, int bits, uint8_t* dst) {
-  static const UnpackFn fns[9] = {nullptr, nullptr, pick_unpack<2>(), pick_unpack<3>(),
-                                  pick_unpack<4>(), pick_unpack<5>(), pick_unpack<6>(),
-                                  nullptr, pick_unpack<8>()};
-  fns[bits](row, k0, n, dst);
-}
 
 void dequantize_rows_f32(
     const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
