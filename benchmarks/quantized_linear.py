@@ -9,6 +9,7 @@ also checked against the float64 product (relative to its largest value).
 
     .venv/bin/python benchmarks/quantized_linear.py
     .venv/bin/python benchmarks/quantized_linear.py --rows 1 4 16 --rounds 5
+    .venv/bin/python benchmarks/quantized_linear.py --bits 2 3 4 5 6 8   # every layer per width
 
 Variants: ``amx`` (the default dispatch: AMX tiles from 4 rows where the CPU has them),
 ``avx512`` (``VLLM_UNIFIED_CPU_ISA=avx512``: the AVX-512 kernel at every size) and ``blas``
@@ -41,7 +42,15 @@ def _call(native, variant: str, x, params: tuple):  # noqa: ANN001 (modules impo
     return native.quantized_linear(x, *params)
 
 
-def child(variant: str, rows: list[int], budget_s: float) -> None:
+def layers(widths: list[int] | None) -> list[tuple[str, int, int, int]]:
+    """:data:`LAYERS`, or each of them at every width of ``widths`` (name + ``N-bit``)."""
+    if not widths:
+        return LAYERS
+    return [(f"{name.removesuffix(' 8-bit')} {b}-bit", n, k, b)
+            for name, n, k, _ in LAYERS for b in widths]
+
+
+def child(variant: str, rows: list[int], budget_s: float, widths: list[int] | None) -> None:
     """Time every (layer, rows) pair in this process; print one JSON line."""
     from vllm_unified.blas import preload_blas
 
@@ -56,7 +65,7 @@ def child(variant: str, rows: list[int], budget_s: float) -> None:
         raise SystemExit(f"native extension unavailable: {bridge.native_error()}")
     rng = np.random.default_rng(0)
     out: dict[str, dict] = {"amx_usable": native.amx_usable(), "ms": {}, "err": {}}
-    for name, n, k, bits in LAYERS:
+    for name, n, k, bits in layers(widths):
         w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
         wq, scales, biases = mx.quantize(w, group_size=32, bits=bits)
         dense64 = np.array(mx.dequantize(wq, scales, biases, 32, bits)).astype(np.float64)
@@ -79,12 +88,15 @@ def child(variant: str, rows: list[int], budget_s: float) -> None:
     print(json.dumps(out))
 
 
-def run_variant(variant: str, rows: list[int], budget_s: float) -> dict:
+def run_variant(variant: str, rows: list[int], budget_s: float,
+                widths: list[int] | None) -> dict:
     env = dict(os.environ)
     if variant == "avx512":
         env["VLLM_UNIFIED_CPU_ISA"] = "avx512"
     cmd = [sys.executable, __file__, "--child", variant, "--budget", str(budget_s),
            "--rows", *map(str, rows)]
+    if widths:
+        cmd += ["--bits", *map(str, widths)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{done.stderr[-2000:]}")
@@ -96,17 +108,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 2048])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--bits", type=int, nargs="+", choices=(2, 3, 4, 5, 6, 8),
+                        help="run every layer at each of these widths (default: 4-bit layers, "
+                             "8-bit head)")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.rows, args.budget)
+        child(args.child, args.rows, args.budget, args.bits)
         return
     best: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
     errors: dict[str, float] = dict.fromkeys(VARIANTS, 0.0)
     amx = False
     for _ in range(args.rounds):
         for variant in VARIANTS:
-            res = run_variant(variant, args.rows, args.budget)
+            res = run_variant(variant, args.rows, args.budget, args.bits)
             amx = amx or (variant == "amx" and res["amx_usable"])
             for key, ms in res["ms"].items():
                 best[variant][key] = min(ms, best[variant].get(key, float("inf")))

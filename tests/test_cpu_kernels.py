@@ -227,21 +227,51 @@ def test_half_layers_are_left_alone_and_unsupported_quantized_ones_dequantized()
     model = _tiny_llama(False)
     nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p.endswith("q_proj"))
     nn.quantize(model, group_size=32, bits=3, class_predicate=lambda p, m: p.endswith("k_proj"))
+    nn.quantize(model, group_size=32, bits=4, mode="mxfp4",
+                class_predicate=lambda p, m: p.endswith("v_proj"))
     model.layers[1].mlp.down_proj.weight = model.layers[1].mlp.down_proj.weight.astype(
         mx.bfloat16)
-    k_proj = model.layers[0].self_attn.k_proj
-    dense_k = mx.dequantize(k_proj.weight, k_proj.scales, k_proj.biases, 32, 3)
+    v_proj = model.layers[0].self_attn.v_proj
+    dense_v = mx.dequantize(v_proj.weight, v_proj.scales, None, 32, 4, mode="mxfp4")
     x = mx.array(np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32))
-    want_k = k_proj(x)
+    want_v = v_proj(x)
     routed = cpu_kernels.install_cpu_kernels(model)
-    assert f"{2 * 7 + 1 - 2 - 1} linear layers" in routed  # 2 of them were 3-bit
-    assert "2 quantized linear layers" in routed
-    assert "2 affine 3-bit layers dequantized to float32 (no native kernel for them)" in routed
+    assert f"{2 * 7 + 1 - 3 * 2 - 1 + 2} linear layers" in routed  # 2 of them were mxfp4
+    assert "4 quantized linear layers" in routed  # 4-bit q_proj and 3-bit k_proj
+    assert "2 mxfp4 4-bit layers dequantized to float32 (no native kernel for them)" in routed
     assert type(model.layers[0].self_attn.q_proj) is cpu_kernels.NativeQuantizedLinear
-    assert type(k_proj) is cpu_kernels.NativeLinear and "scales" not in k_proj
-    assert mx.array_equal(k_proj.weight, dense_k).item()
-    assert _rel_err(k_proj(x), want_k) < 1e-5
+    assert type(model.layers[0].self_attn.k_proj) is cpu_kernels.NativeQuantizedLinear
+    assert type(v_proj) is cpu_kernels.NativeLinear and "scales" not in v_proj
+    assert mx.array_equal(v_proj.weight, dense_v).item()
+    assert _rel_err(v_proj(x), want_v) < 1e-5
     assert type(model.layers[1].mlp.down_proj) is nn.Linear
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [16, 32, 64])
+def test_quantized_embedding_lookup_equals_the_reference_rows(bits, group_size):
+    """The lookup gathers the rows of weight, scales and biases and dequantizes them natively:
+    the reference rows bit for bit, groups of 16 included (MLX's own lookup refuses them);
+    the tied head (as_linear) equals linear on the dense table."""
+    rng = np.random.default_rng(bits * group_size)
+    vocab, dims = 50, 128
+    emb = nn.QuantizedEmbedding(vocab, dims, group_size=max(group_size, 32), bits=bits)
+    if group_size == 16:
+        emb.weight, emb.scales, emb.biases, dense = _groups_of_16(rng, vocab, dims, bits)
+        emb.group_size = 16
+    else:
+        emb.weight, emb.scales, emb.biases = _quantized(rng, vocab, dims, group_size, bits)
+        dense = mx.dequantize(emb.weight, emb.scales, emb.biases, group_size, bits)
+    holder = nn.Module()
+    holder.embed = emb
+    assert "1 quantized embedding layers" in cpu_kernels.install_cpu_kernels(holder)
+    assert type(emb) is cpu_kernels.NativeQuantizedEmbedding
+    ids = mx.array([[3, 0, 49], [7, 7, 12]])
+    got = emb(ids)
+    assert got.shape == (2, 3, dims) and got.dtype == mx.float32
+    assert mx.array_equal(got, dense[ids]).item()
+    x = mx.array(rng.standard_normal((2, dims)).astype(np.float32))
+    assert mx.array_equal(emb.as_linear(x), native.linear(x, dense)).item()
 
 
 def _quantized(rng, n: int, k: int, group_size: int, bits: int):
@@ -252,7 +282,62 @@ def _quantized(rng, n: int, k: int, group_size: int, bits: int):
 
 
 QUANTIZED_SHAPES = [(1536, 576, 32, 4), (579, 64, 32, 8), (5, 256, 64, 4), (7, 128, 128, 8),
-                    (1, 32, 32, 4)]
+                    (1, 32, 32, 4),
+                    # every other width MLX's affine mode makes, at each group size it takes
+                    (300, 96, 32, 3), (45, 256, 64, 3), (9, 128, 128, 3),
+                    (77, 160, 32, 5), (33, 128, 64, 5), (5, 384, 128, 5),
+                    (130, 96, 32, 6), (17, 192, 64, 6), (3, 256, 128, 6),
+                    (64, 128, 32, 2), (21, 64, 64, 2), (6, 256, 128, 2)]
+
+
+def _codes(wq: mx.array, n: int, k: int, bits: int) -> np.ndarray:
+    """The integer codes of an MLX-packed weight, as MLX reads them (mx.dequantize with unit
+    scales and zero biases)."""
+    ones = mx.ones((n, k // 32), dtype=mx.float32)
+    return np.array(mx.dequantize(wq, ones, mx.zeros_like(ones), 32, bits)).astype(np.int64)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_mlx_packs_every_width_as_a_little_endian_bit_stream(bits):
+    """The layout the kernels (cpu_math.h) and the GGUF reader (gguf._pack_bits) assume, checked
+    on MLX itself: element k of a row in bits [bits k, bits (k + 1)) of the row's bytes."""
+    from vllm_unified.models import gguf as G
+
+    rng = np.random.default_rng(bits)
+    wq, _, _ = _quantized(rng, 6, 256, 32, bits)
+    codes = _codes(wq, 6, 256, bits)
+    stream = np.unpackbits(np.array(wq).view(np.uint8), axis=1, bitorder="little")
+    assert np.array_equal((stream.reshape(6, 256, bits) << np.arange(bits)).sum(-1), codes)
+    assert np.array_equal(G._pack_bits(codes.astype(np.uint8), bits), np.array(wq))
+    assert np.array_equal(G._unpack_bits(np.array(wq), bits, 256), codes)
+
+
+def _groups_of_16(rng, n: int, k: int, bits: int):
+    """A random triple with groups of 16 (MLX's ops refuse them) and its dense fp32 reference,
+    rounded as MLX's dequantize rounds (scale * code, then + bias)."""
+    wq, _, _ = _quantized(rng, n, k, 32, bits)
+    scales = mx.array(rng.standard_normal((n, k // 16)).astype(np.float32))
+    biases = mx.array(rng.standard_normal((n, k // 16)).astype(np.float32))
+    codes = mx.array(_codes(wq, n, k, bits).astype(np.float32)).reshape(n, k // 16, 16)
+    dense = (codes * scales[..., None] + biases[..., None]).reshape(n, k)
+    mx.eval(dense)
+    return wq, scales, biases, dense
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_groups_of_16_are_bit_identical_to_their_reference(m, bits):
+    """Groups of 16 (GGUF's Q6_K / Q3_K / Q2_K sub-blocks): dequantize equals the reference
+    bit for bit and quantized_linear equals linear on it (the AMX path needs groups of 32, so
+    every call here takes the AVX / portable path)."""
+    rng = np.random.default_rng(16 * m + bits)
+    n, k = 37, 192
+    wq, scales, biases, dense = _groups_of_16(rng, n, k, bits)
+    assert mx.array_equal(native.dequantize(wq, scales, biases, 16, bits), dense).item()
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    assert not _amx_runs(m, k, 16)
+    got = native.quantized_linear(x, wq, scales, biases, 16, bits)
+    assert mx.array_equal(got, native.linear(x, dense)).item()
 
 
 @pytest.mark.parametrize("n, k, group_size, bits", QUANTIZED_SHAPES)
@@ -322,9 +407,11 @@ def test_avx_path_on_an_amx_machine():
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
 
 
-AMX_SHAPES = [  # (m, n, k, group_size, bits): row and column tails, group sizes, 8-bit
+AMX_SHAPES = [  # (m, n, k, group_size, bits): row and column tails, group sizes, widths
     (4, 1536, 576, 32, 4), (16, 49, 576, 32, 8), (17, 200, 128, 64, 4), (33, 16, 1536, 32, 4),
-    (100, 577, 64, 32, 8), (35, 24, 256, 128, 4), (300, 130, 96, 32, 4)]
+    (100, 577, 64, 32, 8), (35, 24, 256, 128, 4), (300, 130, 96, 32, 4),
+    (5, 70, 96, 32, 3), (40, 33, 256, 64, 3), (6, 100, 160, 32, 5), (70, 50, 384, 128, 5),
+    (17, 45, 192, 64, 6), (100, 20, 96, 32, 6), (4, 64, 128, 32, 2), (50, 30, 256, 128, 2)]
 
 
 def _needs_amx():
@@ -427,9 +514,14 @@ import hashlib, numpy as np, mlx.core as mx
 from vllm_unified_native import dequantize, quantized_linear
 rng = np.random.default_rng(1)
 h = hashlib.sha1()
-for bits, gs, n, k in [(4, 32, 77, 576), (8, 64, 45, 256), (4, 128, 33, 384)]:
+for bits, gs, n, k in [(4, 32, 77, 576), (8, 64, 45, 256), (4, 128, 33, 384), (3, 32, 40, 192),
+                       (5, 64, 30, 256), (6, 128, 20, 384), (2, 32, 50, 128), (6, 16, 9, 96),
+                       (3, 16, 11, 64), (5, 16, 7, 64), (2, 16, 5, 64)]:
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
-    wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+    wq, s, b = mx.quantize(w, group_size=max(gs, 32), bits=bits)
+    if gs == 16:  # MLX makes no groups of 16: any scales and biases make a valid triple
+        s = mx.array(rng.standard_normal((n, k // 16)).astype(np.float32))
+        b = mx.array(rng.standard_normal((n, k // 16)).astype(np.float32))
     for m in (1, 5, 16):
         x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
         h.update(np.array(quantized_linear(x, wq, s, b, gs, bits)).tobytes())
@@ -460,7 +552,8 @@ from vllm_unified_native import amx_usable, quantized_linear
 assert amx_usable()
 rng = np.random.default_rng(2)
 h = hashlib.sha1()
-for bits, gs, n, k, m in [(4, 32, 1536, 576, 16), (8, 64, 300, 256, 5), (4, 32, 700, 1536, 200)]:
+for bits, gs, n, k, m in [(4, 32, 1536, 576, 16), (8, 64, 300, 256, 5), (4, 32, 700, 1536, 200),
+                          (5, 32, 700, 1536, 200), (3, 64, 300, 256, 5), (6, 32, 130, 384, 60)]:
     wq, s, b = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)),
                            group_size=gs, bits=bits)
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
@@ -490,8 +583,10 @@ def test_quantized_kernels_reject_bad_input():
     rng = np.random.default_rng(0)
     wq, scales, biases = _quantized(rng, 8, 64, 32, 4)
     x = mx.zeros((2, 64))
-    with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
-        native.quantized_linear(x, wq, scales, biases, 32, 3)
+    with pytest.raises(ValueError, match="bits must be 2, 3, 4, 5, 6 or 8, got 7"):
+        native.quantized_linear(x, wq, scales, biases, 32, 7)
+    with pytest.raises(ValueError, match="words do not hold whole 3-bit elements"):
+        native.dequantize(wq[:, :7], scales, biases, 32, 3)
     with pytest.raises(ValueError, match="multiple of 16, got 24"):
         native.dequantize(wq, scales, biases, 24, 4)
     with pytest.raises(TypeError, match="scales, biases float32"):
@@ -535,7 +630,9 @@ def test_quantized_model_runs_bit_identical_to_its_dequantized_copy(monkeypatch,
     for inputs, kernel in ((tokens[:, :1], "quantized_linear"),
                            (tokens, "quantized_linear" if amx else "dequantize")):
         got = model(inputs)
-        assert spy.calls[kernel] == 2 * 7 + 1
+        lookup = 1 if kernel == "dequantize" else 0  # the embedding's rows: native dequantize
+        assert spy.calls[kernel] == 2 * 7 + 1 + lookup
+        assert spy.calls["dequantize"] >= 1
         spy.calls.clear()
         if amx and inputs.size >= native.AMX_MIN_ROWS:
             assert _rel_err(got, dense(inputs)) < 1e-5

@@ -158,7 +158,7 @@ def test_gemma3_270m_q4_k_m_matches_transformers_greedy():
     assert lm.config["sliding_window_pattern"] == 6
     assert lm.config["rope_local_base_freq"] == 10000.0 and lm.config["rope_theta"] == 1e6
     bits = {m.bits for m in quantized_modules(lm.model).values()}
-    assert bits == {4, 8}  # Q4_K (4 bits), Q8_0 and Q5_0 (8 bits) kept; Q6_K dequantized
+    assert bits == {4, 5, 8}  # Q4_K (4 bits), Q5_0 (5), Q8_0 (8) kept; Q6_K dequantized
     index = G.read_gguf_index(path)
     repacked = [n for n, t in index.tensors.items()
                 if t.ggml_type in G.REPACKABLE_TYPES and len(t.shape) == 2]
@@ -166,18 +166,19 @@ def test_gemma3_270m_q4_k_m_matches_transformers_greedy():
     assert len(quantized_modules(lm.model)) == len(repacked)
     lines = G.describe_weights(index, G.read_gguf_tensors(path, index, quantized=True))
     by_type = {line.split(":")[0]: line for line in lines}
-    assert "kept as 8-bit affine" in by_type["Q5_0"] and "kept as 4-bit" in by_type["Q4_K"]
+    assert "kept as 5-bit affine" in by_type["Q5_0"] and "kept as 4-bit" in by_type["Q4_K"]
     assert "dequantized to float32 (16-value sub-blocks" in by_type["Q6_K"]
     assert "dense float32" in by_type["F32"]
-    # with the native CPU kernels, Q6_K linear layers stay quantized (8-bit groups of 16)
+    # with the native CPU kernels, Q6_K layers stay quantized (6-bit groups of 16)
     from vllm_unified.models.cpu_kernels import install_cpu_kernels
 
     native = load_model(path, hf_config=GEMMA3_270M_CONFIG, dtype=mx.float32,
                         keep_quantized=True, native_groups=True)
     install_cpu_kernels(native.model)
     groups = {n: m.group_size for n, m in quantized_modules(native.model).items()}
-    q6 = [n for n, t in index.tensors.items() if t.ggml_type == T.Q6_K and n != "token_embd.weight"]
+    q6 = [n for n, t in index.tensors.items() if t.ggml_type == T.Q6_K]
     assert q6 and sorted(groups.values()).count(16) == len(q6)
+    assert {m.bits for m in quantized_modules(native.model).values()} == {4, 5, 6, 8}
     assert greedy(native.model, prompt, len(expected)) == expected
     assert greedy(lm.model, prompt, len(expected)) == expected
 
@@ -296,6 +297,36 @@ def test_tiny_mlx_quantized_folder(tmp_path, tiny_ids):
                                mlx_logits(flat.model, tiny_ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("bits", [3, 5])
+def test_tiny_mlx_3_and_5_bit_folders_run_natively(tmp_path, tiny_ids, bits):
+    """An MLX-format 3-bit / 5-bit checkpoint (mlx-lm's quantize + save, groups of 64) kept
+    quantized is routed to the native kernels (nothing dequantized) and its greedy output
+    equals the same checkpoint dequantized at load."""
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    from vllm_unified.models.cpu_kernels import NativeQuantizedLinear, install_cpu_kernels
+
+    src = make_tiny_checkpoint(tmp_path, "llama")
+    dense = load_model(src, hf_config=None, dtype=mx.float32, keep_quantized=False)
+    model, config = quantize_model(dense.model, dict(dense.config), group_size=64, bits=bits)
+    out = tmp_path / f"tiny-llama-{bits}bit"
+    save_model(out, model)
+    save_config(config, out / "config.json")
+
+    kept = load_model(out, hf_config=None, dtype=mx.float32, keep_quantized=True)
+    flat = load_model(out, hf_config=None, dtype=mx.float32, keep_quantized=False)
+    routed = install_cpu_kernels(kept.model)
+    install_cpu_kernels(flat.model)
+    assert not any("dequantized" in line for line in routed), routed
+    layers = quantized_modules(kept.model)
+    assert len(layers) == 2 * 7 + 1 and {m.bits for m in layers.values()} == {bits}
+    assert sum(type(m) is NativeQuantizedLinear for m in layers.values()) == 2 * 7
+    prompt = [int(t) for t in np.array(tiny_ids).reshape(-1)[:8]]
+    assert greedy(kept.model, prompt, 12) == greedy(flat.model, prompt, 12)
+    np.testing.assert_allclose(mlx_logits(kept.model, tiny_ids),
+                               mlx_logits(flat.model, tiny_ids), atol=1e-4, rtol=0)
+
+
 # ----------------------------------------------------------------------------- tiny GGUF files
 
 # HF -> llama.cpp names, written out independently of the loader's own table.
@@ -401,75 +432,108 @@ def test_tiny_gguf_matches_transformers(family, tmp_path, tiny_ids):
 # ----------------------------------------------------------------------------- GGUF decoders
 
 
+#: Byte offsets of the float16 block scales per block (the rest of a block is random bytes).
+_F16_AT = {T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+           T.Q3_K: (108,), T.Q2_K: (80, 82)}
+
+
 def _random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random raw blocks of ``qtype`` with sane (finite, modest) float16 block scales."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    n_halfs = 2 if qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K) else 1
-    halfs = rng.uniform(-0.05, 0.05, (rows, cols // block, n_halfs)).astype(np.float16)
-    raw[..., : 2 * n_halfs] = halfs.view(np.uint8)
+    for at in _F16_AT.get(qtype, (0,)):
+        halfs = rng.uniform(-0.05, 0.05, (rows, cols // block, 1)).astype(np.float16)
+        raw[..., at:at + 2] = halfs.view(np.uint8)
     return raw.reshape(rows, -1)
 
 
+#: type -> (bits, group size) it is held as with ``group16=True``
+_HELD = {T.Q4_0: (4, 32), T.Q4_1: (4, 32), T.Q4_K: (4, 32), T.Q8_0: (8, 32), T.Q5_0: (5, 32),
+         T.Q5_1: (5, 32), T.Q5_K: (5, 32), T.IQ4_NL: (8, 32), T.IQ4_XS: (8, 32),
+         T.Q6_K: (6, 16), T.Q3_K: (3, 16), T.Q2_K: (2, 16)}
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K,
-                                   T.IQ4_NL])
+                                   T.IQ4_NL, T.IQ4_XS])
 def test_repack_is_exact(qtype):
     """Random blocks of every repacked type: MLX's dequantization of the triple equals the
-    gguf package's reference bit for bit (Q5_0/Q5_1/Q5_K/IQ4_NL widened to 8 bits), and
-    a zero block scale (all values equal the bias) is kept."""
+    gguf package's reference bit for bit (Q5_0/Q5_1/Q5_K as 5 bits, IQ4_NL/IQ4_XS widened to
+    8 bits), and a zero block scale (all values equal the bias) is kept."""
     rows, cols = 6, 512
     raw = _random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
     raw[0, :2] = 0  # the first block's d = +0.0
     info = G.GGUFTensorInfo("t.weight", int(qtype), (rows, cols), 0, raw.size)
     qt = G._repack(raw.reshape(-1), info)
     ref = gguf.quants.dequantize(raw, qtype)
-    assert qt.shape == (rows, cols) and qt.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K)
-                                                    else 8)
+    assert qt.shape == (rows, cols) and (qt.bits, qt.group_size) == _HELD[qtype]
     assert qt.source_type == qtype.name
     np.testing.assert_array_equal(np.array(qt.dequantize(mx.float32)), ref)
 
 
-def test_q6_k_as_8_bit_groups_of_16_is_exact():
-    """Q6_K (16-value sub-blocks, signed scales) as 8-bit groups of 16 for the native CPU
-    kernels: our dequantization (MLX's refuses groups of 16) and the native kernel's equal the
-    gguf reference bit for bit."""
+def _read_one(tmp_path, name: str, qtype: T, raw: np.ndarray, shape: tuple[int, int],
+              **kwargs) -> mx.array | G.QuantizedTensor:
+    """``raw`` as the only tensor of a file, read back by read_gguf_tensors."""
+    path = tmp_path / f"{qtype.name}.bin"
+    path.write_bytes(raw.tobytes())
+    info = G.GGUFTensorInfo(name, int(qtype), shape, 0, raw.size)
+    return G.read_gguf_tensors(path, G.GGUFIndex({}, {name: info}), quantized=True,
+                               **kwargs)[name]
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q5_K, T.IQ4_NL, T.IQ4_XS, T.Q6_K, T.Q3_K,
+                                   T.Q2_K, T.Q4_K])
+def test_every_type_read_with_native_groups_is_exact(tmp_path, qtype):
+    """Every type the reader re-codes, through read_gguf_tensors(group16=True): held at its
+    width (:data:`_HELD`), and both our dequantization and the native kernel's give the gguf
+    reference bit for bit, zero block scales included; Q6_K with signed sub-block scales."""
     from vllm_unified import bridge
 
     rows, cols = 6, 512
-    rng = np.random.default_rng(14)
-    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
-    raw[..., 208:210] = rng.uniform(-0.05, 0.05, (rows, cols // 256, 1)).astype(
-        np.float16).view(np.uint8)
-    raw = raw.reshape(rows, -1)
-    info = G.GGUFTensorInfo("blk.0.ffn_down.weight", int(T.Q6_K), (rows, cols), 0, raw.size)
-    qt = G._widen_to_8_bits(raw.reshape(-1), info)
-    ref = gguf.quants.dequantize(raw, T.Q6_K)
-    assert (qt.bits, qt.group_size, qt.shape) == (8, 16, (rows, cols))
-    assert float(mx.min(qt.scales).item()) < 0  # signed sub-block scales kept as they are
+    raw = _random_blocks(qtype, rows, cols, np.random.default_rng(100 + int(qtype)))
+    at = _F16_AT.get(qtype, (0,))[0]
+    raw[0, at:at + 2] = 0  # the first block's d = +0.0
+    ref = gguf.quants.dequantize(raw, qtype)
+    qt = _read_one(tmp_path, "blk.0.ffn_down.weight", qtype, raw, (rows, cols), group16=True)
+    assert isinstance(qt, G.QuantizedTensor)
+    assert (qt.bits, qt.group_size, qt.shape) == (*_HELD[qtype], (rows, cols))
     np.testing.assert_array_equal(np.array(qt.dequantize(mx.float32)), ref)
     native = bridge.native_kernels()
     assert native is not None, "the native extension is not built: run scripts/setup.sh"
-    dense = native.dequantize(qt.weight, qt.scales, qt.biases, 16, 8)
+    dense = native.dequantize(qt.weight, qt.scales, qt.biases, qt.group_size, qt.bits)
     np.testing.assert_array_equal(np.array(dense), ref)
+    if qtype in (T.Q6_K, T.Q3_K):
+        assert float(mx.min(qt.scales).item()) < 0  # signed sub-block scales kept as they are
 
 
-def test_q6_k_stays_dense_without_native_groups():
-    raw = np.zeros((2, 210), dtype=np.uint8)
-    info = G.GGUFTensorInfo("blk.0.ffn_down.weight", int(T.Q6_K), (2, 256), 0, raw.size)
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q3_K, T.Q2_K])
+def test_group16_types_stay_dense_without_native_groups(tmp_path, qtype):
+    """Groups of 16 only where the native kernels run the model (``group16``), the token
+    embedding included (its lookup is native too); without, dequantized as before."""
+    raw = _random_blocks(qtype, 2, 256, np.random.default_rng(int(qtype)))
+    dense = _read_one(tmp_path, "blk.0.ffn_down.weight", qtype, raw, (2, 256))
+    kept = _read_one(tmp_path, "blk.0.ffn_down.weight", qtype, raw, (2, 256), group16=True)
+    lookup = _read_one(tmp_path, "token_embd.weight", qtype, raw, (2, 256), group16=True)
+    assert isinstance(dense, mx.array)
+    np.testing.assert_array_equal(np.array(dense), gguf.quants.dequantize(raw, qtype))
+    for t in (kept, lookup):
+        assert isinstance(t, G.QuantizedTensor) and t.group_size == 16
+
+
+def test_describe_weights_counts_the_bytes_held_after_the_cast():
+    """Q8_0's float16 scales and biases are held as float32 once the loader casts them to the
+    compute dtype: the log line counts 4 bytes each (1.25 bytes per weight), not 2."""
+    rows, cols = 512, 2048
+    raw = _random_blocks(T.Q8_0, rows, cols, np.random.default_rng(8))
+    info = G.GGUFTensorInfo("blk.0.ffn_up.weight", int(T.Q8_0), (rows, cols), 0, raw.size)
     index = G.GGUFIndex({}, {info.name: info})
-    path_bytes = raw.tobytes()
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
-        f.write(path_bytes)
-        f.flush()
-        dense = G.read_gguf_tensors(f.name, index, quantized=True)[info.name]
-        kept = G.read_gguf_tensors(f.name, index, quantized=True, group16=True)[info.name]
-        embd = G.GGUFTensorInfo("token_embd.weight", int(T.Q6_K), (2, 256), 0, raw.size)
-        lookup = G.read_gguf_tensors(f.name, G.GGUFIndex({}, {embd.name: embd}),
-                                     quantized=True, group16=True)[embd.name]
-    assert isinstance(dense, mx.array) and isinstance(lookup, mx.array)
-    assert isinstance(kept, G.QuantizedTensor) and kept.group_size == 16
+    tensors = {info.name: G._repack(raw.reshape(-1), info)}
+    assert tensors[info.name].scales.dtype == mx.float16
+    held = rows * cols * 1.25 / 2**20
+    as_read = rows * cols * 1.125 / 2**20
+    assert G.describe_weights(index, tensors, mx.float32) == [
+        f"Q8_0: 1 tensors, kept as 8-bit affine, {held:.1f} MiB (file "
+        f"{raw.size / 2**20:.1f} MiB)"]
+    assert f"{as_read:.1f} MiB" in G.describe_weights(index, tensors)[0]
 
 
 def test_widened_type_with_a_non_finite_scale_is_refused():
@@ -477,7 +541,7 @@ def test_widened_type_with_a_non_finite_scale_is_refused():
     raw[1, :2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
     info = G.GGUFTensorInfo("blk.0.ffn_up.weight", int(T.Q5_0), (2, 64), 0, raw.size)
     with pytest.raises(ValueError, match="'blk.0.ffn_up.weight' \\(Q5_0\\) does not map "
-                                         "exactly onto 8-bit affine groups of 32"):
+                                         "exactly onto 5-bit affine groups of 32"):
         G._repack(raw.reshape(-1), info)
 
 

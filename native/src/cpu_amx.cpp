@@ -16,11 +16,12 @@
 //   of what the previous ones left; 3 x 8 significant bits cover fp32's 24), and each part's
 //   products with q are exact in fp32. Only the fp32 accumulation rounds, as in an fp32 GEMM.
 //
-// Layout: the weight is the tiles' A operand (16 rows n x 32 k, bf16 q unpacked from the 4/8-bit
-// rows, row-major as stored), x the B operand in the VNNI layout TDPBF16PS wants (row kp holds
-// the pairs (x[m, 2kp], x[m, 2kp + 1]) for 16 m), so each accumulator tile is C[n][m] and the
-// per-group epilogue scales a row by one s[n, g]. References: Intel 64 and IA-32 Architectures
-// Software Developer's Manual, vol. 2 (TDPBF16PS, LDTILECFG) and vol. 1 ch. 3 (AMX state);
+// Layout: the weight is the tiles' A operand (16 rows n x 32 k, bf16 q unpacked from the
+// 2/3/4/5/6/8-bit rows, row-major as stored), x the B operand in the VNNI layout TDPBF16PS
+// wants (row kp holds the pairs (x[m, 2kp], x[m, 2kp + 1]) for 16 m), so each accumulator
+// tile is C[n][m] and the per-group epilogue scales a row by one s[n, g]. References: Intel 64
+// and IA-32 Architectures Software Developer's Manual, vol. 2 (TDPBF16PS, LDTILECFG) and vol. 1
+// ch. 3 (AMX state);
 // Linux Documentation/arch/x86/xstate.rst (ARCH_REQ_XCOMP_PERM before first use).
 
 #include <algorithm>
@@ -53,10 +54,11 @@ constexpr size_t kTileElems = kTile * kDepth;  // bf16 per A or B tile (1 KiB)
 namespace {
 
 #define VUN_AMX_TARGET \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,bmi2")))
 
 // AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), plus the AVX-512 subsets the
-// conversions use, which __builtin_cpu_supports reports only where the OS saves their state.
+// conversions use, which __builtin_cpu_supports reports only where the OS saves their state,
+// and BMI2 (the 2/3/5/6-bit unpacking; every AMX CPU has it).
 bool cpu_has_amx() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1)) {
@@ -64,7 +66,8 @@ bool cpu_has_amx() {
   }
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+         __builtin_cpu_supports("bmi2");
 }
 
 // Linux hands out AMX tile data per process on request (xstate.rst); without it the first tile
@@ -148,10 +151,24 @@ VUN_AMX_TARGET inline void unpack_tile(const uint8_t* wq, size_t N, size_t K, si
           d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000f000f), 0xA8);  // (d | d<<12) & m
       out = _mm512_permutexvar_epi16(pair, lut);
     } else {
-      const __m512 lo = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-      const __m512 hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+      // 8 bits: the codes are the row's bytes; 2, 3, 5 and 6 bits: four 8-element chunks of
+      // BITS bytes, each spread to 8 bytes in registers by PDEP (see cpu_quant.cpp).
+      __m128i first, second;
+      if constexpr (BITS == 8) {
+        first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+        second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+      } else {
+        const uint8_t* end = src - seg * kDepth * BITS / 8 + row_bytes;
+        constexpr uint64_t lanes = 0x0101010101010101ull * ((1u << BITS) - 1);
+        uint64_t c[4];
+        for (int i = 0; i < 4; ++i) {
+          c[i] = _pdep_u64(load_chunk<BITS>(src + i * BITS, end), lanes);
+        }
+        first = _mm_set_epi64x(static_cast<long long>(c[1]), static_cast<long long>(c[0]));
+        second = _mm_set_epi64x(static_cast<long long>(c[3]), static_cast<long long>(c[2]));
+      }
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second));
       out = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // exact: q < 256
     }
     _mm512_store_si512(dst + r * kDepth, out);
@@ -387,8 +404,16 @@ void amx_quantized_linear_blocks(
     const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, int bits,
     size_t nb0, size_t nb1) {
   const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
-  (bits == 4 ? qlinear_jit<4> : qlinear_jit<8>)(tiles, sums, w8, scales, biases, y, M, N, K,
-                                                group_size, nb0, nb1);
+  decltype(&qlinear_jit<8>) fn = qlinear_jit<8>;
+  switch (bits) {
+    case 2: fn = qlinear_jit<2>; break;
+    case 3: fn = qlinear_jit<3>; break;
+    case 4: fn = qlinear_jit<4>; break;
+    case 5: fn = qlinear_jit<5>; break;
+    case 6: fn = qlinear_jit<6>; break;
+    default: break;
+  }
+  fn(tiles, sums, w8, scales, biases, y, M, N, K, group_size, nb0, nb1);
 }
 
 VUN_AMX_TARGET void amx_unpack_weight(const uint32_t* wq, size_t N, size_t K, int bits,
@@ -398,10 +423,13 @@ VUN_AMX_TARGET void amx_unpack_weight(const uint32_t* wq, size_t N, size_t K, in
   for (size_t nb = nb0; nb < nb1; ++nb) {
     for (size_t s = 0; s < segs; ++s) {
       uint16_t* dst = panel + (nb * segs + s) * kTileElems;
-      if (bits == 4) {
-        unpack_tile<4>(w8, N, K, nb * kTile, s, dst);
-      } else {
-        unpack_tile<8>(w8, N, K, nb * kTile, s, dst);
+      switch (bits) {
+        case 2: unpack_tile<2>(w8, N, K, nb * kTile, s, dst); break;
+        case 3: unpack_tile<3>(w8, N, K, nb * kTile, s, dst); break;
+        case 4: unpack_tile<4>(w8, N, K, nb * kTile, s, dst); break;
+        case 5: unpack_tile<5>(w8, N, K, nb * kTile, s, dst); break;
+        case 6: unpack_tile<6>(w8, N, K, nb * kTile, s, dst); break;
+        default: unpack_tile<8>(w8, N, K, nb * kTile, s, dst); break;
       }
     }
   }

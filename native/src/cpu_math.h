@@ -88,13 +88,34 @@ void linear_cols_f32(
 // Dequantize rows [r0, r1) of an MLX affine-quantized matrix (mx.quantize's layout, "affine"
 // mode) into out [(r1 - r0), K] fp32: out[r, k] = scales[r, g] * q[r, k] + biases[r, g] with
 // g = k / group_size, rounded as MLX's own dequantize does (product, then sum: bit-identical to
-// mx.dequantize with fp32 scales and biases). wq: uint32 [rows, K * bits / 32], element k of a
-// row in bits [bits * (k % (32 / bits)), ...) of word k / (32 / bits), low bits first;
-// scales, biases: fp32 [rows, K / group_size]. bits: 4 or 8; group_size: a multiple of 16
-// dividing K. Other values are the caller's to refuse (unchecked here).
+// mx.dequantize with fp32 scales and biases). wq: uint32 [rows, K * bits / 32]; each row is a
+// little-endian bit stream, element k in bits [bits * k, bits * (k + 1)) of the row's bytes
+// (MLX 0.32.4's packing for every width: 2 and 4 bits within 32-bit words, 3, 5 and 6 bits as
+// 8 elements in `bits` bytes, 8 bits a byte each); scales, biases: fp32 [rows, K / group_size].
+// bits: 2, 3, 4, 5, 6 or 8; group_size: a multiple of 16 dividing K; K * bits a multiple of
+// 32. Other values are the caller's to refuse (unchecked here).
 void dequantize_rows_f32(
     const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
     size_t r1, size_t K, size_t group_size, int bits);
+
+// The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)
+// as the low 8 * BITS bits of a little-endian integer; the bits above are other elements' (or
+// zero). Reads 8 bytes at once where they lie before `end` (the row's end), else only the
+// BITS bytes it needs, assembled in registers (a memcpy of BITS bytes into a zeroed integer
+// goes through the stack and stalls the load on store forwarding: 8x slower decode).
+template <int BITS>
+inline uint64_t load_chunk(const uint8_t* p, const uint8_t* end) {
+  uint64_t v;
+  if (end - p >= 8) {
+    __builtin_memcpy(&v, p, 8);
+    return v;
+  }
+  v = 0;
+  for (int i = 0; i < BITS; ++i) {
+    v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  }
+  return v;
+}
 
 } // namespace vun
 
@@ -144,7 +165,7 @@ void amx_prepare_x(const float* x, size_t M, size_t K, size_t group_size, uint16
                    float* sums, size_t mb0, size_t mb1);
 
 // y[m, n] for n in 16-row blocks [nb0, nb1) of w and all m < M, from amx_prepare_x's tiles and
-// sums and an MLX affine-quantized w (dequantize_rows_f32's layout; bits 4 or 8), each weight
+// sums and an MLX affine-quantized w (dequantize_rows_f32's layout and widths), each weight
 // tile unpacked just before use: for decode-sized M (one or two 16-row blocks).
 void amx_quantized_linear_blocks(
     const uint16_t* tiles, const float* sums, const uint32_t* wq, const float* scales,

@@ -9,10 +9,16 @@
 // the byte -> int widening to scalar inserts), chosen once by what the CPU supports
 // (an ISA cap of avx2 or portable, see configure in cpu_math.h, forces a lower one); other
 // CPUs run the portable loop.
+//
+// Widths other than 4 and 8 (2, 3, 5, 6 bits): the vector kernels spread each 8-element chunk
+// (BITS bytes) to 8 bytes with BMI2's PDEP, in registers, then go on as for 8 bits; the
+// portable path unpacks a row's codes to bytes first (rows_via_bytes), then runs the 8-bit
+// kernel. Every width rounds the same way (scale * q, then + bias).
 
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_math.h"
 
@@ -38,6 +44,20 @@ int isa_level() {
   return std::min(level, cap);
 }
 
+#ifdef VUN_X86
+// BMI2's PDEP deposits the 8 consecutive BITS-bit fields of a chunk into the low bits of 8
+// bytes at once (the bits above the chunk's 8 * BITS are not taken).
+template <int BITS>
+__attribute__((target("bmi2"))) inline uint64_t spread8(uint64_t chunk) {
+  return _pdep_u64(chunk, 0x0101010101010101ull * ((1u << BITS) - 1));
+}
+
+bool has_bmi2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("bmi2");
+}
+#endif
+
 using RowsFn = void (*)(const uint32_t*, const float*, const float*, float*, size_t, size_t,
                         size_t, size_t);
 
@@ -62,20 +82,27 @@ void rows_portable(const uint32_t* wq, const float* scales, const float* biases,
 }
 
 #ifdef VUN_X86
-// The 16 values of elements [k, k + 16) as bytes in order, from the row's bytes at k * BITS / 8.
+// The 16 values of elements [k, k + 16) as bytes in order, from the row's bytes at
+// p = k * BITS / 8 (`end`: the row's end, for the 2/3/5/6-bit loads).
 template <int BITS>
-__attribute__((target("avx2"))) inline __m128i bytes16(const uint8_t* p) {
+__attribute__((target("avx2,bmi2"))) inline __m128i bytes16(const uint8_t* p,
+                                                            const uint8_t* end) {
   if constexpr (BITS == 8) {
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  } else {
+  } else if constexpr (BITS == 4) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     const __m128i low = _mm_set1_epi8(0x0f);
     return _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  } else {
+    // two 8-element chunks of BITS bytes, each spread to 8 bytes in registers
+    const auto lo = static_cast<long long>(spread8<BITS>(load_chunk<BITS>(p, end)));
+    const auto hi = static_cast<long long>(spread8<BITS>(load_chunk<BITS>(p + BITS, end)));
+    return _mm_set_epi64x(hi, lo);
   }
 }
 
 template <int BITS>
-__attribute__((target("avx512f,avx2"))) void rows_avx512(
+__attribute__((target("avx512f,avx2,bmi2"))) void rows_avx512(
     const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
     size_t r1, size_t K, size_t group_size) {
   const size_t row_bytes = K * BITS / 8;
@@ -88,7 +115,8 @@ __attribute__((target("avx512f,avx2"))) void rows_avx512(
       const __m512 s = _mm512_set1_ps(sr[g]);
       const __m512 b = _mm512_set1_ps(br[g]);
       for (size_t k = g * group_size; k < (g + 1) * group_size; k += 16) {
-        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16<BITS>(wr + k * BITS / 8)));
+        const __m512 q = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(bytes16<BITS>(wr + k * BITS / 8, wr + row_bytes)));
         _mm512_storeu_ps(o + k, _mm512_add_ps(_mm512_mul_ps(q, s), b));
       }
     }
@@ -96,7 +124,7 @@ __attribute__((target("avx512f,avx2"))) void rows_avx512(
 }
 
 template <int BITS>
-__attribute__((target("avx2"))) void rows_avx2(
+__attribute__((target("avx2,bmi2"))) void rows_avx2(
     const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
     size_t r1, size_t K, size_t group_size) {
   const size_t row_bytes = K * BITS / 8;
@@ -109,7 +137,7 @@ __attribute__((target("avx2"))) void rows_avx2(
       const __m256 s = _mm256_set1_ps(sr[g]);
       const __m256 b = _mm256_set1_ps(br[g]);
       for (size_t k = g * group_size; k < (g + 1) * group_size; k += 16) {
-        const __m128i v = bytes16<BITS>(wr + k * BITS / 8);
+        const __m128i v = bytes16<BITS>(wr + k * BITS / 8, wr + row_bytes);
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
         const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
         _mm256_storeu_ps(o + k, _mm256_add_ps(_mm256_mul_ps(lo, s), b));
@@ -120,9 +148,14 @@ __attribute__((target("avx2"))) void rows_avx2(
 }
 #endif
 
+// The kernel for BITS at the ISA level allowed; 2/3/5/6 bits: the vector kernels need BMI2
+// (every AVX2 CPU has it), else nullptr: unpacked to bytes, then the 8-bit kernel.
 template <int BITS>
 RowsFn pick() {
 #ifdef VUN_X86
+  if (BITS != 4 && BITS != 8 && !has_bmi2()) {
+    return nullptr;
+  }
   switch (isa_level()) {
     case 2:
       return rows_avx512<BITS>;
@@ -132,7 +165,49 @@ RowsFn pick() {
       break;
   }
 #endif
-  return rows_portable<BITS>;
+  if constexpr (BITS == 4 || BITS == 8) {
+    return rows_portable<BITS>;
+  } else {
+    return nullptr;
+  }
+}
+
+// The codes of one packed row of K elements (dequantize_rows_f32's layout) as bytes.
+template <int BITS>
+void unpack_row(const uint8_t* row, size_t K, uint8_t* dst) {
+  constexpr uint64_t mask = (uint64_t{1} << BITS) - 1;
+  const uint8_t* end = row + K * BITS / 8;
+  for (size_t c = 0; c < K / 8; ++c) {
+    const uint64_t v = load_chunk<BITS>(row + c * BITS, end);
+    for (int i = 0; i < 8; ++i) {
+      dst[8 * c + i] = static_cast<uint8_t>((v >> (BITS * i)) & mask);
+    }
+  }
+}
+
+// Rows [r0, r1) of a 2/3/5/6-bit matrix without the vector kernels (portable ISA, or no BMI2):
+// each row's codes unpacked to bytes in a per-thread buffer, then the 8-bit kernel on that row.
+void rows_via_bytes(RowsFn eight, int bits, const uint32_t* wq, const float* scales,
+                    const float* biases, float* out, size_t r0, size_t r1, size_t K,
+                    size_t group_size) {
+  thread_local std::vector<uint8_t> codes;
+  if (codes.size() < K) {
+    codes.resize(K);
+  }
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  const size_t row_bytes = K * static_cast<size_t>(bits) / 8;
+  const size_t groups = K / group_size;
+  for (size_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w8 + r * row_bytes;
+    switch (bits) {
+      case 2: unpack_row<2>(row, K, codes.data()); break;
+      case 3: unpack_row<3>(row, K, codes.data()); break;
+      case 5: unpack_row<5>(row, K, codes.data()); break;
+      default: unpack_row<6>(row, K, codes.data()); break;
+    }
+    eight(reinterpret_cast<const uint32_t*>(codes.data()), scales + r * groups,
+          biases + r * groups, out + (r - r0) * K, 0, 1, K, group_size);
+  }
 }
 
 } // namespace
@@ -140,9 +215,13 @@ RowsFn pick() {
 void dequantize_rows_f32(
     const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
     size_t r1, size_t K, size_t group_size, int bits) {
-  static const RowsFn four = pick<4>();
-  static const RowsFn eight = pick<8>();
-  (bits == 4 ? four : eight)(wq, scales, biases, out, r0, r1, K, group_size);
+  static const RowsFn fns[9] = {nullptr, nullptr, pick<2>(), pick<3>(), pick<4>(), pick<5>(),
+                                 pick<6>(), nullptr, pick<8>()};
+  if (const RowsFn fn = fns[bits]; fn != nullptr) {
+    fn(wq, scales, biases, out, r0, r1, K, group_size);
+  } else {
+    rows_via_bytes(fns[8], bits, wq, scales, biases, out, r0, r1, K, group_size);
+  }
 }
 
 } // namespace vun

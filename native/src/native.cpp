@@ -23,7 +23,7 @@
 //   linear(x, w, *, stream=None) -> mx.array
 //       fp32 x @ w.T reading each weight row once, threaded (decode-sized batches).
 //   quantized_linear(x, w, scales, biases, group_size, bits, *, stream=None) -> mx.array
-//       fp32 x @ dequantize(w).T for MLX affine-quantized w (4/8 bits), weights dequantized
+//       fp32 x @ dequantize(w).T for MLX affine-quantized w (2-6/8 bits), weights dequantized
 //       4 rows at a time into a scratch buffer: bit-identical to linear on mx.dequantize(w).
 //   dequantize(w, scales, biases, group_size, bits, *, stream=None) -> mx.array
 //       mx.dequantize to fp32, vectorized and threaded (MLX's CPU one is scalar, one thread).
@@ -1491,12 +1491,19 @@ mx::array linear(const mx::array& x, const mx::array& w, nb::handle stream) {
 // ---------------------------------------------------------------------------------------------
 // quantized_linear, dequantize: MLX affine-quantized weights (mx.quantize's layout)
 
+// Elements per row of a packed weight of `words` uint32 per row (MLX packs every width as a
+// bit stream: words * 32 / bits, whole for the widths check_quantized admits).
+int64_t packed_columns(int64_t words, int bits) {
+  return words * 32 / bits;
+}
+
 // The checks both quantized entry points share; raises TypeError/ValueError naming what failed.
 void check_quantized(const char* what, const mx::array& w, const mx::array& scales,
                      const mx::array& biases, int group_size, int bits) {
   const std::string fn(what);
-  if (bits != 4 && bits != 8) {
-    raise_py(PyExc_ValueError, fn + ": bits must be 4 or 8, got " + std::to_string(bits));
+  if (bits < 2 || bits > 8 || bits == 7) {
+    raise_py(PyExc_ValueError,
+             fn + ": bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   }
   if (group_size <= 0 || group_size % 16 != 0) {
     raise_py(PyExc_ValueError,
@@ -1510,7 +1517,12 @@ void check_quantized(const char* what, const mx::array& w, const mx::array& scal
   if (w.ndim() != 2) {
     raise_py(PyExc_ValueError, fn + ": w must be [N, K * bits / 32], got " + shape_str(w.shape()));
   }
-  const int64_t K = int64_t{w.shape(1)} * (32 / bits);
+  if (int64_t{w.shape(1)} * 32 % bits != 0) {
+    raise_py(PyExc_ValueError, fn + ": w's " + std::to_string(w.shape(1)) +
+                                   " words do not hold whole " + std::to_string(bits) +
+                                   "-bit elements");
+  }
+  const int64_t K = packed_columns(w.shape(1), bits);
   const mx::Shape groups{w.shape(0), static_cast<int>(K / group_size)};
   if (K % group_size != 0 || scales.shape() != groups || biases.shape() != groups) {
     raise_py(PyExc_ValueError,
@@ -1643,7 +1655,7 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     const auto& xin = inputs[0];
     const auto& wq = inputs[1];
     if (xin.ndim() != 2 || wq.ndim() != 2 ||
-        int64_t{xin.shape(1)} != int64_t{wq.shape(1)} * (32 / bits_) ||
+        int64_t{xin.shape(1)} != packed_columns(wq.shape(1), bits_) ||
         xin.shape(1) % group_size_ != 0 ||
         inputs[2].size() != static_cast<size_t>(wq.shape(0)) * (xin.shape(1) / group_size_) ||
         inputs[3].size() != inputs[2].size()) {
@@ -1712,10 +1724,10 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
   if (x.dtype() != mx::float32) {
     raise_py(PyExc_TypeError, "quantized_linear: x must be float32");
   }
-  if (x.ndim() != 2 || int64_t{x.shape(1)} != int64_t{w.shape(1)} * (32 / bits)) {
+  if (x.ndim() != 2 || int64_t{x.shape(1)} != packed_columns(w.shape(1), bits)) {
     raise_py(PyExc_ValueError,
              "quantized_linear: x must be [M, K] with K = w.shape[1] * 32 / bits = " +
-                 std::to_string(int64_t{w.shape(1)} * (32 / bits)) + ", got " +
+                 std::to_string(packed_columns(w.shape(1), bits)) + ", got " +
                  shape_str(x.shape()));
   }
   return mx::array(
@@ -1738,7 +1750,7 @@ class Dequantize : public QuantizedWeightPrimitive {
         throw std::invalid_argument("[dequantize] inputs must be row-contiguous");
       }
     }
-    const int64_t K = int64_t{inputs[0].shape(1)} * (32 / bits_);
+    const int64_t K = packed_columns(inputs[0].shape(1), bits_);
     if (inputs[0].ndim() != 2 || K % group_size_ != 0 ||
         inputs[1].size() != static_cast<size_t>(inputs[0].shape(0) * (K / group_size_)) ||
         inputs[2].size() != inputs[1].size()) {
@@ -1766,7 +1778,7 @@ class Dequantize : public QuantizedWeightPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[0].shape(1) * (32 / bits_)}};
+    return {{inputs[0].shape(0), static_cast<int>(packed_columns(inputs[0].shape(1), bits_))}};
   }
 
   const char* name() const override {
@@ -1779,7 +1791,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
   const mx::Stream s = resolve_stream(stream, "dequantize");
   check_quantized("dequantize", w, scales, biases, group_size, bits);
   return mx::array(
-      {w.shape(0), w.shape(1) * (32 / bits)}, mx::float32,
+      {w.shape(0), static_cast<int>(packed_columns(w.shape(1), bits))}, mx::float32,
       std::make_shared<Dequantize>(s, group_size, bits), {w, scales, biases});
 }
 
@@ -1898,12 +1910,12 @@ NB_MODULE(_native, m) {
   m.def("quantized_linear", &quantized_linear, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
-        "Lazy fp32 x @ dequantize(w).T for x [M, K] and an MLX affine-quantized w (bits 4 or 8, "
+        "Lazy fp32 x @ dequantize(w).T for x [M, K] and an MLX affine-quantized w (bits 2-6 or 8, "
         "fp32 scales/biases), bit-identical to linear(x, mx.dequantize(w, ...)); CPU streams "
         "only.");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 4 or 8, fp32 scales/biases), "
+        "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 2-6 or 8, fp32 scales/biases), "
         "bit-identical to it, threaded; CPU streams only.");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::kw_only(),
         nb::arg("stream") = nb::none(),

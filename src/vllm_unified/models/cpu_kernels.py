@@ -70,11 +70,15 @@ def _native_matmul_t(x: mx.array, weight: mx.array) -> mx.array | None:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+#: Widths of MLX affine weights the native kernels take (all MLX's affine mode makes).
+NATIVE_BITS = (2, 3, 4, 5, 6, 8)
+
+
 def _quantized_params(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array] | None:
     """``(weight, scales, biases)`` of a quantized layer the native kernels take (affine mode,
-    4 or 8 bits, groups a multiple of 16, fp32 scales and biases), else None."""
+    :data:`NATIVE_BITS`, groups a multiple of 16, fp32 scales and biases), else None."""
     biases = layer.get("biases")
-    if (getattr(layer, "mode", "affine") != "affine" or layer.bits not in (4, 8)
+    if (getattr(layer, "mode", "affine") != "affine" or layer.bits not in NATIVE_BITS
             or layer.group_size % 16 or biases is None
             or layer.scales.dtype != mx.float32 or biases.dtype != mx.float32):
         return None
@@ -147,8 +151,23 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
 
 
 class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
-    """``nn.QuantizedEmbedding`` whose tied output head (``as_linear``) runs the native
-    kernels; the lookup stays MLX's (a gather of a few rows, then their dequantization)."""
+    """``nn.QuantizedEmbedding`` run by the native kernels: the lookup gathers the looked-up
+    rows of weight, scales and biases and dequantizes them with the native ``dequantize``
+    (any width and group size the kernels take, groups of 16 included, which MLX's own
+    dequantize refuses); the tied output head (``as_linear``) runs
+    :func:`_native_quantized_matmul_t`.
+
+    ``__call__(x)``: integer indices of any shape -> float32 ``[*x.shape, dims]``, the rows
+    bit-identical to ``mx.dequantize`` of the same rows (where MLX takes the group size)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        native = bridge.native_kernels()
+        if native is None:
+            return super().__call__(x)
+        flat = x.reshape(-1)
+        rows = native.dequantize(self["weight"][flat], self["scales"][flat],
+                                 self["biases"][flat], self.group_size, self.bits)
+        return rows.reshape(*x.shape, rows.shape[-1])
 
     def as_linear(self, x: mx.array) -> mx.array:
         out = _native_quantized_matmul_t(x, self)
@@ -274,8 +293,8 @@ def install_cpu_kernels(model: Any) -> list[str]:
     ones :class:`NativeQuantizedLinear` / :class:`NativeQuantizedEmbedding` (their
     ``__class__`` is swapped: parameters, freezing and module paths stay as they are). Only
     exact instances of the four MLX classes are swapped: dense ones with fp32 row-contiguous
-    weights, quantized ones the kernels take (affine, 4 or 8 bits, fp32 scales). Other
-    quantized layers (2/3/5/6 bits, mxfp4, ...) are dequantized to fp32 here, as the loader
+    weights, quantized ones the kernels take (affine, 2/3/4/5/6/8 bits, fp32 scales). Other
+    quantized layers (mxfp4, nvfp4, mxfp8, ...) are dequantized to fp32 here, as the loader
     would have done (MLX's CPU quantized matmul runs on one core), and named in the result.
     ``nn.RMSNorm`` / ``nn.RoPE`` instances become :class:`NativeRMSNorm` / :class:`NativeRoPE`
     (each falls back to MLX for inputs it does not cover). Idempotent.

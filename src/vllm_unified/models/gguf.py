@@ -10,12 +10,14 @@ Three jobs, kept apart from the model-building code in :mod:`vllm_unified.models
   is off), refuses the whole file on Q5_0 / Q5_1, and narrows BF16 to float16. So ``mx.load`` is
   used only when every tensor has a type it handles exactly; otherwise each tensor is decoded
   from the memory-mapped file here: Q4_0 / Q4_1 / Q8_0 / Q4_K are repacked bit-exactly into MLX
-  affine triples, everything else is dequantized with the ``gguf`` package's reference code;
+  affine triples, Q5_* / IQ4_NL / IQ4_XS (and Q6_K / Q3_K / Q2_K where the native CPU kernels
+  run the model) re-coded from the ``gguf`` package's reference values into exact triples,
+  everything else is dequantized with that reference code;
 * GGUF -> Hugging Face tensor names for the supported families, and undoing llama.cpp's
   Q/K row permutation for Llama.
 
-A quantized tensor is returned as :class:`QuantizedTensor` (MLX affine, group size 32); a plain
-one as an ``mx.array``.
+A quantized tensor is returned as :class:`QuantizedTensor` (MLX affine, 2-8 bits, groups of 32
+or 16); a plain one as an ``mx.array``.
 """
 
 from __future__ import annotations
@@ -43,26 +45,28 @@ __all__ = [
 ]
 
 # GGML type ids (ggml.h); only the ones this module treats specially are named.
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, BF16 = (
-    0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 20, 30)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = (
+    0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 30)
 _TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
-               Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL",
-               BF16: "BF16"}
+               Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K",
+               Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS", BF16: "BF16"}
 
 # Types MLX 0.32.4's reader decodes exactly (checked against the gguf package's reference).
 MLX_EXACT_TYPES = frozenset({F32, F16, Q4_0, Q4_1, Q8_0})
-# Types this module repacks into MLX affine triples (bit-exact, group size 32): in their own
-# width (Q4_0/Q4_1/Q4_K as 4 bits, Q8_0 as 8), or widened to 8 bits (Q5_0/Q5_1/Q5_K/IQ4_NL:
-# MLX's 5-bit layers have no native CPU kernel, and IQ4_NL's levels are not evenly spaced).
-WIDENED_TO_8_BITS = frozenset({Q5_0, Q5_1, Q5_K, IQ4_NL})
-REPACKABLE_TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K}) | WIDENED_TO_8_BITS
-# Types with 16-value sub-blocks, widened to 8-bit affine groups of 16 when the reader is told
-# the native CPU kernels will run them (``group16``): MLX's own quantized ops refuse groups of
-# 16, so such a layer exists only where the native kernels take every call (linear layers on
-# the CPU backend, not embeddings: an embedding's lookup is MLX's dequantize).
-GROUP16_TYPES = frozenset({Q6_K})
-#: GGUF tensors never given groups of 16 (their lookup runs MLX's dequantize)
-_NOT_GROUP16 = ("token_embd.weight",)
+#: Types re-coded from the gguf reference's values (:func:`_requantize`) -> (bits, group size)
+#: of the MLX affine triple: their own width where the values are evenly spaced per group
+#: (Q5_*: 5 bits; Q6_K: 6, Q3_K: 3, Q2_K: 2 bits in groups of 16), 8 bits for IQ4_NL / IQ4_XS
+#: (16 levels that are not evenly spaced, spanning -127..113).
+REQUANTIZED = {Q5_0: (5, 32), Q5_1: (5, 32), Q5_K: (5, 32), IQ4_NL: (8, 32), IQ4_XS: (8, 32),
+               Q6_K: (6, 16), Q3_K: (3, 16), Q2_K: (2, 16)}
+# Types with 16-value sub-blocks, held as affine groups of 16 only when the reader is told the
+# native CPU kernels will run them (``group16``): MLX's own quantized ops refuse groups of 16,
+# so such a layer exists only where the native kernels take every call (linear layers and
+# embeddings on the CPU backend: models/cpu_kernels.py). Elsewhere they are dequantized.
+GROUP16_TYPES = frozenset({Q6_K, Q3_K, Q2_K})
+# Types this module repacks into MLX affine triples at groups MLX's ops take (bit-exact).
+REPACKABLE_TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K}) | (frozenset(REQUANTIZED)
+                                                          - GROUP16_TYPES)
 GROUP_SIZE = 32
 #: the group sizes MLX's own quantized ops take
 MLX_GROUP_SIZES = (32, 64, 128)
@@ -112,9 +116,11 @@ class GGUFIndex:
 
 @dataclass
 class QuantizedTensor:
-    """An MLX affine-quantized matrix: ``mx.dequantize(weight, scales, biases, 32, bits)``.
+    """An MLX affine-quantized matrix: ``mx.dequantize(weight, scales, biases, group_size,
+    bits)`` (groups of 16 only for the native CPU kernels: MLX's ops refuse them).
 
-    weight: uint32 ``[rows, cols * bits / 32]``; scales, biases: float ``[rows, cols / 32]``.
+    weight: uint32 ``[rows, cols * bits / 32]`` (bits 2, 3, 4, 5, 6 or 8); scales, biases:
+    float ``[rows, cols / group_size]``.
     ``source_type`` names the GGML type it came from (for logs and errors).
     """
 
@@ -136,10 +142,10 @@ class QuantizedTensor:
         scales, biases = self.scales.astype(mx.float32), self.biases.astype(mx.float32)
         if self.group_size in MLX_GROUP_SIZES:
             w = mx.dequantize(self.weight, scales, biases, self.group_size, self.bits)
-        else:  # 8-bit groups of 16 (Q6_K): MLX's dequantize refuses them; same rounding
+        else:  # groups of 16 (Q6_K/Q3_K/Q2_K): MLX's dequantize refuses them; same rounding
             rows, cols = self.shape
-            codes = self.weight.view(mx.uint8).astype(mx.float32).reshape(rows, -1,
-                                                                         self.group_size)
+            codes = mx.array(_unpack_bits(np.array(self.weight), self.bits, cols))
+            codes = codes.astype(mx.float32).reshape(rows, -1, self.group_size)
             w = (codes * scales[..., None] + biases[..., None]).reshape(rows, cols)
         return w.astype(dtype)
 
@@ -263,12 +269,13 @@ def read_gguf_tensors(
     """Read every tensor of a GGUF file, keyed by GGUF name.
 
     With ``quantized=True`` quantized tensors MLX can hold exactly come back as
-    :class:`QuantizedTensor` (MLX affine, group size 32: Q4_0/Q4_1/Q4_K as 4 bits; Q8_0,
-    Q5_0/Q5_1/Q5_K and IQ4_NL as 8 bits); with ``group16`` too, Q6_K matrices other than the
-    token embedding as 8-bit groups of 16 (:data:`GROUP16_TYPES`: only for models whose linear
-    layers the native CPU kernels run). All others (and all of them with ``quantized=False``)
-    come back dense: float32, or float16 for F16 tensors. Raises ValueError for GGML types
-    neither MLX nor the ``gguf`` package can decode.
+    :class:`QuantizedTensor` (MLX affine: Q4_0/Q4_1/Q4_K as 4 bits, Q5_0/Q5_1/Q5_K as 5 bits,
+    Q8_0, IQ4_NL and IQ4_XS as 8 bits, all in groups of 32); with ``group16`` too, Q6_K / Q3_K /
+    Q2_K matrices as 6 / 3 / 2-bit groups of 16 (:data:`GROUP16_TYPES`: only for models whose
+    linear layers and embeddings the native CPU kernels run). All others (and all of them with
+    ``quantized=False``) come back dense: float32, or float16 for F16 tensors. Raises
+    ValueError for GGML types neither MLX nor the ``gguf`` package can decode, or a block that
+    does not map exactly onto its affine triple (naming the tensor).
     """
     types = {t.ggml_type for t in index.tensors.values()}
     if types <= MLX_EXACT_TYPES:
@@ -314,9 +321,8 @@ def _read_with_numpy(
             out[name] = mx.array(wide.view(np.float32).reshape(info.shape))
         elif quantized and t in REPACKABLE_TYPES and len(info.shape) == 2:
             out[name] = _repack(raw, info)
-        elif (quantized and group16 and t in GROUP16_TYPES and len(info.shape) == 2
-              and name not in _NOT_GROUP16):
-            out[name] = _widen_to_8_bits(raw, info)
+        elif quantized and group16 and t in GROUP16_TYPES and len(info.shape) == 2:
+            out[name] = _requantize(raw, info)
         else:
             try:
                 qtype = gguf.GGMLQuantizationType(t)
@@ -340,7 +346,8 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def _repack(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
-    """Re-lay a Q4_0/Q4_1/Q8_0/Q4_K tensor as an MLX affine triple, value for value.
+    """Re-lay a Q4_0/Q4_1/Q8_0/Q4_K tensor as an MLX affine triple, value for value (the
+    :data:`REQUANTIZED` types: :func:`_requantize`).
 
     Block layouts (ggml-common.h): Q4_0 = f16 d + 16 bytes of nibbles (value d*(q-8), first 16
     values in the low nibbles); Q4_1 = f16 d, f16 m + nibbles (d*q + m); Q8_0 = f16 d + 32 int8
@@ -351,8 +358,8 @@ def _repack(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
     t = info.ggml_type
     if t == Q4_K:
         return _repack_q4_k(raw, rows, cols)
-    if t in WIDENED_TO_8_BITS:
-        return _widen_to_8_bits(raw, info)
+    if t in REQUANTIZED:
+        return _requantize(raw, info)
     block_bytes = {Q4_0: 18, Q4_1: 20, Q8_0: 34}[t]
     blocks = raw.reshape(rows, cols // 32, block_bytes)
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
@@ -403,20 +410,56 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
 
 def _group_affine(raw: np.ndarray, t: int, rows: int, cols: int
                   ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Per group (32 values; 16 for Q6_K) of a Q5_0/Q5_1/Q5_K/IQ4_NL/Q6_K tensor: the scale,
-    the bias, and the integer offset ``o`` of the unsigned 8-bit code (``value = scale * code
-    + bias`` with ``code = q + o``; ``o`` is 0 where the bias is the block's own minimum),
-    float32 ``[rows, cols / group]`` each. Layouts (ggml-common.h): ``block_q5_0``: f16 d,
-    32 high bits, nibbles, value ``d (q - 16)``; ``block_q5_1``: f16 d, f16 m, ``d q + m``;
-    ``block_q5_K``: f16 d, f16 dmin, Q4_K's 12 scale bytes, sub-block j
-    ``d sc_j q - dmin m_j``; ``block_iq4_nl``: f16 d, nibbles indexing ``kvalues_iq4nl``,
-    ``d kvalues[q]``; ``block_q6_K``: 16 signed 8-bit sub-block scales and f16 d,
-    ``d sc_j (q - 32)``."""
-    if t == Q6_K:  # ql[128], qh[64], int8 scales[16], f16 d: sub-block j = d sc_j (q - 32)
+    """Per group (:data:`REQUANTIZED`'s size) of a tensor of one of those types: the scale,
+    the bias, and the integer offset ``o`` of the unsigned code (``value = scale * code +
+    bias`` with ``code = q + o``; ``o`` is 0 where the bias is the block's own minimum),
+    float32 ``[rows, cols / group]`` each. Block layouts as the ``gguf`` package reads them
+    (gguf/quants.py; byte offsets within a block):
+
+    * Q5_0 (22 B): f16 d, 4 B high bits, 16 B nibbles; ``d (q - 16)``.
+    * Q5_1 (24 B): f16 d, f16 m, ...; ``d q + m``.
+    * Q5_K (176 B / 256 values): f16 d, f16 dmin, Q4_K's 12 scale bytes; sub-block j of 32
+      ``d sc_j q - dmin m_j``.
+    * IQ4_NL (18 B): f16 d, nibbles indexing 16 levels in -127..113; ``d level``.
+    * IQ4_XS (136 B / 256): f16 d, u16 high scale bits, 4 B low scale nibbles, 128 B
+      nibbles; sub-block j of 32 ``d (ls_j - 32) level`` (6-bit ``ls_j``).
+    * Q6_K (210 B / 256): 128 B low nibbles, 64 B high bits, 16 int8 scales, f16 d; sub-block
+      j of 16 ``d sc_j (q - 32)``.
+    * Q3_K (110 B / 256): 32 B high-bit mask, 64 B low 2 bits, 12 B of 6-bit scales, f16 d;
+      sub-block j of 16 ``d (sc_j - 32) q`` with q in -4..3.
+    * Q2_K (84 B / 256): 16 B of 4-bit scale / min pairs, 64 B 2-bit q, f16 d, f16 dmin;
+      sub-block j of 16 ``d sc_j q - dmin m_j``.
+
+    Every scale is an f16 times an integer of at most 6 bits, so ``scale * code`` is exact in
+    float32 for codes below 256 and the triple can reproduce the reference's products.
+    """
+    if t == Q6_K:
         sb = raw.reshape(rows, cols // 256, 210)
         sc = sb[..., 192:208].view(np.int8).astype(np.float32)
         scales = (_f16(sb, 208)[..., None] * sc).reshape(rows, -1)
         return scales, scales * np.float32(-32), 32
+    if t == Q3_K:
+        sb = raw.reshape(rows, cols // 256, 110)
+        packed = sb[..., 96:108]
+        low = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], -1)
+        high = np.concatenate([(packed[..., 8:12] >> s) & 3 for s in (0, 2, 4, 6)], -1)
+        sc = (low | (high << 4)).astype(np.float32) - np.float32(32)
+        scales = (_f16(sb, 108)[..., None] * sc).reshape(rows, -1)
+        return scales, scales * np.float32(-4), 4
+    if t == Q2_K:
+        sb = raw.reshape(rows, cols // 256, 84)
+        sc = sb[..., 0:16]
+        scales = (_f16(sb, 80)[..., None] * (sc & 0x0F).astype(np.float32)).reshape(rows, -1)
+        mins = (_f16(sb, 82)[..., None] * (sc >> 4).astype(np.float32)).reshape(rows, -1)
+        return scales, -mins, 0
+    if t == IQ4_XS:
+        sb = raw.reshape(rows, cols // 256, 136)
+        high = np.ascontiguousarray(sb[..., 2:4]).view("<u2")  # [rows, n, 1]
+        low = np.stack([sb[..., 4:8] & 0x0F, sb[..., 4:8] >> 4], -1).reshape(rows, -1, 8)
+        high = np.concatenate([(high >> (2 * j)) & 3 for j in range(8)], -1)
+        ls = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - np.float32(32)
+        scales = (_f16(sb, 0)[..., None] * ls).reshape(rows, -1)
+        return scales, scales * np.float32(-128), 128
     if t == Q5_K:
         sb = raw.reshape(rows, cols // 256, 176)
         sc, mn = _k_scales_mins(sb[..., 4:16])
@@ -430,54 +473,90 @@ def _group_affine(raw: np.ndarray, t: int, rows: int, cols: int
     return d, d * np.float32(-offset), offset
 
 
-def _widen_to_8_bits(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
-    """A Q5_0/Q5_1/Q5_K/IQ4_NL tensor as an MLX 8-bit affine triple with groups of 32, or a
-    Q6_K tensor with groups of 16 (for the native kernels only), value for value.
+def _pack_bits(code: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes below ``2**bits``, ``[rows, cols]`` (cols a multiple of 32) -> MLX's packed
+    uint32 words ``[rows, cols * bits / 32]``: each row a little-endian bit stream, element k
+    in bits ``[bits k, bits (k + 1))`` (mx.quantize's layout for every width, checked in
+    tests/test_cpu_kernels.py)."""
+    rows, cols = code.shape
+    if bits == 8:
+        return np.ascontiguousarray(code).view("<u4")
+    chunks = code.reshape(rows, cols // 8, 8)  # 8 elements fill `bits` whole bytes
+    word = np.zeros((rows, cols // 8), dtype="<u8")
+    for i in range(8):
+        word |= chunks[..., i].astype("<u8") << np.uint64(bits * i)
+    packed = word.view(np.uint8).reshape(rows, cols // 8, 8)[..., :bits]
+    return np.ascontiguousarray(packed).reshape(rows, -1).view("<u4")
+
+
+def _unpack_bits(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
+    """The inverse of :func:`_pack_bits`: uint8 codes ``[rows, cols]``."""
+    rows = words.shape[0]
+    packed = np.ascontiguousarray(words).view(np.uint8).reshape(rows, cols // 8, bits)
+    if bits == 8:
+        return packed.reshape(rows, cols)
+    chunk = np.zeros((rows, cols // 8, 8), dtype=np.uint8)
+    chunk[..., :bits] = packed
+    word = chunk.view("<u8")[..., 0]
+    mask = np.uint64((1 << bits) - 1)
+    return np.stack([(word >> np.uint64(bits * i)) & mask for i in range(8)], -1).astype(
+        np.uint8).reshape(rows, cols)
+
+
+def _requantize(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
+    """A tensor of a :data:`REQUANTIZED` type as the MLX affine triple that table names,
+    value for value.
 
     The codes come from the ``gguf`` package's reference dequantization (no bit unpacking of
     our own): ``code = round((value - bias) / scale)`` per group, then the triple is decoded
-    back in float32 and must give the reference's values bit for bit.
+    back in float32 (``scale * code + bias``, MLX's rounding) and must give the reference's
+    values exactly.
 
     Raises:
-        ValueError: a code falls outside 0..255 or a value does not come back exactly (a
-            block that does not fit the layout above, e.g. a non-finite scale).
+        ValueError: naming the tensor, when a code falls outside ``0 .. 2**bits - 1`` or a
+            value does not come back exactly (a block that does not fit its layout, e.g. a
+            non-finite scale).
     """
     import gguf
 
     rows, cols = info.shape
     t = info.ggml_type
+    bits, group = REQUANTIZED[t]
     with np.errstate(invalid="ignore", over="ignore"):  # a non-finite scale: refused below
         ref = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType(t))
     scales, biases, offset = _group_affine(raw, t, rows, cols)
-    group = cols // scales.shape[1]
     ref = ref.astype(np.float32, copy=False).reshape(rows, cols // group, group)
     with np.errstate(divide="ignore", invalid="ignore"):
         code = np.rint((ref - biases[..., None]) / scales[..., None])
     code = np.where(scales[..., None] == 0, offset, code)  # all values equal the bias
     back = scales[..., None] * code + biases[..., None]
-    if not (np.all((code >= 0) & (code <= 255)) and np.array_equal(back, ref)):
+    if not (np.all((code >= 0) & (code < 2**bits)) and np.array_equal(back, ref)):
         raise ValueError(f"GGUF tensor {info.name!r} ({info.type_name}) does not map exactly "
-                         f"onto 8-bit affine groups of {group}")
-    weight = np.ascontiguousarray(code.astype(np.uint8).reshape(rows, cols)).view("<u4")
-    return QuantizedTensor(mx.array(weight), mx.array(scales), mx.array(biases), bits=8,
+                         f"onto {bits}-bit affine groups of {group}")
+    weight = _pack_bits(code.astype(np.uint8).reshape(rows, cols), bits)
+    return QuantizedTensor(mx.array(weight), mx.array(scales), mx.array(biases), bits=bits,
                            source_type=info.type_name, group_size=group)
 
 
 #: Why a quantized GGML type is still dequantized to float32 at load (types not named here
 #: and not repacked: "no MLX layout implemented yet").
-_DEQUANTIZED_WHY = {
-    "Q6_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128, and groups of 16 are "
-            "kept only for linear layers the native CPU kernels run",
-    "Q3_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128",
-    "Q2_K": "16-value sub-blocks; MLX affine groups are 32, 64 or 128",
-}
+_GROUP16_WHY = ("16-value sub-blocks; MLX affine groups are 32, 64 or 128, and groups of 16 "
+                "are kept only where the native CPU kernels run the model")
+_DEQUANTIZED_WHY = {"Q6_K": _GROUP16_WHY, "Q3_K": _GROUP16_WHY, "Q2_K": _GROUP16_WHY}
 
 
-def describe_weights(index: GGUFIndex, tensors: dict[str, mx.array | QuantizedTensor]
-                     ) -> list[str]:
+def describe_weights(index: GGUFIndex, tensors: dict[str, mx.array | QuantizedTensor],
+                     dtype: mx.Dtype | None = None) -> list[str]:
     """One line per GGML type of the file, for the start-up log: how many tensors, how they
     are held (``kept as N-bit affine``, ``dense``, or ``dequantized to float32`` with the
-    reason) and their resident bytes as read (MiB)."""
+    reason) and their resident bytes (MiB) against the file's.
+
+    ``dtype``: the compute dtype the loader casts dense tensors and scales/biases to (packed
+    weights stay as they are), so the bytes are those held after that cast (Q8_0's float16
+    scales held as float32 count 4 bytes each); None: as read."""
+    def held(a: mx.array) -> int:
+        return a.size * (dtype.size if dtype is not None else a.itemsize)
+
     groups: dict[tuple[str, str], list[int]] = {}
     for name, info in index.tensors.items():
         t = tensors.get(name)
@@ -486,20 +565,24 @@ def describe_weights(index: GGUFIndex, tensors: dict[str, mx.array | QuantizedTe
         if isinstance(t, QuantizedTensor):
             how = f"kept as {t.bits}-bit affine" + (
                 f" (groups of {t.group_size})" if t.group_size != GROUP_SIZE else "")
-            nbytes = t.weight.nbytes + t.scales.nbytes + t.biases.nbytes
+            nbytes = t.weight.nbytes + held(t.scales) + held(t.biases)
         elif info.ggml_type in (F32, F16, BF16):
-            how, nbytes = f"dense {str(t.dtype).removeprefix('mlx.core.')}", t.nbytes
+            shown = dtype if dtype is not None else t.dtype
+            how, nbytes = f"dense {str(shown).removeprefix('mlx.core.')}", held(t)
         else:
             why = _DEQUANTIZED_WHY.get(info.type_name, "no MLX layout implemented yet")
             if info.ggml_type in REPACKABLE_TYPES:
                 why = "not a matrix" if len(info.shape) != 2 else "quantized layers off"
-            how, nbytes = f"dequantized to float32 ({why})", t.nbytes
+            shown = dtype if dtype is not None else t.dtype
+            how = f"dequantized to {str(shown).removeprefix('mlx.core.')} ({why})"
+            nbytes = held(t)
         entry = groups.setdefault((info.type_name, how), [0, 0, 0])
         entry[0] += 1
         entry[1] += info.nbytes
         entry[2] += nbytes
-    return [f"{name}: {n} tensors, {how}, {held / 2**20:.1f} MiB (file {file / 2**20:.1f} MiB)"
-            for (name, how), (n, file, held) in sorted(groups.items())]
+    return [f"{name}: {n} tensors, {how}, {held_bytes / 2**20:.1f} MiB "
+            f"(file {file / 2**20:.1f} MiB)"
+            for (name, how), (n, file, held_bytes) in sorted(groups.items())]
 
 
 # ----------------------------------------------------------------------------- names

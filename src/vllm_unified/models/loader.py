@@ -98,10 +98,11 @@ def load_model(
         keep_quantized: keep quantized weights quantized (``nn.QuantizedLinear`` /
             ``nn.QuantizedEmbedding``, MLX affine) where MLX can hold them exactly; otherwise
             dequantize them once, here, to ``dtype``.
-        native_groups: the native CPU kernels will run every ``nn.QuantizedLinear`` (MLX's
-            CPU backend, fp32, the extension built: ``cpu_kernels.keep_quantized_on_cpu``),
-            so GGUF Q6_K linear layers may stay quantized as 8-bit groups of 16, which MLX's
-            own quantized ops refuse. Off: they are dequantized.
+        native_groups: the native CPU kernels will run every ``nn.QuantizedLinear`` and
+            ``nn.QuantizedEmbedding`` (MLX's CPU backend, fp32, the extension built:
+            ``cpu_kernels.keep_quantized_on_cpu``), so GGUF Q6_K / Q3_K / Q2_K layers may stay
+            quantized as 6 / 3 / 2-bit groups of 16, which MLX's own quantized ops refuse.
+            Off: they are dequantized.
         stage: the pipeline stage this process runs (``--pipeline-parallel-size``): only its
             layers' weights are evaluated and kept (:func:`~vllm_unified.distributed.pipeline.
             prune_model`). None: the whole model.
@@ -269,7 +270,7 @@ def _load_gguf(
     config = mlx_lm_config(hf)
     tensors = read_gguf_tensors(path, index, quantized=keep_quantized,
                                 group16=keep_quantized and native_groups)
-    for line in describe_weights(index, tensors):
+    for line in describe_weights(index, tensors, dtype):
         logger.info("GGUF weights %s", line)
 
     n_heads = int(config["num_attention_heads"])
@@ -346,17 +347,19 @@ _STAGE_OWNED = re.compile(r"^(model\.layers\.\d+\.|model\.embed_tokens\.|model\.
 
 
 def _resize_groups(model: nn.Module, layers: Mapping[str, QuantizedTensor]) -> None:
-    """Give the layers whose groups MLX cannot make (8-bit groups of 16, for the native CPU
+    """Give the layers whose groups MLX cannot make (groups of 16, for the native CPU
     kernels: ``read_gguf_tensors(group16=True)``) their group size and scales/biases of the
-    loaded shapes (the values are loaded next). Only ``nn.QuantizedLinear`` may have them."""
+    loaded shapes (the values are loaded next). Only ``nn.QuantizedLinear`` and
+    ``nn.QuantizedEmbedding`` may have them (both run natively: models/cpu_kernels.py)."""
     modules = dict(model.named_modules())
     for name, qt in layers.items():
         if qt.group_size in MLX_GROUP_SIZES:
             continue
         module = modules[name]
-        if type(module) is not nn.QuantizedLinear:
+        if type(module) not in (nn.QuantizedLinear, nn.QuantizedEmbedding):
             raise ValueError(f"{name}: groups of {qt.group_size} ({qt.source_type}) are only "
-                             f"supported for linear layers, not {type(module).__name__}")
+                             f"supported for linear and embedding layers, not "
+                             f"{type(module).__name__}")
         module.group_size = qt.group_size
         module.scales = mx.zeros(qt.scales.shape, dtype=module.scales.dtype)
         module.biases = mx.zeros(qt.biases.shape, dtype=module.biases.dtype)
