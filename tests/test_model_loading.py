@@ -505,6 +505,33 @@ def test_every_type_read_with_native_groups_is_exact(tmp_path, qtype):
         assert float(mx.min(qt.scales).item()) < 0  # signed sub-block scales kept as they are
 
 
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q6_K])
+def test_requantize_in_row_chunks_gives_the_whole_tensors_triple(tmp_path, monkeypatch, qtype):
+    """The re-coding runs over chunks of whole rows (bounded temporaries at load): with chunks
+    of 2 rows and a last partial chunk (7 rows), the triple is the one-chunk triple exactly and
+    decodes to the gguf reference."""
+    rows, cols = 7, 512
+    raw = _random_blocks(qtype, rows, cols, np.random.default_rng(7 + int(qtype)))
+    whole = _read_one(tmp_path, "blk.0.ffn_down.weight", qtype, raw, (rows, cols), group16=True)
+    monkeypatch.setattr(G, "REQUANTIZE_CHUNK_VALUES", 2 * cols)
+    chunks: list[int] = []
+    rows_of = G._requantize_rows
+
+    def counted(raw_rows, *args):
+        chunks.append(raw_rows.shape[0])
+        return rows_of(raw_rows, *args)
+
+    monkeypatch.setattr(G, "_requantize_rows", counted)
+    chunked = _read_one(tmp_path, "blk.0.ffn_down.weight", qtype, raw, (rows, cols),
+                        group16=True)
+    assert chunks == [2, 2, 2, 1]
+    for part in ("weight", "scales", "biases"):
+        np.testing.assert_array_equal(np.array(getattr(chunked, part)),
+                                      np.array(getattr(whole, part)))
+    np.testing.assert_array_equal(np.array(chunked.dequantize(mx.float32)),
+                                  gguf.quants.dequantize(raw, qtype))
+
+
 @pytest.mark.parametrize("qtype", [T.Q6_K, T.Q3_K, T.Q2_K])
 def test_group16_types_stay_dense_without_native_groups(tmp_path, qtype):
     """Groups of 16 only where the native kernels run the model (``group16``), the token

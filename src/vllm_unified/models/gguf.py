@@ -503,6 +503,13 @@ def _unpack_bits(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
         np.uint8).reshape(rows, cols)
 
 
+#: Values re-coded at once by :func:`_requantize`: its float32 temporaries (the reference
+#: values, the codes, the values decoded back) take a few times 4 bytes per value, so a whole
+#: 136M-value token embedding (Qwen2.5's vocabulary) at once made the load peak at ~3.3 GiB of
+#: RSS for a 491 MB file; chunks of rows bound them to a few tens of MiB.
+REQUANTIZE_CHUNK_VALUES = 1 << 22
+
+
 def _requantize(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
     """A tensor of a :data:`REQUANTIZED` type as the MLX affine triple that table names,
     value for value.
@@ -510,20 +517,35 @@ def _requantize(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
     The codes come from the ``gguf`` package's reference dequantization (no bit unpacking of
     our own): ``code = round((value - bias) / scale)`` per group, then the triple is decoded
     back in float32 (``scale * code + bias``, MLX's rounding) and must give the reference's
-    values exactly.
+    values exactly. Done for :data:`REQUANTIZE_CHUNK_VALUES` values' worth of whole rows at a
+    time (every block lies within one row), so the temporaries stay small.
 
     Raises:
         ValueError: naming the tensor, when a code falls outside ``0 .. 2**bits - 1`` or a
             value does not come back exactly (a block that does not fit its layout, e.g. a
             non-finite scale).
     """
+    rows, cols = info.shape
+    bits, group = REQUANTIZED[info.ggml_type]
+    per_row = raw.reshape(rows, -1)
+    step = max(1, REQUANTIZE_CHUNK_VALUES // cols)
+    parts = [_requantize_rows(per_row[r:r + step], info, bits, group)
+             for r in range(0, rows, step)]
+    weight, scales, biases = (np.concatenate([part[i] for part in parts]) for i in range(3))
+    return QuantizedTensor(mx.array(weight), mx.array(scales), mx.array(biases), bits=bits,
+                           source_type=info.type_name, group_size=group)
+
+
+def _requantize_rows(raw: np.ndarray, info: GGUFTensorInfo, bits: int, group: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_requantize` of whole rows ``raw`` (``[n, row bytes]``): packed words, scales and
+    biases of those rows (numpy)."""
     import gguf
 
-    rows, cols = info.shape
+    rows, cols = raw.shape[0], info.shape[1]
     t = info.ggml_type
-    bits, group = REQUANTIZED[t]
     with np.errstate(invalid="ignore", over="ignore"):  # a non-finite scale: refused below
-        ref = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType(t))
+        ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t))
     scales, biases, offset = _group_affine(raw, t, rows, cols)
     ref = ref.astype(np.float32, copy=False).reshape(rows, cols // group, group)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -533,9 +555,7 @@ def _requantize(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
     if not (np.all((code >= 0) & (code < 2**bits)) and np.array_equal(back, ref)):
         raise ValueError(f"GGUF tensor {info.name!r} ({info.type_name}) does not map exactly "
                          f"onto {bits}-bit affine groups of {group}")
-    weight = _pack_bits(code.astype(np.uint8).reshape(rows, cols), bits)
-    return QuantizedTensor(mx.array(weight), mx.array(scales), mx.array(biases), bits=bits,
-                           source_type=info.type_name, group_size=group)
+    return _pack_bits(code.astype(np.uint8).reshape(rows, cols), bits), scales, biases
 
 
 #: Why a quantized GGML type is still dequantized to float32 at load (types not named here
