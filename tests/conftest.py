@@ -151,6 +151,17 @@ def vllm_server(
             proc.wait()
 
 
+def engine_core_pid(api_pid: int) -> int:
+    """The PID of the ``VLLM::EngineCore`` child of a ``vllm serve`` process (Linux: pgrep and
+    /proc); AssertionError when there is none."""
+    for child in subprocess.run(["pgrep", "-P", str(api_pid)], capture_output=True,
+                                text=True).stdout.split():
+        with open(f"/proc/{child}/comm") as f:
+            if f.read().startswith("VLLM::EngineCor"):
+                return int(child)
+    raise AssertionError(f"no engine core process under {api_pid}")
+
+
 def require_root(what: str) -> None:
     """Fail (not skip) the test, naming ``what``, unless it runs as root."""
     if os.geteuid() != 0:

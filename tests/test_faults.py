@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import default_server_args, remount, tmpfs, vllm_server
+from conftest import default_server_args, engine_core_pid, remount, tmpfs, vllm_server
 
 pytestmark = pytest.mark.slow
 
@@ -206,19 +206,10 @@ def test_disk_tier_full_then_read_only(served):
     _idle(served.base)
 
 
-def _engine_pid(api_pid: int) -> int:
-    for child in subprocess.run(["pgrep", "-P", str(api_pid)], capture_output=True,
-                                text=True).stdout.split():
-        with open(f"/proc/{child}/comm") as f:
-            if f.read().startswith("VLLM::EngineCor"):
-                return int(child)
-    raise AssertionError(f"no engine core process under {api_pid}")
-
-
 def test_engine_killed_mid_stream(served):
     """SIGKILL of the engine core: a clean error to every request in flight, then the API
     server exits by itself (it never hangs)."""
-    engine = _engine_pid(served.proc.pid)
+    engine = engine_core_pid(served.proc.pid)
     url = f"{served.base}/v1/completions"
     stream_body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 1500,
                    "ignore_eos": True, "stream": True, "temperature": 0.0}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import default_model_path, require_root, vllm_server
+from conftest import default_model_path, engine_core_pid, require_root, vllm_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sys.platform != "linux", reason="memory cgroups are Linux's")]
@@ -88,15 +87,6 @@ def _oom_kills(group: Path, version: str) -> int:
     raise AssertionError(f"no oom_kill counter in {group}: {text!r}")
 
 
-def _engine_pid(api_pid: int) -> int:
-    for child in subprocess.run(["pgrep", "-P", str(api_pid)], capture_output=True,
-                                text=True).stdout.split():
-        with open(f"/proc/{child}/comm") as f:
-            if f.read().startswith("VLLM::EngineCor"):
-                return int(child)
-    raise AssertionError(f"no engine core process under {api_pid}")
-
-
 def _complete(base: str, prompt: list[int] | str, max_tokens: int) -> requests.Response:
     return requests.post(f"{base}/v1/completions", timeout=300, stream=True, json={
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -114,7 +104,7 @@ def test_long_request_past_the_memory_left_kills_the_engine_cleanly(tmp_path):
     with vllm_server(tmp_path, args) as (base, proc):
         with _complete(base, "The capital of France is", 8) as r:  # warm the engine up
             assert r.status_code == 200 and _stream_events(r)[-1] == "[DONE]"
-        engine = _engine_pid(proc.pid)
+        engine = engine_core_pid(proc.pid)
         with memory_cgroup(LIMIT_BYTES) as (group, version):
             (group / "cgroup.procs").write_text(str(engine))
             with _complete(base, "The capital of Italy is", 8) as r:  # still fits
