@@ -505,25 +505,26 @@ def test_every_type_read_with_native_groups_is_exact(tmp_path, qtype):
         assert float(mx.min(qt.scales).item()) < 0  # signed sub-block scales kept as they are
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q6_K])
-def test_requantize_in_row_chunks_gives_the_whole_tensors_triple(tmp_path, monkeypatch, qtype):
-    """The re-coding runs over chunks of whole rows (bounded temporaries at load): with chunks
-    of 2 rows and a last partial chunk (7 rows), the triple is the one-chunk triple exactly and
-    decodes to the gguf reference."""
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q6_K, T.Q8_0, T.Q4_K, T.Q4_1])
+def test_tensors_are_read_in_row_chunks_with_the_whole_tensors_triple(monkeypatch, qtype):
+    """Repacking and re-coding run over chunks of whole rows (bounded temporaries at load):
+    with chunks of 2 rows and a last partial chunk (7 rows), the triple is the one-chunk triple
+    exactly and decodes to the gguf reference."""
     rows, cols = 7, 512
     raw = _random_blocks(qtype, rows, cols, np.random.default_rng(7 + int(qtype)))
-    whole = _read_one(tmp_path, "blk.0.ffn_down.weight", qtype, raw, (rows, cols), group16=True)
-    monkeypatch.setattr(G, "REQUANTIZE_CHUNK_VALUES", 2 * cols)
+    info = G.GGUFTensorInfo("blk.0.ffn_down.weight", int(qtype), (rows, cols), 0, raw.size)
+    whole = G._repack(raw, info)  # what the numpy reader calls for every such matrix
+    monkeypatch.setattr(G, "ROW_CHUNK_VALUES", 2 * cols)
     chunks: list[int] = []
-    rows_of = G._requantize_rows
+    fn_name = "_requantize_rows" if int(qtype) in G.REQUANTIZED else "_repack_rows"
+    rows_of = getattr(G, fn_name)
 
     def counted(raw_rows, *args):
         chunks.append(raw_rows.shape[0])
         return rows_of(raw_rows, *args)
 
-    monkeypatch.setattr(G, "_requantize_rows", counted)
-    chunked = _read_one(tmp_path, "blk.0.ffn_down.weight", qtype, raw, (rows, cols),
-                        group16=True)
+    monkeypatch.setattr(G, fn_name, counted)
+    chunked = G._repack(raw, info)
     assert chunks == [2, 2, 2, 1]
     for part in ("weight", "scales", "biases"):
         np.testing.assert_array_equal(np.array(getattr(chunked, part)),

@@ -347,27 +347,35 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
 
 def _repack(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
     """Re-lay a Q4_0/Q4_1/Q8_0/Q4_K tensor as an MLX affine triple, value for value (the
-    :data:`REQUANTIZED` types: :func:`_requantize`).
+    :data:`REQUANTIZED` types: :func:`_requantize`), a chunk of rows at a time
+    (:func:`_in_row_chunks`).
 
     Block layouts (ggml-common.h): Q4_0 = f16 d + 16 bytes of nibbles (value d*(q-8), first 16
     values in the low nibbles); Q4_1 = f16 d, f16 m + nibbles (d*q + m); Q8_0 = f16 d + 32 int8
     (d*q); Q4_K = 256-value super-block with f16 d, f16 dmin, 12 bytes of packed 6-bit sub-block
     scales/mins and 128 bytes of nibbles (32-value sub-block j: d*sc_j*q - dmin*m_j).
     """
-    rows, cols = info.shape
     t = info.ggml_type
-    if t == Q4_K:
-        return _repack_q4_k(raw, rows, cols)
     if t in REQUANTIZED:
         return _requantize(raw, info)
+    return _in_row_chunks(raw, info, 8 if t == Q8_0 else 4, GROUP_SIZE,
+                          lambda rows: _repack_rows(rows, t, info.shape[1]))
+
+
+def _repack_rows(raw: np.ndarray, t: int, cols: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_repack` of whole rows ``raw`` (``[n, row bytes]``): packed words, scales and
+    biases of those rows (numpy)."""
+    rows = raw.shape[0]
+    if t == Q4_K:
+        return _repack_q4_k(raw, rows, cols)
     block_bytes = {Q4_0: 18, Q4_1: 20, Q8_0: 34}[t]
     blocks = raw.reshape(rows, cols // 32, block_bytes)
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
     if t == Q8_0:
         q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
         weight = np.ascontiguousarray(q.astype(np.uint8)).reshape(rows, cols).view("<u4")
-        return QuantizedTensor(mx.array(weight), mx.array(d), mx.array(d * np.float16(-128)),
-                               bits=8, source_type="Q8_0")
+        return weight, d, d * np.float16(-128)
     header = 2 if t == Q4_0 else 4
     qs = blocks[..., header : header + 16]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
@@ -375,11 +383,11 @@ def _repack(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
         biases = d * np.float16(-8)
     else:
         biases = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
-    return QuantizedTensor(mx.array(_pack_nibbles(q)), mx.array(d), mx.array(biases), bits=4,
-                           source_type=_type_name(t))
+    return _pack_nibbles(q), d, biases
 
 
-def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantizedTensor:
+def _repack_q4_k(raw: np.ndarray, rows: int, cols: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sb = raw.reshape(rows, cols // 256, 144)
     d = np.ascontiguousarray(sb[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
     dmin = np.ascontiguousarray(sb[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
@@ -390,8 +398,29 @@ def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> QuantizedTensor:
     # scales/biases in float32: d * sc needs more mantissa than float16 has
     scales = (d[..., None] * sc).reshape(rows, cols // 32)
     biases = (-(dmin[..., None] * mn)).reshape(rows, cols // 32)
-    return QuantizedTensor(mx.array(_pack_nibbles(q)), mx.array(scales), mx.array(biases),
-                           bits=4, source_type="Q4_K")
+    return _pack_nibbles(q), scales, biases
+
+
+#: Values re-laid at once by :func:`_in_row_chunks`: the numpy temporaries of a repack or
+#: re-coding take a few times 4 bytes per value, so a whole 136M-value token embedding or
+#: output layer (Qwen2.5's vocabulary) at once made the load peak at ~3.3 GiB of RSS for a
+#: 491 MB file; chunks of rows bound them to a few tens of MiB.
+ROW_CHUNK_VALUES = 1 << 22
+
+
+def _in_row_chunks(raw: np.ndarray, info: GGUFTensorInfo, bits: int, group: int,
+                   rows_fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+                   ) -> QuantizedTensor:
+    """``rows_fn`` over chunks of :data:`ROW_CHUNK_VALUES` values' worth of whole rows
+    of ``raw`` (every GGUF block lies within one row), its (words, scales, biases) joined
+    into one :class:`QuantizedTensor`."""
+    rows, cols = info.shape
+    per_row = raw.reshape(rows, -1)
+    step = max(1, ROW_CHUNK_VALUES // cols)
+    parts = [rows_fn(per_row[r:r + step]) for r in range(0, rows, step)]
+    weight, scales, biases = (np.concatenate([part[i] for part in parts]) for i in range(3))
+    return QuantizedTensor(mx.array(weight), mx.array(scales), mx.array(biases), bits=bits,
+                           source_type=info.type_name, group_size=group)
 
 
 def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -503,13 +532,6 @@ def _unpack_bits(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
         np.uint8).reshape(rows, cols)
 
 
-#: Values re-coded at once by :func:`_requantize`: its float32 temporaries (the reference
-#: values, the codes, the values decoded back) take a few times 4 bytes per value, so a whole
-#: 136M-value token embedding (Qwen2.5's vocabulary) at once made the load peak at ~3.3 GiB of
-#: RSS for a 491 MB file; chunks of rows bound them to a few tens of MiB.
-REQUANTIZE_CHUNK_VALUES = 1 << 22
-
-
 def _requantize(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
     """A tensor of a :data:`REQUANTIZED` type as the MLX affine triple that table names,
     value for value.
@@ -517,23 +539,17 @@ def _requantize(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
     The codes come from the ``gguf`` package's reference dequantization (no bit unpacking of
     our own): ``code = round((value - bias) / scale)`` per group, then the triple is decoded
     back in float32 (``scale * code + bias``, MLX's rounding) and must give the reference's
-    values exactly. Done for :data:`REQUANTIZE_CHUNK_VALUES` values' worth of whole rows at a
-    time (every block lies within one row), so the temporaries stay small.
+    values exactly. Done a chunk of rows at a time (:func:`_in_row_chunks`), so the
+    temporaries stay small.
 
     Raises:
         ValueError: naming the tensor, when a code falls outside ``0 .. 2**bits - 1`` or a
             value does not come back exactly (a block that does not fit its layout, e.g. a
             non-finite scale).
     """
-    rows, cols = info.shape
     bits, group = REQUANTIZED[info.ggml_type]
-    per_row = raw.reshape(rows, -1)
-    step = max(1, REQUANTIZE_CHUNK_VALUES // cols)
-    parts = [_requantize_rows(per_row[r:r + step], info, bits, group)
-             for r in range(0, rows, step)]
-    weight, scales, biases = (np.concatenate([part[i] for part in parts]) for i in range(3))
-    return QuantizedTensor(mx.array(weight), mx.array(scales), mx.array(biases), bits=bits,
-                           source_type=info.type_name, group_size=group)
+    return _in_row_chunks(raw, info, bits, group,
+                          lambda rows: _requantize_rows(rows, info, bits, group))
 
 
 def _requantize_rows(raw: np.ndarray, info: GGUFTensorInfo, bits: int, group: int
