@@ -339,8 +339,8 @@ class MLXWorker(WorkerBase):
     def memory_breakdown(self) -> dict:
         """Where this process's resident memory is, as it stands (nothing emptied first), then
         after MLX's buffer cache is emptied, then after ``malloc_trim(0)``
-        (``LLM.collective_rpc("memory_breakdown")``, ``benchmarks/memory_startup.py --mode
-        breakdown``). Each stage: RSS, MLX's active/cache/peak bytes and the smaps split
+        (``LLM.collective_rpc("memory_breakdown")``, as ``benchmarks/memory_models.py`` reads
+        it). Each stage: RSS, MLX's active/cache/peak bytes and the smaps split
         (:func:`vllm_unified.memory.resident.smaps_breakdown`: anonymous vs file-backed)."""
         mx = import_mlx()
         self.model_runner.quiesce()
