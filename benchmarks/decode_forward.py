@@ -68,6 +68,25 @@ def plain_mlx(model):
             mod.swiglu = ck.swiglu
 
 
+def paged_caches(model, batch: int, rng: np.random.Generator, alloc=torch.empty):  # noqa: ANN001, ANN201
+    """Per-layer paged caches of ``model`` over one pool in vLLM's layout (torch buffers made by
+    ``alloc``, shared with MLX), and block tables scattering each of ``batch`` sequences'
+    CONTEXT tokens over the pool's blocks: ``(pool, caches, tables [batch, CONTEXT / BLOCK]
+    int32, rows [batch] int32)``."""
+    from vllm_unified.kv.layer_cache import PagedLayerCache
+    from vllm_unified.kv.pool import KVPool
+
+    layers, kv_heads = len(model.layers), model.args.num_key_value_heads
+    head_dim = model.args.hidden_size // model.args.num_attention_heads
+    num_blocks = 2 * batch * (CONTEXT // BLOCK + 1) + 1
+    bufs = [alloc((num_blocks, BLOCK, kv_heads, 2 * head_dim)) for _ in range(layers)]
+    pool = KVPool.from_torch_views([b.permute(0, 2, 1, 3) for b in bufs], BLOCK)
+    caches = [PagedLayerCache(pool, i) for i in range(layers)]
+    tables = rng.permutation(np.arange(1, num_blocks))[: batch * (CONTEXT // BLOCK)]
+    return (pool, caches, tables.reshape(batch, -1).astype(np.int32),
+            np.arange(batch, dtype=np.int32))
+
+
 def measure(batch: int, rounds: int, model, qmodel, mx,
             rng: np.random.Generator) -> dict[str, list]:
     """Seconds per decode step for each contender, ``rounds`` interleaved rounds."""
@@ -76,12 +95,8 @@ def measure(batch: int, rounds: int, model, qmodel, mx,
     import vllm_unified.kv.layer_cache as layer_cache
     from vllm_unified.attention.metadata import build_attention_metadata
     from vllm_unified.forward_context import StepContext, set_step_context
-    from vllm_unified.kv.layer_cache import PagedLayerCache
-    from vllm_unified.kv.pool import KVPool
     from vllm_unified.worker.model_runner import forward
 
-    layers, kv_heads = len(model.layers), model.args.num_key_value_heads
-    head_dim = model.args.hidden_size // model.args.num_attention_heads
     cache = make_prompt_cache(model)
     plain = model(mx.array(rng.integers(1000, 30000, (batch, CONTEXT))), cache=cache)
     state = {"y": mx.argmax(plain[:, -1], -1)}
@@ -92,13 +107,7 @@ def measure(batch: int, rounds: int, model, qmodel, mx,
             state["y"] = mx.argmax(model(state["y"][:, None], cache=cache)[:, -1], -1)
             mx.eval(state["y"])
 
-    num_blocks = 2 * batch * (CONTEXT // BLOCK + 1) + 1
-    bufs = [torch.empty((num_blocks, BLOCK, kv_heads, 2 * head_dim)) for _ in range(layers)]
-    pool = KVPool.from_torch_views([b.permute(0, 2, 1, 3) for b in bufs], BLOCK)
-    caches = [PagedLayerCache(pool, i) for i in range(layers)]
-    tables = rng.permutation(np.arange(1, num_blocks))[: batch * (CONTEXT // BLOCK)]
-    tables = tables.reshape(batch, -1).astype(np.int32)
-    rows = np.arange(batch, dtype=np.int32)
+    pool, caches, tables, rows = paged_caches(model, batch, rng, torch.empty)
 
     def ours_step(accelerate: bool, model=model) -> None:
         meta = build_attention_metadata([1] * batch, [CONTEXT] * batch, tables, BLOCK)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from decode_forward import BLOCK, CONTEXT
+from decode_forward import BLOCK, CONTEXT, paged_caches
 
 
 def widen_to_8_bits(model, mx, nn) -> int:  # noqa: ANN001 (modules imported late)
@@ -54,8 +54,6 @@ def main() -> None:
 
     from vllm_unified.attention.metadata import build_attention_metadata
     from vllm_unified.forward_context import StepContext, set_step_context
-    from vllm_unified.kv.layer_cache import PagedLayerCache
-    from vllm_unified.kv.pool import KVPool
     from vllm_unified.models.cpu_kernels import install_cpu_kernels
     from vllm_unified.models.loader import _gguf_hf_config, load_model
     from vllm_unified.models.routing import install_paged_attention
@@ -77,15 +75,7 @@ def main() -> None:
     print("|---:|---:|---:|---|")
     rng = np.random.default_rng(0)
     for batch in args.batch:
-        layers, kv_heads = len(own.layers), own.args.num_key_value_heads
-        head_dim = own.args.hidden_size // own.args.num_attention_heads
-        num_blocks = 2 * batch * (CONTEXT // BLOCK + 1) + 1
-        bufs = [torch.zeros((num_blocks, BLOCK, kv_heads, 2 * head_dim)) for _ in range(layers)]
-        pool = KVPool.from_torch_views([b.permute(0, 2, 1, 3) for b in bufs], BLOCK)
-        caches = [PagedLayerCache(pool, i) for i in range(layers)]
-        tables = rng.permutation(np.arange(1, num_blocks))[: batch * (CONTEXT // BLOCK)]
-        tables = tables.reshape(batch, -1).astype(np.int32)
-        rows = np.arange(batch, dtype=np.int32)
+        _, caches, tables, rows = paged_caches(own, batch, rng, torch.zeros)
         ids = mx.array(rng.integers(1000, 30000, (batch,)).astype(np.int32))
 
         def step(model, batch=batch, tables=tables, caches=caches, ids=ids,  # noqa: ANN001, ANN202
