@@ -159,7 +159,7 @@ def main() -> None:
     install_paged_attention(model)  # plain mlx-lm caches still take mlx-lm's own path
     print("native CPU kernels:", ", ".join(install_cpu_kernels(model)) or "(none)")
     qmodel = load_model(str(gguf), hf_config=_gguf_hf_config(gguf), dtype=mx.float32,
-                        keep_quantized=True, native_groups=True).model
+                        keep_quantized=True, native_kernels=True).model
     install_paged_attention(qmodel)
     print("quantized model:", ", ".join(install_cpu_kernels(qmodel)) or "(none)")
     rng = np.random.default_rng(0)

@@ -1,7 +1,7 @@
 """One decode forward of a GGUF model held at its own widths vs the same values widened to 8 bits.
 
 Loads the file as the engine holds it on the CPU backend (``keep_quantized=True,
-native_groups=True``: Q5_* as 5-bit, Q6_K / Q3_K / Q2_K as 6 / 3 / 2-bit groups of 16, ...)
+native_kernels=True``: Q5_* as 5-bit, Q6_K / Q3_K / Q2_K as 6 / 3 / 2-bit groups of 16, ...)
 twice, and re-encodes every layer of the second copy that is not 4 or 8 bits as 8-bit codes
 with the same scales and biases (the layout before issue 17's kernels for those widths: same
 values, more bytes). Then times one decode step of the runner's paged forward
@@ -63,7 +63,7 @@ def main() -> None:
 
     def load():  # noqa: ANN202
         model = load_model(str(path), hf_config=_gguf_hf_config(path), dtype=mx.float32,
-                           keep_quantized=True, native_groups=True).model
+                           keep_quantized=True, native_kernels=True).model
         install_paged_attention(model)
         install_cpu_kernels(model)
         return model

@@ -520,8 +520,13 @@ int main(int argc, char** argv) {
     const bool at_end = c % 2 == 0;
     auto* x = reinterpret_cast<float*>(guarded(M * K * 4, at_end, 4));
     auto* w = reinterpret_cast<uint32_t*>(guarded(N * K * bits / 8, at_end, 4));
-    auto* s = reinterpret_cast<float*>(guarded(N * groups * 4, at_end, 4));
-    auto* b = reinterpret_cast<float*>(guarded(N * groups * 4, at_end, 4));
+    // every third case keeps its scales and biases as float16 (2-byte elements)
+    const bool half = c % 3 == 1;
+    const auto st = half ? vun::ScaleType::kF16 : vun::ScaleType::kF32;
+    const size_t elem = half ? 2 : 4;
+    void* sh = guarded(N * groups * elem, at_end, 2);
+    void* bh = guarded(N * groups * elem, at_end, 2);
+    std::vector<float> s(N * groups), b(N * groups);
     auto* y = reinterpret_cast<float*>(guarded(M * N * 4, at_end, 4));
     std::vector<uint8_t> q(N * K);
     std::memset(w, 0, N * K * bits / 8);
@@ -529,7 +534,18 @@ int main(int argc, char** argv) {
       q[i] = rng() % (1u << bits);
       w[i * bits / 32] |= uint32_t{q[i]} << (i * bits % 32);
     }
-    for (size_t i = 0; i < N * groups; ++i) s[i] = normal(rng) * 0.05f, b[i] = normal(rng) * 0.3f;
+    for (size_t i = 0; i < N * groups; ++i) {
+      s[i] = normal(rng) * 0.05f, b[i] = normal(rng) * 0.3f;
+      if (half) {
+        const _Float16 hs = static_cast<_Float16>(s[i]), hb = static_cast<_Float16>(b[i]);
+        std::memcpy(static_cast<char*>(sh) + 2 * i, &hs, 2);
+        std::memcpy(static_cast<char*>(bh) + 2 * i, &hb, 2);
+        s[i] = static_cast<float>(hs), b[i] = static_cast<float>(hb);
+      } else {
+        std::memcpy(static_cast<char*>(sh) + 4 * i, &s[i], 4);
+        std::memcpy(static_cast<char*>(bh) + 4 * i, &b[i], 4);
+      }
+    }
     for (size_t i = 0; i < M * K; ++i) x[i] = normal(rng);
     const uint32_t sentinel = 0x7fc0dead;
     for (size_t i = 0; i < M * N; ++i) std::memcpy(&y[i], &sentinel, 4);
@@ -540,7 +556,7 @@ int main(int argc, char** argv) {
     vun::amx_prepare_x(x, M, K, gs, tiles, sums, 0, mblocks);
     if (mblocks <= 2) {
       for (size_t nb = 0; nb < nblocks; nb += 4) {
-        vun::amx_quantized_linear_blocks(tiles, sums, w, s, b, y, M, N, K, gs, bits, nb,
+        vun::amx_quantized_linear_blocks(tiles, sums, w, sh, bh, st, y, M, N, K, gs, bits, nb,
                                          std::min(nblocks, nb + 4));
       }
     } else {
@@ -549,7 +565,7 @@ int main(int argc, char** argv) {
       vun::amx_unpack_weight(w, N, K, bits, panel, 0, nblocks);
       for (size_t mb = 0; mb < mblocks; mb += 4) {
         for (size_t nb = 0; nb < nblocks; nb += 24) {
-          vun::amx_quantized_linear_panel(tiles, sums, panel, s, b, y, M, N, K, gs, nb,
+          vun::amx_quantized_linear_panel(tiles, sums, panel, sh, bh, st, y, M, N, K, gs, nb,
                                           std::min(nblocks, nb + 24), mb,
                                           std::min(mblocks, mb + 4));
         }

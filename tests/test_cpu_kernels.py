@@ -389,6 +389,47 @@ def test_quantized_linear_is_bit_identical_to_linear_on_dequantized(m, n, k, gro
         assert mx.array_equal(alone[0], got[r]).item()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m", [1, 3, 4, 40])
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (5, 32), (8, 32), (6, 16), (3, 64),
+                                              (2, 128)])
+def test_16bit_scales_give_the_bits_of_their_float32_values(m, bits, group_size, dtype):
+    """float16 / bfloat16 scales and biases (GGUF's exact float16 d and minimum; MLX-format
+    checkpoints' stored ones) are widened exactly as they are read: ``quantized_linear`` (the
+    AVX path, and the AMX one from 4 rows) and ``dequantize`` give the bits of the same call
+    with the values cast to float32, on an odd number of rows."""
+    rng = np.random.default_rng(m + bits + group_size)
+    n, k = 45, 256
+    half = getattr(mx, dtype)
+    wq = mx.array(rng.integers(0, 2**32, (n, k * bits // 32), dtype=np.uint32))
+    scales = mx.array(rng.standard_normal((n, k // group_size)) * 0.05).astype(half)
+    biases = mx.array(rng.standard_normal((n, k // group_size)) * 0.5).astype(half)
+    wide = scales.astype(mx.float32), biases.astype(mx.float32)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    assert mx.array_equal(native.quantized_linear(x, wq, scales, biases, group_size, bits),
+                          native.quantized_linear(x, wq, *wide, group_size, bits)).item()
+    assert mx.array_equal(native.dequantize(wq, scales, biases, group_size, bits),
+                          native.dequantize(wq, *wide, group_size, bits)).item()
+
+
+def test_every_float16_value_is_widened_exactly():
+    """All 65,536 float16 bit patterns as the scales of 8-bit codes 1 and as biases (-0.0
+    scales): each dequantized value has the bits of the same call with float32 scales and
+    biases (subnormals, signed zeros, infinities and NaNs included), and the values are the
+    float16's own (scale * 1 + -0.0 and -0.0 * 1 + bias are exact)."""
+    bits16 = np.arange(2**16, dtype=np.uint16).reshape(-1, 2)  # [32768, 2]: 2 groups of 16
+    values = mx.array(bits16.view(np.float16))
+    minus_zero = mx.full(values.shape, -0.0, dtype=mx.float16)
+    wq = mx.array(np.full((bits16.shape[0], 8), 0x01010101, dtype=np.uint32))  # 32 codes 1
+    want = np.repeat(bits16.view(np.float16).astype(np.float32), 16, axis=1)
+    for scales, biases in ((values, minus_zero), (minus_zero, values)):
+        got = np.array(native.dequantize(wq, scales, biases, 16, 8))
+        wide = np.array(native.dequantize(wq, scales.astype(mx.float32),
+                                          biases.astype(mx.float32), 16, 8))
+        assert np.array_equal(got.view(np.uint32), wide.view(np.uint32))
+        np.testing.assert_array_equal(got, want)  # equal NaN positions, other values exact
+
+
 def test_avx_path_on_an_amx_machine():
     """On a CPU with AMX the in-process tests above skip the calls AMX takes: run them again
     with ``VLLM_UNIFIED_CPU_ISA=avx512`` (AMX off), so the AVX-512 kernel is still proven."""
@@ -589,8 +630,10 @@ def test_quantized_kernels_reject_bad_input():
         native.dequantize(wq[:, :7], scales, biases, 32, 3)
     with pytest.raises(ValueError, match="multiple of 16, got 24"):
         native.dequantize(wq, scales, biases, 24, 4)
-    with pytest.raises(TypeError, match="scales, biases float32"):
+    with pytest.raises(TypeError, match="scales, biases both float32, float16 or bfloat16"):
         native.quantized_linear(x, wq, scales.astype(mx.float16), biases, 32, 4)
+    with pytest.raises(TypeError, match="scales, biases both float32, float16 or bfloat16"):
+        native.dequantize(wq, scales.astype(mx.int32), biases.astype(mx.int32), 32, 4)
     with pytest.raises(TypeError, match="x must be float32"):
         native.quantized_linear(x.astype(mx.bfloat16), wq, scales, biases, 32, 4)
     with pytest.raises(ValueError, match=r"scales and biases must be \[N, K / group_size\]"):

@@ -173,7 +173,7 @@ def test_gemma3_270m_q4_k_m_matches_transformers_greedy():
     from vllm_unified.models.cpu_kernels import install_cpu_kernels
 
     native = load_model(path, hf_config=GEMMA3_270M_CONFIG, dtype=mx.float32,
-                        keep_quantized=True, native_groups=True)
+                        keep_quantized=True, native_kernels=True)
     install_cpu_kernels(native.model)
     groups = {n: m.group_size for n, m in quantized_modules(native.model).items()}
     q6 = [n for n, t in index.tensors.items() if t.ggml_type == T.Q6_K]
@@ -325,6 +325,43 @@ def test_tiny_mlx_3_and_5_bit_folders_run_natively(tmp_path, tiny_ids, bits):
     assert greedy(kept.model, prompt, 12) == greedy(flat.model, prompt, 12)
     np.testing.assert_allclose(mlx_logits(kept.model, tiny_ids),
                                mlx_logits(flat.model, tiny_ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
+def test_mlx_folder_keeps_its_16bit_scales_where_the_native_kernels_run(tmp_path, tiny_ids,
+                                                                          scale_dtype):
+    """mlx-community checkpoints store scales and biases in the model's 16-bit dtype: with the
+    native CPU kernels they stay so (half the bytes of float32), other floats become float32,
+    and the logits are those of the same checkpoint with the scales cast to float32, bit for
+    bit."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    from vllm_unified.models.cpu_kernels import install_cpu_kernels
+
+    src = make_tiny_checkpoint(tmp_path, "llama")
+    dense = load_model(src, hf_config=None, dtype=getattr(mx, scale_dtype),
+                       keep_quantized=False)
+    model, config = quantize_model(dense.model, dict(dense.config), group_size=32, bits=4)
+    out = tmp_path / f"tiny-llama-4bit-{scale_dtype}"
+    save_model(out, model)
+    save_config(config, out / "config.json")
+
+    native = load_model(out, hf_config=None, dtype=mx.float32, keep_quantized=True,
+                        native_kernels=True)
+    wide = load_model(out, hf_config=None, dtype=mx.float32, keep_quantized=True)
+    held = {k: v.dtype for k, v in tree_flatten(native.model.parameters())}
+    assert {d for k, d in held.items() if k.endswith((".scales", ".biases"))} == {
+        getattr(mx, scale_dtype)}
+    assert {d for k, d in held.items() if k.endswith((".norm.weight", "layernorm.weight"))} == {
+        mx.float32}
+    assert {v.dtype for k, v in tree_flatten(wide.model.parameters())
+            if k.endswith(".scales")} == {mx.float32}
+    install_cpu_kernels(native.model)
+    install_cpu_kernels(wide.model)
+    for ids in (tiny_ids[:1], tiny_ids):  # one row (AVX path); all (AMX tiles where usable)
+        np.testing.assert_array_equal(mlx_logits(native.model, ids),
+                                      mlx_logits(wide.model, ids))
 
 
 # ----------------------------------------------------------------------------- tiny GGUF files
@@ -482,7 +519,7 @@ def _read_one(tmp_path, name: str, qtype: T, raw: np.ndarray, shape: tuple[int, 
 
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q5_K, T.IQ4_NL, T.IQ4_XS, T.Q6_K, T.Q3_K,
                                    T.Q2_K, T.Q4_K])
-def test_every_type_read_with_native_groups_is_exact(tmp_path, qtype):
+def test_every_type_read_with_native_kernels_is_exact(tmp_path, qtype):
     """Every type the reader re-codes, through read_gguf_tensors(group16=True): held at its
     width (:data:`_HELD`), and both our dequantization and the native kernel's give the gguf
     reference bit for bit, zero block scales included; Q6_K with signed sub-block scales."""
@@ -534,7 +571,7 @@ def test_tensors_are_read_in_row_chunks_with_the_whole_tensors_triple(monkeypatc
 
 
 @pytest.mark.parametrize("qtype", [T.Q6_K, T.Q3_K, T.Q2_K])
-def test_group16_types_stay_dense_without_native_groups(tmp_path, qtype):
+def test_group16_types_stay_dense_without_native_kernels(tmp_path, qtype):
     """Groups of 16 only where the native kernels run the model (``group16``), the token
     embedding included (its lookup is native too); without, dequantized as before."""
     raw = _random_blocks(qtype, 2, 256, np.random.default_rng(int(qtype)))
@@ -547,21 +584,42 @@ def test_group16_types_stay_dense_without_native_groups(tmp_path, qtype):
         assert isinstance(t, G.QuantizedTensor) and t.group_size == 16
 
 
-def test_describe_weights_counts_the_bytes_held_after_the_cast():
-    """Q8_0's float16 scales and biases are held as float32 once the loader casts them to the
-    compute dtype: the log line counts 4 bytes each (1.25 bytes per weight), not 2."""
+def test_describe_weights_counts_the_scales_as_held():
+    """Q8_0's float16 scales and biases stay float16 where the native CPU kernels run the layer
+    (2 bytes each: 1.125 bytes per weight, the file's 1.0625 plus the float16 bias) and are
+    float32 where MLX's own quantized ops run it (1.25 bytes per weight); the log line says
+    which and counts what is held."""
+    from vllm_unified.models.loader import held_scales
+
     rows, cols = 512, 2048
     raw = _random_blocks(T.Q8_0, rows, cols, np.random.default_rng(8))
     info = G.GGUFTensorInfo("blk.0.ffn_up.weight", int(T.Q8_0), (rows, cols), 0, raw.size)
     index = G.GGUFIndex({}, {info.name: info})
-    tensors = {info.name: G._repack(raw.reshape(-1), info)}
-    assert tensors[info.name].scales.dtype == mx.float16
-    held = rows * cols * 1.25 / 2**20
-    as_read = rows * cols * 1.125 / 2**20
-    assert G.describe_weights(index, tensors, mx.float32) == [
-        f"Q8_0: 1 tensors, kept as 8-bit affine, {held:.1f} MiB (file "
-        f"{raw.size / 2**20:.1f} MiB)"]
-    assert f"{as_read:.1f} MiB" in G.describe_weights(index, tensors)[0]
+    read = G._repack(raw.reshape(-1), info)
+    assert read.scales.dtype == mx.float16
+    file = f"(file {raw.size / 2**20:.1f} MiB)"
+    for native, dtype, per_weight in ((True, "float16", 1.125), (False, "float32", 1.25)):
+        t = held_scales(read, mx.float32, native_kernels=native)
+        assert t.scales.dtype == t.biases.dtype == getattr(mx, dtype)
+        assert G.describe_weights(index, {info.name: t}, mx.float32) == [
+            f"Q8_0: 1 tensors, kept as 8-bit affine, {dtype} scales, "
+            f"{rows * cols * per_weight / 2**20:.1f} MiB {file}"]
+
+
+def test_held_scales_are_float16_only_where_exact():
+    """float16 only where scales and biases both come back exactly (Q5_0's d and -16 d);
+    the K-quants' products d * sc (float16 times a 6-bit integer) stay float32."""
+    from vllm_unified.models.loader import held_scales
+
+    for qtype, want in ((T.Q5_0, mx.float16), (T.Q4_1, mx.float16), (T.Q4_K, mx.float32)):
+        raw = _random_blocks(qtype, 4, 256, np.random.default_rng(int(qtype)))
+        info = G.GGUFTensorInfo("blk.0.ffn_up.weight", int(qtype), (4, 256), 0, raw.size)
+        read = G._repack(raw.reshape(-1), info)
+        held = held_scales(read, mx.float32, native_kernels=True)
+        assert held.scales.dtype == held.biases.dtype == want, G._type_name(int(qtype))
+        np.testing.assert_array_equal(np.array(held.dequantize(mx.float32)),
+                                      np.array(read.dequantize(mx.float32)))
+        assert held_scales(read, mx.float32, native_kernels=False).scales.dtype == mx.float32
 
 
 def test_widened_type_with_a_non_finite_scale_is_refused():

@@ -281,13 +281,16 @@ VUN_AMX_TARGET void amx_prepare_x(const float* x, size_t M, size_t K, size_t gro
 
 namespace {
 
-// acc[r][m] += s[r] * c[r][m] + b[r] * sx[m] for the first `rows` rows of a 16 x 16 block.
-VUN_AMX_TARGET inline void scale_group(float* acc, const float* c, const float* s, const float* b,
-                                       size_t stride, const __m512 sx, size_t rows) {
+// acc[r][m] += s[r] * c[r][m] + b[r] * sx[m] for the first `rows` rows of a 16 x 16 block; s and b
+// are element `at + r * stride` of the scales and biases (type st, widened exactly to fp32).
+VUN_AMX_TARGET inline void scale_group(float* acc, const float* c, const void* s, const void* b,
+                                       ScaleType st, size_t at, size_t stride, const __m512 sx,
+                                       size_t rows) {
   for (size_t r = 0; r < rows; ++r) {
     __m512 a = _mm512_load_ps(acc + r * kTile);
-    a = _mm512_fmadd_ps(_mm512_set1_ps(s[r * stride]), _mm512_load_ps(c + r * kTile), a);
-    a = _mm512_fmadd_ps(_mm512_set1_ps(b[r * stride]), sx, a);
+    const size_t i = at + r * stride;
+    a = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(s, st, i)), _mm512_load_ps(c + r * kTile), a);
+    a = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(b, st, i)), sx, a);
     _mm512_store_ps(acc + r * kTile, a);
   }
 }
@@ -325,8 +328,9 @@ VUN_AMX_TARGET inline void store_block(const float* acc, const float* exps, floa
 template <int BITS, bool JIT>
 VUN_AMX_TARGET void blocks4(const uint16_t* panel, size_t panel_elems, const uint8_t* wq,
                             size_t count, const uint16_t* xt, const float* sums,
-                            const float* scales, const float* biases, float* y, size_t N,
-                            size_t K, size_t group_size, size_t n0, size_t m0, size_t mrows) {
+                            const void* scales, const void* biases, ScaleType st, float* y,
+                            size_t N, size_t K, size_t group_size, size_t n0, size_t m0,
+                            size_t mrows) {
   const size_t groups = K / group_size;
   const size_t per_group = group_size / kDepth;
   alignas(64) float acc[4][kTile * kTile] = {};
@@ -364,8 +368,7 @@ VUN_AMX_TARGET void blocks4(const uint16_t* panel, size_t panel_elems, const uin
     for (size_t i = 0; i < count; ++i) {
       const size_t n = n0 + i * kTile;
       const size_t rows = std::min(kTile, N - n);
-      scale_group(acc[i], c[i], scales + n * groups + g, biases + n * groups + g, groups, sx,
-                  rows);
+      scale_group(acc[i], c[i], scales, biases, st, n * groups + g, groups, sx, rows);
     }
   }
   for (size_t i = 0; i < count; ++i) {
@@ -378,9 +381,9 @@ VUN_AMX_TARGET void blocks4(const uint16_t* panel, size_t panel_elems, const uin
 // before its one use per m-block.
 template <int BITS>
 VUN_AMX_TARGET void qlinear_jit(
-    const uint16_t* tiles, const float* sums, const uint8_t* wq, const float* scales,
-    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, size_t nb0,
-    size_t nb1) {
+    const uint16_t* tiles, const float* sums, const uint8_t* wq, const void* scales,
+    const void* biases, ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
+    size_t nb0, size_t nb1) {
   const size_t segs = K / kDepth;
   const size_t groups = K / group_size;
   const size_t mblocks = (M + kTile - 1) / kTile;
@@ -389,8 +392,8 @@ VUN_AMX_TARGET void qlinear_jit(
     for (size_t mb = 0; mb < mblocks; ++mb) {
       blocks4<BITS, true>(nullptr, 0, wq, std::min<size_t>(4, nb1 - nb),
                           tiles + mb * segs * kParts * kTileElems,
-                          sums + mb * (groups + 1) * kTile, scales, biases, y, N, K, group_size,
-                          nb * kTile, mb * kTile,
+                          sums + mb * (groups + 1) * kTile, scales, biases, st, y, N, K,
+                          group_size, nb * kTile, mb * kTile,
                           std::min(kTile, M - mb * kTile));
     }
   }
@@ -400,9 +403,9 @@ VUN_AMX_TARGET void qlinear_jit(
 }  // namespace
 
 void amx_quantized_linear_blocks(
-    const uint16_t* tiles, const float* sums, const uint32_t* wq, const float* scales,
-    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, int bits,
-    size_t nb0, size_t nb1) {
+    const uint16_t* tiles, const float* sums, const uint32_t* wq, const void* scales,
+    const void* biases, ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
+    int bits, size_t nb0, size_t nb1) {
   const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
   decltype(&qlinear_jit<8>) fn = qlinear_jit<8>;
   switch (bits) {
@@ -413,7 +416,7 @@ void amx_quantized_linear_blocks(
     case 6: fn = qlinear_jit<6>; break;
     default: break;
   }
-  fn(tiles, sums, w8, scales, biases, y, M, N, K, group_size, nb0, nb1);
+  fn(tiles, sums, w8, scales, biases, st, y, M, N, K, group_size, nb0, nb1);
 }
 
 VUN_AMX_TARGET void amx_unpack_weight(const uint32_t* wq, size_t N, size_t K, int bits,
@@ -436,9 +439,9 @@ VUN_AMX_TARGET void amx_unpack_weight(const uint32_t* wq, size_t N, size_t K, in
 }
 
 VUN_AMX_TARGET void amx_quantized_linear_panel(
-    const uint16_t* tiles, const float* sums, const uint16_t* panel, const float* scales,
-    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, size_t nb0,
-    size_t nb1, size_t mb0, size_t mb1) {
+    const uint16_t* tiles, const float* sums, const uint16_t* panel, const void* scales,
+    const void* biases, ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
+    size_t nb0, size_t nb1, size_t mb0, size_t mb1) {
   const size_t segs = K / kDepth;
   const size_t groups = K / group_size;
   const size_t panel_elems = segs * kTileElems;
@@ -447,8 +450,8 @@ VUN_AMX_TARGET void amx_quantized_linear_panel(
     for (size_t nb = nb0; nb < nb1; nb += 4) {
       blocks4<4, false>(panel + nb * panel_elems, panel_elems, nullptr,
                         std::min<size_t>(4, nb1 - nb), tiles + mb * segs * kParts * kTileElems,
-                        sums + mb * (groups + 1) * kTile, scales, biases, y, N, K, group_size,
-                        nb * kTile, mb * kTile, std::min(kTile, M - mb * kTile));
+                        sums + mb * (groups + 1) * kTile, scales, biases, st, y, N, K,
+                        group_size, nb * kTile, mb * kTile, std::min(kTile, M - mb * kTile));
     }
   }
   _tile_release();
@@ -457,17 +460,17 @@ VUN_AMX_TARGET void amx_quantized_linear_panel(
 void amx_prepare_x(const float*, size_t, size_t, size_t, uint16_t*, float*, size_t, size_t) {
   std::abort();  // callers check amx_usable()
 }
-void amx_quantized_linear_blocks(const uint16_t*, const float*, const uint32_t*, const float*,
-                                 const float*, float*, size_t, size_t, size_t, size_t, int,
-                                 size_t, size_t) {
+void amx_quantized_linear_blocks(const uint16_t*, const float*, const uint32_t*, const void*,
+                                 const void*, ScaleType, float*, size_t, size_t, size_t, size_t,
+                                 int, size_t, size_t) {
   std::abort();
 }
 void amx_unpack_weight(const uint32_t*, size_t, size_t, int, uint16_t*, size_t, size_t) {
   std::abort();
 }
-void amx_quantized_linear_panel(const uint16_t*, const float*, const uint16_t*, const float*,
-                                const float*, float*, size_t, size_t, size_t, size_t, size_t,
-                                size_t, size_t, size_t) {
+void amx_quantized_linear_panel(const uint16_t*, const float*, const uint16_t*, const void*,
+                                const void*, ScaleType, float*, size_t, size_t, size_t, size_t,
+                                size_t, size_t, size_t, size_t) {
   std::abort();
 }
 #endif

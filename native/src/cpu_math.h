@@ -85,6 +85,52 @@ void linear_cols_f32(
     const float* x, const float* wn, float* y, size_t M, size_t N, size_t K, size_t n,
     size_t count);
 
+// The element type of a quantized weight's scales and biases (both the same): float32, or the
+// 16-bit float16 / bfloat16 that MLX-format checkpoints store and that GGUF's Q4_0, Q4_1, Q5_0,
+// Q5_1 and Q8_0 scales fit exactly. The kernels widen each one to fp32 (exactly) as they read it.
+enum class ScaleType { kF32, kF16, kBF16 };
+
+// An IEEE binary16 value (its bits) as the fp32 of the same value (exact, subnormals, infinities
+// and NaN included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2^-24, exact in fp32
+    const float f = static_cast<float>(man) * 0x1p-24f;
+    __builtin_memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// A bfloat16 value (its bits) as fp32: the high half of the fp32 word.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Element i of a scales/biases array of type t, as fp32.
+inline float scale_at(const void* p, ScaleType t, size_t i) {
+  switch (t) {
+    case ScaleType::kF16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    case ScaleType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// dst[i] = scale_at(src, t, i) for i < n.
+void widen_scales(const void* src, ScaleType t, size_t n, float* dst);
+
 // Dequantize rows [r0, r1) of an MLX affine-quantized matrix (mx.quantize's layout, "affine"
 // mode) into out [(r1 - r0), K] fp32: out[r, k] = scales[r, g] * q[r, k] + biases[r, g] with
 // g = k / group_size, rounded as MLX's own dequantize does (product, then sum: bit-identical to
@@ -166,11 +212,12 @@ void amx_prepare_x(const float* x, size_t M, size_t K, size_t group_size, uint16
 
 // y[m, n] for n in 16-row blocks [nb0, nb1) of w and all m < M, from amx_prepare_x's tiles and
 // sums and an MLX affine-quantized w (dequantize_rows_f32's layout and widths), each weight
-// tile unpacked just before use: for decode-sized M (one or two 16-row blocks).
+// tile unpacked just before use: for decode-sized M (one or two 16-row blocks). scales, biases:
+// [N, K / group_size] of type st.
 void amx_quantized_linear_blocks(
-    const uint16_t* tiles, const float* sums, const uint32_t* wq, const float* scales,
-    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, int bits,
-    size_t nb0, size_t nb1);
+    const uint16_t* tiles, const float* sums, const uint32_t* wq, const void* scales,
+    const void* biases, ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
+    int bits, size_t nb0, size_t nb1);
 
 // For larger M, the weight unpacked once per call and shared by all threads: panel (64-byte
 // aligned, amx_weight_elems(N, K) uint16) gets the bf16 tiles of the 16-row blocks [nb0, nb1).
@@ -181,8 +228,8 @@ void amx_unpack_weight(const uint32_t* wq, size_t N, size_t K, int bits, uint16_
 // y[m, n] for the n-blocks [nb0, nb1) (a multiple of 4 apart, or ending at the last) and the
 // 16-row m-blocks [mb0, mb1), from prepared x and an unpacked weight panel.
 void amx_quantized_linear_panel(
-    const uint16_t* tiles, const float* sums, const uint16_t* panel, const float* scales,
-    const float* biases, float* y, size_t M, size_t N, size_t K, size_t group_size, size_t nb0,
-    size_t nb1, size_t mb0, size_t mb1);
+    const uint16_t* tiles, const float* sums, const uint16_t* panel, const void* scales,
+    const void* biases, ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
+    size_t nb0, size_t nb1, size_t mb0, size_t mb1);
 
 } // namespace vun

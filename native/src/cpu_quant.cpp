@@ -225,3 +225,25 @@ void dequantize_rows_f32(
 }
 
 } // namespace vun
+
+namespace vun {
+
+void widen_scales(const void* src, ScaleType t, size_t n, float* dst) {
+  switch (t) {
+    case ScaleType::kF16:
+      for (size_t i = 0; i < n; ++i) {
+        dst[i] = half_to_float(static_cast<const uint16_t*>(src)[i]);
+      }
+      break;
+    case ScaleType::kBF16:
+      for (size_t i = 0; i < n; ++i) {
+        dst[i] = bf16_to_float(static_cast<const uint16_t*>(src)[i]);
+      }
+      break;
+    default:
+      std::copy_n(static_cast<const float*>(src), n, dst);
+      break;
+  }
+}
+
+} // namespace vun

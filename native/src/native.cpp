@@ -25,6 +25,7 @@
 //   quantized_linear(x, w, scales, biases, group_size, bits, *, stream=None) -> mx.array
 //       fp32 x @ dequantize(w).T for MLX affine-quantized w (2-6/8 bits), weights dequantized
 //       4 rows at a time into a scratch buffer: bit-identical to linear on mx.dequantize(w).
+//       scales and biases: float32, or float16 / bfloat16 (widened exactly as they are read).
 //   dequantize(w, scales, biases, group_size, bits, *, stream=None) -> mx.array
 //       mx.dequantize to fp32, vectorized and threaded (MLX's CPU one is scalar, one thread).
 //   rms_norm(x, weight, eps, *, stream=None) -> mx.array
@@ -1510,9 +1511,11 @@ void check_quantized(const char* what, const mx::array& w, const mx::array& scal
              fn + ": group_size must be a positive multiple of 16, got " +
                  std::to_string(group_size));
   }
-  if (w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
-      biases.dtype() != mx::float32) {
-    raise_py(PyExc_TypeError, fn + ": w must be uint32 and scales, biases float32");
+  const auto st = scales.dtype();
+  if (w.dtype() != mx::uint32 || biases.dtype() != st ||
+      (st != mx::float32 && st != mx::float16 && st != mx::bfloat16)) {
+    raise_py(PyExc_TypeError,
+             fn + ": w must be uint32 and scales, biases both float32, float16 or bfloat16");
   }
   if (w.ndim() != 2) {
     raise_py(PyExc_ValueError, fn + ": w must be [N, K * bits / 32], got " + shape_str(w.shape()));
@@ -1535,6 +1538,45 @@ void check_quantized(const char* what, const mx::array& w, const mx::array& scal
     if (a->is_available() && !a->flags().row_contiguous) {
       raise_py(PyExc_ValueError, fn + ": w, scales and biases must be row-contiguous");
     }
+  }
+}
+
+// The ScaleType of a quantized weight's scales (check_quantized admitted its dtype).
+vun::ScaleType scale_type(const mx::array& scales) {
+  if (scales.dtype() == mx::float16) {
+    return vun::ScaleType::kF16;
+  }
+  return scales.dtype() == mx::bfloat16 ? vun::ScaleType::kBF16 : vun::ScaleType::kF32;
+}
+
+// vun::dequantize_rows_f32 for scales and biases of any ScaleType: 16-bit ones are widened to
+// fp32 (exactly) a few rows at a time into per-thread buffers first, so the results are those
+// of the same weight with fp32 scales, bit for bit.
+void dequantize_rows(const uint32_t* wq, const void* scales, const void* biases,
+                     vun::ScaleType st, float* out, size_t r0, size_t r1, size_t K,
+                     size_t group_size, int bits) {
+  if (st == vun::ScaleType::kF32) {
+    vun::dequantize_rows_f32(wq, static_cast<const float*>(scales),
+                             static_cast<const float*>(biases), out, r0, r1, K, group_size, bits);
+    return;
+  }
+  constexpr size_t kRows = 16;
+  const size_t groups = K / group_size;
+  const size_t words = K * static_cast<size_t>(bits) / 32;
+  thread_local std::vector<float> s32, b32;
+  if (s32.size() < kRows * groups) {
+    s32.resize(kRows * groups);
+    b32.resize(kRows * groups);
+  }
+  for (size_t r = r0; r < r1; r += kRows) {
+    const size_t count = std::min(kRows, r1 - r);
+    constexpr size_t elem = 2;  // bytes of a float16 / bfloat16
+    vun::widen_scales(static_cast<const char*>(scales) + r * groups * elem, st, count * groups,
+                      s32.data());
+    vun::widen_scales(static_cast<const char*>(biases) + r * groups * elem, st, count * groups,
+                      b32.data());
+    vun::dequantize_rows_f32(wq + r * words, s32.data(), b32.data(), out + (r - r0) * K, 0,
+                             count, K, group_size, bits);
   }
 }
 
@@ -1584,9 +1626,9 @@ char* align64(char* p) {
 }
 
 // `scratch`: amx_scratch(M, N, K, group_size).bytes() bytes, any alignment.
-void amx_quantized_linear(const float* x, const uint32_t* w, const float* scales,
-                          const float* biases, float* y, size_t M, size_t N, size_t K,
-                          size_t group_size, int bits, char* scratch) {
+void amx_quantized_linear(const float* x, const uint32_t* w, const void* scales,
+                          const void* biases, vun::ScaleType st, float* y, size_t M, size_t N,
+                          size_t K, size_t group_size, int bits, char* scratch) {
   constexpr size_t kItemMBlocks = 4;   // 64 rows of x: 3 bf16 parts = 384 bytes per k
   constexpr size_t kItemNBlocks = 24;  // 384 rows of w: 64 bytes per k (multiple of 4 blocks)
   const AmxScratch sizes = amx_scratch(M, N, K, group_size);
@@ -1601,7 +1643,7 @@ void amx_quantized_linear(const float* x, const uint32_t* w, const float* scales
   });
   if (!amx_uses_panel(M)) {
     split_work(nblocks, 16 * K * mblocks, 4, [&](size_t b, size_t e) {
-      vun::amx_quantized_linear_blocks(tiles, sums, w, scales, biases, y, M, N, K, group_size,
+      vun::amx_quantized_linear_blocks(tiles, sums, w, scales, biases, st, y, M, N, K, group_size,
                                        bits, b, e);
     });
     return;
@@ -1614,7 +1656,7 @@ void amx_quantized_linear(const float* x, const uint32_t* w, const float* scales
   kernel_pool().run(m_items * n_items, [&](size_t item) {
     const size_t mb = item / n_items * kItemMBlocks;
     const size_t nb = item % n_items * kItemNBlocks;
-    vun::amx_quantized_linear_panel(tiles, sums, panel, scales, biases, y, M, N, K, group_size,
+    vun::amx_quantized_linear_panel(tiles, sums, panel, scales, biases, st, y, M, N, K, group_size,
                                     nb, std::min(nblocks, nb + kItemNBlocks), mb,
                                     std::min(mblocks, mb + kItemMBlocks));
   });
@@ -1685,12 +1727,13 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
       scratch = buf.data<char>();
     }
     enc.dispatch([xp = x.data<float>(), wp = inputs[1].data<uint32_t>(), scratch,
-                  sp = inputs[2].data<float>(), bp = inputs[3].data<float>(),
-                  yp = y.data<float>(), M = rows, N = static_cast<size_t>(inputs[1].shape(0)),
-                  K = depth, gs, bits = bits_]() {
+                  sp = static_cast<const void*>(inputs[2].data<char>()),
+                  bp = static_cast<const void*>(inputs[3].data<char>()),
+                  st = scale_type(inputs[2]), yp = y.data<float>(), M = rows,
+                  N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_]() {
       auto& pool = kernel_pool();
       if (scratch != nullptr) {
-        amx_quantized_linear(xp, wp, sp, bp, yp, M, N, K, gs, bits, scratch);
+        amx_quantized_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, scratch);
         return;
       }
       const size_t groups = (N + 3) / 4;
@@ -1701,7 +1744,7 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
         float* rows = scratch_rows(4 * K);
         for (size_t n = n0; n < n1; n += 4) {
           const size_t count = std::min<size_t>(4, n1 - n);
-          vun::dequantize_rows_f32(wp, sp, bp, rows, n, n + count, K, gs, bits);
+          dequantize_rows(wp, sp, bp, st, rows, n, n + count, K, gs, bits);
           vun::linear_cols_f32(xp, rows, yp, M, N, K, n, count);
         }
       });
@@ -1763,8 +1806,10 @@ class Dequantize : public QuantizedWeightPrimitive {
       enc.set_input_array(a);
     }
     enc.set_output_array(out);
-    enc.dispatch([wp = inputs[0].data<uint32_t>(), sp = inputs[1].data<float>(),
-                  bp = inputs[2].data<float>(), op = out.data<float>(),
+    enc.dispatch([wp = inputs[0].data<uint32_t>(),
+                  sp = static_cast<const void*>(inputs[1].data<char>()),
+                  bp = static_cast<const void*>(inputs[2].data<char>()),
+                  st = scale_type(inputs[1]), op = out.data<float>(),
                   N = static_cast<size_t>(out.shape(0)), K = static_cast<size_t>(out.shape(1)),
                   gs = static_cast<size_t>(group_size_), bits = bits_]() {
       auto& pool = kernel_pool();
@@ -1772,7 +1817,7 @@ class Dequantize : public QuantizedWeightPrimitive {
       pool.run(chunks, [&](size_t c) {
         const size_t r0 = N * c / chunks;
         const size_t r1 = N * (c + 1) / chunks;
-        vun::dequantize_rows_f32(wp, sp, bp, op + r0 * K, r0, r1, K, gs, bits);
+        dequantize_rows(wp, sp, bp, st, op + r0 * K, r0, r1, K, gs, bits);
       });
     });
   }
@@ -1911,12 +1956,13 @@ NB_MODULE(_native, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 x @ dequantize(w).T for x [M, K] and an MLX affine-quantized w (bits 2-6 or 8, "
-        "fp32 scales/biases), bit-identical to linear(x, mx.dequantize(w, ...)); CPU streams "
-        "only.");
+        "scales/biases float32, float16 or bfloat16), bit-identical to linear(x, "
+        "mx.dequantize(w, ...)) with the scales/biases as float32; CPU streams only.");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 2-6 or 8, fp32 scales/biases), "
-        "bit-identical to it, threaded; CPU streams only.");
+        "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 2-6 or 8, scales/biases "
+        "float32, float16 or bfloat16), bit-identical to it with the scales/biases as float32, "
+        "threaded; CPU streams only.");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 RMSNorm over the last axis (mx.fast.rms_norm's function) as one primitive; "

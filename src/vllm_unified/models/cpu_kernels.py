@@ -72,15 +72,18 @@ def _native_matmul_t(x: mx.array, weight: mx.array) -> mx.array | None:
 
 #: Widths of MLX affine weights the native kernels take (all MLX's affine mode makes).
 NATIVE_BITS = (2, 3, 4, 5, 6, 8)
+#: Scale/bias dtypes the native kernels take (16-bit ones widened exactly to fp32 as read).
+NATIVE_SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def _quantized_params(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array] | None:
     """``(weight, scales, biases)`` of a quantized layer the native kernels take (affine mode,
-    :data:`NATIVE_BITS`, groups a multiple of 16, fp32 scales and biases), else None."""
+    :data:`NATIVE_BITS`, groups a multiple of 16, scales and biases both of one of
+    :data:`NATIVE_SCALE_DTYPES`), else None."""
     biases = layer.get("biases")
     if (getattr(layer, "mode", "affine") != "affine" or layer.bits not in NATIVE_BITS
             or layer.group_size % 16 or biases is None
-            or layer.scales.dtype != mx.float32 or biases.dtype != mx.float32):
+            or layer.scales.dtype not in NATIVE_SCALE_DTYPES or biases.dtype != layer.scales.dtype):
         return None
     return layer["weight"], layer["scales"], biases
 
@@ -293,7 +296,8 @@ def install_cpu_kernels(model: Any) -> list[str]:
     ones :class:`NativeQuantizedLinear` / :class:`NativeQuantizedEmbedding` (their
     ``__class__`` is swapped: parameters, freezing and module paths stay as they are). Only
     exact instances of the four MLX classes are swapped: dense ones with fp32 row-contiguous
-    weights, quantized ones the kernels take (affine, 2/3/4/5/6/8 bits, fp32 scales). Other
+    weights, quantized ones the kernels take (affine, 2/3/4/5/6/8 bits, fp32, float16 or
+    bfloat16 scales). Other
     quantized layers (mxfp4, nvfp4, mxfp8, ...) are dequantized to fp32 here, as the loader
     would have done (MLX's CPU quantized matmul runs on one core), and named in the result.
     ``nn.RMSNorm`` / ``nn.RoPE`` instances become :class:`NativeRMSNorm` / :class:`NativeRoPE`

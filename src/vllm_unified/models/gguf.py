@@ -584,12 +584,12 @@ _DEQUANTIZED_WHY = {"Q6_K": _GROUP16_WHY, "Q3_K": _GROUP16_WHY, "Q2_K": _GROUP16
 def describe_weights(index: GGUFIndex, tensors: dict[str, mx.array | QuantizedTensor],
                      dtype: mx.Dtype | None = None) -> list[str]:
     """One line per GGML type of the file, for the start-up log: how many tensors, how they
-    are held (``kept as N-bit affine``, ``dense``, or ``dequantized to float32`` with the
-    reason) and their resident bytes (MiB) against the file's.
+    are held (``kept as N-bit affine`` with the scales' dtype, ``dense``, or ``dequantized to
+    float32`` with the reason) and their resident bytes (MiB) against the file's.
 
-    ``dtype``: the compute dtype the loader casts dense tensors and scales/biases to (packed
-    weights stay as they are), so the bytes are those held after that cast (Q8_0's float16
-    scales held as float32 count 4 bytes each); None: as read."""
+    Quantized tensors are counted as given (the loader passes them with the scales and biases
+    it holds: ``loader.held_scales``). ``dtype``: the compute dtype the loader casts dense
+    tensors to, so their bytes are those held after that cast; None: as read."""
     def held(a: mx.array) -> int:
         return a.size * (dtype.size if dtype is not None else a.itemsize)
 
@@ -600,8 +600,9 @@ def describe_weights(index: GGUFIndex, tensors: dict[str, mx.array | QuantizedTe
             continue
         if isinstance(t, QuantizedTensor):
             how = f"kept as {t.bits}-bit affine" + (
-                f" (groups of {t.group_size})" if t.group_size != GROUP_SIZE else "")
-            nbytes = t.weight.nbytes + held(t.scales) + held(t.biases)
+                f" (groups of {t.group_size})" if t.group_size != GROUP_SIZE else "") + (
+                f", {str(t.scales.dtype).removeprefix('mlx.core.')} scales")
+            nbytes = t.weight.nbytes + t.scales.nbytes + t.biases.nbytes
         elif info.ggml_type in (F32, F16, BF16):
             shown = dtype if dtype is not None else t.dtype
             how, nbytes = f"dense {str(shown).removeprefix('mlx.core.')}", held(t)

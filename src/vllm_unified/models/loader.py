@@ -82,7 +82,7 @@ def load_model(
     hf_config: Mapping[str, Any] | Any | None = None,
     dtype: mx.Dtype,
     keep_quantized: bool,
-    native_groups: bool = False,
+    native_kernels: bool = False,
     stage: PipelineStage | None = None,
 ) -> LoadedModel:
     """Load ``path`` into an mlx-lm model.
@@ -98,11 +98,12 @@ def load_model(
         keep_quantized: keep quantized weights quantized (``nn.QuantizedLinear`` /
             ``nn.QuantizedEmbedding``, MLX affine) where MLX can hold them exactly; otherwise
             dequantize them once, here, to ``dtype``.
-        native_groups: the native CPU kernels will run every ``nn.QuantizedLinear`` and
+        native_kernels: the native CPU kernels will run every ``nn.QuantizedLinear`` and
             ``nn.QuantizedEmbedding`` (MLX's CPU backend, fp32, the extension built:
-            ``cpu_kernels.keep_quantized_on_cpu``), so GGUF Q6_K / Q3_K / Q2_K layers may stay
-            quantized as 6 / 3 / 2-bit groups of 16, which MLX's own quantized ops refuse.
-            Off: they are dequantized.
+            ``cpu_kernels.keep_quantized_on_cpu``), so formats only they take are used: GGUF
+            Q6_K / Q3_K / Q2_K layers stay quantized as 6 / 3 / 2-bit groups of 16, which MLX's
+            own quantized ops refuse (off: they are dequantized), and scales and biases stay
+            16-bit where they are exactly so (:func:`held_scales`; off: cast to ``dtype``).
         stage: the pipeline stage this process runs (``--pipeline-parallel-size``): only its
             layers' weights are evaluated and kept (:func:`~vllm_unified.distributed.pipeline.
             prune_model`). None: the whole model.
@@ -119,9 +120,9 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{str(path)!r}: expected a .gguf file or a checkpoint folder")
-        loaded = _load_gguf(path, hf_config, dtype, keep_quantized, native_groups, stage)
+        loaded = _load_gguf(path, hf_config, dtype, keep_quantized, native_kernels, stage)
     else:
-        loaded = _load_folder(path, hf_config, dtype, keep_quantized, stage)
+        loaded = _load_folder(path, hf_config, dtype, keep_quantized, native_kernels, stage)
     logger.info("Loaded %s (%s, %s, %s) in %.2f s", path.name, loaded.config["model_type"],
                 loaded.source, "quantized" if loaded.quantized else f"dense {dtype}",
                 time.perf_counter() - start)
@@ -254,7 +255,7 @@ def _gguf_hf_config(path: Path) -> dict[str, Any]:
 
 
 def _load_gguf(
-    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_groups: bool,
+    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_kernels: bool,
     stage: PipelineStage | None,
 ) -> LoadedModel:
     index = read_gguf_index(path)
@@ -269,7 +270,9 @@ def _load_gguf(
                          f"GGUF architecture {arch!r} ({model_type})")
     config = mlx_lm_config(hf)
     tensors = read_gguf_tensors(path, index, quantized=keep_quantized,
-                                group16=keep_quantized and native_groups)
+                                group16=keep_quantized and native_kernels)
+    tensors = {name: held_scales(t, dtype, native_kernels) if isinstance(t, QuantizedTensor)
+               else t for name, t in tensors.items()}
     for line in describe_weights(index, tensors, dtype):
         logger.info("GGUF weights %s", line)
 
@@ -322,8 +325,8 @@ def _load_gguf(
         if isinstance(value, QuantizedTensor):
             base = name.removesuffix(".weight")
             flat[name] = value.weight
-            flat[f"{base}.scales"] = value.scales.astype(dtype)
-            flat[f"{base}.biases"] = value.biases.astype(dtype)
+            flat[f"{base}.scales"] = value.scales  # as held_scales made them
+            flat[f"{base}.biases"] = value.biases
         else:
             flat[name] = value.astype(dtype)
     _check_names(model, flat, hf_to_gguf, f"GGUF {arch}")
@@ -331,6 +334,23 @@ def _load_gguf(
     model.eval()
     mx.eval(model.parameters())
     return LoadedModel(model, config, dtype, _has_quantized(model), "gguf")
+
+
+def held_scales(t: QuantizedTensor, dtype: mx.Dtype, native_kernels: bool) -> QuantizedTensor:
+    """``t`` with the scales and biases it is held with: float16 when the native CPU kernels run
+    it (``native_kernels``, compute dtype float32) and both convert to float16 and back exactly
+    (GGUF Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store their scale and minimum as float16, and the
+    biases -8d, -16d, -128d are exact too), else ``dtype``. The kernels widen them back to
+    float32 exactly as they read them, so results are unchanged; the K-quants' scales (a float16
+    times a 6- or 8-bit integer) need float32."""
+    if native_kernels and dtype == mx.float32:
+        s16, b16 = t.scales.astype(mx.float16), t.biases.astype(mx.float16)
+        exact = (mx.array_equal(s16.astype(mx.float32), t.scales.astype(mx.float32))
+                 and mx.array_equal(b16.astype(mx.float32), t.biases.astype(mx.float32)))
+        if exact:
+            return QuantizedTensor(t.weight, s16, b16, t.bits, t.source_type, t.group_size)
+    return QuantizedTensor(t.weight, t.scales.astype(dtype), t.biases.astype(dtype), t.bits,
+                           t.source_type, t.group_size)
 
 
 def _held_weights(model: nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
@@ -403,7 +423,7 @@ def _check_names(model: nn.Module, weights: Mapping[str, mx.array],
 
 
 def _load_folder(
-    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool,
+    path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_kernels: bool,
     stage: PipelineStage | None,
 ) -> LoadedModel:
     from mlx_lm.utils import dequantize_model, load_config
@@ -428,21 +448,28 @@ def _load_folder(
         prune_model(model, stage, config["model_type"])
     if not keep_quantized and _has_quantized(model):
         model = dequantize_model(model)
-    model.update(_cast_floats(model.parameters(), dtype))
+    model.update(_cast_floats(model.parameters(), dtype,
+                              keep_16bit_scales=native_kernels and dtype == mx.float32))
     model.eval()
     mx.eval(model.parameters())
     return LoadedModel(model, config, dtype, _has_quantized(model), "safetensors")
 
 
-def _cast_floats(tree: Any, dtype: mx.Dtype) -> Any:
-    from mlx.utils import tree_map
+def _cast_floats(tree: Any, dtype: mx.Dtype, keep_16bit_scales: bool = False) -> Any:
+    """Every floating array of ``tree`` cast to ``dtype``; with ``keep_16bit_scales`` (the
+    native CPU kernels run the quantized layers and widen 16-bit scales exactly as they read
+    them) quantized layers' float16 / bfloat16 ``scales`` and ``biases`` stay as stored."""
+    from mlx.utils import tree_map_with_path
 
-    def cast(x: Any) -> Any:
-        if isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.floating):
-            return x.astype(dtype)
-        return x
+    def cast(path: str, x: Any) -> Any:
+        if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.floating):
+            return x
+        if (keep_16bit_scales and path.rsplit(".", 1)[-1] in ("scales", "biases")
+                and x.dtype in (mx.float16, mx.bfloat16)):
+            return x
+        return x.astype(dtype)
 
-    return tree_map(cast, tree)
+    return tree_map_with_path(cast, tree)
 
 
 def check_dtype_supported(model: nn.Module, dtype: mx.Dtype, backend: str) -> None:

@@ -255,7 +255,7 @@ class MLXModelRunner:
             self.model_config.get_total_num_hidden_layers(), pc.pipeline_parallel_size)
         self.loaded = load_model(
             _checkpoint_path(path), hf_config=hf_config, dtype=self.dtype,
-            keep_quantized=self.backend.keep_quantized or native, native_groups=native,
+            keep_quantized=self.backend.keep_quantized or native, native_kernels=native,
             stage=self.stage,
         )
         self.model = self.loaded.model
