@@ -249,6 +249,44 @@ def test_write_rows_into_torch_kv_pool(native):
         assert step_sum.item() == 36.0 - 6.0 * sum(range(1, k + 2))  # rows 0..k zeroed
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, four_d", [(1, True), (3, False), (700, True)])
+def test_write_kv_equals_write_rows_of_the_concatenation(native, dtype, tokens, four_d):
+    """``write_kv`` puts keys and values side by side in each (slot, head) cell of a torch-owned
+    pool, in place, with the bytes ``write_rows`` of their concatenation gives ([T, Hkv, D]
+    and the layer's [T, Hkv, 1, D]; 700 tokens split over the kernel pool)."""
+    torch.manual_seed(tokens)
+    slots, heads, dim = 1024, 3, 64
+    pools = [torch.zeros(slots, heads, 2 * dim, dtype=dtype) for _ in range(2)]
+    index = mx.array(torch.randperm(slots)[:tokens].numpy().astype("int32"))
+    shape = (tokens, heads, 1, dim) if four_d else (tokens, heads, dim)
+    keys, values = (bridge.to_mlx(torch.randn(shape).to(dtype), copy=True) for _ in range(2))
+    got = bridge.write_kv(bridge.to_mlx(pools[0]), index, keys, values)
+    flat = (keys.reshape(tokens, heads, dim), values.reshape(tokens, heads, dim))
+    want = bridge.write_rows(bridge.to_mlx(pools[1]), index, mx.concatenate(flat, axis=-1))
+    assert torch.count_nonzero(pools[0].float()) == 0  # lazy
+    mx.eval(got, want)
+    assert bridge.data_ptr(got) == pools[0].data_ptr()
+    assert torch.equal(pools[0], pools[1]) and torch.count_nonzero(pools[0].float()) > 0
+
+
+def test_write_kv_errors(native):
+    pool = bridge.to_mlx(torch.zeros(8, 2, 8))
+    k = mx.ones((2, 2, 4))
+    with pytest.raises(IndexError, match="row index 8 is out of range"):
+        bridge.write_kv(pool, mx.array([1, 8]), k, k)
+    lazy = bridge.write_kv(pool, mx.array([1, 4]) * 2, k, k)  # 8: checked when it runs
+    with pytest.raises(RuntimeError, match="row index 8 is out of range"):
+        mx.eval(lazy)
+    assert mx.sum(pool).item() == 0  # nothing written
+    with pytest.raises(ValueError, match=r"\[T, Hkv, D\] or \[T, Hkv, 1, D\]"):
+        bridge.write_kv(pool, mx.array([0, 1]), mx.ones((2, 2, 3)), mx.ones((2, 2, 3)))
+    with pytest.raises(TypeError, match="one dtype"):
+        bridge.write_kv(pool, mx.array([0, 1]), k.astype(mx.float16), k.astype(mx.float16))
+    with pytest.raises(TypeError, match="slot_mapping must be int32/int64"):
+        bridge.write_kv(pool, mx.array([0.0, 1.0]), k, k)
+
+
 def test_write_rows_into_layer_view(native):
     """One layer of a pool is an MLX view with an offset; writing it touches only that layer."""
     pool = torch.zeros(3, 10, 4)

@@ -62,7 +62,7 @@ def test_linear_equals_matmul(m, k, n):
 def test_linear_rejects_bad_input():
     with pytest.raises(TypeError, match="float32"):
         native.linear(mx.zeros((2, 4), mx.bfloat16), mx.zeros((3, 4), mx.bfloat16))
-    with pytest.raises(ValueError, match=r"\[M, K\]"):
+    with pytest.raises(ValueError, match=r"\[\.\.\., K\] and w \[N, K\]"):
         native.linear(mx.zeros((2, 4)), mx.zeros((3, 5)))
     wt = mx.zeros((4, 3)).T  # a transposed view: never copied per call, refused
     mx.eval(wt)
@@ -410,6 +410,26 @@ def test_16bit_scales_give_the_bits_of_their_float32_values(m, bits, group_size,
                           native.quantized_linear(x, wq, *wide, group_size, bits)).item()
     assert mx.array_equal(native.dequantize(wq, scales, biases, group_size, bits),
                           native.dequantize(wq, *wide, group_size, bits)).item()
+
+
+@pytest.mark.parametrize("shape", [(5, 96), (3, 1, 96), (2, 2, 1, 96), (96,)])
+def test_linears_take_leading_axes_as_rows(shape):
+    """``linear`` and ``quantized_linear`` take x [..., K] and return [..., N] with the bits of
+    the same rows as one [M, K] matrix (mlx-lm calls them on [T, 1, D]: no reshape nodes)."""
+    rng = np.random.default_rng(len(shape))
+    x = mx.array(rng.standard_normal(shape).astype(np.float32))
+    flat = x.reshape(-1, shape[-1])
+    w = mx.array(rng.standard_normal((40, 96)).astype(np.float32))
+    wq, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    for got, want in ((native.linear(x, w), native.linear(flat, w)),
+                      (native.quantized_linear(x, wq, scales, biases, 32, 4),
+                       native.quantized_linear(flat, wq, scales, biases, 32, 4))):
+        assert got.shape == (*shape[:-1], 40)
+        assert mx.array_equal(got.reshape(-1, 40), want).item()
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., K\] with K = w.shape"):
+        native.quantized_linear(mx.zeros((2, 1, 64)), wq, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., K\] and w \[N, K\]"):
+        native.linear(mx.zeros((2, 1, 64)), w)
 
 
 def test_every_float16_value_is_widened_exactly():

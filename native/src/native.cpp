@@ -12,6 +12,9 @@
 //       A lazy primitive writing src's rows into dst's buffer *in place*; its output shares that
 //       buffer, so every alias (torch views included) sees the write and readers of the output
 //       are ordered after it.
+//   write_kv(dst, slot_mapping, keys, values, *, stream=None) -> mx.array
+//       write_rows of keys and values side by side into a dense K|V pool, without building
+//       their concatenation.
 //   gather_kv(pool, rows, *, stream=None) -> (keys, values)
 //       A lazy gather of rows of a [rows, 2 * D] K|V pool into two row-contiguous arrays (the
 //       paged attention's key/value read; MLX's generic gather is several times slower here).
@@ -502,6 +505,111 @@ mx::array write_rows(
     }
   }
   return mx::array(dst.shape(), dst.dtype(), std::make_shared<WriteRows>(s), {dst, idx, src});
+}
+
+// ---------------------------------------------------------------------------------------------
+// write_kv
+
+// keys[t] and values[t] written side by side into slot slot_mapping[t] of a dense K|V pool
+// [slots, Hkv, 2 * D] (cell (slot, h) = [K | V], vLLM's attention page viewed slot-major), in
+// place: write_rows of their concatenation along the last axis without building it (the
+// squeezes and the concatenation were three graph nodes and a copy per layer and step).
+class WriteKV : public mx::Primitive {
+ public:
+  explicit WriteKV(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& dst = inputs[0];
+    auto& out = outputs[0];
+    if (!dst.flags().row_contiguous) {
+      throw std::invalid_argument("[write_kv] the pool is not row-contiguous");
+    }
+    out.copy_shared_buffer(dst);  // the output *is* the pool's buffer
+    const size_t n = inputs[1].size();
+    if (n == 0) {
+      return;
+    }
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array idx = row_contiguous(inputs[1], enc);
+    const mx::array k = row_contiguous(inputs[2], enc);
+    const mx::array v = row_contiguous(inputs[3], enc);
+    enc.set_input_array(dst);
+    enc.set_input_array(idx);
+    enc.set_input_array(k);
+    enc.set_input_array(v);
+    enc.set_output_array(out);
+    const int64_t nrows = dst.shape(0);
+    const auto heads = static_cast<size_t>(dst.shape(1));
+    const size_t half = static_cast<size_t>(dst.shape(2)) / 2 * dst.itemsize();  // bytes of K
+    const bool i32 = idx.dtype() == mx::int32;
+    const void* iptr = i32 ? static_cast<const void*>(idx.data<int32_t>())
+                           : static_cast<const void*>(idx.data<int64_t>());
+    // Every index is checked before any row is written (a bad one leaves the pool untouched;
+    // MLX rethrows from the eval that needs the output).
+    enc.dispatch([dptr = out.data<char>(), kp = k.data<char>(), vp = v.data<char>(), iptr, i32,
+                  n, nrows, heads, half]() {
+      const std::optional<int64_t> bad = i32
+          ? first_bad(static_cast<const int32_t*>(iptr), n, nrows)
+          : first_bad(static_cast<const int64_t*>(iptr), n, nrows);
+      if (bad) {
+        throw std::out_of_range(out_of_range_msg(*bad, nrows));
+      }
+      split_work(n * heads, 2 * half / 4, 1, [&](size_t begin, size_t end) {
+        for (size_t i = begin; i < end; ++i) {
+          const size_t t = i / heads;
+          const auto slot = static_cast<size_t>(
+              i32 ? static_cast<const int32_t*>(iptr)[t] : static_cast<const int64_t*>(iptr)[t]);
+          char* cell = dptr + (slot * heads + i % heads) * 2 * half;
+          std::memcpy(cell, kp + i * half, half);
+          std::memcpy(cell + half, vp + i * half, half);
+        }
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[write_kv] CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "WriteKV";
+  }
+  // is_equivalent stays false: two writes must never be merged by mx.compile's simplification.
+};
+
+mx::array write_kv(const mx::array& dst, const mx::array& slot_mapping, const mx::array& keys,
+                   const mx::array& values, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "write_kv");
+  const bool four = keys.ndim() == 4 && keys.shape(2) == 1;
+  if ((keys.ndim() != 3 && !four) || values.shape() != keys.shape() || dst.ndim() != 3 ||
+      dst.shape(1) != keys.shape(1) || dst.shape(2) != 2 * keys.shape(-1)) {
+    raise_py(PyExc_ValueError,
+             "write_kv: keys and values must be [T, Hkv, D] or [T, Hkv, 1, D] and dst "
+             "[slots, Hkv, 2 * D], got " + shape_str(keys.shape()) + ", " +
+                 shape_str(values.shape()) + " and " + shape_str(dst.shape()));
+  }
+  if (keys.dtype() != dst.dtype() || values.dtype() != dst.dtype()) {
+    raise_py(PyExc_TypeError, "write_kv: keys, values and dst must have one dtype");
+  }
+  if (slot_mapping.ndim() != 1 || slot_mapping.shape(0) != keys.shape(0) ||
+      (slot_mapping.dtype() != mx::int32 && slot_mapping.dtype() != mx::int64)) {
+    raise_py(PyExc_TypeError, "write_kv: slot_mapping must be int32/int64 [T]");
+  }
+  if (dst.status() != mx::array::Status::unscheduled && !dst.flags().row_contiguous) {
+    raise_py(PyExc_ValueError, "write_kv: dst is not row-contiguous");
+  }
+  if (slot_mapping.is_available() && slot_mapping.flags().row_contiguous &&
+      slot_mapping.size() > 0) {
+    if (auto bad = first_bad(slot_mapping, dst.shape(0))) {  // checked now where it can be
+      raise_py(PyExc_IndexError, out_of_range_msg(*bad, dst.shape(0)));
+    }
+  }
+  return mx::array(dst.shape(), dst.dtype(), std::make_shared<WriteKV>(s),
+                   {dst, slot_mapping, keys, values});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1423,8 +1531,18 @@ vun::ThreadPool& kernel_pool() {
   return *pool;
 }
 
-// y = x @ w.T for fp32 x [M, K], w [N, K] (nn.Linear's weight layout): the weight rows are split
-// over the kernel pool's threads in groups of 4 (see vun::linear_rows_f32).
+// The output shape of a linear layer of N outputs on x [..., K]: x's shape with N last. Leading
+// axes are taken as they are (rows = x.size / K), so callers need no reshape node around the
+// call (a graph node per linear, ~2.5 us each to evaluate on MLX's CPU backend).
+mx::Shape linear_out_shape(const mx::Shape& x, int n) {
+  mx::Shape out = x;
+  out.back() = n;
+  return out;
+}
+
+// y = x @ w.T for fp32 x [..., K] (rows M = x.size / K), w [N, K] (nn.Linear's weight layout):
+// the weight rows are split over the kernel pool's threads in groups of 4 (see
+// vun::linear_rows_f32).
 class Linear : public CpuOnlyPrimitive {
  public:
   explicit Linear(mx::Stream s) : CpuOnlyPrimitive(s, "linear") {}
@@ -1435,8 +1553,8 @@ class Linear : public CpuOnlyPrimitive {
     if (!w.flags().row_contiguous) {
       throw std::invalid_argument("[linear] w must be row-contiguous");
     }
-    if (inputs[0].ndim() != 2 || w.ndim() != 2 || inputs[0].shape(1) != w.shape(1)) {
-      throw std::invalid_argument("[linear] x must be [M, K] and w [N, K]");  // shapeless
+    if (inputs[0].ndim() < 1 || w.ndim() != 2 || inputs[0].shape(-1) != w.shape(1)) {
+      throw std::invalid_argument("[linear] x must be [..., K] and w [N, K]");  // shapeless
     }
     auto& enc = mx::cpu::get_command_encoder(stream());
     const mx::array x = row_contiguous(inputs[0], enc);
@@ -1445,8 +1563,8 @@ class Linear : public CpuOnlyPrimitive {
     enc.set_input_array(w);
     enc.set_output_array(y);
     enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = y.data<float>(),
-                  M = static_cast<size_t>(x.shape(0)), N = static_cast<size_t>(w.shape(0)),
-                  K = static_cast<size_t>(x.shape(1))]() {
+                  M = x.size() / static_cast<size_t>(w.shape(1)),
+                  N = static_cast<size_t>(w.shape(0)), K = static_cast<size_t>(w.shape(1))]() {
       // Chunks of whole 4-row groups, several per thread so that a thread that is late (the
       // CPU busy with other work) costs at most a chunk, not a share.
       auto& pool = kernel_pool();
@@ -1461,7 +1579,7 @@ class Linear : public CpuOnlyPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+    return {linear_out_shape(inputs[0].shape(), inputs[1].shape(0))};
   }
 
   const char* name() const override {
@@ -1474,10 +1592,10 @@ mx::array linear(const mx::array& x, const mx::array& w, nb::handle stream) {
   if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
     raise_py(PyExc_TypeError, "linear: x and w must be float32");
   }
-  if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1)) {
+  if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1)) {
     raise_py(
         PyExc_ValueError,
-        "linear: x must be [M, K] and w [N, K], got " + shape_str(x.shape()) + " and " +
+        "linear: x must be [..., K] and w [N, K], got " + shape_str(x.shape()) + " and " +
             shape_str(w.shape()));
   }
   // A weight that is not row-contiguous would be copied on every call: refuse instead.
@@ -1485,8 +1603,7 @@ mx::array linear(const mx::array& x, const mx::array& w, nb::handle stream) {
     raise_py(PyExc_ValueError, "linear: w must be row-contiguous (a weight, not a view)");
   }
   return mx::array(
-      {x.shape(0), w.shape(0)}, mx::float32, std::make_shared<Linear>(s),
-      {x, w});
+      linear_out_shape(x.shape(), w.shape(0)), mx::float32, std::make_shared<Linear>(s), {x, w});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1679,7 +1796,7 @@ class QuantizedWeightPrimitive : public CpuOnlyPrimitive {
   int bits_;
 };
 
-// y = x @ dequantize(w).T for fp32 x [M, K]: each group of 4 weight rows is dequantized into a
+// y = x @ dequantize(w).T for fp32 x [..., K] (M rows): each group of 4 weight rows is dequantized into a
 // per-thread scratch (L1/L2) and multiplied like Linear's, so the weight streams from memory at
 // bits / 32 of its fp32 size and the result is bit-identical to Linear on mx.dequantize(w).
 class QuantizedLinear : public QuantizedWeightPrimitive {
@@ -1696,13 +1813,13 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     }
     const auto& xin = inputs[0];
     const auto& wq = inputs[1];
-    if (xin.ndim() != 2 || wq.ndim() != 2 ||
-        int64_t{xin.shape(1)} != packed_columns(wq.shape(1), bits_) ||
-        xin.shape(1) % group_size_ != 0 ||
-        inputs[2].size() != static_cast<size_t>(wq.shape(0)) * (xin.shape(1) / group_size_) ||
+    if (xin.ndim() < 1 || wq.ndim() != 2 ||
+        int64_t{xin.shape(-1)} != packed_columns(wq.shape(1), bits_) ||
+        xin.shape(-1) % group_size_ != 0 ||
+        inputs[2].size() != static_cast<size_t>(wq.shape(0)) * (xin.shape(-1) / group_size_) ||
         inputs[3].size() != inputs[2].size()) {
       throw std::invalid_argument(
-          "[quantized_linear] x [M, K], w [N, K * bits / 32], scales and biases "
+          "[quantized_linear] x [..., K], w [N, K * bits / 32], scales and biases "
           "[N, K / group_size] do not fit");  // re-checked: shapeless compilation
     }
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -1714,7 +1831,7 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     enc.set_output_array(y);
     // The AMX kernels' scratch: an MLX temporary, returned to MLX's buffer cache when the
     // command completes (mx.clear_cache frees it), rather than memory kept per thread.
-    const auto rows = static_cast<size_t>(x.shape(0)), depth = static_cast<size_t>(x.shape(1));
+    const auto depth = static_cast<size_t>(x.shape(-1)), rows = x.size() / depth;
     const auto gs = static_cast<size_t>(group_size_);
     char* scratch = nullptr;
     if (use_amx(rows, depth, gs)) {
@@ -1752,7 +1869,7 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+    return {linear_out_shape(inputs[0].shape(), inputs[1].shape(0))};
   }
 
   const char* name() const override {
@@ -1767,14 +1884,14 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
   if (x.dtype() != mx::float32) {
     raise_py(PyExc_TypeError, "quantized_linear: x must be float32");
   }
-  if (x.ndim() != 2 || int64_t{x.shape(1)} != packed_columns(w.shape(1), bits)) {
+  if (x.ndim() < 1 || int64_t{x.shape(-1)} != packed_columns(w.shape(1), bits)) {
     raise_py(PyExc_ValueError,
-             "quantized_linear: x must be [M, K] with K = w.shape[1] * 32 / bits = " +
+             "quantized_linear: x must be [..., K] with K = w.shape[1] * 32 / bits = " +
                  std::to_string(packed_columns(w.shape(1), bits)) + ", got " +
                  shape_str(x.shape()));
   }
   return mx::array(
-      {x.shape(0), w.shape(0)}, mx::float32,
+      linear_out_shape(x.shape(), w.shape(0)), mx::float32,
       std::make_shared<QuantizedLinear>(s, group_size, bits),
       {x, w, scales, biases});
 }
@@ -1951,11 +2068,17 @@ NB_MODULE(_native, m) {
         "shares dst's buffer.");
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
-        "Lazy fp32 x @ w.T for x [M, K], w [N, K] without packing w (small M); CPU streams only.");
+        "Lazy fp32 x @ w.T for x [..., K] (its leading axes the rows), w [N, K], without packing "
+        "w (for few rows); CPU streams only.");
+  m.def("write_kv", &write_kv, nb::arg("dst"), nb::arg("slot_mapping"), nb::arg("keys"),
+        nb::arg("values"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "Lazy in-place write of keys[t] and values[t] ([T, Hkv, D] or [T, Hkv, 1, D], dst's "
+        "dtype) side by side into slot slot_mapping[t] of a dense K|V pool [slots, Hkv, 2 * D]; "
+        "returns the pool (its buffer); indices outside [0, slots) raise. CPU streams only.");
   m.def("quantized_linear", &quantized_linear, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
-        "Lazy fp32 x @ dequantize(w).T for x [M, K] and an MLX affine-quantized w (bits 2-6 or 8, "
+        "Lazy fp32 x @ dequantize(w).T for x [..., K] and an MLX affine-quantized w (bits 2-6 or 8, "
         "scales/biases float32, float16 or bfloat16), bit-identical to linear(x, "
         "mx.dequantize(w, ...)) with the scales/biases as float32; CPU streams only.");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),

@@ -260,6 +260,22 @@ def to_mlx(t: torch.Tensor, *, copy: bool = False) -> mx.array:
     return native.adopt(t.data_ptr(), nbytes, list(t.shape), dtype, t)
 
 
+def write_kv(dst: mx.array, slot_mapping: mx.array, keys: mx.array, values: mx.array
+             ) -> mx.array:
+    """:func:`write_rows` of ``concatenate([keys, values], -1)`` into a dense K|V pool
+    ``[slots, Hkv, 2 * D]``, without building the concatenation: ``keys``, ``values``
+    ``[T, Hkv, D]`` or ``[T, Hkv, 1, D]`` in the pool's dtype, ``slot_mapping`` int32/int64
+    ``[T]``. Same contract as :func:`write_rows` (in place, lazy, the pool's buffer returned,
+    indices outside ``[0, slots)`` raise, CPU streams only).
+
+    Raises:
+        RuntimeError: the native extension is not available.
+        TypeError / ValueError / IndexError: as :func:`write_rows`.
+    """
+    native = _require_native("write_kv")
+    return native.write_kv(dst, slot_mapping, keys, values)
+
+
 def write_rows(
     dst: mx.array, row_idx: mx.array, src: mx.array, *, stream: Any = None
 ) -> mx.array:

@@ -271,15 +271,16 @@ class KVPool:
             # K and V side by side by the kernel itself: no concatenation.
             kv[layer] = write_kv_gpu(dst, slot_mapping, keys, values, dialect=self._dialect())
             return
+        if self.write_path == "native_rows":
+            from vllm_unified.bridge import write_kv
+
+            # K and V side by side by the kernel itself: no squeeze or concatenation nodes
+            kv[layer] = write_kv(dst, slot_mapping, keys, values)
+            return
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
-        rows = mx.concatenate([keys, values], axis=-1)
-        if self.write_path == "native_rows":
-            from vllm_unified.bridge import write_rows
-
-            kv[layer] = write_rows(dst, slot_mapping, rows)
-        else:
-            dst[slot_mapping] = rows  # rebinds kv[layer] in place: MLX donates the buffer
+        # rebinds kv[layer] in place: MLX donates the buffer
+        dst[slot_mapping] = mx.concatenate([keys, values], axis=-1)
 
     def _dialect(self) -> str:
         """The GPU dialect of the write path (``cuda_kernel`` / ``metal_kernel``)."""

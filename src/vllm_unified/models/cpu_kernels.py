@@ -66,8 +66,7 @@ def _native_matmul_t(x: mx.array, weight: mx.array) -> mx.array | None:
     native = bridge.native_kernels()
     if native is None:
         return None
-    out = native.linear(x.reshape(rows, x.shape[-1]), weight)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return native.linear(x, weight)  # [..., K] -> [..., N]: no reshape node around it
 
 
 #: Widths of MLX affine weights the native kernels take (all MLX's affine mode makes).
@@ -106,12 +105,10 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
     if rows == 0:
         return None
     weight, scales, biases = layer["weight"], layer["scales"], layer["biases"]
-    flat = x.reshape(rows, x.shape[-1])
     if rows <= MAX_NATIVE_ROWS or amx_takes(rows, x.shape[-1], layer.group_size):
-        out = native.quantized_linear(flat, weight, scales, biases, layer.group_size, layer.bits)
-    else:
-        out = flat @ native.dequantize(weight, scales, biases, layer.group_size, layer.bits).T
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+        # [..., K] -> [..., N]: no reshape node around it
+        return native.quantized_linear(x, weight, scales, biases, layer.group_size, layer.bits)
+    return x @ native.dequantize(weight, scales, biases, layer.group_size, layer.bits).T
 
 
 def amx_takes(rows: int, in_features: int, group_size: int) -> bool:
@@ -239,7 +236,9 @@ def _rope_offsets(offset: int | mx.array, x: mx.array) -> mx.array | None:
     if (not isinstance(offset, mx.array) or offset.dtype != mx.int32 or offset.ndim > 1
             or offset.size not in (1, x.shape[0])):
         return None
-    return offset.reshape(-1)
+    # the step's positions come as [T] already: a reshape would be a new (lazy) array, and the
+    # kernel would add a Contiguous node for it, two nodes per call
+    return offset if offset.ndim == 1 else offset.reshape(-1)
 
 
 #: Exact layer class -> its natively run subclass (subclasses of these are left alone).
