@@ -42,6 +42,7 @@
 // write_rows; GPU builds and streams raise (the Metal/CUDA variants are future work).
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -1620,6 +1621,21 @@ void amx_quantized_linear(const float* x, const uint32_t* w, const float* scales
   });
 }
 
+// The arithmetic of QuantizedLinear's gemv (vun::quantized_gemv_f32's mode): 1 by default
+// (exact), 0 turns it off (the scratch path for every M); set by quantized_gemv_mode (benchmarks
+// compare the variants in one process).
+std::atomic<int>& gemv_mode() {
+  static std::atomic<int> mode{1};
+  return mode;
+}
+
+int set_gemv_mode(int mode) {
+  if (mode < 0 || mode > 3) {
+    raise_py(PyExc_ValueError, "quantized_gemv_mode: mode must be 0, 1, 2 or 3");
+  }
+  return gemv_mode().exchange(mode);
+}
+
 // The state and boilerplate of the two primitives on MLX affine-quantized weights.
 class QuantizedWeightPrimitive : public CpuOnlyPrimitive {
  public:
@@ -1698,8 +1714,12 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
       pool.run(chunks, [&](size_t c) {
         const size_t n0 = std::min(N, groups * c / chunks * 4);
         const size_t n1 = std::min(N, groups * (c + 1) / chunks * 4);
+        // gemv: 1-3 rows of x, the weight dequantized in registers (AVX-512); the rows it
+        // leaves (other CPUs, a last block of fewer than 4) take the scratch path below.
+        size_t n = vun::quantized_gemv_f32(xp, wp, sp, bp, yp, M, N, K, gs, bits, n0, n1,
+                                           gemv_mode().load(std::memory_order_relaxed));
         float* rows = scratch_rows(4 * K);
-        for (size_t n = n0; n < n1; n += 4) {
+        for (; n < n1; n += 4) {
           const size_t count = std::min<size_t>(4, n1 - n);
           vun::dequantize_rows_f32(wp, sp, bp, rows, n, n + count, K, gs, bits);
           vun::linear_cols_f32(xp, rows, yp, M, N, K, n, count);
@@ -1913,6 +1933,9 @@ NB_MODULE(_native, m) {
         "Lazy fp32 x @ dequantize(w).T for x [M, K] and an MLX affine-quantized w (bits 2-6 or 8, "
         "fp32 scales/biases), bit-identical to linear(x, mx.dequantize(w, ...)); CPU streams "
         "only.");
+  m.def("quantized_gemv_mode", &set_gemv_mode, nb::arg("mode"),
+        "quantized_linear's kernel for 1-3 rows of x: 0 the scratch path, 1 exact by table "
+        "lookup (default), 2 exact, 3 factored (within fp32 rounding); returns the previous mode.");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 2-6 or 8, fp32 scales/biases), "
