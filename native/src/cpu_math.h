@@ -103,7 +103,7 @@ void dequantize_rows_f32(
 // with each weight dequantized in registers (dequantize_rows_f32's layout, widths and group
 // sizes; x [M, K], y [M, N] fp32 row-contiguous). Modes 1 and 2 are bit-identical to
 // linear_cols_f32 on dequantize_rows_f32's rows: 1 looks each weight up in a table of its
-// group's 2^bits dequantized values (widths up to 6; 8 bits as 2), 2 dequantizes each weight;
+// group's 2^bits dequantized values (widths up to 4; wider as 2), 2 dequantizes each weight;
 // mode 3 factors the scale and bias out of each group's sum (equal within fp32 rounding only). Returns n0, computing nothing, without AVX-512 and BMI2,
 // for another M or mode <= 0: the rows left are the caller's.
 size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scales,

@@ -247,8 +247,8 @@ __attribute__((target("avx512f"))) inline __m512 reduce4_512(__m512 a0, __m512 a
   return _mm512_add_ps(r, _mm512_permute_ps(r, 0xb1));
 }
 
-// Codes [k, k + 16) of a packed row as 16 dword indices whose low BITS bits are the codes (the
-// bits above may hold neighbours': for the table lookups, which read only the low bits).
+// Codes [k, k + 16) of a packed row as 16 dword indices whose low 4 bits are the codes (the
+// bits above may hold neighbours': the table lookup reads only the low 4).
 template <int BITS>
 __attribute__((target("avx512f,avx2,bmi2"))) inline __m512i index16(const uint8_t* p,
                                                                    const uint8_t* end) {
@@ -263,8 +263,9 @@ __attribute__((target("avx512f,avx2,bmi2"))) inline __m512i index16(const uint8_
 // The gemv's arithmetic: kExact dequantizes each weight (s * q rounded, + b rounded: MLX's
 // values) and accumulates x * w with one FMA per lane in linear_cols_f32's order, so y is
 // bit-identical to linear_cols_f32 on dequantize_rows_f32's rows; kTable is kExact with the
-// group's 2^BITS dequantized values computed once and looked up (same values, same bits;
-// BITS <= 6); kFactored sums q * x per group and applies s and b per group (fewer operations,
+// group's 2^BITS dequantized values computed once and looked up in one register (same values,
+// same bits; BITS <= 4: the two-register lookups of 5 and 6 bits were slower than the
+// arithmetic); kFactored sums q * x per group and applies s and b per group (fewer operations,
 // equal within fp32 rounding only).
 enum class Gemv { kExact, kTable, kFactored };
 
@@ -320,15 +321,12 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
       }
       continue;
     }
-    __m512 s[4], b[4], t[4][4];
+    __m512 s[4], b[4], t[4];
     for (int j = 0; j < 4; ++j) {
       s[j] = _mm512_set1_ps(sr[j][g]);
       b[j] = _mm512_set1_ps(br[j][g]);
       if constexpr (MODE == Gemv::kTable) {
-        for (int h = 0; h < (1 << BITS) / 16 || h == 0; ++h) {
-          const __m512 q = _mm512_add_ps(iota, _mm512_set1_ps(16.f * h));
-          t[j][h] = _mm512_add_ps(_mm512_mul_ps(q, s[j]), b[j]);
-        }
+        t[j] = _mm512_add_ps(_mm512_mul_ps(iota, s[j]), b[j]);
       }
     }
     for (size_t k = k0; k < k1; k += 16) {
@@ -340,16 +338,7 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
         __m512 w;
         if constexpr (MODE == Gemv::kTable) {
           const __m512i idx = index16<BITS>(wr[j] + k * BITS / 8, wr[j] + row_bytes);
-          if constexpr (BITS <= 4) {
-            w = _mm512_permutexvar_ps(idx, t[j][0]);
-          } else if constexpr (BITS == 5) {
-            w = _mm512_permutex2var_ps(t[j][0], idx, t[j][1]);
-          } else {
-            const __m512 lo = _mm512_permutex2var_ps(t[j][0], idx, t[j][1]);
-            const __m512 hi = _mm512_permutex2var_ps(t[j][2], idx, t[j][3]);
-            w = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), lo,
-                                     hi);
-          }
+          w = _mm512_permutexvar_ps(idx, t[j]);
         } else {
           const __m512 q = _mm512_cvtepi32_ps(
               _mm512_cvtepu8_epi32(bytes16<BITS>(wr[j] + k * BITS / 8, wr[j] + row_bytes)));
@@ -395,13 +384,14 @@ GemvFn gemv_for_rows(size_t M) {
 
 template <Gemv MODE>
 GemvFn gemv_for(int bits, size_t M) {
+  constexpr Gemv kArith = MODE == Gemv::kTable ? Gemv::kExact : MODE;
   switch (bits) {
     case 2: return gemv_for_rows<2, MODE>(M);
     case 3: return gemv_for_rows<3, MODE>(M);
     case 4: return gemv_for_rows<4, MODE>(M);
-    case 5: return gemv_for_rows<5, MODE>(M);
-    case 6: return gemv_for_rows<6, MODE>(M);
-    default: return gemv_for_rows<8, MODE == Gemv::kTable ? Gemv::kExact : MODE>(M);
+    case 5: return gemv_for_rows<5, kArith>(M);
+    case 6: return gemv_for_rows<6, kArith>(M);
+    default: return gemv_for_rows<8, kArith>(M);
   }
 }
 #endif
