@@ -449,6 +449,56 @@ def test_every_float16_value_is_widened_exactly():
         assert np.array_equal(got.view(np.uint32), wide.view(np.uint32))
         np.testing.assert_array_equal(got, want)  # equal NaN positions, other values exact
 
+@pytest.fixture
+def gemv_mode():
+    """Sets native.quantized_gemv_mode for one test and restores the default after it."""
+    previous = []
+    yield lambda mode: previous.append(native.quantized_gemv_mode(mode))
+    if previous:
+        native.quantized_gemv_mode(previous[0])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128])
+def test_gemv_is_bit_identical_to_linear_on_dequantized(bits, group_size, gemv_mode):
+    """The kernel for 1-3 rows of x (weights dequantized in registers, by table lookup or
+    arithmetic: modes 1 and 2) equals linear on the dequantized weight bit for bit, with row
+    counts that leave 1-3 rows of a last 4-row block to the scratch path (mode 0), and equals
+    the rows' own bits in a call of 4 or more rows (batch invariance); the factored mode (3) is
+    within fp32 rounding of the float64 product, less close than the exact ones where the two
+    terms it factors out cancel."""
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    k = 384
+    for n in (1, 6, 37, 131):
+        if group_size == 16:
+            wq, scales, biases, dense = _groups_of_16(rng, n, k, bits)
+        else:
+            wq, scales, biases = _quantized(rng, n, k, group_size, bits)
+            dense = mx.dequantize(wq, scales, biases, group_size, bits)
+        x = mx.array(rng.standard_normal((5, k)).astype(np.float32))
+        gemv_mode(0)
+        if not native.amx_runs(5, k, group_size):
+            five = native.quantized_linear(x, wq, scales, biases, group_size, bits)
+        for mode in (0, 1, 2, 3):
+            gemv_mode(mode)
+            for m in (1, 2, 3):
+                got = native.quantized_linear(x[:m], wq, scales, biases, group_size, bits)
+                assert got.shape == (m, n)
+                if mode == 3:
+                    want = _reference(x[:m], dense)
+                    # s * sum(q x) and b * sum(x) cancel (MLX's biases are ~ -s * 2^(bits-1))
+                    assert np.abs(np.array(got) - want).max() / np.abs(want).max() < 5e-6
+                    continue
+                assert mx.array_equal(got, native.linear(x[:m], dense)).item(), (mode, n, m)
+                if not native.amx_runs(5, k, group_size):
+                    assert mx.array_equal(got, five[:m]).item(), (mode, n, m)
+
+
+def test_gemv_mode_is_checked():
+    with pytest.raises(ValueError, match="mode must be"):
+        native.quantized_gemv_mode(4)
+    assert native.quantized_gemv_mode(1) == 1  # the default, unchanged by the refusal
+
 
 def test_avx_path_on_an_amx_machine():
     """On a CPU with AMX the in-process tests above skip the calls AMX takes: run them again
@@ -583,7 +633,7 @@ for bits, gs, n, k in [(4, 32, 77, 576), (8, 64, 45, 256), (4, 128, 33, 384), (3
     if gs == 16:  # MLX makes no groups of 16: any scales and biases make a valid triple
         s = mx.array(rng.standard_normal((n, k // 16)).astype(np.float32))
         b = mx.array(rng.standard_normal((n, k // 16)).astype(np.float32))
-    for m in (1, 5, 16):
+    for m in (1, 3, 5, 16):
         x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
         h.update(np.array(quantized_linear(x, wq, s, b, gs, bits)).tobytes())
     h.update(np.array(dequantize(wq, s, b, gs, bits)).tobytes())

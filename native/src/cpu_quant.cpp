@@ -247,3 +247,215 @@ void widen_scales(const void* src, ScaleType t, size_t n, float* dst) {
 }
 
 } // namespace vun
+
+// ---- quantized_gemv_f32: x @ dequantize(w).T for 1-3 rows of x, dequantized in registers ----
+
+namespace vun {
+
+namespace {
+
+#ifdef VUN_X86
+// cpu_math.cpp's reduce4 (as GCC compiles it there) in intrinsics: the same pairs added in the
+// same tree, so the lane sums of a0..a3 land at lanes 0, 4, 8, 12 bit-identical to its result.
+__attribute__((target("avx512f"))) inline __m512 reduce4_512(__m512 a0, __m512 a1, __m512 a2,
+                                                             __m512 a3) {
+  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
+                                   _mm512_shuffle_f32x4(a0, a1, 0xee));
+  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
+                                   _mm512_shuffle_f32x4(a2, a3, 0xee));
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, 0x88),
+                                 _mm512_shuffle_f32x4(p01, p23, 0xdd));
+  const __m512 r = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4e));
+  return _mm512_add_ps(r, _mm512_permute_ps(r, 0xb1));
+}
+
+// Codes [k, k + 16) of a packed row as 16 dword indices whose low 4 bits are the codes (the
+// bits above may hold neighbours': the table lookup reads only the low 4).
+template <int BITS>
+__attribute__((target("avx512f,avx2,bmi2"))) inline __m512i index16(const uint8_t* p,
+                                                                   const uint8_t* end) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)));
+  } else {
+    return _mm512_cvtepu8_epi32(bytes16<BITS>(p, end));
+  }
+}
+
+// The gemv's arithmetic: kExact dequantizes each weight (s * q rounded, + b rounded: MLX's
+// values) and accumulates x * w with one FMA per lane in linear_cols_f32's order, so y is
+// bit-identical to linear_cols_f32 on dequantize_rows_f32's rows; kTable is kExact with the
+// group's 2^BITS dequantized values computed once and looked up in one register (same values,
+// same bits; BITS <= 4: the two-register lookups of 5 and 6 bits were slower than the
+// arithmetic); kFactored sums q * x per group and applies s and b per group (fewer operations,
+// equal within fp32 rounding only).
+enum class Gemv { kExact, kTable, kFactored };
+
+// y[m, n + j] for j < 4, m < MR: four whole weight rows from row n.
+template <int BITS, int MR, Gemv MODE>
+__attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
+    const float* x, const uint8_t* w8, const float* scales, const float* biases,
+    const float* xsums, float* y, size_t N, size_t K, size_t group_size, size_t n) {
+  const size_t row_bytes = K * BITS / 8;
+  const size_t groups = K / group_size;
+  const uint8_t* wr[4];
+  const float* sr[4];
+  const float* br[4];
+  for (int j = 0; j < 4; ++j) {
+    wr[j] = w8 + (n + j) * row_bytes;
+    sr[j] = scales + (n + j) * groups;
+    br[j] = biases + (n + j) * groups;
+  }
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < 4; ++j) {
+      acc[m][j] = _mm512_setzero_ps();
+    }
+  }
+  for (size_t g = 0; g < groups; ++g) {
+    const size_t k0 = g * group_size, k1 = k0 + group_size;
+    if constexpr (MODE == Gemv::kFactored) {
+      __m512 part[MR][4];
+      for (int m = 0; m < MR; ++m) {
+        for (int j = 0; j < 4; ++j) {
+          part[m][j] = _mm512_setzero_ps();
+        }
+      }
+      for (size_t k = k0; k < k1; k += 16) {
+        __m512 xv[MR];
+        for (int m = 0; m < MR; ++m) {
+          xv[m] = _mm512_loadu_ps(x + m * K + k);
+        }
+        for (int j = 0; j < 4; ++j) {
+          const __m512 q = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(bytes16<BITS>(wr[j] + k * BITS / 8, wr[j] + row_bytes)));
+          for (int m = 0; m < MR; ++m) {
+            part[m][j] = _mm512_fmadd_ps(xv[m], q, part[m][j]);
+          }
+        }
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m512 s = _mm512_set1_ps(sr[j][g]);
+        for (int m = 0; m < MR; ++m) {
+          acc[m][j] = _mm512_fmadd_ps(s, part[m][j], acc[m][j]);
+        }
+      }
+      continue;
+    }
+    __m512 s[4], b[4], t[4];
+    for (int j = 0; j < 4; ++j) {
+      s[j] = _mm512_set1_ps(sr[j][g]);
+      b[j] = _mm512_set1_ps(br[j][g]);
+      if constexpr (MODE == Gemv::kTable) {
+        t[j] = _mm512_add_ps(_mm512_mul_ps(iota, s[j]), b[j]);
+      }
+    }
+    for (size_t k = k0; k < k1; k += 16) {
+      __m512 xv[MR];
+      for (int m = 0; m < MR; ++m) {
+        xv[m] = _mm512_loadu_ps(x + m * K + k);
+      }
+      for (int j = 0; j < 4; ++j) {
+        __m512 w;
+        if constexpr (MODE == Gemv::kTable) {
+          const __m512i idx = index16<BITS>(wr[j] + k * BITS / 8, wr[j] + row_bytes);
+          w = _mm512_permutexvar_ps(idx, t[j]);
+        } else {
+          const __m512 q = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(bytes16<BITS>(wr[j] + k * BITS / 8, wr[j] + row_bytes)));
+          w = _mm512_add_ps(_mm512_mul_ps(q, s[j]), b[j]);
+        }
+        for (int m = 0; m < MR; ++m) {
+          acc[m][j] = _mm512_fmadd_ps(xv[m], w, acc[m][j]);
+        }
+      }
+    }
+  }
+  const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int m = 0; m < MR; ++m) {
+    __m128 r = _mm512_castps512_ps128(
+        _mm512_permutexvar_ps(lanes, reduce4_512(acc[m][0], acc[m][1], acc[m][2], acc[m][3])));
+    if constexpr (MODE == Gemv::kFactored) {
+      // + sum_g b[j, g] * (sum of x over group g)
+      alignas(16) float bsum[4];
+      for (int j = 0; j < 4; ++j) {
+        float acc_b = 0.f;
+        for (size_t g = 0; g < groups; ++g) {
+          acc_b += br[j][g] * xsums[m * groups + g];
+        }
+        bsum[j] = acc_b;
+      }
+      r = _mm_add_ps(r, _mm_load_ps(bsum));
+    }
+    _mm_storeu_ps(y + m * N + n, r);
+  }
+}
+
+using GemvFn = void (*)(const float*, const uint8_t*, const float*, const float*, const float*,
+                        float*, size_t, size_t, size_t, size_t);
+
+template <int BITS, Gemv MODE>
+GemvFn gemv_for_rows(size_t M) {
+  switch (M) {
+    case 1: return gemv_block4<BITS, 1, MODE>;
+    case 2: return gemv_block4<BITS, 2, MODE>;
+    default: return gemv_block4<BITS, 3, MODE>;
+  }
+}
+
+template <Gemv MODE>
+GemvFn gemv_for(int bits, size_t M) {
+  constexpr Gemv kArith = MODE == Gemv::kTable ? Gemv::kExact : MODE;
+  switch (bits) {
+    case 2: return gemv_for_rows<2, MODE>(M);
+    case 3: return gemv_for_rows<3, MODE>(M);
+    case 4: return gemv_for_rows<4, MODE>(M);
+    case 5: return gemv_for_rows<5, kArith>(M);
+    case 6: return gemv_for_rows<6, kArith>(M);
+    default: return gemv_for_rows<8, kArith>(M);
+  }
+}
+#endif
+
+} // namespace
+
+size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scales,
+                          const float* biases, float* y, size_t M, size_t N, size_t K,
+                          size_t group_size, int bits, size_t n0, size_t n1, int mode) {
+#ifdef VUN_X86
+  static const bool usable = isa_level() == 2 && has_bmi2();
+  if (!usable || M < 1 || M > 3 || mode <= 0) {
+    return n0;
+  }
+  const size_t end = n0 + (n1 - n0) / 4 * 4;
+  GemvFn fn = mode == 1   ? gemv_for<Gemv::kTable>(bits, M)
+              : mode == 2 ? gemv_for<Gemv::kExact>(bits, M)
+                          : gemv_for<Gemv::kFactored>(bits, M);
+  const size_t groups = K / group_size;
+  thread_local std::vector<float> xsums;
+  if (mode == 3) {
+    xsums.assign(M * groups, 0.f);
+    for (size_t m = 0; m < M; ++m) {
+      for (size_t g = 0; g < groups; ++g) {
+        float s = 0.f;
+        for (size_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+          s += x[m * K + k];
+        }
+        xsums[m * groups + g] = s;
+      }
+    }
+  }
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  for (size_t n = n0; n < end; n += 4) {
+    fn(x, w8, scales, biases, xsums.data(), y, N, K, group_size, n);
+  }
+  return end;
+#else
+  (void)x; (void)wq; (void)scales; (void)biases; (void)y; (void)M; (void)N; (void)K;
+  (void)group_size; (void)bits; (void)n1; (void)mode;
+  return n0;
+#endif
+}
+
+} // namespace vun

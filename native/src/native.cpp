@@ -46,6 +46,7 @@
 // write_rows; GPU builds and streams raise (the Metal/CUDA variants are future work).
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -1779,6 +1780,58 @@ void amx_quantized_linear(const float* x, const uint32_t* w, const void* scales,
   });
 }
 
+// The arithmetic of QuantizedLinear's gemv (vun::quantized_gemv_f32's mode): 1 by default
+// (exact), 0 turns it off (the scratch path for every M); set by quantized_gemv_mode (benchmarks
+// compare the variants in one process).
+std::atomic<int>& gemv_mode() {
+  static std::atomic<int> mode{1};
+  return mode;
+}
+
+int set_gemv_mode(int mode) {
+  if (mode < 0 || mode > 3) {
+    raise_py(PyExc_ValueError, "quantized_gemv_mode: mode must be 0, 1, 2 or 3");
+  }
+  return gemv_mode().exchange(mode);
+}
+
+// vun::quantized_gemv_f32 for scales and biases of any ScaleType: 16-bit ones are widened 64
+// rows at a time into per-thread buffers, and the kernel runs on those rows as a matrix of their
+// own (w and y offset to the first row; y's row stride stays N). Returns the first row not
+// computed, as the kernel does.
+size_t quantized_gemv(const float* x, const uint32_t* wq, const void* scales, const void* biases,
+                      vun::ScaleType st, float* y, size_t M, size_t N, size_t K,
+                      size_t group_size, int bits, size_t n0, size_t n1, int mode) {
+  if (st == vun::ScaleType::kF32) {
+    return vun::quantized_gemv_f32(x, wq, static_cast<const float*>(scales),
+                                   static_cast<const float*>(biases), y, M, N, K, group_size,
+                                   bits, n0, n1, mode);
+  }
+  constexpr size_t kRows = 64;  // a multiple of the kernel's 4-row blocks
+  const size_t groups = K / group_size;
+  const size_t words = K * static_cast<size_t>(bits) / 32;
+  thread_local std::vector<float> s32, b32;
+  if (s32.size() < kRows * groups) {
+    s32.resize(kRows * groups);
+    b32.resize(kRows * groups);
+  }
+  for (size_t n = n0; n < n1; n += kRows) {
+    const size_t end = std::min(n1, n + kRows);
+    constexpr size_t elem = 2;  // bytes of a float16 / bfloat16
+    vun::widen_scales(static_cast<const char*>(scales) + n * groups * elem, st,
+                      (end - n) * groups, s32.data());
+    vun::widen_scales(static_cast<const char*>(biases) + n * groups * elem, st,
+                      (end - n) * groups, b32.data());
+    const size_t done = n + vun::quantized_gemv_f32(x, wq + n * words, s32.data(), b32.data(),
+                                                    y + n, M, N, K, group_size, bits, 0, end - n,
+                                                    mode);
+    if (done < end) {
+      return done;  // a last block of fewer than 4 rows, or no kernel here: the caller's
+    }
+  }
+  return n1;
+}
+
 // The state and boilerplate of the two primitives on MLX affine-quantized weights.
 class QuantizedWeightPrimitive : public CpuOnlyPrimitive {
  public:
@@ -1858,8 +1911,12 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
       pool.run(chunks, [&](size_t c) {
         const size_t n0 = std::min(N, groups * c / chunks * 4);
         const size_t n1 = std::min(N, groups * (c + 1) / chunks * 4);
+        // gemv: 1-3 rows of x, the weight dequantized in registers (AVX-512); the rows it
+        // leaves (other CPUs, a last block of fewer than 4) take the scratch path below.
+        size_t n = quantized_gemv(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, n0, n1,
+                                  gemv_mode().load(std::memory_order_relaxed));
         float* rows = scratch_rows(4 * K);
-        for (size_t n = n0; n < n1; n += 4) {
+        for (; n < n1; n += 4) {
           const size_t count = std::min<size_t>(4, n1 - n);
           dequantize_rows(wp, sp, bp, st, rows, n, n + count, K, gs, bits);
           vun::linear_cols_f32(xp, rows, yp, M, N, K, n, count);
@@ -2081,6 +2138,9 @@ NB_MODULE(_native, m) {
         "Lazy fp32 x @ dequantize(w).T for x [..., K] and an MLX affine-quantized w (bits 2-6 or 8, "
         "scales/biases float32, float16 or bfloat16), bit-identical to linear(x, "
         "mx.dequantize(w, ...)) with the scales/biases as float32; CPU streams only.");
+  m.def("quantized_gemv_mode", &set_gemv_mode, nb::arg("mode"),
+        "quantized_linear's kernel for 1-3 rows of x: 0 the scratch path, 1 exact by table "
+        "lookup (default), 2 exact, 3 factored (within fp32 rounding); returns the previous mode.");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 2-6 or 8, scales/biases "

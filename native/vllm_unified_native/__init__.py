@@ -31,6 +31,7 @@ from ._native import (
     info,
     linear,
     paged_attention,
+    quantized_gemv_mode,
     quantized_linear,
     rms_norm,
     rope,
@@ -57,6 +58,6 @@ configure(envs.CPU_ISA, None if _threads is None else min(_threads, 2**31 - 1))
 __all__ = [
     "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_runs", "amx_usable",
     "configure", "dequantize", "gather_kv", "info", "linear",
-    "paged_attention", "quantized_linear", "rms_norm", "rope", "silu_mul", "to_torch", "write_kv",
-    "write_kv_quant", "write_rows",
+    "paged_attention", "quantized_gemv_mode", "quantized_linear", "rms_norm", "rope", "silu_mul",
+    "to_torch", "write_kv", "write_kv_quant", "write_rows",
 ]
