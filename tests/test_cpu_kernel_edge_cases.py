@@ -606,7 +606,8 @@ def test_amx_kernels_stay_inside_their_buffers(tmp_path):
     nothing outside x, w, scales, biases, their scratch and y [M, N], and write every output."""
     if not native.amx_usable():
         pytest.skip("CPU without AMX (or VLLM_UNIFIED_CPU_ISA below amx)")
-    out = _run_pool_harness(tmp_path, _AMX_BOUNDS, "120", link=("cpu_amx.cpp", "cpu_config.cpp"))
+    out = _run_pool_harness(tmp_path, _AMX_BOUNDS, "120",
+                            link=("cpu_amx.cpp", "cpu_config.cpp", "cpu_quant.cpp"))
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "cpu_math.h"
 
@@ -281,16 +282,13 @@ VUN_AMX_TARGET void amx_prepare_x(const float* x, size_t M, size_t K, size_t gro
 
 namespace {
 
-// acc[r][m] += s[r] * c[r][m] + b[r] * sx[m] for the first `rows` rows of a 16 x 16 block; s and b
-// are element `at + r * stride` of the scales and biases (type st, widened exactly to fp32).
-VUN_AMX_TARGET inline void scale_group(float* acc, const float* c, const void* s, const void* b,
-                                       ScaleType st, size_t at, size_t stride, const __m512 sx,
-                                       size_t rows) {
+// acc[r][m] += s[r] * c[r][m] + b[r] * sx[m] for the first `rows` rows of a 16 x 16 block.
+VUN_AMX_TARGET inline void scale_group(float* acc, const float* c, const float* s, const float* b,
+                                       size_t stride, const __m512 sx, size_t rows) {
   for (size_t r = 0; r < rows; ++r) {
     __m512 a = _mm512_load_ps(acc + r * kTile);
-    const size_t i = at + r * stride;
-    a = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(s, st, i)), _mm512_load_ps(c + r * kTile), a);
-    a = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(b, st, i)), sx, a);
+    a = _mm512_fmadd_ps(_mm512_set1_ps(s[r * stride]), _mm512_load_ps(c + r * kTile), a);
+    a = _mm512_fmadd_ps(_mm512_set1_ps(b[r * stride]), sx, a);
     _mm512_store_ps(acc + r * kTile, a);
   }
 }
@@ -328,9 +326,8 @@ VUN_AMX_TARGET inline void store_block(const float* acc, const float* exps, floa
 template <int BITS, bool JIT>
 VUN_AMX_TARGET void blocks4(const uint16_t* panel, size_t panel_elems, const uint8_t* wq,
                             size_t count, const uint16_t* xt, const float* sums,
-                            const void* scales, const void* biases, ScaleType st, float* y,
-                            size_t N, size_t K, size_t group_size, size_t n0, size_t m0,
-                            size_t mrows) {
+                            const float* scales, const float* biases, float* y, size_t N,
+                            size_t K, size_t group_size, size_t n0, size_t m0, size_t mrows) {
   const size_t groups = K / group_size;
   const size_t per_group = group_size / kDepth;
   alignas(64) float acc[4][kTile * kTile] = {};
@@ -368,7 +365,9 @@ VUN_AMX_TARGET void blocks4(const uint16_t* panel, size_t panel_elems, const uin
     for (size_t i = 0; i < count; ++i) {
       const size_t n = n0 + i * kTile;
       const size_t rows = std::min(kTile, N - n);
-      scale_group(acc[i], c[i], scales, biases, st, n * groups + g, groups, sx, rows);
+      // scales and biases start at row n0 (ScaleRows)
+      scale_group(acc[i], c[i], scales + (i * kTile) * groups + g,
+                  biases + (i * kTile) * groups + g, groups, sx, rows);
     }
   }
   for (size_t i = 0; i < count; ++i) {
@@ -376,6 +375,34 @@ VUN_AMX_TARGET void blocks4(const uint16_t* panel, size_t panel_elems, const uin
     store_block(acc[i], sums + groups * kTile, y, N, n, std::min(kTile, N - n), m0, mrows);
   }
 }
+
+// The fp32 scales and biases of weight rows [n, n + count) (count <= 4 blocks of 16 rows), as
+// blocks4 reads them: float32 ones where they lie, 16-bit ones widened (exactly, vectorized)
+// into per-thread buffers once per call, not per group in the epilogue.
+struct ScaleRows {
+  const float* s;
+  const float* b;
+  ScaleRows(const void* scales, const void* biases, ScaleType st, size_t groups, size_t n,
+            size_t count) {
+    if (st == ScaleType::kF32) {
+      s = static_cast<const float*>(scales) + n * groups;
+      b = static_cast<const float*>(biases) + n * groups;
+      return;
+    }
+    thread_local std::vector<float> s32, b32;
+    if (s32.size() < 4 * kTile * groups) {
+      s32.resize(4 * kTile * groups);
+      b32.resize(4 * kTile * groups);
+    }
+    constexpr size_t elem = 2;  // bytes of a float16 / bfloat16
+    widen_scales(static_cast<const char*>(scales) + n * groups * elem, st, count * groups,
+                 s32.data());
+    widen_scales(static_cast<const char*>(biases) + n * groups * elem, st, count * groups,
+                 b32.data());
+    s = s32.data();
+    b = b32.data();
+  }
+};
 
 // The n-blocks [nb0, nb1) for every m-block (decode-sized M), each weight tile unpacked just
 // before its one use per m-block.
@@ -389,10 +416,12 @@ VUN_AMX_TARGET void qlinear_jit(
   const size_t mblocks = (M + kTile - 1) / kTile;
   configure_tiles();
   for (size_t nb = nb0; nb < nb1; nb += 4) {
+    const ScaleRows sr(scales, biases, st, groups, nb * kTile,
+                       std::min(N, (nb + 4) * kTile) - nb * kTile);
     for (size_t mb = 0; mb < mblocks; ++mb) {
       blocks4<BITS, true>(nullptr, 0, wq, std::min<size_t>(4, nb1 - nb),
                           tiles + mb * segs * kParts * kTileElems,
-                          sums + mb * (groups + 1) * kTile, scales, biases, st, y, N, K,
+                          sums + mb * (groups + 1) * kTile, sr.s, sr.b, y, N, K,
                           group_size, nb * kTile, mb * kTile,
                           std::min(kTile, M - mb * kTile));
     }
@@ -446,11 +475,13 @@ VUN_AMX_TARGET void amx_quantized_linear_panel(
   const size_t groups = K / group_size;
   const size_t panel_elems = segs * kTileElems;
   configure_tiles();
-  for (size_t mb = mb0; mb < mb1; ++mb) {
-    for (size_t nb = nb0; nb < nb1; nb += 4) {
+  for (size_t nb = nb0; nb < nb1; nb += 4) {
+    const ScaleRows sr(scales, biases, st, groups, nb * kTile,
+                       std::min(N, (nb + 4) * kTile) - nb * kTile);
+    for (size_t mb = mb0; mb < mb1; ++mb) {
       blocks4<4, false>(panel + nb * panel_elems, panel_elems, nullptr,
                         std::min<size_t>(4, nb1 - nb), tiles + mb * segs * kParts * kTileElems,
-                        sums + mb * (groups + 1) * kTile, scales, biases, st, y, N, K,
+                        sums + mb * (groups + 1) * kTile, sr.s, sr.b, y, N, K,
                         group_size, nb * kTile, mb * kTile, std::min(kTile, M - mb * kTile));
     }
   }
