@@ -1,12 +1,11 @@
 """Microseconds per ``quantized_linear`` call for 1-3 rows of x: the scratch path (each 4 weight
 rows dequantized into a per-thread buffer, then multiplied) vs the gemv kernels that dequantize in
-registers (``native.quantized_gemv_mode``: 1 exact by table lookup (the default), 2 exact,
-3 factored).
+registers (``native.quantized_gemv_mode``: 1 by table lookup (the default), 2 without the
+table; both bit-identical to the scratch path).
 
 All variants run in one process, interleaved round-robin over ``--rounds`` rounds on the same
 inputs; the best round is reported with each variant's ratio to the scratch path. Each result is
-checked against the scratch path (modes 1 and 2 must be bit-identical to it) and, for the factored
-mode, its largest error relative to the float64 product is printed. Run once with
+checked against the scratch path (bit for bit). Run once with
 ``VLLM_UNIFIED_CPU_THREADS=1`` for one thread.
 
     .venv/bin/python benchmarks/quantized_gemv.py
@@ -26,7 +25,7 @@ SHAPES: list[tuple[str, int, int]] = [
     ("qwen gate/up", 4864, 896), ("qwen down", 896, 4864),
 ]
 HEAD = ("smol head", 49152, 576)  # 8-bit only (the Q8_0 output head)
-MODES = {"scratch": 0, "table": 1, "exact": 2, "factored": 3}
+MODES = {"scratch": 0, "table": 1, "exact": 2}
 
 
 def main() -> None:
@@ -53,8 +52,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     modes = [m for m in args.modes if m != "scratch"]
     print("| layer | bits | group | M | scratch us | " + " | ".join(
-        f"{m} us | {m} x" for m in modes) + " | factored rel err |")
-    print("|---|---:|---:|---:|---:|" + "---:|---:|" * len(modes) + "---:|")
+        f"{m} us | {m} x" for m in modes) + " |")
+    print("|---|---:|---:|---:|---:|" + "---:|---:|" * len(modes))
     cases = [(s, b, g) for s in SHAPES for b in args.bits for g in args.groups]
     if 8 in args.bits:
         cases += [(HEAD, 8, g) for g in args.groups]
@@ -64,7 +63,6 @@ def main() -> None:
         scales = mx.array(rng.standard_normal((n, k // gs)).astype(np.float32) * 0.01)
         biases = mx.array(rng.standard_normal((n, k // gs)).astype(np.float32) * 0.01)
         mx.eval(wq, scales, biases)
-        dense64 = None
         for m in args.rows:
             x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
             mx.eval(x)
@@ -87,17 +85,10 @@ def main() -> None:
             for v in ("exact", "table"):
                 if v in outs and not np.array_equal(outs[v], outs["scratch"]):
                     raise SystemExit(f"{v} differs from the scratch path: {name} {bits} {gs} {m}")
-            err = ""
-            if "factored" in outs:
-                if dense64 is None:
-                    dense64 = np.array(native.dequantize(wq, scales, biases, gs, bits)).astype(
-                        np.float64)
-                ref = np.array(x).astype(np.float64) @ dense64.T
-                err = f"{np.abs(outs['factored'] - ref).max() / np.abs(ref).max():.1e}"
             base = best["scratch"] * 1e6
             cells = " | ".join(f"{best[v] * 1e6:.1f} | {best['scratch'] / best[v]:.2f}"
                                for v in modes)
-            print(f"| {name} {n}x{k} | {bits} | {gs} | {m} | {base:.1f} | {cells} | {err} |",
+            print(f"| {name} {n}x{k} | {bits} | {gs} | {m} | {base:.1f} | {cells} |",
                   flush=True)
 
 

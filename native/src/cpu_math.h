@@ -147,11 +147,11 @@ void dequantize_rows_f32(
 // y[m, n] for m < M and the n of whole 4-row blocks from n0 on, up to n1 (the rows
 // [n0, returned) with returned - n0 = (n1 - n0) / 4 * 4), for M in 1..3: x @ dequantize(w).T
 // with each weight dequantized in registers (dequantize_rows_f32's layout, widths and group
-// sizes; x [M, K], y [M, N] fp32 row-contiguous). Modes 1 and 2 are bit-identical to
-// linear_cols_f32 on dequantize_rows_f32's rows: 1 looks each weight up in a table of its
-// group's 2^bits dequantized values (widths up to 4; wider as 2), 2 dequantizes each weight;
-// mode 3 factors the scale and bias out of each group's sum (equal within fp32 rounding only). Returns n0, computing nothing, without AVX-512 and BMI2,
-// for another M or mode <= 0: the rows left are the caller's.
+// sizes; x [M, K], y [M, N] fp32 row-contiguous), bit-identical to linear_cols_f32 on
+// dequantize_rows_f32's rows: mode 1 looks each weight up in a table of its group's 2^bits
+// dequantized values (widths up to 4; wider as mode 2), mode 2 dequantizes each weight. Returns
+// n0, computing nothing, without AVX-512 and BMI2, for another M or mode <= 0: the rows left are
+// the caller's.
 size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scales,
                           const float* biases, float* y, size_t M, size_t N, size_t K,
                           size_t group_size, int bits, size_t n0, size_t n1, int mode);

@@ -318,15 +318,15 @@ __attribute__((target("avx512f,avx2,bmi2"))) inline __m512i index16(const uint8_
 // bit-identical to linear_cols_f32 on dequantize_rows_f32's rows; kTable is kExact with the
 // group's 2^BITS dequantized values computed once and looked up in one register (same values,
 // same bits; BITS <= 4: the two-register lookups of 5 and 6 bits were slower than the
-// arithmetic); kFactored sums q * x per group and applies s and b per group (fewer operations,
-// equal within fp32 rounding only).
-enum class Gemv { kExact, kTable, kFactored };
+// arithmetic). (Factoring s and b out of each group's sum was tried: slower here, and less
+// accurate, since the bias term nearly cancels the scaled sum.)
+enum class Gemv { kExact, kTable };
 
 // y[m, n + j] for j < 4, m < MR: four whole weight rows from row n.
 template <int BITS, int MR, Gemv MODE>
 __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
-    const float* x, const uint8_t* w8, const float* scales, const float* biases,
-    const float* xsums, float* y, size_t N, size_t K, size_t group_size, size_t n) {
+    const float* x, const uint8_t* w8, const float* scales, const float* biases, float* y,
+    size_t N, size_t K, size_t group_size, size_t n) {
   const size_t row_bytes = K * BITS / 8;
   const size_t groups = K / group_size;
   const uint8_t* wr[4];
@@ -346,34 +346,6 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
   }
   for (size_t g = 0; g < groups; ++g) {
     const size_t k0 = g * group_size, k1 = k0 + group_size;
-    if constexpr (MODE == Gemv::kFactored) {
-      __m512 part[MR][4];
-      for (int m = 0; m < MR; ++m) {
-        for (int j = 0; j < 4; ++j) {
-          part[m][j] = _mm512_setzero_ps();
-        }
-      }
-      for (size_t k = k0; k < k1; k += 16) {
-        __m512 xv[MR];
-        for (int m = 0; m < MR; ++m) {
-          xv[m] = _mm512_loadu_ps(x + m * K + k);
-        }
-        for (int j = 0; j < 4; ++j) {
-          const __m512 q = _mm512_cvtepi32_ps(
-              _mm512_cvtepu8_epi32(bytes16<BITS>(wr[j] + k * BITS / 8, wr[j] + row_bytes)));
-          for (int m = 0; m < MR; ++m) {
-            part[m][j] = _mm512_fmadd_ps(xv[m], q, part[m][j]);
-          }
-        }
-      }
-      for (int j = 0; j < 4; ++j) {
-        const __m512 s = _mm512_set1_ps(sr[j][g]);
-        for (int m = 0; m < MR; ++m) {
-          acc[m][j] = _mm512_fmadd_ps(s, part[m][j], acc[m][j]);
-        }
-      }
-      continue;
-    }
     __m512 s[4], b[4], t[4];
     for (int j = 0; j < 4; ++j) {
       s[j] = _mm512_set1_ps(sr[j][g]);
@@ -407,24 +379,12 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
   for (int m = 0; m < MR; ++m) {
     __m128 r = _mm512_castps512_ps128(
         _mm512_permutexvar_ps(lanes, reduce4_512(acc[m][0], acc[m][1], acc[m][2], acc[m][3])));
-    if constexpr (MODE == Gemv::kFactored) {
-      // + sum_g b[j, g] * (sum of x over group g)
-      alignas(16) float bsum[4];
-      for (int j = 0; j < 4; ++j) {
-        float acc_b = 0.f;
-        for (size_t g = 0; g < groups; ++g) {
-          acc_b += br[j][g] * xsums[m * groups + g];
-        }
-        bsum[j] = acc_b;
-      }
-      r = _mm_add_ps(r, _mm_load_ps(bsum));
-    }
     _mm_storeu_ps(y + m * N + n, r);
   }
 }
 
-using GemvFn = void (*)(const float*, const uint8_t*, const float*, const float*, const float*,
-                        float*, size_t, size_t, size_t, size_t);
+using GemvFn = void (*)(const float*, const uint8_t*, const float*, const float*, float*, size_t,
+                        size_t, size_t, size_t);
 
 template <int BITS, Gemv MODE>
 GemvFn gemv_for_rows(size_t M) {
@@ -437,7 +397,7 @@ GemvFn gemv_for_rows(size_t M) {
 
 template <Gemv MODE>
 GemvFn gemv_for(int bits, size_t M) {
-  constexpr Gemv kArith = MODE == Gemv::kTable ? Gemv::kExact : MODE;
+  constexpr Gemv kArith = Gemv::kExact;  // no table beyond 4 bits
   switch (bits) {
     case 2: return gemv_for_rows<2, MODE>(M);
     case 3: return gemv_for_rows<3, MODE>(M);
@@ -460,26 +420,10 @@ size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scale
     return n0;
   }
   const size_t end = n0 + (n1 - n0) / 4 * 4;
-  GemvFn fn = mode == 1   ? gemv_for<Gemv::kTable>(bits, M)
-              : mode == 2 ? gemv_for<Gemv::kExact>(bits, M)
-                          : gemv_for<Gemv::kFactored>(bits, M);
-  const size_t groups = K / group_size;
-  thread_local std::vector<float> xsums;
-  if (mode == 3) {
-    xsums.assign(M * groups, 0.f);
-    for (size_t m = 0; m < M; ++m) {
-      for (size_t g = 0; g < groups; ++g) {
-        float s = 0.f;
-        for (size_t k = g * group_size; k < (g + 1) * group_size; ++k) {
-          s += x[m * K + k];
-        }
-        xsums[m * groups + g] = s;
-      }
-    }
-  }
+  const GemvFn fn = mode == 1 ? gemv_for<Gemv::kTable>(bits, M) : gemv_for<Gemv::kExact>(bits, M);
   const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
   for (size_t n = n0; n < end; n += 4) {
-    fn(x, w8, scales, biases, xsums.data(), y, N, K, group_size, n);
+    fn(x, w8, scales, biases, y, N, K, group_size, n);
   }
   return end;
 #else

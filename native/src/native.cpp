@@ -1789,8 +1789,8 @@ std::atomic<int>& gemv_mode() {
 }
 
 int set_gemv_mode(int mode) {
-  if (mode < 0 || mode > 3) {
-    raise_py(PyExc_ValueError, "quantized_gemv_mode: mode must be 0, 1, 2 or 3");
+  if (mode < 0 || mode > 2) {
+    raise_py(PyExc_ValueError, "quantized_gemv_mode: mode must be 0, 1 or 2");
   }
   return gemv_mode().exchange(mode);
 }
@@ -2139,8 +2139,9 @@ NB_MODULE(_native, m) {
         "scales/biases float32, float16 or bfloat16), bit-identical to linear(x, "
         "mx.dequantize(w, ...)) with the scales/biases as float32; CPU streams only.");
   m.def("quantized_gemv_mode", &set_gemv_mode, nb::arg("mode"),
-        "quantized_linear's kernel for 1-3 rows of x: 0 the scratch path, 1 exact by table "
-        "lookup (default), 2 exact, 3 factored (within fp32 rounding); returns the previous mode.");
+        "quantized_linear's kernel for 1-3 rows of x: 0 the scratch path, 1 by table lookup "
+        "(default), 2 in registers without the table (all bit-identical); returns the previous "
+        "mode.");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 2-6 or 8, scales/biases "
