@@ -35,8 +35,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from vllm_unified.models.cpu_kernels import NativeLinear, NativeQuantizedLinear
-
 __all__ = ["GROUPS", "FusedGroup", "FusedPart", "fuse_projections"]
 
 #: sibling projections fused, the parent attribute their fused linear gets, and the most
@@ -104,18 +102,14 @@ class FusedPart(nn.Module):
 
 def _fusable(parts: list[Any]) -> bool:
     first = parts[0]
-    kind = type(first)
-    if not all(type(p) is kind for p in parts):
-        return False
-    # exact nn.Linear / nn.QuantizedLinear, or the native CPU kernels' subclasses of them
-    # (models/cpu_kernels.py; the fused linear and its row views keep the class)
-    if kind in (nn.Linear, NativeLinear):
-        same = all(p.weight.dtype == first.weight.dtype for p in parts)
-    elif kind in (nn.QuantizedLinear, NativeQuantizedLinear):
+    if type(first) is nn.Linear:
+        same = all(type(p) is nn.Linear and p.weight.dtype == first.weight.dtype for p in parts)
+    elif type(first) is nn.QuantizedLinear:
         key = (first.bits, first.group_size, getattr(first, "mode", "affine"),
                first.scales.dtype, "biases" in first)
-        same = all((p.bits, p.group_size, getattr(p, "mode", "affine"), p.scales.dtype,
-                    "biases" in p) == key for p in parts)
+        same = all(type(p) is nn.QuantizedLinear
+                   and (p.bits, p.group_size, getattr(p, "mode", "affine"), p.scales.dtype,
+                        "biases" in p) == key for p in parts)
     else:
         return False
     return (same and len({p.weight.shape[1] for p in parts}) == 1
