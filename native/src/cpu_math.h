@@ -150,13 +150,11 @@ void dequantize_rows_f32(
 // sizes; x [M, K], y [M, N] fp32 row-contiguous), bit-identical to linear_cols_f32 on
 // dequantize_rows_f32's rows: mode 1 looks each weight up in a table of its group's 2^bits
 // dequantized values (widths up to 4; wider as mode 2), mode 2 dequantizes each weight. Returns
-// n0, computing nothing, without AVX-512 and BMI2, for another M, mode <= 0 or bfloat16
-// scales: the rows left are the caller's. scales, biases: float32, or float16 widened exactly
-// (F16C) as they are read.
-size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const void* scales,
-                          const void* biases, ScaleType st, float* y, size_t M, size_t N,
-                          size_t K, size_t group_size, int bits, size_t n0, size_t n1,
-                          int mode);
+// n0, computing nothing, without AVX-512 and BMI2, for another M or mode <= 0: the rows left are
+// the caller's.
+size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scales,
+                          const float* biases, float* y, size_t M, size_t N, size_t K,
+                          size_t group_size, int bits, size_t n0, size_t n1, int mode);
 
 // The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)
 // as the low 8 * BITS bits of a little-endian integer; the bits above are other elements' (or

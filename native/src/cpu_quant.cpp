@@ -18,7 +18,6 @@
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -323,32 +322,20 @@ __attribute__((target("avx512f,avx2,bmi2"))) inline __m512i index16(const uint8_
 // accurate, since the bias term nearly cancels the scaled sum.)
 enum class Gemv { kExact, kTable };
 
-// A scale or bias as fp32: float32 as it is, float16 (its bits, S = uint16_t) widened exactly
-// by F16C, one per group and row (cheaper than widening the rows into a buffer first).
-template <typename S>
-__attribute__((target("avx512f,f16c"))) inline float scale_value(const S* p) {
-  if constexpr (std::is_same_v<S, float>) {
-    return *p;
-  } else {
-    return _cvtsh_ss(*p);
-  }
-}
-
-// y[m, n + j] for j < 4, m < MR: four whole weight rows from row n; scales and biases of type S
-// (float, or uint16_t: float16 bits).
-template <int BITS, int MR, Gemv MODE, typename S>
-__attribute__((target("avx512f,avx2,bmi2,f16c"))) void gemv_block4(
-    const float* x, const uint8_t* w8, const void* scales, const void* biases, float* y,
+// y[m, n + j] for j < 4, m < MR: four whole weight rows from row n.
+template <int BITS, int MR, Gemv MODE>
+__attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
+    const float* x, const uint8_t* w8, const float* scales, const float* biases, float* y,
     size_t N, size_t K, size_t group_size, size_t n) {
   const size_t row_bytes = K * BITS / 8;
   const size_t groups = K / group_size;
   const uint8_t* wr[4];
-  const S* sr[4];
-  const S* br[4];
+  const float* sr[4];
+  const float* br[4];
   for (int j = 0; j < 4; ++j) {
     wr[j] = w8 + (n + j) * row_bytes;
-    sr[j] = static_cast<const S*>(scales) + (n + j) * groups;
-    br[j] = static_cast<const S*>(biases) + (n + j) * groups;
+    sr[j] = scales + (n + j) * groups;
+    br[j] = biases + (n + j) * groups;
   }
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[MR][4];
@@ -361,8 +348,8 @@ __attribute__((target("avx512f,avx2,bmi2,f16c"))) void gemv_block4(
     const size_t k0 = g * group_size, k1 = k0 + group_size;
     __m512 s[4], b[4], t[4];
     for (int j = 0; j < 4; ++j) {
-      s[j] = _mm512_set1_ps(scale_value(sr[j] + g));
-      b[j] = _mm512_set1_ps(scale_value(br[j] + g));
+      s[j] = _mm512_set1_ps(sr[j][g]);
+      b[j] = _mm512_set1_ps(br[j][g]);
       if constexpr (MODE == Gemv::kTable) {
         t[j] = _mm512_add_ps(_mm512_mul_ps(iota, s[j]), b[j]);
       }
@@ -396,58 +383,51 @@ __attribute__((target("avx512f,avx2,bmi2,f16c"))) void gemv_block4(
   }
 }
 
-using GemvFn = void (*)(const float*, const uint8_t*, const void*, const void*, float*, size_t,
+using GemvFn = void (*)(const float*, const uint8_t*, const float*, const float*, float*, size_t,
                         size_t, size_t, size_t);
 
-template <int BITS, Gemv MODE, typename S>
+template <int BITS, Gemv MODE>
 GemvFn gemv_for_rows(size_t M) {
   switch (M) {
-    case 1: return gemv_block4<BITS, 1, MODE, S>;
-    case 2: return gemv_block4<BITS, 2, MODE, S>;
-    default: return gemv_block4<BITS, 3, MODE, S>;
+    case 1: return gemv_block4<BITS, 1, MODE>;
+    case 2: return gemv_block4<BITS, 2, MODE>;
+    default: return gemv_block4<BITS, 3, MODE>;
   }
 }
 
-template <Gemv MODE, typename S>
+template <Gemv MODE>
 GemvFn gemv_for(int bits, size_t M) {
   constexpr Gemv kArith = Gemv::kExact;  // no table beyond 4 bits
   switch (bits) {
-    case 2: return gemv_for_rows<2, MODE, S>(M);
-    case 3: return gemv_for_rows<3, MODE, S>(M);
-    case 4: return gemv_for_rows<4, MODE, S>(M);
-    case 5: return gemv_for_rows<5, kArith, S>(M);
-    case 6: return gemv_for_rows<6, kArith, S>(M);
-    default: return gemv_for_rows<8, kArith, S>(M);
+    case 2: return gemv_for_rows<2, MODE>(M);
+    case 3: return gemv_for_rows<3, MODE>(M);
+    case 4: return gemv_for_rows<4, MODE>(M);
+    case 5: return gemv_for_rows<5, kArith>(M);
+    case 6: return gemv_for_rows<6, kArith>(M);
+    default: return gemv_for_rows<8, kArith>(M);
   }
-}
-
-template <typename S>
-GemvFn gemv_pick(int mode, int bits, size_t M) {
-  return mode == 1 ? gemv_for<Gemv::kTable, S>(bits, M) : gemv_for<Gemv::kExact, S>(bits, M);
 }
 #endif
 
 } // namespace
 
-size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const void* scales,
-                          const void* biases, ScaleType st, float* y, size_t M, size_t N,
-                          size_t K, size_t group_size, int bits, size_t n0, size_t n1,
-                          int mode) {
+size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scales,
+                          const float* biases, float* y, size_t M, size_t N, size_t K,
+                          size_t group_size, int bits, size_t n0, size_t n1, int mode) {
 #ifdef VUN_X86
   static const bool usable = isa_level() == 2 && has_bmi2();
-  if (!usable || M < 1 || M > 3 || mode <= 0 || st == ScaleType::kBF16) {
+  if (!usable || M < 1 || M > 3 || mode <= 0) {
     return n0;
   }
   const size_t end = n0 + (n1 - n0) / 4 * 4;
-  const GemvFn fn = st == ScaleType::kF16 ? gemv_pick<uint16_t>(mode, bits, M)
-                                          : gemv_pick<float>(mode, bits, M);
+  const GemvFn fn = mode == 1 ? gemv_for<Gemv::kTable>(bits, M) : gemv_for<Gemv::kExact>(bits, M);
   const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
   for (size_t n = n0; n < end; n += 4) {
     fn(x, w8, scales, biases, y, N, K, group_size, n);
   }
   return end;
 #else
-  (void)x; (void)wq; (void)scales; (void)biases; (void)st; (void)y; (void)M; (void)N; (void)K;
+  (void)x; (void)wq; (void)scales; (void)biases; (void)y; (void)M; (void)N; (void)K;
   (void)group_size; (void)bits; (void)n1; (void)mode;
   return n0;
 #endif

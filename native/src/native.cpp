@@ -1795,16 +1795,17 @@ int set_gemv_mode(int mode) {
   return gemv_mode().exchange(mode);
 }
 
-// vun::quantized_gemv_f32 for scales and biases of any ScaleType: float32 and float16 ones go to
-// the kernel as they are; bfloat16 ones are widened 64 rows at a time into per-thread buffers
-// and the kernel runs on those rows as a matrix of their own (w and y offset to the first row;
-// y's row stride stays N). Returns the first row not computed, as the kernel does.
+// vun::quantized_gemv_f32 for scales and biases of any ScaleType: 16-bit ones are widened 64
+// rows at a time into per-thread buffers, and the kernel runs on those rows as a matrix of their
+// own (w and y offset to the first row; y's row stride stays N). Returns the first row not
+// computed, as the kernel does.
 size_t quantized_gemv(const float* x, const uint32_t* wq, const void* scales, const void* biases,
                       vun::ScaleType st, float* y, size_t M, size_t N, size_t K,
                       size_t group_size, int bits, size_t n0, size_t n1, int mode) {
-  if (st != vun::ScaleType::kBF16) {
-    return vun::quantized_gemv_f32(x, wq, scales, biases, st, y, M, N, K, group_size, bits, n0,
-                                   n1, mode);
+  if (st == vun::ScaleType::kF32) {
+    return vun::quantized_gemv_f32(x, wq, static_cast<const float*>(scales),
+                                   static_cast<const float*>(biases), y, M, N, K, group_size,
+                                   bits, n0, n1, mode);
   }
   constexpr size_t kRows = 64;  // a multiple of the kernel's 4-row blocks
   const size_t groups = K / group_size;
@@ -1816,14 +1817,14 @@ size_t quantized_gemv(const float* x, const uint32_t* wq, const void* scales, co
   }
   for (size_t n = n0; n < n1; n += kRows) {
     const size_t end = std::min(n1, n + kRows);
-    constexpr size_t elem = 2;  // bytes of a bfloat16
+    constexpr size_t elem = 2;  // bytes of a float16 / bfloat16
     vun::widen_scales(static_cast<const char*>(scales) + n * groups * elem, st,
                       (end - n) * groups, s32.data());
     vun::widen_scales(static_cast<const char*>(biases) + n * groups * elem, st,
                       (end - n) * groups, b32.data());
     const size_t done = n + vun::quantized_gemv_f32(x, wq + n * words, s32.data(), b32.data(),
-                                                    vun::ScaleType::kF32, y + n, M, N, K,
-                                                    group_size, bits, 0, end - n, mode);
+                                                    y + n, M, N, K, group_size, bits, 0, end - n,
+                                                    mode);
     if (done < end) {
       return done;  // a last block of fewer than 4 rows, or no kernel here: the caller's
     }
