@@ -515,9 +515,9 @@ mx::array write_rows(
 // [slots, Hkv, 2 * D] (cell (slot, h) = [K | V], vLLM's attention page viewed slot-major), in
 // place: write_rows of their concatenation along the last axis without building it (the
 // squeezes and the concatenation were three graph nodes and a copy per layer and step).
-class WriteKV : public mx::Primitive {
+class WriteKV : public SameShapePrimitive {
  public:
-  explicit WriteKV(mx::Stream s) : mx::Primitive(s) {}
+  explicit WriteKV(mx::Stream s) : SameShapePrimitive(s, "write_kv") {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& dst = inputs[0];
@@ -566,14 +566,6 @@ class WriteKV : public mx::Primitive {
         }
       });
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[write_kv] CPU only");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
 
   const char* name() const override {
