@@ -1,6 +1,4 @@
-"""The compiled pure-decode forward (worker/compiled_decode.py) gives the plain forward's logits:
-on MLX's CPU backend with the native kernels themselves (bit for bit), and with pure-MLX
-stand-ins of the CUDA kernels.
+"""The compiled pure-decode forward (worker/compiled_decode.py) gives the plain forward's logits.
 
 The CUDA kernels it is built for (in-place KV write, the paged GPU attention) do not exist on
 MLX's CPU backend, so here they are stood in for by pure-MLX functions with the same interface
@@ -18,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import qwen3
@@ -157,47 +154,6 @@ def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     assert compiled.traces == [3, 2]
     for a, b in zip(plain_pool.kv, pool.kv, strict=True):  # the same K/V were written
         np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-5)
-
-
-def _torch_pool(seed: int) -> KVPool:
-    """A pool as the CPU backend has it: vLLM's layout in torch memory shared with MLX, written
-    by the native primitives (write path ``native_rows``), random contents."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    views = [torch.randn(BLOCKS, BS, KV_HEADS, 2 * DIM, generator=gen).permute(0, 2, 1, 3)
-             for _ in range(LAYERS)]
-    pool = KVPool.from_torch_views(views, BS)
-    assert pool.write_path == "native_rows"
-    return pool
-
-
-def test_compiled_decode_on_the_native_cpu_kernels_is_bit_identical(model):
-    """On MLX's CPU backend the compiled step runs the native primitives themselves (quantized
-    linears, write_kv, the paged attention kernel reading the traced tables and lengths): the
-    logits and the written K/V are the plain forward's, bit for bit, over steps of changing
-    batch size, table width and token source, with one trace per batch size."""
-    from vllm_unified import bridge
-    from vllm_unified.models.cpu_kernels import install_cpu_kernels
-
-    if bridge.native_kernels() is None:
-        pytest.skip("the native CPU kernels are not available")
-    nn.quantize(model, group_size=32, bits=4)  # the engine's default: quantized layers
-    install_cpu_kernels(model)
-    steps = _steps()
-    plain_pool = _torch_pool(3)
-    plain = _run(model, plain_pool, steps, None)
-    pool = _torch_pool(3)
-    ptrs = pool.data_ptrs()
-    compiled = CompiledDecode(model, pool, [PagedLayerCache(pool, i) for i in range(LAYERS)],
-                              forward)
-    got = _run(model, pool, steps, compiled)
-    for a, b in zip(plain, got, strict=True):
-        np.testing.assert_array_equal(b, a)
-    assert compiled.traces == [3, 2]
-    assert pool.data_ptrs() == ptrs  # written in place: the torch memory, not a copy
-    for a, b in zip(plain_pool.torch_views, pool.torch_views, strict=True):
-        assert (a == b).all()
 
 
 def test_compiled_decode_refuses_the_host_table_route(model, monkeypatch):

@@ -113,8 +113,7 @@ _SETTINGS = (
             "async scheduling: 1/0 evaluates queued steps on a thread of their own or not "
             "(default: on CUDA only)"),
     Setting("VLLM_UNIFIED_COMPILE_DECODE", True, _bool,
-            "CUDA and CPU backends: 0 builds every decode step's graph in Python (no "
-            "mx.compile)"),
+            "CUDA backend: 0 builds every decode step's graph in Python (no mx.compile)"),
     Setting("VLLM_UNIFIED_KV_EAGER_ZERO", False, _bool,
             "1 zero-fills the KV pool at start as vLLM does (benchmarks compare start-up memory)"),
     Setting("VLLM_UNIFIED_PREFIX_CACHE_RETAIN", None, _tokens_or_all,

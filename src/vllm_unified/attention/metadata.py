@@ -253,15 +253,8 @@ class AttentionMetadata:
         ``block_tables`` ``[B, max_blocks]``, each row's sequence ``[T]`` and the number of
         keys it sees ``[T]`` (its position + 1: causal). Made once per step.
 
-        A compiled pure-decode step's metadata has no host-side fields: its traced decode
-        tables and lengths are used (row r is sequence r), so nothing host-made is baked into
-        the trace. Raises ValueError when neither is there.
+        Raises ValueError when the host-side fields are missing (a compiled step's metadata).
         """
-        if self._row_kernel_inputs is None and self.block_tables is None \
-                and self.decode_tables is not None and self.is_pure_decode:
-            self._row_kernel_inputs = (self.decode_tables,
-                                       mx.arange(self.num_tokens, dtype=mx.int32),
-                                       self.decode_lens)
         if self._row_kernel_inputs is None:
             if self.block_tables is None or self.host_seq_of_row is None \
                     or self.host_positions is None:

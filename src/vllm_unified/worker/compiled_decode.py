@@ -1,9 +1,8 @@
-"""Pure-decode steps as one compiled MLX function (``mx.compile``), on the CUDA and CPU backends.
+"""Pure-decode steps as one compiled MLX function (``mx.compile``), on the CUDA backend.
 
 Why: on a fast GPU a decode step is bound by host work, not by the GPU: Python building each
 layer's lazy graph (mlx-lm's model code, our cache protocol and attention routing) and MLX
-encoding and launching its hundreds of kernels; on the CPU backend the graph building is a
-seventh of a small model's step. ``mx.compile``
+encoding and launching its hundreds of kernels. ``mx.compile``
 traces the forward once per input shape and afterwards replays the recorded graph from C++,
 so the Python per layer is gone and chains of elementwise ops are fused into single kernels.
 
@@ -21,9 +20,8 @@ What makes this safe:
   that layer, and the next step's write, stay ordered after the write exactly as without
   compilation;
 * only steps whose every request has one query token take this path, and only with the
-  in-place CUDA write and the paged GPU attention kernel, or on the CPU with the native write
-  and attention primitives (which then read the traced decode tables and lengths:
-  ``AttentionMetadata.row_tables_seqs_lens``); everything else runs the plain forward.
+  in-place CUDA write and the paged GPU attention kernel; everything else runs the plain
+  forward.
 
 Shapes: one trace per number of decode rows ``T`` and block-table width (``shapeless=False``:
 the kernels' launch grids depend on ``T``); the width is padded to a power of two

@@ -364,16 +364,11 @@ class MLXModelRunner:
         return release
 
     def _compiled_decode(self) -> CompiledDecode | None:
-        """The compiled pure-decode forward where its kernels read only the traced inputs: the
-        in-place CUDA KV write with the paged GPU attention kernel, or on the CPU the native
-        write and attention primitives (their tables and lengths come from the traced
-        metadata, ``AttentionMetadata.row_tables_seqs_lens``); no recurrent layers, one
-        pipeline stage, not turned off by its variable."""
+        """The compiled pure-decode forward where it applies: the in-place CUDA KV write, the
+        paged GPU attention kernel, no recurrent layers, not turned off by its variable."""
         head_dim = self.model_config.get_head_size()
-        pool = self.kv_cache.pool
-        kernels = ((pool.cuda_write and gpu_attention_routed(head_dim, self.backend))
-                   or (pool.write_path == "native_rows" and self.backend.cpu_attention))
-        if not (kernels and not self.layers.is_hybrid and self.backend.compile_decode
+        if not (self.kv_cache.pool.cuda_write and gpu_attention_routed(head_dim, self.backend)
+                and not self.layers.is_hybrid and self.backend.compile_decode
                 and self.stage.size == 1):
             return None
         logger.info("vllm-unified: pure-decode steps run as one compiled MLX graph "
