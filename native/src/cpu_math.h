@@ -119,16 +119,7 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// Element i of a scales/biases array of type t, as fp32.
-inline float scale_at(const void* p, ScaleType t, size_t i) {
-  switch (t) {
-    case ScaleType::kF16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
-    case ScaleType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-// dst[i] = scale_at(src, t, i) for i < n.
+// dst[i] = element i of src (scales or biases of type t) as fp32, for i < n.
 void widen_scales(const void* src, ScaleType t, size_t n, float* dst);
 
 // Dequantize rows [r0, r1) of an MLX affine-quantized matrix (mx.quantize's layout, "affine"
