@@ -160,6 +160,32 @@ def test_engine_core_shutdown_window_and_expected_engine_dead(monkeypatch) -> No
     assert ours.filter(record("something else", EngineDeadError()))
 
 
+def test_engine_core_shutdown_reaps_the_engine_before_vllm_checks_it(monkeypatch) -> None:
+    """Under ``--shutdown-timeout 0`` the wrapper sends SIGTERM and waits until the engine
+    core is reaped before vLLM's own shutdown looks: vLLM kills whatever ``is_alive()`` still
+    reports right after the sentinel closes, which an exiting process can be for a moment."""
+    import logging
+    import multiprocessing
+    import signal
+    import threading
+    import time
+
+    from vllm.v1.engine import utils
+
+    seen: list[list[bool]] = []
+    monkeypatch.setattr(utils, "shutdown",
+                        lambda procs, timeout=None: seen.append([p.is_alive() for p in procs]))
+    monkeypatch.setattr(patches, "engine_core_stopping", threading.Event())
+    vllm_logger = logging.getLogger("vllm.v1.engine.async_llm")
+    monkeypatch.setattr(vllm_logger, "filters", list(vllm_logger.filters))
+    patches.stop_engine_core_gracefully(10.0, logging.getLogger("test_shutdown_patch"))
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()
+    utils.shutdown([child], timeout=0)
+    assert seen == [[False]]
+    assert child.exitcode == -signal.SIGTERM
+
+
 def test_engine_core_signal_trigger_survives_a_nested_signal(monkeypatch) -> None:
     """Issue 20, defect 5: a second signal arriving inside the first handler's
     ``Event.set`` (a process-group SIGTERM, then vLLM's own) must not re-enter it (vLLM's

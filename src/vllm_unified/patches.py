@@ -21,6 +21,7 @@ import re
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -344,6 +345,22 @@ def harden_engine_core_signals() -> None:
     SignalCallback.stop = stop_and_ignore_sigterm
 
 
+def _terminate_and_reap(procs: Any, seconds: float) -> None:
+    """SIGTERM to each live process of ``procs`` (``multiprocessing`` processes), then wait up
+    to ``seconds`` in all until ``is_alive()`` is False for each: polled, since ``join``
+    returns as soon as the process's sentinel closes, which can be a moment before it can be
+    reaped."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        while proc.is_alive() and time.monotonic() < deadline:
+            proc.join(max(0.0, min(0.05, deadline - time.monotonic())))
+            if proc.is_alive():
+                time.sleep(0.005)  # the sentinel closed; the kernel has not reaped it yet
+
+
 def stop_engine_core_gracefully(seconds: float, logger: logging.Logger) -> None:
     """Let the engine core finish its own teardown when the server stops with vLLM's default
     ``--shutdown-timeout 0``, and keep the expected ``EngineDeadError`` of a stopped engine
@@ -358,7 +375,12 @@ def stop_engine_core_gracefully(seconds: float, logger: logging.Logger) -> None:
     window to tear down, which vLLM already gives on ROCm (``get_engine_process_shutdown_
     timeout``, 15 s). The wrapper turns a process timeout of 0 into ``seconds`` (an engine core
     that exits sooner is not waited for; one still alive then is killed as before) and logs
-    it. Other timeouts (drain mode, ``--shutdown-timeout N``) are kept. A timeout that is not
+    it. Within that window the wrapper itself sends SIGTERM and waits until each engine core
+    is reaped: vLLM's loop joins each process's sentinel and then kills what ``is_alive()``
+    still reports, and a process whose files are closed but which the kernel has not yet made
+    a zombie is "alive" for a moment, so an engine core that had finished its teardown could
+    be killed on its way out (seen once in a CI run under full load). Other timeouts (drain
+    mode, ``--shutdown-timeout N``) are kept. A timeout that is not
     None (the server stopping with its ``--shutdown-timeout``) sets
     :data:`engine_core_stopping`; vLLM's clean-up after an engine core that died on its own
     passes None, so that death keeps its error log.
@@ -385,6 +407,7 @@ def stop_engine_core_gracefully(seconds: float, logger: logging.Logger) -> None:
             logger.info("vllm-unified: requests aborted; the engine core gets up to %.0f s to "
                         "finish its teardown (KV offload writes) before it is killed", seconds)
             timeout = seconds
+            _terminate_and_reap(procs, seconds)
         current(procs, timeout=timeout)
 
     utils.shutdown = shutdown
