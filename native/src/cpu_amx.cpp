@@ -376,34 +376,6 @@ VUN_AMX_TARGET void blocks4(const uint16_t* panel, size_t panel_elems, const uin
   }
 }
 
-// The fp32 scales and biases of weight rows [n, n + count) (count <= 4 blocks of 16 rows), as
-// blocks4 reads them: float32 ones where they lie, 16-bit ones widened (exactly, vectorized)
-// into per-thread buffers once per call, not per group in the epilogue.
-struct ScaleRows {
-  const float* s;
-  const float* b;
-  ScaleRows(const void* scales, const void* biases, ScaleType st, size_t groups, size_t n,
-            size_t count) {
-    if (st == ScaleType::kF32) {
-      s = static_cast<const float*>(scales) + n * groups;
-      b = static_cast<const float*>(biases) + n * groups;
-      return;
-    }
-    thread_local std::vector<float> s32, b32;
-    if (s32.size() < 4 * kTile * groups) {
-      s32.resize(4 * kTile * groups);
-      b32.resize(4 * kTile * groups);
-    }
-    constexpr size_t elem = 2;  // bytes of a float16 / bfloat16
-    widen_scales(static_cast<const char*>(scales) + n * groups * elem, st, count * groups,
-                 s32.data());
-    widen_scales(static_cast<const char*>(biases) + n * groups * elem, st, count * groups,
-                 b32.data());
-    s = s32.data();
-    b = b32.data();
-  }
-};
-
 // The n-blocks [nb0, nb1) for every m-block (decode-sized M), each weight tile unpacked just
 // before its one use per m-block.
 template <int BITS>
@@ -416,8 +388,9 @@ VUN_AMX_TARGET void qlinear_jit(
   const size_t mblocks = (M + kTile - 1) / kTile;
   configure_tiles();
   for (size_t nb = nb0; nb < nb1; nb += 4) {
-    const ScaleRows sr(scales, biases, st, groups, nb * kTile,
-                       std::min(N, (nb + 4) * kTile) - nb * kTile);
+    // widened once per 4 blocks, not per group in the epilogue
+    const ScaleRowsF32 sr = scale_rows_f32(scales, biases, st, groups, nb * kTile,
+                                           std::min(N, (nb + 4) * kTile) - nb * kTile);
     for (size_t mb = 0; mb < mblocks; ++mb) {
       blocks4<BITS, true>(nullptr, 0, wq, std::min<size_t>(4, nb1 - nb),
                           tiles + mb * segs * kParts * kTileElems,
@@ -476,8 +449,9 @@ VUN_AMX_TARGET void amx_quantized_linear_panel(
   const size_t panel_elems = segs * kTileElems;
   configure_tiles();
   for (size_t nb = nb0; nb < nb1; nb += 4) {
-    const ScaleRows sr(scales, biases, st, groups, nb * kTile,
-                       std::min(N, (nb + 4) * kTile) - nb * kTile);
+    // widened once per 4 blocks, not per group in the epilogue
+    const ScaleRowsF32 sr = scale_rows_f32(scales, biases, st, groups, nb * kTile,
+                                           std::min(N, (nb + 4) * kTile) - nb * kTile);
     for (size_t mb = mb0; mb < mb1; ++mb) {
       blocks4<4, false>(panel + nb * panel_elems, panel_elems, nullptr,
                         std::min<size_t>(4, nb1 - nb), tiles + mb * segs * kParts * kTileElems,

@@ -122,6 +122,16 @@ inline float bf16_to_float(uint16_t h) {
 // dst[i] = element i of src (scales or biases of type t) as fp32, for i < n.
 void widen_scales(const void* src, ScaleType t, size_t n, float* dst);
 
+// The scales and biases ([rows, groups], type t) of rows [n, n + count) as fp32 [count, groups]:
+// float32 ones where they lie, 16-bit ones widened into this thread's buffers (valid until the
+// thread's next call).
+struct ScaleRowsF32 {
+  const float* s;
+  const float* b;
+};
+ScaleRowsF32 scale_rows_f32(const void* scales, const void* biases, ScaleType t, size_t groups,
+                            size_t n, size_t count);
+
 // Dequantize rows [r0, r1) of an MLX affine-quantized matrix (mx.quantize's layout, "affine"
 // mode) into out [(r1 - r0), K] fp32: out[r, k] = scales[r, g] * q[r, k] + biases[r, g] with
 // g = k / group_size, rounded as MLX's own dequantize does (product, then sum: bit-identical to

@@ -277,6 +277,25 @@ void widen_scales(const void* src, ScaleType t, size_t n, float* dst) {
   }
 }
 
+ScaleRowsF32 scale_rows_f32(const void* scales, const void* biases, ScaleType t, size_t groups,
+                            size_t n, size_t count) {
+  if (t == ScaleType::kF32) {
+    return {static_cast<const float*>(scales) + n * groups,
+            static_cast<const float*>(biases) + n * groups};
+  }
+  thread_local std::vector<float> s32, b32;
+  if (s32.size() < count * groups) {
+    s32.resize(count * groups);
+    b32.resize(count * groups);
+  }
+  constexpr size_t elem = 2;  // bytes of a float16 / bfloat16
+  widen_scales(static_cast<const char*>(scales) + n * groups * elem, t, count * groups,
+               s32.data());
+  widen_scales(static_cast<const char*>(biases) + n * groups * elem, t, count * groups,
+               b32.data());
+  return {s32.data(), b32.data()};
+}
+
 } // namespace vun
 
 // ---- quantized_gemv_f32: x @ dequantize(w).T for 1-3 rows of x, dequantized in registers ----

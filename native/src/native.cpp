@@ -1673,20 +1673,11 @@ void dequantize_rows(const uint32_t* wq, const void* scales, const void* biases,
   constexpr size_t kRows = 16;
   const size_t groups = K / group_size;
   const size_t words = K * static_cast<size_t>(bits) / 32;
-  thread_local std::vector<float> s32, b32;
-  if (s32.size() < kRows * groups) {
-    s32.resize(kRows * groups);
-    b32.resize(kRows * groups);
-  }
   for (size_t r = r0; r < r1; r += kRows) {
     const size_t count = std::min(kRows, r1 - r);
-    constexpr size_t elem = 2;  // bytes of a float16 / bfloat16
-    vun::widen_scales(static_cast<const char*>(scales) + r * groups * elem, st, count * groups,
-                      s32.data());
-    vun::widen_scales(static_cast<const char*>(biases) + r * groups * elem, st, count * groups,
-                      b32.data());
-    vun::dequantize_rows_f32(wq + r * words, s32.data(), b32.data(), out + (r - r0) * K, 0,
-                             count, K, group_size, bits);
+    const vun::ScaleRowsF32 sr = vun::scale_rows_f32(scales, biases, st, groups, r, count);
+    vun::dequantize_rows_f32(wq + r * words, sr.s, sr.b, out + (r - r0) * K, 0, count, K,
+                             group_size, bits);
   }
 }
 
@@ -1802,21 +1793,11 @@ size_t quantized_gemv(const float* x, const uint32_t* wq, const void* scales, co
   constexpr size_t kRows = 64;  // a multiple of the kernel's 4-row blocks
   const size_t groups = K / group_size;
   const size_t words = K * static_cast<size_t>(bits) / 32;
-  thread_local std::vector<float> s32, b32;
-  if (s32.size() < kRows * groups) {
-    s32.resize(kRows * groups);
-    b32.resize(kRows * groups);
-  }
   for (size_t n = n0; n < n1; n += kRows) {
     const size_t end = std::min(n1, n + kRows);
-    constexpr size_t elem = 2;  // bytes of a float16 / bfloat16
-    vun::widen_scales(static_cast<const char*>(scales) + n * groups * elem, st,
-                      (end - n) * groups, s32.data());
-    vun::widen_scales(static_cast<const char*>(biases) + n * groups * elem, st,
-                      (end - n) * groups, b32.data());
-    const size_t done = n + vun::quantized_gemv_f32(x, wq + n * words, s32.data(), b32.data(),
-                                                    y + n, M, N, K, group_size, bits, 0, end - n,
-                                                    mode);
+    const vun::ScaleRowsF32 sr = vun::scale_rows_f32(scales, biases, st, groups, n, end - n);
+    const size_t done = n + vun::quantized_gemv_f32(x, wq + n * words, sr.s, sr.b, y + n, M, N,
+                                                    K, group_size, bits, 0, end - n, mode);
     if (done < end) {
       return done;  // a last block of fewer than 4 rows, or no kernel here: the caller's
     }
