@@ -68,21 +68,23 @@ def plain_mlx(model):
             mod.swiglu = ck.swiglu
 
 
-def paged_caches(model, batch: int, rng: np.random.Generator, alloc=torch.empty):  # noqa: ANN001, ANN201
+def paged_caches(model, batch: int, rng: np.random.Generator, alloc=torch.empty,  # noqa: ANN001, ANN201
+                 context: int = CONTEXT):
     """Per-layer paged caches of ``model`` over one pool in vLLM's layout (torch buffers made by
     ``alloc``, shared with MLX), and block tables scattering each of ``batch`` sequences'
-    CONTEXT tokens over the pool's blocks: ``(pool, caches, tables [batch, CONTEXT / BLOCK]
-    int32, rows [batch] int32)``."""
+    ``context`` tokens over the pool's blocks: ``(pool, caches, tables [batch,
+    ceil(context / BLOCK)] int32, rows [batch] int32)``."""
     from vllm_unified.kv.layer_cache import PagedLayerCache
     from vllm_unified.kv.pool import KVPool
 
     layers, kv_heads = len(model.layers), model.args.num_key_value_heads
     head_dim = model.args.hidden_size // model.args.num_attention_heads
-    num_blocks = 2 * batch * (CONTEXT // BLOCK + 1) + 1
+    per_seq = -(-context // BLOCK)
+    num_blocks = 2 * batch * (per_seq + 1) + 1
     bufs = [alloc((num_blocks, BLOCK, kv_heads, 2 * head_dim)) for _ in range(layers)]
     pool = KVPool.from_torch_views([b.permute(0, 2, 1, 3) for b in bufs], BLOCK)
     caches = [PagedLayerCache(pool, i) for i in range(layers)]
-    tables = rng.permutation(np.arange(1, num_blocks))[: batch * (CONTEXT // BLOCK)]
+    tables = rng.permutation(np.arange(1, num_blocks))[: batch * per_seq]
     return (pool, caches, tables.reshape(batch, -1).astype(np.int32),
             np.arange(batch, dtype=np.int32))
 

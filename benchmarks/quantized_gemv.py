@@ -25,7 +25,7 @@ SHAPES: list[tuple[str, int, int]] = [
     ("qwen gate/up", 4864, 896), ("qwen down", 896, 4864),
 ]
 HEAD = ("smol head", 49152, 576)  # 8-bit only (the Q8_0 output head)
-MODES = {"scratch": 0, "table": 1, "exact": 2}
+MODES = {"scratch": 0, "table": 1, "exact": 2, "int8": 3}
 
 
 def main() -> None:

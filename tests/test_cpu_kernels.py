@@ -449,6 +449,16 @@ def test_every_float16_value_is_widened_exactly():
         assert np.array_equal(got.view(np.uint32), wide.view(np.uint32))
         np.testing.assert_array_equal(got, want)  # equal NaN positions, other values exact
 
+@pytest.fixture(autouse=True)
+def exact_arithmetic():
+    """This file's tests check the exact kernels bit for bit: quantized layers in fp32
+    arithmetic (mode 1, VLLM_UNIFIED_CPU_ACTIVATIONS=fp32) unless a test sets another mode; the
+    integer modes have tests of their own below."""
+    previous = native.quantized_gemv_mode(1)
+    yield
+    native.quantized_gemv_mode(previous)
+
+
 @pytest.fixture
 def gemv_mode():
     """Sets native.quantized_gemv_mode for one test and restores the default after it."""
@@ -487,10 +497,119 @@ def test_gemv_is_bit_identical_to_linear_on_dequantized(bits, group_size, gemv_m
                     assert mx.array_equal(got, five[:m]).item(), (mode, n, m)
 
 
-def test_gemv_mode_is_checked():
+def test_gemv_mode_is_checked(gemv_mode):
+    gemv_mode(3)
     with pytest.raises(ValueError, match="mode must be"):
-        native.quantized_gemv_mode(3)
-    assert native.quantized_gemv_mode(1) == 1  # the default, unchanged by the refusal
+        native.quantized_gemv_mode(5)
+    assert native.quantized_gemv_mode(3) == 3  # unchanged by the refusal
+
+
+def _int8_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                    group_size: int, two_terms: bool) -> np.ndarray:
+    """cpu_q8.cpp's arithmetic in float64 from its own int8 terms of x: per block of 32 elements
+    of each row, amax = max|x| (fp32), v = x * (127 / amax) (fp32), hi = rint(v) (ties to
+    even); one term: x~ = hi * amax / 127; two: lo = rint((v - hi) * 256) clipped to +-127,
+    x~ = (256 hi + lo) * amax / 127 / 256. y = sum_k s q x~ + sum_g b_g * sum(x over g)."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    v = blocks * inv
+    hi = np.clip(np.rint(v), -127, 127)
+    if two_terms:
+        lo = np.clip(np.rint((v - hi) * np.float32(256)), -127, 127)
+        xq, dx = 256.0 * hi + lo, amax.astype(np.float64) / 127 / 256
+    else:
+        xq, dx = hi, amax.astype(np.float64) / 127
+    xt = (xq * dx).reshape(m, k)
+    s = np.repeat(scales.astype(np.float64), group_size, axis=1)
+    sums = x.astype(np.float64).reshape(m, k // group_size, group_size).sum(-1)
+    return xt @ (codes * s).T + sums @ biases.astype(np.float64).T
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("mode", [3, 4])
+def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
+    """Modes 3 and 4 (x in one or two int8 terms, VNNI): for 1-8 rows of x, fp32, float16 and
+    bfloat16 scales, K a multiple of 64 and not (the last 64-element span half full), an
+    all-zero block of x and weight row counts that leave a last block to the exact path: the
+    result equals the float64 value of the same arithmetic to fp32 summation error, and stays
+    within the bound the quantization of x allows around the exact result."""
+    if not native.int8_runs(1, 128, group_size, bits):
+        pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
+    rng = np.random.default_rng(bits * 100 + group_size)
+    dtypes = (mx.float32, mx.float16, mx.bfloat16)
+    for i, (n, k) in enumerate(((37, 384), (8, 128 if group_size > 32 else 96), (131, 640))):
+        if k % group_size:
+            continue
+        if group_size == 16:
+            wq, scales, biases, _ = _groups_of_16(rng, n, k, bits)
+        else:
+            wq, scales, biases = _quantized(rng, n, k, group_size, bits)
+        scales, biases = scales.astype(dtypes[i]), biases.astype(dtypes[i])
+        s64 = np.array(scales.astype(mx.float32)).astype(np.float64)
+        b64 = np.array(biases.astype(mx.float32)).astype(np.float64)
+        codes = _codes(wq, n, k, bits)
+        scaled = np.abs(codes * np.repeat(s64, group_size, 1))
+        dense = codes * np.repeat(s64, group_size, 1) + np.repeat(b64, group_size, 1)
+        for m in (1, 2, 3, 4, 5, 8):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            x[0, 32:64] = 0.0
+            gemv_mode(mode)
+            int8 = native.int8_runs(m, k, group_size, bits)
+            got = np.array(native.quantized_linear(mx.array(x), wq, scales, biases, group_size,
+                                                   bits)).astype(np.float64)
+            magnitude = np.abs(x).astype(np.float64) @ np.abs(dense).T
+            if int8:
+                want = _int8_reference(x, codes, s64, b64, group_size, mode == 4)
+                done = n // 4 * 4  # the rows of a last block of < 4 run exactly
+                assert np.all(np.abs(got - want)[:, :done] <= 1e-6 * magnitude[:, :done]), (
+                    n, k, m)
+            exact = x.astype(np.float64) @ dense.T
+            amax = np.abs(x.reshape(m, k // 32, 32)).max(-1).astype(np.float64)
+            # per element, half a step of hi (one term) or one step of lo (two: its clip)
+            step = np.repeat(amax / 127 / (256 if mode == 4 else 2), 32, axis=1)
+            assert np.all(np.abs(got - exact) <= step @ scaled.T + 1e-6 * magnitude), (
+                n, k, m, int8)
+
+
+@pytest.mark.parametrize("mode", [3, 4])
+def test_int8_gemv_takes_decode_sizes_only(mode, gemv_mode):
+    """Where modes 3 and 4 apply: 1-4 rows of x on any layer the kernel takes, up to 16 where
+    AMX does not run; never in modes 0-2 or for layouts it does not take (K % 32, group 48)."""
+    if not native.int8_runs(1, 128, 32, 4):
+        pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
+    gemv_mode(mode)
+    assert all(native.int8_runs(m, 128, 32, 4) for m in (1, 2, 3, 4))
+    assert native.int8_runs(16, 128, 16, 6)  # groups of 16: never on AMX tiles
+    assert not native.int8_runs(17, 128, 16, 6)
+    assert native.int8_runs(8, 128, 32, 4) == (not native.amx_runs(8, 128, 32))
+    assert not native.int8_runs(1, 144, 48, 4)
+    assert not native.int8_runs(1, 128, 32, 7)
+    for mode in (0, 1, 2):
+        gemv_mode(mode)
+        assert not native.int8_runs(1, 128, 32, 4)
+
+
+@pytest.mark.parametrize("setting, mode", [(None, 4), ("int16", 4), ("int8", 3), ("fp32", 1)])
+def test_cpu_activations_setting_sets_the_kernel_mode(setting, mode):
+    """VLLM_UNIFIED_CPU_ACTIVATIONS decides the quantized layers' arithmetic at import (a fresh
+    process: the extension reads it once); a bad value names the variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_UNIFIED_CPU_ACTIVATIONS"}
+    if setting is not None:
+        env["VLLM_UNIFIED_CPU_ACTIVATIONS"] = setting
+    code = "import vllm_unified_native as n; print(n.quantized_gemv_mode(1))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == str(mode)
+    env["VLLM_UNIFIED_CPU_ACTIVATIONS"] = "int4"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "VLLM_UNIFIED_CPU_ACTIVATIONS" in bad.stderr
 
 
 def test_avx_path_on_an_amx_machine():
@@ -643,7 +762,8 @@ def test_quantized_kernels_give_the_same_bits_at_every_isa_level():
 
     digests = {}
     for isa in ("avx512", "avx2", "portable"):
-        env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": isa}
+        env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": isa,
+               "VLLM_UNIFIED_CPU_ACTIVATIONS": "fp32"}
         out = subprocess.run([sys.executable, "-c", _ISA_PROBE], env=env, check=True,
                              capture_output=True, text=True)
         digests[isa] = out.stdout.strip()
@@ -676,7 +796,8 @@ def test_amx_bits_do_not_depend_on_the_thread_count():
     _needs_amx()
     digests = set()
     for threads in ("1", "2", ""):
-        env = {**os.environ, "VLLM_UNIFIED_CPU_THREADS": threads}
+        env = {**os.environ, "VLLM_UNIFIED_CPU_THREADS": threads,
+               "VLLM_UNIFIED_CPU_ACTIVATIONS": "fp32"}
         out = subprocess.run([sys.executable, "-c", _AMX_PROBE], env=env, check=True,
                              capture_output=True, text=True)
         digests.add(out.stdout.strip())

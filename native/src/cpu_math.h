@@ -157,6 +157,40 @@ size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scale
                           const float* biases, float* y, size_t M, size_t N, size_t K,
                           size_t group_size, int bits, size_t n0, size_t n1, int mode);
 
+// ---- int8 activations (cpu_q8.cpp): llama.cpp's arithmetic for quantized layers ----
+
+// x quantized for quantized_gemv_q8, per row of x [M, K] and 64-element span (spans = ceil(K /
+// 64)), in one or two int8 terms per element. Per block of 32 elements, v = x * (127 / amax)
+// (fp32, amax = the block's max|x|); one term: xq = rint(v), x~ = dx * xq with dx = amax / 127;
+// two terms: also xq_lo = rint((v - xq) * 256), x~ = dx * (256 xq + xq_lo) with dx = amax /
+// 127 / 256 (x to about 16 bits). xq, xq_lo: int8 [M, spans * 64] (64-byte aligned, zero past
+// K; xq_lo null for one term); dx: fp32 [M, spans * 16] (64-byte aligned; each block's dx on
+// its 8 VPDPBUSD lanes); sx: fp32 [M, K / group_size], the fp32 sum of x over each weight group.
+struct Q8Activations {
+  const int8_t* xq;
+  const int8_t* xq_lo;
+  const float* dx;
+  const float* sx;
+};
+
+// Fills Q8Activations' buffers (sizes above; xq_lo only with two_terms) from x [M, K] fp32
+// row-contiguous.
+void q8_quantize_rows(const float* x, size_t M, size_t K, size_t group_size, bool two_terms,
+                      int8_t* xq, int8_t* xq_lo, float* dx, float* sx);
+
+// Whether quantized_gemv_q8 runs here for this layer: AVX-512 with BW, VBMI and VNNI (and an
+// ISA cap of avx512 or amx), bits 2, 3, 4, 5, 6 or 8, group_size 16, 32 or a multiple of 64
+// dividing K, K % 32 == 0.
+bool q8_usable(size_t K, size_t group_size, int bits);
+
+// y[m, n] for all m < M and the n of whole 4-row blocks from n0 (returns the first row not
+// computed, as quantized_gemv_f32 does; n0 where !q8_usable): sum over groups of s * (q . x~)
+// + b * sum(x), the products of q and the int8 terms of x summed exactly in int32 (cpu_q8.cpp).
+// Weights in dequantize_rows_f32's layout; scales, biases [N, K / group_size] of type st.
+size_t quantized_gemv_q8(const Q8Activations& a, const uint32_t* wq, const void* scales,
+                         const void* biases, ScaleType st, float* y, size_t M, size_t N,
+                         size_t K, size_t group_size, int bits, size_t n0, size_t n1);
+
 // The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)
 // as the low 8 * BITS bits of a little-endian integer; the bits above are other elements' (or
 // zero). Reads 8 bytes at once where they lie before `end` (the row's end), else only the

@@ -1763,32 +1763,69 @@ void amx_quantized_linear(const float* x, const uint32_t* w, const void* scales,
   });
 }
 
-// The arithmetic of QuantizedLinear's gemv (vun::quantized_gemv_f32's mode): 1 by default
-// (exact), 0 turns it off (the scratch path for every M); set by quantized_gemv_mode (benchmarks
-// compare the variants in one process).
+// The arithmetic of QuantizedLinear's gemv: 1 by default (exact, vun::quantized_gemv_f32's
+// table mode), 2 exact without the table, 0 turns it off (the scratch path for every M); 3 and
+// 4 compute against x quantized per 32 elements (vun::quantized_gemv_q8; not exact) where
+// use_int8 allows it, else as 1: 3 in one int8 term (llama.cpp's arithmetic), 4 in two (x to
+// ~16 bits). Set by quantized_gemv_mode (vllm_unified_native sets it from
+// VLLM_UNIFIED_CPU_ACTIVATIONS; benchmarks compare the variants in one process).
 std::atomic<int>& gemv_mode() {
   static std::atomic<int> mode{1};
   return mode;
 }
 
 int set_gemv_mode(int mode) {
-  if (mode < 0 || mode > 2) {
-    raise_py(PyExc_ValueError, "quantized_gemv_mode: mode must be 0, 1 or 2");
+  if (mode < 0 || mode > 4) {
+    raise_py(PyExc_ValueError, "quantized_gemv_mode: mode must be 0, 1, 2, 3 or 4");
   }
   return gemv_mode().exchange(mode);
+}
+
+// Whether quantized_linear takes the int8 gemv for x [M, K] (mode 3 or 4, the CPU and the
+// layer allow it): up to 4 rows, where it reads the weight at memory speed; up to 16 where the AMX
+// kernels cannot run (groups of 16, no AMX), since it still beats the scratch path there. Past
+// that the weight's unpacking is repeated per 4 rows of x and the AMX kernels win.
+bool use_int8(size_t M, size_t K, size_t group_size, int bits) {
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 &&
+         vun::q8_usable(K, group_size, bits) &&
+         (M <= 4 || (M <= 16 && !use_amx(M, K, group_size)));
+}
+
+// x quantized once per call for the int8 gemv (vun::Q8Activations), in this thread's buffers:
+// the pool's workers read them during the call.
+vun::Q8Activations q8_activations(const float* x, size_t M, size_t K, size_t group_size,
+                                  bool two_terms) {
+  thread_local std::vector<char> buf;
+  const size_t spans = (K + 63) / 64;
+  const size_t xq_bytes = M * spans * 64, dx_bytes = M * spans * 16 * 4;
+  buf.resize(2 * xq_bytes + dx_bytes + M * (K / group_size) * 4 + 64);
+  auto* xq = reinterpret_cast<int8_t*>(align64(buf.data()));  // parts 64-byte multiples apart
+  int8_t* xq_lo = xq + xq_bytes;
+  auto* dx = reinterpret_cast<float*>(xq + 2 * xq_bytes);
+  auto* sx = reinterpret_cast<float*>(xq + 2 * xq_bytes + dx_bytes);
+  vun::q8_quantize_rows(x, M, K, group_size, two_terms, xq, xq_lo, dx, sx);
+  return {xq, two_terms ? xq_lo : nullptr, dx, sx};
 }
 
 // vun::quantized_gemv_f32 for scales and biases of any ScaleType: 16-bit ones are widened 64
 // rows at a time into per-thread buffers, and the kernel runs on those rows as a matrix of their
 // own (w and y offset to the first row; y's row stride stays N). Returns the first row not
 // computed, as the kernel does.
-size_t quantized_gemv(const float* x, const uint32_t* wq, const void* scales, const void* biases,
-                      vun::ScaleType st, float* y, size_t M, size_t N, size_t K,
-                      size_t group_size, int bits, size_t n0, size_t n1, int mode) {
+size_t quantized_gemv(const float* x, const vun::Q8Activations* q8, const uint32_t* wq,
+                      const void* scales, const void* biases, vun::ScaleType st, float* y,
+                      size_t M, size_t N, size_t K, size_t group_size, int bits, size_t n0,
+                      size_t n1, int mode) {
+  if (q8 != nullptr) {  // the int8 gemv on these prepared activations reads 16-bit scales
+    return vun::quantized_gemv_q8(*q8, wq, scales, biases, st, y, M, N, K, group_size, bits,
+                                  n0, n1);
+  }
+  const auto kernel = [&](const float* s, const float* b, const uint32_t* w, float* out,
+                          size_t r0, size_t r1) {
+    return vun::quantized_gemv_f32(x, w, s, b, out, M, N, K, group_size, bits, r0, r1, mode);
+  };
   if (st == vun::ScaleType::kF32) {
-    return vun::quantized_gemv_f32(x, wq, static_cast<const float*>(scales),
-                                   static_cast<const float*>(biases), y, M, N, K, group_size,
-                                   bits, n0, n1, mode);
+    return kernel(static_cast<const float*>(scales), static_cast<const float*>(biases), wq, y,
+                  n0, n1);
   }
   constexpr size_t kRows = 64;  // a multiple of the kernel's 4-row blocks
   const size_t groups = K / group_size;
@@ -1796,8 +1833,7 @@ size_t quantized_gemv(const float* x, const uint32_t* wq, const void* scales, co
   for (size_t n = n0; n < n1; n += kRows) {
     const size_t end = std::min(n1, n + kRows);
     const vun::ScaleRowsF32 sr = vun::scale_rows_f32(scales, biases, st, groups, n, end - n);
-    const size_t done = n + vun::quantized_gemv_f32(x, wq + n * words, sr.s, sr.b, y + n, M, N,
-                                                    K, group_size, bits, 0, end - n, mode);
+    const size_t done = n + kernel(sr.s, sr.b, wq + n * words, y + n, 0, end - n);
     if (done < end) {
       return done;  // a last block of fewer than 4 rows, or no kernel here: the caller's
     }
@@ -1860,7 +1896,9 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     const auto depth = static_cast<size_t>(x.shape(-1)), rows = x.size() / depth;
     const auto gs = static_cast<size_t>(group_size_);
     char* scratch = nullptr;
-    if (use_amx(rows, depth, gs)) {
+    const int mode = gemv_mode().load(std::memory_order_relaxed);
+    const bool int8 = use_int8(rows, depth, gs, bits_);
+    if (!int8 && use_amx(rows, depth, gs)) {
       const size_t bytes = amx_scratch(rows, static_cast<size_t>(wq.shape(0)), depth, gs).bytes();
       constexpr size_t kPage = 4096;  // a 2-D shape: int extents for any size
       mx::array buf({static_cast<int>((bytes + kPage - 1) / kPage), static_cast<int>(kPage)},
@@ -1873,21 +1911,27 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
                   sp = static_cast<const void*>(inputs[2].data<char>()),
                   bp = static_cast<const void*>(inputs[3].data<char>()),
                   st = scale_type(inputs[2]), yp = y.data<float>(), M = rows,
-                  N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_]() {
+                  N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_,
+                  mode, int8]() {
       auto& pool = kernel_pool();
       if (scratch != nullptr) {
         amx_quantized_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, scratch);
         return;
+      }
+      vun::Q8Activations q8{};
+      if (int8) {
+        q8 = q8_activations(xp, M, K, gs, mode == 4);
       }
       const size_t groups = (N + 3) / 4;
       const size_t chunks = std::min(groups, 8 * pool.size());
       pool.run(chunks, [&](size_t c) {
         const size_t n0 = std::min(N, groups * c / chunks * 4);
         const size_t n1 = std::min(N, groups * (c + 1) / chunks * 4);
-        // gemv: 1-3 rows of x, the weight dequantized in registers (AVX-512); the rows it
-        // leaves (other CPUs, a last block of fewer than 4) take the scratch path below.
-        size_t n = quantized_gemv(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, n0, n1,
-                                  gemv_mode().load(std::memory_order_relaxed));
+        // gemv: 1-3 rows of x, the weight dequantized in registers (AVX-512) or multiplied
+        // against int8 x (mode 3); the rows it leaves (other CPUs, a last block of fewer than
+        // 4) take the scratch path below.
+        size_t n = quantized_gemv(xp, int8 ? &q8 : nullptr, wp, sp, bp, st, yp, M, N, K, gs,
+                                  bits, n0, n1, mode >= 3 ? 1 : mode);
         float* rows = scratch_rows(4 * K);
         for (; n < n1; n += 4) {
           const size_t count = std::min<size_t>(4, n1 - n);
@@ -2112,9 +2156,11 @@ NB_MODULE(_native, m) {
         "scales/biases float32, float16 or bfloat16), bit-identical to linear(x, "
         "mx.dequantize(w, ...)) with the scales/biases as float32; CPU streams only.");
   m.def("quantized_gemv_mode", &set_gemv_mode, nb::arg("mode"),
-        "quantized_linear's kernel for 1-3 rows of x: 0 the scratch path, 1 by table lookup "
-        "(default), 2 in registers without the table (all bit-identical); returns the previous "
-        "mode.");
+        "quantized_linear's kernel for decode-sized x: 0 the scratch path, 1 by table lookup "
+        "(the extension's default), 2 in registers without the table (0-2 bit-identical, 1-3 "
+        "rows); where int8_runs says so, against x quantized per 32 elements by int8 dot "
+        "products (not exact): 3 in one int8 term, 4 in two (~16 bits). vllm_unified_native "
+        "sets 4, 3 or 1 from VLLM_UNIFIED_CPU_ACTIVATIONS. Returns the previous mode.");
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy fp32 mx.dequantize of an MLX affine-quantized w (bits 2-6 or 8, scales/biases "
@@ -2143,6 +2189,11 @@ NB_MODULE(_native, m) {
   m.def("amx_runs", &use_amx, nb::arg("rows"), nb::arg("in_features"), nb::arg("group_size"),
         "Whether quantized_linear takes the AMX path for x [rows, in_features] with this "
         "group size (amx_usable, at least AMX_MIN_ROWS rows, whole 32-element tile rows).");
+  m.def("int8_runs", &use_int8, nb::arg("rows"), nb::arg("in_features"), nb::arg("group_size"),
+        nb::arg("bits"),
+        "Whether quantized_linear computes x [rows, in_features] against x quantized per 32 "
+        "elements (quantized_gemv_mode 3 or 4, AVX-512 VNNI and VBMI, a width and group size "
+        "the kernel takes, up to 4 rows, or 16 where AMX does not run).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;

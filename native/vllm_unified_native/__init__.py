@@ -6,8 +6,9 @@ Use :mod:`vllm_unified.bridge` rather than this module directly. Importing it im
 ``mlx.core`` first (the extension's ``mx.array``/``mx.Dtype`` arguments are mlx.core's own
 nanobind types) and checks that the running MLX is exactly the one the extension was compiled
 against, since the extension inlines MLX's array layout from its headers. It then sets the
-kernels' instruction-set and thread caps from :mod:`vllm_unified.envs` (``configure``): the
-native code reads no environment variable.
+kernels' instruction-set and thread caps from :mod:`vllm_unified.envs` (``configure``) and
+the quantized layers' arithmetic (``quantized_gemv_mode``, from ``VLLM_UNIFIED_CPU_ACTIVATIONS``):
+the native code reads no environment variable.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ._native import (
     dequantize,
     gather_kv,
     info,
+    int8_runs,
     linear,
     paged_attention,
     quantized_gemv_mode,
@@ -54,10 +56,12 @@ if _running != MLX_VERSION:
 # >= the CPUs means all of them, so a huge one is clamped to what a C long holds.
 _threads = envs.CPU_THREADS
 configure(envs.CPU_ISA, None if _threads is None else min(_threads, 2**31 - 1))
+# Quantized layers' arithmetic on decode-sized x: 4 = x in two int8 terms, 3 = one, 1 = exact.
+quantized_gemv_mode({"int16": 4, "int8": 3, "fp32": 1}[envs.CPU_ACTIVATIONS])
 
 __all__ = [
     "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_runs", "amx_usable",
-    "configure", "dequantize", "gather_kv", "info", "linear",
+    "configure", "dequantize", "gather_kv", "info", "int8_runs", "linear",
     "paged_attention", "quantized_gemv_mode", "quantized_linear", "rms_norm", "rope", "silu_mul",
     "to_torch", "write_kv", "write_kv_quant", "write_rows",
 ]

@@ -104,6 +104,11 @@ _SETTINGS = (
             "CPU backend: the highest instruction set the native kernels may use"),
     Setting("VLLM_UNIFIED_CPU_THREADS", None, _count(1),
             "CPU backend: most threads the native kernels use (default: the CPUs allowed)"),
+    Setting("VLLM_UNIFIED_CPU_ACTIVATIONS", "int16", _choice("int16", "int8", "fp32"),
+            "CPU backend: the arithmetic of quantized layers on decode-sized inputs: the "
+            "weight codes times x quantized per 32 elements, by int8 dot products: int16 (x to "
+            "~16 bits in two terms), int8 (one term, llama.cpp's: faster, less exact); fp32 "
+            "dequantizes exactly (docs/configuration.md, \"Quantized-layer arithmetic\")"),
     Setting("VLLM_UNIFIED_GPU_ATTENTION", True, _bool,
             "GPU backends (CUDA, Metal): 0 attends through the reference instead of the paged "
             "kernel"),
@@ -151,6 +156,7 @@ CPU_QUANTIZED_ENV = "VLLM_UNIFIED_CPU_QUANTIZED"
 CPU_ATTENTION_ENV = "VLLM_UNIFIED_CPU_ATTENTION"
 CPU_ISA_ENV = "VLLM_UNIFIED_CPU_ISA"
 CPU_THREADS_ENV = "VLLM_UNIFIED_CPU_THREADS"
+CPU_ACTIVATIONS_ENV = "VLLM_UNIFIED_CPU_ACTIVATIONS"
 GPU_ATTENTION_ENV = "VLLM_UNIFIED_GPU_ATTENTION"
 COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
 FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"

@@ -94,7 +94,9 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
     kernel, then MLX's matmul (BLAS), the dense copy dropped after the call. Either way the
     result is bit-identical to the same layer dequantized at load (``mx.dequantize``), except
     where :func:`amx_takes` (from ``AMX_MIN_ROWS`` rows, at any size): fp32-accurate, not the
-    same bits (docs/configuration.md, "AMX tiles").
+    same bits (docs/configuration.md, "AMX tiles"), and where the native ``int8_runs`` (decode
+    sizes, ``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8): x quantized per 32 elements, times
+    the codes by int8 dot products (docs/configuration.md, "Quantized-layer arithmetic").
 
     The layer's format was checked when :func:`install_cpu_kernels` routed it (this runs ~200
     times per decode step); a parameter changed since then gets the kernels' TypeError."""
@@ -286,6 +288,25 @@ def _dequantize_in_place(layer: nn.Module) -> None:
     mx.eval(layer.weight)
 
 
+def _decode_arithmetic(model: Any) -> str:
+    """The start-up log's account of the quantized layers' arithmetic on one row of x: how many
+    multiply integer codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS``
+    int16 or int8, a CPU with AVX-512 VNNI and VBMI) and how many dequantize exactly in fp32."""
+    native = bridge.native_kernels()
+    layers = [m for m in model.modules()
+              if type(m) in (NativeQuantizedLinear, NativeQuantizedEmbedding)]
+    in_features = [m["weight"].shape[1] * 32 // m.bits for m in layers]
+    integer = sum(native.int8_runs(1, k, m.group_size, m.bits)
+                  for m, k in zip(layers, in_features, strict=True))
+    what = f"{envs.CPU_ACTIVATIONS} activations"
+    if integer == len(layers):
+        return f"{what} in all {integer} quantized layers at decode"
+    if envs.CPU_ACTIVATIONS == "fp32":
+        return "exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS=fp32)"
+    return (f"{what} in {integer} of {len(layers)} quantized layers at decode, exact fp32 in "
+            "the others (their layout, or no AVX-512 VNNI and VBMI)")
+
+
 def install_cpu_kernels(model: Any) -> list[str]:
     """Route ``model``'s linears (fp32 and quantized), tied output head, RMSNorm, RoPE and
     SwiGLU to the native CPU kernels, when they apply (MLX's CPU backend with the extension
@@ -352,5 +373,7 @@ def install_cpu_kernels(model: Any) -> list[str]:
     quantized = counts[NativeQuantizedLinear] + counts[NativeQuantizedEmbedding]
     if quantized and native.amx_usable():
         routed.append(f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows")
+    if quantized:
+        routed.append(_decode_arithmetic(model))
     routed += [f"swiglu of {name}" for name in patches.route_mlx_lm_swiglu(model, swiglu)]
     return routed
