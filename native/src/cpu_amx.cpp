@@ -32,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_codes.h"
 #include "cpu_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
@@ -55,11 +56,11 @@ constexpr size_t kTileElems = kTile * kDepth;  // bf16 per A or B tile (1 KiB)
 namespace {
 
 #define VUN_AMX_TARGET \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,bmi2")))
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,bmi2")))
 
 // AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), plus the AVX-512 subsets the
-// conversions use, which __builtin_cpu_supports reports only where the OS saves their state,
-// and BMI2 (the 2/3/5/6-bit unpacking; every AMX CPU has it).
+// conversions and the 2/3/5/6-bit unpacking (VBMI) use, which __builtin_cpu_supports reports
+// only where the OS saves their state, and BMI2 (every AMX CPU has both).
 bool cpu_has_amx() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1)) {
@@ -68,7 +69,7 @@ bool cpu_has_amx() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
-         __builtin_cpu_supports("bmi2");
+         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("bmi2");
 }
 
 // Linux hands out AMX tile data per process on request (xstate.rst); without it the first tile
@@ -142,6 +143,9 @@ VUN_AMX_TARGET inline void unpack_tile(const uint8_t* wq, size_t N, size_t K, si
   const __m512i lut = _mm512_load_si512(lut_values);
   const uint8_t* src = wq + n0 * row_bytes + seg * kDepth * BITS / 8;
   for (size_t r = 0; r < rows; ++r, src += row_bytes) {
+    // 64 rows (4 tiles) are read a segment at a time: 64 interleaved streams, more than the
+    // hardware prefetcher follows, so each row's next lines are asked for here
+    _mm_prefetch(reinterpret_cast<const char*>(src) + 128, _MM_HINT_T0);
     __m512i out;
     if constexpr (BITS == 4) {
       // Byte j holds k = 2j (low nibble) and 2j + 1 (high): as a dword, (lo | hi << 16) is the
@@ -152,21 +156,17 @@ VUN_AMX_TARGET inline void unpack_tile(const uint8_t* wq, size_t N, size_t K, si
           d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000f000f), 0xA8);  // (d | d<<12) & m
       out = _mm512_permutexvar_epi16(pair, lut);
     } else {
-      // 8 bits: the codes are the row's bytes; 2, 3, 5 and 6 bits: four 8-element chunks of
-      // BITS bytes, each spread to 8 bytes in registers by PDEP (see cpu_quant.cpp).
+      // 8 bits: the codes are the row's bytes; 2, 3, 5 and 6 bits: the segment's 4 * BITS
+      // bytes spread to 32 code bytes by VBMI (cpu_codes.h; PDEP per 8 codes took most of a
+      // batch-16 Qwen2.5-Coder step's 5-bit layers).
       __m128i first, second;
       if constexpr (BITS == 8) {
         first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
         second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
       } else {
-        const uint8_t* end = src - seg * kDepth * BITS / 8 + row_bytes;
-        constexpr uint64_t lanes = 0x0101010101010101ull * ((1u << BITS) - 1);
-        uint64_t c[4];
-        for (int i = 0; i < 4; ++i) {
-          c[i] = _pdep_u64(load_chunk<BITS>(src + i * BITS, end), lanes);
-        }
-        first = _mm_set_epi64x(static_cast<long long>(c[1]), static_cast<long long>(c[0]));
-        second = _mm_set_epi64x(static_cast<long long>(c[3]), static_cast<long long>(c[2]));
+        const __m512i codes = codes64<BITS>(src, kDepth);
+        first = _mm512_castsi512_si128(codes);
+        second = _mm512_extracti32x4_epi32(codes, 1);
       }
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first));
       const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second));

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_codes.h"
 #include "cpu_math.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -73,48 +74,6 @@ namespace {
 
 #ifdef VUN_X86
 #define VUN_Q8_TARGET "avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni"
-
-// The 64 codes of elements [64 c, 64 c + 64) of a packed row (little-endian bit stream of BITS
-// per element) as bytes, in order; `valid` elements of them (64, or 32 for the last span of a
-// row with K % 64 == 32), bytes past the row never read.
-template <int BITS>
-__attribute__((target(VUN_Q8_TARGET))) inline __m512i codes64(const uint8_t* p, size_t valid) {
-  if constexpr (BITS == 8) {
-    return _mm512_maskz_loadu_epi8(valid == 64 ? ~0ull : (1ull << valid) - 1, p);
-  } else if constexpr (BITS == 4) {
-    // each byte (two codes) widened to a word; the high nibble moved to the word's high byte
-    const __m256i b = _mm256_maskz_loadu_epi8(valid == 64 ? ~0u : (1u << valid / 2) - 1, p);
-    const __m512i v = _mm512_cvtepu8_epi16(b);
-    return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi16(v, 4)),
-                            _mm512_set1_epi8(0x0f));
-  } else {
-    // qword i gathers the BITS bytes of elements 8i..8i+7 (and neighbours above), then
-    // VPMULTISHIFTQB takes the 8 bits at bit BITS * j for element 8i + j
-    const size_t bytes = valid * BITS / 8;
-    const __m512i raw = _mm512_maskz_loadu_epi8((1ull << bytes) - 1, p);
-    alignas(64) static const auto gather = [] {
-      struct { uint8_t b[64]; } t{};
-      for (int i = 0; i < 8; ++i) {
-        for (int j = 0; j < 8; ++j) {
-          t.b[8 * i + j] = static_cast<uint8_t>(std::min(63, BITS * i + j));
-        }
-      }
-      return t;
-    }();
-    alignas(64) static const auto shifts = [] {
-      struct { uint8_t b[64]; } t{};
-      for (int i = 0; i < 8; ++i) {
-        for (int j = 0; j < 8; ++j) {
-          t.b[8 * i + j] = static_cast<uint8_t>(BITS * j);
-        }
-      }
-      return t;
-    }();
-    const __m512i g = _mm512_permutexvar_epi8(_mm512_load_si512(gather.b), raw);
-    const __m512i f = _mm512_multishift_epi64_epi8(_mm512_load_si512(shifts.b), g);
-    return _mm512_and_si512(f, _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1)));
-  }
-}
 
 // cpu_quant.cpp's reduce4_512: lanes 0, 4, 8, 12 of the result hold the sums of a0..a3.
 __attribute__((target(VUN_Q8_TARGET))) inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2,

@@ -1782,13 +1782,13 @@ int set_gemv_mode(int mode) {
 }
 
 // Whether quantized_linear takes the int8 gemv for x [M, K] (mode 3 or 4, the CPU and the
-// layer allow it): up to 4 rows, where it reads the weight at memory speed; up to 16 where the AMX
-// kernels cannot run (groups of 16, no AMX), since it still beats the scratch path there. Past
-// that the weight's unpacking is repeated per 4 rows of x and the AMX kernels win.
+// layer allow it): up to 4 rows, where it reads the weight at memory speed. Beyond, its cost
+// grows with the rows (the weight's unpacking repeats per 4 of them): the AMX kernels win from
+// 8 rows, and on groups of 16 (no AMX) a Qwen2.5-Coder batch-16 forward was no faster than with
+// the scratch path (docs/configuration.md, "Quantized-layer arithmetic").
 bool use_int8(size_t M, size_t K, size_t group_size, int bits) {
-  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 &&
-         vun::q8_usable(K, group_size, bits) &&
-         (M <= 4 || (M <= 16 && !use_amx(M, K, group_size)));
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 && M <= 4 &&
+         vun::q8_usable(K, group_size, bits);
 }
 
 // x quantized once per call for the int8 gemv (vun::Q8Activations), in this thread's buffers:
@@ -2193,7 +2193,7 @@ NB_MODULE(_native, m) {
         nb::arg("bits"),
         "Whether quantized_linear computes x [rows, in_features] against x quantized per 32 "
         "elements (quantized_gemv_mode 3 or 4, AVX-512 VNNI and VBMI, a width and group size "
-        "the kernel takes, up to 4 rows, or 16 where AMX does not run).");
+        "the kernel takes, 1-4 rows).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;
