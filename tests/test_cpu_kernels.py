@@ -531,11 +531,12 @@ def _int8_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases
 @pytest.mark.parametrize("group_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("mode", [3, 4])
 def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
-    """Modes 3 and 4 (x in one or two int8 terms, VNNI): for 1-8 rows of x, fp32, float16 and
-    bfloat16 scales, K a multiple of 64 and not (the last 64-element span half full), an
-    all-zero block of x and weight row counts that leave a last block to the exact path: the
-    result equals the float64 value of the same arithmetic to fp32 summation error, and stays
-    within the bound the quantization of x allows around the exact result."""
+    """Modes 3 and 4 (x in one or two int8 terms; VNNI gemv for 1-4 rows, AMX-INT8 tiles for
+    5-16 where the CPU has them): for 1-8 and 16 rows of x, fp32, float16 and bfloat16 scales,
+    K a multiple of 64 and not (the last 64-element span half full), an all-zero block of x and
+    weight row counts that leave a last block to the exact path: the result equals the float64
+    value of the same arithmetic to fp32 summation error, and stays within the bound the
+    quantization of x allows around the exact result."""
     gemv_mode(mode)
     if not native.int8_runs(1, 128, group_size, bits):
         pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
@@ -554,17 +555,19 @@ def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
         codes = _codes(wq, n, k, bits)
         scaled = np.abs(codes * np.repeat(s64, group_size, 1))
         dense = codes * np.repeat(s64, group_size, 1) + np.repeat(b64, group_size, 1)
-        for m in (1, 2, 3, 4, 5, 8):
+        for m in (1, 2, 3, 4, 5, 8, 16):
             x = rng.standard_normal((m, k)).astype(np.float32)
             x[0, 32:64] = 0.0
             gemv_mode(mode)
-            int8 = native.int8_runs(m, k, group_size, bits)
+            tiles = native.amx_int8_runs(m, k, group_size, bits)
+            int8 = native.int8_runs(m, k, group_size, bits) or tiles
             got = np.array(native.quantized_linear(mx.array(x), wq, scales, biases, group_size,
                                                    bits)).astype(np.float64)
             magnitude = np.abs(x).astype(np.float64) @ np.abs(dense).T
             if int8:
                 want = _int8_reference(x, codes, s64, b64, group_size, mode == 4)
-                done = n // 4 * 4  # the rows of a last block of < 4 run exactly
+                # the gemv leaves the rows of a last block of < 4 to the exact path
+                done = n if tiles else n // 4 * 4
                 assert np.all(np.abs(got - want)[:, :done] <= 1e-6 * magnitude[:, :done]), (
                     n, k, m)
             exact = x.astype(np.float64) @ dense.T

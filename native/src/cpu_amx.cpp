@@ -56,14 +56,16 @@ constexpr size_t kTileElems = kTile * kDepth;  // bf16 per A or B tile (1 KiB)
 namespace {
 
 #define VUN_AMX_TARGET \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,bmi2")))
+  __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16," \
+                         "avx512vbmi,bmi2")))
 
-// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), plus the AVX-512 subsets the
+// AMX-TILE, AMX-BF16 and AMX-INT8 (CPUID leaf 7: EDX bits 24, 22 and 25), plus the AVX-512 subsets the
 // conversions and the 2/3/5/6-bit unpacking (VBMI) use, which __builtin_cpu_supports reports
 // only where the OS saves their state, and BMI2 (every AMX CPU has both).
 bool cpu_has_amx() {
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1)) {
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1) ||
+      !((d >> 25) & 1)) {
     return false;
   }
   __builtin_cpu_init();
@@ -461,6 +463,237 @@ VUN_AMX_TARGET void amx_quantized_linear_panel(
   }
   _tile_release();
 }
+
+// ---- int8 tiles (TDPBUSD) for decode batches of 5-16 rows, x quantized as in cpu_q8.cpp ----
+//
+// The weight codes are the A operand as they are (unsigned bytes, 16 rows n x D k, unpacked by
+// VBMI), x the signed-byte B operand in VNNI layout (row kr: 4 bytes k = 4 kr .. 4 kr + 3 of
+// each of 16 x rows), one or two int8 terms of x (quantized_gemv_q8's), so a tile product is
+// the exact integer sum over D elements of q times a term of x. D = 32 (one block of x, one
+// dx) or 16 for groups of 16; the epilogue applies s[n, g] * dx[m] per segment and b[n, g] *
+// sum(x over g) per group, in fp32.
+
+namespace {
+
+size_t q8_depth(size_t group_size) {
+  return group_size == 16 ? 16 : 32;
+}
+
+struct AmxQ8Layout {
+  size_t depth, segs, tile_bytes, hi, lo, dx, sx, bytes;
+};
+
+AmxQ8Layout amx_q8_layout(size_t K, size_t group_size) {
+  AmxQ8Layout l{};
+  l.depth = q8_depth(group_size);
+  l.segs = K / l.depth;
+  l.tile_bytes = l.depth / 4 * 64;
+  l.hi = 0;
+  l.lo = l.segs * l.tile_bytes;
+  l.dx = 2 * l.segs * l.tile_bytes;
+  l.sx = l.dx + K / 32 * kTile * 4;
+  l.bytes = l.sx + K / group_size * kTile * 4;
+  return l;
+}
+
+// A: tile 0 (16 rows x D bytes); B: tiles 1 and 2 (D / 4 rows x 64 bytes); C: tiles 3 and 4.
+VUN_AMX_TARGET void configure_q8_tiles(size_t depth) {
+  TileConfig cfg;
+  cfg.rows[0] = kTile;
+  cfg.colsb[0] = static_cast<uint16_t>(depth);
+  for (int t = 1; t <= 2; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(depth / 4);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 3; t <= 4; ++t) {
+    cfg.rows[t] = kTile;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The codes of segment seg (D elements) of `rows` weight rows from w, one row per 64 bytes.
+template <int BITS, size_t D>
+VUN_AMX_TARGET inline void unpack_codes(const uint8_t* w, size_t row_bytes, size_t rows,
+                                        size_t seg, uint8_t* dst) {
+  for (size_t r = 0; r < rows; ++r) {
+    const uint8_t* p = w + r * row_bytes + seg * D * BITS / 8;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 128, _MM_HINT_T0);  // see unpack_tile
+    _mm512_store_si512(dst + r * 64, codes64<BITS>(p, D));
+  }
+}
+
+// y[m, n0 .. n0 + 16) for m < M; s, b: this block's fp32 scales and biases [rows, groups].
+template <int BITS, bool TWO, size_t D>
+VUN_AMX_TARGET void q8_tile_block(const uint8_t* xbuf, const AmxQ8Layout& l, const uint8_t* w8,
+                                  const float* s, const float* b, float* y, size_t M, size_t N,
+                                  size_t K, size_t group_size, size_t n0) {
+  const size_t row_bytes = K * BITS / 8, groups = K / group_size;
+  const size_t rows = std::min(kTile, N - n0);
+  alignas(64) uint8_t a[2][kTile * 64];  // this segment's codes and the next one's
+  alignas(64) int32_t hi[kTile * kTile];
+  alignas(64) int32_t lo[kTile * kTile];
+  for (size_t r = rows; r < kTile; ++r) {
+    _mm512_store_si512(a[0] + r * 64, _mm512_setzero_si512());
+    _mm512_store_si512(a[1] + r * 64, _mm512_setzero_si512());
+  }
+  const uint8_t* w = w8 + n0 * row_bytes;
+  unpack_codes<BITS, D>(w, row_bytes, rows, 0, a[0]);
+  const auto* dx = reinterpret_cast<const float*>(xbuf + l.dx);
+  const auto* sx = reinterpret_cast<const float*>(xbuf + l.sx);
+  __m512 acc[kTile];
+  for (size_t r = 0; r < kTile; ++r) {
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (size_t seg = 0; seg < l.segs; ++seg) {
+    _tile_loadd(0, a[seg % 2], 64);
+    _tile_loadd(1, xbuf + l.hi + seg * l.tile_bytes, 64);
+    _tile_zero(3);
+    _tile_dpbusd(3, 0, 1);
+    if constexpr (TWO) {
+      _tile_loadd(2, xbuf + l.lo + seg * l.tile_bytes, 64);
+      _tile_zero(4);
+      _tile_dpbusd(4, 0, 2);
+    }
+    if (seg + 1 < l.segs) {
+      unpack_codes<BITS, D>(w, row_bytes, rows, seg + 1, a[(seg + 1) % 2]);  // during the products
+    }
+    _tile_stored(3, hi, 64);
+    if constexpr (TWO) {
+      _tile_stored(4, lo, 64);
+    }
+    const size_t k0 = seg * D, g = k0 / group_size;
+    const __m512 dxv = _mm512_load_ps(dx + k0 / 32 * kTile);
+    const bool first = k0 % group_size == 0;
+    const __m512 sxv = _mm512_load_ps(sx + g * kTile);
+    for (size_t r = 0; r < rows; ++r) {
+      __m512i tot = _mm512_load_si512(hi + r * kTile);
+      if constexpr (TWO) {  // 256 hi + lo per lane: |D * 255 * 127| * 257 fits in int32
+        tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 8), _mm512_load_si512(lo + r * kTile));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot),
+                               _mm512_mul_ps(_mm512_set1_ps(s[r * groups + g]), dxv), acc[r]);
+      if (first) {
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(b[r * groups + g]), sxv, acc[r]);
+      }
+    }
+  }
+  __m512i t[kTile];
+  for (size_t r = 0; r < kTile; ++r) {
+    t[r] = _mm512_castps_si512(acc[r]);
+  }
+  transpose16(t);  // t[m]: y[m, n0 .. n0 + 16)
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  for (size_t m = 0; m < M; ++m) {
+    _mm512_mask_storeu_ps(y + m * N + n0, mask, _mm512_castsi512_ps(t[m]));
+  }
+}
+
+using Q8TileFn = void (*)(const uint8_t*, const AmxQ8Layout&, const uint8_t*, const float*,
+                          const float*, float*, size_t, size_t, size_t, size_t, size_t);
+
+template <int BITS>
+Q8TileFn q8_tile_for(bool two, size_t depth) {
+  if (depth == 16) {
+    return two ? q8_tile_block<BITS, true, 16> : q8_tile_block<BITS, false, 16>;
+  }
+  return two ? q8_tile_block<BITS, true, 32> : q8_tile_block<BITS, false, 32>;
+}
+
+Q8TileFn q8_tile_fn(int bits, bool two, size_t depth) {
+  switch (bits) {
+    case 2: return q8_tile_for<2>(two, depth);
+    case 3: return q8_tile_for<3>(two, depth);
+    case 4: return q8_tile_for<4>(two, depth);
+    case 5: return q8_tile_for<5>(two, depth);
+    case 6: return q8_tile_for<6>(two, depth);
+    default: return q8_tile_for<8>(two, depth);
+  }
+}
+
+}  // namespace
+
+size_t amx_q8_x_bytes(size_t K, size_t group_size) {
+  return amx_q8_layout(K, group_size).bytes;
+}
+
+// 32 integral floats (a: the first 16) clamped to [-127, 127], as int8.
+VUN_AMX_TARGET inline __m256i int8_bytes32(__m512 a, __m512 b) {
+  const __m512 ceiling = _mm512_set1_ps(127.0f), floor = _mm512_set1_ps(-127.0f);
+  const __m128i lo16 = _mm512_cvtsepi32_epi8(
+      _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(a, floor), ceiling)));
+  const __m128i hi16 = _mm512_cvtsepi32_epi8(
+      _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(b, floor), ceiling)));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo16), hi16, 1);
+}
+
+VUN_AMX_TARGET void amx_q8_prepare_x(const float* x, size_t M, size_t K, size_t group_size,
+                                     bool two_terms, uint8_t* buf) {
+  const AmxQ8Layout l = amx_q8_layout(K, group_size);
+  if (M < kTile) {
+    std::memset(buf, 0, l.bytes);  // the columns of rows past M stay zero
+  }
+  auto* dx = reinterpret_cast<float*>(buf + l.dx);
+  auto* sx = reinterpret_cast<float*>(buf + l.sx);
+  for (size_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    for (size_t blk = 0; blk < K / 32; ++blk) {
+      const __m512 x0 = _mm512_loadu_ps(xr + 32 * blk), x1 = _mm512_loadu_ps(xr + 32 * blk + 16);
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m512 v0 = _mm512_mul_ps(x0, inv), v1 = _mm512_mul_ps(x1, inv);
+      // rint: round to nearest, ties to even (the current MXCSR mode, as nearbyint)
+      const __m512 h0 = _mm512_roundscale_ps(v0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 h1 = _mm512_roundscale_ps(v1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      alignas(32) uint32_t words[2][8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(words[0]), int8_bytes32(h0, h1));
+      if (two_terms) {
+        const __m512 scale = _mm512_set1_ps(256.0f);
+        const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v0, h0), scale),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v1, h1), scale),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(words[1]), int8_bytes32(r0, r1));
+      }
+      // 4 consecutive elements (one dword) per B row: segment, row, column m
+      for (size_t w = 0; w < 8; ++w) {
+        const size_t k = 32 * blk + 4 * w;
+        const size_t at = k / l.depth * l.tile_bytes + k % l.depth / 4 * 64 + m * 4;
+        std::memcpy(buf + l.hi + at, &words[0][w], 4);
+        if (two_terms) {
+          std::memcpy(buf + l.lo + at, &words[1][w], 4);
+        }
+      }
+      dx[blk * kTile + m] = two_terms ? amax / 127.0f / 256.0f : amax / 127.0f;
+    }
+    for (size_t g = 0; g < K / group_size; ++g) {
+      float sum = 0.0f;
+      for (size_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+        sum += xr[k];
+      }
+      sx[g * kTile + m] = sum;
+    }
+  }
+}
+
+VUN_AMX_TARGET void amx_q8_linear_blocks(const uint8_t* xbuf, const uint32_t* wq,
+                                         const void* scales, const void* biases, ScaleType st,
+                                         float* y, size_t M, size_t N, size_t K,
+                                         size_t group_size, int bits, bool two_terms,
+                                         size_t nb0, size_t nb1) {
+  const AmxQ8Layout l = amx_q8_layout(K, group_size);
+  const size_t groups = K / group_size;
+  const Q8TileFn fn = q8_tile_fn(bits, two_terms, l.depth);
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  configure_q8_tiles(l.depth);
+  for (size_t nb = nb0; nb < nb1; ++nb) {
+    const size_t n0 = nb * kTile, rows = std::min(kTile, N - n0);
+    const ScaleRowsF32 sr = scale_rows_f32(scales, biases, st, groups, n0, rows);
+    fn(xbuf, l, w8, sr.s, sr.b, y, M, N, K, group_size, n0);
+  }
+  _tile_release();
+}
 #else
 void amx_prepare_x(const float*, size_t, size_t, size_t, uint16_t*, float*, size_t, size_t) {
   std::abort();  // callers check amx_usable()
@@ -476,6 +709,16 @@ void amx_unpack_weight(const uint32_t*, size_t, size_t, int, uint16_t*, size_t, 
 void amx_quantized_linear_panel(const uint16_t*, const float*, const uint16_t*, const void*,
                                 const void*, ScaleType, float*, size_t, size_t, size_t, size_t,
                                 size_t, size_t, size_t, size_t) {
+  std::abort();
+}
+size_t amx_q8_x_bytes(size_t, size_t) {
+  return 0;
+}
+void amx_q8_prepare_x(const float*, size_t, size_t, size_t, bool, uint8_t*) {
+  std::abort();
+}
+void amx_q8_linear_blocks(const uint8_t*, const uint32_t*, const void*, const void*, ScaleType,
+                          float*, size_t, size_t, size_t, size_t, int, bool, size_t, size_t) {
   std::abort();
 }
 #endif

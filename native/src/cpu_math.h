@@ -279,4 +279,20 @@ void amx_quantized_linear_panel(
     const void* biases, ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
     size_t nb0, size_t nb1, size_t mb0, size_t mb1);
 
+
+// Decode batches of 5-16 rows against x quantized as quantized_gemv_q8 quantizes it (one or two
+// int8 terms per 32 elements), on AMX-INT8 tiles (TDPBUSD: the weight codes times the terms of
+// x, exact integer sums per 32 elements, or 16 for groups of 16; scales, dx and the biases
+// applied in fp32). amx_q8_prepare_x fills buf (amx_q8_x_bytes(K, group_size) bytes, 64-byte
+// aligned) from x [M <= 16, K]; amx_q8_linear_blocks computes y[m, n] for the 16-row weight
+// blocks [nb0, nb1) and all m < M. Layouts as quantized_gemv_q8 takes them (q8_usable), with
+// amx_usable() and AMX-INT8.
+size_t amx_q8_x_bytes(size_t K, size_t group_size);
+void amx_q8_prepare_x(const float* x, size_t M, size_t K, size_t group_size, bool two_terms,
+                      uint8_t* buf);
+void amx_q8_linear_blocks(const uint8_t* xbuf, const uint32_t* wq, const void* scales,
+                          const void* biases, ScaleType st, float* y, size_t M, size_t N,
+                          size_t K, size_t group_size, int bits, bool two_terms, size_t nb0,
+                          size_t nb1);
+
 } // namespace vun

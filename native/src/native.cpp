@@ -1791,6 +1791,14 @@ bool use_int8(size_t M, size_t K, size_t group_size, int bits) {
          vun::q8_usable(K, group_size, bits);
 }
 
+// Whether quantized_linear takes the AMX-INT8 tiles for x [M, K] (vun::amx_q8_linear_blocks):
+// modes 3 and 4 for 5-16 rows, where the integer gemv's cost grows with the rows and the bf16
+// tiles need three products per x value (Qwen2.5-Coder batch-16 forward: docs/configuration.md).
+bool use_amx_int8(size_t M, size_t K, size_t group_size, int bits) {
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 5 && M <= 16 &&
+         vun::amx_usable() && vun::q8_usable(K, group_size, bits);
+}
+
 // x quantized once per call for the int8 gemv (vun::Q8Activations), in this thread's buffers:
 // the pool's workers read them during the call.
 vun::Q8Activations q8_activations(const float* x, size_t M, size_t K, size_t group_size,
@@ -1898,7 +1906,8 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     char* scratch = nullptr;
     const int mode = gemv_mode().load(std::memory_order_relaxed);
     const bool int8 = use_int8(rows, depth, gs, bits_);
-    if (!int8 && use_amx(rows, depth, gs)) {
+    const bool amx_int8 = use_amx_int8(rows, depth, gs, bits_);
+    if (!int8 && !amx_int8 && use_amx(rows, depth, gs)) {
       const size_t bytes = amx_scratch(rows, static_cast<size_t>(wq.shape(0)), depth, gs).bytes();
       constexpr size_t kPage = 4096;  // a 2-D shape: int extents for any size
       mx::array buf({static_cast<int>((bytes + kPage - 1) / kPage), static_cast<int>(kPage)},
@@ -1912,8 +1921,21 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
                   bp = static_cast<const void*>(inputs[3].data<char>()),
                   st = scale_type(inputs[2]), yp = y.data<float>(), M = rows,
                   N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_,
-                  mode, int8]() {
+                  mode, int8, amx_int8]() {
       auto& pool = kernel_pool();
+      if (amx_int8) {
+        thread_local std::vector<char> xbuf;  // read by the pool's workers during the call
+        xbuf.resize(vun::amx_q8_x_bytes(K, gs) + 64);
+        auto* xq = reinterpret_cast<uint8_t*>(align64(xbuf.data()));
+        vun::amx_q8_prepare_x(xp, M, K, gs, mode == 4, xq);
+        const size_t nblocks = (N + 15) / 16;
+        const size_t chunks = std::min(nblocks, 4 * pool.size());
+        pool.run(chunks, [&](size_t c) {
+          vun::amx_q8_linear_blocks(xq, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4,
+                                    nblocks * c / chunks, nblocks * (c + 1) / chunks);
+        });
+        return;
+      }
       if (scratch != nullptr) {
         amx_quantized_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, scratch);
         return;
@@ -2194,6 +2216,11 @@ NB_MODULE(_native, m) {
         "Whether quantized_linear computes x [rows, in_features] against x quantized per 32 "
         "elements (quantized_gemv_mode 3 or 4, AVX-512 VNNI and VBMI, a width and group size "
         "the kernel takes, 1-4 rows).");
+  m.def("amx_int8_runs", &use_amx_int8, nb::arg("rows"), nb::arg("in_features"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "Whether quantized_linear computes x [rows, in_features] on AMX-INT8 tiles against x "
+        "quantized per 32 elements (quantized_gemv_mode 3 or 4, amx_usable, a layout int8_runs "
+        "takes, 5-16 rows).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;

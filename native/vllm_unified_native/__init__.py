@@ -24,6 +24,7 @@ from ._native import (
     MLX_VERSION,
     NANOBIND_VERSION,
     adopt,
+    amx_int8_runs,
     amx_runs,
     amx_usable,
     configure,
@@ -60,7 +61,8 @@ configure(envs.CPU_ISA, None if _threads is None else min(_threads, 2**31 - 1))
 quantized_gemv_mode({"int16": 4, "int8": 3, "fp32": 1}[envs.CPU_ACTIVATIONS])
 
 __all__ = [
-    "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_runs", "amx_usable",
+    "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_int8_runs", "amx_runs",
+    "amx_usable",
     "configure", "dequantize", "gather_kv", "info", "int8_runs", "linear",
     "paged_attention", "quantized_gemv_mode", "quantized_linear", "rms_norm", "rope", "silu_mul",
     "to_torch", "write_kv", "write_kv_quant", "write_rows",
