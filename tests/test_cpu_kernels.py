@@ -497,6 +497,27 @@ def test_gemv_is_bit_identical_to_linear_on_dequantized(bits, group_size, gemv_m
                     assert mx.array_equal(got, five[:m]).item(), (mode, n, m)
 
 
+def test_start_up_log_names_the_integer_arithmetic(gemv_mode):
+    """install_cpu_kernels' account of the quantized layers' arithmetic follows the kernels'
+    mode: int16 (VLLM_UNIFIED_CPU_ACTIVATIONS's default) in every layer they take, with the row
+    ranges; exact fp32 in mode 1."""
+    def quantized() -> llama.Model:
+        model = _tiny_llama(False)
+        nn.quantize(model, group_size=32, bits=4,
+                    class_predicate=lambda p, m: isinstance(m, nn.Linear))
+        return model
+
+    gemv_mode(4)
+    if not native.int8_runs(1, 64, 32, 4):
+        pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
+    routed = cpu_kernels.install_cpu_kernels(quantized())
+    rows = "1-4 rows, 5-16 on AMX-INT8 tiles" if native.amx_usable() else "1-4 rows"
+    assert f"int16 activations in all 15 quantized layers at decode ({rows})" in routed
+    gemv_mode(1)
+    assert any(line.startswith("exact fp32 arithmetic in the quantized layers")
+               for line in cpu_kernels.install_cpu_kernels(quantized()))
+
+
 def test_gemv_mode_is_checked(gemv_mode):
     gemv_mode(3)
     with pytest.raises(ValueError, match="mode must be"):
@@ -853,6 +874,8 @@ def test_quantized_model_runs_bit_identical_to_its_dequantized_copy(monkeypatch,
     assert "1 quantized embedding layers" in routed
     amx_line = f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows"
     assert (amx_line in routed) == native.amx_usable()
+    assert any(line.startswith("exact fp32 arithmetic in the quantized layers")
+               for line in routed)  # this file's fixture: mode 1
     tokens = mx.array(np.random.default_rng(0).integers(0, 300, (2, 40)))
     spy = _Spy(native)
     monkeypatch.setattr(bridge, "native_kernels", lambda: spy)

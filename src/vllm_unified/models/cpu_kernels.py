@@ -289,22 +289,24 @@ def _dequantize_in_place(layer: nn.Module) -> None:
 
 
 def _decode_arithmetic(model: Any) -> str:
-    """The start-up log's account of the quantized layers' arithmetic on one row of x: how many
+    """The start-up log's account of the quantized layers' arithmetic at decode sizes: how many
     multiply integer codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS``
-    int16 or int8, a CPU with AVX-512 VNNI and VBMI) and how many dequantize exactly in fp32."""
+    int16 or int8 on a CPU with AVX-512 VNNI and VBMI: 1-4 rows, and 5-16 on AMX-INT8 tiles
+    where the CPU has them) and how many compute exactly in fp32."""
     native = bridge.native_kernels()
-    layers = [m for m in model.modules()
+    layers = [(m, m["weight"].shape[1] * 32 // m.bits) for m in model.modules()
               if type(m) in (NativeQuantizedLinear, NativeQuantizedEmbedding)]
-    in_features = [m["weight"].shape[1] * 32 // m.bits for m in layers]
-    integer = sum(native.int8_runs(1, k, m.group_size, m.bits)
-                  for m, k in zip(layers, in_features, strict=True))
+    integer = sum(native.int8_runs(1, k, m.group_size, m.bits) for m, k in layers)
+    if integer == 0:
+        return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
+                "fp32, or no AVX-512 VNNI and VBMI)")
+    tiles = any(native.amx_int8_runs(16, k, m.group_size, m.bits) for m, k in layers)
+    rows = "1-4 rows, 5-16 on AMX-INT8 tiles" if tiles else "1-4 rows"
     what = f"{envs.CPU_ACTIVATIONS} activations"
     if integer == len(layers):
-        return f"{what} in all {integer} quantized layers at decode"
-    if envs.CPU_ACTIVATIONS == "fp32":
-        return "exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS=fp32)"
-    return (f"{what} in {integer} of {len(layers)} quantized layers at decode, exact fp32 in "
-            "the others (their layout, or no AVX-512 VNNI and VBMI)")
+        return f"{what} in all {integer} quantized layers at decode ({rows})"
+    return (f"{what} in {integer} of {len(layers)} quantized layers at decode ({rows}), exact "
+            "fp32 in the others (a layout the integer kernels do not take)")
 
 
 def install_cpu_kernels(model: Any) -> list[str]:
