@@ -32,7 +32,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_codes.h"
+#include "cpu_avx512.h"
 #include "cpu_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
@@ -159,7 +159,7 @@ VUN_AMX_TARGET inline void unpack_tile(const uint8_t* wq, size_t N, size_t K, si
       out = _mm512_permutexvar_epi16(pair, lut);
     } else {
       // 8 bits: the codes are the row's bytes; 2, 3, 5 and 6 bits: the segment's 4 * BITS
-      // bytes spread to 32 code bytes by VBMI (cpu_codes.h; PDEP per 8 codes took most of a
+      // bytes spread to 32 code bytes by VBMI (cpu_avx512.h; PDEP per 8 codes took most of a
       // batch-16 Qwen2.5-Coder step's 5-bit layers).
       __m128i first, second;
       if constexpr (BITS == 8) {

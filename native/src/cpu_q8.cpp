@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu_codes.h"
+#include "cpu_avx512.h"
 #include "cpu_math.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -74,19 +74,6 @@ namespace {
 
 #ifdef VUN_X86
 #define VUN_Q8_TARGET "avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni"
-
-// cpu_quant.cpp's reduce4_512: lanes 0, 4, 8, 12 of the result hold the sums of a0..a3.
-__attribute__((target(VUN_Q8_TARGET))) inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2,
-                                                       __m512 a3) {
-  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
-                                   _mm512_shuffle_f32x4(a0, a1, 0xee));
-  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
-                                   _mm512_shuffle_f32x4(a2, a3, 0xee));
-  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, 0x88),
-                                 _mm512_shuffle_f32x4(p01, p23, 0xdd));
-  const __m512 r = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4e));
-  return _mm512_add_ps(r, _mm512_permute_ps(r, 0xb1));
-}
 
 // 16 scales or biases of type ST from p (fewer under `mask`, the others 0) as fp32, exactly.
 template <ScaleType ST>
@@ -202,7 +189,7 @@ __attribute__((target(VUN_Q8_TARGET))) void q8_block4(const Q8Activations& a, co
     }
     const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m128 r = _mm512_castps512_ps128(
-        _mm512_permutexvar_ps(lanes, reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3])));
+        _mm512_permutexvar_ps(lanes, reduce4_512(acc[m][0], acc[m][1], acc[m][2], acc[m][3])));
     _mm_storeu_ps(y + m * N + n, r);
   }
 }

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_avx512.h"
 #include "cpu_math.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -305,20 +306,6 @@ namespace vun {
 namespace {
 
 #ifdef VUN_X86
-// cpu_math.cpp's reduce4 (as GCC compiles it there) in intrinsics: the same pairs added in the
-// same tree, so the lane sums of a0..a3 land at lanes 0, 4, 8, 12 bit-identical to its result.
-__attribute__((target("avx512f"))) inline __m512 reduce4_512(__m512 a0, __m512 a1, __m512 a2,
-                                                             __m512 a3) {
-  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
-                                   _mm512_shuffle_f32x4(a0, a1, 0xee));
-  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
-                                   _mm512_shuffle_f32x4(a2, a3, 0xee));
-  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, 0x88),
-                                 _mm512_shuffle_f32x4(p01, p23, 0xdd));
-  const __m512 r = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4e));
-  return _mm512_add_ps(r, _mm512_permute_ps(r, 0xb1));
-}
-
 // Codes [k, k + 16) of a packed row as 16 dword indices whose low 4 bits are the codes (the
 // bits above may hold neighbours': the table lookup reads only the low 4).
 template <int BITS>

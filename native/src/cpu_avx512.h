@@ -1,6 +1,7 @@
-// Unpacking a packed row's codes to bytes with AVX-512 VBMI, shared by the integer gemv
-// (cpu_q8.cpp) and the AMX kernels (cpu_amx.cpp). Callers are compiled for (at least) the
-// target below and check the CPU for it first.
+// AVX-512 helpers shared by the quantized kernels: a packed row's codes unpacked to bytes with
+// VBMI (the integer gemv in cpu_q8.cpp, the AMX kernels in cpu_amx.cpp) and the 4-way lane
+// reduction of the gemvs (cpu_quant.cpp, cpu_q8.cpp). Callers are compiled for (at least) each
+// function's target and check the CPU for it first.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +14,20 @@
 #define VUN_CODES_TARGET "avx512f,avx512bw,avx512vl,avx512vbmi"
 
 namespace vun {
+
+// cpu_math.cpp's reduce4 (as GCC compiles it there) in intrinsics: the same pairs added in the
+// same tree, so the lane sums of a0..a3 land at lanes 0, 4, 8, 12 bit-identical to its result.
+__attribute__((target("avx512f"))) inline __m512 reduce4_512(__m512 a0, __m512 a1, __m512 a2,
+                                                             __m512 a3) {
+  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
+                                   _mm512_shuffle_f32x4(a0, a1, 0xee));
+  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
+                                   _mm512_shuffle_f32x4(a2, a3, 0xee));
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, 0x88),
+                                 _mm512_shuffle_f32x4(p01, p23, 0xdd));
+  const __m512 r = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4e));
+  return _mm512_add_ps(r, _mm512_permute_ps(r, 0xb1));
+}
 
 // The codes of `valid` elements (64, or 32) from element 0 at p of a packed row (MLX's layout:
 // a little-endian bit stream of BITS per element; p a multiple of 8 elements into the row) as
