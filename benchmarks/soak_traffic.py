@@ -40,11 +40,17 @@ from typing import Any
 
 import requests
 
+from vllm_unified import envs
+
 MODEL = "SmolLM2-135M-Instruct"
 
-#: Largest difference allowed between a greedy request's logprobs and its solo run's (the
-#: agreement the project claims with vLLM's own backend, README "Status").
-LOGPROB_TOL = 1e-3
+#: Largest difference allowed between a greedy request's logprobs and its solo run's: with
+#: exact fp32 arithmetic 1e-3 (the agreement the project claims with vLLM's own backend,
+#: README "Status"); with the CPU backend's default integer arithmetic of quantized layers
+#: (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8) 5e-3, since a decode row batched with a
+#: prefill chunk then takes the exact kernels and alone the integer ones (measured: 2.5e-3 at
+#: most, docs/reliability.md). The server the soak starts inherits this process's environment.
+LOGPROB_TOL = 1e-3 if envs.CPU_ACTIVATIONS == "fp32" else 5e-3
 #: Prompt tokens a "long" request must have.
 LONG_RANGE = (1300, 1700)
 #: Tokens of each long document (before the question).

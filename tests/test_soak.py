@@ -24,6 +24,8 @@ sys.path.insert(0, str(BENCH))
 import soak  # noqa: E402
 import soak_traffic as traffic  # noqa: E402
 
+from vllm_unified import envs  # noqa: E402
+
 SHORT = ["--requests", "150", "--concurrency", "8"]
 
 
@@ -131,9 +133,13 @@ def test_greedy_checks_against_the_solo_text() -> None:
     assert _problems(body, _out("The capital is Paris", logprobs=lps), solo) == []
     mismatch = _problems(body, _out("The capital is Rome", logprobs=lps), solo)
     assert "differs from solo" in mismatch[0] and "char 15" in mismatch[0]
-    drifted = [("x", -0.1 - 2e-3, {"x": -0.1 - 2e-3})] * 3
+    tol = traffic.LOGPROB_TOL  # 1e-3 in fp32 arithmetic, 5e-3 in the default integer one
+    assert tol == (1e-3 if envs.CPU_ACTIVATIONS == "fp32" else 5e-3)
+    drifted = [("x", -0.1 - 2 * tol, {"x": -0.1 - 2 * tol})] * 3
     assert "logprobs differ" in _problems(body, _out("The capital is Paris", logprobs=drifted),
                                           solo)[0]
+    within = [("x", -0.1 - tol / 2, {"x": -0.1 - tol / 2})] * 3
+    assert _problems(body, _out("The capital is Paris", logprobs=within), solo) == []
     planned = traffic.Planned(0, body, True, 0, ("chunks", 3.0))
     assert traffic.check_aborted(planned, _out("The capital"), solo) == []
     assert "not a prefix" in traffic.check_aborted(planned, _out("The town"), solo)[0]
