@@ -1,13 +1,17 @@
-// x @ dequantize(w).T against int8 activations: llama.cpp's CPU arithmetic for quantized layers
-// (ggml's Q8_0 activations: one scale per 32 consecutive elements of x), on MLX's affine layout.
+// x @ dequantize(w).T against x quantized to int8 terms, for 1-4 rows of x: llama.cpp's CPU
+// arithmetic for quantized layers (ggml's Q8_0 activations: one scale per 32 consecutive
+// elements of x), on MLX's affine layout, with an optional second term.
 //
 // For a weight row with codes q, scales s and biases b per group g (w = s * q + b) and x in
-// blocks of 32 with xq = rint(x / dx), dx = max|x| / 127:
-//   y = sum over 64-element spans of sum_lanes s_g * dx_blk * (sum of 4 products q * xq)
+// blocks of 32 with v = x * 127 / max|x|, xq = rint(v), dx = max|x| / 127 (one term), or also
+// xq_lo = rint(256 (v - xq)) and dx / 256 as the step of 256 xq + xq_lo (two terms):
+//   y = sum over 64-element spans of sum_lanes s_g * dx_blk * (sum of 4 products q * x~)
 //     + sum_g b_g * (sum of x over g, in fp32)
 // The integer products and their 4-element sums are exact (VNNI's VPDPBUSD: unsigned bytes q
-// times signed bytes xq); the one approximation is xq, a relative error of at most 1/254 of the
-// block's largest |x| per element. The bias term uses the exact fp32 sums of x, not of xq.
+// times signed bytes of x; two terms combined as 256 hi + lo in int32); the one approximation
+// is the rounding of x: at most 1/254 of the block's largest |x| per element with one term,
+// 1/65024 with two (1/32512 where the second term saturates at 127). The bias term uses the
+// exact fp32 sums of x.
 // Accuracy on real text: docs/configuration.md ("Quantized-layer arithmetic").
 
 #include <algorithm>
