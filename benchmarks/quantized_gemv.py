@@ -1,7 +1,9 @@
-"""Microseconds per ``quantized_linear`` call for 1-3 rows of x: the scratch path (each 4 weight
+"""Microseconds per ``quantized_linear`` call for decode-sized x: the scratch path (each 4 weight
 rows dequantized into a per-thread buffer, then multiplied) vs the gemv kernels that dequantize in
-registers (``native.quantized_gemv_mode``: 1 by table lookup (the default), 2 without the
-table; both bit-identical to the scratch path).
+registers (``native.quantized_gemv_mode``: 1 by table lookup, 2 without the table; both
+bit-identical to the scratch path) and the integer ones (3: x in one int8 term, 4: two, the
+engine's default; VNNI for 1-4 rows, AMX-INT8 tiles for 5-16; not exact, so not compared).
+Rows of 4 or more take the AMX tiles in modes 0-2 on a CPU that has them.
 
 All variants run in one process, interleaved round-robin over ``--rounds`` rounds on the same
 inputs; the best round is reported with each variant's ratio to the scratch path. Each result is
@@ -25,7 +27,7 @@ SHAPES: list[tuple[str, int, int]] = [
     ("qwen gate/up", 4864, 896), ("qwen down", 896, 4864),
 ]
 HEAD = ("smol head", 49152, 576)  # 8-bit only (the Q8_0 output head)
-MODES = {"scratch": 0, "table": 1, "exact": 2, "int8": 3}
+MODES = {"scratch": 0, "table": 1, "exact": 2, "int8": 3, "int16": 4}
 
 
 def main() -> None:
