@@ -552,8 +552,9 @@ def _int8_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases
 @pytest.mark.parametrize("group_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("mode", [3, 4])
 def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
-    """Modes 3 and 4 (x in one or two int8 terms; VNNI gemv for 1-4 rows, AMX-INT8 tiles for
-    5-16 where the CPU has them): for 1-8 and 16 rows of x, fp32, float16 and bfloat16 scales,
+    """Modes 3 and 4 (x in one or two int8 terms; VNNI gemv for 1-4 rows, AMX-INT8 tiles from 5
+    where the CPU has them, the codes unpacked once per call beyond 16): for 1-8, 16, 17 and 40
+    rows of x (several 16-row blocks, the last partial), fp32, float16 and bfloat16 scales,
     K a multiple of 64 and not (the last 64-element span half full), an all-zero block of x and
     weight row counts that leave a last block to the exact path: the result equals the float64
     value of the same arithmetic to fp32 summation error, and stays within the bound the
@@ -576,7 +577,7 @@ def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
         codes = _codes(wq, n, k, bits)
         scaled = np.abs(codes * np.repeat(s64, group_size, 1))
         dense = codes * np.repeat(s64, group_size, 1) + np.repeat(b64, group_size, 1)
-        for m in (1, 2, 3, 4, 5, 8, 16):
+        for m in (1, 2, 3, 4, 5, 8, 16, 17, 40):
             x = rng.standard_normal((m, k)).astype(np.float32)
             x[0, 32:64] = 0.0
             gemv_mode(mode)
@@ -601,8 +602,9 @@ def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
 
 @pytest.mark.parametrize("mode", [3, 4])
 def test_int8_gemv_takes_decode_sizes_only(mode, gemv_mode):
-    """Where modes 3 and 4 apply: 1-4 rows of x on any layer the kernel takes; never in modes
-    0-2, for more rows, or for layouts it does not take (K % 32, group 48, 7 bits)."""
+    """Where modes 3 and 4 apply: the gemv for 1-4 rows of x on any layer the kernel takes, the
+    AMX-INT8 tiles (where the CPU has them) from 5 rows at any size; never in modes 0-2 or for
+    layouts they do not take (K % 32, group 48, 7 bits)."""
     gemv_mode(mode)
     if not native.int8_runs(1, 128, 32, 4):
         pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
@@ -611,9 +613,14 @@ def test_int8_gemv_takes_decode_sizes_only(mode, gemv_mode):
     assert not native.int8_runs(5, 128, 16, 6)
     assert not native.int8_runs(1, 144, 48, 4)
     assert not native.int8_runs(1, 128, 32, 7)
+    if native.amx_int8_runs(5, 128, 16, 6):
+        assert all(native.amx_int8_runs(m, 128, 16, 6) for m in (5, 16, 17, 2048))
+        assert not native.amx_int8_runs(4, 128, 16, 6)
+        assert not native.amx_int8_runs(64, 144, 48, 4)
     for mode in (0, 1, 2):
         gemv_mode(mode)
         assert not native.int8_runs(1, 128, 32, 4)
+        assert not native.amx_int8_runs(64, 128, 32, 4)
 
 
 @pytest.mark.parametrize("setting, mode", [(None, 4), ("int16", 4), ("int8", 3), ("fp32", 1)])

@@ -523,30 +523,61 @@ VUN_AMX_TARGET inline void unpack_codes(const uint8_t* w, size_t row_bytes, size
   }
 }
 
-// y[m, n0 .. n0 + 16) for m < M; s, b: this block's fp32 scales and biases [rows, groups].
-template <int BITS, bool TWO, size_t D>
-VUN_AMX_TARGET void q8_tile_block(const uint8_t* xbuf, const AmxQ8Layout& l, const uint8_t* w8,
-                                  const float* s, const float* b, float* y, size_t M, size_t N,
-                                  size_t K, size_t group_size, size_t n0) {
-  const size_t row_bytes = K * BITS / 8, groups = K / group_size;
-  const size_t rows = std::min(kTile, N - n0);
-  alignas(64) uint8_t a[2][kTile * 64];  // this segment's codes and the next one's
-  alignas(64) int32_t hi[kTile * kTile];
-  alignas(64) int32_t lo[kTile * kTile];
-  for (size_t r = rows; r < kTile; ++r) {
-    _mm512_store_si512(a[0] + r * 64, _mm512_setzero_si512());
-    _mm512_store_si512(a[1] + r * 64, _mm512_setzero_si512());
+// Segment seg's integer sums (hi, lo: [16 weight rows][16 x rows]) into acc: acc[r] += (256 hi
+// + lo) * s[r, g] * dx (+ b[r, g] * sum of x over the group at the group's first segment), for
+// the first `rows` weight rows (all 16 when FULL: an unrolled loop keeps acc in registers).
+template <bool TWO, bool FULL>
+VUN_AMX_TARGET __attribute__((always_inline)) inline void q8_epilogue(
+    __m512* acc, const int32_t* hi, const int32_t* lo, const float* s, const float* b,
+    size_t groups, size_t g, __m512 dxv, __m512 sxv, bool first, size_t rows) {
+#pragma GCC unroll 16
+  for (size_t r = 0; r < (FULL ? kTile : rows); ++r) {
+    __m512i tot = _mm512_load_si512(hi + r * kTile);
+    if constexpr (TWO) {  // 256 hi + lo per lane: |D * 255 * 127| * 257 fits in int32
+      tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 8), _mm512_load_si512(lo + r * kTile));
+    }
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot),
+                             _mm512_mul_ps(_mm512_set1_ps(s[r * groups + g]), dxv), acc[r]);
+    if (first) {
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(b[r * groups + g]), sxv, acc[r]);
+    }
   }
-  const uint8_t* w = w8 + n0 * row_bytes;
-  unpack_codes<BITS, D>(w, row_bytes, rows, 0, a[0]);
+}
+
+// q8_epilogue of segment seg, its sums in hi[seg % 2] and lo[seg % 2].
+template <bool TWO, size_t D, bool FULL>
+VUN_AMX_TARGET __attribute__((always_inline)) inline void q8_segment(
+    __m512* acc, const int32_t (*hi)[kTile * kTile], const int32_t (*lo)[kTile * kTile],
+    const uint8_t* xbuf, const AmxQ8Layout& l, const float* s, const float* b, size_t groups,
+    size_t group_size, size_t seg, size_t rows) {
+  const size_t k0 = seg * D, g = k0 / group_size;
   const auto* dx = reinterpret_cast<const float*>(xbuf + l.dx);
   const auto* sx = reinterpret_cast<const float*>(xbuf + l.sx);
+  q8_epilogue<TWO, FULL>(acc, hi[seg % 2], lo[seg % 2], s, b, groups, g,
+                         _mm512_load_ps(dx + k0 / 32 * kTile), _mm512_load_ps(sx + g * kTile),
+                         k0 % group_size == 0, rows);
+}
+
+// y[m, n0 .. n0 + 16) for m < M (y: the m-block's first row); s, b: this block's fp32 scales
+// and biases [rows, groups]. Segment seg's A tile is a_tile(seg) (16 rows `stride` bytes apart);
+// overlap(seg) runs while seg's products are in flight (the just-in-time unpacking of the next
+// segment, or nothing where the codes are unpacked already). Each segment's sums are stored
+// after the previous segment's epilogue, which so runs while the tiles compute.
+template <bool TWO, size_t D, bool FULL, class ATile, class Overlap>
+VUN_AMX_TARGET inline void q8_tile_core(const uint8_t* xbuf, const AmxQ8Layout& l, size_t stride,
+                                        ATile&& a_tile, Overlap&& overlap, const float* s,
+                                        const float* b, float* y, size_t M, size_t N,
+                                        size_t K, size_t group_size, size_t n0) {
+  const size_t groups = K / group_size;
+  const size_t rows = std::min(kTile, N - n0);
+  alignas(64) int32_t hi[2][kTile * kTile];
+  alignas(64) int32_t lo[2][kTile * kTile];
   __m512 acc[kTile];
   for (size_t r = 0; r < kTile; ++r) {
     acc[r] = _mm512_setzero_ps();
   }
   for (size_t seg = 0; seg < l.segs; ++seg) {
-    _tile_loadd(0, a[seg % 2], 64);
+    _tile_loadd(0, a_tile(seg), stride);
     _tile_loadd(1, xbuf + l.hi + seg * l.tile_bytes, 64);
     _tile_zero(3);
     _tile_dpbusd(3, 0, 1);
@@ -555,29 +586,16 @@ VUN_AMX_TARGET void q8_tile_block(const uint8_t* xbuf, const AmxQ8Layout& l, con
       _tile_zero(4);
       _tile_dpbusd(4, 0, 2);
     }
-    if (seg + 1 < l.segs) {
-      unpack_codes<BITS, D>(w, row_bytes, rows, seg + 1, a[(seg + 1) % 2]);  // during the products
+    overlap(seg);
+    if (seg > 0) {
+      q8_segment<TWO, D, FULL>(acc, hi, lo, xbuf, l, s, b, groups, group_size, seg - 1, rows);
     }
-    _tile_stored(3, hi, 64);
+    _tile_stored(3, hi[seg % 2], 64);
     if constexpr (TWO) {
-      _tile_stored(4, lo, 64);
-    }
-    const size_t k0 = seg * D, g = k0 / group_size;
-    const __m512 dxv = _mm512_load_ps(dx + k0 / 32 * kTile);
-    const bool first = k0 % group_size == 0;
-    const __m512 sxv = _mm512_load_ps(sx + g * kTile);
-    for (size_t r = 0; r < rows; ++r) {
-      __m512i tot = _mm512_load_si512(hi + r * kTile);
-      if constexpr (TWO) {  // 256 hi + lo per lane: |D * 255 * 127| * 257 fits in int32
-        tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 8), _mm512_load_si512(lo + r * kTile));
-      }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot),
-                               _mm512_mul_ps(_mm512_set1_ps(s[r * groups + g]), dxv), acc[r]);
-      if (first) {
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(b[r * groups + g]), sxv, acc[r]);
-      }
+      _tile_stored(4, lo[seg % 2], 64);
     }
   }
+  q8_segment<TWO, D, FULL>(acc, hi, lo, xbuf, l, s, b, groups, group_size, l.segs - 1, rows);
   __m512i t[kTile];
   for (size_t r = 0; r < kTile; ++r) {
     t[r] = _mm512_castps_si512(acc[r]);
@@ -586,6 +604,72 @@ VUN_AMX_TARGET void q8_tile_block(const uint8_t* xbuf, const AmxQ8Layout& l, con
   const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
   for (size_t m = 0; m < M; ++m) {
     _mm512_mask_storeu_ps(y + m * N + n0, mask, _mm512_castsi512_ps(t[m]));
+  }
+}
+
+// q8_tile_core with each segment's codes unpacked from w8 just before use (decode: each weight
+// tile is used once per call), double-buffered.
+template <int BITS, bool TWO, size_t D>
+VUN_AMX_TARGET void q8_tile_block(const uint8_t* xbuf, const AmxQ8Layout& l, const uint8_t* w8,
+                                  const float* s, const float* b, float* y, size_t M, size_t N,
+                                  size_t K, size_t group_size, size_t n0) {
+  const size_t row_bytes = K * BITS / 8;
+  const size_t rows = std::min(kTile, N - n0);
+  alignas(64) uint8_t a[2][kTile * 64];  // this segment's codes and the next one's
+  for (size_t r = rows; r < kTile; ++r) {
+    _mm512_store_si512(a[0] + r * 64, _mm512_setzero_si512());
+    _mm512_store_si512(a[1] + r * 64, _mm512_setzero_si512());
+  }
+  const uint8_t* w = w8 + n0 * row_bytes;
+  unpack_codes<BITS, D>(w, row_bytes, rows, 0, a[0]);
+  const auto a_tile = [&](size_t seg) { return a[seg % 2]; };
+  const auto overlap = [&](size_t seg) {
+    if (seg + 1 < l.segs) {
+      unpack_codes<BITS, D>(w, row_bytes, rows, seg + 1, a[(seg + 1) % 2]);
+    }
+  };
+  if (rows == kTile) {
+    q8_tile_core<TWO, D, true>(xbuf, l, 64, a_tile, overlap, s, b, y, M, N, K, group_size, n0);
+  } else {
+    q8_tile_core<TWO, D, false>(xbuf, l, 64, a_tile, overlap, s, b, y, M, N, K, group_size, n0);
+  }
+}
+
+// q8_tile_core over codes unpacked already (amx_q8_unpack_panel): the block's segment seg is
+// 16 rows of D codes, contiguous at codes + seg * 16 * D.
+template <bool TWO, size_t D>
+VUN_AMX_TARGET void q8_panel_block(const uint8_t* xbuf, const AmxQ8Layout& l, const uint8_t* codes,
+                                   const float* s, const float* b, float* y, size_t M, size_t N,
+                                   size_t K, size_t group_size, size_t n0) {
+  const auto a_tile = [&](size_t seg) { return codes + seg * kTile * D; };
+  const auto overlap = [](size_t) {};
+  if (N - n0 >= kTile) {
+    q8_tile_core<TWO, D, true>(xbuf, l, D, a_tile, overlap, s, b, y, M, N, K, group_size, n0);
+  } else {
+    q8_tile_core<TWO, D, false>(xbuf, l, D, a_tile, overlap, s, b, y, M, N, K, group_size, n0);
+  }
+}
+
+// The codes of w's 16-row blocks [nb0, nb1) as tiles of 16 rows x D codes, one byte each:
+// block nb's segment seg at panel + (nb * segs + seg) * 16 * D; rows past N zero.
+template <int BITS, size_t D>
+VUN_AMX_TARGET void q8_unpack_tiles(const uint8_t* w8, size_t N, size_t K, uint8_t* panel,
+                                    size_t nb0, size_t nb1) {
+  const size_t row_bytes = K * BITS / 8, segs = K / D;
+  for (size_t nb = nb0; nb < nb1; ++nb) {
+    uint8_t* block = panel + nb * segs * kTile * D;
+    for (size_t r = 0; r < kTile; ++r) {
+      const size_t n = nb * kTile + r;
+      for (size_t k = 0; k < K; k += 64) {
+        alignas(64) uint8_t codes[64];
+        _mm512_store_si512(codes, n < N ? codes64<BITS>(w8 + n * row_bytes + k * BITS / 8,
+                                                        std::min<size_t>(64, K - k))
+                                        : _mm512_setzero_si512());
+        for (size_t j = 0; j < 64 && k + j < K; j += D) {
+          std::memcpy(block + ((k + j) / D * kTile + r) * D, codes + j, D);
+        }
+      }
+    }
   }
 }
 
@@ -694,6 +778,49 @@ VUN_AMX_TARGET void amx_q8_linear_blocks(const uint8_t* xbuf, const uint32_t* wq
   }
   _tile_release();
 }
+
+VUN_AMX_TARGET void amx_q8_unpack_panel(const uint32_t* wq, size_t N, size_t K, size_t group_size,
+                                        int bits, uint8_t* panel, size_t nb0, size_t nb1) {
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  const bool d16 = q8_depth(group_size) == 16;
+  switch (bits) {
+#define VUN_Q8_UNPACK(B)                                             \
+  case B:                                                            \
+    (d16 ? q8_unpack_tiles<B, 16> : q8_unpack_tiles<B, 32>)(w8, N, K, panel, nb0, nb1); \
+    break;
+    VUN_Q8_UNPACK(2)
+    VUN_Q8_UNPACK(3)
+    VUN_Q8_UNPACK(4)
+    VUN_Q8_UNPACK(5)
+    VUN_Q8_UNPACK(6)
+#undef VUN_Q8_UNPACK
+    default:
+      (d16 ? q8_unpack_tiles<8, 16> : q8_unpack_tiles<8, 32>)(w8, N, K, panel, nb0, nb1);
+      break;
+  }
+}
+
+VUN_AMX_TARGET void amx_q8_linear_panel(const uint8_t* xbufs, const uint8_t* panel,
+                                        const void* scales, const void* biases, ScaleType st,
+                                        float* y, size_t M, size_t N, size_t K,
+                                        size_t group_size, bool two_terms, size_t nb0,
+                                        size_t nb1, size_t mb0, size_t mb1) {
+  const AmxQ8Layout l = amx_q8_layout(K, group_size);
+  const size_t groups = K / group_size;
+  decltype(&q8_panel_block<true, 32>) fn =
+      l.depth == 16 ? (two_terms ? q8_panel_block<true, 16> : q8_panel_block<false, 16>)
+                    : (two_terms ? q8_panel_block<true, 32> : q8_panel_block<false, 32>);
+  configure_q8_tiles(l.depth);
+  for (size_t nb = nb0; nb < nb1; ++nb) {
+    const size_t n0 = nb * kTile, rows = std::min(kTile, N - n0);
+    const ScaleRowsF32 sr = scale_rows_f32(scales, biases, st, groups, n0, rows);
+    for (size_t mb = mb0; mb < mb1; ++mb) {
+      fn(xbufs + mb * l.bytes, l, panel + n0 * K, sr.s, sr.b, y + mb * kTile * N,
+         std::min(kTile, M - mb * kTile), N, K, group_size, n0);
+    }
+  }
+  _tile_release();
+}
 #else
 void amx_prepare_x(const float*, size_t, size_t, size_t, uint16_t*, float*, size_t, size_t) {
   std::abort();  // callers check amx_usable()
@@ -719,6 +846,15 @@ void amx_q8_prepare_x(const float*, size_t, size_t, size_t, bool, uint8_t*) {
 }
 void amx_q8_linear_blocks(const uint8_t*, const uint32_t*, const void*, const void*, ScaleType,
                           float*, size_t, size_t, size_t, size_t, int, bool, size_t, size_t) {
+  std::abort();
+}
+void amx_q8_unpack_panel(const uint32_t*, size_t, size_t, size_t, int, uint8_t*, size_t,
+                         size_t) {
+  std::abort();
+}
+void amx_q8_linear_panel(const uint8_t*, const uint8_t*, const void*, const void*, ScaleType,
+                         float*, size_t, size_t, size_t, size_t, bool, size_t, size_t, size_t,
+                         size_t) {
   std::abort();
 }
 #endif

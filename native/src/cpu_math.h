@@ -280,12 +280,12 @@ void amx_quantized_linear_panel(
     size_t nb0, size_t nb1, size_t mb0, size_t mb1);
 
 
-// Decode batches of 5-16 rows against x quantized as quantized_gemv_q8 quantizes it (one or two
+// Batches of 5 rows and more against x quantized as quantized_gemv_q8 quantizes it (one or two
 // int8 terms per 32 elements), on AMX-INT8 tiles (TDPBUSD: the weight codes times the terms of
 // x, exact integer sums per 32 elements, or 16 for groups of 16; scales, dx and the biases
 // applied in fp32). amx_q8_prepare_x fills buf (amx_q8_x_bytes(K, group_size) bytes, 64-byte
-// aligned) from x [M <= 16, K]; amx_q8_linear_blocks computes y[m, n] for the 16-row weight
-// blocks [nb0, nb1) and all m < M. Layouts as quantized_gemv_q8 takes them (q8_usable), with
+// aligned) from x [M <= 16, K] (one m-block); amx_q8_linear_blocks computes y[m, n] for the
+// 16-row weight blocks [nb0, nb1) and all m < M, each weight tile unpacked just before use. Layouts as quantized_gemv_q8 takes them (q8_usable), with
 // amx_usable() and AMX-INT8.
 size_t amx_q8_x_bytes(size_t K, size_t group_size);
 void amx_q8_prepare_x(const float* x, size_t M, size_t K, size_t group_size, bool two_terms,
@@ -294,5 +294,18 @@ void amx_q8_linear_blocks(const uint8_t* xbuf, const uint32_t* wq, const void* s
                           const void* biases, ScaleType st, float* y, size_t M, size_t N,
                           size_t K, size_t group_size, int bits, bool two_terms, size_t nb0,
                           size_t nb1);
+
+// Larger M (prefill chunks): x prepared per 16-row m-block, block mb at xbufs + mb *
+// amx_q8_x_bytes(K, group_size); the weight's codes unpacked once per call, one byte each, by
+// amx_q8_unpack_panel for the 16-row blocks [nb0, nb1) into panel (64-byte aligned, N rounded
+// up to 16 rows x K bytes: each block's tiles of 16 rows x 32 codes, or 16 for groups of 16,
+// contiguous; rows past N zero); amx_q8_linear_panel computes y[m, n] for the n-blocks
+// [nb0, nb1) and m-blocks [mb0, mb1).
+void amx_q8_unpack_panel(const uint32_t* wq, size_t N, size_t K, size_t group_size, int bits,
+                         uint8_t* panel, size_t nb0, size_t nb1);
+void amx_q8_linear_panel(const uint8_t* xbufs, const uint8_t* panel, const void* scales,
+                         const void* biases, ScaleType st, float* y, size_t M, size_t N,
+                         size_t K, size_t group_size, bool two_terms, size_t nb0, size_t nb1,
+                         size_t mb0, size_t mb1);
 
 } // namespace vun

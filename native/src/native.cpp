@@ -1791,12 +1791,54 @@ bool use_int8(size_t M, size_t K, size_t group_size, int bits) {
          vun::q8_usable(K, group_size, bits);
 }
 
-// Whether quantized_linear takes the AMX-INT8 tiles for x [M, K] (vun::amx_q8_linear_blocks):
-// modes 3 and 4 for 5-16 rows, where the integer gemv's cost grows with the rows and the bf16
-// tiles need three products per x value (Qwen2.5-Coder batch-16 forward: docs/configuration.md).
+// Whether quantized_linear takes the AMX-INT8 tiles for x [M, K]: modes 3 and 4 from 5 rows,
+// where the integer gemv's cost grows with the rows and the bf16 tiles need three products per
+// x value (Qwen2.5-Coder batch-16 forward and 2,048-token prefill: docs/configuration.md).
+// Groups of 16 (Q6_K, Q3_K, Q2_K) run on these tiles too, which the bf16 tiles cannot take.
+// Up to 16 rows each weight tile is unpacked where it is used (vun::amx_q8_linear_blocks);
+// beyond, the codes are unpacked once per call into a panel (vun::amx_q8_linear_panel).
 bool use_amx_int8(size_t M, size_t K, size_t group_size, int bits) {
-  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 5 && M <= 16 &&
-         vun::amx_usable() && vun::q8_usable(K, group_size, bits);
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 5 && vun::amx_usable() &&
+         vun::q8_usable(K, group_size, bits);
+}
+
+// Bytes of the AMX-INT8 panel path's scratch for x [M > 16, K] through w [N, K]: x prepared
+// per m-block, then the unpacked codes, 64 bytes of slack for aligning each part.
+size_t amx_q8_scratch(size_t M, size_t N, size_t K, size_t group_size) {
+  return (M + 15) / 16 * vun::amx_q8_x_bytes(K, group_size) +
+         (N + 15) / 16 * 16 * K + 2 * 64;
+}
+
+// The AMX-INT8 panel path (M > 16 rows): x prepared per m-block and the codes unpacked, each
+// split over the pool, then items of kItemMBlocks x kItemNBlocks blocks (the items' x and codes
+// stay in L2 while their tiles are computed).
+void amx_q8_linear(const float* x, const uint32_t* w, const void* scales, const void* biases,
+                   vun::ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
+                   int bits, bool two_terms, char* scratch) {
+  constexpr size_t kItemMBlocks = 4, kItemNBlocks = 16;
+  const size_t x_bytes = vun::amx_q8_x_bytes(K, group_size);
+  const size_t mblocks = (M + 15) / 16, nblocks = (N + 15) / 16;
+  auto* xbufs = reinterpret_cast<uint8_t*>(align64(scratch));
+  auto* panel = reinterpret_cast<uint8_t*>(align64(reinterpret_cast<char*>(xbufs) +
+                                                   mblocks * x_bytes));
+  split_work(mblocks, 16 * K * 8, 1, [&](size_t b, size_t e) {
+    for (size_t mb = b; mb < e; ++mb) {
+      vun::amx_q8_prepare_x(x + mb * 16 * K, std::min<size_t>(16, M - mb * 16), K, group_size,
+                            two_terms, xbufs + mb * x_bytes);
+    }
+  });
+  split_work(nblocks, 16 * K, 1, [&](size_t b, size_t e) {
+    vun::amx_q8_unpack_panel(w, N, K, group_size, bits, panel, b, e);
+  });
+  const size_t m_items = (mblocks + kItemMBlocks - 1) / kItemMBlocks;
+  const size_t n_items = (nblocks + kItemNBlocks - 1) / kItemNBlocks;
+  kernel_pool().run(m_items * n_items, [&](size_t item) {
+    const size_t mb = item / n_items * kItemMBlocks;
+    const size_t nb = item % n_items * kItemNBlocks;
+    vun::amx_q8_linear_panel(xbufs, panel, scales, biases, st, y, M, N, K, group_size, two_terms,
+                             nb, std::min(nblocks, nb + kItemNBlocks), mb,
+                             std::min(mblocks, mb + kItemMBlocks));
+  });
 }
 
 // x quantized once per call for the int8 gemv (vun::Q8Activations), in this thread's buffers:
@@ -1907,8 +1949,11 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     const int mode = gemv_mode().load(std::memory_order_relaxed);
     const bool int8 = use_int8(rows, depth, gs, bits_);
     const bool amx_int8 = use_amx_int8(rows, depth, gs, bits_);
-    if (!int8 && !amx_int8 && use_amx(rows, depth, gs)) {
-      const size_t bytes = amx_scratch(rows, static_cast<size_t>(wq.shape(0)), depth, gs).bytes();
+    const auto out_features = static_cast<size_t>(wq.shape(0));
+    const bool q8_panel = amx_int8 && rows > 16;
+    if (q8_panel || (!int8 && !amx_int8 && use_amx(rows, depth, gs))) {
+      const size_t bytes = q8_panel ? amx_q8_scratch(rows, out_features, depth, gs)
+                                    : amx_scratch(rows, out_features, depth, gs).bytes();
       constexpr size_t kPage = 4096;  // a 2-D shape: int extents for any size
       mx::array buf({static_cast<int>((bytes + kPage - 1) / kPage), static_cast<int>(kPage)},
                     mx::uint8, nullptr, {});
@@ -1923,6 +1968,10 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
                   N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_,
                   mode, int8, amx_int8]() {
       auto& pool = kernel_pool();
+      if (amx_int8 && M > 16) {
+        amx_q8_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, scratch);
+        return;
+      }
       if (amx_int8) {
         thread_local std::vector<char> xbuf;  // read by the pool's workers during the call
         xbuf.resize(vun::amx_q8_x_bytes(K, gs) + 64);
