@@ -2,12 +2,17 @@
 the default, x to ~16 bits in two int8 terms; int8, llama.cpp's one term) against the exact fp32
 arithmetic, on the same GGUF weights in one process.
 
-Perplexity is scored token by token through the decode path, since that is where the integer
-arithmetic runs (x of at most 16 rows; prefill keeps the exact kernels): ``--batch`` windows of
-``--window`` tokens of real English text decode side by side, teacher-forced (step t feeds each
-window's token t and scores its token t + 1 from the step's logits), over the paged KV pool, with
-the runner's forward and CPU kernels (:mod:`benchmarks.decode_forward`'s set-up). Each
-arithmetic runs the same windows; the figure is exp(mean negative log-likelihood) over all
+Perplexity is scored on both paths the integer arithmetic runs, over the paged KV pool, with the
+runner's forward and CPU kernels (:mod:`benchmarks.decode_forward`'s set-up):
+
+* **decode** (x of 1-16 rows: the VNNI gemv, the AMX-INT8 tiles from 5): ``--batch`` windows of
+  ``--window`` tokens of real English text decode side by side, teacher-forced (step t feeds
+  each window's token t and scores its token t + 1 from the step's logits);
+* **prefill** (``--paths prefill``; x of ``--window`` rows: the AMX-INT8 tiles' panel path on a
+  CPU with AMX, else the exact kernels): each window is one prefill chunk, every position's
+  logits scoring the next token.
+
+Each arithmetic runs the same windows; the figure is exp(mean negative log-likelihood) over all
 scored tokens. Also reported: how often each arithmetic's argmax (greedy) token equals fp32's.
 
 * **Text**: the topics of Python's own documentation (stdlib ``pydoc_data.topics``, values in
@@ -21,6 +26,7 @@ Prints a table per model, exits 1 when the target is missed, writes
 
     .venv/bin/python benchmarks/int8_activations_accuracy.py                # SmolLM2 (~1 min)
     .venv/bin/python benchmarks/int8_activations_accuracy.py --qwen-gguf PATH  # and Qwen (~3 min)
+    .venv/bin/python benchmarks/int8_activations_accuracy.py --paths decode prefill
 """
 
 from __future__ import annotations
@@ -77,7 +83,38 @@ def score(model, mx, windows: np.ndarray, mode: int) -> tuple[float, int, np.nda
     return nll, batch * (width - 1), argmax
 
 
-def run_model(name: str, gguf: Path, args: argparse.Namespace) -> dict:
+def score_prefill(model, mx, windows: np.ndarray, mode: int) -> tuple[float, int, np.ndarray]:  # noqa: ANN001
+    """Each of ``windows`` [B, W] as one prefill chunk in arithmetic ``mode``, every position
+    scoring the next token: (sum of negative log-likelihoods, tokens scored, argmax tokens
+    [B, W - 1])."""
+    import vllm_unified_native as native
+
+    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.forward_context import StepContext, set_step_context
+    from vllm_unified.worker.model_runner import forward
+
+    batch, width = windows.shape
+    previous = native.quantized_gemv_mode(mode)
+    try:
+        _, caches, tables, _ = paged_caches(model, 1, np.random.default_rng(0), context=width)
+        nll, argmax = 0.0, np.zeros((batch, width - 1), dtype=np.int64)
+        for b in range(batch):
+            meta = build_attention_metadata([width], [width], tables, BLOCK)
+            ids = mx.array(windows[b].astype(np.int32))
+            with set_step_context(StepContext(attn=meta)):
+                logits = forward(model, caches, ids, mx.arange(width - 1)).astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            picked = mx.take_along_axis(logprobs, mx.array(windows[b, 1:, None]), axis=-1)
+            best = mx.argmax(logits, axis=-1)
+            mx.eval(picked, best)
+            nll -= float(np.array(picked).sum())
+            argmax[b] = np.array(best)
+    finally:
+        native.quantized_gemv_mode(previous)
+    return nll, batch * (width - 1), argmax
+
+
+def run_model(name: str, gguf: Path, args: argparse.Namespace, path: str) -> dict:
     from transformers import AutoTokenizer
 
     from vllm_unified.backend import import_mlx
@@ -97,12 +134,13 @@ def run_model(name: str, gguf: Path, args: argparse.Namespace) -> dict:
                        keep_quantized=True, native_kernels=True).model
     install_paged_attention(model)
     install_cpu_kernels(model)
-    row: dict = {"model": name, "gguf": gguf.name, "tokens_scored": 0}
+    row: dict = {"model": name, "gguf": gguf.name, "path": path, "tokens_scored": 0}
     argmax = {}
+    scorer = score if path == "decode" else score_prefill
     for label, mode in MODES.items():
         t0, nll, count, picks = time.perf_counter(), 0.0, 0, []
         for b0 in range(0, args.windows, args.batch):
-            n, c, a = score(model, mx, windows[b0:b0 + args.batch], mode)
+            n, c, a = scorer(model, mx, windows[b0:b0 + args.batch], mode)
             nll, count = nll + n, count + c
             picks.append(a)
         row[f"ppl_{label}"] = math.exp(nll / count)
@@ -123,6 +161,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2", "qwen"])
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--paths", nargs="+", choices=("decode", "prefill"), default=["decode"])
     ap.add_argument("--batch", type=int, default=4,
                     help="windows per decode step: 1-4 take the VNNI gemv, 5-16 the AMX-INT8 "
                          "tiles where the CPU has them")
@@ -134,12 +173,13 @@ def main() -> None:
              "SmolLM2-135M-Instruct.Q4_1.gguf"}
     if args.qwen_gguf:
         paths["qwen"] = args.qwen_gguf
-    rows = [run_model(m, paths[m], args) for m in args.models if m in paths]
-    print(f"text: pydoc_data.topics, {args.windows} windows x {args.window} tokens, "
-          f"teacher-forced decode, {args.batch} windows per step")
-    print("| model | arithmetic | tokens | perplexity | rise vs fp32 | argmax equal to fp32's | "
-          "target <= 0.5% |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    rows = [run_model(m, paths[m], args, p) for m in args.models if m in paths
+            for p in args.paths]
+    print(f"text: pydoc_data.topics, {args.windows} windows x {args.window} tokens; decode: "
+          f"teacher-forced, {args.batch} windows per step; prefill: one window per chunk")
+    print("| model | path | arithmetic | tokens | perplexity | rise vs fp32 | argmax equal to "
+          "fp32's | target <= 0.5% |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
     for r in rows:
         for label in MODES:
             rise = r.get(f"ppl_rise_{label}")
@@ -147,7 +187,8 @@ def main() -> None:
                 f"{100 * rise:+.3f}%", f"{100 * r[f'argmax_agreement_{label}']:.2f}%",
                 ("met" if abs(rise) <= TARGET else "MISSED") if label == DEFAULT else
                 ("within" if abs(rise) <= TARGET else "above") + " (not the default)")
-            print(f"| {r['model']} | {label} | {r['tokens_scored']} | {r[f'ppl_{label}']:.4f} | "
+            print(f"| {r['model']} | {r['path']} | {label} | {r['tokens_scored']} | "
+                  f"{r[f'ppl_{label}']:.4f} | "
                   + " | ".join(cells) + " |")
     write_result("int8_activations_accuracy", datetime.now().strftime("%Y%m%d-%H%M%S"),
                  {"versions": versions(), "rows": rows,

@@ -511,8 +511,9 @@ def test_start_up_log_names_the_integer_arithmetic(gemv_mode):
     if not native.int8_runs(1, 64, 32, 4):
         pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
     routed = cpu_kernels.install_cpu_kernels(quantized())
-    rows = "1-4 rows, 5-16 on AMX-INT8 tiles" if native.amx_usable() else "1-4 rows"
-    assert f"int16 activations in all 15 quantized layers at decode ({rows})" in routed
+    where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if native.amx_usable()
+             else "at 1-4 rows (exact from 5: no AMX-INT8)")
+    assert f"int16 activations in all 15 quantized layers {where}" in routed
     gemv_mode(1)
     assert any(line.startswith("exact fp32 arithmetic in the quantized layers")
                for line in cpu_kernels.install_cpu_kernels(quantized()))

@@ -292,10 +292,11 @@ def _dequantize_in_place(layer: nn.Module) -> None:
 
 
 def _decode_arithmetic(model: Any) -> str:
-    """The start-up log's account of the quantized layers' arithmetic at decode sizes: how many
-    multiply integer codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS``
-    int16 or int8 on a CPU with AVX-512 VNNI and VBMI: 1-4 rows, and 5-16 on AMX-INT8 tiles
-    where the CPU has them) and how many compute exactly in fp32."""
+    """The start-up log's account of the quantized layers' arithmetic: how many multiply integer
+    codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8 on a
+    CPU with AVX-512 VNNI and VBMI: 1-4 rows, and where the CPU has AMX-INT8 every size from 5
+    rows, prefill chunks included; without AMX, 5 rows and more stay exact) and how many compute
+    exactly in fp32."""
     native = bridge.native_kernels()
     layers = [(m, m["weight"].shape[1] * 32 // m.bits) for m in model.modules()
               if type(m) in (NativeQuantizedLinear, NativeQuantizedEmbedding)]
@@ -304,12 +305,13 @@ def _decode_arithmetic(model: Any) -> str:
         return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
                 "fp32, or no AVX-512 VNNI and VBMI)")
     tiles = any(native.amx_int8_runs(16, k, m.group_size, m.bits) for m, k in layers)
-    rows = "1-4 rows, 5-16 on AMX-INT8 tiles" if tiles else "1-4 rows"
+    where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if tiles
+             else "at 1-4 rows (exact from 5: no AMX-INT8)")
     what = f"{envs.CPU_ACTIVATIONS} activations"
     if integer == len(layers):
-        return f"{what} in all {integer} quantized layers at decode ({rows})"
-    return (f"{what} in {integer} of {len(layers)} quantized layers at decode ({rows}), exact "
-            "fp32 in the others (a layout the integer kernels do not take)")
+        return f"{what} in all {integer} quantized layers {where}"
+    return (f"{what} in {integer} of {len(layers)} quantized layers {where}, exact fp32 in the "
+            "others (a layout the integer kernels do not take)")
 
 
 def install_cpu_kernels(model: Any) -> list[str]:
