@@ -196,7 +196,10 @@ class RssSampler:
 
 
 def port_is_free(port: int) -> bool:
+    """Whether nothing listens on ``port``. SO_REUSEADDR, as the servers bind it: connections
+    of a previous run left in TIME_WAIT do not make the port busy."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
