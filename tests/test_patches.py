@@ -24,7 +24,8 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.harden_engine_core_signals,
                          patches.patch_anthropic_stream_errors,
                          patches.patch_responses_empty_output_message,
-                         patches.bound_prefix_cache_residency}
+                         patches.bound_prefix_cache_residency,
+                         patches.load_structured_output_tokenizer_lazily}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""
@@ -37,6 +38,47 @@ def test_importing_patches_imports_neither_mlx_nor_torch() -> None:
             " 'vllm')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _structured_output_config(skip_tokenizer_init: bool = False):  # noqa: ANN202
+    """The fields StructuredOutputManager.__init__ reads (vLLM 0.32)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(distributed_executor_backend="mp"),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        model_config=SimpleNamespace(skip_tokenizer_init=skip_tokenizer_init),
+        structured_outputs_config=SimpleNamespace(reasoning_parser_plugin="",
+                                                  reasoning_parser="",
+                                                  enable_in_reasoning=False))
+
+
+def test_structured_output_tokenizer_loads_at_first_use(monkeypatch) -> None:
+    """The engine core's StructuredOutputManager no longer loads its tokenizer at start-up:
+    the first read of ``tokenizer`` (its grammar backend, at the first structured request)
+    loads it once, with the arguments vLLM passes; with skip_tokenizer_init it stays unset."""
+    import vllm.v1.structured_output as so
+
+    patches.load_structured_output_tokenizer_lazily()
+    patches.load_structured_output_tokenizer_lazily()  # idempotent
+    calls, tokenizer = [], object()
+
+    def loader(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append((args, kwargs))
+        return tokenizer
+
+    monkeypatch.setattr(so, "cached_tokenizer_from_config", loader)
+    config = _structured_output_config()
+    manager = so.StructuredOutputManager(config)
+    assert calls == []
+    assert so.cached_tokenizer_from_config is loader  # restored after __init__
+    assert manager.tokenizer is tokenizer and manager.tokenizer is tokenizer
+    assert calls == [((), {"model_config": config.model_config})]
+    manager.clear_backend()
+    skipped = so.StructuredOutputManager(_structured_output_config(skip_tokenizer_init=True))
+    with pytest.raises(AttributeError):
+        skipped.tokenizer  # noqa: B018
+    assert len(calls) == 1
 
 
 def test_torch_teardown_patch_is_idempotent() -> None:

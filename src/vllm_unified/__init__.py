@@ -50,8 +50,9 @@ def register() -> str | None:
 def register_general() -> None:
     """Entry point for ``vllm.general_plugins``, which vLLM loads in every process, the engine
     core included, before it builds its scheduler: the scheduler-side patches
-    (:func:`vllm_unified.patches.bound_prefix_cache_residency`) where our platform is active.
-    Imports vLLM's scheduler modules, never MLX."""
+    (:func:`vllm_unified.patches.bound_prefix_cache_residency`,
+    :func:`vllm_unified.patches.load_structured_output_tokenizer_lazily`) where our platform
+    is active. Imports vLLM's scheduler modules, never MLX."""
     if not _active():
         return
     import logging
@@ -60,3 +61,4 @@ def register_general() -> None:
 
     # A ``vllm.`` name so that vLLM's logging configuration shows our records.
     patches.bound_prefix_cache_residency(logging.getLogger("vllm.vllm_unified.scheduler"))
+    patches.load_structured_output_tokenizer_lazily()

@@ -221,6 +221,60 @@ def bound_prefix_cache_residency(logger: logging.Logger) -> None:
     KVCacheManager.__init__ = init  # type: ignore[method-assign]
 
 
+class _PendingTokenizer:
+    """What ``StructuredOutputManager.__init__`` stores in place of its tokenizer under
+    :func:`load_structured_output_tokenizer_lazily`: the arguments to load it with."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args, self.kwargs = args, kwargs
+
+
+def load_structured_output_tokenizer_lazily() -> None:
+    """Load the engine core's tokenizer for structured outputs when a request first needs it
+    (vLLM 0.32, ``vllm.v1.structured_output.StructuredOutputManager``: its ``__init__`` loads
+    it at start-up, 130 MiB resident for Qwen2.5's 151,646-token vocabulary, ~90 MiB more than
+    SmolLM2's, held by an engine that may never see a structured request). The manager only
+    reads it when it builds its grammar backend or a reasoning parser, at the first structured
+    request, which already pays the backend's own set-up there. ``tokenizer`` becomes a
+    property: ``__init__`` stores the loader's arguments (the module's
+    ``cached_tokenizer_from_config`` is swapped for the call), the first read loads it with
+    the module's loader. Applied by :func:`vllm_unified.register_general` (the engine core
+    builds its manager after loading it). Idempotent.
+    """
+    import vllm.v1.structured_output as so
+
+    manager = so.StructuredOutputManager
+    if getattr(manager, "_vllm_unified_lazy_tokenizer", False):
+        return
+    original = manager.__init__
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        loader = so.cached_tokenizer_from_config
+        so.cached_tokenizer_from_config = lambda *a, **kw: _PendingTokenizer(a, kw)
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            so.cached_tokenizer_from_config = loader
+
+    def get(self: Any) -> Any:
+        try:
+            value = self.__dict__["_vllm_unified_tokenizer"]
+        except KeyError:  # skip_tokenizer_init: never set, as in vLLM
+            raise AttributeError("tokenizer") from None
+        if isinstance(value, _PendingTokenizer):
+            value = so.cached_tokenizer_from_config(*value.args, **value.kwargs)
+            self.__dict__["_vllm_unified_tokenizer"] = value
+        return value
+
+    def put(self: Any, value: Any) -> None:
+        self.__dict__["_vllm_unified_tokenizer"] = value
+
+    manager.__init__ = init  # type: ignore[method-assign]
+    manager.tokenizer = property(get, put)  # type: ignore[attr-defined]
+    manager._vllm_unified_lazy_tokenizer = True  # type: ignore[attr-defined]
+
+
 def no_chat_template_message(model: str) -> str:
     """The error for a chat request to ``model``, which has no chat template."""
     return (f"model {model!r} has no chat template (its tokenizer defines none and vLLM has "
@@ -672,6 +726,9 @@ PATCHES: tuple[Patch, ...] = (
           "vllm_unified.offload.spec (at import, where there is no /dev/shm)"),
     Patch("vllm.v1.core.kv_cache_manager.KVCacheManager.__init__ (its block pool's "
           "free_block_queue)", "vLLM 0.32", bound_prefix_cache_residency,
+          "vllm_unified.register_general (vLLM's general plugin, in the engine core)"),
+    Patch("vllm.v1.structured_output.StructuredOutputManager.__init__, .tokenizer",
+          "vLLM 0.32", load_structured_output_tokenizer_lazily,
           "vllm_unified.register_general (vLLM's general plugin, in the engine core)"),
     Patch("vllm.renderers.hf.safe_apply_chat_template", "vLLM 0.32", name_chat_template_flag,
           "vllm_unified.platform.MLXPlatform.check_and_update_config"),
