@@ -291,27 +291,27 @@ def _dequantize_in_place(layer: nn.Module) -> None:
     mx.eval(layer.weight)
 
 
-def _decode_arithmetic(model: Any) -> str:
+def _decode_arithmetic(model: Any) -> tuple[str, bool]:
     """The start-up log's account of the quantized layers' arithmetic: how many multiply integer
     codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8 on a
     CPU with AVX-512 VNNI and VBMI: 1-4 rows, and where the CPU has AMX-INT8 every size from 5
-    rows, prefill chunks included; without AMX, 5 rows and more stay exact) and how many compute
-    exactly in fp32."""
+    rows, prefill chunks included; without AMX-INT8, 5 rows and more stay exact) and how many
+    compute exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8 tiles."""
     native = bridge.native_kernels()
     layers = [(m, m["weight"].shape[1] * 32 // m.bits) for m in model.modules()
               if type(m) in (NativeQuantizedLinear, NativeQuantizedEmbedding)]
     integer = sum(native.int8_runs(1, k, m.group_size, m.bits) for m, k in layers)
     if integer == 0:
         return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
-                "fp32, or no AVX-512 VNNI and VBMI)")
-    tiles = any(native.amx_int8_runs(16, k, m.group_size, m.bits) for m, k in layers)
+                "fp32, or no AVX-512 VNNI and VBMI)", False)
+    tiles = sum(native.amx_int8_runs(16, k, m.group_size, m.bits) for m, k in layers)
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if tiles
              else "at 1-4 rows (exact from 5: no AMX-INT8)")
     what = f"{envs.CPU_ACTIVATIONS} activations"
     if integer == len(layers):
-        return f"{what} in all {integer} quantized layers {where}"
+        return f"{what} in all {integer} quantized layers {where}", tiles == len(layers)
     return (f"{what} in {integer} of {len(layers)} quantized layers {where}, exact fp32 in the "
-            "others (a layout the integer kernels do not take)")
+            "others (a layout the integer kernels do not take)", False)
 
 
 def install_cpu_kernels(model: Any) -> list[str]:
@@ -378,9 +378,11 @@ def install_cpu_kernels(model: Any) -> list[str]:
     routed += [f"{n} {what} layers dequantized to float32 (no native kernel for them)"
                for what, n in left.items()]
     quantized = counts[NativeQuantizedLinear] + counts[NativeQuantizedEmbedding]
-    if quantized and native.amx_usable():
-        routed.append(f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows")
     if quantized:
-        routed.append(_decode_arithmetic(model))
+        arithmetic, all_on_int8_tiles = _decode_arithmetic(model)
+        # the bf16 tiles are the exact arithmetic's: named where some layer still takes them
+        if native.amx_usable() and not all_on_int8_tiles:
+            routed.append(f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows")
+        routed.append(arithmetic)
     routed += [f"swiglu of {name}" for name in patches.route_mlx_lm_swiglu(model, swiglu)]
     return routed
