@@ -1726,6 +1726,18 @@ char* align64(char* p) {
   return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) / 64 * 64);
 }
 
+// The panel kernels' work on the pool: items of up to item_m m-blocks x item_n n-blocks (an
+// item's x and weight tiles stay in L2 while it computes), fn(nb0, nb1, mb0, mb1) per item.
+template <class Fn>
+void run_block_items(size_t mblocks, size_t nblocks, size_t item_m, size_t item_n, const Fn& fn) {
+  const size_t m_items = (mblocks + item_m - 1) / item_m;
+  const size_t n_items = (nblocks + item_n - 1) / item_n;
+  kernel_pool().run(m_items * n_items, [&](size_t item) {
+    const size_t mb = item / n_items * item_m, nb = item % n_items * item_n;
+    fn(nb, std::min(nblocks, nb + item_n), mb, std::min(mblocks, mb + item_m));
+  });
+}
+
 // `scratch`: amx_scratch(M, N, K, group_size).bytes() bytes, any alignment.
 void amx_quantized_linear(const float* x, const uint32_t* w, const void* scales,
                           const void* biases, vun::ScaleType st, float* y, size_t M, size_t N,
@@ -1752,15 +1764,11 @@ void amx_quantized_linear(const float* x, const uint32_t* w, const void* scales,
   split_work(nblocks, 16 * K, 1, [&](size_t b, size_t e) {
     vun::amx_unpack_weight(w, N, K, bits, panel, b, e);
   });
-  const size_t m_items = (mblocks + kItemMBlocks - 1) / kItemMBlocks;
-  const size_t n_items = (nblocks + kItemNBlocks - 1) / kItemNBlocks;
-  kernel_pool().run(m_items * n_items, [&](size_t item) {
-    const size_t mb = item / n_items * kItemMBlocks;
-    const size_t nb = item % n_items * kItemNBlocks;
-    vun::amx_quantized_linear_panel(tiles, sums, panel, scales, biases, st, y, M, N, K, group_size,
-                                    nb, std::min(nblocks, nb + kItemNBlocks), mb,
-                                    std::min(mblocks, mb + kItemMBlocks));
-  });
+  run_block_items(mblocks, nblocks, kItemMBlocks, kItemNBlocks,
+                  [&](size_t nb0, size_t nb1, size_t mb0, size_t mb1) {
+                    vun::amx_quantized_linear_panel(tiles, sums, panel, scales, biases, st, y, M,
+                                                    N, K, group_size, nb0, nb1, mb0, mb1);
+                  });
 }
 
 // The arithmetic of QuantizedLinear's gemv: 1 by default (exact, vun::quantized_gemv_f32's
@@ -1810,8 +1818,7 @@ size_t amx_q8_scratch(size_t M, size_t N, size_t K, size_t group_size) {
 }
 
 // The AMX-INT8 panel path (M > 16 rows): x prepared per m-block and the codes unpacked, each
-// split over the pool, then items of kItemMBlocks x kItemNBlocks blocks (the items' x and codes
-// stay in L2 while their tiles are computed).
+// split over the pool, then items of kItemMBlocks x kItemNBlocks blocks (run_block_items).
 void amx_q8_linear(const float* x, const uint32_t* w, const void* scales, const void* biases,
                    vun::ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
                    int bits, bool two_terms, char* scratch) {
@@ -1830,15 +1837,11 @@ void amx_q8_linear(const float* x, const uint32_t* w, const void* scales, const 
   split_work(nblocks, 16 * K, 1, [&](size_t b, size_t e) {
     vun::amx_q8_unpack_panel(w, N, K, group_size, bits, panel, b, e);
   });
-  const size_t m_items = (mblocks + kItemMBlocks - 1) / kItemMBlocks;
-  const size_t n_items = (nblocks + kItemNBlocks - 1) / kItemNBlocks;
-  kernel_pool().run(m_items * n_items, [&](size_t item) {
-    const size_t mb = item / n_items * kItemMBlocks;
-    const size_t nb = item % n_items * kItemNBlocks;
-    vun::amx_q8_linear_panel(xbufs, panel, scales, biases, st, y, M, N, K, group_size, two_terms,
-                             nb, std::min(nblocks, nb + kItemNBlocks), mb,
-                             std::min(mblocks, mb + kItemMBlocks));
-  });
+  run_block_items(mblocks, nblocks, kItemMBlocks, kItemNBlocks,
+                  [&](size_t nb0, size_t nb1, size_t mb0, size_t mb1) {
+                    vun::amx_q8_linear_panel(xbufs, panel, scales, biases, st, y, M, N, K,
+                                             group_size, two_terms, nb0, nb1, mb0, mb1);
+                  });
 }
 
 // x quantized once per call for the int8 gemv (vun::Q8Activations), in this thread's buffers:
