@@ -291,7 +291,7 @@ def _dequantize_in_place(layer: nn.Module) -> None:
     mx.eval(layer.weight)
 
 
-def _decode_arithmetic(model: Any) -> tuple[str, bool]:
+def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     """The start-up log's account of the quantized layers' arithmetic: how many multiply integer
     codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8 on a
     CPU with AVX-512 VNNI and VBMI: 1-4 rows, and where the CPU has AMX-INT8 every size from 5
@@ -379,7 +379,7 @@ def install_cpu_kernels(model: Any) -> list[str]:
                for what, n in left.items()]
     quantized = counts[NativeQuantizedLinear] + counts[NativeQuantizedEmbedding]
     if quantized:
-        arithmetic, all_on_int8_tiles = _decode_arithmetic(model)
+        arithmetic, all_on_int8_tiles = _quantized_arithmetic(model)
         # the bf16 tiles are the exact arithmetic's: named where some layer still takes them
         if native.amx_usable() and not all_on_int8_tiles:
             routed.append(f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows")
