@@ -607,6 +607,22 @@ VUN_AMX_TARGET inline void q8_tile_core(const uint8_t* xbuf, const AmxQ8Layout& 
   }
 }
 
+// q8_tile_core for the block at n0, its epilogue unrolled over 16 weight rows where the block
+// is whole (FULL), over the rows that exist where it is the last, partial one.
+template <bool TWO, size_t D, class ATile, class Overlap>
+VUN_AMX_TARGET inline void q8_tile_run(const uint8_t* xbuf, const AmxQ8Layout& l, size_t stride,
+                                       ATile&& a_tile, Overlap&& overlap, const float* s,
+                                       const float* b, float* y, size_t M, size_t N, size_t K,
+                                       size_t group_size, size_t n0) {
+  if (N - n0 >= kTile) {
+    q8_tile_core<TWO, D, true>(xbuf, l, stride, a_tile, overlap, s, b, y, M, N, K, group_size,
+                               n0);
+  } else {
+    q8_tile_core<TWO, D, false>(xbuf, l, stride, a_tile, overlap, s, b, y, M, N, K, group_size,
+                                n0);
+  }
+}
+
 // q8_tile_core with each segment's codes unpacked from w8 just before use (decode: each weight
 // tile is used once per call), double-buffered.
 template <int BITS, bool TWO, size_t D>
@@ -628,11 +644,7 @@ VUN_AMX_TARGET void q8_tile_block(const uint8_t* xbuf, const AmxQ8Layout& l, con
       unpack_codes<BITS, D>(w, row_bytes, rows, seg + 1, a[(seg + 1) % 2]);
     }
   };
-  if (rows == kTile) {
-    q8_tile_core<TWO, D, true>(xbuf, l, 64, a_tile, overlap, s, b, y, M, N, K, group_size, n0);
-  } else {
-    q8_tile_core<TWO, D, false>(xbuf, l, 64, a_tile, overlap, s, b, y, M, N, K, group_size, n0);
-  }
+  q8_tile_run<TWO, D>(xbuf, l, 64, a_tile, overlap, s, b, y, M, N, K, group_size, n0);
 }
 
 // q8_tile_core over codes unpacked already (amx_q8_unpack_panel): the block's segment seg is
@@ -642,12 +654,7 @@ VUN_AMX_TARGET void q8_panel_block(const uint8_t* xbuf, const AmxQ8Layout& l, co
                                    const float* s, const float* b, float* y, size_t M, size_t N,
                                    size_t K, size_t group_size, size_t n0) {
   const auto a_tile = [&](size_t seg) { return codes + seg * kTile * D; };
-  const auto overlap = [](size_t) {};
-  if (N - n0 >= kTile) {
-    q8_tile_core<TWO, D, true>(xbuf, l, D, a_tile, overlap, s, b, y, M, N, K, group_size, n0);
-  } else {
-    q8_tile_core<TWO, D, false>(xbuf, l, D, a_tile, overlap, s, b, y, M, N, K, group_size, n0);
-  }
+  q8_tile_run<TWO, D>(xbuf, l, D, a_tile, [](size_t) {}, s, b, y, M, N, K, group_size, n0);
 }
 
 // The codes of w's 16-row blocks [nb0, nb1) as tiles of 16 rows x D codes, one byte each:
