@@ -494,9 +494,9 @@ def kvquant_check(mx) -> dict:
         if bad:
             failed.append(case.name)
 
-    def attend(qs, pool, meta, scale, window, fmt, signs, max_chunk):
+    def attend(qs, pool, meta, scale, window, fmt, signs, max_chunk, fresh):
         return paged_gpu_attention_quant("cuda", qs, pool, meta, scale, window, fmt, signs,
-                                         max_chunk)
+                                         max_chunk, fresh)
 
     attention: dict = {}
     cases = q.grid(("float32", "bfloat16"))

@@ -14,7 +14,9 @@ against the same expectations:
   checked against vLLM's own kernels in ``tests/test_kv_quant.py``.)
 * the paged attention over quantized pages (``attention/gpu_paged_quant.py``): the step kinds
   of :mod:`gpu_attention_grid` (decode rows, prefill chunks, a mix), a covering design over
-  format x step kind x dtype with head size, GQA group, block size, window and route rotating;
+  format x step kind x dtype with head size, GQA group, block size, window and route rotating
+  (turboquant_k8v4 also a ``long`` continuation chunk, and the step's unquantized K/V as
+  ``fresh`` for the chunks vLLM's TurboQuant backend attends over them);
   block tables with holes from a pool twice the size needed; every cell no sequence owns
   0xFF bytes (a NaN scale: a read outside a row's keys makes the output NaN). The oracle is
   the pure-MLX reference over the pool dequantized by pure MLX
@@ -30,7 +32,8 @@ import mlx.core as mx
 import numpy as np
 from gpu_attention_grid import EVERY_ROW, STEPS, TOLERANCE
 
-MODES = ("int8_per_token_head", "int4_per_token_head", "fp8_per_token_head")
+MODES = ("int8_per_token_head", "int4_per_token_head", "fp8_per_token_head",
+         "turboquant_k8v4")
 DTYPES = ("float32", "float16", "bfloat16")
 WRITE_DIMS = (64, 96, 128, 256)
 
@@ -102,8 +105,11 @@ def write_inputs(case: WriteCase) -> WriteInputs:
     keys = rng.standard_normal((t, h, d)).astype(np.float32) * 2
     values = rng.standard_normal((t, h, d)).astype(np.float32)
     keys[0, 0, 3] = 37.0  # an outlier
+    keys[0, h - 1, 5] = -600.0  # beyond fp8's range: turboquant's unscaled keys saturate
     values[1, h - 1] = 0.0  # a zero side: the scale floor
     keys[2] = np.abs(keys[2])  # one-sided: the int4 zero point at an end
+    # a narrow value row: turboquant's fp16 scale a subnormal (below 2^-14)
+    values[2, 0] = 1e-4 * rng.standard_normal(d).astype(np.float32)
     if t > 5:
         # fp8 rounding ties and subnormals after the scale (amax 448 makes inv 1): values
         # halfway between e4m3 neighbours, and below 2^-6
@@ -148,6 +154,15 @@ BLOCK_SIZES = (16, 32)
 WINDOWS = (None, 16, 61)
 KINDS = ("decode", "prefill", "mixed")
 ROUTES = ("kernel", "split")
+#: turboquant_k8v4 also meets a chunk longer than vLLM's TurboQuant short-continuation limit
+#: (128 tokens) after cached context: it reads its own 150 rows unquantized, the earlier ones
+#: from the cells; beside it a short continuation and a decode row
+TQ_STEPS = {"long": ([1, 150, 20], [40, 300, 180])}
+
+
+def kinds(mode: str) -> tuple[str, ...]:
+    """The step kinds a format meets (turboquant_k8v4: also ``long``)."""
+    return KINDS + tuple(TQ_STEPS) if mode.startswith("turboquant_") else KINDS
 
 
 @dataclass(frozen=True)
@@ -181,7 +196,7 @@ def grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[Case]:
     i = 0
     for dtype in dtypes:
         for m, mode in enumerate(MODES):
-            for k, kind in enumerate(KINDS):
+            for k, kind in enumerate(kinds(mode)):
                 cases.append(Case(
                     mode=mode, kind=kind, dim=HEAD_SIZES[(i + m) % 4],
                     group=GROUPS[(i + k) % 4], kv_heads=1 + i % 2,
@@ -202,6 +217,7 @@ class Built:
     fmt: object
     signs: mx.array | None
     max_chunk: int | None
+    fresh: tuple[mx.array, mx.array]
     reference: np.ndarray
 
 
@@ -214,7 +230,7 @@ def build(case: Case) -> Built:
 
     fmt = kv_format(case.mode)
     rng = np.random.default_rng(case.seed)
-    qlens, slens = STEPS[case.kind]
+    qlens, slens = {**STEPS, **TQ_STEPS}[case.kind]
     bs, dim = case.block_size, case.dim
     need = [-(-s // bs) for s in slens]
     num_blocks = 2 * sum(need) + 3
@@ -235,9 +251,10 @@ def build(case: Case) -> Built:
     signs = signs_for(case.mode, dim)
     from vllm_unified.kv.quant import round_to_dtype_reference
 
-    cells = quantize_cells_reference(round_to_dtype_reference(keys, case.dtype),
-                                     round_to_dtype_reference(values, case.dtype), fmt,
-                                     case.dtype, None if signs is None else np.array(signs))
+    keys = round_to_dtype_reference(keys, case.dtype)
+    values = round_to_dtype_reference(values, case.dtype)
+    cells = quantize_cells_reference(keys, values, fmt, case.dtype,
+                                     None if signs is None else np.array(signs))
     pool = np.full((num_blocks * bs, case.kv_heads, fmt.cell_bytes(dim)), 0xFF, np.uint8)
     pool[slots] = cells
     heads = case.group * case.kv_heads
@@ -247,13 +264,17 @@ def build(case: Case) -> Built:
     kv = mx.array(pool).view(storage_dtype(case.mode))
     meta = build_attention_metadata(qlens, slens, tables, bs)
     scale = dim ** -0.5
+    # the step's own keys and values, unquantized ([T, Hkv, 1, D]): each sequence's last rows
+    ends = np.cumsum(slens)
+    own = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, qlens, strict=True)])
+    fresh = tuple(mx.array(x[own][:, :, None]).astype(dtype) for x in (keys, values))
     ref_meta = build_attention_metadata(qlens, slens, tables, bs)
     with mx.stream(mx.cpu):  # exact fp32 on every machine (no TF32)
         reference = np.array(paged_attention_kv(
             q.astype(mx.float32), kv, ref_meta, scale, case.window, accelerate=False,
-            kv_format=fmt, rht_signs=signs).astype(mx.float32))
+            kv_format=fmt, rht_signs=signs, fresh=fresh).astype(mx.float32))
     max_chunk = EVERY_ROW if case.route == "kernel" else None
-    return Built(q, kv, meta, scale, fmt, signs, max_chunk, reference)
+    return Built(q, kv, meta, scale, fmt, signs, max_chunk, fresh, reference)
 
 
 Attend = Callable[..., mx.array]
@@ -261,11 +282,11 @@ Attend = Callable[..., mx.array]
 
 def max_error(case: Case, attend: Attend) -> float:
     """Largest absolute difference between ``attend(queries, pool, meta, scale, window, fmt,
-    signs, max_chunk)`` (the arguments of ``paged_gpu_attention_quant`` after the dialect)
-    and the reference on ``case`` (NaN when the output is not finite)."""
+    signs, max_chunk, fresh)`` (the arguments of ``paged_gpu_attention_quant`` after the
+    dialect) and the reference on ``case`` (NaN when the output is not finite)."""
     b = build(case)
     got = np.array(attend(b.queries, b.pool, b.meta, b.scale, case.window, b.fmt, b.signs,
-                          b.max_chunk).astype(mx.float32))
+                          b.max_chunk, b.fresh).astype(mx.float32))
     if got.shape != b.reference.shape:
         raise AssertionError(f"{case.name}: output {got.shape} != {b.reference.shape}")
     if not np.isfinite(got).all():

@@ -105,8 +105,8 @@ def test_fp8_reference_encoding_is_torchs():
 def emulated_metal(monkeypatch):
     """mx.fast.metal_kernel replaced by MLX's assembly plus the emulator (as in
     test_metal_dialect.py): the call runs on the CPU, its inputs after the run are kept, and
-    a byte input the kernel wrote (through UNI_WRITABLE) gets the written bytes in its own MLX
-    buffer, as on a GPU (so ``mx.depends(pool, token)`` reads them)."""
+    a byte or fp32 input the kernel wrote (through UNI_WRITABLE) gets the written bytes in its
+    own MLX buffer, as on a GPU (so ``mx.depends(pool, token)`` reads them)."""
     runs = []
 
     def make(*, name, input_names, output_names, source, header="", **_):
@@ -115,7 +115,7 @@ def emulated_metal(monkeypatch):
                                           template, output_dtypes=output_dtypes, header=header)
             ins, outs = emu.run(text, inputs, output_shapes, output_dtypes, grid, threadgroup)
             for x, after in zip(inputs, ins, strict=True):
-                if x.dtype in (mx.int8, mx.uint8):
+                if x.dtype in (mx.int8, mx.uint8, mx.float32):  # pools: cells, fp32 pages
                     mx.eval(x)
                     buf = np.asarray(memoryview(x))
                     if not np.array_equal(buf, after):
@@ -163,7 +163,16 @@ def test_metal_write_is_the_native_write_byte_for_byte(emulated_metal, case):
     ("int4_per_token_head", ("| (uint32_t)zp;", ";")),  # the zero point dropped
     ("fp8_per_token_head", ("(q & 1u) != 0u", "false")),  # ties away instead of to even
     ("int4_per_token_head", ("x[i] + o", "o + x[i] + 0.0f * o")),  # same value: must pass
-], ids=["int8-rounding", "int4-zero-point", "fp8-ties", "int4-equivalent"])
+    ("turboquant_k8v4", ("(x[i] - lo) / scale, 0.5f", "(x[i] - lo) / scale, 0.0f")),  # floor
+    ("turboquant_k8v4", ("float k = x[i] < -448.0f ? -448.0f : x[i];",
+                         "float k = x[i];")),  # keys not saturated: 0x7f (NaN) beyond 448
+    ("turboquant_k8v4", ("(rest == halfway && (q & 1u) != 0u)) {\n            q += 1u;\n"
+                         "        }\n        return sign | q;\n    }\n    const unsigned int r "
+                         "= a + 0xfffu", "(rest == halfway && (q & 1u) != 0u)) {\n"
+                         "            q += 1u;\n        }\n        return sign;\n    }\n"
+                         "    const unsigned int r = a + 0xfffu")),  # fp16 subnormals lost
+], ids=["int8-rounding", "int4-zero-point", "fp8-ties", "int4-equivalent", "tq-value-floor",
+        "tq-key-saturation", "tq-f16-subnormal"])
 def test_a_wrong_write_kernel_fails_the_check(emulated_metal, monkeypatch, mode, change):
     """The byte comparison catches a kernel one rule off (and passes an equivalent one)."""
     case = next(c for c in write_cases() if c.mode == mode and c.tokens > 5)
@@ -226,9 +235,9 @@ def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, bl
 
 
 def _attend(dialect):
-    def attend(q, pool, meta, scale, window, fmt, signs, max_chunk):
+    def attend(q, pool, meta, scale, window, fmt, signs, max_chunk, fresh):
         return gpu_paged_quant.paged_gpu_attention_quant(dialect, q, pool, meta, scale, window,
-                                                         fmt, signs, max_chunk)
+                                                         fmt, signs, max_chunk, fresh)
     return attend
 
 
@@ -248,10 +257,14 @@ def test_metal_attention_matches_the_reference_on_the_grid(case, monkeypatch):
     ("qi < nrows && j < lr &&", "qi < nrows && j <= lr &&"),  # a row sees the next key
     ("static_cast<T>((srot[c][d] * signs[d % BLK]) / (float)BLK)",
      "static_cast<T>(srot[c][d] / (float)BLK)"),  # int4: the output's signs forgotten
-], ids=["key-scale", "one-key-more", "int4-signs"])
+    ("& 15u) * vs + vz;", "& 15u) * vs;"),  # turboquant: the value minimum dropped
+    ("q * s + min\n                kf[e] = uni_kvq_e4m3_value((uint32_t)kc[c]);",
+     "q * s + min\n                kf[e] = uni_kvq_e4m3_value((uint32_t)kc[c] & 0x7fu);"),
+], ids=["key-scale", "one-key-more", "int4-signs", "tq-value-min", "tq-key-sign"])
 def test_a_wrong_attention_kernel_fails_the_check(monkeypatch, change):
-    case = next(c for c in grid(("float32",)) if c.mode == "int4_per_token_head"
-                and c.kind == "mixed")
+    mode = "turboquant_k8v4" if "vs + vz" in change[0] or "0x7fu" in change[1] \
+        else "int4_per_token_head"
+    case = next(c for c in grid(("float32",)) if c.mode == mode and c.kind == "mixed")
     assert change[0] in gpu_paged_quant.SOURCE
     monkeypatch.setattr(gpu_paged_quant, "SOURCE", gpu_paged_quant.SOURCE.replace(*change))
     monkeypatch.setattr(gpu_paged_quant, "launch", _emulated_launch)
@@ -259,12 +272,38 @@ def test_a_wrong_attention_kernel_fails_the_check(monkeypatch, change):
     assert not err <= TOLERANCE[case.dtype], err  # NaN fails too
 
 
+@needs_clang
+@pytest.mark.parametrize("kind", ["prefill", "long"])
+def test_turboquant_chunks_that_vllm_attends_unquantized_fail_over_cells(monkeypatch, kind):
+    """The grid's TurboQuant steps would fail if the chunks vLLM's TurboQuant backend attends
+    over their own unquantized K/V read cells instead: ``prefill``'s chunks that start their
+    sequence (to the kernel here), ``long``'s 150-token continuation (its own rows from the
+    cells)."""
+    from vllm_unified.attention import gpu_paged
+
+    case = next(c for c in grid(("float32",)) if c.mode == "turboquant_k8v4"
+                and c.kind == kind)
+    monkeypatch.setattr(gpu_paged_quant, "launch", _emulated_launch)
+    assert max_error(case, _attend("metal")) <= TOLERANCE[case.dtype]
+    if kind == "long":  # the long chunk's own rows from the cells
+        chunk = paged.quantized_chunk_attention
+        monkeypatch.setattr(paged, "quantized_chunk_attention",
+                            lambda *a, **k: chunk(*a[:7]))
+    else:  # fresh chunks to the kernel, over the cells
+        monkeypatch.setattr(gpu_paged.AttentionMetadata, "gpu_plan",
+                            lambda self, rows, fresh, limit: self._make_gpu_plan(
+                                rows, False, 1 << 20))
+    err = max_error(dataclasses.replace(case, route="kernel"), _attend("metal"))
+    assert not err <= TOLERANCE[case.dtype], err
+
+
 def test_grid_covers_formats_head_sizes_kinds_windows_and_routes():
     cases = grid()
     for dtype in ("float32", "bfloat16"):
         sub = [c for c in cases if c.dtype == dtype]
         assert {(c.mode, c.kind) for c in sub} == {(m, k) for m in MODES
-                                                   for k in ("decode", "prefill", "mixed")}
+                                                   for k in ("decode", "prefill", "mixed")} \
+            | {("turboquant_k8v4", "long")}
     assert {(c.mode, c.dim) for c in cases} == {(m, d) for m in MODES
                                                 for d in (64, 96, 128, 256)}
     assert {c.window for c in cases} == {None, 16, 61}
@@ -345,13 +384,12 @@ def test_gpu_profiles_serve_the_formats_and_refuse_the_rest(kind):
         _cache(profile, recurrent=[1, 3])
     with pytest.raises(ValueError, match="--kv-cache-dtype int8_per_token_head: quantized"):
         _cache(dataclasses.replace(profile, gpu_attention=None))
-    with pytest.raises(ValueError, match="turboquant_k8v4: TurboQuant pages .* native CPU"):
-        _cache(profile, name="turboquant_k8v4")
-    # layers kept in the model dtype next to quantized ones: the native CPU kernels only
+    # layers kept in the model dtype next to quantized ones, each on its format's kernels
     for name in MODES:
-        with pytest.raises(ValueError, match=f"--kv-cache-dtype-skip-layers with --kv-cache-"
-                                             f"dtype {name}: .*here 0, 1.* native CPU kernels"):
-            _cache(profile, name=name, skip=["0", "1"])
+        cache = _cache(profile, name=name, skip=["0", "1"])
+        assert cache.skipped_layers() == [0, 1]
+        assert [f.name for f in cache._pool_formats()] == ["auto", "auto", name, name]
+        assert "layers 0, 1 in bfloat16" in cache.describe_format()
     assert _cache(profile, name="auto", skip=["0"]).skipped_layers() == []
 
 
@@ -507,3 +545,85 @@ def test_h200_check_reports_worst_figures_per_format(emulated_metal, monkeypatch
     worst = report["worst_attention_max_abs_error"]
     assert set(worst) == {f"{m}/{d}" for m in MODES for d in ("float32", "bfloat16")}
     assert all(worst[f"{m}/float32"] <= 1e-5 and worst[f"{m}/bfloat16"] <= 2e-2 for m in MODES)
+
+
+@needs_clang
+@pytest.mark.parametrize("name, flag", [("turboquant_k8v4", None),
+                                        ("int8_per_token_head", ["0", "1"])],
+                         ids=["turboquant", "int8-skip-0-1"])
+def test_metal_mixed_precision_pool_on_the_emulated_kernels(emulated_metal, monkeypatch,
+                                                            default_model, name, flag):
+    """A quantized cache with layers kept in the model dtype on the Metal profile
+    (turboquant_k8v4's boundary layers; int8_per_token_head with
+    ``--kv-cache-dtype-skip-layers 0 1``): vLLM's one group of UniformTypeKVCacheSpecs in the
+    torch buffer shared with MLX (the import stood in as test_metal_memory does); each layer
+    written by its format's Metal kernel and attended by its format's Metal attention kernel,
+    both emulated. The bytes land in vLLM's own views, and every checked layer (skipped and
+    quantized) equals the reference over its own pages."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core import kv_cache_utils
+
+    from vllm_unified.attention import gpu_paged
+    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.allocation import KV_LAYOUT, slot_major
+    from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
+    from vllm_unified.kv.hybrid import HybridLayers
+
+    native = _native()
+    gpu_paged._kernel.cache_clear()
+    monkeypatch.setattr(bridge, "_backend", lambda: "metal")
+    monkeypatch.setattr(mx, "from_dlpack", lambda t, copy=None: native.adopt(
+        t.data_ptr(), t.numel() * t.element_size(), list(t.shape), bridge.mlx_dtype(t.dtype), t))
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_buffer_length": 1 << 40})
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: 8 * 2**30)
+    monkeypatch.setattr(mx, "get_memory_limit", lambda: 12 * 2**30)
+    monkeypatch.setattr(mx, "set_memory_limit", lambda n: 12 * 2**30)
+    cfg = EngineArgs(model=default_model, max_model_len=256, enable_prefix_caching=False,
+                     kv_cache_dtype=name,
+                     **({"kv_cache_dtype_skip_layers": flag} if flag else {})
+                     ).create_engine_config()
+    cfg.cache_config.kv_cache_layout = KV_LAYOUT
+    block = cfg.cache_config.block_size
+    skip = cfg.cache_config.kv_cache_dtype_skip_layers
+    profile = profile_for("metal", "metal")
+    cache = KVCache(profile, HybridLayers("llama", 30, []),
+                    AttentionShape(3, 64, torch.float32, name, tuple(skip)),
+                    dict.fromkeys(range(30)), mx.float32)
+    groups = kv_cache_utils.get_kv_cache_groups(cfg, cache.kv_cache_spec(block, cfg))
+    cache.initialize(kv_cache_utils.get_kv_cache_config_from_groups(cfg, groups, 8 << 20),
+                     KV_LAYOUT)
+    pool = cache.pool
+    assert pool.shared and pool.write_path == "metal_kernel"
+    assert cache.skipped_layers() == [int(i) for i in skip]
+    before = pool.data_ptrs()
+    rng = np.random.default_rng(3)
+    lens, query_lens = [70, 30], [1, 30]  # a decode row; a chunk that starts its sequence
+    tables = np.array([[1, 2], [3, 0]], np.int32)
+    slots = np.concatenate([tables[b, np.arange(n) // block] * block + np.arange(n) % block
+                            for b, n in enumerate(lens)]).astype(np.int32)
+    own = np.array([69, *range(70, 100)])
+    q = mx.array(rng.standard_normal((31, 9, 1, 64)).astype(np.float32))
+    checked = [0, 2, 29]
+    for j in checked:  # skipped, quantized, skipped (TurboQuant) / quantized (int8)
+        k = rng.standard_normal((len(slots), 3, 1, 64)).astype(np.float32)
+        v = rng.standard_normal((len(slots), 3, 1, 64)).astype(np.float32)
+        pool.write(j, mx.array(slots), mx.array(k), mx.array(v))
+        mx.eval(pool.kv)
+        fmt = pool.layer_format(j)
+        assert fmt.quantized == (str(j) not in skip), j
+        view = slot_major(cache.connector_views()[layer_name(j)]).view(torch.uint8)
+        np.testing.assert_array_equal(view.numpy().reshape(len(view), -1),
+                                      pool_bytes(pool.kv[j]).reshape(len(view), -1))
+        meta = build_attention_metadata(query_lens, lens, tables, block)
+        fresh = (mx.array(k[own]), mx.array(v[own]))
+        kw = dict(kv_format=fmt, rht_signs=pool.signs, fresh=fresh)
+        want = np.array(paged.paged_attention_kv(q, pool.kv[j], meta, 0.125, None,
+                                                 accelerate=False, **kw))
+        runs = len(emulated_metal)
+        got = np.array(paged.paged_attention_kv(q, pool.kv[j], meta, 0.125, None,
+                                                backend=profile, **kw))
+        assert len(emulated_metal) > runs, "no Metal kernel ran"
+        assert np.abs(want).max() > 0.1, j  # the pages hold this step's rows
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), j
+    assert pool.data_ptrs() == before
+    gpu_paged._kernel.cache_clear()

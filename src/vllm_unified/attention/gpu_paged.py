@@ -395,7 +395,7 @@ def paged_gpu_attention(
         if chunk is None:
             pieces.append(out[start:stop])
         elif fresh is not None and meta.prefills[chunk].seq_len == stop - start:
-            pieces.append(_fresh_chunk(queries[start:stop], fresh, start, stop, kv_pool.dtype,
+            pieces.append(fresh_chunk(queries[start:stop], fresh, start, stop, kv_pool.dtype,
                                        meta.fresh_mask(chunk, window), scale))
         else:
             from vllm_unified.attention.paged import prefill_chunk_attention
@@ -404,7 +404,7 @@ def paged_gpu_attention(
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
 
 
-def _fresh_chunk(queries: mx.array, fresh: tuple[mx.array, mx.array], start: int, stop: int,
+def fresh_chunk(queries: mx.array, fresh: tuple[mx.array, mx.array], start: int, stop: int,
                  dtype: mx.Dtype, mask: mx.array | str, scale: float) -> mx.array:
     """A chunk's ``[L, H, 1, D]`` queries over its own fresh keys and values (rows
     ``start ... stop - 1`` of ``fresh``), cast to the pool's dtype, by MLX's SDPA."""

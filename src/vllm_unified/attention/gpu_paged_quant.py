@@ -18,12 +18,19 @@ the context), as the native CPU kernel does (native/src/cpu_kvquant.cpp):
   block ``b``, and each output row is rounded to the dtype, rotated back (butterfly, signs)
   and divided by ``b`` before it is stored.
 
+* turboquant_k8v4: keys the fp8 bytes decoded (no scale), values ``q * s + min`` with the
+  cell's fp16 scale and minimum, weighted by ``p``.
+
 Routing (:func:`paged_gpu_attention_quant`): every decode row and every prefill chunk of at
-most :data:`gpu_paged.MAX_KERNEL_CHUNK` rows goes to the kernel, fresh chunks included (the
-pool's quantized keys are what vLLM attends over, not the layer's unquantized ones); a longer
-chunk goes to MLX's SDPA over its own context gathered from the pool and dequantized
-(:func:`vllm_unified.attention.paged.quantized_chunk_attention`), as the dense path gathers
-long chunks.
+most :data:`gpu_paged.MAX_KERNEL_CHUNK` rows goes to the kernel; for the per-token-head formats
+fresh chunks too (the pool's quantized keys are what vLLM's Triton backend attends over, not the
+layer's unquantized ones); a longer chunk goes to MLX's SDPA over its own context gathered from
+the pool and dequantized (:func:`vllm_unified.attention.paged.quantized_chunk_attention`), as
+the dense path gathers long chunks. turboquant_k8v4 follows vLLM's TurboQuant backend: a chunk
+that starts its sequence goes to MLX's SDPA over the step's own unquantized keys and values,
+one longer than :data:`~vllm_unified.kv.quant.TQ_SHORT_CONTINUATION` tokens over its context's
+cells followed by its own unquantized rows; shorter ones and decode rows read every key from
+the cells.
 """
 
 from __future__ import annotations
@@ -53,6 +60,14 @@ UNI_FUNC float uni_kvq_e4m3_value(unsigned int b) {
                               : uni_as_float(((e + 120u) << 23) | (m << 20));
     return (b & 0x80u) != 0u ? -mag : mag;
 }
+UNI_FUNC float uni_kvq_f16_value(unsigned int h) {
+    const unsigned int e = (h >> 10) & 31u;
+    const unsigned int m = h & 0x3ffu;
+    const float mag = e == 0u ? (float)m * 5.9604644775390625e-8f  // m * 2^-24
+                    : e == 31u ? uni_as_float(m != 0u ? 0x7fc00000u : 0x7f800000u)
+                               : uni_as_float(((e + 112u) << 23) | (m << 13));
+    return (h & 0x8000u) != 0u ? -mag : mag;
+}
 UNI_FUNC unsigned int uni_kvq_word(const UNI_DEVICE unsigned char* p) {
     return (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16)
         | ((unsigned int)p[3] << 24);
@@ -68,7 +83,7 @@ SOURCE = """
     constexpr int G = H / HKV;
     constexpr int QG = QT * G;
     constexpr int DK = MODE == 2 ? D / 2 : D;
-    constexpr int CELL = 2 * (DK + 4);
+    constexpr int CELL = MODE == 4 ? D + D / 2 + 4 : 2 * (DK + 4);
     const int grp = (int)uni_group;
     const int tile = grp / HKV;
     const int kh = grp - tile * HKV;
@@ -144,11 +159,17 @@ SOURCE = """
     for (int j = kbeg + warp; j < len_last; j += WARPS) {
         const int64_t slot = (int64_t)tables[trow + j / BS] * BS + j % BS;
         const UNI_DEVICE uint8_t* kc = cells + (slot * HKV + kh) * CELL;
-        const UNI_DEVICE uint8_t* vc = kc + DK + 4;
-        const uint32_t kw = uni_kvq_word(kc + DK);
-        const uint32_t vw = uni_kvq_word(vc + DK);
+        const UNI_DEVICE uint8_t* vc = kc + (MODE == 4 ? D : DK + 4);
+        // the scale words (turboquant: the value's fp16 scale, then its fp16 minimum)
+        const uint32_t kw = MODE == 4 ? 0u : uni_kvq_word(kc + DK);
+        const uint32_t vw = uni_kvq_word(vc + (MODE == 4 ? D / 2 : DK));
         float ks, kz, vs, vz;
-        if (MODE == 2) {
+        if (MODE == 4) {
+            ks = 1.f;  // keys: fp8 of the key itself
+            kz = 0.f;
+            vs = uni_kvq_f16_value(vw & 0xffffu);
+            vz = uni_kvq_f16_value(vw >> 16);
+        } else if (MODE == 2) {
             ks = uni_as_float(kw & 0xfffffff0u);
             kz = (float)(kw & 15u);
             vs = uni_as_float(vw & 0xfffffff0u);
@@ -164,7 +185,10 @@ SOURCE = """
 #pragma unroll
         for (int e = 0; e < EPL; ++e) {
             const int c = lane * EPL + e;
-            if (MODE == 2) {
+            if (MODE == 4) {  // values q * s + min
+                kf[e] = uni_kvq_e4m3_value((uint32_t)kc[c]);
+                vf[e] = (float)(((uint32_t)vc[c >> 1] >> ((c & 1) * 4)) & 15u) * vs + vz;
+            } else if (MODE == 2) {
                 const int sh = (c & 1) * 4;
                 kf[e] = (float)(((uint32_t)kc[c >> 1] >> sh) & 15u) - kz;
                 vf[e] = (float)(((uint32_t)vc[c >> 1] >> sh) & 15u) - vz;
@@ -198,7 +222,7 @@ SOURCE = """
                     const float m_new = uni_fmax(m[i], s[g]);
                     const float corr = m[i] == neg_inf ? 0.f : uni_exp(m[i] - m_new);
                     const float p = uni_exp(s[g] - m_new);
-                    const float w = p * vs;
+                    const float w = MODE == 4 ? p : p * vs;  // turboquant: s is in vf
                     l[i] = l[i] * corr + p;
 #pragma unroll
                     for (int e = 0; e < EPL; ++e) {
@@ -393,6 +417,7 @@ def launch(
 def paged_gpu_attention_quant(
     dialect: str, queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, fmt: KVFormat, signs: mx.array | None, max_chunk: int | None = None,
+    fresh: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
     """Every row's attention over a quantized pool (``[slots, Hkv, fmt.cell_bytes(D)]``).
 
@@ -404,15 +429,25 @@ def paged_gpu_attention_quant(
         scale, window: score multiplier, sliding window or None.
         fmt: the pool's quantized format; ``signs``: int4's RHT signs (fp32 ``[b]``).
         max_chunk: prefill chunks longer than this go to MLX's SDPA over their context
-            gathered and dequantized; default :data:`gpu_paged.MAX_KERNEL_CHUNK`.
+            gathered and dequantized; default :data:`gpu_paged.MAX_KERNEL_CHUNK`
+            (``turboquant_k8v4``: at most :data:`~vllm_unified.kv.quant.TQ_SHORT_CONTINUATION`).
+        fresh: ``turboquant_k8v4``: this step's keys and values of the layer (``[T, Hkv, 1,
+            D]`` or ``[T, Hkv, D]``, unquantized), which prefill chunks read for their own
+            tokens as vLLM's TurboQuant backend does: a chunk that starts its sequence goes to
+            MLX's SDPA over them alone, one longer than ``TQ_SHORT_CONTINUATION`` over its
+            context's cells followed by them. Ignored by the other formats (vLLM attends
+            every key from their cells).
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
 
     Raises:
-        ValueError: a head size the kernel does not take, int4 without signs, or a step with
-            prefill chunks whose metadata lacks the host-side fields.
+        ValueError: a head size the kernel does not take, int4 without signs, a step with
+            prefill chunks whose metadata lacks the host-side fields, or ``turboquant_k8v4``
+            without ``fresh`` where a chunk reads its own keys unquantized.
     """
+    from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION
+
     dim = queries.shape[-1]
     if not supported(dim):
         raise ValueError(f"the paged GPU kernel takes head sizes that are multiples of 32 up "
@@ -423,9 +458,15 @@ def paged_gpu_attention_quant(
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
                       1, True, fmt, signs)
+    limit = gpu_paged.MAX_KERNEL_CHUNK if max_chunk is None else max_chunk
+    if fmt.turboquant:  # chunks that read their own K/V unquantized never reach the kernel
+        if fresh is None and meta.fresh_key_rows(TQ_SHORT_CONTINUATION) is not None:
+            raise ValueError(f"{fmt.name}: prefill chunks that start their sequence or are "
+                             f"longer than {TQ_SHORT_CONTINUATION} tokens attend the step's "
+                             "unquantized keys and values (fresh), which were not given")
+        limit = min(limit, TQ_SHORT_CONTINUATION)
     rows = q_tile(queries.shape[1] // kv_pool.shape[1], dim, fmt.rotated)
-    plan = meta.gpu_plan(rows, False,
-                         gpu_paged.MAX_KERNEL_CHUNK if max_chunk is None else max_chunk)
+    plan = meta.gpu_plan(rows, fmt.turboquant, limit)
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
@@ -434,7 +475,16 @@ def paged_gpu_attention_quant(
         return out
     from vllm_unified.attention.paged import quantized_chunk_attention
 
-    pieces = [out[start:stop] if chunk is None else
-              quantized_chunk_attention(queries, kv_pool, meta, chunk, scale, window, fmt)
-              for start, stop, chunk in plan.segments]
+    pieces = []
+    for start, stop, chunk in plan.segments:
+        if chunk is None:
+            pieces.append(out[start:stop])
+        elif fmt.turboquant and meta.prefills[chunk].seq_len == stop - start:
+            pieces.append(gpu_paged.fresh_chunk(queries[start:stop], fresh, start, stop,
+                                                queries.dtype, meta.fresh_mask(chunk, window),
+                                                scale))
+        else:
+            own = fmt.turboquant and stop - start > TQ_SHORT_CONTINUATION
+            pieces.append(quantized_chunk_attention(queries, kv_pool, meta, chunk, scale,
+                                                    window, fmt, fresh if own else None))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)

@@ -155,7 +155,7 @@ def paged_attention_kv(
     on a GPU backend the quantized paged GPU kernel of the profile's dialect
     (attention/gpu_paged_quant.py; ``rht_signs``: vLLM's RHT signs for int4); the reference
     dequantizes the whole pool (:func:`vllm_unified.kv.quant.dequantize_pool`) and attends
-    over it in fp32. For ``turboquant_k8v4`` (native CPU kernel only) with ``fresh``, prefill
+    over it in fp32. For ``turboquant_k8v4`` with ``fresh``, prefill
     chunks read their own tokens' keys and values from ``fresh`` unquantized, as vLLM's
     TurboQuant backend attends them
     (:meth:`~vllm_unified.attention.metadata.AttentionMetadata.fresh_key_rows`); the
@@ -250,7 +250,7 @@ def _quantized_attention(
         from vllm_unified.attention.gpu_paged_quant import paged_gpu_attention_quant
 
         return paged_gpu_attention_quant(backend.gpu_attention, queries, kv_pool, meta, scale,
-                                         window, fmt, rht_signs)
+                                         window, fmt, rht_signs, fresh=fresh)
     from vllm_unified.attention.cpu_paged import paged_attention_rows
 
     return paged_attention_rows(queries, kv_pool, meta, scale, window, fmt.native_mode,
@@ -259,22 +259,36 @@ def _quantized_attention(
 
 def quantized_chunk_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
-    window: Window, fmt: KVFormat,
+    window: Window, fmt: KVFormat, fresh: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
     """Prefill chunk ``index`` of a step over a quantized pool by MLX's SDPA: its
     ``[L, H, 1, D]`` rows of ``queries`` over its own context's cells gathered from ``kv_pool``
     (``[slots, Hkv, cell bytes]``) and dequantized by pure MLX
     (:func:`vllm_unified.kv.quant.dequantize_pool`: that chunk's keys only, never the pool),
     in fp32 as the reference; ``[L, H, 1, D]`` in the queries' dtype out (for GPU kernels that
-    leave long chunks to SDPA)."""
+    leave long chunks to SDPA). ``fresh``: the step's unquantized keys and values
+    (``[T, Hkv, 1, D]`` or ``[T, Hkv, D]``), read for the chunk's own ``L`` tokens in place of
+    their cells (turboquant_k8v4's long continuation chunks, as vLLM's TurboQuant backend)."""
     from vllm_unified.kv.quant import dequantize_pool
 
     dim = queries.shape[-1]
     cell_rows = kv_pool.reshape(-1, kv_pool.shape[-1])
+    chunk = meta.prefills[index]
+
+    def own(x: mx.array) -> mx.array:
+        # [L, Hkv, (1,) D] rows of the chunk -> [1, Hkv, L, D] fp32
+        rows = x[chunk.start:chunk.start + chunk.length]
+        return rows.reshape(chunk.length, -1, dim).transpose(1, 0, 2)[None].astype(mx.float32)
 
     def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
+        if fresh is not None:  # the view ends with the chunk's own L positions
+            rows = rows[..., :rows.shape[-1] - chunk.length]
         dense = dequantize_pool(cell_rows[rows], fmt, dim)
-        return dense[..., :dim], dense[..., dim:]
+        keys, values = dense[..., :dim], dense[..., dim:]
+        if fresh is not None:
+            keys = mx.concatenate([keys, own(fresh[0])], axis=2)
+            values = mx.concatenate([values, own(fresh[1])], axis=2)
+        return keys, values
 
     return _prefill_attention(queries.astype(mx.float32), gather, meta, index, scale, window,
                               kv_pool.shape[1]).astype(queries.dtype)

@@ -113,8 +113,7 @@ class KVCache:
         #: each attention layer's format (model layer index -> format; skip layers: auto)
         self.layer_formats = {i: shape.layer_format(i, windows[i]) for i in layers.attention}
         if self.fmt.quantized:
-            check_quantized_kv(profile, self.fmt, shape.head_size,
-                               skipped=self.skipped_layers())
+            check_quantized_kv(profile, self.fmt, shape.head_size)
         if self.fmt.quantized and layers.is_hybrid:
             raise ValueError(f"--kv-cache-dtype {self.fmt.name}: hybrid models keep the model "
                              "dtype; use auto")
@@ -400,18 +399,13 @@ class KVCache:
         return self._layer_caches(pool, store), ctx, arrays
 
 
-def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int,
-                       skipped: list[int] | None = None) -> None:
-    """Refuse, at start-up, a quantized KV cache that no kernels of this profile serve;
-    ``skipped``: the attention layers ``--kv-cache-dtype-skip-layers`` keeps in the model
-    dtype (served by the native CPU kernels only: the GPU path's MLX-owned pool and its
-    kernels are not proven on pages of two precisions).
+def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int) -> None:
+    """Refuse, at start-up, a quantized KV cache that no kernels of this profile serve.
 
     Raises:
         ValueError: naming the flag: the profile has no quantized KV kernels
-            (:attr:`BackendProfile.quantized_kv`), TurboQuant or skip layers on the GPU
-            kernels, or the GPU kernels do not take the head size (a multiple of 32 up to
-            256).
+            (:attr:`BackendProfile.quantized_kv`), or the GPU kernels do not take the head
+            size (a multiple of 32 up to 256).
     """
     from vllm_unified.kv.gpu_quant_write import supported
 
@@ -424,17 +418,6 @@ def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int,
             f"written by the GPU kernels); this {profile.kind} backend profile has neither "
             f"(CPU attention {'on' if profile.cpu_attention else 'off'}, GPU attention "
             f"{profile.gpu_attention or 'off'}, KV write {profile.kv_write}); use auto")
-    if kernels != "native" and fmt.turboquant:
-        raise ValueError(
-            f"--kv-cache-dtype {fmt.name}: TurboQuant pages are written and read by the "
-            f"native CPU kernels only, not by the {kernels} kernels yet; use "
-            "int8_per_token_head, int4_per_token_head or fp8_per_token_head there")
-    if kernels != "native" and skipped:
-        raise ValueError(
-            f"--kv-cache-dtype-skip-layers with --kv-cache-dtype {fmt.name}: layers kept in "
-            f"the model dtype next to quantized ones (here {', '.join(map(str, skipped))}) "
-            f"are served by the native CPU kernels only, not by the {kernels} kernels yet; "
-            "drop the flag (every layer quantized) or use auto")
     if kernels != "native" and not supported(head_size):
         raise ValueError(
             f"--kv-cache-dtype {fmt.name}: the {kernels} quantized KV kernels take head sizes "

@@ -81,6 +81,35 @@ UNI_FUNC unsigned int uni_kvq_e4m3(float x) {
     }
     return sign | ((unsigned int)e << 3) | m;
 }
+// float -> float16 bits, round to nearest even (native f32_to_f16, in integers)
+UNI_FUNC unsigned int uni_kvq_f16(float x) {
+    const unsigned int bits = uni_as_uint(x);
+    const unsigned int sign = (bits >> 16) & 0x8000u;
+    const unsigned int a = bits & 0x7fffffffu;
+    if (a > 0x7f800000u) {
+        return sign | 0x7e00u;  // NaN
+    }
+    if (a >= 0x477ff000u) {
+        return sign | 0x7c00u;  // from 65520 up: infinity
+    }
+    if (a < 0x38800000u) {  // below 2^-14: multiples of 2^-24
+        const unsigned int e = a >> 23;
+        const unsigned int shift = 126u - e;  // |x| / 2^-24 = significand >> shift
+        if (e == 0u || shift > 24u) {
+            return sign;
+        }
+        const unsigned int m = (a & 0x7fffffu) | 0x800000u;
+        unsigned int q = m >> shift;
+        const unsigned int rest = m & ((1u << shift) - 1u);
+        const unsigned int halfway = 1u << (shift - 1u);
+        if (rest > halfway || (rest == halfway && (q & 1u) != 0u)) {
+            q += 1u;
+        }
+        return sign | q;
+    }
+    const unsigned int r = a + 0xfffu + ((a >> 13) & 1u);  // 10 mantissa bits, ties to even
+    return sign | ((r - (112u << 23)) >> 13);
+}
 """
 
 #: The body. Template arguments: P (pool dtype, int8/uint8), T (keys' dtype), MODE (1 int8,
@@ -89,7 +118,7 @@ UNI_FUNC unsigned int uni_kvq_e4m3(float x) {
 SOURCE = """
     constexpr int EPL = D / 32;
     constexpr int DK = MODE == 2 ? D / 2 : D;
-    constexpr int CELL = 2 * (DK + 4);
+    constexpr int CELL = MODE == 4 ? D + D / 2 + 4 : 2 * (DK + 4);
     const int lane = (int)uni_lane;
     const int64_t hkv = (int64_t)pool_shape[1];
     const int64_t item = (int64_t)(uni_global / 32);
@@ -142,9 +171,44 @@ SOURCE = """
                 }
             }
             UNI_DEVICE uint8_t* dst = reinterpret_cast<UNI_DEVICE uint8_t*>(UNI_WRITABLE(P, pool))
-                + (slot * hkv + h) * CELL + side * (DK + 4);
-            uint32_t word;
-            if (MODE == 2) {
+                + (slot * hkv + h) * CELL + side * (MODE == 4 ? D : DK + 4);
+            uint32_t word = 0u;
+            if (MODE == 4 && side == 0) {
+                // turboquant_k8v4's keys: fp8 of the key itself, saturated, no scale
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    float k = x[i] < -448.0f ? -448.0f : x[i];
+                    k = 448.0f < k ? 448.0f : k;
+                    dst[i * 32 + lane] = (uint8_t)uni_kvq_e4m3(k);
+                }
+            } else if (MODE == 4) {
+                // its values: 16 levels over the row's [min, max]; scale and min as fp16
+                float lo = x[0];
+                float hi = x[0];
+#pragma unroll
+                for (int i = 1; i < EPL; ++i) {
+                    lo = x[i] < lo ? x[i] : lo;
+                    hi = hi < x[i] ? x[i] : hi;
+                }
+                lo = -uni_simd_max(-lo);
+                hi = uni_simd_max(hi);
+                const float s0 = (hi - lo) / 15.0f;
+                const float scale = s0 > 1e-8f ? s0 : 1e-8f;
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    float q = uni_add_rn((x[i] - lo) / scale, 0.5f);
+                    q = q > 0.0f ? q : 0.0f;  // a NaN to 0, as the native fmax
+                    q = q < 15.0f ? q : 15.0f;
+                    const float next = uni_shfl_xor(q, 1);  // element i * 32 + lane + 1
+                    if ((lane & 1) == 0) {
+                        dst[i * 16 + lane / 2] = (uint8_t)((uint32_t)q | ((uint32_t)next << 4));
+                    }
+                }
+                word = uni_kvq_f16(scale) | (uni_kvq_f16(lo) << 16);
+                if (lane < 4) {  // fp16 scale, then fp16 min, little-endian
+                    dst[D / 2 + lane] = (uint8_t)((word >> (8 * lane)) & 0xffu);
+                }
+            } else if (MODE == 2) {
                 float lo = x[0];
                 float hi = x[0];
 #pragma unroll
@@ -201,7 +265,7 @@ SOURCE = """
                 }
                 word = uni_as_uint(scale);
             }
-            if (lane < 4) {  // the fp32 scale word, little-endian, byte by byte (any alignment)
+            if (MODE != 4 && lane < 4) {  // the fp32 scale word, little-endian, byte by byte
                 dst[DK + lane] = (uint8_t)((word >> (8 * lane)) & 0xffu);
             }
         }

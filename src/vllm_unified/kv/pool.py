@@ -92,9 +92,9 @@ class KVPool:
     ``head_size`` is then required.
 
     ``layer_formats``: one format per layer where they differ (the layers of
-    ``--kv-cache-dtype-skip-layers`` keep the model dtype, ``auto``, next to quantized ones;
-    native CPU kernels only); default ``fmt`` for every layer. :attr:`fmt` is then the pool's
-    quantized format (``auto`` if none).
+    ``--kv-cache-dtype-skip-layers`` keep the model dtype, ``auto``, next to quantized ones,
+    each layer written and attended by its format's kernels); default ``fmt`` for every
+    layer. :attr:`fmt` is then the pool's quantized format (``auto`` if none).
 
     Raises:
         ValueError: a shared pool with a write path that would not write in place

@@ -318,6 +318,8 @@ def quantize_cells_reference(keys: Any, values: Any, fmt: KVFormat, dtype: str,
         raise ValueError(f"{fmt.name}: not a quantized KV format")
     f32 = np.float32
     tokens, heads, dim = keys.shape
+    if fmt.turboquant:
+        return _tq_cells_reference(np.asarray(keys, f32), np.asarray(values, f32))
     sides = []
     for rows in (keys, values):
         x = np.asarray(rows, dtype=f32).reshape(tokens * heads, dim).copy()
@@ -353,6 +355,28 @@ def quantize_cells_reference(keys: Any, values: Any, fmt: KVFormat, dtype: str,
             word = scale.view(np.uint32)
         sides += [data.astype(np.uint8), word.astype("<u4").view(np.uint8)]
     return np.concatenate(sides, axis=1).reshape(tokens, heads, -1)
+
+
+def _tq_cells_reference(keys: Any, values: Any) -> Any:
+    """``turboquant_k8v4`` cells of float32 ``[T, Hkv, D]`` keys and values (numpy uint8
+    ``[T, Hkv, 3D/2 + 4]``): the native ``quantize_tq_k8v4`` in numpy float32 (keys fp8 of the
+    key clamped to +-448; values ``q = clamp(trunc((v - min) / s + 0.5), 0, 15)`` with
+    ``s = (max - min) / 15`` floored at 1e-8, a NaN to 0; then ``s`` and ``min`` as fp16,
+    round to nearest even)."""
+    import numpy as np
+
+    f32 = np.float32
+    kbytes = f32_to_e4m3_reference(np.clip(keys, f32(-448), f32(448)))
+    lo = values.min(axis=-1, keepdims=True)
+    hi = values.max(axis=-1, keepdims=True)
+    s = (hi - lo) / f32(15)
+    s = np.where(s > f32(1e-8), s, f32(1e-8)).astype(f32)
+    with np.errstate(invalid="ignore"):
+        q = ((values - lo) / s + f32(0.5)).astype(f32)
+    q = np.nan_to_num(np.clip(q, f32(0), f32(15)), nan=0.0).astype(np.uint8)  # truncates
+    data = (q[..., 0::2] & 15) | ((q[..., 1::2] & 15) << 4)
+    halves = np.concatenate([s, lo], axis=-1).astype("<f2").view(np.uint8)
+    return np.concatenate([kbytes, data.astype(np.uint8), halves], axis=-1)
 
 
 def _round_half_away(x: Any) -> Any:
