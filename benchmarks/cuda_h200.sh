@@ -22,7 +22,9 @@
 #               offline LLM.generate that the machine lacks    -> `stash DEST/part3`
 #   DEST/run    this checkout's plugin (src/ + an entry-point dist-info), cuda_decode.py, this
 #               script, tests/gpu_attention_grid.py and tests/gpu_kv_quant_grid.py (the kernel
-#               grids), expected.json (greedy ids of the CPU backend)  -> `device DEST/run`
+#               grids), expected.json (greedy ids of the CPU backend), kvq_cpu.json and
+#               tiny6.tar.xz (the quantized-KV runs' CPU side and their 6-layer tiny)
+#                                                              -> `device DEST/run`
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -95,6 +97,15 @@ pack() {
   if [ ! -f "$DEST/run/kvq_cpu.json" ]; then  # the quantized-KV runs' CPU side (kvq)
     (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda_kvq_e2e.py cpu "$DEST/run")
   fi
+  if [ ! -f "$DEST/run/tiny6.tar.xz" ]; then  # the TurboQuant run's 6-layer tiny (kvq)
+    rm -rf "$stage" && mkdir -p "$stage"
+    local six
+    six="$(cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda_kvq_e2e.py tiny6 "$stage" \
+      | tail -1)"
+    mv "$six" "$stage/tiny6"
+    tar -C "$stage" -cf - tiny6 | xz -6 -T0 > "$DEST/run/tiny6.tar.xz"
+    rm -rf "$stage"
+  fi
   du -sh "$DEST"/part1 "$DEST"/part2 "$DEST"/part3 "$DEST"/run
 }
 
@@ -124,7 +135,9 @@ PY
 
 kvq() {
   unpack
-  python3 "$DEST/cuda_kvq_e2e.py" gpu "$DEST" /tmp/cuda_h200/tiny "${OUT:-/tmp/cuda_h200_out}"
+  tar -C /tmp/cuda_h200 -xJf "$DEST/tiny6.tar.xz"
+  python3 "$DEST/cuda_kvq_e2e.py" gpu "$DEST" /tmp/cuda_h200/tiny /tmp/cuda_h200/tiny6 \
+    "${OUT:-/tmp/cuda_h200_out}"
 }
 
 device() {

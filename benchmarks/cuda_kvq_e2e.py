@@ -2,13 +2,18 @@
 
 The tiny fp32 Llama of ``benchmarks/cuda_decode.py`` (``expected DIR`` writes it) served through
 ``LLM.generate`` with ``--kv-cache-dtype`` ``int8_per_token_head``, ``int4_per_token_head`` and
-``fp8_per_token_head`` (``KVQ_FORMATS``, comma-separated, overrides), prefix caching off and on,
+``fp8_per_token_head``; ``int8_skip0`` (int8 with ``--kv-cache-dtype-skip-layers 0``: pages of
+two precisions in one pool); and ``turboquant_k8v4`` on a 6-layer variant of the same Llama
+(``TQ_TINY_LAYERS``: vLLM keeps TurboQuant's first and last two layers in the model dtype, so
+layers 2 and 3 hold TurboQuant cells; ``pack`` ships it as ``run/tiny6.tar.xz``)
+(:data:`FORMATS`; ``KVQ_FORMATS``, comma-separated names, selects), prefix caching off and on,
 on the 8 prompts of ``expected.json`` (32 greedy tokens each, 2 logprobs for the top-2 gap):
 
 * ``cpu RUN_DIR`` (here, MLX's CPU backend: the native quantized KV kernels; the tiny
   checkpoint rebuilt by ``tests/tiny_models.py``, the same bytes for the same seed) writes
   ``RUN_DIR/kvq_cpu.json``;
-* ``gpu RUN_DIR TINY OUT`` (on the GPU machine, through ``cuda_h200.sh kvq``: the GPU
+* ``tiny6 DIR`` (``pack``, here) writes the 6-layer tiny under DIR and prints its folder;
+* ``gpu RUN_DIR TINY TINY6 OUT`` (on the GPU machine, through ``cuda_h200.sh kvq``: the GPU
   quantizing write and paged attention of the profile's dialect) compares each run's token ids
   with the CPU backend's run of the same format without prefix caching, prints
   ``KVQ_E2E {...}`` (equal, and the first divergence per prompt with the CPU's top-2 logprob
@@ -26,10 +31,28 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_FORMATS = "int8_per_token_head,int4_per_token_head,fp8_per_token_head"
+#: layers of the tiny Llama the TurboQuant run serves
+TQ_TINY_LAYERS = 6
+#: run name -> (--kv-cache-dtype, extra engine arguments, served by the 6-layer tiny)
+FORMATS: dict[str, tuple[str, dict, bool]] = {
+    "int8_per_token_head": ("int8_per_token_head", {}, False),
+    "int4_per_token_head": ("int4_per_token_head", {}, False),
+    "fp8_per_token_head": ("fp8_per_token_head", {}, False),
+    "int8_skip0": ("int8_per_token_head", {"kv_cache_dtype_skip_layers": ["0"]}, False),
+    "turboquant_k8v4": ("turboquant_k8v4", {}, True),
+}
 
 
-def _runs(mode: str, model: str, run_dir: Path) -> dict:
+def tiny6(where: str | Path) -> Path:
+    """The 6-layer tiny fp32 Llama (seed 0) the TurboQuant run serves, written under
+    ``where`` (tests/tiny_models.py: the same bytes wherever it is built)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(where, "llama", "float32", 0, num_layers=TQ_TINY_LAYERS)
+
+
+def _runs(mode: str, models: tuple[str, str], run_dir: Path) -> dict:
     sys.path.insert(0, str(run_dir))
     sys.path.insert(0, str(HERE))
     import cuda_decode as cd
@@ -38,10 +61,12 @@ def _runs(mode: str, model: str, run_dir: Path) -> dict:
     work = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "kvq"
     work.mkdir(parents=True, exist_ok=True)
     results = {}
-    for fmt in os.environ.get("KVQ_FORMATS", DEFAULT_FORMATS).split(","):
+    for fmt in os.environ.get("KVQ_FORMATS", ",".join(FORMATS)).split(","):
+        dtype, extra, six = FORMATS[fmt]
         for prefix in (False, True):
-            engine = dict(cd._tiny_engine(), kv_cache_dtype=fmt, enable_prefix_caching=prefix)
-            spec = {"model": model, "engine": engine,
+            engine = dict(cd._tiny_engine(), kv_cache_dtype=dtype, enable_prefix_caching=prefix,
+                          **extra)
+            spec = {"model": models[six], "engine": engine,
                     "greedy": {"prompts": expected["prompts"],
                                "max_tokens": cd.GREEDY_TOKENS, "logprobs": 2}}
             name = f"{fmt}/{'prefix' if prefix else 'noprefix'}"
@@ -69,12 +94,15 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as tmp:
             tiny = make_tiny_checkpoint(tmp, "llama", "float32", 0)
-            results = _runs("cpu", str(tiny), run_dir)
+            results = _runs("cpu", (str(tiny), str(tiny6(tmp))), run_dir)
         (run_dir / "kvq_cpu.json").write_text(json.dumps(results))
         return
-    run_dir, tiny, out = Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    if mode == "tiny6":  # pack: the 6-layer tiny, as a folder to ship
+        print(tiny6(sys.argv[2]))
+        return
+    run_dir, tiny, out = Path(sys.argv[2]), sys.argv[3], Path(sys.argv[5])
     out.mkdir(parents=True, exist_ok=True)
-    results = _runs("gpu", tiny, run_dir)
+    results = _runs("gpu", (tiny, sys.argv[5]), run_dir)
     cpu = json.loads((run_dir / "kvq_cpu.json").read_text())
     summary = {}
     for name, run in results.items():

@@ -548,18 +548,20 @@ def test_h200_check_reports_worst_figures_per_format(emulated_metal, monkeypatch
 
 
 @needs_clang
+@pytest.mark.parametrize("kind", ["metal", "cuda"])
 @pytest.mark.parametrize("name, flag", [("turboquant_k8v4", None),
                                         ("int8_per_token_head", ["0", "1"])],
                          ids=["turboquant", "int8-skip-0-1"])
-def test_metal_mixed_precision_pool_on_the_emulated_kernels(emulated_metal, monkeypatch,
-                                                            default_model, name, flag):
-    """A quantized cache with layers kept in the model dtype on the Metal profile
+def test_mixed_precision_pool_on_the_emulated_gpu_kernels(emulated_metal, monkeypatch,
+                                                          default_model, name, flag, kind):
+    """A quantized cache with layers kept in the model dtype on a GPU profile
     (turboquant_k8v4's boundary layers; int8_per_token_head with
-    ``--kv-cache-dtype-skip-layers 0 1``): vLLM's one group of UniformTypeKVCacheSpecs in the
-    torch buffer shared with MLX (the import stood in as test_metal_memory does); each layer
-    written by its format's Metal kernel and attended by its format's Metal attention kernel,
-    both emulated. The bytes land in vLLM's own views, and every checked layer (skipped and
-    quantized) equals the reference over its own pages."""
+    ``--kv-cache-dtype-skip-layers 0 1``), vLLM's one group of UniformTypeKVCacheSpecs. Metal:
+    the torch buffer shared with MLX (the import stood in as test_metal_memory does), the bytes
+    landing in vLLM's own views; CUDA: MLX-owned arrays, each layer in its own format. Each
+    layer is written by its format's GPU kernel and attended by its format's paged GPU kernel,
+    the Metal instances emulated (CUDA's calls run the same bodies' Metal instances), and every
+    checked layer (skipped and quantized) equals the reference over its own pages."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core import kv_cache_utils
 
@@ -571,7 +573,11 @@ def test_metal_mixed_precision_pool_on_the_emulated_kernels(emulated_metal, monk
 
     native = _native()
     gpu_paged._kernel.cache_clear()
-    monkeypatch.setattr(bridge, "_backend", lambda: "metal")
+    if kind == "cuda":  # the same bodies' Metal instances, under the emulation
+        kernel = gd.kernel
+        monkeypatch.setattr(gd, "kernel", lambda *a, dialect, **k: kernel(*a, dialect="metal",
+                                                                          **k))
+    monkeypatch.setattr(bridge, "_backend", lambda: kind)
     monkeypatch.setattr(mx, "from_dlpack", lambda t, copy=None: native.adopt(
         t.data_ptr(), t.numel() * t.element_size(), list(t.shape), bridge.mlx_dtype(t.dtype), t))
     monkeypatch.setattr(mx, "device_info", lambda: {"max_buffer_length": 1 << 40})
@@ -585,7 +591,7 @@ def test_metal_mixed_precision_pool_on_the_emulated_kernels(emulated_metal, monk
     cfg.cache_config.kv_cache_layout = KV_LAYOUT
     block = cfg.cache_config.block_size
     skip = cfg.cache_config.kv_cache_dtype_skip_layers
-    profile = profile_for("metal", "metal")
+    profile = profile_for(kind, kind)
     cache = KVCache(profile, HybridLayers("llama", 30, []),
                     AttentionShape(3, 64, torch.float32, name, tuple(skip)),
                     dict.fromkeys(range(30)), mx.float32)
@@ -593,7 +599,7 @@ def test_metal_mixed_precision_pool_on_the_emulated_kernels(emulated_metal, monk
     cache.initialize(kv_cache_utils.get_kv_cache_config_from_groups(cfg, groups, 8 << 20),
                      KV_LAYOUT)
     pool = cache.pool
-    assert pool.shared and pool.write_path == "metal_kernel"
+    assert pool.shared == (kind == "metal") and pool.write_path == f"{kind}_kernel"
     assert cache.skipped_layers() == [int(i) for i in skip]
     before = pool.data_ptrs()
     rng = np.random.default_rng(3)
@@ -611,9 +617,11 @@ def test_metal_mixed_precision_pool_on_the_emulated_kernels(emulated_metal, monk
         mx.eval(pool.kv)
         fmt = pool.layer_format(j)
         assert fmt.quantized == (str(j) not in skip), j
-        view = slot_major(cache.connector_views()[layer_name(j)]).view(torch.uint8)
-        np.testing.assert_array_equal(view.numpy().reshape(len(view), -1),
-                                      pool_bytes(pool.kv[j]).reshape(len(view), -1))
+        assert pool.kv[j].shape[-1] == (fmt.cell_bytes(64) if fmt.quantized else 128), j
+        if kind == "metal":
+            view = slot_major(cache.connector_views()[layer_name(j)]).view(torch.uint8)
+            np.testing.assert_array_equal(view.numpy().reshape(len(view), -1),
+                                          pool_bytes(pool.kv[j]).reshape(len(view), -1))
         meta = build_attention_metadata(query_lens, lens, tables, block)
         fresh = (mx.array(k[own]), mx.array(v[own]))
         kw = dict(kv_format=fmt, rht_signs=pool.signs, fresh=fresh)

@@ -23,7 +23,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
-_BUILT: dict[tuple[str, str, int], Path] = {}
+_BUILT: dict[tuple[str, str, int, int | None], Path] = {}
 
 
 def smollm2_gguf_path() -> Path:
@@ -225,7 +225,8 @@ def _randomize(model: Any, family: str, seed: int) -> None:
 
 
 def make_tiny_checkpoint(
-    tmp_path: str | Path, family: str, dtype: str = "float32", seed: int = 0
+    tmp_path: str | Path, family: str, dtype: str = "float32", seed: int = 0,
+    num_layers: int | None = None,
 ) -> Path:
     """Write (once per process) a tiny random HF checkpoint of ``family`` and return its folder.
 
@@ -236,12 +237,14 @@ def make_tiny_checkpoint(
         dtype: torch dtype name the weights are saved in (``float32``, ``bfloat16``,
             ``float16``); also recorded as the config's ``dtype``.
         seed: weight seed; the same seed always gives the same bytes.
+        num_layers: decoder layers instead of the family's (e.g. 6 for a llama whose middle
+            layers lie outside TurboQuant's first and last two).
 
     Returns:
         Folder with config.json, generation_config.json, model.safetensors and SmolLM2's
         tokenizer (tokenizer.json, tokenizer_config.json, chat_template.jinja).
     """
-    key = (family, dtype, seed)
+    key = (family, dtype, seed, num_layers)
     if key in _BUILT and (_BUILT[key] / "model.safetensors").is_file():
         return _BUILT[key]
 
@@ -249,6 +252,8 @@ def make_tiny_checkpoint(
     import transformers
 
     config = tiny_config(family)
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -256,7 +261,8 @@ def make_tiny_checkpoint(
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype
 
-    folder = Path(tmp_path) / f"tiny-{family}-{dtype}-s{seed}"
+    layers = "" if num_layers is None else f"-l{num_layers}"
+    folder = Path(tmp_path) / f"tiny-{family}-{dtype}-s{seed}{layers}"
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     smollm2_tokenizer().save_pretrained(folder)

@@ -250,6 +250,7 @@ class KVCache:
             block_size=spec.block_size, num_kv_heads=self.shape.num_kv_heads,
             head_dim=self.shape.head_size, dtype=self.dtype,
             cuda_write=self.profile.kv_write == "cuda_kernel", fmt=self.fmt,
+            layer_formats=self._pool_formats(),
         )
 
     def skipped_layers(self) -> list[int]:
