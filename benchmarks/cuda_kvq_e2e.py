@@ -102,7 +102,7 @@ def main() -> None:
         return
     run_dir, tiny, out = Path(sys.argv[2]), sys.argv[3], Path(sys.argv[5])
     out.mkdir(parents=True, exist_ok=True)
-    results = _runs("gpu", (tiny, sys.argv[5]), run_dir)
+    results = _runs("gpu", (tiny, sys.argv[4]), run_dir)
     cpu = json.loads((run_dir / "kvq_cpu.json").read_text())
     summary = {}
     for name, run in results.items():
