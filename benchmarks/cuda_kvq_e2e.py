@@ -12,6 +12,8 @@ on the 8 prompts of ``expected.json`` (32 greedy tokens each, 2 logprobs for the
 * ``cpu RUN_DIR`` (here, MLX's CPU backend: the native quantized KV kernels; the tiny
   checkpoint rebuilt by ``tests/tiny_models.py``, the same bytes for the same seed) writes
   ``RUN_DIR/kvq_cpu.json``;
+* ``has-baseline RUN_DIR`` (``pack``) exits 1 unless ``kvq_cpu.json`` there has every
+  format of :data:`FORMATS` (an older one is remade);
 * ``tiny6 DIR`` (``pack``, here) writes the 6-layer tiny under DIR and prints its folder;
 * ``gpu RUN_DIR TINY TINY6 OUT`` (on the GPU machine, through ``cuda_h200.sh kvq``: the GPU
   quantizing write and paged attention of the profile's dialect) compares each run's token ids
@@ -97,6 +99,10 @@ def main() -> None:
             results = _runs("cpu", (str(tiny), str(tiny6(tmp))), run_dir)
         (run_dir / "kvq_cpu.json").write_text(json.dumps(results))
         return
+    if mode == "has-baseline":  # pack: exit 1 unless RUN_DIR/kvq_cpu.json has every format
+        path = Path(sys.argv[2]) / "kvq_cpu.json"
+        have = json.loads(path.read_text()) if path.is_file() else {}
+        sys.exit(0 if all(f"{n}/noprefix" in have for n in FORMATS) else 1)
     if mode == "tiny6":  # pack: the 6-layer tiny, as a folder to ship
         print(tiny6(sys.argv[2]))
         return
@@ -105,7 +111,13 @@ def main() -> None:
     results = _runs("gpu", (tiny, sys.argv[4]), run_dir)
     cpu = json.loads((run_dir / "kvq_cpu.json").read_text())
     summary = {}
+    missing = {n.split("/")[0] for n in results} - {n.split("/")[0] for n in cpu}
+    if missing:  # a stale CPU side: say so rather than fail after every GPU run
+        print(f"no CPU baseline for {sorted(missing)} in kvq_cpu.json (rerun pack)", flush=True)
     for name, run in results.items():
+        if name.split("/")[0] in missing:
+            summary[name] = {"equal": None, "error": "no CPU baseline"}
+            continue
         base = cpu[name.split("/")[0] + "/noprefix"]
         summary[name] = {"equal": run["ids"] == base["ids"],
                          "first_divergences": _first_divergences(run["ids"], base)}

@@ -54,6 +54,9 @@ OUTPUT_NAMES = ["out"]
 #: fp32 scale word of a cell side (read byte by byte: any alignment)
 HEADER = gpu_paged.HEADER + QUANT_HEADER + """
 UNI_FUNC float uni_kvq_e4m3_value(unsigned int b) {
+    if ((b & 0x7fu) == 0x7fu) {
+        return uni_as_float(0x7fc00000u);  // e4m3fn's NaN (it has no infinity)
+    }
     const unsigned int e = (b >> 3) & 15u;
     const unsigned int m = b & 7u;
     const float mag = e == 0u ? (float)m * 0.001953125f
@@ -75,9 +78,10 @@ UNI_FUNC unsigned int uni_kvq_word(const UNI_DEVICE unsigned char* p) {
 """
 
 #: The kernel body. Template arguments: T (queries' dtype), P (pool dtype, int8/uint8), MODE
-#: (1 int8, 2 int4, 3 fp8), BLK (int4's rotation block, else 1), RQ (rows of the rotation
-#: buffer: QT * G for int4, else 1), and those of :data:`gpu_paged.SOURCE` (D, H, HKV, BS,
-#: WARPS, WINDOW, QT, CB, DECODE). ``scale`` is the softmax scale (int4: divided by BLK).
+#: (1 int8, 2 int4, 3 fp8, 4 turboquant_k8v4), BLK (int4's rotation block, else 1), RQ (rows
+#: of the rotation buffer: QT * G for int4, else 1), and those of :data:`gpu_paged.SOURCE`
+#: (D, H, HKV, BS, WARPS, WINDOW, QT, CB, DECODE). ``scale`` is the softmax scale (int4:
+#: divided by BLK).
 SOURCE = """
     constexpr int EPL = D / 32;
     constexpr int G = H / HKV;

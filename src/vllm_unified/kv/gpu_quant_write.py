@@ -113,8 +113,9 @@ UNI_FUNC unsigned int uni_kvq_f16(float x) {
 """
 
 #: The body. Template arguments: P (pool dtype, int8/uint8), T (keys' dtype), MODE (1 int8,
-#: 2 int4, 3 fp8: KVFormat.native_mode), D (head size, a multiple of 32), BLK (int4's rotation
-#: block, else 1). Thread ``32 * item + lane`` serves item ``(t * Hkv + h) * 2 + side``.
+#: 2 int4, 3 fp8, 4 turboquant_k8v4: KVFormat.native_mode), D (head size, a multiple of 32),
+#: BLK (int4's rotation block, else 1). Thread ``32 * item + lane`` serves item
+#: ``(t * Hkv + h) * 2 + side``.
 SOURCE = """
     constexpr int EPL = D / 32;
     constexpr int DK = MODE == 2 ? D / 2 : D;
@@ -182,11 +183,12 @@ SOURCE = """
                     dst[i * 32 + lane] = (uint8_t)uni_kvq_e4m3(k);
                 }
             } else if (MODE == 4) {
-                // its values: 16 levels over the row's [min, max]; scale and min as fp16
-                float lo = x[0];
-                float hi = x[0];
+                // its values: 16 levels over the row's [min, max]; scale and min as fp16.
+                // From +-inf, as the native loop: a NaN never becomes the min or the max.
+                float lo = uni_as_float(0x7f800000u);
+                float hi = -lo;
 #pragma unroll
-                for (int i = 1; i < EPL; ++i) {
+                for (int i = 0; i < EPL; ++i) {
                     lo = x[i] < lo ? x[i] : lo;
                     hi = hi < x[i] ? x[i] : hi;
                 }

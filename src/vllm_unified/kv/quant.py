@@ -361,14 +361,17 @@ def _tq_cells_reference(keys: Any, values: Any) -> Any:
     """``turboquant_k8v4`` cells of float32 ``[T, Hkv, D]`` keys and values (numpy uint8
     ``[T, Hkv, 3D/2 + 4]``): the native ``quantize_tq_k8v4`` in numpy float32 (keys fp8 of the
     key clamped to +-448; values ``q = clamp(trunc((v - min) / s + 0.5), 0, 15)`` with
-    ``s = (max - min) / 15`` floored at 1e-8, a NaN to 0; then ``s`` and ``min`` as fp16,
-    round to nearest even)."""
+    ``s = (max - min) / 15`` floored at 1e-8, a NaN to 0, min and max skipping NaNs; then
+    ``s`` and ``min`` as fp16, round to nearest even). A row whose minimum is a zero met with
+    both signs may store either zero's sign (the native loop keeps the first it meets; the
+    dequantized values are the same)."""
     import numpy as np
 
     f32 = np.float32
     kbytes = f32_to_e4m3_reference(np.clip(keys, f32(-448), f32(448)))
-    lo = values.min(axis=-1, keepdims=True)
-    hi = values.max(axis=-1, keepdims=True)
+    # NaNs skipped, from +-inf (the native loop's std::min / std::max)
+    lo = np.fmin.reduce(values, axis=-1, keepdims=True, initial=np.inf).astype(f32)
+    hi = np.fmax.reduce(values, axis=-1, keepdims=True, initial=-np.inf).astype(f32)
     s = (hi - lo) / f32(15)
     s = np.where(s > f32(1e-8), s, f32(1e-8)).astype(f32)
     with np.errstate(invalid="ignore"):
