@@ -166,10 +166,8 @@ def test_metal_write_is_the_native_write_byte_for_byte(emulated_metal, case):
     ("turboquant_k8v4", ("(x[i] - lo) / scale, 0.5f", "(x[i] - lo) / scale, 0.0f")),  # floor
     ("turboquant_k8v4", ("float k = x[i] < -448.0f ? -448.0f : x[i];",
                          "float k = x[i];")),  # keys not saturated: 0x7f (NaN) beyond 448
-    ("turboquant_k8v4", ("(rest == halfway && (q & 1u) != 0u)) {\n            q += 1u;\n"
-                         "        }\n        return sign | q;\n    }\n    const unsigned int r "
-                         "= a + 0xfffu", "(rest == halfway && (q & 1u) != 0u)) {\n"
-                         "            q += 1u;\n        }\n        return sign;\n    }\n"
+    ("turboquant_k8v4", ("return sign | uni_kvq_shift_rne(a, shift);\n    }\n"
+                         "    const unsigned int r = a + 0xfffu", "return sign;\n    }\n"
                          "    const unsigned int r = a + 0xfffu")),  # fp16 subnormals lost
 ], ids=["int8-rounding", "int4-zero-point", "fp8-ties", "int4-equivalent", "tq-value-floor",
         "tq-key-saturation", "tq-f16-subnormal"])
@@ -450,6 +448,17 @@ def test_mlx_owned_quantized_pool_is_written_by_the_cuda_kernel(monkeypatch):
                                  kv_format=fmt, rht_signs=pool.signs)
 
 
+def _adopt_as_metal_would(monkeypatch, native) -> None:
+    """MLX's import of the shared pool and its memory calls stood in on the CPU, as
+    test_metal_memory does: ``from_dlpack`` adopts the torch bytes without a copy."""
+    monkeypatch.setattr(mx, "from_dlpack", lambda t, copy=None: native.adopt(
+        t.data_ptr(), t.numel() * t.element_size(), list(t.shape), bridge.mlx_dtype(t.dtype), t))
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_buffer_length": 1 << 40})
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: 8 * 2**30)
+    monkeypatch.setattr(mx, "get_memory_limit", lambda: 12 * 2**30)
+    monkeypatch.setattr(mx, "set_memory_limit", lambda n: 12 * 2**30)
+
+
 @pytest.mark.parametrize("name", MODES)
 def test_metal_quantized_cache_writes_vllms_views_in_place(name, monkeypatch, default_model):
     """The Metal profile's KV cache for a quantized format: vLLM's layout in the torch buffer
@@ -466,12 +475,7 @@ def test_metal_quantized_cache_writes_vllms_views_in_place(name, monkeypatch, de
 
     native = _native()
     monkeypatch.setattr(bridge, "_backend", lambda: "metal")
-    monkeypatch.setattr(mx, "from_dlpack", lambda t, copy=None: native.adopt(
-        t.data_ptr(), t.numel() * t.element_size(), list(t.shape), bridge.mlx_dtype(t.dtype), t))
-    monkeypatch.setattr(mx, "device_info", lambda: {"max_buffer_length": 1 << 40})
-    monkeypatch.setattr(mx, "set_wired_limit", lambda n: 8 * 2**30)
-    monkeypatch.setattr(mx, "get_memory_limit", lambda: 12 * 2**30)
-    monkeypatch.setattr(mx, "set_memory_limit", lambda n: 12 * 2**30)
+    _adopt_as_metal_would(monkeypatch, native)
     seen = []
 
     def write(pool, slots, keys, values, fmt, signs, *, dialect):
@@ -578,12 +582,7 @@ def test_mixed_precision_pool_on_the_emulated_gpu_kernels(emulated_metal, monkey
         monkeypatch.setattr(gd, "kernel", lambda *a, dialect, **k: kernel(*a, dialect="metal",
                                                                           **k))
     monkeypatch.setattr(bridge, "_backend", lambda: kind)
-    monkeypatch.setattr(mx, "from_dlpack", lambda t, copy=None: native.adopt(
-        t.data_ptr(), t.numel() * t.element_size(), list(t.shape), bridge.mlx_dtype(t.dtype), t))
-    monkeypatch.setattr(mx, "device_info", lambda: {"max_buffer_length": 1 << 40})
-    monkeypatch.setattr(mx, "set_wired_limit", lambda n: 8 * 2**30)
-    monkeypatch.setattr(mx, "get_memory_limit", lambda: 12 * 2**30)
-    monkeypatch.setattr(mx, "set_memory_limit", lambda n: 12 * 2**30)
+    _adopt_as_metal_would(monkeypatch, native)
     cfg = EngineArgs(model=default_model, max_model_len=256, enable_prefix_caching=False,
                      kv_cache_dtype=name,
                      **({"kv_cache_dtype_skip_layers": flag} if flag else {})

@@ -50,6 +50,18 @@ HEADER = """
 UNI_FUNC float uni_kvq_round(float x) {
     return x >= 0.0f ? (float)(int)uni_add_rn(x, 0.5f) : (float)(int)uni_add_rn(x, -0.5f);
 }
+// a normal float's bits a: its significand (implicit bit set) >> shift (1..24), round to
+// nearest even; the subnormal steps of both encoders below
+UNI_FUNC unsigned int uni_kvq_shift_rne(unsigned int a, unsigned int shift) {
+    const unsigned int m = (a & 0x7fffffu) | 0x800000u;
+    unsigned int q = m >> shift;
+    const unsigned int rest = m & ((1u << shift) - 1u);
+    const unsigned int halfway = 1u << (shift - 1u);
+    if (rest > halfway || (rest == halfway && (q & 1u) != 0u)) {
+        q += 1u;
+    }
+    return q;
+}
 // float -> float8 e4m3fn byte, round to nearest even (native f32_to_e4m3, in integers)
 UNI_FUNC unsigned int uni_kvq_e4m3(float x) {
     const unsigned int bits = uni_as_uint(x);
@@ -64,14 +76,7 @@ UNI_FUNC unsigned int uni_kvq_e4m3(float x) {
         if (e == 0u || shift > 24u) {
             return sign;  // below 2^-10: rounds to zero
         }
-        const unsigned int m = (a & 0x7fffffu) | 0x800000u;
-        unsigned int q = m >> shift;
-        const unsigned int rest = m & ((1u << shift) - 1u);
-        const unsigned int halfway = 1u << (shift - 1u);
-        if (rest > halfway || (rest == halfway && (q & 1u) != 0u)) {
-            q += 1u;
-        }
-        return sign | q;
+        return sign | uni_kvq_shift_rne(a, shift);
     }
     const unsigned int r = a + 0x7ffffu + ((a >> 20) & 1u);  // 3 mantissa bits, ties to even
     const int e = (int)(r >> 23) - 120;
@@ -98,14 +103,7 @@ UNI_FUNC unsigned int uni_kvq_f16(float x) {
         if (e == 0u || shift > 24u) {
             return sign;
         }
-        const unsigned int m = (a & 0x7fffffu) | 0x800000u;
-        unsigned int q = m >> shift;
-        const unsigned int rest = m & ((1u << shift) - 1u);
-        const unsigned int halfway = 1u << (shift - 1u);
-        if (rest > halfway || (rest == halfway && (q & 1u) != 0u)) {
-            q += 1u;
-        }
-        return sign | q;
+        return sign | uni_kvq_shift_rne(a, shift);
     }
     const unsigned int r = a + 0xfffu + ((a >> 13) & 1u);  // 10 mantissa bits, ties to even
     return sign | ((r - (112u << 23)) >> 13);
