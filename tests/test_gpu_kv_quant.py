@@ -634,3 +634,18 @@ def test_mixed_precision_pool_on_the_emulated_gpu_kernels(emulated_metal, monkey
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), j
     assert pool.data_ptrs() == before
     gpu_paged._kernel.cache_clear()
+
+
+def test_turboquant_without_the_steps_own_kv_is_refused():
+    """turboquant_k8v4 prefill chunks that vLLM attends over their own unquantized K/V need
+    them (``fresh``): without, a clear error before any launch."""
+    from vllm_unified.attention.metadata import build_attention_metadata
+
+    fmt = kv_format("turboquant_k8v4")
+    pool = mx.zeros((64, 2, fmt.cell_bytes(64)), mx.uint8)
+    tables = np.array([[0, 1], [2, 3]], np.int32)
+    prefill = build_attention_metadata([20, 1], [20, 30], tables, 16)
+    with pytest.raises(ValueError, match="turboquant_k8v4: prefill chunks that start their "
+                                         "sequence .* 128 tokens .* not given"):
+        gpu_paged_quant.paged_gpu_attention_quant("metal", mx.zeros((21, 4, 1, 64)), pool,
+                                                  prefill, 0.125, None, fmt, None)
