@@ -166,7 +166,7 @@ def test_metal_write_is_the_native_write_byte_for_byte(emulated_metal, case):
     ("turboquant_k8v4", ("(x[i] - lo) / scale, 0.5f", "(x[i] - lo) / scale, 0.0f")),  # floor
     ("turboquant_k8v4", ("float k = x[i] < -448.0f ? -448.0f : x[i];",
                          "float k = x[i];")),  # keys not saturated: 0x7f (NaN) beyond 448
-    ("turboquant_k8v4", ("return sign | uni_kvq_shift_rne(a, shift);\n    }\n"
+    ("turboquant_k8v4", ("return sign | uni_kvq_steps(a, 126u);\n    }\n"
                          "    const unsigned int r = a + 0xfffu", "return sign;\n    }\n"
                          "    const unsigned int r = a + 0xfffu")),  # fp16 subnormals lost
 ], ids=["int8-rounding", "int4-zero-point", "fp8-ties", "int4-equivalent", "tq-value-floor",

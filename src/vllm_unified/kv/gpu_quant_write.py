@@ -50,9 +50,16 @@ HEADER = """
 UNI_FUNC float uni_kvq_round(float x) {
     return x >= 0.0f ? (float)(int)uni_add_rn(x, 0.5f) : (float)(int)uni_add_rn(x, -0.5f);
 }
-// a normal float's bits a: its significand (implicit bit set) >> shift (1..24), round to
-// nearest even; the subnormal steps of both encoders below
-UNI_FUNC unsigned int uni_kvq_shift_rne(unsigned int a, unsigned int shift) {
+// |x| (bits a, below the format's smallest normal) as a whole number of the format's
+// subnormal step 2^(top - 150): the significand >> (top - exponent), round to nearest even;
+// 0 where it is below half a step (float subnormals included). fp8 e4m3fn: top 141 (2^-9),
+// fp16: top 126 (2^-24).
+UNI_FUNC unsigned int uni_kvq_steps(unsigned int a, unsigned int top) {
+    const unsigned int e = a >> 23;
+    const unsigned int shift = top - e;
+    if (e == 0u || shift > 24u) {
+        return 0u;
+    }
     const unsigned int m = (a & 0x7fffffu) | 0x800000u;
     unsigned int q = m >> shift;
     const unsigned int rest = m & ((1u << shift) - 1u);
@@ -71,12 +78,7 @@ UNI_FUNC unsigned int uni_kvq_e4m3(float x) {
         return sign | 0x7fu;  // NaN
     }
     if (a < 0x3c800000u) {  // below 2^-6: multiples of 2^-9 (8 of them are the first normal)
-        const unsigned int e = a >> 23;
-        const unsigned int shift = 141u - e;  // |x| / 2^-9 = significand >> shift
-        if (e == 0u || shift > 24u) {
-            return sign;  // below 2^-10: rounds to zero
-        }
-        return sign | uni_kvq_shift_rne(a, shift);
+        return sign | uni_kvq_steps(a, 141u);
     }
     const unsigned int r = a + 0x7ffffu + ((a >> 20) & 1u);  // 3 mantissa bits, ties to even
     const int e = (int)(r >> 23) - 120;
@@ -98,12 +100,7 @@ UNI_FUNC unsigned int uni_kvq_f16(float x) {
         return sign | 0x7c00u;  // from 65520 up: infinity
     }
     if (a < 0x38800000u) {  // below 2^-14: multiples of 2^-24
-        const unsigned int e = a >> 23;
-        const unsigned int shift = 126u - e;  // |x| / 2^-24 = significand >> shift
-        if (e == 0u || shift > 24u) {
-            return sign;
-        }
-        return sign | uni_kvq_shift_rne(a, shift);
+        return sign | uni_kvq_steps(a, 126u);
     }
     const unsigned int r = a + 0xfffu + ((a >> 13) & 1u);  // 10 mantissa bits, ties to even
     return sign | ((r - (112u << 23)) >> 13);
@@ -172,6 +169,20 @@ SOURCE = """
             UNI_DEVICE uint8_t* dst = reinterpret_cast<UNI_DEVICE uint8_t*>(UNI_WRITABLE(P, pool))
                 + (slot * hkv + h) * CELL + side * (MODE == 4 ? D : DK + 4);
             uint32_t word = 0u;
+            // the row's [min, max] for the 4-bit sides (int4; turboquant's values), from +-inf
+            // as the native loops: a NaN never becomes the min or the max. Uniform over the
+            // SIMD group (MODE and side are), so the reductions see every lane.
+            float lo = uni_as_float(0x7f800000u);
+            float hi = -lo;
+            if (MODE == 2 || (MODE == 4 && side == 1)) {
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    lo = x[i] < lo ? x[i] : lo;
+                    hi = hi < x[i] ? x[i] : hi;
+                }
+                lo = -uni_simd_max(-lo);
+                hi = uni_simd_max(hi);
+            }
             if (MODE == 4 && side == 0) {
                 // turboquant_k8v4's keys: fp8 of the key itself, saturated, no scale
 #pragma unroll
@@ -181,17 +192,7 @@ SOURCE = """
                     dst[i * 32 + lane] = (uint8_t)uni_kvq_e4m3(k);
                 }
             } else if (MODE == 4) {
-                // its values: 16 levels over the row's [min, max]; scale and min as fp16.
-                // From +-inf, as the native loop: a NaN never becomes the min or the max.
-                float lo = uni_as_float(0x7f800000u);
-                float hi = -lo;
-#pragma unroll
-                for (int i = 0; i < EPL; ++i) {
-                    lo = x[i] < lo ? x[i] : lo;
-                    hi = hi < x[i] ? x[i] : hi;
-                }
-                lo = -uni_simd_max(-lo);
-                hi = uni_simd_max(hi);
+                // its values: 16 levels over the row's [min, max]; scale and min as fp16
                 const float s0 = (hi - lo) / 15.0f;
                 const float scale = s0 > 1e-8f ? s0 : 1e-8f;
 #pragma unroll
@@ -209,15 +210,6 @@ SOURCE = """
                     dst[D / 2 + lane] = (uint8_t)((word >> (8 * lane)) & 0xffu);
                 }
             } else if (MODE == 2) {
-                float lo = x[0];
-                float hi = x[0];
-#pragma unroll
-                for (int i = 1; i < EPL; ++i) {
-                    lo = x[i] < lo ? x[i] : lo;
-                    hi = hi < x[i] ? x[i] : hi;
-                }
-                lo = -uni_simd_max(-lo);
-                hi = uni_simd_max(hi);
                 const float s0 = (hi - lo) / 15.0f;
                 const float scale = s0 < 1e-6f ? 1e-6f : s0;
                 float zp = uni_kvq_round(-lo / scale);
