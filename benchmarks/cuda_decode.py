@@ -455,6 +455,117 @@ def kernel_grid_check(mx) -> dict:
             "max_abs_error": errors}
 
 
+#: the decode GEMM kernel's cases: (K, part widths, bias), Qwen3-0.6B's linears (q/k/v with
+#: a bias as Qwen2's), and the tied output head
+GEMM_SHAPES = ((1024, (2048, 1024, 1024), False), (1024, (2048, 1024, 1024), True),
+               (2048, (1024,), False), (1024, (3072, 3072), False), (3072, (1024,), False),
+               (1024, (151936,), False))
+GEMM_ROWS = (2, 3, 7, 8, 9, 16, 31, 33, 64)
+
+
+def _ulp_error(mx, got, ref, mantissa: int) -> float:
+    """Largest ``|got - ref|`` in units of the output dtype's ulp at ``ref`` (fp32 arrays)."""
+    exp = mx.floor(mx.log2(mx.maximum(mx.abs(ref), 2.0 ** -60)))
+    return float(mx.max(mx.abs(got - ref) / mx.power(2.0, exp - mantissa)).item())
+
+
+def gemm_check(mx) -> dict:
+    """The decode GEMM kernel (:mod:`vllm_unified.models.gpu_gemm`) against the fp32 product,
+    in ulps of the output dtype (rounding to nearest gives at most 0.5 plus the summation
+    order's error), with MLX's own matmul in the same units; then the host cost of a
+    28-layer chain of Qwen3-0.6B's matmuls, ours against MLX's."""
+    from vllm_unified.models.gpu_gemm import gemm
+
+    rng = np.random.default_rng(0)
+    cases, failed = {}, []
+    for dtype, mantissa in ((mx.bfloat16, 7), (mx.float16, 10)):
+        for k, sizes, has_bias in GEMM_SHAPES:
+            n = sum(sizes)
+            w = mx.array(rng.standard_normal((n, k), np.float32) / np.sqrt(k)).astype(dtype)
+            b = mx.array(rng.standard_normal(n, np.float32)).astype(dtype) if has_bias else None
+            for rows in GEMM_ROWS:
+                x = mx.array(rng.standard_normal((rows, k), np.float32)).astype(dtype)
+                ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+                mine = (x @ w.T) if b is None else mx.addmm(b, x, w.T)
+                if b is not None:
+                    ref = ref + b.astype(mx.float32)
+                name = f"{dtype}-K{k}-{'+'.join(map(str, sizes))}{'-bias' if has_bias else ''}" \
+                       f"-M{rows}"
+                try:
+                    outs = gemm(x, w, sizes, b)
+                    got = mx.concatenate([o.astype(mx.float32) for o in outs], axis=-1)
+                    err = _ulp_error(mx, got, ref, mantissa)
+                except Exception as exc:  # reported per case; the others still run
+                    cases[name] = repr(exc)
+                    failed.append(name)
+                    continue
+                cases[name] = {"ours_ulp": err,
+                               "mlx_ulp": _ulp_error(mx, mine.astype(mx.float32), ref,
+                                                     mantissa)}
+                if not err <= 1.0:
+                    failed.append(name)
+    worst = max((c["ours_ulp"] for c in cases.values() if isinstance(c, dict)), default=None)
+    worst_mlx = max((c["mlx_ulp"] for c in cases.values() if isinstance(c, dict)),
+                    default=None)
+    return {"cases": len(cases), "failed": failed, "worst_ulp": worst,
+            "worst_mlx_ulp": worst_mlx, "per_case": cases, "chain": _gemm_chain(mx)}
+
+
+def _gemm_chain(mx) -> list[dict]:
+    """Host time to build and to encode (``mx.async_eval``) one step's chain of Qwen3-0.6B's
+    matmuls (28 x q/k/v, o, gate/up, down, then the head), and the step's wall time, ms:
+    through the kernel and through MLX's matmul, B = 1 (MLX only: its gemv), 16, 64."""
+    from vllm_unified.models.gpu_gemm import gemm
+
+    rng = np.random.default_rng(1)
+
+    def weight(n, k):
+        return mx.array(rng.standard_normal((n, k), np.float32) / np.sqrt(k)).astype(
+            mx.bfloat16)
+
+    layers = [(weight(4096, 1024), weight(1024, 2048), weight(6144, 1024), weight(1024, 3072))
+              for _ in range(28)]
+    head = weight(151936, 1024)
+    mx.eval(layers, head)
+
+    def mlx_parts(x, w, sizes):
+        y = x @ w.T
+        bounds = np.cumsum((0, *sizes))
+        return [y[:, a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def step(x, parts):
+        h = x
+        for qkv, o, gu, d in layers:
+            q, _, _ = parts(h, qkv, (2048, 1024, 1024))
+            h = h + parts(q, o, (1024,))[0]
+            g, u = parts(h, gu, (3072, 3072))
+            h = h + parts(g * u, d, (1024,))[0]
+        return parts(h, head, (151936,))[0]
+
+    out = []
+    for rows in (1, 16, 64):
+        x = mx.array(rng.standard_normal((rows, 1024), np.float32)).astype(mx.bfloat16)
+        for name, parts in (("mlx", mlx_parts), ("ours", lambda a, w, s: gemm(a, w, s))):
+            if name == "ours" and rows == 1:
+                continue
+            build = encode = wall = 0.0
+            reps = 20
+            for i in range(reps + 3):
+                t0 = time.perf_counter()
+                y = step(x, parts)
+                t1 = time.perf_counter()
+                mx.async_eval(y)
+                t2 = time.perf_counter()
+                mx.eval(y)
+                t3 = time.perf_counter()
+                if i >= 3:
+                    build, encode, wall = build + t1 - t0, encode + t2 - t1, wall + t3 - t0
+            out.append({"rows": rows, "path": name, "build_ms": build / reps * 1e3,
+                        "encode_ms": encode / reps * 1e3, "wall_ms": wall / reps * 1e3})
+            print("gemm chain:", out[-1], flush=True)
+    return out
+
+
 def _quant_grid_module():
     """tests/gpu_kv_quant_grid.py, found as :func:`_grid_module` finds its sibling."""
     _grid_module()
@@ -694,6 +805,14 @@ def device_main(carry: str, out_dir: str) -> None:
     mx.clear_cache()  # this process's cached buffers would be missing for the engines
     report["facts"] = facts
     print("device:", json.dumps(facts, indent=1), flush=True)
+    try:
+        report["gemm"] = gemm_check(mx)
+    except Exception as err:  # reported; the engines below still run
+        report["gemm"] = {"error": repr(err)}
+    mx.clear_cache()
+    print("decode GEMM kernel vs the fp32 product:", json.dumps(
+        {k: v for k, v in report["gemm"].items() if k not in ("per_case", "chain")}),
+        flush=True)
 
     if os.environ.get(SKIP_CHECKS_ENV) == "1":
         _benchmark(mx, report, carry_dir, out, work, env)

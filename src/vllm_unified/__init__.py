@@ -44,6 +44,11 @@ def register() -> str | None:
     # Pin the scheduler's message format we implement: with Triton importable vLLM 0.32 would
     # otherwise switch to the "model runner V2" format.
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # MLX reads its graph limits once, at its first stream: set ours before any process of
+    # this server imports MLX (engine processes inherit them).
+    from vllm_unified.backend import set_mlx_env_defaults
+
+    set_mlx_env_defaults()
     return "vllm_unified.platform.MLXPlatform"
 
 

@@ -131,6 +131,32 @@ def detect_backend() -> BackendInfo:
     return BackendInfo("cpu", _cpu_name(), ram, True, reason)
 
 
+#: MLX's CUDA backend closes a CUDA graph after ``MLX_MAX_OPS_PER_BUFFER`` operations (100 on
+#: H100/H200) or once the input bytes of its operations pass ``MLX_MAX_MB_PER_BUFFER`` (1,000
+#: MB there); every kernel input counts, each time it is read (``CommandEncoder::
+#: set_input_array``, ``mlx/backend/cuda/device.cpp``). A layer's KV pool array (hundreds of
+#: MB, read by the KV write and the attention kernel) thus closes a graph at every layer: a
+#: decode step becomes one small graph per layer, each updated and launched on its own. The
+#: pool is no temporary the limit could free early, so on CUDA the byte limit is lifted and the
+#: operation count alone closes graphs (the activation peak is profiled with it in effect).
+MLX_GRAPH_MB_ENV = "MLX_MAX_MB_PER_BUFFER"
+CUDA_GRAPH_MAX_MB = 1 << 20
+
+
+def set_mlx_env_defaults() -> dict[str, str]:
+    """Set the MLX environment defaults of this backend (before MLX makes its first stream;
+    MLX reads them once): on CUDA, ``MLX_MAX_MB_PER_BUFFER`` (see :data:`CUDA_GRAPH_MAX_MB`),
+    unless the user set it. Imports nothing of MLX.
+
+    Returns:
+        The variables set (for the start-up log); empty where none applies or all were set.
+    """
+    if detect_backend().kind != "cuda" or MLX_GRAPH_MB_ENV in os.environ:
+        return {}
+    os.environ[MLX_GRAPH_MB_ENV] = str(CUDA_GRAPH_MAX_MB)
+    return {MLX_GRAPH_MB_ENV: str(CUDA_GRAPH_MAX_MB)}
+
+
 @functools.cache
 def import_mlx() -> ModuleType:
     """Import ``mlx.core`` for compute in this process and select the backend's device.
@@ -142,6 +168,7 @@ def import_mlx() -> ModuleType:
         The ``mlx.core`` module.
     """
     info = detect_backend()
+    set_mlx_env_defaults()
     if info.kind == "cpu":
         from vllm_unified.blas import preload_blas
 
@@ -188,6 +215,9 @@ class BackendProfile:
         fuse_projections: q/k/v and gate/up projections run as one matmul each (GPU compute,
             where a step is bound by host work per primitive; ``VLLM_UNIFIED_FUSE_PROJECTIONS``;
             :mod:`vllm_unified.models.fused_projections`).
+        gpu_gemm: matmuls of 2 to 64 rows (decode steps) run the small tensor-core kernel of
+            :mod:`vllm_unified.models.gpu_gemm` instead of MLX's cuBLASLt path, whose host
+            cost per call bounds a decode step (CUDA compute; ``VLLM_UNIFIED_GPU_GEMM``).
         encode_thread: with asynchronous scheduling, queued steps are evaluated on a thread
             of their own while vLLM's engine runs its Python
             (:mod:`vllm_unified.worker.encode_thread`; ``VLLM_UNIFIED_ENCODE_THREAD``, default
@@ -209,6 +239,7 @@ class BackendProfile:
     cpu_attention: bool
     gpu_attention: GpuDialect | None
     fuse_projections: bool
+    gpu_gemm: bool
     encode_thread: bool
     compile_decode: bool
     logits_zero_copy: bool
@@ -244,9 +275,14 @@ class BackendProfile:
                      else "MLX reference")
         pool = ("vLLM layout in torch memory, shared with MLX" if self.kv_pool == "torch_shared"
                 else f"MLX-owned ({self.kv_pool_reason})")
-        return (f"MLX {self.kind} backend (buffers: {self.allocator}); KV pool {pool}, written "
+        text = (f"MLX {self.kind} backend (buffers: {self.allocator}); KV pool {pool}, written "
                 f"by {self.kv_write.replace('_', ' ')}; attention: {attention}; logits to torch "
                 f"{'as a view' if self.logits_zero_copy else 'by copy'}")
+        if self.gpu_gemm:
+            text += "; matmuls of 2-64 rows by the GPU kernel"
+        if self.kind == "cuda":
+            text += f"; {MLX_GRAPH_MB_ENV}={os.environ.get(MLX_GRAPH_MB_ENV, '(MLX default)')}"
+        return text
 
 
 @functools.cache
@@ -300,6 +336,7 @@ def profile() -> BackendProfile:
         kv_write=write, cpu_kernels=cpu_kernels, cpu_attention=cpu_attention,
         gpu_attention=info.kind if gpu and envs.GPU_ATTENTION else None,
         fuse_projections=gpu and envs.FUSE_PROJECTIONS,
+        gpu_gemm=gpu and info.kind == "cuda" and envs.GPU_GEMM,
         encode_thread=(envs.ENCODE_THREAD if envs.ENCODE_THREAD is not None
                        else gpu and info.kind == "cuda"),
         compile_decode=envs.COMPILE_DECODE,

@@ -115,6 +115,9 @@ _SETTINGS = (
             "kernel"),
     Setting("VLLM_UNIFIED_FUSE_PROJECTIONS", True, _bool,
             "GPU backends (CUDA, Metal): 0 keeps q/k/v and gate/up as separate matmuls"),
+    Setting("VLLM_UNIFIED_GPU_GEMM", True, _bool,
+            "CUDA backend: 0 leaves matmuls of 2 to 64 rows (decode) to MLX's cuBLASLt path "
+            "instead of the small tensor-core kernel"),
     Setting("VLLM_UNIFIED_ENCODE_THREAD", None, _bool,
             "async scheduling: 1/0 evaluates queued steps on a thread of their own or not "
             "(default: on CUDA only)"),
@@ -162,6 +165,7 @@ GPU_ATTENTION_ENV = "VLLM_UNIFIED_GPU_ATTENTION"
 COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
 FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"
 ENCODE_THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"
+GPU_GEMM_ENV = "VLLM_UNIFIED_GPU_GEMM"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
 PREFIX_CACHE_RETAIN_ENV = "VLLM_UNIFIED_PREFIX_CACHE_RETAIN"

@@ -29,7 +29,7 @@ input axis, so their rows concatenate like dense rows) are fused.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -69,22 +69,37 @@ class FusedGroup:
         #: each part as a linear of its own over row views of the fused arrays (evaluated
         #: once here: MLX slices share their source's buffer)
         self.alone = [_rows(linear, a, b) for a, b in self.bounds] if max_rows else []
+        #: ``split(x) -> [part outputs] | None``: a kernel that writes each part's columns as
+        #: an array of its own (:func:`vllm_unified.models.gpu_gemm.install_gpu_gemm`), tried
+        #: first at any row count; None where it does not apply
+        self.split: Callable[[mx.array], list[mx.array] | None] | None = None
         self._x: mx.array | None = None
-        self._y: mx.array | None = None
+        self._y: mx.array | list[mx.array] | None = None
         self._taken: set[int] = set()
 
     def columns(self, x: mx.array, index: int) -> mx.array:
         """Part ``index``'s output for input ``x`` (``[..., in]`` -> ``[..., size_index]``)."""
-        if self.max_rows is not None and x.size > self.max_rows * x.shape[-1]:
-            return self.alone[index](x)
         if self._x is not x or index in self._taken:
-            self._x, self._y, self._taken = x, self.linear(x), set()
+            self._x, self._y, self._taken = x, self._outputs(x), set()
         y = self._y
         self._taken.add(index)
         if len(self._taken) == len(self.bounds):
             self._x = self._y = None
+        if isinstance(y, list):
+            return y[index]
+        if y is None:
+            return self.alone[index](x)
         start, stop = self.bounds[index]
         return y[..., start:stop]
+
+    def _outputs(self, x: mx.array) -> mx.array | list[mx.array] | None:
+        """Every part's output (a list, from ``split``), the fused matmul's output, or None
+        where each part runs alone (more rows than ``max_rows``)."""
+        if self.split is not None and (parts := self.split(x)) is not None:
+            return parts
+        if self.max_rows is not None and x.size > self.max_rows * x.shape[-1]:
+            return None
+        return self.linear(x)
 
 
 class FusedPart(nn.Module):
@@ -95,6 +110,10 @@ class FusedPart(nn.Module):
         super().__init__()
         self._group = (group,)  # a tuple: MLX would register a Module or dict as a child
         self._index = index
+
+    @property
+    def group(self) -> FusedGroup:
+        return self._group[0]
 
     def __call__(self, x: mx.array) -> mx.array:
         return self._group[0].columns(x, self._index)

@@ -58,6 +58,7 @@ from vllm_unified.memory.mlx_log import MemoryLog
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
 from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
+from vllm_unified.models.gpu_gemm import install_gpu_gemm
 from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
 from vllm_unified.models.routing import install_paged_attention, install_recurrent_mixers
 from vllm_unified.offload.runner import KVConnectorHooks
@@ -272,6 +273,7 @@ class MLXModelRunner:
             self.model, [i for i in range(num_layers) if i not in self.layers.attention])
         cpu_kernels = install_cpu_kernels(self.model)
         fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
+        gemm = install_gpu_gemm(self.model) if self.backend.gpu_gemm else 0
         cache_config = self.vllm_config.cache_config
         shape = AttentionShape(self.model_config.get_num_kv_heads(pc),
                                self.model_config.get_head_size(), self.model_config.dtype,
@@ -284,11 +286,12 @@ class MLXModelRunner:
                             keep_quantized=self.backend.keep_quantized or native)
         logger.info(
             "vllm-unified: loaded %s (%s, %d layers, dtype %s, quantized=%s) in %.2f s; "
-            "paged attention routed in %s; native CPU kernels: %s; fused projections: %s",
+            "paged attention routed in %s; native CPU kernels: %s; fused projections: %s; "
+            "decode-sized matmuls by the GPU kernel: %d layers",
             path, self.loaded.source, num_layers, self.dtype, self.loaded.quantized,
             time.perf_counter() - start, ", ".join(patched) or "(already routed)",
             ", ".join(cpu_kernels) or "(none)",
-            ", ".join(f"{n} {name}" for name, n in fused.items()) or "(none)",
+            ", ".join(f"{n} {name}" for name, n in fused.items()) or "(none)", gemm,
         )
         if self.stage.size > 1:
             logger.info("vllm-unified: %s", self.stage.describe())

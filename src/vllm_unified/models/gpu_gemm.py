@@ -1,0 +1,274 @@
+"""Decode-sized matmuls (2 to 64 rows) as one small tensor-core kernel on MLX's CUDA backend.
+
+Why: MLX 0.32.4's CUDA matmul of more than one row calls cuBLASLt, and every call, replayed
+compiled graphs included, builds its matrix descriptors, asks cuBLASLt's heuristic for an
+algorithm and captures the launch into a child CUDA graph (``mlx/backend/cuda/matmul.cpp``,
+``gemms/cublas_gemm.cpp``, ``cublas_utils.cpp``); one row takes MLX's own gemv kernel instead.
+A decode step is bound by that host work (docs/benchmarking.md, CUDA section), and a
+Qwen3-0.6B step at batch 16 holds 169 such matmuls. This kernel is one ``mx.fast.cuda_kernel``
+launch per linear, and it writes a fused projection's parts (q/k/v, gate/up) as separate
+row-contiguous arrays, so the fused matmul serves every row count (MLX's RMSNorm and the KV
+write would copy strided column views).
+
+Arithmetic: ``out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n])`` for bf16 or fp16 ``x`` and
+``W`` (``W`` as ``nn.Linear`` stores it, ``[N, K]``), products summed in fp32 by
+``mma.sync.aligned.m16n8k16`` (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating
+point type"; sm_80 and newer), the bias added in fp32, one rounding to the output dtype: the
+contract of MLX's matmul (cuBLASLt with fp32 compute), with another summation order.
+
+Layout: the weight is the MMA's A operand (16 output features of a block), x the B operand
+(8 token rows per tile, ``MT = ceil(M / 8)`` tiles). Lane ``(g, t) = (lane / 4, lane % 4)``
+loads 8 consecutive k of weight rows ``g`` and ``g + 8`` and of token row ``g`` (16 bytes
+each) per 32 k; the k order inside a 32-k chunk is permuted identically for both operands
+(a dot product does not depend on it): the fragment's k pairs ``2t, 2t + 1`` and
+``2t + 8, 2t + 9`` of the first MMA are the lane's k ``8t .. 8t + 3``, those of the second MMA
+``8t + 4 .. 8t + 7``. The block's warps split K and sum their partial tiles in shared memory
+in warp order (deterministic).
+
+Contract of :func:`gemm`: ``x`` ``[..., K]``, ``weight`` ``[N, K]`` row-contiguous, same
+dtype; ``K % 32 == 0``; every part width a multiple of 16. It returns None (the caller uses
+MLX's matmul) for anything else: other dtypes, shapes or row counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from vllm_unified import gpu_dialect
+
+__all__ = ["MAX_ROWS", "MIN_ROWS", "GpuEmbedding", "GpuLinear", "gemm", "install_gpu_gemm",
+           "warps_for"]
+
+#: row counts the kernel takes: one row is MLX's own gemv kernel (no cuBLASLt); from 65 rows
+#: (prefill chunks) cuBLASLt's tiled kernels are the right tool and its host cost is amortised
+MIN_ROWS, MAX_ROWS = 2, 64
+
+#: warps of the block sum partial tiles; aim at about this many warps in flight per launch
+_TARGET_WARPS = 2048
+
+_HEADER = """
+template <typename T> struct UniMma;
+template <> struct UniMma<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float* c, unsigned a0, unsigned a1, unsigned a2,
+                                             unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+template <> struct UniMma<__half> {
+  __device__ __forceinline__ static void run(float* c, unsigned a0, unsigned a1, unsigned a2,
+                                             unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+"""
+
+#: the kernel body (CUDA only: PTX MMA); ``UNI_GEMM_STORE`` becomes the store of :func:`_source`
+_BODY = """
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int f0 = blockIdx.x * 16;
+    const int M = x_shape[0];
+    UNI_GEMM_STORE
+    constexpr int K8 = K / 8;  // 16-byte words per row
+    float acc[MT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        acc[mt][0] = 0.0f; acc[mt][1] = 0.0f; acc[mt][2] = 0.0f; acc[mt][3] = 0.0f;
+    }
+    const uint4* w_lo = reinterpret_cast<const uint4*>(weight) + (int64_t)(f0 + g) * K8;
+    const uint4* w_hi = w_lo + 8 * K8;
+    const uint4* xs = reinterpret_cast<const uint4*>(x);
+    #pragma unroll 2
+    for (int kc = warp; kc < K / 32; kc += WARPS) {
+        const uint4 a_lo = w_lo[kc * 4 + t];
+        const uint4 a_hi = w_hi[kc * 4 + t];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int row = mt * 8 + g;
+            uint4 b = make_uint4(0u, 0u, 0u, 0u);
+            if (row < M) {
+                b = xs[(int64_t)row * K8 + kc * 4 + t];
+            }
+            UniMma<T>::run(acc[mt], a_lo.x, a_hi.x, a_lo.y, a_hi.y, b.x, b.y);
+            UniMma<T>::run(acc[mt], a_lo.z, a_hi.z, a_lo.w, a_hi.w, b.z, b.w);
+        }
+    }
+    __shared__ float partial[WARPS > 1 ? WARPS : 1][MT * 4][32];
+    if (WARPS > 1) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                partial[warp][mt * 4 + j][lane] = acc[mt][j];
+            }
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < (WARPS > 1 ? MT * 4 * 32 : 0); i += WARPS * 32) {
+        float v = 0.0f;
+        for (int w = 0; w < WARPS; ++w) {
+            v += partial[w][i / 32][i % 32];
+        }
+        uni_gemm_store(i / 128, (i / 32) % 4, i % 32, v);
+    }
+    if (WARPS == 1) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                uni_gemm_store(mt, j, lane, acc[mt][j]);
+            }
+        }
+    }
+"""
+
+#: the store (``UNI_GEMM_STORE`` in the body), a lambda: fragment element j of lane ``ln``
+#: of token tile mt (PTX's C fragment: rows g and g + 8, columns 2t and 2t + 1)
+_STORE = """auto uni_gemm_store = [&](int mt, int j, int ln, float v) {{
+        const int n = f0 + (ln >> 2) + (j >= 2 ? 8 : 0);
+        const int m = mt * 8 + 2 * (ln & 3) + (j & 1);
+        if (m >= M) {{
+            return;
+        }}
+{bias}{routes}    }};"""
+
+
+def _source(parts: int, has_bias: bool) -> str:
+    """The body for ``parts`` outputs (``out0`` .. of widths ``N0`` ..) and an optional bias."""
+    bias = "        v += static_cast<float>(bias[n]);\n" if has_bias else ""
+    routes, start = [], "0"
+    for p in range(parts):
+        cond = f"n < {start} + N{p}" if p < parts - 1 else "true"
+        routes.append(f"        {'if' if p == 0 else 'else if'} ({cond}) {{\n"
+                      f"            out{p}[(int64_t)m * N{p} + (n - ({start}))] = "
+                      f"static_cast<T>(v);\n        }}\n")
+        start = f"{start} + N{p}"
+    return _BODY.replace("UNI_GEMM_STORE", _STORE.format(bias=bias, routes="".join(routes)))
+
+
+def _kernel(parts: int, has_bias: bool):
+    inputs = ("x", "weight", "bias") if has_bias else ("x", "weight")
+    outputs = tuple(f"out{p}" for p in range(parts))
+    name = f"vllm_unified_gemm{parts}{'b' if has_bias else ''}"
+    return gpu_dialect.kernel(name, inputs, outputs, _source(parts, has_bias), dialect="cuda",
+                              header=_HEADER)
+
+
+def warps_for(num_features: int, k: int) -> int:
+    """Warps per block (1, 2, 4 or 8) for ``num_features`` outputs over ``k`` inputs: enough
+    blocks times warps to keep the GPU's memory system busy, never more warps than 32-k
+    chunks."""
+    blocks = num_features // 16
+    warps = 1
+    while warps < 8 and blocks * warps < _TARGET_WARPS and warps * 2 <= k // 32:
+        warps *= 2
+    return warps
+
+
+def gemm(x: mx.array, weight: mx.array, sizes: Sequence[int] | None = None,
+         bias: mx.array | None = None) -> list[mx.array] | None:
+    """``x @ weight.T (+ bias)`` cut into row-contiguous column parts, by the kernel.
+
+    Args:
+        x: ``[..., K]`` bf16 or fp16, 2 to 64 rows (``x.size // K``).
+        weight: ``[N, K]``, the dtype of ``x``.
+        sizes: the parts' widths (sum ``N``; each a multiple of 16); default one part.
+        bias: ``[N]`` or None.
+
+    Returns:
+        One array ``[..., size]`` per part, or None where the kernel does not apply (the
+        caller runs MLX's matmul).
+    """
+    n, k = weight.shape if weight.ndim == 2 else (0, 0)
+    sizes = [n] if sizes is None else list(sizes)
+    if (weight.dtype not in (mx.bfloat16, mx.float16) or x.dtype != weight.dtype
+            or x.shape[-1] != k or k % 32 or sum(sizes) != n or any(s % 16 for s in sizes)
+            or not 1 <= len(sizes) <= 3
+            or (bias is not None and (bias.dtype != weight.dtype or bias.shape != (n,)))):
+        return None
+    rows = x.size // k
+    if not MIN_ROWS <= rows <= MAX_ROWS:
+        return None
+    warps = warps_for(n, k)
+    template: list[tuple[str, Any]] = [("T", weight.dtype), ("K", k), ("MT", (rows + 7) // 8),
+                                       ("WARPS", warps)]
+    template += [(f"N{p}", s) for p, s in enumerate(sizes)]
+    inputs = [x.reshape(rows, k), weight] + ([bias] if bias is not None else [])
+    outs = _kernel(len(sizes), bias is not None)(
+        inputs=inputs, template=template, grid=(n // 16 * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1), output_shapes=[(rows, s) for s in sizes],
+        output_dtypes=[weight.dtype] * len(sizes))
+    return [o.reshape(*x.shape[:-1], s) for o, s in zip(outs, sizes, strict=True)]
+
+
+class GpuLinear(nn.Linear):
+    """``nn.Linear`` whose decode-sized calls run :func:`gemm` (same parameters)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = gemm(x, self["weight"], bias=self["bias"] if "bias" in self else None)
+        return super().__call__(x) if out is None else out[0]
+
+
+class GpuEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose tied output head (``as_linear``) runs :func:`gemm`."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        out = gemm(x, self.weight)
+        return super().as_linear(x) if out is None else out[0]
+
+
+def install_gpu_gemm(model: Any) -> int:
+    """Route ``model``'s bf16/fp16 ``nn.Linear`` layers (fused q/k/v and gate/up included: one
+    launch writes every part) and tied output head to :func:`gemm` for decode-sized inputs.
+
+    Call after :func:`vllm_unified.models.fused_projections.fuse_projections`. Only exact
+    ``nn.Linear`` / ``nn.Embedding`` instances are swapped (their ``__class__``; parameters
+    stay); each call falls back to MLX's matmul where :func:`gemm` does not apply. Idempotent.
+
+    Returns:
+        How many layers were routed (fused groups count once), for the log.
+    """
+    from vllm_unified.models.fused_projections import FusedPart
+
+    routed = 0
+    groups = {id(m.group): m.group for m in model.modules() if isinstance(m, FusedPart)}
+    fused = {id(group.linear) for group in groups.values()}  # called through their group
+    for group in groups.values():
+        if group.split is None and _dense(group.linear):
+            group.split = _group_split(group)
+            routed += 1
+    for module in model.modules():
+        if (type(module) in (nn.Linear, nn.Embedding) and id(module) not in fused
+                and _dense(module)):
+            module.__class__ = GpuLinear if type(module) is nn.Linear else GpuEmbedding
+            routed += 1
+    return routed
+
+
+def _dense(module: Any) -> bool:
+    return (type(module) in (nn.Linear, GpuLinear, nn.Embedding, GpuEmbedding)
+            and module.weight.dtype in (mx.bfloat16, mx.float16))
+
+
+def _group_split(group: Any):
+    sizes = [stop - start for start, stop in group.bounds]
+    linear = group.linear
+
+    def split(x: mx.array) -> list[mx.array] | None:
+        return gemm(x, linear["weight"], sizes, linear["bias"] if "bias" in linear else None)
+
+    return split
