@@ -95,6 +95,13 @@ BASE_ENV = dict(os.environ)
 CHECK_ONLY_ENV = "CUDA_BENCH_CHECK_ONLY"
 #: 1: skip the greedy check and the kernel grid (a CHECK_ONLY run on this machine did them)
 SKIP_CHECKS_ENV = "CUDA_BENCH_SKIP_CHECKS"
+
+
+def _skipped() -> set[str]:
+    """What ``CUDA_BENCH_SKIP_CHECKS`` skips, comma-separated: ``1`` (the greedy check and
+    both grids), ``grid`` (both grids), ``dense_grid``, ``gemm`` (the decode GEMM check),
+    ``attention`` (attention alone)."""
+    return set(filter(None, os.environ.get(SKIP_CHECKS_ENV, "").split(",")))
 #: interleaved rounds of (mlx-lm, ours) per batch size in each engine
 ROUNDS = int(os.environ.get("CUDA_BENCH_ROUNDS", "3"))
 PROMPT_LEN = 512
@@ -806,7 +813,8 @@ def device_main(carry: str, out_dir: str) -> None:
     report["facts"] = facts
     print("device:", json.dumps(facts, indent=1), flush=True)
     try:
-        report["gemm"] = gemm_check(mx)
+        report["gemm"] = ({"skipped": f"{SKIP_CHECKS_ENV}=gemm"} if "gemm" in _skipped()
+                          else gemm_check(mx))
     except Exception as err:  # reported; the engines below still run
         report["gemm"] = {"error": repr(err)}
     mx.clear_cache()
@@ -814,7 +822,7 @@ def device_main(carry: str, out_dir: str) -> None:
         {k: v for k, v in report["gemm"].items() if k not in ("per_case", "chain")}),
         flush=True)
 
-    if os.environ.get(SKIP_CHECKS_ENV) == "1":
+    if "1" in _skipped():
         _benchmark(mx, report, carry_dir, out, work, env)
         return
     expected = json.loads((carry_dir / "expected.json").read_text())
@@ -834,9 +842,9 @@ def device_main(carry: str, out_dir: str) -> None:
         print("  divergence:", d)
 
     try:
-        skip = os.environ.get(SKIP_CHECKS_ENV)
-        check = ({"skipped": f"{SKIP_CHECKS_ENV}={skip}"}
-                 if skip in ("grid", "dense_grid") else kernel_grid_check(mx))
+        skip = _skipped() & {"grid", "dense_grid"}
+        check = ({"skipped": f"{SKIP_CHECKS_ENV}={','.join(sorted(skip))}"}
+                 if skip else kernel_grid_check(mx))
     except Exception as err:  # reported, and the engines below still run
         check = {"error": repr(err)}
     report["kernel_grid"] = check
@@ -844,7 +852,7 @@ def device_main(carry: str, out_dir: str) -> None:
           json.dumps({k: v for k, v in check.items() if k != "max_abs_error"}), flush=True)
     try:
         quant = ({"skipped": f"{SKIP_CHECKS_ENV}=grid"}
-                 if os.environ.get(SKIP_CHECKS_ENV) == "grid" else kvquant_check(mx))
+                 if "grid" in _skipped() else kvquant_check(mx))
     except Exception as err:  # reported, and the engines below still run
         quant = {"error": repr(err)}
     report["kvquant_grid"] = quant
@@ -863,6 +871,9 @@ def device_main(carry: str, out_dir: str) -> None:
 
 
 def _attention_timing(mx, report: dict) -> None:
+    if "attention" in _skipped():
+        report["attention_timing"] = {"skipped": f"{SKIP_CHECKS_ENV}=attention"}
+        return
     try:
         report["attention_timing"] = attention_timing(mx)
     except Exception as err:  # reported; the engines below still run
