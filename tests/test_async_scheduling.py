@@ -83,7 +83,7 @@ def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path, m
     with a repetition penalty and one with logprobs (vLLM's sampler: those steps are waited for
     and must see every earlier token) and a long prompt that is chunked: identical outputs,
     also with the queued steps evaluated on the encode thread (the CUDA default, forced on
-    here)."""
+    here), pure-decode steps built while it encodes the previous one."""
     prompts = _prompts(6, [9, 40, 150, 17, 64, 5], vocab=49152, seed=7)
     params = [
         {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True},
@@ -104,6 +104,9 @@ def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path, m
                       "requests": requests}, tmp_path / "sync")
     (tmp_path / "thread").mkdir()
     monkeypatch.setenv("VLLM_UNIFIED_ENCODE_THREAD", "1")
+    # no page release (it reads the pool between steps): pure-decode steps are then laid out
+    # and built while the encode thread still encodes the previous step
+    monkeypatch.setenv("VLLM_UNIFIED_PREFIX_CACHE_RETAIN", "all")
     threaded = run_llm({"model": tiny_llama, "engine": {**base, "async_scheduling": True},
                         "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "thread")
     for i, (a, s) in enumerate(zip(queued["outputs"], waited["outputs"], strict=True)):
@@ -113,6 +116,7 @@ def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path, m
             s["completions"][0]["token_ids"], i
     assert queued["rpc_after"]["runner_stats"]["encode_thread_s"] == 0.0  # CPU default: off
     assert threaded["rpc_after"]["runner_stats"]["encode_thread_s"] > 0.0
+    assert threaded["rpc_after"]["runner_stats"]["built_alongside"] > 0
     lp_async = queued["outputs"][5]["completions"][0]["logprobs"]
     lp_sync = waited["outputs"][5]["completions"][0]["logprobs"]
     assert [[t for t, _, _ in step] for step in lp_async] == \

@@ -17,11 +17,25 @@ only waits for its event: MLX's ``eval`` of scheduled arrays, ``mlx/transforms.c
 array is a copy that no later step's graph contains (the next step feeds the original token
 array, whose graph node a later job's evaluation detaches).
 
+Building alongside a job: the next step's graph may be built on the engine's thread while a
+job encodes, for steps whose building makes arrays and calls MLX graph functions only, no
+evaluation (pure-decode steps; :meth:`vllm_unified.worker.model_runner.MLXModelRunner.
+_builds_alongside_queued_step` says which). That graph takes the job's outputs (the written
+KV pool, the sampled tokens) as inputs. MLX 0.32.4's graph construction and compiled-graph
+replay read only an input's shape, dtype and tracer flag (``ArrayDesc::init`` in
+``mlx/array.cpp``; ``compile_replace`` and the compile cache's ``find`` in
+``mlx/compile.cpp``), and copy its handle (an atomic reference count); the job's evaluation
+writes the data, status, flags and strides of the arrays it evaluates and detaches their
+inputs and primitive (``eval_impl`` in ``mlx/transforms.cpp``): disjoint fields. MLX's
+allocator, which both threads call, locks. The job's own array list is flattened when it is
+queued, so the engine's thread may rebind the pool's list right after.
+
 MLX streams made by ``mx.new_stream`` (every thread's default ones) can only be evaluated on
 the thread that made them, so the worker makes its thread's default streams with
 ``mx.new_thread_unsafe_stream`` first (:func:`share_default_streams`, before any array
 exists), which any thread may evaluate, one at a time. The contract that makes it safe: while
-a job runs, no other thread calls MLX (except the read-back above). Every runner and worker entry
+a job runs, no other thread evaluates anything (except the read-back above) or calls MLX
+outside graph building. Every runner and worker entry
 point that touches MLX calls :meth:`EncodeThread.wait` first; only the Python between them
 (vLLM's scheduler, output processing, the runner's own bookkeeping of an asynchronous step)
 runs alongside a job.
@@ -78,8 +92,10 @@ class EncodeThread:
 
     def submit(self, arrays: list[Any]) -> Future:
         """Queue ``mx.async_eval(*arrays)``; returns the job (its result is None). Waits for the
-        previous job first (one at a time, in step order)."""
+        previous job first (one at a time, in step order). ``arrays`` may hold lists (one
+        level), copied here: the caller may change them once this returns."""
         self.wait()
+        arrays = [a for x in arrays for a in (x if isinstance(x, (list, tuple)) else (x,))]
 
         def job() -> None:
             start = time.perf_counter()
@@ -90,6 +106,11 @@ class EncodeThread:
 
         self._job = self._pool.submit(job)
         return self._job
+
+    @property
+    def busy(self) -> bool:
+        """A queued job is still running."""
+        return self._job is not None and not self._job.done()
 
     def read_back(self, job: Future, tokens: mx.array) -> list[int]:
         """``tokens.tolist()`` once ``job`` (the job that evaluates ``tokens``) has finished;

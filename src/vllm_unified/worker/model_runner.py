@@ -102,6 +102,8 @@ class RunnerStats:
     #: the previous step's start to theirs: the engine's whole step period, scheduler included
     decode_steps: int = 0
     decode_period_s: float = 0.0
+    #: steps laid out and built while the encode thread still encoded the previous one
+    built_alongside: int = 0
 
 
 @dataclass
@@ -438,7 +440,10 @@ class MLXModelRunner:
                 (not supported).
         """
         started = time.perf_counter()
-        self.quiesce()
+        if not self._builds_alongside_queued_step(scheduler_output):
+            self.quiesce()
+        elif self.encoder.busy:
+            self.stats.built_alongside += 1
         if self.page_release is not None:
             self.page_release.flush()
         previous_decode, self._decode_started = self._decode_started, None
@@ -475,6 +480,23 @@ class MLXModelRunner:
             self._pending = pending
             return None
         return self._finish_step(pending, self._sample(pending, None))
+
+    def _builds_alongside_queued_step(self, so: SchedulerOutput) -> bool:
+        """Whether this step is laid out and its graph built while the encode thread still
+        encodes the previous step (the job is waited for when this one is queued,
+        :meth:`EncodeThread.submit`): a pure-decode step (every scheduled request one token,
+        none new, resumed, drafted or structured) with nothing that reads or writes the pool
+        before the forward (no blocks to zero, no KV connector, no page release), one
+        pipeline stage and no draft model. Such a step only makes MLX arrays and calls the
+        compiled graph, which reads the queued step's outputs' shapes and dtypes alone
+        (:mod:`vllm_unified.worker.encode_thread`, "Building alongside a job")."""
+        return (self.encoder is not None and self.spec is None and self.draft is None
+                and self.page_release is None and not self.kv_connector.enabled
+                and self.stage.size == 1 and so.total_num_scheduled_tokens > 0
+                and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
+                and not so.scheduled_new_reqs and not so.scheduled_cached_reqs.resumed_req_ids
+                and not so.new_block_ids_to_zero and not so.scheduled_spec_decode_tokens
+                and not so.has_structured_output_requests and not so.preempted_req_ids)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Fold the step's request changes into the persistent batch (new, resumed, finished
@@ -613,6 +635,7 @@ class MLXModelRunner:
             read_back = mx.contiguous(tokens) if tokens is not None else None
             job = self.encoder.submit([*outputs, *([read_back] if read_back is not None else [])])
         else:
+            self.quiesce()  # this step may have been built alongside a queued one
             (mx.async_eval if lazy else mx.eval)(*outputs)
         self._timer.mark("eval")
         self.stats.forwards += 1
