@@ -121,6 +121,9 @@ _SETTINGS = (
     Setting("VLLM_UNIFIED_ENCODE_THREAD", None, _bool,
             "async scheduling: 1/0 evaluates queued steps on a thread of their own or not "
             "(default: on CUDA only)"),
+    Setting("VLLM_UNIFIED_BUILD_ALONGSIDE", True, _bool,
+            "with the encode thread: 0 waits for the queued step before building the next "
+            "pure-decode step (no overlap of building and encoding)"),
     Setting("VLLM_UNIFIED_COMPILE_DECODE", True, _bool,
             "CUDA backend: 0 builds every decode step's graph in Python (no mx.compile)"),
     Setting("VLLM_UNIFIED_KV_EAGER_ZERO", False, _bool,
@@ -166,6 +169,7 @@ COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
 FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"
 ENCODE_THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"
 GPU_GEMM_ENV = "VLLM_UNIFIED_GPU_GEMM"
+BUILD_ALONGSIDE_ENV = "VLLM_UNIFIED_BUILD_ALONGSIDE"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"
 PREFIX_CACHE_RETAIN_ENV = "VLLM_UNIFIED_PREFIX_CACHE_RETAIN"

@@ -29,6 +29,7 @@ import mlx.nn as nn
 import numpy as np
 import torch
 
+from vllm_unified import envs
 from vllm_unified.attention.paged import gpu_attention_routed
 from vllm_unified.backend import BackendProfile
 from vllm_unified.bridge import mlx_dtype
@@ -224,6 +225,9 @@ class MLXModelRunner:
             )
         #: vLLM's async scheduling (see worker/async_output.py): steps are queued, not awaited
         self.async_scheduling: bool = bool(vllm_config.scheduler_config.async_scheduling)
+        #: pure-decode steps are built while the encode thread encodes the previous step
+        #: (``VLLM_UNIFIED_BUILD_ALONGSIDE``; :meth:`_builds_alongside_queued_step`)
+        self.build_alongside = bool(envs.BUILD_ALONGSIDE)
         #: evaluates queued steps off the engine's thread (None: in it)
         self.encoder = (EncodeThread() if self.async_scheduling and backend.encode_thread
                         else None)
@@ -490,7 +494,8 @@ class MLXModelRunner:
         pipeline stage and no draft model. Such a step only makes MLX arrays and calls the
         compiled graph, which reads the queued step's outputs' shapes and dtypes alone
         (:mod:`vllm_unified.worker.encode_thread`, "Building alongside a job")."""
-        return (self.encoder is not None and self.spec is None and self.draft is None
+        return (self.encoder is not None and self.build_alongside and self.spec is None
+                and self.draft is None
                 and self.page_release is None and not self.kv_connector.enabled
                 and self.stage.size == 1 and so.total_num_scheduled_tokens > 0
                 and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
