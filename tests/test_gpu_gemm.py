@@ -59,12 +59,13 @@ def _mma(lanes_a: np.ndarray, lanes_b: np.ndarray, lanes_c: np.ndarray) -> np.nd
 
 
 def emulate(x: np.ndarray, w: np.ndarray, sizes: list[int], bias: np.ndarray | None,
-            warps: int) -> list[np.ndarray]:
+            warps: int, tiles: int = gpu_gemm.TILES) -> list[np.ndarray]:
     """The kernel body on the host (fp32 values of the 16-bit inputs): see the module
-    docstring. ``x`` ``[M, K]``, ``w`` ``[N, K]``; one ``[M, size]`` array per part."""
+    docstring. ``x`` ``[M, K]``, ``w`` ``[N, K]``, ``tiles`` the template's ``MT``; one
+    ``[M, size]`` array per part."""
     m_rows, k = x.shape
     n = w.shape[0]
-    mt_count = (m_rows + 7) // 8
+    mt_count = tiles
     outs = [np.full((m_rows, s), np.nan, np.float32) for s in sizes]
     bounds = np.cumsum([0, *sizes])
 
@@ -162,13 +163,13 @@ class _StandIn:
         warps = spec["WARPS"]
         assert threadgroup == (warps * 32, 1, 1)
         assert grid == (sum(s[1] for s in output_shapes) // 16 * warps * 32, 1, 1)
-        assert spec["MT"] == (output_shapes[0][0] + 7) // 8
+        assert spec["MT"] == 8 and output_shapes[0][0] <= 8 * spec["MT"]
         x, w = _as_f32(inputs[0]), _as_f32(inputs[1])
         bias = _as_f32(inputs[2]) if self.has_bias else None
         assert x.shape[1] == spec["K"] and len(output_shapes) == self.parts
         sizes = [spec[f"N{p}"] for p in range(self.parts)]
         self.calls.append({"rows": x.shape[0], "sizes": sizes})
-        outs = emulate(x, w, sizes, bias, warps)
+        outs = emulate(x, w, sizes, bias, warps, spec["MT"])
         return [mx.array(o).astype(d) for o, d in zip(outs, output_dtypes, strict=True)]
 
 

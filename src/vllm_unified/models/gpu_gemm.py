@@ -17,7 +17,8 @@ point type"; sm_80 and newer), the bias added in fp32, one rounding to the outpu
 contract of MLX's matmul (cuBLASLt with fp32 compute), with another summation order.
 
 Layout: the weight is the MMA's A operand (16 output features of a block), x the B operand
-(8 token rows per tile, ``MT = ceil(M / 8)`` tiles). Lane ``(g, t) = (lane / 4, lane % 4)``
+(8 token rows per tile; every instance computes ``MT = 8`` tiles, i.e. 64 rows, and rows
+past ``M`` load zeros and are not stored, so each weight shape is compiled once). Lane ``(g, t) = (lane / 4, lane % 4)``
 loads 8 consecutive k of weight rows ``g`` and ``g + 8`` and of token row ``g`` (16 bytes
 each) per 32 k; the k order inside a 32-k chunk is permuted identically for both operands
 (a dot product does not depend on it): the fragment's k pairs ``2t, 2t + 1`` and
@@ -46,6 +47,9 @@ __all__ = ["MAX_ROWS", "MIN_ROWS", "GpuEmbedding", "GpuLinear", "gemm", "install
 #: row counts the kernel takes: one row is MLX's own gemv kernel (no cuBLASLt); from 65 rows
 #: (prefill chunks) cuBLASLt's tiled kernels are the right tool and its host cost is amortised
 MIN_ROWS, MAX_ROWS = 2, 64
+
+#: 8-row token tiles every instance computes (MAX_ROWS / 8)
+TILES = MAX_ROWS // 8
 
 #: warps of the block sum partial tiles; aim at about this many warps in flight per launch
 _TARGET_WARPS = 2048
@@ -204,7 +208,10 @@ def gemm(x: mx.array, weight: mx.array, sizes: Sequence[int] | None = None,
     if not MIN_ROWS <= rows <= MAX_ROWS:
         return None
     warps = warps_for(n, k)
-    template: list[tuple[str, Any]] = [("T", weight.dtype), ("K", k), ("MT", (rows + 7) // 8),
+    # Always every 8-row tile of MAX_ROWS (rows past M load zeros and are not stored): one
+    # compiled instance per weight shape, not one per batch size's tile count (NVRTC compiles
+    # each instance at its first call, ~1 s, stalling the step that meets it).
+    template: list[tuple[str, Any]] = [("T", weight.dtype), ("K", k), ("MT", TILES),
                                        ("WARPS", warps)]
     template += [(f"N{p}", s) for p, s in enumerate(sizes)]
     inputs = [x.reshape(rows, k), weight] + ([bias] if bias is not None else [])
