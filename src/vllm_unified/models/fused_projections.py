@@ -20,7 +20,9 @@ token-major forward has one row per scheduled token): with more rows each part's
 a strided view, which MLX's RMSNorm and our row-contiguous KV write copy first (three copies
 for the two matmuls saved). From two rows on, each part runs its own matmul on its rows of
 the fused weight, a view of it (no second copy of the weights). gate/up columns go to
-elementwise SwiGLU, which reads strided views as they are: always fused.
+elementwise SwiGLU, which reads strided views as they are: always fused. Where a kernel can
+write each part as an array of its own (``FusedGroup.split``: the CUDA decode GEMM kernel of
+:mod:`vllm_unified.models.gpu_gemm`), q/k/v are fused at every row count it takes.
 
 Only exact ``nn.Linear`` siblings (one dtype, biases on all or none) and exact
 ``nn.QuantizedLinear`` siblings (one ``bits`` / ``group_size`` / ``mode``; MLX groups along the

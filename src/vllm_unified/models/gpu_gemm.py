@@ -16,15 +16,15 @@ Arithmetic: ``out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n])`` for bf16 or fp16
 point type"; sm_80 and newer), the bias added in fp32, one rounding to the output dtype: the
 contract of MLX's matmul (cuBLASLt with fp32 compute), with another summation order.
 
-Layout: the weight is the MMA's A operand (16 output features of a block), x the B operand
+Layout: the weight is the MMA's A operand (16 output features per block), x the B operand
 (8 token rows per tile; every instance computes ``MT = 8`` tiles, i.e. 64 rows, and rows
-past ``M`` load zeros and are not stored, so each weight shape is compiled once). Lane ``(g, t) = (lane / 4, lane % 4)``
-loads 8 consecutive k of weight rows ``g`` and ``g + 8`` and of token row ``g`` (16 bytes
-each) per 32 k; the k order inside a 32-k chunk is permuted identically for both operands
-(a dot product does not depend on it): the fragment's k pairs ``2t, 2t + 1`` and
-``2t + 8, 2t + 9`` of the first MMA are the lane's k ``8t .. 8t + 3``, those of the second MMA
-``8t + 4 .. 8t + 7``. The block's warps split K and sum their partial tiles in shared memory
-in warp order (deterministic).
+past ``M`` load zeros and are not stored, so each weight shape is compiled once). Lane
+``(g, t) = (lane / 4, lane % 4)`` loads 8 consecutive k of weight rows ``g`` and ``g + 8``
+and of token row ``g`` (16 bytes each) per 32 k. The k order inside a 32-k chunk is permuted
+identically for both operands (a dot product does not depend on it): the fragment's k pairs
+``2t, 2t + 1`` and ``2t + 8, 2t + 9`` of the first MMA are the lane's k ``8t .. 8t + 3``,
+those of the second MMA ``8t + 4 .. 8t + 7``. The block's warps split K and sum their
+partial tiles in shared memory in warp order (deterministic).
 
 Contract of :func:`gemm`: ``x`` ``[..., K]``, ``weight`` ``[N, K]`` row-contiguous, same
 dtype; ``K % 32 == 0``; every part width a multiple of 16. It returns None (the caller uses
