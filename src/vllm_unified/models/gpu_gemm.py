@@ -54,29 +54,21 @@ TILES = MAX_ROWS // 8
 #: warps of the block sum partial tiles; aim at about this many warps in flight per launch
 _TARGET_WARPS = 2048
 
-_HEADER = """
-template <typename T> struct UniMma;
-template <> struct UniMma<__nv_bfloat16> {
+#: one warp-wide MMA, D = A * B + D, for a 16-bit input type (the PTX type in its name)
+_MMA = """
+template <> struct UniMma<{ctype}> {{
   __device__ __forceinline__ static void run(float* c, unsigned a0, unsigned a1, unsigned a2,
-                                             unsigned a3, unsigned b0, unsigned b1) {
+                                             unsigned a3, unsigned b0, unsigned b1) {{
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
+        "{{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-};
-template <> struct UniMma<__half> {
-  __device__ __forceinline__ static void run(float* c, unsigned a0, unsigned a1, unsigned a2,
-                                             unsigned a3, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-};
-"""
+  }}
+}};"""
+_HEADER = "\ntemplate <typename T> struct UniMma;" + "".join(
+    _MMA.format(ctype=ctype, ptx=ptx) for ctype, ptx in (("__nv_bfloat16", "bf16"),
+                                                          ("__half", "f16"))) + "\n"
 
 #: the kernel body (CUDA only: PTX MMA); ``UNI_GEMM_STORE`` becomes the store of :func:`_source`
 _BODY = """
