@@ -6,6 +6,8 @@ same mixed requests with vLLM's ``async_scheduling`` on and off and wants identi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -83,7 +85,7 @@ def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path, m
     with a repetition penalty and one with logprobs (vLLM's sampler: those steps are waited for
     and must see every earlier token) and a long prompt that is chunked: identical outputs,
     also with the queued steps evaluated on the encode thread (the CUDA default, forced on
-    here), pure-decode steps built while it encodes the previous one."""
+    here)."""
     prompts = _prompts(6, [9, 40, 150, 17, 64, 5], vocab=49152, seed=7)
     params = [
         {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True},
@@ -104,9 +106,6 @@ def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path, m
                       "requests": requests}, tmp_path / "sync")
     (tmp_path / "thread").mkdir()
     monkeypatch.setenv("VLLM_UNIFIED_ENCODE_THREAD", "1")
-    # no page release (it reads the pool between steps): pure-decode steps are then laid out
-    # and built while the encode thread still encodes the previous step
-    monkeypatch.setenv("VLLM_UNIFIED_PREFIX_CACHE_RETAIN", "all")
     threaded = run_llm({"model": tiny_llama, "engine": {**base, "async_scheduling": True},
                         "requests": requests, "rpc": ["runner_stats"]}, tmp_path / "thread")
     for i, (a, s) in enumerate(zip(queued["outputs"], waited["outputs"], strict=True)):
@@ -116,7 +115,6 @@ def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path, m
             s["completions"][0]["token_ids"], i
     assert queued["rpc_after"]["runner_stats"]["encode_thread_s"] == 0.0  # CPU default: off
     assert threaded["rpc_after"]["runner_stats"]["encode_thread_s"] > 0.0
-    assert threaded["rpc_after"]["runner_stats"]["built_alongside"] > 0
     lp_async = queued["outputs"][5]["completions"][0]["logprobs"]
     lp_sync = waited["outputs"][5]["completions"][0]["logprobs"]
     assert [[t for t, _, _ in step] for step in lp_async] == \
@@ -124,3 +122,52 @@ def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path, m
     stats = queued["rpc_after"]["runner_stats"]
     assert stats["sampled_by_vllm"] > 0  # the penalty/logprobs requests took the waited path
     assert stats["decode_steps"] > 0
+
+
+def _step(**changes) -> SimpleNamespace:
+    """A scheduler output of a pure-decode step of two requests (the fields the runner's
+    build-alongside rule reads), with ``changes`` applied."""
+    so = SimpleNamespace(
+        total_num_scheduled_tokens=2, num_scheduled_tokens={"a": 1, "b": 1},
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()),
+        new_block_ids_to_zero=None, scheduled_spec_decode_tokens={},
+        has_structured_output_requests=False, preempted_req_ids=None)
+    vars(so).update(changes)
+    return so
+
+
+def _runner(**changes) -> SimpleNamespace:
+    runner = SimpleNamespace(encoder=object(), build_alongside=True, compiled_decode=object(),
+                             spec=None, draft=None, page_release=None,
+                             kv_connector=SimpleNamespace(enabled=False),
+                             stage=SimpleNamespace(size=1))
+    vars(runner).update(changes)
+    return runner
+
+
+@pytest.mark.parametrize("runner,step", [
+    ({}, {"total_num_scheduled_tokens": 3, "num_scheduled_tokens": {"a": 1, "b": 2}}),
+    ({}, {"total_num_scheduled_tokens": 0, "num_scheduled_tokens": {}}),
+    ({}, {"scheduled_new_reqs": [object()]}),
+    ({}, {"scheduled_cached_reqs": SimpleNamespace(resumed_req_ids={"a"})}),
+    ({}, {"new_block_ids_to_zero": [3]}),
+    ({}, {"scheduled_spec_decode_tokens": {"a": [5]}}),
+    ({}, {"has_structured_output_requests": True}),
+    ({}, {"preempted_req_ids": {"b"}}),
+    ({"encoder": None}, {}),
+    ({"build_alongside": False}, {}),
+    ({"compiled_decode": None}, {}),  # the plain forward assigns into the pool's arrays
+    ({"spec": object()}, {}),
+    ({"draft": object()}, {}),
+    ({"page_release": object()}, {}),
+    ({"kv_connector": SimpleNamespace(enabled=True)}, {}),
+    ({"stage": SimpleNamespace(size=2)}, {}),
+])
+def test_only_compiled_pure_decode_steps_build_alongside(runner, step):
+    """What may be built while the encode thread still encodes the previous step: a
+    compiled pure-decode step with nothing that touches the pool before its forward."""
+    from vllm_unified.worker.model_runner import MLXModelRunner
+
+    rule = MLXModelRunner._builds_alongside_queued_step
+    assert rule(_runner(), _step()) is True
+    assert rule(_runner(**runner), _step(**step)) is False

@@ -233,7 +233,8 @@ def test_install_swaps_only_dense_16_bit_layers():
 
 
 @pytest.mark.parametrize("case", ["fp32", "one_row", "65_rows", "k_not_32", "part_not_16",
-                                  "four_parts", "dtype_mismatch", "bias_dtype"])
+                                  "four_parts", "dtype_mismatch", "bias_dtype", "k_zero",
+                                  "empty_part"])
 def test_gemm_declines_what_it_does_not_take(case, stand_in):
     k, rows, sizes, dtype = 64, 4, [32], mx.bfloat16
     x_dtype, bias = dtype, None
@@ -253,6 +254,10 @@ def test_gemm_declines_what_it_does_not_take(case, stand_in):
         x_dtype = mx.float16
     elif case == "bias_dtype":
         bias = mx.zeros(32, mx.float32)
+    elif case == "k_zero":
+        k = 0
+    elif case == "empty_part":
+        sizes = [32, 0]
     x = mx.zeros((rows, k), x_dtype)
     w = mx.zeros((sum(sizes), k), dtype)
     assert gemm(x, w, sizes, bias) is None
@@ -264,3 +269,27 @@ def test_warps_fill_the_gpu_within_k():
     assert gpu_gemm.warps_for(151936, 1024) == 1  # 9,496 blocks
     assert gpu_gemm.warps_for(1024, 64) == 2  # only two 32-k chunks
     assert gpu_gemm.warps_for(4096, 1024) == 8
+
+
+def test_the_body_is_what_the_emulation_follows():
+    """The CUDA body's operand order and store formula, as :func:`emulate` takes them: a
+    register swapped in an MMA call or a changed store (which the emulation, a copy, would
+    not see) fails here."""
+    body = " ".join(gpu_gemm._source(3, True).split())
+    for line in ("const uint4 a_lo = w_lo[kc * 4 + t];", "const uint4 a_hi = w_hi[kc * 4 + t];",
+                 "const uint4* w_hi = w_lo + 8 * K8;",
+                 "b = xs[(int64_t)row * K8 + kc * 4 + t];", "const int row = mt * 8 + g;",
+                 "UniMma<T>::run(acc[mt], a_lo.x, a_hi.x, a_lo.y, a_hi.y, b.x, b.y);",
+                 "UniMma<T>::run(acc[mt], a_lo.z, a_hi.z, a_lo.w, a_hi.w, b.z, b.w);",
+                 "const int n = f0 + (ln >> 2) + (j >= 2 ? 8 : 0);",
+                 "const int m = mt * 8 + 2 * (ln & 3) + (j & 1);",
+                 "v += partial[w][i / 32][i % 32];",
+                 "uni_gemm_store(i / 128, (i / 32) % 4, i % 32, v);",
+                 "v += static_cast<float>(bias[n]);",
+                 "out1[(int64_t)m * N1 + (n - (0 + N0))] = static_cast<T>(v);"):
+        assert line in body, line
+    header = " ".join(gpu_gemm._HEADER.split())
+    for ctype, ptx in (("__nv_bfloat16", "bf16"), ("__half", "f16")):
+        assert f"struct UniMma<{ctype}>" in header
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in header
+    assert '"{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};' in header

@@ -48,7 +48,12 @@ def register() -> str | None:
     # this server imports MLX (engine processes inherit them).
     from vllm_unified.backend import set_mlx_env_defaults
 
-    set_mlx_env_defaults()
+    try:
+        set_mlx_env_defaults()
+    except ValueError:
+        # A bad VLLM_UNIFIED_DEVICE: vLLM would swallow the error here (a debug log) and pick
+        # another platform; the platform raises it at start-up instead, naming the value.
+        pass
     return "vllm_unified.platform.MLXPlatform"
 
 

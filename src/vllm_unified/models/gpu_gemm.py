@@ -27,7 +27,10 @@ those of the second MMA ``8t + 4 .. 8t + 7``. The block's warps split K and sum 
 partial tiles in shared memory in warp order (deterministic).
 
 Contract of :func:`gemm`: ``x`` ``[..., K]``, ``weight`` ``[N, K]`` row-contiguous, same
-dtype; ``K % 32 == 0``; every part width a multiple of 16. It returns None (the caller uses
+dtype; ``K % 32 == 0``; every part width a multiple of 16; both starting on a 16-byte
+boundary (the kernel's 16-byte loads): MLX's buffers do, and so does any row view of them, as
+``K % 8 == 0`` (MLX copies a non-row-contiguous input first, at its buffer's start); a view
+at another element offset (a flat slice reshaped) would fault. It returns None (the caller uses
 MLX's matmul) for anything else: other dtypes, shapes or row counts.
 """
 
@@ -191,9 +194,9 @@ def gemm(x: mx.array, weight: mx.array, sizes: Sequence[int] | None = None,
     """
     n, k = weight.shape if weight.ndim == 2 else (0, 0)
     sizes = [n] if sizes is None else list(sizes)
-    if (weight.dtype not in (mx.bfloat16, mx.float16) or x.dtype != weight.dtype
+    if (n == 0 or k == 0 or weight.dtype not in (mx.bfloat16, mx.float16) or x.dtype != weight.dtype
             or x.shape[-1] != k or k % 32 or sum(sizes) != n or any(s % 16 for s in sizes)
-            or not 1 <= len(sizes) <= 3
+            or not 1 <= len(sizes) <= 3 or min(sizes) <= 0
             or (bias is not None and (bias.dtype != weight.dtype or bias.shape != (n,)))):
         return None
     rows = x.size // k

@@ -489,12 +489,16 @@ class MLXModelRunner:
         """Whether this step is laid out and its graph built while the encode thread still
         encodes the previous step (the job is waited for when this one is queued,
         :meth:`EncodeThread.submit`): a pure-decode step (every scheduled request one token,
-        none new, resumed, drafted or structured) with nothing that reads or writes the pool
-        before the forward (no blocks to zero, no KV connector, no page release), one
-        pipeline stage and no draft model. Such a step only makes MLX arrays and calls the
-        compiled graph, which reads the queued step's outputs' shapes and dtypes alone
-        (:mod:`vllm_unified.worker.encode_thread`, "Building alongside a job")."""
-        return (self.encoder is not None and self.build_alongside and self.spec is None
+        none new, resumed, drafted or structured) that runs the compiled graph, with nothing
+        that reads or writes the pool before the forward (no blocks to zero, no KV connector,
+        no page release), one pipeline stage and no draft model. Such a step only makes MLX
+        arrays and calls the compiled graph, which reads the queued step's outputs' shapes and
+        dtypes alone and hands back new pool arrays instead of assigning into the old ones
+        (the plain forward's writes do: ``pages[idx] = rows`` rebinds an array the queued job
+        may not have evaluated yet) (:mod:`vllm_unified.worker.encode_thread`, "Building
+        alongside a job")."""
+        return (self.encoder is not None and self.build_alongside
+                and self.compiled_decode is not None and self.spec is None
                 and self.draft is None
                 and self.page_release is None and not self.kv_connector.enabled
                 and self.stage.size == 1 and so.total_num_scheduled_tokens > 0
