@@ -18,9 +18,10 @@ array is a copy that no later step's graph contains (the next step feeds the ori
 array, whose graph node a later job's evaluation detaches).
 
 Building alongside a job: the next step's graph may be built on the engine's thread while a
-job encodes, for steps whose building makes arrays and calls MLX graph functions only, no
-evaluation (pure-decode steps; :meth:`vllm_unified.worker.model_runner.MLXModelRunner.
-_builds_alongside_queued_step` says which). That graph takes the job's outputs (the written
+job encodes, for steps whose building makes arrays and calls the compiled graph only, no
+evaluation and no assignment into an existing array (compiled pure-decode steps;
+:meth:`vllm_unified.worker.model_runner.MLXModelRunner._builds_alongside_queued_step` says
+which). That graph takes the job's outputs (the written
 KV pool, the sampled tokens) as inputs. MLX 0.32.4's graph construction and compiled-graph
 replay read only an input's shape, dtype and tracer flag (``ArrayDesc::init`` in
 ``mlx/array.cpp``; ``compile_replace`` and the compile cache's ``find`` in
