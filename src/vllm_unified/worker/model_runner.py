@@ -887,14 +887,17 @@ class MLXModelRunner:
     # ----------------------------------------------------------------------------- warm-up
     def warm_up(self) -> float:
         """Run a dummy prefill through the real path (block 0 is vLLM's null block, never
-        handed to requests, so writing it is harmless). Returns seconds taken."""
+        handed to requests, so writing it is harmless), with logits for its last two rows,
+        so that the kernels a batch of decode rows needs are compiled here (on CUDA the decode
+        GEMM kernel's instances, the output head's included) and not by the first requests.
+        Returns seconds taken."""
         start = time.perf_counter()
         n = min(self.block_size, self.model_config.max_model_len)
         ctx = self.kv_cache.step_context([n], [n], np.zeros((1, 1), dtype=np.int32), None)
         with set_step_context(ctx):
             logits = self._stage_forward(self.kv_cache.layer_caches,
                                          mx.zeros((n,), dtype=mx.int32),
-                                         np.array([n - 1], np.int32))
+                                         np.arange(max(n - 2, 0), n, dtype=np.int32))
         mx.eval(logits, self.kv_cache.arrays())
         return time.perf_counter() - start
 
