@@ -36,6 +36,7 @@ MLX's matmul) for anything else: other dtypes, shapes or row counts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -159,7 +160,9 @@ def _source(parts: int, has_bias: bool) -> str:
     return _BODY.replace("UNI_GEMM_STORE", _STORE.format(bias=bias, routes="".join(routes)))
 
 
+@functools.cache
 def _kernel(parts: int, has_bias: bool):
+    """The kernel object for ``parts`` outputs (built once: the body is generated here)."""
     inputs = ("x", "weight", "bias") if has_bias else ("x", "weight")
     outputs = tuple(f"out{p}" for p in range(parts))
     name = f"vllm_unified_gemm{parts}{'b' if has_bias else ''}"
