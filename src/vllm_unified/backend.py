@@ -143,18 +143,17 @@ MLX_GRAPH_MB_ENV = "MLX_MAX_MB_PER_BUFFER"
 CUDA_GRAPH_MAX_MB = 1 << 20
 
 
-def set_mlx_env_defaults() -> dict[str, str]:
+def set_mlx_env_defaults() -> None:
     """Set the MLX environment defaults of this backend (before MLX makes its first stream;
     MLX reads them once): on CUDA, ``MLX_MAX_MB_PER_BUFFER`` (see :data:`CUDA_GRAPH_MAX_MB`),
-    unless the user set it. Imports nothing of MLX.
+    unless the user set it (the value in effect is in the profile's start-up line). Imports
+    nothing of MLX.
 
-    Returns:
-        The variables set (for the start-up log); empty where none applies or all were set.
+    Raises:
+        ValueError: as :func:`detect_backend`.
     """
-    if detect_backend().kind != "cuda" or MLX_GRAPH_MB_ENV in os.environ:
-        return {}
-    os.environ[MLX_GRAPH_MB_ENV] = str(CUDA_GRAPH_MAX_MB)
-    return {MLX_GRAPH_MB_ENV: str(CUDA_GRAPH_MAX_MB)}
+    if detect_backend().kind == "cuda":
+        os.environ.setdefault(MLX_GRAPH_MB_ENV, str(CUDA_GRAPH_MAX_MB))
 
 
 @functools.cache
