@@ -60,7 +60,10 @@ lent H200). Subcommands:
   the grid (for a second call after a check-only one), ``CUDA_BENCH_SKIP_CHECKS=dense_grid``
   the dense kernel's grid only (the quantized-KV kernels' check runs),
   ``CUDA_BENCH_SKIP_CHECKS=grid`` the grid
-  only (the kernel unchanged since a run that checked it).
+  only (the kernel unchanged since a run that checked it), ``prologue`` the q/k prologue
+  kernels' check (``prologue_check``: the query prologue of the attention kernel on the
+  grid's decode steps and the prologue KV write, against the pure-MLX oracle; it runs right
+  after the GEMM check, also with ``1``).
 * ``engine SPEC OUT`` (internal): one ``LLM`` in its own process (each engine gets a fresh
   process so the GPU memory of one is free for the next).
 * ``mlx_lm CKPT OUT B...`` (internal): plain mlx-lm's decode loop for each batch size B, in a
@@ -100,7 +103,7 @@ SKIP_CHECKS_ENV = "CUDA_BENCH_SKIP_CHECKS"
 def _skipped() -> set[str]:
     """What ``CUDA_BENCH_SKIP_CHECKS`` skips, comma-separated: ``1`` (the greedy check and
     both grids), ``grid`` (both grids), ``dense_grid``, ``gemm`` (the decode GEMM check),
-    ``attention`` (attention alone)."""
+    ``prologue`` (the q/k prologue kernels' check), ``attention`` (attention alone)."""
     return set(filter(None, os.environ.get(SKIP_CHECKS_ENV, "").split(",")))
 #: interleaved rounds of (mlx-lm, ours) per batch size in each engine
 ROUNDS = int(os.environ.get("CUDA_BENCH_ROUNDS", "3"))
@@ -463,6 +466,56 @@ def kernel_grid_check(mx) -> dict:
             "worst_max_abs_error": worst, "failed": failed,
             "all_within_tolerance": not failed, "tolerance": grid.TOLERANCE,
             "max_abs_error": errors}
+
+
+def prologue_check(mx) -> dict:
+    """The q/k prologue's CUDA instances (attention/qk_prologue.py) against the pure-MLX
+    oracle, on the cases the CPU tests run the Metal instances on
+    (``tests/gpu_attention_grid.py``): the attention kernel's query prologue on the grid's
+    decode steps (max abs error per case, within the grid's tolerance) and the prologue KV
+    write (worst error in units of ``WRITE_TOLERANCE``, <= 1 passes; cells outside the
+    written rows unchanged)."""
+    from vllm_unified.attention.gpu_paged import paged_gpu_attention
+    from vllm_unified.kv.gpu_write import write_kv_qk_gpu
+
+    grid = _grid_module()
+    start = time.perf_counter()
+    attention, writes, failed = {}, {}, []
+
+    def attend(q, pool, meta, scale, window, prologue):
+        return paged_gpu_attention("cuda", q, pool, meta, scale, window, prologue=prologue)
+
+    def write(pool, slots, keys, values, positions, prologue):
+        return write_kv_qk_gpu(pool, slots, keys, values, positions, prologue, dialect="cuda")
+
+    for case, rope, norm in grid.prologue_grid():
+        name = f"{case.name}-rope{rope}-norm{int(norm)}"
+        try:
+            err = grid.prologue_max_error(case, rope, norm, attend)
+        except Exception as exc:  # reported per case; the others still run
+            attention[name], err = repr(exc), float("nan")
+        else:
+            attention[name] = err
+        if not err <= grid.TOLERANCE[case.dtype]:
+            failed.append(name)
+    for case in grid.write_cases():
+        try:
+            worst, kept = grid.write_error(case, write)
+        except Exception as exc:
+            writes[case.name], worst, kept = repr(exc), float("nan"), False
+        else:
+            writes[case.name] = {"worst_in_tolerances": worst, "others_unchanged": kept}
+        if not (worst <= 1 and kept):
+            failed.append(case.name)
+    finite = [e for e in attention.values() if isinstance(e, float)]
+    return {"attention_cases": len(attention), "write_cases": len(writes),
+            "elapsed_s": time.perf_counter() - start,
+            "worst_attention_error": max(finite) if finite else None,
+            "worst_write_in_tolerances": max(
+                (w["worst_in_tolerances"] for w in writes.values() if isinstance(w, dict)),
+                default=None),
+            "failed": failed, "all_within_tolerance": not failed,
+            "attention_max_abs_error": attention, "writes": writes}
 
 
 #: the decode GEMM kernel's cases: (K, part widths, bias), Qwen3-0.6B's linears (q/k/v with
@@ -828,6 +881,16 @@ def device_main(carry: str, out_dir: str) -> None:
     print("decode GEMM kernel vs the fp32 product:", json.dumps(
         {k: v for k, v in report["gemm"].items() if k not in ("per_case", "chain")}),
         flush=True)
+
+    try:
+        report["qk_prologue"] = ({"skipped": f"{SKIP_CHECKS_ENV}=prologue"}
+                                 if "prologue" in _skipped() else prologue_check(mx))
+    except Exception as err:  # reported; the engines below still run
+        report["qk_prologue"] = {"error": repr(err)}
+    mx.clear_cache()
+    print("q/k prologue kernels (CUDA dialect) vs the pure-MLX oracle:", json.dumps(
+        {k: v for k, v in report["qk_prologue"].items()
+         if k not in ("attention_max_abs_error", "writes")}), flush=True)
 
     if "1" in _skipped():
         _benchmark(mx, report, carry_dir, out, work, env)

@@ -21,6 +21,7 @@ size) and every single factor in both dtypes (``test_grid_covers_every_pair`` ch
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -181,3 +182,122 @@ def max_error(case: Case, attend: Attend) -> float:
     if not np.isfinite(got).all():
         return float("nan")
     return float(np.abs(got - b.reference).max())
+
+
+# --- the q/k prologue (attention/qk_prologue.py) --------------------------------------------
+
+#: (rope, norm) of the prologue cases, rotating: pairs (i, i + D/2) or (2i, 2i + 1), with and
+#: without the per-head norm
+PROLOGUES = ((1, True), (2, False), (2, True), (1, False))
+#: Largest error of a prologue write against the reference, per dtype: ``(rtol, atol)`` (the
+#: stored key is rounded once; kernel and reference may round one ulp apart)
+WRITE_TOLERANCE = {"float32": (1e-5, 1e-5), "float16": (2**-10, 1e-3),
+                   "bfloat16": (2**-7, 1e-2)}
+
+
+def make_prologue(dim: int, rope: int, norm: bool, seed: int):
+    """A prologue with random norm weights (around 1), RoPE base 10,000 and position scale
+    1 or 0.5."""
+    from vllm_unified.attention.qk_prologue import QKPrologue
+
+    rng = np.random.default_rng(seed)
+    inv = (10000.0 ** (-np.arange(dim // 2) / (dim // 2))).astype(np.float32)
+    weights = None
+    if norm:
+        weights = (1 + 0.2 * rng.standard_normal(dim), 1 + 0.2 * rng.standard_normal(dim), 1e-6)
+    return QKPrologue.build(dim, inv, 0.5 if seed % 2 else 1.0, rope == 2, weights)
+
+
+def prologue_grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[tuple[Case, int,
+                                                                                  bool]]:
+    """The grid's decode steps (every head size and group), each with a prologue
+    ``(case, rope, norm)`` from :data:`PROLOGUES` in turn."""
+    cases = [c for c in grid(dtypes) if c.kind == "decode"]
+    return [(c, *PROLOGUES[i % len(PROLOGUES)]) for i, c in enumerate(cases)]
+
+
+def prologue_max_error(case: Case, rope: int, norm: bool, attend: Callable) -> float:
+    """Largest absolute difference between ``attend(raw queries, pool, meta, scale, window,
+    prologue)`` and the reference attention over the reference prologue's queries (fp32,
+    positions ``len - 1``) on a decode ``case``; NaN when the output is not finite."""
+    from vllm_unified.attention.paged import paged_attention_kv
+    from vllm_unified.attention.qk_prologue import reference
+
+    b = build(case)
+    prologue = make_prologue(case.dim, rope, norm, case.seed)
+    positions = mx.array(b.meta.host_positions.astype(np.int32))
+    with mx.stream(mx.cpu):
+        q = reference(b.queries, prologue, 0, positions)
+        want = np.array(paged_attention_kv(q, b.pool.astype(mx.float32), b.meta, b.scale,
+                                           case.window, accelerate=False))
+    got = np.array(attend(b.queries, b.pool, b.meta, b.scale, case.window, prologue
+                          ).astype(mx.float32))
+    if got.shape != want.shape:
+        raise AssertionError(f"{case.name}: output {got.shape} != {want.shape}")
+    if not np.isfinite(got).all():
+        return float("nan")
+    return float(np.abs(got - want).max())
+
+
+@dataclass(frozen=True)
+class WriteCase:
+    """One prologue KV write: ``tokens`` rows of ``kv_heads`` heads of ``dim`` into a pool
+    of 4 x 16 slots (random distinct slots, positions up to 999)."""
+
+    dtype: str
+    dim: int
+    kv_heads: int
+    tokens: int
+    rope: int
+    norm: bool
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return (f"D{self.dim}-Hkv{self.kv_heads}-T{self.tokens}-rope{self.rope}-"
+                f"norm{int(self.norm)}-{self.dtype}")
+
+
+def write_cases() -> list[WriteCase]:
+    """Every head size (32: one channel per lane, the traditional pairs across lanes) and
+    prologue, in each dtype; few tokens (Metal's constant address space) and more."""
+    cases = []
+    for i, (dtype, dim) in enumerate(itertools.product(("float32", "float16", "bfloat16"),
+                                                       (32, 64, 128, 256))):
+        rope, norm = PROLOGUES[i % len(PROLOGUES)]
+        cases.append(WriteCase(dtype, dim, 1 + i % 3, 3 if i % 2 else 13, rope, norm, i))
+    return cases
+
+
+def write_error(case: WriteCase, write: Callable) -> tuple[float, bool]:
+    """``(worst error / tolerance, cells outside the written rows unchanged)`` of
+    ``write(pool, slots, keys, values, positions, prologue) -> pool after the write`` against
+    the reference (the reference prologue's keys, rounded to the dtype, and the values in the
+    rows' cells) in :data:`WRITE_TOLERANCE` units (<= 1 passes)."""
+    from vllm_unified.attention.qk_prologue import reference
+
+    rng = np.random.default_rng(case.seed)
+    dtype = getattr(mx, case.dtype)
+    slots_n = 64
+    pool = mx.array(rng.standard_normal((slots_n, case.kv_heads, 2 * case.dim)
+                                        ).astype(np.float32)).astype(dtype)
+    slots = rng.permutation(slots_n)[:case.tokens].astype(np.int32)
+    positions = rng.integers(0, 1000, case.tokens).astype(np.int32)
+    shape = (case.tokens, 1, case.kv_heads * case.dim)  # the projections' layout
+    keys = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    values = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    prologue = make_prologue(case.dim, case.rope, case.norm, case.seed)
+    with mx.stream(mx.cpu):
+        k = reference(keys.reshape(case.tokens, case.kv_heads, case.dim), prologue, 1,
+                      mx.array(positions)).astype(dtype).astype(mx.float32)
+        want = np.array(pool.astype(mx.float32))
+    cells = np.concatenate([np.array(k), np.array(values.astype(mx.float32)).reshape(
+        case.tokens, case.kv_heads, case.dim)], axis=-1)
+    before = want.copy()
+    want[slots] = cells
+    got = np.array(write(pool, mx.array(slots), keys, values, mx.array(positions), prologue
+                         ).astype(mx.float32))
+    rtol, atol = WRITE_TOLERANCE[case.dtype]
+    worst = float((np.abs(got - want) / (atol + rtol * np.abs(want))).max())
+    others = np.setdiff1d(np.arange(slots_n), slots)
+    return worst, bool(np.array_equal(got[others], before[others]))

@@ -20,18 +20,27 @@ import numpy as np
 import pytest
 from mlx_lm.models import qwen3
 
-from vllm_unified.attention import gpu_paged, paged
+from vllm_unified.attention import gpu_paged, paged, qk_prologue
 from vllm_unified.attention.metadata import build_attention_metadata
 from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv import pool as kv_pool
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
+from vllm_unified.models.decode_attention import install_fused_decode_attention
 from vllm_unified.models.routing import install_paged_attention
 from vllm_unified.worker.async_output import feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode, padded_tables
 from vllm_unified.worker.model_runner import forward
 
 BS, LAYERS, KV_HEADS, DIM, BLOCKS = 8, 3, 2, 32, 40
+
+
+def _write_qk_stand_in(pool, slots, keys, values, positions, prologue, *, dialect):
+    """Functional stand-in of gpu_write.write_kv_qk_gpu: the reference prologue, then the
+    write."""
+    keys = qk_prologue.reference(keys.reshape(keys.shape[0], KV_HEADS, DIM), prologue, 1,
+                                 positions).astype(pool.dtype)
+    return _write_stand_in(pool, slots, keys, values, dialect=dialect)
 
 
 def _write_stand_in(pool, slots, keys, values, *, dialect):
@@ -45,10 +54,13 @@ def _write_stand_in(pool, slots, keys, values, *, dialect):
 
 
 def _decode_stand_in(dialect, queries, kv_pool, tables, lens, scale, window, block_size, rows,
-                     decode):
+                     decode, prologue=None):
     """gpu_paged.launch's function in its decode form, from the device-side tables and
-    lengths only (every key slot of the table, masked by length and window)."""
+    lengths only (every key slot of the table, masked by length and window); with a
+    prologue, the raw queries go through the reference prologue at position ``len - 1``."""
     assert decode and rows == 1, "a pure-decode step launches the decode form"
+    if prologue is not None:
+        queries = qk_prologue.reference(queries, prologue, 0, lens - 1).astype(queries.dtype)
     pos = mx.arange(tables.shape[1] * block_size)
     slots = tables[:, pos // block_size] * block_size + pos % block_size
     cells = kv_pool[slots].transpose(0, 2, 1, 3)  # [T, Hkv, S, 2D]
@@ -153,6 +165,37 @@ def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     # columns, both padded to 8) do not change the compiled graph's inputs.
     assert compiled.traces == [3, 2]
     for a, b in zip(plain_pool.kv, pool.kv, strict=True):  # the same K/V were written
+        np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_decode_with_the_qk_prologue_matches_the_plain_forward(model, monkeypatch):
+    """The attention classes swapped for the fused decode path (models/decode_attention.py):
+    compiled, the q/k norms and RoPE go to the write and attention kernels (stand-ins that
+    apply the reference prologue) and the steps give the plain forward's logits and K/V."""
+    steps = _steps()
+    monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda b: False)
+    monkeypatch.setattr(kv_pool, "write_kv_gpu", _write_stand_in)
+    monkeypatch.setattr(kv_pool, "write_kv_qk_gpu", _write_qk_stand_in)
+    monkeypatch.setattr(gpu_paged, "launch", _decode_stand_in)
+    monkeypatch.setattr(paged, "_gpu_kernel",
+                        lambda d, b: functools.partial(gpu_paged.paged_gpu_attention, "cuda"))
+    plain_pool = _filled_pool(1)
+    plain_pool.cuda_write = True
+    plain = _run(model, plain_pool, steps, None)
+
+    assert install_fused_decode_attention(model, DIM) == LAYERS
+    calls = []
+    monkeypatch.setattr(kv_pool, "write_kv_qk_gpu",
+                        lambda *a, **k: calls.append(1) or _write_qk_stand_in(*a, **k))
+    pool = _filled_pool(1)
+    pool.cuda_write = True
+    compiled = CompiledDecode(model, pool, [PagedLayerCache(pool, i) for i in range(LAYERS)],
+                              forward)
+    got = _run(model, pool, steps, compiled)
+    assert len(calls) == LAYERS * len(compiled.traces)  # traced once per batch size
+    for a, b in zip(plain, got, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+    for a, b in zip(plain_pool.kv, pool.kv, strict=True):
         np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-5)
 
 

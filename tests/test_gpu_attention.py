@@ -121,10 +121,11 @@ def test_fresh_mask_follows_the_window_convention():
 
 
 def _launch_model(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                  decode):
+                  decode, prologue=None):
     """The kernel's contract in numpy, from what the kernel reads (tables, tiles, the pool):
-    rows no tile covers come out NaN, so an assembly that used them would show."""
-    assert dialect in ("cuda", "metal")
+    rows no tile covers come out NaN, so an assembly that used them would show. (The query
+    prologue is tests/test_qk_prologue.py's.)"""
+    assert dialect in ("cuda", "metal") and prologue is None
     q = np.array(queries.astype(mx.float32)).astype(np.float64)
     pool = np.array(kv_pool.astype(mx.float32)).astype(np.float64)
     tb, tl = np.array(tables), np.array(tiles)
@@ -176,7 +177,7 @@ def test_dispatch_by_the_profile(monkeypatch):
     calls = []
 
     def launch(*args):
-        calls.append((args[0], args[-1]))
+        calls.append((args[0], args[9]))
         return _launch_model(*args)
 
     monkeypatch.setattr(gpu_paged, "launch", launch)
@@ -237,16 +238,17 @@ def test_grid_covers_every_pair():
 
 
 def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                     decode):
+                     decode, prologue=None):
     """gpu_paged.launch with the Metal instance run by the CPU emulation: the same inputs,
     template, grid and threadgroup, the source assembled as mx.fast.metal_kernel assembles it
     (its output rows no tile covers start as NaN)."""
     assert dialect == "metal"
+    assert prologue is None
     a = gpu_paged.launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows,
                               decode)
     _, source = gpu_dialect.assemble_metal(
         gpu_paged.KERNEL_NAME, gpu_paged.INPUT_NAMES, gpu_paged.OUTPUT_NAMES,
-        gpu_paged.SOURCE, a.inputs, a.template, output_dtypes=a.output_dtypes,
+        gpu_paged.kernel_source(False), a.inputs, a.template, output_dtypes=a.output_dtypes,
         header=gpu_paged.HEADER)
     _, outputs = emu.run(source, a.inputs, a.output_shapes, a.output_dtypes, a.grid,
                          a.threadgroup)

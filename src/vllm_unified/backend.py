@@ -217,6 +217,10 @@ class BackendProfile:
         gpu_gemm: matmuls of 2 to 64 rows (decode steps) run the small tensor-core kernel of
             :mod:`vllm_unified.models.gpu_gemm` instead of MLX's cuBLASLt path, whose host
             cost per call bounds a decode step (CUDA compute; ``VLLM_UNIFIED_GPU_GEMM``).
+        fused_qk: in pure-decode steps the per-head query/key norms and RoPE of the layers
+            that have them run inside the KV write and paged attention kernels
+            (:mod:`vllm_unified.models.decode_attention`; GPU compute with both kernels;
+            ``VLLM_UNIFIED_FUSED_QK``).
         encode_thread: with asynchronous scheduling, queued steps are evaluated on a thread
             of their own while vLLM's engine runs its Python
             (:mod:`vllm_unified.worker.encode_thread`; ``VLLM_UNIFIED_ENCODE_THREAD``, default
@@ -239,6 +243,7 @@ class BackendProfile:
     gpu_attention: GpuDialect | None
     fuse_projections: bool
     gpu_gemm: bool
+    fused_qk: bool
     encode_thread: bool
     compile_decode: bool
     logits_zero_copy: bool
@@ -279,6 +284,8 @@ class BackendProfile:
                 f"{'as a view' if self.logits_zero_copy else 'by copy'}")
         if self.gpu_gemm:
             text += "; matmuls of 2-64 rows by the GPU kernel"
+        if self.fused_qk:
+            text += "; decode q/k norms and RoPE inside the KV write and attention kernels"
         if self.kind == "cuda":
             text += f"; {MLX_GRAPH_MB_ENV}={os.environ.get(MLX_GRAPH_MB_ENV, '(MLX default)')}"
         return text
@@ -336,6 +343,8 @@ def profile() -> BackendProfile:
         gpu_attention=info.kind if gpu and envs.GPU_ATTENTION else None,
         fuse_projections=gpu and envs.FUSE_PROJECTIONS,
         gpu_gemm=gpu and info.kind == "cuda" and envs.GPU_GEMM,
+        fused_qk=(gpu and envs.GPU_ATTENTION and write in ("cuda_kernel", "metal_kernel")
+                  and envs.FUSED_QK),
         encode_thread=(envs.ENCODE_THREAD if envs.ENCODE_THREAD is not None
                        else gpu and info.kind == "cuda"),
         compile_decode=envs.COMPILE_DECODE,

@@ -118,6 +118,9 @@ _SETTINGS = (
     Setting("VLLM_UNIFIED_GPU_GEMM", True, _bool,
             "CUDA backend: 0 leaves matmuls of 2 to 64 rows (decode) to MLX's cuBLASLt path "
             "instead of the small tensor-core kernel"),
+    Setting("VLLM_UNIFIED_FUSED_QK", True, _bool,
+            "GPU backends: 0 keeps the per-head q/k norms and RoPE of decode steps as MLX "
+            "kernels of their own instead of inside the KV write and attention kernels"),
     Setting("VLLM_UNIFIED_ENCODE_THREAD", None, _bool,
             "async scheduling: 1/0 evaluates queued steps on a thread of their own or not "
             "(default: on CUDA only)"),
@@ -169,6 +172,7 @@ COMPILE_DECODE_ENV = "VLLM_UNIFIED_COMPILE_DECODE"
 FUSE_PROJECTIONS_ENV = "VLLM_UNIFIED_FUSE_PROJECTIONS"
 ENCODE_THREAD_ENV = "VLLM_UNIFIED_ENCODE_THREAD"
 GPU_GEMM_ENV = "VLLM_UNIFIED_GPU_GEMM"
+FUSED_QK_ENV = "VLLM_UNIFIED_FUSED_QK"
 BUILD_ALONGSIDE_ENV = "VLLM_UNIFIED_BUILD_ALONGSIDE"
 KV_EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"
 STEP_PROFILE_ENV = "VLLM_UNIFIED_STEP_PROFILE"

@@ -28,6 +28,9 @@ name                      metal                                          cuda
 ``uni_shfl_xor(f, int)``  ``simd_shuffle_xor``                           ``__shfl_xor_sync``
 ``uni_exp(float)``        ``metal::fast::exp``                           ``__expf``
 ``uni_fmax(f, f)``        ``metal::max``                                 ``fmaxf``
+``uni_rsqrt(float)``      ``metal::precise::rsqrt``                      ``rsqrtf``
+``uni_cos(float)``        ``metal::precise::cos``                        ``cosf``
+``uni_sin(float)``        ``metal::precise::sin``                        ``sinf``
 ``uni_neg_inf()``         ``-INFINITY``                                  ``__int_as_float(
                                                                          0xff800000)``
 ``UNI_WRITABLE(T, p)``    ``const_cast<device T*>(p)``                   ``const_cast<T*>(p)``
@@ -90,6 +93,9 @@ inline float uni_simd_max(float x) { return simd_max(x); }
 inline float uni_shfl_xor(float x, int mask) { return simd_shuffle_xor(x, ushort(mask)); }
 inline float uni_exp(float x) { return metal::fast::exp(x); }
 inline float uni_fmax(float a, float b) { return metal::max(a, b); }
+inline float uni_rsqrt(float x) { return metal::precise::rsqrt(x); }
+inline float uni_cos(float x) { return metal::precise::cos(x); }
+inline float uni_sin(float x) { return metal::precise::sin(x); }
 inline float uni_neg_inf() { return -INFINITY; }
 #define UNI_FUNC inline
 inline uint32_t uni_as_uint(float x) { return as_type<uint32_t>(x); }
@@ -116,6 +122,9 @@ __device__ __forceinline__ float uni_simd_max(float x) {
 }
 __device__ __forceinline__ float uni_exp(float x) { return __expf(x); }
 __device__ __forceinline__ float uni_fmax(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ float uni_rsqrt(float x) { return rsqrtf(x); }
+__device__ __forceinline__ float uni_cos(float x) { return cosf(x); }
+__device__ __forceinline__ float uni_sin(float x) { return sinf(x); }
 __device__ __forceinline__ float uni_neg_inf() { return __int_as_float(0xff800000); }
 #define UNI_FUNC __device__ __forceinline__
 __device__ __forceinline__ unsigned int uni_as_uint(float x) { return __float_as_uint(x); }

@@ -54,6 +54,7 @@ import mlx.core as mx
 
 from vllm_unified import gpu_dialect
 from vllm_unified.attention.metadata import AttentionMetadata, Window
+from vllm_unified.attention.qk_prologue import QKPrologue, prologue_code
 
 #: Warps (SIMD groups of 32) per thread group, at most.
 MAX_WARPS = 16
@@ -128,8 +129,13 @@ SOURCE = """
                           + lane * EPL;
 #pragma unroll
         for (int e = 0; e < EPL; ++e) {
-            qv[i][e] = qi < nrows ? static_cast<float>(q[qoff + e]) * sc : 0.f;
+            qv[i][e] = qi < nrows ? static_cast<float>(q[qoff + e]) : 0.f;
             acc[i][e] = 0.f;
+        }
+/*Q_PROLOGUE*/
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            qv[i][e] *= sc;
         }
         m[i] = neg_inf;
         l[i] = 0.f;
@@ -274,9 +280,25 @@ def combine_batch(group: int, head_dim: int, rows: int, warps: int) -> int:
     return max(1, min(qg, (SHARED_BYTES // 4 // warps - 2 * qg) // head_dim))
 
 
+def kernel_source(prologue: bool) -> str:
+    """The body: :data:`SOURCE`, with the query prologue (``prologue``: each query head
+    normalised and rotated at its row's position, ``len - 1``, as it is loaded;
+    :mod:`vllm_unified.attention.qk_prologue`) or without."""
+    code = prologue_code("qv[i]", 0, "len0 + qi - 1") if prologue else ""
+    return SOURCE.replace("/*Q_PROLOGUE*/\n", code)
+
+
+def kernel_spec(prologue: bool) -> tuple[str, list[str], list[str]]:
+    """``(name, input names, output names)`` of the kernel with or without the prologue."""
+    if prologue:
+        return KERNEL_NAME + "_qk", [*INPUT_NAMES, "qkp"], OUTPUT_NAMES
+    return KERNEL_NAME, INPUT_NAMES, OUTPUT_NAMES
+
+
 @functools.cache
-def _kernel(dialect: str):
-    return gpu_dialect.kernel(KERNEL_NAME, INPUT_NAMES, OUTPUT_NAMES, SOURCE, dialect=dialect,
+def _kernel(dialect: str, prologue: bool = False):
+    name, inputs, outputs = kernel_spec(prologue)
+    return gpu_dialect.kernel(name, inputs, outputs, kernel_source(prologue), dialect=dialect,
                               header=HEADER)
 
 
@@ -301,18 +323,21 @@ class LaunchArgs:
 def launch_args(
     queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array, scale: float,
     window: Window, block_size: int, rows: int, decode: bool,
+    prologue: QKPrologue | None = None,
 ) -> LaunchArgs:
     """The kernel call over ``tiles`` (see :func:`launch`)."""
     tokens, heads, _, dim = queries.shape
     kv_heads = kv_pool.shape[1]
     group = heads // kv_heads
     warps = warps_per_group(group, dim, rows)
+    extra = [] if prologue is None else [prologue.params]
     return LaunchArgs(
-        inputs=[queries, kv_pool, tables, tiles, _scale(scale)],
+        inputs=[queries, kv_pool, tables, tiles, _scale(scale), *extra],
         template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
                   ("BS", block_size), ("WARPS", warps),
                   ("WINDOW", 0 if window is None else int(window)), ("QT", rows),
-                  ("CB", combine_batch(group, dim, rows, warps)), ("DECODE", int(decode))],
+                  ("CB", combine_batch(group, dim, rows, warps)), ("DECODE", int(decode)),
+                  *(() if prologue is None else prologue.template())],
         grid=(tiles.shape[0] * kv_heads * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
         output_shapes=[(tokens, heads, 1, dim)],
@@ -323,6 +348,7 @@ def launch_args(
 def launch(
     dialect: str, queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array,
     scale: float, window: Window, block_size: int, rows: int, decode: bool,
+    prologue: QKPrologue | None = None,
 ) -> mx.array:
     """One launch of the kernel over ``tiles``; returns ``[T, H, 1, D]`` where only the rows the
     tiles cover are written (the others are uninitialised memory).
@@ -337,17 +363,21 @@ def launch(
             the last row).
         scale, window, block_size: as :func:`paged_gpu_attention`.
         rows: QT, the most rows of a tile (1 when ``decode``).
+        prologue: the layer's query norm and rotation, applied by the kernel to the raw
+            queries (:mod:`vllm_unified.attention.qk_prologue`), or None (queries already
+            normalised and rotated).
     """
-    a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode)
-    return _kernel(dialect)(inputs=a.inputs, template=a.template, grid=a.grid,
-                            threadgroup=a.threadgroup, output_shapes=a.output_shapes,
-                            output_dtypes=a.output_dtypes)[0]
+    a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode,
+                    prologue)
+    kern = _kernel(dialect, prologue is not None)
+    return kern(inputs=a.inputs, template=a.template, grid=a.grid, threadgroup=a.threadgroup,
+                output_shapes=a.output_shapes, output_dtypes=a.output_dtypes)[0]
 
 
 def paged_gpu_attention(
     dialect: str, queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, fresh: tuple[mx.array, mx.array] | None = None,
-    max_chunk: int | None = None,
+    max_chunk: int | None = None, prologue: QKPrologue | None = None,
 ) -> mx.array:
     """Every row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V per cell).
 
@@ -365,13 +395,16 @@ def paged_gpu_attention(
         max_chunk: prefill chunks longer than this that are not attended over ``fresh`` go to
             MLX's SDPA over keys gathered from the pool (the reference's per-chunk path);
             default :data:`MAX_KERNEL_CHUNK`. A huge value sends every such row to the kernel.
+        prologue: pure-decode steps only: ``queries`` are the raw projections, which the
+            kernel normalises and rotates (:mod:`vllm_unified.attention.qk_prologue`).
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
 
     Raises:
-        ValueError: a head size the kernel does not take, or a step with prefill chunks whose
-            metadata lacks the host-side fields (a compiled step's).
+        ValueError: a head size the kernel does not take, a step with prefill chunks whose
+            metadata lacks the host-side fields (a compiled step's), or a ``prologue`` in a
+            step that is not pure decode.
     """
     tokens, heads, _, dim = queries.shape
     if not supported(dim):
@@ -380,7 +413,9 @@ def paged_gpu_attention(
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
-                      1, True)
+                      1, True, prologue)
+    if prologue is not None:
+        raise ValueError("the query prologue is applied in pure-decode steps only")
     rows = q_tile(heads // kv_pool.shape[1], dim)
     plan = meta.gpu_plan(rows, fresh is not None,
                          MAX_KERNEL_CHUNK if max_chunk is None else max_chunk)

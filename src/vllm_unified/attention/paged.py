@@ -314,6 +314,21 @@ def _gpu_kernel(head_dim: int, backend: BackendProfile) -> Callable[..., mx.arra
     return functools.partial(gpu_paged.paged_gpu_attention, backend.gpu_attention)
 
 
+def fused_decode_kernel(head_dim: int, backend: BackendProfile | None
+                        ) -> Callable[..., mx.array] | None:
+    """The paged GPU attention that takes raw query projections in pure-decode steps
+    (``kernel(queries, kv_pool, meta, scale, window, prologue=...)``), or None where rows are
+    not attended by it (the native CPU kernel, the reference, an unsupported head size).
+    ``backend``: default :func:`vllm_unified.backend.profile`."""
+    if backend is None:
+        from vllm_unified.backend import profile
+
+        backend = profile()
+    if _cpu_rows_kernel(backend):
+        return None
+    return _gpu_kernel(head_dim, backend)
+
+
 def _cpu_rows_kernel(backend: BackendProfile) -> bool:
     """Attend every row of a step with the native CPU kernel (attention/cpu_paged.py): the
     profile's ``cpu_attention``."""

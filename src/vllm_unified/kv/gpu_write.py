@@ -16,6 +16,8 @@ instantiates ``mx.fast.cuda_kernel``, ``dialect="metal"`` ``mx.fast.metal_kernel
 * :func:`write_kv_gpu`: the KV pool write. It takes the keys and the values as they come out of
   the layer and puts each head's key and value side by side in its (slot, head) cell itself, so
   no ``[T, Hkv, 2 * D]`` concatenation is built per layer and step.
+* :func:`write_kv_qk_gpu`: the same write of raw key projections, each key head normalised and
+  rotated by the kernel first (:mod:`vllm_unified.attention.qk_prologue`).
 * :func:`write_rows_gpu`: rows of any width into ``[R, *row]`` (state pages of hybrid models,
   block zeroing).
 
@@ -34,6 +36,7 @@ import math
 import mlx.core as mx
 
 from vllm_unified import gpu_dialect
+from vllm_unified.attention.qk_prologue import QKPrologue, prologue_code
 from vllm_unified.gpu_dialect import Dialect
 
 #: one-source body of the KV write: thread i writes element c of cell (t, h) of the pool
@@ -72,8 +75,42 @@ WRITE_ROWS_SOURCE = """
     }
 """
 
+#: one-source body of the KV write with the key prologue: SIMD group c handles cell c (token
+#: t, KV head h), lane l channels l * EPL ... of the head; the key is normalised and rotated
+#: at ``positions[t]`` (:mod:`vllm_unified.attention.qk_prologue`) and stored next to the
+#: value. Keys and values are read as ``[T, HKV * D]`` rows (any shape with those bytes).
+WRITE_KV_QK_SOURCE = """
+    constexpr int EPL = D / 32;
+    const int64_t cell = (int64_t)(uni_global / 32);
+    const int lane = (int)uni_lane;
+    // Uniform over a SIMD group (32 consecutive threads share the cell): the prologue's
+    // reductions and shuffles see every lane.
+    if (cell < (int64_t)slots_shape[0] * HKV) {
+        const int64_t t = cell / HKV;
+        const int64_t h = cell - t * HKV;
+        const int64_t src = cell * D + lane * EPL;
+        float kx[EPL];
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            kx[e] = static_cast<float>(keys[src + e]);
+        }
+@PROLOGUE@
+        const int64_t dst = ((int64_t)slots[t] * HKV + h) * (2 * D) + lane * EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            UNI_WRITABLE(T, pool)[dst + e] = static_cast<T>(kx[e]);
+            UNI_WRITABLE(T, pool)[dst + D + e] = values[src + e];
+        }
+    }
+    if (uni_global == 0) {
+        done[0] = 1;
+    }
+""".replace("@PROLOGUE@\n", prologue_code("kx", 1, "positions[t]"))
+
 #: kernel name, input names, output names
 WRITE_KV_KERNEL = ("vllm_unified_write_kv", ("pool", "slots", "keys", "values"), ("done",))
+WRITE_KV_QK_KERNEL = ("vllm_unified_write_kv_qk",
+                      ("pool", "slots", "keys", "values", "positions", "qkp"), ("done",))
 WRITE_ROWS_KERNEL = ("vllm_unified_write_rows", ("dst", "row_idx", "src"), ("done",))
 
 _MAX_GRID = 2**31 - 1  # MLX takes the grid as C ints
@@ -166,6 +203,73 @@ def write_kv_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.arr
         return pool
     done = _kernel(WRITE_KV_KERNEL, WRITE_KV_SOURCE, dialect)(
         **write_kv_launch(pool, slots, keys, values))[0]
+    return mx.depends([pool], [done])[0]
+
+
+#: threads per group of the prologue write (8 cells)
+_QK_GROUP = 256
+
+
+def write_kv_qk_launch(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
+                       positions: mx.array, prologue: QKPrologue) -> dict:
+    """The keyword arguments of the prologue KV write's call (shared by
+    :func:`write_kv_qk_gpu` and the Metal emulation tests). No checks."""
+    kv_heads, width = pool.shape[1], pool.shape[2]
+    threads = keys.shape[0] * kv_heads * 32
+    return dict(
+        inputs=[pool, _int32(slots), keys, values, _int32(positions), prologue.params],
+        template=[("T", pool.dtype), ("HKV", kv_heads), ("D", width // 2),
+                  *prologue.template()],
+        grid=(threads, 1, 1),
+        threadgroup=(min(_QK_GROUP, threads), 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.int32],
+    )
+
+
+def _int32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.int32 else x.astype(mx.int32)
+
+
+def write_kv_qk_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
+                    positions: mx.array, prologue: QKPrologue, *, dialect: Dialect
+                    ) -> mx.array:
+    """:func:`write_kv_gpu` of raw key projections: each key head is normalised and rotated
+    at its token's position first (``prologue``; :mod:`vllm_unified.attention.qk_prologue`),
+    values are stored as they are.
+
+    Args:
+        pool: as :func:`write_kv_gpu`.
+        slots, positions: ``[T]`` integer slots (distinct) and token positions.
+        keys, values: any shape of ``T * Hkv * D`` elements, row-major ``[T, Hkv, D]`` (the
+            projections' ``[T, 1, Hkv * D]``), in the pool's dtype.
+        prologue: the layer's, with ``head_dim == D``.
+        dialect: ``"cuda"`` or ``"metal"``.
+
+    Returns:
+        The pool ordered after the write, as :func:`write_kv_gpu`.
+
+    Raises:
+        ValueError: shapes or dtypes disagree, a prologue of another head size, unknown
+            dialect, a Metal pool under 8 elements, or more than 2**31 - 1 threads.
+    """
+    num_slots, kv_heads, width = pool.shape
+    tokens = slots.shape[0] if slots.ndim == 1 else -1
+    cells = tokens * kv_heads * (width // 2)
+    for name, rows in (("keys", keys), ("values", values)):
+        if rows.size != cells or rows.shape[0] != tokens or rows.dtype != pool.dtype:
+            raise ValueError(f"{name} {rows.shape} {rows.dtype} are not [{tokens}, "
+                             f"{kv_heads} x {width // 2}] rows of pool {pool.shape} "
+                             f"{pool.dtype}")
+    if positions.shape != slots.shape:
+        raise ValueError(f"positions {positions.shape} != slots {slots.shape}")
+    if prologue.head_dim != width // 2:
+        raise ValueError(f"prologue of head size {prologue.head_dim}, pool of {width // 2}")
+    _check_destination(pool, dialect, tokens * kv_heads * 32)
+    if tokens == 0:
+        return pool
+    done = _kernel(WRITE_KV_QK_KERNEL, WRITE_KV_QK_SOURCE, dialect)(
+        **write_kv_qk_launch(pool, slots, keys, values, positions, prologue))[0]
     return mx.depends([pool], [done])[0]
 
 

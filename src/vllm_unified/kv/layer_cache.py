@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_unified.attention.paged import paged_attention_kv
+from vllm_unified.attention.qk_prologue import QKPrologue
 from vllm_unified.backend import BackendProfile
 from vllm_unified.forward_context import get_step_context
 from vllm_unified.kv.pool import KVPool
@@ -90,6 +91,48 @@ class PagedLayerCache(_PagedMaskSource):
                                   scale, window, backend=self.backend, fresh=fresh,
                                   kv_format=self.pool.layer_format(self.layer),
                                   rht_signs=self.pool.signs)
+
+    def fuses_decode(self, dtype: mx.Dtype, head_dim: int) -> bool:
+        """Whether this step's attention of ``head_dim`` heads in ``dtype`` may take raw
+        projections (:meth:`attend_raw`): a pure-decode step, the layer's pages unquantized in
+        ``dtype`` and written by a GPU kernel, and the paged GPU attention kernel attending
+        (:mod:`vllm_unified.models.decode_attention`)."""
+        from vllm_unified.attention.paged import fused_decode_kernel
+
+        meta = get_step_context().attn
+        return (meta.num_tokens > 0 and meta.is_pure_decode
+                and self.pool.write_path in ("cuda_kernel", "metal_kernel")
+                and not self.pool.layer_format(self.layer).quantized
+                and self._arrays()[self.layer].dtype == dtype
+                and fused_decode_kernel(head_dim, self.backend) is not None)
+
+    def attend_raw(self, queries: mx.array, keys: mx.array, values: mx.array,
+                   prologue: QKPrologue, heads: int, scale: float,
+                   window: int | None) -> mx.array:
+        """Write and attend one pure-decode step from raw projections: the keys normalised and
+        rotated by the write kernel, the queries by the attention kernel
+        (:mod:`vllm_unified.attention.qk_prologue`). Only where :meth:`fuses_decode` holds.
+
+        Args:
+            queries: ``[T, 1, heads * D]``, the query projection.
+            keys, values: ``[T, 1, Hkv * D]``, the key and value projections.
+            prologue: the layer's norms and rotation.
+            heads: query heads.
+            scale, window: as :meth:`attend`.
+
+        Returns:
+            ``[T, heads, 1, D]`` in the queries' dtype, lazily.
+        """
+        from vllm_unified.attention.paged import fused_decode_kernel
+
+        ctx = get_step_context()
+        meta = ctx.attn
+        self.pool.write(self.layer, meta.slot_mapping, keys, values, ctx.kv,
+                        prologue=prologue, positions=meta.positions)
+        dim = prologue.head_dim
+        attend = fused_decode_kernel(dim, self.backend)
+        return attend(queries.reshape(queries.shape[0], heads, 1, dim),
+                      self._arrays()[self.layer], meta, scale, window, prologue=prologue)
 
     def is_trimmable(self) -> bool:
         return False

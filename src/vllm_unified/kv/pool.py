@@ -17,8 +17,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from vllm_unified.attention.qk_prologue import QKPrologue
 from vllm_unified.backend import KVWritePath
-from vllm_unified.kv.gpu_write import write_kv_gpu
+from vllm_unified.kv.gpu_write import write_kv_gpu, write_kv_qk_gpu
 from vllm_unified.kv.quant import KVFormat, rht_signs
 
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
@@ -238,15 +239,32 @@ class KVPool:
         return self.kv
 
     def write(self, layer: int, slot_mapping: mx.array, keys: mx.array, values: mx.array,
-              arrays: list[mx.array] | None = None) -> None:
+              arrays: list[mx.array] | None = None, prologue: QKPrologue | None = None,
+              positions: mx.array | None = None) -> None:
         """Write ``keys``/``values`` (``[T, Hkv, D]`` or ``[T, Hkv, 1, D]``) at ``slot_mapping``
         ``[T]`` into layer ``layer``, in place (lazily; evaluated with the step).
 
         ``arrays``: the per-layer arrays to write and rebind (a compiled trace's inputs);
-        default: this pool's own :attr:`kv`."""
+        default: this pool's own :attr:`kv`. ``prologue`` (with ``positions`` ``[T]``): the
+        keys are raw projections (any shape of ``[T, Hkv * D]`` rows) that the GPU write
+        kernel normalises and rotates first (:func:`vllm_unified.kv.gpu_write.
+        write_kv_qk_gpu`).
+
+        Raises:
+            ValueError: a ``prologue`` where the layer is not written by a GPU kernel in its
+                own dtype (a quantized layer, another write path).
+        """
         kv = self.kv if arrays is None else arrays
         dst = kv[layer]
         fmt = self.layer_formats[layer]
+        if prologue is not None:
+            if (fmt.quantized or self.write_path not in ("cuda_kernel", "metal_kernel")
+                    or positions is None):
+                raise ValueError(f"layer {layer}: the key prologue needs an unquantized "
+                                 "layer written by a GPU kernel, and the positions")
+            kv[layer] = write_kv_qk_gpu(dst, slot_mapping, keys, values, positions, prologue,
+                                        dialect=self._dialect())
+            return
         if fmt.quantized and self.write_path in ("cuda_kernel", "metal_kernel"):
             from vllm_unified.kv.gpu_quant_write import write_kv_quant_gpu
 

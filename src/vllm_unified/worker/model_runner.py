@@ -57,6 +57,7 @@ from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.page_release import PageRelease, placements
 from vllm_unified.memory.mlx_log import MemoryLog
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
+from vllm_unified.models.decode_attention import install_fused_decode_attention
 from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.gpu_gemm import install_gpu_gemm
@@ -280,9 +281,12 @@ class MLXModelRunner:
         cpu_kernels = install_cpu_kernels(self.model)
         fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
         gemm = install_gpu_gemm(self.model) if self.backend.gpu_gemm else 0
+        head_size = self.model_config.get_head_size()
+        fused_qk = (install_fused_decode_attention(self.model, head_size)
+                    if self.backend.fused_qk else 0)
         cache_config = self.vllm_config.cache_config
         shape = AttentionShape(self.model_config.get_num_kv_heads(pc),
-                               self.model_config.get_head_size(), self.model_config.dtype,
+                               head_size, self.model_config.dtype,
                                cache_config.cache_dtype or "auto",
                                tuple(cache_config.kv_cache_dtype_skip_layers or ()))
         windows = {i: self._window(i) for i in self.layers.attention}
@@ -293,11 +297,12 @@ class MLXModelRunner:
         logger.info(
             "vllm-unified: loaded %s (%s, %d layers, dtype %s, quantized=%s) in %.2f s; "
             "paged attention routed in %s; native CPU kernels: %s; fused projections: %s; "
-            "decode-sized matmuls by the GPU kernel: %d layers",
+            "decode-sized matmuls by the GPU kernel: %d layers; decode q/k norms and RoPE "
+            "in the attention kernels: %d layers",
             path, self.loaded.source, num_layers, self.dtype, self.loaded.quantized,
             time.perf_counter() - start, ", ".join(patched) or "(already routed)",
             ", ".join(cpu_kernels) or "(none)",
-            ", ".join(f"{n} {name}" for name, n in fused.items()) or "(none)", gemm,
+            ", ".join(f"{n} {name}" for name, n in fused.items()) or "(none)", gemm, fused_qk,
         )
         if self.stage.size > 1:
             logger.info("vllm-unified: %s", self.stage.describe())
