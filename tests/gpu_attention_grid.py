@@ -295,8 +295,11 @@ def write_error(case: WriteCase, write: Callable) -> tuple[float, bool]:
         case.tokens, case.kv_heads, case.dim)], axis=-1)
     before = want.copy()
     want[slots] = cells
-    got = np.array(write(pool, mx.array(slots), keys, values, mx.array(positions), prologue
-                         ).astype(mx.float32))
+    out = write(pool, mx.array(slots), keys, values, mx.array(positions), prologue)
+    # evaluated before it is read: within one evaluation MLX's GPU encoders order readers
+    # after the write only through its token (kv/gpu_write.py, ordered_after)
+    mx.eval(out)
+    got = np.array(out.astype(mx.float32))
     rtol, atol = WRITE_TOLERANCE[case.dtype]
     worst = float((np.abs(got - want) / (atol + rtol * np.abs(want))).max())
     others = np.setdiff1d(np.arange(slots_n), slots)

@@ -35,7 +35,8 @@ from vllm_unified.worker.model_runner import forward
 BS, LAYERS, KV_HEADS, DIM, BLOCKS = 8, 3, 2, 32, 40
 
 
-def _write_qk_stand_in(pool, slots, keys, values, positions, prologue, *, dialect):
+def _write_qk_stand_in(pool, slots, keys, values, positions, prologue, *, dialect,
+                       tokens=None):
     """Functional stand-in of gpu_write.write_kv_qk_gpu: the reference prologue, then the
     write."""
     keys = qk_prologue.reference(keys.reshape(keys.shape[0], KV_HEADS, DIM), prologue, 1,
@@ -43,7 +44,7 @@ def _write_qk_stand_in(pool, slots, keys, values, positions, prologue, *, dialec
     return _write_stand_in(pool, slots, keys, values, dialect=dialect)
 
 
-def _write_stand_in(pool, slots, keys, values, *, dialect):
+def _write_stand_in(pool, slots, keys, values, *, dialect, tokens=None):
     """Functional stand-in of gpu_write.write_kv_gpu (a scatter of the K|V cells)."""
     assert dialect == "cuda"
     cells = mx.concatenate([keys.reshape(keys.shape[0], KV_HEADS, DIM),
@@ -54,7 +55,7 @@ def _write_stand_in(pool, slots, keys, values, *, dialect):
 
 
 def _decode_stand_in(dialect, queries, kv_pool, tables, lens, scale, window, block_size, rows,
-                     decode, prologue=None):
+                     decode, prologue=None, after=None):
     """gpu_paged.launch's function in its decode form, from the device-side tables and
     lengths only (every key slot of the table, masked by length and window); with a
     prologue, the raw queries go through the reference prologue at position ``len - 1``."""

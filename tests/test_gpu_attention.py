@@ -121,7 +121,7 @@ def test_fresh_mask_follows_the_window_convention():
 
 
 def _launch_model(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                  decode, prologue=None):
+                  decode, prologue=None, after=None):
     """The kernel's contract in numpy, from what the kernel reads (tables, tiles, the pool):
     rows no tile covers come out NaN, so an assembly that used them would show. (The query
     prologue is tests/test_qk_prologue.py's.)"""
@@ -238,7 +238,7 @@ def test_grid_covers_every_pair():
 
 
 def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                     decode, prologue=None):
+                     decode, prologue=None, after=None):
     """gpu_paged.launch with the Metal instance run by the CPU emulation: the same inputs,
     template, grid and threadgroup, the source assembled as mx.fast.metal_kernel assembles it
     (its output rows no tile covers start as NaN)."""

@@ -217,7 +217,7 @@ def test_write_rejects_bad_input():
 # --- the attention kernel's Metal instance --------------------------------------------------
 
 def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                     decode, fmt, signs):
+                     decode, fmt, signs, after=None):
     """gpu_paged_quant.launch with the Metal instance run by the CPU emulation (its output rows
     no tile covers start as NaN)."""
     assert dialect == "metal"
@@ -403,7 +403,7 @@ def test_mlx_owned_quantized_pool_is_written_by_the_cuda_kernel(monkeypatch):
     fmt = kv_format("int4_per_token_head")
     calls = []
 
-    def write(pool, slots, keys, values, fmt_, signs, *, dialect):
+    def write(pool, slots, keys, values, fmt_, signs, *, dialect, tokens=None):
         calls.append(("write", dialect))
         keys, values = keys.squeeze(2), values.squeeze(2)
         return native.write_kv_quant(pool, slots, keys, values, fmt_.native_mode, signs)
@@ -478,7 +478,7 @@ def test_metal_quantized_cache_writes_vllms_views_in_place(name, monkeypatch, de
     _adopt_as_metal_would(monkeypatch, native)
     seen = []
 
-    def write(pool, slots, keys, values, fmt, signs, *, dialect):
+    def write(pool, slots, keys, values, fmt, signs, *, dialect, tokens=None):
         seen.append(dialect)
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
@@ -528,9 +528,9 @@ def test_h200_check_reports_worst_figures_per_format(emulated_metal, monkeypatch
     real_write = gpu_quant_write.write_kv_quant_gpu
     real_attention = gpu_paged_quant.paged_gpu_attention_quant
 
-    def write(*args, dialect):
+    def write(*args, dialect, tokens=None):
         assert dialect == "cuda"
-        return real_write(*args, dialect="metal")
+        return real_write(*args, dialect="metal", tokens=tokens)
 
     def attention(dialect, *args):
         assert dialect == "cuda"

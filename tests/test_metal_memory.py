@@ -107,7 +107,7 @@ def metal(monkeypatch) -> MetalStandIns:
         seen.events.append(("import", t.data_ptr(), nbytes))
         return native.adopt(t.data_ptr(), nbytes, list(t.shape), bridge.mlx_dtype(t.dtype), t)
 
-    def write_kv(pool, slots, keys, values, *, dialect):
+    def write_kv(pool, slots, keys, values, *, dialect, tokens=None):
         assert dialect == "metal"
         seen.events.append(("write_kv", int(slots.shape[0])))
         if keys.ndim == 4:

@@ -185,7 +185,7 @@ def test_a_wrong_prologue_fails_the_write_check(monkeypatch):
 
 
 def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                     decode, prologue=None):
+                     decode, prologue=None, after=None):
     """gpu_paged.launch with the Metal instance run by the CPU emulation."""
     assert dialect == "metal"
     a = gpu_paged.launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows,
@@ -268,13 +268,16 @@ def _pool() -> KVPool:
     return pool
 
 
-def _emulated_kernels(monkeypatch) -> list[str]:
-    """Every GPU kernel runs its Metal instance on the emulation; returns the names called."""
+def _emulated_kernels(monkeypatch, afters: list | None = None) -> list[str]:
+    """Every GPU kernel runs its Metal instance on the emulation; returns the names called
+    (and appends to ``afters`` the ``after`` input of each attention call)."""
     called: list[str] = []
 
     def make(*, name, input_names, output_names, source, header="", **_):
         def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             called.append(name)
+            if afters is not None and "after" in input_names:
+                afters.append(np.array(inputs[input_names.index("after")]).tolist())
             _, text = gpu_dialect.mlx_metal_source(name, input_names, output_names, source,
                                                    inputs, template,
                                                    output_dtypes=output_dtypes, header=header)
@@ -313,7 +316,8 @@ def test_fused_decode_step_matches_mlx_lm_path(family, monkeypatch):
     """A pure-decode step of three sequences through the swapped classes (the prologue write
     and attention kernels) gives the logits and the pool of mlx-lm's own attention code over
     the plain kernels; a mixed step takes mlx-lm's code in both."""
-    called = _emulated_kernels(monkeypatch)
+    afters: list = []
+    called = _emulated_kernels(monkeypatch, afters)
     tables = np.array([[3, 5, 0], [7, 1, 8], [2, 0, 0]], np.int32)
     decode = ([1, 1, 1], [20, 40, 9], [11, 57, 3])
     mixed = ([1, 5], [21, 14], [9, 30, 31, 32, 33, 34])
@@ -322,6 +326,10 @@ def test_fused_decode_step_matches_mlx_lm_path(family, monkeypatch):
     want = [_step(plain, pool := _pool(), *decode[:2], tables, decode[2]),
             _step(plain, pool, mixed[0], mixed[1], tables[:2], mixed[2])]
     assert set(called) == {"vllm_unified_write_kv", "vllm_unified_paged_attention"}
+    # every attention launch takes its layer's write token as an input (the kernel wrote 1;
+    # the stand-in for "nothing written" is 0): the GPU orders it after the write
+    assert afters and all(a == [1] for a in afters)
+    afters.clear()
 
     fused = _model(family)
     assert install_fused_decode_attention(fused, DIM) == LAYERS
@@ -330,6 +338,7 @@ def test_fused_decode_step_matches_mlx_lm_path(family, monkeypatch):
     pool = _pool()
     got = _step(fused, pool, *decode[:2], tables, decode[2])
     assert called == ["vllm_unified_write_kv_qk", "vllm_unified_paged_attention_qk"] * LAYERS
+    assert afters == [[1]] * LAYERS
     called.clear()
     got_mixed = _step(fused, pool, mixed[0], mixed[1], tables[:2], mixed[2])
     assert "vllm_unified_write_kv_qk" not in called

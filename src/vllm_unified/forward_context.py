@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -34,11 +34,15 @@ class StepContext:
         kv: the per-layer pool arrays this forward reads and writes (index = attention
             ordinal). None: the pool's own list (the layers write through it in place). A
             compiled trace passes its traced inputs here and returns the written list.
+        written: layer -> the completion token of this forward's GPU kernel write into it,
+            which the layer's attention takes as an input
+            (:func:`vllm_unified.kv.gpu_write.ordered_after`).
     """
 
     attn: AttentionMetadata
     state: StateMetadata | None = None
     kv: list[mx.array] | None = None
+    written: dict[int, mx.array] = field(default_factory=dict)
 
 
 _current: StepContext | None = None

@@ -75,7 +75,9 @@ _LANE_VECTOR_FLOATS = 64
 SHARED_BYTES = 32768
 
 KERNEL_NAME = "vllm_unified_paged_attention"
-INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale"]
+#: ``after``: the completion token of the step's write into ``kv`` (not read: an input so
+#: the GPU orders the kernel after the write; :func:`vllm_unified.kv.gpu_write.ordered_after`)
+INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale", "after"]
 OUTPUT_NAMES = ["out"]
 
 #: A vector of N elements loaded (and stored) as one access.
@@ -308,6 +310,12 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
+@functools.cache
+def no_write() -> mx.array:
+    """The ``after`` input when nothing wrote the pool in this evaluation."""
+    return mx.zeros((1,), dtype=mx.int32)
+
+
 @dataclass(frozen=True)
 class LaunchArgs:
     """One launch of the kernel, as MLX's kernel call takes it."""
@@ -323,7 +331,7 @@ class LaunchArgs:
 def launch_args(
     queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array, scale: float,
     window: Window, block_size: int, rows: int, decode: bool,
-    prologue: QKPrologue | None = None,
+    prologue: QKPrologue | None = None, after: mx.array | None = None,
 ) -> LaunchArgs:
     """The kernel call over ``tiles`` (see :func:`launch`)."""
     tokens, heads, _, dim = queries.shape
@@ -332,7 +340,8 @@ def launch_args(
     warps = warps_per_group(group, dim, rows)
     extra = [] if prologue is None else [prologue.params]
     return LaunchArgs(
-        inputs=[queries, kv_pool, tables, tiles, _scale(scale), *extra],
+        inputs=[queries, kv_pool, tables, tiles, _scale(scale),
+                no_write() if after is None else after, *extra],
         template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
                   ("BS", block_size), ("WARPS", warps),
                   ("WINDOW", 0 if window is None else int(window)), ("QT", rows),
@@ -348,7 +357,7 @@ def launch_args(
 def launch(
     dialect: str, queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array,
     scale: float, window: Window, block_size: int, rows: int, decode: bool,
-    prologue: QKPrologue | None = None,
+    prologue: QKPrologue | None = None, after: mx.array | None = None,
 ) -> mx.array:
     """One launch of the kernel over ``tiles``; returns ``[T, H, 1, D]`` where only the rows the
     tiles cover are written (the others are uninitialised memory).
@@ -366,9 +375,11 @@ def launch(
         prologue: the layer's query norm and rotation, applied by the kernel to the raw
             queries (:mod:`vllm_unified.attention.qk_prologue`), or None (queries already
             normalised and rotated).
+        after: the completion token of the write into ``kv_pool`` in the same evaluation,
+            if any (:func:`vllm_unified.kv.gpu_write.ordered_after`).
     """
     a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode,
-                    prologue)
+                    prologue, after)
     kern = _kernel(dialect, prologue is not None)
     return kern(inputs=a.inputs, template=a.template, grid=a.grid, threadgroup=a.threadgroup,
                 output_shapes=a.output_shapes, output_dtypes=a.output_dtypes)[0]
@@ -378,6 +389,7 @@ def paged_gpu_attention(
     dialect: str, queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, fresh: tuple[mx.array, mx.array] | None = None,
     max_chunk: int | None = None, prologue: QKPrologue | None = None,
+    after: mx.array | None = None,
 ) -> mx.array:
     """Every row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V per cell).
 
@@ -397,6 +409,8 @@ def paged_gpu_attention(
             default :data:`MAX_KERNEL_CHUNK`. A huge value sends every such row to the kernel.
         prologue: pure-decode steps only: ``queries`` are the raw projections, which the
             kernel normalises and rotates (:mod:`vllm_unified.attention.qk_prologue`).
+        after: the completion token of this evaluation's write into ``kv_pool``, taken as an
+            input by every read of it here (:func:`vllm_unified.kv.gpu_write.ordered_after`).
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
@@ -413,7 +427,7 @@ def paged_gpu_attention(
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
-                      1, True, prologue)
+                      1, True, prologue, after)
     if prologue is not None:
         raise ValueError("the query prologue is applied in pure-decode steps only")
     rows = q_tile(heads // kv_pool.shape[1], dim)
@@ -422,7 +436,7 @@ def paged_gpu_attention(
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
-                     meta.block_size, rows, False)
+                     meta.block_size, rows, False, None, after)
     if not plan.sdpa:
         return out
     pieces = []
@@ -435,7 +449,8 @@ def paged_gpu_attention(
         else:
             from vllm_unified.attention.paged import prefill_chunk_attention
 
-            pieces.append(prefill_chunk_attention(queries, kv_pool, meta, chunk, scale, window))
+            pieces.append(prefill_chunk_attention(queries, kv_pool, meta, chunk, scale, window,
+                                                  after))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
 
 

@@ -47,7 +47,8 @@ from vllm_unified.kv.gpu_quant_write import HEADER as QUANT_HEADER
 from vllm_unified.kv.quant import KVFormat, rotation_block
 
 KERNEL_NAME = "vllm_unified_paged_attention_quant"
-INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale", "signs"]
+#: ``after``: as :data:`gpu_paged.INPUT_NAMES`'s (the write's completion token, not read)
+INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale", "signs", "after"]
 OUTPUT_NAMES = ["out"]
 
 #: the kernel's helpers: the dense kernel's vector type, vLLM's float8 e4m3fn decoding and the
@@ -380,7 +381,7 @@ def _no_signs() -> mx.array:
 def launch_args(
     queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array, scale: float,
     window: Window, block_size: int, rows: int, decode: bool, fmt: KVFormat,
-    signs: mx.array | None,
+    signs: mx.array | None, after: mx.array | None = None,
 ) -> LaunchArgs:
     """The kernel call over ``tiles`` (see :func:`launch`)."""
     tokens, heads, _, dim = queries.shape
@@ -390,7 +391,8 @@ def launch_args(
     block = rotation_block(dim) if fmt.rotated else 1
     return LaunchArgs(
         inputs=[queries, kv_pool, tables, tiles, _scale(scale / block),
-                signs if fmt.rotated else _no_signs()],
+                signs if fmt.rotated else _no_signs(),
+                gpu_paged.no_write() if after is None else after],
         template=[("T", queries.dtype), ("P", kv_pool.dtype), ("MODE", fmt.native_mode),
                   ("BLK", block), ("RQ", rotation_rows(group, rows, fmt.rotated)), ("D", dim),
                   ("H", heads), ("HKV", kv_heads), ("BS", block_size), ("WARPS", warps),
@@ -406,13 +408,14 @@ def launch_args(
 def launch(
     dialect: str, queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array,
     scale: float, window: Window, block_size: int, rows: int, decode: bool, fmt: KVFormat,
-    signs: mx.array | None,
+    signs: mx.array | None, after: mx.array | None = None,
 ) -> mx.array:
     """One launch over ``tiles`` (as :func:`gpu_paged.launch`, over a quantized pool
-    ``[slots, Hkv, cell bytes]`` of format ``fmt``; ``signs``: int4's RHT signs); returns
-    ``[T, H, 1, D]`` where only the rows the tiles cover are written."""
+    ``[slots, Hkv, cell bytes]`` of format ``fmt``; ``signs``: int4's RHT signs; ``after``:
+    the write's completion token); returns ``[T, H, 1, D]`` where only the rows the tiles
+    cover are written."""
     a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode,
-                    fmt, signs)
+                    fmt, signs, after)
     return _kernel(dialect)(inputs=a.inputs, template=a.template, grid=a.grid,
                             threadgroup=a.threadgroup, output_shapes=a.output_shapes,
                             output_dtypes=a.output_dtypes)[0]
@@ -421,7 +424,7 @@ def launch(
 def paged_gpu_attention_quant(
     dialect: str, queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, fmt: KVFormat, signs: mx.array | None, max_chunk: int | None = None,
-    fresh: tuple[mx.array, mx.array] | None = None,
+    fresh: tuple[mx.array, mx.array] | None = None, after: mx.array | None = None,
 ) -> mx.array:
     """Every row's attention over a quantized pool (``[slots, Hkv, fmt.cell_bytes(D)]``).
 
@@ -441,6 +444,8 @@ def paged_gpu_attention_quant(
             MLX's SDPA over them alone, one longer than ``TQ_SHORT_CONTINUATION`` over its
             context's cells followed by them. Ignored by the other formats (vLLM attends
             every key from their cells).
+        after: the completion token of this evaluation's write into ``kv_pool``
+            (:func:`vllm_unified.kv.gpu_write.ordered_after`), taken by every read of it here.
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
@@ -461,7 +466,7 @@ def paged_gpu_attention_quant(
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
-                      1, True, fmt, signs)
+                      1, True, fmt, signs, after)
     limit = gpu_paged.MAX_KERNEL_CHUNK if max_chunk is None else max_chunk
     if fmt.turboquant:  # chunks that read their own K/V unquantized never reach the kernel
         if fresh is None and meta.fresh_key_rows(TQ_SHORT_CONTINUATION) is not None:
@@ -474,7 +479,7 @@ def paged_gpu_attention_quant(
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
-                     meta.block_size, rows, False, fmt, signs)
+                     meta.block_size, rows, False, fmt, signs, after)
     if not plan.sdpa:
         return out
     from vllm_unified.attention.paged import quantized_chunk_attention
@@ -490,5 +495,5 @@ def paged_gpu_attention_quant(
         else:
             own = fmt.turboquant and stop - start > TQ_SHORT_CONTINUATION
             pieces.append(quantized_chunk_attention(queries, kv_pool, meta, chunk, scale,
-                                                    window, fmt, fresh if own else None))
+                                                    window, fmt, fresh if own else None, after))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)

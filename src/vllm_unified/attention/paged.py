@@ -24,6 +24,7 @@ import numpy as np
 
 from vllm_unified import bridge
 from vllm_unified.attention.metadata import AttentionMetadata, Window
+from vllm_unified.kv.gpu_write import after_token
 
 if TYPE_CHECKING:
     from vllm_unified.backend import BackendProfile
@@ -131,6 +132,7 @@ def paged_attention_kv(
     fresh: tuple[mx.array, mx.array] | None = None,
     kv_format: KVFormat | None = None,
     rht_signs: mx.array | None = None,
+    after: mx.array | None = None,
 ) -> mx.array:
     """:func:`paged_attention` over one pool holding K and V side by side.
 
@@ -161,6 +163,10 @@ def paged_attention_kv(
     (:meth:`~vllm_unified.attention.metadata.AttentionMetadata.fresh_key_rows`); the
     reference puts those rows in place of their cells in the dequantized pool.
 
+    ``after``: the completion token of this evaluation's GPU kernel write into ``kv_pool``
+    (:func:`vllm_unified.kv.gpu_write.ordered_after`), taken as an input by whatever reads
+    the pool here, so the GPU runs the read after the write; None when nothing wrote it.
+
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D`` (the
             format's cell bytes).
@@ -169,7 +175,7 @@ def paged_attention_kv(
     """
     if kv_format is not None and kv_format.quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, accelerate,
-                                    backend, kv_format, rht_signs, fresh)
+                                    backend, kv_format, rht_signs, fresh, after)
     if kv_pool.ndim != 3 or kv_pool.shape[-1] != 2 * queries.shape[-1]:
         raise ValueError(f"kv_pool must be [slots, Hkv, 2*{queries.shape[-1]}], "
                          f"got {kv_pool.shape}")
@@ -186,10 +192,11 @@ def paged_attention_kv(
         return paged_attention_rows(queries, kv_pool, meta, scale, window)
     gpu_kernel = _gpu_kernel(head_dim, backend) if accelerate else None
     if gpu_kernel is not None and meta.num_tokens:
-        return gpu_kernel(queries, kv_pool, meta, scale, window, fresh)
+        return gpu_kernel(queries, kv_pool, meta, scale, window, fresh, after=after)
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
 
     def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
+        rows = after_token(rows, after)
         # The native CPU primitive copies both halves of each row in one pass, where MLX's
         # generic gather reads the two strided halves separately. Same values either way
         # (tests/test_paged_attention.py compares them).
@@ -205,6 +212,7 @@ def _quantized_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: int | None, accelerate: bool, backend: BackendProfile | None, fmt: KVFormat,
     rht_signs: mx.array | None, fresh: tuple[mx.array, mx.array] | None = None,
+    after: mx.array | None = None,
 ) -> mx.array:
     """:func:`paged_attention_kv` over a quantized pool (see there)."""
     from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, dequantize_pool
@@ -250,7 +258,7 @@ def _quantized_attention(
         from vllm_unified.attention.gpu_paged_quant import paged_gpu_attention_quant
 
         return paged_gpu_attention_quant(backend.gpu_attention, queries, kv_pool, meta, scale,
-                                         window, fmt, rht_signs, fresh=fresh)
+                                         window, fmt, rht_signs, fresh=fresh, after=after)
     from vllm_unified.attention.cpu_paged import paged_attention_rows
 
     return paged_attention_rows(queries, kv_pool, meta, scale, window, fmt.native_mode,
@@ -260,6 +268,7 @@ def _quantized_attention(
 def quantized_chunk_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
     window: Window, fmt: KVFormat, fresh: tuple[mx.array, mx.array] | None = None,
+    after: mx.array | None = None,
 ) -> mx.array:
     """Prefill chunk ``index`` of a step over a quantized pool by MLX's SDPA: its
     ``[L, H, 1, D]`` rows of ``queries`` over its own context's cells gathered from ``kv_pool``
@@ -268,7 +277,8 @@ def quantized_chunk_attention(
     in fp32 as the reference; ``[L, H, 1, D]`` in the queries' dtype out (for GPU kernels that
     leave long chunks to SDPA). ``fresh``: the step's unquantized keys and values
     (``[T, Hkv, 1, D]`` or ``[T, Hkv, D]``), read for the chunk's own ``L`` tokens in place of
-    their cells (turboquant_k8v4's long continuation chunks, as vLLM's TurboQuant backend)."""
+    their cells (turboquant_k8v4's long continuation chunks, as vLLM's TurboQuant backend).
+    ``after``: as :func:`paged_attention_kv`."""
     from vllm_unified.kv.quant import dequantize_pool
 
     dim = queries.shape[-1]
@@ -283,7 +293,7 @@ def quantized_chunk_attention(
     def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
         if fresh is not None:  # the view ends with the chunk's own L positions
             rows = rows[..., :rows.shape[-1] - chunk.length]
-        dense = dequantize_pool(cell_rows[rows], fmt, dim)
+        dense = dequantize_pool(cell_rows[after_token(rows, after)], fmt, dim)
         keys, values = dense[..., :dim], dense[..., dim:]
         if fresh is not None:
             keys = mx.concatenate([keys, own(fresh[0])], axis=2)
@@ -407,17 +417,20 @@ def _decode_attention(
 
 def prefill_chunk_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
-    window: Window,
+    window: Window, after: mx.array | None = None,
 ) -> mx.array:
     """The reference's attention of prefill chunk ``index`` alone: its ``[L, H, 1, D]`` rows
     of ``queries`` (``[T, H, 1, D]``) over its keys gathered from ``kv_pool``
     (``[slots, Hkv, 2 * D]``) by MLX, then MLX's SDPA; ``[L, H, 1, D]`` out (for GPU kernels
-    that leave long chunks to SDPA)."""
+    that leave long chunks to SDPA). ``after``: as :func:`paged_attention_kv`."""
     dim = queries.shape[-1]
     pool_rows = kv_pool.reshape(-1, 2 * dim)
-    return _prefill_attention(
-        queries, lambda rows: (pool_rows[:, :dim][rows], pool_rows[:, dim:][rows]), meta, index,
-        scale, window, kv_pool.shape[1])
+
+    def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
+        rows = after_token(rows, after)
+        return pool_rows[:, :dim][rows], pool_rows[:, dim:][rows]
+
+    return _prefill_attention(queries, gather, meta, index, scale, window, kv_pool.shape[1])
 
 
 def _prefill_attention(

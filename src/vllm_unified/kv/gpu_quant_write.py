@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from vllm_unified import gpu_dialect
 from vllm_unified.gpu_dialect import Dialect
+from vllm_unified.kv.gpu_write import ordered_after
 from vllm_unified.kv.quant import KVFormat, rotation_block
 
 #: kernel name, input names, output names
@@ -307,8 +308,8 @@ def _unused_signs() -> mx.array:
 
 
 def write_kv_quant_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
-                       fmt: KVFormat, signs: mx.array | None, *, dialect: Dialect
-                       ) -> mx.array:
+                       fmt: KVFormat, signs: mx.array | None, *, dialect: Dialect,
+                       tokens: list[mx.array] | None = None) -> mx.array:
     """Quantize ``keys``/``values`` into their cells at ``slots`` of ``pool``'s own buffer
     (lazily, in place): the bytes of the native ``write_kv_quant`` (vLLM's page bytes).
 
@@ -324,6 +325,8 @@ def write_kv_quant_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: 
         signs: int4: vLLM's RHT signs (fp32 ``[b]``, :func:`vllm_unified.kv.quant.rht_signs`);
             ignored otherwise.
         dialect: ``"cuda"`` or ``"metal"``, the backend the kernel runs on.
+        tokens: receives the write's completion token
+            (:func:`vllm_unified.kv.gpu_write.ordered_after`).
 
     Returns:
         The pool to use from now on: the same buffer, ordered after the write
@@ -367,4 +370,4 @@ def write_kv_quant_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: 
         return pool
     done = gpu_dialect.kernel(*KERNEL, SOURCE, dialect=dialect, header=HEADER)(
         **launch_args(pool, slots, keys, values, fmt, signs))[0]
-    return mx.depends([pool], [done])[0]
+    return ordered_after(pool, done, tokens)

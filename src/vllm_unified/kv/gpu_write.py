@@ -121,6 +121,32 @@ def _kernel(spec: tuple[str, tuple[str, ...], tuple[str, ...]], source: str, dia
     return gpu_dialect.kernel(*spec, source, dialect=dialect)
 
 
+def ordered_after(dst: mx.array, done: mx.array, tokens: list[mx.array] | None) -> mx.array:
+    """``dst`` as readers must take it after a kernel wrote into its buffer and returned
+    ``done``: ``mx.depends(dst, done)``, and ``done`` appended to ``tokens`` (when given).
+
+    Why both: ``mx.depends`` orders MLX's evaluation, but inside one command buffer MLX's GPU
+    encoders order kernels by buffers, an edge from the kernel that last *output* a buffer to
+    each kernel that reads it (CUDA: the graph edges of ``CommandEncoder::
+    insert_graph_dependencies``; Metal: the barriers of its concurrent encoder); ``Depends``
+    launches nothing and the write kernel only *reads* ``dst`` as far as MLX knows. A GPU
+    kernel that reads the written buffer in the same evaluation must take ``done`` as an
+    input of its own (the paged attention kernels' ``after``); an MLX op must read something
+    computed from ``done`` (:func:`after_token`)."""
+    if tokens is not None:
+        tokens.append(done)
+    return mx.depends([dst], [done])[0]
+
+
+def after_token(indices: mx.array, done: mx.array | None) -> mx.array:
+    """``indices`` (integer) made by a kernel that reads ``done``, so an MLX op gathering
+    with them runs after the write that returned ``done`` (:func:`ordered_after`); the
+    values are unchanged (``done`` is 1, times 0)."""
+    if done is None:
+        return indices
+    return indices + (done[0] * 0).astype(indices.dtype)
+
+
 def _threads_per_block(row: int) -> int:
     """The largest power of two <= 256 dividing ``row`` (the grid then has no idle tail)."""
     tpb = 256
@@ -169,7 +195,7 @@ def write_kv_launch(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.
 
 
 def write_kv_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array, *,
-                 dialect: Dialect) -> mx.array:
+                 dialect: Dialect, tokens: list[mx.array] | None = None) -> mx.array:
     """Write ``keys``/``values`` at ``slots`` into ``pool``'s own buffer (lazy, in place).
 
     Args:
@@ -181,6 +207,8 @@ def write_kv_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.arr
         keys, values: ``[T, Hkv, D]`` or ``[T, Hkv, 1, D]`` in the pool's dtype (the kernel
             reads them row-contiguous; MLX copies a strided input first).
         dialect: ``"cuda"`` or ``"metal"``, the backend the kernel runs on.
+        tokens: receives the write's completion token (:func:`ordered_after`: what a kernel
+            reading the pool in the same evaluation takes as an input).
 
     Returns:
         The pool to use from now on: the same buffer, ordered after the write.
@@ -203,7 +231,7 @@ def write_kv_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.arr
         return pool
     done = _kernel(WRITE_KV_KERNEL, WRITE_KV_SOURCE, dialect)(
         **write_kv_launch(pool, slots, keys, values))[0]
-    return mx.depends([pool], [done])[0]
+    return ordered_after(pool, done, tokens)
 
 
 #: threads per group of the prologue write (8 cells)
@@ -232,8 +260,8 @@ def _int32(x: mx.array) -> mx.array:
 
 
 def write_kv_qk_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
-                    positions: mx.array, prologue: QKPrologue, *, dialect: Dialect
-                    ) -> mx.array:
+                    positions: mx.array, prologue: QKPrologue, *, dialect: Dialect,
+                    tokens: list[mx.array] | None = None) -> mx.array:
     """:func:`write_kv_gpu` of raw key projections: each key head is normalised and rotated
     at its token's position first (``prologue``; :mod:`vllm_unified.attention.qk_prologue`),
     values are stored as they are.
@@ -245,6 +273,7 @@ def write_kv_qk_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.
             projections' ``[T, 1, Hkv * D]``), in the pool's dtype.
         prologue: the layer's, with ``head_dim == D``.
         dialect: ``"cuda"`` or ``"metal"``.
+        tokens: as :func:`write_kv_gpu`.
 
     Returns:
         The pool ordered after the write, as :func:`write_kv_gpu`.
@@ -254,23 +283,23 @@ def write_kv_qk_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.
             dialect, a Metal pool under 8 elements, or more than 2**31 - 1 threads.
     """
     num_slots, kv_heads, width = pool.shape
-    tokens = slots.shape[0] if slots.ndim == 1 else -1
-    cells = tokens * kv_heads * (width // 2)
+    count = slots.shape[0] if slots.ndim == 1 else -1
+    cells = count * kv_heads * (width // 2)
     for name, rows in (("keys", keys), ("values", values)):
-        if rows.size != cells or rows.shape[0] != tokens or rows.dtype != pool.dtype:
-            raise ValueError(f"{name} {rows.shape} {rows.dtype} are not [{tokens}, "
+        if rows.size != cells or rows.shape[0] != count or rows.dtype != pool.dtype:
+            raise ValueError(f"{name} {rows.shape} {rows.dtype} are not [{count}, "
                              f"{kv_heads} x {width // 2}] rows of pool {pool.shape} "
                              f"{pool.dtype}")
     if positions.shape != slots.shape:
         raise ValueError(f"positions {positions.shape} != slots {slots.shape}")
     if prologue.head_dim != width // 2:
         raise ValueError(f"prologue of head size {prologue.head_dim}, pool of {width // 2}")
-    _check_destination(pool, dialect, tokens * kv_heads * 32)
-    if tokens == 0:
+    _check_destination(pool, dialect, count * kv_heads * 32)
+    if count == 0:
         return pool
     done = _kernel(WRITE_KV_QK_KERNEL, WRITE_KV_QK_SOURCE, dialect)(
         **write_kv_qk_launch(pool, slots, keys, values, positions, prologue))[0]
-    return mx.depends([pool], [done])[0]
+    return ordered_after(pool, done, tokens)
 
 
 def write_rows_launch(dst: mx.array, row_idx: mx.array, src: mx.array) -> dict:
@@ -331,4 +360,4 @@ def write_rows_gpu(dst: mx.array, row_idx: mx.array, src: mx.array, *, dialect: 
         return dst
     done = _kernel(WRITE_ROWS_KERNEL, WRITE_ROWS_SOURCE, dialect)(
         **write_rows_launch(dst, row_idx, src))[0]
-    return mx.depends([dst], [done])[0]
+    return ordered_after(dst, done, None)

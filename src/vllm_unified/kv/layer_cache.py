@@ -78,7 +78,9 @@ class PagedLayerCache(_PagedMaskSource):
         Returns the inputs unchanged; attention reads the context from the pool.
         """
         ctx = get_step_context()
-        self.pool.write(self.layer, ctx.attn.slot_mapping, keys, values, ctx.kv)
+        token = self.pool.write(self.layer, ctx.attn.slot_mapping, keys, values, ctx.kv)
+        if token is not None:
+            ctx.written[self.layer] = token
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, window: int | None,
@@ -87,10 +89,12 @@ class PagedLayerCache(_PagedMaskSource):
         step's write); ``fresh``: the keys and values this step wrote (``update_and_fetch``'s
         result), which a GPU kernel may attend directly for chunks with no earlier context.
         See :func:`vllm_unified.attention.paged.paged_attention_kv`."""
-        return paged_attention_kv(queries, self._arrays()[self.layer], get_step_context().attn,
+        ctx = get_step_context()
+        return paged_attention_kv(queries, self._arrays()[self.layer], ctx.attn,
                                   scale, window, backend=self.backend, fresh=fresh,
                                   kv_format=self.pool.layer_format(self.layer),
-                                  rht_signs=self.pool.signs)
+                                  rht_signs=self.pool.signs,
+                                  after=ctx.written.get(self.layer))
 
     def fuses_decode(self, dtype: mx.Dtype, head_dim: int) -> bool:
         """Whether this step's attention of ``head_dim`` heads in ``dtype`` may take raw
@@ -127,12 +131,13 @@ class PagedLayerCache(_PagedMaskSource):
 
         ctx = get_step_context()
         meta = ctx.attn
-        self.pool.write(self.layer, meta.slot_mapping, keys, values, ctx.kv,
-                        prologue=prologue, positions=meta.positions)
+        token = self.pool.write(self.layer, meta.slot_mapping, keys, values, ctx.kv,
+                                prologue=prologue, positions=meta.positions)
         dim = prologue.head_dim
         attend = fused_decode_kernel(dim, self.backend)
         return attend(queries.reshape(queries.shape[0], heads, 1, dim),
-                      self._arrays()[self.layer], meta, scale, window, prologue=prologue)
+                      self._arrays()[self.layer], meta, scale, window, prologue=prologue,
+                      after=token)
 
     def is_trimmable(self) -> bool:
         return False

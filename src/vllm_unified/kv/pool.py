@@ -240,7 +240,7 @@ class KVPool:
 
     def write(self, layer: int, slot_mapping: mx.array, keys: mx.array, values: mx.array,
               arrays: list[mx.array] | None = None, prologue: QKPrologue | None = None,
-              positions: mx.array | None = None) -> None:
+              positions: mx.array | None = None) -> mx.array | None:
         """Write ``keys``/``values`` (``[T, Hkv, D]`` or ``[T, Hkv, 1, D]``) at ``slot_mapping``
         ``[T]`` into layer ``layer``, in place (lazily; evaluated with the step).
 
@@ -249,6 +249,11 @@ class KVPool:
         keys are raw projections (any shape of ``[T, Hkv * D]`` rows) that the GPU write
         kernel normalises and rotates first (:func:`vllm_unified.kv.gpu_write.
         write_kv_qk_gpu`).
+
+        Returns:
+            A GPU kernel write's completion token, which a GPU kernel reading the layer in
+            the same evaluation must take as an input
+            (:func:`vllm_unified.kv.gpu_write.ordered_after`); None for the other paths.
 
         Raises:
             ValueError: a ``prologue`` where the layer is not written by a GPU kernel in its
@@ -262,15 +267,17 @@ class KVPool:
                     or positions is None):
                 raise ValueError(f"layer {layer}: the key prologue needs an unquantized "
                                  "layer written by a GPU kernel, and the positions")
+            tokens: list[mx.array] = []
             kv[layer] = write_kv_qk_gpu(dst, slot_mapping, keys, values, positions, prologue,
-                                        dialect=self._dialect())
-            return
+                                        dialect=self._dialect(), tokens=tokens)
+            return tokens[0] if tokens else None
         if fmt.quantized and self.write_path in ("cuda_kernel", "metal_kernel"):
             from vllm_unified.kv.gpu_quant_write import write_kv_quant_gpu
 
+            tokens = []
             kv[layer] = write_kv_quant_gpu(dst, slot_mapping, keys, values, fmt,
-                                           self.signs, dialect=self._dialect())
-            return
+                                           self.signs, dialect=self._dialect(), tokens=tokens)
+            return tokens[0] if tokens else None
         if fmt.quantized:
             from vllm_unified import bridge
 
@@ -287,8 +294,10 @@ class KVPool:
             keys, values = keys.astype(dst.dtype), values.astype(dst.dtype)
         if self.write_path in ("cuda_kernel", "metal_kernel"):
             # K and V side by side by the kernel itself: no concatenation.
-            kv[layer] = write_kv_gpu(dst, slot_mapping, keys, values, dialect=self._dialect())
-            return
+            tokens = []
+            kv[layer] = write_kv_gpu(dst, slot_mapping, keys, values, dialect=self._dialect(),
+                                     tokens=tokens)
+            return tokens[0] if tokens else None
         if self.write_path == "native_rows":
             from vllm_unified.bridge import write_kv
 
