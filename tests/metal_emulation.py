@@ -42,6 +42,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from vllm_unified.gpu_dialect import METAL_ATTRIBUTES
 
@@ -77,6 +78,13 @@ class EmulationError(RuntimeError):
 def clang() -> str | None:
     """Path of clang++, or None when it is not installed."""
     return shutil.which("clang++")
+
+
+#: marks a test that runs kernels through the emulation (skipped, saying why, without clang++)
+needs_clang = pytest.mark.skipif(
+    clang() is None,
+    reason="clang++ is not installed (the Metal emulation compiles kernels with it; "
+           "scripts/setup.sh installs clang on Debian/Ubuntu)")
 
 
 @dataclass(frozen=True)

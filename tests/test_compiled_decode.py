@@ -139,18 +139,24 @@ def _run(model, pool, steps, compiled: CompiledDecode | None):
     return logits
 
 
+def _plain_with_stand_ins(model, steps, monkeypatch):
+    """The CUDA kernels replaced by their stand-ins; the plain forward's pool and logits."""
+    monkeypatch.setattr(kv_pool, "write_kv_gpu", _write_stand_in)
+    monkeypatch.setattr(kv_pool, "write_kv_qk_gpu", _write_qk_stand_in)
+    monkeypatch.setattr(gpu_paged, "launch", _decode_stand_in)
+    monkeypatch.setattr(paged, "_gpu_kernel",
+                        lambda d, b: functools.partial(gpu_paged.paged_gpu_attention, "cuda"))
+    pool = _filled_pool(1)
+    pool.cuda_write = True
+    return pool, _run(model, pool, steps, None)
+
+
 def test_compiled_decode_matches_the_plain_forward(model, monkeypatch):
     steps = _steps()
     monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda b: False)  # the CUDA route's shape
     want = _run(model, _filled_pool(1), steps, None)  # the reference route (gather + SDPA)
 
-    monkeypatch.setattr(kv_pool, "write_kv_gpu", _write_stand_in)
-    monkeypatch.setattr(gpu_paged, "launch", _decode_stand_in)
-    monkeypatch.setattr(paged, "_gpu_kernel",
-                        lambda d, b: functools.partial(gpu_paged.paged_gpu_attention, "cuda"))
-    plain_pool = _filled_pool(1)
-    plain_pool.cuda_write = True
-    plain = _run(model, plain_pool, steps, None)
+    plain_pool, plain = _plain_with_stand_ins(model, steps, monkeypatch)
     for a, b in zip(want, plain, strict=True):  # the stand-ins compute the reference's values
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
 
@@ -175,14 +181,7 @@ def test_compiled_decode_with_the_qk_prologue_matches_the_plain_forward(model, m
     apply the reference prologue) and the steps give the plain forward's logits and K/V."""
     steps = _steps()
     monkeypatch.setattr(paged, "_cpu_rows_kernel", lambda b: False)
-    monkeypatch.setattr(kv_pool, "write_kv_gpu", _write_stand_in)
-    monkeypatch.setattr(kv_pool, "write_kv_qk_gpu", _write_qk_stand_in)
-    monkeypatch.setattr(gpu_paged, "launch", _decode_stand_in)
-    monkeypatch.setattr(paged, "_gpu_kernel",
-                        lambda d, b: functools.partial(gpu_paged.paged_gpu_attention, "cuda"))
-    plain_pool = _filled_pool(1)
-    plain_pool.cuda_write = True
-    plain = _run(model, plain_pool, steps, None)
+    plain_pool, plain = _plain_with_stand_ins(model, steps, monkeypatch)
 
     assert install_fused_decode_attention(model, DIM) == LAYERS
     calls = []

@@ -47,10 +47,7 @@ from vllm_unified.attention import gpu_paged_quant, paged
 from vllm_unified.kv import gpu_quant_write
 from vllm_unified.kv.quant import f32_to_e4m3_reference, kv_format, rht_signs
 
-needs_clang = pytest.mark.skipif(
-    emu.clang() is None,
-    reason="clang++ is not installed (the Metal emulation compiles kernels with it; "
-           "scripts/setup.sh installs clang on Debian/Ubuntu)")
+needs_clang = emu.needs_clang
 
 
 def _native():

@@ -24,10 +24,7 @@ import pytest
 from vllm_unified import gpu_dialect as gd
 from vllm_unified.kv import gpu_write
 
-needs_clang = pytest.mark.skipif(
-    emu.clang() is None,
-    reason="clang++ is not installed (the Metal emulation compiles kernels with it; "
-           "scripts/setup.sh installs clang on Debian/Ubuntu)")
+needs_clang = emu.needs_clang
 
 METAL_NAMES = ("thread_position_in_grid", "threadgroup", "simd_sum", "simd_max",
                "simd_shuffle_xor", "metal::", "mem_flags", "thread_index_in_simdgroup",

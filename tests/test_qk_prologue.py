@@ -28,7 +28,7 @@ from gpu_attention_grid import (
     write_cases,
     write_error,
 )
-from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models import llama, qwen2, qwen3, qwen3_moe
 from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from vllm_unified import gpu_dialect
@@ -47,10 +47,7 @@ from vllm_unified.models.decode_attention import (
 from vllm_unified.models.routing import install_paged_attention
 from vllm_unified.worker.model_runner import forward
 
-needs_clang = pytest.mark.skipif(
-    emu.clang() is None,
-    reason="clang++ is not installed (the Metal emulation compiles kernels with it; "
-           "scripts/setup.sh installs clang on Debian/Ubuntu)")
+needs_clang = emu.needs_clang
 
 
 # --- reading mlx-lm's modules --------------------------------------------------------------
@@ -250,6 +247,14 @@ def _model(family: str) -> nn.Module:
         for layer in model.layers:  # norms that are not all ones
             layer.self_attn.q_norm.weight = 1 + 0.3 * mx.random.normal((DIM,))
             layer.self_attn.k_norm.weight = 1 + 0.3 * mx.random.normal((DIM,))
+    elif family == "qwen3_moe":
+        model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(dict(
+            model_type="qwen3_moe", head_dim=DIM, max_position_embeddings=512,
+            rope_theta=1e4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+            mlp_only_layers=[], moe_intermediate_size=64, norm_topk_prob=True, **common)))
+        for layer in model.layers:
+            layer.self_attn.q_norm.weight = 1 + 0.3 * mx.random.normal((DIM,))
+            layer.self_attn.k_norm.weight = 1 + 0.3 * mx.random.normal((DIM,))
     elif family == "qwen2":
         model = qwen2.Model(qwen2.ModelArgs.from_dict(dict(model_type="qwen2", **common)))
     else:
@@ -311,7 +316,7 @@ def _step(model, pool, qlens, slens, tables, ids):
 
 
 @needs_clang
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2", "llama"])
 def test_fused_decode_step_matches_mlx_lm_path(family, monkeypatch):
     """A pure-decode step of three sequences through the swapped classes (the prologue write
     and attention kernels) gives the logits and the pool of mlx-lm's own attention code over
