@@ -259,8 +259,9 @@ class WriteCase:
 
 
 def write_cases() -> list[WriteCase]:
-    """Every head size (32: one channel per lane, the traditional pairs across lanes) and
-    prologue, in each dtype; few tokens (Metal's constant address space) and more."""
+    """Every head size the kernels take (32: one channel per lane, the traditional pairs
+    across lanes) and prologue, in each dtype; few tokens (Metal's constant address space)
+    and more."""
     cases = []
     for i, (dtype, dim) in enumerate(itertools.product(("float32", "float16", "bfloat16"),
                                                        (32, 64, 128, 256))):

@@ -190,6 +190,7 @@ def test_dispatch_by_the_profile(monkeypatch):
     np.testing.assert_allclose(np.array(got), b.reference, atol=1e-5)
     assert paged.gpu_attention_routed(case.dim, profile)
     assert not paged.gpu_attention_routed(48, profile)  # not a multiple of 32
+    assert not paged.gpu_attention_routed(96, profile)  # 3 channels a lane: no aligned vector
     profile.gpu_attention = None
     assert not paged.gpu_attention_routed(case.dim, profile)
     got = paged.paged_attention_kv(b.queries, b.pool, b.meta, b.scale, case.window,
@@ -200,7 +201,7 @@ def test_dispatch_by_the_profile(monkeypatch):
 
 def test_unsupported_head_size_is_refused():
     meta = build_attention_metadata([1], [3], np.zeros((1, 1), np.int32), 4)
-    with pytest.raises(ValueError, match="multiples of 32"):
+    with pytest.raises(ValueError, match="head sizes \\(32, 64, 128, 256\\), not 48"):
         gpu_paged.paged_gpu_attention("cuda", mx.zeros((1, 2, 1, 48)), mx.zeros((4, 1, 96)),
                                       meta, 1.0, None)
 

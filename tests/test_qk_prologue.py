@@ -40,6 +40,7 @@ from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv import gpu_write
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
+from vllm_unified.kv.quant import kv_format
 from vllm_unified.models.decode_attention import (
     FusedDecodeAttention,
     install_fused_decode_attention,
@@ -94,7 +95,7 @@ def test_prologue_of_reads_norms_and_rotation():
 
 
 @pytest.mark.parametrize("case", ["partial_rotary", "yarn", "one_norm", "other_eps",
-                                  "head_48", "layer_norm"])
+                                  "head_48", "head_96", "layer_norm"])
 def test_prologue_of_declines_what_the_kernels_do_not_compute(case):
     attn = _qwen3_attention()
     head_dim = 64
@@ -106,8 +107,8 @@ def test_prologue_of_declines_what_the_kernels_do_not_compute(case):
         del attn.k_norm
     elif case == "other_eps":
         attn.k_norm = nn.RMSNorm(64, eps=1e-3)
-    elif case == "head_48":
-        head_dim = 48
+    elif case in ("head_48", "head_96"):
+        head_dim = int(case[-2:])
     else:
         attn.q_norm = nn.LayerNorm(64)
     assert prologue_of(attn, head_dim) is None
@@ -275,8 +276,16 @@ def _pool() -> KVPool:
 
 def _emulated_kernels(monkeypatch, afters: list | None = None) -> list[str]:
     """Every GPU kernel runs its Metal instance on the emulation; returns the names called
-    (and appends to ``afters`` the ``after`` input of each attention call)."""
+    (and appends to ``afters`` the ``after`` input of each attention call). A write kernel's
+    destination after the run (the emulation writes into a copy of it) is what
+    ``ordered_after`` hands on, so readers and the test see the rows it wrote."""
     called: list[str] = []
+    written: dict[int, mx.array] = {}
+    ordered_after = gpu_write.ordered_after
+
+    def after_write(dst, done, tokens):
+        ordered_after(dst, done, tokens)
+        return written.pop(id(done))
 
     def make(*, name, input_names, output_names, source, header="", **_):
         def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
@@ -286,13 +295,17 @@ def _emulated_kernels(monkeypatch, afters: list | None = None) -> list[str]:
             _, text = gpu_dialect.mlx_metal_source(name, input_names, output_names, source,
                                                    inputs, template,
                                                    output_dtypes=output_dtypes, header=header)
-            _, outs = emu.run(text, inputs, output_shapes, output_dtypes, grid, threadgroup)
-            return [mx.array(o) for o in outs]
+            ins, outs = emu.run(text, inputs, output_shapes, output_dtypes, grid, threadgroup)
+            result = [mx.array(o) for o in outs]
+            if name.startswith("vllm_unified_write"):
+                written[id(result[0])] = mx.array(ins[0]).astype(inputs[0].dtype)
+            return result
         return call
 
     gpu_dialect._kernel.cache_clear()
     gpu_paged._kernel.cache_clear()  # it keeps the kernel objects too
     monkeypatch.setattr(mx.fast, "metal_kernel", make)
+    monkeypatch.setattr(gpu_write, "ordered_after", after_write)
     return called
 
 
@@ -321,6 +334,21 @@ def test_fused_decode_step_matches_mlx_lm_path(family, monkeypatch):
     """A pure-decode step of three sequences through the swapped classes (the prologue write
     and attention kernels) gives the logits and the pool of mlx-lm's own attention code over
     the plain kernels; a mixed step takes mlx-lm's code in both."""
+    _check_fused_step(family, monkeypatch)
+
+
+@needs_clang
+def test_a_wrong_key_prologue_fails_the_step_check(monkeypatch):
+    """The step check sees the keys the write kernel stores: without the key norm in the
+    write kernel (the query prologue intact) the pools and logits differ."""
+    body = gpu_write.WRITE_KV_QK_SOURCE
+    monkeypatch.setattr(gpu_write, "WRITE_KV_QK_SOURCE", body.replace("if (NORM) {",
+                                                                      "if (false) {"))
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+        _check_fused_step("qwen3", monkeypatch)
+
+
+def _check_fused_step(family, monkeypatch):
     afters: list = []
     called = _emulated_kernels(monkeypatch, afters)
     tables = np.array([[3, 5, 0], [7, 1, 8], [2, 0, 0]], np.int32)
@@ -341,8 +369,14 @@ def test_fused_decode_step_matches_mlx_lm_path(family, monkeypatch):
     assert install_fused_decode_attention(fused, DIM) == 0  # idempotent
     called.clear()
     pool = _pool()
+    before = [np.array(a) for a in pool.kv]
     got = _step(fused, pool, *decode[:2], tables, decode[2])
     assert called == ["vllm_unified_write_kv_qk", "vllm_unified_paged_attention_qk"] * LAYERS
+    slots = tables[np.arange(3), (np.array(decode[1]) - 1) // BS] * BS + (
+        np.array(decode[1]) - 1) % BS
+    for a, b in zip(got[1], before, strict=True):  # the step's cells were written, no other
+        assert not np.array_equal(a[slots], b[slots])
+        assert np.array_equal(np.delete(a, slots, axis=0), np.delete(b, slots, axis=0))
     assert afters == [[1]] * LAYERS
     called.clear()
     got_mixed = _step(fused, pool, mixed[0], mixed[1], tables[:2], mixed[2])
@@ -372,8 +406,9 @@ def test_swapped_class_outside_paged_caches_is_mlx_lm():
 
 def test_fused_path_declined_by_the_cache(monkeypatch):
     """The cache declines raw projections where a kernel would not take them: a step that
-    is not pure decode, a pool not written by a GPU kernel, a dtype other than the pool's,
-    the CPU profile."""
+    is not pure decode, a pool not written by a GPU kernel, a quantized layer, a dtype other
+    than the pool's, a head size the kernels do not take, a profile without the paged GPU
+    attention."""
     pool = _pool()
     metal = replace(profile(), gpu_attention="metal", cpu_attention=False)
     cache = PagedLayerCache(pool, 0, metal)
@@ -393,4 +428,8 @@ def test_fused_path_declined_by_the_cache(monkeypatch):
     pool.write_path = "metal_kernel"
     with set_step_context(StepContext(attn=mixed)):
         assert not cache.fuses_decode(mx.float32, DIM)
+    quantized = KVPool.allocate_mlx(1, BLOCKS, BS, KV_HEADS, DIM, mx.float32,
+                                    write="metal_kernel", fmt=kv_format("int8_per_token_head"))
+    with set_step_context(StepContext(attn=decode)):
+        assert not PagedLayerCache(quantized, 0, metal).fuses_decode(mx.float32, DIM)
     assert qk_prologue.SNIPPET.count("uni_simd_sum") == 1

@@ -88,7 +88,7 @@ struct alignas(sizeof(V) * N) UniVec {
 };
 """
 
-#: The kernel body. Template arguments: T (dtype), D (head size, a multiple of 32, <= 256),
+#: The kernel body. Template arguments: T (dtype), D (head size, one of HEAD_SIZES),
 #: H, HKV (query and KV heads), BS (tokens per block), WARPS, WINDOW (0: none), QT (rows per
 #: tile), CB ((row, head) pairs combined per pass, :func:`combine_batch`), DECODE (1: group i
 #: is decode row i, ``tiles`` holds the decode lengths ``[Bd]``; 0: ``tiles`` is ``[NT, 4]``:
@@ -242,10 +242,15 @@ SOURCE = """
 """
 
 
+#: Head sizes the GPU kernels take: each lane holds D / 32 channels, loaded as one aligned
+#: vector (``UniVec``), whose alignment must be a power of two (so 96, 160, 192 and 224 are
+#: not taken; the rotation's adjacent pairs of the q/k prologue also assume it)
+HEAD_SIZES = (32, 64, 128, 256)
+
+
 def supported(head_dim: int) -> bool:
-    """Head sizes the kernel handles: a multiple of 32 up to 256 (each lane takes D / 32
-    channels)."""
-    return head_dim % 32 == 0 and 0 < head_dim <= 256
+    """Head sizes the GPU kernels handle: :data:`HEAD_SIZES`."""
+    return head_dim in HEAD_SIZES
 
 
 @functools.cache
@@ -422,8 +427,7 @@ def paged_gpu_attention(
     """
     tokens, heads, _, dim = queries.shape
     if not supported(dim):
-        raise ValueError(f"the paged GPU kernel takes head sizes that are multiples of 32 up "
-                         f"to 256, not {dim}")
+        raise ValueError(f"the paged GPU kernel takes head sizes {HEAD_SIZES}, not {dim}")
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,

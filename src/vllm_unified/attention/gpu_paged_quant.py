@@ -321,8 +321,12 @@ SOURCE = """
 
 
 def supported(head_dim: int) -> bool:
-    """Head sizes the kernel takes: a multiple of 32 up to 256 (as the dense kernel)."""
-    return gpu_paged.supported(head_dim)
+    """Head sizes the kernel takes: a multiple of 32 up to 256 (as the quantizing write,
+    :func:`vllm_unified.kv.gpu_quant_write.supported`; no vector loads of D / 32 elements,
+    so unlike the dense kernel 96, 160, 192 and 224 are taken too)."""
+    from vllm_unified.kv.gpu_quant_write import supported as write_supported
+
+    return write_supported(head_dim)
 
 
 @functools.cache

@@ -133,7 +133,7 @@ class QKPrologue:
         """A prologue from its values.
 
         Args:
-            head_dim: D, a multiple of 32 up to 256.
+            head_dim: D: 32, 64, 128 or 256.
             inv_freq: ``[D/2]`` inverse frequencies, or None for no rotation.
             scale: the RoPE position scale.
             traditional: rotate pairs ``(2i, 2i + 1)`` instead of ``(i, i + D/2)``.
@@ -142,8 +142,8 @@ class QKPrologue:
         Raises:
             ValueError: a head size the kernels do not take, or arrays of the wrong size.
         """
-        if head_dim % 32 or not 0 < head_dim <= 256:
-            raise ValueError(f"head size {head_dim}: the kernels take multiples of 32 up to 256")
+        if head_dim not in (32, 64, 128, 256):
+            raise ValueError(f"head size {head_dim}: the kernels take 32, 64, 128 or 256")
         half = head_dim // 2
         freqs = np.zeros(half, np.float32) if inv_freq is None else np.asarray(inv_freq)
         wq, wk, eps = norm if norm is not None else (np.ones(head_dim), np.ones(head_dim), 0.0)
@@ -185,8 +185,8 @@ def prologue_of(attention: nn.Module, head_dim: int) -> QKPrologue | None:
     ``k_norm`` (both or neither), or None when it has a part the kernels do not compute (a
     rope other than ``nn.RoPE`` / ``Llama3RoPE`` over the whole head, norms other than
     ``nn.RMSNorm`` over one head, one norm without the other, different eps) or a head size
-    the kernels do not take (a multiple of 32 up to 256)."""
-    if head_dim % 32 or not 0 < head_dim <= 256:
+    the kernels do not take (32, 64, 128 or 256)."""
+    if head_dim not in (32, 64, 128, 256):
         return None
     rope = _inv_freq(getattr(attention, "rope", None), head_dim)
     if rope is None:

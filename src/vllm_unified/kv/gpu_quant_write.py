@@ -271,7 +271,8 @@ _MAX_GRID = 2**31 - 1
 
 def supported(head_size: int) -> bool:
     """Head sizes the GPU quantizing write (and the quantized paged attention) take: a
-    multiple of 32 up to 256 (each lane holds D / 32 elements)."""
+    multiple of 32 up to 256 (each lane holds D / 32 elements, read element by element: any
+    count works, unlike the dense kernel's vector loads)."""
     return head_size % 32 == 0 and 0 < head_size <= 256
 
 

@@ -5,9 +5,12 @@ MLX's scatter (``pool[slots] = rows``) donates its input buffer on the CPU backe
 full copy; docs/benchmarking.md): per layer and step, a copy of the layer's whole pool. Instead, a
 small GPU kernel writes the rows straight into the buffer of its destination input and returns a
 one-element token; the array handed on is ``mx.depends(dst, token)``, which shares the
-destination's buffer, so every reader (the attention of this step, the write of the next) takes
-the token as an input and MLX orders it after the write (docs/internals.md, "KV writes stay in
-place"). MLX's value semantics are bypassed on purpose, exactly as the CPU backend's native
+destination's buffer and orders MLX's evaluation after the write. Inside one evaluation the GPU
+does not see that order (it orders kernels by the buffers they output, and the write outputs
+only its token), so a kernel that reads the written buffer in the same evaluation takes the
+token itself as an input (:func:`ordered_after`; the paged attention kernels' ``after``); later
+evaluations run after it on CUDA's one stream (docs/internals.md, "KV writes stay in place").
+MLX's value semantics are bypassed on purpose, exactly as the CPU backend's native
 ``write_rows`` does.
 
 Each kernel is one body for both dialects (:mod:`vllm_unified.gpu_dialect`): ``dialect="cuda"``
@@ -317,8 +320,8 @@ def write_rows_launch(dst: mx.array, row_idx: mx.array, src: mx.array) -> dict:
     )
 
 
-def write_rows_gpu(dst: mx.array, row_idx: mx.array, src: mx.array, *, dialect: Dialect
-                   ) -> mx.array:
+def write_rows_gpu(dst: mx.array, row_idx: mx.array, src: mx.array, *, dialect: Dialect,
+                   tokens: list[mx.array] | None = None) -> mx.array:
     """Write ``src[i]`` into row ``row_idx[i]`` of ``dst``'s buffer, in place; lazily.
 
     The GPU counterpart of :func:`vllm_unified.bridge.write_rows`, with the same contract
@@ -329,14 +332,17 @@ def write_rows_gpu(dst: mx.array, row_idx: mx.array, src: mx.array, *, dialect: 
       ``row_idx`` a 1-D integer array of ``N`` indices (any layout; cast to int32 when another
       integer type).
     * The result has ``dst``'s shape and dtype and shares its buffer: once evaluated the rows
-      are in that buffer, and anything computed from the result is ordered after the write (a
-      reader built on the old ``dst`` is not).
+      are in that buffer. MLX evaluates anything computed from the result after the write, but
+      a GPU kernel reading the buffer in the same evaluation must also take the write's token
+      (``tokens``; :func:`ordered_after`), and a reader built on the old ``dst`` is not
+      ordered at all.
     * Indices outside ``[0, R)`` are skipped by the kernel (nothing is written for them, no
       error is raised). Duplicate indices: which source row lands is unspecified (the CPU
       primitive's "last one wins" is not guaranteed); pass distinct indices.
 
     Args:
         dialect: ``"cuda"`` or ``"metal"``, the backend the kernel runs on.
+        tokens: receives the write's completion token (:func:`ordered_after`).
 
     Returns:
         ``dst`` ordered after the write (``mx.depends(dst, token)``); ``dst`` itself when
@@ -360,4 +366,4 @@ def write_rows_gpu(dst: mx.array, row_idx: mx.array, src: mx.array, *, dialect: 
         return dst
     done = _kernel(WRITE_ROWS_KERNEL, WRITE_ROWS_SOURCE, dialect)(
         **write_rows_launch(dst, row_idx, src))[0]
-    return ordered_after(dst, done, None)
+    return ordered_after(dst, done, tokens)

@@ -125,19 +125,25 @@ class PagedLayerCache(_PagedMaskSource):
             scale, window: as :meth:`attend`.
 
         Returns:
-            ``[T, heads, 1, D]`` in the queries' dtype, lazily.
+            ``[T, heads, 1, D]`` in the queries' dtype, lazily (projections of another dtype
+            than the pages are cast to it first, as :meth:`KVPool.write` casts).
         """
         from vllm_unified.attention.paged import fused_decode_kernel
 
         ctx = get_step_context()
         meta = ctx.attn
+        dtype = self._arrays()[self.layer].dtype
+        out_dtype = queries.dtype
+        queries, keys, values = (x if x.dtype == dtype else x.astype(dtype)
+                                 for x in (queries, keys, values))
         token = self.pool.write(self.layer, meta.slot_mapping, keys, values, ctx.kv,
                                 prologue=prologue, positions=meta.positions)
         dim = prologue.head_dim
         attend = fused_decode_kernel(dim, self.backend)
-        return attend(queries.reshape(queries.shape[0], heads, 1, dim),
-                      self._arrays()[self.layer], meta, scale, window, prologue=prologue,
-                      after=token)
+        out = attend(queries.reshape(queries.shape[0], heads, 1, dim),
+                     self._arrays()[self.layer], meta, scale, window, prologue=prologue,
+                     after=token)
+        return out if out.dtype == out_dtype else out.astype(out_dtype)
 
     def is_trimmable(self) -> bool:
         return False

@@ -45,7 +45,8 @@ def _families() -> tuple[type, ...]:
 
 #: mlx-lm attention classes whose ``__call__`` is projections, optional per-head norms, RoPE at
 #: ``cache.offset``, ``cache.update_and_fetch``, ``scaled_dot_product_attention`` with
-#: ``self.scale`` and the mask, ``o_proj`` (read in mlx-lm 0.31's sources)
+#: ``self.scale`` and the mask, ``o_proj`` (read in mlx-lm 0.32.2's sources, the pinned
+#: version that vllm_unified.versions checks at start-up)
 FAMILIES: tuple[type, ...] = _families()
 
 
