@@ -171,3 +171,22 @@ def test_only_compiled_pure_decode_steps_build_alongside(runner, step):
     rule = MLXModelRunner._builds_alongside_queued_step
     assert rule(_runner(), _step()) is True
     assert rule(_runner(**runner), _step(**step)) is False
+
+
+@pytest.mark.parametrize("write_path,hybrid,pure_decode,async_scheduling,waits", [
+    ("metal_kernel", False, False, True, True),   # prefill chunks: ids known on the host
+    ("metal_kernel", True, True, True, True),     # a recurrent layer's state write
+    ("metal_kernel", False, True, True, False),   # chained through the sampled tokens
+    ("metal_kernel", False, False, False, False),  # every step evaluated before the next
+    ("cuda_kernel", True, False, True, False),    # CUDA: one stream, in order
+    ("native_rows", False, False, True, False),
+])
+def test_metal_steps_wait_where_no_data_path_orders_them(write_path, hybrid, pure_decode,
+                                                         async_scheduling, waits):
+    """On Metal with asynchronous scheduling, a step that may read pages the previous step
+    wrote without a data path from that write waits for the device first."""
+    from vllm_unified.worker.model_runner import MLXModelRunner
+
+    runner = SimpleNamespace(async_scheduling=async_scheduling, kv_cache=SimpleNamespace(
+        pool=SimpleNamespace(write_path=write_path), store=object() if hybrid else None))
+    assert MLXModelRunner._waits_for_previous_step(runner, pure_decode) is waits

@@ -512,6 +512,21 @@ class MLXModelRunner:
                 and not so.new_block_ids_to_zero and not so.scheduled_spec_decode_tokens
                 and not so.has_structured_output_requests and not so.preempted_req_ids)
 
+    def _waits_for_previous_step(self, pure_decode: bool) -> bool:
+        """Whether this step waits for the device before it is built: with asynchronous
+        scheduling on Metal, where pages are written in place by kernels that output only a
+        token (:func:`vllm_unified.kv.gpu_write.ordered_after`) and Metal orders work across
+        evaluations only by fences on encoder outputs, a step may read pages a still-running
+        step wrote without any data path from that write: a step with prefill chunks (its
+        token ids known on the host), or any step of a hybrid model (a recurrent layer's
+        state write is not on the path to the sampled tokens). A pure-decode step of an
+        attention-only model reads the previous step's sampled tokens, which depend on every
+        layer's attention, which takes that layer's write token: it need not wait. CUDA runs
+        every evaluation on one stream, in order."""
+        return (self.async_scheduling and self.kv_cache is not None
+                and self.kv_cache.pool.write_path == "metal_kernel"
+                and (not pure_decode or self.kv_cache.store is not None))
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Fold the step's request changes into the persistent batch (new, resumed, finished
         requests; new blocks), hand preempted requests to the KV connector, and zero the
@@ -622,6 +637,8 @@ class MLXModelRunner:
         the KV writes."""
         step, states, mlx_idx = inputs.step, inputs.states, inputs.mlx_idx
         self._timer.mark("prepare")
+        if self._waits_for_previous_step(inputs.ctx.attn.is_pure_decode):
+            mx.synchronize()
         if self.compiled_decode is not None and inputs.ctx.attn.is_pure_decode:
             logits = self.compiled_decode(inputs.ctx.attn, step.input_ids, step.pending_rows,
                                           inputs.logit_rows)
