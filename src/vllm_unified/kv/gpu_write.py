@@ -179,6 +179,11 @@ def _check_destination(dst: mx.array, dialect: Dialect, grid: int) -> None:
         raise ValueError(f"write of {grid} elements exceeds one kernel's grid ({_MAX_GRID})")
 
 
+def _int32(x: mx.array) -> mx.array:
+    """``x`` as int32 (the kernels' index type), cast only when it is another type."""
+    return x if x.dtype == mx.int32 else x.astype(mx.int32)
+
+
 def write_kv_launch(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array
                     ) -> dict:
     """The keyword arguments of the KV write kernel's call for these arrays (shared by
@@ -187,8 +192,7 @@ def write_kv_launch(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.
     kv_heads, width = pool.shape[1], pool.shape[2]
     row = kv_heads * width
     return dict(
-        inputs=[pool, slots if slots.dtype == mx.int32 else slots.astype(mx.int32), keys,
-                values],
+        inputs=[pool, _int32(slots), keys, values],
         template=[("T", pool.dtype), ("HKV", kv_heads), ("D", width // 2)],
         grid=(keys.shape[0] * row, 1, 1),
         threadgroup=(_threads_per_block(row), 1, 1),
@@ -258,10 +262,6 @@ def write_kv_qk_launch(pool: mx.array, slots: mx.array, keys: mx.array, values: 
     )
 
 
-def _int32(x: mx.array) -> mx.array:
-    return x if x.dtype == mx.int32 else x.astype(mx.int32)
-
-
 def write_kv_qk_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
                     positions: mx.array, prologue: QKPrologue, *, dialect: Dialect,
                     tokens: list[mx.array] | None = None) -> mx.array:
@@ -311,7 +311,7 @@ def write_rows_launch(dst: mx.array, row_idx: mx.array, src: mx.array) -> dict:
     width = math.prod(dst.shape[1:])
     total = src.shape[0] * width
     return dict(
-        inputs=[dst, row_idx if row_idx.dtype == mx.int32 else row_idx.astype(mx.int32), src],
+        inputs=[dst, _int32(row_idx), src],
         template=[("T", dst.dtype), ("W", width)],
         grid=(total, 1, 1),
         threadgroup=(min(_ROWS_GROUP, total), 1, 1),
