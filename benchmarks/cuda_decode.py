@@ -18,13 +18,13 @@ lent H200). Subcommands:
      so the CUDA memory budget is exercised (its log line is printed);
   3. a random-weight Qwen3-0.6B-shaped bf16 checkpoint built on the device (596M parameters,
      28 layers, hidden 1024, 16 heads / 8 KV heads of 128, vocab 151936, tied embeddings);
-  4. the paged GPU attention kernel's CUDA dialect (``attention/gpu_paged.py``, through
+  4. the paged GPU attention kernel's CUDA dialect (``kv/gpu/paged.py``, through
      ``paged_gpu_attention``: decode rows, prefill tiles, fresh chunks routed to MLX's SDPA)
      against the pure-MLX reference on the grid of ``tests/gpu_attention_grid.py`` (the one the
      Metal dialect is emulated on; every unowned slot NaN): max abs error per case, fp32 and
      bf16 on the whole grid, fp16 on its mixed steps; the quantized-KV kernels'
-     CUDA dialect (``kv/gpu_quant_write.py``: bytes against the numpy reference of vLLM's
-     write, ``attention/gpu_paged_quant.py``: max abs error against the reference over the
+     CUDA dialect (``kv/gpu/quant_write.py``: bytes against the numpy reference of vLLM's
+     write, ``kv/gpu/paged_quant.py``: max abs error against the reference over the
      dequantized pool; ``tests/gpu_kv_quant_grid.py``), worst per format in the JSON's
      ``kvquant_grid``; then attention alone, one 28-layer step:
      decode at 650-token contexts and a 512-token chunk after 1,536 cached tokens, our kernel
@@ -436,7 +436,7 @@ def kernel_grid_check(mx) -> dict:
     """The paged GPU kernel's CUDA dialect against the pure-MLX reference on the grid of
     tests/gpu_attention_grid.py (fp32 and bf16 whole, fp16 on the mixed steps): max abs error
     per case, the worst per dtype, and whether every case is within its tolerance."""
-    from vllm_unified.attention.gpu_paged import paged_gpu_attention
+    from vllm_unified.kv.gpu.paged import paged_gpu_attention
 
     grid = _grid_module()
     cases = grid.grid(("float32", "bfloat16")) + [
@@ -469,14 +469,14 @@ def kernel_grid_check(mx) -> dict:
 
 
 def prologue_check(mx) -> dict:
-    """The q/k prologue's CUDA instances (attention/qk_prologue.py) against the pure-MLX
+    """The q/k prologue's CUDA instances (kv/attention/qk_prologue.py) against the pure-MLX
     oracle, on the cases the CPU tests run the Metal instances on
     (``tests/gpu_attention_grid.py``): the attention kernel's query prologue on the grid's
     decode steps (max abs error per case, within the grid's tolerance) and the prologue KV
     write (worst error in units of ``WRITE_TOLERANCE``, <= 1 passes; cells outside the
     written rows unchanged)."""
-    from vllm_unified.attention.gpu_paged import paged_gpu_attention
-    from vllm_unified.kv.gpu_write import write_kv_qk_gpu
+    from vllm_unified.kv.gpu.paged import paged_gpu_attention
+    from vllm_unified.kv.gpu.write import write_kv_qk_gpu
 
     grid = _grid_module()
     start = time.perf_counter()
@@ -643,15 +643,15 @@ def _quant_grid_module():
 
 def kvquant_check(mx) -> dict:
     """The quantized-KV GPU kernels' CUDA dialect: the quantizing write
-    (``kv/gpu_quant_write.py``) against the numpy reference bytes
+    (``kv/gpu/quant_write.py``) against the numpy reference bytes
     (``kv/quant.quantize_cells_reference``, equal to the native write and vLLM's kernels in the
     CPU tests) on ``gpu_kv_quant_grid.write_cases()`` (bytes that differ per case, 0 expected),
-    and the paged attention over quantized pages (``attention/gpu_paged_quant.py``, through
+    and the paged attention over quantized pages (``kv/gpu/paged_quant.py``, through
     ``paged_gpu_attention_quant``) against the pure-MLX reference over the dequantized pool on
     ``gpu_kv_quant_grid.grid()`` (fp32 and bf16; max abs error per case). Worst figures per
     format (and per dtype for the attention)."""
-    from vllm_unified.attention.gpu_paged_quant import paged_gpu_attention_quant
-    from vllm_unified.kv.gpu_quant_write import write_kv_quant_gpu
+    from vllm_unified.kv.gpu.paged_quant import paged_gpu_attention_quant
+    from vllm_unified.kv.gpu.quant_write import write_kv_quant_gpu
     from vllm_unified.kv.quant import kv_format
 
     q = _quant_grid_module()
@@ -727,7 +727,7 @@ def attention_timing(mx) -> dict:
 
 
 def _paged_setup(mx, qlens: list[int], slens: list[int], rng) -> tuple:
-    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.attention.metadata import build_attention_metadata
 
     bs, kv_heads, dim = 16, 8, 128
     per_seq = [-(-s // bs) for s in slens]
@@ -744,7 +744,7 @@ def _paged_setup(mx, qlens: list[int], slens: list[int], rng) -> tuple:
 
 
 def _attention_case(mx, b: int) -> dict:
-    from vllm_unified.attention.gpu_paged import paged_gpu_attention
+    from vllm_unified.kv.gpu.paged import paged_gpu_attention
 
     heads, kv_heads, dim, ctx, layers = 16, 8, 128, 650, 28
     meta, pool = _paged_setup(mx, [1] * b, [ctx] * b, np.random.default_rng(b))
@@ -768,8 +768,8 @@ def _attention_case(mx, b: int) -> dict:
 
 
 def _chunk_case(mx, length: int, context: int) -> dict:
-    from vllm_unified.attention.gpu_paged import paged_gpu_attention, q_tile
-    from vllm_unified.attention.paged import prefill_chunk_attention
+    from vllm_unified.kv.attention.reference import prefill_chunk_attention
+    from vllm_unified.kv.gpu.paged import paged_gpu_attention, q_tile
 
     heads, kv_heads, dim, layers = 16, 8, 128, 28
     meta, pool = _paged_setup(mx, [length], [context], np.random.default_rng(5))

@@ -95,8 +95,8 @@ def measure(batch: int, rounds: int, model, qmodel, mx,
     from mlx_lm.models.cache import make_prompt_cache
 
     import vllm_unified.kv.layer_cache as layer_cache
-    from vllm_unified.attention.metadata import build_attention_metadata
     from vllm_unified.forward_context import StepContext, set_step_context
+    from vllm_unified.kv.attention.metadata import build_attention_metadata
     from vllm_unified.worker.model_runner import forward
 
     cache = make_prompt_cache(model)

@@ -57,8 +57,8 @@ def score(model, mx, windows: np.ndarray, mode: int) -> tuple[float, int, np.nda
     log-likelihoods, tokens scored, argmax tokens [B, W - 1])."""
     import vllm_unified_native as native
 
-    from vllm_unified.attention.metadata import build_attention_metadata
     from vllm_unified.forward_context import StepContext, set_step_context
+    from vllm_unified.kv.attention.metadata import build_attention_metadata
     from vllm_unified.worker.model_runner import forward
 
     batch, width = windows.shape
@@ -89,8 +89,8 @@ def score_prefill(model, mx, windows: np.ndarray, mode: int) -> tuple[float, int
     [B, W - 1])."""
     import vllm_unified_native as native
 
-    from vllm_unified.attention.metadata import build_attention_metadata
     from vllm_unified.forward_context import StepContext, set_step_context
+    from vllm_unified.kv.attention.metadata import build_attention_metadata
     from vllm_unified.worker.model_runner import forward
 
     batch, width = windows.shape

@@ -121,8 +121,8 @@ class Built:
 def build(case: Case) -> Built:
     """The case's queries ``[T, H, 1, D]``, pool ``[slots, Hkv, 2D]`` (unowned slots NaN), step
     metadata, fresh keys/values (the rows' own cells of the pool) and the reference output."""
-    from vllm_unified.attention.metadata import build_attention_metadata
-    from vllm_unified.attention.paged import paged_attention_kv
+    from vllm_unified.kv.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.attention.reference import paged_attention_kv
 
     rng = np.random.default_rng(case.seed)
     qlens, slens = STEPS[case.kind]
@@ -184,7 +184,7 @@ def max_error(case: Case, attend: Attend) -> float:
     return float(np.abs(got - b.reference).max())
 
 
-# --- the q/k prologue (attention/qk_prologue.py) --------------------------------------------
+# --- the q/k prologue (kv/attention/qk_prologue.py) --------------------------------------------
 
 #: (rope, norm) of the prologue cases, rotating: pairs (i, i + D/2) or (2i, 2i + 1), with and
 #: without the per-head norm
@@ -198,7 +198,7 @@ WRITE_TOLERANCE = {"float32": (1e-5, 1e-5), "float16": (2**-10, 1e-3),
 def make_prologue(dim: int, rope: int, norm: bool, seed: int):
     """A prologue with random norm weights (around 1), RoPE base 10,000 and position scale
     1 or 0.5."""
-    from vllm_unified.attention.qk_prologue import QKPrologue
+    from vllm_unified.kv.attention.qk_prologue import QKPrologue
 
     rng = np.random.default_rng(seed)
     inv = (10000.0 ** (-np.arange(dim // 2) / (dim // 2))).astype(np.float32)
@@ -220,8 +220,8 @@ def prologue_max_error(case: Case, rope: int, norm: bool, attend: Callable) -> f
     """Largest absolute difference between ``attend(raw queries, pool, meta, scale, window,
     prologue)`` and the reference attention over the reference prologue's queries (fp32,
     positions ``len - 1``) on a decode ``case``; NaN when the output is not finite."""
-    from vllm_unified.attention.paged import paged_attention_kv
-    from vllm_unified.attention.qk_prologue import reference
+    from vllm_unified.kv.attention.qk_prologue import reference
+    from vllm_unified.kv.attention.reference import paged_attention_kv
 
     b = build(case)
     prologue = make_prologue(case.dim, rope, norm, case.seed)
@@ -275,7 +275,7 @@ def write_error(case: WriteCase, write: Callable) -> tuple[float, bool]:
     ``write(pool, slots, keys, values, positions, prologue) -> pool after the write`` against
     the reference (the reference prologue's keys, rounded to the dtype, and the values in the
     rows' cells) in :data:`WRITE_TOLERANCE` units (<= 1 passes)."""
-    from vllm_unified.attention.qk_prologue import reference
+    from vllm_unified.kv.attention.qk_prologue import reference
 
     rng = np.random.default_rng(case.seed)
     dtype = getattr(mx, case.dtype)
@@ -298,7 +298,7 @@ def write_error(case: WriteCase, write: Callable) -> tuple[float, bool]:
     want[slots] = cells
     out = write(pool, mx.array(slots), keys, values, mx.array(positions), prologue)
     # evaluated before it is read: within one evaluation MLX's GPU encoders order readers
-    # after the write only through its token (kv/gpu_write.py, ordered_after)
+    # after the write only through its token (kv/gpu/write.py, ordered_after)
     mx.eval(out)
     got = np.array(out.astype(mx.float32))
     rtol, atol = WRITE_TOLERANCE[case.dtype]

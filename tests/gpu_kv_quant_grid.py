@@ -5,14 +5,14 @@ Used by ``tests/test_gpu_kv_quant.py`` (the Metal dialect through the CPU emulat
 copies this file and ``gpu_attention_grid.py`` next to it), so both check the same cases
 against the same expectations:
 
-* the quantizing write (``kv/gpu_quant_write.py``): :func:`write_cases`, each a pool of
+* the quantizing write (``kv/gpu/quant_write.py``): :func:`write_cases`, each a pool of
   marker bytes, rows with an outlier, an all-zero side (the 1e-6 scale floor), a one-sided
   side (the int4 zero point at an end), values at fp8 rounding ties and subnormals, slots in
   random order and one padding slot -1; the expected pool is
   :func:`vllm_unified.kv.quant.quantize_cells_reference` (numpy) at the slots, every other
   byte unchanged. (Here the numpy reference is also checked against the native write, itself
   checked against vLLM's own kernels in ``tests/test_kv_quant.py``.)
-* the paged attention over quantized pages (``attention/gpu_paged_quant.py``): the step kinds
+* the paged attention over quantized pages (``kv/gpu/paged_quant.py``): the step kinds
   of :mod:`gpu_attention_grid` (decode rows, prefill chunks, a mix), a covering design over
   format x step kind x dtype with head size, GQA group, block size, window and route rotating
   (turboquant_k8v4 also a ``long`` continuation chunk, and the step's unquantized K/V as
@@ -228,8 +228,8 @@ class Built:
 def build(case: Case) -> Built:
     """The case's queries ``[T, H, 1, D]``, quantized pool (owned cells written by the numpy
     reference of the write, the rest 0xFF), metadata and the reference output."""
-    from vllm_unified.attention.metadata import build_attention_metadata
-    from vllm_unified.attention.paged import paged_attention_kv
+    from vllm_unified.kv.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.attention.reference import paged_attention_kv
     from vllm_unified.kv.quant import kv_format, quantize_cells_reference
 
     fmt = kv_format(case.mode)

@@ -3,7 +3,7 @@
 The CUDA kernels it is built for (in-place KV write, the paged GPU attention) do not exist on
 MLX's CPU backend, so here they are stood in for by pure-MLX functions with the same interface
 and the same inputs (the attention's stand-in replaces the kernel launch of
-attention/gpu_paged.py in its decode form and reads the pool only through the device-side
+kv/gpu/paged.py in its decode form and reads the pool only through the device-side
 block tables and lengths, as the kernel does). The stand-ins are first checked against the
 reference paged attention, then the compiled forward against the plain one over several decode
 steps of changing positions, slots, lengths, batch sizes and token sources (tokens fed from
@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 from mlx_lm.models import qwen3
 
-from vllm_unified.attention import gpu_paged, paged, qk_prologue
-from vllm_unified.attention.metadata import build_attention_metadata
 from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv import pool as kv_pool
+from vllm_unified.kv.attention import qk_prologue
+from vllm_unified.kv.attention import reference as paged
+from vllm_unified.kv.attention.metadata import build_attention_metadata
+from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.models.decode_attention import install_fused_decode_attention

@@ -11,8 +11,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
 from vllm_unified import bridge
-from vllm_unified.attention import paged
-from vllm_unified.attention.metadata import build_attention_metadata
+from vllm_unified.kv.attention import reference as paged
+from vllm_unified.kv.attention.metadata import build_attention_metadata
 from vllm_unified.models import cpu_kernels
 
 native = bridge.native_kernels()
@@ -102,7 +102,7 @@ def _step_case(rng, query_lens, heads, kv_heads, dim, block_size, dtype, max_len
                          ids=["decode", "mixed", "prefill-first"])
 def test_paged_attention_rows_equal_reference(dtype, tol, heads, kv_heads, dim, block_size,
                                               window, query_lens):
-    from vllm_unified.attention.cpu_paged import paged_attention_rows
+    from vllm_unified.kv.attention.cpu import paged_attention_rows
 
     rng = np.random.default_rng(heads + dim + len(query_lens))
     q, pool, meta = _step_case(rng, query_lens, heads, kv_heads, dim, block_size, dtype)

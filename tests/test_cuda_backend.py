@@ -159,7 +159,7 @@ def test_worker_budget_on_cuda_reads_the_card(monkeypatch):
 
 
 def test_cuda_write_rejects_mismatched_rows():
-    from vllm_unified.kv.gpu_write import _threads_per_block, write_kv_gpu
+    from vllm_unified.kv.gpu.write import _threads_per_block, write_kv_gpu
 
     def write(*args):
         return write_kv_gpu(*args, dialect="cuda")

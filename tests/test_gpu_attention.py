@@ -1,4 +1,4 @@
-"""The paged GPU attention (attention/gpu_paged.py): host-side tiles, routing, dispatch, and
+"""The paged GPU attention (kv/gpu/paged.py): host-side tiles, routing, dispatch, and
 the kernel body's Metal dialect through the CPU emulation, against the pure-MLX reference.
 
 The kernel itself runs only on a GPU backend (its CUDA dialect is checked on the H200 by
@@ -38,8 +38,9 @@ from gpu_attention_grid import (
 )
 
 from vllm_unified import gpu_dialect
-from vllm_unified.attention import gpu_paged, paged
-from vllm_unified.attention.metadata import build_attention_metadata, build_tiles
+from vllm_unified.kv.attention import reference as paged
+from vllm_unified.kv.attention.metadata import build_attention_metadata, build_tiles
+from vllm_unified.kv.gpu import paged as gpu_paged
 
 
 def _tiles_by_loop(starts, seq_lens, include, rows):

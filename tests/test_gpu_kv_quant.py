@@ -4,11 +4,11 @@ quantized pages (one source each, CUDA and Metal dialects), and the backend deci
 * The numpy reference of the write (``kv/quant.quantize_cells_reference``, the H200 check's
   expectation) equals the native write (``write_kv_quant``, itself equal to vLLM's kernels in
   tests/test_kv_quant.py) byte for byte; its fp8 encoding equals torch's ``float8_e4m3fn``.
-* The Metal instance of the write (``kv/gpu_quant_write.py``), assembled as
+* The Metal instance of the write (``kv/gpu/quant_write.py``), assembled as
   ``mx.fast.metal_kernel`` assembles it and run by the CPU emulation of Metal's thread model
   (tests/metal_emulation.py), writes the native write's bytes, byte for byte, on
   :func:`gpu_kv_quant_grid.write_cases`.
-* The Metal instance of the attention (``attention/gpu_paged_quant.py``), emulated, through the
+* The Metal instance of the attention (``kv/gpu/paged_quant.py``), emulated, through the
   whole ``paged_gpu_attention_quant`` path, against the pure-MLX reference over the pool
   dequantized by pure MLX: max abs error 1e-5 (fp32), 2e-2 (bf16) on
   :func:`gpu_kv_quant_grid.grid`.
@@ -43,8 +43,9 @@ from gpu_kv_quant_grid import (
 
 from vllm_unified import bridge
 from vllm_unified import gpu_dialect as gd
-from vllm_unified.attention import gpu_paged_quant, paged
-from vllm_unified.kv import gpu_quant_write
+from vllm_unified.kv.attention import reference as paged
+from vllm_unified.kv.gpu import paged_quant as gpu_paged_quant
+from vllm_unified.kv.gpu import quant_write as gpu_quant_write
 from vllm_unified.kv.quant import f32_to_e4m3_reference, kv_format, rht_signs
 
 needs_clang = emu.needs_clang
@@ -274,7 +275,7 @@ def test_turboquant_chunks_that_vllm_attends_unquantized_fail_over_cells(monkeyp
     over their own unquantized K/V read cells instead: ``prefill``'s chunks that start their
     sequence (to the kernel here), ``long``'s 150-token continuation (its own rows from the
     cells)."""
-    from vllm_unified.attention import gpu_paged
+    from vllm_unified.kv.gpu import paged as gpu_paged
 
     case = next(c for c in grid(("float32",)) if c.mode == "turboquant_k8v4"
                 and c.kind == kind)
@@ -392,8 +393,8 @@ def test_mlx_owned_quantized_pool_is_written_by_the_cuda_kernel(monkeypatch):
     """allocate_mlx with a quantized format on the CUDA write path: uint8 cells, writes and
     zeroing through the GPU kernels of the CUDA dialect (stood in by the native write, same
     contract), attention through the quantized GPU kernel."""
-    from vllm_unified.attention.metadata import build_attention_metadata
-    from vllm_unified.kv import gpu_write
+    from vllm_unified.kv.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.gpu import write as gpu_write
     from vllm_unified.kv.pool import KVPool
 
     native = _native()
@@ -465,9 +466,9 @@ def test_metal_quantized_cache_writes_vllms_views_in_place(name, monkeypatch, de
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
-    from vllm_unified.kv import gpu_quant_write as gqw
     from vllm_unified.kv.allocation import KV_LAYOUT, slot_major
     from vllm_unified.kv.cache import layer_name
+    from vllm_unified.kv.gpu import quant_write as gqw
     from vllm_unified.kv.quant import attention_spec
 
     native = _native()
@@ -566,10 +567,10 @@ def test_mixed_precision_pool_on_the_emulated_gpu_kernels(emulated_metal, monkey
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core import kv_cache_utils
 
-    from vllm_unified.attention import gpu_paged
-    from vllm_unified.attention.metadata import build_attention_metadata
     from vllm_unified.kv.allocation import KV_LAYOUT, slot_major
+    from vllm_unified.kv.attention.metadata import build_attention_metadata
     from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
+    from vllm_unified.kv.gpu import paged as gpu_paged
     from vllm_unified.kv.hybrid import HybridLayers
 
     native = _native()
@@ -636,7 +637,7 @@ def test_mixed_precision_pool_on_the_emulated_gpu_kernels(emulated_metal, monkey
 def test_turboquant_without_the_steps_own_kv_is_refused():
     """turboquant_k8v4 prefill chunks that vLLM attends over their own unquantized K/V need
     them (``fresh``): without, a clear error before any launch."""
-    from vllm_unified.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.attention.metadata import build_attention_metadata
 
     fmt = kv_format("turboquant_k8v4")
     pool = mx.zeros((64, 2, fmt.cell_bytes(64)), mx.uint8)

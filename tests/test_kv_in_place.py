@@ -16,8 +16,8 @@ import pytest
 import torch
 from mlx_lm.models import llama
 
-from vllm_unified.attention.metadata import build_attention_metadata
 from vllm_unified.forward_context import StepContext, set_step_context
+from vllm_unified.kv.attention.metadata import build_attention_metadata
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.models.routing import install_paged_attention

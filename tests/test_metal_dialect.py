@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from vllm_unified import gpu_dialect as gd
-from vllm_unified.kv import gpu_write
+from vllm_unified.kv.gpu import write as gpu_write
 
 needs_clang = emu.needs_clang
 

@@ -5,7 +5,7 @@ On Metal the KV pool is the CPU backend's: vLLM's layout in one uninitialised to
 (attention pages and a hybrid model's state pages), imported into MLX without a copy and
 written in place by kernels. What differs is the import (``mx.from_dlpack(t, copy=False)``
 wrapping the pointer as a Metal buffer, which MLX refuses for a pointer that is not page-aligned)
-and the writes (the Metal dialect of ``kv/gpu_write.py``'s kernels, whose logic
+and the writes (the Metal dialect of ``kv/gpu/write.py``'s kernels, whose logic
 ``tests/test_metal_dialect.py`` checks in a CPU emulation). Here the import is a stand-in that
 enforces Metal's alignment and adopts through the native extension (the CPU backend's zero-copy
 import), and the write kernels are stand-ins with the same contract (the native ``write_rows``).

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from vllm_unified import bridge
-from vllm_unified.attention import paged
-from vllm_unified.attention.metadata import AttentionMetadata, build_attention_metadata
-from vllm_unified.attention.paged import paged_attention, paged_attention_kv, write_kv
+from vllm_unified.kv.attention import reference as paged
+from vllm_unified.kv.attention.metadata import AttentionMetadata, build_attention_metadata
+from vllm_unified.kv.attention.reference import paged_attention, paged_attention_kv, write_kv
 
 D = 16
 TOL = 1e-5

@@ -32,12 +32,13 @@ from mlx_lm.models import llama, qwen2, qwen3, qwen3_moe
 from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from vllm_unified import gpu_dialect
-from vllm_unified.attention import gpu_paged, qk_prologue
-from vllm_unified.attention.metadata import build_attention_metadata
-from vllm_unified.attention.qk_prologue import QKPrologue, prologue_of, reference
 from vllm_unified.backend import profile
 from vllm_unified.forward_context import StepContext, set_step_context
-from vllm_unified.kv import gpu_write
+from vllm_unified.kv.attention import qk_prologue
+from vllm_unified.kv.attention.metadata import build_attention_metadata
+from vllm_unified.kv.attention.qk_prologue import QKPrologue, prologue_of, reference
+from vllm_unified.kv.gpu import paged as gpu_paged
+from vllm_unified.kv.gpu import write as gpu_write
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.quant import kv_format

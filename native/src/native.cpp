@@ -936,7 +936,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, const mx::array& 
 // max(lens[r] - window, 0) with a sliding window (0: none), key j at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
 // scores of one (sequence, KV head) are computed for all the head's queries at once, so each
 // key and value row is read once; softmax in fp32 with the maximum subtracted (the reference's
-// function: attention/paged.py gathers the same rows and runs MLX's SDPA).
+// function: kv/attention/reference.py gathers the same rows and runs MLX's SDPA).
 template <typename T>
 struct PagedAttentionArgs {
   const T* q;        // [B, H, D]

@@ -201,7 +201,7 @@ class BackendProfile:
             for the errors of features that need the shared pool.
         kv_write: how rows go into the pool (attention rows and a hybrid model's state
             pages): the native ``write_rows`` primitive (shared pool on the CPU), the in-place
-            Metal kernels (shared pool on Metal, :mod:`vllm_unified.kv.gpu_write`), the
+            Metal kernels (shared pool on Metal, :mod:`vllm_unified.kv.gpu.write`), the
             in-place CUDA kernel (MLX-owned pool on CUDA, whose scatter would copy the pool),
             or MLX's donated scatter.
         cpu_kernels: the native CPU kernels apply (CPU compute on CPU buffers, extension

@@ -214,7 +214,7 @@ def to_mlx(t: torch.Tensor, *, copy: bool = False) -> mx.array:
         writes are seen by MLX (when MLX evaluates its reads). MLX ops never write into it: an
         update such as ``a[i] = v`` returns a *new* MLX buffer that torch does not see; write
         through :func:`write_rows` or through torch instead (on Metal: the in-place kernels of
-        :mod:`vllm_unified.kv.gpu_write`). On the CPU backend the adopted bytes are not
+        :mod:`vllm_unified.kv.gpu.write`). On the CPU backend the adopted bytes are not
         counted by ``mx.get_active_memory()`` or MLX's memory limits; on Metal they are (MLX
         wraps them as one of its buffers, ``allocator::make_buffer``), see
         :func:`vllm_unified.memory.wired.prepare_kv_adoption`. Autograd is ignored (``t`` is
@@ -303,7 +303,7 @@ def write_rows(
       write when it is lazy.
     * Only CPU streams are implemented (``stream``: None for the default stream, or an
       ``mx.Stream`` / ``mx.Device``); a GPU stream raises ``NotImplementedError`` (on GPU
-      backends :func:`vllm_unified.kv.gpu_write.write_rows_gpu` writes in place). Torch sees
+      backends :func:`vllm_unified.kv.gpu.write.write_rows_gpu` writes in place). Torch sees
       the write once the result is evaluated.
 
     Raises:
@@ -351,7 +351,7 @@ def gather_kv(pool_rows: mx.array, rows: mx.array) -> tuple[mx.array, mx.array] 
     Args:
         pool_rows: ``[R, 2 * D]``, row-contiguous: each row one (slot, head) cell holding the
             key followed by the value (the paged pool viewed as rows, see
-            :mod:`vllm_unified.attention.paged`).
+            :mod:`vllm_unified.kv.attention.reference`).
         rows: int32 indices in ``[0, R)``, any shape ``S``.
 
     Returns:

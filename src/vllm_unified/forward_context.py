@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from vllm_unified.attention.metadata import AttentionMetadata
+    from vllm_unified.kv.attention.metadata import AttentionMetadata
     from vllm_unified.kv.state_pages import StateMetadata
 
 
@@ -36,7 +36,7 @@ class StepContext:
             compiled trace passes its traced inputs here and returns the written list.
         written: layer -> the completion token of this forward's GPU kernel write into it,
             which the layer's attention takes as an input
-            (:func:`vllm_unified.kv.gpu_write.ordered_after`).
+            (:func:`vllm_unified.kv.gpu.write.ordered_after`).
     """
 
     attn: AttentionMetadata

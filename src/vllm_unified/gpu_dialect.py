@@ -57,7 +57,7 @@ template type ``T`` is the array dtype (Metal ``float``/``float16_t``/``bfloat16
 ``float``/``__half``/``__nv_bfloat16``); convert with ``static_cast<float>`` /
 ``static_cast<T>``. A Metal input with fewer than 8 elements is passed in the ``constant``
 address space, which ``UNI_WRITABLE`` cannot make writable: kernels that write an input must
-refuse such inputs (as :mod:`vllm_unified.kv.gpu_write` does). When the grid is not a multiple
+refuse such inputs (as :mod:`vllm_unified.kv.gpu.write` does). When the grid is not a multiple
 of the threadgroup, Metal's last threadgroup is smaller (``uni_threads`` is its real size) while
 CUDA pads the last block: guard the tail by index, and keep grids of kernels that cooperate
 within a group a multiple of the group.

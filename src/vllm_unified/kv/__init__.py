@@ -4,8 +4,10 @@
   page-aligned buffer, lazy (uninitialised) or zeroed where vLLM needs it, and its import into
   MLX without a copy;
 - ``pool``: the attention pages as MLX arrays and their write paths;
-- ``gpu_write``: the in-place KV and row write kernels on GPU backends, one source for CUDA
-  and Metal (the shared pool on Metal, the MLX-owned pool on CUDA);
+- ``attention``: paged attention (per-step metadata, the pure-MLX reference, the CPU kernel,
+  the q/k prologue);
+- ``gpu``: the GPU kernels (MLX CUDA and Metal, one source in two dialects): in-place KV and row
+  writes, quantizing writes, paged attention over plain and quantized pages;
 - ``state_pages``: hybrid models' recurrent state in vLLM's state (Mamba) pages;
 - ``hybrid``: which layers are recurrent, their specs, each request's state slot;
 - ``block_translation``: kernel block sizes and vLLM's pages read as kernel blocks;

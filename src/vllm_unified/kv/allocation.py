@@ -11,7 +11,7 @@ fill, and the pool stays lazy for hybrid models too. vLLM's own
 ``create_kv_cache_views`` then makes the per-layer views, so sizes, strides, storage offsets and
 dtypes are exactly vLLM's. Never-written memory cannot reach an output: attention only reads
 positions below each sequence's length (and the MLX kernel keeps garbage in unread slots out of
-the softmax; see ``attention/metadata.py``).
+the softmax; see ``kv/attention/metadata.py``).
 
 **Memory that is promised, not taken.** Because pages are committed only as blocks are
 written, the pool can be larger than the memory the host has free when a long request reaches

@@ -17,7 +17,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from vllm_unified.attention.metadata import build_attention_metadata
 from vllm_unified.backend import BackendProfile
 from vllm_unified.compat import FullAttentionSpec, KVCacheConfig, KVCacheSpec, init_logger
 from vllm_unified.envs import KV_EAGER_ZERO_ENV, read
@@ -30,6 +29,7 @@ from vllm_unified.kv.allocation import (
     kv_cache_views,
     slot_major,
 )
+from vllm_unified.kv.attention.metadata import build_attention_metadata
 from vllm_unified.kv.block_translation import (
     KERNEL_BLOCK_SIZES,
     expand_block_table,
@@ -334,7 +334,7 @@ class KVCache:
         null block, for dummy sequences when ``states`` is None).
 
         Raises:
-            ValueError: as :func:`~vllm_unified.attention.metadata.build_attention_metadata`.
+            ValueError: as :func:`~vllm_unified.kv.attention.metadata.build_attention_metadata`.
         """
         return self._context(query_lens, seq_lens, block_table, states, self.block_size,
                              self.kernel_block_size, self.store)
@@ -408,7 +408,7 @@ def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int) -
             (:attr:`BackendProfile.quantized_kv`), or the GPU kernels do not take the head
             size (a multiple of 32 up to 256).
     """
-    from vllm_unified.kv.gpu_quant_write import supported
+    from vllm_unified.kv.gpu.quant_write import supported
 
     kernels = profile.quantized_kv
     if kernels is None:

@@ -22,10 +22,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from vllm_unified.attention.paged import paged_attention_kv
-from vllm_unified.attention.qk_prologue import QKPrologue
 from vllm_unified.backend import BackendProfile
 from vllm_unified.forward_context import get_step_context
+from vllm_unified.kv.attention.qk_prologue import QKPrologue
+from vllm_unified.kv.attention.reference import paged_attention_kv
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.state_pages import StatePages, StateStore
 
@@ -88,7 +88,7 @@ class PagedLayerCache(_PagedMaskSource):
         """Paged attention of ``queries`` ``[T, H, 1, D]`` over this layer's pool (after this
         step's write); ``fresh``: the keys and values this step wrote (``update_and_fetch``'s
         result), which a GPU kernel may attend directly for chunks with no earlier context.
-        See :func:`vllm_unified.attention.paged.paged_attention_kv`."""
+        See :func:`vllm_unified.kv.attention.reference.paged_attention_kv`."""
         ctx = get_step_context()
         return paged_attention_kv(queries, self._arrays()[self.layer], ctx.attn,
                                   scale, window, backend=self.backend, fresh=fresh,
@@ -101,7 +101,7 @@ class PagedLayerCache(_PagedMaskSource):
         projections (:meth:`attend_raw`): a pure-decode step, the layer's pages unquantized in
         ``dtype`` and written by a GPU kernel, and the paged GPU attention kernel attending
         (:mod:`vllm_unified.models.decode_attention`)."""
-        from vllm_unified.attention.paged import fused_decode_kernel
+        from vllm_unified.kv.attention.reference import fused_decode_kernel
 
         meta = get_step_context().attn
         return (meta.num_tokens > 0 and meta.is_pure_decode
@@ -115,7 +115,7 @@ class PagedLayerCache(_PagedMaskSource):
                    window: int | None) -> mx.array:
         """Write and attend one pure-decode step from raw projections: the keys normalised and
         rotated by the write kernel, the queries by the attention kernel
-        (:mod:`vllm_unified.attention.qk_prologue`). Only where :meth:`fuses_decode` holds.
+        (:mod:`vllm_unified.kv.attention.qk_prologue`). Only where :meth:`fuses_decode` holds.
 
         Args:
             queries: ``[T, 1, heads * D]``, the query projection.
@@ -128,7 +128,7 @@ class PagedLayerCache(_PagedMaskSource):
             ``[T, heads, 1, D]`` in the queries' dtype, lazily (projections of another dtype
             than the pages are cast to it first, as :meth:`KVPool.write` casts).
         """
-        from vllm_unified.attention.paged import fused_decode_kernel
+        from vllm_unified.kv.attention.reference import fused_decode_kernel
 
         ctx = get_step_context()
         meta = ctx.attn

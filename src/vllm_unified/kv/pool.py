@@ -17,9 +17,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from vllm_unified.attention.qk_prologue import QKPrologue
 from vllm_unified.backend import KVWritePath
-from vllm_unified.kv.gpu_write import write_kv_gpu, write_kv_qk_gpu
+from vllm_unified.kv.attention.qk_prologue import QKPrologue
+from vllm_unified.kv.gpu.write import write_kv_gpu, write_kv_qk_gpu
 from vllm_unified.kv.quant import KVFormat, rht_signs
 
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
@@ -73,13 +73,13 @@ class KVPool:
       MLX without a copy (:func:`vllm_unified.kv.allocation.import_views`). MLX never writes
       adopted memory itself (a slice write would fork the whole pool silently), so rows go in
       in place: the native ``write_rows`` primitive on the CPU, a Metal kernel writing into its
-      pool input on Metal (:func:`vllm_unified.kv.gpu_write.write_kv_gpu`).
+      pool input on Metal (:func:`vllm_unified.kv.gpu.write.write_kv_gpu`).
     * :meth:`allocate_mlx` (CUDA, the profiling forward, or the CPU without the native
       bridge): MLX owns the arrays and this object alone refers to them, so the scatter that
       writes rows reuses ("donates") the buffer. On the CPU backend the zero fill's pages are
       handed back to the OS. MLX's CUDA scatter copies the whole pool instead, so there rows go
       in through a small CUDA kernel that writes into the pool's buffer
-      (:mod:`vllm_unified.kv.gpu_write`).
+      (:mod:`vllm_unified.kv.gpu.write`).
 
     ``write`` names the write path (:data:`vllm_unified.backend.KVWritePath`). ``kv`` holds the
     cache's current arrays: a write rebinds its entry to the written array (the same buffer),
@@ -89,7 +89,7 @@ class KVPool:
     quantized page bytes ``[slots, Hkv, cell bytes]`` (int8 / uint8), written in place by the
     quantizing write of the write path (``native_rows``: the native ``write_kv_quant``, MLX's
     CPU backend; ``metal_kernel`` / ``cuda_kernel``: the GPU kernel of
-    :mod:`vllm_unified.kv.gpu_quant_write`) and read by the paged attention of the backend;
+    :mod:`vllm_unified.kv.gpu.quant_write`) and read by the paged attention of the backend;
     ``head_size`` is then required.
 
     ``layer_formats``: one format per layer where they differ (the layers of
@@ -247,13 +247,13 @@ class KVPool:
         ``arrays``: the per-layer arrays to write and rebind (a compiled trace's inputs);
         default: this pool's own :attr:`kv`. ``prologue`` (with ``positions`` ``[T]``): the
         keys are raw projections (any shape of ``[T, Hkv * D]`` rows) that the GPU write
-        kernel normalises and rotates first (:func:`vllm_unified.kv.gpu_write.
+        kernel normalises and rotates first (:func:`vllm_unified.kv.gpu.write.
         write_kv_qk_gpu`).
 
         Returns:
             A GPU kernel write's completion token, which a GPU kernel reading the layer in
             the same evaluation must take as an input
-            (:func:`vllm_unified.kv.gpu_write.ordered_after`); None for the other paths.
+            (:func:`vllm_unified.kv.gpu.write.ordered_after`); None for the other paths.
 
         Raises:
             ValueError: a ``prologue`` where the layer is not written by a GPU kernel in its
@@ -272,7 +272,7 @@ class KVPool:
                                         dialect=self._dialect(), tokens=tokens)
             return tokens[0] if tokens else None
         if fmt.quantized and self.write_path in ("cuda_kernel", "metal_kernel"):
-            from vllm_unified.kv.gpu_quant_write import write_kv_quant_gpu
+            from vllm_unified.kv.gpu.quant_write import write_kv_quant_gpu
 
             tokens = []
             kv[layer] = write_kv_quant_gpu(dst, slot_mapping, keys, values, fmt,
@@ -338,7 +338,7 @@ class KVPool:
         for layer, arr in enumerate(self.kv):
             if self.layer_formats[layer].quantized:  # zero bytes, as vLLM zeroes its pages
                 from vllm_unified.bridge import write_rows
-                from vllm_unified.kv.gpu_write import write_rows_gpu
+                from vllm_unified.kv.gpu.write import write_rows_gpu
 
                 rows = mx.zeros((slots.size, *arr.shape[1:]), dtype=arr.dtype)
                 self.kv[layer] = (write_rows_gpu(arr, slots, rows, dialect=self._dialect())

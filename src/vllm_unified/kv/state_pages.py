@@ -21,7 +21,7 @@ from math import prod
 import mlx.core as mx
 import numpy as np
 
-from vllm_unified.kv.gpu_write import write_rows_gpu
+from vllm_unified.kv.gpu.write import write_rows_gpu
 
 #: state dtypes the pages hold (vLLM's names)
 _STATE_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
@@ -83,7 +83,7 @@ class StatePages:
     ``page_bytes`` is the page stride (the padded page); the fields occupy its start.
     ``write``: how new states go in (:data:`vllm_unified.backend.KVWritePath`): the native
     ``write_rows`` (shared pages on the CPU), the Metal row kernel (shared pages on Metal,
-    :func:`vllm_unified.kv.gpu_write.write_rows_gpu`), or MLX's donated scatter (MLX-owned
+    :func:`vllm_unified.kv.gpu.write.write_rows_gpu`), or MLX's donated scatter (MLX-owned
     pages); default: ``native_rows`` when ``shared``, else ``scatter``.
 
     Raises:

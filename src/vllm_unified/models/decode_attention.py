@@ -4,11 +4,11 @@ Why: on a GPU backend a decode step of a small model is bound by the host encodi
 primitive after another (docs/benchmarking.md). Between its projections and its attention a
 llama-style layer runs a query norm, a key norm (Qwen3) and two RoPE rotations: four kernel
 launches per layer and step that the KV write and the paged attention kernel can do on the
-heads they load anyway (:mod:`vllm_unified.attention.qk_prologue`).
+heads they load anyway (:mod:`vllm_unified.kv.attention.qk_prologue`).
 
 Which layers: the attention modules of :data:`FAMILIES` (mlx-lm's llama, qwen2, qwen3 and
 qwen3_moe modules, whose ``__call__`` is the sequence reproduced below) whose norms and
-rotation the kernels compute (:func:`~vllm_unified.attention.qk_prologue.prologue_of`). Their
+rotation the kernels compute (:func:`~vllm_unified.kv.attention.qk_prologue.prologue_of`). Their
 class is swapped for a subclass (:func:`install_fused_decode_attention`) whose ``__call__``
 takes the fused path when the layer's cache says this step allows it
 (:meth:`~vllm_unified.kv.layer_cache.PagedLayerCache.fuses_decode`: a pure-decode step, a
@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from vllm_unified.attention.qk_prologue import QKPrologue, prologue_of
+from vllm_unified.kv.attention.qk_prologue import QKPrologue, prologue_of
 from vllm_unified.kv.layer_cache import PagedLayerCache, PagedMask
 
 __all__ = ["FAMILIES", "FusedDecodeAttention", "install_fused_decode_attention"]
@@ -54,7 +54,7 @@ class FusedDecodeAttention:
     """Mixin of the swapped classes (``type(name, (FusedDecodeAttention, family), {})``).
 
     Attributes (set by :func:`install_fused_decode_attention`):
-        qk_prologue: the layer's :class:`~vllm_unified.attention.qk_prologue.QKPrologue`.
+        qk_prologue: the layer's :class:`~vllm_unified.kv.attention.qk_prologue.QKPrologue`.
         head_dim: D.
     """
 

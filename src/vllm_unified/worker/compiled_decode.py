@@ -12,11 +12,11 @@ What makes this safe:
   tracing: token ids, positions, slot mapping, the decode rows' block tables and context
   lengths (:attr:`AttentionMetadata.decode_tables` / ``decode_lens``), the rows whose logits
   are wanted, and the KV pool arrays; the attention path used inside reads only those (the
-  paged GPU kernel of :mod:`vllm_unified.attention.gpu_paged` in its decode form, which reads
+  paged GPU kernel of :mod:`vllm_unified.kv.gpu.paged` in its decode form, which reads
   the decode tables and lengths only; the gather reference, which
   needs host-side tables, raises inside a trace instead of baking them in);
 * the pools go in as inputs and come back as outputs: each layer's write returns
-  ``mx.depends(pool, token)`` (:mod:`vllm_unified.kv.gpu_write`), so the attention of
+  ``mx.depends(pool, token)`` (:mod:`vllm_unified.kv.gpu.write`), so the attention of
   that layer, and the next step's write, stay ordered after the write exactly as without
   compilation;
 * only steps whose every request has one query token take this path, and only with the
@@ -42,9 +42,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from vllm_unified.attention.metadata import AttentionMetadata
 from vllm_unified.envs import COMPILE_DECODE_ENV
 from vllm_unified.forward_context import StepContext, set_step_context
+from vllm_unified.kv.attention.metadata import AttentionMetadata
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.worker.async_output import feed_pending

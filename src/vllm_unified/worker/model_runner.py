@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from vllm_unified import envs
-from vllm_unified.attention.paged import gpu_attention_routed
 from vllm_unified.backend import BackendProfile
 from vllm_unified.bridge import mlx_dtype
 from vllm_unified.compat import (
@@ -51,6 +50,7 @@ from vllm_unified.distributed.pipeline import HIDDEN, PipelineStage
 from vllm_unified.envs import COMPILE_DECODE_ENV
 from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv import page_release
+from vllm_unified.kv.attention.reference import gpu_attention_routed
 from vllm_unified.kv.block_reuse import prefix_cache_retain_tokens
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.hybrid import HybridLayers
@@ -515,7 +515,7 @@ class MLXModelRunner:
     def _waits_for_previous_step(self, pure_decode: bool) -> bool:
         """Whether this step waits for the device before it is built: with asynchronous
         scheduling on Metal, where pages are written in place by kernels that output only a
-        token (:func:`vllm_unified.kv.gpu_write.ordered_after`) and Metal orders work across
+        token (:func:`vllm_unified.kv.gpu.write.ordered_after`) and Metal orders work across
         evaluations only by fences on encoder outputs, a step may read pages a still-running
         step wrote without any data path from that write: a step with prefill chunks (its
         token ids known on the host), or any step of a hybrid model (a recurrent layer's

@@ -20,7 +20,7 @@ instantiates ``mx.fast.cuda_kernel``, ``dialect="metal"`` ``mx.fast.metal_kernel
   the layer and puts each head's key and value side by side in its (slot, head) cell itself, so
   no ``[T, Hkv, 2 * D]`` concatenation is built per layer and step.
 * :func:`write_kv_qk_gpu`: the same write of raw key projections, each key head normalised and
-  rotated by the kernel first (:mod:`vllm_unified.attention.qk_prologue`).
+  rotated by the kernel first (:mod:`vllm_unified.kv.attention.qk_prologue`).
 * :func:`write_rows_gpu`: rows of any width into ``[R, *row]`` (state pages of hybrid models,
   block zeroing).
 
@@ -39,8 +39,8 @@ import math
 import mlx.core as mx
 
 from vllm_unified import gpu_dialect
-from vllm_unified.attention.qk_prologue import QKPrologue, prologue_code
 from vllm_unified.gpu_dialect import Dialect
+from vllm_unified.kv.attention.qk_prologue import QKPrologue, prologue_code
 
 #: one-source body of the KV write: thread i writes element c of cell (t, h) of the pool
 WRITE_KV_SOURCE = """
@@ -80,7 +80,7 @@ WRITE_ROWS_SOURCE = """
 
 #: one-source body of the KV write with the key prologue: SIMD group c handles cell c (token
 #: t, KV head h), lane l channels l * EPL ... of the head; the key is normalised and rotated
-#: at ``positions[t]`` (:mod:`vllm_unified.attention.qk_prologue`) and stored next to the
+#: at ``positions[t]`` (:mod:`vllm_unified.kv.attention.qk_prologue`) and stored next to the
 #: value. Keys and values are read as ``[T, HKV * D]`` rows (any shape with those bytes).
 WRITE_KV_QK_SOURCE = """
     constexpr int EPL = D / 32;
@@ -266,7 +266,7 @@ def write_kv_qk_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.
                     positions: mx.array, prologue: QKPrologue, *, dialect: Dialect,
                     tokens: list[mx.array] | None = None) -> mx.array:
     """:func:`write_kv_gpu` of raw key projections: each key head is normalised and rotated
-    at its token's position first (``prologue``; :mod:`vllm_unified.attention.qk_prologue`),
+    at its token's position first (``prologue``; :mod:`vllm_unified.kv.attention.qk_prologue`),
     values are stored as they are.
 
     Args:

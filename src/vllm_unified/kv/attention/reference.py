@@ -23,8 +23,8 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_unified import bridge
-from vllm_unified.attention.metadata import AttentionMetadata, Window
-from vllm_unified.kv.gpu_write import after_token
+from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
+from vllm_unified.kv.gpu.write import after_token
 
 if TYPE_CHECKING:
     from vllm_unified.backend import BackendProfile
@@ -142,8 +142,8 @@ def paged_attention_kv(
     the column halves of the same ``[slots * Hkv, 2 * D]`` rows, so nothing is copied to split
     them (a reshape of a half would copy the pool). With ``accelerate`` (the default): on MLX's
     CPU backend with the native extension, every row is attended straight from the pool by its
-    kernel (attention/cpu_paged.py); on a GPU backend (CUDA, Metal) by the paged GPU kernel of
-    the profile's dialect (attention/gpu_paged.py), where prefill chunks with no context before
+    kernel (kv/attention/cpu.py); on a GPU backend (CUDA, Metal) by the paged GPU kernel of
+    the profile's dialect (kv/gpu/paged.py), where prefill chunks with no context before
     them go to MLX's SDPA over ``fresh`` instead (its routing rule); with the CPU kernel turned
     off (``VLLM_UNIFIED_CPU_ATTENTION=0``) the rows are gathered by the native ``gather_kv``
     primitive (:func:`vllm_unified.bridge.gather_kv`, the same values as MLX's gather).
@@ -155,16 +155,16 @@ def paged_attention_kv(
     ``kv_format``: a quantized format (:mod:`vllm_unified.kv.quant`) makes ``kv_pool`` vLLM's
     page bytes ``[slots, Hkv, cell bytes]``; accelerated, the native CPU kernel reads them, or
     on a GPU backend the quantized paged GPU kernel of the profile's dialect
-    (attention/gpu_paged_quant.py; ``rht_signs``: vLLM's RHT signs for int4); the reference
+    (kv/gpu/paged_quant.py; ``rht_signs``: vLLM's RHT signs for int4); the reference
     dequantizes the whole pool (:func:`vllm_unified.kv.quant.dequantize_pool`) and attends
     over it in fp32. For ``turboquant_k8v4`` with ``fresh``, prefill
     chunks read their own tokens' keys and values from ``fresh`` unquantized, as vLLM's
     TurboQuant backend attends them
-    (:meth:`~vllm_unified.attention.metadata.AttentionMetadata.fresh_key_rows`); the
+    (:meth:`~vllm_unified.kv.attention.metadata.AttentionMetadata.fresh_key_rows`); the
     reference puts those rows in place of their cells in the dequantized pool.
 
     ``after``: the completion token of this evaluation's GPU kernel write into ``kv_pool``
-    (:func:`vllm_unified.kv.gpu_write.ordered_after`), taken as an input by whatever reads
+    (:func:`vllm_unified.kv.gpu.write.ordered_after`), taken as an input by whatever reads
     the pool here, so the GPU runs the read after the write; None when nothing wrote it.
 
     Raises:
@@ -187,7 +187,7 @@ def paged_attention_kv(
 
         backend = profile()
     if accelerate and meta.num_tokens and _cpu_rows_kernel(backend):
-        from vllm_unified.attention.cpu_paged import paged_attention_rows
+        from vllm_unified.kv.attention.cpu import paged_attention_rows
 
         return paged_attention_rows(queries, kv_pool, meta, scale, window)
     gpu_kernel = _gpu_kernel(head_dim, backend) if accelerate else None
@@ -255,11 +255,11 @@ def _quantized_attention(
     if not meta.num_tokens:
         return mx.zeros(queries.shape, dtype=queries.dtype)
     if gpu and not _cpu_rows_kernel(backend):
-        from vllm_unified.attention.gpu_paged_quant import paged_gpu_attention_quant
+        from vllm_unified.kv.gpu.paged_quant import paged_gpu_attention_quant
 
         return paged_gpu_attention_quant(backend.gpu_attention, queries, kv_pool, meta, scale,
                                          window, fmt, rht_signs, fresh=fresh, after=after)
-    from vllm_unified.attention.cpu_paged import paged_attention_rows
+    from vllm_unified.kv.attention.cpu import paged_attention_rows
 
     return paged_attention_rows(queries, kv_pool, meta, scale, window, fmt.native_mode,
                                 rht_signs, raw)
@@ -312,12 +312,12 @@ def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:
 
 def _gpu_kernel(head_dim: int, backend: BackendProfile) -> Callable[..., mx.array] | None:
     """The paged GPU attention of ``backend``, or None for the reference gather + SDPA: the
-    kernel of attention/gpu_paged.py in the profile's dialect (``gpu_attention``) where it
+    kernel of kv/gpu/paged.py in the profile's dialect (``gpu_attention``) where it
     supports the head size. Called as ``kernel(queries, kv_pool, meta, scale, window, fresh)``.
     """
     if backend.gpu_attention is None:
         return None
-    from vllm_unified.attention import gpu_paged
+    from vllm_unified.kv.gpu import paged as gpu_paged
 
     if not gpu_paged.supported(head_dim):
         return None
@@ -340,7 +340,7 @@ def fused_decode_kernel(head_dim: int, backend: BackendProfile | None
 
 
 def _cpu_rows_kernel(backend: BackendProfile) -> bool:
-    """Attend every row of a step with the native CPU kernel (attention/cpu_paged.py): the
+    """Attend every row of a step with the native CPU kernel (kv/attention/cpu.py): the
     profile's ``cpu_attention``."""
     return backend.cpu_attention
 

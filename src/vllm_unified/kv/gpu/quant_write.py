@@ -4,7 +4,7 @@ The GPU counterpart of the native ``write_kv_quant`` (native/src/cpu_kvquant.cpp
 (token, KV head) side of the new keys and values is quantized with vLLM's arithmetic into its
 cell of a quantized pool (``[slots, Hkv, cell bytes]``, :mod:`vllm_unified.kv.quant`), written
 into the pool's own buffer through the writable-input cast and ordered by ``mx.depends``, as
-:mod:`vllm_unified.kv.gpu_write` does for the model-dtype pool. One body for both dialects
+:mod:`vllm_unified.kv.gpu.write` does for the model-dtype pool. One body for both dialects
 (:mod:`vllm_unified.gpu_dialect`).
 
 **Work split.** One SIMD group (warp) per (token, head, side): lane ``l`` holds elements
@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from vllm_unified import gpu_dialect
 from vllm_unified.gpu_dialect import Dialect
-from vllm_unified.kv.gpu_write import ordered_after
+from vllm_unified.kv.gpu.write import ordered_after
 from vllm_unified.kv.quant import KVFormat, rotation_block
 
 #: kernel name, input names, output names
@@ -327,7 +327,7 @@ def write_kv_quant_gpu(pool: mx.array, slots: mx.array, keys: mx.array, values: 
             ignored otherwise.
         dialect: ``"cuda"`` or ``"metal"``, the backend the kernel runs on.
         tokens: receives the write's completion token
-            (:func:`vllm_unified.kv.gpu_write.ordered_after`).
+            (:func:`vllm_unified.kv.gpu.write.ordered_after`).
 
     Returns:
         The pool to use from now on: the same buffer, ordered after the write

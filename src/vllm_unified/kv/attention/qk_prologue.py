@@ -7,8 +7,8 @@ position (RoPE): in mlx-lm four MLX primitives per layer and step (two ``rms_nor
 backend these four are what the host spends its time on next to the matmuls
 (docs/benchmarking.md), so there they are folded into the two kernels that run anyway: the KV
 write normalises and rotates each key head before it stores it
-(:func:`vllm_unified.kv.gpu_write.write_kv_qk_gpu`), and the paged attention kernel each query
-head as it loads it (:mod:`vllm_unified.attention.gpu_paged`). Values pass unchanged.
+(:func:`vllm_unified.kv.gpu.write.write_kv_qk_gpu`), and the paged attention kernel each query
+head as it loads it (:mod:`vllm_unified.kv.gpu.paged`). Values pass unchanged.
 
 :data:`SNIPPET` is the shared body text (one source, both dialects; :mod:`vllm_unified.
 gpu_dialect`), spliced into both kernels. It works on one head held by one SIMD group of 32

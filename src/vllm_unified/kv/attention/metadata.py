@@ -77,7 +77,7 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class GpuPlan:
-    """How the paged GPU kernel (:mod:`vllm_unified.attention.gpu_paged`) attends a step that
+    """How the paged GPU kernel (:mod:`vllm_unified.kv.gpu.paged`) attends a step that
     is not pure decode, for one tile size (made once per step, shared by all layers).
 
     Attributes:

@@ -1,9 +1,9 @@
 """Paged attention straight from the pool on MLX's GPU backends: one kernel source, CUDA and Metal.
 
-The pure-MLX reference (:mod:`vllm_unified.attention.paged`) gathers every sequence's keys and
-values out of the pool into dense arrays per layer and step, then runs SDPA over them: at batch
-64 and 640-token contexts that is ~170 MB written and read again per layer, and the boolean mask
-of unequal lengths takes SDPA off its fastest path. The kernel here reads each key and value once,
+The pure-MLX reference (:mod:`vllm_unified.kv.attention.reference`) gathers every sequence's keys
+and values out of the pool into dense arrays per layer and step, then runs SDPA over them: at batch
+64 and 640-token contexts that is ~170 MB written and read again per layer, and the boolean mask of
+unequal lengths takes SDPA off its fastest path. The kernel here reads each key and value once,
 where it lies in the pool, through the block table. It is written once (:data:`SOURCE`, in the
 names of :mod:`vllm_unified.gpu_dialect`) and instantiated as ``mx.fast.cuda_kernel`` or
 ``mx.fast.metal_kernel`` for the backend profile's ``gpu_attention`` dialect.
@@ -53,8 +53,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from vllm_unified import gpu_dialect
-from vllm_unified.attention.metadata import AttentionMetadata, Window
-from vllm_unified.attention.qk_prologue import QKPrologue, prologue_code
+from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
+from vllm_unified.kv.attention.qk_prologue import QKPrologue, prologue_code
 
 #: Warps (SIMD groups of 32) per thread group, at most.
 MAX_WARPS = 16
@@ -76,7 +76,7 @@ SHARED_BYTES = 32768
 
 KERNEL_NAME = "vllm_unified_paged_attention"
 #: ``after``: the completion token of the step's write into ``kv`` (not read: an input so
-#: the GPU orders the kernel after the write; :func:`vllm_unified.kv.gpu_write.ordered_after`)
+#: the GPU orders the kernel after the write; :func:`vllm_unified.kv.gpu.write.ordered_after`)
 INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale", "after"]
 OUTPUT_NAMES = ["out"]
 
@@ -290,7 +290,7 @@ def combine_batch(group: int, head_dim: int, rows: int, warps: int) -> int:
 def kernel_source(prologue: bool) -> str:
     """The body: :data:`SOURCE`, with the query prologue (``prologue``: each query head
     normalised and rotated at its row's position, ``len - 1``, as it is loaded;
-    :mod:`vllm_unified.attention.qk_prologue`) or without."""
+    :mod:`vllm_unified.kv.attention.qk_prologue`) or without."""
     code = prologue_code("qv[i]", 0, "len0 + qi - 1") if prologue else ""
     return SOURCE.replace("/*Q_PROLOGUE*/\n", code)
 
@@ -378,10 +378,10 @@ def launch(
         scale, window, block_size: as :func:`paged_gpu_attention`.
         rows: QT, the most rows of a tile (1 when ``decode``).
         prologue: the layer's query norm and rotation, applied by the kernel to the raw
-            queries (:mod:`vllm_unified.attention.qk_prologue`), or None (queries already
+            queries (:mod:`vllm_unified.kv.attention.qk_prologue`), or None (queries already
             normalised and rotated).
         after: the completion token of the write into ``kv_pool`` in the same evaluation,
-            if any (:func:`vllm_unified.kv.gpu_write.ordered_after`).
+            if any (:func:`vllm_unified.kv.gpu.write.ordered_after`).
     """
     a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode,
                     prologue, after)
@@ -413,9 +413,9 @@ def paged_gpu_attention(
             MLX's SDPA over keys gathered from the pool (the reference's per-chunk path);
             default :data:`MAX_KERNEL_CHUNK`. A huge value sends every such row to the kernel.
         prologue: pure-decode steps only: ``queries`` are the raw projections, which the
-            kernel normalises and rotates (:mod:`vllm_unified.attention.qk_prologue`).
+            kernel normalises and rotates (:mod:`vllm_unified.kv.attention.qk_prologue`).
         after: the completion token of this evaluation's write into ``kv_pool``, taken as an
-            input by every read of it here (:func:`vllm_unified.kv.gpu_write.ordered_after`).
+            input by every read of it here (:func:`vllm_unified.kv.gpu.write.ordered_after`).
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
@@ -451,7 +451,7 @@ def paged_gpu_attention(
             pieces.append(fresh_chunk(queries[start:stop], fresh, start, stop, kv_pool.dtype,
                                        meta.fresh_mask(chunk, window), scale))
         else:
-            from vllm_unified.attention.paged import prefill_chunk_attention
+            from vllm_unified.kv.attention.reference import prefill_chunk_attention
 
             pieces.append(prefill_chunk_attention(queries, kv_pool, meta, chunk, scale, window,
                                                   after))

@@ -1,6 +1,6 @@
 """Paged attention over quantized KV pages on MLX's GPU backends: one source, CUDA and Metal.
 
-The quantized counterpart of :mod:`vllm_unified.attention.gpu_paged`, with its work split,
+The quantized counterpart of :mod:`vllm_unified.kv.gpu.paged`, with its work split,
 tiles, masks and combine (one thread group per (tile, KV head); the warps split the keys, each
 lane ``D / 32`` contiguous channels; an fp32 online softmax per (row, query head); the warps'
 results combined in shared memory ``CB`` pairs per pass). The pool holds vLLM's cells
@@ -25,7 +25,7 @@ Routing (:func:`paged_gpu_attention_quant`): every decode row and every prefill 
 most :data:`gpu_paged.MAX_KERNEL_CHUNK` rows goes to the kernel; for the per-token-head formats
 fresh chunks too (the pool's quantized keys are what vLLM's Triton backend attends over, not the
 layer's unquantized ones); a longer chunk goes to MLX's SDPA over its own context gathered from
-the pool and dequantized (:func:`vllm_unified.attention.paged.quantized_chunk_attention`), as
+the pool and dequantized (:func:`vllm_unified.kv.attention.reference.quantized_chunk_attention`), as
 the dense path gathers long chunks. turboquant_k8v4 follows vLLM's TurboQuant backend: a chunk
 that starts its sequence goes to MLX's SDPA over the step's own unquantized keys and values,
 one longer than :data:`~vllm_unified.kv.quant.TQ_SHORT_CONTINUATION` tokens over its context's
@@ -40,10 +40,10 @@ import functools
 import mlx.core as mx
 
 from vllm_unified import gpu_dialect
-from vllm_unified.attention import gpu_paged
-from vllm_unified.attention.gpu_paged import LaunchArgs
-from vllm_unified.attention.metadata import AttentionMetadata, Window
-from vllm_unified.kv.gpu_quant_write import HEADER as QUANT_HEADER
+from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
+from vllm_unified.kv.gpu import paged as gpu_paged
+from vllm_unified.kv.gpu.paged import LaunchArgs
+from vllm_unified.kv.gpu.quant_write import HEADER as QUANT_HEADER
 from vllm_unified.kv.quant import KVFormat, rotation_block
 
 KERNEL_NAME = "vllm_unified_paged_attention_quant"
@@ -322,9 +322,9 @@ SOURCE = """
 
 def supported(head_dim: int) -> bool:
     """Head sizes the kernel takes: a multiple of 32 up to 256 (as the quantizing write,
-    :func:`vllm_unified.kv.gpu_quant_write.supported`; no vector loads of D / 32 elements,
+    :func:`vllm_unified.kv.gpu.quant_write.supported`; no vector loads of D / 32 elements,
     so unlike the dense kernel 96, 160, 192 and 224 are taken too)."""
-    from vllm_unified.kv.gpu_quant_write import supported as write_supported
+    from vllm_unified.kv.gpu.quant_write import supported as write_supported
 
     return write_supported(head_dim)
 
@@ -449,7 +449,7 @@ def paged_gpu_attention_quant(
             context's cells followed by them. Ignored by the other formats (vLLM attends
             every key from their cells).
         after: the completion token of this evaluation's write into ``kv_pool``
-            (:func:`vllm_unified.kv.gpu_write.ordered_after`), taken by every read of it here.
+            (:func:`vllm_unified.kv.gpu.write.ordered_after`), taken by every read of it here.
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
@@ -486,7 +486,7 @@ def paged_gpu_attention_quant(
                      meta.block_size, rows, False, fmt, signs, after)
     if not plan.sdpa:
         return out
-    from vllm_unified.attention.paged import quantized_chunk_attention
+    from vllm_unified.kv.attention.reference import quantized_chunk_attention
 
     pieces = []
     for start, stop, chunk in plan.segments:

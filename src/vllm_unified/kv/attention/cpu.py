@@ -1,6 +1,6 @@
 """Attention straight from the paged pool on MLX's CPU backend (an optional accelerator).
 
-The pure-MLX reference (:mod:`vllm_unified.attention.paged`) gathers each group's keys and
+The pure-MLX reference (:mod:`vllm_unified.kv.attention.reference`) gathers each group's keys and
 values out of the pool (the decode batch into ``[Bd, Hkv, S, D]``, each prefill chunk into
 ``[1, Hkv, S, D]``) per layer and step and runs MLX's SDPA over them. On the CPU backend that
 SDPA is unfused (a matmul per head, a softmax whose ``exp`` MLX 0.32.4 evaluates one element at
@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from vllm_unified import bridge
-from vllm_unified.attention.metadata import AttentionMetadata, Window
+from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
 
 
 def paged_attention_rows(
@@ -49,7 +49,7 @@ def paged_attention_rows(
         fresh: ``turboquant_k8v4`` only: ``(keys, values, raw_from, raw_row0)``, this step's
             K/V (``[T, Hkv, D]`` in the queries' dtype) and per row (int32 ``[T]``) the first
             position read from them and the fresh row of that position
-            (:meth:`~vllm_unified.attention.metadata.AttentionMetadata.fresh_key_rows`).
+            (:meth:`~vllm_unified.kv.attention.metadata.AttentionMetadata.fresh_key_rows`).
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
