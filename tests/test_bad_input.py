@@ -88,7 +88,7 @@ def test_platform_validate_request_applies_limits():
 
 
 def test_prompt_filling_the_context_is_refused_naming_length_and_limit(monkeypatch):
-    """Issue 20, defect 1: vLLM's OpenAI server lowers ``max_tokens`` to ``max_model_len -
+    """A prompt of exactly ``--max-model-len`` tokens: vLLM's OpenAI server lowers ``max_tokens`` to ``max_model_len -
     prompt_len`` (``get_max_tokens``, which asks the platform for its own cap) and then
     rejects its own 0 as "max_tokens must be at least 1, got 0". The platform's cap refuses
     the prompt instead, naming its length and the limit; one token shorter is served."""
@@ -340,7 +340,7 @@ def test_bad_inputs_answered_while_streams_complete(bad_input_server):
 
 @pytest.mark.slow
 def test_chat_filling_the_context_names_length_and_limit(bad_input_server):
-    """Issue 20, defect 1 on the chat endpoint: a conversation whose templated prompt is
+    """The same on the chat endpoint: a conversation whose templated prompt is
     exactly ``--max-model-len`` tokens gets a 400 naming both numbers (it used to be "max_tokens
     must be at least 1, got 0", whatever max_tokens the client sent); one token less is
     served."""

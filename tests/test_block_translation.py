@@ -20,7 +20,7 @@ from vllm_unified.kv.block_translation import (
 CASES = [(b, k) for b in (16, 64, 144, 544) for k in (16, 32) if b % k == 0]
 
 
-def test_cases_cover_the_issue():
+def test_cases_cover_the_hybrid_block_sizes():
     assert CASES == [(16, 16), (64, 16), (64, 32), (144, 16), (544, 16), (544, 32)]
 
 

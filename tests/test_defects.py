@@ -1,5 +1,5 @@
-"""Issue 20's defects, found by replaying public bug reports against the server; each test
-failed before its fix. (Defect 1, a prompt of exactly ``--max-model-len`` tokens, is tested
+"""Defects found by replaying public bug reports against the server; each test failed
+before its fix. (Defect 1, a prompt of exactly ``--max-model-len`` tokens, is tested
 with the other bad inputs in tests/test_bad_input.py; defect 2's unit test is in
 tests/test_patches.py.)
 

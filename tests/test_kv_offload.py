@@ -235,7 +235,7 @@ def test_damaged_block_file_is_rejected_and_removed(tmp_path, damage, reason):
 
 
 def test_shutdown_finishes_or_drops_queued_writes_never_half(tmp_path):
-    """The disk tier's shutdown (issue 20, defect 5): :func:`disk.drain` waits for queued
+    """The disk tier's shutdown at server stop: :func:`disk.drain` waits for queued
     writes up to its deadline; then vLLM's pool shutdown drops the jobs not started while the
     one in progress completes. What is left is whole files that load and verify, and no
     temporary file."""

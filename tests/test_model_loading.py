@@ -188,7 +188,7 @@ def test_qwen25_coder_q4_k_m_greedy_equals_the_dequantized_load(tmp_path):
     """Qwen's official Qwen2.5-Coder-0.5B-Instruct q4_k_m file (Q5_0, Q8_0, Q6_K, Q4_K, F32)
     served by the engine with its weights kept quantized (the native CPU kernels) gives the
     same 64 greedy tokens, id for id, as the same file dequantized to float32 at load
-    (``VLLM_UNIFIED_CPU_QUANTIZED=0``), for the chat request of issue 17."""
+    (``VLLM_UNIFIED_CPU_QUANTIZED=0``), for the Fibonacci chat request."""
     from conftest import run_llm
     from transformers import AutoTokenizer
 

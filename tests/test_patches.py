@@ -129,7 +129,7 @@ def test_offload_region_leaves_dev_shm_where_there_is_none(region_class, tmp_pat
 
 def test_chat_without_template_names_the_flag_and_warns_once(default_model, caplog,
                                                               monkeypatch) -> None:
-    """Issue 20, defect 2: vLLM's error for chat on a model without a chat template names
+    """Chat on a model without a chat template: vLLM's error for chat on a model without a chat template names
     ``--chat-template`` (not transformers' "default chat template is no longer allowed"), and
     the first one is logged as a warning (at start-up, where vLLM's renderer warm-up renders
     a chat)."""
@@ -168,7 +168,7 @@ def test_chat_without_template_names_the_flag_and_warns_once(default_model, capl
 
 
 def test_engine_core_shutdown_window_and_expected_engine_dead(monkeypatch) -> None:
-    """Issue 20, defect 5: under vLLM's default ``--shutdown-timeout 0`` the process manager
+    """Server shutdown: under vLLM's default ``--shutdown-timeout 0`` the process manager
     waits up to the window for the engine core (other timeouts are kept), and once the server
     is stopping, only vLLM's output-handler ``EngineDeadError`` record is dropped."""
     import logging
@@ -229,7 +229,7 @@ def test_engine_core_shutdown_reaps_the_engine_before_vllm_checks_it(monkeypatch
 
 
 def test_engine_core_signal_trigger_survives_a_nested_signal(monkeypatch) -> None:
-    """Issue 20, defect 5: a second signal arriving inside the first handler's
+    """Server shutdown: a second signal arriving inside the first handler's
     ``Event.set`` (a process-group SIGTERM, then vLLM's own) must not re-enter it (vLLM's
     version deadlocks on the event's lock); the shutdown callback still runs once. ``stop``
     (called once the engine core's busy loop has ended) leaves SIGTERM ignored."""
