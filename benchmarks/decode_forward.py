@@ -11,7 +11,8 @@ then for each batch size B times, in interleaved rounds so that machine noise hi
   linears for decode-sized inputs, native SwiGLU, attention read from the pool by the native
   ``paged_attention`` primitive;
 * **ours-quantized**: ours on the same checkpoint kept quantized as the engine keeps it on the
-  CPU (SmolLM2: 4-bit Q4_1 layers, 8-bit Q8_0 head; see docs/models.md for every GGUF type),
+  CPU (SmolLM2: 4-bit Q4_1 layers, 8-bit Q8_0 head; docs/features/quantization.md lists every
+  GGUF type),
   run by the native quantized kernels: what the engine runs by default on the CPU;
 * **ours-reference**: the fp32 model with the pure-MLX paths (``accelerate=False``: gather + MLX's
   SDPA, MLX's matmul, mlx-lm's SwiGLU), to show what the native kernels save.

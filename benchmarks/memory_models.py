@@ -15,7 +15,7 @@ tokenizer). Settings:
 * ``serve``: what ``scripts/serve.sh`` uses: ``--gpu-memory-utilization 0.5 --max-model-len
   2048`` (the budget is profiled: an activation-profiling forward runs at start-up);
 * ``kv256``: ``LLM(..., kv_cache_memory_bytes=256 MiB, max_model_len=2048)`` (no profiling
-  forward on the CPU backend), as docs/models.md measured.
+  forward on the CPU backend), as docs/dev/benchmarks.md reports.
 
 Prints one table per setting and the acceptance ratio ``(Qwen RSS - tiny RSS) / file size``;
 writes ``benchmarks/results/memory_models-<timestamp>.json`` and each engine's log.

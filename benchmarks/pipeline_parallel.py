@@ -14,7 +14,7 @@ parallelism, so pp2 / pp1_sync is the stage boundary alone.
 On one machine a second stage adds no compute (the two processes share its cores); the ratio is
 the overhead a stage boundary adds: the transfer of ``[tokens, hidden]`` per step and the
 pipeline's scheduling. Across machines, pipeline stages exist to hold a model no single machine
-can (docs/distributed.md).
+can (docs/features/distributed.md).
 
     .venv/bin/python benchmarks/pipeline_parallel.py                 # C=16, 2 rounds
     .venv/bin/python benchmarks/pipeline_parallel.py --concurrency 1 16 --rounds 3

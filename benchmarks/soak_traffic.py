@@ -50,7 +50,7 @@ MODEL = "SmolLM2-135M-Instruct"
 #: (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8) 5e-3: x is rounded per 32 elements, so a
 #: last-bit difference that the step's composition makes upstream (the fp32 summation order of
 #: another kernel path, or exact kernels where the CPU has no AMX-INT8) can move a rounding
-#: step of x (measured: 2.5e-3 at most, docs/reliability.md). The server the soak starts
+#: step of x (measured: 2.5e-3 at most, docs/features/quantization.md). The server the soak starts
 #: inherits this process's environment.
 LOGPROB_TOL = 1e-3 if envs.CPU_ACTIVATIONS == "fp32" else 5e-3
 #: Prompt tokens a "long" request must have.

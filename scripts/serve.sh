@@ -18,7 +18,7 @@ export VENV
 "$ROOT/scripts/setup.sh"
 
 # Half of RAM as the KV-cache ceiling: on unified memory the pool shares RAM with everything
-# else, and blocks commit pages as they are written (docs/configuration.md, "KV cache memory").
+# else, and blocks commit pages as they are written (docs/features/kv-cache-and-memory.md).
 defaults=(--host 127.0.0.1 --port 8000 --gpu-memory-utilization 0.5)
 if [[ -z "${MODEL:-}" ]]; then
     # Find the GGUF file without importing the package that ships it.

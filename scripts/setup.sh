@@ -28,7 +28,7 @@
 # rebuilds just the extension (seconds, incremental), not the whole environment.
 # On macOS (Apple Silicon, macOS 14 or newer, an arm64 Python 3.11+, the Xcode Command Line Tools):
 # vLLM publishes no macOS wheel, so step 2 first builds vllm 0.32.0 from its sdist for the CPU
-# target (install_vllm_macos; once per environment, the slow part of a first set-up, see README.md),
+# target (install_vllm_macos; once per environment, the slow part of a first set-up, see docs/getting-started.md),
 # torch is PyPI's own 2.13.0, MLX is `mlx` with its Metal backend (mlx-metal). The native extension
 # is not built there: it serves MLX's CPU backend, while on Metal torch and MLX share memory through
 # DLPack (src/vllm_unified/bridge.py). OpenBLAS and apt-get are Linux-only.
@@ -238,7 +238,7 @@ EOF
         return
     fi
     check_macos_compiler
-    say "Building vLLM $VLLM_MACOS_VERSION from its sdist for the CPU target (no macOS wheel exists; the first time this is the slow part, see README.md)"
+    say "Building vLLM $VLLM_MACOS_VERSION from its sdist for the CPU target (no macOS wheel exists; the first time this is the slow part, see docs/getting-started.md)"
     note "build log: $LOG (MAX_JOBS=N limits the parallel compile jobs)"
     local t0=$SECONDS
     (

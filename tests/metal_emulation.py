@@ -16,7 +16,7 @@ does not finish, is reported as an error instead of taking the test process down
 What it checks: the text is valid C++ against the shim (names, types, template arguments,
 the attribute parameters MLX added) and the kernel's logic is right under this thread model.
 What it cannot: Apple's compiler and stdlib, address-space rules, the GPU's scheduling and
-memory ordering, fast-math precision (docs/internals.md).
+memory ordering, fast-math precision (docs/dev/gpu-and-metal-checks.md).
 
 The one edit made to MLX's text: the explicit instantiation
 ``template [[host_name("f")]] [[kernel]] decltype(f<...>) f<...>;`` loses its two attribute

@@ -88,10 +88,11 @@ def test_platform_validate_request_applies_limits():
 
 
 def test_prompt_filling_the_context_is_refused_naming_length_and_limit(monkeypatch):
-    """A prompt of exactly ``--max-model-len`` tokens: vLLM's OpenAI server lowers ``max_tokens`` to ``max_model_len -
-    prompt_len`` (``get_max_tokens``, which asks the platform for its own cap) and then
-    rejects its own 0 as "max_tokens must be at least 1, got 0". The platform's cap refuses
-    the prompt instead, naming its length and the limit; one token shorter is served."""
+    """A prompt of exactly ``--max-model-len`` tokens: vLLM's OpenAI server lowers
+    ``max_tokens`` to ``max_model_len - prompt_len`` (``get_max_tokens``, which asks the
+    platform for its own cap) and then rejects its own 0 as "max_tokens must be at least 1,
+    got 0". The platform's cap refuses the prompt instead, naming its length and the limit;
+    one token shorter is served."""
     import types
 
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens

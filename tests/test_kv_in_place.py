@@ -1,6 +1,6 @@
 """KV writes never copy the pool: pointers stay put across prefill and decode, and a decode
 step allocates no pool-sized buffer, however large the pool (MLX silently copies a whole array
-on a slice write when anything else references its buffer; docs/internals.md, "KV writes stay
+on a slice write when anything else references its buffer; docs/dev/architecture.md, "KV writes stay
 in place"). Measured by MLX's allocator (peak memory), not by time.
 
 Both pool kinds are covered: the torch buffer in vLLM's layout adopted by MLX (what the CPU

@@ -9,7 +9,7 @@ v1 with ``memory.move_charge_at_immigrate`` 0, cgroup v2 always), so the cgroup 
 the engine allocates afterwards, and the kernel's OOM killer picks the engine, the only process
 in it. The rest of the machine is never short of memory: other processes are not at risk.
 
-Documented outcome (docs/reliability.md, "Faults"): the engine is SIGKILLed by the OOM killer;
+Documented outcome (docs/troubleshooting.md, "Failures"): the engine is SIGKILLed by the OOM killer;
 the request in flight gets a clean error (an error event in its stream, or HTTP 500), and the
 API server exits by itself (vLLM's engine-death watchdog); it never hangs.
 """

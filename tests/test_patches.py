@@ -129,7 +129,7 @@ def test_offload_region_leaves_dev_shm_where_there_is_none(region_class, tmp_pat
 
 def test_chat_without_template_names_the_flag_and_warns_once(default_model, caplog,
                                                               monkeypatch) -> None:
-    """Chat on a model without a chat template: vLLM's error for chat on a model without a chat template names
+    """Chat on a model without a chat template: vLLM's error names
     ``--chat-template`` (not transformers' "default chat template is no longer allowed"), and
     the first one is logged as a warning (at start-up, where vLLM's renderer warm-up renders
     a chat)."""

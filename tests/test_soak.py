@@ -4,7 +4,7 @@ against scripts/serve.sh, and its response checks on hand-made responses.
 The short variant asserts the correctness checks only (no failed request, every greedy text
 equal to its solo text, nothing running and KV usage 0 at the end, the engine alive); the
 memory and fd drift it measures is printed, not asserted (timings and drift belong to the
-benchmark's full run, see docs/benchmarking.md).
+benchmark's full run, see docs/dev/benchmarks.md).
 """
 
 from __future__ import annotations

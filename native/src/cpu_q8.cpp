@@ -12,7 +12,7 @@
 // is the rounding of x: at most 1/254 of the block's largest |x| per element with one term,
 // 1/65024 with two (1/32512 where the second term saturates at 127). The bias term uses the
 // exact fp32 sums of x.
-// Accuracy on real text: docs/configuration.md ("Quantized-layer arithmetic").
+// Accuracy on real text: docs/features/quantization.md.
 
 #include <algorithm>
 #include <cmath>

@@ -1793,7 +1793,7 @@ int set_gemv_mode(int mode) {
 // layer allow it): up to 4 rows, where it reads the weight at memory speed. Beyond, its cost
 // grows with the rows (the weight's unpacking repeats per 4 of them): the AMX kernels win from
 // 8 rows, and on groups of 16 (no AMX) a Qwen2.5-Coder batch-16 forward was no faster than with
-// the scratch path (docs/configuration.md, "Quantized-layer arithmetic").
+// the scratch path (docs/features/quantization.md).
 bool use_int8(size_t M, size_t K, size_t group_size, int bits) {
   return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 && M <= 4 &&
          vun::q8_usable(K, group_size, bits);
@@ -1801,7 +1801,7 @@ bool use_int8(size_t M, size_t K, size_t group_size, int bits) {
 
 // Whether quantized_linear takes the AMX-INT8 tiles for x [M, K]: modes 3 and 4 from 5 rows,
 // where the integer gemv's cost grows with the rows and the bf16 tiles need three products per
-// x value (Qwen2.5-Coder batch-16 forward and 2,048-token prefill: docs/configuration.md).
+// x value (Qwen2.5-Coder batch-16 forward and 2,048-token prefill: benchmarks/results/HISTORY.md).
 // Groups of 16 (Q6_K, Q3_K, Q2_K) run on these tiles too, which the bf16 tiles cannot take.
 // Up to 16 rows each weight tile is unpacked where it is used (vun::amx_q8_linear_blocks);
 // beyond, the codes are unpacked once per call into a panel (vun::amx_q8_linear_panel).

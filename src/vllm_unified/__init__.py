@@ -3,7 +3,7 @@
 vLLM finds this package through the ``vllm.platform_plugins`` entry point and calls
 :func:`register` in every process (API server, engine core, workers). Nothing here may import
 MLX: MLX is not fork-safe, and vLLM may fork the engine core after loading plugins
-(see ``docs/internals.md``).
+(see ``docs/dev/architecture.md``).
 """
 
 from __future__ import annotations

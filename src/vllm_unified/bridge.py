@@ -9,7 +9,7 @@ the backend can share them, because a silent copy hides writes from the other si
 * :func:`write_rows` is the one way MLX code may *write* into a shared buffer. MLX's own updates
   (``a[idx] = v``, ``mx.slice_update``, ``.at[].add``) never write into memory MLX does not own, or
   into a buffer that a torch view holds: they silently allocate a new buffer and copy the whole
-  array, and torch never sees the write (docs/internals.md, "KV writes stay in place").
+  array, and torch never sees the write (docs/dev/architecture.md, "KV writes stay in place").
 
 What each backend can share (MLX 0.32.4, torch 2.13):
 

@@ -146,8 +146,8 @@ def check_speculative_dependencies(argv: list[str]) -> str | None:
         return None
     return (f"vllm serve: --speculative-config method {method!r} needs the {package!r} "
             f"package (module {module!r}, imported by vLLM's proposer), which is not "
-            f"installed; install it or use method 'ngram' (see docs/configuration.md, "
-            f"speculative decoding)")
+            f"installed; install it or use method 'ngram' (see "
+            f"docs/features/speculative-decoding.md)")
 
 
 def startup_refusal(exc: BaseException) -> StartupRefused | None:

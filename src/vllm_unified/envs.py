@@ -109,7 +109,7 @@ _SETTINGS = (
             "included, on AMX-INT8): the weight codes times x quantized per 32 elements, by "
             "int8 dot products: int16 (x to ~16 bits in two terms), int8 (one term, "
             "llama.cpp's: faster, less exact); fp32 dequantizes exactly "
-            "(docs/configuration.md, \"Quantized-layer arithmetic\")"),
+            "(docs/features/quantization.md)"),
     Setting("VLLM_UNIFIED_GPU_ATTENTION", True, _bool,
             "GPU backends (CUDA, Metal): 0 attends through the reference instead of the paged "
             "kernel"),

@@ -18,7 +18,7 @@ written, the pool can be larger than the memory the host has free when a long re
 it (other processes grew meanwhile, or the budget counted on RAM that is gone). No system call
 fails then: on Linux the kernel's OOM killer ends the largest process, the engine, with SIGKILL
 (vLLM's API server then fails every request in flight with an error and exits; see
-docs/reliability.md), and macOS swaps. :func:`commit_shortfall` says at start-up when the pool
+docs/troubleshooting.md), and macOS swaps. :func:`commit_shortfall` says at start-up when the pool
 could outgrow what is free; ``VLLM_UNIFIED_KV_EAGER_ZERO=1`` commits the whole pool at start
 instead, so a shortage fails start-up rather than a request.
 

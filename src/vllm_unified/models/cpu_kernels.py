@@ -1,7 +1,7 @@
 """Route mlx-lm's linears and SwiGLU to the native CPU kernels (MLX's CPU backend, fp32).
 
 Three costs dominate a decode step of a small model on MLX 0.32.4's CPU backend (figures:
-docs/benchmarking.md, ``benchmarks/decode_forward.py``):
+docs/dev/benchmarks.md, ``benchmarks/decode_forward.py``):
 
 * **Linears at decode batch sizes.** MLX calls BLAS ``sgemm`` for ``x @ w.T`` even for one row,
   and OpenBLAS packs the whole weight into its panel layout on every call: the weights are
@@ -41,7 +41,7 @@ from vllm_unified import bridge, envs, patches
 _original_swiglu = mlx_activations.swiglu
 
 #: Inputs with more rows than this keep MLX's matmul (OpenBLAS): measured crossover 32-64 rows
-#: on a 2-core AVX-512 machine (docs/configuration.md, "Native kernels on the CPU backend").
+#: on a 2-core AVX-512 machine (docs/dev/architecture.md, "Native CPU kernels").
 MAX_NATIVE_ROWS = 32
 
 
@@ -94,10 +94,10 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
     kernel, then MLX's matmul (BLAS), the dense copy dropped after the call. Either way the
     result is bit-identical to the same layer dequantized at load (``mx.dequantize``), except
     where :func:`amx_takes` (from ``AMX_MIN_ROWS`` rows, at any size): on bf16 tiles
-    fp32-accurate, not the same bits (docs/configuration.md, "AMX tiles"), and where the native
+    fp32-accurate, not the same bits (docs/features/quantization.md), and where the native
     ``int8_runs`` or ``amx_int8_runs`` (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8; the
     latter at any size from 5 rows): x quantized per 32 elements, times the codes by int8 dot
-    products (docs/configuration.md, "Quantized-layer arithmetic").
+    products (docs/features/quantization.md).
 
     The layer's format was checked when :func:`install_cpu_kernels` routed it (this runs ~200
     times per decode step); a parameter changed since then gets the kernels' TypeError."""
@@ -120,7 +120,7 @@ def amx_takes(rows: int, in_features: int, group_size: int, bits: int) -> bool:
     tiles' ``amx_runs`` (at least ``AMX_MIN_ROWS`` rows, the CPU has AMX and
     ``VLLM_UNIFIED_CPU_ISA`` allows it, the input size and quantization groups are whole
     32-element tile rows). Either beats dequantize + BLAS at prefill sizes
-    (docs/configuration.md, "AMX tiles")."""
+    (docs/features/quantization.md)."""
     native = bridge.native_kernels()
     return native is not None and (native.amx_int8_runs(rows, in_features, group_size, bits)
                                    or native.amx_runs(rows, in_features, group_size))
@@ -267,7 +267,7 @@ def keep_quantized_on_cpu(dtype: mx.Dtype) -> bool:
     Yes when the native kernels run its layers: compute dtype fp32 and the extension built,
     unless ``VLLM_UNIFIED_CPU_QUANTIZED=0`` (any value but 0/1 raises ValueError). Otherwise
     the loader dequantizes the weights once to ``dtype``: MLX 0.32.4's own quantized matmul
-    runs on one core (docs/configuration.md, "Quantized weights on the CPU backend").
+    runs on one core (docs/features/quantization.md).
     """
     if not envs.read(envs.CPU_QUANTIZED_ENV):
         return False

@@ -1,7 +1,7 @@
 """mlx-lm attention layers whose pure-decode steps hand the raw projections to the GPU kernels.
 
 Why: on a GPU backend a decode step of a small model is bound by the host encoding one MLX
-primitive after another (docs/benchmarking.md). Between its projections and its attention a
+primitive after another (docs/dev/benchmarks.md). Between its projections and its attention a
 llama-style layer runs a query norm, a key norm (Qwen3) and two RoPE rotations: four kernel
 launches per layer and step that the KV write and the paged attention kernel can do on the
 heads they load anyway (:mod:`vllm_unified.kv.attention.qk_prologue`).

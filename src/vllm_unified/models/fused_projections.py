@@ -2,7 +2,7 @@
 ``QKVParallelLinear`` and ``MergedColumnParallelLinear``, done on a loaded mlx-lm model).
 
 Why: on a GPU a decode step of a small model is bound by host work per primitive (MLX
-encodes and launches every primitive of the step; docs/benchmarking.md, CUDA section), so
+encodes and launches every primitive of the step; docs/dev/benchmarks.md, GPU decode), so
 three matmuls over the same input cost about three times one matmul of their summed width.
 
 How, without rewriting mlx-lm's model code: its layers call ``q_proj(x)``, ``k_proj(x)`` and

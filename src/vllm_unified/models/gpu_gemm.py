@@ -4,7 +4,7 @@ Why: MLX 0.32.4's CUDA matmul of more than one row calls cuBLASLt, and every cal
 compiled graphs included, builds its matrix descriptors, asks cuBLASLt's heuristic for an
 algorithm and captures the launch into a child CUDA graph (``mlx/backend/cuda/matmul.cpp``,
 ``gemms/cublas_gemm.cpp``, ``cublas_utils.cpp``); one row takes MLX's own gemv kernel instead.
-A decode step is bound by that host work (docs/benchmarking.md, CUDA section), and a
+A decode step is bound by that host work (docs/dev/benchmarks.md, GPU decode), and a
 Qwen3-0.6B step at batch 16 holds 169 such matmuls. This kernel is one ``mx.fast.cuda_kernel``
 launch per linear, and it writes a fused projection's parts (q/k/v, gate/up) as separate
 row-contiguous arrays, so the fused matmul serves every row count (MLX's RMSNorm and the KV

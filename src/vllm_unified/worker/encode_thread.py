@@ -2,7 +2,7 @@
 
 Why: on a GPU backend a decode step of a small model is bound by host work, and most of it is
 MLX encoding the step (``mx.async_eval``: every primitive's launch, several milliseconds on
-CUDA; docs/benchmarking.md). With asynchronous scheduling vLLM's engine, in the same thread,
+CUDA; docs/dev/benchmarks.md). With asynchronous scheduling vLLM's engine, in the same thread,
 then processes the previous step's output and schedules the next step: Python that does not
 touch MLX. ``mx.async_eval`` releases the GIL, so running it on a second thread lets the two
 overlap instead of adding up.

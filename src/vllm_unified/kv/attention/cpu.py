@@ -14,7 +14,7 @@ the block table, all query heads of a KV head together, ``exp`` vectorized. Deco
 chunks need no separate groups, concatenation or reordering. The (row, KV head) items are split over
 the kernel threads (``VLLM_UNIFIED_CPU_THREADS``); each item's arithmetic depends on its own row
 alone, so a row's output has the same bits whatever else the step holds. Head sizes 64, 128 and 256
-keep the dot products and the output in 16-wide registers (its speed: docs/benchmarking.md). It
+keep the dot products and the output in 16-wide registers (its speed: docs/dev/benchmarks.md). It
 computes the reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference
 for fp32, fp16 and bf16 pools, mixed steps, with and without a window.
 """

@@ -5,7 +5,7 @@ and key head (Qwen3's ``q_norm`` / ``k_norm``, RMSNorm over the head) and rotate
 position (RoPE): in mlx-lm four MLX primitives per layer and step (two ``rms_norm``, two
 ``rope``), each a kernel launch that MLX encodes on the host. In a pure-decode step on a GPU
 backend these four are what the host spends its time on next to the matmuls
-(docs/benchmarking.md), so there they are folded into the two kernels that run anyway: the KV
+(docs/dev/benchmarks.md), so there they are folded into the two kernels that run anyway: the KV
 write normalises and rotates each key head before it stores it
 (:func:`vllm_unified.kv.gpu.write.write_kv_qk_gpu`), and the paged attention kernel each query
 head as it loads it (:mod:`vllm_unified.kv.gpu.paged`). Values pass unchanged.

@@ -63,8 +63,8 @@ MAX_Q_TILE = 16
 #: Prefill chunks after cached context longer than this many rows go to MLX's SDPA over keys
 #: gathered from the pool instead of the kernel (fp32 scalar dot products and SIMD
 #: reductions): on the H200, over 2,048 keys, the kernel was faster than gather + SDPA up to
-#: 16 rows and 10x slower at 512 (docs/benchmarking.md, run J). The kernel serves decode rows
-#: and short chunks (speculative verification, small chunked-prefill tails).
+#: 16 rows and 10x slower at 512 (benchmarks/results/HISTORY.md, run J). The kernel serves
+#: decode rows and short chunks (speculative verification, small chunked-prefill tails).
 MAX_KERNEL_CHUNK = 16
 #: Registers of one thread group on CUDA (64 K) and the fp32 values of the query and
 #: accumulator vectors one lane may hold (``2 x QT x G x D / 32``), kept well below the

@@ -2,14 +2,14 @@
 
 MLX's scatter (``pool[slots] = rows``) donates its input buffer on the CPU backend, but on MLX
 0.32.4's CUDA backend it copies the whole pool first (a write of a few rows costs the time of one
-full copy; docs/benchmarking.md): per layer and step, a copy of the layer's whole pool. Instead, a
-small GPU kernel writes the rows straight into the buffer of its destination input and returns a
-one-element token; the array handed on is ``mx.depends(dst, token)``, which shares the
-destination's buffer and orders MLX's evaluation after the write. Inside one evaluation the GPU
-does not see that order (it orders kernels by the buffers they output, and the write outputs
-only its token), so a kernel that reads the written buffer in the same evaluation takes the
-token itself as an input (:func:`ordered_after`; the paged attention kernels' ``after``); later
-evaluations run after it on CUDA's one stream (docs/internals.md, "KV writes stay in place").
+full copy; benchmarks/results/HISTORY.md): per layer and step, a copy of the layer's whole pool.
+Instead, a small GPU kernel writes the rows straight into the buffer of its destination input and
+returns a one-element token; the array handed on is ``mx.depends(dst, token)``, which shares the
+destination's buffer and orders MLX's evaluation after the write. Inside one evaluation the GPU does
+not see that order (it orders kernels by the buffers they output, and the write outputs only its
+token), so a kernel that reads the written buffer in the same evaluation takes the token itself as
+an input (:func:`ordered_after`; the paged attention kernels' ``after``); later evaluations run
+after it on CUDA's one stream (docs/dev/architecture.md, "KV writes stay in place").
 MLX's value semantics are bypassed on purpose, exactly as the CPU backend's native
 ``write_rows`` does.
 
