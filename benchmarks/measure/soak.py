@@ -1,8 +1,8 @@
 """Soak: thousands of mixed requests against the default model served as the README serves it;
 every response checked, memory and file descriptors sampled over time.
 
-    .venv/bin/python benchmarks/soak.py                                  # full: 2,000 at 16
-    .venv/bin/python benchmarks/soak.py --requests 150 --concurrency 8   # short (the test's)
+    .venv/bin/python benchmarks/serve.py soak                                  # full: 2,000 at 16
+    .venv/bin/python benchmarks/serve.py soak --requests 150 --concurrency 8   # short (the test's)
 
 **The server** is ``vllm serve <SmolLM2 GGUF> --host 127.0.0.1 --port PORT
 --gpu-memory-utilization 0.5 --served-model-name SmolLM2-135M-Instruct --max-model-len 2048``:
@@ -67,14 +67,16 @@ from typing import Any
 
 import psutil
 import requests
-import soak_traffic as traffic
-from real_models import smollm2_gguf
-from run_env import machine_info, versions, write_result
 
-from vllm_unified.envs import MEMORY_LOG_ENV
-from vllm_unified.memory.mlx_log import parse_line
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import soak_traffic as traffic  # noqa: E402
+from harness import machine_info, versions, write_result  # noqa: E402
+from real_models import smollm2_gguf  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+from vllm_unified.envs import MEMORY_LOG_ENV  # noqa: E402
+from vllm_unified.memory.mlx_log import parse_line  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
 #: What scripts/serve.sh adds to ``vllm serve <gguf>`` for the default model, in its order
