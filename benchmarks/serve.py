@@ -261,21 +261,18 @@ def add_compare_args(ap: argparse.ArgumentParser) -> None:
                          "scripts/build_llama_server.sh puts it)")
 
 
-def delegate(module: str):
-    """A subcommand that hands its arguments to ``measure/<module>.py``'s ``main(argv)``."""
-    def run(argv: list[str]) -> int:
-        return __import__(module).main(argv) or 0
-    return run
-
-
-DELEGATED = {"soak": delegate("soak"), "prefix-cache": delegate("prefix_cache_bound"),
-             "fuzz": delegate("fuzz_api")}
+#: Subcommands run as their ``benchmarks/measure/`` module (:func:`harness.dispatch`).
+DELEGATED = {
+    "soak": ("soak", "mixed traffic with response checks, memory and fd drift"),
+    "prefix-cache": ("prefix_cache_bound", "the soak, bounded prefix cache vs vLLM's order"),
+    "fuzz": ("fuzz_api", "generated requests against every endpoint; no 5xx, no hang"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
-        return DELEGATED[argv[0]](argv[1:])
+        return harness.dispatch(__doc__, DELEGATED, argv)
     if argv and argv[0] == "compare":
         argv = argv[1:]
     ap = argparse.ArgumentParser(

@@ -4,12 +4,12 @@ run, with the default bound (``VLLM_UNIFIED_PREFIX_CACHE_RETAIN`` unset: the flo
 vLLM's own order (``all``: every freed block kept, the lazy pool committed as fresh blocks are
 written).
 
-Each contender is one ``benchmarks/serve.py soak`` run (its own server, the README's command,
-the same ``--seed`` and so the same requests) in the order bound, all, bound, all ... for
-``--rounds`` rounds; every response is checked as the soak checks it. Printed per contender: load time and
-requests/s, the KV pool's resident MiB at the drift start, at its maximum and at the end, and
-the engine's RSS; the ratios (bound / all) are per round, from the two runs of that round. Run
-on a quiet machine. Writes ``benchmarks/results/prefix_cache_bound-<ts>.json``.
+Each contender is one ``benchmarks/serve.py soak`` run (its own server, the README's command, the
+same ``--seed`` and so the same requests) in the order bound, all, bound, all ... for ``--rounds``
+rounds; every response is checked as the soak checks it. Printed per contender: load time and
+requests/s, the KV pool's resident MiB at the drift start, at its maximum and at the end, and the
+engine's RSS; the ratios (bound / all) are per round, from the two runs of that round. Run on a
+quiet machine. Writes ``benchmarks/results/prefix_cache_bound-<ts>.json``.
 
     .venv/bin/python benchmarks/serve.py prefix-cache                 # 400 requests, 1 round
     .venv/bin/python benchmarks/serve.py prefix-cache --requests 1000 --rounds 2
