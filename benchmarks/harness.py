@@ -19,6 +19,7 @@ import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -500,21 +501,37 @@ def add_common_args(ap: argparse.ArgumentParser, model: bool = True) -> None:
                     help="seconds a server may take to become healthy")
 
 
-def ratio_table(rows: dict[str, dict[str, float]], baseline: str,
+def median_ratios(runs: dict[str, list[dict]], baseline: str, keys: Sequence[str]) -> dict:
+    """Per contender of ``runs`` (name -> one dict of metrics per round, rounds run back to back
+    across contenders): the median over rounds of each metric ``key`` and, as ``key_ratio``, the
+    median of its per-round ratio to ``baseline``'s value in the same round (None where a
+    value is missing)."""
+    summary: dict[str, dict] = {}
+    for name, rounds in runs.items():
+        entry: dict[str, float | None] = {}
+        for key in keys:
+            values = [r[key] for r in rounds if r.get(key) is not None]
+            entry[key] = statistics.median(values) if values else None
+            ratios = [r[key] / b[key] for r, b in zip(rounds, runs[baseline], strict=True)
+                      if r.get(key) and b.get(key)]
+            entry[f"{key}_ratio"] = statistics.median(ratios) if ratios else None
+        summary[name] = entry
+    return summary
+
+
+def ratio_table(summary: dict[str, dict], baseline: str,
                 metrics: Sequence[tuple[str, str]]) -> str:
-    """A Markdown table: one row per contender of ``rows`` (name -> metric -> value), each
-    metric followed by its ratio to ``baseline``'s value. ``metrics`` are (key, heading)."""
+    """A Markdown table of :func:`median_ratios`' ``summary``: a row per contender, each metric
+    (key, heading) followed by its ratio to ``baseline``."""
     head = ["contender"]
     for _, title in metrics:
         head += [title, f"x {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
-    base = rows.get(baseline, {})
-    for name, values in rows.items():
+    for name, entry in summary.items():
         cells = [name]
         for key, _ in metrics:
-            v, b = values.get(key), base.get(key)
-            cells.append("-" if v is None else f"{v:.1f}")
-            cells.append(f"{v / b:.3f}" if v is not None and b else "-")
+            v, r = entry.get(key), entry.get(f"{key}_ratio")
+            cells += ["-" if v is None else f"{v:.1f}", "-" if r is None else f"{r:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -15,7 +15,8 @@ Subcommands:
 folder put first on the server's ``PYTHONPATH``, so that two checkouts of this project meet in
 one run. All servers are started first (one at a time) and stay up; then for each concurrency
 level and each of ``--rounds`` rounds every contender gets the same load in turn, the order
-reversed every other round, so that the machine's drift hits them alike. The load per run is
+reversed every other round and level, so that the machine's drift hits them alike (idle
+servers wait on their sockets meanwhile). The load per run is
 ``vllm bench serve --dataset-name random`` (``--input-len`` random tokens, ``--output-len``
 output tokens with EOS ignored, temperature 0, ``--num-prompts`` at most C in flight, the same
 seed and so the same prompts for every contender), preceded by C warm-up requests. Printed per
@@ -43,7 +44,6 @@ import json
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -145,29 +145,9 @@ def run_once(server: harness.Running, tokenizer: Path, args, conc: int, num_prom
 
 
 def level_table(runs: dict[str, list[dict]], baseline: str) -> tuple[str, dict]:
-    """The table of one level: per contender the median over rounds of each metric and of its
-    per-round ratio to ``baseline`` (rounds pair the contenders run back to back)."""
-    summary: dict[str, dict] = {}
-    for name, rounds in runs.items():
-        entry: dict[str, float | None] = {}
-        for key, _ in METRICS:
-            values = [r[key] for r in rounds if r.get(key) is not None]
-            entry[key] = statistics.median(values) if values else None
-            ratios = [r[key] / b[key] for r, b in zip(rounds, runs[baseline], strict=True)
-                      if r.get(key) and b.get(key)]
-            entry[f"{key}_ratio"] = statistics.median(ratios) if ratios else None
-        summary[name] = entry
-    head = ["contender"]
-    for _, title in METRICS:
-        head += [title, f"x {baseline}"]
-    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
-    for name, entry in summary.items():
-        cells = [name]
-        for key, _ in METRICS:
-            v, r = entry[key], entry[f"{key}_ratio"]
-            cells += ["-" if v is None else f"{v:.1f}", "-" if r is None else f"{r:.3f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines), summary
+    """The table of one level and its summary (:func:`harness.median_ratios`)."""
+    summary = harness.median_ratios(runs, baseline, [key for key, _ in METRICS])
+    return harness.ratio_table(summary, baseline, METRICS), summary
 
 
 def compare(args: argparse.Namespace) -> int:
@@ -209,11 +189,11 @@ def compare(args: argparse.Namespace) -> int:
                 "src": str(spec.src) if spec.src else None,
                 "git": harness.git_revision(spec.src) if spec.src else harness.git_revision(),
                 "startup_s": server.startup_s}
-        for conc in args.concurrency:
+        for level, conc in enumerate(args.concurrency):
             n = args.num_prompts or max(4 * conc, 8)
             runs: dict[str, list[dict]] = {s.spec.name: [] for s in servers}
             for rnd in range(args.rounds):
-                for server in (servers if rnd % 2 == 0 else servers[::-1]):
+                for server in (servers if (level + rnd) % 2 == 0 else servers[::-1]):
                     tag = f"c{conc}-r{rnd}-{server.spec.name}"
                     t0 = time.perf_counter()
                     r = run_once(server, tokenizer, args, conc, n, out_dir, tag)
