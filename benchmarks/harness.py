@@ -257,13 +257,15 @@ SERVER_KINDS = ("ours", "vllm-cpu", "mlx-lm", "llama-server")
 @dataclass
 class ServerSpec:
     """One server to start: ``cmd`` (without host and port, which :func:`running` adds) in
-    ``env``. ``request_fields`` are JSON fields every request to it needs (EOS handling etc.)."""
+    ``env``. Requests name the model ``served_name``; ``request_fields`` are JSON fields every
+    request to it needs (EOS handling etc.)."""
 
     name: str
     kind: str
     description: str
     cmd: list[str]
     env: dict[str, str]
+    served_name: str
     ignore_eos: bool = True
     request_fields: dict[str, object] = field(default_factory=dict)
     src: Path | None = None
@@ -395,12 +397,12 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
             env = source_env(env, src)
         return ServerSpec(name, kind, f"vllm serve + vllm-unified (MLX), GGUF kept quantized, "
                           f"{where}", [vllm, "serve", str(served_dir(opts.gguf)), *common,
-                                       *extra], env, src=src)
+                                       *extra], env, opts.served_name, src=src)
     if kind == "vllm-cpu":
         return ServerSpec(name, kind, "vllm serve, VLLM_PLUGINS=none (vLLM's CPU backend), "
                           "fp32 weights", [vllm, "serve", str(fp32_dir(opts.gguf)), "--dtype",
                                            "float32", *common, *extra],
-                          {**env, "VLLM_PLUGINS": "none"})
+                          {**env, "VLLM_PLUGINS": "none"}, opts.served_name)
     if kind == "mlx-lm":
         model = fp32_dir(opts.gguf)
         blas = platform_blas()
@@ -408,18 +410,19 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
             env["LD_PRELOAD"] = ":".join(x for x in (str(blas), env.get("LD_PRELOAD")) if x)
         # mlx_lm.server knows no ignore_eos; a -1e9 bias on every EOS id does the same.
         # logprobs: vllm bench serve sends null, which mlx_lm.server refuses (it wants a bool).
+        # The model is named "default_model": mlx_lm.server loads any other name as a new model.
         fields = {"logit_bias": {str(i): -1e9 for i in eos_ids(model)}, "logprobs": False}
         return ServerSpec(name, kind, f"mlx_lm.server (MLX), fp32 weights, BLAS "
                           f"{blas or 'bundled'}", [sys.executable, "-m", "mlx_lm.server",
                                                    "--model", str(model), *extra],
-                          env, ignore_eos=False, request_fields=fields)
+                          env, "default_model", ignore_eos=False, request_fields=fields)
     binary = llama_server_binary(opts.llama_server)
     threads = os.cpu_count() or 1
     return ServerSpec(name, kind, f"llama.cpp llama-server ({binary}), the GGUF, {opts.slots} "
                       f"slots, {threads} threads",
                       [str(binary), "-m", str(opts.gguf), "--alias", opts.served_name,
                        "-np", str(opts.slots), "-c", str(opts.slots * opts.max_model_len),
-                       "-t", str(threads), "--seed", "0", *extra], env)
+                       "-t", str(threads), "--seed", "0", *extra], env, opts.served_name)
 
 
 def wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float) -> float:

@@ -32,7 +32,8 @@ Why each contender speaks to ``vllm bench serve`` as it does:
   one tokenizer makes the prompts and the token counts the same for all;
 * ``mlx-lm`` has no ``ignore_eos``: it gets ``logit_bias`` -1e9 on the EOS ids through
   ``--extra-body``, and ``logprobs: false`` (the client sends ``null``, which mlx_lm.server
-  refuses); it reads no GGUF, so it serves the fp32 export, as vLLM's CPU backend does;
+  refuses), and names the model ``default_model`` (mlx_lm.server loads any other name as a
+  new model); it reads no GGUF, so it serves the fp32 export, as vLLM's CPU backend does;
 * ``llama-server`` serves ``/v1/completions`` in the OpenAI format; where its stream carries no
   ``usage``, ``vllm bench serve`` counts the streamed text's tokens with the tokenizer.
 """
@@ -87,7 +88,7 @@ def bench_command(base_url: str, tokenizer: Path, spec: harness.ServerSpec, args
                   num_prompts: int, out_dir: Path, filename: str) -> list[str]:
     """``vllm bench serve`` for one run of ``num_prompts`` at concurrency ``conc``."""
     cmd = [str(harness.VENV_BIN / "vllm"), "bench", "serve", "--backend", "openai",
-           "--base-url", base_url, "--endpoint", "/v1/completions", "--model", SERVED_NAME,
+           "--base-url", base_url, "--endpoint", "/v1/completions", "--model", spec.served_name,
            "--tokenizer", str(tokenizer), "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len",
            str(args.output_len), "--num-prompts", str(num_prompts), "--max-concurrency",

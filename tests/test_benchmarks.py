@@ -90,6 +90,7 @@ def test_mlx_lm_gets_eos_bias_instead_of_ignore_eos(serve, harness, tmp_path: Pa
     cmd = serve.bench_command("http://x:1", tmp_path, spec, serve_args(serve), 4, 16, tmp_path,
                               "r.json")
     assert "--ignore-eos" not in cmd
+    assert cmd[cmd.index("--model") + 1] == "default_model"  # any other name loads a model
     assert cmd[cmd.index("--extra-body") + 1] == (
         '{"logit_bias": {"2": -1000000000.0, "7": -1000000000.0}, "logprobs": false}')
 
