@@ -94,8 +94,8 @@ def bench_command(base_url: str, tokenizer: Path, spec: harness.ServerSpec, args
            str(args.output_len), "--num-prompts", str(num_prompts), "--max-concurrency",
            str(conc), "--num-warmups", str(conc), "--temperature", "0", "--seed",
            str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
-           "50,99", "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
-           "--result-filename", filename]
+           "50,99", "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir",
+           str(out_dir), "--result-filename", filename]
     if spec.ignore_eos:
         cmd.append("--ignore-eos")
     if spec.request_fields:
@@ -140,8 +140,6 @@ def run_once(server: harness.Running, tokenizer: Path, args, conc: int, num_prom
     if server.spec.kind == "ours":
         result["decode_step_ms"] = decode_profile(
             server.log_path.read_text(errors="replace")[seen:])
-    if raw.get("failed"):
-        print(f"   {tag}: {raw['failed']} requests failed (see {out_dir / filename})")
     return result
 
 
@@ -178,6 +176,7 @@ def compare(args: argparse.Namespace) -> int:
     result: dict = {"model": str(gguf), "baseline": baseline, "input_len": args.input_len,
                     "output_len": args.output_len, "rounds": args.rounds, "seed": args.seed,
                     "versions": harness.versions(), "contenders": {}, "levels": {}}
+    failures: list[str] = []
     harness.stop_on_sigterm()
     with ExitStack() as stack:
         servers = []
@@ -199,6 +198,11 @@ def compare(args: argparse.Namespace) -> int:
                     t0 = time.perf_counter()
                     r = run_once(server, tokenizer, args, conc, n, out_dir, tag)
                     runs[server.spec.name].append(r)
+                    if r["failed"] or r["completed"] != n:
+                        failures.append(f"{tag}: {r['completed']} of {n} requests completed "
+                                        f"(errors in {out_dir / (tag + '.json')}, server log "
+                                        f"{server.log_path})")
+                        print(f"   FAILED {failures[-1]}", flush=True)
                     print(f"   C={conc} round {rnd} {server.spec.name}: "
                           f"{r['output_throughput']:.1f} tok/s, TTFT {r['mean_ttft_ms']:.0f} ms,"
                           f" TPOT {r['mean_tpot_ms']:.1f} ms "
@@ -207,9 +211,12 @@ def compare(args: argparse.Namespace) -> int:
             print(f"\nconcurrency {conc}, {n} prompts x {args.rounds} round(s), "
                   f"{args.input_len} in / {args.output_len} out tokens\n{table}\n", flush=True)
             result["levels"][str(conc)] = {"num_prompts": n, "summary": summary, "runs": runs}
-    result["machine"] = harness.machine_info(load_before, os.getloadavg())
-    harness.write_result("serve-compare", ts, result, args.results_dir)
-    return 0
+            result["failures"] = failures
+            result["machine"] = harness.machine_info(load_before, os.getloadavg())
+            harness.write_result("serve-compare", ts, result, args.results_dir)  # per level
+    for failure in failures:
+        print(f"FAILED {failure}")
+    return 1 if failures else 0
 
 
 def parse_server_args(text: str) -> tuple[str, list[str]]:
