@@ -223,10 +223,7 @@ def default_gguf() -> Path:
     without importing it). SystemExit when it is not installed."""
     from real_models import smollm2_gguf
 
-    try:
-        return smollm2_gguf()
-    except FileNotFoundError as e:
-        raise SystemExit(f"{e}; pass --model FILE.gguf") from e
+    return smollm2_gguf()
 
 
 def served_dir(gguf: Path) -> Path:

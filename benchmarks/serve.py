@@ -35,7 +35,12 @@ Why each contender speaks to ``vllm bench serve`` as it does:
   refuses), and names the model ``default_model`` (mlx_lm.server loads any other name as a
   new model); it reads no GGUF, so it serves the fp32 export, as vLLM's CPU backend does;
 * ``llama-server`` serves ``/v1/completions`` in the OpenAI format; where its stream carries no
-  ``usage``, ``vllm bench serve`` counts the streamed text's tokens with the tokenizer.
+  ``usage``, ``vllm bench serve`` counts the streamed text's tokens with the tokenizer;
+* ``vllm bench serve`` runs as ``measure/bench_client.py`` (vLLM's own ``main``), which drops
+  SSE comment events before vLLM's parser reads the stream: mlx_lm.server sends
+  ``: keepalive`` comments while it processes a prompt, and vLLM's parser, which strips each
+  socket read before parsing, glues every later event to such a comment (first token only at
+  the end, or a failed request). All contenders go through the same client.
 """
 
 from __future__ import annotations
@@ -86,8 +91,9 @@ def parse_contender(text: str) -> tuple[str, str, Path | None]:
 
 def bench_command(base_url: str, tokenizer: Path, spec: harness.ServerSpec, args, conc: int,
                   num_prompts: int, out_dir: Path, filename: str) -> list[str]:
-    """``vllm bench serve`` for one run of ``num_prompts`` at concurrency ``conc``."""
-    cmd = [str(harness.VENV_BIN / "vllm"), "bench", "serve", "--backend", "openai",
+    """``vllm bench serve`` for one run of ``num_prompts`` at concurrency ``conc``, through
+    ``measure/bench_client.py`` (vLLM's client with SSE comments dropped, see there)."""
+    cmd = [sys.executable, str(harness.MEASURE / "bench_client.py"), "--backend", "openai",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", spec.served_name,
            "--tokenizer", str(tokenizer), "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len",

@@ -109,8 +109,8 @@ def test_bench_command_carries_the_load(serve, harness, tmp_path: Path) -> None:
     assert (args.input_len, args.output_len, args.concurrency) == (128, 64, [1, 4, 16])
     cmd = serve.bench_command("http://127.0.0.1:9", tmp_path / "tok", spec, args, 16, 64,
                               tmp_path, "r.json")
-    assert cmd[1:3] == ["bench", "serve"] and "--ignore-eos" in cmd
-    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert cmd[1].endswith("bench_client.py") and "--ignore-eos" in cmd
+    flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
     assert flags["--backend"] == "openai" and flags["--endpoint"] == "/v1/completions"
     assert flags["--dataset-name"] == "random" and flags["--tokenizer"] == str(tmp_path / "tok")
     assert (flags["--random-input-len"], flags["--random-output-len"]) == ("128", "64")
@@ -156,4 +156,26 @@ def test_every_measurement_is_reachable() -> None:
     reached |= {"soak", "prefix_cache_bound", "fuzz_api"}  # serve.py's subcommands
     present = {p.stem for p in (BENCH / "measure").glob("*.py")}
     assert reached <= present
-    assert present - reached == {"soak_traffic"}  # the soak's traffic, imported by soak.py
+    # the soak's traffic (imported by soak.py) and serve.py's load client
+    assert present - reached == {"soak_traffic", "bench_client"}
+
+
+def test_bench_client_drops_sse_comments() -> None:
+    """The load client's stream reader: whole events in order, comments left out, however the
+    bytes are cut into socket reads."""
+    import asyncio
+
+    spec = importlib.util.spec_from_file_location("bench_client", BENCH / "measure" /
+                                                  "bench_client.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    stream = b': keepalive 3/4\n\ndata: {"a": 1}\n\n: keepalive\n\ndata: [DONE]\n\n'
+
+    async def reads(self):
+        for i in range(0, len(stream), 5):
+            yield stream[i:i + 5]
+
+    async def collect() -> list[bytes]:
+        return [e async for e in mod._events_without_comments(reads)(None)]
+
+    assert asyncio.run(collect()) == [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
