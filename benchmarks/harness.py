@@ -370,8 +370,9 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
       (the GGUF kept quantized), with ``src`` first on ``PYTHONPATH`` when given;
     * ``vllm-cpu``: the same command with ``VLLM_PLUGINS=none`` (vLLM's own CPU backend) on
       :func:`fp32_dir`'s weights, ``--dtype float32``;
-    * ``mlx-lm``: ``python -m mlx_lm.server`` on the fp32 weights (mlx-lm reads no GGUF) with
-      our platform's BLAS preloaded, so that engine meets engine, not BLAS meets BLAS;
+    * ``mlx-lm``: ``python -m mlx_lm.server`` on the fp32 weights (mlx-lm loads only
+      ``model*.safetensors``, no GGUF) with our platform's BLAS preloaded, so that engine meets
+      engine, not BLAS meets BLAS;
     * ``llama-server``: llama.cpp's server on the GGUF file itself, ``opts.slots`` slots of
       ``max_model_len`` tokens each, every CPU.
 
