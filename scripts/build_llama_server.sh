@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server`, the CPU anchor of benchmarks/serve_compare.py (contender
-# `llama_server`), from the llama.cpp tree that the llama-cpp-python sdist carries.
+# Build llama.cpp's `llama-server`, the CPU anchor of benchmarks/serve.py (contender
+# `llama-server`), from the llama.cpp tree that the llama-cpp-python sdist carries.
 #
 #   scripts/build_llama_server.sh          # prints the binary's path (builds it once)
 #

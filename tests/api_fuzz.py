@@ -16,7 +16,7 @@ carries an error event of a server error, no request hangs (``timeout_s``), and 
 batch the server answers ``/health`` and a fixed greedy completion with the same text as
 before the first batch. Failures are recorded, not raised, so one run reports them all.
 
-Used by ``tests/test_fuzz_api.py`` (a few hundred requests) and ``benchmarks/fuzz_api.py``
+Used by ``tests/test_fuzz_api.py`` (a few hundred requests) and ``benchmarks/serve.py fuzz``
 (thousands, with a result file).
 """
 

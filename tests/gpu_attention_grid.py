@@ -1,7 +1,7 @@
 """The shape grid every dialect of the paged GPU attention kernel is checked on.
 
 Used by ``tests/test_gpu_attention.py`` (the Metal dialect through the CPU emulation) and by
-``benchmarks/cuda_decode.py`` (the CUDA dialect on the H200; ``benchmarks/cuda_h200.sh pack``
+``benchmarks/cuda.py decode`` (the CUDA dialect on the H200; ``benchmarks/cuda_h200.sh pack``
 copies this file next to it), so both check the same cases against the same oracle: the
 pure-MLX reference ``paged_attention_kv(..., accelerate=False)`` evaluated in fp32 over the
 same (dtype-rounded) queries and pool.

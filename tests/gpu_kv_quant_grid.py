@@ -1,7 +1,7 @@
 """The cases every dialect of the quantized-KV GPU kernels is checked on.
 
 Used by ``tests/test_gpu_kv_quant.py`` (the Metal dialect through the CPU emulation) and by
-``benchmarks/cuda_decode.py`` (the CUDA dialect on the H200; ``benchmarks/cuda_h200.sh pack``
+``benchmarks/cuda.py decode`` (the CUDA dialect on the H200; ``benchmarks/cuda_h200.sh pack``
 copies this file and ``gpu_attention_grid.py`` next to it), so both check the same cases
 against the same expectations:
 

@@ -9,7 +9,7 @@ each request the fuzzer found answered with a 5xx before its fix, sent as a plai
 its expected 4xx and message; then a short fuzz run (:mod:`api_fuzz`, a few hundred requests
 over every operation of ``/openapi.json`` and our generation strategies): no response >= 500,
 no server-error event in a stream, no hang, and the server healthy with the same greedy text
-after every batch. ``benchmarks/fuzz_api.py`` runs the same with thousands of requests.
+after every batch. ``benchmarks/serve.py fuzz`` runs the same with thousands of requests.
 """
 
 from __future__ import annotations

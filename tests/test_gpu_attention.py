@@ -2,7 +2,7 @@
 the kernel body's Metal dialect through the CPU emulation, against the pure-MLX reference.
 
 The kernel itself runs only on a GPU backend (its CUDA dialect is checked on the H200 by
-``benchmarks/cuda_decode.py`` on the same grid, :mod:`gpu_attention_grid`). Here:
+``benchmarks/cuda.py decode`` on the same grid, :mod:`gpu_attention_grid`). Here:
 
 * the tile builder against a plain loop (exact);
 * the step plan (which rows the kernel takes, which chunks MLX's SDPA takes over their fresh

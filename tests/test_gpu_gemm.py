@@ -9,7 +9,7 @@ The kernel is CUDA only (PTX ``mma.sync``), so it cannot run here. What runs her
   registers by the PTX ISA's fragment layouts for ``mma.m16n8k16`` with 16-bit inputs. Equal
   to the fp32 product, it shows the body's k permutation and output mapping are consistent
   with those layouts; the CUDA instance itself is checked on the lent GPU
-  (``benchmarks/cuda_decode.py``, ``gemm_check``).
+  (``benchmarks/cuda.py decode``, ``gemm_check``).
 * the same emulation stands in for the kernel while a model runs (fused q/k/v and gate/up,
   o/down, the tied head), against the model without it.
 """

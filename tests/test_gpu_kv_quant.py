@@ -512,14 +512,14 @@ def test_metal_quantized_cache_writes_vllms_views_in_place(name, monkeypatch, de
 
 @needs_clang
 def test_h200_check_reports_worst_figures_per_format(emulated_metal, monkeypatch):
-    """benchmarks/cuda_decode.py's quantized-KV check (what the H200 runs in check-only mode)
+    """benchmarks/cuda.py decode's quantized-KV check (what the H200 runs in check-only mode)
     end to end, with the CUDA launches replaced by the Metal instances of the same bodies
     under the emulation: every write exact, every attention case within tolerance, worst
     figures per format."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_decode.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "measure" / "cuda_decode.py"
     spec = importlib.util.spec_from_file_location("cuda_decode_under_test", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

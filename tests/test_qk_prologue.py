@@ -6,7 +6,7 @@
 * the Metal instances of the prologue KV write and of the attention kernel's query prologue,
   assembled as ``mx.fast.metal_kernel`` assembles them and run by the CPU emulation of Metal's
   thread model (``tests/metal_emulation.py``), against the oracle (the CUDA instances are
-  checked on the same cases on the GPU by ``benchmarks/cuda_decode.py``);
+  checked on the same cases on the GPU by ``benchmarks/cuda.py decode``);
 * the swapped attention classes (models/decode_attention.py): a pure-decode step through the
   emulated kernels gives the logits and the KV pool of the unfused path, other steps and other
   caches take mlx-lm's own ``__call__``.

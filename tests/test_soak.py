@@ -1,5 +1,5 @@
-"""The soak benchmark (``benchmarks/soak.py``): its short variant as a test, its server command
-against scripts/serve.sh, and its response checks on hand-made responses.
+"""The soak benchmark (``benchmarks/serve.py soak``): its short variant as a test, its server
+command against scripts/serve.sh, and its response checks on hand-made responses.
 
 The short variant asserts the correctness checks only (no failed request, every greedy text
 equal to its solo text, nothing running and KV usage 0 at the end, the engine alive); the
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "benchmarks"
-sys.path.insert(0, str(BENCH))
+BENCH = REPO / "benchmarks" / "measure"
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 import soak  # noqa: E402
 import soak_traffic as traffic  # noqa: E402

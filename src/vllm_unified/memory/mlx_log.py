@@ -7,7 +7,7 @@ profiling at start-up calls). None of them is visible outside the engine process
 RSS mixes them with the KV pool's committed pages, torch, Python and malloc's free lists. A
 growing active figure under steady load is a leak of arrays (stale references); a growing cache
 figure is MLX holding on to freed memory. With ``VLLM_UNIFIED_MEMORY_LOG=N`` the runner logs
-them every N finished steps (``benchmarks/soak.py`` reads the lines to show their drift)::
+them every N finished steps (``benchmarks/serve.py soak`` reads the lines to show their drift)::
 
     vllm-unified: MLX memory after 1200 steps: active 412.3 MiB, cache 96.0 MiB, peak 530.1 MiB
 

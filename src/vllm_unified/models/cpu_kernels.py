@@ -1,7 +1,7 @@
 """Route mlx-lm's linears and SwiGLU to the native CPU kernels (MLX's CPU backend, fp32).
 
 Three costs dominate a decode step of a small model on MLX 0.32.4's CPU backend (figures:
-docs/dev/benchmarks.md, ``benchmarks/decode_forward.py``):
+docs/dev/benchmarks.md, ``benchmarks/engine.py decode``):
 
 * **Linears at decode batch sizes.** MLX calls BLAS ``sgemm`` for ``x @ w.T`` even for one row,
   and OpenBLAS packs the whole weight into its panel layout on every call: the weights are

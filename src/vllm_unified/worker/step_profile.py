@@ -14,7 +14,7 @@ Each step gets a :class:`StepTimer` (:meth:`StepProfile.start`) whose marks clos
 
 Steps whose scheduled requests all have one query token are "decode" steps; the others
 (with a prefill chunk) are "mixed". With ``VLLM_UNIFIED_STEP_PROFILE=N`` the runner logs the
-mean per phase every N steps of each kind (``benchmarks/serve_compare.py`` reads those lines);
+mean per phase every N steps of each kind (``benchmarks/serve.py`` reads those lines);
 the totals are always kept and returned by the ``runner_stats`` RPC.
 """
 

@@ -339,7 +339,7 @@ class MLXWorker(WorkerBase):
     def memory_breakdown(self) -> dict:
         """Where this process's resident memory is, as it stands (nothing emptied first), then
         after MLX's buffer cache is emptied, then after ``malloc_trim(0)``
-        (``LLM.collective_rpc("memory_breakdown")``, as ``benchmarks/memory_models.py`` reads
+        (``LLM.collective_rpc("memory_breakdown")``, as ``benchmarks/memory.py models`` reads
         it). Each stage: RSS, MLX's active/cache/peak bytes and the smaps split
         (:func:`vllm_unified.memory.resident.smaps_breakdown`: anonymous vs file-backed)."""
         mx = import_mlx()

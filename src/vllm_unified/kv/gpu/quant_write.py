@@ -25,7 +25,7 @@ without fast math), the product ``x * inv`` and the sum after it through ``uni_m
 are, the int4 zero point in the scale's low 4 mantissa bits, and fp8 e4m3fn bytes from
 integer arithmetic on the float's bits (round to nearest even, subnormals below 2^-6, no
 infinity). ``tests/test_gpu_kv_quant.py`` compares the Metal instance, emulated, with the native
-write byte for byte; ``benchmarks/cuda_decode.py`` the CUDA instance with
+write byte for byte; ``benchmarks/cuda.py decode`` the CUDA instance with
 :func:`vllm_unified.kv.quant.quantize_cells_reference` on the H200.
 
 Slots outside ``[0, slots)`` (vLLM's padding slot -1) are skipped: the native write skips

@@ -6,9 +6,9 @@ Targets (issue 18): >= 3.5x with ``int8_per_token_head``, >= 6x with ``int4_per_
 Each (model, format) is its own engine process (vLLM's offline ``LLM``); nothing is generated.
 Prints a table and writes ``benchmarks/results/kv_quant_capacity-<ts>.json``.
 
-    .venv/bin/python benchmarks/kv_quant_capacity.py
-    .venv/bin/python benchmarks/kv_quant_capacity.py --qwen-gguf PATH/qwen2.5-coder-0.5b-q4_k_m.gguf
-    .venv/bin/python benchmarks/kv_quant_capacity.py --formats auto turboquant_k8v4
+    .venv/bin/python benchmarks/memory.py kv-capacity
+    .venv/bin/python benchmarks/memory.py kv-capacity --qwen-gguf qwen2.5-coder-0.5b-q4_k_m.gguf
+    .venv/bin/python benchmarks/memory.py kv-capacity --formats auto turboquant_k8v4
 
 ``turboquant_k8v4`` has no target: vLLM keeps its first and last two layers in the model dtype,
 so its ratio depends on the model's depth (3.3x for SmolLM2's 30 layers against fp32).
@@ -23,12 +23,12 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+from harness import run_child, versions, write_result  # noqa: E402
 from real_models import models  # noqa: E402
-from run_env import run_child, versions, write_result  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head",
            "turboquant_k8v4")
 TARGETS = {"int8_per_token_head": 3.5, "int4_per_token_head": 6.0, "fp8_per_token_head": 3.5}

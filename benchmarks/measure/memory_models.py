@@ -20,8 +20,8 @@ tokenizer). Settings:
 Prints one table per setting and the acceptance ratio ``(Qwen RSS - tiny RSS) / file size``;
 writes ``benchmarks/results/memory_models-<timestamp>.json`` and each engine's log.
 
-    .venv/bin/python benchmarks/memory_models.py
-    .venv/bin/python benchmarks/memory_models.py --settings kv256 --qwen-gguf PATH
+    .venv/bin/python benchmarks/memory.py models
+    .venv/bin/python benchmarks/memory.py models --settings kv256 --qwen-gguf PATH
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from real_models import qwen_gguf
-from run_env import REPO, machine_info, run_child, versions, write_result
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from harness import REPO, machine_info, run_child, versions, write_result  # noqa: E402
+from real_models import qwen_gguf  # noqa: E402
 
 MIB = 2**20
 SETTINGS = {

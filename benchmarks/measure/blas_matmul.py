@@ -4,9 +4,9 @@ Each configuration runs in a fresh subprocess (interposition only works before `
 imported). The baseline is MLX's bundled reference BLAS (``VLLM_UNIFIED_BLAS=none``), measured
 in the same run; ratios are against it.
 
-    .venv/bin/python benchmarks/blas_matmul.py                 # baseline vs. default preload
-    .venv/bin/python benchmarks/blas_matmul.py --threads 1 2   # also vary BLAS thread count
-    .venv/bin/python benchmarks/blas_matmul.py --lib /path/libmkl_rt.so.2 --lib other.so
+    .venv/bin/python benchmarks/kernels.py blas                 # baseline vs. default preload
+    .venv/bin/python benchmarks/kernels.py blas --threads 1 2   # also vary BLAS thread count
+    .venv/bin/python benchmarks/kernels.py blas --lib /path/libmkl_rt.so.2 --lib other.so
 
 On a busy machine use ``--repeat 3``: configurations are run round-robin and the best of the
 rounds is reported (contention only ever makes a run slower).

@@ -1,6 +1,6 @@
 """Greedy output with a quantized KV cache on the GPU against the CPU backend, end to end.
 
-The tiny fp32 Llama of ``benchmarks/cuda_decode.py`` (``expected DIR`` writes it) served through
+The tiny fp32 Llama of ``benchmarks/cuda.py decode`` (``expected DIR`` writes it) served through
 ``LLM.generate`` with ``--kv-cache-dtype`` ``int8_per_token_head``, ``int4_per_token_head`` and
 ``fp8_per_token_head``; ``int8_skip0`` (int8 with ``--kv-cache-dtype-skip-layers 0``: pages of
 two precisions in one pool); and ``turboquant_k8v4`` on a 6-layer variant of the same Llama
@@ -48,7 +48,7 @@ FORMATS: dict[str, tuple[str, dict, bool]] = {
 def tiny6(where: str | Path) -> Path:
     """The 6-layer tiny fp32 Llama (seed 0) the TurboQuant run serves, written under
     ``where`` (tests/tiny_models.py: the same bytes wherever it is built)."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
+    sys.path.insert(0, str(HERE.parents[1] / "tests"))
     from tiny_models import make_tiny_checkpoint
 
     return make_tiny_checkpoint(where, "llama", "float32", 0, num_layers=TQ_TINY_LAYERS)
@@ -91,7 +91,7 @@ def main() -> None:
     mode = sys.argv[1]
     if mode == "cpu":
         run_dir = Path(sys.argv[2])
-        sys.path.insert(0, str(HERE.parent / "tests"))
+        sys.path.insert(0, str(HERE.parents[1] / "tests"))
         from tiny_models import make_tiny_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:

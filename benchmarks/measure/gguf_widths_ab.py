@@ -9,7 +9,8 @@ values, more bytes). Then times one decode step of the runner's paged forward
 that machine noise hits both alike, at each ``--batch`` size, and checks that both give the same
 logits bit for bit. Prints min and median ms per step.
 
-    .venv/bin/python benchmarks/gguf_widths_ab.py --model qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+    .venv/bin/python benchmarks/engine.py gguf-widths \
+        --model qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Prints the counts by endpoint and status and every failed request; writes
 ``benchmarks/results/fuzz_api-<ts>.json``. Exit status 1 if any request failed or the server
 went down.
 
-    .venv/bin/python benchmarks/fuzz_api.py                     # 5,000 requests, seed 0
-    .venv/bin/python benchmarks/fuzz_api.py --requests 20000 --seed 7 --model default
+    .venv/bin/python benchmarks/serve.py fuzz                     # 5,000 requests, seed 0
+    .venv/bin/python benchmarks/serve.py fuzz --requests 20000 --seed 7 --model default
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from run_env import machine_info, versions, write_result
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from harness import machine_info, versions, write_result  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+TESTS = Path(__file__).resolve().parents[2] / "tests"
 sys.path.insert(0, str(TESTS))
 
 from api_fuzz import Fuzzer, ServerDown, rounds, server_args, sources_for  # noqa: E402

@@ -317,7 +317,7 @@ def run_engine(spec: dict, work: Path, name: str, env: dict) -> dict:
 
 def expected_main(out_dir: str) -> None:
     """Tiny fp32 checkpoint and our plugin's greedy ids on MLX's CPU backend."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
+    sys.path.insert(0, str(HERE.parents[1] / "tests"))
     from tiny_models import make_tiny_checkpoint
 
     out = Path(out_dir)
@@ -423,7 +423,7 @@ def _divergences(got: list[list[int]], expected: dict) -> list[dict]:
 def _grid_module():
     """tests/gpu_attention_grid.py: next to this file on the GPU machine (``pack`` copies it),
     in ``tests/`` of a checkout."""
-    for folder in (HERE, HERE.parent / "tests"):
+    for folder in (HERE, HERE.parents[1] / "tests"):
         if (folder / "gpu_attention_grid.py").exists():
             sys.path.insert(0, str(folder))
             break

@@ -1,8 +1,8 @@
 """Soak: thousands of mixed requests against the default model served as the README serves it;
 every response checked, memory and file descriptors sampled over time.
 
-    .venv/bin/python benchmarks/soak.py                                  # full: 2,000 at 16
-    .venv/bin/python benchmarks/soak.py --requests 150 --concurrency 8   # short (the test's)
+    .venv/bin/python benchmarks/serve.py soak                                  # full: 2,000 at 16
+    .venv/bin/python benchmarks/serve.py soak --requests 150 --concurrency 8   # short (the test's)
 
 **The server** is ``vllm serve <SmolLM2 GGUF> --host 127.0.0.1 --port PORT
 --gpu-memory-utilization 0.5 --served-model-name SmolLM2-135M-Instruct --max-model-len 2048``:
@@ -53,7 +53,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -67,14 +66,24 @@ from typing import Any
 
 import psutil
 import requests
-import soak_traffic as traffic
-from real_models import smollm2_gguf
-from run_env import machine_info, versions, write_result
 
-from vllm_unified.envs import MEMORY_LOG_ENV
-from vllm_unified.memory.mlx_log import parse_line
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import soak_traffic as traffic  # noqa: E402
+from harness import (  # noqa: E402
+    free_port,
+    kill_group,
+    log_tail,
+    machine_info,
+    versions,
+    wait_healthy,
+    write_result,
+)
+from real_models import smollm2_gguf  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+from vllm_unified.envs import MEMORY_LOG_ENV  # noqa: E402
+from vllm_unified.memory.mlx_log import parse_line  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
 #: What scripts/serve.sh adds to ``vllm serve <gguf>`` for the default model, in its order
@@ -96,12 +105,6 @@ def server_command(gguf: Path, port: int, extra: list[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -134,20 +137,10 @@ def serve(gguf: Path, log_path: Path, extra: list[str], memory_log_steps: int,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
     try:
-        t0 = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{_tail(log_path)}")
-            try:
-                if requests.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.perf_counter() - t0 > startup_timeout:
-                raise RuntimeError(f"server not healthy after {startup_timeout:.0f} s:\n"
-                                   f"{_tail(log_path)}")
-            time.sleep(1)
-        server.startup_s = time.perf_counter() - t0
+        try:
+            server.startup_s = wait_healthy(proc, server.base_url, startup_timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}:\n{log_tail(log_path)}") from e
         server.engine = _engine_child(proc.pid)
         m = _POOL_RE.search(log_path.read_text(errors="replace"))
         server.kv_pool_bytes = int(float(m.group(1)) * 2**30) if m else None
@@ -155,7 +148,7 @@ def serve(gguf: Path, log_path: Path, extra: list[str], memory_log_steps: int,
               f"pid {server.engine.pid}", flush=True)
         yield server
     finally:
-        _stop(proc)
+        kill_group(proc)
 
 
 def _engine_child(pid: int) -> psutil.Process:
@@ -167,23 +160,6 @@ def _engine_child(pid: int) -> psutil.Process:
             continue
     raise RuntimeError(f"no EngineCore process under the API server {pid}")
 
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group, SIGKILL it if alive after 30 s."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the engine may outlive the API server
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait(timeout=10)
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def metrics(base_url: str) -> dict[str, float]:

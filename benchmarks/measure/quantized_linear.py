@@ -7,9 +7,9 @@ measured in the same run. Shapes are SmolLM2-135M's layers (hidden 576, MLP 1,53
 49,152-row output head) at decode batch sizes and one prefill chunk. Each variant's result is
 also checked against the float64 product (relative to its largest value).
 
-    .venv/bin/python benchmarks/quantized_linear.py
-    .venv/bin/python benchmarks/quantized_linear.py --rows 1 4 16 --rounds 5
-    .venv/bin/python benchmarks/quantized_linear.py --bits 2 3 4 5 6 8   # every layer per width
+    .venv/bin/python benchmarks/kernels.py linear
+    .venv/bin/python benchmarks/kernels.py linear --rows 1 4 16 --rounds 5
+    .venv/bin/python benchmarks/kernels.py linear --bits 2 3 4 5 6 8   # every layer per width
 
 Variants: ``amx`` (the default dispatch: AMX tiles from 4 rows where the CPU has them),
 ``avx512`` (``VLLM_UNIFIED_CPU_ISA=avx512``: the AVX-512 kernel at every size) and ``blas``

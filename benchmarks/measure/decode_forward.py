@@ -18,13 +18,13 @@ then for each batch size B times, in interleaved rounds so that machine noise hi
   SDPA, MLX's matmul, mlx-lm's SwiGLU), to show what the native kernels save.
 
 No vLLM engine is involved: this isolates the forward (the ``eval`` phase of the runner's step
-profile) from scheduling and serving, which ``serve_compare.py`` measures. Prints min and median
-ms per step and the ratios to mlx_lm (min over rounds is the least noisy estimate on a shared
+profile) from scheduling and serving, which ``benchmarks/serve.py`` measures. Prints min and
+median ms per step and the ratios to mlx_lm (min over rounds is the least noisy estimate on a shared
 machine).
 
-    .venv/bin/python benchmarks/decode_forward.py
-    .venv/bin/python benchmarks/decode_forward.py --batch 1 16 --rounds 20
-    .venv/bin/python benchmarks/decode_forward.py --model qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+    .venv/bin/python benchmarks/engine.py decode
+    .venv/bin/python benchmarks/engine.py decode --batch 1 16 --rounds 20
+    .venv/bin/python benchmarks/engine.py decode --model qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ rate alone subtracts a ``max_tokens=1`` round of the same prompts. Run it on a q
 (2 cores shared make the figures meaningless). Writes
 ``benchmarks/results/kv_quant_speed-<ts>.json``.
 
-    .venv/bin/python benchmarks/kv_quant_speed.py
-    .venv/bin/python benchmarks/kv_quant_speed.py --formats auto int8_per_token_head --rounds 3
+    .venv/bin/python benchmarks/kernels.py kv-quant-speed
+    .venv/bin/python benchmarks/kernels.py kv-quant-speed --formats auto int8_per_token_head \
+        --rounds 3
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+from harness import machine_info, run_child, versions, write_result  # noqa: E402
 from real_models import models  # noqa: E402
-from run_env import machine_info, run_child, versions, write_result  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TARGET = {"int8_per_token_head": 0.9}
 
 

@@ -3,7 +3,7 @@ the quantized layers (``VLLM_UNIFIED_CPU_ACTIVATIONS``: fp32 exact, int16 the de
 one process on the same weights.
 
 ``--batch`` sequences of ``--tokens`` prompt tokens each (random ids) form one prefill step of
-``batch x tokens`` rows, as vLLM schedules concurrent requests' prompts (serve_compare.py's
+``batch x tokens`` rows, as vLLM schedules concurrent requests' prompts (serve.py's
 C=16 load: 16 x 128 = 2,048 rows), over the paged KV pool (:mod:`benchmarks.decode_forward`'s
 set-up) with the runner's CPU kernels, the logits of each sequence's last token taken. On a CPU
 with AMX the quantized layers run on bf16 tiles in fp32 mode (three bf16 parts per x value) and
@@ -11,8 +11,8 @@ on AMX-INT8 tiles in the integer modes (one or two int8 terms); without AMX-INT8
 modes compute 5 rows and more exactly, as fp32. The modes run interleaved over ``--rounds``
 rounds; min and median seconds per step and the ratio to fp32 (min over rounds) are printed.
 
-    .venv/bin/python benchmarks/prefill_forward.py                 # Qwen2.5-Coder, 16 x 128
-    .venv/bin/python benchmarks/prefill_forward.py --gguf PATH --batch 1 --tokens 512
+    .venv/bin/python benchmarks/engine.py prefill                 # Qwen2.5-Coder, 16 x 128
+    .venv/bin/python benchmarks/engine.py prefill --gguf PATH --batch 1 --tokens 512
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from decode_forward import BLOCK, paged_caches  # noqa: E402
-from run_env import versions, write_result  # noqa: E402
+from harness import versions, write_result  # noqa: E402
 
 MODES = {"fp32": 1, "int16": 4, "int8": 3}  # native.quantized_gemv_mode
 QWEN = Path.home() / ".cache/vllm-unified/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"

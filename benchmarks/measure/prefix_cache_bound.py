@@ -4,15 +4,15 @@ run, with the default bound (``VLLM_UNIFIED_PREFIX_CACHE_RETAIN`` unset: the flo
 vLLM's own order (``all``: every freed block kept, the lazy pool committed as fresh blocks are
 written).
 
-Each contender is one ``benchmarks/soak.py`` run (its own server, the README's command, the same
-``--seed`` and so the same requests) in the order bound, all, bound, all ... for ``--rounds``
+Each contender is one ``benchmarks/serve.py soak`` run (its own server, the README's command, the
+same ``--seed`` and so the same requests) in the order bound, all, bound, all ... for ``--rounds``
 rounds; every response is checked as the soak checks it. Printed per contender: load time and
-requests/s, the KV pool's resident MiB at the drift start, at its maximum and at the end, and
-the engine's RSS; the ratios (bound / all) are per round, from the two runs of that round. Run
-on a quiet machine. Writes ``benchmarks/results/prefix_cache_bound-<ts>.json``.
+requests/s, the KV pool's resident MiB at the drift start, at its maximum and at the end, and the
+engine's RSS; the ratios (bound / all) are per round, from the two runs of that round. Run on a
+quiet machine. Writes ``benchmarks/results/prefix_cache_bound-<ts>.json``.
 
-    .venv/bin/python benchmarks/prefix_cache_bound.py                 # 400 requests, 1 round
-    .venv/bin/python benchmarks/prefix_cache_bound.py --requests 1000 --rounds 2
+    .venv/bin/python benchmarks/serve.py prefix-cache                 # 400 requests, 1 round
+    .venv/bin/python benchmarks/serve.py prefix-cache --requests 1000 --rounds 2
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from run_env import machine_info, versions, write_result  # noqa: E402
+from harness import machine_info, versions, write_result  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONTENDERS = {"bound": None, "all": "all"}

@@ -24,9 +24,9 @@ scored tokens. Also reported: how often each arithmetic's argmax (greedy) token 
 Prints a table per model, exits 1 when the target is missed, writes
 ``benchmarks/results/int8_activations_accuracy-<ts>.json``.
 
-    .venv/bin/python benchmarks/int8_activations_accuracy.py                # SmolLM2 (~1 min)
-    .venv/bin/python benchmarks/int8_activations_accuracy.py --qwen-gguf PATH  # and Qwen (~3 min)
-    .venv/bin/python benchmarks/int8_activations_accuracy.py --paths decode prefill
+    .venv/bin/python benchmarks/kernels.py int8-accuracy                # SmolLM2 (~1 min)
+    .venv/bin/python benchmarks/kernels.py int8-accuracy --qwen-gguf PATH  # and Qwen (~3 min)
+    .venv/bin/python benchmarks/kernels.py int8-accuracy --paths decode prefill
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from decode_forward import BLOCK, paged_caches  # noqa: E402
+from harness import versions, write_result  # noqa: E402
 from kv_quant_accuracy import english_text  # noqa: E402
-from run_env import versions, write_result  # noqa: E402
 
 TARGET = 0.005
 MODES = {"fp32": 1, "int8": 3, "int16": 4}  # native.quantized_gemv_mode

@@ -26,10 +26,10 @@ cache's for all 32 tokens of every prompt. Each (model, format) is its own engin
 Prints a table, exits 1 when a target is missed, writes
 ``benchmarks/results/kv_quant_accuracy-<ts>.json``.
 
-    .venv/bin/python benchmarks/kv_quant_accuracy.py                 # SmolLM2 (~2 min, 2 cores)
-    .venv/bin/python benchmarks/kv_quant_accuracy.py --qwen-gguf PATH  # and Qwen2.5-Coder-0.5B
-    .venv/bin/python benchmarks/kv_quant_accuracy.py --formats auto turboquant_k8v4
-    .venv/bin/python benchmarks/kv_quant_accuracy.py --qwen-gguf PATH --models qwen \
+    .venv/bin/python benchmarks/kernels.py kv-quant-accuracy           # SmolLM2 (~2 min, 2 cores)
+    .venv/bin/python benchmarks/kernels.py kv-quant-accuracy --qwen-gguf PATH  # and Qwen
+    .venv/bin/python benchmarks/kernels.py kv-quant-accuracy --formats auto turboquant_k8v4
+    .venv/bin/python benchmarks/kernels.py kv-quant-accuracy --qwen-gguf PATH --models qwen \
         --formats int8_per_token_head int4_per_token_head --skip-layers 0,1
 """
 
@@ -43,12 +43,12 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+from harness import run_child, versions, write_result  # noqa: E402
 from real_models import models  # noqa: E402
-from run_env import run_child, versions, write_result  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FORMATS = ("auto", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head",
            "turboquant_k8v4")
 PPL_TARGETS = {"int8_per_token_head": 0.01, "int4_per_token_head": 0.05,

@@ -1,5 +1,5 @@
 """The soak benchmark's traffic: the request mix, the HTTP client (with client-side aborts) and
-the check of every response. ``benchmarks/soak.py`` runs it against a server.
+the check of every response. ``benchmarks/serve.py soak`` runs it against a server.
 
 **The mix** (:func:`make_plan`, deterministic for a seed). Half of the requests are **greedy**
 (temperature 0), each one of a pool of distinct request bodies (:func:`greedy_pool`) whose

