@@ -5,8 +5,10 @@ and values out of the pool into dense arrays per layer and step, then runs SDPA 
 64 and 640-token contexts that is ~170 MB written and read again per layer, and the boolean mask of
 unequal lengths takes SDPA off its fastest path. The kernel here reads each key and value once,
 where it lies in the pool, through the block table. It is written once (:data:`SOURCE`, in the
-names of :mod:`vllm_unified.gpu_dialect`) and instantiated as ``mx.fast.cuda_kernel`` or
-``mx.fast.metal_kernel`` for the backend profile's ``gpu_attention`` dialect.
+names of :mod:`vllm_unified.gpu_dialect`: ``kernels/paged_attention.inc``, the body it shares
+with :mod:`vllm_unified.kv.gpu.paged_quant`, filled by ``kernels/paged.inc``) and instantiated
+as ``mx.fast.cuda_kernel`` or ``mx.fast.metal_kernel`` for the backend profile's
+``gpu_attention`` dialect.
 
 **Work split.** One thread group per (tile, KV head). A tile is up to ``QT`` consecutive query rows
 of one sequence (a decode row is a tile of one row); the group serves every query head of the KV

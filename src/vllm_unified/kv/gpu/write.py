@@ -54,7 +54,7 @@ WRITE_ROWS_SOURCE = gpu_dialect.kernel_file(__package__, "write_rows.inc")
 #: at ``positions[t]`` (:mod:`vllm_unified.kv.attention.qk_prologue`) and stored next to the
 #: value. Keys and values are read as ``[T, HKV * D]`` rows (any shape with those bytes).
 WRITE_KV_QK_SOURCE = gpu_dialect.render(gpu_dialect.kernel_file(__package__, "write_kv_qk.inc"),
-                                   PROLOGUE=prologue_code("kx", 1, "positions[t]"))
+                                        PROLOGUE=prologue_code("kx", 1, "positions[t]"))
 
 #: kernel name, input names, output names
 WRITE_KV_KERNEL = ("vllm_unified_write_kv", ("pool", "slots", "keys", "values"), ("done",))
