@@ -62,6 +62,18 @@ of the threadgroup, Metal's last threadgroup is smaller (``uni_threads`` is its 
 CUDA pads the last block: guard the tail by index, and keep grids of kernels that cooperate
 within a group a multiple of the group.
 
+**Kernel files.** Kernel text lives in files, never in Python strings: in a ``kernels/``
+folder beside the module that launches it (this module's dialect headers in
+``vllm_unified/kernels/gpu_dialect_{cuda,metal}.h``), read once by :func:`kernel_file` and
+shipped as package data. ``NAME.h`` holds file-scope text (types, ``UNI_FUNC`` helpers), passed
+as a kernel's ``header=``; ``NAME.inc`` holds statements spliced into the generated function
+(a body, or a piece of one). Both are C++ to an editor, and neither compiles alone. A file is
+used byte for byte, unless it is cut into sections (:func:`kernel_sections`: ``//@ NAME`` lines;
+what precedes the first is a description), so a plain file has no comment of its own: MLX's
+Metal assembly scans a body's text, comments included, for parameter and attribute names. What
+Python fills in is an explicit placeholder ``@NAME@`` (:func:`render`, which refuses a missing
+or an unused value); :func:`instance_source` refuses text with a placeholder left.
+
 :func:`assemble_metal` reproduces in Python the Metal source MLX builds for a kernel call
 (MLX 0.32.4, ``mlx/backend/common/metal_kernel.cpp``: ``metal_kernel``, ``write_signature``,
 ``write_template``, ``make_template_hash``; ``get_type_string`` in
@@ -72,67 +84,15 @@ machine without Metal (``tests/metal_emulation.py``).
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import mlx.core as mx
 
 Dialect = Literal["cuda", "metal"]
 DIALECTS: tuple[Dialect, ...] = ("cuda", "metal")
-
-_HEADERS: dict[str, str] = {
-    "metal": """
-// vllm_unified.gpu_dialect: metal
-#define UNI_DEVICE device
-#define UNI_SHARED threadgroup
-#define UNI_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
-#define UNI_WRITABLE(T, p) const_cast<device T*>(p)
-inline float uni_simd_sum(float x) { return simd_sum(x); }
-inline float uni_simd_max(float x) { return simd_max(x); }
-inline float uni_shfl_xor(float x, int mask) { return simd_shuffle_xor(x, ushort(mask)); }
-inline float uni_exp(float x) { return metal::fast::exp(x); }
-inline float uni_fmax(float a, float b) { return metal::max(a, b); }
-inline float uni_rsqrt(float x) { return metal::precise::rsqrt(x); }
-inline float uni_cos(float x) { return metal::precise::cos(x); }
-inline float uni_sin(float x) { return metal::precise::sin(x); }
-inline float uni_neg_inf() { return -INFINITY; }
-#define UNI_FUNC inline
-inline uint32_t uni_as_uint(float x) { return as_type<uint32_t>(x); }
-inline float uni_as_float(uint32_t x) { return as_type<float>(x); }
-inline float uni_mul_rn(float a, float b) { return metal::fma(a, b, 0.0f); }
-inline float uni_add_rn(float a, float b) { return a + b; }
-""",
-    "cuda": """
-// vllm_unified.gpu_dialect: cuda
-#define UNI_DEVICE
-#define UNI_SHARED __shared__
-#define UNI_BARRIER() __syncthreads()
-#define UNI_WRITABLE(T, p) const_cast<T*>(p)
-__device__ __forceinline__ float uni_shfl_xor(float x, int mask) {
-  return __shfl_xor_sync(0xffffffffu, x, mask);
-}
-__device__ __forceinline__ float uni_simd_sum(float x) {
-  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
-  return x;
-}
-__device__ __forceinline__ float uni_simd_max(float x) {
-  for (int m = 16; m > 0; m >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
-  return x;
-}
-__device__ __forceinline__ float uni_exp(float x) { return __expf(x); }
-__device__ __forceinline__ float uni_fmax(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ float uni_rsqrt(float x) { return rsqrtf(x); }
-__device__ __forceinline__ float uni_cos(float x) { return cosf(x); }
-__device__ __forceinline__ float uni_sin(float x) { return sinf(x); }
-__device__ __forceinline__ float uni_neg_inf() { return __int_as_float(0xff800000); }
-#define UNI_FUNC __device__ __forceinline__
-__device__ __forceinline__ unsigned int uni_as_uint(float x) { return __float_as_uint(x); }
-__device__ __forceinline__ float uni_as_float(unsigned int x) { return __uint_as_float(x); }
-__device__ __forceinline__ float uni_mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ float uni_add_rn(float a, float b) { return __fadd_rn(a, b); }
-""",
-}
 
 # (name, metal declaration, cuda declaration), in prefix order.
 _INDICES: tuple[tuple[str, str, str], ...] = (
@@ -152,6 +112,89 @@ _INDICES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+#: a placeholder of a kernel file, ``@NAME@``
+_PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
+#: a placeholder alone on its line (from column 0), or one inside a line
+_PLACEHOLDER_USE = re.compile(r"^@([A-Z][A-Z0-9_]*)@\n|@([A-Z][A-Z0-9_]*)@", re.MULTILINE)
+#: the line that opens a section of a kernel file, ``//@ NAME``
+_SECTION = re.compile(r"^//@ ([A-Z][A-Z0-9_]*)\n", re.MULTILINE)
+
+
+@functools.cache
+def kernel_file(package: str, name: str) -> str:
+    """The text of the kernel file ``kernels/<name>`` of ``package`` (a dotted package name,
+    the wrapper's ``__package__``), byte for byte, read once.
+
+    Raises:
+        FileNotFoundError: no such file (naming the path the package was installed with).
+    """
+    path = importlib.resources.files(package).joinpath("kernels", name)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"kernel file {name!r} of {package} not found at {path} "
+                                "(missing from the installed package data?)") from None
+
+
+def kernel_sections(text: str) -> dict[str, str]:
+    """The sections of a kernel file's ``text``: each ``//@ NAME`` line opens section NAME,
+    which holds the lines up to the next such line or the end (possibly none). Text before
+    the first section is the file's description and is not returned.
+
+    Raises:
+        ValueError: no section, or a name used twice.
+    """
+    parts = _SECTION.split(text)
+    names = parts[1::2]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"kernel file sections {names}: expected at least one, names unique")
+    return dict(zip(names, parts[2::2], strict=True))
+
+
+def render(text: str, keep: Iterable[str] = (), **values: str) -> str:
+    """``text`` with each placeholder ``@NAME@`` replaced by ``values[NAME]`` (in one pass:
+    placeholders inside the values are not replaced). A placeholder alone on its line takes
+    the line's end with it: its value is whole lines (empty, or ending in a newline).
+
+    Args:
+        keep: placeholders left as they are, for a later :func:`render` (in ``text`` or
+            brought in by a value).
+
+    Raises:
+        ValueError: a placeholder of ``text`` with no value and not kept, a value no
+            placeholder uses, a line placeholder's value that does not end its line, or a
+            placeholder left in the result that is not kept.
+    """
+    keep = set(keep)
+    found = set(_PLACEHOLDER.findall(text))
+    missing, unused = found - values.keys() - keep, values.keys() - found
+    if missing or unused:
+        raise ValueError(f"kernel text placeholders without a value: {sorted(missing)}; "
+                         f"values for no placeholder: {sorted(unused)}")
+
+    def value(match: re.Match) -> str:
+        line, inline = match.groups()
+        name = line or inline
+        if name not in values:
+            return match.group(0)
+        if line and values[name] and not values[name].endswith("\n"):
+            raise ValueError(f"@{name}@ stands alone on its line: its value must end in a "
+                             "newline")
+        return values[name]
+
+    out = _PLACEHOLDER_USE.sub(value, text)
+    left = set(_PLACEHOLDER.findall(out)) - keep
+    if left:
+        raise ValueError(f"kernel text placeholders left unfilled: {sorted(left)}")
+    return out
+
+
+def _check_filled(text: str, what: str) -> None:
+    left = sorted(set(_PLACEHOLDER.findall(text)))
+    if left:
+        raise ValueError(f"kernel {what} has unfilled placeholders {left} (see render)")
+
+
 def _check_dialect(dialect: str) -> None:
     if dialect not in DIALECTS:
         raise ValueError(f"unknown GPU dialect {dialect!r} (expected one of {DIALECTS})")
@@ -164,7 +207,7 @@ def dialect_header(dialect: Dialect) -> str:
         ValueError: unknown dialect.
     """
     _check_dialect(dialect)
-    return _HEADERS[dialect]
+    return kernel_file(__package__, f"gpu_dialect_{dialect}.h")
 
 
 def body_prefix(dialect: Dialect, source: str) -> str:
@@ -186,8 +229,11 @@ def instance_source(source: str, *, dialect: Dialect, header: str = "") -> tuple
     the body prefix followed by the body.
 
     Raises:
-        ValueError: unknown dialect.
+        ValueError: unknown dialect, or a placeholder (``@NAME@``, :func:`render`) left in
+            ``source`` or ``header``.
     """
+    _check_filled(source, "source")
+    _check_filled(header, "header")
     return dialect_header(dialect) + header, body_prefix(dialect, source) + source
 
 
@@ -216,7 +262,7 @@ def kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], s
         usual ``inputs=, template=, grid=, threadgroup=, output_shapes=, output_dtypes=``.
 
     Raises:
-        ValueError: unknown dialect.
+        ValueError: unknown dialect, or a placeholder left in ``source`` or ``header``.
         RuntimeError: MLX's own, when this MLX build has no backend of that dialect (CUDA:
             here; Metal: when the kernel is called).
     """

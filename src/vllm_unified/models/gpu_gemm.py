@@ -58,106 +58,28 @@ TILES = MAX_ROWS // 8
 #: warps of the block sum partial tiles; aim at about this many warps in flight per launch
 _TARGET_WARPS = 2048
 
-#: one warp-wide MMA, D = A * B + D, for a 16-bit input type (the PTX type in its name)
-_MMA = """
-template <> struct UniMma<{ctype}> {{
-  __device__ __forceinline__ static void run(float* c, unsigned a0, unsigned a1, unsigned a2,
-                                             unsigned a3, unsigned b0, unsigned b1) {{
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
-        "{{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }}
-}};"""
-_HEADER = "\ntemplate <typename T> struct UniMma;" + "".join(
-    _MMA.format(ctype=ctype, ptx=ptx) for ctype, ptx in (("__nv_bfloat16", "bf16"),
-                                                          ("__half", "f16"))) + "\n"
+#: the kernel's text, CUDA only (PTX MMA): sections of ``kernels/gemm.h`` and ``kernels/gemm.inc``
+_HEADER_PARTS = gpu_dialect.kernel_sections(gpu_dialect.kernel_file(__package__, "gemm.h"))
+_BODY_PARTS = gpu_dialect.kernel_sections(gpu_dialect.kernel_file(__package__, "gemm.inc"))
 
-#: the kernel body (CUDA only: PTX MMA); ``UNI_GEMM_STORE`` becomes the store of :func:`_source`
-_BODY = """
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-    const int f0 = blockIdx.x * 16;
-    const int M = x_shape[0];
-    UNI_GEMM_STORE
-    constexpr int K8 = K / 8;  // 16-byte words per row
-    float acc[MT][4];
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        acc[mt][0] = 0.0f; acc[mt][1] = 0.0f; acc[mt][2] = 0.0f; acc[mt][3] = 0.0f;
-    }
-    const uint4* w_lo = reinterpret_cast<const uint4*>(weight) + (int64_t)(f0 + g) * K8;
-    const uint4* w_hi = w_lo + 8 * K8;
-    const uint4* xs = reinterpret_cast<const uint4*>(x);
-    #pragma unroll 2
-    for (int kc = warp; kc < K / 32; kc += WARPS) {
-        const uint4 a_lo = w_lo[kc * 4 + t];
-        const uint4 a_hi = w_hi[kc * 4 + t];
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int row = mt * 8 + g;
-            uint4 b = make_uint4(0u, 0u, 0u, 0u);
-            if (row < M) {
-                b = xs[(int64_t)row * K8 + kc * 4 + t];
-            }
-            UniMma<T>::run(acc[mt], a_lo.x, a_hi.x, a_lo.y, a_hi.y, b.x, b.y);
-            UniMma<T>::run(acc[mt], a_lo.z, a_hi.z, a_lo.w, a_hi.w, b.z, b.w);
-        }
-    }
-    __shared__ float partial[WARPS > 1 ? WARPS : 1][MT * 4][32];
-    if (WARPS > 1) {
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                partial[warp][mt * 4 + j][lane] = acc[mt][j];
-            }
-        }
-        __syncthreads();
-    }
-    for (int i = threadIdx.x; i < (WARPS > 1 ? MT * 4 * 32 : 0); i += WARPS * 32) {
-        float v = 0.0f;
-        for (int w = 0; w < WARPS; ++w) {
-            v += partial[w][i / 32][i % 32];
-        }
-        uni_gemm_store(i / 128, (i / 32) % 4, i % 32, v);
-    }
-    if (WARPS == 1) {
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                uni_gemm_store(mt, j, lane, acc[mt][j]);
-            }
-        }
-    }
-"""
-
-#: the store (``UNI_GEMM_STORE`` in the body), a lambda: fragment element j of lane ``ln``
-#: of token tile mt (PTX's C fragment: rows g and g + 8, columns 2t and 2t + 1)
-_STORE = """auto uni_gemm_store = [&](int mt, int j, int ln, float v) {{
-        const int n = f0 + (ln >> 2) + (j >= 2 ? 8 : 0);
-        const int m = mt * 8 + 2 * (ln & 3) + (j & 1);
-        if (m >= M) {{
-            return;
-        }}
-{bias}{routes}    }};"""
+#: the header: one warp-wide MMA, D = A * B + D, per 16-bit input type (the PTX type in its name)
+_HEADER = gpu_dialect.render(_HEADER_PARTS["HEADER"], MMA="".join(
+    gpu_dialect.render(_HEADER_PARTS["MMA"], CTYPE=ctype, PTX=ptx)
+    for ctype, ptx in (("__nv_bfloat16", "bf16"), ("__half", "f16"))))
 
 
 def _source(parts: int, has_bias: bool) -> str:
-    """The body for ``parts`` outputs (``out0`` .. of widths ``N0`` ..) and an optional bias."""
-    bias = "        v += static_cast<float>(bias[n]);\n" if has_bias else ""
+    """The body for ``parts`` outputs (``out0`` .. of widths ``N0`` ..) and an optional bias:
+    the store (a lambda: fragment element j of lane ``ln`` of token tile mt, PTX's C fragment:
+    rows g and g + 8, columns 2t and 2t + 1) routes each column to its part."""
     routes, start = [], "0"
     for p in range(parts):
         cond = f"n < {start} + N{p}" if p < parts - 1 else "true"
-        routes.append(f"        {'if' if p == 0 else 'else if'} ({cond}) {{\n"
-                      f"            out{p}[(int64_t)m * N{p} + (n - ({start}))] = "
-                      f"static_cast<T>(v);\n        }}\n")
+        routes.append(gpu_dialect.render(_BODY_PARTS["ROUTE"], IF="if" if p == 0 else "else if",
+                                         COND=cond, P=str(p), START=start))
         start = f"{start} + N{p}"
-    return _BODY.replace("UNI_GEMM_STORE", _STORE.format(bias=bias, routes="".join(routes)))
+    return gpu_dialect.render(_BODY_PARTS["BODY"], BIAS=_BODY_PARTS["BIAS"] if has_bias else "",
+                              ROUTES="".join(routes))
 
 
 @functools.cache

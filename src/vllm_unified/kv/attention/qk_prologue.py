@@ -10,11 +10,11 @@ write normalises and rotates each key head before it stores it
 (:func:`vllm_unified.kv.gpu.write.write_kv_qk_gpu`), and the paged attention kernel each query
 head as it loads it (:mod:`vllm_unified.kv.gpu.paged`). Values pass unchanged.
 
-:data:`SNIPPET` is the shared body text (one source, both dialects; :mod:`vllm_unified.
-gpu_dialect`), spliced into both kernels. It works on one head held by one SIMD group of 32
-lanes, lane ``l`` holding channels ``l * EPL ... l * EPL + EPL - 1`` (``EPL = D / 32``) in
-fp32, and computes, as MLX 0.32.4's ``mx.fast.rms_norm`` and ``mx.fast.rope`` do
-(``mlx/backend/cuda/rms_norm.cu``, ``rope.cu``):
+:data:`SNIPPET` (``kernels/qk_prologue.inc``) is the shared body text (one source, both
+dialects; :mod:`vllm_unified.gpu_dialect`), spliced into both kernels. It works on one head
+held by one SIMD group of 32 lanes, lane ``l`` holding channels ``l * EPL ... l * EPL + EPL -
+1`` (``EPL = D / 32``) in fp32, and computes, as MLX 0.32.4's ``mx.fast.rms_norm`` and
+``mx.fast.rope`` do (``mlx/backend/cuda/rms_norm.cu``, ``rope.cu``):
 
 * RMSNorm: ``x * rsqrt(mean(x^2) + eps) * w`` (the sum of squares over the 32 lanes by a SIMD
   reduction; the mean as that sum divided by D);
@@ -41,6 +41,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from vllm_unified import gpu_dialect
+
 __all__ = ["SNIPPET", "QKPrologue", "prologue_code", "prologue_of", "reference"]
 
 #: Template arguments the snippet reads (besides ``D``, and ``EPL = D / 32`` and ``lane``
@@ -48,61 +50,13 @@ __all__ = ["SNIPPET", "QKPrologue", "prologue_code", "prologue_of", "reference"]
 #: (2i, 2i + 1)). ``@X@``: the lane's ``float[EPL]``; ``@W@``: 0 for a query, 1 for a key;
 #: ``@POS@``: the head's token position (an int expression). Every lane of the SIMD group must
 #: run it (SIMD reductions and shuffles).
-SNIPPET = """
-    {
-        const float pro_eps = qkp[0];
-        const float pro_pos = qkp[1] * static_cast<float>(@POS@);
-        if (NORM) {
-            float pro_ss = 0.f;
-#pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                pro_ss += @X@[e] * @X@[e];
-            }
-            const float pro_inv = uni_rsqrt(uni_simd_sum(pro_ss) / static_cast<float>(D)
-                                            + pro_eps);
-#pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                @X@[e] = @X@[e] * pro_inv * qkp[2 + D / 2 + @W@ * D + lane * EPL + e];
-            }
-        }
-        if (ROPE == 1) {
-#pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                const float pro_p = uni_shfl_xor(@X@[e], 16);
-                const float pro_t = pro_pos * qkp[2 + (lane & 15) * EPL + e];
-                const float pro_c = uni_cos(pro_t);
-                const float pro_s = uni_sin(pro_t);
-                @X@[e] = lane < 16 ? @X@[e] * pro_c - pro_p * pro_s
-                                   : pro_p * pro_s + @X@[e] * pro_c;
-            }
-        } else if (ROPE == 2 && EPL >= 2) {
-#pragma unroll
-            for (int e = 0; e + 1 < EPL; e += 2) {
-                const float pro_t = pro_pos * qkp[2 + (lane * EPL + e) / 2];
-                const float pro_c = uni_cos(pro_t);
-                const float pro_s = uni_sin(pro_t);
-                const float pro_a = @X@[e];
-                const float pro_b = @X@[e + 1];
-                @X@[e] = pro_a * pro_c - pro_b * pro_s;
-                @X@[e + 1] = pro_a * pro_s + pro_b * pro_c;
-            }
-        } else if (ROPE == 2) {
-            const float pro_p = uni_shfl_xor(@X@[0], 1);
-            const float pro_t = pro_pos * qkp[2 + lane / 2];
-            const float pro_c = uni_cos(pro_t);
-            const float pro_s = uni_sin(pro_t);
-            @X@[0] = (lane & 1) == 0 ? @X@[0] * pro_c - pro_p * pro_s
-                                     : pro_p * pro_s + @X@[0] * pro_c;
-        }
-    }
-"""
+SNIPPET = gpu_dialect.kernel_file(__package__, "qk_prologue.inc")
 
 
 def prologue_code(values: str, which: int, position: str) -> str:
     """:data:`SNIPPET` for the lane array ``values``, the query (``which=0``) or key (1)
     weights, at token position ``position``."""
-    return (SNIPPET.replace("@X@", values).replace("@W@", str(which))
-            .replace("@POS@", position))
+    return gpu_dialect.render(SNIPPET, X=values, W=str(which), POS=position)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ and values out of the pool into dense arrays per layer and step, then runs SDPA 
 64 and 640-token contexts that is ~170 MB written and read again per layer, and the boolean mask of
 unequal lengths takes SDPA off its fastest path. The kernel here reads each key and value once,
 where it lies in the pool, through the block table. It is written once (:data:`SOURCE`, in the
-names of :mod:`vllm_unified.gpu_dialect`) and instantiated as ``mx.fast.cuda_kernel`` or
-``mx.fast.metal_kernel`` for the backend profile's ``gpu_attention`` dialect.
+names of :mod:`vllm_unified.gpu_dialect`: ``kernels/paged_attention.inc``, the body it shares
+with :mod:`vllm_unified.kv.gpu.paged_quant`, filled by ``kernels/paged.inc``) and instantiated
+as ``mx.fast.cuda_kernel`` or ``mx.fast.metal_kernel`` for the backend profile's
+``gpu_attention`` dialect.
 
 **Work split.** One thread group per (tile, KV head). A tile is up to ``QT`` consecutive query rows
 of one sequence (a decode row is a tile of one row); the group serves every query head of the KV
@@ -81,165 +83,33 @@ INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale", "after"]
 OUTPUT_NAMES = ["out"]
 
 #: A vector of N elements loaded (and stored) as one access.
-HEADER = """
-template <typename V, int N>
-struct alignas(sizeof(V) * N) UniVec {
-    V v[N];
-};
-"""
+HEADER = gpu_dialect.kernel_file(__package__, "paged.h")
+
+#: The body both paged-attention kernels share (``kernels/paged_attention.inc``), with holes
+#: ``@NAME@`` that each kernel fills from the sections of its own file (:func:`attention_body`).
+_SHARED_BODY = gpu_dialect.kernel_sections(
+    gpu_dialect.kernel_file(__package__, "paged_attention.inc"))["BODY"]
+
+
+def attention_body(parts: str, keep: tuple[str, ...] = ()) -> str:
+    """The shared paged-attention body with its holes filled by the sections of the kernel
+    file ``parts`` (``kernels/paged.inc``, ``kernels/paged_quant.inc``); placeholders named in
+    ``keep`` are left for a later :func:`vllm_unified.gpu_dialect.render`.
+
+    Raises:
+        ValueError: a hole without a section, or a section for no hole.
+    """
+    sections = gpu_dialect.kernel_sections(gpu_dialect.kernel_file(__package__, parts))
+    return gpu_dialect.render(_SHARED_BODY, keep, **sections)
+
 
 #: The kernel body. Template arguments: T (dtype), D (head size, one of HEAD_SIZES),
 #: H, HKV (query and KV heads), BS (tokens per block), WARPS, WINDOW (0: none), QT (rows per
 #: tile), CB ((row, head) pairs combined per pass, :func:`combine_batch`), DECODE (1: group i
 #: is decode row i, ``tiles`` holds the decode lengths ``[Bd]``; 0: ``tiles`` is ``[NT, 4]``:
-#: first row, rows, sequence, keys seen by the tile's last row).
-SOURCE = """
-    constexpr int EPL = D / 32;
-    constexpr int G = H / HKV;
-    constexpr int QG = QT * G;
-    const int grp = (int)uni_group;
-    const int tile = grp / HKV;
-    const int kh = grp - tile * HKV;
-    const int warp = (int)uni_simd;
-    const int lane = (int)uni_lane;
-    int row0 = tile;
-    int nrows = 1;
-    int seq = tile;
-    int len_last;
-    if (DECODE) {
-        len_last = tiles[tile];
-    } else {
-        row0 = tiles[tile * 4];
-        nrows = tiles[tile * 4 + 1];
-        seq = tiles[tile * 4 + 2];
-        len_last = tiles[tile * 4 + 3];
-    }
-    const int len0 = len_last - nrows + 1;
-    const int kbeg = WINDOW > 0 ? (len0 > WINDOW ? len0 - WINDOW : 0) : 0;
-    const int mb = tables_shape[1];
-    const float sc = scale[0];
-    const float neg_inf = uni_neg_inf();
-    float qv[QG][EPL];
-    float acc[QG][EPL];
-    float m[QG];
-    float l[QG];
-#pragma unroll
-    for (int i = 0; i < QG; ++i) {
-        const int qi = i / G;
-        const int g = i - qi * G;
-        const int64_t qoff = ((int64_t)(row0 + (qi < nrows ? qi : 0)) * H + kh * G + g) * D
-                          + lane * EPL;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            qv[i][e] = qi < nrows ? static_cast<float>(q[qoff + e]) : 0.f;
-            acc[i][e] = 0.f;
-        }
-/*Q_PROLOGUE*/
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            qv[i][e] *= sc;
-        }
-        m[i] = neg_inf;
-        l[i] = 0.f;
-    }
-    const int64_t trow = (int64_t)seq * mb;
-#pragma unroll 2
-    for (int j = kbeg + warp; j < len_last; j += WARPS) {
-        const int64_t slot = (int64_t)tables[trow + j / BS] * BS + j % BS;
-        const int64_t koff = (slot * HKV + kh) * (2 * D) + lane * EPL;
-        const UniVec<T, EPL> kk = *reinterpret_cast<const UNI_DEVICE UniVec<T, EPL>*>(kv + koff);
-        const UniVec<T, EPL> vv =
-            *reinterpret_cast<const UNI_DEVICE UniVec<T, EPL>*>(kv + koff + D);
-        float kf[EPL];
-        float vf[EPL];
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            kf[e] = static_cast<float>(kk.v[e]);
-            vf[e] = static_cast<float>(vv.v[e]);
-        }
-#pragma unroll
-        for (int qi = 0; qi < QT; ++qi) {
-            const int lr = len0 + qi;
-            // Uniform over the warp (j, qi and the tile are): the reductions below see
-            // every lane.
-            if (qi < nrows && j < lr && (WINDOW == 0 || j >= lr - WINDOW)) {
-                float s[G];
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    float t = 0.f;
-#pragma unroll
-                    for (int e = 0; e < EPL; ++e) {
-                        t += qv[qi * G + g][e] * kf[e];
-                    }
-                    s[g] = uni_simd_sum(t);
-                }
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const int i = qi * G + g;
-                    const float m_new = uni_fmax(m[i], s[g]);
-                    const float corr = m[i] == neg_inf ? 0.f : uni_exp(m[i] - m_new);
-                    const float p = uni_exp(s[g] - m_new);
-                    l[i] = l[i] * corr + p;
-#pragma unroll
-                    for (int e = 0; e < EPL; ++e) {
-                        acc[i][e] = acc[i][e] * corr + p * vf[e];
-                    }
-                    m[i] = m_new;
-                }
-            }
-        }
-    }
-    UNI_SHARED float sm[WARPS][QG];
-    UNI_SHARED float sl[WARPS][QG];
-    UNI_SHARED float sacc[WARPS][CB][D];
-    if (lane == 0) {
-#pragma unroll
-        for (int i = 0; i < QG; ++i) {
-            sm[warp][i] = m[i];
-            sl[warp][i] = l[i];
-        }
-    }
-    // CB (row, head) pairs at a time: the warps' accumulators in shared memory, then every
-    // thread of the group combines its share of them.
-#pragma unroll
-    for (int b = 0; b < QG; b += CB) {
-        if (b / G < nrows) {  // uniform over the group: the barriers see every thread
-#pragma unroll
-            for (int c = 0; c < CB; ++c) {
-                if (b + c < QG) {
-#pragma unroll
-                    for (int e = 0; e < EPL; ++e) {
-                        sacc[warp][c][lane * EPL + e] = acc[b + c][e];
-                    }
-                }
-            }
-            UNI_BARRIER();
-            for (int x = (int)uni_thread; x < CB * D; x += (int)uni_threads) {
-                const int c = x / D;
-                const int d = x - c * D;
-                const int i = b + c;
-                const int qi = i / G;
-                if (i < QG && qi < nrows) {
-                    float mm = neg_inf;
-                    for (int w = 0; w < WARPS; ++w) {
-                        mm = uni_fmax(mm, sm[w][i]);
-                    }
-                    float ll = 0.f;
-                    float o = 0.f;
-                    for (int w = 0; w < WARPS; ++w) {
-                        const float f = sm[w][i] == neg_inf ? 0.f : uni_exp(sm[w][i] - mm);
-                        ll += sl[w][i] * f;
-                        o += sacc[w][c][d] * f;
-                    }
-                    const int g = i - qi * G;
-                    out[((int64_t)(row0 + qi) * H + kh * G + g) * D + d] =
-                        static_cast<T>(o / ll);
-                }
-            }
-            UNI_BARRIER();
-        }
-    }
-"""
+#: first row, rows, sequence, keys seen by the tile's last row). ``@Q_PROLOGUE@`` is filled by
+#: :func:`kernel_source`.
+SOURCE = attention_body("paged.inc", keep=("Q_PROLOGUE",))
 
 
 #: Head sizes the GPU kernels take: each lane holds D / 32 channels, loaded as one aligned
@@ -292,7 +162,7 @@ def kernel_source(prologue: bool) -> str:
     normalised and rotated at its row's position, ``len - 1``, as it is loaded;
     :mod:`vllm_unified.kv.attention.qk_prologue`) or without."""
     code = prologue_code("qv[i]", 0, "len0 + qi - 1") if prologue else ""
-    return SOURCE.replace("/*Q_PROLOGUE*/\n", code)
+    return gpu_dialect.render(SOURCE, Q_PROLOGUE=code)
 
 
 def kernel_spec(prologue: bool) -> tuple[str, list[str], list[str]]:

@@ -43,72 +43,18 @@ from vllm_unified.gpu_dialect import Dialect
 from vllm_unified.kv.attention.qk_prologue import QKPrologue, prologue_code
 
 #: one-source body of the KV write: thread i writes element c of cell (t, h) of the pool
-WRITE_KV_SOURCE = """
-    const int64_t i = (int64_t)uni_global;
-    const int64_t total = (int64_t)keys_shape[0] * HKV * 2 * D;
-    if (i < total) {
-        const int64_t cell = i / (2 * D);  // t * HKV + h
-        const int64_t c = i - cell * (2 * D);
-        const int64_t t = cell / HKV;
-        const int64_t h = cell - t * HKV;
-        const int64_t slot = (int64_t)slots[t];
-        const T x = c < D ? keys[cell * D + c] : values[cell * D + c - D];
-        UNI_WRITABLE(T, pool)[(slot * HKV + h) * (2 * D) + c] = x;
-    }
-    if (i == 0) {
-        done[0] = 1;
-    }
-"""
+WRITE_KV_SOURCE = gpu_dialect.kernel_file(__package__, "write_kv.inc")
 
 #: one-source body of the row write: thread i writes element e of source row r; rows whose
 #: index is outside [0, R) are skipped
-WRITE_ROWS_SOURCE = """
-    const int64_t i = (int64_t)uni_global;
-    const int64_t total = (int64_t)row_idx_shape[0] * W;
-    if (i < total) {
-        const int64_t r = i / W;
-        const int64_t e = i - r * W;
-        const int64_t row = (int64_t)row_idx[r];
-        if (row >= 0 && row < (int64_t)dst_shape[0]) {
-            UNI_WRITABLE(T, dst)[row * W + e] = src[i];
-        }
-    }
-    if (i == 0) {
-        done[0] = 1;
-    }
-"""
+WRITE_ROWS_SOURCE = gpu_dialect.kernel_file(__package__, "write_rows.inc")
 
 #: one-source body of the KV write with the key prologue: SIMD group c handles cell c (token
 #: t, KV head h), lane l channels l * EPL ... of the head; the key is normalised and rotated
 #: at ``positions[t]`` (:mod:`vllm_unified.kv.attention.qk_prologue`) and stored next to the
 #: value. Keys and values are read as ``[T, HKV * D]`` rows (any shape with those bytes).
-WRITE_KV_QK_SOURCE = """
-    constexpr int EPL = D / 32;
-    const int64_t cell = (int64_t)(uni_global / 32);
-    const int lane = (int)uni_lane;
-    // Uniform over a SIMD group (32 consecutive threads share the cell): the prologue's
-    // reductions and shuffles see every lane.
-    if (cell < (int64_t)slots_shape[0] * HKV) {
-        const int64_t t = cell / HKV;
-        const int64_t h = cell - t * HKV;
-        const int64_t src = cell * D + lane * EPL;
-        float kx[EPL];
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            kx[e] = static_cast<float>(keys[src + e]);
-        }
-@PROLOGUE@
-        const int64_t dst = ((int64_t)slots[t] * HKV + h) * (2 * D) + lane * EPL;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            UNI_WRITABLE(T, pool)[dst + e] = static_cast<T>(kx[e]);
-            UNI_WRITABLE(T, pool)[dst + D + e] = values[src + e];
-        }
-    }
-    if (uni_global == 0) {
-        done[0] = 1;
-    }
-""".replace("@PROLOGUE@\n", prologue_code("kx", 1, "positions[t]"))
+WRITE_KV_QK_SOURCE = gpu_dialect.render(gpu_dialect.kernel_file(__package__, "write_kv_qk.inc"),
+                                        PROLOGUE=prologue_code("kx", 1, "positions[t]"))
 
 #: kernel name, input names, output names
 WRITE_KV_KERNEL = ("vllm_unified_write_kv", ("pool", "slots", "keys", "values"), ("done",))

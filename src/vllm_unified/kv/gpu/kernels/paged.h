@@ -1,0 +1,5 @@
+
+template <typename V, int N>
+struct alignas(sizeof(V) * N) UniVec {
+    V v[N];
+};
