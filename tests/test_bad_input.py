@@ -36,12 +36,13 @@ from vllm_unified.request_policy import RequestLimits, check_sampling
 
 def test_limits_from_env_defaults_and_errors():
     limits = RequestLimits.from_env({})
+    # vLLM's contract by default: no body limit, unknown fields ignored; OpenAI's maximum n.
     assert (limits.max_n, limits.max_request_bytes, limits.unknown_fields) == (
-        128, 4 * 2**20, "reject")
+        128, 0, "ignore")
     custom = RequestLimits.from_env({"VLLM_UNIFIED_MAX_N": "4",
                                      "VLLM_UNIFIED_MAX_REQUEST_BYTES": "1000",
-                                     "VLLM_UNIFIED_UNKNOWN_FIELDS": "ignore"})
-    assert (custom.max_n, custom.max_request_bytes, custom.unknown_fields) == (4, 1000, "ignore")
+                                     "VLLM_UNIFIED_UNKNOWN_FIELDS": "reject"})
+    assert (custom.max_n, custom.max_request_bytes, custom.unknown_fields) == (4, 1000, "reject")
     for name, bad in (("VLLM_UNIFIED_MAX_N", "0"), ("VLLM_UNIFIED_MAX_REQUEST_BYTES", "1MB"),
                       ("VLLM_UNIFIED_UNKNOWN_FIELDS", "warn")):
         with pytest.raises(ValueError, match=f"{name}='{bad}'"):
@@ -115,7 +116,7 @@ def test_prompt_filling_the_context_is_refused_naming_length_and_limit(monkeypat
 def test_check_fields():
     known = known_fields("CompletionRequest")
     assert {"prompt", "max_tokens", "structured_outputs", "vllm_xargs"} <= known
-    reject, ignore = RequestLimits(), RequestLimits(unknown_fields="ignore")
+    reject, ignore = RequestLimits(unknown_fields="reject"), RequestLimits()
     check_fields({"prompt": "x", "structured_outputs": {"choice": ["a"]}}, known, "/c", reject)
     with pytest.raises(RequestRejected, match="unknown field.*'foo'.*VLLM_UNIFIED_UNKNOWN_FIELDS"):
         check_fields({"prompt": "x", "foo": 1}, known, "/c", reject)
@@ -148,7 +149,7 @@ def _guard_client(**limits):
 
 
 def test_guard_passes_body_through_and_rejects():
-    client, seen = _guard_client(max_request_bytes=1000)
+    client, seen = _guard_client(max_request_bytes=1000, unknown_fields="reject")
     good = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}).encode()
     assert client.post("/v1/completions", content=good).text == "ok"
     assert seen == [good]  # the app gets the very bytes the client sent
@@ -173,6 +174,39 @@ def test_guard_passes_body_through_and_rejects():
         assert r.json()["error"]["param"] == param
         assert words in r.json()["error"]["message"]
     assert len(seen) == 3
+
+
+def test_unknown_fields_are_served_with_a_warning_by_default(monkeypatch):
+    """vLLM's contract: a request with unknown top-level fields reaches vLLM unchanged (which
+    drops them); the guard logs a warning naming them, once per set of names."""
+    from vllm_unified import request_guard
+
+    warnings = []
+    monkeypatch.setattr(request_guard.logger, "warning",
+                        lambda msg, *args: warnings.append(msg % args))
+    monkeypatch.setattr(request_guard, "_warned", set())
+    client, seen = _guard_client()
+    body = json.dumps({"messages": [], "tempreature": 1, "user_id": "x"}).encode()
+    for _ in range(2):
+        r = client.post("/v1/chat/completions", content=body)
+        assert r.status_code == 200 and r.text == "ok"
+    assert seen == [body, body]
+    assert len(warnings) == 1
+    assert "'tempreature', 'user_id'" in warnings[0] and "/v1/chat/completions" in warnings[0]
+    assert "VLLM_UNIFIED_UNKNOWN_FIELDS=reject" in warnings[0]
+
+
+def test_three_image_chat_passes_the_guard_by_default():
+    """Three 1024x1024 PNGs of noise as data URLs (a body of about 12 MiB) reach vLLM as sent:
+    by default the guard has no body limit, as vLLM and uvicorn have none."""
+    from conftest import image_chat_body
+
+    client, seen = _guard_client()
+    body = json.dumps(image_chat_body("m")).encode()
+    assert len(body) > 12 * 10**6
+    r = client.post("/v1/chat/completions", content=body)
+    assert r.status_code == 200 and r.text == "ok"
+    assert seen == [body]
 
 
 def test_platform_installs_guard_in_vllm_serve_parser():
@@ -214,6 +248,8 @@ def _raw(prompt_json: bytes) -> bytes:
 
 #: (what, endpoint, JSON body or raw bytes, HTTP status, error param or None, words of the
 #: message). vLLM's own front end answers most; ``request_guard``/``request_policy`` the rest.
+#: The server runs with the guard's opt-in limits (:data:`OPT_IN`): unknown fields refused,
+#: a 4 MiB body limit.
 BAD_INPUTS = [
     ("empty prompt", C, _c(prompt=""), 400, "prompt", "must be provided and non-empty"),
     ("empty chat", CHAT, _chat([]), 400, None, "empty conversation"),
@@ -276,10 +312,14 @@ BAD_INPUTS = [
 ]
 
 
+#: The guard's stricter settings (off by default: vLLM's contract), as an operator sets them.
+OPT_IN = {"VLLM_UNIFIED_UNKNOWN_FIELDS": "reject", "VLLM_UNIFIED_MAX_REQUEST_BYTES": str(4 * 2**20)}
+
+
 @pytest.fixture(scope="module")
 def bad_input_server(tmp_path_factory):
     args = [*default_server_args(MODEL), "--max-model-len", str(MAX_MODEL_LEN)]
-    with vllm_server(tmp_path_factory.mktemp("bad-input-server"), args) as served:
+    with vllm_server(tmp_path_factory.mktemp("bad-input-server"), args, OPT_IN) as served:
         yield served
 
 

@@ -112,7 +112,7 @@ def test_compressed_body_is_refused():
 
 
 def test_chunked_body_is_checked_and_limited():
-    client, seen = _guard_client(max_request_bytes=1000)
+    client, seen = _guard_client(max_request_bytes=1000, unknown_fields="reject")
 
     def chunks(data: bytes, size: int = 7):
         for i in range(0, len(data), size):
@@ -163,6 +163,19 @@ def _vllm_app(api_key: str | None):
     return TestClient(app), reached
 
 
+@pytest.fixture
+def reject_unknown_fields(monkeypatch):
+    """The operator's opt-in ``VLLM_UNIFIED_UNKNOWN_FIELDS=reject`` for guards vLLM builds
+    (they read the environment once per process: :func:`current_limits`)."""
+    from vllm_unified.request_policy import current_limits
+
+    monkeypatch.setenv("VLLM_UNIFIED_UNKNOWN_FIELDS", "reject")
+    current_limits.cache_clear()
+    yield
+    current_limits.cache_clear()
+
+
+@pytest.mark.usefixtures("reject_unknown_fields")
 def test_unauthenticated_requests_get_vllms_401_whatever_the_body():
     client, reached = _vllm_app("secret")
     bodies = [json.dumps(GOOD).encode(), json.dumps(_unknown_field_body()).encode(),
@@ -182,6 +195,7 @@ def test_unauthenticated_requests_get_vllms_401_whatever_the_body():
     assert r.status_code == 200 and reached == [GOOD]
 
 
+@pytest.mark.usefixtures("reject_unknown_fields")
 def test_guard_still_checks_without_api_key():
     client, reached = _vllm_app(None)
     r = client.post(C, content=json.dumps(_unknown_field_body()).encode(),

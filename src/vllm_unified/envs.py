@@ -84,14 +84,23 @@ _SETTINGS = (
     Setting("VLLM_UNIFIED_DEVICE", None, _choice("metal", "cuda", "cpu"),
             "force the MLX backend (metal, cuda, cpu); default: Metal, else CUDA, else CPU"),
     Setting("VLLM_UNIFIED_MAX_N", 128, _count(1),
-            "most completions (n) one request may ask for"),
-    Setting("VLLM_UNIFIED_MAX_REQUEST_BYTES", 4 * 2**20, _count(1),
-            "largest HTTP request body in bytes (larger: HTTP 413)"),
-    Setting("VLLM_UNIFIED_UNKNOWN_FIELDS", "reject", _choice("reject", "ignore"),
-            "top-level request fields the endpoint does not know: reject (HTTP 400) or ignore"),
+            "most completions (n) one request may ask for (more: HTTP 400). Default 128, the "
+            "OpenAI API's own maximum, so no client written for that API sends more; vLLM has "
+            "no limit, and each completion is a request of its own in the engine"),
+    Setting("VLLM_UNIFIED_MAX_REQUEST_BYTES", 0, _count(0),
+            "largest HTTP request body in bytes (larger: HTTP 413). Default 0, no limit, as in "
+            "vLLM and uvicorn: base64 images, audio and video make bodies of any size. Set one "
+            "(e.g. 67108864) where clients are not trusted"),
+    Setting("VLLM_UNIFIED_UNKNOWN_FIELDS", "ignore", _choice("ignore", "reject"),
+            "top-level fields /v1/completions and /v1/chat/completions do not know. Default "
+            "ignore, vLLM's behaviour: served, the fields dropped, a warning logged once per "
+            "set of names (clients such as LangChain and LiteLLM send extra fields); reject: "
+            "HTTP 400 naming them, so that a misspelt parameter is not silently dropped"),
     Setting("VLLM_UNIFIED_STALLED_CLIENT_TIMEOUT_S", 60, _count(0),
             "seconds a response may wait for a client that reads nothing before the request "
-            "is aborted and the connection closed (0: no limit)"),
+            "is aborted and the connection closed (0: no limit). Default 60: vLLM has no limit "
+            "and keeps the request's KV blocks for a client that never reads; only a send that "
+            "waits the whole time ends a response, so a slow reader is not cut off"),
     Setting("VLLM_UNIFIED_BLAS", None, _text,
             "CPU backend: path of the BLAS library to interpose, or none for MLX's bundled one"),
     Setting("VLLM_UNIFIED_CACHE", None, _text,

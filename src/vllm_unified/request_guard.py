@@ -3,14 +3,24 @@ vLLM's own ``--middleware`` option (the platform adds it to that option's defaul
 :meth:`vllm_unified.platform.MLXPlatform.pre_register_and_update`).
 
 It sees the raw body, which vLLM's per-request platform hook (``validate_request``) does not,
-and answers with vLLM's error format (``{"error": {"message", "type", "param", "code"}}``):
+and answers with vLLM's error format (``{"error": {"message", "type", "param", "code"}}``).
 
-- a body over ``VLLM_UNIFIED_MAX_REQUEST_BYTES`` -> 413 (the excess is read and dropped, never
-  kept), whether its length is declared or it comes in chunks;
-- on ``/v1/completions`` and ``/v1/chat/completions``: top-level fields the endpoint does not
-  know -> 400 naming them (vLLM drops them with a debug log; ``VLLM_UNIFIED_UNKNOWN_FIELDS=
-  ignore`` restores that), and vLLM's removed ``guided_*`` fields -> 400 always, since their
-  constraint would silently not apply;
+By default it refuses only what vLLM itself fails on, or what no ordinary client sends, so that
+a client served by vLLM on CUDA is served here too. Two settings make it stricter (opt-in):
+
+- ``VLLM_UNIFIED_UNKNOWN_FIELDS=reject``: top-level fields ``/v1/completions`` or
+  ``/v1/chat/completions`` do not know -> 400 naming them. By default (``ignore``) they reach
+  vLLM, which drops them as it does everywhere; the guard logs a warning naming them, once per
+  set of names (vLLM 0.32 logs them at debug level only);
+- ``VLLM_UNIFIED_MAX_REQUEST_BYTES`` above 0: a larger body -> 413 (the excess is read and
+  dropped, never kept), whether its length is declared or it comes in chunks. Default 0: no
+  limit, as in vLLM and uvicorn (base64 images make bodies of many MiB).
+
+Always (the body checks on those two endpoints only; ``VLLM_UNIFIED_MAX_N``, default 128, is
+the OpenAI API's own maximum of ``n``):
+
+- vLLM's removed ``guided_*`` fields -> 400 naming the replacement: vLLM serves the request
+  with the constraint silently not applied;
 - a body that is not UTF-8 -> 400 naming the offending byte (vLLM answers "There was an error
   parsing the body"), and one that is UTF-8 only by accident -> 400 naming its encoding: vLLM
   parses the body with ``json.loads(bytes)``, which also reads UTF-8 with a byte order mark and
@@ -65,6 +75,8 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+logger = compat.init_logger(__name__)
 
 #: The endpoints whose top-level fields are checked, and vLLM's request model for each.
 CHECKED_ENDPOINTS: dict[str, str] = {
@@ -134,7 +146,9 @@ def known_fields(model_name: str) -> frozenset[str]:
 
 def check_fields(body: dict[str, Any], known: frozenset[str], endpoint: str,
                  limits: RequestLimits) -> None:
-    """Reject removed guided-decoding fields always, other unknown fields unless ignored.
+    """Reject removed guided-decoding fields always; other unknown fields with
+    ``unknown_fields="reject"``, else log them (:func:`warn_unknown_fields`) and let vLLM
+    drop them.
 
     Raises:
         RequestRejected: 400 naming the field(s).
@@ -147,13 +161,37 @@ def check_fields(body: dict[str, Any], known: frozenset[str], endpoint: str,
                 f"constrained); use {REMOVED_GUIDED_FIELDS[name]} or response_format",
                 name, HTTPStatus.BAD_REQUEST,
             )
-    if unknown and limits.unknown_fields == "reject":
-        listed = ", ".join(f"'{n}'" for n in unknown)
+    if not unknown:
+        return
+    listed = ", ".join(f"'{n}'" for n in unknown)
+    if limits.unknown_fields == "reject":
         raise RequestRejected(
             f"unknown field(s) {listed} for {endpoint}: vLLM would ignore them "
-            f"(set {UNKNOWN_FIELDS_ENV}=ignore to accept and ignore unknown fields)",
+            f"(this server sets {UNKNOWN_FIELDS_ENV}=reject; ignore accepts and ignores them)",
             unknown[0], HTTPStatus.BAD_REQUEST,
         )
+    warn_unknown_fields(endpoint, listed)
+
+
+#: Sets of unknown field names already warned about; emptied when it holds
+#: :data:`MAX_WARNED` sets, so that clients inventing names cannot grow it without end.
+_warned: set[tuple[str, str]] = set()
+MAX_WARNED = 1024
+
+
+def warn_unknown_fields(endpoint: str, listed: str) -> None:
+    """Log a warning that ``listed`` fields of ``endpoint`` are ignored, once per set of names
+    (clients that send extra fields send them on every request)."""
+    key = (endpoint, listed)
+    if key in _warned:
+        return
+    if len(_warned) >= MAX_WARNED:
+        _warned.clear()
+    _warned.add(key)
+    logger.warning(
+        "vllm-unified: the following fields were present in the request but ignored (%s): "
+        "%s (set %s=reject to refuse requests with unknown fields)",
+        endpoint, listed, UNKNOWN_FIELDS_ENV)
 
 
 def check_sampling_fields(body: dict[str, Any], endpoint: str, limits: RequestLimits) -> None:
@@ -432,13 +470,15 @@ class RequestGuard:
         """The whole body, or None if the client disconnected.
 
         Raises:
-            RequestRejected: 413 once the body (declared or received) passes the limit; the
-                rest is read and dropped first, so the client gets the answer rather than a
-                reset connection while it is still sending.
+            RequestRejected: 413 once the body (declared or received) passes the limit, if
+                there is one (``max_request_bytes`` > 0); the rest is read and dropped first,
+                so the client gets the answer rather than a reset connection while it is
+                still sending.
         """
         limit = self.limits.max_request_bytes
         declared = _header(scope, b"content-length")
-        too_large = declared is not None and declared.isdigit() and int(declared) > limit
+        too_large = (limit > 0 and declared is not None and declared.isdigit()
+                     and int(declared) > limit)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -446,7 +486,7 @@ class RequestGuard:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            too_large = too_large or size > limit
+            too_large = too_large or 0 < limit < size
             if not too_large:
                 chunks.append(chunk)
             if not message.get("more_body", False):

@@ -18,6 +18,7 @@ from vllm_unified.envs import MAX_N_ENV, MAX_REQUEST_BYTES_ENV, UNKNOWN_FIELDS_E
 
 DEFAULT_MAX_N: int = envs.SETTINGS[MAX_N_ENV].default
 DEFAULT_MAX_REQUEST_BYTES: int = envs.SETTINGS[MAX_REQUEST_BYTES_ENV].default
+DEFAULT_UNKNOWN_FIELDS: str = envs.SETTINGS[UNKNOWN_FIELDS_ENV].default
 #: The signed 64-bit range: vLLM hands a request to its engine process as msgpack, which
 #: carries no integer outside [-2**63, 2**64 - 1], and its samplers keep integers as int64.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -29,21 +30,21 @@ class RequestLimits:
 
     Attributes:
         max_n: most completions (``n``) one request may ask for.
-        max_request_bytes: largest HTTP request body, bytes.
-        unknown_fields: ``reject`` (HTTP 400 naming them) or ``ignore`` (vLLM's behaviour:
-            logged and dropped) for top-level fields the OpenAI endpoint does not know.
+        max_request_bytes: largest HTTP request body, bytes; 0: no limit (vLLM's behaviour).
+        unknown_fields: ``ignore`` (vLLM's behaviour: dropped, with a warning) or ``reject``
+            (HTTP 400 naming them) for top-level fields the OpenAI endpoint does not know.
     """
 
     max_n: int = DEFAULT_MAX_N
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    unknown_fields: str = "reject"
+    unknown_fields: str = DEFAULT_UNKNOWN_FIELDS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RequestLimits:
         """Read the settings (from ``os.environ`` unless ``environ`` is given).
 
         Raises:
-            ValueError: a setting that is not a positive integer / not one of the choices,
+            ValueError: a setting that is not an integer in its range / not one of the choices,
                 naming the variable and the value.
         """
         return cls(
