@@ -13,6 +13,7 @@ the same text as the request alone); afterwards the process is up and ``/health`
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -113,7 +114,7 @@ def test_prompt_filling_the_context_is_refused_naming_length_and_limit(monkeypat
         assert e.value.parameter == "input_tokens"
 
 
-def test_check_fields():
+def test_check_fields(caplog):
     known = known_fields("CompletionRequest")
     assert {"prompt", "max_tokens", "structured_outputs", "vllm_xargs"} <= known
     reject, ignore = RequestLimits(unknown_fields="reject"), RequestLimits()
@@ -121,11 +122,15 @@ def test_check_fields():
     with pytest.raises(RequestRejected, match="unknown field.*'foo'.*VLLM_UNIFIED_UNKNOWN_FIELDS"):
         check_fields({"prompt": "x", "foo": 1}, known, "/c", reject)
     check_fields({"prompt": "x", "foo": 1}, known, "/c", ignore)
-    for limits in (reject, ignore):  # a removed guided field would silently lose its constraint
-        with pytest.raises(RequestRejected, match="'guided_choice' was removed") as e:
-            check_fields({"prompt": "x", "guided_choice": ["a"]}, known, "/c", limits)
-        assert e.value.param == "guided_choice"
-        assert "structured_outputs" in str(e.value)
+    # a removed guided field loses its constraint: refused under reject, named in a warning
+    # (with its replacement) by default, as vLLM serves it
+    with pytest.raises(RequestRejected, match="'guided_choice' was removed") as e:
+        check_fields({"prompt": "x", "guided_choice": ["a"]}, known, "/c", reject)
+    assert e.value.param == "guided_choice"
+    assert "structured_outputs" in str(e.value)
+    with caplog.at_level(logging.WARNING):
+        check_fields({"prompt": "x", "guided_regex": "a+"}, known, "/c", ignore)
+    assert "'guided_regex' was removed" in caplog.text and "structured_outputs" in caplog.text
 
 
 def test_check_text_names_lone_surrogate():

@@ -57,7 +57,8 @@ def served(tmp_path_factory):
         tiers = {"secondary_tiers": [{"type": "fs", "root_dir": str(disk)}]}
         args = [*default_server_args(MODEL), "--api-key", KEY, "--kv-offloading-size", "0.05",
                 "--kv-transfer-config", json.dumps({"kv_connector_extra_config": tiers})]
-        env = {"VLLM_UNIFIED_STALLED_CLIENT_TIMEOUT_S": str(STALL_S), "PYTHONHASHSEED": "0"}
+        env = {"VLLM_UNIFIED_STALLED_CLIENT_TIMEOUT_S": str(STALL_S), "PYTHONHASHSEED": "0",
+               "VLLM_UNIFIED_UNKNOWN_FIELDS": "reject"}  # the removed-field case below
         with vllm_server(root, args, env) as (base, proc):
             yield Served(base, proc, disk, root / "server.log")
 

@@ -11,7 +11,9 @@ a client served by vLLM on CUDA is served here too. Two settings make it stricte
 - ``VLLM_UNIFIED_UNKNOWN_FIELDS=reject``: top-level fields ``/v1/completions`` or
   ``/v1/chat/completions`` do not know -> 400 naming them. By default (``ignore``) they reach
   vLLM, which drops them as it does everywhere; the guard logs a warning naming them, once per
-  set of names (vLLM 0.32 logs them at debug level only);
+  set of names (vLLM 0.32 logs them at debug level only); vLLM's removed ``guided_*`` fields
+  (served with the constraint NOT applied) get a warning, or under ``reject`` a 400, naming
+  their ``structured_outputs`` replacement;
 - ``VLLM_UNIFIED_MAX_REQUEST_BYTES`` above 0: a larger body -> 413 (the excess is read and
   dropped, never kept), whether its length is declared or it comes in chunks. Default 0: no
   limit, as in vLLM and uvicorn (base64 images make bodies of many MiB).
@@ -19,8 +21,6 @@ a client served by vLLM on CUDA is served here too. Two settings make it stricte
 Always (the body checks on those two endpoints only; ``VLLM_UNIFIED_MAX_N``, default 128, is
 the OpenAI API's own maximum of ``n``):
 
-- vLLM's removed ``guided_*`` fields -> 400 naming the replacement: vLLM serves the request
-  with the constraint silently not applied;
 - a body that is not UTF-8 -> 400 naming the offending byte (vLLM answers "There was an error
   parsing the body"), and one that is UTF-8 only by accident -> 400 naming its encoding: vLLM
   parses the body with ``json.loads(bytes)``, which also reads UTF-8 with a byte order mark and
@@ -146,25 +146,26 @@ def known_fields(model_name: str) -> frozenset[str]:
 
 def check_fields(body: dict[str, Any], known: frozenset[str], endpoint: str,
                  limits: RequestLimits) -> None:
-    """Reject removed guided-decoding fields always; other unknown fields with
-    ``unknown_fields="reject"``, else log them (:func:`warn_unknown_fields`) and let vLLM
-    drop them.
+    """Reject unknown fields (removed guided-decoding ones with their replacement named) with
+    ``unknown_fields="reject"``; else log them (:func:`warn_unknown_fields`) and let vLLM drop
+    them, as vLLM on CUDA does.
 
     Raises:
         RequestRejected: 400 naming the field(s).
     """
     unknown = sorted(set(body) - known)
-    for name in unknown:
-        if name in REMOVED_GUIDED_FIELDS:
-            raise RequestRejected(
-                f"'{name}' was removed from vLLM and would be ignored (output NOT "
-                f"constrained); use {REMOVED_GUIDED_FIELDS[name]} or response_format",
-                name, HTTPStatus.BAD_REQUEST,
-            )
     if not unknown:
         return
+    reject = limits.unknown_fields == "reject"
+    for name in unknown:
+        if name in REMOVED_GUIDED_FIELDS:
+            message = (f"'{name}' was removed from vLLM and is ignored (output NOT "
+                       f"constrained); use {REMOVED_GUIDED_FIELDS[name]} or response_format")
+            if reject:
+                raise RequestRejected(message, name, HTTPStatus.BAD_REQUEST)
+            warn_unknown_fields(endpoint, message)
     listed = ", ".join(f"'{n}'" for n in unknown)
-    if limits.unknown_fields == "reject":
+    if reject:
         raise RequestRejected(
             f"unknown field(s) {listed} for {endpoint}: vLLM would ignore them "
             f"(this server sets {UNKNOWN_FIELDS_ENV}=reject; ignore accepts and ignores them)",
