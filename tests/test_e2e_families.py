@@ -13,7 +13,7 @@ from tiny_models import make_tiny_checkpoint
 
 from vllm_unified.models.loader import load_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (3, 20, 45, 70)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import run_llm
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 PARIS = " Paris.\n\nThe answer is: 2"
 PARIS_IDS = [7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34]

@@ -411,7 +411,7 @@ def _delta(phases: list[dict], i: int, key: str) -> float:
     return phases[i]["metrics"].get(key, 0) - before
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.parametrize("name", MODES)
 def test_prefix_cache_and_host_offload_carry_quantized_pages(default_model, tmp_path, name):
     """A 1,500-token prompt P served with the quantized cache: again at once (a prefix-cache
@@ -469,6 +469,7 @@ def _skip_kwargs(name: str, flag: list[str] | None) -> dict:
             **({"kv_cache_dtype_skip_layers": flag} if flag is not None else {})}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name, flag, skip, block, cell", SKIP_CASES[:2], ids=[TQ, "int8"])
 def test_skip_layers_serve_the_default_model(default_model, tmp_path, name, flag, skip, block,
                                              cell):
@@ -657,7 +658,7 @@ def test_quantized_cache_is_refused_where_no_kernel_reads_it():
         KVCache(off, HybridLayers("llama", 2, []), shape, {0: None, 1: None}, mx.float32)
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_scheduler_capacity_per_format(default_model, tmp_path):
     """As vLLM's scheduler sees it (its "KV cache size: N tokens" for a 256 MiB pool):
     int8 and fp8 >= 3.5x, int4 >= 6x, turboquant_k8v4 >= 3.2x the fp32 cache's tokens."""

@@ -273,7 +273,7 @@ def _ids(result):
     return [o["completions"][0]["token_ids"] for o in result["outputs"]]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
     """8 requests (repetitive and random prompts, up to 240 tokens, chunked by a 64-token
     budget), greedy with a repetition penalty on one and logprobs on another: identical token
@@ -350,7 +350,7 @@ def _plain_and_preempted(model: str, base: dict, spec: dict, requests: list, tmp
     return plain, tight
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
     """Too few KV blocks: vLLM preempts and resumes requests mid-speculation; same tokens."""
     prompts = _repetitive(6, seed=5)
@@ -364,7 +364,7 @@ def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
     assert _ids(tight) == _ids(plain)
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path, method):
     """A request aborted while its drafts are scheduled for verification (ngram; a draft
@@ -507,7 +507,7 @@ def _seeded_requests(prompt: list[int], temperature: float, n: int) -> list[dict
                         "ignore_eos": True, "allowed_token_ids": ALLOWED}} for i in range(n)]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_path,
                                                        monkeypatch):
     """Exactness of random sampling under ngram speculation (vLLM's rejection sampler).
@@ -573,7 +573,7 @@ def _draft_argmax(model: str, contexts: list[list[int]]) -> list[int]:
     return [int(mx.argmax(m(mx.array([c]))[0, -1]).item()) for c in contexts]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_random_sampling_with_a_draft_model_keeps_the_target_distribution(
         tmp_path_factory, tmp_path, monkeypatch):
     """Exactness of random sampling under ``draft_model`` speculation: the target is the tiny
@@ -619,7 +619,7 @@ def test_random_sampling_with_a_draft_model_keeps_the_target_distribution(
     assert _ids(alone)[0] == ids[7]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_default_model_structured_output_and_stop_strings(default_model, tmp_path):
     """The default model (SmolLM2 GGUF): greedy code-editing style prompt, a regex-constrained
     request (grammar bitmask over the draft rows), a stop string and penalties: the same
@@ -666,6 +666,7 @@ def test_default_model_structured_output_and_stop_strings(default_model, tmp_pat
 
 
 # ------------------------------------------------------------------------------ start-up and server
+@pytest.mark.engine
 def test_suffix_without_arctic_inference_is_refused_in_one_line(tmp_path):
     """``vllm serve --speculative-config '{"method": "suffix"}'`` without ``arctic-inference``:
     our CLI stops before vLLM starts, with one line naming the flag, the method and the
@@ -705,7 +706,7 @@ def _metric_samples(text: str, name: str) -> dict[str, float]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_server_reports_spec_decode_metrics(tmp_path):
     """``vllm serve`` the default model with ngram: after a repetitive prompt, /metrics holds
     vLLM's ``vllm:spec_decode_*`` counters (drafts, draft tokens, accepted tokens, accepted
@@ -741,7 +742,7 @@ def test_server_reports_spec_decode_metrics(tmp_path):
 
 
 # ------------------------------------------------------------------------------ draft model
-@pytest.mark.slow
+@pytest.mark.engine
 def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, tmp_path):
     """``method: draft_model`` with tiny Llama drafts of the target's vocabulary (each with its
     own paged KV cache from the draft layers vLLM's KV manager allocated next to the
@@ -783,7 +784,7 @@ def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, 
         assert f"speculative decoding, method draft_model, k = {k}" in spec["log"]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_greedy_draft_model_with_preemption_max_model_len_int8_kv(tiny_llama, tmp_path):
     """``draft_model`` with too few KV blocks (vLLM preempts and resumes requests: the draft
     recomputes its KV under the new blocks) and one request running up to ``max_model_len``

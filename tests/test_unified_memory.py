@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import default_model_path, run_llm
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 GIB = 2**30
 
