@@ -412,7 +412,8 @@ def _delta(phases: list[dict], i: int, key: str) -> float:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name", MODES)
+@pytest.mark.parametrize("name", [m if m in ("int8_per_token_head", TQ) else pytest.param(
+    m, marks=pytest.mark.slow) for m in MODES])  # int8 and TurboQuant in CI
 def test_prefix_cache_and_host_offload_carry_quantized_pages(default_model, tmp_path, name):
     """A 1,500-token prompt P served with the quantized cache: again at once (a prefix-cache
     hit on the quantized pages), then evicted from the KV pool by two other prompts and served
@@ -470,7 +471,8 @@ def _skip_kwargs(name: str, flag: list[str] | None) -> dict:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name, flag, skip, block, cell", SKIP_CASES[:2], ids=[TQ, "int8"])
+@pytest.mark.parametrize("name, flag, skip, block, cell", [
+    SKIP_CASES[0], pytest.param(*SKIP_CASES[1], marks=pytest.mark.slow)], ids=[TQ, "int8"])
 def test_skip_layers_serve_the_default_model(default_model, tmp_path, name, flag, skip, block,
                                              cell):
     """A quantized cache with layers kept in the model dtype end to end on SmolLM2

@@ -190,6 +190,7 @@ def test_pp2_equals_pp1_default_model(default_model, tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # the family grid of test_pp2_equals_pp1_default_model
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_pp2_equals_pp1_tiny(family, tmp_path):
     from tiny_models import make_tiny_checkpoint

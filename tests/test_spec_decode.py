@@ -351,6 +351,7 @@ def _plain_and_preempted(model: str, base: dict, spec: dict, requests: list, tmp
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # test_greedy_draft_model_with_preemption_... preempts in CI
 def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
     """Too few KV blocks: vLLM preempts and resumes requests mid-speculation; same tokens."""
     prompts = _repetitive(6, seed=5)
@@ -365,7 +366,7 @@ def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path, method):
     """A request aborted while its drafts are scheduled for verification (ngram; a draft
     model, here the target itself): every KV block is free again, the runner holds no
@@ -574,6 +575,7 @@ def _draft_argmax(model: str, contexts: list[list[int]]) -> list[int]:
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # the ngram case of the same check runs in CI
 def test_random_sampling_with_a_draft_model_keeps_the_target_distribution(
         tmp_path_factory, tmp_path, monkeypatch):
     """Exactness of random sampling under ``draft_model`` speculation: the target is the tiny
@@ -707,6 +709,7 @@ def _metric_samples(text: str, name: str) -> dict[str, float]:
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # the same counters are checked offline by test_greedy_ngram_equals_...
 def test_server_reports_spec_decode_metrics(tmp_path):
     """``vllm serve`` the default model with ngram: after a repetitive prompt, /metrics holds
     vLLM's ``vllm:spec_decode_*`` counters (drafts, draft tokens, accepted tokens, accepted
