@@ -6,8 +6,9 @@ Test tiers (markers registered in pyproject.toml; ``scripts/test.sh --tier`` run
 * ci, ``-m "engine and not slow"``: starts an engine (``LLM``/``LLMEngine`` in a subprocess or
   in this process) or an HTTP server (``vllm serve``).
 * slow, ``-m slow``: left out of CI's default run: soak and fuzz runs, repeats of a parameter
-  grid, and cases whose feature a cheaper CI test also covers (one representative of each
-  feature stays in the ci tier).
+  grid, and cases whose feature a cheaper CI test also covers. One representative of each
+  feature stays in the fast or ci tier; a kernel grid keeps the first cases that take every
+  value of every factor (``cover_each_value``), its pairs of factors run in the slow tier.
 
 The marking is enforced: starting an engine or a server (``run_llm``, ``vllm_server``, any
 subprocess running ``vllm serve``, a ``tests/*_harness.py`` or ``benchmarks/soak.py``, or an
@@ -27,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,24 @@ if _EngineClientGuard.MODULE in sys.modules:  # already imported (a plugin loade
     _guard_engine_clients(sys.modules[_EngineClientGuard.MODULE].EngineCoreClient)
 else:
     sys.meta_path.insert(0, _EngineClientGuard())
+
+
+def cover_each_value(cases: list, name: Callable[[Any], str] = lambda c: c.name) -> list:
+    """A grid test's ``cases`` (dataclasses, or tuples starting with one) as pytest
+    parameters: the first cases that together take every value of every field (``seed``
+    aside) keep their tier; the others are marked ``slow``, so the whole grid (its pairs of
+    factors) runs in the slow tier. ``name(case)`` is the parameter's id."""
+    seen: set[tuple[str, Any]] = set()
+    params = []
+    for case in cases:
+        first, *rest = case if isinstance(case, tuple) else (case,)
+        values = {(k, v) for k, v in vars(first).items() if k != "seed"}
+        values |= {(f"#{i}", v) for i, v in enumerate(rest)}
+        marks = () if values - seen else (pytest.mark.slow,)
+        seen |= values
+        params.append(pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=marks,
+                                   id=name(case)))
+    return params
 
 
 def default_model_path() -> str:
