@@ -661,6 +661,7 @@ def test_quantized_cache_is_refused_where_no_kernel_reads_it():
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # five engines; each format's page bytes are checked without one
 def test_scheduler_capacity_per_format(default_model, tmp_path):
     """As vLLM's scheduler sees it (its "KV cache size: N tokens" for a 256 MiB pool):
     int8 and fp8 >= 3.5x, int4 >= 6x, turboquant_k8v4 >= 3.2x the fp32 cache's tokens."""

@@ -82,6 +82,7 @@ def _headless_node(log_dir: Path, args: list[str]):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # CI: pp2 == pp1 (test_pipeline_parallel.py), the peer-loss tests below
 def test_two_nodes_on_loopback_then_the_second_is_lost(default_model, tmp_path):
     reference = _reference(default_model, _PROMPTS, tmp_path)
     port = _free_port()
