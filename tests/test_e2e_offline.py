@@ -125,6 +125,9 @@ def test_differential_tiny_llama(tiny_llama, tmp_path):
     assert stats["forwards"] == stats["steps"] - stats["empty_steps"]
 
 
+# slow: chunked prefill equals one step in test_e2e_families.py (16-token chunks against
+# mlx-lm) and test_server.py; in-place KV writes in test_kv_in_place.py
+@pytest.mark.slow
 def test_chunked_prefill_and_in_place_kv_writes(default_model, tmp_path):
     """A ~1,500-token prompt chunked at 256 tokens gives the same greedy output as one 2,048-token
     step; the KV pool's buffers never move (writes are in place)."""

@@ -273,8 +273,42 @@ def _ids(result):
     return [o["completions"][0]["token_ids"] for o in result["outputs"]]
 
 
+def _ngram_requests() -> list[dict]:
+    """8 greedy requests (repetitive and random prompts, up to 240 tokens), a repetition
+    penalty on the third and logprobs on the sixth."""
+    prompts = _repetitive(6, seed=11) + _prompts(2, [50, 9], vocab=49152, seed=12)
+    params = [{"temperature": 0.0, "max_tokens": 24 + 3 * i, "ignore_eos": True}
+              for i in range(8)]
+    params[2]["repetition_penalty"] = 1.2
+    params[5]["logprobs"] = 2
+    return [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params, strict=True)]
+
+
+def _draft_requests() -> list[dict]:
+    """6 greedy requests (repetitive and random prompts) for the draft-model runs."""
+    prompts = _repetitive(4, seed=21) + _prompts(2, [70, 9], vocab=49152, seed=22)
+    params = [{"temperature": 0.0, "max_tokens": 20 + 3 * i, "ignore_eos": True}
+              for i in range(6)]
+    return [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params, strict=True)]
+
+
+#: the engine of the greedy equality tests: fp32, a 64-token step budget (prompts chunked)
+GREEDY_BASE = _engine(dtype="float32", max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def plain_tiny(tiny_llama, tmp_path_factory) -> dict[str, dict]:
+    """The greedy equality tests' requests without speculation, on one engine (``GREEDY_BASE``)
+    generating the ngram test's requests, then the draft-model test's: each as a
+    ``run_llm``-like result (``{"outputs": [...]}``) under ``"ngram"`` and ``"draft"``."""
+    out = run_llm({"model": tiny_llama, "engine": GREEDY_BASE,
+                   "batches": [_ngram_requests(), _draft_requests()]},
+                  tmp_path_factory.mktemp("plain"))
+    return {"ngram": {"outputs": out["batches"][0]}, "draft": {"outputs": out["batches"][1]}}
+
+
 @pytest.mark.engine
-def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
+def test_greedy_ngram_equals_no_speculation(tiny_llama, plain_tiny, tmp_path):
     """8 requests (repetitive and random prompts, up to 240 tokens, chunked by a 64-token
     budget), greedy with a repetition penalty on one and logprobs on another: identical token
     ids with and without ngram speculation, drafts proposed and accepted, logprobs equal.
@@ -283,18 +317,12 @@ def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
     alone does), and vLLM's ``vllm:spec_decode_*`` counters equal the runner's: they count
     the drafts that were handed. With vLLM's ``num_speculative_tokens_per_batch_size``
     (2 drafts at every batch size) no verification has more than 2 drafts, the same ids."""
-    prompts = _repetitive(6, seed=11) + _prompts(2, [50, 9], vocab=49152, seed=12)
-    params = [{"temperature": 0.0, "max_tokens": 24 + 3 * i, "ignore_eos": True}
-              for i in range(8)]
-    params[2]["repetition_penalty"] = 1.2
-    params[5]["logprobs"] = 2
-    requests = [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params,
-                                                                    strict=True)]
-    base = _engine(dtype="float32", max_num_batched_tokens=64)
-    for name in ("plain", "spec", "schedule"):
+    requests = _ngram_requests()
+    params = [r["params"] for r in requests]
+    base = GREEDY_BASE
+    for name in ("spec", "schedule"):
         (tmp_path / name).mkdir()
-    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
-                    tmp_path / "plain")
+    plain = plain_tiny["ngram"]
     spec = run_llm({"model": tiny_llama,
                     "engine": {**base, "speculative_config": NGRAM, "disable_log_stats": False},
                     "requests": requests, "rpc": ["runner_stats"], "metrics": True},
@@ -746,7 +774,12 @@ def test_server_reports_spec_decode_metrics(tmp_path):
 
 # ------------------------------------------------------------------------------ draft model
 @pytest.mark.engine
-def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, tmp_path):
+# the target as its own draft (every draft accepted) and a smaller draft (pages of another
+# size) run in CI; another random Llama of the target's size in the slow tier
+@pytest.mark.parametrize("family", [None, pytest.param("llama", marks=pytest.mark.slow),
+                                    "llama_draft"], ids=["target", "llama", "llama_draft"])
+def test_greedy_draft_model_equals_no_speculation(tiny_llama, plain_tiny, tmp_path_factory,
+                                                  tmp_path, family):
     """``method: draft_model`` with tiny Llama drafts of the target's vocabulary (each with its
     own paged KV cache from the draft layers vLLM's KV manager allocated next to the
     target's): greedy tokens equal those without speculation, batched and chunked. The target
@@ -756,35 +789,26 @@ def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, 
     rejected."""
     from tiny_models import make_tiny_checkpoint
 
-    prompts = _repetitive(4, seed=21) + _prompts(2, [70, 9], vocab=49152, seed=22)
-    params = [{"temperature": 0.0, "max_tokens": 20 + 3 * i, "ignore_eos": True}
-              for i in range(6)]
-    requests = [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params,
-                                                                    strict=True)]
-    base = _engine(dtype="float32", max_num_batched_tokens=64)
+    requests = _draft_requests()
+    params = [r["params"] for r in requests]
     k = 3
-    (tmp_path / "plain").mkdir()
-    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
-                    tmp_path / "plain")
-    for family in (None, "llama", "llama_draft"):
-        draft = tiny_llama if family is None else str(make_tiny_checkpoint(
-            tmp_path_factory.mktemp(f"draft-{family}"), family, seed=1))
-        spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
-        out = tmp_path / f"spec-{family}"
-        out.mkdir()
-        spec = run_llm({"model": tiny_llama,
-                        "engine": {**base, "speculative_config": spec_cfg},
-                        "requests": requests, "rpc": ["runner_stats"]}, out)
-        assert _ids(spec) == _ids(plain), family
-        stats = spec["rpc_after"]["runner_stats"]
-        assert stats["spec_draft_tokens"] > 0, family
-        if family is None:
-            assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"], stats
-            assert stats["forwards"] < sum(p["max_tokens"] for p in params) / 2
-        else:
-            assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], (family, stats)
-        assert stats["live_requests"] == 0 and stats["draft_tracked_requests"] == 0
-        assert f"speculative decoding, method draft_model, k = {k}" in spec["log"]
+    plain = plain_tiny["draft"]
+    draft = tiny_llama if family is None else str(make_tiny_checkpoint(
+        tmp_path_factory.mktemp(f"draft-{family}"), family, seed=1))
+    spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    spec = run_llm({"model": tiny_llama,
+                    "engine": {**GREEDY_BASE, "speculative_config": spec_cfg},
+                    "requests": requests, "rpc": ["runner_stats"]}, tmp_path)
+    assert _ids(spec) == _ids(plain), family
+    stats = spec["rpc_after"]["runner_stats"]
+    assert stats["spec_draft_tokens"] > 0, family
+    if family is None:
+        assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"], stats
+        assert stats["forwards"] < sum(p["max_tokens"] for p in params) / 2
+    else:
+        assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], (family, stats)
+    assert stats["live_requests"] == 0 and stats["draft_tracked_requests"] == 0
+    assert f"speculative decoding, method draft_model, k = {k}" in spec["log"]
 
 
 @pytest.mark.engine
