@@ -3,7 +3,8 @@
 #
 #   scripts/test.sh                      # fast tier, then ci tier (what CI runs)
 #   scripts/test.sh --tier fast          # one tier: fast | ci | slow, or a list (fast,ci), or all
-#   scripts/test.sh --tier ci -x -k pp   # arguments after the options go to pytest
+#   scripts/test.sh --tier ci -x -k pp   # arguments after the options go to pytest (a -m there
+#                                        # replaces the tier's marker expression)
 #
 # Tiers (markers; tests/conftest.py enforces the engine mark):
 #   fast  -m "not engine and not slow"   no vLLM engine, no server
