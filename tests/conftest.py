@@ -1,8 +1,25 @@
-"""Shared fixtures: the default model's path and a runner for vLLM ``LLM`` in a subprocess."""
+"""Shared fixtures: the default model's path and a runner for vLLM ``LLM`` in a subprocess.
+
+Test tiers (markers registered in pyproject.toml; ``scripts/test.sh --tier`` runs each):
+
+* fast, ``-m "not engine and not slow"``: no vLLM engine, no server.
+* ci, ``-m "engine and not slow"``: starts an engine (``LLM``/``LLMEngine`` in a subprocess or
+  in this process) or an HTTP server (``vllm serve``).
+* slow, ``-m slow``: left out of CI's default run: soak and fuzz runs, repeats of a parameter
+  grid, and cases whose feature a cheaper CI test also covers. One representative of each
+  feature stays in the fast or ci tier; a kernel grid keeps the first cases that take every
+  value of every factor (``cover_each_value``), its pairs of factors run in the slow tier.
+
+The marking is enforced: starting an engine or a server (``run_llm``, ``vllm_server``, any
+subprocess running ``vllm serve``, a ``tests/*_harness.py`` or ``benchmarks/soak.py``, or an
+engine client built in this process) fails a test that is marked neither ``engine`` nor
+``slow``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import importlib.util
 import json
 import os
@@ -11,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +37,128 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 HARNESS = TESTS / "llm_harness.py"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TIER_MARKS = ("engine", "slow")
+
+# ------------------------------------------------------------------ tier marks, enforced
+_running: pytest.Item | None = None  # the test whose setup, call or teardown runs now
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    global _running
+    _running = item
+    try:
+        yield
+    finally:
+        _running = None
+
+
+def require_engine_mark(what: str) -> None:
+    """Fail the running test unless it (or its class or module) is marked ``engine`` or
+    ``slow``; ``what`` names the engine or server it was about to start. No-op outside a
+    test."""
+    item = _running
+    if item is None or any(item.get_closest_marker(m) for m in TIER_MARKS):
+        return
+    pytest.fail(f"{item.nodeid} starts {what} but is marked neither 'engine' nor 'slow': add "
+                "@pytest.mark.engine to the test (or pytestmark = pytest.mark.engine to its "
+                "module) so that the fast tier stays free of engines; see tests/conftest.py",
+                pytrace=False)
+
+
+_ENGINE_SCRIPTS = ("_harness.py", "soak.py")
+_IN_PROCESS_ENGINE = ("LLM(", "LLMEngine", "AsyncLLM", "vllm serve")
+
+
+def engine_command(args: Any) -> str | None:
+    """What ``args`` (a ``subprocess.Popen`` argument) starts if it is an engine or a server:
+    ``vllm serve``, a ``*_harness.py`` or ``soak.py`` script, or ``python -c`` code building an
+    engine; None otherwise."""
+    argv = [os.fsdecode(a) for a in args] if isinstance(args, Sequence) and not isinstance(
+        args, (str, bytes)) else [os.fsdecode(args)]
+    for i, arg in enumerate(argv):
+        name = Path(arg).name
+        if name == "vllm" and "serve" in argv[i + 1:i + 2]:
+            return "`vllm serve`"
+        if name.endswith(_ENGINE_SCRIPTS):
+            return name
+        if arg == "-c" and i + 1 < len(argv) and any(
+                word in argv[i + 1] for word in _IN_PROCESS_ENGINE):
+            return "an engine (python -c)"
+    return None
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_popen_init(self, args, *a, **kw):
+    what = engine_command(args)
+    if what is not None:
+        require_engine_mark(what)
+    _popen_init(self, args, *a, **kw)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init  # type: ignore[method-assign]
+
+
+def _guard_engine_clients(client: type) -> None:
+    """Wrap ``EngineCoreClient``'s factories (``LLM``/``LLMEngine`` build their engine through
+    ``make_client``, ``AsyncLLM`` through ``make_async_mp_client``) with the mark check."""
+    for name in ("make_client", "make_async_mp_client"):
+        factory = getattr(client, name)
+
+        def guarded(*args, _factory=factory, **kwargs):
+            require_engine_mark("a vLLM engine (in this process)")
+            return _factory(*args, **kwargs)
+        setattr(client, name, staticmethod(guarded))
+
+
+class _EngineClientGuard(importlib.abc.MetaPathFinder):
+    """Guards ``EngineCoreClient`` as soon as vLLM's module is imported."""
+
+    MODULE = "vllm.v1.engine.core_client"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.MODULE:
+            return None
+        sys.meta_path.remove(self)  # find the real spec, then wrap its loading
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_guard(module):
+            exec_module(module)
+            _guard_engine_clients(module.EngineCoreClient)
+        spec.loader.exec_module = exec_and_guard  # type: ignore[method-assign]
+        return spec
+
+
+if _EngineClientGuard.MODULE in sys.modules:  # already imported (a plugin loaded it)
+    _guard_engine_clients(sys.modules[_EngineClientGuard.MODULE].EngineCoreClient)
+else:
+    sys.meta_path.insert(0, _EngineClientGuard())
+
+
+def cover_each_value(cases: list, name: Callable[[Any], str] = lambda c: c.name) -> list:
+    """A grid test's ``cases`` (dataclasses, or tuples starting with one) as pytest
+    parameters: the first cases that together take every value of every field (``seed``
+    aside) keep their tier; the others are marked ``slow``, so the whole grid (its pairs of
+    factors) runs in the slow tier. ``name(case)`` is the parameter's id."""
+    seen: set[tuple[str, Any]] = set()
+    params = []
+    for case in cases:
+        first, *rest = case if isinstance(case, tuple) else (case,)
+        values = {(k, v) for k, v in vars(first).items() if k != "seed"}
+        values |= {(f"#{i}", v) for i, v in enumerate(rest)}
+        marks = () if values - seen else (pytest.mark.slow,)
+        seen |= values
+        params.append(pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=marks,
+                                   id=name(case)))
+    return params
 
 
 def default_model_path() -> str:
@@ -75,6 +214,7 @@ def run_llm(
     Raises:
         AssertionError: the run failed; the message carries the tail of its output.
     """
+    require_engine_mark("a vLLM engine (run_llm)")
     tag = "native" if native else "mlx"
     spec_path, out_path = tmp_path / f"spec-{tag}.json", tmp_path / f"out-{tag}.json"
     spec_path.write_text(json.dumps(spec))
@@ -116,6 +256,7 @@ def vllm_server(
     """
     import requests
 
+    require_engine_mark("a server (vllm_server)")
     port = _free_port()
     log_path = log_dir / "server.log"
     vllm = Path(sys.executable).parent / "vllm"

@@ -9,7 +9,9 @@ Usage: ``python tests/llm_harness.py SPEC.json OUT.json`` where SPEC holds
 {SamplingParams kwargs}}], "rpc": [worker method names called before and after generation],
 "metrics": true for vLLM's counters after generation (needs ``"disable_log_stats": false``),
 "rpc_workers": worker methods whose results from every worker are kept (pipeline stages),
-"rounds": how many times the requests are generated (outputs of all rounds, in order)}``.
+"rounds": how many times the requests are generated (outputs of all rounds, in order),
+"batches": instead of "requests", request lists generated one after another by the same engine
+(each list's outputs under "batches", all of them in order under "outputs")}``.
 Logprobs come back as ``[token_id, logprob, rank]`` lists, most likely first.
 """
 
@@ -22,21 +24,50 @@ import sys
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.platforms import current_platform
 
     llm = LLM(model=spec["model"], **spec.get("engine", {}))
     rpc = spec.get("rpc", [])
     before = {name: llm.collective_rpc(name)[0] for name in rpc}
+    if "batches" in spec:
+        batches = [_generate(llm, requests, 1) for requests in spec["batches"]]
+        outputs = [o for batch in batches for o in batch]
+    else:
+        batches = None
+        outputs = _generate(llm, spec["requests"], spec.get("rounds", 1))
+    _wait_for_finished_ids(llm, rpc)
+    after = {name: llm.collective_rpc(name)[0] for name in rpc}
+    out = {
+        "platform": f"{type(current_platform).__module__}.{type(current_platform).__name__}",
+        "outputs": outputs,
+        "rpc_before": before,
+        "rpc_after": after,
+    }
+    if batches is not None:
+        out["batches"] = batches
+    if spec.get("rpc_workers"):
+        out["rpc_workers"] = {name: llm.collective_rpc(name) for name in spec["rpc_workers"]}
+    if spec.get("metrics"):
+        out["metrics"] = _counters(llm)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(out, f)
+
+
+def _generate(llm, requests: list[dict], rounds: int) -> list[dict]:
+    """``requests`` generated ``rounds`` times in one ``LLM.generate`` call each; the outputs
+    as JSON-ready dicts, in order."""
+    from vllm import SamplingParams
+
     prompts, params = [], []
-    for req in spec["requests"]:
+    for req in requests:
         if "prompt_token_ids" in req:
             prompts.append({"prompt_token_ids": req["prompt_token_ids"]})
         else:
             prompts.append(req["prompt"])
         params.append(SamplingParams(**_params(req.get("params", {}))))
     results = []
-    for _ in range(spec.get("rounds", 1)):
+    for _ in range(rounds):
         results += llm.generate(prompts, params, use_tqdm=False)
     outputs = []
     for res in results:
@@ -54,20 +85,7 @@ def main(spec_path: str, out_path: str) -> None:
                                for step in res.prompt_logprobs]
         outputs.append({"prompt_token_ids": list(res.prompt_token_ids or []),
                         "completions": completions, "prompt_logprobs": prompt_logprobs})
-    _wait_for_finished_ids(llm, rpc)
-    after = {name: llm.collective_rpc(name)[0] for name in rpc}
-    out = {
-        "platform": f"{type(current_platform).__module__}.{type(current_platform).__name__}",
-        "outputs": outputs,
-        "rpc_before": before,
-        "rpc_after": after,
-    }
-    if spec.get("rpc_workers"):
-        out["rpc_workers"] = {name: llm.collective_rpc(name) for name in spec["rpc_workers"]}
-    if spec.get("metrics"):
-        out["metrics"] = _counters(llm)
-    with open(out_path, "w", encoding="utf-8") as f:
-        json.dump(out, f)
+    return outputs
 
 
 def _wait_for_finished_ids(llm, rpc: list[str], timeout_s: float = 10.0) -> None:

@@ -79,7 +79,7 @@ def test_feed_pending_groups_by_source_array():
     assert np.array(ids).tolist() == [40, 2, 0, 1]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_async_and_sync_scheduling_give_the_same_outputs(tiny_llama, tmp_path, monkeypatch):
     """Greedy requests finishing at different steps, a seeded sampled one (MLX sampler), one
     with a repetition penalty and one with logprobs (vLLM's sampler: those steps are waited for

@@ -346,7 +346,7 @@ def _stream(base: str, started: threading.Event) -> tuple[str, str | None, dict 
     return stream_completion(base, body, started)
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_bad_inputs_answered_while_streams_complete(bad_input_server):
     base, proc = bad_input_server
     alone = requests.post(f"{base}{C}", timeout=300, json={
@@ -384,7 +384,7 @@ def test_bad_inputs_answered_while_streams_complete(bad_input_server):
     assert requests.get(f"{base}/health", timeout=30).status_code == 200
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_chat_filling_the_context_names_length_and_limit(bad_input_server):
     """The same on the chat endpoint: a conversation whose templated prompt is
     exactly ``--max-model-len`` tokens gets a 400 naming both numbers (it used to be "max_tokens
@@ -420,7 +420,7 @@ def test_chat_filling_the_context_names_length_and_limit(bad_input_server):
     assert r.json()["usage"]["completion_tokens"] == 1
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_served_with_vllm_semantics(bad_input_server):
     """What vLLM itself accepts stays accepted: an output budget past max_model_len is
     lowered to what fits (finish_reason tells), top_k=-1 means "no top-k", escaped control

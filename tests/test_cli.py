@@ -98,7 +98,6 @@ def test_other_arguments_are_untouched(tmp_path: Path, fake_prepare) -> None:
     assert fake_prepare == []
 
 
-@pytest.mark.slow
 def test_installed_vllm_script_is_ours_and_starts() -> None:
     script = Path(sys.executable).parent / "vllm"
     if not script.exists():

@@ -113,7 +113,7 @@ def test_engine_config_refuses_a_tiny_budget_before_loading(default_model):
     _engine_config(default_model, kv_cache_memory_bytes=129 * SMOLLM2_BLOCK_BYTES)
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_serve_refuses_a_tiny_kv_budget_in_one_line_before_loading(tmp_path):
     """``vllm serve`` with a KV budget too small for one sequence exits with status 2 and one
     line naming the flag and the numbers, before the engine core starts (it used to load the
@@ -134,7 +134,7 @@ def test_serve_refuses_a_tiny_kv_budget_in_one_line_before_loading(tmp_path):
 
 
 # -------------------------------------------------------------- 2. chat without a template
-@pytest.mark.slow
+@pytest.mark.engine
 def test_chat_on_a_base_gguf_without_template_names_the_flag(tmp_path):
     from tiny_models import gemma3_gguf_path
 
@@ -168,7 +168,7 @@ def _block_files(root: Path) -> tuple[list[Path], list[Path]]:
     return [p for p in files if p.suffix == ".bin"], [p for p in files if p.suffix == ".tmp"]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_sigterm_with_kv_offloading_is_quiet_and_leaves_only_valid_files(tmp_path):
     """SIGTERM right after a 1,100-token prompt, while its blocks are still on their way to
     the disk tier: the server exits by itself (the engine core is not killed), the log has

@@ -2,7 +2,8 @@
 native CPU backend (fp32), one forward per step, chunked prefill, in-place KV writes.
 
 Each engine runs in its own process (``tests/llm_harness.py``); the native backend is the same
-environment with our plugin excluded (``VLLM_PLUGINS=none``).
+environment with our plugin excluded (``VLLM_PLUGINS=none``). The default model's greedy and
+seeded cases share one engine (one ``generate`` call each).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import run_llm
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 PARIS = " Paris.\n\nThe answer is: 2"
 PARIS_IDS = [7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34]
@@ -41,31 +42,43 @@ def _greedy(n: int, logprobs: int | None = None) -> dict:
     return p
 
 
-def test_default_model_known_output(default_model, tmp_path):
-    spec = {
-        "model": default_model,
-        "engine": _engine(max_model_len=512),
-        "requests": [{"prompt": "The capital of France is",
-                      "params": {"temperature": 0.0, "max_tokens": 10}}],
-        "rpc": ["runner_stats"],
-    }
-    out = run_llm(spec, tmp_path)
+PARIS_REQUEST = {"prompt": "The capital of France is",
+                 "params": {"temperature": 0.0, "max_tokens": 10}}
+POEM = "Write a short poem about the sea."
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "max_tokens": 12, "seed": 1234}
+
+
+@pytest.fixture(scope="module")
+def default_model_batches(default_model, tmp_path_factory) -> list[list[dict]]:
+    """One engine of the default model (``max_model_len`` 512) generating, one call after
+    another: the Paris prompt greedy; the seeded poem alone; the seeded poem among 7 unseeded
+    requests, then again with another seed. Each call's outputs, in order."""
+    others = [{"prompt": f"Tell me about topic number {i}.",
+               "params": {"temperature": 1.0, "max_tokens": 12}} for i in range(7)]
+    batched = [*others[:3], {"prompt": POEM, "params": SEEDED}, *others[3:],
+               {"prompt": POEM, "params": {**SEEDED, "seed": 99}}]
+    out = run_llm({"model": default_model, "engine": _engine(max_model_len=512),
+                   "batches": [[PARIS_REQUEST], [{"prompt": POEM, "params": SEEDED}], batched],
+                   "rpc": ["runner_stats"]}, tmp_path_factory.mktemp("default-model"))
     assert out["platform"] == "vllm_unified.platform.MLXPlatform"
-    completion = out["outputs"][0]["completions"][0]
+    return out["batches"]
+
+
+def test_default_model_known_output(default_model_batches):
+    completion = default_model_batches[0][0]["completions"][0]
     assert completion["text"] == PARIS
     assert completion["token_ids"] == PARIS_IDS
 
 
-def test_default_model_matches_native_backend(default_model, default_model_reference, tmp_path):
+def test_default_model_matches_native_backend(default_model_batches, default_model_reference,
+                                              tmp_path):
     """Same weights (the GGUF dequantized by transformers into fp32 safetensors for the native
     backend, dequantized by MLX for ours), same prompt, identical greedy token ids."""
     request = {"prompt": "The capital of France is", "params": _greedy(10)}
-    ours = run_llm({"model": default_model, "engine": _engine(max_model_len=512),
-                    "requests": [request]}, tmp_path)
     ref = run_llm({"model": default_model_reference, "engine": _native_engine(max_model_len=512),
                    "requests": [request]}, tmp_path, native=True)
     assert ref["platform"] == "vllm.platforms.cpu.CpuPlatform"
-    assert ours["outputs"][0]["completions"][0]["token_ids"] == PARIS_IDS
+    assert default_model_batches[0][0]["completions"][0]["token_ids"] == PARIS_IDS
     assert ref["outputs"][0]["completions"][0]["token_ids"] == PARIS_IDS
 
 
@@ -112,6 +125,9 @@ def test_differential_tiny_llama(tiny_llama, tmp_path):
     assert stats["forwards"] == stats["steps"] - stats["empty_steps"]
 
 
+# slow: chunked prefill equals one step in test_e2e_families.py (16-token chunks against
+# mlx-lm) and test_server.py; in-place KV writes in test_kv_in_place.py
+@pytest.mark.slow
 def test_chunked_prefill_and_in_place_kv_writes(default_model, tmp_path):
     """A ~1,500-token prompt chunked at 256 tokens gives the same greedy output as one 2,048-token
     step; the KV pool's buffers never move (writes are in place)."""
@@ -137,24 +153,14 @@ def test_chunked_prefill_and_in_place_kv_writes(default_model, tmp_path):
             == outs[2048]["outputs"][0]["completions"][0]["token_ids"])
 
 
-def test_seeded_sampling_is_reproducible_and_batch_invariant(default_model, tmp_path):
-    prompt = "Write a short poem about the sea."
-    seeded = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "max_tokens": 12, "seed": 1234}
-    others = [{"prompt": f"Tell me about topic number {i}.",
-               "params": {"temperature": 1.0, "max_tokens": 12}} for i in range(7)]
-    alone = run_llm({"model": default_model, "engine": _engine(max_model_len=512),
-                     "requests": [{"prompt": prompt, "params": seeded}]}, tmp_path)
-    batched = run_llm({"model": default_model, "engine": _engine(max_model_len=512),
-                       "requests": [*others[:3], {"prompt": prompt, "params": seeded},
-                                    *others[3:],
-                                    {"prompt": prompt, "params": {**seeded, "seed": 99}}]},
-                      tmp_path)
-    a = alone["outputs"][0]["completions"][0]["token_ids"]
-    b = batched["outputs"][3]["completions"][0]["token_ids"]
-    c = batched["outputs"][-1]["completions"][0]["token_ids"]
+def test_seeded_sampling_is_reproducible_and_batch_invariant(default_model_batches):
+    _, alone, batched = default_model_batches
+    a = alone[0]["completions"][0]["token_ids"]
+    b = batched[3]["completions"][0]["token_ids"]
+    c = batched[-1]["completions"][0]["token_ids"]
     assert a == b
     assert a != c
-    assert len(np.unique([str(o["completions"][0]["token_ids"]) for o in batched["outputs"]])) > 1
+    assert len(np.unique([str(o["completions"][0]["token_ids"]) for o in batched])) > 1
 
 
 def test_preemption_and_resume_do_not_change_outputs(tiny_llama, tmp_path):

@@ -36,7 +36,7 @@ import pytest
 import requests
 from conftest import default_server_args, engine_core_pid, remount, tmpfs, vllm_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "fault-test-key"

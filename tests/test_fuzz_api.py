@@ -330,7 +330,7 @@ def _error(r: requests.Response) -> dict:
     return error
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_fuzzer_findings_get_their_4xx(fuzz_server):
     base, proc = fuzz_server
     wrong = []
@@ -373,7 +373,8 @@ FUZZ_REQUESTS = 300
 FUZZ_SEED = 20
 
 
-@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.slow  # a fuzz run; test_fuzzer_findings_get_their_4xx stays in CI
 def test_fuzzing_finds_no_server_error(fuzz_server):
     base, proc = fuzz_server
     fuzzer = Fuzzer(base, MODEL, timeout_s=120, workers=4, alive=lambda: proc.poll() is None)

@@ -24,6 +24,7 @@ import metal_emulation as emu
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import cover_each_value
 from gpu_attention_grid import (
     BLOCK_SIZES,
     GROUPS,
@@ -260,7 +261,7 @@ def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, bl
 @pytest.mark.skipif(emu.clang() is None,
                     reason="clang++ is not installed (the Metal emulation compiles kernels "
                            "with it; scripts/setup.sh installs clang on Debian/Ubuntu)")
-@pytest.mark.parametrize("case", grid(), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", cover_each_value(grid()))
 def test_metal_dialect_matches_the_reference_on_the_grid(case, monkeypatch):
     """The Metal instance of the kernel body, emulated, through the whole
     paged_gpu_attention path: max abs error 1e-5 (fp32), 2e-2 (bf16) against the reference."""

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import profile_for
+from conftest import cover_each_value, profile_for
 from gpu_kv_quant_grid import (
     DTYPES,
     MODES,
@@ -131,7 +131,7 @@ def emulated_metal(monkeypatch):
 
 
 @needs_clang
-@pytest.mark.parametrize("case", write_cases(), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", cover_each_value(write_cases()))
 def test_metal_write_is_the_native_write_byte_for_byte(emulated_metal, case):
     """Every cell at a slot the native write's bytes, every other byte untouched (the padding
     slot -1 skipped), the token written; the text is MLX's assembly of the instance."""
@@ -238,7 +238,7 @@ def _attend(dialect):
 
 
 @needs_clang
-@pytest.mark.parametrize("case", grid(), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", cover_each_value(grid()))
 def test_metal_attention_matches_the_reference_on_the_grid(case, monkeypatch):
     """The Metal instance, emulated, through paged_gpu_attention_quant: max abs error 1e-5
     (fp32), 2e-2 (bf16) against the reference over the dequantized pool."""

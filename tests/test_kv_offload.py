@@ -455,7 +455,7 @@ def restart_run(default_model, offload_dir, host_run):
     return run
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_prefix_evicted_from_kv_pool_comes_back_from_host_tier(host_run):
     phases = host_run["phases"]
     first, again = phases[0], phases[4]
@@ -471,7 +471,7 @@ def test_prefix_evicted_from_kv_pool_comes_back_from_host_tier(host_run):
     assert shm is not None and not os.path.exists(shm.group(1))
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_prefix_comes_back_from_disk_after_restart(restart_run, host_run):
     phase = restart_run["phases"][0]
     assert phase["metrics"].get(DISK, 0) >= 1400
@@ -479,7 +479,7 @@ def test_prefix_comes_back_from_disk_after_restart(restart_run, host_run):
     assert phase["token_ids"] == host_run["phases"][0]["token_ids"]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_corrupted_block_file_is_a_counted_miss(restart_run, host_run):
     phases = restart_run["phases"]
     assert _delta(phases, 1, CORRUPT) == 1

@@ -28,7 +28,7 @@ import pytest
 import requests
 from conftest import default_model_path, engine_core_pid, require_root, vllm_server
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(sys.platform != "linux", reason="memory cgroups are Linux's")]
 
 MODEL = "SmolLM2-135M-Instruct"

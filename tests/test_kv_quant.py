@@ -411,8 +411,9 @@ def _delta(phases: list[dict], i: int, key: str) -> float:
     return phases[i]["metrics"].get(key, 0) - before
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", MODES)
+@pytest.mark.engine
+@pytest.mark.parametrize("name", [m if m in ("int8_per_token_head", TQ) else pytest.param(
+    m, marks=pytest.mark.slow) for m in MODES])  # int8 and TurboQuant in CI
 def test_prefix_cache_and_host_offload_carry_quantized_pages(default_model, tmp_path, name):
     """A 1,500-token prompt P served with the quantized cache: again at once (a prefix-cache
     hit on the quantized pages), then evicted from the KV pool by two other prompts and served
@@ -469,7 +470,9 @@ def _skip_kwargs(name: str, flag: list[str] | None) -> dict:
             **({"kv_cache_dtype_skip_layers": flag} if flag is not None else {})}
 
 
-@pytest.mark.parametrize("name, flag, skip, block, cell", SKIP_CASES[:2], ids=[TQ, "int8"])
+@pytest.mark.engine
+@pytest.mark.parametrize("name, flag, skip, block, cell", [
+    SKIP_CASES[0], pytest.param(*SKIP_CASES[1], marks=pytest.mark.slow)], ids=[TQ, "int8"])
 def test_skip_layers_serve_the_default_model(default_model, tmp_path, name, flag, skip, block,
                                              cell):
     """A quantized cache with layers kept in the model dtype end to end on SmolLM2
@@ -657,7 +660,8 @@ def test_quantized_cache_is_refused_where_no_kernel_reads_it():
         KVCache(off, HybridLayers("llama", 2, []), shape, {0: None, 1: None}, mx.float32)
 
 
-@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.slow  # five engines; each format's page bytes are checked without one
 def test_scheduler_capacity_per_format(default_model, tmp_path):
     """As vLLM's scheduler sees it (its "KV cache size: N tokens" for a 256 MiB pool):
     int8 and fp8 >= 3.5x, int4 >= 6x, turboquant_k8v4 >= 3.2x the fp32 cache's tokens."""

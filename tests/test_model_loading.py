@@ -183,7 +183,8 @@ def test_gemma3_270m_q4_k_m_matches_transformers_greedy():
     assert greedy(lm.model, prompt, len(expected)) == expected
 
 
-@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.slow  # a 0.5B model twice; kept-quantized reads are checked exactly without it
 def test_qwen25_coder_q4_k_m_greedy_equals_the_dequantized_load(tmp_path):
     """Qwen's official Qwen2.5-Coder-0.5B-Instruct q4_k_m file (Q5_0, Q8_0, Q6_K, Q4_K, F32)
     served by the engine with its weights kept quantized (the native CPU kernels) gives the

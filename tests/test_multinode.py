@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import requests
 from conftest import _free_port, default_model_path, run_llm, vllm_server
 
@@ -80,6 +81,8 @@ def _headless_node(log_dir: Path, args: list[str]):
         proc.wait()
 
 
+@pytest.mark.engine
+@pytest.mark.slow  # CI: pp2 == pp1 (test_pipeline_parallel.py), the peer-loss tests below
 def test_two_nodes_on_loopback_then_the_second_is_lost(default_model, tmp_path):
     reference = _reference(default_model, _PROMPTS, tmp_path)
     port = _free_port()
@@ -134,6 +137,7 @@ def test_two_nodes_on_loopback_then_the_second_is_lost(default_model, tmp_path):
         assert not healthy, "the server still reports healthy 30 s after losing a node"
 
 
+@pytest.mark.engine
 def test_data_parallel_two_engines_serve_32_concurrent(default_model, tmp_path):
     prompts = [f"{p} (variant {i})" for i in range(6) for p in _PROMPTS][:32]
     prompts += [f"Count from {i} to {i + 5}:" for i in range(32 - len(prompts))]

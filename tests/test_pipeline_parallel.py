@@ -160,6 +160,7 @@ def _tokens(result: dict) -> list[list[int]]:
     return [o["completions"][0]["token_ids"] for o in result["outputs"]]
 
 
+@pytest.mark.engine
 def test_pp2_equals_pp1_default_model(default_model, tmp_path):
     requests = _requests(49152)
     one = run_llm(_pp_spec(default_model, requests, 1), _dir(tmp_path, "pp1"))
@@ -188,6 +189,8 @@ def test_pp2_equals_pp1_default_model(default_model, tmp_path):
                          two["log"]), f"stage {rank}'s KV budget not logged"
 
 
+@pytest.mark.engine
+@pytest.mark.slow  # the family grid of test_pp2_equals_pp1_default_model
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_pp2_equals_pp1_tiny(family, tmp_path):
     from tiny_models import make_tiny_checkpoint

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import cover_each_value
 from gpu_attention_grid import (
     TOLERANCE,
     prologue_grid,
@@ -196,8 +197,8 @@ def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, bl
 
 
 @needs_clang
-@pytest.mark.parametrize("case,rope,norm", prologue_grid(),
-                         ids=lambda x: getattr(x, "name", str(x)))
+@pytest.mark.parametrize("case,rope,norm", cover_each_value(
+    prologue_grid(), name=lambda c: "-".join(getattr(x, "name", str(x)) for x in c)))
 def test_metal_query_prologue_matches_the_reference(case, rope, norm, monkeypatch):
     """Decode steps of every head size and GQA group, block sizes and windows of the grid,
     each with a prologue: max abs error 1e-5 fp32, 2e-2 bf16."""

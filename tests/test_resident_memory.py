@@ -50,7 +50,7 @@ def test_smaps_breakdown_adds_up() -> None:
     assert abs(s["rss"] - rss_kib * 1024) < 32 * MIB
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @linux
 def test_engine_holds_no_startup_scratch(tiny_llama, tmp_path) -> None:
     """Right after start-up (no request yet) MLX's buffer cache is empty: the load's and the

@@ -309,7 +309,7 @@ def _ref_requests(ours: list[dict], our_out: dict[str, dict]) -> list[dict]:
     return reqs
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_sampling_parameters_match_native_backend(tiny_llama, tmp_path):
     requests = _our_requests()
     ours_run = run_llm({"model": tiny_llama, "engine": _engine(kv_cache_memory_bytes=256 * 2**20),
@@ -425,7 +425,7 @@ PERSON = {
 CHOICES = ["yes", "no", "maybe"]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_structured_output_default_model(default_model, tmp_path):
     import jsonschema
 

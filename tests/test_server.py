@@ -16,7 +16,7 @@ import pytest
 import requests
 from conftest import default_server_args, image_chat_body, stream_completion, vllm_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 MODEL = "SmolLM2-135M-Instruct"
 PARIS = " Paris.\n\nThe answer is: 2"

@@ -158,7 +158,8 @@ def test_divergence_names_the_solo_token_and_its_gap() -> None:
     assert body.payload == {"temperature": 0.0, "logprobs": True, "top_logprobs": 2}
 
 
-@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.slow  # a soak run
 def test_short_soak(tmp_path: Path) -> None:
     """150 requests at concurrency 8 through the real server: the correctness checks hold."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

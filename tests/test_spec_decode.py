@@ -273,8 +273,42 @@ def _ids(result):
     return [o["completions"][0]["token_ids"] for o in result["outputs"]]
 
 
-@pytest.mark.slow
-def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
+def _ngram_requests() -> list[dict]:
+    """8 greedy requests (repetitive and random prompts, up to 240 tokens), a repetition
+    penalty on the third and logprobs on the sixth."""
+    prompts = _repetitive(6, seed=11) + _prompts(2, [50, 9], vocab=49152, seed=12)
+    params = [{"temperature": 0.0, "max_tokens": 24 + 3 * i, "ignore_eos": True}
+              for i in range(8)]
+    params[2]["repetition_penalty"] = 1.2
+    params[5]["logprobs"] = 2
+    return [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params, strict=True)]
+
+
+def _draft_requests() -> list[dict]:
+    """6 greedy requests (repetitive and random prompts) for the draft-model runs."""
+    prompts = _repetitive(4, seed=21) + _prompts(2, [70, 9], vocab=49152, seed=22)
+    params = [{"temperature": 0.0, "max_tokens": 20 + 3 * i, "ignore_eos": True}
+              for i in range(6)]
+    return [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params, strict=True)]
+
+
+#: the engine of the greedy equality tests: fp32, a 64-token step budget (prompts chunked)
+GREEDY_BASE = _engine(dtype="float32", max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def plain_tiny(tiny_llama, tmp_path_factory) -> dict[str, dict]:
+    """The greedy equality tests' requests without speculation, on one engine (``GREEDY_BASE``)
+    generating the ngram test's requests, then the draft-model test's: each as a
+    ``run_llm``-like result (``{"outputs": [...]}``) under ``"ngram"`` and ``"draft"``."""
+    out = run_llm({"model": tiny_llama, "engine": GREEDY_BASE,
+                   "batches": [_ngram_requests(), _draft_requests()]},
+                  tmp_path_factory.mktemp("plain"))
+    return {"ngram": {"outputs": out["batches"][0]}, "draft": {"outputs": out["batches"][1]}}
+
+
+@pytest.mark.engine
+def test_greedy_ngram_equals_no_speculation(tiny_llama, plain_tiny, tmp_path):
     """8 requests (repetitive and random prompts, up to 240 tokens, chunked by a 64-token
     budget), greedy with a repetition penalty on one and logprobs on another: identical token
     ids with and without ngram speculation, drafts proposed and accepted, logprobs equal.
@@ -283,18 +317,12 @@ def test_greedy_ngram_equals_no_speculation(tiny_llama, tmp_path):
     alone does), and vLLM's ``vllm:spec_decode_*`` counters equal the runner's: they count
     the drafts that were handed. With vLLM's ``num_speculative_tokens_per_batch_size``
     (2 drafts at every batch size) no verification has more than 2 drafts, the same ids."""
-    prompts = _repetitive(6, seed=11) + _prompts(2, [50, 9], vocab=49152, seed=12)
-    params = [{"temperature": 0.0, "max_tokens": 24 + 3 * i, "ignore_eos": True}
-              for i in range(8)]
-    params[2]["repetition_penalty"] = 1.2
-    params[5]["logprobs"] = 2
-    requests = [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params,
-                                                                    strict=True)]
-    base = _engine(dtype="float32", max_num_batched_tokens=64)
-    for name in ("plain", "spec", "schedule"):
+    requests = _ngram_requests()
+    params = [r["params"] for r in requests]
+    base = GREEDY_BASE
+    for name in ("spec", "schedule"):
         (tmp_path / name).mkdir()
-    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
-                    tmp_path / "plain")
+    plain = plain_tiny["ngram"]
     spec = run_llm({"model": tiny_llama,
                     "engine": {**base, "speculative_config": NGRAM, "disable_log_stats": False},
                     "requests": requests, "rpc": ["runner_stats"], "metrics": True},
@@ -350,7 +378,8 @@ def _plain_and_preempted(model: str, base: dict, spec: dict, requests: list, tmp
     return plain, tight
 
 
-@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.slow  # test_greedy_draft_model_with_preemption_... preempts in CI
 def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
     """Too few KV blocks: vLLM preempts and resumes requests mid-speculation; same tokens."""
     prompts = _repetitive(6, seed=5)
@@ -364,8 +393,8 @@ def test_greedy_ngram_with_preemption(tiny_llama, tmp_path):
     assert _ids(tight) == _ids(plain)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.engine
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_abort_during_verification_frees_blocks(tiny_llama, tmp_path, method):
     """A request aborted while its drafts are scheduled for verification (ngram; a draft
     model, here the target itself): every KV block is free again, the runner holds no
@@ -507,7 +536,7 @@ def _seeded_requests(prompt: list[int], temperature: float, n: int) -> list[dict
                         "ignore_eos": True, "allowed_token_ids": ALLOWED}} for i in range(n)]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_random_sampling_keeps_the_target_distribution(tmp_path_factory, tmp_path,
                                                        monkeypatch):
     """Exactness of random sampling under ngram speculation (vLLM's rejection sampler).
@@ -573,7 +602,8 @@ def _draft_argmax(model: str, contexts: list[list[int]]) -> list[int]:
     return [int(mx.argmax(m(mx.array([c]))[0, -1]).item()) for c in contexts]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.slow  # the ngram case of the same check runs in CI
 def test_random_sampling_with_a_draft_model_keeps_the_target_distribution(
         tmp_path_factory, tmp_path, monkeypatch):
     """Exactness of random sampling under ``draft_model`` speculation: the target is the tiny
@@ -619,7 +649,7 @@ def test_random_sampling_with_a_draft_model_keeps_the_target_distribution(
     assert _ids(alone)[0] == ids[7]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_default_model_structured_output_and_stop_strings(default_model, tmp_path):
     """The default model (SmolLM2 GGUF): greedy code-editing style prompt, a regex-constrained
     request (grammar bitmask over the draft rows), a stop string and penalties: the same
@@ -666,6 +696,7 @@ def test_default_model_structured_output_and_stop_strings(default_model, tmp_pat
 
 
 # ------------------------------------------------------------------------------ start-up and server
+@pytest.mark.engine
 def test_suffix_without_arctic_inference_is_refused_in_one_line(tmp_path):
     """``vllm serve --speculative-config '{"method": "suffix"}'`` without ``arctic-inference``:
     our CLI stops before vLLM starts, with one line naming the flag, the method and the
@@ -705,7 +736,8 @@ def _metric_samples(text: str, name: str) -> dict[str, float]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.slow  # the same counters are checked offline by test_greedy_ngram_equals_...
 def test_server_reports_spec_decode_metrics(tmp_path):
     """``vllm serve`` the default model with ngram: after a repetitive prompt, /metrics holds
     vLLM's ``vllm:spec_decode_*`` counters (drafts, draft tokens, accepted tokens, accepted
@@ -741,8 +773,13 @@ def test_server_reports_spec_decode_metrics(tmp_path):
 
 
 # ------------------------------------------------------------------------------ draft model
-@pytest.mark.slow
-def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, tmp_path):
+@pytest.mark.engine
+# the target as its own draft (every draft accepted) and a smaller draft (pages of another
+# size) run in CI; another random Llama of the target's size in the slow tier
+@pytest.mark.parametrize("family", [None, pytest.param("llama", marks=pytest.mark.slow),
+                                    "llama_draft"], ids=["target", "llama", "llama_draft"])
+def test_greedy_draft_model_equals_no_speculation(tiny_llama, plain_tiny, tmp_path_factory,
+                                                  tmp_path, family):
     """``method: draft_model`` with tiny Llama drafts of the target's vocabulary (each with its
     own paged KV cache from the draft layers vLLM's KV manager allocated next to the
     target's): greedy tokens equal those without speculation, batched and chunked. The target
@@ -752,38 +789,29 @@ def test_greedy_draft_model_equals_no_speculation(tiny_llama, tmp_path_factory, 
     rejected."""
     from tiny_models import make_tiny_checkpoint
 
-    prompts = _repetitive(4, seed=21) + _prompts(2, [70, 9], vocab=49152, seed=22)
-    params = [{"temperature": 0.0, "max_tokens": 20 + 3 * i, "ignore_eos": True}
-              for i in range(6)]
-    requests = [{"prompt_token_ids": p, "params": q} for p, q in zip(prompts, params,
-                                                                    strict=True)]
-    base = _engine(dtype="float32", max_num_batched_tokens=64)
+    requests = _draft_requests()
+    params = [r["params"] for r in requests]
     k = 3
-    (tmp_path / "plain").mkdir()
-    plain = run_llm({"model": tiny_llama, "engine": base, "requests": requests},
-                    tmp_path / "plain")
-    for family in (None, "llama", "llama_draft"):
-        draft = tiny_llama if family is None else str(make_tiny_checkpoint(
-            tmp_path_factory.mktemp(f"draft-{family}"), family, seed=1))
-        spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
-        out = tmp_path / f"spec-{family}"
-        out.mkdir()
-        spec = run_llm({"model": tiny_llama,
-                        "engine": {**base, "speculative_config": spec_cfg},
-                        "requests": requests, "rpc": ["runner_stats"]}, out)
-        assert _ids(spec) == _ids(plain), family
-        stats = spec["rpc_after"]["runner_stats"]
-        assert stats["spec_draft_tokens"] > 0, family
-        if family is None:
-            assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"], stats
-            assert stats["forwards"] < sum(p["max_tokens"] for p in params) / 2
-        else:
-            assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], (family, stats)
-        assert stats["live_requests"] == 0 and stats["draft_tracked_requests"] == 0
-        assert f"speculative decoding, method draft_model, k = {k}" in spec["log"]
+    plain = plain_tiny["draft"]
+    draft = tiny_llama if family is None else str(make_tiny_checkpoint(
+        tmp_path_factory.mktemp(f"draft-{family}"), family, seed=1))
+    spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    spec = run_llm({"model": tiny_llama,
+                    "engine": {**GREEDY_BASE, "speculative_config": spec_cfg},
+                    "requests": requests, "rpc": ["runner_stats"]}, tmp_path)
+    assert _ids(spec) == _ids(plain), family
+    stats = spec["rpc_after"]["runner_stats"]
+    assert stats["spec_draft_tokens"] > 0, family
+    if family is None:
+        assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"], stats
+        assert stats["forwards"] < sum(p["max_tokens"] for p in params) / 2
+    else:
+        assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], (family, stats)
+    assert stats["live_requests"] == 0 and stats["draft_tracked_requests"] == 0
+    assert f"speculative decoding, method draft_model, k = {k}" in spec["log"]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_greedy_draft_model_with_preemption_max_model_len_int8_kv(tiny_llama, tmp_path):
     """``draft_model`` with too few KV blocks (vLLM preempts and resumes requests: the draft
     recomputes its KV under the new blocks) and one request running up to ``max_model_len``

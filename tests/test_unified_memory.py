@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import default_model_path, run_llm
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 GIB = 2**30
 
@@ -63,7 +63,8 @@ def test_pool_is_paid_as_blocks_are_written(default_model, tmp_path):
 BLOCK_BYTES = 737_280  # SmolLM2 fp32 KV block: 2 x 16 x 3 x 64 x 4 bytes x 30 layers
 
 
-@pytest.mark.parametrize("retain", ["default", "all"])
+# vLLM's order ("all", and the token cross-check of the two runs) in the slow tier
+@pytest.mark.parametrize("retain", ["default", pytest.param("all", marks=pytest.mark.slow)])
 def test_the_pool_commits_what_the_load_needs_not_what_the_prefix_cache_saw(
         default_model, tmp_path, monkeypatch, retain):
     """16 distinct ~300-token prompts, one at a time: with the default bound (max_model_len =
