@@ -22,8 +22,8 @@ from mlx_lm.models import qwen3
 
 from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv import pool as kv_pool
+from vllm_unified.kv.attention import dispatch as paged
 from vllm_unified.kv.attention import qk_prologue
-from vllm_unified.kv.attention import reference as paged
 from vllm_unified.kv.attention.metadata import build_attention_metadata
 from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.layer_cache import PagedLayerCache

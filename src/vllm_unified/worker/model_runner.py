@@ -50,7 +50,7 @@ from vllm_unified.distributed.pipeline import HIDDEN, PipelineStage
 from vllm_unified.envs import COMPILE_DECODE_ENV
 from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv import page_release
-from vllm_unified.kv.attention.reference import gpu_attention_routed
+from vllm_unified.kv.attention.dispatch import gpu_attention_routed
 from vllm_unified.kv.block_reuse import prefix_cache_retain_tokens
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.hybrid import HybridLayers
