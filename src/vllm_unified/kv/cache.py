@@ -3,7 +3,7 @@
 It answers vLLM's questions (:meth:`KVCache.kv_cache_spec`, :meth:`KVCache.bytes_per_block`),
 allocates the pool when vLLM has sized it (:meth:`KVCache.initialize`: vLLM's layout, lazy or
 zeroed, per the backend profile; state pages of hybrid models; the kernel block size the
-attention reads vLLM's pages as), builds each step's :class:`~vllm_unified.forward_context.
+attention reads vLLM's pages as), builds each step's :class:`~vllm_unified.kv.forward_context.
 StepContext` (:meth:`KVCache.step_context`), zeroes the blocks vLLM asks for, and hands the
 offloading connector vLLM's per-layer views.
 """
@@ -20,7 +20,6 @@ import numpy as np
 from vllm_unified.backend import BackendProfile
 from vllm_unified.compat import FullAttentionSpec, KVCacheConfig, KVCacheSpec, init_logger
 from vllm_unified.envs import KV_EAGER_ZERO_ENV, read
-from vllm_unified.forward_context import StepContext
 from vllm_unified.kv.allocation import (
     KV_LAYOUT,
     allocate_kv_cache,
@@ -35,6 +34,7 @@ from vllm_unified.kv.block_translation import (
     expand_block_table,
     select_kernel_block_size,
 )
+from vllm_unified.kv.forward_context import StepContext
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.layer_cache import MissingLayerCache, PagedLayerCache, StateLayerCache
 from vllm_unified.kv.pool import KVPool

@@ -12,7 +12,7 @@ Each step the runner lays out every scheduled token as its own batch row (``inpu
   :mod:`vllm_unified.models.routing`).
 
 A recurrent layer of a hybrid model gets a :class:`StateLayerCache` instead. Both read the
-step's metadata from the bound step context (:mod:`vllm_unified.forward_context`).
+step's metadata from the bound step context (:mod:`vllm_unified.kv.forward_context`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_unified.backend import BackendProfile
-from vllm_unified.forward_context import get_step_context
 from vllm_unified.kv.attention import dispatch
 from vllm_unified.kv.attention.qk_prologue import QKPrologue
+from vllm_unified.kv.forward_context import get_step_context
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.state_pages import StatePages, StateStore
 
