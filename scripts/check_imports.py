@@ -2,8 +2,8 @@
 
 Rules, each violation one line ``file:line: what`` and a non-zero exit status:
 
-* no cycle between modules (module-level imports, those under ``if TYPE_CHECKING:`` included;
-  ``from pkg import mod`` counts as an import of ``pkg.mod`` when that is a module);
+* no cycle between modules (every import counts: module-level, under ``if TYPE_CHECKING:``,
+  inside functions; ``from pkg import mod`` is an import of ``pkg.mod`` when that is a module);
 * no cycle between packages, where a package is one top-level unit of the tree: a top-level
   folder with everything under it, or a top-level module (``kv -> forward_context -> kv``);
 * an import of one of our own modules inside a function carries its reason on the same line or
@@ -164,11 +164,9 @@ def check(root: Path, show_graph: bool = False) -> list[str]:
                                 f"outside {', '.join(sorted(VLLM_ALLOWED))}")
             if imp.target not in modules or imp.target == mod.name:
                 continue
-            if imp.lazy:
-                if not _has_reason(mod, imp.line):
-                    problems.append(f"{_rel(mod, cwd)}:{imp.line}: import of {imp.target} inside "
-                                    f"a function without a '{LAZY_MARK} <reason>' comment")
-                continue
+            if imp.lazy and not _has_reason(mod, imp.line):
+                problems.append(f"{_rel(mod, cwd)}:{imp.line}: import of {imp.target} inside "
+                                f"a function without a '{LAZY_MARK} <reason>' comment")
             graph[mod.name].add(imp.target)
             where.setdefault((mod.name, imp.target), (mod, imp.line))
     for component in strongly_connected(graph):

@@ -28,8 +28,8 @@ from vllm_unified.memory.budget import (
     GIB,
     check_kv_budget_before_load,
     kv_space_from_env,
-    weights_file_bytes,
 )
+from vllm_unified.models.gguf_dir import weights_file_bytes
 from vllm_unified.offload.config import configure_kv_offloading
 
 if TYPE_CHECKING:
