@@ -36,6 +36,7 @@ import os
 import sys
 
 from vllm_unified.errors import StartupRefused
+from vllm_unified.models.gguf_dir import prepare_gguf_dir
 from vllm_unified.patches import install_version_fallback
 
 __all__ = ["check_speculative_dependencies", "install_version_fallback", "main",
@@ -60,8 +61,6 @@ def prepare_gguf_args(argv: list[str]) -> list[str]:
     """
     if argv[1:2] != ["serve"]:
         return argv
-    from vllm_unified.models.gguf_dir import prepare_gguf_dir
-
     out = list(argv)
     model_name: str | None = None
 
@@ -179,7 +178,8 @@ def main() -> int | None:
         print(missing, file=sys.stderr)
         return 2
     sys.argv = prepare_gguf_args(sys.argv)
-    from vllm_unified import compat  # vLLM is imported only after the fallback is installed
+    # lazy: vLLM is imported only after the version fallback is installed
+    from vllm_unified import compat
 
     try:
         return compat.vllm_cli_main()

@@ -36,6 +36,9 @@ _LAZY: dict[str, str] = {
     "AuthenticationMiddleware": "vllm.entrypoints.serve.middleware.authenticate",
     "GUARDED_PREFIX": "vllm.entrypoints.serve.middleware.authenticate",
     "NewRequestData": "vllm.v1.core.sched.output",
+    # The scheduler's free-block queue (kv/block_reuse.py subclasses it).
+    "FreeKVCacheBlockQueue": "vllm.v1.core.kv_cache_utils",
+    "KVCacheBlock": "vllm.v1.core.kv_cache_utils",
     "SchedulerOutput": "vllm.v1.core.sched.output",
     "FullAttentionSpec": "vllm.v1.kv_cache_interface",
     "KVCacheConfig": "vllm.v1.kv_cache_interface",

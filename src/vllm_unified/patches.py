@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_unified.kv import page_release
+
 
 @dataclass(frozen=True)
 class Patch:
@@ -169,6 +171,7 @@ def place_offload_region_outside_dev_shm(directory: str | None = None) -> str | 
 def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
     """Give ``manager``'s block pool a :class:`~vllm_unified.kv.block_reuse.CommittedFirstQueue`
     keeping :func:`prefix_cache_retain_tokens` tokens of every KV cache group; log the bound."""
+    # lazy: kv.block_reuse imports vLLM's scheduler; importing this module imports no vLLM
     from vllm_unified.kv.block_reuse import CommittedFirstQueue, prefix_cache_retain_tokens
 
     tokens = prefix_cache_retain_tokens(manager.max_model_len)
@@ -185,8 +188,6 @@ def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
     block_bytes = max(g.kv_cache_spec.page_size_bytes
                       * (1 if hasattr(g.kv_cache_spec, "kv_cache_specs") else len(g.layer_names))
                       for g in config.kv_cache_groups)
-    from vllm_unified.kv import page_release
-
     given_back = ("the pages of blocks beyond it are given back to the OS"
                   if page_release.registered() is not None else
                   "fresh blocks of the pool are written only when running requests need more")
