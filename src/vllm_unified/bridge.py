@@ -26,8 +26,9 @@ on the CPU backend torch -> MLX goes through the small native extension in ``nat
 ``scripts/setup.sh`` against the installed MLX): it wraps the tensor's memory as an MLX array that
 MLX's allocator does not own and keeps the tensor alive until MLX drops its last reference.
 
-Only the worker imports this module. It imports MLX lazily, through
-:func:`vllm_unified.backend.import_mlx` (which interposes the fast BLAS first), on the first call.
+Importing this module imports no MLX (the platform imports it, through
+:mod:`vllm_unified.distributed.pipeline`, in vLLM's API-server process): MLX is imported on the
+first call, through :func:`vllm_unified.backend.import_mlx` (which interposes the fast BLAS first).
 
 Two MLX 0.32.4 traps around shared buffers:
 

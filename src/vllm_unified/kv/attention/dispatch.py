@@ -14,9 +14,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from vllm_unified import backend as backends
 from vllm_unified import bridge
-from vllm_unified.backend import BackendProfile
+from vllm_unified.backend import BackendProfile, profile
 from vllm_unified.kv.attention import cpu as cpu_attention
 from vllm_unified.kv.attention import reference
 from vllm_unified.kv.attention.metadata import AttentionMetadata
@@ -61,7 +60,7 @@ def paged_attention_kv(
         return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh,
                                             kv_format, after)
     if backend is None:
-        backend = backends.profile()
+        backend = profile()
     if kv_format is not None and kv_format.quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, backend, kv_format,
                                     rht_signs, fresh, after)
@@ -126,7 +125,7 @@ def fused_decode_kernel(head_dim: int, backend: BackendProfile | None
     not attended by it (the native CPU kernel, the reference, an unsupported head size).
     ``backend``: default :func:`vllm_unified.backend.profile`."""
     if backend is None:
-        backend = backends.profile()
+        backend = profile()
     if _cpu_rows_kernel(backend):
         return None
     return _gpu_kernel(head_dim, backend)
