@@ -120,16 +120,8 @@ def resident_bytes(buffer: torch.Tensor) -> int:
 
 
 def commit_shortfall(pool_bytes: int, committed: int, available: int) -> int:
-    """Bytes by which committing the rest of a lazy pool would exceed the memory available.
-
-    Args:
-        pool_bytes: the pool's size.
-        committed: pool bytes already committed (written, or zero-filled eagerly).
-        available: memory the host has available now (``psutil.virtual_memory().available``).
-
-    Returns:
-        ``pool_bytes - committed - available`` when positive, else 0.
-    """
+    """Bytes by which committing the rest of a lazy pool (``pool_bytes``, ``committed`` of them
+    already) would exceed the host's ``available`` memory, else 0."""
     return max(0, pool_bytes - committed - available)
 
 

@@ -271,8 +271,9 @@ class KVPool:
             return tokens[0] if tokens else None
         if fmt.quantized and self.write_path in ("cuda_kernel", "metal_kernel"):
             tokens = []
-            kv[layer] = gpu_quant_write.write_kv_quant_gpu(dst, slot_mapping, keys, values, fmt,
-                                           self.signs, dialect=self._dialect(), tokens=tokens)
+            kv[layer] = gpu_quant_write.write_kv_quant_gpu(
+                dst, slot_mapping, keys, values, fmt, self.signs, dialect=self._dialect(),
+                tokens=tokens)
             return tokens[0] if tokens else None
         if fmt.quantized:
             if keys.ndim == 4:
