@@ -36,7 +36,7 @@ import os
 import sys
 
 from vllm_unified.errors import StartupRefused
-from vllm_unified.models.gguf_dir import prepare_gguf_dir
+from vllm_unified.models import gguf_dir
 from vllm_unified.patches import install_version_fallback
 
 __all__ = ["check_speculative_dependencies", "install_version_fallback", "main",
@@ -65,7 +65,7 @@ def prepare_gguf_args(argv: list[str]) -> list[str]:
     model_name: str | None = None
 
     def folder(path: str) -> str:
-        return str(prepare_gguf_dir(path))
+        return str(gguf_dir.prepare_gguf_dir(path))
 
     if len(out) > 2 and not out[2].startswith("-") and _is_gguf_file(out[2]):
         model_name, out[2] = out[2], folder(out[2])
