@@ -141,10 +141,14 @@ def _rel(mod: Module, cwd: Path) -> str:
         return str(mod.path)
 
 
-def _has_reason(mod: Module, line: int) -> bool:
+def _reason(mod: Module, line: int) -> str:
+    """The ``# lazy: <reason>`` of the import at ``line`` (same line or the line above), or
+    "" when there is none."""
     here = mod.lines[line - 1]
     above = mod.lines[line - 2].strip() if line >= 2 else ""
-    return LAZY_MARK in here or above.startswith(LAZY_MARK)
+    if LAZY_MARK in here:
+        return here.split(LAZY_MARK, 1)[1].strip()
+    return above[len(LAZY_MARK):].strip() if above.startswith(LAZY_MARK) else ""
 
 
 def check(root: Path, show_graph: bool = False) -> list[str]:
@@ -164,7 +168,7 @@ def check(root: Path, show_graph: bool = False) -> list[str]:
                                 f"outside {', '.join(sorted(VLLM_ALLOWED))}")
             if imp.target not in modules or imp.target == mod.name:
                 continue
-            if imp.lazy and not _has_reason(mod, imp.line):
+            if imp.lazy and not _reason(mod, imp.line):
                 problems.append(f"{_rel(mod, cwd)}:{imp.line}: import of {imp.target} inside "
                                 f"a function without a '{LAZY_MARK} <reason>' comment")
             graph[mod.name].add(imp.target)
@@ -202,8 +206,7 @@ def lazy_imports(root: Path) -> list[str]:
     for mod in modules.values():
         for imp in imports_of(mod, modules):
             if imp.lazy and imp.target in modules and imp.target != mod.name:
-                text = mod.lines[imp.line - 1] + " " + mod.lines[imp.line - 2]
-                reason = text.split(LAZY_MARK, 1)[1].strip() if LAZY_MARK in text else "(none)"
+                reason = _reason(mod, imp.line) or "(no reason)"
                 rows.append(f"{_rel(mod, cwd)}:{imp.line}: {imp.target}: {reason}")
     return rows
 

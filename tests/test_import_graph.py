@@ -48,6 +48,7 @@ def test_checker_reports_each_violation(tmp_path: Path) -> None:
         "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fake.a import X\n",
         "c.py": "def f():\n    from fake import a\n    return a\n",
         "d.py": "def f():\n    # lazy: a reason\n    from fake import a\n    return a\n",
+        "g.py": "def f():\n    from fake import a  # lazy:\n    return a\n",
         "e.py": "import vllm.config\n",
         "compat.py": "from vllm import envs\n",
         "sub/__init__.py": "",
@@ -62,6 +63,7 @@ def test_checker_reports_each_violation(tmp_path: Path) -> None:
     assert "package cycle [sub <-> top]" in text
     assert any(p.endswith("c.py:2: import of fake.a inside a function without a '# lazy: "
                           "<reason>' comment") for p in problems), text
+    assert "g.py:2: import of fake.a inside a function" in text  # an empty reason is none
     assert "d.py" not in text  # a reasoned lazy import is allowed
     assert "e.py:1: imports vLLM (vllm.config)" in text
     assert "compat.py" not in text
