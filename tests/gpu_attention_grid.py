@@ -3,7 +3,7 @@
 Used by ``tests/test_gpu_attention.py`` (the Metal dialect through the CPU emulation) and by
 ``benchmarks/cuda.py decode`` (the CUDA dialect on the H200; ``benchmarks/cuda_h200.sh pack``
 copies this file next to it), so both check the same cases against the same oracle: the
-pure-MLX reference ``paged_attention_kv(..., accelerate=False)`` evaluated in fp32 over the
+pure-MLX reference ``reference.paged_attention_kv`` evaluated in fp32 over the
 same (dtype-rounded) queries and pool.
 
 A case is one step: decode rows only, prefill chunks only (one with no context before it, one
@@ -161,8 +161,7 @@ def build(case: Case) -> Built:
     # matmuls in TF32 by default).
     with mx.stream(mx.cpu):
         reference = np.array(paged_attention_kv(
-            q.astype(mx.float32), kv.astype(mx.float32), ref_meta, scale, case.window,
-            accelerate=False))
+            q.astype(mx.float32), kv.astype(mx.float32), ref_meta, scale, case.window))
     max_chunk = EVERY_ROW if case.route == "kernel" else None
     return Built(q, kv, meta, scale, fresh, max_chunk, reference)
 
@@ -229,7 +228,7 @@ def prologue_max_error(case: Case, rope: int, norm: bool, attend: Callable) -> f
     with mx.stream(mx.cpu):
         q = reference(b.queries, prologue, 0, positions)
         want = np.array(paged_attention_kv(q, b.pool.astype(mx.float32), b.meta, b.scale,
-                                           case.window, accelerate=False))
+                                           case.window))
     got = np.array(attend(b.queries, b.pool, b.meta, b.scale, case.window, prologue
                           ).astype(mx.float32))
     if got.shape != want.shape:

@@ -20,7 +20,7 @@ against the same expectations:
   block tables with holes from a pool twice the size needed; every cell no sequence owns
   0xFF bytes (a NaN scale: a read outside a row's keys makes the output NaN). The oracle is
   the pure-MLX reference over the pool dequantized by pure MLX
-  (``paged_attention_kv(..., accelerate=False, kv_format=...)``), in fp32 on the CPU.
+  (``reference.paged_attention_kv(..., kv_format=...)``), in fp32 on the CPU.
 """
 
 from __future__ import annotations
@@ -275,8 +275,8 @@ def build(case: Case) -> Built:
     ref_meta = build_attention_metadata(qlens, slens, tables, bs)
     with mx.stream(mx.cpu):  # exact fp32 on every machine (no TF32)
         reference = np.array(paged_attention_kv(
-            q.astype(mx.float32), kv, ref_meta, scale, case.window, accelerate=False,
-            kv_format=fmt, rht_signs=signs, fresh=fresh).astype(mx.float32))
+            q.astype(mx.float32), kv, ref_meta, scale, case.window, kv_format=fmt,
+            fresh=fresh).astype(mx.float32))
     max_chunk = EVERY_ROW if case.route == "kernel" else None
     return Built(q, kv, meta, scale, fmt, signs, max_chunk, fresh, reference)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from vllm_unified import bridge
+from vllm_unified.kv.attention.dispatch import paged_attention_kv
 from vllm_unified.kv.attention.metadata import build_attention_metadata
-from vllm_unified.kv.attention.reference import paged_attention_kv
 from vllm_unified.kv.block_translation import (
     expand_block_table,
     kernel_block_view,

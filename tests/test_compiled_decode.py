@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from mlx_lm.models import qwen3
 
-from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv import pool as kv_pool
+from vllm_unified.kv.attention import dispatch as paged
 from vllm_unified.kv.attention import qk_prologue
-from vllm_unified.kv.attention import reference as paged
 from vllm_unified.kv.attention.metadata import build_attention_metadata
+from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
@@ -32,7 +32,7 @@ from vllm_unified.models.decode_attention import install_fused_decode_attention
 from vllm_unified.models.routing import install_paged_attention
 from vllm_unified.worker.async_output import feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode, padded_tables
-from vllm_unified.worker.model_runner import forward
+from vllm_unified.worker.forward import forward
 
 BS, LAYERS, KV_HEADS, DIM, BLOCKS = 8, 3, 2, 32, 40
 

@@ -11,7 +11,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
 from vllm_unified import bridge
-from vllm_unified.kv.attention import reference as paged
+from vllm_unified.kv.attention import dispatch as paged
 from vllm_unified.kv.attention.metadata import build_attention_metadata
 from vllm_unified.models import cpu_kernels
 

@@ -39,7 +39,7 @@ from gpu_attention_grid import (
 )
 
 from vllm_unified import gpu_dialect
-from vllm_unified.kv.attention import reference as paged
+from vllm_unified.kv.attention import dispatch as paged
 from vllm_unified.kv.attention.metadata import build_attention_metadata, build_tiles
 from vllm_unified.kv.gpu import paged as gpu_paged
 

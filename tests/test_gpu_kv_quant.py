@@ -43,7 +43,8 @@ from gpu_kv_quant_grid import (
 
 from vllm_unified import bridge
 from vllm_unified import gpu_dialect as gd
-from vllm_unified.kv.attention import reference as paged
+from vllm_unified.kv.attention import dispatch as paged
+from vllm_unified.kv.attention import reference
 from vllm_unified.kv.gpu import paged_quant as gpu_paged_quant
 from vllm_unified.kv.gpu import quant_write as gpu_quant_write
 from vllm_unified.kv.quant import f32_to_e4m3_reference, kv_format, rht_signs
@@ -282,8 +283,8 @@ def test_turboquant_chunks_that_vllm_attends_unquantized_fail_over_cells(monkeyp
     monkeypatch.setattr(gpu_paged_quant, "launch", _emulated_launch)
     assert max_error(case, _attend("metal")) <= TOLERANCE[case.dtype]
     if kind == "long":  # the long chunk's own rows from the cells
-        chunk = paged.quantized_chunk_attention
-        monkeypatch.setattr(paged, "quantized_chunk_attention",
+        chunk = reference.quantized_chunk_attention
+        monkeypatch.setattr(reference, "quantized_chunk_attention",
                             lambda *a, **k: chunk(*a[:7]))
     else:  # fresh chunks to the kernel, over the cells
         monkeypatch.setattr(gpu_paged.AttentionMetadata, "gpu_plan",

@@ -26,8 +26,8 @@ from conftest import run_llm
 from tiny_models import HYBRID_FAMILIES, make_tiny_checkpoint
 
 from vllm_unified import bridge
-from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv.attention.metadata import build_attention_metadata
+from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.layer_cache import StateLayerCache
 from vllm_unified.kv.state_pages import StatePages, StateStore, build_state_metadata, state_fields
 from vllm_unified.models.loader import load_model

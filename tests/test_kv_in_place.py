@@ -16,12 +16,12 @@ import pytest
 import torch
 from mlx_lm.models import llama
 
-from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv.attention.metadata import build_attention_metadata
+from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.models.routing import install_paged_attention
-from vllm_unified.worker.model_runner import forward
+from vllm_unified.worker.forward import forward
 
 BLOCK = 16
 ARGS = llama.ModelArgs(

@@ -207,7 +207,7 @@ def test_attention_over_quantized_pages_equals_reference(name, dtype, tol, heads
     bf16 queries the kernel rounds the rotated queries and output to bf16 as vLLM does)."""
     import mlx.core as mx
 
-    from vllm_unified.kv.attention import reference as paged
+    from vllm_unified.kv.attention import dispatch as paged
     from vllm_unified.kv.quant import kv_format
 
     fmt = kv_format(name)
@@ -234,7 +234,7 @@ def test_turboquant_prefill_chunks_read_their_own_kv_as_vllm(heads, kv_heads, di
     other rows carry the quantization."""
     import mlx.core as mx
 
-    from vllm_unified.kv.attention import reference as paged
+    from vllm_unified.kv.attention import dispatch as paged
     from vllm_unified.kv.attention.metadata import build_attention_metadata
     from vllm_unified.kv.pool import KVPool
     from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, kv_format
@@ -584,7 +584,7 @@ def test_skip_layer_kv_cache_groups_are_vllms(default_model, name, flag, skip, b
 
     from vllm_unified import compat
     from vllm_unified.backend import profile
-    from vllm_unified.kv.attention import reference as paged
+    from vllm_unified.kv.attention import dispatch as paged
     from vllm_unified.kv.attention.metadata import build_attention_metadata
     from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
     from vllm_unified.kv.hybrid import HybridLayers
@@ -704,7 +704,7 @@ def test_attention_without_avx512_equals_reference():
     code = (
         f"import sys; sys.path.insert(0, {str(TESTS)!r})\n"
         "import numpy as np, mlx.core as mx, test_kv_quant as t\n"
-        "from vllm_unified.kv.attention import reference as paged\n"
+        "from vllm_unified.kv.attention import dispatch as paged\n"
         "from vllm_unified.kv.quant import kv_format\n"
         "for name in t.MODES:\n"
         "    fmt = kv_format(name)\n"

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from vllm_unified import bridge
-from vllm_unified.kv.attention import reference as paged
+from vllm_unified.kv.attention import dispatch as paged
+from vllm_unified.kv.attention.dispatch import paged_attention_kv
 from vllm_unified.kv.attention.metadata import AttentionMetadata, build_attention_metadata
-from vllm_unified.kv.attention.reference import paged_attention, paged_attention_kv, write_kv
+from vllm_unified.kv.attention.reference import paged_attention, write_kv
 
 D = 16
 TOL = 1e-5

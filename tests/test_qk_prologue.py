@@ -34,10 +34,10 @@ from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from vllm_unified import gpu_dialect
 from vllm_unified.backend import profile
-from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv.attention import qk_prologue
 from vllm_unified.kv.attention.metadata import build_attention_metadata
 from vllm_unified.kv.attention.qk_prologue import QKPrologue, prologue_of, reference
+from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.gpu import write as gpu_write
 from vllm_unified.kv.layer_cache import PagedLayerCache
@@ -48,7 +48,7 @@ from vllm_unified.models.decode_attention import (
     install_fused_decode_attention,
 )
 from vllm_unified.models.routing import install_paged_attention
-from vllm_unified.worker.model_runner import forward
+from vllm_unified.worker.forward import forward
 
 needs_clang = emu.needs_clang
 

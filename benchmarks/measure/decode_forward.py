@@ -5,7 +5,7 @@ GGUF file), dequantized to fp32 by our loader (BLAS interposed as the platform d
 then for each batch size B times, in interleaved rounds so that machine noise hits both alike:
 
 * **mlx_lm**: ``model(tokens[:, None], cache=KVCache)`` for B sequences of 192 tokens, greedy;
-* **ours**: :func:`vllm_unified.worker.model_runner.forward` over the paged KV pool (vLLM's
+* **ours**: :func:`vllm_unified.worker.forward.forward` over the paged KV pool (vLLM's
   layout in a torch buffer shared with MLX, written by ``write_rows``) for B sequences of 192
   tokens whose blocks are scattered over the pool, with the runner's CPU kernels: native
   linears for decode-sized inputs, native SwiGLU, attention read from the pool by the native
@@ -95,10 +95,10 @@ def measure(batch: int, rounds: int, model, qmodel, mx,
     """Seconds per decode step for each contender, ``rounds`` interleaved rounds."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    import vllm_unified.kv.layer_cache as layer_cache
-    from vllm_unified.forward_context import StepContext, set_step_context
+    from vllm_unified.kv.attention import dispatch
     from vllm_unified.kv.attention.metadata import build_attention_metadata
-    from vllm_unified.worker.model_runner import forward
+    from vllm_unified.kv.forward_context import StepContext, set_step_context
+    from vllm_unified.worker.forward import forward
 
     cache = make_prompt_cache(model)
     plain = model(mx.array(rng.integers(1000, 30000, (batch, CONTEXT))), cache=cache)
@@ -115,17 +115,17 @@ def measure(batch: int, rounds: int, model, qmodel, mx,
     def ours_step(accelerate: bool, model=model) -> None:
         meta = build_attention_metadata([1] * batch, [CONTEXT] * batch, tables, BLOCK)
         ids = mx.array(rng.integers(1000, 30000, (batch,)).astype(np.int32))
-        original = layer_cache.paged_attention_kv
+        original = dispatch.paged_attention_kv
         with set_step_context(StepContext(attn=meta)):
             if accelerate:  # the runner's CPU kernels (native linears, SwiGLU, attention)
                 logits = forward(model, caches, ids, rows)
             else:
-                layer_cache.paged_attention_kv = functools.partial(original, accelerate=False)
+                dispatch.paged_attention_kv = functools.partial(original, accelerate=False)
                 try:
                     with plain_mlx(model):
                         logits = forward(model, caches, ids, rows)
                 finally:
-                    layer_cache.paged_attention_kv = original
+                    dispatch.paged_attention_kv = original
         mx.eval(mx.argmax(logits, -1), pool.arrays())
 
     runs = {"mlx_lm": mlx_lm_step, "ours": lambda: ours_step(True),

@@ -5,7 +5,7 @@ native_kernels=True``: Q5_* as 5-bit, Q6_K / Q3_K / Q2_K as 6 / 3 / 2-bit groups
 twice, and re-encodes every layer of the second copy that is not 4 or 8 bits as 8-bit codes
 with the same scales and biases (the layout before issue 17's kernels for those widths: same
 values, more bytes). Then times one decode step of the runner's paged forward
-(``worker.model_runner.forward`` with the native kernels) for each, in interleaved rounds so
+(``worker.forward.forward`` with the native kernels) for each, in interleaved rounds so
 that machine noise hits both alike, at each ``--batch`` size, and checks that both give the same
 logits bit for bit. Prints min and median ms per step.
 
@@ -53,12 +53,12 @@ def main() -> None:
     mx = import_mlx()  # interposes the BLAS first, as the worker does
     import mlx.nn as nn
 
-    from vllm_unified.forward_context import StepContext, set_step_context
     from vllm_unified.kv.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.forward_context import StepContext, set_step_context
     from vllm_unified.models.cpu_kernels import install_cpu_kernels
     from vllm_unified.models.loader import _gguf_hf_config, load_model
     from vllm_unified.models.routing import install_paged_attention
-    from vllm_unified.worker.model_runner import forward
+    from vllm_unified.worker.forward import forward
 
     path = Path(args.model)
 

@@ -57,9 +57,9 @@ def score(model, mx, windows: np.ndarray, mode: int) -> tuple[float, int, np.nda
     log-likelihoods, tokens scored, argmax tokens [B, W - 1])."""
     import vllm_unified_native as native
 
-    from vllm_unified.forward_context import StepContext, set_step_context
     from vllm_unified.kv.attention.metadata import build_attention_metadata
-    from vllm_unified.worker.model_runner import forward
+    from vllm_unified.kv.forward_context import StepContext, set_step_context
+    from vllm_unified.worker.forward import forward
 
     batch, width = windows.shape
     previous = native.quantized_gemv_mode(mode)
@@ -89,9 +89,9 @@ def score_prefill(model, mx, windows: np.ndarray, mode: int) -> tuple[float, int
     [B, W - 1])."""
     import vllm_unified_native as native
 
-    from vllm_unified.forward_context import StepContext, set_step_context
     from vllm_unified.kv.attention.metadata import build_attention_metadata
-    from vllm_unified.worker.model_runner import forward
+    from vllm_unified.kv.forward_context import StepContext, set_step_context
+    from vllm_unified.worker.forward import forward
 
     batch, width = windows.shape
     previous = native.quantized_gemv_mode(mode)

@@ -51,12 +51,12 @@ def main() -> None:
     import torch
     import vllm_unified_native as native
 
-    from vllm_unified.forward_context import StepContext, set_step_context
     from vllm_unified.kv.attention.metadata import build_attention_metadata
+    from vllm_unified.kv.forward_context import StepContext, set_step_context
     from vllm_unified.models.cpu_kernels import install_cpu_kernels
     from vllm_unified.models.loader import _gguf_hf_config, load_model
     from vllm_unified.models.routing import install_paged_attention
-    from vllm_unified.worker.model_runner import forward
+    from vllm_unified.worker.forward import forward
 
     model = load_model(str(args.gguf), hf_config=_gguf_hf_config(args.gguf), dtype=mx.float32,
                        keep_quantized=True, native_kernels=True).model

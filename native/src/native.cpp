@@ -43,7 +43,8 @@
 //
 // Only the CPU allocator's buffer layout is supported for adopt (a size_t header in front of the
 // data: Buffer::ptr() is the header, Buffer::raw_ptr() == ptr + 8), and only CPU streams for
-// write_rows; GPU builds and streams raise (the Metal/CUDA variants are future work).
+// write_rows; GPU builds and streams raise: on GPU backends the in-place MLX kernels of
+// src/vllm_unified/kv/gpu/write.py (write_kv_gpu, write_rows_gpu) write the pool instead.
 
 #include <algorithm>
 #include <atomic>
@@ -393,8 +394,8 @@ class WriteRows : public mx::Primitive {
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error(
-        "[write_rows] no GPU implementation yet (Metal/CUDA kernels are future work); "
-        "use a CPU stream");
+        "[write_rows] CPU streams only (on GPU backends vllm_unified.kv.gpu.write writes "
+        "rows in place); use a CPU stream");
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -428,8 +429,8 @@ mx::array kv_rht_signs(const char* op, int kv_mode, const std::optional<mx::arra
   raise_py(
       PyExc_NotImplementedError,
       std::string(what) +
-          ": only CPU streams are implemented (the Metal/CUDA kernels are future work); "
-          "got a GPU stream or device");
+          ": only CPU streams are implemented (on GPU backends vllm_unified.kv.gpu.write "
+          "writes rows in place); got a GPU stream or device");
 }
 
 mx::Stream cpu_stream_for(mx::Device d, const char* what) {

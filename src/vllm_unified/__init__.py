@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from vllm_unified import envs
+from vllm_unified import envs, patches
+from vllm_unified.backend import set_mlx_env_defaults
 
 #: Setting this to 1 disables the plugin in a process (vLLM then falls back to its own platform).
 from vllm_unified.envs import DISABLE_ENV
@@ -46,8 +47,6 @@ def register() -> str | None:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     # MLX reads its graph limits once, at its first stream: set ours before any process of
     # this server imports MLX (engine processes inherit them).
-    from vllm_unified.backend import set_mlx_env_defaults
-
     try:
         set_mlx_env_defaults()
     except ValueError:
@@ -66,8 +65,6 @@ def register_general() -> None:
     if not _active():
         return
     import logging
-
-    from vllm_unified import patches
 
     # A ``vllm.`` name so that vLLM's logging configuration shows our records.
     patches.bound_prefix_cache_residency(logging.getLogger("vllm.vllm_unified.scheduler"))

@@ -29,6 +29,7 @@ from typing import Literal
 import psutil
 
 from vllm_unified import envs
+from vllm_unified.blas import preload_blas
 
 BackendKind = Literal["metal", "cuda", "cpu"]
 
@@ -169,10 +170,8 @@ def import_mlx() -> ModuleType:
     info = detect_backend()
     set_mlx_env_defaults()
     if info.kind == "cpu":
-        from vllm_unified.blas import preload_blas
-
         preload_blas()
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: the BLAS interposition must precede it; no MLX before a fork
 
     mx.set_default_device(mx.gpu if info.kind in ("metal", "cuda") else mx.cpu)
     return mx
@@ -304,20 +303,31 @@ def mlx_allocator() -> BackendKind:
 
 
 @functools.cache
+def native_extension() -> tuple[ModuleType | None, str | None]:
+    """The native extension (distribution ``vllm-unified-native``, built from ``native/``) and
+    None, or None and why it cannot be imported. Imports MLX first (:func:`import_mlx`): the
+    extension links against ``mlx.core``."""
+    try:
+        import_mlx()
+        import vllm_unified_native  # it imports mlx.core: after the BLAS interposition
+    except ImportError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return vllm_unified_native, None
+
+
+@functools.cache
 def profile() -> BackendProfile:
     """The backend profile of this process (imports MLX; worker process only).
 
     Raises:
         ValueError: a ``VLLM_UNIFIED_*`` setting it reads does not parse.
     """
-    from vllm_unified import bridge
-
     info = detect_backend()
     allocator = mlx_allocator()
     on_cpu = info.kind == "cpu" and allocator == "cpu"  # CPU compute on CPU buffers
     on_metal = info.kind == "metal" and allocator == "metal"
     if on_cpu:
-        reason = bridge.native_error()
+        reason = native_extension()[1]
     elif on_metal:
         reason = None  # mx.from_dlpack(copy=False) adopts page-aligned torch CPU memory
     elif info.kind == "cpu":

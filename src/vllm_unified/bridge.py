@@ -26,8 +26,9 @@ on the CPU backend torch -> MLX goes through the small native extension in ``nat
 ``scripts/setup.sh`` against the installed MLX): it wraps the tensor's memory as an MLX array that
 MLX's allocator does not own and keeps the tensor alive until MLX drops its last reference.
 
-Only the worker imports this module. It imports MLX lazily, through
-:func:`vllm_unified.backend.import_mlx` (which interposes the fast BLAS first), on the first call.
+Importing this module imports no MLX (the platform imports it, through
+:mod:`vllm_unified.distributed.pipeline`, in vLLM's API-server process): MLX is imported on the
+first call, through :func:`vllm_unified.backend.import_mlx` (which interposes the fast BLAS first).
 
 Two MLX 0.32.4 traps around shared buffers:
 
@@ -53,6 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_unified import backend
+
 if TYPE_CHECKING:
     import mlx.core as mx
 
@@ -74,11 +77,8 @@ _TORCH_TO_MLX_NAME: dict[torch.dtype, str] = {
 _SUPPORTED = "float32, float16, bfloat16, int8, uint8, int16, int32, int64, bool"
 
 
-@functools.cache
 def _mx() -> ModuleType:
-    from vllm_unified.backend import import_mlx
-
-    return import_mlx()
+    return backend.import_mlx()
 
 
 @functools.cache
@@ -91,19 +91,11 @@ def _dtype_maps() -> tuple[dict[torch.dtype, Any], dict[Any, torch.dtype]]:
 def _backend() -> str:
     """``"metal"``, ``"cuda"`` or ``"cpu"``: which allocator MLX's buffers come from
     (:func:`vllm_unified.backend.mlx_allocator`, the backend profile's answer)."""
-    from vllm_unified.backend import mlx_allocator
-
-    return mlx_allocator()
+    return backend.mlx_allocator()
 
 
-@functools.cache
 def _native() -> tuple[ModuleType | None, str | None]:
-    try:
-        _mx()  # BLAS preload and MLX before the extension (which imports mlx.core)
-        import vllm_unified_native
-    except ImportError as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-    return vllm_unified_native, None
+    return backend.native_extension()
 
 
 def native_error() -> str | None:
@@ -244,13 +236,13 @@ def to_mlx(t: torch.Tensor, *, copy: bool = False) -> mx.array:
             f"{t.stride()}): MLX adopts row-major memory only. Pass copy=True to copy, or "
             "call .contiguous() yourself (which copies)"
         )
-    backend = _backend()
-    if backend == "cuda":
+    allocator = _backend()
+    if allocator == "cuda":
         raise RuntimeError(
             "to_mlx: MLX's CUDA backend cannot use torch CPU memory in place; "
             "pass copy=True to copy explicitly"
         )
-    if backend == "metal":
+    if allocator == "metal":
         try:
             return mx.from_dlpack(t, copy=False)
         except (RuntimeError, ValueError) as exc:
@@ -340,9 +332,7 @@ def native_kernels() -> ModuleType | None:
     """The native extension when its CPU kernels apply (the backend profile's
     ``cpu_kernels``: CPU compute on CPU buffers, extension importable), else None: the
     callers' pure-MLX paths are used then. Decided once per process."""
-    from vllm_unified.backend import profile
-
-    return _native()[0] if profile().cpu_kernels else None
+    return _native()[0] if backend.profile().cpu_kernels else None
 
 
 def gather_kv(pool_rows: mx.array, rows: mx.array) -> tuple[mx.array, mx.array] | None:

@@ -37,6 +37,7 @@ import os
 import sys
 
 from vllm_unified.errors import StartupRefused
+from vllm_unified.models import gguf_dir
 from vllm_unified.patches import install_version_fallback
 
 __all__ = ["check_speculative_dependencies", "install_version_fallback", "main",
@@ -61,13 +62,11 @@ def prepare_gguf_args(argv: list[str]) -> list[str]:
     """
     if argv[1:2] != ["serve"]:
         return argv
-    from vllm_unified.models.gguf_dir import prepare_gguf_dir
-
     out = list(argv)
     model_name: str | None = None
 
     def folder(path: str) -> str:
-        return str(prepare_gguf_dir(path))
+        return str(gguf_dir.prepare_gguf_dir(path))
 
     if len(out) > 2 and not out[2].startswith("-") and _is_gguf_file(out[2]):
         model_name, out[2] = out[2], folder(out[2])
@@ -180,7 +179,8 @@ def main() -> int | None:
         print(missing, file=sys.stderr)
         return 2
     sys.argv = prepare_gguf_args(sys.argv)
-    from vllm_unified import compat  # vLLM is imported only after the fallback is installed
+    # lazy: vLLM is imported only after the version fallback is installed
+    from vllm_unified import compat
 
     try:
         return compat.vllm_cli_main()

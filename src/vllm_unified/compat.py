@@ -1,8 +1,10 @@
-"""The one place that imports vLLM internals (vLLM 0.32.x, model runner V1 message format).
+"""The one place that imports vLLM internals for use (vLLM 0.32.x, model runner V1 message
+format); :mod:`vllm_unified.patches` imports the vLLM modules it patches.
 
 Everything else in the package imports vLLM names from here, so a vLLM bump is checked and
-mended in one file. Public, stable vLLM API (``vllm.LLM``, ``SamplingParams``) may be imported
-directly by tests and benchmarks.
+mended in one file (``scripts/check_imports.py`` fails on any other ``import vllm``). Public,
+stable vLLM API (``vllm.LLM``, ``SamplingParams``) may be imported directly by tests and
+benchmarks.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ _LAZY: dict[str, str] = {
     "AuthenticationMiddleware": "vllm.entrypoints.serve.middleware.authenticate",
     "GUARDED_PREFIX": "vllm.entrypoints.serve.middleware.authenticate",
     "NewRequestData": "vllm.v1.core.sched.output",
+    # The scheduler's free-block queue (kv/block_reuse.py subclasses it).
+    "FreeKVCacheBlockQueue": "vllm.v1.core.kv_cache_utils",
+    "KVCacheBlock": "vllm.v1.core.kv_cache_utils",
     "SchedulerOutput": "vllm.v1.core.sched.output",
     "FullAttentionSpec": "vllm.v1.kv_cache_interface",
     "KVCacheConfig": "vllm.v1.kv_cache_interface",

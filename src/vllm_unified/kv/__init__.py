@@ -5,12 +5,14 @@
   MLX without a copy;
 - ``pool``: the attention pages as MLX arrays and their write paths;
 - ``attention``: paged attention (per-step metadata, the pure-MLX reference, the CPU kernel,
-  the q/k prologue);
+  the q/k prologue, and the dispatch that picks the kernel);
 - ``gpu``: the GPU kernels (MLX CUDA and Metal, one source in two dialects): in-place KV and row
   writes, quantizing writes, paged attention over plain and quantized pages;
 - ``state_pages``: hybrid models' recurrent state in vLLM's state (Mamba) pages;
 - ``hybrid``: which layers are recurrent, their specs, each request's state slot;
 - ``block_translation``: kernel block sizes and vLLM's pages read as kernel blocks;
+- ``forward_context``: the step context the runner binds for a forward, which the layer
+  caches and the recurrent mixers read;
 - ``layer_cache``: the per-layer caches mlx-lm's model code sees;
 - ``cache``: the facade;
 - ``block_reuse``: the scheduler's free-block order (written blocks before fresh ones) and the

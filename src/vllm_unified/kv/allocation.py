@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import torch
 
-from vllm_unified import compat
+from vllm_unified import bridge, compat
 
 #: The layout the MLX attention reads: layer-compact, then block, token, head, channels. One
 #: layer's region is then ``[num_blocks * block_size, num_kv_heads, head_size + head_size_v]``
@@ -120,16 +120,8 @@ def resident_bytes(buffer: torch.Tensor) -> int:
 
 
 def commit_shortfall(pool_bytes: int, committed: int, available: int) -> int:
-    """Bytes by which committing the rest of a lazy pool would exceed the memory available.
-
-    Args:
-        pool_bytes: the pool's size.
-        committed: pool bytes already committed (written, or zero-filled eagerly).
-        available: memory the host has available now (``psutil.virtual_memory().available``).
-
-    Returns:
-        ``pool_bytes - committed - available`` when positive, else 0.
-    """
+    """Bytes by which committing the rest of a lazy pool (``pool_bytes``, ``committed`` of them
+    already) would exceed the host's ``available`` memory, else 0."""
     return max(0, pool_bytes - committed - available)
 
 
@@ -292,8 +284,6 @@ def import_views(views: Sequence[torch.Tensor], *, max_chunk: int | None = None
             on Metal a chunk start that is not page-aligned), or an MLX view did not keep the
             tensor's bytes.
     """
-    from vllm_unified import bridge
-
     out: list[mx.array | None] = [None] * len(views)
     storages: dict[int, list[int]] = {}
     for i, v in enumerate(views):
@@ -327,8 +317,6 @@ def import_views(views: Sequence[torch.Tensor], *, max_chunk: int | None = None
 def _view_of(chunk: mx.array, length: int, row: int, offset: int, v: torch.Tensor) -> mx.array:
     """The bytes ``offset ... offset + v.nbytes`` of ``chunk`` (``length`` bytes as
     ``[length / row, row]`` int8) as an array of ``v``'s shape and dtype, sharing them."""
-    from vllm_unified import bridge
-
     nbytes = v.numel() * v.element_size()
     width = math.gcd(row, offset, nbytes)
     if width % v.element_size() or length // width > _MAX_DIM:

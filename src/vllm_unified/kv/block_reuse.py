@@ -39,10 +39,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
-
 from vllm_unified import envs
 from vllm_unified.backend import detect_backend
+from vllm_unified.compat import FreeKVCacheBlockQueue, KVCacheBlock
 from vllm_unified.kv import page_release
 
 

@@ -3,7 +3,7 @@
 It answers vLLM's questions (:meth:`KVCache.kv_cache_spec`, :meth:`KVCache.bytes_per_block`),
 allocates the pool when vLLM has sized it (:meth:`KVCache.initialize`: vLLM's layout, lazy or
 zeroed, per the backend profile; state pages of hybrid models; the kernel block size the
-attention reads vLLM's pages as), builds each step's :class:`~vllm_unified.forward_context.
+attention reads vLLM's pages as), builds each step's :class:`~vllm_unified.kv.forward_context.
 StepContext` (:meth:`KVCache.step_context`), zeroes the blocks vLLM asks for, and hands the
 offloading connector vLLM's per-layer views.
 """
@@ -17,10 +17,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from vllm_unified import compat
 from vllm_unified.backend import BackendProfile
 from vllm_unified.compat import FullAttentionSpec, KVCacheConfig, KVCacheSpec, init_logger
 from vllm_unified.envs import KV_EAGER_ZERO_ENV, read
-from vllm_unified.forward_context import StepContext
 from vllm_unified.kv.allocation import (
     KV_LAYOUT,
     allocate_kv_cache,
@@ -35,6 +35,8 @@ from vllm_unified.kv.block_translation import (
     expand_block_table,
     select_kernel_block_size,
 )
+from vllm_unified.kv.forward_context import StepContext
+from vllm_unified.kv.gpu import quant_write as gpu_quant_write
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.layer_cache import MissingLayerCache, PagedLayerCache, StateLayerCache
 from vllm_unified.kv.pool import KVPool
@@ -74,8 +76,6 @@ class AttentionShape:
         layer skips the quantization (its index in ``skip_layers``, matched through vLLM's
         ``extract_layer_index`` on the layer's name, or a sliding-window layer with
         ``sliding_window`` listed), else :attr:`fmt`."""
-        from vllm_unified import compat
-
         fmt = self.fmt
         if not fmt.quantized or not self.skip_layers:
             return fmt
@@ -408,8 +408,6 @@ def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int) -
             (:attr:`BackendProfile.quantized_kv`), or the GPU kernels do not take the head
             size (a multiple of 32 up to 256).
     """
-    from vllm_unified.kv.gpu.quant_write import supported
-
     kernels = profile.quantized_kv
     if kernels is None:
         raise ValueError(
@@ -419,7 +417,7 @@ def check_quantized_kv(profile: BackendProfile, fmt: KVFormat, head_size: int) -
             f"written by the GPU kernels); this {profile.kind} backend profile has neither "
             f"(CPU attention {'on' if profile.cpu_attention else 'off'}, GPU attention "
             f"{profile.gpu_attention or 'off'}, KV write {profile.kv_write}); use auto")
-    if kernels != "native" and not supported(head_size):
+    if kernels != "native" and not gpu_quant_write.supported(head_size):
         raise ValueError(
             f"--kv-cache-dtype {fmt.name}: the {kernels} quantized KV kernels take head sizes "
             f"that are multiples of 32 up to 256, not {head_size}; use auto")

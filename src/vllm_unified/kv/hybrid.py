@@ -18,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from vllm_unified import compat
+from vllm_unified.kv.state_pages import StatePages, StateStore, state_fields
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,7 @@ def mamba_spec(vllm_config: Any, model_type: str):
 
 
 def _check_conv_layout(shapes) -> None:
-    from vllm_unified.compat import is_conv_state_dim_first
-
-    if is_conv_state_dim_first():
+    if compat.is_conv_state_dim_first():
         raise ValueError(
             "VLLM_SSM_CONV_STATE_LAYOUT=DS: vllm-unified keeps conv states as "
             f"(state_len, dim) like mlx-lm (state shapes {shapes}); unset it"
@@ -148,8 +147,6 @@ class HybridLayers:
         Raises:
             ValueError: a recurrent layer has no state group, or a state dtype is not held.
         """
-        from vllm_unified.kv.state_pages import state_fields
-
         layout = {}
         for i in self.recurrent:
             name = recurrent_layer_name(i)
@@ -187,8 +184,6 @@ class HybridLayers:
         """An MLX-owned zeroed state store (profiling forward), or None if not hybrid."""
         if not self.recurrent:
             return None
-        from vllm_unified.kv.state_pages import StatePages, StateStore, state_fields
-
         spec = mamba_spec(vllm_config, self.model_type)
         fields = state_fields(spec.shapes, spec.dtypes)
         return StateStore({i: StatePages.allocate_mlx(num_blocks, spec.page_size_bytes, fields)

@@ -12,7 +12,7 @@ Each step the runner lays out every scheduled token as its own batch row (``inpu
   :mod:`vllm_unified.models.routing`).
 
 A recurrent layer of a hybrid model gets a :class:`StateLayerCache` instead. Both read the
-step's metadata from the bound step context (:mod:`vllm_unified.forward_context`).
+step's metadata from the bound step context (:mod:`vllm_unified.kv.forward_context`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_unified.backend import BackendProfile
-from vllm_unified.forward_context import get_step_context
+from vllm_unified.kv.attention import dispatch
 from vllm_unified.kv.attention.qk_prologue import QKPrologue
-from vllm_unified.kv.attention.reference import paged_attention_kv
+from vllm_unified.kv.forward_context import get_step_context
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.state_pages import StatePages, StateStore
 
@@ -88,9 +88,9 @@ class PagedLayerCache(_PagedMaskSource):
         """Paged attention of ``queries`` ``[T, H, 1, D]`` over this layer's pool (after this
         step's write); ``fresh``: the keys and values this step wrote (``update_and_fetch``'s
         result), which a GPU kernel may attend directly for chunks with no earlier context.
-        See :func:`vllm_unified.kv.attention.reference.paged_attention_kv`."""
+        See :func:`vllm_unified.kv.attention.dispatch.paged_attention_kv`."""
         ctx = get_step_context()
-        return paged_attention_kv(queries, self._arrays()[self.layer], ctx.attn,
+        return dispatch.paged_attention_kv(queries, self._arrays()[self.layer], ctx.attn,
                                   scale, window, backend=self.backend, fresh=fresh,
                                   kv_format=self.pool.layer_format(self.layer),
                                   rht_signs=self.pool.signs,
@@ -101,14 +101,12 @@ class PagedLayerCache(_PagedMaskSource):
         projections (:meth:`attend_raw`): a pure-decode step, the layer's pages unquantized in
         ``dtype`` and written by a GPU kernel, and the paged GPU attention kernel attending
         (:mod:`vllm_unified.models.decode_attention`)."""
-        from vllm_unified.kv.attention.reference import fused_decode_kernel
-
         meta = get_step_context().attn
         return (meta.num_tokens > 0 and meta.is_pure_decode
                 and self.pool.write_path in ("cuda_kernel", "metal_kernel")
                 and not self.pool.layer_format(self.layer).quantized
                 and self._arrays()[self.layer].dtype == dtype
-                and fused_decode_kernel(head_dim, self.backend) is not None)
+                and dispatch.fused_decode_kernel(head_dim, self.backend) is not None)
 
     def attend_raw(self, queries: mx.array, keys: mx.array, values: mx.array,
                    prologue: QKPrologue, heads: int, scale: float,
@@ -128,8 +126,6 @@ class PagedLayerCache(_PagedMaskSource):
             ``[T, heads, 1, D]`` in the queries' dtype, lazily (projections of another dtype
             than the pages are cast to it first, as :meth:`KVPool.write` casts).
         """
-        from vllm_unified.kv.attention.reference import fused_decode_kernel
-
         ctx = get_step_context()
         meta = ctx.attn
         dtype = self._arrays()[self.layer].dtype
@@ -139,7 +135,7 @@ class PagedLayerCache(_PagedMaskSource):
         token = self.pool.write(self.layer, meta.slot_mapping, keys, values, ctx.kv,
                                 prologue=prologue, positions=meta.positions)
         dim = prologue.head_dim
-        attend = fused_decode_kernel(dim, self.backend)
+        attend = dispatch.fused_decode_kernel(dim, self.backend)
         out = attend(queries.reshape(queries.shape[0], heads, 1, dim),
                      self._arrays()[self.layer], meta, scale, window, prologue=prologue,
                      after=token)

@@ -17,8 +17,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from vllm_unified import backend, bridge
 from vllm_unified.backend import KVWritePath
+from vllm_unified.kv.allocation import import_views, resident_bytes, slot_major
 from vllm_unified.kv.attention.qk_prologue import QKPrologue
+from vllm_unified.kv.gpu import quant_write as gpu_quant_write
+from vllm_unified.kv.gpu import write as gpu_write
 from vllm_unified.kv.gpu.write import write_kv_gpu, write_kv_qk_gpu
 from vllm_unified.kv.quant import KVFormat, rht_signs
 
@@ -187,9 +191,7 @@ class KVPool:
             kv.append(arr)
         if write is None:
             if cuda_write is None:
-                from vllm_unified.backend import profile
-
-                cuda_write = profile().kv_write == "cuda_kernel"
+                cuda_write = backend.profile().kv_write == "cuda_kernel"
             write = "cuda_kernel" if cuda_write else "scatter"
         return cls(kv, block_size, shared=False, write=write, fmt=fmt, head_size=head_dim,
                    layer_formats=layer_formats)
@@ -212,8 +214,6 @@ class KVPool:
             RuntimeError: the bridge cannot share the memory (:mod:`vllm_unified.bridge`).
             ValueError: a view is not in LBNHC order; a write path that is not in place.
         """
-        from vllm_unified.kv.allocation import import_views, slot_major
-
         kv = import_views([slot_major(v) for v in views], max_chunk=max_chunk)
         return cls(kv, block_size, shared=True, torch_views=list(views), buffer=buffer,
                    write=write, fmt=fmt, head_size=head_size, layer_formats=layer_formats)
@@ -230,8 +230,6 @@ class KVPool:
     def resident_bytes(self) -> int | None:
         """Bytes of the shared pool's buffer committed to memory now (its pages written so
         far); None for an MLX-owned pool (not a mapping of ours)."""
-        from vllm_unified.kv.allocation import resident_bytes
-
         return None if self._buffer is None else resident_bytes(self._buffer)
 
     def arrays(self) -> list[mx.array]:
@@ -272,15 +270,12 @@ class KVPool:
                                         dialect=self._dialect(), tokens=tokens)
             return tokens[0] if tokens else None
         if fmt.quantized and self.write_path in ("cuda_kernel", "metal_kernel"):
-            from vllm_unified.kv.gpu.quant_write import write_kv_quant_gpu
-
             tokens = []
-            kv[layer] = write_kv_quant_gpu(dst, slot_mapping, keys, values, fmt,
-                                           self.signs, dialect=self._dialect(), tokens=tokens)
+            kv[layer] = gpu_quant_write.write_kv_quant_gpu(
+                dst, slot_mapping, keys, values, fmt, self.signs, dialect=self._dialect(),
+                tokens=tokens)
             return tokens[0] if tokens else None
         if fmt.quantized:
-            from vllm_unified import bridge
-
             if keys.ndim == 4:
                 keys, values = keys.squeeze(2), values.squeeze(2)
             native = bridge.native_kernels()
@@ -299,10 +294,8 @@ class KVPool:
                                      tokens=tokens)
             return tokens[0] if tokens else None
         if self.write_path == "native_rows":
-            from vllm_unified.bridge import write_kv
-
             # K and V side by side by the kernel itself: no squeeze or concatenation nodes
-            kv[layer] = write_kv(dst, slot_mapping, keys, values)
+            kv[layer] = bridge.write_kv(dst, slot_mapping, keys, values)
             return
         if keys.ndim == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
@@ -323,9 +316,7 @@ class KVPool:
         Takes a transient view per array (released before returning), so it does not hold
         references that would stop the next write from reusing the buffer.
         """
-        from vllm_unified.bridge import data_ptr
-
-        return [data_ptr(a) for a in self.kv]
+        return [bridge.data_ptr(a) for a in self.kv]
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Zero whole blocks (vLLM's ``new_block_ids_to_zero``), in place (through
@@ -337,12 +328,10 @@ class KVPool:
         gpu = self.write_path in ("cuda_kernel", "metal_kernel")
         for layer, arr in enumerate(self.kv):
             if self.layer_formats[layer].quantized:  # zero bytes, as vLLM zeroes its pages
-                from vllm_unified.bridge import write_rows
-                from vllm_unified.kv.gpu.write import write_rows_gpu
-
                 rows = mx.zeros((slots.size, *arr.shape[1:]), dtype=arr.dtype)
-                self.kv[layer] = (write_rows_gpu(arr, slots, rows, dialect=self._dialect())
-                                  if gpu else write_rows(arr, slots, rows))
+                self.kv[layer] = (gpu_write.write_rows_gpu(arr, slots, rows,
+                                                           dialect=self._dialect())
+                                  if gpu else bridge.write_rows(arr, slots, rows))
                 continue
             half = arr.shape[-1] // 2
             zeros = mx.zeros((slots.size, arr.shape[1], half), dtype=arr.dtype)

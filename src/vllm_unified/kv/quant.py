@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from vllm_unified import compat
+
 #: ``--kv-cache-dtype`` values served, in the order the errors list them.
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8_per_token_head",
                                               "int4_per_token_head", "fp8_per_token_head",
@@ -115,8 +117,6 @@ class KVFormat:
 
 @lru_cache(maxsize=16)
 def _turboquant_slot_bytes(name: str, head_size: int) -> int:
-    from vllm_unified import compat
-
     return compat.TurboQuantConfig.from_cache_dtype(name, head_size).slot_size_aligned
 
 
@@ -146,15 +146,11 @@ def kv_format(cache_dtype: str | None, head_size: int | None = None) -> KVFormat
 
 def storage_dtype(fmt: KVFormat) -> Any:
     """vLLM's torch dtype of the pages (``STR_DTYPE_TO_TORCH_DTYPE``) for a quantized format."""
-    from vllm_unified import compat
-
     return compat.STR_DTYPE_TO_TORCH_DTYPE[fmt.name]
 
 
 def quant_mode(fmt: KVFormat) -> Any:
     """vLLM's ``KVQuantMode`` of the format (``get_kv_quant_mode``)."""
-    from vllm_unified import compat
-
     return compat.get_kv_quant_mode(fmt.name)
 
 
@@ -166,8 +162,6 @@ def rotation_block(head_size: int) -> int:
 
 @lru_cache(maxsize=8)
 def _signs_list(head_size: int) -> tuple[float, ...]:
-    from vllm_unified import compat
-
     block = compat.largest_power_of_2_divisor(head_size)
     return tuple(float(s) for s in compat.get_rht_signs(block, 0, "cpu").tolist())
 
@@ -424,8 +418,6 @@ def attention_spec(fmt: KVFormat, *, block_size: int, num_kv_heads: int, head_si
     ``(data_k + data_v) + 2 * 4`` bytes; for TurboQuant what
     ``TurboQuantAttentionBackend.customize_spec`` sets, ``slot_size_aligned``), so
     ``page_size_bytes`` is vLLM's."""
-    from vllm_unified import compat
-
     if not fmt.quantized:
         return compat.FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
                                         head_size=head_size, dtype=dtype,

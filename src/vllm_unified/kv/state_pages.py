@@ -21,6 +21,8 @@ from math import prod
 import mlx.core as mx
 import numpy as np
 
+from vllm_unified import bridge
+from vllm_unified.kv.allocation import import_views
 from vllm_unified.kv.gpu.write import write_rows_gpu
 
 #: state dtypes the pages hold (vLLM's names)
@@ -51,9 +53,7 @@ def state_fields(shapes, dtypes) -> tuple[StateField, ...]:
     for shape, dtype in zip(shapes, dtypes, strict=True):
         if str(dtype) not in _STATE_DTYPES:
             raise ValueError(f"state dtype {dtype} is not supported (float32/bfloat16/float16)")
-        from vllm_unified.bridge import mlx_dtype
-
-        mx_dtype = mlx_dtype(dtype)
+        mx_dtype = bridge.mlx_dtype(dtype)
         nbytes = prod(shape) * mx_dtype.size
         fields.append(StateField(offset, nbytes, tuple(shape), mx_dtype))
         offset += nbytes
@@ -117,8 +117,6 @@ class StatePages:
             ValueError: the pages are not rows of one stride inside ``buffer``.
             RuntimeError: the bridge cannot share the memory.
         """
-        from vllm_unified.kv.allocation import import_views
-
         (rows,) = import_views([page_rows(view, buffer)])
         return cls(rows, fields, shared=True, write=write)
 
@@ -136,9 +134,7 @@ class StatePages:
     def _put(self, idx: mx.array, rows: mx.array) -> None:
         """Rows ``rows`` into pages ``idx``, in place, on this store's write path."""
         if self.write_path == "native_rows":
-            from vllm_unified.bridge import write_rows
-
-            self.pages = write_rows(self.pages, idx, rows)
+            self.pages = bridge.write_rows(self.pages, idx, rows)
         elif self.write_path == "metal_kernel":
             self.pages = write_rows_gpu(self.pages, idx, rows, dialect="metal")
         else:

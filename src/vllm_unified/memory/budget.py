@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 from vllm_unified.errors import StartupRefused
@@ -214,21 +213,6 @@ def kv_space_from_env(environ: Mapping[str, str] | None = None) -> int | None:
             f"unset it to size the KV cache from --gpu-memory-utilization, or give "
             f"--kv-cache-memory-bytes in bytes")
     return int(raw) * GIB
-
-
-def weights_file_bytes(model_path: str) -> int:
-    """Bytes of the checkpoint files the worker loads from ``model_path``: the GGUF a
-    prepared folder links, else the folder's ``model*.safetensors``; 0 where that is not a
-    local folder (a hub name) or holds neither."""
-    from vllm_unified.models.gguf_dir import gguf_in_dir
-
-    folder = Path(model_path)
-    if not folder.is_dir():
-        return 0
-    gguf = gguf_in_dir(folder)
-    if gguf is not None:
-        return gguf.stat().st_size
-    return sum(f.stat().st_size for f in folder.glob("model*.safetensors") if f.is_file())
 
 
 def check_kv_budget_before_load(

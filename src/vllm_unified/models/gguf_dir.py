@@ -100,6 +100,7 @@ def _complete_config(config) -> None:
 def _apply_bos_eos(tokenizer, gguf: Path) -> None:
     """Honour the GGUF's ``tokenizer.ggml.add_bos_token`` / ``add_eos_token``: transformers'
     converter drops them (Gemma 3 then gets no BOS and degenerates)."""
+    # lazy: models.gguf imports MLX, and the platform imports this module in vLLM's API server
     from vllm_unified.models.gguf import read_gguf_index
 
     meta = read_gguf_index(gguf).metadata
@@ -113,6 +114,19 @@ def gguf_in_dir(folder: str | os.PathLike) -> Path | None:
     """The GGUF a prepared folder serves, or None for an ordinary checkpoint folder."""
     link = Path(folder) / GGUF_LINK
     return link.resolve() if link.exists() else None
+
+
+def weights_file_bytes(model_path: str) -> int:
+    """Bytes of the checkpoint files the worker loads from ``model_path``: the GGUF a
+    prepared folder links, else the folder's ``model*.safetensors``; 0 where that is not a
+    local folder (a hub name) or holds neither."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return 0
+    gguf = gguf_in_dir(folder)
+    if gguf is not None:
+        return gguf.stat().st_size
+    return sum(f.stat().st_size for f in folder.glob("model*.safetensors") if f.is_file())
 
 
 def export_dequantized(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

@@ -44,6 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vllm_unified import gpu_dialect
+from vllm_unified.models.fused_projections import FusedPart
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "GpuEmbedding", "GpuLinear", "gemm", "install_gpu_gemm",
            "warps_for"]
@@ -169,8 +170,6 @@ def install_gpu_gemm(model: Any) -> int:
     Returns:
         How many layers were routed (fused groups count once), for the log.
     """
-    from vllm_unified.models.fused_projections import FusedPart
-
     routed = 0
     groups = {id(m.group): m.group for m in model.modules() if isinstance(m, FusedPart)}
     fused = {id(group.linear) for group in groups.values()}  # called through their group

@@ -15,7 +15,7 @@ untouched.
   preempted request never leaks into the next one.
 
 Both read the step's metadata from the bound step context
-(:mod:`vllm_unified.forward_context`).
+(:mod:`vllm_unified.kv.forward_context`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vllm_unified import patches
-from vllm_unified.forward_context import get_step_context
+from vllm_unified.kv.forward_context import get_step_context
 from vllm_unified.kv.hybrid import HYBRID_FAMILIES, recurrent_layers
 from vllm_unified.kv.layer_cache import PagedLayerCache, PagedMask, StateLayerCache
 

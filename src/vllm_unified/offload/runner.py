@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_unified import compat
 from vllm_unified.compat import init_logger
+from vllm_unified.offload.worker import MLXOffloadingWorker
 
 logger = init_logger(__name__)
 
@@ -61,8 +62,6 @@ class KVConnectorHooks:
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(f"--kv-offloading-size: {len(kv_cache_config.kv_cache_groups)} KV "
                              "cache groups (hybrid model): not supported by vllm-unified yet")
-        from vllm_unified.offload.worker import MLXOffloadingWorker
-
         compat.ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
         connector = compat.get_kv_transfer_group()
         connector.register_kv_caches(views)

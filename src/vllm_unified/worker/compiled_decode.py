@@ -29,7 +29,7 @@ the kernels' launch grids depend on ``T``); the width is padded to a power of tw
 compile cache keeps every trace for the life of the process.
 
 The step's metadata comes in as an argument and the traced forward runs under a step context
-of its own, built from the traced inputs (:mod:`vllm_unified.forward_context`); the pool's
+of its own, built from the traced inputs (:mod:`vllm_unified.kv.forward_context`); the pool's
 arrays are replaced by the written ones the compiled function returns.
 
 ``VLLM_UNIFIED_COMPILE_DECODE=0`` turns it off (the plain forward for every step).
@@ -43,8 +43,8 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_unified.envs import COMPILE_DECODE_ENV
-from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv.attention.metadata import AttentionMetadata
+from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.worker.async_output import feed_pending

@@ -34,11 +34,12 @@ import numpy as np
 from vllm_unified.backend import BackendProfile
 from vllm_unified.bridge import mlx_dtype
 from vllm_unified.compat import KVCacheConfig, KVCacheSpec, init_logger
-from vllm_unified.forward_context import set_step_context
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
+from vllm_unified.kv.forward_context import set_step_context
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.models.loader import check_dtype_supported, load_model
 from vllm_unified.models.routing import install_paged_attention, install_recurrent_mixers
+from vllm_unified.worker.forward import forward
 from vllm_unified.worker.input_batch import RequestState
 
 logger = init_logger(__name__)
@@ -184,8 +185,6 @@ class DraftModel:
     def _forward(self, ids: list[int], query_lens: list[int], seq_lens: list[int],
                  table: np.ndarray) -> list[int]:
         """One draft forward; the argmax token of each request's last row."""
-        from vllm_unified.worker.model_runner import forward
-
         started = time.perf_counter()
         ctx = self.kv_cache.step_context(query_lens, seq_lens, table, None)
         rows = (np.cumsum(query_lens) - 1).astype(np.int32)

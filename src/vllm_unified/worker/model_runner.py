@@ -4,7 +4,7 @@ vLLM's names, as in ``vllm/v1/worker/gpu_model_runner.py``: :meth:`MLXModelRunne
 takes the ``scheduler_output``; ``_update_states`` folds it into the persistent
 :class:`~vllm_unified.worker.input_batch.InputBatch` (``requests``); ``_prepare_inputs`` lays
 every scheduled token (decode tokens and prefill chunks of all requests) out as one row of a
-token-major batch and builds the step's context (:class:`~vllm_unified.forward_context.
+token-major batch and builds the step's context (:class:`~vllm_unified.kv.forward_context.
 StepContext`, through the KV cache, :mod:`vllm_unified.kv.cache`); ``_model_forward`` runs the
 mlx-lm model once over it under that context, the LM head only on the rows that sample (plus
 prompt rows of requests asking for prompt logprobs), and the MLX sampler
@@ -48,11 +48,11 @@ from vllm_unified.compat import (
 )
 from vllm_unified.distributed.pipeline import HIDDEN, PipelineStage
 from vllm_unified.envs import COMPILE_DECODE_ENV
-from vllm_unified.forward_context import StepContext, set_step_context
 from vllm_unified.kv import page_release
-from vllm_unified.kv.attention.reference import gpu_attention_routed
+from vllm_unified.kv.attention.dispatch import gpu_attention_routed
 from vllm_unified.kv.block_reuse import prefix_cache_retain_tokens
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
+from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.page_release import PageRelease, placements
 from vllm_unified.memory.mlx_log import MemoryLog
@@ -68,6 +68,7 @@ from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode
 from vllm_unified.worker.draft_model import DraftModel, split_kv_cache_config
 from vllm_unified.worker.encode_thread import EncodeThread
+from vllm_unified.worker.forward import forward, forward_hidden
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch, split_groups
 from vllm_unified.worker.sampler import SamplingRow, sample
 from vllm_unified.worker.spec_decode import SpecDecoder, logprobs_for_requests
@@ -82,7 +83,7 @@ from vllm_unified.worker.vllm_sampling import (
 
 logger = init_logger(__name__)
 
-__all__ = ["MLXModelRunner", "RunnerStats", "forward", "layer_name"]
+__all__ = ["MLXModelRunner", "RunnerStats", "layer_name"]
 
 
 @dataclass
@@ -934,58 +935,6 @@ class MLXModelRunner:
         if not self.stage.is_last:
             return forward_hidden(self.model, caches, input_ids, hidden_in)
         return forward(self.model, caches, input_ids, rows, hidden_in)
-
-
-def forward(
-    model: nn.Module, layer_caches: list[Any], input_ids: mx.array, rows: np.ndarray,
-    input_embeddings: mx.array | None = None,
-) -> mx.array:
-    """One token-major forward of an mlx-lm model over the paged cache (lazy). Call it inside
-    :func:`~vllm_unified.forward_context.set_step_context` with the step's context.
-
-    Args:
-        model: mlx-lm model with paged attention installed.
-        layer_caches: one cache per layer (:mod:`vllm_unified.kv.layer_cache`).
-        input_ids: ``[T]`` int32 token ids, one row per scheduled token.
-        rows: ``[R]`` int32 rows whose logits are needed (numpy, or an MLX array): the rows
-            that sample, plus prompt rows only for requests that asked for prompt logprobs.
-        input_embeddings: ``[T, D]`` hidden states fed instead of the token embedding (a
-            later pipeline stage: the previous stage's output), or None.
-
-    Returns:
-        ``[R, V]`` logits in the model dtype (the LM head runs on those rows only).
-    """
-    hidden = _inner_forward(model, layer_caches, input_ids, input_embeddings)  # [T, 1, D]
-    if rows.size:
-        hidden = hidden[rows if isinstance(rows, mx.array) else mx.array(rows), 0, :]
-    else:
-        hidden = hidden[:0, 0, :]
-    return _lm_head(model, hidden)
-
-
-def forward_hidden(
-    model: nn.Module, layer_caches: list[Any], input_ids: mx.array,
-    input_embeddings: mx.array | None,
-) -> mx.array:
-    """:func:`forward` of a pipeline stage before the last (lazy): ``[T, D]`` hidden states
-    after this stage's layers (its final norm is the identity: the residual stream)."""
-    return _inner_forward(model, layer_caches, input_ids, input_embeddings)[:, 0, :]
-
-
-def _inner_forward(model: nn.Module, layer_caches: list[Any], input_ids: mx.array,
-                   input_embeddings: mx.array | None) -> mx.array:
-    """The mlx-lm inner model over ``[T, 1]`` rows: ``[T, 1, D]``."""
-    if input_embeddings is None:
-        return model.model(input_ids[:, None], cache=layer_caches)
-    return model.model(input_ids[:, None], cache=layer_caches,
-                       input_embeddings=input_embeddings[:, None, :])
-
-
-def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
-    """The architecture's output projection: ``lm_head`` or the tied embedding."""
-    if "lm_head" in model:
-        return model.lm_head(hidden)
-    return model.model.embed_tokens.as_linear(hidden)
 
 
 def _checkpoint_path(path: str) -> str:

@@ -52,14 +52,8 @@ def needs_vllm_sampler(p: Any) -> bool:
 
 
 def mlx_to_torch(arr: mx.array, zero_copy: bool) -> torch.Tensor:
-    """A torch tensor of an evaluated MLX array.
-
-    Args:
-        arr: evaluated MLX array (``mx.eval`` already ran).
-        zero_copy: True on MLX's CPU backend: the result is a view of ``arr``'s buffer
-            (:func:`vllm_unified.bridge.to_torch`), writes through it are seen by MLX. False on
-            GPU backends: an explicit copy into host memory.
-    """
+    """A torch tensor of the evaluated ``arr``: a view of its buffer with ``zero_copy`` (MLX's
+    CPU backend; writes are seen by MLX), else an explicit host copy (GPU backends)."""
     return bridge.to_torch(arr, copy=not zero_copy)
 
 

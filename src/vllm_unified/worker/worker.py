@@ -92,6 +92,7 @@ class MLXWorker(WorkerBase):
         info = detect_backend()
         backend = resolve_profile()
         if backend.encode_thread and self.vllm_config.scheduler_config.async_scheduling:
+            # lazy: encode_thread imports MLX, loaded only after the BLAS interposition
             from vllm_unified.worker.encode_thread import share_default_streams
 
             share_default_streams()  # before any array: queued steps evaluate off-thread
@@ -110,6 +111,7 @@ class MLXWorker(WorkerBase):
             init_single_rank_groups(self.vllm_config, self.distributed_init_method)
         # Before any weight is allocated, so the weights are wired as they load (Metal only).
         configure_wired_limit(mx, info.kind, logger)
+        # lazy: the runner imports MLX, loaded only after the BLAS interposition (init_device)
         from vllm_unified.worker.model_runner import MLXModelRunner
 
         self.model_runner = MLXModelRunner(self.vllm_config, backend)
@@ -228,6 +230,7 @@ class MLXWorker(WorkerBase):
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         """The MLX attention reads LBNHC pages (one layer's region is then slot-major)."""
+        # lazy: kv.allocation imports MLX, loaded only after the BLAS interposition (init_device)
         from vllm_unified.kv.allocation import KV_LAYOUT
 
         return [KV_LAYOUT]

@@ -1,5 +1,8 @@
 """Pure-MLX reference paged attention (the oracle every faster kernel is tested against).
 
+It imports no kernel: :mod:`vllm_unified.kv.attention.dispatch` picks the kernel that runs,
+and the GPU kernels take the prefill chunks they leave to MLX's SDPA from here.
+
 Layout (one layer):
     * ``k_pool``, ``v_pool``: ``[num_blocks * block_size, Hkv, D]``, "slot-major": slot
       ``block_id * block_size + offset`` holds one token's K (V) for all KV heads. vLLM's block ids
@@ -15,23 +18,18 @@ row by row (pool row ``slot * Hkv + head``), which lands them directly in SDPA's
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
-from vllm_unified import bridge
 from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
-from vllm_unified.kv.gpu.write import after_token
-
-if TYPE_CHECKING:
-    from vllm_unified.backend import BackendProfile
-    from vllm_unified.kv.quant import KVFormat
+from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, KVFormat, dequantize_pool
 
 #: Reads the keys and values at int32 pool rows ``[..., S]`` -> two ``[..., S, D]`` arrays.
 Gather = Callable[[mx.array], tuple[mx.array, mx.array]]
+#: ``(pool_rows [R, 2 * D], rows [..., S])`` -> ``(keys, values)`` ``[..., S, D]``, or None.
+RowsGather = Callable[[mx.array, mx.array], "tuple[mx.array, mx.array] | None"]
 
 # Gather indices are int32 rows of the pool viewed as [slots * Hkv, D].
 _MAX_ROWS = 2**31
@@ -74,6 +72,16 @@ def write_kv(
     k_pool[slot_mapping] = keys
     v_pool[slot_mapping] = values
     return k_pool, v_pool
+
+
+def after_token(indices: mx.array, done: mx.array | None) -> mx.array:
+    """``indices`` (integer) made by a kernel that reads ``done``, so an MLX op gathering
+    with them runs after the write that returned ``done``
+    (:func:`vllm_unified.kv.gpu.write.ordered_after`); the values are unchanged (``done`` is
+    1, times 0)."""
+    if done is None:
+        return indices
+    return indices + (done[0] * 0).astype(indices.dtype)
 
 
 def _token_rows(rows: mx.array, pool: mx.array, name: str) -> mx.array:
@@ -127,80 +135,47 @@ def paged_attention_kv(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
-    accelerate: bool = True,
-    backend: BackendProfile | None = None,
     fresh: tuple[mx.array, mx.array] | None = None,
     kv_format: KVFormat | None = None,
-    rht_signs: mx.array | None = None,
     after: mx.array | None = None,
+    gather_rows: RowsGather | None = None,
 ) -> mx.array:
-    """:func:`paged_attention` over one pool holding K and V side by side.
+    """:func:`paged_attention` over one pool holding K and V side by side: MLX's gather + SDPA.
 
     ``kv_pool``: ``[num_blocks * block_size, Hkv, 2 * D]``, each (slot, head) cell holding the
     head's key followed by its value: vLLM's attention page ``[B, H, N, C]`` with
     ``C = head_size + head_size_v`` in the LBNHC layout, viewed slot-major. K and V are read as
     the column halves of the same ``[slots * Hkv, 2 * D]`` rows, so nothing is copied to split
-    them (a reshape of a half would copy the pool). With ``accelerate`` (the default): on MLX's
-    CPU backend with the native extension, every row is attended straight from the pool by its
-    kernel (kv/attention/cpu.py); on a GPU backend (CUDA, Metal) by the paged GPU kernel of
-    the profile's dialect (kv/gpu/paged.py), where prefill chunks with no context before
-    them go to MLX's SDPA over ``fresh`` instead (its routing rule); with the CPU kernel turned
-    off (``VLLM_UNIFIED_CPU_ATTENTION=0``) the rows are gathered by the native ``gather_kv``
-    primitive (:func:`vllm_unified.bridge.gather_kv`, the same values as MLX's gather).
-    ``accelerate=False`` is the pure-MLX reference: MLX's gather + SDPA. ``backend``: the
-    profile whose kernels to use (the runner's); default :func:`vllm_unified.backend.profile`.
-    ``fresh``: the layer's keys and values of this step (``[T, Hkv, 1, D]``, as written to the
-    pool), or None.
+    them (a reshape of a half would copy the pool). ``gather_rows(pool_rows, rows)``: a
+    primitive that reads those rows in one pass (``(keys, values)``, or None where it does not
+    apply; :func:`vllm_unified.bridge.gather_kv`), used in place of MLX's gather.
 
     ``kv_format``: a quantized format (:mod:`vllm_unified.kv.quant`) makes ``kv_pool`` vLLM's
-    page bytes ``[slots, Hkv, cell bytes]``; accelerated, the native CPU kernel reads them, or
-    on a GPU backend the quantized paged GPU kernel of the profile's dialect
-    (kv/gpu/paged_quant.py; ``rht_signs``: vLLM's RHT signs for int4); the reference
-    dequantizes the whole pool (:func:`vllm_unified.kv.quant.dequantize_pool`) and attends
-    over it in fp32. For ``turboquant_k8v4`` with ``fresh``, prefill
-    chunks read their own tokens' keys and values from ``fresh`` unquantized, as vLLM's
-    TurboQuant backend attends them
-    (:meth:`~vllm_unified.kv.attention.metadata.AttentionMetadata.fresh_key_rows`); the
-    reference puts those rows in place of their cells in the dequantized pool.
+    page bytes ``[slots, Hkv, cell bytes]``, dequantized whole
+    (:func:`vllm_unified.kv.quant.dequantize_pool`) and attended in fp32. For
+    ``turboquant_k8v4`` with ``fresh`` (the step's ``[T, Hkv, 1, D]`` keys and values),
+    prefill chunks read their own tokens' keys and values unquantized, as vLLM's TurboQuant
+    backend attends them
+    (:meth:`~vllm_unified.kv.attention.metadata.AttentionMetadata.fresh_key_rows`): those rows
+    replace their cells in the dequantized pool.
 
     ``after``: the completion token of this evaluation's GPU kernel write into ``kv_pool``
-    (:func:`vllm_unified.kv.gpu.write.ordered_after`), taken as an input by whatever reads
-    the pool here, so the GPU runs the read after the write; None when nothing wrote it.
+    (:func:`vllm_unified.kv.gpu.write.ordered_after`), taken as an input by the gather, so the
+    GPU runs the read after the write; None when nothing wrote it.
 
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D`` (the
             format's cell bytes).
-        RuntimeError: a quantized pool, accelerated, with neither the native CPU kernel nor
-            the paged GPU kernel for this head size.
     """
     if kv_format is not None and kv_format.quantized:
-        return _quantized_attention(queries, kv_pool, meta, scale, window, accelerate,
-                                    backend, kv_format, rht_signs, fresh, after)
-    if kv_pool.ndim != 3 or kv_pool.shape[-1] != 2 * queries.shape[-1]:
-        raise ValueError(f"kv_pool must be [slots, Hkv, 2*{queries.shape[-1]}], "
-                         f"got {kv_pool.shape}")
+        return _quantized_attention(queries, kv_pool, meta, scale, window, kv_format, fresh)
+    check_kv_pool(queries, kv_pool, meta, window)
     head_dim = queries.shape[-1]
-    half = (*kv_pool.shape[:2], head_dim)
-    _check_inputs(queries.shape, half, half, meta, window)
-    if accelerate and backend is None:
-        from vllm_unified.backend import profile
-
-        backend = profile()
-    if accelerate and meta.num_tokens and _cpu_rows_kernel(backend):
-        from vllm_unified.kv.attention.cpu import paged_attention_rows
-
-        return paged_attention_rows(queries, kv_pool, meta, scale, window)
-    gpu_kernel = _gpu_kernel(head_dim, backend) if accelerate else None
-    if gpu_kernel is not None and meta.num_tokens:
-        return gpu_kernel(queries, kv_pool, meta, scale, window, fresh, after=after)
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
 
     def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
         rows = after_token(rows, after)
-        # The native CPU primitive copies both halves of each row in one pass, where MLX's
-        # generic gather reads the two strided halves separately. Same values either way
-        # (tests/test_paged_attention.py compares them).
-        gathered = bridge.gather_kv(pool_rows, rows) if accelerate else None
+        gathered = gather_rows(pool_rows, rows) if gather_rows is not None else None
         if gathered is not None:
             return gathered
         return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
@@ -208,61 +183,57 @@ def paged_attention_kv(
     return _attend(queries, gather, kv_pool.shape[1], meta, scale, window)
 
 
-def _quantized_attention(
-    queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
-    window: int | None, accelerate: bool, backend: BackendProfile | None, fmt: KVFormat,
-    rht_signs: mx.array | None, fresh: tuple[mx.array, mx.array] | None = None,
-    after: mx.array | None = None,
-) -> mx.array:
-    """:func:`paged_attention_kv` over a quantized pool (see there)."""
-    from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, dequantize_pool
+def check_kv_pool(queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata,
+                  window: Window, fmt: KVFormat | None = None) -> None:
+    """The shape checks of :func:`paged_attention_kv` (``fmt``: a quantized pool's format).
 
+    Raises:
+        ValueError: as :func:`paged_attention_kv`.
+    """
     head_dim = queries.shape[-1]
-    if kv_pool.ndim != 3 or kv_pool.shape[-1] != fmt.cell_bytes(head_dim):
-        raise ValueError(f"a {fmt.name} pool must be [slots, Hkv, {fmt.cell_bytes(head_dim)}], "
+    cell = 2 * head_dim if fmt is None else fmt.cell_bytes(head_dim)
+    if kv_pool.ndim != 3 or kv_pool.shape[-1] != cell:
+        what = "kv_pool" if fmt is None else f"a {fmt.name} pool"
+        raise ValueError(f"{what} must be [slots, Hkv, {cell if fmt else f'2*{head_dim}'}], "
                          f"got {kv_pool.shape}")
     half = (*kv_pool.shape[:2], head_dim)
     _check_inputs(queries.shape, half, half, meta, window)
-    raw = None
-    if fmt.turboquant and fresh is not None and meta.num_tokens:
-        rows = meta.fresh_key_rows(TQ_SHORT_CONTINUATION)
-        if rows is not None:
-            fk, fv = (x.reshape(x.shape[0], x.shape[1], head_dim).astype(queries.dtype)
-                      for x in fresh)
-            raw = (fk, fv, *rows)
-    if not accelerate:
-        dense = dequantize_pool(kv_pool, fmt, head_dim)
-        if raw is not None:  # the rows that read their own step's K/V, in place of the cells
-            fk, fv, raw_from, _ = raw
-            own = np.flatnonzero(np.array(raw_from) <= meta.host_positions)
-            if own.size:
-                sel = mx.array(own.astype(np.int32))
-                dense[meta.slot_mapping[sel]] = mx.concatenate(
-                    [fk[sel], fv[sel]], axis=-1).astype(mx.float32)
-        return paged_attention_kv(queries.astype(mx.float32), dense, meta, scale, window,
-                                  accelerate=False).astype(queries.dtype)
-    if backend is None:
-        from vllm_unified.backend import profile
 
-        backend = profile()
-    gpu = _gpu_kernel(head_dim, backend) is not None
-    if not (_cpu_rows_kernel(backend) or gpu):
-        raise RuntimeError(f"--kv-cache-dtype {fmt.name}: the quantized pages are read by the "
-                           "native CPU attention kernel (MLX's CPU backend with the native "
-                           "extension, VLLM_UNIFIED_CPU_ATTENTION on) or the paged GPU kernel "
-                           "(head sizes that are multiples of 32 up to 256), neither of which "
-                           "this backend profile runs")
-    if not meta.num_tokens:
-        return mx.zeros(queries.shape, dtype=queries.dtype)
-    if gpu and not _cpu_rows_kernel(backend):
-        from vllm_unified.kv.gpu.paged_quant import paged_gpu_attention_quant
 
-        return paged_gpu_attention_quant(backend.gpu_attention, queries, kv_pool, meta, scale,
-                                         window, fmt, rht_signs, fresh=fresh, after=after)
-    from vllm_unified.kv.attention.cpu import paged_attention_rows
+def fresh_rows(queries: mx.array, meta: AttentionMetadata, fmt: KVFormat,
+               fresh: tuple[mx.array, mx.array] | None
+               ) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+    """turboquant_k8v4's rows that read the step's own keys and values unquantized:
+    ``(keys, values, *meta.fresh_key_rows(...))`` with ``[T, Hkv, D]`` keys and values in the
+    queries' dtype, or None (another format, no ``fresh``, no such row)."""
+    if not (fmt.turboquant and fresh is not None and meta.num_tokens):
+        return None
+    rows = meta.fresh_key_rows(TQ_SHORT_CONTINUATION)
+    if rows is None:
+        return None
+    head_dim = queries.shape[-1]
+    fk, fv = (x.reshape(x.shape[0], x.shape[1], head_dim).astype(queries.dtype) for x in fresh)
+    return (fk, fv, *rows)
 
-    return paged_attention_rows(queries, kv_pool, meta, scale, window, fmt.native_mode,
-                                rht_signs, raw)
+
+def _quantized_attention(
+    queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
+    window: int | None, fmt: KVFormat, fresh: tuple[mx.array, mx.array] | None = None,
+) -> mx.array:
+    """:func:`paged_attention_kv` over a quantized pool (see there)."""
+    check_kv_pool(queries, kv_pool, meta, window, fmt)
+    head_dim = queries.shape[-1]
+    raw = fresh_rows(queries, meta, fmt, fresh)
+    dense = dequantize_pool(kv_pool, fmt, head_dim)
+    if raw is not None:  # the rows that read their own step's K/V, in place of the cells
+        fk, fv, raw_from, _ = raw
+        own = np.flatnonzero(np.array(raw_from) <= meta.host_positions)
+        if own.size:
+            sel = mx.array(own.astype(np.int32))
+            dense[meta.slot_mapping[sel]] = mx.concatenate(
+                [fk[sel], fv[sel]], axis=-1).astype(mx.float32)
+    return paged_attention_kv(queries.astype(mx.float32), dense, meta, scale,
+                              window).astype(queries.dtype)
 
 
 def quantized_chunk_attention(
@@ -279,8 +250,6 @@ def quantized_chunk_attention(
     (``[T, Hkv, 1, D]`` or ``[T, Hkv, D]``), read for the chunk's own ``L`` tokens in place of
     their cells (turboquant_k8v4's long continuation chunks, as vLLM's TurboQuant backend).
     ``after``: as :func:`paged_attention_kv`."""
-    from vllm_unified.kv.quant import dequantize_pool
-
     dim = queries.shape[-1]
     cell_rows = kv_pool.reshape(-1, kv_pool.shape[-1])
     chunk = meta.prefills[index]
@@ -302,47 +271,6 @@ def quantized_chunk_attention(
 
     return _prefill_attention(queries.astype(mx.float32), gather, meta, index, scale, window,
                               kv_pool.shape[1]).astype(queries.dtype)
-
-
-def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:
-    """Whether the rows of a layer of this head size go to the paged GPU kernel (see
-    :func:`_gpu_kernel`)."""
-    return _gpu_kernel(head_dim, backend) is not None
-
-
-def _gpu_kernel(head_dim: int, backend: BackendProfile) -> Callable[..., mx.array] | None:
-    """The paged GPU attention of ``backend``, or None for the reference gather + SDPA: the
-    kernel of kv/gpu/paged.py in the profile's dialect (``gpu_attention``) where it
-    supports the head size. Called as ``kernel(queries, kv_pool, meta, scale, window, fresh)``.
-    """
-    if backend.gpu_attention is None:
-        return None
-    from vllm_unified.kv.gpu import paged as gpu_paged
-
-    if not gpu_paged.supported(head_dim):
-        return None
-    return functools.partial(gpu_paged.paged_gpu_attention, backend.gpu_attention)
-
-
-def fused_decode_kernel(head_dim: int, backend: BackendProfile | None
-                        ) -> Callable[..., mx.array] | None:
-    """The paged GPU attention that takes raw query projections in pure-decode steps
-    (``kernel(queries, kv_pool, meta, scale, window, prologue=...)``), or None where rows are
-    not attended by it (the native CPU kernel, the reference, an unsupported head size).
-    ``backend``: default :func:`vllm_unified.backend.profile`."""
-    if backend is None:
-        from vllm_unified.backend import profile
-
-        backend = profile()
-    if _cpu_rows_kernel(backend):
-        return None
-    return _gpu_kernel(head_dim, backend)
-
-
-def _cpu_rows_kernel(backend: BackendProfile) -> bool:
-    """Attend every row of a step with the native CPU kernel (kv/attention/cpu.py): the
-    profile's ``cpu_attention``."""
-    return backend.cpu_attention
 
 
 def _attend(

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from vllm_unified import gpu_dialect
+from vllm_unified.kv.attention import reference
 from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
 from vllm_unified.kv.attention.qk_prologue import QKPrologue, prologue_code
 
@@ -321,10 +322,8 @@ def paged_gpu_attention(
             pieces.append(fresh_chunk(queries[start:stop], fresh, start, stop, kv_pool.dtype,
                                        meta.fresh_mask(chunk, window), scale))
         else:
-            from vllm_unified.kv.attention.reference import prefill_chunk_attention
-
-            pieces.append(prefill_chunk_attention(queries, kv_pool, meta, chunk, scale, window,
-                                                  after))
+            pieces.append(reference.prefill_chunk_attention(queries, kv_pool, meta, chunk,
+                                                            scale, window, after))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
 
 

@@ -40,11 +40,13 @@ import functools
 import mlx.core as mx
 
 from vllm_unified import gpu_dialect
+from vllm_unified.kv.attention import reference
 from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
 from vllm_unified.kv.gpu import paged as gpu_paged
+from vllm_unified.kv.gpu import quant_write
 from vllm_unified.kv.gpu.paged import LaunchArgs
 from vllm_unified.kv.gpu.quant_write import HEADER as QUANT_HEADER
-from vllm_unified.kv.quant import KVFormat, rotation_block
+from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, KVFormat, rotation_block
 
 KERNEL_NAME = "vllm_unified_paged_attention_quant"
 #: ``after``: as :data:`gpu_paged.INPUT_NAMES`'s (the write's completion token, not read)
@@ -68,9 +70,7 @@ def supported(head_dim: int) -> bool:
     """Head sizes the kernel takes: a multiple of 32 up to 256 (as the quantizing write,
     :func:`vllm_unified.kv.gpu.quant_write.supported`; no vector loads of D / 32 elements,
     so unlike the dense kernel 96, 160, 192 and 224 are taken too)."""
-    from vllm_unified.kv.gpu.quant_write import supported as write_supported
-
-    return write_supported(head_dim)
+    return quant_write.supported(head_dim)
 
 
 @functools.cache
@@ -203,8 +203,6 @@ def paged_gpu_attention_quant(
             prefill chunks whose metadata lacks the host-side fields, or ``turboquant_k8v4``
             without ``fresh`` where a chunk reads its own keys unquantized.
     """
-    from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION
-
     dim = queries.shape[-1]
     if not supported(dim):
         raise ValueError(f"the paged GPU kernel takes head sizes that are multiples of 32 up "
@@ -230,8 +228,6 @@ def paged_gpu_attention_quant(
                      meta.block_size, rows, False, fmt, signs, after)
     if not plan.sdpa:
         return out
-    from vllm_unified.kv.attention.reference import quantized_chunk_attention
-
     pieces = []
     for start, stop, chunk in plan.segments:
         if chunk is None:
@@ -242,6 +238,7 @@ def paged_gpu_attention_quant(
                                                 scale))
         else:
             own = fmt.turboquant and stop - start > TQ_SHORT_CONTINUATION
-            pieces.append(quantized_chunk_attention(queries, kv_pool, meta, chunk, scale,
-                                                    window, fmt, fresh if own else None, after))
+            pieces.append(reference.quantized_chunk_attention(
+                queries, kv_pool, meta, chunk, scale, window, fmt, fresh if own else None,
+                after))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)

@@ -81,19 +81,10 @@ def ordered_after(dst: mx.array, done: mx.array, tokens: list[mx.array] | None) 
     launches nothing and the write kernel only *reads* ``dst`` as far as MLX knows. A GPU
     kernel that reads the written buffer in the same evaluation must take ``done`` as an
     input of its own (the paged attention kernels' ``after``); an MLX op must read something
-    computed from ``done`` (:func:`after_token`)."""
+    computed from ``done`` (:func:`vllm_unified.kv.attention.reference.after_token`)."""
     if tokens is not None:
         tokens.append(done)
     return mx.depends([dst], [done])[0]
-
-
-def after_token(indices: mx.array, done: mx.array | None) -> mx.array:
-    """``indices`` (integer) made by a kernel that reads ``done``, so an MLX op gathering
-    with them runs after the write that returned ``done`` (:func:`ordered_after`); the
-    values are unchanged (``done`` is 1, times 0)."""
-    if done is None:
-        return indices
-    return indices + (done[0] * 0).astype(indices.dtype)
 
 
 def _threads_per_block(row: int) -> int:

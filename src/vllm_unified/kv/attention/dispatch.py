@@ -1,0 +1,137 @@
+"""Which paged attention runs: the production entry point over one layer's K|V pool.
+
+From the backend profile (:func:`vllm_unified.backend.profile`): the native CPU kernel
+(:mod:`vllm_unified.kv.attention.cpu`) on MLX's CPU backend with the native extension, the
+paged GPU kernels (:mod:`vllm_unified.kv.gpu.paged`, :mod:`vllm_unified.kv.gpu.paged_quant`) on
+CUDA and Metal for the head sizes they take, else the pure-MLX reference
+(:mod:`vllm_unified.kv.attention.reference`), which every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from vllm_unified import bridge
+from vllm_unified.backend import BackendProfile, profile
+from vllm_unified.kv.attention import cpu as cpu_attention
+from vllm_unified.kv.attention import reference
+from vllm_unified.kv.attention.metadata import AttentionMetadata
+from vllm_unified.kv.gpu import paged as gpu_paged
+from vllm_unified.kv.gpu import paged_quant as gpu_paged_quant
+from vllm_unified.kv.quant import KVFormat
+
+
+def paged_attention_kv(
+    queries: mx.array,
+    kv_pool: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    accelerate: bool = True,
+    backend: BackendProfile | None = None,
+    fresh: tuple[mx.array, mx.array] | None = None,
+    kv_format: KVFormat | None = None,
+    rht_signs: mx.array | None = None,
+    after: mx.array | None = None,
+) -> mx.array:
+    """:func:`vllm_unified.kv.attention.reference.paged_attention_kv` (same arguments, shapes
+    and result) by the kernel the profile picks.
+
+    With ``accelerate`` (the default): on MLX's CPU backend with the native extension every
+    row is attended straight from the pool by the native kernel; on a GPU backend by the paged
+    GPU kernel of the profile's dialect, where prefill chunks with no context before them go
+    to MLX's SDPA over ``fresh`` (its routing rule); with the CPU kernel turned off
+    (``VLLM_UNIFIED_CPU_ATTENTION=0``) the reference with the native ``gather_kv`` primitive
+    (:func:`vllm_unified.bridge.gather_kv`, the same values as MLX's gather). A quantized
+    ``kv_format`` is read by the native CPU kernel or the quantized paged GPU kernel
+    (``rht_signs``: vLLM's RHT signs for int4). ``accelerate=False``: the reference.
+    ``backend``: the profile whose kernels to use (the runner's); default
+    :func:`vllm_unified.backend.profile`.
+
+    Raises:
+        ValueError: as the reference.
+        RuntimeError: a quantized pool, accelerated, with neither the native CPU kernel nor
+            the paged GPU kernel for this head size.
+    """
+    if not accelerate:
+        return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh,
+                                            kv_format, after)
+    if backend is None:
+        backend = profile()
+    if kv_format is not None and kv_format.quantized:
+        return _quantized_attention(queries, kv_pool, meta, scale, window, backend, kv_format,
+                                    rht_signs, fresh, after)
+    reference.check_kv_pool(queries, kv_pool, meta, window)
+    if meta.num_tokens and _cpu_rows_kernel(backend):
+        return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window)
+    gpu_kernel = _gpu_kernel(queries.shape[-1], backend)
+    if gpu_kernel is not None and meta.num_tokens:
+        return gpu_kernel(queries, kv_pool, meta, scale, window, fresh, after=after)
+    # The native CPU primitive copies both halves of each row in one pass, where MLX's generic
+    # gather reads the two strided halves separately. Same values either way
+    # (tests/test_paged_attention.py compares them).
+    return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, after=after,
+                                        gather_rows=bridge.gather_kv)
+
+
+def _quantized_attention(
+    queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
+    window: int | None, backend: BackendProfile, fmt: KVFormat, rht_signs: mx.array | None,
+    fresh: tuple[mx.array, mx.array] | None = None, after: mx.array | None = None,
+) -> mx.array:
+    """:func:`paged_attention_kv` over a quantized pool, accelerated (see there)."""
+    reference.check_kv_pool(queries, kv_pool, meta, window, fmt)
+    head_dim = queries.shape[-1]
+    raw = reference.fresh_rows(queries, meta, fmt, fresh)
+    gpu = _gpu_kernel(head_dim, backend) is not None
+    if not (_cpu_rows_kernel(backend) or gpu):
+        raise RuntimeError(f"--kv-cache-dtype {fmt.name}: the quantized pages are read by the "
+                           "native CPU attention kernel (MLX's CPU backend with the native "
+                           "extension, VLLM_UNIFIED_CPU_ATTENTION on) or the paged GPU kernel "
+                           "(head sizes that are multiples of 32 up to 256), neither of which "
+                           "this backend profile runs")
+    if not meta.num_tokens:
+        return mx.zeros(queries.shape, dtype=queries.dtype)
+    if gpu and not _cpu_rows_kernel(backend):
+        return gpu_paged_quant.paged_gpu_attention_quant(
+            backend.gpu_attention, queries, kv_pool, meta, scale, window, fmt, rht_signs,
+            fresh=fresh, after=after)
+    return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
+                                              fmt.native_mode, rht_signs, raw)
+
+
+def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:
+    """Whether the rows of a layer of this head size go to the paged GPU kernel (see
+    :func:`_gpu_kernel`)."""
+    return _gpu_kernel(head_dim, backend) is not None
+
+
+def _gpu_kernel(head_dim: int, backend: BackendProfile) -> Callable[..., mx.array] | None:
+    """The paged GPU attention of ``backend`` in the profile's dialect (``gpu_attention``)
+    where it supports the head size, else None (the reference gather + SDPA). Called as
+    ``kernel(queries, kv_pool, meta, scale, window, fresh)``."""
+    if backend.gpu_attention is None or not gpu_paged.supported(head_dim):
+        return None
+    return functools.partial(gpu_paged.paged_gpu_attention, backend.gpu_attention)
+
+
+def fused_decode_kernel(head_dim: int, backend: BackendProfile | None
+                        ) -> Callable[..., mx.array] | None:
+    """The paged GPU attention that takes raw query projections in pure-decode steps
+    (``kernel(queries, kv_pool, meta, scale, window, prologue=...)``), or None where rows are
+    not attended by it (the native CPU kernel, the reference, an unsupported head size).
+    ``backend``: default :func:`vllm_unified.backend.profile`."""
+    if backend is None:
+        backend = profile()
+    if _cpu_rows_kernel(backend):
+        return None
+    return _gpu_kernel(head_dim, backend)
+
+
+def _cpu_rows_kernel(backend: BackendProfile) -> bool:
+    """Attend every row of a step with the native CPU kernel (kv/attention/cpu.py): the
+    profile's ``cpu_attention``."""
+    return backend.cpu_attention
