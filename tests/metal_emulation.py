@@ -21,7 +21,8 @@ memory ordering, fast-math precision (docs/dev/gpu-and-metal-checks.md).
 The one edit made to MLX's text: the explicit instantiation
 ``template [[host_name("f")]] [[kernel]] decltype(f<...>) f<...>;`` loses its two attribute
 lists, which standard C++ does not allow there. Compiled libraries are cached by the hash of the
-source, the shim and this file, under ``$METAL_EMULATION_CACHE`` or ``<repo>/tmp/metal_emulation``.
+source, the shim and this file, under ``$METAL_EMULATION_CACHE`` or ``<repo>/tmp/metal_emulation``,
+beside the shim's precompiled header.
 """
 
 from __future__ import annotations
@@ -174,6 +175,33 @@ def _cache_dir() -> Path:
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
+def _shim_pch(cxx: str) -> Path:
+    """The shim's prelude (``mlx_utils.h`` and what it includes) precompiled once per shim and
+    flags, so that each kernel's compile skips parsing the C++ headers (most of its time).
+
+    Raises:
+        EmulationError: clang++ cannot precompile the shim (its diagnostics in the message).
+    """
+    digest = hashlib.sha256(" ".join(CXX_FLAGS).encode())
+    for part in sorted(SHIM.iterdir()):
+        if part.is_file():
+            digest.update(part.read_bytes())
+    pch = _cache_dir() / f"pch-{digest.hexdigest()[:32]}" / "mlx_utils.h.pch"
+    if pch.exists():
+        return pch
+    pch.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=pch.parent, suffix=".pch")
+    os.close(fd)
+    flags = [f for f in CXX_FLAGS if f != "-shared"]
+    proc = subprocess.run([cxx, *flags, "-I", str(SHIM), "-x", "c++-header",
+                           str(SHIM / "mlx_utils.h"), "-o", tmp], capture_output=True, text=True)
+    if proc.returncode:
+        os.unlink(tmp)
+        raise EmulationError(f"clang++ failed to precompile {SHIM / 'mlx_utils.h'}:\n{proc.stderr}")
+    os.replace(tmp, pch)  # atomic: parallel test processes may build it at once
+    return pch
+
+
 def build(source: str) -> tuple[Signature, ctypes.CDLL]:
     """Compile (or load from the cache) the emulation library of a Metal source.
 
@@ -199,7 +227,9 @@ def build(source: str) -> tuple[Signature, ctypes.CDLL]:
         (lib_path.parent / "kernel.cpp").write_text(unit)
         fd, tmp = tempfile.mkstemp(dir=lib_path.parent, suffix=".so")
         os.close(fd)
-        proc = subprocess.run([cxx, *CXX_FLAGS, "-I", str(SHIM), "-x", "c++", "-", "-o", tmp],
+        pch = _shim_pch(cxx)
+        proc = subprocess.run([cxx, *CXX_FLAGS, "-include-pch", str(pch), "-I", str(SHIM),
+                               "-x", "c++", "-", "-o", tmp],
                               input=unit, capture_output=True, text=True)
         if proc.returncode:
             os.unlink(tmp)

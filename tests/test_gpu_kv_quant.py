@@ -511,6 +511,7 @@ def test_metal_quantized_cache_writes_vllms_views_in_place(name, monkeypatch, de
 
 # --- the H200 check, run here with the Metal instances emulated ----------------------------
 
+@pytest.mark.slow  # the whole format grid again; the grid's fast cases cover each kernel
 @needs_clang
 def test_h200_check_reports_worst_figures_per_format(emulated_metal, monkeypatch):
     """benchmarks/cuda.py decode's quantized-KV check (what the H200 runs in check-only mode)
