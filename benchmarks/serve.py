@@ -20,7 +20,8 @@ rounds every contender gets the same load in turn, the order reversed every othe
 level, so that the machine's drift hits them alike (idle servers wait on their sockets
 meanwhile). The load per run is ``vllm bench serve --dataset-name random`` (``--input-len``
 random tokens, ``--output-len`` output tokens with EOS ignored, temperature 0, ``--num-prompts``
-at most C in flight, the same seed and so the same prompts for every contender), preceded by C
+at most C in flight, the same prompts for every contender of a round, new ones each round and
+level, so that no run reads prompts a server's prefix cache kept), preceded by C
 warm-up requests. Printed per level: output tok/s, mean TTFT, mean TPOT and peak RSS of the
 server's process tree, each with its ratio to ``--baseline`` (the median over rounds of the
 per-round ratio). Written: ``<results-dir>/serve-compare-<ts>.json``, a log per server and
@@ -98,17 +99,20 @@ def parse_contender(text: str) -> tuple[str, str, Path | None]:
 
 
 def bench_command(base_url: str, tokenizer: Path, spec: harness.ServerSpec, args, conc: int,
-                  num_prompts: int, out_dir: Path, filename: str) -> list[str]:
+                  num_prompts: int, out_dir: Path, filename: str,
+                  seed: int | None = None) -> list[str]:
     """``vllm bench serve`` for one run of ``num_prompts`` at concurrency ``conc``, through
-    ``measure/bench_client.py`` (vLLM's client with SSE comments dropped, see there)."""
+    ``measure/bench_client.py`` (vLLM's client with SSE comments dropped, see there); ``seed``
+    picks the prompts (default ``args.seed``)."""
     cmd = [sys.executable, str(harness.MEASURE / "bench_client.py"), "--backend", "openai",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", spec.served_name,
            "--tokenizer", str(tokenizer), "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len",
            str(args.output_len), "--num-prompts", str(num_prompts), "--max-concurrency",
            str(conc), "--num-warmups", str(conc), "--temperature", "0", "--seed",
-           str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
-           "50,99", "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir",
+           str(args.seed if seed is None else seed), "--percentile-metrics",
+           "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+           "--save-result", "--save-detailed", "--result-dir",
            str(out_dir), "--result-filename", filename]
     if spec.ignore_eos:
         cmd.append("--ignore-eos")
@@ -129,12 +133,12 @@ def decode_profile(log_text: str) -> dict[str, float] | None:
 
 
 def run_once(server: harness.Running, tokenizer: Path, args, conc: int, num_prompts: int,
-             out_dir: Path, tag: str) -> dict:
+             out_dir: Path, tag: str, seed: int) -> dict:
     """One ``vllm bench serve`` run against ``server``: its result JSON's summary fields, the
     server's peak RSS during the run and (ours) the decode-step profile from its log."""
     filename = f"{tag}.json"
     cmd = bench_command(server.base_url, tokenizer, server.spec, args, conc, num_prompts,
-                        out_dir, filename)
+                        out_dir, filename, seed)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     seen = len(server.log_path.read_text(errors="replace"))
     server.rss.take_peak()
@@ -207,10 +211,13 @@ def compare(args: argparse.Namespace) -> int:
             n = args.num_prompts or max(4 * conc, 8)
             runs: dict[str, list[dict]] = {s.spec.name: [] for s in servers}
             for rnd in range(args.rounds):
+                # fresh prompts each round and level (a server's prefix cache keeps the last
+                # ones), the same for every contender of the round
+                seed = args.seed + 1000 * level + rnd
                 for server in (servers if (level + rnd) % 2 == 0 else servers[::-1]):
                     tag = f"c{conc}-r{rnd}-{server.spec.name}"
                     t0 = time.perf_counter()
-                    r = run_once(server, tokenizer, args, conc, n, out_dir, tag)
+                    r = run_once(server, tokenizer, args, conc, n, out_dir, tag, seed)
                     runs[server.spec.name].append(r)
                     if r["failed"] or r["completed"] != n:
                         failures.append(f"{tag}: {r['completed']} of {n} requests completed "
