@@ -229,10 +229,10 @@ def _tiny_quantized_qwen3_next() -> nn.Module:
     sys.path.insert(0, os.path.dirname(__file__))
     from tiny_models import tiny_config
 
-    from vllm_unified.models.loader import _model_classes, mlx_lm_config
+    from vllm_unified.models.config import mlx_lm_config, model_classes
 
     config = mlx_lm_config(tiny_config("qwen3_next").to_dict())
-    model_cls, args_cls = _model_classes(config)
+    model_cls, args_cls = model_classes(config)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(config))
     nn.quantize(model, group_size=32, bits=4)

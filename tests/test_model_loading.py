@@ -25,7 +25,8 @@ from tiny_models import (
 )
 
 from vllm_unified.models import gguf as G
-from vllm_unified.models.loader import load_model, mlx_lm_config
+from vllm_unified.models.config import mlx_lm_config
+from vllm_unified.models.loader import load_model
 
 T = gguf.GGMLQuantizationType
 PROMPT = "The capital of France is"
@@ -683,10 +684,15 @@ def test_config_must_match_gguf_architecture(tmp_path):
 def test_unsupported_folder_model_type(tmp_path):
     from safetensors.numpy import save_file
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     save_file({"wte.weight": np.zeros((4, 4), np.float32)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="'gpt2' .* not supported"):
-        load_model(tmp_path, hf_config=None, dtype=mx.float32, keep_quantized=False)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    with pytest.raises(ValueError, match="'no_such_model': mlx-lm has no architecture"):
+        load_model(tmp_path, hf_config={"model_type": "no_such_model"}, dtype=mx.float32,
+                   keep_quantized=False)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="'gpt2': the config does not fit mlx-lm's ModelArgs"):
+        load_model(tmp_path, hf_config={"model_type": "gpt2"}, dtype=mx.float32,
+                   keep_quantized=False)
 
 
 def test_config_checks():
@@ -704,6 +710,9 @@ def test_config_checks():
         mlx_lm_config({"model_type": "qwen2", "rope_theta": 1e6, "use_sliding_window": True})
     with pytest.raises(ValueError, match="rope_theta"):
         mlx_lm_config({"model_type": "llama"})
+    partial = mlx_lm_config({"model_type": "glm4", "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}})
+    assert partial["partial_rotary_factor"] == 0.5 and partial["rope_scaling"] is None
     scaled = mlx_lm_config({"model_type": "llama", "rope_parameters": {
         "rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}})
     assert scaled["rope_theta"] == 5e5

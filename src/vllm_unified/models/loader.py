@@ -4,14 +4,14 @@ Architectures come from mlx-lm (``mlx_lm.models.<model_type>``); this module onl
 config mlx-lm is built with, where the weights come from, and whether they stay quantized:
 
 * folders are loaded by mlx-lm itself (``mlx_lm.utils.load_model``: its sanitize, its
-  quantization handling, strict weight checking), with the config normalised first;
+  quantization handling, strict weight checking), with the config laid out as mlx-lm reads it
+  first (:func:`vllm_unified.models.config.mlx_lm_config`);
 * GGUF files are read by :mod:`vllm_unified.models.gguf` (MLX's reader where it is exact),
   renamed to HF names, un-permuted (Llama Q/K) and un-shifted (Gemma norms), then loaded
   strictly into the mlx-lm model.
 
-Config normalisation matters because transformers 5 moved ``rope_theta`` / ``rope_scaling``
-into ``rope_parameters`` and mlx-lm's llama/qwen2/gemma3 modules do not read it: SmolLM2 would
-silently run with rope theta 10000 instead of 100000.
+Whether the loaded model's layers can be driven by the paged cache is decided afterwards, by
+:mod:`vllm_unified.models.capability`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from vllm_unified.distributed.pipeline import PipelineStage
+from vllm_unified.models.config import mlx_lm_config, model_classes
 from vllm_unified.models.gguf import (
     MLX_GROUP_SIZES,
     QuantizedTensor,
@@ -40,17 +41,10 @@ from vllm_unified.models.gguf import (
 )
 from vllm_unified.models.pipeline_layers import prune_model
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "LoadedModel", "check_dtype_supported", "load_model",
-           "mlx_lm_config"]
+__all__ = ["LoadedModel", "check_dtype_supported", "load_model"]
 
 logger = logging.getLogger("vllm.vllm_unified.models.loader")
 
-# HF model types whose mlx-lm modules the rest of the plugin knows how to drive.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_next",
-                         "granitemoehybrid")
-# transformers 5 / vLLM name Granite's hybrid layer kinds like this; mlx-lm as the values.
-_GRANITE_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attention",
-                        "mamba": "mamba", "attention": "attention"}
 # GGUF general.architecture -> HF model type.
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                        "gemma3": "gemma3_text"}
@@ -140,111 +134,6 @@ def _as_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
     raise TypeError(f"hf_config must be a dict or a transformers config, not {type(config)}")
 
 
-def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Return a copy of an HF config dict with the keys mlx-lm's ``ModelArgs`` reads made explicit.
-
-    Sets top-level ``rope_theta`` and ``rope_scaling`` (None unless non-default) from
-    transformers-5 ``rope_parameters``; for Gemma 3 also ``rope_local_base_freq`` and
-    ``sliding_window_pattern`` (derived from ``layer_types``). Raises ValueError for model types
-    outside :data:`SUPPORTED_MODEL_TYPES` and for config features the mlx-lm module would
-    silently ignore (sliding windows in Qwen, logit soft-capping, bidirectional attention).
-    """
-    cfg = dict(hf_config)
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if model_type == "gemma3_text":
-        _gemma3_rope_and_windows(cfg)
-    elif model_type == "granitemoehybrid":
-        # mlx-lm reads layer kinds as "mamba"/"attention" and flattens rope_parameters itself
-        unknown = set(cfg.get("layer_types") or ()) - set(_GRANITE_LAYER_TYPES)
-        if unknown or not cfg.get("layer_types"):
-            raise ValueError(f"granitemoehybrid: layer_types {cfg.get('layer_types')} "
-                             f"(known: {', '.join(_GRANITE_LAYER_TYPES)})")
-        cfg["layer_types"] = [_GRANITE_LAYER_TYPES[t] for t in cfg["layer_types"]]
-        rope = cfg.get("rope_parameters") or {}
-        cfg["rope_theta"] = _rope_theta(cfg.get("rope_theta"), rope, model_type)
-        if _non_default(rope) is not None:
-            raise ValueError("granitemoehybrid: RoPE scaling is not supported by mlx-lm")
-    else:
-        rope = cfg.get("rope_parameters") or {}
-        cfg["rope_theta"] = _rope_theta(cfg.get("rope_theta"), rope, model_type)
-        cfg["rope_scaling"] = cfg.get("rope_scaling") or _non_default(rope)
-        if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-            raise ValueError(f"{model_type}: use_sliding_window=True is not supported by the "
-                             "mlx-lm model (it would attend over the full context)")
-        if "sliding_attention" in (cfg.get("layer_types") or ()) and model_type != "llama":
-            raise ValueError(f"{model_type}: sliding-attention layers are not supported")
-    return cfg
-
-
-def _rope_theta(value: Any, rope_parameters: Mapping[str, Any], what: str) -> float:
-    theta = value if value is not None else rope_parameters.get("rope_theta")
-    if theta is None:
-        raise ValueError(f"{what}: config has no rope_theta (neither top level nor in "
-                         "rope_parameters)")
-    return float(theta)
-
-
-def _non_default(rope_parameters: Mapping[str, Any]) -> dict[str, Any] | None:
-    """rope_parameters as mlx-lm's rope_scaling, or None for plain RoPE."""
-    kind = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
-    if kind == "default":
-        return None
-    return {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-
-
-def _gemma3_rope_and_windows(cfg: dict[str, Any]) -> None:
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ValueError(f"gemma3_text: {key}={cfg[key]} is not supported by mlx-lm")
-    if cfg.get("use_bidirectional_attention"):
-        raise ValueError("gemma3_text: bidirectional attention is not supported")
-    rope = cfg.get("rope_parameters") or {}
-    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
-    cfg["rope_theta"] = _rope_theta(cfg.get("rope_theta"), full, "gemma3_text")
-    cfg["rope_local_base_freq"] = _rope_theta(cfg.get("rope_local_base_freq"), local,
-                                              "gemma3_text (sliding layers)")
-    cfg["rope_scaling"] = cfg.get("rope_scaling") or _non_default(full)
-    if local and _non_default(local) is not None:
-        raise ValueError("gemma3_text: RoPE scaling on sliding layers is not supported")
-
-    n_layers = int(cfg["num_hidden_layers"])
-    layer_types = cfg.get("layer_types")
-    if layer_types:
-        pattern = _sliding_pattern(list(layer_types), n_layers)
-    else:
-        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-        if not pattern:
-            raise ValueError("gemma3_text: config has neither layer_types nor "
-                             "sliding_window_pattern")
-    cfg["sliding_window_pattern"] = int(pattern)
-
-
-def _sliding_pattern(layer_types: list[str], n_layers: int) -> int:
-    """The period p of mlx-lm's Gemma 3 layout (layer i is global iff (i+1) % p == 0)."""
-    if len(layer_types) != n_layers:
-        raise ValueError(f"gemma3_text: {len(layer_types)} layer_types for {n_layers} layers")
-    if "full_attention" not in layer_types:
-        raise ValueError("gemma3_text: no full_attention layer in layer_types")
-    p = layer_types.index("full_attention") + 1
-    expected = ["full_attention" if (i + 1) % p == 0 else "sliding_attention"
-                for i in range(n_layers)]
-    if layer_types != expected:
-        raise ValueError(f"gemma3_text: layer_types {layer_types} do not follow a periodic "
-                         "'every p-th layer is global' pattern, which mlx-lm requires")
-    return p
-
-
-def _model_classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
-    from mlx_lm.utils import _get_classes
-
-    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {config.get('model_type')!r} is not supported")
-    return _get_classes(config)
-
-
 # ----------------------------------------------------------------------------- GGUF
 
 
@@ -298,7 +187,7 @@ def _load_gguf(
         weights[hf_name] = tensor
         hf_to_gguf[hf_name] = name
 
-    model_class, args_class = _model_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
@@ -434,16 +323,17 @@ def _load_folder(
     if not any(path.glob("model*.safetensors")):
         raise FileNotFoundError(f"{str(path)!r} has no model*.safetensors")
     raw = load_config(path)
-    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {raw.get('model_type')!r} in {str(path)!r} is not "
-                         f"supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if hf_config is None:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(str(path))
     config = mlx_lm_config({**raw, **_as_dict(hf_config)})
-    model, config = mlx_lm_load_model(path, lazy=True, strict=True, model_config=config,
-                                      get_model_classes=_model_classes)
+    try:
+        model, config = mlx_lm_load_model(path, lazy=True, strict=True, model_config=config,
+                                          get_model_classes=model_classes)
+    except TypeError as e:  # ModelArgs missing a field its dataclass requires
+        raise ValueError(f"model type {config['model_type']!r}: the config does not fit "
+                         f"mlx-lm's ModelArgs ({e})") from e
     if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
         prune_model(model, stage, config["model_type"])
     if not keep_quantized and _has_quantized(model):

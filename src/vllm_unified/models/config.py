@@ -1,0 +1,164 @@
+"""The config an mlx-lm ``ModelArgs`` is built from, made from the HF config vLLM has.
+
+transformers 5 moved ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor`` into
+``rope_parameters``, and most mlx-lm modules still read the old top-level keys: SmolLM2 would
+silently run with rope theta 10000 instead of 100000. :func:`mlx_lm_config` lays them out as
+mlx-lm reads them, then applies the model type's own fix-up (:data:`CONFIG_FIXUPS`), which also
+refuses config features its mlx-lm module would silently ignore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import mlx.nn as nn
+
+__all__ = ["CONFIG_FIXUPS", "mlx_lm_config", "model_classes"]
+
+# transformers 5 / vLLM name Granite's hybrid layer kinds like this; mlx-lm as the values.
+_GRANITE_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attention",
+                        "mamba": "mamba", "attention": "attention"}
+# keys of a flat rope_parameters that mlx-lm reads at the top level of the config
+_ROPE_TOP_LEVEL = ("rope_theta", "partial_rotary_factor")
+
+
+def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of an HF config dict with the keys mlx-lm's ``ModelArgs`` reads made explicit.
+
+    From a flat transformers-5 ``rope_parameters``: top-level ``rope_theta`` and
+    ``partial_rotary_factor`` where absent, and ``rope_scaling`` (None for plain RoPE). Then
+    the model type's fix-up from :data:`CONFIG_FIXUPS`.
+
+    Raises:
+        ValueError: no ``model_type``, or a config feature the mlx-lm module would ignore.
+    """
+    cfg = dict(hf_config)
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise ValueError("the model's config has no model_type")
+    rope = cfg.get("rope_parameters") or {}
+    if _is_flat(rope):
+        for key in _ROPE_TOP_LEVEL:
+            if cfg.get(key) is None and rope.get(key) is not None:
+                cfg[key] = rope[key]
+        cfg["rope_scaling"] = cfg.get("rope_scaling") or _non_default(rope)
+    fixup = CONFIG_FIXUPS.get(model_type)
+    if fixup is not None:
+        fixup(cfg)
+    return cfg
+
+
+def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
+    """mlx-lm's ``(Model, ModelArgs)`` for ``config`` (its model-type and architecture
+    remapping included).
+
+    Raises:
+        ValueError: naming the model type mlx-lm has no module for.
+    """
+    from mlx_lm.utils import _get_classes
+
+    try:
+        return _get_classes(dict(config))
+    except ValueError as e:
+        raise ValueError(f"model type {config.get('model_type')!r}: mlx-lm has no architecture "
+                         "for it, so vllm-unified cannot serve it") from e
+
+
+def _is_flat(rope_parameters: Mapping[str, Any]) -> bool:
+    """A single rope_parameters dict (not one per layer type, as Gemma 3's)."""
+    return not any(isinstance(v, Mapping) for v in rope_parameters.values())
+
+
+def _rope_theta(value: Any, rope_parameters: Mapping[str, Any], what: str) -> float:
+    theta = value if value is not None else rope_parameters.get("rope_theta")
+    if theta is None:
+        raise ValueError(f"{what}: config has no rope_theta (neither top level nor in "
+                         "rope_parameters)")
+    return float(theta)
+
+
+def _non_default(rope_parameters: Mapping[str, Any]) -> dict[str, Any] | None:
+    """rope_parameters as mlx-lm's rope_scaling, or None for plain RoPE."""
+    kind = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    if kind == "default":
+        return None
+    return {k: v for k, v in rope_parameters.items() if k not in _ROPE_TOP_LEVEL}
+
+
+# ----------------------------------------------------------------------------- fix-ups
+
+
+def _needs_rope_theta(cfg: dict[str, Any]) -> None:
+    """Families whose mlx-lm module defaults rope_theta silently: it must be in the config."""
+    cfg["rope_theta"] = _rope_theta(cfg.get("rope_theta"), {}, cfg["model_type"])
+
+
+def _qwen(cfg: dict[str, Any]) -> None:
+    _needs_rope_theta(cfg)
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{cfg['model_type']}: use_sliding_window=True is not supported by "
+                         "the mlx-lm model (it would attend over the full context)")
+
+
+def _granite_hybrid(cfg: dict[str, Any]) -> None:
+    # mlx-lm reads layer kinds as "mamba"/"attention" and flattens rope_parameters itself
+    unknown = set(cfg.get("layer_types") or ()) - set(_GRANITE_LAYER_TYPES)
+    if unknown or not cfg.get("layer_types"):
+        raise ValueError(f"granitemoehybrid: layer_types {cfg.get('layer_types')} "
+                         f"(known: {', '.join(_GRANITE_LAYER_TYPES)})")
+    cfg["layer_types"] = [_GRANITE_LAYER_TYPES[t] for t in cfg["layer_types"]]
+    if cfg.get("rope_scaling") is not None:
+        raise ValueError("granitemoehybrid: RoPE scaling is not supported by mlx-lm")
+
+
+def _gemma3_text(cfg: dict[str, Any]) -> None:
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"gemma3_text: {key}={cfg[key]} is not supported by mlx-lm")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("gemma3_text: bidirectional attention is not supported")
+    rope = cfg.get("rope_parameters") or {}
+    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    cfg["rope_theta"] = _rope_theta(cfg.get("rope_theta"), full, "gemma3_text")
+    cfg["rope_local_base_freq"] = _rope_theta(cfg.get("rope_local_base_freq"), local,
+                                              "gemma3_text (sliding layers)")
+    cfg["rope_scaling"] = cfg.get("rope_scaling") or _non_default(full)
+    if local and _non_default(local) is not None:
+        raise ValueError("gemma3_text: RoPE scaling on sliding layers is not supported")
+
+    n_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        pattern = _sliding_pattern(list(layer_types), n_layers)
+    else:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+        if not pattern:
+            raise ValueError("gemma3_text: config has neither layer_types nor "
+                             "sliding_window_pattern")
+    cfg["sliding_window_pattern"] = int(pattern)
+
+
+def _sliding_pattern(layer_types: list[str], n_layers: int) -> int:
+    """The period p of mlx-lm's Gemma 3 layout (layer i is global iff (i+1) % p == 0)."""
+    if len(layer_types) != n_layers:
+        raise ValueError(f"gemma3_text: {len(layer_types)} layer_types for {n_layers} layers")
+    if "full_attention" not in layer_types:
+        raise ValueError("gemma3_text: no full_attention layer in layer_types")
+    p = layer_types.index("full_attention") + 1
+    expected = ["full_attention" if (i + 1) % p == 0 else "sliding_attention"
+                for i in range(n_layers)]
+    if layer_types != expected:
+        raise ValueError(f"gemma3_text: layer_types {layer_types} do not follow a periodic "
+                         "'every p-th layer is global' pattern, which mlx-lm requires")
+    return p
+
+
+#: model type -> its fix-up of the config (in place), after the generic rope layout
+CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "llama": _needs_rope_theta,
+    "qwen2": _qwen,
+    "qwen3": _qwen,
+    "gemma3_text": _gemma3_text,
+    "granitemoehybrid": _granite_hybrid,
+}
