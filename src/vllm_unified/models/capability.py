@@ -233,6 +233,10 @@ def _check_config_features(model_type: str, config: Mapping[str, Any]) -> None:
     """Config features no mlx-lm module computes and the paged path cannot add."""
     if config.get("use_bidirectional_attention") or config.get("is_causal") is False:
         raise UnsupportedModel(model_type, "bidirectional (non-causal) attention")
+    if config.get("kv_lora_rank"):
+        # mlx-lm caches the up-projected keys and values; vLLM pages hold the latent
+        raise UnsupportedModel(model_type, "multi-head latent attention (MLA: vLLM's latent "
+                               "page layout)")
 
 
 # ----------------------------------------------------------------------------- probe

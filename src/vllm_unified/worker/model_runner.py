@@ -56,7 +56,7 @@ from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.page_release import PageRelease, placements
 from vllm_unified.memory.mlx_log import MemoryLog
-from vllm_unified.models.capability import route_model
+from vllm_unified.models.capability import UnsupportedModel, route_model
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
 from vllm_unified.models.decode_attention import install_fused_decode_attention
 from vllm_unified.models.fused_projections import fuse_projections
@@ -896,9 +896,14 @@ class MLXModelRunner:
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         ids = mx.zeros((num_tokens,), dtype=mx.int32)
-        with set_step_context(ctx):
-            logits = self._stage_forward(caches, ids, np.array([num_tokens - 1], np.int32))
-        mx.eval(logits, arrays())
+        try:
+            with set_step_context(ctx):
+                logits = self._stage_forward(caches, ids, np.array([num_tokens - 1], np.int32))
+            mx.eval(logits, arrays())
+        except Exception as e:  # the first token-major forward: name the model, keep the cause
+            raise UnsupportedModel(
+                self.loaded.config["model_type"], "a forward with every scheduled token as its "
+                f"own batch row and positions as an array ({e!r})") from e
         peak = mx.get_peak_memory() - base
         del caches, ctx, arrays, logits
         mx.clear_cache()
