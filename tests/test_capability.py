@@ -47,13 +47,42 @@ def test_windows_come_from_mlx_lm_caches_and_the_config(tmp_path):
     assert layout.notes and "config" in layout.notes[0]
 
 
-def test_attention_outside_sdpa_is_refused_by_name(tmp_path):
+def test_attention_outside_sdpa_is_refused_by_name(tmp_path, monkeypatch):
+    """A module computing attention its own way (here: llama's module with its SDPA name
+    bound to a private function, so routing cannot reach it) is refused by the probe."""
+    import mlx_lm.models.llama as llama_module
     import transformers
 
-    gemma2 = _load(tmp_path, transformers.Gemma2Config(**COMMON, head_dim=32, sliding_window=8))
-    with pytest.raises(UnsupportedModel, match=r"'gemma2' \(cache slot 0\): attention computed "
+    from vllm_unified import patches
+
+    llama = _load(tmp_path, transformers.LlamaConfig(**COMMON, head_dim=32))
+    own = patches.original_mlx_lm_sdpa()
+    monkeypatch.setattr(llama_module, "scaled_dot_product_attention",
+                        lambda *a, **k: own(*a, **k))
+    with pytest.raises(UnsupportedModel, match=r"'llama' \(cache slot 0\): attention computed "
                                                "outside mlx-lm's scaled_dot_product_attention"):
-        _route(gemma2)
+        _route(llama)
+
+
+def test_gemma2_attention_is_adapted_with_config_windows(tmp_path):
+    """Gemma 2 computes soft-capped attention itself: its adapter
+    (models/attention_adapters.py) gives mlx-lm's own results on mlx-lm's caches, and the
+    config's sliding windows (which mlx-lm's Gemma 2 does not apply) are the layers'."""
+    import transformers
+    from mlx_lm.models.cache import make_prompt_cache
+
+    gemma2 = _load(tmp_path, transformers.Gemma2Config(**COMMON, head_dim=32, sliding_window=8))
+    model = gemma2.model
+    prompt = mx.array([[3, 4, 5, 6, 7, 8]])
+    before = model(prompt, cache=make_prompt_cache(model))
+    from vllm_unified.models.attention_adapters import ADAPTERS
+
+    layout, _ = _route(gemma2)
+    attention_class = type(model.model.layers[0].self_attn)
+    assert attention_class.__call__ is ADAPTERS[("mlx_lm.models.gemma2", "Attention")]
+    assert layout.windows == {0: 8, 1: None, 2: 8, 3: None}
+    after = model(prompt, cache=make_prompt_cache(model))
+    assert mx.allclose(before, after, atol=1e-5)
 
 
 def test_kv_shape_other_than_vllms_is_refused(tmp_path):

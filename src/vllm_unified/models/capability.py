@@ -30,6 +30,7 @@ import mlx.nn as nn
 
 from vllm_unified.kv.hybrid import HYBRID_FAMILIES
 from vllm_unified.models import routing
+from vllm_unified.models.attention_adapters import install_attention_adapters
 from vllm_unified.models.output_head import lm_head
 
 __all__ = ["AttentionSlot", "ModelLayout", "UnsupportedModel", "check_model", "route_model"]
@@ -142,8 +143,9 @@ def route_model(
     model: nn.Module, config: Mapping[str, Any], *, kv_shape: tuple[int, int] | None,
     config_window: int | None, probe: bool = True,
 ) -> tuple[ModelLayout, list[str]]:
-    """Wrap the recurrent mixers, route the attention to the paged cache, and check every
-    cache slot (:func:`check_model`).
+    """Wrap the recurrent mixers, route the attention to the paged cache (adapting the
+    modules that compute it themselves: :mod:`vllm_unified.models.attention_adapters`), and
+    check every cache slot (:func:`check_model`).
 
     Returns:
         The layout and the names of the mlx-lm modules whose attention was routed.
@@ -154,7 +156,7 @@ def route_model(
     """
     model_type = str(config["model_type"])
     mixers = routing.install_recurrent_mixers(model_type, model)
-    patched = routing.install_paged_attention(model)
+    patched = routing.install_paged_attention(model) + install_attention_adapters(model)
     layout = check_model(model, config, recurrent_families=HYBRID_FAMILIES, kv_shape=kv_shape,
                          config_window=config_window, probe=probe)
     if mixers != layout.recurrent:

@@ -271,6 +271,12 @@ class MLXModelRunner:
         check_dtype_supported(self.model, self.dtype, self.backend.kind)
         model_type = self.loaded.config["model_type"]
         head_size = self.model_config.get_head_size()
+        cpu_kernels = install_cpu_kernels(self.model)
+        fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
+        gemm = install_gpu_gemm(self.model) if self.backend.gpu_gemm else 0
+        fused_qk = (install_fused_decode_attention(self.model, head_size)
+                    if self.backend.fused_qk else 0)
+        # checked as it will run: the probe's forward goes through the layers installed above
         probe_start = time.perf_counter()
         self.layout, patched = route_model(
             self.model, self.loaded.config,
@@ -284,11 +290,6 @@ class MLXModelRunner:
                              f"{self.stage.num_layers} layers")
         self.layers = HybridLayers(model_type, num_layers, self.layout.recurrent,
                                    held=self.stage.layers if self.stage.size > 1 else None)
-        cpu_kernels = install_cpu_kernels(self.model)
-        fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
-        gemm = install_gpu_gemm(self.model) if self.backend.gpu_gemm else 0
-        fused_qk = (install_fused_decode_attention(self.model, head_size)
-                    if self.backend.fused_qk else 0)
         cache_config = self.vllm_config.cache_config
         shape = AttentionShape(self.model_config.get_num_kv_heads(pc),
                                head_size, self.model_config.dtype,
