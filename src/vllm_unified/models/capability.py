@@ -102,8 +102,9 @@ def check_model(
             (:func:`vllm_unified.models.routing.install_paged_attention`).
         config: the mlx-lm config it was built from.
         recurrent_families: model types whose recurrent mixers run on state pages.
-        kv_shape: ``(num_kv_heads, head_size)`` vLLM sizes every attention page for, or None
-            to accept the probe's.
+        kv_shape: ``(num_kv_heads, head_size)`` of vLLM's model config, or None. Slots whose
+            probe shape differs (per-layer KV heads or head sizes) are accepted with their own
+            shape (the runner sizes each layer's pages by it) and noted.
         config_window: vLLM's sliding window for the model (``ModelConfig.get_sliding_window``)
             where the config declares one for every layer, else None.
         probe: run the probe forward (off for a pipeline stage, whose model is partial).
@@ -254,13 +255,17 @@ def _probe(model: nn.Module, model_type: str, layout: ModelLayout,
     except Exception as e:  # noqa: BLE001 - re-raised with the model named
         raise UnsupportedModel(model_type, f"mlx-lm's forward with a KV cache ({e!r})") from e
     for i, slot in list(layout.attention.items()):
-        layout.attention[i] = _attention_slot(model_type, i, slot, records[i], kv_shape)
+        layout.attention[i] = _attention_slot(model_type, i, slot, records[i])
+    shapes = {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()}
+    if kv_shape is not None and shapes - {tuple(kv_shape)}:
+        layout.notes.append("per-layer KV shapes (heads x head size: "
+                            f"{', '.join(f'{h} x {d}' for h, d in sorted(shapes))}; vLLM's "
+                            f"config says {kv_shape[0]} x {kv_shape[1]})")
     _check_head(model, model_type, prompt, logits)
 
 
 def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
-                    record: routing.CacheRecord, kv_shape: tuple[int, int] | None
-                    ) -> AttentionSlot:
+                    record: routing.CacheRecord) -> AttentionSlot:
     if not record.writes:
         raise UnsupportedModel(model_type, "an attention layer that writes no keys of its own "
                                "(KV shared across layers)", i)
@@ -278,10 +283,6 @@ def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
     if k_dim != v_dim:
         raise UnsupportedModel(model_type, f"a value head size ({v_dim}) other than the key "
                                f"head size ({k_dim})", i)
-    if kv_shape is not None and (kv_heads, k_dim) != tuple(kv_shape):
-        raise UnsupportedModel(model_type, f"per-layer KV heads or head sizes ({kv_heads} "
-                               f"heads of {k_dim} here, {kv_shape[0]} of {kv_shape[1]} in "
-                               "vLLM's config)", i)
     return AttentionSlot(slot.window, kv_heads, k_dim)
 
 

@@ -295,7 +295,10 @@ class MLXModelRunner:
                                cache_config.cache_dtype or "auto",
                                tuple(cache_config.kv_cache_dtype_skip_layers or ()))
         windows = {i: self.layout.attention[i].window for i in self.layers.attention}
-        self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype)
+        kv_shapes = {i: (a.num_kv_heads, a.head_dim) for i, a in self.layout.attention.items()
+                     if a.num_kv_heads is not None and i in windows}
+        self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype,
+                                kv_shapes=kv_shapes)
         if self.draft is not None:
             self.draft.load(_checkpoint_path(self.draft.model_config.model),
                             keep_quantized=self.backend.keep_quantized or native)
