@@ -92,6 +92,40 @@ def test_mlx_pool_per_layer_shapes():
                             fmt=KVFormat())
 
 
+def test_shared_layers_read_their_target_pages():
+    layers = HybridLayers("gemma4_text", 3, [])
+    cache = KVCache(profile(), layers, AttentionShape(2, 32, torch.float32),
+                    {0: 8, 1: None, 2: 8}, mx.float32, kv_shapes={1: (1, 64)},
+                    shared={3: 2, 4: 1})
+    assert sorted(cache.kv_cache_spec(16, None)) == [layer_name(i) for i in range(3)]
+    pool = KVPool.allocate_mlx(3, 4, 16, 2, 32, mx.float32, write="scatter",
+                               layer_shapes=[(2, 32), (1, 64), (2, 32)])
+    caches = cache._layer_caches(pool, None)
+    assert [type(c).__name__ for c in caches] == ["PagedLayerCache"] * 3 + [
+        "SharedLayerCache"] * 2
+    assert [(c.layer, c.window) for c in caches[3:]] == [(2, 8), (1, None)]
+    k = mx.ones((2, 1, 1, 64))
+    assert caches[4].update_and_fetch(k, k)[0] is k
+    assert float(mx.abs(pool.kv[1]).sum()) == 0  # nothing written by the reader
+    with pytest.raises(ValueError, match="must follow"):
+        KVCache(profile(), layers, AttentionShape(2, 32, torch.float32),
+                {0: 8, 1: None, 2: 8}, mx.float32, shared={4: 1})
+
+
+def test_gemma4_layout(tmp_path):
+    """The load-time check records each slot's shape and which layers read which slot."""
+    from vllm_unified.models.capability import route_model
+    from vllm_unified.models.loader import load_model
+
+    folder = make_tiny_checkpoint(tmp_path, "gemma4_shared")
+    loaded = load_model(str(folder), hf_config=None, dtype=mx.float32, keep_quantized=False)
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=(2, 32), config_window=None)
+    assert layout.num_slots == 4 and layout.shared == {4: 3, 5: 2}
+    assert {i: (s.window, s.num_kv_heads, s.head_dim) for i, s in layout.attention.items()} \
+        == {0: (8, 2, 32), 1: (8, 2, 32), 2: (None, 2, 64), 3: (8, 2, 32)}
+    assert any("per-layer KV shapes" in n for n in layout.notes)
+
+
 # ----------------------------------------------------------------------------- engine
 
 
@@ -123,13 +157,17 @@ def _spec(folder: str) -> dict:
     }
 
 
+# the shared-KV variant (per-layer shapes and shared pages) in CI, the plain one slow
 @pytest.mark.engine
-def test_gemma4_matches_mlx_lm(tmp_path):
+@pytest.mark.parametrize("family", [pytest.param("gemma4", marks=pytest.mark.slow),
+                                    "gemma4_shared"])
+def test_gemma4_matches_mlx_lm(family, tmp_path):
     from conftest import run_llm
 
-    folder = str(make_tiny_checkpoint(tmp_path / "g4", "gemma4"))
+    folder = str(make_tiny_checkpoint(tmp_path / family, family))
     ours = run_llm(_spec(folder), tmp_path)
     for i, prompt in enumerate(PROMPTS):
         got = ours["outputs"][i]["completions"][0]["token_ids"]
         assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"
     assert "per-layer KV shapes" in ours["log"]
+    assert ("KV shared across layers" in ours["log"]) == (family == "gemma4_shared")

@@ -39,7 +39,12 @@ from vllm_unified.kv.block_translation import (
 from vllm_unified.kv.forward_context import StepContext
 from vllm_unified.kv.gpu import quant_write as gpu_quant_write
 from vllm_unified.kv.hybrid import HybridLayers
-from vllm_unified.kv.layer_cache import MissingLayerCache, PagedLayerCache, StateLayerCache
+from vllm_unified.kv.layer_cache import (
+    MissingLayerCache,
+    PagedLayerCache,
+    SharedLayerCache,
+    StateLayerCache,
+)
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.quant import KVFormat, attention_spec, kv_format, tokens_per_gib
 from vllm_unified.kv.state_pages import StatePages, StateStore, build_state_metadata, page_rows
@@ -98,6 +103,10 @@ class KVCache:
             (Gemma 4's full-attention layers); a layer not listed has ``shape``'s. vLLM then
             gets one spec per layer with its own page size and groups them as one KV cache
             group of full-attention layers (its ``UniformTypeKVCacheSpecs``).
+        shared: model layer index -> the attention layer whose pages it reads (KV shared
+            across layers); those layers follow the ``layers.num_layers`` cache slots, in
+            order, and have no pages or spec of their own (as vLLM's
+            ``kv_sharing_target_layer_name``).
 
     Raises:
         ValueError: a quantized ``--kv-cache-dtype`` on a backend profile no quantized kernels
@@ -109,7 +118,8 @@ class KVCache:
 
     def __init__(self, profile: BackendProfile, layers: HybridLayers, shape: AttentionShape,
                  windows: dict[int, int | None], dtype: mx.Dtype,
-                 kv_shapes: dict[int, tuple[int, int]] | None = None) -> None:
+                 kv_shapes: dict[int, tuple[int, int]] | None = None,
+                 shared: dict[int, int] | None = None) -> None:
         self.profile = profile
         self.layers = layers
         self.shape = shape
@@ -120,6 +130,13 @@ class KVCache:
         self.kv_shapes = {i: tuple((kv_shapes or {}).get(i, default)) for i in layers.attention}
         #: the attention layers do not all have ``shape``'s heads and head size
         self.per_layer_shapes = any(s != default for s in self.kv_shapes.values())
+        #: layer reading another layer's pages -> that layer (model layer indices)
+        self.shared = dict(shared or {})
+        if self.shared and (sorted(self.shared) != list(range(
+                layers.num_layers, layers.num_layers + len(self.shared)))
+                or not set(self.shared.values()) <= set(layers.attention)):
+            raise ValueError(f"layers sharing KV {self.shared} must follow the "
+                             f"{layers.num_layers} cache slots and read attention layers")
         #: the pages' format (vLLM's --kv-cache-dtype)
         self.fmt = shape.fmt
         #: each attention layer's format (model layer index -> format; skip layers: auto)
@@ -353,6 +370,11 @@ class KVCache:
             caches[i] = PagedLayerCache(pool, j, self.profile, self.windows[i])
         for i in self.layers.recurrent:
             caches[i] = StateLayerCache(store, i)
+        ordinal = {i: j for j, i in enumerate(self.layers.attention)}
+        for i in sorted(self.shared):
+            target = self.shared[i]
+            caches.append(SharedLayerCache(pool, ordinal[target], self.profile,
+                                           self.windows[target]))
         return caches
 
     # ------------------------------------------------------------------ per step

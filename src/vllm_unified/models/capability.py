@@ -75,6 +75,8 @@ class ModelLayout:
         num_slots: entries of mlx-lm's cache list (what the inner model takes as ``cache``).
         attention: slot index -> :class:`AttentionSlot`.
         recurrent: slot indices of recurrent layers (vLLM's state pages).
+        shared: layer index -> the attention slot whose keys and values it reads (KV shared
+            across layers: layers after the last slot that mlx-lm gives no cache of their own).
         notes: how each decision was taken, for the start-up log.
     """
 
@@ -82,6 +84,7 @@ class ModelLayout:
     num_slots: int
     attention: dict[int, AttentionSlot] = field(default_factory=dict)
     recurrent: list[int] = field(default_factory=list)
+    shared: dict[int, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -134,6 +137,10 @@ def check_model(
         layout.notes.append("sliding windows from the config (vLLM's), which mlx-lm's "
                             "model does not apply itself")
     _check_config_features(model_type, config)
+    layout.shared = _shared_kv(model, model_type, config, layout)
+    if layout.shared:
+        layout.notes.append("KV shared across layers (layer -> the layer whose pages it "
+                            f"reads: {layout.shared})")
     if probe:
         _probe(model, model_type, layout, kv_shape)
     return layout
@@ -228,6 +235,38 @@ def _declared_windows(config: Mapping[str, Any], num_slots: int,
     if config_window and not layer_types:
         return dict.fromkeys(range(num_slots), int(config_window))
     return None
+
+
+def _gemma4_shared(model: nn.Module, num_slots: int) -> dict[int, int]:
+    # mlx-lm's Gemma 4 hands layer j the keys/values layer previous_kvs[j] computed
+    previous = list(model.model.previous_kvs)
+    return {j: int(previous[j]) for j in range(num_slots, len(previous))}
+
+
+#: model type -> its KV sharing (layer -> the slot it reads), read from mlx-lm's model
+_KV_SHARING = {"gemma4_text": _gemma4_shared}
+
+
+def _shared_kv(model: nn.Module, model_type: str, config: Mapping[str, Any],
+               layout: ModelLayout) -> dict[int, int]:
+    """Layers without a cache slot that read another slot's keys and values.
+
+    Raises:
+        UnsupportedModel: a config declaring shared KV for a family whose sharing is not
+            known, or a layer reading a slot that is not attention.
+    """
+    sharing = _KV_SHARING.get(model_type)
+    if sharing is None:
+        if config.get("num_kv_shared_layers"):
+            raise UnsupportedModel(model_type, "KV shared across layers "
+                                   "(num_kv_shared_layers) in this family")
+        return {}
+    shared = sharing(model, layout.num_slots)
+    for j, target in shared.items():
+        if target not in layout.attention:
+            raise UnsupportedModel(model_type, f"layer {j} reading the keys and values of "
+                                   f"slot {target}, which is not an attention slot")
+    return shared
 
 
 def _check_config_features(model_type: str, config: Mapping[str, Any]) -> None:

@@ -282,6 +282,9 @@ class MLXModelRunner:
         if self.stage.size > 1 and num_layers != self.stage.num_layers:
             raise ValueError(f"mlx-lm built {num_layers} cache slots but vLLM's config has "
                              f"{self.stage.num_layers} layers")
+        if self.layout.shared and self.stage.size > 1:
+            raise ValueError("pipeline parallelism with layers that share KV is not "
+                             "supported by vllm-unified")
         self.layers = HybridLayers(model_type, num_layers, self.layout.recurrent,
                                    held=self.stage.layers if self.stage.size > 1 else None)
         cpu_kernels = install_cpu_kernels(self.model)
@@ -298,7 +301,7 @@ class MLXModelRunner:
         kv_shapes = {i: (a.num_kv_heads, a.head_dim) for i, a in self.layout.attention.items()
                      if a.num_kv_heads is not None and i in windows}
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype,
-                                kv_shapes=kv_shapes)
+                                kv_shapes=kv_shapes, shared=self.layout.shared)
         if self.draft is not None:
             self.draft.load(_checkpoint_path(self.draft.model_config.model),
                             keep_quantized=self.backend.keep_quantized or native)
