@@ -162,7 +162,8 @@ def tiny_config(family: str) -> Any:
         )
     if family in ("gemma4", "gemma4_shared"):
         # Sliding layers: 2 KV heads of 32; full-attention layers: 2 KV heads of 64 with
-        # partial ("proportional") RoPE; per-layer inputs; final-logit soft-capping. The
+        # partial ("proportional") RoPE; per-layer inputs; final-logit soft-capping; an untied
+        # head (tied, the random model mostly repeats its input token). The
         # shared variant's last two layers reuse the KV of the last earlier layer of their
         # type (Gemma 4's num_kv_shared_layers).
         return transformers.Gemma4TextConfig(
@@ -173,7 +174,7 @@ def tiny_config(family: str) -> Any:
             hidden_size_per_layer_input=16, vocab_size_per_layer_input=49152,
             final_logit_softcapping=30.0,
             num_kv_shared_layers=2 if family == "gemma4_shared" else 0,
-            tie_word_embeddings=True,
+            tie_word_embeddings=False,
         )
     if family == "qwen3_next":
         # Gated delta-net layers 0, 1, 2 and full attention at 3 (mlx-lm derives that from
