@@ -157,10 +157,11 @@ def _spec(folder: str) -> dict:
     }
 
 
-# the shared-KV variant (per-layer shapes and shared pages) in CI, the plain one slow
+# the shared-KV variant (per-layer shapes and shared pages) in CI; the plain one and the K=V
+# one (full-attention layers of 1 KV head whose values are the keys) slow
 @pytest.mark.engine
-@pytest.mark.parametrize("family", [pytest.param("gemma4", marks=pytest.mark.slow),
-                                    "gemma4_shared"])
+@pytest.mark.parametrize("family", [*(pytest.param(f, marks=pytest.mark.slow)
+                                      for f in ("gemma4", "gemma4_kv")), "gemma4_shared"])
 def test_gemma4_matches_mlx_lm(family, tmp_path):
     from conftest import run_llm
 

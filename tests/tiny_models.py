@@ -18,8 +18,9 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 #: Hybrid attention + state-space families (tests/test_hybrid_models.py).
 HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid")
 #: Families with per-layer KV shapes (tests/test_per_layer_kv.py): ``gemma4`` (no shared KV)
-#: and ``gemma4_shared`` (its last two layers read earlier layers' KV).
-PER_LAYER_FAMILIES = ("gemma4", "gemma4_shared")
+#: ``gemma4_shared`` (its last two layers read earlier layers' KV) and ``gemma4_kv`` (K=V
+#: full-attention layers with 1 KV head).
+PER_LAYER_FAMILIES = ("gemma4", "gemma4_shared", "gemma4_kv")
 #: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
 DRAFT_FAMILIES = ("llama_draft",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -160,7 +161,7 @@ def tiny_config(family: str) -> Any:
             },
             tie_word_embeddings=True,
         )
-    if family in ("gemma4", "gemma4_shared"):
+    if family in ("gemma4", "gemma4_shared", "gemma4_kv"):
         # Sliding layers: 2 KV heads of 32; full-attention layers: 2 KV heads of 64 with
         # partial ("proportional") RoPE; per-layer inputs; final-logit soft-capping; an untied
         # head (tied, the random model mostly repeats its input token). The
@@ -175,6 +176,9 @@ def tiny_config(family: str) -> Any:
             final_logit_softcapping=30.0,
             num_kv_shared_layers=2 if family == "gemma4_shared" else 0,
             tie_word_embeddings=False,
+            # the larger Gemma 4's full-attention layers: values are the keys, 1 KV head
+            **({"attention_k_eq_v": True, "num_global_key_value_heads": 1}
+               if family == "gemma4_kv" else {}),
         )
     if family == "qwen3_next":
         # Gated delta-net layers 0, 1, 2 and full attention at 3 (mlx-lm derives that from
