@@ -172,3 +172,21 @@ def test_gemma4_matches_mlx_lm(family, tmp_path):
         assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"
     assert "per-layer KV shapes" in ours["log"]
     assert ("KV shared across layers" in ours["log"]) == (family == "gemma4_shared")
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_shared", "gemma4_kv"])
+def test_gemma4_vllm_native_fp32_matches_mlx_lm(family, tmp_path):
+    """vLLM's own CPU backend in fp32 on the same weights gives mlx-lm's greedy ids (which
+    :func:`test_gemma4_matches_mlx_lm` shows ours give): the checkpoint means the same model
+    to both."""
+    from conftest import run_llm
+
+    folder = str(make_tiny_checkpoint(tmp_path / family, family))
+    spec = _spec(folder)
+    del spec["rpc"]  # our runner's statistics
+    native = run_llm(spec, tmp_path, native=True)
+    for i, prompt in enumerate(PROMPTS):
+        got = native["outputs"][i]["completions"][0]["token_ids"]
+        assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"
