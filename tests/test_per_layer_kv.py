@@ -149,10 +149,12 @@ def _spec(folder: str) -> dict:
         "model": folder,
         "engine": {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16,
                    "kv_cache_memory_bytes": 64 * 2**20, "seed": 0,
-                   "enable_prefix_caching": True},
+                   "enable_prefix_caching": True, "disable_log_stats": False},
         "requests": [{"prompt_token_ids": p,
                       "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS,
                                  "ignore_eos": True}} for p in PROMPTS],
+        # the second round reads the prompts' full blocks from the prefix cache
+        "rounds": 2, "metrics": True,
         "rpc": ["runner_stats"],
     }
 
@@ -167,9 +169,12 @@ def test_gemma4_matches_mlx_lm(family, tmp_path):
 
     folder = str(make_tiny_checkpoint(tmp_path / family, family))
     ours = run_llm(_spec(folder), tmp_path)
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(PROMPTS * 2):
         got = ours["outputs"][i]["completions"][0]["token_ids"]
-        assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"
+        assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"request {i}"
+    assert ours["metrics"]["vllm:prefix_cache_hits"] >= 16 * 4
+    stats = ours["rpc_after"]["runner_stats"]
+    assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(PROMPTS)
     assert "per-layer KV shapes" in ours["log"]
     assert ("KV shared across layers" in ours["log"]) == (family == "gemma4_shared")
 
@@ -187,6 +192,6 @@ def test_gemma4_vllm_native_fp32_matches_mlx_lm(family, tmp_path):
     spec = _spec(folder)
     del spec["rpc"]  # our runner's statistics
     native = run_llm(spec, tmp_path, native=True)
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(PROMPTS * 2):
         got = native["outputs"][i]["completions"][0]["token_ids"]
         assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"
