@@ -383,9 +383,11 @@ class MLXModelRunner:
 
     def _compiled_decode(self) -> CompiledDecode | None:
         """The compiled pure-decode forward where it applies: the in-place CUDA KV write, the
-        paged GPU attention kernel, no recurrent layers, not turned off by its variable."""
-        head_dim = self.model_config.get_head_size()
-        if not (self.kv_cache.pool.cuda_write and gpu_attention_routed(head_dim, self.backend)
+        paged GPU attention kernel for every layer's head size, no recurrent layers, not
+        turned off by its variable."""
+        head_dims = {d for _, d in self.kv_cache.kv_shapes.values()}
+        if not (self.kv_cache.pool.cuda_write
+                and all(gpu_attention_routed(d, self.backend) for d in head_dims)
                 and not self.layers.is_hybrid and self.backend.compile_decode
                 and self.stage.size == 1):
             return None
