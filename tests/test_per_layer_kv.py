@@ -126,6 +126,15 @@ def test_gemma4_layout(tmp_path):
     assert any("per-layer KV shapes" in n for n in layout.notes)
 
 
+def test_shared_kv_of_an_unknown_family_is_refused():
+    from vllm_unified.models.capability import ModelLayout, UnsupportedModel, _shared_kv
+
+    layout = ModelLayout("gemma3n_text", 2)
+    with pytest.raises(UnsupportedModel, match="KV shared across layers"):
+        _shared_kv(None, "gemma3n_text", {"num_kv_shared_layers": 2}, layout)
+    assert _shared_kv(None, "llama", {}, layout) == {}
+
+
 # ----------------------------------------------------------------------------- engine
 
 
