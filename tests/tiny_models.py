@@ -17,6 +17,10 @@ from typing import Any
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 #: Hybrid attention + state-space families (tests/test_hybrid_models.py).
 HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid")
+#: Families with per-layer KV shapes (tests/test_per_layer_kv.py): ``gemma4`` (no shared KV)
+#: ``gemma4_shared`` (its last two layers read earlier layers' KV) and ``gemma4_kv`` (K=V
+#: full-attention layers with 1 KV head).
+PER_LAYER_FAMILIES = ("gemma4", "gemma4_shared", "gemma4_kv")
 #: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
 DRAFT_FAMILIES = ("llama_draft",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -157,6 +161,25 @@ def tiny_config(family: str) -> Any:
             },
             tie_word_embeddings=True,
         )
+    if family in ("gemma4", "gemma4_shared", "gemma4_kv"):
+        # Sliding layers: 2 KV heads of 32; full-attention layers: 2 KV heads of 64 with
+        # partial ("proportional") RoPE; per-layer inputs; final-logit soft-capping; an untied
+        # head (tied, the random model mostly repeats its input token). The
+        # shared variant's last two layers reuse the KV of the last earlier layer of their
+        # type (Gemma 4's num_kv_shared_layers).
+        return transformers.Gemma4TextConfig(
+            **common, num_hidden_layers=6, num_key_value_heads=2, head_dim=32,
+            global_head_dim=64, rms_norm_eps=1e-6, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention", "sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=16, vocab_size_per_layer_input=49152,
+            final_logit_softcapping=30.0,
+            num_kv_shared_layers=2 if family == "gemma4_shared" else 0,
+            tie_word_embeddings=False,
+            # the larger Gemma 4's full-attention layers: values are the keys, 1 KV head
+            **({"attention_k_eq_v": True, "num_global_key_value_heads": 1}
+               if family == "gemma4_kv" else {}),
+        )
     if family == "qwen3_next":
         # Gated delta-net layers 0, 1, 2 and full attention at 3 (mlx-lm derives that from
         # full_attention_interval, vLLM and transformers from layer_types: both say the same).
@@ -192,8 +215,8 @@ def tiny_config(family: str) -> Any:
             mamba_d_head=32, mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
             mamba_proj_bias=False, time_step_limit=(0.0, float("inf")),
         )
-    raise ValueError(f"unknown tiny-model family {family!r} "
-                     f"(have: {', '.join(FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES)})")
+    known = FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
+    raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(known)})")
 
 
 def _randomize(model: Any, family: str, seed: int) -> None:

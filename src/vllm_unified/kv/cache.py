@@ -10,6 +10,7 @@ offloading connector vLLM's per-layer views.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,12 @@ from vllm_unified.kv.block_translation import (
 from vllm_unified.kv.forward_context import StepContext
 from vllm_unified.kv.gpu import quant_write as gpu_quant_write
 from vllm_unified.kv.hybrid import HybridLayers
-from vllm_unified.kv.layer_cache import MissingLayerCache, PagedLayerCache, StateLayerCache
+from vllm_unified.kv.layer_cache import (
+    MissingLayerCache,
+    PagedLayerCache,
+    SharedLayerCache,
+    StateLayerCache,
+)
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.quant import KVFormat, attention_spec, kv_format, tokens_per_gib
 from vllm_unified.kv.state_pages import StatePages, StateStore, build_state_metadata, page_rows
@@ -93,25 +99,52 @@ class KVCache:
         shape: the attention pages' shape.
         windows: sliding window (tokens) per attention layer index, None for full attention.
         dtype: the model's MLX compute dtype (an MLX-owned pool's dtype).
+        kv_shapes: ``(num_kv_heads, head_size)`` per attention layer index where layers differ
+            (Gemma 4's full-attention layers); a layer not listed has ``shape``'s. vLLM then
+            gets one spec per layer with its own page size and groups them as one KV cache
+            group of full-attention layers (its ``UniformTypeKVCacheSpecs``).
+        shared: model layer index -> the attention layer whose pages it reads (KV shared
+            across layers); those layers follow the ``layers.num_layers`` cache slots, in
+            order, and have no pages or spec of their own (as vLLM's
+            ``kv_sharing_target_layer_name``).
 
     Raises:
         ValueError: a quantized ``--kv-cache-dtype`` on a backend profile no quantized kernels
             serve (:attr:`BackendProfile.quantized_kv`: the native CPU kernels, or the Metal /
             CUDA kernels where the profile writes and attends with them), with a head size
-            the GPU kernels do not take, or for a hybrid model.
+            the GPU kernels do not take, or for a hybrid model; a quantized format with
+            per-layer KV shapes.
     """
 
     def __init__(self, profile: BackendProfile, layers: HybridLayers, shape: AttentionShape,
-                 windows: dict[int, int | None], dtype: mx.Dtype) -> None:
+                 windows: dict[int, int | None], dtype: mx.Dtype,
+                 kv_shapes: dict[int, tuple[int, int]] | None = None,
+                 shared: dict[int, int] | None = None) -> None:
         self.profile = profile
         self.layers = layers
         self.shape = shape
         self.windows = windows
         self.dtype = dtype
+        default = (shape.num_kv_heads, shape.head_size)
+        #: ``(num_kv_heads, head_size)`` of each attention layer (model layer index)
+        self.kv_shapes = {i: tuple((kv_shapes or {}).get(i, default)) for i in layers.attention}
+        #: the attention layers do not all have ``shape``'s heads and head size
+        self.per_layer_shapes = any(s != default for s in self.kv_shapes.values())
+        #: layer reading another layer's pages -> that layer (model layer indices)
+        self.shared = dict(shared or {})
+        if self.shared and (sorted(self.shared) != list(range(
+                layers.num_layers, layers.num_layers + len(self.shared)))
+                or not set(self.shared.values()) <= set(layers.attention)):
+            raise ValueError(f"layers sharing KV {self.shared} must follow the "
+                             f"{layers.num_layers} cache slots and read attention layers")
         #: the pages' format (vLLM's --kv-cache-dtype)
         self.fmt = shape.fmt
         #: each attention layer's format (model layer index -> format; skip layers: auto)
         self.layer_formats = {i: shape.layer_format(i, windows[i]) for i in layers.attention}
+        if self.fmt.quantized and self.per_layer_shapes:
+            raise ValueError(f"--kv-cache-dtype {self.fmt.name}: a model whose attention "
+                             "layers have different KV heads or head sizes keeps the model "
+                             "dtype; use auto")
         if self.fmt.quantized:
             check_quantized_kv(profile, self.fmt, shape.head_size)
         if self.fmt.quantized and layers.is_hybrid:
@@ -135,15 +168,15 @@ class KVCache:
 
     # ------------------------------------------------------------------ vLLM's questions
     def kv_cache_spec(self, block_size: int, vllm_config: Any) -> dict[str, KVCacheSpec]:
-        """One ``FullAttentionSpec`` per attention layer (sliding-window layers record their
-        window: vLLM keeps blocks for all tokens, the attention applies the window) and one
-        ``MambaSpec`` per recurrent layer of a hybrid model."""
+        """One ``FullAttentionSpec`` per attention layer, of the layer's own KV heads and head
+        size (sliding-window layers record their window: vLLM keeps blocks for all tokens,
+        the attention applies the window; all attention layers are then one KV cache group,
+        one block table), and one ``MambaSpec`` per recurrent layer of a hybrid model."""
         specs: dict[str, KVCacheSpec] = {
             layer_name(i): attention_spec(
                 self.layer_formats[i], block_size=block_size,
-                num_kv_heads=self.shape.num_kv_heads,
-                head_size=self.shape.head_size, dtype=self.shape.dtype,
-                sliding_window=self.windows[i],
+                num_kv_heads=self.kv_shapes[i][0], head_size=self.kv_shapes[i][1],
+                dtype=self.shape.dtype, sliding_window=self.windows[i],
             )
             for i in self.layers.attention
         }
@@ -250,7 +283,7 @@ class KVCache:
             block_size=spec.block_size, num_kv_heads=self.shape.num_kv_heads,
             head_dim=self.shape.head_size, dtype=self.dtype,
             cuda_write=self.profile.kv_write == "cuda_kernel", fmt=self.fmt,
-            layer_formats=self._pool_formats(),
+            layer_formats=self._pool_formats(), layer_shapes=self._pool_shapes(),
         )
 
     def skipped_layers(self) -> list[int]:
@@ -263,6 +296,12 @@ class KVCache:
     def _pool_formats(self) -> list[KVFormat]:
         """Each pool layer's format (pool layer = attention ordinal)."""
         return [self.layer_formats[i] for i in self.layers.attention]
+
+    def _pool_shapes(self) -> list[tuple[int, int]] | None:
+        """Each pool layer's ``(num_kv_heads, head_size)``, None where all are ``shape``'s."""
+        if not self.per_layer_shapes:
+            return None
+        return [self.kv_shapes[i] for i in self.layers.attention]
 
     def _import(self, rows: list[Any]) -> list[mx.array]:
         """MLX arrays over ``rows`` (contiguous views of the KV buffer), one import of the
@@ -279,6 +318,9 @@ class KVCache:
     def tokens_per_gib(self) -> float:
         """KV tokens one GiB of pool holds over all attention layers, each in its format
         (the layers of --kv-cache-dtype-skip-layers in the model dtype)."""
+        if self.per_layer_shapes:  # unquantized (refused otherwise): 2 x heads x size each
+            return 2**30 / sum(2 * h * d * self.shape.dtype.itemsize
+                               for h, d in self.kv_shapes.values())
         return tokens_per_gib(self._pool_formats(), self.shape.num_kv_heads,
                               self.shape.head_size, self.shape.dtype.itemsize)
 
@@ -287,6 +329,10 @@ class KVCache:
         d = self.shape.head_size
         dtype = str(self.shape.dtype).removeprefix("torch.")
         dense = f"{2 * d * self.shape.dtype.itemsize} bytes per token and KV head"
+        if self.per_layer_shapes:
+            shapes = ", ".join(f"{n} layers of {h} KV heads x {s}" for (h, s), n in
+                               sorted(Counter(self.kv_shapes.values()).items()))
+            return f"{dtype} (the model dtype; per-layer KV shapes: {shapes})"
         if not self.fmt.quantized:
             return f"{dtype} (the model dtype, {dense})"
         kernels = self.profile.quantized_kv
@@ -324,6 +370,11 @@ class KVCache:
             caches[i] = PagedLayerCache(pool, j, self.profile, self.windows[i])
         for i in self.layers.recurrent:
             caches[i] = StateLayerCache(store, i)
+        ordinal = {i: j for j, i in enumerate(self.layers.attention)}
+        for i in sorted(self.shared):
+            target = self.shared[i]
+            caches.append(SharedLayerCache(pool, ordinal[target], self.profile,
+                                           self.windows[target]))
         return caches
 
     # ------------------------------------------------------------------ per step
@@ -389,7 +440,8 @@ class KVCache:
         pool = KVPool.allocate_mlx(len(self.layers.attention), blocks, block_size,
                                    self.shape.num_kv_heads, self.shape.head_size, self.dtype,
                                    write=write, fmt=self.fmt,
-                                   layer_formats=self._pool_formats())
+                                   layer_formats=self._pool_formats(),
+                                   layer_shapes=self._pool_shapes())
         store = self.layers.temp_store(vllm_config, 2)
         table = np.arange(1, blocks, dtype=np.int32)[None]
         ctx = self._context([num_tokens], [num_tokens], table, None, block_size, None, store)

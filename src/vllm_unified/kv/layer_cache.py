@@ -152,6 +152,16 @@ class PagedLayerCache(_PagedMaskSource):
         raise NotImplementedError("the paged cache state lives in the KV pool")
 
 
+class SharedLayerCache(PagedLayerCache):
+    """The cache of an attention layer that reads another layer's pages (KV shared across
+    layers, Gemma 4's ``num_kv_shared_layers``): ``layer`` is the pool layer it reads, whose
+    own layer wrote this step's keys and values; :meth:`update_and_fetch` writes nothing."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The keys/values (the owning layer's, already in the pool), unchanged."""
+        return keys, values
+
+
 class MissingLayerCache(_PagedMaskSource):
     """The cache of a layer another pipeline stage holds: it only answers mlx-lm's mask
     construction (a model may build its masks from any layer's cache)."""

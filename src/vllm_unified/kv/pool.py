@@ -159,6 +159,7 @@ class KVPool:
         head_dim: int, dtype: mx.Dtype, cuda_write: bool | None = None,
         write: KVWritePath | None = None, fmt: KVFormat | None = None,
         layer_formats: list[KVFormat] | None = None,
+        layer_shapes: list[tuple[int, int]] | None = None,
     ) -> KVPool:
         """MLX-owned pool, one array per layer, zero-filled then handed back page by page.
 
@@ -169,7 +170,11 @@ class KVPool:
         bytes, written by the GPU quantizing kernel of ``write`` (``cuda_kernel``,
         ``metal_kernel``; or ``cuda_write``), else by the native quantizing write;
         ``layer_formats``: one format per layer where they differ (the skip layers in the
-        model dtype)."""
+        model dtype); ``layer_shapes``: ``(num_kv_heads, head_dim)`` per layer where they
+        differ (unquantized only).
+
+        Raises:
+            ValueError: ``layer_shapes`` with a quantized format, or not one per layer."""
         if layer_formats is not None:
             fmt = next((f for f in layer_formats if f.quantized), KVFormat())
         fmt = fmt or KVFormat()
@@ -180,10 +185,16 @@ class KVPool:
             if write not in ("cuda_kernel", "metal_kernel"):
                 write = "cuda_kernel" if cuda_write else "native_rows"
         formats = layer_formats or [fmt] * num_layers
+        if layer_shapes is not None and (fmt.quantized or len(layer_shapes) != num_layers):
+            raise ValueError(f"{len(layer_shapes)} per-layer KV shapes for {num_layers} layers "
+                             f"in format {fmt.name}: one per layer, unquantized only")
         kv = []
         # One array at a time: MLX's zero fill commits every page it writes, so hand the pages
         # back before allocating the next one; start-up RSS then stays flat.
-        for f in formats:
+        for j, f in enumerate(formats):
+            if layer_shapes is not None:
+                heads, dim = layer_shapes[j]
+                shape = (num_blocks * block_size, heads, 2 * dim)
             arr = mx.zeros(shape if f.quantized or not fmt.quantized else dense_shape,
                            dtype=dtype if f.quantized or not fmt.quantized else dense_dtype)
             mx.eval(arr)

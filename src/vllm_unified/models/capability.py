@@ -76,6 +76,8 @@ class ModelLayout:
         num_slots: entries of mlx-lm's cache list (what the inner model takes as ``cache``).
         attention: slot index -> :class:`AttentionSlot`.
         recurrent: slot indices of recurrent layers (vLLM's state pages).
+        shared: layer index -> the attention slot whose keys and values it reads (KV shared
+            across layers: layers after the last slot that mlx-lm gives no cache of their own).
         notes: how each decision was taken, for the start-up log.
     """
 
@@ -83,6 +85,7 @@ class ModelLayout:
     num_slots: int
     attention: dict[int, AttentionSlot] = field(default_factory=dict)
     recurrent: list[int] = field(default_factory=list)
+    shared: dict[int, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -103,8 +106,9 @@ def check_model(
             (:func:`vllm_unified.models.routing.install_paged_attention`).
         config: the mlx-lm config it was built from.
         recurrent_families: model types whose recurrent mixers run on state pages.
-        kv_shape: ``(num_kv_heads, head_size)`` vLLM sizes every attention page for, or None
-            to accept the probe's.
+        kv_shape: ``(num_kv_heads, head_size)`` of vLLM's model config, or None. Slots whose
+            probe shape differs (per-layer KV heads or head sizes) are accepted with their own
+            shape (the runner sizes each layer's pages by it) and noted.
         config_window: vLLM's sliding window for the model (``ModelConfig.get_sliding_window``)
             where the config declares one for every layer, else None.
         probe: run the probe forward (off for a pipeline stage, whose model is partial).
@@ -134,6 +138,10 @@ def check_model(
         layout.notes.append("sliding windows from the config (vLLM's), which mlx-lm's "
                             "model does not apply itself")
     _check_config_features(model_type, config)
+    layout.shared = _shared_kv(model, model_type, config, layout)
+    if layout.shared:
+        layout.notes.append("KV shared across layers (layer -> the layer whose pages it "
+                            f"reads: {layout.shared})")
     if probe:
         _probe(model, model_type, layout, kv_shape)
     return layout
@@ -231,6 +239,38 @@ def _declared_windows(config: Mapping[str, Any], num_slots: int,
     return None
 
 
+def _gemma4_shared(model: nn.Module, num_slots: int) -> dict[int, int]:
+    # mlx-lm's Gemma 4 hands layer j the keys/values layer previous_kvs[j] computed
+    previous = list(model.model.previous_kvs)
+    return {j: int(previous[j]) for j in range(num_slots, len(previous))}
+
+
+#: model type -> its KV sharing (layer -> the slot it reads), read from mlx-lm's model
+_KV_SHARING = {"gemma4_text": _gemma4_shared}
+
+
+def _shared_kv(model: nn.Module, model_type: str, config: Mapping[str, Any],
+               layout: ModelLayout) -> dict[int, int]:
+    """Layers without a cache slot that read another slot's keys and values.
+
+    Raises:
+        UnsupportedModel: a config declaring shared KV for a family whose sharing is not
+            known, or a layer reading a slot that is not attention.
+    """
+    sharing = _KV_SHARING.get(model_type)
+    if sharing is None:
+        if config.get("num_kv_shared_layers"):
+            raise UnsupportedModel(model_type, "KV shared across layers "
+                                   "(num_kv_shared_layers) in this family")
+        return {}
+    shared = sharing(model, layout.num_slots)
+    for j, target in shared.items():
+        if target not in layout.attention:
+            raise UnsupportedModel(model_type, f"layer {j} reading the keys and values of "
+                                   f"slot {target}, which is not an attention slot")
+    return shared
+
+
 def _check_config_features(model_type: str, config: Mapping[str, Any]) -> None:
     """Config features no mlx-lm module computes and the paged path cannot add."""
     if config.get("use_bidirectional_attention") or config.get("is_causal") is False:
@@ -260,13 +300,17 @@ def _probe(model: nn.Module, model_type: str, layout: ModelLayout,
     except Exception as e:  # noqa: BLE001 - re-raised with the model named
         raise UnsupportedModel(model_type, f"mlx-lm's forward with a KV cache ({e!r})") from e
     for i, slot in list(layout.attention.items()):
-        layout.attention[i] = _attention_slot(model_type, i, slot, records[i], kv_shape)
+        layout.attention[i] = _attention_slot(model_type, i, slot, records[i])
+    shapes = {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()}
+    if kv_shape is not None and shapes - {tuple(kv_shape)}:
+        layout.notes.append("per-layer KV shapes (heads x head size: "
+                            f"{', '.join(f'{h} x {d}' for h, d in sorted(shapes))}; vLLM's "
+                            f"config says {kv_shape[0]} x {kv_shape[1]})")
     _check_head(model, model_type, prompt, logits)
 
 
 def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
-                    record: routing.CacheRecord, kv_shape: tuple[int, int] | None
-                    ) -> AttentionSlot:
+                    record: routing.CacheRecord) -> AttentionSlot:
     if not record.writes:
         raise UnsupportedModel(model_type, "an attention layer that writes no keys of its own "
                                "(KV shared across layers)", i)
@@ -284,10 +328,6 @@ def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
     if k_dim != v_dim:
         raise UnsupportedModel(model_type, f"a value head size ({v_dim}) other than the key "
                                f"head size ({k_dim})", i)
-    if kv_shape is not None and (kv_heads, k_dim) != tuple(kv_shape):
-        raise UnsupportedModel(model_type, f"per-layer KV heads or head sizes ({kv_heads} "
-                               f"heads of {k_dim} here, {kv_shape[0]} of {kv_shape[1]} in "
-                               "vLLM's config)", i)
     return AttentionSlot(slot.window, kv_heads, k_dim)
 
 

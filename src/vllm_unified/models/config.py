@@ -143,6 +143,35 @@ def _gemma3_text(cfg: dict[str, Any]) -> None:
     cfg["sliding_window_pattern"] = int(pattern)
 
 
+def _gemma4_text(cfg: dict[str, Any]) -> None:
+    """transformers writes Gemma 4's full-attention head size (and KV heads) as
+    ``per_layer_config`` overrides; mlx-lm reads ``global_head_dim`` /
+    ``num_global_key_value_heads``. Overrides mlx-lm cannot express are refused."""
+    overrides = cfg.get("per_layer_config") or {}
+    layer_types = list(cfg.get("layer_types") or ())
+    found: dict[str, set[Any]] = {}
+    for index, values in overrides.items():
+        i = int(index)
+        if i >= len(layer_types) or layer_types[i] != "full_attention":
+            raise ValueError(f"gemma4_text: per_layer_config overrides layer {i}, which is "
+                             "not a full-attention layer (mlx-lm cannot express it)")
+        for key, value in values.items():
+            if key not in ("head_dim", "num_key_value_heads"):
+                raise ValueError(f"gemma4_text: per_layer_config sets {key!r}, which mlx-lm "
+                                 "cannot express")
+            found.setdefault(key, set()).add(value)
+    for key, target in (("head_dim", "global_head_dim"),
+                        ("num_key_value_heads", "num_global_key_value_heads")):
+        values = found.get(key, set())
+        if len(values) > 1:
+            raise ValueError(f"gemma4_text: full-attention layers with different {key} "
+                             f"({sorted(values)})")
+        if values and cfg.get(target) is None:
+            cfg[target] = values.pop()
+    if cfg.get("global_head_dim") is None:
+        cfg["global_head_dim"] = cfg.get("head_dim")
+
+
 def _sliding_pattern(layer_types: list[str], n_layers: int) -> int:
     """The period p of mlx-lm's Gemma 3 layout (layer i is global iff (i+1) % p == 0)."""
     if len(layer_types) != n_layers:
@@ -164,5 +193,6 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen2": _qwen,
     "qwen3": _qwen,
     "gemma3_text": _gemma3_text,
+    "gemma4_text": _gemma4_text,
     "granitemoehybrid": _granite_hybrid,
 }

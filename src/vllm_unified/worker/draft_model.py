@@ -149,6 +149,9 @@ class DraftModel:
         if layout.recurrent:
             raise ValueError("--speculative-config: a hybrid attention + state-space draft "
                              "model is not supported by vllm-unified")
+        if layout.shared:
+            raise ValueError("--speculative-config: a draft model whose layers share KV is "
+                             "not supported by vllm-unified")
         if any(layout.windows.values()):
             raise ValueError("--speculative-config: a draft model with sliding-window "
                              "layers is not supported by vllm-unified")
@@ -157,7 +160,10 @@ class DraftModel:
                        or self.vllm_config.cache_config.cache_dtype or "auto")
         shape = AttentionShape(mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
                                cache_dtype)
-        self.kv_cache = KVCache(self.backend, layers, shape, layout.windows, dtype)
+        kv_shapes = {i: (a.num_kv_heads, a.head_dim) for i, a in layout.attention.items()
+                     if a.num_kv_heads is not None}
+        self.kv_cache = KVCache(self.backend, layers, shape, layout.windows, dtype,
+                                kv_shapes=kv_shapes)
         logger.info("vllm-unified: draft model %s loaded (%s, %d layers)", mc.model,
                     loaded.source, len(self.model.layers))
 

@@ -288,6 +288,9 @@ class MLXModelRunner:
         if self.stage.size > 1 and num_layers != self.stage.num_layers:
             raise ValueError(f"mlx-lm built {num_layers} cache slots but vLLM's config has "
                              f"{self.stage.num_layers} layers")
+        if self.layout.shared and self.stage.size > 1:
+            raise ValueError("pipeline parallelism with layers that share KV is not "
+                             "supported by vllm-unified")
         self.layers = HybridLayers(model_type, num_layers, self.layout.recurrent,
                                    held=self.stage.layers if self.stage.size > 1 else None)
         cache_config = self.vllm_config.cache_config
@@ -296,7 +299,10 @@ class MLXModelRunner:
                                cache_config.cache_dtype or "auto",
                                tuple(cache_config.kv_cache_dtype_skip_layers or ()))
         windows = {i: self.layout.attention[i].window for i in self.layers.attention}
-        self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype)
+        kv_shapes = {i: (a.num_kv_heads, a.head_dim) for i, a in self.layout.attention.items()
+                     if a.num_kv_heads is not None and i in windows}
+        self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype,
+                                kv_shapes=kv_shapes, shared=self.layout.shared)
         if self.draft is not None:
             self.draft.load(_checkpoint_path(self.draft.model_config.model),
                             keep_quantized=self.backend.keep_quantized or native)
@@ -378,9 +384,11 @@ class MLXModelRunner:
 
     def _compiled_decode(self) -> CompiledDecode | None:
         """The compiled pure-decode forward where it applies: the in-place CUDA KV write, the
-        paged GPU attention kernel, no recurrent layers, not turned off by its variable."""
-        head_dim = self.model_config.get_head_size()
-        if not (self.kv_cache.pool.cuda_write and gpu_attention_routed(head_dim, self.backend)
+        paged GPU attention kernel for every layer's head size, no recurrent layers, not
+        turned off by its variable."""
+        head_dims = {d for _, d in self.kv_cache.kv_shapes.values()}
+        if not (self.kv_cache.pool.cuda_write
+                and all(gpu_attention_routed(d, self.backend) for d in head_dims)
                 and not self.layers.is_hybrid and self.backend.compile_decode
                 and self.stage.size == 1):
             return None
