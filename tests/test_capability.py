@@ -85,14 +85,18 @@ def test_gemma2_attention_is_adapted_with_config_windows(tmp_path):
     assert mx.allclose(before, after, atol=1e-5)
 
 
-def test_kv_shape_other_than_vllms_is_refused(tmp_path):
+def test_each_slot_keeps_the_shape_it_writes(tmp_path):
+    """Slots record the KV shape the probe saw; one other than vLLM's config is kept (per-layer
+    shapes) and said in the start-up notes."""
     import transformers
 
     llama = _load(tmp_path, transformers.LlamaConfig(**COMMON, head_dim=32))
     layout, _ = _route(llama, kv_shape=(2, 32))
     assert {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()} == {(2, 32)}
-    with pytest.raises(UnsupportedModel, match="per-layer KV heads or head sizes"):
-        _route(llama, kv_shape=(4, 32))
+    assert not layout.notes
+    layout, _ = _route(llama, kv_shape=(4, 32))
+    assert {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()} == {(2, 32)}
+    assert any("per-layer KV shapes" in n for n in layout.notes)
 
 
 def test_a_head_other_than_mlx_lms_is_refused(tmp_path, monkeypatch):
