@@ -40,6 +40,8 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     "qwen3_next": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
     "granitemoehybrid": HybridFamily("mamba", lambda layer: layer.layer_type == "mamba",
                                      "MAMBA2"),
+    "lfm2": HybridFamily("conv", lambda layer: not layer.is_attention_layer, "SHORT_CONV"),
+    "qwen3_5": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
 }
 
 

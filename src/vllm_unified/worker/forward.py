@@ -58,7 +58,10 @@ def _inner_forward(model: nn.Module, layer_caches: list[Any], input_ids: mx.arra
 
 
 def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
-    """The architecture's output projection: ``lm_head`` or the tied embedding."""
+    """The architecture's output projection: ``lm_head`` or the tied embedding (of the text
+    model a multimodal wrapper such as Qwen3.5's holds as ``language_model``)."""
+    if "language_model" in model:
+        model = model.language_model
     if "lm_head" in model:
         return model.lm_head(hidden)
     return model.model.embed_tokens.as_linear(hidden)
