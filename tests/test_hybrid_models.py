@@ -9,6 +9,7 @@ tests cover the state pages and the recurrent-layer adapter directly.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -46,15 +47,36 @@ ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16
 HARNESS = Path(__file__).resolve().parent / "hybrid_harness.py"
 
 
+#: bytes of one page of each family's tiny model (one attention page of vLLM's aligned block
+#: size over the attention layers = one padded state page)
+PAGE_BYTES = {"qwen3_next": 24576, "granitemoehybrid": 24576, "lfm2": 8192, "qwen3_5": 65536}
+#: pages that hold two of the leak test's requests but not four (vLLM then preempts): per
+#: request one block per state group plus its attention blocks, and vLLM's null block
+LEAK_TEST_PAGES = {"qwen3_next": 13, "granitemoehybrid": 13, "lfm2": 17, "qwen3_5": 9}
+#: families whose engine runs in CI (one engine each); the others, and every family's second
+#: engine (the leak test) except qwen3_next's, run in the slow tier
+CI_FAMILIES = ("qwen3_next", "lfm2", "qwen3_5")
+STUBS = Path(__file__).resolve().parent / "stubs"
+
+
 def _engine(family: str) -> dict:
-    # 32 pages of the tiny model (one 48-token attention page = one padded state page).
-    page = {"qwen3_next": 24576, "granitemoehybrid": 24576}[family]
-    return {**ENGINE, "kv_cache_memory_bytes": 32 * page}
+    return {**ENGINE, "kv_cache_memory_bytes": 32 * PAGE_BYTES[family]}
 
 
-# qwen3_next runs in CI; granitemoehybrid, the same paths with Mamba2 state, in the slow tier
-@pytest.fixture(scope="module", params=[f if f == "qwen3_next" else pytest.param(
-    f, marks=pytest.mark.slow) for f in HYBRID_FAMILIES])
+def _engine_env(family: str) -> dict[str, str]:
+    """Variables a vLLM engine of ``family`` needs here: vLLM's Qwen3.5 module imports
+    torchvision (tests/stubs/torchvision stands in where it is not installed)."""
+    if family != "qwen3_5" or importlib.util.find_spec("torchvision") is not None:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS),
+                                                        os.environ.get("PYTHONPATH")]))}
+
+
+def _params(ci: tuple[str, ...]) -> list:
+    return [f if f in ci else pytest.param(f, marks=pytest.mark.slow) for f in HYBRID_FAMILIES]
+
+
+@pytest.fixture(scope="module", params=_params(CI_FAMILIES))
 def family(request) -> str:
     return request.param
 
@@ -80,7 +102,7 @@ def fresh(family, checkpoint, tmp_path_factory) -> dict:
     spec = {"model": checkpoint, "engine": _engine(family),
             "requests": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS],
             "rpc": ["runner_stats", "state_slots"]}
-    return run_llm(spec, tmp_path_factory.mktemp("fresh"))
+    return run_llm(spec, tmp_path_factory.mktemp("fresh"), env=_engine_env(family))
 
 
 @pytest.mark.engine
@@ -94,18 +116,25 @@ def test_greedy_equals_mlx_lm(fresh, reference):
 
 
 @pytest.mark.engine
-def test_attention_block_size_is_translated_and_logged(fresh):
+def test_attention_block_size_is_translated_and_logged(family, fresh):
+    """Where vLLM inflates the attention block to fit the state page (all but LFM2, whose
+    short-conv state fits a 16-token page), the kernel reads it as several kernel blocks."""
+    pool = re.search(r"KV pool \d+ blocks x (\d+) tokens \(read as (\d+)-token kernel blocks\)",
+                     fresh["log"])
+    assert pool, "start-up log lacks the KV pool line"
     m = re.search(r"attention block size (\d+) tokens .*MLX kernel block size (\d+): each "
                   r"block is viewed as (\d+) kernel blocks", fresh["log"])
+    if family == "lfm2":
+        assert int(pool[1]) == int(pool[2]) and m is None
+        return
     assert m, "start-up log lacks the block-size translation line"
     block, kernel, ratio = map(int, m.groups())
     assert block > kernel and block == kernel * ratio
-    pool = re.search(r"KV pool \d+ blocks x (\d+) tokens \(read as (\d+)-token kernel blocks\)",
-                     fresh["log"])
-    assert pool and (int(pool[1]), int(pool[2])) == (block, kernel)
+    assert (int(pool[1]), int(pool[2])) == (block, kernel)
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("family", _params(("qwen3_next",)), indirect=True)
 def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, fresh,
                                                              reference, tmp_path):
     """Phase 1: a request runs to the end, another is aborted mid-decode; phase 2: the four
@@ -113,10 +142,10 @@ def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, 
     too small for the four at once, so vLLM also preempts some (freeing their state blocks)
     and resumes them by recomputation."""
     long_prompt = [(11 * j) % 30000 + 500 for j in range(60)]
-    page = _engine(family)["kv_cache_memory_bytes"] // 32
-    # a request needs one block per state group (3) plus up to 3 attention blocks of 48
-    # tokens: 13 blocks hold two requests, not four
-    engine = {**ENGINE, "max_model_len": 128, "kv_cache_memory_bytes": 13 * page}
+    # e.g. qwen3_next: a request needs one block per state group (3) plus up to 3 attention
+    # blocks of 48 tokens: 13 blocks hold two requests, not four
+    engine = {**ENGINE, "max_model_len": 128,
+              "kv_cache_memory_bytes": LEAK_TEST_PAGES[family] * PAGE_BYTES[family]}
     spec = {"model": checkpoint, "engine": engine, "phases": [
         {"abort": {"prompt_token_ids": long_prompt, "params": GREEDY, "steps": 8}},
         {"generate": [{"prompt_token_ids": long_prompt[:37], "params": GREEDY}]},
@@ -128,6 +157,7 @@ def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, 
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env.update(_engine_env(family))
     proc = subprocess.run([sys.executable, str(HARNESS), str(spec_path), str(out_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -140,6 +170,25 @@ def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, 
     assert len(first) == 2 and len(new) == len(PROMPTS)
     reused = {s for slots in new for s in slots} & {s for slots in old for s in slots}
     assert reused, f"no state slot was reused (phase 1 {old}, phase 2 {new}): test is void"
+
+
+#: families vLLM's CPU backend serves in fp32 (its gated delta-net, qwen3_next / qwen3_5,
+#: requires bf16 there: "CPU GDN attention requires BF16.")
+VLLM_CPU_FAMILIES = ("lfm2",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", VLLM_CPU_FAMILIES, indirect=True)
+def test_greedy_equals_vllm_cpu_fp32(family, checkpoint, fresh, tmp_path):
+    """The same requests through vLLM's own CPU backend (fp32, its own Triton-free kernels for
+    the recurrent layers): the same tokens as ours."""
+    spec = {"model": checkpoint, "engine": {**ENGINE, "kv_cache_memory_bytes": 64 * 2**20},
+            "requests": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS]}
+    native = run_llm(spec, tmp_path, native=True, env=_engine_env(family))
+    assert native["platform"] != fresh["platform"]
+    want = [o["completions"][0]["token_ids"] for o in native["outputs"]]
+    got = [o["completions"][0]["token_ids"] for o in fresh["outputs"]]
+    assert got == want
 
 
 # ------------------------------------------------------------------------------- unit tests
@@ -251,3 +300,39 @@ def test_moe_in_low_precision_on_cpu_is_refused(tmp_path):
         check_dtype_supported(model, mx.bfloat16, "cpu")
     check_dtype_supported(model, mx.bfloat16, "metal")
     check_dtype_supported(model, mx.float32, "cpu")
+
+
+def test_lfm2_config_fixups():
+    """mlx-lm's LFM2 reads block_dim / block_ff_dim and always ties its head: transformers'
+    names are mapped, and what mlx-lm would compute differently is refused."""
+    from vllm_unified.models.config import mlx_lm_config
+
+    base = {"model_type": "lfm2", "hidden_size": 160, "intermediate_size": 192,
+            "num_attention_heads": 5, "layer_types": ["conv", "full_attention"],
+            "tie_word_embeddings": True, "conv_dim": 160}
+    cfg = mlx_lm_config(base)
+    assert (cfg["block_dim"], cfg["block_ff_dim"]) == (160, 192)
+    for bad, match in [({"tie_word_embeddings": False}, "untied LM head"),
+                       ({"conv_dim": 128}, "conv_dim 128 != hidden_size"),
+                       ({"block_ff_dim": 100}, "block_ff_dim 100 != intermediate_size"),
+                       ({"layer_types": None}, "neither layer_types nor full_attn_idxs")]:
+        with pytest.raises(ValueError, match=match):
+            mlx_lm_config({**base, **bad})
+
+
+def test_qwen3_5_config_fixups():
+    """transformers' text-only ``qwen3_5_text`` is built as mlx-lm's ``qwen3_5``, whose layer
+    kinds are periodic (every p-th layer full attention); other layouts are refused."""
+    from vllm_unified.models.config import mlx_lm_config, model_classes
+
+    kinds = ["linear_attention", "full_attention"] * 2
+    cfg = mlx_lm_config({"model_type": "qwen3_5_text", "layer_types": kinds})
+    assert (cfg["model_type"], cfg["full_attention_interval"]) == ("qwen3_5", 2)
+    assert model_classes(cfg)[0].__module__ == "mlx_lm.models.qwen3_5"
+    nested = mlx_lm_config({"model_type": "qwen3_5", "text_config": {"layer_types": kinds}})
+    assert nested["text_config"]["full_attention_interval"] == 2
+    with pytest.raises(ValueError, match="not 'every p-th layer is full attention'"):
+        mlx_lm_config({"model_type": "qwen3_5_text",
+                       "layer_types": ["full_attention", "linear_attention"]})
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        mlx_lm_config({"model_type": "qwen3_5_text", "num_experts": 4, "layer_types": kinds})

@@ -144,7 +144,10 @@ def _qwen3_5(cfg: dict[str, Any]) -> None:
     without a ``text_config``; its layer kinds must follow mlx-lm's periodic layout."""
     cfg["model_type"] = "qwen3_5"
     text = cfg.get("text_config")
-    text = text if isinstance(text, dict) else cfg
+    if isinstance(text, Mapping):
+        text = cfg["text_config"] = dict(text)  # a copy: the caller's config stays as it was
+    else:
+        text = cfg
     if int(text.get("num_experts") or 0) > 0:
         raise ValueError("qwen3_5: experts in a dense qwen3_5 config (mixture-of-experts "
                          "checkpoints are qwen3_5_moe)")
