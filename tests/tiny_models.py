@@ -16,7 +16,7 @@ from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 #: Hybrid attention + state-space families (tests/test_hybrid_models.py).
-HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid", "lfm2", "qwen3_5")
+HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid", "lfm2", "qwen3_5", "nemotron_h")
 #: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
 DRAFT_FAMILIES = ("llama_draft",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -220,6 +220,17 @@ def tiny_config(family: str) -> Any:
             linear_num_key_heads=3, linear_num_value_heads=6,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                              "partial_rotary_factor": 0.25},
+        )
+    if family == "nemotron_h":
+        # Dense Nemotron-H: Mamba2 at 0, 3, 4, attention (no RoPE) at 2, MLP-only blocks at 1
+        # and 5 (they hold no cache: mlx-lm's cache list skips them); three query heads over
+        # one KV head; Mamba2 with 2 groups of 4 heads; untied head.
+        return transformers.NemotronHConfig(
+            **{**common, "hidden_size": 96, "num_attention_heads": 3}, num_key_value_heads=1,
+            head_dim=32, layers_block_type=["mamba", "mlp", "attention", "mamba", "mamba", "mlp"],
+            mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,
+            use_conv_bias=True, mamba_proj_bias=False, layer_norm_epsilon=1e-5,
+            tie_word_embeddings=False, mamba_ssm_cache_dtype="float32",
         )
     raise ValueError(f"unknown tiny-model family {family!r} "
                      f"(have: {', '.join(FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES)})")

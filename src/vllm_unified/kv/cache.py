@@ -324,7 +324,7 @@ class KVCache:
             caches[i] = PagedLayerCache(pool, j, self.profile)
         for i in self.layers.recurrent:
             caches[i] = StateLayerCache(store, i)
-        return caches
+        return self.layers.model_caches(caches)
 
     # ------------------------------------------------------------------ per step
     def step_context(self, query_lens: Any, seq_lens: Any, block_table: np.ndarray,

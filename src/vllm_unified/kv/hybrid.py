@@ -10,7 +10,7 @@ block-size alignment used, so the pages vLLM sizes are the pages we fill.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +29,18 @@ class HybridFamily:
         mixer: the attribute of a decoder layer holding its recurrent mixer.
         is_recurrent: decides from the mlx-lm layer whether it is a recurrent one.
         mamba_type: name of vLLM's ``MambaAttentionBackendEnum`` member for its state kind.
+        attention: the attribute of an attention layer holding its attention module.
+        is_stateless: decides whether a layer has neither attention nor recurrent state (an
+            MLP-only block); the model's cache list has no entry for such layers (mlx-lm's
+            Nemotron-H counts caches over attention and Mamba blocks only). None: no such
+            layers.
     """
 
     mixer: str
     is_recurrent: Callable[[Any], bool]
     mamba_type: str
+    attention: str = "self_attn"
+    is_stateless: Callable[[Any], bool] | None = None
 
 
 HYBRID_FAMILIES: dict[str, HybridFamily] = {
@@ -42,6 +49,10 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
                                      "MAMBA2"),
     "lfm2": HybridFamily("conv", lambda layer: not layer.is_attention_layer, "SHORT_CONV"),
     "qwen3_5": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
+    # block kinds: "M" Mamba2, "*" attention, "-" MLP (mlx-lm's hybrid_override_pattern)
+    "nemotron_h": HybridFamily("mixer", lambda layer: layer.block_type == "M", "MAMBA2",
+                               attention="mixer",
+                               is_stateless=lambda layer: layer.block_type not in ("M", "*")),
 }
 
 
@@ -60,6 +71,21 @@ def recurrent_layers(model_type: str, model: nn.Module) -> list[int]:
     if family is None:
         return []
     return [i for i, layer in enumerate(model.layers) if family.is_recurrent(layer)]
+
+
+def stateless_layers(model_type: str, model: nn.Module) -> list[int]:
+    """Indices of the layers with neither attention nor recurrent state (see
+    :attr:`HybridFamily.is_stateless`; empty for most families)."""
+    family = HYBRID_FAMILIES.get(model_type)
+    if family is None or family.is_stateless is None:
+        return []
+    return [i for i, layer in enumerate(model.layers) if family.is_stateless(layer)]
+
+
+def attention_attribute(model_type: str) -> str:
+    """The attribute of an attention layer of ``model_type`` holding its attention module."""
+    family = HYBRID_FAMILIES.get(model_type)
+    return family.attention if family is not None else "self_attn"
 
 
 def mamba_spec(vllm_config: Any, model_type: str):
@@ -100,16 +126,19 @@ class HybridLayers:
 
     For a model that is not hybrid every layer is an attention layer. ``held``: the layer
     indices this worker holds (a pipeline stage's; default all): only they have pages here.
+    ``stateless``: layers with neither (:func:`stateless_layers`), left out of the cache list
+    the model gets (:meth:`model_caches`).
     """
 
     def __init__(self, model_type: str, num_layers: int, recurrent: list[int],
-                 held: range | None = None) -> None:
+                 held: range | None = None, stateless: Collection[int] = ()) -> None:
         self.model_type = model_type
         self.num_layers = num_layers
         held = range(num_layers) if held is None else held
         self.recurrent = [i for i in recurrent if i in held]
-        rec = set(self.recurrent)
-        self.attention = [i for i in held if i not in rec]
+        self.stateless = [i for i in stateless if i in held]
+        skip = set(self.recurrent) | set(self.stateless)
+        self.attention = [i for i in held if i not in skip]
         #: request id -> its state slot per state group, recorded when first scheduled, for
         #: the last ``SLOT_HISTORY`` requests (tests check that a finished request's slot is
         #: reused cleanly; bounded so a long-running server does not grow it)
@@ -118,6 +147,14 @@ class HybridLayers:
     @property
     def is_hybrid(self) -> bool:
         return bool(self.recurrent)
+
+    def model_caches(self, caches: list[Any]) -> list[Any]:
+        """The cache list the model takes: one per layer (``caches``), less the stateless
+        layers'."""
+        if not self.stateless:
+            return caches
+        skip = set(self.stateless)
+        return [c for i, c in enumerate(caches) if i not in skip]
 
     def state_specs(self, vllm_config: Any) -> dict[str, Any]:
         """``{layer name: MambaSpec}`` for the recurrent layers."""

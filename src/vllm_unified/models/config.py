@@ -164,6 +164,20 @@ def _qwen3_5(cfg: dict[str, Any]) -> None:
         text["full_attention_interval"] = p
 
 
+def _nemotron_h(cfg: dict[str, Any]) -> None:
+    kinds = cfg.get("layers_block_type") or cfg.get("layer_types") or []
+    pattern = cfg.get("hybrid_override_pattern") or ""
+    if "moe" in kinds or "E" in pattern:
+        raise ValueError("nemotron_h: mixture-of-experts blocks are not supported yet (dense "
+                         "Nemotron-H only: Mamba2, attention and MLP blocks)")
+    if cfg.get("sliding_window") is not None:
+        raise ValueError(f"nemotron_h: sliding_window={cfg['sliding_window']} is not supported "
+                         "by mlx-lm (it would attend over the full context)")
+    if cfg.get("mlp_hidden_act", "relu2") != "relu2":
+        raise ValueError(f"nemotron_h: mlp_hidden_act {cfg['mlp_hidden_act']!r} (mlx-lm "
+                         "implements relu2)")
+
+
 def _gemma3_text(cfg: dict[str, Any]) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
@@ -216,4 +230,5 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "lfm2": _lfm2,
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
+    "nemotron_h": _nemotron_h,
 }

@@ -62,12 +62,14 @@ def paged_sdpa(
     return cache.attend(queries, scale, window, fresh=(keys, values))
 
 
-def install_paged_attention(model: Any, recurrent: Collection[int] = ()) -> list[str]:
+def install_paged_attention(model: Any, recurrent: Collection[int] = (),
+                            attention: str = "self_attn") -> list[str]:
     """Route the attention of every module that defines a layer of ``model`` to
     :func:`paged_sdpa` (an architecture built from another's layers is covered too).
 
     ``recurrent``: indices of layers without attention here: state-space layers (hybrid
-    models) and layers another pipeline stage holds.
+    models), MLP-only blocks and layers another pipeline stage holds. ``attention``: the
+    attribute of a layer holding its attention module.
     Idempotent. Returns the names of the modules patched, for the log.
 
     Raises:
@@ -79,7 +81,7 @@ def install_paged_attention(model: Any, recurrent: Collection[int] = ()) -> list
     for i, layer in enumerate(model.layers):
         if i in recurrent:
             continue
-        attn = getattr(layer, "self_attn", None)
+        attn = getattr(layer, attention, None)
         module = sys.modules.get(type(attn).__module__) if attn is not None else None
         if getattr(module, "scaled_dot_product_attention", None) is not paged_sdpa:
             raise ValueError(

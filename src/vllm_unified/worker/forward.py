@@ -52,9 +52,16 @@ def _inner_forward(model: nn.Module, layer_caches: list[Any], input_ids: mx.arra
                    input_embeddings: mx.array | None) -> mx.array:
     """The mlx-lm inner model over ``[T, 1]`` rows: ``[T, 1, D]``."""
     if input_embeddings is None:
-        return model.model(input_ids[:, None], cache=layer_caches)
-    return model.model(input_ids[:, None], cache=layer_caches,
-                       input_embeddings=input_embeddings[:, None, :])
+        return _inner(model)(input_ids[:, None], cache=layer_caches)
+    return _inner(model)(input_ids[:, None], cache=layer_caches,
+                         input_embeddings=input_embeddings[:, None, :])
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The decoder stack without the head: ``model`` (most mlx-lm architectures) or
+    ``backbone`` (Nemotron-H, Mamba)."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None else model.backbone
 
 
 def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
@@ -64,4 +71,6 @@ def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
         model = model.language_model
     if "lm_head" in model:
         return model.lm_head(hidden)
-    return model.model.embed_tokens.as_linear(hidden)
+    inner = _inner(model)
+    embedding = inner.embed_tokens if "embed_tokens" in inner else inner.embeddings
+    return embedding.as_linear(hidden)

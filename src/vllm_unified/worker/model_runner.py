@@ -53,7 +53,7 @@ from vllm_unified.kv.attention.dispatch import gpu_attention_routed
 from vllm_unified.kv.block_reuse import prefix_cache_retain_tokens
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.forward_context import StepContext, set_step_context
-from vllm_unified.kv.hybrid import HybridLayers
+from vllm_unified.kv.hybrid import HybridLayers, attention_attribute, stateless_layers
 from vllm_unified.kv.page_release import PageRelease, placements
 from vllm_unified.memory.mlx_log import MemoryLog
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
@@ -276,9 +276,11 @@ class MLXModelRunner:
                              f"{self.stage.num_layers}")
         self.layers = HybridLayers(model_type, num_layers,
                                    install_recurrent_mixers(model_type, self.model),
-                                   held=self.stage.layers)
+                                   held=self.stage.layers,
+                                   stateless=stateless_layers(model_type, self.model))
         patched = install_paged_attention(
-            self.model, [i for i in range(num_layers) if i not in self.layers.attention])
+            self.model, [i for i in range(num_layers) if i not in self.layers.attention],
+            attention_attribute(model_type))
         cpu_kernels = install_cpu_kernels(self.model)
         fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
         gemm = install_gpu_gemm(self.model) if self.backend.gpu_gemm else 0
