@@ -254,7 +254,7 @@ def _randomize(model: Any, family: str, seed: int) -> None:
                 p.copy_(noise / math.sqrt(p.shape[1]))
             elif p.ndim == 3:  # depthwise conv1d [channels, 1, kernel]
                 p.copy_(noise / math.sqrt(p.shape[-1]))
-            elif name.endswith("norm.weight"):
+            elif name.endswith(("norm.weight", "norm_f.weight")):
                 # Gemma and Qwen3-Next (except the gated delta-net's output norm) scale by
                 # (1 + w): keep their weights near 0, the others near 1
                 centred = family == "gemma3" or (
