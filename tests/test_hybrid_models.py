@@ -49,10 +49,12 @@ HARNESS = Path(__file__).resolve().parent / "hybrid_harness.py"
 
 #: bytes of one page of each family's tiny model (one attention page of vLLM's aligned block
 #: size over the attention layers = one padded state page)
-PAGE_BYTES = {"qwen3_next": 24576, "granitemoehybrid": 24576, "lfm2": 8192, "qwen3_5": 65536}
+PAGE_BYTES = {"qwen3_next": 24576, "granitemoehybrid": 24576, "lfm2": 8192, "qwen3_5": 65536,
+              "nemotron_h": 12288}
 #: pages that hold two of the leak test's requests but not four (vLLM then preempts): per
 #: request one block per state group plus its attention blocks, and vLLM's null block
-LEAK_TEST_PAGES = {"qwen3_next": 13, "granitemoehybrid": 13, "lfm2": 17, "qwen3_5": 9}
+LEAK_TEST_PAGES = {"qwen3_next": 13, "granitemoehybrid": 13, "lfm2": 17, "qwen3_5": 9,
+                   "nemotron_h": 13}
 #: families whose engine runs in CI (one engine each); the others, and every family's second
 #: engine (the leak test) except qwen3_next's, run in the slow tier
 CI_FAMILIES = ("qwen3_next", "lfm2", "qwen3_5")
@@ -336,3 +338,40 @@ def test_qwen3_5_config_fixups():
                        "layer_types": ["full_attention", "linear_attention"]})
     with pytest.raises(ValueError, match="mixture-of-experts"):
         mlx_lm_config({"model_type": "qwen3_5_text", "num_experts": 4, "layer_types": kinds})
+
+
+@pytest.mark.parametrize("model_type, match", [
+    ("mamba", "attention-free model"), ("mamba2", "attention-free model"),
+    ("falcon_mamba", "attention-free model"),
+    ("falcon_h1", "Mamba2 mixer and attention side by side"),
+])
+def test_unsupported_recurrent_families_are_refused_at_load(model_type, match):
+    from vllm_unified.models.config import mlx_lm_config
+
+    with pytest.raises(ValueError, match=f"{model_type}: .*{match}"):
+        mlx_lm_config({"model_type": model_type})
+
+
+def test_nemotron_h_config_fixups():
+    from vllm_unified.models.config import mlx_lm_config
+
+    base = {"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention", "mlp"]}
+    assert mlx_lm_config(base)["layers_block_type"] == base["layers_block_type"]
+    for bad, match in [({"layers_block_type": ["mamba", "moe"]}, "mixture-of-experts"),
+                       ({"hybrid_override_pattern": "M*E"}, "mixture-of-experts"),
+                       ({"sliding_window": 64}, "sliding_window=64"),
+                       ({"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu'")]:
+        with pytest.raises(ValueError, match=match):
+            mlx_lm_config({**base, **bad})
+
+
+def test_cache_lists_skip_stateless_layers():
+    """Nemotron-H's MLP-only blocks hold no cache: neither attention pages nor state, and the
+    model's cache list (mlx-lm counts caches over attention and Mamba blocks) skips them."""
+    from vllm_unified.kv.hybrid import HybridLayers
+
+    layers = HybridLayers("nemotron_h", 6, [0, 3, 4], stateless=[1, 5])
+    assert layers.attention == [2] and layers.recurrent == [0, 3, 4]
+    assert layers.model_caches(list("abcdef")) == list("acde")
+    plain = HybridLayers("qwen3_next", 4, [0, 1, 2])
+    assert plain.model_caches(list("abcd")) == list("abcd")

@@ -103,6 +103,9 @@ class KVCache:
 
     def __init__(self, profile: BackendProfile, layers: HybridLayers, shape: AttentionShape,
                  windows: dict[int, int | None], dtype: mx.Dtype) -> None:
+        if not layers.attention and layers.recurrent:
+            raise ValueError(f"{layers.model_type}: no attention layer here (every layer is "
+                             "recurrent); the KV cache needs at least one")
         self.profile = profile
         self.layers = layers
         self.shape = shape

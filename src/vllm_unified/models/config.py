@@ -178,6 +178,17 @@ def _nemotron_h(cfg: dict[str, Any]) -> None:
                          "implements relu2)")
 
 
+def _attention_free(cfg: dict[str, Any]) -> None:
+    raise ValueError(f"{cfg['model_type']}: an attention-free model (every layer recurrent) "
+                     "is not supported yet: vllm-unified's KV cache needs at least one "
+                     "attention layer")
+
+
+def _falcon_h1(cfg: dict[str, Any]) -> None:
+    raise ValueError("falcon_h1: layers that run a Mamba2 mixer and attention side by side "
+                     "(one layer on both KV pages and state pages) are not supported yet")
+
+
 def _gemma3_text(cfg: dict[str, Any]) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
@@ -231,4 +242,8 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
     "nemotron_h": _nemotron_h,
+    "falcon_h1": _falcon_h1,
+    "mamba": _attention_free,
+    "mamba2": _attention_free,
+    "falcon_mamba": _attention_free,
 }
