@@ -176,7 +176,7 @@ def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, 
 
 #: families vLLM's CPU backend serves in fp32 (its gated delta-net, qwen3_next / qwen3_5,
 #: requires bf16 there: "CPU GDN attention requires BF16.")
-VLLM_CPU_FAMILIES = ("lfm2",)
+VLLM_CPU_FAMILIES = ("lfm2", "nemotron_h")
 
 
 @pytest.mark.slow
