@@ -210,14 +210,15 @@ def tiny_config(family: str) -> Any:
     if family == "qwen3_5":
         # Qwen3.5 text-only dense (transformers' qwen3_5_text): gated delta-net at 0, 1, 2 and
         # 4, 5, 6, full attention at 3 and 7 (every 4th layer, as mlx-lm builds it); three
-        # query heads over one KV head; gated delta-net with 3 key heads and 6 value heads;
-        # partial rotary; untied head.
+        # query heads over one KV head; gated delta-net with 3 value heads per key head (a
+        # state small enough for vLLM to align attention pages at 64 tokens, so requests grow
+        # across blocks and can be preempted); partial rotary; untied head.
         return transformers.Qwen3_5TextConfig(
             **{**common, "num_attention_heads": 3}, num_hidden_layers=8, num_key_value_heads=1,
             head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
             linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
-            linear_num_key_heads=3, linear_num_value_heads=6,
+            linear_num_key_heads=1, linear_num_value_heads=3,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                              "partial_rotary_factor": 0.25},
         )
