@@ -53,7 +53,7 @@ PAGE_BYTES = {"qwen3_next": 24576, "granitemoehybrid": 24576, "lfm2": 8192, "qwe
               "nemotron_h": 12288}
 #: pages that hold two of the leak test's requests but not four (vLLM then preempts): per
 #: request one block per state group plus its attention blocks, and vLLM's null block
-LEAK_TEST_PAGES = {"qwen3_next": 13, "granitemoehybrid": 13, "lfm2": 17, "qwen3_5": 11,
+LEAK_TEST_PAGES = {"qwen3_next": 13, "granitemoehybrid": 13, "lfm2": 17, "qwen3_5": 10,
                    "nemotron_h": 13}
 #: families whose engine runs in CI (one engine each); the others, and every family's second
 #: engine (the leak test) except qwen3_next's, run in the slow tier
