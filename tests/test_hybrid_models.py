@@ -379,3 +379,18 @@ def test_cache_lists_skip_stateless_layers():
     assert layers.model_caches(list("abcdef")) == list("acde")
     plain = HybridLayers("qwen3_next", 4, [0, 1, 2])
     assert plain.model_caches(list("abcd")) == list("abcd")
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_token_major_forward_equals_mlx_lm_call(family, tmp_path):
+    """The runner's forward pieces (decoder stack under ``model`` / ``backbone`` /
+    ``language_model``, then the head on chosen rows) give mlx-lm's own ``model(inputs)``
+    logits: the head's wrapper, tied embedding and Granite's logits scaling included."""
+    from vllm_unified.worker.forward import _inner, _lm_head
+
+    folder = make_tiny_checkpoint(tmp_path, family)
+    model = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False).model
+    ids = mx.array([PROMPTS[1]])
+    want = model(ids)[0]
+    got = _lm_head(model, _inner(model)(ids)[0])
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

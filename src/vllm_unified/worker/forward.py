@@ -66,11 +66,15 @@ def _inner(model: nn.Module) -> nn.Module:
 
 def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
     """The architecture's output projection: ``lm_head`` or the tied embedding (of the text
-    model a multimodal wrapper such as Qwen3.5's holds as ``language_model``)."""
+    model a multimodal wrapper such as Qwen3.5's holds as ``language_model``), divided by
+    Granite's ``logits_scaling`` where the model has one (mlx-lm's ``Model.__call__`` does)."""
     if "language_model" in model:
         model = model.language_model
     if "lm_head" in model:
-        return model.lm_head(hidden)
-    inner = _inner(model)
-    embedding = inner.embed_tokens if "embed_tokens" in inner else inner.embeddings
-    return embedding.as_linear(hidden)
+        logits = model.lm_head(hidden)
+    else:
+        inner = _inner(model)
+        embedding = inner.embed_tokens if "embed_tokens" in inner else inner.embeddings
+        logits = embedding.as_linear(hidden)
+    scaling = getattr(model, "logits_scaling", None)
+    return logits if scaling is None else logits / scaling
