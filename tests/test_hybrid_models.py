@@ -185,16 +185,23 @@ VLLM_CPU_FAMILIES = ("lfm2", "nemotron_h")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", VLLM_CPU_FAMILIES, indirect=True)
-def test_greedy_equals_vllm_cpu_fp32(family, checkpoint, fresh, tmp_path):
-    """The same requests through vLLM's own CPU backend (fp32, its own Triton-free kernels for
-    the recurrent layers): the same tokens as ours."""
-    spec = {"model": checkpoint, "engine": {**ENGINE, "kv_cache_memory_bytes": 64 * 2**20},
-            "requests": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS]}
-    native = run_llm(spec, tmp_path, native=True, env=_engine_env(family))
-    assert native["platform"] != fresh["platform"]
-    want = [o["completions"][0]["token_ids"] for o in native["outputs"]]
-    got = [o["completions"][0]["token_ids"] for o in fresh["outputs"]]
-    assert got == want
+def test_greedy_and_logprobs_equal_vllm_cpu_fp32(family, checkpoint, tmp_path):
+    """The same requests (with top-3 logprobs) through vLLM's own CPU backend in fp32: the
+    same tokens as ours, every step's top-3 logprobs within 1e-3."""
+    params = {**GREEDY, "logprobs": 3}
+    spec = {"model": checkpoint, "engine": _engine(family),
+            "requests": [{"prompt_token_ids": p, "params": params} for p in PROMPTS]}
+    ours = run_llm(spec, tmp_path, env=_engine_env(family))
+    native = run_llm({**spec, "engine": {**ENGINE, "kv_cache_memory_bytes": 64 * 2**20}},
+                     tmp_path, native=True, env=_engine_env(family))
+    assert native["platform"] != ours["platform"]
+    for i, (o, r) in enumerate(zip(ours["outputs"], native["outputs"], strict=True)):
+        got, want = o["completions"][0], r["completions"][0]
+        assert got["token_ids"] == want["token_ids"], f"prompt {i}"
+        for step, (a, b) in enumerate(zip(got["logprobs"], want["logprobs"], strict=True)):
+            assert [t for t, _, _ in a] == [t for t, _, _ in b], f"prompt {i} step {step}"
+            np.testing.assert_allclose([lp for _, lp, _ in a], [lp for _, lp, _ in b],
+                                       atol=1e-3, err_msg=f"prompt {i} step {step}")
 
 
 # ------------------------------------------------------------------------------- unit tests
