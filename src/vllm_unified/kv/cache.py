@@ -120,6 +120,9 @@ class KVCache:
                  windows: dict[int, int | None], dtype: mx.Dtype,
                  kv_shapes: dict[int, tuple[int, int]] | None = None,
                  shared: dict[int, int] | None = None) -> None:
+        if not layers.attention and layers.recurrent:
+            raise ValueError(f"{layers.model_type}: no attention layer here (every layer is "
+                             "recurrent); the KV cache needs at least one")
         self.profile = profile
         self.layers = layers
         self.shape = shape

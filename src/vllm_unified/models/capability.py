@@ -28,10 +28,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from vllm_unified.kv.hybrid import HYBRID_FAMILIES
+from vllm_unified.kv.hybrid import HYBRID_FAMILIES, stateless_layers
 from vllm_unified.models import routing
 from vllm_unified.models.attention_adapters import install_attention_adapters
-from vllm_unified.models.output_head import lm_head
+from vllm_unified.models.output_head import decoder, lm_head
 
 __all__ = ["AttentionSlot", "ModelLayout", "UnsupportedModel", "check_model", "route_model"]
 
@@ -167,7 +167,12 @@ def route_model(
     patched = routing.install_paged_attention(model) + install_attention_adapters(model)
     layout = check_model(model, config, recurrent_families=HYBRID_FAMILIES, kv_shape=kv_shape,
                          config_window=config_window, probe=probe)
-    if mixers != layout.recurrent:
+    # mlx-lm's cache list skips a family's stateless (MLP-only) layers: slot = layer index
+    # among the others
+    stateless = set(stateless_layers(model_type, model))
+    slot_of = {layer: slot for slot, layer in enumerate(
+        i for i in range(len(model.layers)) if i not in stateless)}
+    if [slot_of.get(i) for i in mixers] != layout.recurrent:
         raise UnsupportedModel(model_type, f"recurrent layers {mixers} at other cache slots "
                                f"({layout.recurrent})")
     return layout, patched
@@ -340,9 +345,9 @@ def _check_head(model: nn.Module, model_type: str, prompt: mx.array, expected: m
 
     caches = make_prompt_cache(model)
     try:
-        hidden = model.model(prompt, cache=caches)
+        hidden = decoder(model)(prompt, cache=caches)
         got = lm_head(model, hidden[0])[None]
-        got = mx.concatenate([got, lm_head(model, model.model(mx.array([[6]]),
+        got = mx.concatenate([got, lm_head(model, decoder(model)(mx.array([[6]]),
                                                               cache=caches)[0])[None]], axis=1)
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 - re-raised with the model named
