@@ -43,23 +43,22 @@ def paged_sdpa(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention`` signature, paged for a
-    :class:`PagedLayerCache`, mlx-lm's own function for any other cache.
+    :class:`PagedLayerCache`, mlx-lm's own function for any other cache. ``sinks``: ``[H]``
+    attention sinks of any float dtype (gpt-oss), computed by every paged kernel.
 
     Raises:
-        NotImplementedError: attention sinks with a paged cache.
         TypeError: a dense mask with a paged cache.
+        ValueError: sinks that are not ``[H]`` for the queries' H heads.
     """
     if not isinstance(cache, PagedLayerCache):
         return patches.original_mlx_lm_sdpa()(queries, keys, values, cache, scale=scale,
                                               mask=mask, sinks=sinks)
-    if sinks is not None:
-        raise NotImplementedError("attention sinks are not supported by the paged kernel yet")
     if mask is not None and not isinstance(mask, PagedMask):
         raise TypeError(f"unexpected attention mask {type(mask).__name__} with a paged cache")
     window = mask.window if isinstance(mask, PagedMask) else None
     # keys/values are this step's rows as the cache wrote them (update_and_fetch returns its
     # inputs): a prefill chunk with no earlier context attends to exactly these.
-    return cache.attend(queries, scale, window, fresh=(keys, values))
+    return cache.attend(queries, scale, window, fresh=(keys, values), sinks=sinks)
 
 
 def install_paged_attention(model: Any, recurrent: Collection[int] = ()) -> list[str]:
