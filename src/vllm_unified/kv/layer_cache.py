@@ -26,6 +26,7 @@ from vllm_unified.backend import BackendProfile
 from vllm_unified.kv.attention import dispatch
 from vllm_unified.kv.attention.qk_prologue import QKPrologue
 from vllm_unified.kv.forward_context import get_step_context
+from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.state_pages import StatePages, StateStore
 
@@ -142,7 +143,7 @@ class PagedLayerCache(_PagedMaskSource):
         attend = dispatch.fused_decode_kernel(dim, self.backend)
         out = attend(queries.reshape(queries.shape[0], heads, 1, dim),
                      self._arrays()[self.layer], meta, scale, window, prologue=prologue,
-                     after=token, softcap=softcap, sinks=sinks)
+                     after=token, **gpu_paged.options(softcap, sinks))
         return out if out.dtype == out_dtype else out.astype(out_dtype)
 
     def is_trimmable(self) -> bool:

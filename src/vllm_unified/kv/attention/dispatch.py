@@ -72,13 +72,13 @@ def paged_attention_kv(
         return _quantized_attention(queries, kv_pool, meta, scale, window, backend, kv_format,
                                     rht_signs, fresh, after, softcap, sinks)
     reference.check_kv_pool(queries, kv_pool, meta, window)
-    if meta.num_tokens and _cpu_rows_kernel(backend, softcap, sinks):
+    if meta.num_tokens and _cpu_rows_kernel(backend) and cpu_attention.takes(softcap, sinks):
         return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
                                                   softcap=softcap, sinks=sinks)
     gpu_kernel = _gpu_kernel(queries.shape[-1], backend)
     if gpu_kernel is not None and meta.num_tokens:
         return gpu_kernel(queries, kv_pool, meta, scale, window, fresh, after=after,
-                          softcap=softcap, sinks=sinks)
+                          **gpu_paged.options(softcap, sinks))
     # The native CPU primitive copies both halves of each row in one pass, where MLX's generic
     # gather reads the two strided halves separately. Same values either way
     # (tests/test_paged_attention.py compares them).
@@ -98,7 +98,7 @@ def _quantized_attention(
     head_dim = queries.shape[-1]
     raw = reference.fresh_rows(queries, meta, fmt, fresh)
     gpu = _gpu_kernel(head_dim, backend) is not None
-    if _cpu_rows_kernel(backend) and not _cpu_rows_kernel(backend, softcap, sinks):
+    if _cpu_rows_kernel(backend) and not cpu_attention.takes(softcap, sinks):
         # a native build without the options: the reference's dequantize + SDPA
         return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh, fmt,
                                             after, softcap=softcap, sinks=sinks)
@@ -113,7 +113,7 @@ def _quantized_attention(
     if gpu and not _cpu_rows_kernel(backend):
         return gpu_paged_quant.paged_gpu_attention_quant(
             backend.gpu_attention, queries, kv_pool, meta, scale, window, fmt, rht_signs,
-            fresh=fresh, after=after, softcap=softcap, sinks=sinks)
+            fresh=fresh, after=after, **gpu_paged.options(softcap, sinks))
     return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
                                               fmt.native_mode, rht_signs, raw, softcap, sinks)
 
@@ -147,8 +147,8 @@ def fused_decode_kernel(head_dim: int, backend: BackendProfile | None
     return _gpu_kernel(head_dim, backend)
 
 
-def _cpu_rows_kernel(backend: BackendProfile, softcap: float | None = None,
-                     sinks: mx.array | None = None) -> bool:
+def _cpu_rows_kernel(backend: BackendProfile) -> bool:
     """Attend every row of a step with the native CPU kernel (kv/attention/cpu.py): the
-    profile's ``cpu_attention``, where the extension takes ``softcap`` and ``sinks``."""
-    return backend.cpu_attention and cpu_attention.takes(softcap, sinks)
+    profile's ``cpu_attention`` (:func:`~vllm_unified.kv.attention.cpu.takes` says whether
+    it computes soft-capping and sinks)."""
+    return backend.cpu_attention

@@ -215,6 +215,17 @@ def option_template(softcap: float | None, sinks: mx.array | None) -> list[tuple
     return [("SOFTCAP", int(softcap is not None)), ("SINKS", int(sinks is not None))]
 
 
+def options(softcap: float | None, sinks: mx.array | None) -> dict[str, object]:
+    """The keyword arguments of a launch for these options: none when neither is set (so a
+    launch is called as before they existed)."""
+    out: dict[str, object] = {}
+    if softcap is not None:
+        out["softcap"] = softcap
+    if sinks is not None:
+        out["sinks"] = sinks
+    return out
+
+
 @functools.cache
 def no_write() -> mx.array:
     """The ``after`` input when nothing wrote the pool in this evaluation."""
@@ -340,7 +351,7 @@ def paged_gpu_attention(
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
-                      1, True, prologue, after, softcap=softcap, sinks=sinks)
+                      1, True, prologue, after, **options(softcap, sinks))
     if prologue is not None:
         raise ValueError("the query prologue is applied in pure-decode steps only")
     rows = q_tile(heads // kv_pool.shape[1], dim)
@@ -349,7 +360,7 @@ def paged_gpu_attention(
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
-                     meta.block_size, rows, False, None, after, softcap=softcap, sinks=sinks)
+                     meta.block_size, rows, False, None, after, **options(softcap, sinks))
     if not plan.sdpa:
         return out
     pieces = []

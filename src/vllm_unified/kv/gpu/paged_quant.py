@@ -215,7 +215,7 @@ def paged_gpu_attention_quant(
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
-                      1, True, fmt, signs, after, softcap, sinks)
+                      1, True, fmt, signs, after, **gpu_paged.options(softcap, sinks))
     limit = gpu_paged.MAX_KERNEL_CHUNK if max_chunk is None else max_chunk
     if fmt.turboquant:  # chunks that read their own K/V unquantized never reach the kernel
         if fresh is None and meta.fresh_key_rows(TQ_SHORT_CONTINUATION) is not None:
@@ -228,7 +228,8 @@ def paged_gpu_attention_quant(
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
-                     meta.block_size, rows, False, fmt, signs, after, softcap, sinks)
+                     meta.block_size, rows, False, fmt, signs, after,
+                     **gpu_paged.options(softcap, sinks))
     if not plan.sdpa:
         return out
     pieces = []
