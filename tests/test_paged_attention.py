@@ -468,3 +468,43 @@ def test_native_gather_kv_rejects_out_of_range_rows() -> None:
     lazy = mx.array([3], dtype=mx.int32) + 20  # not computed yet: checked when it runs
     with pytest.raises(RuntimeError, match="out of range"):
         mx.eval(bridge.gather_kv(pool, lazy))
+
+
+@pytest.mark.parametrize("accelerate", [True, False], ids=["kernel", "reference"])
+def test_gpt_oss_attention_sinks_through_the_paged_cache(accelerate, monkeypatch) -> None:
+    """mlx-lm's gpt-oss attention layer (learned sinks, GQA) routed to the paged cache
+    (routing.paged_sdpa -> PagedLayerCache.attend -> dispatch: the native CPU kernel, or the
+    reference) gives mlx-lm's own outputs with its KVCache: a prompt, then two decode steps."""
+    from mlx_lm.models import gpt_oss
+    from mlx_lm.models.cache import KVCache
+
+    from vllm_unified.kv.forward_context import StepContext, set_step_context
+    from vllm_unified.kv.layer_cache import PagedLayerCache, PagedMask
+    from vllm_unified.kv.pool import KVPool
+    from vllm_unified.models.routing import paged_sdpa
+
+    if not accelerate:
+        original = paged.paged_attention_kv
+        monkeypatch.setattr(paged, "paged_attention_kv",
+                            lambda *a, **k: original(*a, **{**k, "accelerate": False}))
+    mx.random.seed(7)
+    args = gpt_oss.ModelArgs(hidden_size=40, head_dim=16, num_attention_heads=6,
+                             num_key_value_heads=2, num_hidden_layers=1, vocab_size=32)
+    attn = gpt_oss.AttentionBlock(args)
+    attn.sinks = mx.random.normal((6,)) * 2
+    monkeypatch.setattr(gpt_oss, "scaled_dot_product_attention", paged_sdpa)
+    xs = mx.random.normal((1, 14, 40))
+    cache = KVCache()
+    want = [attn(xs[:, :12], mask="causal", cache=cache)]
+    want += [attn(xs[:, t:t + 1], mask=None, cache=cache) for t in (12, 13)]
+
+    block = 4
+    pool = KVPool([mx.zeros((6 * block, 2, 32))], block, shared=False)
+    layer = PagedLayerCache(pool, 0)
+    tables = np.array([[5, 2, 0, 3]], dtype=np.int32)
+    for (start, stop), expect in zip(((0, 12), (12, 13), (13, 14)), want, strict=True):
+        meta = build_attention_metadata([stop - start], [stop], tables, block)
+        with set_step_context(StepContext(attn=meta)):
+            got = attn(xs[0, start:stop][:, None], mask=PagedMask(None), cache=layer)
+        mx.eval(got, pool.kv)
+        np.testing.assert_allclose(np.array(got)[:, 0], np.array(expect)[0], atol=2e-5)
