@@ -171,6 +171,13 @@ def test_paged_attention_rejects_bad_input():
         native.paged_attention(q, pool, tables, seqs, lens, 1.0, 5)
     with pytest.raises(ValueError, match="window"):
         native.paged_attention(q, pool, tables, seqs, lens, 1.0, 8, -1)
+    with pytest.raises(ValueError, match="softcap"):
+        native.paged_attention(q, pool, tables, seqs, lens, 1.0, 8, softcap=-1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        native.paged_attention(q, pool, tables, seqs, lens, 1.0, 8, sinks=mx.zeros((3,)))
+    with pytest.raises(ValueError, match="sinks"):
+        native.paged_attention(q, pool, tables, seqs, lens, 1.0, 8,
+                               sinks=mx.zeros((4,), mx.int32))
     outside = mx.array([[0, 1], [2, 9]], dtype=mx.int32)  # block 9 of a 4-block pool
     with pytest.raises(RuntimeError, match="outside a pool"):
         mx.eval(native.paged_attention(q, pool, outside, seqs, mx.array([3, 12], mx.int32),
