@@ -27,7 +27,10 @@ import functools
 import mlx.core as mx
 
 from vllm_unified import bridge
+from vllm_unified.compat import init_logger
 from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
+
+logger = init_logger(__name__)
 
 
 def paged_attention_rows(
@@ -96,4 +99,9 @@ def takes(softcap: float | None, sinks: mx.array | None) -> bool:
 @functools.cache
 def _has_logit_options() -> bool:
     native = bridge.native_kernels()
-    return native is not None and "sinks" in (native.paged_attention.__doc__ or "")
+    ok = native is not None and "sinks" in (native.paged_attention.__doc__ or "")
+    if not ok:
+        logger.warning("the native CPU attention kernel was built without soft-capping and "
+                       "sinks: layers that use them are attended by the pure-MLX reference "
+                       "(rebuild the extension with scripts/setup.sh)")
+    return ok
