@@ -26,6 +26,7 @@ from vllm_unified.backend import BackendProfile
 from vllm_unified.kv.attention import dispatch
 from vllm_unified.kv.attention.qk_prologue import QKPrologue
 from vllm_unified.kv.forward_context import get_step_context
+from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.state_pages import StatePages, StateStore
 
@@ -87,17 +88,20 @@ class PagedLayerCache(_PagedMaskSource):
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, window: int | None,
-               fresh: tuple[mx.array, mx.array] | None = None) -> mx.array:
+               fresh: tuple[mx.array, mx.array] | None = None,
+               softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
         """Paged attention of ``queries`` ``[T, H, 1, D]`` over this layer's pool (after this
         step's write); ``fresh``: the keys and values this step wrote (``update_and_fetch``'s
-        result), which a GPU kernel may attend directly for chunks with no earlier context.
-        See :func:`vllm_unified.kv.attention.dispatch.paged_attention_kv`."""
+        result), which a GPU kernel may attend directly for chunks with no earlier context;
+        ``softcap``: attention logit soft-capping; ``sinks``: ``[H]`` sink logits (any float
+        dtype). See :func:`vllm_unified.kv.attention.dispatch.paged_attention_kv`."""
         ctx = get_step_context()
         return dispatch.paged_attention_kv(queries, self._arrays()[self.layer], ctx.attn,
-                                  scale, window, backend=self.backend, fresh=fresh,
-                                  kv_format=self.pool.layer_format(self.layer),
-                                  rht_signs=self.pool.signs,
-                                  after=ctx.written.get(self.layer))
+                                           scale, window, backend=self.backend, fresh=fresh,
+                                           kv_format=self.pool.layer_format(self.layer),
+                                           rht_signs=self.pool.signs,
+                                           after=ctx.written.get(self.layer),
+                                           softcap=softcap, sinks=sinks)
 
     def fuses_decode(self, dtype: mx.Dtype, head_dim: int) -> bool:
         """Whether this step's attention of ``head_dim`` heads in ``dtype`` may take raw
@@ -113,7 +117,8 @@ class PagedLayerCache(_PagedMaskSource):
 
     def attend_raw(self, queries: mx.array, keys: mx.array, values: mx.array,
                    prologue: QKPrologue, heads: int, scale: float,
-                   window: int | None) -> mx.array:
+                   window: int | None, softcap: float | None = None,
+                   sinks: mx.array | None = None) -> mx.array:
         """Write and attend one pure-decode step from raw projections: the keys normalised and
         rotated by the write kernel, the queries by the attention kernel
         (:mod:`vllm_unified.kv.attention.qk_prologue`). Only where :meth:`fuses_decode` holds.
@@ -123,7 +128,7 @@ class PagedLayerCache(_PagedMaskSource):
             keys, values: ``[T, 1, Hkv * D]``, the key and value projections.
             prologue: the layer's norms and rotation.
             heads: query heads.
-            scale, window: as :meth:`attend`.
+            scale, window, softcap, sinks: as :meth:`attend`.
 
         Returns:
             ``[T, heads, 1, D]`` in the queries' dtype, lazily (projections of another dtype
@@ -141,7 +146,7 @@ class PagedLayerCache(_PagedMaskSource):
         attend = dispatch.fused_decode_kernel(dim, self.backend)
         out = attend(queries.reshape(queries.shape[0], heads, 1, dim),
                      self._arrays()[self.layer], meta, scale, window, prologue=prologue,
-                     after=token)
+                     after=token, **gpu_paged.options(softcap, sinks))
         return out if out.dtype == out_dtype else out.astype(out_dtype)
 
     def is_trimmable(self) -> bool:

@@ -323,8 +323,6 @@ def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
         raise UnsupportedModel(model_type, "attention computed outside mlx-lm's "
                                "scaled_dot_product_attention (e.g. logit soft-capping or a "
                                "custom kernel)", i)
-    if record.sinks:
-        raise UnsupportedModel(model_type, "attention sinks", i)
     shapes = set(record.writes)
     if len(shapes) != 1:
         raise UnsupportedModel(model_type, f"key/value shapes that change between steps "

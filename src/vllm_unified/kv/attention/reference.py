@@ -100,6 +100,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of every scheduled token over its own sequence's keys in the paged pool.
 
@@ -115,18 +117,26 @@ def paged_attention(
         meta: the step's metadata (``meta.num_tokens == T``).
         scale: multiplier of the scores, usually ``D ** -0.5``.
         window: sliding-window size in tokens, or ``None`` for full attention.
+        softcap: attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``, vLLM's
+            ``logits_soft_cap``): the scaled scores become ``softcap * tanh(scores /
+            softcap)`` before the mask and the softmax; ``None``: none.
+        sinks: attention sinks (gpt-oss), ``[H]`` of any float dtype: one logit per query
+            head that joins the softmax's denominator and contributes no value, as
+            ``mx.fast.scaled_dot_product_attention(..., sinks=)``; ``None``: none.
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype, rows in token order.
 
     Raises:
-        ValueError: on shape mismatches, a window < 1, or a pool of more than 2**31 rows
-            (``slots * Hkv``; gather indices are int32).
+        ValueError: on shape mismatches, a window < 1, a softcap <= 0, sinks that are not
+            ``[H]``, or a pool of more than 2**31 rows (``slots * Hkv``; gather indices are
+            int32).
     """
     _check_inputs(queries.shape, k_pool.shape, v_pool.shape, meta, window)
+    check_logit_options(queries.shape[1], softcap, sinks)
     k_rows, v_rows = _rows_view(k_pool), _rows_view(v_pool)
     return _attend(queries, lambda rows: (k_rows[rows], v_rows[rows]), k_pool.shape[1], meta,
-                   scale, window)
+                   scale, window, softcap, sinks)
 
 
 def paged_attention_kv(
@@ -139,6 +149,8 @@ def paged_attention_kv(
     kv_format: KVFormat | None = None,
     after: mx.array | None = None,
     gather_rows: RowsGather | None = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """:func:`paged_attention` over one pool holding K and V side by side: MLX's gather + SDPA.
 
@@ -163,13 +175,17 @@ def paged_attention_kv(
     (:func:`vllm_unified.kv.gpu.write.ordered_after`), taken as an input by the gather, so the
     GPU runs the read after the write; None when nothing wrote it.
 
+    ``softcap``, ``sinks``: as :func:`paged_attention`.
+
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D`` (the
             format's cell bytes).
     """
     if kv_format is not None and kv_format.quantized:
-        return _quantized_attention(queries, kv_pool, meta, scale, window, kv_format, fresh)
+        return _quantized_attention(queries, kv_pool, meta, scale, window, kv_format, fresh,
+                                    softcap, sinks)
     check_kv_pool(queries, kv_pool, meta, window)
+    check_logit_options(queries.shape[1], softcap, sinks)
     head_dim = queries.shape[-1]
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
 
@@ -180,7 +196,23 @@ def paged_attention_kv(
             return gathered
         return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
 
-    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window)
+    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, softcap, sinks)
+
+
+def check_logit_options(heads: int, softcap: float | None, sinks: mx.array | None) -> None:
+    """The checks of ``softcap`` and ``sinks`` (:func:`paged_attention`) for ``heads`` query
+    heads.
+
+    Raises:
+        ValueError: a softcap that is not a finite number > 0, or sinks that are not a
+            floating ``[heads]`` array.
+    """
+    if softcap is not None and not (0 < float(softcap) < float("inf")):
+        raise ValueError(f"softcap must be a finite number > 0 (None: none), got {softcap}")
+    if sinks is not None and (sinks.shape != (heads,)
+                              or not mx.issubdtype(sinks.dtype, mx.floating)):
+        raise ValueError(f"sinks must be a floating [{heads}] array (one logit per query "
+                         f"head), got {sinks.dtype} {sinks.shape}")
 
 
 def check_kv_pool(queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata,
@@ -219,6 +251,7 @@ def fresh_rows(queries: mx.array, meta: AttentionMetadata, fmt: KVFormat,
 def _quantized_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: int | None, fmt: KVFormat, fresh: tuple[mx.array, mx.array] | None = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """:func:`paged_attention_kv` over a quantized pool (see there)."""
     check_kv_pool(queries, kv_pool, meta, window, fmt)
@@ -232,14 +265,15 @@ def _quantized_attention(
             sel = mx.array(own.astype(np.int32))
             dense[meta.slot_mapping[sel]] = mx.concatenate(
                 [fk[sel], fv[sel]], axis=-1).astype(mx.float32)
-    return paged_attention_kv(queries.astype(mx.float32), dense, meta, scale,
-                              window).astype(queries.dtype)
+    return paged_attention_kv(queries.astype(mx.float32), dense, meta, scale, window,
+                              softcap=softcap, sinks=sinks).astype(queries.dtype)
 
 
 def quantized_chunk_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
     window: Window, fmt: KVFormat, fresh: tuple[mx.array, mx.array] | None = None,
-    after: mx.array | None = None,
+    after: mx.array | None = None, softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Prefill chunk ``index`` of a step over a quantized pool by MLX's SDPA: its
     ``[L, H, 1, D]`` rows of ``queries`` over its own context's cells gathered from ``kv_pool``
@@ -249,7 +283,7 @@ def quantized_chunk_attention(
     leave long chunks to SDPA). ``fresh``: the step's unquantized keys and values
     (``[T, Hkv, 1, D]`` or ``[T, Hkv, D]``), read for the chunk's own ``L`` tokens in place of
     their cells (turboquant_k8v4's long continuation chunks, as vLLM's TurboQuant backend).
-    ``after``: as :func:`paged_attention_kv`."""
+    ``after``, ``softcap``, ``sinks``: as :func:`paged_attention_kv`."""
     dim = queries.shape[-1]
     cell_rows = kv_pool.reshape(-1, kv_pool.shape[-1])
     chunk = meta.prefills[index]
@@ -270,7 +304,7 @@ def quantized_chunk_attention(
         return keys, values
 
     return _prefill_attention(queries.astype(mx.float32), gather, meta, index, scale, window,
-                              kv_pool.shape[1]).astype(queries.dtype)
+                              kv_pool.shape[1], softcap, sinks).astype(queries.dtype)
 
 
 def _attend(
@@ -280,17 +314,19 @@ def _attend(
     meta: AttentionMetadata,
     scale: float,
     window: Window,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention given ``gather``, which reads keys and values at pool rows (see _rows_view)."""
     if meta.num_tokens == 0:
         return queries
     outputs = []
     if meta.decode_rows is not None:
-        outputs.append(_decode_attention(queries, gather, meta, scale, window, kv_heads))
+        outputs.append(_decode_attention(queries, gather, meta, scale, window, kv_heads,
+                                         softcap, sinks))
     for index in range(len(meta.prefills)):
-        outputs.append(
-            _prefill_attention(queries, gather, meta, index, scale, window, kv_heads)
-        )
+        outputs.append(_prefill_attention(queries, gather, meta, index, scale, window,
+                                          kv_heads, softcap, sinks))
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return out if meta.output_order is None else out[meta.output_order]
 
@@ -335,22 +371,26 @@ def _decode_attention(
     scale: float,
     window: Window,
     kv_heads: int,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """One SDPA over all single-token sequences: ``[Bd, H, 1, D]`` against ``[Bd, Hkv, S, D]``."""
     view = meta.decode_view(window, kv_heads)
     q = queries[meta.decode_rows]
     keys, values = gather(view.rows)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=view.mask)
+    return sdpa(q, keys, values, scale, view.mask, softcap, sinks)
 
 
 def prefill_chunk_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
-    window: Window, after: mx.array | None = None,
+    window: Window, after: mx.array | None = None, softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """The reference's attention of prefill chunk ``index`` alone: its ``[L, H, 1, D]`` rows
     of ``queries`` (``[T, H, 1, D]``) over its keys gathered from ``kv_pool``
     (``[slots, Hkv, 2 * D]``) by MLX, then MLX's SDPA; ``[L, H, 1, D]`` out (for GPU kernels
-    that leave long chunks to SDPA). ``after``: as :func:`paged_attention_kv`."""
+    that leave long chunks to SDPA). ``after``, ``softcap``, ``sinks``: as
+    :func:`paged_attention_kv`."""
     dim = queries.shape[-1]
     pool_rows = kv_pool.reshape(-1, 2 * dim)
 
@@ -358,7 +398,8 @@ def prefill_chunk_attention(
         rows = after_token(rows, after)
         return pool_rows[:, :dim][rows], pool_rows[:, dim:][rows]
 
-    return _prefill_attention(queries, gather, meta, index, scale, window, kv_pool.shape[1])
+    return _prefill_attention(queries, gather, meta, index, scale, window, kv_pool.shape[1],
+                              softcap, sinks)
 
 
 def _prefill_attention(
@@ -369,6 +410,8 @@ def _prefill_attention(
     scale: float,
     window: Window,
     kv_heads: int,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """One chunk: ``[1, H, L, D]`` queries against its context ``[1, Hkv, S, D]``, causal."""
     chunk = meta.prefills[index]
@@ -376,6 +419,57 @@ def _prefill_attention(
     # [L, H, 1, D] rows -> [1, H, L, D]: the chunk becomes one sequence of length L.
     q = queries[chunk.start : chunk.start + chunk.length].transpose(2, 1, 0, 3)
     keys, values = gather(view.rows)
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=view.mask)
+    out = sdpa(q, keys, values, scale, view.mask, softcap, sinks)
     return out.transpose(2, 1, 0, 3)
+
+
+def sdpa(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+         mask: mx.array | str | None, softcap: float | None = None,
+         sinks: mx.array | None = None) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` with attention logit soft-capping.
+
+    Args:
+        q: ``[B, H, L, D]``; keys, values: ``[B, Hkv, S, D]`` with ``H % Hkv == 0``.
+        scale: score multiplier.
+        mask: None, ``"causal"`` (lower-right aligned: query i sees keys ``j <= i + S - L``)
+            or a boolean array broadcasting to ``[B, H, L, S]`` (True: visible).
+        softcap, sinks: as :func:`paged_attention`; ``sinks`` is cast to ``q``'s dtype, as
+            MLX's SDPA requires.
+
+    Returns:
+        ``[B, H, L, D]`` in ``q``'s dtype. Without ``softcap``, MLX's SDPA itself (sinks
+        included); with it the scores are computed explicitly in fp32 (MLX's SDPA has no
+        soft-capping), capped, masked, and softmaxed with the sinks as an extra column.
+    """
+    if sinks is not None:
+        sinks = sinks.astype(q.dtype)
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask,
+                                                    sinks=sinks)
+    b, heads, length, dim = q.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    # [B, Hkv, G, L, D] against [B, Hkv, 1, S, D]: GQA without repeating the keys
+    qf = (q.astype(mx.float32) * scale).reshape(b, kv_heads, group, length, dim)
+    kf = keys.astype(mx.float32)[:, :, None]
+    scores = qf @ kf.swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}")
+        visible = mx.arange(num_keys)[None] <= mx.arange(length)[:, None] + (num_keys - length)
+    else:
+        visible = mask
+    if visible is not None:
+        visible = mx.broadcast_to(visible, (b, heads, length, num_keys)).reshape(
+            b, kv_heads, group, length, num_keys)
+        scores = mx.where(visible, scores, mx.array(-mx.inf, mx.float32))
+    if sinks is not None:
+        column = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, kv_heads, group, 1, 1),
+                                 (b, kv_heads, group, length, 1))
+        probs = mx.softmax(mx.concatenate([scores, column], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = mx.softmax(scores, axis=-1)
+    out = probs @ values.astype(mx.float32)[:, :, None]
+    return out.reshape(b, heads, length, dim).astype(q.dtype)
 
