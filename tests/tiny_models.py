@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+#: Families with attention logit soft-capping (tests/test_softcap_families.py).
+SOFTCAP_FAMILIES = ("gemma2", "gemma2_wide")
 #: Hybrid attention + state-space families (tests/test_hybrid_models.py).
 HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid", "lfm2", "qwen3_5", "nemotron_h")
 #: Families with per-layer KV shapes (tests/test_per_layer_kv.py): ``gemma4`` (no shared KV)
@@ -149,6 +151,21 @@ def tiny_config(family: str) -> Any:
             rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
             rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
         )
+    if family in ("gemma2", "gemma2_wide"):
+        # Soft-capping small enough to bend the random model's scores and logits (Gemma 2's
+        # real 50 / 30 would leave them nearly linear), three query heads over one KV head,
+        # sliding-window layers (window 8; "gemma2_wide": 4096, wider than any test prompt,
+        # for comparing with mlx-lm, whose Gemma 2 applies no window) alternating with global
+        # ones.
+        return transformers.Gemma2Config(
+            **{**common, "hidden_size": 96, "num_attention_heads": 3}, num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32, query_pre_attn_scalar=24, rms_norm_eps=1e-6,
+            sliding_window=8 if family == "gemma2" else 4096,
+            attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=True,
+        )
     if family == "gemma3":
         return transformers.Gemma3TextConfig(
             **common, num_hidden_layers=4, num_key_value_heads=2, head_dim=32,
@@ -256,7 +273,8 @@ def tiny_config(family: str) -> Any:
             use_conv_bias=True, mamba_proj_bias=False, layer_norm_epsilon=1e-5,
             tie_word_embeddings=False, mamba_ssm_cache_dtype="float32",
         )
-    known = FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
+    known = (FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
+             + SOFTCAP_FAMILIES)
     raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(known)})")
 
 
@@ -281,7 +299,7 @@ def _randomize(model: Any, family: str, seed: int) -> None:
             elif name.endswith(("norm.weight", "norm_f.weight")):
                 # Gemma and Qwen3-Next (except the gated delta-net's output norm) scale by
                 # (1 + w): keep their weights near 0, the others near 1
-                centred = family == "gemma3" or (
+                centred = family in ("gemma2", "gemma2_wide", "gemma3") or (
                     family in ("qwen3_next", "qwen3_5")
                     and not name.endswith("linear_attn.norm.weight"))
                 p.copy_(0.1 * noise + (0.0 if centred else 1.0))
