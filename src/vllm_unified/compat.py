@@ -47,6 +47,7 @@ _LAZY: dict[str, str] = {
     "KVCacheGroupSpec": "vllm.v1.kv_cache_interface",
     "KVCacheTensor": "vllm.v1.kv_cache_interface",
     "MambaSpec": "vllm.v1.kv_cache_interface",
+    "MLAAttentionSpec": "vllm.v1.kv_cache_interface",
     "ModelRegistry": "vllm.model_executor.models",
     "MambaAttentionBackendEnum": "vllm.v1.attention.backends.registry",
     "is_conv_state_dim_first": "vllm.model_executor.layers.mamba.mamba_utils",

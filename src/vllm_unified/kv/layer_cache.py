@@ -168,6 +168,44 @@ class SharedLayerCache(PagedLayerCache):
         return keys, values
 
 
+class PagedLatentCache(PagedLayerCache):
+    """mlx-lm cache protocol for one multi-head latent attention (MLA) layer over vLLM's MLA
+    pages (:class:`KVPool` layer ``layer`` in its ``latent_layers``: one row of
+    ``latent_dim + rope_dim`` values per token). The layer's adapter
+    (:mod:`vllm_unified.models.latent_attention`) writes the rows (:meth:`write_latent`) and
+    attends in absorbed form (:meth:`attend_latent`); mlx-lm's expanded
+    ``update_and_fetch`` is refused."""
+
+    def __init__(self, pool: KVPool, layer: int, latent_dim: int,
+                 backend: BackendProfile | None = None) -> None:
+        super().__init__(pool, layer, backend)
+        self.latent_dim = latent_dim
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        raise TypeError("an MLA layer's cache holds the latent rows: its attention must go "
+                        "through the latent adapter (models/latent_attention.py)")
+
+    def write_latent(self, rows: mx.array) -> None:
+        """Write the step's rows ``[T, 1, W]`` (normalised latent, then rotated shared key) at
+        the step's slot mapping."""
+        ctx = get_step_context()
+        token = self.pool.write_latent(self.layer, ctx.attn.slot_mapping, rows, ctx.kv)
+        if token is not None:
+            ctx.written[self.layer] = token
+
+    def attend_latent(self, queries: mx.array, scale: float) -> mx.array:
+        """Absorbed attention of ``queries`` ``[T, H, 1, W]`` over this layer's rows (after
+        this step's write): ``[T, H, 1, latent_dim]``
+        (:func:`vllm_unified.kv.attention.dispatch.paged_attention_latent`)."""
+        ctx = get_step_context()
+        return dispatch.paged_attention_latent(queries, self._arrays()[self.layer], ctx.attn,
+                                               scale, self.latent_dim,
+                                               after=ctx.written.get(self.layer))
+
+    def fuses_decode(self, dtype: mx.Dtype, head_dim: int) -> bool:
+        return False
+
+
 class MissingLayerCache(_PagedMaskSource):
     """The cache of a layer another pipeline stage holds: it only answers mlx-lm's mask
     construction (a model may build its masks from any layer's cache)."""

@@ -152,3 +152,32 @@ def _cpu_rows_kernel(backend: BackendProfile) -> bool:
     profile's ``cpu_attention`` (:func:`~vllm_unified.kv.attention.cpu.takes` says whether
     it computes soft-capping and sinks)."""
     return backend.cpu_attention
+
+
+#: Why MLA layers are attended by the reference on every backend (for the start-up log).
+LATENT_ROUTE_REASON = (
+    "MLA layers are attended by the pure-MLX reference (gather + SDPA, key = value = the "
+    "latent row): the native CPU and paged GPU kernels read K and V as two halves of a cell "
+    "and take head sizes up to 256")
+
+
+def paged_attention_latent(
+    queries: mx.array,
+    latent_pool: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    latent_dim: int,
+    window: int | None = None,
+    after: mx.array | None = None,
+) -> mx.array:
+    """:func:`vllm_unified.kv.attention.reference.paged_attention_latent` (same arguments,
+    shapes and result), the production entry for MLA layers. Every backend runs the reference
+    for now (:data:`LATENT_ROUTE_REASON`).
+
+    Raises:
+        ValueError: as the reference.
+    """
+    if not meta.num_tokens:
+        return mx.zeros((*queries.shape[:-1], latent_dim), dtype=queries.dtype)
+    return reference.paged_attention_latent(queries, latent_pool, meta, scale, latent_dim,
+                                            window, after)

@@ -215,6 +215,61 @@ def check_logit_options(heads: int, softcap: float | None, sinks: mx.array | Non
                          f"head), got {sinks.dtype} {sinks.shape}")
 
 
+def paged_attention_latent(
+    queries: mx.array,
+    latent_pool: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    latent_dim: int,
+    window: int | None = None,
+    after: mx.array | None = None,
+) -> mx.array:
+    """Multi-head latent attention (MLA) in its absorbed form over vLLM's MLA pages.
+
+    ``latent_pool``: ``[num_blocks * block_size, 1, W]``, slot-major: each token's one row of
+    ``W = kv_lora_rank + qk_rope_head_dim`` values, the normalised latent ``c_kv`` followed by
+    the rotated shared key ``k_pe`` (vLLM's ``MLAAttentionSpec`` page, ``num_kv_heads=1``).
+    ``queries``: ``[T, H, 1, W]``, each head's ``q_nope`` already multiplied into the latent
+    space (first ``latent_dim`` values) followed by its rotated ``q_pe``. Every row is both key
+    and value (MQA with one KV head of size W): the scores are ``q . row * scale`` and the
+    output is the softmax-weighted sum of the rows' first ``latent_dim`` values. Causality,
+    ``window`` and ``after`` as :func:`paged_attention_kv`.
+
+    Returns:
+        ``[T, H, 1, latent_dim]`` in the queries' dtype, rows in token order (the caller
+        multiplies them by the value up-projection).
+
+    Raises:
+        ValueError: as :func:`paged_attention`, a pool that is not ``[slots, 1, W]``, or a
+            ``latent_dim`` outside ``(0, W]``.
+    """
+    check_latent_pool(queries, latent_pool, meta, latent_dim, window)
+    pool_rows = latent_pool.reshape(-1, latent_pool.shape[-1])
+
+    def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
+        keys = pool_rows[after_token(rows, after)]
+        return keys, keys
+
+    out = _attend(queries, gather, 1, meta, scale, window)
+    return out[..., :latent_dim]
+
+
+def check_latent_pool(queries: mx.array, latent_pool: mx.array, meta: AttentionMetadata,
+                      latent_dim: int, window: Window) -> None:
+    """The shape checks of :func:`paged_attention_latent`.
+
+    Raises:
+        ValueError: as :func:`paged_attention_latent`.
+    """
+    width = queries.shape[-1]
+    if latent_pool.ndim != 3 or latent_pool.shape[1:] != (1, width):
+        raise ValueError(f"an MLA pool must be [slots, 1, {width}] (one latent row per "
+                         f"token), got {latent_pool.shape}")
+    if not 0 < latent_dim <= width:
+        raise ValueError(f"latent_dim {latent_dim} outside (0, {width}]")
+    _check_inputs(queries.shape, latent_pool.shape, latent_pool.shape, meta, window)
+
+
 def check_kv_pool(queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata,
                   window: Window, fmt: KVFormat | None = None) -> None:
     """The shape checks of :func:`paged_attention_kv` (``fmt``: a quantized pool's format).
