@@ -23,6 +23,8 @@ HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid", "lfm2", "qwen3_5", "nemotro
 #: ``gemma4_shared`` (its last two layers read earlier layers' KV) and ``gemma4_kv`` (K=V
 #: full-attention layers with 1 KV head).
 PER_LAYER_FAMILIES = ("gemma4", "gemma4_shared", "gemma4_kv")
+#: Multi-head latent attention families (tests/test_latent_attention.py).
+MLA_FAMILIES = ("minicpm3",)
 #: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
 DRAFT_FAMILIES = ("llama_draft",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -273,8 +275,24 @@ def tiny_config(family: str) -> Any:
             use_conv_bias=True, mamba_proj_bias=False, layer_norm_epsilon=1e-5,
             tie_word_embeddings=False, mamba_ssm_cache_dtype="float32",
         )
+    if family == "minicpm3":
+        # Multi-head latent attention with awkward shapes: 3 heads, latent 40, rope 24 and
+        # nope 40 (vLLM's own MiniCPM3 attends 3 expanded heads of 40 + 24 = 64, a size its
+        # CPU attention takes; values of hidden / heads = 32 padded to it), LongRoPE with
+        # factors away from 1 (equal short and long factors: mlx-lm applies the long ones at
+        # every position), MiniCPM's embedding, residual and logit scales, untied head.
+        return transformers.MiniCPM3Config(
+            **{**common, "hidden_size": 96, "num_attention_heads": 3}, num_hidden_layers=3,
+            num_key_value_heads=3, q_lora_rank=56, kv_lora_rank=40, qk_nope_head_dim=40,
+            qk_rope_head_dim=24, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            scale_emb=3.0, scale_depth=1.4, dim_model_base=32,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0 + 0.25 * i for i in range(12)],
+                             "long_factor": [1.0 + 0.25 * i for i in range(12)],
+                             "original_max_position_embeddings": 2048, "factor": 1.0},
+        )
     known = (FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
-             + SOFTCAP_FAMILIES)
+             + SOFTCAP_FAMILIES + MLA_FAMILIES)
     raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(known)})")
 
 

@@ -264,6 +264,26 @@ def _sliding_pattern(layer_types: list[str], n_layers: int) -> int:
     return p
 
 
+def _minicpm3(cfg: dict[str, Any]) -> None:
+    """mlx-lm's MiniCPM3 always builds LongRoPE (plain RoPE: no rope_scaling, factors 1) and
+    rotates with ``long_factor`` at every position, where transformers and vLLM use
+    ``short_factor`` up to ``original_max_position_embeddings``: with no position beyond it
+    (MiniCPM3-4B's config) the short factors are the ones to use."""
+    _needs_rope_theta(cfg)
+    scaling = dict(cfg.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in (None, "longrope"):
+        raise ValueError(f"minicpm3: rope type {kind!r}: mlx-lm's module applies LongRoPE only")
+    if "short_factor" in scaling and scaling.get("long_factor") != scaling["short_factor"]:
+        original = scaling.get("original_max_position_embeddings")
+        if original is None or int(cfg["max_position_embeddings"]) > int(original):
+            raise ValueError("minicpm3: LongRoPE switching from short to long factors beyond "
+                             "original_max_position_embeddings is not applied by mlx-lm's "
+                             "module")
+        scaling["long_factor"] = scaling["short_factor"]
+    cfg["rope_scaling"] = scaling
+
+
 #: model type -> its fix-up of the config (in place), after the generic rope layout
 CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama": _needs_rope_theta,
@@ -280,4 +300,5 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "mamba": _attention_free,
     "mamba2": _attention_free,
     "falcon_mamba": _attention_free,
+    "minicpm3": _minicpm3,
 }

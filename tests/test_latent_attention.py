@@ -1,0 +1,225 @@
+"""Multi-head latent attention (MLA) on vLLM's MLA pages: the reference's absorbed attention
+against the expanded (up-projected) attention it reassociates, the pool's latent rows, the
+adapter of mlx-lm's MLA modules and the capability check, and a tiny random MiniCPM3 served by
+our engine, compared with mlx-lm's own generation and with vLLM's CPU backend in fp32."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import run_llm
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import make_tiny_checkpoint
+
+from vllm_unified.kv.attention.metadata import build_attention_metadata
+from vllm_unified.kv.attention.reference import paged_attention_latent
+from vllm_unified.kv.pool import KVPool
+from vllm_unified.models.capability import UnsupportedModel, route_model
+from vllm_unified.models.config import mlx_lm_config
+from vllm_unified.models.loader import load_model
+
+BLOCK = 4
+HEADS, NOPE, ROPE, LATENT, VDIM = 3, 24, 8, 20, 12
+
+
+def _expanded(q_nope, q_pe, c, k_pe, w_uk, w_uv, scale, positions):
+    """One sequence's attention as mlx-lm computes it: per-head keys [W_UK c ; k_pe] and
+    values W_UV c, queries [q_nope ; q_pe] at ``positions`` (causal). Shapes: q_* [L, H, d],
+    c [S, r], k_pe [S, rope], w_uk [H, nope, r], w_uv [H, v, r] -> [L, H, v]."""
+    k_nope = mx.einsum("hnr,sr->hsn", w_uk, c)
+    keys = mx.concatenate([k_nope, mx.broadcast_to(k_pe[None], (HEADS, *k_pe.shape))], -1)
+    values = mx.einsum("hvr,sr->hsv", w_uv, c)
+    q = mx.concatenate([q_nope, q_pe], -1).transpose(1, 0, 2)  # [H, L, d]
+    scores = (q @ keys.transpose(0, 2, 1)) * scale
+    mask = mx.arange(c.shape[0])[None] <= mx.array(positions)[:, None]
+    scores = mx.where(mask[None], scores, -mx.inf)
+    return (mx.softmax(scores, axis=-1) @ values).transpose(1, 0, 2)
+
+
+def test_reference_latent_attention_is_the_expanded_attention():
+    """Decode rows and prefill chunks (after cached context and from position 0) over latent
+    rows scattered through a paged pool equal mlx-lm's expanded attention."""
+    rng = np.random.default_rng(0)
+    query_lens, seq_lens = [1, 5, 1, 7], [9, 12, 3, 7]
+    blocks = [-(-s // BLOCK) for s in seq_lens]
+    ids = rng.permutation(sum(blocks) + 2)[:sum(blocks)] + 1  # scattered, never block 0
+    table = np.zeros((len(seq_lens), max(blocks)), np.int32)
+    start = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = ids[start:start + n]
+        start += n
+    num_slots = (ids.max() + 1) * BLOCK
+    w_uk = mx.array(rng.standard_normal((HEADS, NOPE, LATENT)), mx.float32) / 4
+    w_uv = mx.array(rng.standard_normal((HEADS, VDIM, LATENT)), mx.float32) / 4
+    scale = (NOPE + ROPE) ** -0.5
+    pool = mx.array(rng.standard_normal((num_slots, 1, LATENT + ROPE)), mx.float32)  # garbage
+    queries, expected, slots_all, rows_all = [], [], [], []
+    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        c = mx.array(rng.standard_normal((s_len, LATENT)), mx.float32)
+        k_pe = mx.array(rng.standard_normal((s_len, ROPE)), mx.float32)
+        pos = np.arange(s_len)
+        slots = table[i, pos // BLOCK] * BLOCK + pos % BLOCK
+        slots_all.append(slots)
+        rows_all.append(mx.concatenate([c, k_pe], -1))
+        q_nope = mx.array(rng.standard_normal((q_len, HEADS, NOPE)), mx.float32)
+        q_pe = mx.array(rng.standard_normal((q_len, HEADS, ROPE)), mx.float32)
+        positions = list(range(s_len - q_len, s_len))
+        expected.append(_expanded(q_nope, q_pe, c, k_pe, w_uk, w_uv, scale, positions))
+        q_latent = mx.einsum("lhn,hnr->lhr", q_nope, w_uk)
+        queries.append(mx.concatenate([q_latent, q_pe], -1))
+    pool[mx.array(np.concatenate(slots_all))] = mx.concatenate(rows_all)[:, None]
+    meta = build_attention_metadata(query_lens, seq_lens, table, BLOCK)
+    q = mx.concatenate(queries)[:, :, None]  # [T, H, 1, W]
+    out = paged_attention_latent(q, pool, meta, scale, LATENT)
+    assert out.shape == (sum(query_lens), HEADS, 1, LATENT)
+    got = mx.einsum("thr,hvr->thv", out[:, :, 0], w_uv)
+    np.testing.assert_allclose(np.array(got), np.array(mx.concatenate(expected)),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_reference_latent_attention_refuses_a_kv_pool():
+    meta = build_attention_metadata([1], [1], np.ones((1, 1), np.int32), BLOCK)
+    with pytest.raises(ValueError, match=r"MLA pool must be \[slots, 1, 28\]"):
+        paged_attention_latent(mx.zeros((1, 2, 1, 28)), mx.zeros((8, 2, 56)), meta, 1.0, 20)
+
+
+def test_pool_writes_latent_rows_in_place():
+    """The MLX-owned pool's scatter and the zeroing of blocks on MLA layers: one row per
+    token, no K|V halves."""
+    pool = KVPool.allocate_latent_mlx(2, 3, BLOCK, LATENT + ROPE, mx.float32)
+    rows = mx.arange(2 * (LATENT + ROPE), dtype=mx.float32).reshape(2, 1, -1)
+    pool.write_latent(1, mx.array([5, 9], mx.int32), rows)
+    mx.eval(pool.kv)
+    assert pool.kv[1].shape == (3 * BLOCK, 1, LATENT + ROPE)
+    assert mx.array_equal(pool.kv[1][mx.array([5, 9])], rows)
+    assert float(mx.abs(pool.kv[0]).max()) == 0.0
+    pool.zero_blocks([1])  # slots 4..7
+    assert float(mx.abs(pool.kv[1][5]).max()) == 0.0 and mx.array_equal(pool.kv[1][9], rows[1])
+    with pytest.raises(ValueError, match="do not fit"):
+        pool.write_latent(0, mx.array([0], mx.int32), mx.zeros((1, 1, 7)))
+
+
+def test_minicpm3_config_takes_the_short_rope_factors():
+    """mlx-lm rotates with long_factor everywhere; transformers and vLLM with short_factor up
+    to original_max_position_embeddings."""
+    hf = {"model_type": "minicpm3", "max_position_embeddings": 4096,
+          "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 1.0,
+                              "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0],
+                              "original_max_position_embeddings": 4096}}
+    assert mlx_lm_config(hf)["rope_scaling"]["long_factor"] == [1.0, 2.0]
+    hf["max_position_embeddings"] = 8192
+    with pytest.raises(ValueError, match="short to long factors"):
+        mlx_lm_config(hf)
+    plain = mlx_lm_config({"model_type": "minicpm3", "rope_theta": 1e4,
+                           "max_position_embeddings": 64})
+    assert plain["rope_scaling"] == {}
+
+
+def _minicpm3(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "minicpm3", "minicpm3")
+    return folder, load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False)
+
+
+def test_minicpm3_loads_as_mla_and_a_wrong_adapter_is_refused(tmp_path, monkeypatch):
+    """Every slot becomes an MLA slot (1 x (40 + 24) rows); vLLM's own MiniCPM3 caches 3
+    expanded heads, which the layout notes. An absorbed path that differs from mlx-lm's
+    module (here: a wrong softmax scale) is refused at load by the probe."""
+    from vllm_unified.models import latent_attention
+
+    _, loaded = _minicpm3(tmp_path)
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=(3, 32), config_window=None)
+    assert layout.latent == (40, 24)
+    assert {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()} == {(1, 64)}
+    assert any("MLA pages of 40 latent + 24 rope" in n for n in layout.notes)
+    monkeypatch.setattr(latent_attention.LatentAttention, "scale", property(lambda s: 0.5))
+    with pytest.raises(UnsupportedModel, match="absorbed form .* not mlx-lm's"):
+        route_model(loaded.model, loaded.config, kv_shape=None, config_window=None)
+
+
+def test_kv_bytes_per_token_of_mla_pages():
+    """vLLM's MLAAttentionSpec page against mlx-lm's expanded cache (keys of nope + rope and
+    values of v per head), per token and layer in fp32, for the tiny MiniCPM3 and
+    MiniCPM3-4B's shape (40 heads, latent 256, rope 32, nope 64, values 64)."""
+    from vllm_unified import compat
+
+    def ratio(heads, latent, rope, nope, v):
+        spec = compat.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=latent + rope,
+                                       dtype=__import__("torch").float32)
+        ours = spec.page_size_bytes // 16
+        theirs = heads * (nope + rope + v) * 4
+        return ours, theirs
+
+    assert ratio(3, 40, 24, 40, 32) == (256, 1152)
+    assert ratio(40, 256, 32, 64, 64) == (1152, 25600)
+
+
+# ----------------------------------------------------------------------------- engine
+
+NEW_TOKENS = 12
+PROMPT_LENGTHS = (3, 21, 40, 70)
+
+
+def _prompts(shift: int = 0) -> list[list[int]]:
+    return [[(7 * i + 13 * j + shift) % 40000 + 100 for j in range(n)]
+            for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def _mlx_lm_greedy(loaded, prompt: list[int], n: int) -> list[int]:
+    """mlx-lm's own cache and forward (its expanded K/V), one sequence at a time."""
+    cache = make_prompt_cache(loaded.model)
+    logits = loaded.model(mx.array([prompt]), cache=cache)
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1])))
+        logits = loaded.model(mx.array([[out[-1]]]), cache=cache)
+    return out
+
+
+def _spec(folder, batches) -> dict:
+    # 32-token budget: the longer prompts are prefilled in chunks, four requests share steps;
+    # the second batch repeats the first's prompts with new tails (prefix cache hits)
+    return {
+        "model": str(folder),
+        "engine": {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 32,
+                   "kv_cache_memory_bytes": 32 * 2**20, "seed": 0,
+                   "enable_prefix_caching": True, "disable_log_stats": False},
+        "batches": [[{"prompt_token_ids": p,
+                      "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS,
+                                 "ignore_eos": True}} for p in batch] for batch in batches],
+        "metrics": True,
+    }
+
+
+def _batches() -> list[list[list[int]]]:
+    first = _prompts()
+    return [first, [p + [(5 * j + 11) % 40000 + 100 for j in range(9)] for p in first]]
+
+
+@pytest.mark.engine
+def test_minicpm3_served_on_mla_pages_matches_mlx_lm(tmp_path):
+    """Our engine on vLLM's MLA pages (chunked prefill, 4 concurrent requests, prefix
+    caching) gives mlx-lm's own greedy ids on the same weights."""
+    folder, loaded = _minicpm3(tmp_path)
+    batches = _batches()
+    ours = run_llm(_spec(folder, batches), tmp_path)
+    prompts = [p for batch in batches for p in batch]
+    for i, prompt in enumerate(prompts):
+        got = ours["outputs"][i]["completions"][0]["token_ids"]
+        assert got == _mlx_lm_greedy(loaded, prompt, NEW_TOKENS), f"prompt {i} ({len(prompt)})"
+    assert ours["metrics"].get("vllm:prefix_cache_hits", 0) > 0
+    assert "MLA pages" in ours["log"] and "MLAAttentionSpec" in ours["log"]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_minicpm3_matches_vllm_cpu_backend(tmp_path):
+    """vLLM's own CPU backend in fp32 (its MiniCPM3 attends expanded K/V) gives the same
+    greedy ids as our engine on MLA pages."""
+    folder, _ = _minicpm3(tmp_path)
+    spec = _spec(folder, _batches())
+    ours = run_llm(spec, tmp_path)
+    theirs = run_llm(spec, tmp_path, native=True)
+    assert "MLXPlatform" not in theirs["platform"]
+    for i, (a, b) in enumerate(zip(ours["outputs"], theirs["outputs"], strict=True)):
+        assert a["completions"][0]["token_ids"] == b["completions"][0]["token_ids"], i
