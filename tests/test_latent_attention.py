@@ -116,9 +116,30 @@ def test_minicpm3_config_takes_the_short_rope_factors():
     assert plain["rope_scaling"] == {}
 
 
-def _minicpm3(tmp_path):
-    folder = make_tiny_checkpoint(tmp_path / "minicpm3", "minicpm3")
+def _checkpoint(tmp_path, family: str = "minicpm3"):
+    folder = make_tiny_checkpoint(tmp_path / family, family)
     return folder, load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False)
+
+
+def test_youtu_loads_as_mla_and_mlx_lm_matches_transformers(tmp_path):
+    """transformers' ``youtu`` checkpoint runs as mlx-lm's youtu_llm (no query LoRA,
+    interleaved RoPE): its MLA slots load, and mlx-lm's logits are transformers' (vLLM has
+    no Youtu model of its own to compare with)."""
+    import torch
+    import transformers
+
+    folder, loaded = _checkpoint(tmp_path, "youtu")
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=None, config_window=None)
+    assert layout.latent == (56, 16) and loaded.config["model_type"] == "youtu_llm"
+    prompt = [[5, 17, 300, 4000, 12, 9, 77]]
+    ours = loaded.model(mx.array(prompt))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(prompt)).logits.numpy()
+    # transformers zeroes the padding token's embedding row when it loads (tied head)
+    keep = np.arange(theirs.shape[-1]) != hf.config.pad_token_id
+    np.testing.assert_allclose(np.array(ours)[..., keep], theirs[..., keep], rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_minicpm3_loads_as_mla_and_a_wrong_adapter_is_refused(tmp_path, monkeypatch):
@@ -127,7 +148,7 @@ def test_minicpm3_loads_as_mla_and_a_wrong_adapter_is_refused(tmp_path, monkeypa
     module (here: a wrong softmax scale) is refused at load by the probe."""
     from vllm_unified.models import latent_attention
 
-    _, loaded = _minicpm3(tmp_path)
+    _, loaded = _checkpoint(tmp_path)
     layout, _ = route_model(loaded.model, loaded.config, kv_shape=(3, 32), config_window=None)
     assert layout.latent == (40, 24)
     assert {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()} == {(1, 64)}
@@ -197,10 +218,11 @@ def _batches() -> list[list[list[int]]]:
 
 
 @pytest.mark.engine
-def test_minicpm3_served_on_mla_pages_matches_mlx_lm(tmp_path):
+@pytest.mark.parametrize("family", ["minicpm3", pytest.param("youtu", marks=pytest.mark.slow)])
+def test_mla_family_served_on_mla_pages_matches_mlx_lm(family, tmp_path):
     """Our engine on vLLM's MLA pages (chunked prefill, 4 concurrent requests, prefix
     caching) gives mlx-lm's own greedy ids on the same weights."""
-    folder, loaded = _minicpm3(tmp_path)
+    folder, loaded = _checkpoint(tmp_path, family)
     batches = _batches()
     ours = run_llm(_spec(folder, batches), tmp_path)
     prompts = [p for batch in batches for p in batch]
@@ -208,6 +230,7 @@ def test_minicpm3_served_on_mla_pages_matches_mlx_lm(tmp_path):
         got = ours["outputs"][i]["completions"][0]["token_ids"]
         assert got == _mlx_lm_greedy(loaded, prompt, NEW_TOKENS), f"prompt {i} ({len(prompt)})"
     assert ours["metrics"].get("vllm:prefix_cache_hits", 0) > 0
+    assert len({t for o in ours["outputs"] for t in o["completions"][0]["token_ids"]}) > 8
     assert "MLA pages" in ours["log"] and "MLAAttentionSpec" in ours["log"]
 
 
@@ -216,7 +239,7 @@ def test_minicpm3_served_on_mla_pages_matches_mlx_lm(tmp_path):
 def test_minicpm3_matches_vllm_cpu_backend(tmp_path):
     """vLLM's own CPU backend in fp32 (its MiniCPM3 attends expanded K/V) gives the same
     greedy ids as our engine on MLA pages."""
-    folder, _ = _minicpm3(tmp_path)
+    folder, _ = _checkpoint(tmp_path)
     spec = _spec(folder, _batches())
     ours = run_llm(spec, tmp_path)
     theirs = run_llm(spec, tmp_path, native=True)

@@ -24,7 +24,7 @@ HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid", "lfm2", "qwen3_5", "nemotro
 #: full-attention layers with 1 KV head).
 PER_LAYER_FAMILIES = ("gemma4", "gemma4_shared", "gemma4_kv")
 #: Multi-head latent attention families (tests/test_latent_attention.py).
-MLA_FAMILIES = ("minicpm3",)
+MLA_FAMILIES = ("minicpm3", "youtu")
 #: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
 DRAFT_FAMILIES = ("llama_draft",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -290,6 +290,15 @@ def tiny_config(family: str) -> Any:
                              "short_factor": [1.0 + 0.25 * i for i in range(12)],
                              "long_factor": [1.0 + 0.25 * i for i in range(12)],
                              "original_max_position_embeddings": 2048, "factor": 1.0},
+        )
+    if family == "youtu":
+        # Youtu-LLM (transformers' "youtu", mlx-lm's youtu_llm): dense MLA with interleaved
+        # RoPE, 5 heads of nope 24 + rope 16, values of 40, latent 56, no query LoRA
+        return transformers.YoutuConfig(
+            **{**common, "hidden_size": 80, "num_attention_heads": 5}, num_hidden_layers=2,
+            num_key_value_heads=5, q_lora_rank=None, kv_lora_rank=56, qk_nope_head_dim=24,
+            qk_rope_head_dim=16, v_head_dim=40, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
         )
     known = (FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
              + SOFTCAP_FAMILIES + MLA_FAMILIES)

@@ -284,6 +284,13 @@ def _minicpm3(cfg: dict[str, Any]) -> None:
     cfg["rope_scaling"] = scaling
 
 
+def _youtu(cfg: dict[str, Any]) -> None:
+    """transformers' ``youtu`` is mlx-lm's ``youtu_llm`` (same weight names); its
+    ``rope_interleave`` is mlx-lm's ``rope_traditional``."""
+    cfg["model_type"] = "youtu_llm"
+    cfg["rope_traditional"] = bool(cfg.get("rope_interleave", True))
+
+
 #: model type -> its fix-up of the config (in place), after the generic rope layout
 CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama": _needs_rope_theta,
@@ -301,4 +308,5 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "mamba2": _attention_free,
     "falcon_mamba": _attention_free,
     "minicpm3": _minicpm3,
+    "youtu": _youtu,
 }
