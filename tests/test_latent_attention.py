@@ -175,6 +175,52 @@ def test_kv_bytes_per_token_of_mla_pages():
     assert ratio(40, 256, 32, 64, 64) == (1152, 25600)
 
 
+def test_kv_cache_hands_vllm_mla_specs_and_its_own_views(default_model):
+    """An MLA model's KVCache: one MLAAttentionSpec per layer, vLLM's own allocation's views
+    of the shared pool, rows written by the layer caches read back through torch, and a
+    quantized KV format refused by name."""
+    import torch
+    from conftest import assert_views_like_vllms
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.worker.utils import allocate_kv_cache as vllm_allocate_kv_cache
+
+    from vllm_unified import compat
+    from vllm_unified.backend import profile
+    from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
+    from vllm_unified.kv.forward_context import StepContext, set_step_context
+    from vllm_unified.kv.hybrid import HybridLayers
+
+    cfg = EngineArgs(model=default_model, max_model_len=256).create_engine_config()
+    cfg.cache_config.kv_cache_layout = "LBNHC"
+    block = cfg.cache_config.block_size
+    shape = AttentionShape.latent(LATENT, ROPE, torch.float32)
+    cache = KVCache(profile(), HybridLayers("minicpm3", 3, []), shape,
+                    dict.fromkeys(range(3)), mx.float32)
+    specs = cache.kv_cache_spec(block, cfg)
+    assert all(isinstance(s, compat.MLAAttentionSpec) and s.num_kv_heads == 1
+               and s.head_size == LATENT + ROPE for s in specs.values())
+    assert cache.bytes_per_block(block, cfg) == 3 * block * (LATENT + ROPE) * 4
+    groups = kv_cache_utils.get_kv_cache_groups(cfg, specs)
+    config = kv_cache_utils.get_kv_cache_config_from_groups(cfg, groups, 4 << 20)
+    cache.initialize(config, None)
+    theirs = vllm_allocate_kv_cache(config, torch.device("cpu"), compat.KVCacheLayout.LBNHC)
+    assert_views_like_vllms(cache.connector_views(), theirs, cache.pool.backing_buffer)
+    assert cache.tokens_per_gib() == 2**30 / (3 * (LATENT + ROPE) * 4)
+    assert "MLA pages" in cache.describe_format()
+    meta = build_attention_metadata([2], [2], np.array([[1]], np.int32), block)
+    rows = mx.arange(2 * (LATENT + ROPE), dtype=mx.float32).reshape(2, 1, -1)
+    with set_step_context(StepContext(attn=meta)):
+        cache.layer_caches[2].write_latent(rows)
+        out = cache.layer_caches[2].attend_latent(mx.ones((2, HEADS, 1, LATENT + ROPE)), 0.1)
+        mx.eval(out, cache.arrays())
+    view = cache.connector_views()[layer_name(2)]  # [blocks, 1, block, W]
+    assert torch.equal(view[1, 0, :2], torch.from_numpy(np.array(rows[:, 0])))
+    assert out.shape == (2, HEADS, 1, LATENT)
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8_per_token_head: multi-head"):
+        AttentionShape.latent(LATENT, ROPE, torch.float32, "int8_per_token_head")
+
+
 # ----------------------------------------------------------------------------- engine
 
 NEW_TOKENS = 12
