@@ -100,6 +100,53 @@ def test_pool_writes_latent_rows_in_place():
         pool.write_latent(0, mx.array([0], mx.int32), mx.zeros((1, 1, 7)))
 
 
+def _module_outputs(module, steps, latent_dim):
+    """``module``'s output for each input of ``steps`` (``[1, L, D]``: a prompt, then decode
+    steps) with mlx-lm's KVCache, and the adapter's with a LatentProbeCache."""
+    from mlx_lm.models.cache import KVCache
+
+    from vllm_unified.models.latent_attention import LatentAttention, LatentProbeCache
+
+    theirs_cache, ours_cache = KVCache(), LatentProbeCache(latent_dim)
+    adapter = LatentAttention(module)
+    theirs, ours = [], []
+    for x in steps:  # the masks as the models build them (V3: dense)
+        dense = {"return_array": True, "window_size": None}
+        theirs.append(module(x, theirs_cache.make_mask(x.shape[1], **dense), theirs_cache))
+        ours.append(adapter(x, ours_cache.make_mask(x.shape[1], **dense), ours_cache))
+    return mx.concatenate(theirs, axis=1), mx.concatenate(ours, axis=1)
+
+
+@pytest.mark.parametrize("version", ["v2-quantized", "v3"])
+def test_adapter_serves_deepseek_attention(version):
+    """The adapter's absorbed path equals mlx-lm's DeepSeek modules (the MoE families reuse
+    it): V2 up-projects through a quantized ``kv_b_proj`` (dequantized by the adapter) with
+    YaRN's scale; V3 carries the up-projections as ``embed_q`` / ``unembed_out``."""
+    from mlx_lm.models import deepseek_v2, deepseek_v3
+
+    mx.random.seed(1)
+    common = dict(hidden_size=96, num_attention_heads=3, num_key_value_heads=3,
+                  kv_lora_rank=64, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24,
+                  v_head_dim=20, max_position_embeddings=4096)
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    if version == "v3":
+        module = deepseek_v3.DeepseekV3Attention(deepseek_v3.ModelArgs(**common,
+                                                                        rope_scaling=yarn))
+    else:
+        module = deepseek_v2.DeepseekV2Attention(deepseek_v2.ModelArgs(**common,
+                                                                        rope_scaling=yarn))
+        import mlx.nn as nn
+
+        nn.quantize(module, group_size=32, bits=8,
+                    class_predicate=lambda path, m: path.endswith("kv_b_proj"))
+        assert "scales" in module.kv_b_proj
+    steps = [mx.random.normal((1, 6, 96)), mx.random.normal((1, 1, 96)),
+             mx.random.normal((1, 1, 96))]
+    theirs, ours = _module_outputs(module, steps, 64)
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=2e-5)
+
+
 def test_minicpm3_config_takes_the_short_rope_factors():
     """mlx-lm rotates with long_factor everywhere; transformers and vLLM with short_factor up
     to original_max_position_embeddings."""

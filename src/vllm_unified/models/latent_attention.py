@@ -61,6 +61,16 @@ class LatentProbeCache(KVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         raise TypeError("an MLA layer's probe cache holds latent rows only")
 
+    def make_mask(self, N: int, return_array: bool = False,  # noqa: N803 - mlx-lm's names
+                  window_size: int | None = None) -> Any:
+        """mlx-lm's causal marker (``"causal"``, None for one row) even where a dense mask is
+        asked for, as :class:`~vllm_unified.kv.layer_cache.PagedLatentCache` answers; a
+        window as a :class:`~vllm_unified.kv.layer_cache.PagedMask` (refused by the
+        adapter)."""
+        if window_size is not None:
+            return PagedMask(window_size)
+        return "causal" if N > 1 else None
+
     def write_latent(self, rows: mx.array) -> None:
         """Append ``rows`` ``[B, L, W]``."""
         self.rows = rows if self.rows is None else mx.concatenate([self.rows, rows], axis=1)
