@@ -268,6 +268,22 @@ def test_kv_cache_hands_vllm_mla_specs_and_its_own_views(default_model):
         AttentionShape.latent(LATENT, ROPE, torch.float32, "int8_per_token_head")
 
 
+def test_kv_budget_before_load_counts_mla_pages(tmp_path):
+    """The platform's start-up budget check sizes an MLA model's pages as served (one
+    latent + rope row per token), not vLLM's expanded view of MiniCPM3 (3 heads of 32, K and
+    V, 3x more): one 256-token sequence (17 blocks of 16) x 3 layers x 64 x 4 bytes fits."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    folder = make_tiny_checkpoint(tmp_path / "minicpm3", "minicpm3")
+    mla = 17 * 16 * 3 * (40 + 24) * 4
+    cfg = EngineArgs(model=str(folder), max_model_len=256, dtype="float32",
+                     kv_cache_memory_bytes=mla).create_engine_config()
+    assert cfg.cache_config.kv_cache_memory_bytes == mla
+    with pytest.raises(Exception, match="--kv-cache-memory-bytes .* 12288 bytes"):
+        EngineArgs(model=str(folder), max_model_len=256, dtype="float32",
+                   kv_cache_memory_bytes=mla - 1).create_engine_config()
+
+
 # ----------------------------------------------------------------------------- engine
 
 NEW_TOKENS = 12
