@@ -138,16 +138,33 @@ class LatentAttention(nn.Module):
 
     def _up_projections(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """``(W_UK [H, nope, r], W_UV^T [H, r, v])`` in ``dtype``, from ``kv_b_proj`` or
-        ``embed_q`` / ``unembed_out`` (dequantized where quantized)."""
-        inner = self.inner
+        ``embed_q`` / ``unembed_out``, computed once.
+
+        Each is the module applied to the identity (its rows are the basis vectors), so it
+        is exactly the weight the module multiplies by, however it stores it (dense,
+        quantized in any format, swapped for a native kernel); kept dense beside the module.
+
+        Raises:
+            TypeError: an up-projection with a bias (not a linear map of the latent).
+        """
+        cached = getattr(self, "_absorbed", None)
+        if cached is not None and cached[0].dtype == dtype:
+            return cached
+        inner, r = self.inner, self.latent_dim
         if "kv_b_proj" in inner:
+            _no_bias(inner.kv_b_proj)
             heads, nope = int(inner.num_heads), int(inner.qk_nope_head_dim)
-            w = _dense_weight(inner.kv_b_proj).reshape(heads, -1, self.latent_dim)
+            w = inner.kv_b_proj(mx.eye(r, dtype=dtype)).T.reshape(heads, -1, r)
             w_uk, w_uv = w[:, :nope], w[:, nope:].swapaxes(1, 2)
         else:
-            w_uk = _dense_weight(inner.embed_q).swapaxes(1, 2)
-            w_uv = _dense_weight(inner.unembed_out).swapaxes(1, 2)
-        return w_uk.astype(dtype), w_uv.astype(dtype)
+            _no_bias(inner.embed_q)
+            _no_bias(inner.unembed_out)
+            w_uk = inner.embed_q(mx.eye(int(inner.qk_nope_head_dim), dtype=dtype))
+            w_uv = inner.unembed_out(mx.eye(r, dtype=dtype))
+        cached = (mx.contiguous(w_uk.astype(dtype)), mx.contiguous(w_uv.astype(dtype)))
+        mx.eval(cached)
+        object.__setattr__(self, "_absorbed", cached)  # not a parameter of the model
+        return cached
 
 
 def _plain_causal(mask: Any) -> bool:
@@ -165,13 +182,9 @@ def _per_head(x: mx.array, w: mx.array) -> mx.array:
     return y.reshape(H, B, L, -1).transpose(1, 0, 2, 3)
 
 
-def _dense_weight(module: nn.Module) -> mx.array:
-    """A linear's weight, dequantized when the module is quantized."""
-    if "scales" not in module:
-        return module["weight"]
-    return mx.dequantize(module["weight"], module["scales"], module.get("biases"),
-                         group_size=module.group_size, bits=module.bits,
-                         mode=getattr(module, "mode", "affine"))
+def _no_bias(module: nn.Module) -> None:
+    if "bias" in module:  # a quantized layer's "biases" are its quantization offsets
+        raise TypeError(f"an MLA up-projection with a bias ({type(module).__name__})")
 
 
 def install_latent_attention(model: nn.Module) -> dict[int, LatentAttention]:
