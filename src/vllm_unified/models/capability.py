@@ -446,10 +446,5 @@ def _check_head(model: nn.Module, model_type: str, prompt: mx.array, expected: m
     except Exception as e:  # noqa: BLE001 - re-raised with the model named
         raise UnsupportedModel(model_type, f"a model whose inner model cannot be called alone "
                                f"({e!r})") from e
-    expected = expected.astype(mx.float32)
-    scale = float(mx.max(mx.abs(expected))) or 1.0
-    err = float(mx.max(mx.abs(got.astype(mx.float32) - expected)))
-    rtol = _LOGITS_RTOL.get(got.dtype, _LOGITS_RTOL_16BIT)
-    if got.shape != expected.shape or err > rtol * scale:
-        raise UnsupportedModel(model_type, "a model whose logits are not its inner model "
-                               f"followed by its output head (differ by {err:.3g})")
+    _check_logits(model_type, got, expected, "a model whose logits are not its inner model "
+                  "followed by its output head")
