@@ -318,6 +318,7 @@ def _spec(folder, batches) -> dict:
                       "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS,
                                  "ignore_eos": True}} for p in batch] for batch in batches],
         "metrics": True,
+        "rpc": ["runner_stats"],
     }
 
 
@@ -340,6 +341,8 @@ def test_mla_family_served_on_mla_pages_matches_mlx_lm(family, tmp_path):
         assert got == _mlx_lm_greedy(loaded, prompt, NEW_TOKENS), f"prompt {i} ({len(prompt)})"
     assert ours["metrics"].get("vllm:prefix_cache_hits", 0) > 0
     assert len({t for o in ours["outputs"] for t in o["completions"][0]["token_ids"]}) > 8
+    stats = ours["rpc_after"]["runner_stats"]
+    assert max(int(k) for k in stats["forwards_by_num_reqs"]) == 4
     assert "MLA pages" in ours["log"] and "MLAAttentionSpec" in ours["log"]
 
 
