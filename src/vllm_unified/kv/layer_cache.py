@@ -205,13 +205,6 @@ class PagedLatentCache(PagedLayerCache):
     def fuses_decode(self, dtype: mx.Dtype, head_dim: int) -> bool:
         return False
 
-    def make_mask(
-        self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803
-    ) -> PagedMask:
-        """The marker even where mlx-lm asks for a dense mask (DeepSeek-V3 style models): the
-        latent attention builds causality from the metadata."""
-        return PagedMask(window_size)
-
 
 class MissingLayerCache(_PagedMaskSource):
     """The cache of a layer another pipeline stage holds: it only answers mlx-lm's mask
