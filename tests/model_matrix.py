@@ -164,12 +164,14 @@ _ROPE_BY_LAYER_TYPE = {"full_attention": {"rope_type": "default", "rope_theta": 
                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]] = {
     # layer stacks: 4 layers where a family mixes kinds, the windowed layers first
-    "exaone4": {"num_hidden_layers": 4, "sliding_window_pattern": "LLGL"},
+    "exaone4": {"num_hidden_layers": 4, "sliding_window_pattern": "LLLG",
+                "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
     "olmo3": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL},
     "gear": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL},
     "mellum": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL,
                "rope_parameters": _ROPE_BY_LAYER_TYPE},
-    "baichuan_m1": {"num_hidden_layers": 4, "sliding_window_layers": [0, 1, 3]},
+    "baichuan_m1": {"num_hidden_layers": 4, "sliding_window_layers": [0, 1, 3],
+                    "conv_window": 2},
     "cohere2": {"num_hidden_layers": 4},
     "gemma2": {"num_hidden_layers": 4},
     "gemma3_text": {"num_hidden_layers": 4},
@@ -182,7 +184,7 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
                                "vocab_size_per_layer_input": VOCAB, "global_head_dim": 64,
                                "num_global_key_value_heads": 1}},
-    "granitemoehybrid": {"num_hidden_layers": 4, "num_local_experts": 0,
+    "granitemoehybrid": {"num_hidden_layers": 4, "num_local_experts": 0, "mamba_n_heads": 6,
                          "shared_intermediate_size": 128,
                          "layer_types": ["mamba", "mamba", "attention", "mamba"]},
     "lfm2": {"num_hidden_layers": 4,
@@ -201,7 +203,7 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "openelm": {"num_query_heads": [3, 4], "num_kv_heads": [1, 2],
                 "ffn_multipliers": [0.5, 1.0]},
     "mamba2": {"num_heads": 6, "hidden_size": 96, "intermediate_size": 192},
-    "falcon_h1": {"num_hidden_layers": 2},
+    "falcon_h1": {"num_hidden_layers": 2, "mamba_d_ssm": 192, "mamba_n_heads": 6},
     # RoPE variants the families are built with
     "deepseek_v2": {"rope_scaling": {"type": "yarn", "factor": 2.0,
                                      "original_max_position_embeddings": 256,
@@ -532,10 +534,11 @@ def engine_spec(folder: Path, prompt_ids: list[list[int]], n: int, recurrent: bo
     }
 
 
-#: engine log lines that mean the model was refused at start-up (not a crash mid-serve)
-_STARTUP_PHASES = ("load_model", "Failed to load", "_initialize_kv_caches", "ModelConfig",
-                   "is not supported", "not supported", "pydantic", "ValidationError",
-                   "inspect", "Model architectures")
+#: exception types a deliberate refusal raises (ours, vLLM's config checks); anything else at
+#: start-up is a crash
+_REFUSALS = ("ValueError", "NotImplementedError", "StartupRefused", "ValidationError")
+#: vLLM's wrapper of an engine-core failure: the cause is logged above it
+_GENERIC = ("Engine core initialization failed",)
 
 
 def serve(folder: Path, prompt_ids: list[list[int]], n: int, recurrent: bool,
@@ -566,17 +569,25 @@ def serve(folder: Path, prompt_ids: list[list[int]], n: int, recurrent: bool,
 
 
 def _failure(log: str) -> tuple[str, None, str]:
-    """Classify a failed engine run from its log: refused at start-up (the error names the
-    model, raised while vLLM builds its config or the worker loads the model) or crashed."""
-    errors = [line.strip() for line in log.splitlines()
-              if re.match(r"^\s*(\w+\.)*\w*(Error|Exception|Refused)\b.*:", line)]
-    message = errors[-1] if errors else log.strip().splitlines()[-1] if log.strip() else "?"
-    started = "Starting to load model" in log or "load_model" in log
-    generating = "Processed prompts" in log or "execute_model" in log.split("Traceback")[-1]
-    if generating:
-        return "crashed", None, message + "\n" + log[-3000:]
-    del started
-    return "refused", None, message
+    """Classify a failed engine run from its log: ``refused`` when the root cause is a
+    deliberate refusal (:data:`_REFUSALS`, before any request was processed), else
+    ``crashed`` (the message carries the traceback's tail)."""
+    lines = [re.sub(r"^\(\w+ pid=\d+\) ERROR \S+ \S+ \[[^]]+\] ", "", line)
+             for line in log.splitlines()]
+    errors = [i for i, line in enumerate(lines)
+              if re.match(r"^\s*(\w+\.)*\w*(Error|Exception|Refused)\b.*:", line)
+              and not any(g in line for g in _GENERIC)]
+    if not errors:
+        return "crashed", None, "\n".join(lines[-30:])
+    i = errors[-1]
+    message = lines[i].strip()
+    if "validation error" in message and i + 1 < len(lines):  # pydantic: the cause follows
+        message += " " + lines[i + 1].strip()
+    kind = re.match(r"^\s*(?:\w+\.)*(\w+)", message).group(1)
+    served_any = "Processed prompts" in log
+    if kind in _REFUSALS and not served_any:
+        return "refused", None, message
+    return "crashed", None, message + "\n" + "\n".join(lines[max(0, i - 24):i])
 
 
 # ----------------------------------------------------------------------------- the matrix
@@ -608,15 +619,18 @@ def run_type(model_type: str, work: Path, serve_it: bool = True) -> TypeResult:
 
 
 def run_matrix(types: Iterable[str], work: Path, out: Path, serve_it: bool = True,
-               include_moe: bool = False) -> list[TypeResult]:
+               include_moe: bool = False, skip: Iterable[str] = ()) -> list[TypeResult]:
     """Run :func:`run_type` for ``types`` and write the results to ``out`` (JSON) after each,
-    so a long run can be read while it goes. MoE types are built and classified but served
-    only with ``include_moe``."""
+    so a long run can be read while it goes (types it already holds with an outcome in
+    ``skip`` are left as they are). MoE types are built and classified but served only with
+    ``include_moe``."""
     results: dict[str, TypeResult] = {}
     if out.exists():  # resume: keep what an earlier run recorded for other types
         for row in json.loads(out.read_text())["types"]:
             results[row["model_type"]] = TypeResult(**row)
     for model_type in types:
+        if model_type in results and results[model_type].outcome in skip:
+            continue
         probe = build_checkpoint(model_type, work / "checkpoints")
         serve_this = serve_it and (include_moe or not probe.moe)
         result = run_type(model_type, work, serve_this) if probe.built else probe
@@ -720,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="results JSON (default: WORK/results.json)")
     parser.add_argument("--build-only", action="store_true", help="no engine, no reference")
     parser.add_argument("--moe", action="store_true", help="serve MoE types too")
+    parser.add_argument("--skip", default="", help="comma-separated outcomes: types the "
+                        "results file already holds with one of them are not run again")
     parser.add_argument("--docs", type=Path, help="write docs/models.md's table from this "
                         "results file and exit")
     args = parser.parse_args(argv)
@@ -735,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"reload_identical={r.reload_identical} {r.features} {r.build_error or ''}",
                   flush=True)
         return 0
-    rows = run_matrix(types, args.work, out, include_moe=args.moe)
+    rows = run_matrix(types, args.work, out, include_moe=args.moe,
+                      skip=[o for o in args.skip.split(",") if o])
     print(json.dumps(counts([dataclasses.asdict(r) for r in rows])))
     return 0
 
