@@ -33,10 +33,10 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
-import traceback
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -184,6 +184,12 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
                                "vocab_size_per_layer_input": VOCAB, "global_head_dim": 64,
                                "num_global_key_value_heads": 1}},
+    "gemma3n": {"text_config": {
+        "num_hidden_layers": 4, "layer_types": _SLIDING_FULL, "num_kv_shared_layers": 2,
+        "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
+        "rope_local_base_freq": 10000.0, "activation_sparsity_pattern": [0.0] * 4,
+        "altup_num_inputs": 2, "altup_coef_clip": 120.0, "altup_correct_scale": True,
+        "altup_active_idx": 0, "laurel_rank": 16}},
     "granitemoehybrid": {"num_hidden_layers": 4, "num_local_experts": 0, "mamba_n_heads": 6,
                          "shared_intermediate_size": 128,
                          "layer_types": ["mamba", "mamba", "attention", "mamba"]},
@@ -222,8 +228,38 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                  "rope_parameters": _ROPE_BY_LAYER_TYPE},
 }
 
-#: model type -> HF architecture name where it is not transformers' causal-LM class for it
-ARCHITECTURES: dict[str, str] = {}
+#: model type -> HF architecture name where it is not transformers' causal-LM class for it:
+#: the name real checkpoints carry (vLLM knows most of them)
+ARCHITECTURES: dict[str, str] = {
+    "internlm2": "InternLM2ForCausalLM", "internlm3": "InternLM3ForCausalLM",
+    "minicpm": "MiniCPMForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
+    "mimo": "MiMoForCausalLM", "qwen": "QWenLMHeadModel", "openelm": "OpenELMForCausalLM",
+    "phi3small": "Phi3SmallForCausalLM", "plamo": "PlamoForCausalLM",
+    "plamo2": "Plamo2ForCausalLM", "plamo3": "Plamo3ForCausalLM",
+    "hunyuan": "HunYuanMoEV1ForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "iquestloopcoder": "IQuestLoopCoderForCausalLM", "telechat3": "TeleChat3ForCausalLM",
+    "nemotron-nas": "DeciLMForCausalLM", "exaone": "ExaoneForCausalLM",
+    "baichuan_m1": "BaichuanM1ForCausalLM", "rwkv7": "RWKV7ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM", "mimo_v2_flash": "MiMoV2FlashForCausalLM",
+    "nanbeige": "NanbeigeForCausalLM", "deepseek": "DeepseekForCausalLM",
+}
+
+#: model type -> why the matrix has no checkpoint for it (the build error is recorded too)
+KNOWN_UNBUILT: dict[str, str] = {
+    "olmo": "mlx-lm's olmo module needs the ai2-olmo package, which is not installed",
+    "prism_hadamard_qwen35": "needs a Hadamard rotation pack in the checkpoint; the builder "
+                             "makes none",
+    "nemotron-nas": "heterogeneous layers from per-layer block_configs; the builder makes "
+                    "none",
+    **dict.fromkeys(("afmoe", "dbrx", "exaone_moe", "kimi_k3", "kimi_linear", "longcat_flash",
+                     "mimo_v2_flash", "minimax_m3_vl", "muse_spark"),
+                    "mixture of experts (the MoE issue): no tiny config written yet"),
+}
+
+#: ModelArgs fields that mark routed experts, for types that could not be built
+_MOE_FIELDS = frozenset({"num_experts", "n_routed_experts", "num_local_experts",
+                         "moe_num_experts", "moe_intermediate_size", "moe_hidden_size",
+                         "ffn_config", "moe_topk"})
 
 
 @dataclasses.dataclass
@@ -404,6 +440,16 @@ def classify(model: Any, cfg: dict[str, Any]) -> tuple[bool, list[str]]:
         features.append("attention sinks")
     if any(re.search(r"(q|k)_(layer)?norm", n) for n in names):
         features.append("q/k norm")
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    if any(text.get(k) for k in ("num_kv_shared_layers", "num_kv_reuse_layers")):
+        features.append("shared KV")
+    if any(isinstance(text.get(k), list) for k in ("num_kv_heads", "num_query_heads")):
+        features.append("per-layer heads")
+    if text.get("no_rope_layers"):
+        features.append("no-RoPE layers")
+    if "MLA" not in features and text.get("kv_lora_rank") and any(
+            "kv_a" in n for n in names):
+        features.append("MLA")
     flat = json.dumps(cfg)
     if "softcap" in flat or "soft_cap" in flat:
         features.append("soft-capping")
@@ -450,11 +496,12 @@ def build_checkpoint(model_type: str, root: Path) -> TypeResult:
         folder.mkdir(parents=True, exist_ok=True)
         weights = dict(tree_flatten(model.parameters()))
         mx.save_safetensors(str(folder / "model.safetensors"), weights)
-        tok = _tokenizer()
-        cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        tok = _tokenizer_files(Path(root))
+        cfg.update(bos_token_id=tok["bos_token_id"], eos_token_id=tok["eos_token_id"],
                    torch_dtype="float32")
         (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-        tok.save_pretrained(folder)
+        for f in tok["files"]:
+            shutil.copy(f, folder / f.name)
         reloaded = load_reference_model(folder)
         again = dict(tree_flatten(reloaded.parameters()))
         result.reload_identical = (again.keys() == weights.keys() and all(
@@ -465,7 +512,19 @@ def build_checkpoint(model_type: str, root: Path) -> TypeResult:
             raise
         result.build_error = _one_line(e)
         result.outcome = "not_built"
+        result.moe = result.moe or _moe_by_fields(model_type)
     return result
+
+
+def _moe_by_fields(model_type: str) -> bool:
+    """Whether ``model_type``'s ModelArgs (or its text config class) has expert fields."""
+    try:
+        _, args_class = model_classes(model_type)
+        inner = _text_config_class(model_type)
+    except BaseException:  # noqa: BLE001 (a module that cannot even be imported)
+        return False
+    names = set(_fields(args_class)) | (set(_fields(inner)) if inner is not None else set())
+    return bool(names & _MOE_FIELDS)
 
 
 def _one_line(e: BaseException) -> str:
@@ -473,18 +532,29 @@ def _one_line(e: BaseException) -> str:
     return text[0][:300] if text else type(e).__name__
 
 
-def _tokenizer() -> Any:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import smollm2_tokenizer
+def _tokenizer_files(root: Path) -> dict[str, Any]:
+    """SmolLM2's tokenizer saved once under ``root / "tokenizer"``: its files and special ids."""
+    folder = root / "tokenizer"
+    meta = folder / "ids.json"
+    if not meta.is_file():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from tiny_models import smollm2_tokenizer
 
-    return smollm2_tokenizer()
+        tok = smollm2_tokenizer()
+        tok.save_pretrained(folder)
+        meta.write_text(json.dumps({"bos_token_id": tok.bos_token_id,
+                                    "eos_token_id": tok.eos_token_id}))
+    ids = json.loads(meta.read_text())
+    return {**ids, "files": [f for f in folder.iterdir() if f.name != "ids.json"]}
 
 
 def load_reference_model(folder: Path) -> Any:
-    """The checkpoint as mlx-lm itself loads it (``mlx_lm.utils.load``, strict)."""
-    from mlx_lm.utils import load
+    """The checkpoint's model as mlx-lm itself loads it (``mlx_lm.utils.load_model``: its
+    config handling, ``sanitize``, strict weight names; ``mlx_lm.utils.load`` is this plus
+    the tokenizer)."""
+    from mlx_lm.utils import load_model
 
-    model, _ = load(str(folder))
+    model, _ = load_model(Path(folder), strict=True)
     return model
 
 
@@ -593,52 +663,83 @@ def _failure(log: str) -> tuple[str, None, str]:
 # ----------------------------------------------------------------------------- the matrix
 
 
-def run_type(model_type: str, work: Path, serve_it: bool = True) -> TypeResult:
-    """Build, reference and (``serve_it``) serve one type; never raises."""
+def prepare_type(model_type: str, work: Path) -> TypeResult:
+    """Build ``model_type``'s checkpoint and mlx-lm's reference on it; never raises."""
     start = time.monotonic()
     result = build_checkpoint(model_type, work / "checkpoints")
     if result.built:
         folder = work / "checkpoints" / model_type
-        ids = prompts(model_type)
         try:
-            result.reference = mlx_lm_reference(folder, ids, NEW_TOKENS)
+            result.reference = mlx_lm_reference(folder, prompts(model_type), NEW_TOKENS)
         except Exception as e:  # noqa: BLE001 (recorded: mlx-lm cannot generate with it)
             result.outcome, result.message = "reference_failed", _one_line(e)
-            traceback.print_exc()
-        if serve_it and result.reference is not None:
-            recurrent = "recurrent" in result.features
-            state, tokens, message = serve(folder, ids, NEW_TOKENS, recurrent,
-                                           work / "runs" / model_type)
-            result.served, result.message = tokens, message
-            if state == "served":
-                result.outcome = "match" if tokens == result.reference else "mismatch"
-            else:
-                result.outcome = state
     result.seconds = round(time.monotonic() - start, 1)
     return result
 
 
+def serve_type(result: TypeResult, work: Path) -> TypeResult:
+    """Serve a prepared type through the engine and record the outcome (thread-safe: the
+    engine runs in its own process)."""
+    start = time.monotonic()
+    state, tokens, message = serve(work / "checkpoints" / result.model_type,
+                                   prompts(result.model_type), NEW_TOKENS,
+                                   "recurrent" in result.features,
+                                   work / "runs" / result.model_type)
+    result.served, result.message = tokens, message
+    if state == "served":
+        result.outcome = "match" if tokens == result.reference else "mismatch"
+    else:
+        result.outcome = state
+    result.seconds = round((result.seconds or 0) + time.monotonic() - start, 1)
+    return result
+
+
+def run_type(model_type: str, work: Path, serve_it: bool = True) -> TypeResult:
+    """Build, reference and (``serve_it``) serve one type; never raises."""
+    result = prepare_type(model_type, work)
+    if serve_it and result.reference is not None:
+        serve_type(result, work)
+    return result
+
+
 def run_matrix(types: Iterable[str], work: Path, out: Path, serve_it: bool = True,
-               include_moe: bool = False, skip: Iterable[str] = ()) -> list[TypeResult]:
-    """Run :func:`run_type` for ``types`` and write the results to ``out`` (JSON) after each,
-    so a long run can be read while it goes (types it already holds with an outcome in
-    ``skip`` are left as they are). MoE types are built and classified but served only with
-    ``include_moe``."""
+               include_moe: bool = False, skip: Iterable[str] = (), jobs: int = 1,
+               ) -> list[TypeResult]:
+    """Run every type of ``types`` and write the results to ``out`` (JSON) as each finishes,
+    so a long run can be read while it goes; types ``out`` already holds with an outcome in
+    ``skip`` are left as they are. MoE types are built and classified but served only with
+    ``include_moe``. Checkpoints and references are made here, one type at a time; up to
+    ``jobs`` engines serve at once (each in its own process)."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
     results: dict[str, TypeResult] = {}
     if out.exists():  # resume: keep what an earlier run recorded for other types
         for row in json.loads(out.read_text())["types"]:
             results[row["model_type"]] = TypeResult(**row)
-    for model_type in types:
-        if model_type in results and results[model_type].outcome in skip:
-            continue
-        probe = build_checkpoint(model_type, work / "checkpoints")
-        serve_this = serve_it and (include_moe or not probe.moe)
-        result = run_type(model_type, work, serve_this) if probe.built else probe
-        results[model_type] = result
-        print(f"{model_type:28s} {result.outcome or ('built' if result.built else '?'):16s}"
-              f" {result.seconds or 0:6.1f}s {(result.message or result.build_error or '')[:90]}",
-              flush=True)
+
+    def record(result: TypeResult) -> None:
+        results[result.model_type] = result
+        state = result.outcome or ("built" if result.built else "?")
+        print(f"{result.model_type:28s} {state:16s} {result.seconds or 0:6.1f}s "
+              f"{(result.message or result.build_error or '')[:90]}", flush=True)
         _write(out, results)
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        pending: set = set()
+        for model_type in types:
+            if model_type in results and results[model_type].outcome in skip:
+                continue
+            result = prepare_type(model_type, work)
+            if serve_it and result.reference is not None and (include_moe or not result.moe):
+                while len(pending) >= max(1, jobs):
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        record(f.result())
+                pending.add(pool.submit(serve_type, result, work))
+            else:
+                record(result)
+        for f in wait(pending).done:
+            record(f.result())
     return list(results.values())
 
 
@@ -734,6 +835,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="results JSON (default: WORK/results.json)")
     parser.add_argument("--build-only", action="store_true", help="no engine, no reference")
     parser.add_argument("--moe", action="store_true", help="serve MoE types too")
+    parser.add_argument("--jobs", type=int, default=1, help="engines serving at once")
     parser.add_argument("--skip", default="", help="comma-separated outcomes: types the "
                         "results file already holds with one of them are not run again")
     parser.add_argument("--docs", type=Path, help="write docs/models.md's table from this "
@@ -752,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         return 0
     rows = run_matrix(types, args.work, out, include_moe=args.moe,
-                      skip=[o for o in args.skip.split(",") if o])
+                      skip=[o for o in args.skip.split(",") if o], jobs=args.jobs)
     print(json.dumps(counts([dataclasses.asdict(r) for r in rows])))
     return 0
 
