@@ -28,6 +28,7 @@ into docs/models.md's family table.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -94,8 +95,8 @@ NAME_DEFAULTS: dict[str, Any] = {
     # rope
     **dict.fromkeys(("rope_theta", "rotary_emb_base", "swa_rope_theta"), 10000.0),
     # windows
-    **dict.fromkeys(("sliding_window", "attention_window_size", "sliding_window_size",
-                     "attention_chunk_size"), WINDOW),
+    **dict.fromkeys(("sliding_window", "attention_window_size", "sliding_window_size"),
+                    WINDOW),
     "tie_word_embeddings": False,
     # mixture of experts (small, so MoE types build too)
     **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"),
@@ -162,6 +163,15 @@ NAME_DEFAULTS: dict[str, Any] = {
 _SLIDING_FULL = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
 _ROPE_BY_LAYER_TYPE = {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+# as Gemma 4 checkpoints carry it: proportional partial RoPE on the global layers
+_GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                   "rope_type": "proportional"},
+                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
+                                      "rope_type": "default"}}
+_GEMMA4 = {"rope_parameters": _GEMMA4_ROPE, "num_hidden_layers": 4, "sliding_window_pattern": 2,
+           "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
+           "vocab_size_per_layer_input": VOCAB, "global_head_dim": 64,
+           "num_global_key_value_heads": 1}
 OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]] = {
     # layer stacks: 4 layers where a family mixes kinds, the windowed layers first
     "exaone4": {"num_hidden_layers": 4, "sliding_window_pattern": "LLLG",
@@ -176,14 +186,8 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "gemma2": {"num_hidden_layers": 4},
     "gemma3_text": {"num_hidden_layers": 4},
     "gemma3": {"text_config": {"num_hidden_layers": 4}},
-    "gemma4_text": {"num_hidden_layers": 4, "sliding_window_pattern": 2,
-                    "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
-                    "vocab_size_per_layer_input": VOCAB, "global_head_dim": 64,
-                    "num_global_key_value_heads": 1},
-    "gemma4": {"text_config": {"num_hidden_layers": 4, "sliding_window_pattern": 2,
-                               "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
-                               "vocab_size_per_layer_input": VOCAB, "global_head_dim": 64,
-                               "num_global_key_value_heads": 1}},
+    "gemma4_text": _GEMMA4,
+    "gemma4": {"text_config": _GEMMA4},
     "gemma3n": {"text_config": {
         "num_hidden_layers": 4, "layer_types": _SLIDING_FULL, "num_kv_shared_layers": 2,
         "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
@@ -199,9 +203,11 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                 "layer_types": ["conv", "full_attention", "conv", "conv"]}},
     "lfm2_moe": {"num_hidden_layers": 4,
                  "layer_types": ["conv", "full_attention", "conv", "conv"]},
-    "llama4_text": {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]},
+    "llama4_text": {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0],
+                    "attention_chunk_size": WINDOW},
     "llama4": {"text_config": {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0],
                                "num_experts_per_tok": 1, "attention_bias": False,
+                               "attention_chunk_size": WINDOW,
                                "use_qk_norm": True, "rope_scaling": None}},
     "nemotron_h": {"num_hidden_layers": 4, "hybrid_override_pattern": ["M", "*", "M", "-"]},
     "recurrent_gemma": {"num_hidden_layers": 3,
@@ -211,7 +217,7 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "mamba2": {"num_heads": 6, "hidden_size": 96, "intermediate_size": 192},
     "falcon_h1": {"num_hidden_layers": 2, "mamba_d_ssm": 192, "mamba_n_heads": 6},
     # RoPE variants the families are built with
-    "deepseek_v2": {"rope_scaling": {"type": "yarn", "factor": 2.0,
+    "deepseek_v2": {"n_routed_experts": 4, "rope_scaling": {"type": "yarn", "factor": 2.0,
                                      "original_max_position_embeddings": 256,
                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                                      "mscale_all_dim": 1.0}},
@@ -222,6 +228,10 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                        "factor": 2.0, "original_max_position_embeddings": 256,
                                        "llama_4_scaling_beta": 0.1, "beta_fast": 32,
                                        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
+    # every real checkpoint of these has routed experts (the MoE issue), which their
+    # ModelArgs leave off by default
+    **dict.fromkeys(("deepseek", "deepseek_v3", "deepseek_v32"), {"n_routed_experts": 4}),
+    **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
     "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
     "phi3": {"partial_rotary_factor": 0.5},
     "spark2_5": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL, "hidden_act": "gelu",
@@ -256,6 +266,9 @@ KNOWN_UNBUILT: dict[str, str] = {
                     "mixture of experts (the MoE issue): no tiny config written yet"),
 }
 
+#: expert counts: set only where the family has no dense default
+_EXPERT_COUNTS = frozenset({"num_experts", "n_routed_experts", "num_local_experts",
+                            "moe_num_experts"})
 #: ModelArgs fields that mark routed experts, for types that could not be built
 _MOE_FIELDS = frozenset({"num_experts", "n_routed_experts", "num_local_experts",
                          "moe_num_experts", "moe_intermediate_size", "moe_hidden_size",
@@ -310,9 +323,11 @@ def _fields(args_class: type) -> dict[str, dataclasses.Field]:
 
 def _fill(args_class: type, cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` with every field of ``args_class`` named in :data:`NAME_DEFAULTS` set."""
-    for name in _fields(args_class):
+    for name, f in _fields(args_class).items():
         if name in NAME_DEFAULTS and name not in cfg:
-            cfg[name] = NAME_DEFAULTS[name]
+            if name in _EXPERT_COUNTS and f.default in (0, None, False):
+                continue  # a family that is dense unless asked (qwen3_5, ...) stays dense
+            cfg[name] = copy.deepcopy(NAME_DEFAULTS[name])
     return cfg
 
 
@@ -327,7 +342,8 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     fields = _fields(args_class)
     if "text_config" in fields:
         inner = _text_config_class(model_type)
-        cfg["text_config"] = _fill(inner, {}) if inner is not None else dict(NAME_DEFAULTS)
+        cfg["text_config"] = (_fill(inner, {}) if inner is not None
+                              else copy.deepcopy(NAME_DEFAULTS))
         cfg["text_config"].setdefault("model_type", model_type)
     _fill(args_class, cfg)
     override = OVERRIDES.get(model_type)
@@ -343,7 +359,7 @@ def _merge(cfg: dict[str, Any], override: dict[str, Any]) -> None:
         if isinstance(value, dict) and isinstance(cfg.get(key), dict):
             _merge(cfg[key], value)
         else:
-            cfg[key] = value
+            cfg[key] = copy.deepcopy(value)
 
 
 def _text_config_class(model_type: str) -> type | None:
