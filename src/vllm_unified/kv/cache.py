@@ -321,7 +321,7 @@ class KVCache:
         # a layer another pipeline stage holds only answers mask construction
         caches: list[Any] = [MissingLayerCache() for _ in range(self.layers.num_layers)]
         for j, i in enumerate(self.layers.attention):
-            caches[i] = PagedLayerCache(pool, j, self.profile)
+            caches[i] = PagedLayerCache(pool, j, self.profile, self.windows[i])
         for i in self.layers.recurrent:
             caches[i] = StateLayerCache(store, i)
         return caches

@@ -55,12 +55,15 @@ class _PagedMaskSource:
 class PagedLayerCache(_PagedMaskSource):
     """mlx-lm cache protocol for one attention layer, backed by :class:`KVPool` layer
     ``layer`` (its attention ordinal, not the model layer index of a hybrid model);
-    ``backend``: the profile whose attention kernels run (default: the process's)."""
+    ``backend``: the profile whose attention kernels run (default: the process's);
+    ``window``: the layer's sliding window in tokens (None: full attention)."""
 
-    def __init__(self, pool: KVPool, layer: int, backend: BackendProfile | None = None) -> None:
+    def __init__(self, pool: KVPool, layer: int, backend: BackendProfile | None = None,
+                 window: int | None = None) -> None:
         self.pool = pool
         self.layer = layer
         self.backend = backend
+        self.window = window
 
     def _arrays(self) -> list[mx.array]:
         """The pool arrays of the bound step (a compiled trace's inputs, or the pool's)."""

@@ -27,8 +27,9 @@ def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of an HF config dict with the keys mlx-lm's ``ModelArgs`` reads made explicit.
 
     From a flat transformers-5 ``rope_parameters``: top-level ``rope_theta`` and
-    ``partial_rotary_factor`` where absent, and ``rope_scaling`` (None for plain RoPE). Then
-    the model type's fix-up from :data:`CONFIG_FIXUPS`.
+    ``partial_rotary_factor`` where absent, and ``rope_scaling`` (None for plain RoPE);
+    ``head_dim`` = hidden size / heads where absent (transformers' default). Then the model
+    type's fix-up from :data:`CONFIG_FIXUPS`.
 
     Raises:
         ValueError: no ``model_type``, or a config feature the mlx-lm module would ignore.
@@ -43,6 +44,9 @@ def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
             if cfg.get(key) is None and rope.get(key) is not None:
                 cfg[key] = rope[key]
         cfg["rope_scaling"] = cfg.get("rope_scaling") or _non_default(rope)
+    if cfg.get("head_dim") is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        # transformers' default where a config leaves it out; some mlx-lm ModelArgs require it
+        cfg["head_dim"] = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
     fixup = CONFIG_FIXUPS.get(model_type)
     if fixup is not None:
         fixup(cfg)

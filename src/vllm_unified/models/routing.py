@@ -20,8 +20,7 @@ Both read the step's metadata from the bound step context
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -43,50 +42,77 @@ def paged_sdpa(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention`` signature, paged for a
-    :class:`PagedLayerCache`, mlx-lm's own function for any other cache.
+    :class:`PagedLayerCache` (the layer's sliding window is the cache's), mlx-lm's own
+    function for any other cache (a cache :func:`record_cache` marked records the call).
 
     Raises:
         NotImplementedError: attention sinks with a paged cache.
         TypeError: a dense mask with a paged cache.
+        ValueError: the mask's sliding window is not the layer's.
     """
     if not isinstance(cache, PagedLayerCache):
+        record = getattr(cache, "probe_record", None)
+        if record is not None:
+            record.attends += 1
+            record.sinks = record.sinks or sinks is not None
         return patches.original_mlx_lm_sdpa()(queries, keys, values, cache, scale=scale,
                                               mask=mask, sinks=sinks)
     if sinks is not None:
         raise NotImplementedError("attention sinks are not supported by the paged kernel yet")
     if mask is not None and not isinstance(mask, PagedMask):
         raise TypeError(f"unexpected attention mask {type(mask).__name__} with a paged cache")
-    window = mask.window if isinstance(mask, PagedMask) else None
+    if isinstance(mask, PagedMask) and mask.window is not None and mask.window != cache.window:
+        raise ValueError(f"the model asks for a sliding window of {mask.window} on a layer "
+                         f"whose window is {cache.window}")
     # keys/values are this step's rows as the cache wrote them (update_and_fetch returns its
     # inputs): a prefill chunk with no earlier context attends to exactly these.
-    return cache.attend(queries, scale, window, fresh=(keys, values))
+    return cache.attend(queries, scale, cache.window, fresh=(keys, values))
 
 
-def install_paged_attention(model: Any, recurrent: Collection[int] = ()) -> list[str]:
+@dataclass
+class CacheRecord:
+    """What one mlx-lm cache saw in a probe forward: the ``(kv_heads, key_dim, value_dim)``
+    of each ``update_and_fetch``, the number of :func:`paged_sdpa` calls, and whether any
+    passed attention sinks."""
+
+    writes: list[tuple[int, int, int]] = field(default_factory=list)
+    attends: int = 0
+    sinks: bool = False
+
+
+def record_cache(cache: Any) -> CacheRecord:
+    """Make the mlx-lm cache ``cache`` record its use into the returned :class:`CacheRecord`
+    (its class becomes a recording subclass of its own; behaviour is unchanged)."""
+    record = CacheRecord()
+    cache.__class__ = _recording_class(type(cache))
+    cache.probe_record = record
+    return record
+
+
+_RECORDING: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    if cls not in _RECORDING:
+        def update_and_fetch(self: Any, keys: mx.array, values: mx.array) -> Any:
+            self.probe_record.writes.append((keys.shape[1], keys.shape[-1], values.shape[-1]))
+            return cls.update_and_fetch(self, keys, values)
+
+        _RECORDING[cls] = type(f"Recording{cls.__name__}", (cls,),
+                               {"update_and_fetch": update_and_fetch})
+    return _RECORDING[cls]
+
+
+def install_paged_attention(model: Any) -> list[str]:
     """Route the attention of every module that defines a layer of ``model`` to
-    :func:`paged_sdpa` (an architecture built from another's layers is covered too).
+    :func:`paged_sdpa` (an architecture built from another's layers is covered too); whether
+    each attention layer really computes through it is checked by the load-time probe
+    (:mod:`vllm_unified.models.capability`).
 
-    ``recurrent``: indices of layers without attention here: state-space layers (hybrid
-    models) and layers another pipeline stage holds.
     Idempotent. Returns the names of the modules patched, for the log.
-
-    Raises:
-        ValueError: an attention layer that does not compute attention through mlx-lm's
-            ``scaled_dot_product_attention`` (it could not be routed).
     """
     names = sorted({type(m).__module__ for m in model.modules()})
-    patched = patches.route_mlx_lm_attention(names, paged_sdpa)
-    for i, layer in enumerate(model.layers):
-        if i in recurrent:
-            continue
-        attn = getattr(layer, "self_attn", None)
-        module = sys.modules.get(type(attn).__module__) if attn is not None else None
-        if getattr(module, "scaled_dot_product_attention", None) is not paged_sdpa:
-            raise ValueError(
-                f"layer {i} ({type(layer).__name__}) does not compute attention through mlx-lm's "
-                "scaled_dot_product_attention, so it cannot be routed to the paged KV cache"
-            )
-    return patched
+    return patches.route_mlx_lm_attention(names, paged_sdpa)
 
 
 def install_recurrent_mixers(model_type: str, model: nn.Module) -> list[int]:

@@ -37,8 +37,8 @@ from vllm_unified.compat import KVCacheConfig, KVCacheSpec, init_logger
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.forward_context import set_step_context
 from vllm_unified.kv.hybrid import HybridLayers
+from vllm_unified.models.capability import route_model
 from vllm_unified.models.loader import check_dtype_supported, load_model
-from vllm_unified.models.routing import install_paged_attention, install_recurrent_mixers
 from vllm_unified.worker.forward import forward
 from vllm_unified.worker.input_batch import RequestState
 
@@ -142,26 +142,22 @@ class DraftModel:
                             keep_quantized=keep_quantized)
         self.model = loaded.model
         check_dtype_supported(self.model, dtype, self.backend.kind)
-        model_type = loaded.config["model_type"]
-        layers = HybridLayers(model_type, len(self.model.layers),
-                              install_recurrent_mixers(model_type, self.model))
-        if layers.is_hybrid:
+        pc = self.vllm_config.parallel_config
+        layout, _ = route_model(self.model, loaded.config,
+                                kv_shape=(mc.get_num_kv_heads(pc), mc.get_head_size()),
+                                config_window=mc.get_sliding_window())
+        if layout.recurrent:
             raise ValueError("--speculative-config: a hybrid attention + state-space draft "
                              "model is not supported by vllm-unified")
-        install_paged_attention(self.model, layers.recurrent)
-        pc = self.vllm_config.parallel_config
+        if any(layout.windows.values()):
+            raise ValueError("--speculative-config: a draft model with sliding-window "
+                             "layers is not supported by vllm-unified")
+        layers = HybridLayers(loaded.config["model_type"], layout.num_slots, [])
         cache_dtype = (self.vllm_config.speculative_config.kv_cache_dtype
                        or self.vllm_config.cache_config.cache_dtype or "auto")
         shape = AttentionShape(mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
                                cache_dtype)
-        for i in layers.attention:
-            attn = getattr(self.model.layers[i], "self_attn", None)
-            if getattr(self.model.layers[i], "use_sliding", False) or getattr(
-                    attn, "is_sliding", False):
-                raise ValueError("--speculative-config: a draft model with sliding-window "
-                                 "layers is not supported by vllm-unified")
-        self.kv_cache = KVCache(self.backend, layers, shape,
-                                dict.fromkeys(layers.attention), dtype)
+        self.kv_cache = KVCache(self.backend, layers, shape, layout.windows, dtype)
         logger.info("vllm-unified: draft model %s loaded (%s, %d layers)", mc.model,
                     loaded.source, len(self.model.layers))
 

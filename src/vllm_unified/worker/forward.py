@@ -9,6 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from vllm_unified.models.output_head import lm_head
+
 __all__ = ["forward", "forward_hidden"]
 
 
@@ -36,7 +38,7 @@ def forward(
         hidden = hidden[rows if isinstance(rows, mx.array) else mx.array(rows), 0, :]
     else:
         hidden = hidden[:0, 0, :]
-    return _lm_head(model, hidden)
+    return lm_head(model, hidden)
 
 
 def forward_hidden(
@@ -55,10 +57,3 @@ def _inner_forward(model: nn.Module, layer_caches: list[Any], input_ids: mx.arra
         return model.model(input_ids[:, None], cache=layer_caches)
     return model.model(input_ids[:, None], cache=layer_caches,
                        input_embeddings=input_embeddings[:, None, :])
-
-
-def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
-    """The architecture's output projection: ``lm_head`` or the tied embedding."""
-    if "lm_head" in model:
-        return model.lm_head(hidden)
-    return model.model.embed_tokens.as_linear(hidden)

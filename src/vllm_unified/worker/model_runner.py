@@ -56,13 +56,13 @@ from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.page_release import PageRelease, placements
 from vllm_unified.memory.mlx_log import MemoryLog
+from vllm_unified.models.capability import UnsupportedModel, route_model
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
 from vllm_unified.models.decode_attention import install_fused_decode_attention
 from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.gpu_gemm import install_gpu_gemm
 from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
-from vllm_unified.models.routing import install_paged_attention, install_recurrent_mixers
 from vllm_unified.offload.runner import KVConnectorHooks
 from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode
@@ -270,38 +270,45 @@ class MLXModelRunner:
         self.model = self.loaded.model
         check_dtype_supported(self.model, self.dtype, self.backend.kind)
         model_type = self.loaded.config["model_type"]
-        num_layers = len(self.model.layers)
-        if num_layers != self.stage.num_layers:
-            raise ValueError(f"mlx-lm built {num_layers} layers but vLLM's config has "
-                             f"{self.stage.num_layers}")
-        self.layers = HybridLayers(model_type, num_layers,
-                                   install_recurrent_mixers(model_type, self.model),
-                                   held=self.stage.layers)
-        patched = install_paged_attention(
-            self.model, [i for i in range(num_layers) if i not in self.layers.attention])
+        head_size = self.model_config.get_head_size()
         cpu_kernels = install_cpu_kernels(self.model)
         fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
         gemm = install_gpu_gemm(self.model) if self.backend.gpu_gemm else 0
-        head_size = self.model_config.get_head_size()
         fused_qk = (install_fused_decode_attention(self.model, head_size)
                     if self.backend.fused_qk else 0)
+        # checked as it will run: the probe's forward goes through the layers installed above
+        probe_start = time.perf_counter()
+        self.layout, patched = route_model(
+            self.model, self.loaded.config,
+            kv_shape=(self.model_config.get_num_kv_heads(pc), head_size),
+            config_window=self.model_config.get_sliding_window(),
+            probe=self.stage.size == 1)
+        probe_s = time.perf_counter() - probe_start
+        num_layers = self.layout.num_slots
+        if self.stage.size > 1 and num_layers != self.stage.num_layers:
+            raise ValueError(f"mlx-lm built {num_layers} cache slots but vLLM's config has "
+                             f"{self.stage.num_layers} layers")
+        self.layers = HybridLayers(model_type, num_layers, self.layout.recurrent,
+                                   held=self.stage.layers if self.stage.size > 1 else None)
         cache_config = self.vllm_config.cache_config
         shape = AttentionShape(self.model_config.get_num_kv_heads(pc),
                                head_size, self.model_config.dtype,
                                cache_config.cache_dtype or "auto",
                                tuple(cache_config.kv_cache_dtype_skip_layers or ()))
-        windows = {i: self._window(i) for i in self.layers.attention}
+        windows = {i: self.layout.attention[i].window for i in self.layers.attention}
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype)
         if self.draft is not None:
             self.draft.load(_checkpoint_path(self.draft.model_config.model),
                             keep_quantized=self.backend.keep_quantized or native)
         logger.info(
             "vllm-unified: loaded %s (%s, %d layers, dtype %s, quantized=%s) in %.2f s; "
-            "paged attention routed in %s; native CPU kernels: %s; fused projections: %s; "
+            "paged attention routed in %s (layers checked in %.2f s%s); native CPU kernels: %s; "
+            "fused projections: %s; "
             "decode-sized matmuls by the GPU kernel: %d layers; decode q/k norms and RoPE "
             "in the attention kernels: %d layers",
             path, self.loaded.source, num_layers, self.dtype, self.loaded.quantized,
-            time.perf_counter() - start, ", ".join(patched) or "(already routed)",
+            time.perf_counter() - start, ", ".join(patched) or "(already routed)", probe_s,
+            "".join(f"; {n}" for n in self.layout.notes),
             ", ".join(cpu_kernels) or "(none)",
             ", ".join(f"{n} {name}" for name, n in fused.items()) or "(none)", gemm, fused_qk,
         )
@@ -315,15 +322,6 @@ class MLXModelRunner:
         after the model loaded)."""
         allocated = self.kv_cache.block_size if self.kv_cache is not None else None
         return allocated or self.vllm_config.cache_config.block_size
-
-    def _window(self, i: int) -> int | None:
-        """Sliding window of layer ``i`` (tokens), None for full attention."""
-        layer = self.model.layers[i]
-        # mlx-lm marks it on the block (llama: use_sliding) or on the attention (gemma3).
-        attn = getattr(layer, "self_attn", None)
-        if getattr(layer, "use_sliding", False) or getattr(attn, "is_sliding", False):
-            return int(self.loaded.config["sliding_window"])
-        return None
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """vLLM's per-layer KV cache specs (:meth:`KVCache.kv_cache_spec`), with the draft
@@ -899,9 +897,14 @@ class MLXModelRunner:
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         ids = mx.zeros((num_tokens,), dtype=mx.int32)
-        with set_step_context(ctx):
-            logits = self._stage_forward(caches, ids, np.array([num_tokens - 1], np.int32))
-        mx.eval(logits, arrays())
+        try:
+            with set_step_context(ctx):
+                logits = self._stage_forward(caches, ids, np.array([num_tokens - 1], np.int32))
+            mx.eval(logits, arrays())
+        except Exception as e:  # the first token-major forward: name the model, keep the cause
+            raise UnsupportedModel(
+                self.loaded.config["model_type"], "a forward with every scheduled token as its "
+                f"own batch row and positions as an array ({e!r})") from e
         peak = mx.get_peak_memory() - base
         del caches, ctx, arrays, logits
         mx.clear_cache()

@@ -1,0 +1,92 @@
+"""Adapters for mlx-lm attention modules that compute attention themselves instead of calling
+``scaled_dot_product_attention`` (so :mod:`vllm_unified.models.routing` cannot reach them).
+
+An adapter replaces the module class's ``__call__`` with one that computes the same
+projections and rotation, then attends through :func:`softcapped_sdpa`: the paged attention
+for a :class:`~vllm_unified.kv.layer_cache.PagedLayerCache`, mlx-lm's own arithmetic for any
+other cache (plain mlx-lm use in the same process is unchanged). :data:`ADAPTERS` lists them
+by module and class; :func:`install_attention_adapters` installs those a model uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from vllm_unified import patches
+from vllm_unified.kv.layer_cache import PagedLayerCache
+
+__all__ = ["ADAPTERS", "install_attention_adapters", "softcapped_sdpa"]
+
+
+def softcapped_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
+                    scale: float, mask: Any, softcap: float) -> mx.array:
+    """Attention with logit soft-capping (``softcap * tanh(scores / softcap)`` on the scaled
+    scores, before the mask), ``[B, H, L, D]`` in and out.
+
+    Paged through ``cache.attend(..., softcap=)`` for a paged cache; otherwise computed as
+    mlx-lm's Gemma 2 does (a probe cache of :mod:`vllm_unified.models.capability` records the
+    call as routed)."""
+    if isinstance(cache, PagedLayerCache):
+        return cache.attend(queries, scale, cache.window, fresh=(keys, values), softcap=softcap)
+    record = getattr(cache, "probe_record", None)
+    if record is not None:
+        record.attends += 1
+    return _dense_softcapped(queries, keys, values, scale, mask, softcap)
+
+
+def _dense_softcapped(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                      mask: Any, softcap: float) -> mx.array:
+    b, h, n, d = queries.shape
+    kv_heads = keys.shape[1]
+    q = (queries * scale).reshape(b, kv_heads, h // kv_heads, n, d)
+    scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str) and mask == "causal":
+        offset = keys.shape[2] - n
+        rows = mx.arange(offset, offset + n)[:, None]
+        mask = rows >= mx.arange(keys.shape[2])[None]
+    if isinstance(mask, mx.array):
+        scores = (mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+                  if mask.dtype == mx.bool_ else scores + mask)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ mx.expand_dims(values, 2)).reshape(b, h, n, -1)
+
+
+def _gemma2_attention(self: nn.Module, x: mx.array, mask: Any = None,
+                      cache: Any = None) -> mx.array:
+    """mlx-lm's Gemma 2 ``Attention.__call__`` with its attention through
+    :func:`softcapped_sdpa`."""
+    b, n, _ = x.shape
+    queries = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = self.k_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    offset = cache.offset if cache is not None else 0
+    queries = self.rope(queries, offset=offset)
+    keys = self.rope(keys, offset=offset)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    out = softcapped_sdpa(queries, keys, values, cache, self.scale, mask,
+                          self.attn_logit_softcapping)
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+#: (module, class) of an mlx-lm attention -> its adapted ``__call__``
+ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
+    ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
+}
+
+
+def install_attention_adapters(model: nn.Module) -> list[str]:
+    """Give every attention class of ``model`` listed in :data:`ADAPTERS` its adapted
+    ``__call__`` (:func:`vllm_unified.patches.adapt_mlx_lm_attention_class`). Returns the
+    ``module.Class`` names changed now, for the log."""
+    installed = []
+    for cls in {type(m) for m in model.modules()}:
+        adapted = ADAPTERS.get((cls.__module__, cls.__name__))
+        if adapted is not None and patches.adapt_mlx_lm_attention_class(cls, adapted):
+            installed.append(f"{cls.__module__}.{cls.__name__}")
+    return sorted(installed)

@@ -1,0 +1,317 @@
+"""Which of a loaded mlx-lm model's layers the paged cache can drive, decided at load.
+
+mlx-lm describes a model's per-layer state by the cache list its ``make_cache`` returns (one
+entry per *cache slot*: usually one per decoder layer, fewer where some layers keep nothing).
+Each slot is classified by its cache type:
+
+* ``KVCache`` -> paged attention over the whole context;
+* ``RotatingKVCache(max_size=W, keep=0)`` -> paged attention with a sliding window of W;
+* ``ArraysCache`` / ``MambaCache`` -> a recurrent layer on vLLM's state pages (its family must
+  be known to :mod:`vllm_unified.kv.hybrid`);
+* anything else -> refused, naming the feature.
+
+A probe forward then runs the model as mlx-lm would (a short prefill and one decode step) with
+recording caches, and checks what the types cannot show: that each attention slot computes
+its attention through mlx-lm's ``scaled_dot_product_attention`` (which
+:mod:`vllm_unified.models.routing` sends to the paged kernels), the key/value shapes every slot
+writes, and that the runner's forward (inner model, then the model's own output head) gives
+mlx-lm's logits. A model loads when every slot is drivable; otherwise
+:class:`UnsupportedModel` names the model type, the slot and the missing feature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from vllm_unified.kv.hybrid import HYBRID_FAMILIES
+from vllm_unified.models import routing
+from vllm_unified.models.attention_adapters import install_attention_adapters
+from vllm_unified.models.output_head import lm_head
+
+__all__ = ["AttentionSlot", "ModelLayout", "UnsupportedModel", "check_model", "route_model"]
+
+#: probe tokens (prefill, then one decode step): ids valid in any vocabulary
+_PROBE_PROMPT = (1, 2, 3, 4, 5)
+#: largest |difference| between mlx-lm's logits and the runner's, relative to their largest
+#: magnitude, per compute dtype (a missing soft-cap or logit scale differs by far more)
+_LOGITS_RTOL = {mx.float32: 1e-4}
+_LOGITS_RTOL_16BIT = 1e-2
+
+
+class UnsupportedModel(ValueError):
+    """A model whose layers the paged cache cannot drive; the message names the model type,
+    the slot (decoder layer) and the missing feature."""
+
+    def __init__(self, model_type: str, feature: str, slot: int | None = None) -> None:
+        where = f" (cache slot {slot})" if slot is not None else ""
+        super().__init__(f"model type {model_type!r}{where}: {feature} is not supported by "
+                         "vllm-unified yet")
+        self.model_type = model_type
+        self.feature = feature
+        self.slot = slot
+
+
+@dataclass(frozen=True)
+class AttentionSlot:
+    """One paged-attention cache slot: sliding window (tokens, None for full attention) and
+    the key/value shape the layer writes (``num_kv_heads`` x ``head_dim``), or None where the
+    probe did not run (a pipeline stage)."""
+
+    window: int | None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+
+
+@dataclass
+class ModelLayout:
+    """A model's cache slots as the runner drives them.
+
+    Attributes:
+        model_type: the config's model type.
+        num_slots: entries of mlx-lm's cache list (what the inner model takes as ``cache``).
+        attention: slot index -> :class:`AttentionSlot`.
+        recurrent: slot indices of recurrent layers (vLLM's state pages).
+        notes: how each decision was taken, for the start-up log.
+    """
+
+    model_type: str
+    num_slots: int
+    attention: dict[int, AttentionSlot] = field(default_factory=dict)
+    recurrent: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def windows(self) -> dict[int, int | None]:
+        """Sliding window per attention slot."""
+        return {i: s.window for i, s in self.attention.items()}
+
+
+def check_model(
+    model: nn.Module, config: Mapping[str, Any], *, recurrent_families: Collection[str],
+    kv_shape: tuple[int, int] | None, config_window: int | None, probe: bool = True,
+) -> ModelLayout:
+    """Classify ``model``'s cache slots; raise :class:`UnsupportedModel` for any the paged
+    cache cannot drive.
+
+    Args:
+        model: the loaded mlx-lm model, attention already routed
+            (:func:`vllm_unified.models.routing.install_paged_attention`).
+        config: the mlx-lm config it was built from.
+        recurrent_families: model types whose recurrent mixers run on state pages.
+        kv_shape: ``(num_kv_heads, head_size)`` vLLM sizes every attention page for, or None
+            to accept the probe's.
+        config_window: vLLM's sliding window for the model (``ModelConfig.get_sliding_window``)
+            where the config declares one for every layer, else None.
+        probe: run the probe forward (off for a pipeline stage, whose model is partial).
+
+    Raises:
+        UnsupportedModel: naming the slot and the feature.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model_type = str(config["model_type"])
+    caches = make_prompt_cache(model)
+    layout = ModelLayout(model_type, len(caches))
+    declared = _declared_windows(config, len(caches), config_window)
+    for i, cache in enumerate(caches):
+        kind = _slot_kind(model_type, i, cache)
+        if kind == "recurrent":
+            if model_type not in recurrent_families:
+                raise UnsupportedModel(model_type, "a recurrent (state-space) layer of this "
+                                       f"family ({type(cache).__name__})", i)
+            layout.recurrent.append(i)
+            continue
+        window = _window(model_type, i, cache, declared)
+        layout.attention[i] = AttentionSlot(window)
+    if declared is not None and any(
+        w != _cache_window(caches[i]) for i, w in declared.items() if i in layout.attention
+    ):
+        layout.notes.append("sliding windows from the config (vLLM's), which mlx-lm's "
+                            "model does not apply itself")
+    _check_config_features(model_type, config)
+    if probe:
+        _probe(model, model_type, layout, kv_shape)
+    return layout
+
+
+def route_model(
+    model: nn.Module, config: Mapping[str, Any], *, kv_shape: tuple[int, int] | None,
+    config_window: int | None, probe: bool = True,
+) -> tuple[ModelLayout, list[str]]:
+    """Wrap the recurrent mixers, route the attention to the paged cache (adapting the
+    modules that compute it themselves: :mod:`vllm_unified.models.attention_adapters`), and
+    check every cache slot (:func:`check_model`).
+
+    Returns:
+        The layout and the names of the mlx-lm modules whose attention was routed.
+
+    Raises:
+        UnsupportedModel: as :func:`check_model`; also where the hybrid family's recurrent
+            layers are not mlx-lm's recurrent cache slots.
+    """
+    model_type = str(config["model_type"])
+    mixers = routing.install_recurrent_mixers(model_type, model)
+    patched = routing.install_paged_attention(model) + install_attention_adapters(model)
+    layout = check_model(model, config, recurrent_families=HYBRID_FAMILIES, kv_shape=kv_shape,
+                         config_window=config_window, probe=probe)
+    if mixers != layout.recurrent:
+        raise UnsupportedModel(model_type, f"recurrent layers {mixers} at other cache slots "
+                               f"({layout.recurrent})")
+    return layout, patched
+
+
+# ----------------------------------------------------------------------------- slots
+
+
+def _slot_kind(model_type: str, i: int, cache: Any) -> str:
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    if type(cache) in (KVCache, RotatingKVCache):
+        return "attention"
+    if isinstance(cache, ArraysCache):
+        return "recurrent"
+    feature = _CACHE_FEATURES.get(type(cache).__name__,
+                                  f"mlx-lm's {type(cache).__name__} cache")
+    raise UnsupportedModel(model_type, feature, i)
+
+
+#: mlx-lm cache types and the attention feature they stand for
+_CACHE_FEATURES = {
+    "ChunkedKVCache": "chunked local attention",
+    "CacheList": "a layer with several caches (mlx-lm CacheList: latent attention or a "
+                 "mixer with its own state)",
+    "QuantizedKVCache": "mlx-lm's quantized KV cache",
+}
+
+
+def _cache_window(cache: Any) -> int | None:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return int(cache.max_size) if isinstance(cache, RotatingKVCache) else None
+
+
+def _window(model_type: str, i: int, cache: Any,
+            declared: dict[int, int | None] | None) -> int | None:
+    """The slot's window: the config's where it declares windows (vLLM applies those), else
+    mlx-lm's rotating cache size."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    if isinstance(cache, RotatingKVCache) and cache.keep:
+        raise UnsupportedModel(model_type, f"a rotating cache keeping {cache.keep} tokens "
+                               "(attention-sink tokens)", i)
+    mine = _cache_window(cache)
+    if declared is None:
+        return mine
+    theirs = declared.get(i)
+    if mine is not None and theirs != mine:
+        raise UnsupportedModel(model_type, f"a sliding window of {mine} tokens in mlx-lm's "
+                               f"model where the config says {theirs}", i)
+    return theirs
+
+
+def _declared_windows(config: Mapping[str, Any], num_slots: int,
+                      config_window: int | None) -> dict[int, int | None] | None:
+    """Per slot, the window the HF config declares (``layer_types`` with
+    ``sliding_attention`` entries, or one window for all layers), or None if it declares
+    none. Layer types index slots only where there is one slot per layer."""
+    layer_types = config.get("layer_types")
+    window = config.get("sliding_window")
+    if layer_types and "sliding_attention" in layer_types and window:
+        if len(layer_types) != num_slots:
+            return None  # slots are not layers: mlx-lm's caches carry the windows
+        return {i: int(window) if t == "sliding_attention" else None
+                for i, t in enumerate(layer_types)}
+    if config_window and not layer_types:
+        return dict.fromkeys(range(num_slots), int(config_window))
+    return None
+
+
+def _check_config_features(model_type: str, config: Mapping[str, Any]) -> None:
+    """Config features no mlx-lm module computes and the paged path cannot add."""
+    if config.get("use_bidirectional_attention") or config.get("is_causal") is False:
+        raise UnsupportedModel(model_type, "bidirectional (non-causal) attention")
+    if config.get("kv_lora_rank"):
+        # mlx-lm caches the up-projected keys and values; vLLM pages hold the latent
+        raise UnsupportedModel(model_type, "multi-head latent attention (MLA: vLLM's latent "
+                               "page layout)")
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+def _probe(model: nn.Module, model_type: str, layout: ModelLayout,
+           kv_shape: tuple[int, int] | None) -> None:
+    """Run mlx-lm's forward on the probe prompt with recording caches; check each attention
+    slot routes through the paged SDPA with the pages' shape, and the runner's head."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.array([list(_PROBE_PROMPT)])
+    caches = make_prompt_cache(model)
+    records = [routing.record_cache(c) for c in caches]
+    try:
+        logits = model(prompt, cache=caches)
+        logits = mx.concatenate([logits, model(mx.array([[6]]), cache=caches)], axis=1)
+        mx.eval(logits)
+    except Exception as e:  # noqa: BLE001 - re-raised with the model named
+        raise UnsupportedModel(model_type, f"mlx-lm's forward with a KV cache ({e!r})") from e
+    for i, slot in list(layout.attention.items()):
+        layout.attention[i] = _attention_slot(model_type, i, slot, records[i], kv_shape)
+    _check_head(model, model_type, prompt, logits)
+
+
+def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
+                    record: routing.CacheRecord, kv_shape: tuple[int, int] | None
+                    ) -> AttentionSlot:
+    if not record.writes:
+        raise UnsupportedModel(model_type, "an attention layer that writes no keys of its own "
+                               "(KV shared across layers)", i)
+    if record.attends == 0:
+        raise UnsupportedModel(model_type, "attention computed outside mlx-lm's "
+                               "scaled_dot_product_attention (e.g. logit soft-capping or a "
+                               "custom kernel)", i)
+    if record.sinks:
+        raise UnsupportedModel(model_type, "attention sinks", i)
+    shapes = set(record.writes)
+    if len(shapes) != 1:
+        raise UnsupportedModel(model_type, f"key/value shapes that change between steps "
+                               f"({sorted(shapes)})", i)
+    (kv_heads, k_dim, v_dim), = shapes
+    if k_dim != v_dim:
+        raise UnsupportedModel(model_type, f"a value head size ({v_dim}) other than the key "
+                               f"head size ({k_dim})", i)
+    if kv_shape is not None and (kv_heads, k_dim) != tuple(kv_shape):
+        raise UnsupportedModel(model_type, f"per-layer KV heads or head sizes ({kv_heads} "
+                               f"heads of {k_dim} here, {kv_shape[0]} of {kv_shape[1]} in "
+                               "vLLM's config)", i)
+    return AttentionSlot(slot.window, kv_heads, k_dim)
+
+
+def _check_head(model: nn.Module, model_type: str, prompt: mx.array, expected: mx.array
+                ) -> None:
+    """The runner computes logits as the inner model then :func:`lm_head`: that must be
+    mlx-lm's ``Model.__call__`` (a model that changes the inputs or embeddings before its
+    inner model would be computed wrongly)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    try:
+        hidden = model.model(prompt, cache=caches)
+        got = lm_head(model, hidden[0])[None]
+        got = mx.concatenate([got, lm_head(model, model.model(mx.array([[6]]),
+                                                              cache=caches)[0])[None]], axis=1)
+        mx.eval(got)
+    except Exception as e:  # noqa: BLE001 - re-raised with the model named
+        raise UnsupportedModel(model_type, f"a model whose inner model cannot be called alone "
+                               f"({e!r})") from e
+    expected = expected.astype(mx.float32)
+    scale = float(mx.max(mx.abs(expected))) or 1.0
+    err = float(mx.max(mx.abs(got.astype(mx.float32) - expected)))
+    rtol = _LOGITS_RTOL.get(got.dtype, _LOGITS_RTOL_16BIT)
+    if got.shape != expected.shape or err > rtol * scale:
+        raise UnsupportedModel(model_type, "a model whose logits are not its inner model "
+                               f"followed by its output head (differ by {err:.3g})")
