@@ -622,7 +622,8 @@ def engine_spec(folder: Path, prompt_ids: list[list[int]], n: int, recurrent: bo
 
 #: exception types a deliberate refusal raises (ours, vLLM's config checks); anything else at
 #: start-up is a crash
-_REFUSALS = ("ValueError", "NotImplementedError", "StartupRefused", "ValidationError")
+_REFUSALS = ("ValueError", "NotImplementedError", "StartupRefused", "ValidationError",
+             "UnsupportedModel")
 #: vLLM's wrapper of an engine-core failure: the cause is logged above it
 _GENERIC = ("Engine core initialization failed",)
 
@@ -661,7 +662,8 @@ def _failure(log: str) -> tuple[str, None, str]:
     lines = [re.sub(r"^\(\w+ pid=\d+\) ERROR \S+ \S+ \[[^]]+\] ", "", line)
              for line in log.splitlines()]
     errors = [i for i, line in enumerate(lines)
-              if re.match(r"^\s*(\w+\.)*\w*(Error|Exception|Refused)\b.*:", line)
+              if re.match(r"^\s*(\w+\.)*\w*(Error|Exception|Refused|UnsupportedModel)\b.*:",
+                          line)
               and not any(g in line for g in _GENERIC)]
     if not errors:
         return "crashed", None, "\n".join(lines[-30:])
@@ -759,6 +761,18 @@ def run_matrix(types: Iterable[str], work: Path, out: Path, serve_it: bool = Tru
     return list(results.values())
 
 
+def reclassify(out: Path, work: Path) -> None:
+    """Recompute the outcome of every refused or crashed type in ``out`` from its engine log
+    (``work/runs/<type>/engine.log``) with the current classifier."""
+    data = json.loads(out.read_text())
+    results = {row["model_type"]: TypeResult(**row) for row in data["types"]}
+    for r in results.values():
+        log = work / "runs" / r.model_type / "engine.log"
+        if r.outcome in ("refused", "crashed") and log.is_file():
+            r.outcome, _, r.message = _failure(log.read_text())
+    _write(out, results)
+
+
 def _write(out: Path, results: dict[str, TypeResult]) -> None:
     import mlx_lm
 
@@ -851,6 +865,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="results JSON (default: WORK/results.json)")
     parser.add_argument("--build-only", action="store_true", help="no engine, no reference")
     parser.add_argument("--moe", action="store_true", help="serve MoE types too")
+    parser.add_argument("--reclassify", action="store_true", help="recompute refused / "
+                        "crashed outcomes of the results file from the engine logs and exit")
     parser.add_argument("--jobs", type=int, default=1, help="engines serving at once")
     parser.add_argument("--skip", default="", help="comma-separated outcomes: types the "
                         "results file already holds with one of them are not run again")
@@ -862,6 +878,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     types = args.types.split(",") if args.types else model_types()
     out = args.out or args.work / "results.json"
+    if args.reclassify:
+        reclassify(out, args.work)
+        return 0
     if args.build_only:
         for t in types:
             r = build_checkpoint(t, args.work / "checkpoints")

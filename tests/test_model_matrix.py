@@ -109,6 +109,12 @@ def test_failure_is_a_refusal_or_a_crash():
                 "ModelConfig\n  Value error, Model architectures ['X'] are not supported\n")
     state, _, message = mm._failure(pydantic)
     assert state == "refused" and message.endswith("Model architectures ['X'] are not supported")
+    capability = REFUSAL_LOG.replace(
+        "ValueError: model type 'x': layer 0 needs attention sinks",
+        "vllm_unified.models.capability.UnsupportedModel: model type 'x' (cache slot 0): "
+        "attention sinks is not supported by vllm-unified yet")
+    state, _, message = mm._failure(capability)
+    assert state == "refused" and message.endswith("is not supported by vllm-unified yet")
     state, _, _ = mm._failure(REFUSAL_LOG + "Processed prompts: 100%\n")
     assert state == "crashed"  # an error after requests were served is never a refusal
 
@@ -153,7 +159,8 @@ def test_type_serves_like_mlx_lm(model_type, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CI_TYPES])
 def test_type_serves_or_is_refused(model_type, tmp_path):
-    """Every other type: equal to mlx-lm, or refused at start-up naming a layer or feature;
+    """Every other type: equal to mlx-lm, or refused at start-up by the capability check
+    (models/capability.py), whose message names the model type and the missing feature;
     never a crash or different tokens. MoE types are classified only (their own issue)."""
     result = mm.prepare_type(model_type, tmp_path)
     if not result.built:
@@ -163,5 +170,6 @@ def test_type_serves_or_is_refused(model_type, tmp_path):
         pytest.skip(f"{model_type}: {'MoE' if result.moe else result.message}")
     mm.serve_type(result, tmp_path)
     assert result.outcome in ("match", "refused"), (result.outcome, result.message)
-    if result.outcome == "refused":
-        assert "layer" in result.message or model_type in result.message, result.message
+    if result.outcome == "refused":  # the capability check's message names the feature
+        assert f"model type {model_type!r}" in result.message, result.message
+        assert "is not supported by vllm-unified" in result.message, result.message
