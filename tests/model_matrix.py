@@ -169,6 +169,7 @@ _GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 
                 "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
                                       "rope_type": "default"}}
 _GEMMA4 = {"rope_parameters": _GEMMA4_ROPE, "num_hidden_layers": 4, "sliding_window_pattern": 2,
+           "layer_types": ["sliding_attention", "full_attention"] * 2,
            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
            "vocab_size_per_layer_input": VOCAB, "global_head_dim": 64,
            "num_global_key_value_heads": 1}
@@ -234,6 +235,7 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
     "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
     "phi3": {"partial_rotary_factor": 0.5},
+    "qwen3_5": {"text_config": {"num_hidden_layers": 4}},  # gated delta-net x3, attention
     "spark2_5": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL, "hidden_act": "gelu",
                  "rope_parameters": _ROPE_BY_LAYER_TYPE},
 }
