@@ -775,6 +775,16 @@ def reclassify(out: Path, work: Path) -> None:
     _write(out, results)
 
 
+def merge_results(out: Path, inputs: Iterable[Path]) -> None:
+    """Write ``out`` from the rows of ``inputs`` (results files), a later file's row of a type
+    replacing an earlier one's."""
+    results: dict[str, TypeResult] = {}
+    for path in inputs:
+        for row in json.loads(Path(path).read_text())["types"]:
+            results[row["model_type"]] = TypeResult(**row)
+    _write(out, results)
+
+
 def _write(out: Path, results: dict[str, TypeResult]) -> None:
     import mlx_lm
 
@@ -869,6 +879,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", action="store_true", help="serve MoE types too")
     parser.add_argument("--reclassify", action="store_true", help="recompute refused / "
                         "crashed outcomes of the results file from the engine logs and exit")
+    parser.add_argument("--merge", type=Path, nargs="+", help="write --out from these "
+                        "results files (later ones win per type) and exit")
     parser.add_argument("--jobs", type=int, default=1, help="engines serving at once")
     parser.add_argument("--skip", default="", help="comma-separated outcomes: types the "
                         "results file already holds with one of them are not run again")
@@ -880,6 +892,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     types = args.types.split(",") if args.types else model_types()
     out = args.out or args.work / "results.json"
+    if args.merge:
+        merge_results(out, args.merge)
+        return 0
     if args.reclassify:
         reclassify(out, args.work)
         return 0
