@@ -170,6 +170,8 @@ _GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 
                                       "rope_type": "default"}}
 _GEMMA4 = {"rope_parameters": _GEMMA4_ROPE, "num_hidden_layers": 4, "sliding_window_pattern": 2,
            "layer_types": ["sliding_attention", "full_attention"] * 2,
+           # explicit, as in checkpoints: transformers' default (False) is not mlx-lm's
+           "use_double_wide_mlp": True,
            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
            "vocab_size_per_layer_input": VOCAB, "global_head_dim": 64,
            "num_global_key_value_heads": 1}
