@@ -237,6 +237,8 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
     "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
     "phi3": {"partial_rotary_factor": 0.5},
+    # multi-head attention only: their ModelArgs read but do not implement fewer KV heads
+    **dict.fromkeys(("gpt2", "gpt_neox"), {"num_key_value_heads": _HEADS}),
     "qwen3_5": {"text_config": {"num_hidden_layers": 4}},  # gated delta-net x3, attention
     "spark2_5": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL, "hidden_act": "gelu",
                  "rope_parameters": _ROPE_BY_LAYER_TYPE},
