@@ -59,8 +59,10 @@ WINDOW = 8
 VOCAB = 49152
 
 #: built / not_built (no checkpoint) / match / mismatch (served, tokens differ from mlx-lm's) /
-#: refused (the engine refused the model at start-up) / crashed (a traceback elsewhere)
-OUTCOMES = ("not_built", "match", "mismatch", "refused", "crashed", "reference_failed")
+#: refused (the engine refused the model at start-up) / crashed (a traceback elsewhere) /
+#: reference_failed (mlx-lm itself cannot generate) / not_run (absent from the results)
+OUTCOMES = ("not_built", "match", "mismatch", "refused", "crashed", "reference_failed",
+            "not_run")
 
 _HIDDEN, _HEADS, _KV_HEADS, _HEAD_DIM, _FFN, _LAYERS = 96, 3, 1, 32, 128, 2
 
@@ -781,11 +783,23 @@ def reclassify(out: Path, work: Path) -> None:
 
 def merge_results(out: Path, inputs: Iterable[Path]) -> None:
     """Write ``out`` from the rows of ``inputs`` (results files), a later file's row of a type
-    replacing an earlier one's."""
+    replacing an earlier one's; mlx-lm's types in none of them are recorded ``not_run``."""
     results: dict[str, TypeResult] = {}
     for path in inputs:
         for row in json.loads(Path(path).read_text())["types"]:
             results[row["model_type"]] = TypeResult(**row)
+    for model_type in model_types():
+        if model_type not in results:
+            result = TypeResult(model_type, architecture=architecture(model_type),
+                                outcome="not_run")
+            try:
+                cfg = tiny_config(model_type)
+                model_class, args_class = model_classes(model_type)
+                result.moe, result.features = classify(model_class(args_class.from_dict(cfg)),
+                                                       cfg)
+            except BaseException:  # noqa: BLE001 (not buildable: judged by its fields)
+                result.moe = _moe_by_fields(model_type)
+            results[model_type] = result
     _write(out, results)
 
 
@@ -821,6 +835,7 @@ _RESULT_TEXT = {
     "crashed": "**crashes**",
     "not_built": "no test checkpoint",
     "reference_failed": "mlx-lm cannot generate",
+    "not_run": "not run yet",
     None: "not served (MoE: own issue)",
 }
 
@@ -834,7 +849,8 @@ def docs_table(data: dict[str, Any]) -> str:
         f"mlx-lm {data.get('mlx_lm', '?')}: {c['types']} text model types, {c['moe']} with "
         f"routed experts (MoE); of the {c['non_moe']} others {c['match']} serve and equal "
         f"mlx-lm's own generation, {c['refused']} are refused at start-up, {c['mismatch']} "
-        f"differ, {c['crashed']} crash, {c['not_built']} have no test checkpoint.",
+        f"differ, {c['crashed']} crash, {c['not_built']} have no test checkpoint, "
+        f"{c['reference_failed']} cannot run in mlx-lm here, {c['not_run']} were not run.",
         "",
         "| model type | architecture | features | test checkpoint | tested how | result |",
         "|---|---|---|---|---|---|",
