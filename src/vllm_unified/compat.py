@@ -146,6 +146,14 @@ def vllm_cli_main() -> int | None:
     return main()
 
 
+def has_vllm_config_class(model_type: str) -> bool:
+    """Whether vLLM has its own config class for ``model_type``
+    (``vllm.transformers_utils.config._CONFIG_REGISTRY``)."""
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    return model_type in _CONFIG_REGISTRY
+
+
 def vllm_environment_variables() -> set[str]:
     """Names of the environment variables vLLM knows (``vllm.envs``)."""
     from vllm import envs
@@ -201,6 +209,7 @@ __all__ = [  # the lazy names resolve through __getattr__
     "PlatformEnum",
     "SAMPLING_EPS",
     "elastic_ep_unavailable",
+    "has_vllm_config_class",
     "init_logger",
     "sampling_fields",
     "structured_decisions_unavailable",
