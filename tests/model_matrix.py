@@ -497,6 +497,17 @@ def _seed(model_type: str) -> int:
     return zlib.crc32(model_type.encode())
 
 
+def _drop_unapplied_window(cfg: dict[str, Any], features: list[str]) -> None:
+    """Without sliding-window caches in mlx-lm's model, a top-level ``sliding_window`` (and no
+    ``layer_types`` naming sliding layers) is one mlx-lm ignores while vLLM, and so our engine,
+    applies it to every layer: drop it, so that mlx-lm stays a valid reference."""
+    if "sliding window" in features:
+        return
+    for c in (cfg, cfg.get("text_config") or {}):
+        if "sliding_attention" not in (c.get("layer_types") or ()):
+            c.pop("sliding_window", None)
+
+
 def build_checkpoint(model_type: str, root: Path) -> TypeResult:
     """Build, save and reload ``model_type``'s tiny checkpoint under ``root / model_type``.
 
@@ -516,6 +527,7 @@ def build_checkpoint(model_type: str, root: Path) -> TypeResult:
         model_class, args_class = model_classes(model_type)
         model = model_class(args_class.from_dict(cfg))
         result.moe, result.features = classify(model, cfg)
+        _drop_unapplied_window(cfg, result.features)
         randomize(model, _seed(model_type))
         folder.mkdir(parents=True, exist_ok=True)
         weights = dict(tree_flatten(model.parameters()))
