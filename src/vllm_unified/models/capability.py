@@ -295,9 +295,10 @@ def _shared_kv(model: nn.Module, model_type: str, config: Mapping[str, Any],
     """
     sharing = _KV_SHARING.get(model_type)
     if sharing is None:
-        if config.get("num_kv_shared_layers"):
-            raise UnsupportedModel(model_type, "KV shared across layers "
-                                   "(num_kv_shared_layers) in this family")
+        for key in ("num_kv_shared_layers", "num_kv_reuse_layers"):
+            if config.get(key):
+                raise UnsupportedModel(model_type, f"KV shared across layers ({key}) in this "
+                                       "family")
         return {}
     shared = sharing(model, layout.num_slots)
     for j, target in shared.items():

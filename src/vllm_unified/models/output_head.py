@@ -16,18 +16,19 @@ __all__ = ["decoder", "decoder_path", "lm_head"]
 def decoder_path(model: nn.Module) -> tuple[str, ...]:
     """Attribute path from ``model`` to its decoder stack (embedding, layers, final norm):
     ``("model",)`` for most architectures, ``("backbone",)`` (Nemotron-H, Mamba),
-    ``("language_model", "model")`` (a text model inside a multimodal wrapper, Qwen3.5).
+    ``("transformer",)`` (EXAONE 3, GPT-BigCode, nanochat), ``("language_model", "model")``
+    (a text model inside a multimodal wrapper, Qwen3.5).
 
     Raises:
         ValueError: none of these.
     """
     if "language_model" in model:
         return ("language_model", *decoder_path(model.language_model))
-    for name in ("model", "backbone"):
+    for name in ("model", "backbone", "transformer"):
         if name in model:
             return (name,)
     raise ValueError(f"{type(model).__module__}.{type(model).__name__}: no decoder stack "
-                     "(model, backbone or language_model.model)")
+                     "(model, backbone, transformer or language_model.model)")
 
 
 def decoder(model: nn.Module) -> nn.Module:
