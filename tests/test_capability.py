@@ -142,3 +142,5 @@ def test_latent_attention_and_bidirectional_are_refused(tmp_path):
         _check_config_features("minicpm3", {"kv_lora_rank": 256})
     with pytest.raises(UnsupportedModel, match="bidirectional"):
         _check_config_features("gemma3_text", {"use_bidirectional_attention": True})
+    with pytest.raises(UnsupportedModel, match="another cache slot's keys"):
+        _check_config_features("iquestloopcoder", {})

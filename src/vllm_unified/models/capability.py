@@ -322,12 +322,22 @@ def _latent_slots(model: nn.Module, model_type: str, num_slots: int
     return latent
 
 
+#: mlx-lm modules whose layers attend over keys another cache slot holds, passing their own
+#: slot's cache (the paged attention would read the wrong pages; the probe cannot see it)
+_CROSS_SLOT_ATTENTION = {
+    "iquestloopcoder": "attention over another cache slot's keys (its second loop attends to "
+                       "the first loop's KV)",
+}
+
+
 def _check_config_features(model_type: str, config: Mapping[str, Any], *,
                            latent: bool = False) -> None:
     """Config features no mlx-lm module computes and the paged path cannot add (``latent``:
     the model's MLA layers are adapted, :mod:`vllm_unified.models.latent_attention`)."""
     if config.get("use_bidirectional_attention") or config.get("is_causal") is False:
         raise UnsupportedModel(model_type, "bidirectional (non-causal) attention")
+    if model_type in _CROSS_SLOT_ATTENTION:
+        raise UnsupportedModel(model_type, _CROSS_SLOT_ATTENTION[model_type])
     if config.get("kv_lora_rank") and not latent:
         # mlx-lm caches the up-projected keys and values; vLLM pages hold the latent
         raise UnsupportedModel(model_type, "multi-head latent attention (MLA: vLLM's latent "
