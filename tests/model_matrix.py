@@ -228,9 +228,10 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                      "original_max_position_embeddings": 256,
                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                                      "mscale_all_dim": 1.0}},
-    # MiniCPM3-4B's case: no position beyond original_max_position_embeddings (short factors)
+    # no position beyond original_max_position_embeddings (MiniCPM3-4B's case: the short
+    # factors); long = short, since mlx-lm's own module rotates with the long ones everywhere
     "minicpm3": {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 16,
-                                  "long_factor": [1.5] * 16,
+                                  "long_factor": [1.0] * 16,
                                   "original_max_position_embeddings": 512}},
     "ministral3": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
                                        "factor": 2.0, "original_max_position_embeddings": 256,
