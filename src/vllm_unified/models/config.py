@@ -186,8 +186,8 @@ def _cohere2(cfg: dict[str, Any]) -> None:
 
 def _starcoder2(cfg: dict[str, Any]) -> None:
     _no_rope_scaling(cfg)
-    # mlx-lm's MLP is exact GELU; StarCoder2 checkpoints ask for the tanh approximation
-    # (routed in vllm_unified.models.model_fixes)
+    # mlx-lm's MLP is exact GELU where checkpoints ask for the tanh approximation:
+    # vllm_unified.models.activations gives it the config's
 
 
 def _granite_hybrid(cfg: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from vllm_unified.distributed.pipeline import PipelineStage
+from vllm_unified.models.activations import match_config_activations
 from vllm_unified.models.config import mlx_lm_config, model_classes
 from vllm_unified.models.gguf import (
     MLX_GROUP_SIZES,
@@ -339,6 +340,7 @@ def _load_folder(
     except TypeError as e:  # ModelArgs missing a field its dataclass requires
         raise ValueError(f"model type {config['model_type']!r}: the config does not fit "
                          f"mlx-lm's ModelArgs ({e})") from e
+    match_config_activations(model, config)
     if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
         prune_model(model, stage, config["model_type"])
     if not keep_quantized and _has_quantized(model):
