@@ -24,7 +24,7 @@ PER_LAYER_FAMILIES = ("gemma4", "gemma4_shared", "gemma4_kv")
 #: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
 DRAFT_FAMILIES = ("llama_draft",)
 #: Plain attention families of issue 39 (tests/test_e2e_families.py), each with awkward shapes.
-ATTENTION_FAMILIES = ("mistral", "phi3", "olmo2", "granite", "smollm3", "glm4", "exaone4",
+ATTENTION_FAMILIES = ("mistral", "ministral3", "phi3", "olmo2", "granite", "smollm3", "glm4", "exaone4",
                       "cohere2", "starcoder2")
 #: Phi-3's LongRoPE tiny model: the context it was trained on (vLLM takes the short factors
 #: when max_model_len fits in it, the long ones otherwise).
@@ -249,6 +249,16 @@ def _attention_family_config(family: str, common: dict[str, Any]) -> Any:
         return transformers.MistralConfig(
             **small, head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
             sliding_window=MISTRAL_WINDOW, rope_parameters=rope)
+    if family == "ministral3":
+        # Ministral 3: YaRN RoPE and Llama 4's position-dependent query scale (1 below
+        # original_max_position_embeddings, which the tests' positions stay under)
+        return transformers.Ministral3Config(
+            **{**small, "max_position_embeddings": 65536}, head_dim=32, rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "llama_4_scaling_beta": 0.1})
     if family == "phi3":
         # Phi-3.5 / Phi-4-mini: fused qkv and gate_up, LongRoPE with distinct short and long
         # factors, partial rotary (Phi-4-mini's 0.75: 24 of 32 dims), 5 heads over 1 KV head

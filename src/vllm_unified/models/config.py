@@ -137,6 +137,20 @@ def _no_rope_scaling(cfg: dict[str, Any]) -> None:
                          f"({cfg['rope_scaling']}) is not supported by mlx-lm's module")
 
 
+def _ministral3(cfg: dict[str, Any]) -> None:
+    """mlx-lm's Ministral 3 reads its RoPE (and Llama 4's query scale) from
+    ``rope_parameters`` and requires the scale's keys; a config without the scale gets the
+    neutral beta 0."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if not _is_flat(rope) or rope.get("rope_theta") is None:
+        raise ValueError("ministral3: rope_parameters without rope_theta")
+    rope.setdefault("llama_4_scaling_beta", 0.0)
+    rope.setdefault("original_max_position_embeddings",
+                    cfg.get("original_max_position_embeddings")
+                    or cfg.get("max_position_embeddings"))
+    cfg["rope_parameters"] = rope
+
+
 def _phi3(cfg: dict[str, Any]) -> None:
     """mlx-lm's Phi-3 reads the scaling kind as ``type`` (transformers 5 writes
     ``rope_type``) and ignores ``short_mscale`` / ``long_mscale`` (Phi-3-small's)."""
@@ -279,6 +293,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen2": _qwen,
     "qwen3": _qwen,
     "mistral": _needs_rope_theta,
+    "ministral3": _ministral3,
     "phi3": _phi3,
     "olmo2": _needs_rope_theta,
     "granite": _needs_rope_theta,
