@@ -24,8 +24,8 @@ PER_LAYER_FAMILIES = ("gemma4", "gemma4_shared", "gemma4_kv")
 #: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
 DRAFT_FAMILIES = ("llama_draft",)
 #: Plain attention families of issue 39 (tests/test_e2e_families.py), each with awkward shapes.
-ATTENTION_FAMILIES = ("mistral", "ministral3", "phi3", "olmo2", "granite", "smollm3", "glm4", "exaone4",
-                      "cohere2", "starcoder2")
+ATTENTION_FAMILIES = ("mistral", "ministral3", "phi3", "olmo2", "granite", "smollm3", "glm4",
+                      "exaone4", "cohere2", "starcoder2")
 #: Phi-3's LongRoPE tiny model: the context it was trained on (vLLM takes the short factors
 #: when max_model_len fits in it, the long ones otherwise).
 PHI3_ORIGINAL_CONTEXT = 64
