@@ -9,7 +9,12 @@ import mlx.core as mx
 import pytest
 from conftest import run_llm
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import ATTENTION_FAMILIES, MISTRAL_WINDOW, make_tiny_checkpoint
+from tiny_models import (
+    ATTENTION_FAMILIES,
+    MISTRAL_WINDOW,
+    PHI3_ORIGINAL_CONTEXT,
+    make_tiny_checkpoint,
+)
 
 from vllm_unified.models.loader import load_model
 
@@ -19,9 +24,12 @@ NEW_TOKENS = 16
 PROMPT_LENGTHS = (3, 20, 45, 70)
 
 
-def _mlx_lm_greedy(folder: str, prompt: list[int], n: int) -> list[int]:
-    """Reference: mlx-lm's own cache and forward, one sequence at a time."""
-    loaded = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False)
+def _mlx_lm_greedy(folder: str, prompt: list[int], n: int,
+                   max_model_len: int | None = None) -> list[int]:
+    """Reference: mlx-lm's own cache and forward, one sequence at a time (the config laid
+    out for a context of ``max_model_len``, None: the model's maximum)."""
+    loaded = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False,
+                        max_model_len=max_model_len)
     model = loaded.model
     cache = make_prompt_cache(model)
     logits = model(mx.array([prompt]), cache=cache)
@@ -93,15 +101,15 @@ _MLX_LM_NO_WINDOW = {"mistral": MISTRAL_WINDOW}
 _CI_FAMILIES = ("phi3", "cohere2")
 
 
-def _family_spec(folder: str, prompts: list[list[int]]) -> dict:
+def _family_spec(folder: str, prompts: list[list[int]], max_model_len: int = 256) -> dict:
     requests = [{"prompt_token_ids": p,
                  "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True}}
                 for p in prompts]
     return {
         "model": folder,
-        "engine": {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16,
-                   "kv_cache_memory_bytes": 64 * 2**20, "seed": 0,
-                   "enable_prefix_caching": True, "disable_log_stats": False},
+        "engine": {"dtype": "float32", "max_model_len": max_model_len,
+                   "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 64 * 2**20,
+                   "seed": 0, "enable_prefix_caching": True, "disable_log_stats": False},
         # the second batch reads the first one's full prompt blocks from the prefix cache
         "batches": [requests, requests],
         "metrics": True,
@@ -130,3 +138,21 @@ def test_attention_family_matches_vllm_and_mlx_lm(family, tmp_path):
     assert ours["metrics"]["vllm:prefix_cache_hits"] >= 16 * 3
     stats = ours["rpc_after"]["runner_stats"]
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(prompts)
+
+
+@pytest.mark.slow
+def test_phi3_short_context_takes_the_short_longrope_factors(tmp_path):
+    """With max_model_len within Phi-3's original context vLLM rotates by LongRoPE's short
+    factors (mlx-lm's module would take the long ones): ours equals vLLM's CPU backend."""
+    folder = str(make_tiny_checkpoint(tmp_path / "phi3", "phi3"))
+    prompts = [[(7 * i + 13 * j) % 40000 + 100 for j in range(n)]
+               for i, n in enumerate((3, 20, 33, 47))]
+    spec = _family_spec(folder, prompts, max_model_len=PHI3_ORIGINAL_CONTEXT)
+    ours = run_llm(spec, tmp_path)
+    native = run_llm(spec, tmp_path, native=True)
+    got = [o["completions"][0]["token_ids"] for o in ours["outputs"]]
+    assert got == [o["completions"][0]["token_ids"] for o in native["outputs"]]
+    for i, prompt in enumerate(prompts):
+        assert got[i] == _mlx_lm_greedy(folder, prompt, NEW_TOKENS, PHI3_ORIGINAL_CONTEXT)
+    # the long factors give other ids: the choice is visible
+    assert any(got[i] != _mlx_lm_greedy(folder, p, NEW_TOKENS) for i, p in enumerate(prompts))
