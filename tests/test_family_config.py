@@ -68,3 +68,18 @@ def test_layer_patterns_and_refusals():
         with pytest.raises(ValueError, match="RoPE scaling"):
             mlx_lm_config({**cohere, "model_type": model_type, "rope_parameters": {
                 "rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}})
+
+
+def test_cohere2_windows_are_vllms(tmp_path):
+    """Cohere 2's sliding layers see W + 1 tokens as vLLM serves them (mlx-lm's rotating
+    cache keeps W): the paged windows are vLLM's."""
+    from tiny_models import COHERE2_WINDOW
+
+    from vllm_unified.models.capability import check_model
+
+    loaded = load_model(str(make_tiny_checkpoint(tmp_path, "cohere2")), hf_config=None,
+                        dtype=mx.float32, keep_quantized=False)
+    layout = check_model(loaded.model, loaded.config, recurrent_families=(), kv_shape=None,
+                         config_window=None, probe=False)
+    w = COHERE2_WINDOW + 1
+    assert layout.windows == {0: w, 1: w, 2: w, 3: None}

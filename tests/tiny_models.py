@@ -230,8 +230,10 @@ def tiny_config(family: str) -> Any:
 
 #: sliding window of the tiny windowed families: shorter than the longer test prompts
 TINY_WINDOW = 12
-#: Mistral's window: above the shortest test prompts plus their generation
+#: Mistral's and Cohere 2's windows, whose mlx-lm modules attend otherwise than vLLM (no
+#: window; one token less): above the shortest test prompt plus its generation
 MISTRAL_WINDOW = 40
+COHERE2_WINDOW = 20
 
 
 def _attention_family_config(family: str, common: dict[str, Any]) -> Any:
@@ -306,7 +308,7 @@ def _attention_family_config(family: str, common: dict[str, Any]) -> Any:
         # (RoPE) and a global layer (no RoPE)
         return transformers.Cohere2Config(
             **{**small, "num_hidden_layers": 4}, layer_norm_eps=1e-5, logit_scale=0.25,
-            tie_word_embeddings=True, sliding_window=TINY_WINDOW,
+            tie_word_embeddings=True, sliding_window=COHERE2_WINDOW,
             layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_parameters=rope)
     if family == "starcoder2":
         # biases everywhere, LayerNorm, GELU MLP, tied head
