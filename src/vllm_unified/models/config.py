@@ -68,9 +68,8 @@ def _longrope_factors(cfg: dict[str, Any], max_model_len: int | None) -> None:
         return
     original = scaling.get("original_max_position_embeddings",
                            cfg.get("original_max_position_embeddings"))
-    if original is None:
-        raise ValueError(f"{cfg['model_type']}: LongRoPE scaling without "
-                         "original_max_position_embeddings")
+    if original is None:  # the family's own default applies (Phi3Config always has one)
+        return
     cfg["original_max_position_embeddings"] = int(original)
     if max_model_len is not None and max_model_len <= int(original):
         cfg["rope_scaling"] = {**scaling, "long_factor": scaling["short_factor"],
