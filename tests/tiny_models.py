@@ -230,8 +230,8 @@ def tiny_config(family: str) -> Any:
 
 #: sliding window of the tiny windowed families: shorter than the longer test prompts
 TINY_WINDOW = 12
-#: Mistral's and Cohere 2's windows, whose mlx-lm modules attend otherwise than vLLM (no
-#: window; one token less): above the shortest test prompt plus its generation
+#: Mistral's window (mlx-lm's module applies none): above the shortest test prompt plus its
+#: generation; Cohere 2's (vLLM's layers see one token more than transformers')
 MISTRAL_WINDOW = 40
 COHERE2_WINDOW = 20
 

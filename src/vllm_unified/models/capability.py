@@ -213,8 +213,6 @@ def _window(model_type: str, i: int, cache: Any,
         raise UnsupportedModel(model_type, f"a rotating cache keeping {cache.keep} tokens "
                                "(attention-sink tokens)", i)
     mine = _cache_window(cache)
-    if mine is not None:
-        mine += _WINDOW_EXTRA.get(model_type, 0)
     if declared is None:
         return mine
     theirs = declared.get(i)
@@ -222,13 +220,6 @@ def _window(model_type: str, i: int, cache: Any,
         raise UnsupportedModel(model_type, f"a sliding window of {mine} tokens in mlx-lm's "
                                f"model where the config says {theirs}", i)
     return theirs
-
-
-#: model type -> tokens its sliding-window layers see beyond the config's ``sliding_window``
-#: as vLLM serves it: Cohere 2 layers attend to positions ``[pos - W, pos]``, W + 1 tokens
-#: (Cohere's training convention, vLLM's ``commandr.py``), where mlx-lm's rotating cache
-#: keeps W
-_WINDOW_EXTRA = {"cohere2": 1}
 
 
 def _declared_windows(config: Mapping[str, Any], num_slots: int,
@@ -241,8 +232,7 @@ def _declared_windows(config: Mapping[str, Any], num_slots: int,
     if layer_types and "sliding_attention" in layer_types and window:
         if len(layer_types) != num_slots:
             return None  # slots are not layers: mlx-lm's caches carry the windows
-        window = int(window) + _WINDOW_EXTRA.get(str(config.get("model_type")), 0)
-        return {i: window if t == "sliding_attention" else None
+        return {i: int(window) if t == "sliding_attention" else None
                 for i, t in enumerate(layer_types)}
     if config_window and not layer_types:
         return dict.fromkeys(range(num_slots), int(config_window))

@@ -186,7 +186,7 @@ def _exaone4(cfg: dict[str, Any]) -> None:
 
 def _cohere2(cfg: dict[str, Any]) -> None:
     """mlx-lm's Cohere 2 takes the period of its global layers, transformers writes
-    ``layer_types``; plain RoPE only."""
+    ``layer_types``; plain RoPE only; the window as vLLM applies it (one token more)."""
     _no_rope_scaling(cfg)
     layer_types = cfg.get("layer_types")
     if layer_types:
@@ -195,6 +195,9 @@ def _cohere2(cfg: dict[str, Any]) -> None:
     if not cfg.get("sliding_window"):
         raise ValueError("cohere2: a config without sliding_window is not supported by "
                          "mlx-lm's module")
+    # Cohere 2's sliding layers attend to positions [pos - W, pos], W + 1 tokens (Cohere's
+    # training convention, as vLLM serves it: commandr.py); mlx-lm's module would keep W
+    cfg["sliding_window"] = int(cfg["sliding_window"]) + 1
 
 
 def _starcoder2(cfg: dict[str, Any]) -> None:
