@@ -36,7 +36,8 @@ def test_windows_come_from_mlx_lm_caches_and_the_config(tmp_path):
 
     cohere2 = _load(tmp_path, transformers.Cohere2Config(**COMMON, sliding_window=8))
     layout, patched = _route(cohere2)
-    assert layout.windows == {0: 8, 1: 8, 2: 8, 3: None}
+    # Cohere 2's sliding layers see W + 1 tokens as vLLM serves them (models/config.py)
+    assert layout.windows == {0: 9, 1: 9, 2: 9, 3: None}
     assert "mlx_lm.models.cohere2" in patched or patched == []
     assert [s.num_kv_heads for s in layout.attention.values()] == [2] * 4
     # Mistral: one window for every layer in the config (vLLM applies it), mlx-lm ignores it

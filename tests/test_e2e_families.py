@@ -9,7 +9,12 @@ import mlx.core as mx
 import pytest
 from conftest import run_llm
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import make_tiny_checkpoint
+from tiny_models import (
+    ATTENTION_FAMILIES,
+    MISTRAL_WINDOW,
+    PHI3_ORIGINAL_CONTEXT,
+    make_tiny_checkpoint,
+)
 
 from vllm_unified.models.loader import load_model
 
@@ -19,9 +24,12 @@ NEW_TOKENS = 16
 PROMPT_LENGTHS = (3, 20, 45, 70)
 
 
-def _mlx_lm_greedy(folder: str, prompt: list[int], n: int) -> list[int]:
-    """Reference: mlx-lm's own cache and forward, one sequence at a time."""
-    loaded = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False)
+def _mlx_lm_greedy(folder: str, prompt: list[int], n: int,
+                   max_model_len: int | None = None) -> list[int]:
+    """Reference: mlx-lm's own cache and forward, one sequence at a time (the config laid
+    out for a context of ``max_model_len``, None: the model's maximum)."""
+    loaded = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False,
+                        max_model_len=max_model_len)
     model = loaded.model
     cache = make_prompt_cache(model)
     logits = model(mx.array([prompt]), cache=cache)
@@ -80,3 +88,72 @@ def test_gemma3_gguf_through_vllm(tmp_path):
     out = run_llm(spec, tmp_path)["outputs"][0]
     assert out["prompt_token_ids"][0] == 2  # <bos>
     assert out["completions"][0]["token_ids"] == [506, 5279, 529, 506, 2891, 529, 7001, 236761]
+
+
+# ---------------------------------------------------------------- plain attention families
+
+#: windowed families whose mlx-lm module applies no window (vLLM applies the config's):
+#: mlx-lm is compared on the requests whose prompt and generation fit in it. (Cohere 2's
+#: window is laid out as vLLM's for mlx-lm's module too: models/config.py.)
+_MLX_LM_WINDOW = {"mistral": MISTRAL_WINDOW}
+#: two families covering most features run in CI: phi3 (fused projections, LongRoPE with
+#: partial rotary, 5 query heads) and cohere2 (sliding and RoPE-less global layers, parallel
+#: block, LayerNorm, logit scale); the others in the slow tier
+_CI_FAMILIES = ("phi3", "cohere2")
+
+
+def _family_spec(folder: str, prompts: list[list[int]], max_model_len: int = 256) -> dict:
+    requests = [{"prompt_token_ids": p,
+                 "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True}}
+                for p in prompts]
+    return {
+        "model": folder,
+        "engine": {"dtype": "float32", "max_model_len": max_model_len,
+                   "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 64 * 2**20,
+                   "seed": 0, "enable_prefix_caching": True, "disable_log_stats": False},
+        # the second batch reads the first one's full prompt blocks from the prefix cache
+        "batches": [requests, requests],
+        "metrics": True,
+    }
+
+
+@pytest.mark.parametrize("family", [f if f in _CI_FAMILIES else
+                                    pytest.param(f, marks=pytest.mark.slow)
+                                    for f in ATTENTION_FAMILIES])
+def test_attention_family_matches_vllm_and_mlx_lm(family, tmp_path):
+    """Greedy ids of 4 concurrent requests of different lengths (16-token chunks, prefix
+    cache on, a second round from the prefix cache) equal vLLM's own CPU backend in fp32 on
+    the same checkpoint, and mlx-lm's own generation."""
+    folder = str(make_tiny_checkpoint(tmp_path / family, family))
+    prompts = [[(7 * i + 13 * j) % 40000 + 100 for j in range(n)]
+               for i, n in enumerate(PROMPT_LENGTHS)]
+    ours = run_llm({**_family_spec(folder, prompts), "rpc": ["runner_stats"]}, tmp_path)
+    native = run_llm(_family_spec(folder, prompts), tmp_path, native=True)
+    got = [o["completions"][0]["token_ids"] for o in ours["outputs"]]
+    want = [o["completions"][0]["token_ids"] for o in native["outputs"]]
+    assert got == want
+    window = _MLX_LM_WINDOW.get(family)
+    for i, prompt in enumerate(prompts):
+        if window is None or len(prompt) + NEW_TOKENS <= window:
+            assert got[i] == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"
+    assert ours["metrics"]["vllm:prefix_cache_hits"] >= 16 * 3
+    stats = ours["rpc_after"]["runner_stats"]
+    assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(prompts)
+
+
+@pytest.mark.slow
+def test_phi3_short_context_takes_the_short_longrope_factors(tmp_path):
+    """With max_model_len within Phi-3's original context vLLM rotates by LongRoPE's short
+    factors (mlx-lm's module would take the long ones): ours equals vLLM's CPU backend."""
+    folder = str(make_tiny_checkpoint(tmp_path / "phi3", "phi3"))
+    prompts = [[(7 * i + 13 * j) % 40000 + 100 for j in range(n)]
+               for i, n in enumerate((3, 20, 33, 47))]
+    spec = _family_spec(folder, prompts, max_model_len=PHI3_ORIGINAL_CONTEXT)
+    ours = run_llm(spec, tmp_path)
+    native = run_llm(spec, tmp_path, native=True)
+    got = [o["completions"][0]["token_ids"] for o in ours["outputs"]]
+    assert got == [o["completions"][0]["token_ids"] for o in native["outputs"]]
+    for i, prompt in enumerate(prompts):
+        assert got[i] == _mlx_lm_greedy(folder, prompt, NEW_TOKENS, PHI3_ORIGINAL_CONTEXT)
+    # the long factors give other ids: the choice is visible
+    assert any(got[i] != _mlx_lm_greedy(folder, p, NEW_TOKENS) for i, p in enumerate(prompts))

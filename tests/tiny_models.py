@@ -27,6 +27,12 @@ PER_LAYER_FAMILIES = ("gemma4", "gemma4_shared", "gemma4_kv")
 MLA_FAMILIES = ("minicpm3", "youtu")
 #: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
 DRAFT_FAMILIES = ("llama_draft",)
+#: Plain attention families of issue 39 (tests/test_e2e_families.py), each with awkward shapes.
+ATTENTION_FAMILIES = ("mistral", "ministral3", "phi3", "olmo2", "granite", "smollm3", "glm4",
+                      "exaone4", "cohere2", "starcoder2")
+#: Phi-3's LongRoPE tiny model: the context it was trained on (vLLM takes the short factors
+#: when max_model_len fits in it, the long ones otherwise).
+PHI3_ORIGINAL_CONTEXT = 64
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -300,9 +306,101 @@ def tiny_config(family: str) -> Any:
             qk_rope_head_dim=16, v_head_dim=40, rms_norm_eps=1e-6, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
         )
+    if family in ATTENTION_FAMILIES:
+        return _attention_family_config(family, common)
     known = (FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
-             + SOFTCAP_FAMILIES + MLA_FAMILIES)
+             + SOFTCAP_FAMILIES + MLA_FAMILIES + ATTENTION_FAMILIES)
     raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(known)})")
+
+
+#: sliding window of the tiny windowed families: shorter than the longer test prompts
+TINY_WINDOW = 12
+#: Mistral's window (mlx-lm's module applies none): above the shortest test prompt plus its
+#: generation; Cohere 2's (vLLM's layers see one token more than transformers')
+MISTRAL_WINDOW = 40
+COHERE2_WINDOW = 20
+
+
+def _attention_family_config(family: str, common: dict[str, Any]) -> Any:
+    """Tiny configs of the plain attention families: odd query-head counts (3 or 5) over 1 KV
+    head, head_dim 32, and each family's own features away from their neutral values."""
+    import transformers
+
+    # 3 query heads of 32 over one KV head; families that take head_dim = hidden / heads
+    small = {**common, "hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1,
+             "num_hidden_layers": 2}
+    rope = {"rope_type": "default", "rope_theta": 20000.0}
+    if family == "mistral":
+        # Mistral 7B v0.1's sliding window on every layer (which mlx-lm's module ignores:
+        # MISTRAL_WINDOW leaves room for the short prompts' generation), untied head
+        return transformers.MistralConfig(
+            **small, head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            sliding_window=MISTRAL_WINDOW, rope_parameters=rope)
+    if family == "ministral3":
+        # Ministral 3: YaRN RoPE and Llama 4's position-dependent query scale (1 below
+        # original_max_position_embeddings, which the tests' positions stay under)
+        return transformers.Ministral3Config(
+            **{**small, "max_position_embeddings": 65536}, head_dim=32, rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "llama_4_scaling_beta": 0.1})
+    if family == "phi3":
+        # Phi-3.5 / Phi-4-mini: fused qkv and gate_up, LongRoPE with distinct short and long
+        # factors, partial rotary (Phi-4-mini's 0.75: 24 of 32 dims), 5 heads over 1 KV head
+        half = 12
+        return transformers.Phi3Config(
+            **{**small, "hidden_size": 160, "num_attention_heads": 5,
+               "max_position_embeddings": 4096}, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                             "long_factor": [1.0 + 0.7 * i for i in range(half)],
+                             "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT})
+    if family == "olmo2":
+        # q/k RMS norms over all heads at once (not per head), norms after each block
+        return transformers.Olmo2Config(
+            **small, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=rope)
+    if family == "granite":
+        # Granite 3's multipliers away from 1 (attention scale = attention_multiplier)
+        return transformers.GraniteConfig(
+            **{**small, "hidden_size": 160, "num_attention_heads": 5}, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, rope_parameters=rope, embedding_multiplier=3.0,
+            attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0)
+    if family == "smollm3":
+        # no RoPE on every 2nd layer (no_rope_layer_interval; written out as no_rope_layers)
+        return transformers.SmolLM3Config(
+            **{**small, "num_hidden_layers": 4}, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            no_rope_layer_interval=2, rope_parameters=rope)
+    if family == "glm4":
+        # partial rotary (half the head), interleaved RoPE, q/k/v biases, post-attention and
+        # post-MLP norms, fused gate_up; 6 heads over 2 KV heads
+        return transformers.Glm4Config(
+            **{**common, "num_attention_heads": 6}, num_key_value_heads=2, head_dim=32,
+            num_hidden_layers=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            attention_bias=True,
+            rope_parameters={**rope, "partial_rotary_factor": 0.5})
+    if family == "exaone4":
+        # sliding layers with RoPE, a global layer without it; q/k norms per head
+        return transformers.Exaone4Config(
+            **{**small, "num_hidden_layers": 4}, head_dim=32, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_parameters=rope)
+    if family == "cohere2":
+        # parallel attention + MLP block over one LayerNorm, logit_scale, sliding layers
+        # (RoPE) and a global layer (no RoPE)
+        return transformers.Cohere2Config(
+            **{**small, "num_hidden_layers": 4}, layer_norm_eps=1e-5, logit_scale=0.25,
+            tie_word_embeddings=True, sliding_window=COHERE2_WINDOW,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_parameters=rope)
+    if family == "starcoder2":
+        # biases everywhere, LayerNorm, GELU MLP, tied head
+        return transformers.Starcoder2Config(
+            **small, norm_epsilon=1e-5, use_bias=True, tie_word_embeddings=True,
+            sliding_window=None, rope_parameters=rope)
+    raise ValueError(f"not an attention family: {family!r}")
 
 
 def _randomize(model: Any, family: str, seed: int) -> None:

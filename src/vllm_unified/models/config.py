@@ -23,13 +23,15 @@ _GRANITE_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attentio
 _ROPE_TOP_LEVEL = ("rope_theta", "partial_rotary_factor")
 
 
-def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+def mlx_lm_config(hf_config: Mapping[str, Any], *,
+                  max_model_len: int | None = None) -> dict[str, Any]:
     """A copy of an HF config dict with the keys mlx-lm's ``ModelArgs`` reads made explicit.
 
     From a flat transformers-5 ``rope_parameters``: top-level ``rope_theta`` and
     ``partial_rotary_factor`` where absent, and ``rope_scaling`` (None for plain RoPE);
     ``head_dim`` = hidden size / heads where absent (transformers' default). Then the model
-    type's fix-up from :data:`CONFIG_FIXUPS`.
+    type's fix-up from :data:`CONFIG_FIXUPS`, and LongRoPE's factors as vLLM picks them for
+    ``max_model_len`` (:func:`_longrope_factors`; None: vLLM's default, the long ones).
 
     Raises:
         ValueError: no ``model_type``, or a config feature the mlx-lm module would ignore.
@@ -50,7 +52,28 @@ def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     fixup = CONFIG_FIXUPS.get(model_type)
     if fixup is not None:
         fixup(cfg)
+    _longrope_factors(cfg, max_model_len)
     return cfg
+
+
+def _longrope_factors(cfg: dict[str, Any], max_model_len: int | None) -> None:
+    """LongRoPE (``longrope`` / ``su``) as vLLM applies it: the short factors for every
+    position when ``max_model_len`` fits in ``original_max_position_embeddings``, the long
+    ones otherwise. mlx-lm's ``SuScaledRoPE`` always takes ``long_factor`` (and
+    ``long_mscale``), so for a short context the short ones are put in their place."""
+    scaling = cfg.get("rope_scaling")
+    if not isinstance(scaling, Mapping):
+        return
+    if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return
+    original = scaling.get("original_max_position_embeddings",
+                           cfg.get("original_max_position_embeddings"))
+    if original is None:  # the family's own default applies (Phi3Config always has one)
+        return
+    cfg["original_max_position_embeddings"] = int(original)
+    if max_model_len is not None and max_model_len <= int(original):
+        cfg["rope_scaling"] = {**scaling, "long_factor": scaling["short_factor"],
+                               "long_mscale": scaling.get("short_mscale")}
 
 
 def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
@@ -103,6 +126,84 @@ def _qwen(cfg: dict[str, Any]) -> None:
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{cfg['model_type']}: use_sliding_window=True is not supported by "
                          "the mlx-lm model (it would attend over the full context)")
+
+
+def _no_rope_scaling(cfg: dict[str, Any]) -> None:
+    """Families whose mlx-lm module builds plain RoPE whatever the config says."""
+    _needs_rope_theta(cfg)
+    if cfg.get("rope_scaling") is not None:
+        raise ValueError(f"{cfg['model_type']}: RoPE scaling "
+                         f"({cfg['rope_scaling']}) is not supported by mlx-lm's module")
+
+
+def _ministral3(cfg: dict[str, Any]) -> None:
+    """mlx-lm's Ministral 3 reads its RoPE (and Llama 4's query scale) from
+    ``rope_parameters`` and requires the scale's keys; a config without the scale gets the
+    neutral beta 0."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if not _is_flat(rope) or rope.get("rope_theta") is None:
+        raise ValueError("ministral3: rope_parameters without rope_theta")
+    rope.setdefault("llama_4_scaling_beta", 0.0)
+    rope.setdefault("original_max_position_embeddings",
+                    cfg.get("original_max_position_embeddings")
+                    or cfg.get("max_position_embeddings"))
+    cfg["rope_parameters"] = rope
+
+
+def _phi3(cfg: dict[str, Any]) -> None:
+    """mlx-lm's Phi-3 reads the scaling kind as ``type`` (transformers 5 writes
+    ``rope_type``) and ignores ``short_mscale`` / ``long_mscale`` (Phi-3-small's)."""
+    _needs_rope_theta(cfg)
+    scaling = cfg.get("rope_scaling")
+    if scaling is None:
+        return
+    scaling = {**scaling, "type": scaling.get("type", scaling.get("rope_type"))}
+    for key in ("short_mscale", "long_mscale"):
+        if scaling.get(key) is not None:
+            raise ValueError(f"phi3: rope_scaling {key} is not supported by mlx-lm's module")
+    cfg["rope_scaling"] = scaling
+
+
+def _exaone4(cfg: dict[str, Any]) -> None:
+    """mlx-lm's EXAONE 4 reads ``sliding_window_pattern`` as a string of ``L`` (local,
+    with RoPE) and ``G`` (global, without RoPE) per layer, where transformers writes
+    ``layer_types`` (and an int pattern). Without a window every layer is global with RoPE,
+    which mlx-lm expresses by no pattern."""
+    _needs_rope_theta(cfg)
+    if not cfg.get("sliding_window"):
+        cfg["sliding_window_pattern"] = None
+        return
+    n_layers = int(cfg["num_hidden_layers"])
+    layer_types = list(cfg.get("layer_types") or ())
+    if len(layer_types) != n_layers:
+        raise ValueError(f"exaone4: {len(layer_types)} layer_types for {n_layers} layers")
+    kinds = {"sliding_attention": "L", "full_attention": "G"}
+    unknown = set(layer_types) - set(kinds)
+    if unknown:
+        raise ValueError(f"exaone4: layer_types {sorted(unknown)} (known: {', '.join(kinds)})")
+    cfg["sliding_window_pattern"] = "".join(kinds[t] for t in layer_types)
+
+
+def _cohere2(cfg: dict[str, Any]) -> None:
+    """mlx-lm's Cohere 2 takes the period of its global layers, transformers writes
+    ``layer_types``; plain RoPE only; the window as vLLM applies it (one token more)."""
+    _no_rope_scaling(cfg)
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        cfg["sliding_window_pattern"] = _sliding_pattern(
+            list(layer_types), int(cfg["num_hidden_layers"]), "cohere2")
+    if not cfg.get("sliding_window"):
+        raise ValueError("cohere2: a config without sliding_window is not supported by "
+                         "mlx-lm's module")
+    # Cohere 2's sliding layers attend to positions [pos - W, pos], W + 1 tokens (Cohere's
+    # training convention, as vLLM serves it: commandr.py); mlx-lm's module would keep W
+    cfg["sliding_window"] = int(cfg["sliding_window"]) + 1
+
+
+def _starcoder2(cfg: dict[str, Any]) -> None:
+    _no_rope_scaling(cfg)
+    # mlx-lm's MLP is exact GELU where checkpoints ask for the tanh approximation:
+    # vllm_unified.models.activations gives it the config's
 
 
 def _granite_hybrid(cfg: dict[str, Any]) -> None:
@@ -211,7 +312,7 @@ def _gemma3_text(cfg: dict[str, Any]) -> None:
     n_layers = int(cfg["num_hidden_layers"])
     layer_types = cfg.get("layer_types")
     if layer_types:
-        pattern = _sliding_pattern(list(layer_types), n_layers)
+        pattern = _sliding_pattern(list(layer_types), n_layers, "gemma3_text")
     else:
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
         if not pattern:
@@ -249,17 +350,18 @@ def _gemma4_text(cfg: dict[str, Any]) -> None:
         cfg["global_head_dim"] = cfg.get("head_dim")
 
 
-def _sliding_pattern(layer_types: list[str], n_layers: int) -> int:
-    """The period p of mlx-lm's Gemma 3 layout (layer i is global iff (i+1) % p == 0)."""
+def _sliding_pattern(layer_types: list[str], n_layers: int, model_type: str) -> int:
+    """The period p of mlx-lm's Gemma 3 / Cohere 2 layout (layer i is global iff
+    (i+1) % p == 0)."""
     if len(layer_types) != n_layers:
-        raise ValueError(f"gemma3_text: {len(layer_types)} layer_types for {n_layers} layers")
+        raise ValueError(f"{model_type}: {len(layer_types)} layer_types for {n_layers} layers")
     if "full_attention" not in layer_types:
-        raise ValueError("gemma3_text: no full_attention layer in layer_types")
+        raise ValueError(f"{model_type}: no full_attention layer in layer_types")
     p = layer_types.index("full_attention") + 1
     expected = ["full_attention" if (i + 1) % p == 0 else "sliding_attention"
                 for i in range(n_layers)]
     if layer_types != expected:
-        raise ValueError(f"gemma3_text: layer_types {layer_types} do not follow a periodic "
+        raise ValueError(f"{model_type}: layer_types {layer_types} do not follow a periodic "
                          "'every p-th layer is global' pattern, which mlx-lm requires")
     return p
 
@@ -296,6 +398,16 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama": _needs_rope_theta,
     "qwen2": _qwen,
     "qwen3": _qwen,
+    "mistral": _needs_rope_theta,
+    "ministral3": _ministral3,
+    "phi3": _phi3,
+    "olmo2": _needs_rope_theta,
+    "granite": _needs_rope_theta,
+    "smollm3": _needs_rope_theta,
+    "glm4": _no_rope_scaling,
+    "exaone4": _exaone4,
+    "cohere2": _cohere2,
+    "starcoder2": _starcoder2,
     "gemma3_text": _gemma3_text,
     "gemma4_text": _gemma4_text,
     "granitemoehybrid": _granite_hybrid,

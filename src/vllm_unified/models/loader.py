@@ -29,6 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from vllm_unified.distributed.pipeline import PipelineStage
+from vllm_unified.models.activations import match_config_activations
 from vllm_unified.models.config import mlx_lm_config, model_classes
 from vllm_unified.models.gguf import (
     MLX_GROUP_SIZES,
@@ -78,6 +79,7 @@ def load_model(
     keep_quantized: bool,
     native_kernels: bool = False,
     stage: PipelineStage | None = None,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Load ``path`` into an mlx-lm model.
 
@@ -101,6 +103,8 @@ def load_model(
         stage: the pipeline stage this process runs (``--pipeline-parallel-size``): only its
             layers' weights are evaluated and kept (:func:`~vllm_unified.distributed.pipeline.
             prune_model`). None: the whole model.
+        max_model_len: vLLM's context length, for config choices vLLM makes by it
+            (LongRoPE's short or long factors); None: vLLM's default (the model's maximum).
 
     Raises:
         ValueError: unsupported architecture or config feature, GGUF tensor without a
@@ -114,9 +118,11 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{str(path)!r}: expected a .gguf file or a checkpoint folder")
-        loaded = _load_gguf(path, hf_config, dtype, keep_quantized, native_kernels, stage)
+        loaded = _load_gguf(path, hf_config, dtype, keep_quantized, native_kernels, stage,
+                            max_model_len)
     else:
-        loaded = _load_folder(path, hf_config, dtype, keep_quantized, native_kernels, stage)
+        loaded = _load_folder(path, hf_config, dtype, keep_quantized, native_kernels, stage,
+                              max_model_len)
     logger.info("Loaded %s (%s, %s, %s) in %.2f s", path.name, loaded.config["model_type"],
                 loaded.source, "quantized" if loaded.quantized else f"dense {dtype}",
                 time.perf_counter() - start)
@@ -145,7 +151,7 @@ def _gguf_hf_config(path: Path) -> dict[str, Any]:
 
 def _load_gguf(
     path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_kernels: bool,
-    stage: PipelineStage | None,
+    stage: PipelineStage | None, max_model_len: int | None,
 ) -> LoadedModel:
     index = read_gguf_index(path)
     arch = index.architecture
@@ -157,7 +163,7 @@ def _load_gguf(
     if hf.get("model_type") != model_type:
         raise ValueError(f"hf_config model_type {hf.get('model_type')!r} does not match the "
                          f"GGUF architecture {arch!r} ({model_type})")
-    config = mlx_lm_config(hf)
+    config = mlx_lm_config(hf, max_model_len=max_model_len)
     tensors = read_gguf_tensors(path, index, quantized=keep_quantized,
                                 group16=keep_quantized and native_kernels)
     tensors = {name: held_scales(t, dtype, native_kernels) if isinstance(t, QuantizedTensor)
@@ -313,7 +319,7 @@ def _check_names(model: nn.Module, weights: Mapping[str, mx.array],
 
 def _load_folder(
     path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_kernels: bool,
-    stage: PipelineStage | None,
+    stage: PipelineStage | None, max_model_len: int | None,
 ) -> LoadedModel:
     from mlx_lm.utils import dequantize_model, load_config
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -327,13 +333,14 @@ def _load_folder(
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(str(path))
-    config = mlx_lm_config({**raw, **_as_dict(hf_config)})
+    config = mlx_lm_config({**raw, **_as_dict(hf_config)}, max_model_len=max_model_len)
     try:
         model, config = mlx_lm_load_model(path, lazy=True, strict=True, model_config=config,
                                           get_model_classes=model_classes)
     except TypeError as e:  # ModelArgs missing a field its dataclass requires
         raise ValueError(f"model type {config['model_type']!r}: the config does not fit "
                          f"mlx-lm's ModelArgs ({e})") from e
+    match_config_activations(model, config)
     if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
         prune_model(model, stage, config["model_type"])
     if not keep_quantized and _has_quantized(model):

@@ -139,7 +139,7 @@ class DraftModel:
         mc = self.model_config
         dtype = mlx_dtype(mc.dtype)
         loaded = load_model(checkpoint, hf_config=mc.hf_config.to_dict(), dtype=dtype,
-                            keep_quantized=keep_quantized)
+                            keep_quantized=keep_quantized, max_model_len=mc.max_model_len)
         self.model = loaded.model
         check_dtype_supported(self.model, dtype, self.backend.kind)
         pc = self.vllm_config.parallel_config

@@ -265,7 +265,7 @@ class MLXModelRunner:
         self.loaded = load_model(
             _checkpoint_path(path), hf_config=hf_config, dtype=self.dtype,
             keep_quantized=self.backend.keep_quantized or native, native_kernels=native,
-            stage=self.stage,
+            stage=self.stage, max_model_len=self.model_config.max_model_len,
         )
         self.model = self.loaded.model
         check_dtype_supported(self.model, self.dtype, self.backend.kind)
