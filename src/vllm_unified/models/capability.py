@@ -6,6 +6,8 @@ Each slot is classified by its cache type:
 
 * ``KVCache`` -> paged attention over the whole context;
 * ``RotatingKVCache(max_size=W, keep=0)`` -> paged attention with a sliding window of W;
+* ``ChunkedKVCache(chunk_size=C)`` -> paged attention within attention chunks of C tokens
+  (chunked local attention, Llama 4);
 * ``ArraysCache`` / ``MambaCache`` -> a recurrent layer on vLLM's state pages (its family must
   be known to :mod:`vllm_unified.kv.hybrid`);
 * anything else -> refused, naming the feature.
@@ -58,13 +60,14 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class AttentionSlot:
-    """One paged-attention cache slot: sliding window (tokens, None for full attention) and
-    the key/value shape the layer writes (``num_kv_heads`` x ``head_dim``), or None where the
-    probe did not run (a pipeline stage)."""
+    """One paged-attention cache slot: sliding window (tokens, None for full attention), the
+    key/value shape the layer writes (``num_kv_heads`` x ``head_dim``, or None where the probe
+    did not run: a pipeline stage) and the attention chunk (tokens, None: none)."""
 
     window: int | None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    chunk: int | None = None
 
 
 @dataclass
@@ -131,7 +134,7 @@ def check_model(
             layout.recurrent.append(i)
             continue
         window = _window(model_type, i, cache, declared)
-        layout.attention[i] = AttentionSlot(window)
+        layout.attention[i] = AttentionSlot(window, chunk=_cache_chunk(cache))
     if declared is not None and any(
         w != _cache_window(caches[i]) for i, w in declared.items() if i in layout.attention
     ):
@@ -177,9 +180,9 @@ def route_model(
 
 
 def _slot_kind(model_type: str, i: int, cache: Any) -> str:
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
-    if type(cache) in (KVCache, RotatingKVCache):
+    if type(cache) in (KVCache, RotatingKVCache, ChunkedKVCache):
         return "attention"
     if isinstance(cache, ArraysCache):
         return "recurrent"
@@ -190,7 +193,6 @@ def _slot_kind(model_type: str, i: int, cache: Any) -> str:
 
 #: mlx-lm cache types and the attention feature they stand for
 _CACHE_FEATURES = {
-    "ChunkedKVCache": "chunked local attention",
     "CacheList": "a layer with several caches (mlx-lm CacheList: latent attention or a "
                  "mixer with its own state)",
     "QuantizedKVCache": "mlx-lm's quantized KV cache",
@@ -201,6 +203,12 @@ def _cache_window(cache: Any) -> int | None:
     from mlx_lm.models.cache import RotatingKVCache
 
     return int(cache.max_size) if isinstance(cache, RotatingKVCache) else None
+
+
+def _cache_chunk(cache: Any) -> int | None:
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    return int(cache.chunk_size) if isinstance(cache, ChunkedKVCache) else None
 
 
 def _window(model_type: str, i: int, cache: Any,
@@ -328,7 +336,7 @@ def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
     if k_dim != v_dim:
         raise UnsupportedModel(model_type, f"a value head size ({v_dim}) other than the key "
                                f"head size ({k_dim})", i)
-    return AttentionSlot(slot.window, kv_heads, k_dim)
+    return AttentionSlot(slot.window, kv_heads, k_dim, slot.chunk)
 
 
 def _check_head(model: nn.Module, model_type: str, prompt: mx.array, expected: mx.array

@@ -5,6 +5,8 @@ From the backend profile (:func:`vllm_unified.backend.profile`): the native CPU 
 paged GPU kernels (:mod:`vllm_unified.kv.gpu.paged`, :mod:`vllm_unified.kv.gpu.paged_quant`) on
 CUDA and Metal for the head sizes they take, else the pure-MLX reference
 (:mod:`vllm_unified.kv.attention.reference`), which every kernel is tested against.
+Layers with chunked local attention (``chunk``) run on the reference on every backend: no kernel
+takes the option yet (:data:`CHUNK_ROUTING`, logged at start-up by the runner).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.gpu import paged_quant as gpu_paged_quant
 from vllm_unified.kv.quant import KVFormat
 
+#: why chunked local attention layers run on the reference (for the start-up log)
+CHUNK_ROUTING = ("chunked local attention (attention_chunk_size) runs on the pure-MLX reference "
+                 "attention: the native CPU and paged GPU kernels do not take the chunk option")
+
 
 def paged_attention_kv(
     queries: mx.array,
@@ -36,9 +42,11 @@ def paged_attention_kv(
     kv_format: KVFormat | None = None,
     rht_signs: mx.array | None = None,
     after: mx.array | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """:func:`vllm_unified.kv.attention.reference.paged_attention_kv` (same arguments, shapes
-    and result) by the kernel the profile picks.
+    and result) by the kernel the profile picks; a ``chunk`` (chunked local attention) by the
+    reference (:data:`CHUNK_ROUTING`).
 
     With ``accelerate`` (the default): on MLX's CPU backend with the native extension every
     row is attended straight from the pool by the native kernel; on a GPU backend by the paged
@@ -56,9 +64,9 @@ def paged_attention_kv(
         RuntimeError: a quantized pool, accelerated, with neither the native CPU kernel nor
             the paged GPU kernel for this head size.
     """
-    if not accelerate:
+    if not accelerate or chunk is not None:
         return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh,
-                                            kv_format, after)
+                                            kv_format, after, chunk=chunk)
     if backend is None:
         backend = profile()
     if kv_format is not None and kv_format.quantized:
