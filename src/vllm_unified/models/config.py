@@ -55,12 +55,18 @@ def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
     """mlx-lm's ``(Model, ModelArgs)`` for ``config`` (its model-type and architecture
-    remapping included).
+    remapping included); for a multimodal model type whose text part the runner drives, that
+    part's class (:data:`vllm_unified.models.text_parts.TEXT_MODELS`).
 
     Raises:
         ValueError: naming the model type mlx-lm has no module for.
     """
     from mlx_lm.utils import _get_classes
+
+    from vllm_unified.models.text_parts import TEXT_MODELS
+
+    if config.get("model_type") in TEXT_MODELS:
+        return TEXT_MODELS[config["model_type"]]
 
     try:
         return _get_classes(dict(config))
@@ -172,6 +178,28 @@ def _gemma4_text(cfg: dict[str, Any]) -> None:
         cfg["global_head_dim"] = cfg.get("head_dim")
 
 
+def _llama4(cfg: dict[str, Any]) -> None:
+    """Llama 4's text settings live in ``text_config``; mlx-lm's module hard-codes the layer
+    layout HF's defaults give (every 4th layer global without RoPE, the others chunked with
+    RoPE), so another ``no_rope_layers`` is refused, as is a config without an attention
+    chunk (mlx-lm's module needs one)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError("llama4: config has no text_config")
+    text = mlx_lm_config({"model_type": "llama4_text", **text})
+    n_layers = int(text["num_hidden_layers"])
+    expected = [int((i + 1) % 4 != 0) for i in range(n_layers)]
+    if text.get("no_rope_layers") and list(text["no_rope_layers"]) != expected:
+        raise ValueError(f"llama4: no_rope_layers {text['no_rope_layers']} differ from "
+                         f"{expected} (every 4th layer without RoPE), the only layout mlx-lm's "
+                         "module computes")
+    if not text.get("attention_chunk_size"):
+        raise ValueError("llama4: attention_chunk_size is not set; mlx-lm's module needs "
+                         "chunked local attention on its RoPE layers")
+    text.setdefault("rope_scaling", None)
+    cfg["text_config"] = text
+
+
 def _sliding_pattern(layer_types: list[str], n_layers: int) -> int:
     """The period p of mlx-lm's Gemma 3 layout (layer i is global iff (i+1) % p == 0)."""
     if len(layer_types) != n_layers:
@@ -194,5 +222,6 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen3": _qwen,
     "gemma3_text": _gemma3_text,
     "gemma4_text": _gemma4_text,
+    "llama4": _llama4,
     "granitemoehybrid": _granite_hybrid,
 }

@@ -1,0 +1,88 @@
+"""Llama 4 text (dense layers): chunked local attention, layers without RoPE, attention
+temperature tuning and QK norm, served by our engine on a tiny random checkpoint.
+
+The same random weights are written twice: as mlx-lm and multimodal Llama 4 checkpoints
+have them (``model_type: llama4``, ``text_config``, weights under ``language_model.``), which
+mlx-lm's ``llama4`` module and our engine load; and as transformers' ``Llama4ForCausalLM``
+(``model_type: llama4_text``), which vLLM's CPU backend serves (mlx-lm would load that type with
+its ``llama4_text`` module, which applies no attention chunk).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import _randomize, smollm2_tokenizer
+
+#: attention chunk of the tiny model (tokens): every prompt spans several chunks
+CHUNK = 8
+NEW_TOKENS = 12
+PROMPTS = [
+    [(7 * i + 3) % 49000 + 10 for i in range(37)],
+    [(11 * i + 5) % 49000 + 10 for i in range(21)],
+    [(13 * i + 1) % 49000 + 10 for i in range(9)],
+    [(17 * i + 2) % 49000 + 10 for i in range(30)],
+]
+
+
+def _text_config() -> dict:
+    """5 layers: 0, 1, 2, 4 chunked with RoPE and QK norm, 3 global without RoPE (temperature
+    tuning from position 3 on: floor_scale 4); 6 query heads on 2 KV heads; no MoE layer
+    (interleave_moe_layer_step beyond the layer count); llama3 RoPE scaling as Llama 4's."""
+    tok = smollm2_tokenizer()
+    return dict(
+        model_type="llama4_text", vocab_size=49152, hidden_size=96, intermediate_size=64,
+        intermediate_size_mlp=128, num_hidden_layers=5, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        attention_chunk_size=CHUNK, use_qk_norm=True, attention_bias=False,
+        interleave_moe_layer_step=6, num_local_experts=2, num_experts_per_tok=1,
+        no_rope_layers=[1, 1, 1, 0, 1], attn_temperature_tuning=True, floor_scale=4,
+        attn_scale=0.5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+
+
+def make_llama4_checkpoints(root: str | Path) -> tuple[Path, Path]:
+    """Write (once) the tiny model as ``(llama4 folder, llama4_text folder)``."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    root = Path(root)
+    multi, text = root / "tiny-llama4", root / "tiny-llama4-text"
+    if (multi / "model.safetensors").is_file() and (text / "model.safetensors").is_file():
+        return multi, text
+    cfg = _text_config()
+    config = transformers.Llama4TextConfig(**{k: v for k, v in cfg.items()
+                                              if k != "model_type"})
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).to(torch.float32)
+    assert not any("experts" in n for n, _ in model.named_parameters())
+    _randomize(model, "llama4", 0)
+    model.config.dtype = torch.float32
+    model.save_pretrained(text)
+    # vLLM applies temperature tuning only when the generation config asks (or contexts
+    # beyond 32K); mlx-lm whenever the config's attn_temperature_tuning is set
+    gen = json.loads((text / "generation_config.json").read_text())
+    (text / "generation_config.json").write_text(json.dumps({**gen,
+                                                             "attn_temperature_tuning": True}))
+    smollm2_tokenizer().save_pretrained(text)
+
+    multi.mkdir(parents=True, exist_ok=True)
+    weights = load_file(str(text / "model.safetensors"))
+    save_file({f"language_model.{k}": v.contiguous() for k, v in weights.items()},
+              str(multi / "model.safetensors"), metadata={"format": "pt"})
+    (multi / "config.json").write_text(json.dumps({
+        "model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+        "text_config": cfg, "vision_config": {"model_type": "llama4_vision_model"},
+        "dtype": "float32", "tie_word_embeddings": False,
+    }))
+    smollm2_tokenizer().save_pretrained(multi)
+    return multi, text
