@@ -80,9 +80,93 @@ def make_llama4_checkpoints(root: str | Path) -> tuple[Path, Path]:
     save_file({f"language_model.{k}": v.contiguous() for k, v in weights.items()},
               str(multi / "model.safetensors"), metadata={"format": "pt"})
     (multi / "config.json").write_text(json.dumps({
-        "model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4", "architectures": ["Llama4ForCausalLM"],
         "text_config": cfg, "vision_config": {"model_type": "llama4_vision_model"},
         "dtype": "float32", "tie_word_embeddings": False,
     }))
     smollm2_tokenizer().save_pretrained(multi)
     return multi, text
+
+
+def _mlx_lm_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
+    """mlx-lm's own model and cache (no vllm-unified code) on ``folder``."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder)
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1])))
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    return out
+
+
+def _spec(folder: Path) -> dict:
+    return {
+        "model": str(folder),
+        "engine": {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16,
+                   "kv_cache_memory_bytes": 64 * 2**20, "seed": 0,
+                   "enable_prefix_caching": True, "disable_log_stats": False},
+        "requests": [{"prompt_token_ids": p,
+                      "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS,
+                                 "ignore_eos": True}} for p in PROMPTS],
+        # the second round reads the prompts' full blocks from the prefix cache
+        "rounds": 2, "metrics": True,
+        "rpc": ["runner_stats"],
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    return make_llama4_checkpoints(tmp_path_factory.mktemp("llama4"))
+
+
+def test_mlx_lm_llama4_is_transformers_llama4(checkpoints):
+    """The two folders are one model: mlx-lm's llama4 on the first gives transformers'
+    ``Llama4ForCausalLM`` logits on the second (prompt over several attention chunks)."""
+    import torch
+    import transformers
+    from mlx_lm.utils import load_model
+
+    multi, text = checkpoints
+    model, _ = load_model(multi)
+    ours = np.array(model(mx.array([PROMPTS[0]]))[0])
+    hf = transformers.Llama4ForCausalLM.from_pretrained(str(text), dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([PROMPTS[0]])).logits[0].numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4 * np.abs(theirs).max())
+
+
+@pytest.mark.engine
+def test_llama4_matches_mlx_lm(checkpoints, tmp_path):
+    """Chunked prefill (16 tokens a step), 4 concurrent requests over prompts of 1-5 attention
+    chunks, then again from the prefix cache: mlx-lm's greedy ids."""
+    from conftest import run_llm
+
+    multi, _ = checkpoints
+    ours = run_llm(_spec(multi), tmp_path)
+    for i, prompt in enumerate(PROMPTS * 2):
+        got = ours["outputs"][i]["completions"][0]["token_ids"]
+        assert got == _mlx_lm_greedy(multi, prompt, NEW_TOKENS), f"request {i}"
+    assert ours["metrics"]["vllm:prefix_cache_hits"] >= 16 * 4
+    stats = ours["rpc_after"]["runner_stats"]
+    assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(PROMPTS)
+    assert "chunked local attention (attention_chunk_size) runs on the pure-MLX" in ours["log"]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_llama4_vllm_native_fp32_matches_mlx_lm(checkpoints, tmp_path):
+    """vLLM's own CPU backend in fp32 on the same weights (its ``Llama4ForCausalLM``) gives
+    mlx-lm's greedy ids, which :func:`test_llama4_matches_mlx_lm` shows ours give."""
+    from conftest import run_llm
+
+    multi, text = checkpoints
+    spec = _spec(text)
+    del spec["rpc"]  # our runner's statistics
+    native = run_llm(spec, tmp_path, native=True)
+    for i, prompt in enumerate(PROMPTS * 2):
+        got = native["outputs"][i]["completions"][0]["token_ids"]
+        assert got == _mlx_lm_greedy(multi, prompt, NEW_TOKENS), f"prompt {i}"
