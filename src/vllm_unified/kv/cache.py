@@ -177,7 +177,8 @@ class KVCache:
         size (sliding-window layers record their window: vLLM keeps blocks for all tokens,
         the attention applies the window; all attention layers are then one KV cache group,
         one block table; chunked local attention layers likewise record their chunk, as vLLM
-        promotes its ``ChunkedLocalAttentionSpec`` next to full attention), and one ``MambaSpec`` per recurrent layer of a hybrid model."""
+        promotes its ``ChunkedLocalAttentionSpec`` next to full attention), and one
+        ``MambaSpec`` per recurrent layer of a hybrid model."""
         specs: dict[str, KVCacheSpec] = {
             layer_name(i): attention_spec(
                 self.layer_formats[i], block_size=block_size,

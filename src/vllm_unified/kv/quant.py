@@ -428,4 +428,5 @@ def attention_spec(fmt: KVFormat, *, block_size: int, num_kv_heads: int, head_si
     return compat.FullAttentionSpec(
         block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
         dtype=storage_dtype(fmt), sliding_window=sliding_window,
-        attention_chunk_size=attention_chunk_size, kv_quant_mode=quant_mode(fmt), state_content_bytes=fmt.cell_bytes(head_size))
+        attention_chunk_size=attention_chunk_size, kv_quant_mode=quant_mode(fmt),
+        state_content_bytes=fmt.cell_bytes(head_size))

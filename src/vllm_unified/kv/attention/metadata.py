@@ -224,8 +224,8 @@ class AttentionMetadata:
         """Keys of the decode batch for a layer with this sliding window (``None``: full) and
         attention chunk (``None``: none).
 
-        Computed on first use per (window, kv_heads, chunk) and cached, so all layers of a step share
-        it. Raises ValueError if there are no decode sequences.
+        Computed on first use per (window, kv_heads, chunk) and cached, so all layers of a step
+        share it. Raises ValueError if there are no decode sequences.
         """
         if self.decode_rows is None:
             raise ValueError("this step has no decode sequences")
