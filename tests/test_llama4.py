@@ -153,7 +153,7 @@ def test_llama4_matches_mlx_lm(checkpoints, tmp_path):
     assert ours["metrics"]["vllm:prefix_cache_hits"] >= 16 * 4
     stats = ours["rpc_after"]["runner_stats"]
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(PROMPTS)
-    assert "chunked local attention (attention_chunk_size) runs on the pure-MLX" in ours["log"]
+    assert "chunked local attention (attention_chunk_size) runs on the" in ours["log"]
 
 
 @pytest.mark.engine

@@ -20,7 +20,8 @@
 //       paged attention's key/value read; MLX's generic gather is several times slower here).
 //   silu_mul(gate, up, *, stream=None) -> mx.array
 //       fp32 silu(gate) * up, vectorized (MLX 0.32.4's CPU sigmoid is scalar).
-//   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, stream=None)
+//   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, chunk=0,
+//                   stream=None)
 //       Attention per query row read from the paged pool through block tables (no gather):
 //       decode rows and prefill chunks (causal) alike.
 //   linear(x, w, *, stream=None) -> mx.array
@@ -934,7 +935,8 @@ mx::array rope(const mx::array& x, int dims, bool traditional, const mx::array& 
 // Attention read straight from the paged K|V pool, one query token per row: for row r of
 // sequence b = seqs[r] and query head h, out[r, h] = softmax(scale * q[r, h] . K_j) . V_j over
 // the keys j in [first, lens[r]) (lens[r] = the row's position + 1: causal), first =
-// max(lens[r] - window, 0) with a sliding window (0: none), key j at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
+// max(lens[r] - window, 0) with a sliding window (0: none), raised to the start of the row's
+// attention chunk ((lens[r] - 1) / chunk * chunk; chunked local attention, 0: none), key j at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
 // scores of one (sequence, KV head) are computed for all the head's queries at once, so each
 // key and value row is read once; softmax in fp32 with the maximum subtracted (the reference's
 // function: kv/attention/reference.py gathers the same rows and runs MLX's SDPA).
@@ -949,6 +951,7 @@ struct PagedAttentionArgs {
   int64_t batch, heads, kv_heads, dim, max_blocks, block_size, slots, num_seqs;
   int64_t window;  // keys visible to the query, 0: all
   float scale;
+  int64_t chunk = 0;  // attention chunk (chunked local attention), 0: none
   // Quantized pools (vun::KVMode != kKVDense): kv is unused and kvq holds [slots, Hkv, cell]
   // bytes; int4 rotates the queries (rht signs, `block` of them) and un-rotates the output.
   int mode = vun::kKVDense;
@@ -965,6 +968,14 @@ struct PagedAttentionArgs {
   int64_t fresh_rows = 0;
 };
 
+// The first key a row of `len` visible positions reads: its sliding window's, raised to the
+// start of its attention chunk.
+template <typename T>
+int64_t first_visible_key(const PagedAttentionArgs<T>& a, int64_t len) {
+  const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+  return a.chunk > 0 ? std::max<int64_t>(first, (len - 1) / a.chunk * a.chunk) : first;
+}
+
 // One (row, KV head) item: the R query heads of KV head g of row b over the row's keys.
 // Scratch is per thread (items of one call run on several threads at once).
 template <typename T>
@@ -975,7 +986,7 @@ void paged_attention_item(const PagedAttentionArgs<T>& a, int64_t b, int64_t g) 
   thread_local std::vector<float> qf, of, scores, rows;
   thread_local std::vector<const float*> keys, values;
   const int64_t len = a.lens[b];
-  const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+  const int64_t first = first_visible_key(a, len);
   const int64_t n = len - first;
   qf.resize(R * D);
   of.resize(R * D);
@@ -1037,7 +1048,7 @@ void paged_attention_item_quant(const PagedAttentionArgs<T>& a, int64_t b, int64
   thread_local std::vector<float> qf, of, scores;
   thread_local std::vector<const uint8_t*> cells;
   const int64_t len = a.lens[b];
-  const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+  const int64_t first = first_visible_key(a, len);
   const int64_t n = len - first;
   qf.resize(R * D);
   of.resize(R * D);
@@ -1166,9 +1177,10 @@ void paged_attention_impl(const PagedAttentionArgs<T>& a) {
 
 class PagedAttention : public SameShapePrimitive {
  public:
-  PagedAttention(mx::Stream s, float scale, int64_t block_size, int64_t window, int mode)
+  PagedAttention(mx::Stream s, float scale, int64_t block_size, int64_t window, int mode,
+                 int64_t chunk)
       : SameShapePrimitive(s, "paged_attention"), scale_(scale), block_size_(block_size),
-        window_(window), mode_(mode) {}
+        window_(window), mode_(mode), chunk_(chunk) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -1218,6 +1230,7 @@ class PagedAttention : public SameShapePrimitive {
         in[3].data<int32_t>(), in[4].data<int32_t>(), out.data<T>(), in[0].shape(0),
         in[0].shape(1), in[1].shape(1), in[0].shape(2), in[2].shape(1), block_size_,
         in[1].shape(0), in[2].shape(0), window_, scale_};
+    a.chunk = chunk_;
     if (quant) {
       a.mode = mode_;
       a.kvq = in[1].data<uint8_t>();
@@ -1238,11 +1251,12 @@ class PagedAttention : public SameShapePrimitive {
   int64_t block_size_;
   int64_t window_;
   int mode_;
+  int64_t chunk_;
 };
 
 // out = paged_attention(q [N, H, D], kv_pool [slots, Hkv, 2D], tables int32 [S, MB],
 //                       seqs int32 [N], lens int32 [N], scale, block_size, window,
-//                       kv_mode, rht_signs) -> [N, H, D]
+//                       kv_mode, rht_signs, ..., chunk) -> [N, H, D]
 // kv_mode != 0 (vun::KVMode): kv_pool is uint8/int8 [slots, Hkv, cell bytes] of that format;
 // int4 takes vLLM's RHT signs (fp32 [block], block the largest power-of-two divisor of D).
 mx::array paged_attention(
@@ -1250,7 +1264,7 @@ mx::array paged_attention(
     const mx::array& lens, float scale, int64_t block_size, int64_t window, int kv_mode,
     std::optional<mx::array> rht_signs, std::optional<mx::array> fresh_k,
     std::optional<mx::array> fresh_v, std::optional<mx::array> raw_from,
-    std::optional<mx::array> raw_row0, nb::handle stream) {
+    std::optional<mx::array> raw_row0, int64_t chunk, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "paged_attention");
   if (kv_mode < vun::kKVDense || kv_mode > vun::kKVLastMode) {
     raise_py(PyExc_ValueError,
@@ -1296,6 +1310,9 @@ mx::array paged_attention(
   if (window < 0) {
     raise_py(PyExc_ValueError, "paged_attention: window must be >= 0 (0: no window)");
   }
+  if (chunk < 0) {
+    raise_py(PyExc_ValueError, "paged_attention: chunk must be >= 0 (0: no attention chunk)");
+  }
   if (block_size < 1 || kv_pool.shape(0) % block_size != 0) {
     raise_py(PyExc_ValueError, "paged_attention: the pool's slots are not whole blocks");
   }
@@ -1328,7 +1345,7 @@ mx::array paged_attention(
   }
   return mx::array(
       q.shape(), q.dtype(),
-      std::make_shared<PagedAttention>(s, scale, block_size, window, kv_mode),
+      std::make_shared<PagedAttention>(s, scale, block_size, window, kv_mode, chunk),
       std::move(inputs));
 }
 
@@ -2204,7 +2221,7 @@ NB_MODULE(_native, m) {
         nb::arg("kv_mode") = 0, nb::arg("rht_signs").none() = nb::none(),
         nb::arg("fresh_k").none() = nb::none(), nb::arg("fresh_v").none() = nb::none(),
         nb::arg("raw_from").none() = nb::none(), nb::arg("raw_row0").none() = nb::none(),
-        nb::arg("stream") = nb::none(),
+        nb::arg("chunk") = 0, nb::arg("stream") = nb::none(),
         "Lazy attention read from a paged K|V pool [slots, Hkv, 2D] through block tables, one "
         "query token per row (row r: sequence seqs[r], keys [0, lens[r])); q [N, H, D] -> "
         "[N, H, D]; CPU streams only.");

@@ -200,6 +200,32 @@ def _llama4(cfg: dict[str, Any]) -> None:
     cfg["text_config"] = text
 
 
+def _llama4_text(cfg: dict[str, Any]) -> None:
+    """mlx-lm's ``llama4_text`` module (MobileLLM-style checkpoints) attends over the whole
+    context, applies no temperature tuning, and normalises queries and keys on every layer;
+    transformers and vLLM apply the attention chunk, temperature tuning and QK norm per
+    layer. Configs where they would differ within ``max_position_embeddings`` are refused."""
+    n_layers = int(cfg["num_hidden_layers"])
+    no_rope = list(cfg.get("no_rope_layers")
+                   or [int((i + 1) % 4 != 0) for i in range(n_layers)])
+    cfg["no_rope_layers"] = no_rope
+    max_len = int(cfg.get("max_position_embeddings") or 0)
+    chunk = cfg.get("attention_chunk_size")
+    nope = not all(no_rope)
+    why = None
+    if chunk and int(chunk) < max_len:
+        why = f"chunked local attention (attention_chunk_size {chunk})"
+    elif nope and cfg.get("attn_temperature_tuning", True) and \
+            int(cfg.get("floor_scale", 8192)) < max_len:
+        why = "attention temperature tuning on layers without RoPE"
+    elif nope and cfg.get("use_qk_norm"):
+        why = "QK norm on RoPE layers only (use_qk_norm with layers without RoPE)"
+    if why:
+        raise ValueError(f"llama4_text: {why} is not computed by mlx-lm's llama4_text module "
+                         "(a model_type 'llama4' checkpoint, with text_config and weights "
+                         "under language_model., is served with it)")
+
+
 def _sliding_pattern(layer_types: list[str], n_layers: int) -> int:
     """The period p of mlx-lm's Gemma 3 layout (layer i is global iff (i+1) % p == 0)."""
     if len(layer_types) != n_layers:
@@ -223,5 +249,6 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "gemma3_text": _gemma3_text,
     "gemma4_text": _gemma4_text,
     "llama4": _llama4,
+    "llama4_text": _llama4_text,
     "granitemoehybrid": _granite_hybrid,
 }

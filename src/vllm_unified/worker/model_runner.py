@@ -49,7 +49,7 @@ from vllm_unified.compat import (
 from vllm_unified.distributed.pipeline import HIDDEN, PipelineStage
 from vllm_unified.envs import COMPILE_DECODE_ENV
 from vllm_unified.kv import page_release
-from vllm_unified.kv.attention.dispatch import CHUNK_ROUTING, gpu_attention_routed
+from vllm_unified.kv.attention.dispatch import chunk_routing, gpu_attention_routed
 from vllm_unified.kv.block_reuse import prefix_cache_retain_tokens
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.forward_context import StepContext, set_step_context
@@ -305,7 +305,7 @@ class MLXModelRunner:
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype,
                                 kv_shapes=kv_shapes, shared=self.layout.shared, chunks=chunks)
         if any(chunks.values()):
-            logger.info("vllm-unified: %s (layers %s)", CHUNK_ROUTING,
+            logger.info("vllm-unified: %s (layers %s)", chunk_routing(self.backend),
                         [i for i, c in chunks.items() if c])
         if self.draft is not None:
             self.draft.load(_checkpoint_path(self.draft.model_config.model),

@@ -5,8 +5,8 @@ From the backend profile (:func:`vllm_unified.backend.profile`): the native CPU 
 paged GPU kernels (:mod:`vllm_unified.kv.gpu.paged`, :mod:`vllm_unified.kv.gpu.paged_quant`) on
 CUDA and Metal for the head sizes they take, else the pure-MLX reference
 (:mod:`vllm_unified.kv.attention.reference`), which every kernel is tested against.
-Layers with chunked local attention (``chunk``) run on the reference on every backend: no kernel
-takes the option yet (:data:`CHUNK_ROUTING`, logged at start-up by the runner).
+Layers with chunked local attention (``chunk``) run on the native CPU kernel or, where the GPU
+kernels would run, on the reference (:func:`chunk_routing`, logged at start-up by the runner).
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.gpu import paged_quant as gpu_paged_quant
 from vllm_unified.kv.quant import KVFormat
 
-#: why chunked local attention layers run on the reference (for the start-up log)
-CHUNK_ROUTING = ("chunked local attention (attention_chunk_size) runs on the pure-MLX reference "
-                 "attention: the native CPU and paged GPU kernels do not take the chunk option")
-
 
 def paged_attention_kv(
     queries: mx.array,
@@ -46,7 +42,7 @@ def paged_attention_kv(
 ) -> mx.array:
     """:func:`vllm_unified.kv.attention.reference.paged_attention_kv` (same arguments, shapes
     and result) by the kernel the profile picks; a ``chunk`` (chunked local attention) by the
-    reference (:data:`CHUNK_ROUTING`).
+    native CPU kernel or the reference (:func:`chunk_routing`).
 
     With ``accelerate`` (the default): on MLX's CPU backend with the native extension every
     row is attended straight from the pool by the native kernel; on a GPU backend by the paged
@@ -64,11 +60,14 @@ def paged_attention_kv(
         RuntimeError: a quantized pool, accelerated, with neither the native CPU kernel nor
             the paged GPU kernel for this head size.
     """
-    if not accelerate or chunk is not None:
+    if backend is None and accelerate:
+        backend = profile()
+    if not accelerate or (chunk is not None and not _cpu_rows_kernel(backend)):
         return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh,
                                             kv_format, after, chunk=chunk)
-    if backend is None:
-        backend = profile()
+    if chunk is not None:
+        return _chunked_rows(queries, kv_pool, meta, scale, window, kv_format, rht_signs,
+                             fresh, chunk)
     if kv_format is not None and kv_format.quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, backend, kv_format,
                                     rht_signs, fresh, after)
@@ -109,6 +108,33 @@ def _quantized_attention(
             fresh=fresh, after=after)
     return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
                                               fmt.native_mode, rht_signs, raw)
+
+
+def _chunked_rows(
+    queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
+    window: int | None, fmt: KVFormat | None, rht_signs: mx.array | None,
+    fresh: tuple[mx.array, mx.array] | None, chunk: int,
+) -> mx.array:
+    """Chunked local attention by the native CPU kernel, dense or quantized pool."""
+    quantized = fmt is not None and fmt.quantized
+    reference.check_kv_pool(queries, kv_pool, meta, window, fmt if quantized else None, chunk)
+    if not meta.num_tokens:
+        return mx.zeros(queries.shape, dtype=queries.dtype)
+    if not quantized:
+        return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
+                                                  chunk=chunk)
+    return cpu_attention.paged_attention_rows(
+        queries, kv_pool, meta, scale, window, fmt.native_mode, rht_signs,
+        reference.fresh_rows(queries, meta, fmt, fresh), chunk=chunk)
+
+
+def chunk_routing(backend: BackendProfile | None = None) -> str:
+    """Which attention runs chunked local attention layers on ``backend`` (default: the
+    process's profile), and why, for the start-up log."""
+    if _cpu_rows_kernel(backend or profile()):
+        return "chunked local attention (attention_chunk_size) runs on the native CPU kernel"
+    return ("chunked local attention (attention_chunk_size) runs on the pure-MLX reference "
+            "attention: the paged GPU kernels do not take the chunk option")
 
 
 def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:
