@@ -162,3 +162,74 @@ def test_quantized_pool_with_chunk_is_the_reference() -> None:
     dense = dequantize_pool(cells, fmt, dim)
     want = paged_attention_kv(q, dense, meta, dim**-0.5, None, accelerate=False, chunk=8)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- GPU kernels
+
+
+@dataclass(frozen=True)
+class GpuCase:
+    kind: str
+    chunk: int
+    window: int | None
+    route: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-c{self.chunk}-w{self.window}-{self.route}"
+
+
+GPU_CASES = [GpuCase(k, c, w, r) for k in ("mixed", "decode", "prefill") for c in (16, 5)
+             for w in (None, 16) for r in ("kernel", "split")]
+
+
+def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
+                     decode, prologue=None, after=None, chunk=None):
+    """gpu_paged.launch with the Metal instance run by the CPU emulation (as
+    tests/test_gpu_attention.py, with the chunk)."""
+    import metal_emulation as emu
+
+    from vllm_unified import gpu_dialect
+    from vllm_unified.kv.gpu import paged as gpu_paged
+
+    assert dialect == "metal" and prologue is None
+    a = gpu_paged.launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows,
+                              decode, chunk=chunk)
+    assert ("CHUNK", chunk or 0) in a.template
+    _, source = gpu_dialect.assemble_metal(
+        gpu_paged.KERNEL_NAME, gpu_paged.INPUT_NAMES, gpu_paged.OUTPUT_NAMES,
+        gpu_paged.kernel_source(False), a.inputs, a.template, output_dtypes=a.output_dtypes,
+        header=gpu_paged.HEADER)
+    _, outputs = emu.run(source, a.inputs, a.output_shapes, a.output_dtypes, a.grid,
+                         a.threadgroup)
+    return mx.array(outputs[0]).astype(queries.dtype)
+
+
+def _clang_missing() -> bool:
+    import metal_emulation as emu
+
+    return emu.clang() is None
+
+
+@pytest.mark.skipif(_clang_missing(), reason="clang++ is not installed (Metal emulation)")
+@pytest.mark.parametrize("case", cover_each_value(GPU_CASES))
+def test_metal_kernel_with_chunk_matches_the_reference(case: GpuCase, monkeypatch) -> None:
+    """The paged GPU kernel's Metal instance, emulated, through paged_gpu_attention with an
+    attention chunk (tiles spanning chunk boundaries; fresh chunks to SDPA on the split route)
+    equals the reference; unowned (NaN) slots never reach an output."""
+    from gpu_attention_grid import EVERY_ROW, Case, build
+
+    from vllm_unified.kv.attention.reference import paged_attention_kv as reference_kv
+    from vllm_unified.kv.gpu import paged as gpu_paged
+
+    monkeypatch.setattr(gpu_paged, "launch", _emulated_launch)
+    b = build(Case(kind=case.kind, dim=64, group=3, kv_heads=2, block_size=16,
+                   window=case.window, dtype="float32", route=case.route, seed=case.chunk))
+    with mx.stream(mx.cpu):
+        want = np.array(reference_kv(b.queries, b.pool, b.meta, b.scale, case.window,
+                                     chunk=case.chunk))
+    got = np.array(gpu_paged.paged_gpu_attention(
+        "metal", b.queries, b.pool, b.meta, b.scale, case.window, b.fresh,
+        EVERY_ROW if case.route == "kernel" else None, chunk=case.chunk))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -5,8 +5,9 @@ From the backend profile (:func:`vllm_unified.backend.profile`): the native CPU 
 paged GPU kernels (:mod:`vllm_unified.kv.gpu.paged`, :mod:`vllm_unified.kv.gpu.paged_quant`) on
 CUDA and Metal for the head sizes they take, else the pure-MLX reference
 (:mod:`vllm_unified.kv.attention.reference`), which every kernel is tested against.
-Layers with chunked local attention (``chunk``) run on the native CPU kernel or, where the GPU
-kernels would run, on the reference (:func:`chunk_routing`, logged at start-up by the runner).
+Layers with chunked local attention (``chunk``) run on the same kernels, except over a
+quantized pool on a GPU backend, which takes the reference (:func:`chunk_routing`, logged at
+start-up by the runner).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def paged_attention_kv(
     chunk: int | None = None,
 ) -> mx.array:
     """:func:`vllm_unified.kv.attention.reference.paged_attention_kv` (same arguments, shapes
-    and result) by the kernel the profile picks; a ``chunk`` (chunked local attention) by the
-    native CPU kernel or the reference (:func:`chunk_routing`).
+    and result) by the kernel the profile picks; a ``chunk`` (chunked local attention) as
+    :func:`chunk_routing` says.
 
     With ``accelerate`` (the default): on MLX's CPU backend with the native extension every
     row is attended straight from the pool by the native kernel; on a GPU backend by the paged
@@ -62,26 +63,28 @@ def paged_attention_kv(
     """
     if backend is None and accelerate:
         backend = profile()
-    if not accelerate or (chunk is not None and not _cpu_rows_kernel(backend)):
+    quantized = kv_format is not None and kv_format.quantized
+    if not accelerate or (chunk is not None and quantized and not _cpu_rows_kernel(backend)):
         return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh,
                                             kv_format, after, chunk=chunk)
-    if chunk is not None:
+    if chunk is not None and _cpu_rows_kernel(backend):
         return _chunked_rows(queries, kv_pool, meta, scale, window, kv_format, rht_signs,
                              fresh, chunk)
-    if kv_format is not None and kv_format.quantized:
+    if quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, backend, kv_format,
                                     rht_signs, fresh, after)
-    reference.check_kv_pool(queries, kv_pool, meta, window)
+    reference.check_kv_pool(queries, kv_pool, meta, window, chunk=chunk)
     if meta.num_tokens and _cpu_rows_kernel(backend):
         return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window)
     gpu_kernel = _gpu_kernel(queries.shape[-1], backend)
     if gpu_kernel is not None and meta.num_tokens:
-        return gpu_kernel(queries, kv_pool, meta, scale, window, fresh, after=after)
+        return gpu_kernel(queries, kv_pool, meta, scale, window, fresh, after=after,
+                          chunk=chunk)
     # The native CPU primitive copies both halves of each row in one pass, where MLX's generic
     # gather reads the two strided halves separately. Same values either way
     # (tests/test_paged_attention.py compares them).
     return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, after=after,
-                                        gather_rows=bridge.gather_kv)
+                                        gather_rows=bridge.gather_kv, chunk=chunk)
 
 
 def _quantized_attention(
@@ -131,10 +134,15 @@ def _chunked_rows(
 def chunk_routing(backend: BackendProfile | None = None) -> str:
     """Which attention runs chunked local attention layers on ``backend`` (default: the
     process's profile), and why, for the start-up log."""
-    if _cpu_rows_kernel(backend or profile()):
-        return "chunked local attention (attention_chunk_size) runs on the native CPU kernel"
-    return ("chunked local attention (attention_chunk_size) runs on the pure-MLX reference "
-            "attention: the paged GPU kernels do not take the chunk option")
+    backend = backend or profile()
+    what = "chunked local attention (attention_chunk_size) runs on the"
+    if _cpu_rows_kernel(backend):
+        return f"{what} native CPU kernel"
+    if backend.gpu_attention is not None:
+        return (f"{what} paged GPU kernel ({backend.gpu_attention}); over a quantized KV "
+                "cache on the pure-MLX reference attention (the quantized GPU kernel does "
+                "not take the chunk option)")
+    return f"{what} pure-MLX reference attention"
 
 
 def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:

@@ -358,12 +358,12 @@ def _decode_attention(
 
 def prefill_chunk_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
-    window: Window, after: mx.array | None = None,
+    window: Window, after: mx.array | None = None, chunk: Chunk = None,
 ) -> mx.array:
     """The reference's attention of prefill chunk ``index`` alone: its ``[L, H, 1, D]`` rows
     of ``queries`` (``[T, H, 1, D]``) over its keys gathered from ``kv_pool``
     (``[slots, Hkv, 2 * D]``) by MLX, then MLX's SDPA; ``[L, H, 1, D]`` out (for GPU kernels
-    that leave long chunks to SDPA). ``after``: as :func:`paged_attention_kv`."""
+    that leave long chunks to SDPA). ``after``, ``chunk``: as :func:`paged_attention_kv`."""
     dim = queries.shape[-1]
     pool_rows = kv_pool.reshape(-1, 2 * dim)
 
@@ -371,7 +371,8 @@ def prefill_chunk_attention(
         rows = after_token(rows, after)
         return pool_rows[:, :dim][rows], pool_rows[:, dim:][rows]
 
-    return _prefill_attention(queries, gather, meta, index, scale, window, kv_pool.shape[1])
+    return _prefill_attention(queries, gather, meta, index, scale, window, kv_pool.shape[1],
+                              chunk)
 
 
 def _prefill_attention(
