@@ -18,18 +18,24 @@ import numpy as np
 import pytest
 from tiny_models import _randomize, smollm2_tokenizer
 
-#: attention chunk of the tiny model (tokens): every prompt spans several chunks
+#: attention chunk of the tiny model (tokens): every prompt but one spans several chunks
 CHUNK = 8
+#: the chunk of the checkpoint vLLM's CPU backend serves (it takes chunks that are multiples of
+#: its 128-token blocks), and prompts spanning two such chunks
+NATIVE_CHUNK = 128
 NEW_TOKENS = 12
-PROMPTS = [
-    [(7 * i + 3) % 49000 + 10 for i in range(37)],
-    [(11 * i + 5) % 49000 + 10 for i in range(21)],
-    [(13 * i + 1) % 49000 + 10 for i in range(9)],
-    [(17 * i + 2) % 49000 + 10 for i in range(30)],
-]
 
 
-def _text_config() -> dict:
+def _prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    return [[(m * i + 3) % 49000 + 10 for i in range(n)]
+            for m, n in zip((7, 11, 13, 17), lengths, strict=True)]
+
+
+PROMPTS = _prompts((37, 21, 9, 30))
+NATIVE_PROMPTS = _prompts((200, 140, 9, 131))
+
+
+def _text_config(chunk: int) -> dict:
     """5 layers: 0, 1, 2, 4 chunked with RoPE and QK norm, 3 global without RoPE (temperature
     tuning from position 3 on: floor_scale 4); 6 query heads on 2 KV heads; no MoE layer
     (interleave_moe_layer_step beyond the layer count); llama3 RoPE scaling as Llama 4's."""
@@ -41,7 +47,7 @@ def _text_config() -> dict:
         rope_theta=50000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
-        attention_chunk_size=CHUNK, use_qk_norm=True, attention_bias=False,
+        attention_chunk_size=chunk, use_qk_norm=True, attention_bias=False,
         interleave_moe_layer_step=6, num_local_experts=2, num_experts_per_tok=1,
         no_rope_layers=[1, 1, 1, 0, 1], attn_temperature_tuning=True, floor_scale=4,
         attn_scale=0.5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
@@ -49,8 +55,9 @@ def _text_config() -> dict:
     )
 
 
-def make_llama4_checkpoints(root: str | Path) -> tuple[Path, Path]:
-    """Write (once) the tiny model as ``(llama4 folder, llama4_text folder)``."""
+def make_llama4_checkpoints(root: str | Path, chunk: int = CHUNK) -> tuple[Path, Path]:
+    """Write (once) the tiny model with attention chunk ``chunk`` as ``(llama4 folder,
+    llama4_text folder)``."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -59,7 +66,7 @@ def make_llama4_checkpoints(root: str | Path) -> tuple[Path, Path]:
     multi, text = root / "tiny-llama4", root / "tiny-llama4-text"
     if (multi / "model.safetensors").is_file() and (text / "model.safetensors").is_file():
         return multi, text
-    cfg = _text_config()
+    cfg = _text_config(chunk)
     config = transformers.Llama4TextConfig(**{k: v for k, v in cfg.items()
                                               if k != "model_type"})
     torch.manual_seed(0)
@@ -103,7 +110,7 @@ def _mlx_lm_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _spec(folder: Path) -> dict:
+def _spec(folder: Path, prompts: list[list[int]]) -> dict:
     return {
         "model": str(folder),
         "engine": {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16,
@@ -111,7 +118,7 @@ def _spec(folder: Path) -> dict:
                    "enable_prefix_caching": True, "disable_log_stats": False},
         "requests": [{"prompt_token_ids": p,
                       "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS,
-                                 "ignore_eos": True}} for p in PROMPTS],
+                                 "ignore_eos": True}} for p in prompts],
         # the second round reads the prompts' full blocks from the prefix cache
         "rounds": 2, "metrics": True,
         "rpc": ["runner_stats"],
@@ -146,7 +153,7 @@ def test_llama4_matches_mlx_lm(checkpoints, tmp_path):
     from conftest import run_llm
 
     multi, _ = checkpoints
-    ours = run_llm(_spec(multi), tmp_path)
+    ours = run_llm(_spec(multi, PROMPTS), tmp_path)
     for i, prompt in enumerate(PROMPTS * 2):
         got = ours["outputs"][i]["completions"][0]["token_ids"]
         assert got == _mlx_lm_greedy(multi, prompt, NEW_TOKENS), f"request {i}"
@@ -158,15 +165,17 @@ def test_llama4_matches_mlx_lm(checkpoints, tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_llama4_vllm_native_fp32_matches_mlx_lm(checkpoints, tmp_path):
-    """vLLM's own CPU backend in fp32 on the same weights (its ``Llama4ForCausalLM``) gives
-    mlx-lm's greedy ids, which :func:`test_llama4_matches_mlx_lm` shows ours give."""
+def test_llama4_vllm_native_fp32_matches_ours_and_mlx_lm(tmp_path):
+    """vLLM's own CPU backend in fp32 on the same weights (its ``Llama4ForCausalLM``, chunk
+    128: a multiple of its blocks) gives our engine's greedy ids and mlx-lm's."""
     from conftest import run_llm
 
-    multi, text = checkpoints
-    spec = _spec(text)
+    multi, text = make_llama4_checkpoints(tmp_path / "ckpt", NATIVE_CHUNK)
+    spec = _spec(text, NATIVE_PROMPTS)
     del spec["rpc"]  # our runner's statistics
     native = run_llm(spec, tmp_path, native=True)
-    for i, prompt in enumerate(PROMPTS * 2):
+    ours = run_llm(_spec(multi, NATIVE_PROMPTS), tmp_path)
+    for i, prompt in enumerate(NATIVE_PROMPTS * 2):
         got = native["outputs"][i]["completions"][0]["token_ids"]
+        assert got == ours["outputs"][i]["completions"][0]["token_ids"], f"prompt {i}"
         assert got == _mlx_lm_greedy(multi, prompt, NEW_TOKENS), f"prompt {i}"
