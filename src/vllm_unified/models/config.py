@@ -38,6 +38,15 @@ def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     model_type = cfg.get("model_type")
     if not model_type:
         raise ValueError("the model's config has no model_type")
+    _lay_out_rope(cfg)
+    fixup = CONFIG_FIXUPS.get(model_type)
+    if fixup is not None:
+        fixup(cfg)
+    return cfg
+
+
+def _lay_out_rope(cfg: dict[str, Any]) -> None:
+    """The generic part of :func:`mlx_lm_config`, in place: rope keys and ``head_dim``."""
     rope = cfg.get("rope_parameters") or {}
     if _is_flat(rope):
         for key in _ROPE_TOP_LEVEL:
@@ -47,10 +56,6 @@ def mlx_lm_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     if cfg.get("head_dim") is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
         # transformers' default where a config leaves it out; some mlx-lm ModelArgs require it
         cfg["head_dim"] = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-    fixup = CONFIG_FIXUPS.get(model_type)
-    if fixup is not None:
-        fixup(cfg)
-    return cfg
 
 
 def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
@@ -186,7 +191,8 @@ def _llama4(cfg: dict[str, Any]) -> None:
     text = cfg.get("text_config")
     if not isinstance(text, Mapping):
         raise ValueError("llama4: config has no text_config")
-    text = mlx_lm_config({"model_type": "llama4_text", **text})
+    text = dict(text)
+    _lay_out_rope(text)
     n_layers = int(text["num_hidden_layers"])
     expected = [int((i + 1) % 4 != 0) for i in range(n_layers)]
     if text.get("no_rope_layers") and list(text["no_rope_layers"]) != expected:
