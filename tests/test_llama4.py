@@ -163,19 +163,69 @@ def test_llama4_matches_mlx_lm(checkpoints, tmp_path):
     assert "chunked local attention (attention_chunk_size) runs on the" in ours["log"]
 
 
+def _transformers_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
+    """transformers' ``Llama4ForCausalLM`` (the model's reference code), a full forward per
+    token in fp32."""
+    import torch
+    import transformers
+
+    model = transformers.Llama4ForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 @pytest.mark.engine
 @pytest.mark.slow
-def test_llama4_vllm_native_fp32_matches_ours_and_mlx_lm(tmp_path):
-    """vLLM's own CPU backend in fp32 on the same weights (its ``Llama4ForCausalLM``, chunk
-    128: a multiple of its blocks) gives our engine's greedy ids and mlx-lm's."""
+def test_llama4_two_chunks_match_transformers_and_mlx_lm(tmp_path):
+    """Chunk 128 (vLLM's CPU block multiple), prompts reaching into the second chunk: our
+    engine's greedy ids equal transformers' and mlx-lm's."""
+    from conftest import run_llm
+
+    multi, text = make_llama4_checkpoints(tmp_path / "ckpt", NATIVE_CHUNK)
+    ours = run_llm(_spec(multi, NATIVE_PROMPTS), tmp_path)
+    for i, prompt in enumerate(NATIVE_PROMPTS * 2):
+        got = ours["outputs"][i]["completions"][0]["token_ids"]
+        assert got == _mlx_lm_greedy(multi, prompt, NEW_TOKENS), f"prompt {i}"
+        if i < len(NATIVE_PROMPTS):
+            assert got == _transformers_greedy(text, prompt, NEW_TOKENS), f"prompt {i}"
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="vLLM 0.32's CPU backend (chunked local attention by "
+                   "virtual batches) gives other ids than transformers and mlx-lm for the 140- "
+                   "and 200-token prompts, with or without chunked prefill and prefix caching")
+def test_llama4_vllm_native_fp32_matches_mlx_lm(tmp_path):
+    """vLLM's own CPU backend in fp32 on the same weights (its ``Llama4ForCausalLM``)
+    against mlx-lm's greedy ids (which ours equal)."""
     from conftest import run_llm
 
     multi, text = make_llama4_checkpoints(tmp_path / "ckpt", NATIVE_CHUNK)
     spec = _spec(text, NATIVE_PROMPTS)
     del spec["rpc"]  # our runner's statistics
     native = run_llm(spec, tmp_path, native=True)
-    ours = run_llm(_spec(multi, NATIVE_PROMPTS), tmp_path)
     for i, prompt in enumerate(NATIVE_PROMPTS * 2):
         got = native["outputs"][i]["completions"][0]["token_ids"]
-        assert got == ours["outputs"][i]["completions"][0]["token_ids"], f"prompt {i}"
+        assert got == _mlx_lm_greedy(multi, prompt, NEW_TOKENS), f"prompt {i}"
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_llama4_vllm_native_fp32_matches_within_a_chunk(tmp_path):
+    """Where vLLM's CPU backend agrees with transformers (prompts and outputs within the
+    first attention chunk, or just past it), its greedy ids equal mlx-lm's, which ours equal:
+    the checkpoint means the same model to vLLM (layers without RoPE, temperature tuning, QK
+    norm, llama3 RoPE scaling)."""
+    from conftest import run_llm
+
+    multi, text = make_llama4_checkpoints(tmp_path / "ckpt", NATIVE_CHUNK)
+    prompts = [NATIVE_PROMPTS[2], NATIVE_PROMPTS[3], PROMPTS[0], PROMPTS[3]]
+    spec = _spec(text, prompts)
+    del spec["rpc"]  # our runner's statistics
+    native = run_llm(spec, tmp_path, native=True)
+    for i, prompt in enumerate(prompts * 2):
+        got = native["outputs"][i]["completions"][0]["token_ids"]
         assert got == _mlx_lm_greedy(multi, prompt, NEW_TOKENS), f"prompt {i}"
