@@ -305,10 +305,11 @@ def paged_gpu_attention(
     tokens, heads, _, dim = queries.shape
     if not supported(dim):
         raise ValueError(f"the paged GPU kernel takes head sizes {HEAD_SIZES}, not {dim}")
+    chunked = {} if chunk is None else {"chunk": chunk}  # launch's default otherwise
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
-                      1, True, prologue, after, chunk)
+                      1, True, prologue, after, **chunked)
     if prologue is not None:
         raise ValueError("the query prologue is applied in pure-decode steps only")
     rows = q_tile(heads // kv_pool.shape[1], dim)
@@ -317,7 +318,7 @@ def paged_gpu_attention(
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
-                     meta.block_size, rows, False, None, after, chunk)
+                     meta.block_size, rows, False, None, after, **chunked)
     if not plan.sdpa:
         return out
     pieces = []
