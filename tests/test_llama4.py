@@ -209,3 +209,45 @@ def test_llama4_vllm_native_fp32_matches_ours_and_mlx_lm(tmp_path):
         got = native["outputs"][i]["completions"][0]["token_ids"]
         assert got == ours["outputs"][i]["completions"][0]["token_ids"], f"prompt {i}"
         assert got == _mlx_lm_greedy(multi, prompt, NEW_TOKENS), f"prompt {i}"
+
+
+# ----------------------------------------------------------------------------- load time
+
+
+def test_layout_carries_each_layers_chunk(checkpoints):
+    """Layers 0-2 and 4 are chunked (chunk 8), layer 3 global; vLLM's spec records the chunk
+    (its own promotion of chunked layers next to full attention)."""
+    from vllm_unified.kv.quant import attention_spec, kv_format
+    from vllm_unified.models.capability import route_model
+    from vllm_unified.models.loader import load_model
+
+    multi, _ = checkpoints
+    loaded = load_model(str(multi), hf_config=None, dtype=mx.float32, keep_quantized=False)
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=(2, 32), config_window=None)
+    assert {i: (s.chunk, s.window, s.num_kv_heads, s.head_dim)
+            for i, s in layout.attention.items()} == {
+        0: (CHUNK, None, 2, 32), 1: (CHUNK, None, 2, 32), 2: (CHUNK, None, 2, 32),
+        3: (None, None, 2, 32), 4: (CHUNK, None, 2, 32)}
+    spec = attention_spec(kv_format("auto"), block_size=16, num_kv_heads=2, head_size=32,
+                          dtype=None, attention_chunk_size=CHUNK)
+    assert spec.attention_chunk_size == CHUNK and spec.sliding_window is None
+
+
+def test_llama4_configs_mlx_lm_cannot_compute_are_refused():
+    from vllm_unified.models.config import mlx_lm_config
+
+    text = _text_config(CHUNK, True)
+    with pytest.raises(ValueError, match="no_rope_layers"):
+        mlx_lm_config({"model_type": "llama4",
+                       "text_config": {**text, "no_rope_layers": [1, 0, 1, 1, 1]}})
+    with pytest.raises(ValueError, match="attention_chunk_size is not set"):
+        mlx_lm_config({"model_type": "llama4",
+                       "text_config": {**text, "attention_chunk_size": None}})
+    # llama4_text (mlx-lm's module without chunks or temperature tuning)
+    with pytest.raises(ValueError, match="chunked local attention"):
+        mlx_lm_config(text)
+    dense = {**text, "attention_chunk_size": 4096, "no_rope_layers": [1] * 5,
+             "max_position_embeddings": 4096}
+    assert mlx_lm_config(dense)["no_rope_layers"] == [1] * 5
+    with pytest.raises(ValueError, match="QK norm"):
+        mlx_lm_config({**dense, "no_rope_layers": [1, 1, 1, 0, 1], "floor_scale": 8192})
