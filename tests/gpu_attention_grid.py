@@ -17,13 +17,14 @@ so a read outside a row's keys shows in the output. The grid is a covering desig
 full product (each kernel instance costs a compile on the GPU and an emulation on the CPU):
 :func:`grid` covers every pair of (step kind, window), (step kind, block size), (group, head
 size) and every single factor in both dtypes (``test_grid_covers_every_pair`` checks it).
+:func:`option_grid` adds the attention options (logit soft-capping, sinks) on each step kind.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -68,6 +69,8 @@ class Case:
             before them to MLX's SDPA over them, chunks after context longer than
             ``gpu_paged.MAX_KERNEL_CHUNK`` to SDPA over gathered keys, the rest to the kernel).
         seed: random data seed.
+        softcap: attention logit soft-capping, or None.
+        sinks: with attention sinks (random ``[H]`` logits of twice the scores' spread).
     """
 
     kind: str
@@ -79,11 +82,51 @@ class Case:
     dtype: str
     route: str
     seed: int
+    softcap: float | None = None
+    sinks: bool = False
 
     @property
     def name(self) -> str:
         return (f"{self.kind}-D{self.dim}-G{self.group}x{self.kv_heads}-bs{self.block_size}-"
-                f"w{self.window or 0}-{self.dtype}-{self.route}")
+                f"w{self.window or 0}-{self.dtype}-{self.route}{option_name(self)}")
+
+
+def option_name(case) -> str:
+    """The name suffix of a case's attention options ("" without them)."""
+    return ((f"-cap{case.softcap:g}" if case.softcap is not None else "")
+            + ("-sinks" if case.sinks else ""))
+
+
+#: (softcap, sinks) of :func:`option_grid`'s cases, rotating
+OPTIONS = ((1.0, False), (None, True), (0.7, True))
+
+
+def option_grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[Case]:
+    """Steps with attention options: every (step kind, options) pair of :data:`OPTIONS`
+    once per dtype, head size, group, window, block size and route rotating."""
+    cases = []
+    i = 0
+    for dtype in dtypes:
+        for k, kind in enumerate(KINDS):
+            for o, (softcap, sinks) in enumerate(OPTIONS):
+                cases.append(Case(
+                    kind=kind, dim=HEAD_SIZES[(i + k) % 3], group=GROUPS[(i + o) % 4],
+                    kv_heads=1 + i % 2, block_size=BLOCK_SIZES[(i // 2) % 3],
+                    window=WINDOWS[(i + o) % 3], dtype=dtype, route=ROUTES[(i + k) % 2],
+                    seed=500 + i, softcap=softcap, sinks=sinks))
+                i += 1
+    return cases
+
+
+def options_of(case, heads: int, rng: np.random.Generator) -> dict:
+    """The ``softcap`` / ``sinks`` keyword arguments of a case (none without options); the
+    sinks drawn from ``rng`` after the case's other data."""
+    out: dict = {}
+    if case.softcap is not None:
+        out["softcap"] = case.softcap
+    if case.sinks:
+        out["sinks"] = mx.array((2 * rng.standard_normal(heads)).astype(np.float32))
+    return out
 
 
 def grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[Case]:
@@ -116,6 +159,7 @@ class Built:
     fresh: tuple[mx.array, mx.array] | None
     max_chunk: int | None
     reference: np.ndarray
+    options: dict = field(default_factory=dict)
 
 
 def build(case: Case) -> Built:
@@ -157,13 +201,15 @@ def build(case: Case) -> Built:
         cells = kv[mx.array(meta.host_slot_mapping)][:, :, None]  # [T, Hkv, 1, 2D]
         fresh = (cells[..., :dim], cells[..., dim:])
     ref_meta = build_attention_metadata(qlens, slens, tables, bs)
+    options = options_of(case, heads, rng)
     # On MLX's CPU device on every machine: exact fp32 (MLX's CUDA backend computes fp32
     # matmuls in TF32 by default).
     with mx.stream(mx.cpu):
         reference = np.array(paged_attention_kv(
-            q.astype(mx.float32), kv.astype(mx.float32), ref_meta, scale, case.window))
+            q.astype(mx.float32), kv.astype(mx.float32), ref_meta, scale, case.window,
+            **options))
     max_chunk = EVERY_ROW if case.route == "kernel" else None
-    return Built(q, kv, meta, scale, fresh, max_chunk, reference)
+    return Built(q, kv, meta, scale, fresh, max_chunk, reference, options)
 
 
 Attend = Callable[[mx.array, mx.array, object, float, object, object, object], mx.array]
@@ -171,11 +217,12 @@ Attend = Callable[[mx.array, mx.array, object, float, object, object, object], m
 
 def max_error(case: Case, attend: Attend) -> float:
     """Largest absolute difference between ``attend(queries, pool, meta, scale, window,
-    fresh, max_chunk)`` (the arguments of ``gpu_paged.paged_gpu_attention`` after the
-    dialect) and the reference on ``case`` (NaN when the output is not finite)."""
+    fresh, max_chunk, **options)`` (the arguments of ``gpu_paged.paged_gpu_attention`` after
+    the dialect; ``options``: ``softcap`` / ``sinks`` for a case that has them) and the
+    reference on ``case`` (NaN when the output is not finite)."""
     b = build(case)
     got = np.array(attend(b.queries, b.pool, b.meta, b.scale, case.window, b.fresh,
-                          b.max_chunk).astype(mx.float32))
+                          b.max_chunk, **b.options).astype(mx.float32))
     if got.shape != b.reference.shape:
         raise AssertionError(f"{case.name}: output {got.shape} != {b.reference.shape}")
     if not np.isfinite(got).all():

@@ -26,11 +26,11 @@ against the same expectations:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from gpu_attention_grid import EVERY_ROW, STEPS, TOLERANCE
+from gpu_attention_grid import EVERY_ROW, OPTIONS, STEPS, TOLERANCE, option_name, options_of
 
 MODES = ("int8_per_token_head", "int4_per_token_head", "fp8_per_token_head",
          "turboquant_k8v4")
@@ -182,12 +182,14 @@ class Case:
     dtype: str
     route: str
     seed: int
+    softcap: float | None = None
+    sinks: bool = False
 
     @property
     def name(self) -> str:
         return (f"{self.mode.split('_')[0]}-{self.kind}-D{self.dim}-G{self.group}x"
                 f"{self.kv_heads}-bs{self.block_size}-w{self.window or 0}-{self.dtype}-"
-                f"{self.route}")
+                f"{self.route}{option_name(self)}")
 
 
 def grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[Case]:
@@ -210,6 +212,24 @@ def grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[Case]:
     return cases
 
 
+def option_grid(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[Case]:
+    """Steps with attention options (soft-capping, sinks: :data:`gpu_attention_grid.OPTIONS`):
+    each format once per dtype with each options pair, step kind, head size, group, window
+    and route rotating."""
+    cases = []
+    i = 0
+    for dtype in dtypes:
+        for m, mode in enumerate(MODES):
+            softcap, sinks = OPTIONS[(i + m) % len(OPTIONS)]
+            cases.append(Case(
+                mode=mode, kind=KINDS[i % 3], dim=HEAD_SIZES[(i + 1) % 4],
+                group=GROUPS[(i + 2) % 4], kv_heads=1 + i % 2,
+                block_size=BLOCK_SIZES[i % 2], window=WINDOWS[(i + 1) % 3], dtype=dtype,
+                route=ROUTES[i % 2], seed=700 + i, softcap=softcap, sinks=sinks))
+            i += 1
+    return cases
+
+
 @dataclass
 class Built:
     """A case's inputs and the reference output (fp32 numpy)."""
@@ -223,6 +243,7 @@ class Built:
     max_chunk: int | None
     fresh: tuple[mx.array, mx.array]
     reference: np.ndarray
+    options: dict = field(default_factory=dict)
 
 
 def build(case: Case) -> Built:
@@ -273,12 +294,13 @@ def build(case: Case) -> Built:
     own = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, qlens, strict=True)])
     fresh = tuple(mx.array(x[own][:, :, None]).astype(dtype) for x in (keys, values))
     ref_meta = build_attention_metadata(qlens, slens, tables, bs)
+    options = options_of(case, heads, rng)
     with mx.stream(mx.cpu):  # exact fp32 on every machine (no TF32)
         reference = np.array(paged_attention_kv(
             q.astype(mx.float32), kv, ref_meta, scale, case.window, kv_format=fmt,
-            fresh=fresh).astype(mx.float32))
+            fresh=fresh, **options).astype(mx.float32))
     max_chunk = EVERY_ROW if case.route == "kernel" else None
-    return Built(q, kv, meta, scale, fmt, signs, max_chunk, fresh, reference)
+    return Built(q, kv, meta, scale, fmt, signs, max_chunk, fresh, reference, options)
 
 
 Attend = Callable[..., mx.array]
@@ -286,11 +308,12 @@ Attend = Callable[..., mx.array]
 
 def max_error(case: Case, attend: Attend) -> float:
     """Largest absolute difference between ``attend(queries, pool, meta, scale, window, fmt,
-    signs, max_chunk, fresh)`` (the arguments of ``paged_gpu_attention_quant`` after the
-    dialect) and the reference on ``case`` (NaN when the output is not finite)."""
+    signs, max_chunk, fresh, **options)`` (the arguments of ``paged_gpu_attention_quant``
+    after the dialect; ``options``: ``softcap`` / ``sinks`` for a case that has them) and the
+    reference on ``case`` (NaN when the output is not finite)."""
     b = build(case)
     got = np.array(attend(b.queries, b.pool, b.meta, b.scale, case.window, b.fmt, b.signs,
-                          b.max_chunk, b.fresh).astype(mx.float32))
+                          b.max_chunk, b.fresh, **b.options).astype(mx.float32))
     if got.shape != b.reference.shape:
         raise AssertionError(f"{case.name}: output {got.shape} != {b.reference.shape}")
     if not np.isfinite(got).all():
@@ -298,5 +321,5 @@ def max_error(case: Case, attend: Attend) -> float:
     return float(np.abs(got - b.reference).max())
 
 
-__all__ = ["TOLERANCE", "Case", "WriteCase", "build", "grid", "max_error", "pool_bytes",
-           "write_cases", "write_inputs"]
+__all__ = ["TOLERANCE", "Case", "WriteCase", "build", "grid", "max_error", "option_grid",
+           "pool_bytes", "write_cases", "write_inputs"]

@@ -139,6 +139,16 @@ def _drive() -> None:
                     for pro in _prologues(dim):
                         paged.launch(dialect, q, pool, tables, decode_lens, 0.5, None, 16, 1,
                                      True, pro)
+                    # the attention options: soft-capping, sinks, both (and with a prologue)
+                    sinks = mx.zeros((kv_heads * group,), mx.float32)
+                    for opts in ({"softcap": 30.0}, {"sinks": sinks},
+                                 {"softcap": 30.0, "sinks": sinks}):
+                        paged.launch(dialect, q, pool, tables, decode_lens, 0.5, 16, 16, 1,
+                                     True, **opts)
+                        paged.launch(dialect, q, pool, tables, prefill_tiles, 0.5, None, 16,
+                                     paged.q_tile(group, dim), False, **opts)
+                    paged.launch(dialect, q, pool, tables, decode_lens, 0.5, None, 16, 1,
+                                 True, next(_prologues(dim)), softcap=30.0, sinks=sinks)
             write.write_rows_gpu(mx.zeros((16, 4, 8), dtype), mx.array([3, 0]),
                                  mx.zeros((2, 4, 8), dtype), dialect=dialect)
             for name in SUPPORTED_KV_CACHE_DTYPES[1:]:
@@ -156,6 +166,9 @@ def _drive() -> None:
                         rows = paged_quant.q_tile(group, dim, fmt.rotated)
                         paged_quant.launch(dialect, q, pool, tables, prefill_tiles, 0.5, 16,
                                            16, rows, False, fmt, signs)
+                        paged_quant.launch(dialect, q, pool, tables, decode_lens, 0.5, None,
+                                           16, 1, True, fmt, signs, softcap=30.0,
+                                           sinks=mx.zeros((kv_heads * group,), mx.float32))
     for dtype in (mx.bfloat16, mx.float16):
         x = mx.zeros((5, 64), dtype)
         for sizes in ([32], [32, 16], [16, 32, 48]):

@@ -113,6 +113,33 @@ def test_paged_attention_rows_equal_reference(dtype, tol, heads, kv_heads, dim, 
     assert _rel_err(got, want) < tol
 
 
+@pytest.mark.parametrize("dtype, tol, dim, window, softcap, with_sinks", [
+    (mx.float32, 1e-5, 64, None, 1.0, True),  # the register path
+    (mx.float32, 1e-5, 80, 7, 0.7, True),  # the generic loops
+    (mx.bfloat16, 2e-2, 128, 7, None, True),
+    (mx.float32, 1e-5, 256, None, 2.0, False),
+])
+def test_paged_attention_rows_softcap_and_sinks_equal_reference(dtype, tol, dim, window,
+                                                                 softcap, with_sinks):
+    """Soft-capping and sinks in the native kernel == the reference's, on a mixed step with an
+    odd GQA group; the options change the output (they are not ignored)."""
+    from vllm_unified.kv.attention.cpu import paged_attention_rows
+
+    rng = np.random.default_rng(dim + 1)
+    heads = 9
+    q, pool, meta = _step_case(rng, [1, 9, 1, 1, 30], heads, 3, dim, 16, dtype)
+    sinks = mx.array(rng.standard_normal(heads).astype(np.float32)) if with_sinks else None
+    want = paged.paged_attention_kv(q, pool, meta, 0.125, window, accelerate=False,
+                                    softcap=softcap, sinks=sinks)
+    got = paged_attention_rows(q, pool, meta, 0.125, window, softcap=softcap, sinks=sinks)
+    assert got.dtype == dtype and _rel_err(got, want) < tol
+    plain = paged_attention_rows(q, pool, meta, 0.125, window)
+    assert _rel_err(plain, want) > 10 * tol
+    # through the dispatch too (the native kernel is the CPU backend's default)
+    assert _rel_err(paged.paged_attention_kv(q, pool, meta, 0.125, window, softcap=softcap,
+                                             sinks=sinks), want) < tol
+
+
 @pytest.mark.parametrize("dim", [64, 80])  # the register path and the generic one
 def test_paged_attention_row_is_batch_invariant(dim):
     """A row's output does not depend on the other rows of the step nor on how the rows are
@@ -144,6 +171,13 @@ def test_paged_attention_rejects_bad_input():
         native.paged_attention(q, pool, tables, seqs, lens, 1.0, 5)
     with pytest.raises(ValueError, match="window"):
         native.paged_attention(q, pool, tables, seqs, lens, 1.0, 8, -1)
+    with pytest.raises(ValueError, match="softcap"):
+        native.paged_attention(q, pool, tables, seqs, lens, 1.0, 8, softcap=-1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        native.paged_attention(q, pool, tables, seqs, lens, 1.0, 8, sinks=mx.zeros((3,)))
+    with pytest.raises(ValueError, match="sinks"):
+        native.paged_attention(q, pool, tables, seqs, lens, 1.0, 8,
+                               sinks=mx.zeros((4,), mx.int32))
     outside = mx.array([[0, 1], [2, 9]], dtype=mx.int32)  # block 9 of a 4-block pool
     with pytest.raises(RuntimeError, match="outside a pool"):
         mx.eval(native.paged_attention(q, pool, outside, seqs, mx.array([3, 12], mx.int32),

@@ -36,6 +36,7 @@ from gpu_attention_grid import (
     build,
     grid,
     max_error,
+    option_grid,
 )
 
 from vllm_unified import gpu_dialect
@@ -123,7 +124,7 @@ def test_fresh_mask_follows_the_window_convention():
 
 
 def _launch_model(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                  decode, prologue=None, after=None):
+                  decode, prologue=None, after=None, softcap=None, sinks=None):
     """The kernel's contract in numpy, from what the kernel reads (tables, tiles, the pool):
     rows no tile covers come out NaN, so an assembly that used them would show. (The query
     prologue is tests/test_qk_prologue.py's.)"""
@@ -150,13 +151,22 @@ def _launch_model(dialect, queries, kv_pool, tables, tiles, scale, window, block
             slots = tb[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
             k, v = pool[slots][:, kh, :dim], pool[slots][:, kh, dim:]  # [S, H, D]
             s = np.einsum("hd,shd->hs", q[row0 + r, :, 0], k) * scale
-            p = np.exp(s - s.max(-1, keepdims=True))
-            out[row0 + r, :, 0] = np.einsum("hs,shd->hd", p / p.sum(-1, keepdims=True), v)
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
+            m = s.max(-1, keepdims=True)
+            if sinks is not None:
+                m = np.maximum(m, np.array(sinks, np.float64)[:, None])
+            p = np.exp(s - m)
+            total = p.sum(-1, keepdims=True)
+            if sinks is not None:
+                total += np.exp(np.array(sinks, np.float64)[:, None] - m)
+            out[row0 + r, :, 0] = np.einsum("hs,shd->hd", p / total, v)
     assert sorted(covered) == sorted(set(covered)), "a row in two tiles"
     return mx.array(out.astype(np.float32)).astype(queries.dtype)
 
 
-@pytest.mark.parametrize("case", grid(("float32",)), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", grid(("float32",)) + option_grid(("float32",)),
+                         ids=lambda c: c.name)
 def test_routing_and_assembly_match_the_reference(case, monkeypatch):
     """paged_gpu_attention's own work (tiles, plan, fresh chunks through MLX's SDPA, the
     output in token order) with the launch modelled: the reference's function."""
@@ -167,9 +177,9 @@ def test_routing_and_assembly_match_the_reference(case, monkeypatch):
 
 
 def _attend(dialect):
-    def attend(q, pool, meta, scale, window, fresh, max_chunk):
+    def attend(q, pool, meta, scale, window, fresh, max_chunk, **options):
         return gpu_paged.paged_gpu_attention(dialect, q, pool, meta, scale, window, fresh,
-                                             max_chunk)
+                                             max_chunk, **options)
     return attend
 
 
@@ -241,14 +251,14 @@ def test_grid_covers_every_pair():
 
 
 def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                     decode, prologue=None, after=None):
+                     decode, prologue=None, after=None, softcap=None, sinks=None):
     """gpu_paged.launch with the Metal instance run by the CPU emulation: the same inputs,
     template, grid and threadgroup, the source assembled as mx.fast.metal_kernel assembles it
     (its output rows no tile covers start as NaN)."""
     assert dialect == "metal"
     assert prologue is None
     a = gpu_paged.launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                              decode)
+                              decode, softcap=softcap, sinks=sinks)
     _, source = gpu_dialect.assemble_metal(
         gpu_paged.KERNEL_NAME, gpu_paged.INPUT_NAMES, gpu_paged.OUTPUT_NAMES,
         gpu_paged.kernel_source(False), a.inputs, a.template, output_dtypes=a.output_dtypes,
@@ -268,3 +278,30 @@ def test_metal_dialect_matches_the_reference_on_the_grid(case, monkeypatch):
     monkeypatch.setattr(gpu_paged, "launch", _emulated_launch)
     err = max_error(case, _attend("metal"))
     assert err <= TOLERANCE[case.dtype], f"{case.name}: max abs error {err}"
+
+
+@pytest.mark.skipif(emu.clang() is None, reason="clang++ is not installed")
+@pytest.mark.parametrize("case", cover_each_value(option_grid()))
+def test_metal_dialect_with_softcap_and_sinks_matches_the_reference(case, monkeypatch):
+    """The Metal instance with the SOFTCAP and SINKS options, emulated, through the whole
+    paged_gpu_attention path (the chunks left to MLX's SDPA take the options too), on the
+    option grid: decode, prefill and mixed steps, each options pair."""
+    monkeypatch.setattr(gpu_paged, "launch", _emulated_launch)
+    err = max_error(case, _attend("metal"))
+    assert err <= TOLERANCE[case.dtype], f"{case.name}: max abs error {err}"
+
+
+@pytest.mark.skipif(emu.clang() is None, reason="clang++ is not installed")
+@pytest.mark.parametrize("change", [
+    ("s[g] = cap * uni_tanh(s[g] / cap);", "s[g] = s[g];"),  # the cap ignored
+    ("float ll = SINKS ? uni_exp(sink - mm) : 0.f;", "float ll = 0.f;"),  # the sink dropped
+], ids=["softcap", "sinks"])
+def test_a_kernel_without_the_options_fails_the_check(change, monkeypatch):
+    """The option grid catches a kernel that ignores an option (the check can fail)."""
+    case = next(c for c in option_grid(("float32",)) if c.kind == "decode"
+                and (c.softcap is not None if change[0].startswith("s[g]") else c.sinks))
+    assert change[0] in gpu_paged.SOURCE
+    monkeypatch.setattr(gpu_paged, "SOURCE", gpu_paged.SOURCE.replace(*change))
+    monkeypatch.setattr(gpu_paged, "launch", _emulated_launch)
+    err = max_error(case, _attend("metal"))
+    assert not err <= TOLERANCE[case.dtype], err

@@ -36,6 +36,7 @@ from gpu_kv_quant_grid import (
     TOLERANCE,
     grid,
     max_error,
+    option_grid,
     pool_bytes,
     write_cases,
     write_inputs,
@@ -216,12 +217,12 @@ def test_write_rejects_bad_input():
 # --- the attention kernel's Metal instance --------------------------------------------------
 
 def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                     decode, fmt, signs, after=None):
+                     decode, fmt, signs, after=None, softcap=None, sinks=None):
     """gpu_paged_quant.launch with the Metal instance run by the CPU emulation (its output rows
     no tile covers start as NaN)."""
     assert dialect == "metal"
     a = gpu_paged_quant.launch_args(queries, kv_pool, tables, tiles, scale, window, block_size,
-                                    rows, decode, fmt, signs)
+                                    rows, decode, fmt, signs, softcap=softcap, sinks=sinks)
     _, source = gd.assemble_metal(
         gpu_paged_quant.KERNEL_NAME, gpu_paged_quant.INPUT_NAMES, gpu_paged_quant.OUTPUT_NAMES,
         gpu_paged_quant.SOURCE, a.inputs, a.template, output_dtypes=a.output_dtypes,
@@ -232,9 +233,10 @@ def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, bl
 
 
 def _attend(dialect):
-    def attend(q, pool, meta, scale, window, fmt, signs, max_chunk, fresh):
+    def attend(q, pool, meta, scale, window, fmt, signs, max_chunk, fresh, **options):
         return gpu_paged_quant.paged_gpu_attention_quant(dialect, q, pool, meta, scale, window,
-                                                         fmt, signs, max_chunk, fresh)
+                                                         fmt, signs, max_chunk, fresh,
+                                                         **options)
     return attend
 
 
@@ -243,6 +245,16 @@ def _attend(dialect):
 def test_metal_attention_matches_the_reference_on_the_grid(case, monkeypatch):
     """The Metal instance, emulated, through paged_gpu_attention_quant: max abs error 1e-5
     (fp32), 2e-2 (bf16) against the reference over the dequantized pool."""
+    monkeypatch.setattr(gpu_paged_quant, "launch", _emulated_launch)
+    err = max_error(case, _attend("metal"))
+    assert err <= TOLERANCE[case.dtype], f"{case.name}: max abs error {err}"
+
+
+@needs_clang
+@pytest.mark.parametrize("case", cover_each_value(option_grid()))
+def test_metal_attention_with_softcap_and_sinks_matches_the_reference(case, monkeypatch):
+    """The quantized kernel's Metal instance with the SOFTCAP and SINKS options, emulated,
+    through paged_gpu_attention_quant, against the reference over the dequantized pool."""
     monkeypatch.setattr(gpu_paged_quant, "launch", _emulated_launch)
     err = max_error(case, _attend("metal"))
     assert err <= TOLERANCE[case.dtype], f"{case.name}: max abs error {err}"

@@ -9,6 +9,7 @@ tests cover the state pages and the recurrent-layer adapter directly.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -46,15 +47,42 @@ ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16
 HARNESS = Path(__file__).resolve().parent / "hybrid_harness.py"
 
 
+#: bytes of one page of each family's tiny model (one attention page of vLLM's aligned block
+#: size over the attention layers = one padded state page)
+PAGE_BYTES = {"qwen3_next": 24576, "granitemoehybrid": 24576, "lfm2": 8192, "qwen3_5": 32768,
+              "nemotron_h": 12288}
+#: pages that hold two of the leak test's requests but not four (vLLM then preempts): per
+#: request one block per state group plus its attention blocks, and vLLM's null block
+LEAK_TEST_PAGES = {"qwen3_next": 13, "granitemoehybrid": 13, "lfm2": 17, "qwen3_5": 10,
+                   "nemotron_h": 13}
+#: families whose engine runs in CI (one engine each); the others, and every family's second
+#: engine (the leak test) except qwen3_next's, run in the slow tier
+CI_FAMILIES = ("qwen3_next", "lfm2", "qwen3_5")
+#: families whose tiny model's attention block (vLLM's alignment to the state page) is larger
+#: than the MLX kernel block: 48-token blocks read as 3 x 16 (LFM2's is 16 tokens, Qwen3.5's 64:
+#: both one kernel block)
+TRANSLATED = ("qwen3_next", "granitemoehybrid", "nemotron_h")
+STUBS = Path(__file__).resolve().parent / "stubs"
+
+
 def _engine(family: str) -> dict:
-    # 32 pages of the tiny model (one 48-token attention page = one padded state page).
-    page = {"qwen3_next": 24576, "granitemoehybrid": 24576}[family]
-    return {**ENGINE, "kv_cache_memory_bytes": 32 * page}
+    return {**ENGINE, "kv_cache_memory_bytes": 32 * PAGE_BYTES[family]}
 
 
-# qwen3_next runs in CI; granitemoehybrid, the same paths with Mamba2 state, in the slow tier
-@pytest.fixture(scope="module", params=[f if f == "qwen3_next" else pytest.param(
-    f, marks=pytest.mark.slow) for f in HYBRID_FAMILIES])
+def _engine_env(family: str) -> dict[str, str]:
+    """Variables a vLLM engine of ``family`` needs here: vLLM's Qwen3.5 module imports
+    torchvision (tests/stubs/torchvision stands in where it is not installed)."""
+    if family != "qwen3_5" or importlib.util.find_spec("torchvision") is not None:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS),
+                                                        os.environ.get("PYTHONPATH")]))}
+
+
+def _params(ci: tuple[str, ...]) -> list:
+    return [f if f in ci else pytest.param(f, marks=pytest.mark.slow) for f in HYBRID_FAMILIES]
+
+
+@pytest.fixture(scope="module", params=_params(CI_FAMILIES))
 def family(request) -> str:
     return request.param
 
@@ -80,7 +108,7 @@ def fresh(family, checkpoint, tmp_path_factory) -> dict:
     spec = {"model": checkpoint, "engine": _engine(family),
             "requests": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS],
             "rpc": ["runner_stats", "state_slots"]}
-    return run_llm(spec, tmp_path_factory.mktemp("fresh"))
+    return run_llm(spec, tmp_path_factory.mktemp("fresh"), env=_engine_env(family))
 
 
 @pytest.mark.engine
@@ -94,18 +122,25 @@ def test_greedy_equals_mlx_lm(fresh, reference):
 
 
 @pytest.mark.engine
-def test_attention_block_size_is_translated_and_logged(fresh):
+def test_attention_block_size_is_translated_and_logged(family, fresh):
+    """Where vLLM inflates the attention block to fit the state page beyond a kernel block
+    (:data:`TRANSLATED`), the kernel reads it as several kernel blocks; elsewhere as one."""
+    pool = re.search(r"KV pool \d+ blocks x (\d+) tokens \(read as (\d+)-token kernel blocks\)",
+                     fresh["log"])
+    assert pool, "start-up log lacks the KV pool line"
     m = re.search(r"attention block size (\d+) tokens .*MLX kernel block size (\d+): each "
                   r"block is viewed as (\d+) kernel blocks", fresh["log"])
     assert m, "start-up log lacks the block-size translation line"
     block, kernel, ratio = map(int, m.groups())
-    assert block > kernel and block == kernel * ratio
-    pool = re.search(r"KV pool \d+ blocks x (\d+) tokens \(read as (\d+)-token kernel blocks\)",
-                     fresh["log"])
-    assert pool and (int(pool[1]), int(pool[2])) == (block, kernel)
+    assert (int(pool[1]), int(pool[2])) == (block, kernel)
+    if family in TRANSLATED:
+        assert block > kernel and block == kernel * ratio
+    else:
+        assert block == kernel and ratio == 1
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("family", _params(("qwen3_next",)), indirect=True)
 def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, fresh,
                                                              reference, tmp_path):
     """Phase 1: a request runs to the end, another is aborted mid-decode; phase 2: the four
@@ -113,10 +148,10 @@ def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, 
     too small for the four at once, so vLLM also preempts some (freeing their state blocks)
     and resumes them by recomputation."""
     long_prompt = [(11 * j) % 30000 + 500 for j in range(60)]
-    page = _engine(family)["kv_cache_memory_bytes"] // 32
-    # a request needs one block per state group (3) plus up to 3 attention blocks of 48
-    # tokens: 13 blocks hold two requests, not four
-    engine = {**ENGINE, "max_model_len": 128, "kv_cache_memory_bytes": 13 * page}
+    # e.g. qwen3_next: a request needs one block per state group (3) plus up to 3 attention
+    # blocks of 48 tokens: 13 blocks hold two requests, not four
+    engine = {**ENGINE, "max_model_len": 128,
+              "kv_cache_memory_bytes": LEAK_TEST_PAGES[family] * PAGE_BYTES[family]}
     spec = {"model": checkpoint, "engine": engine, "phases": [
         {"abort": {"prompt_token_ids": long_prompt, "params": GREEDY, "steps": 8}},
         {"generate": [{"prompt_token_ids": long_prompt[:37], "params": GREEDY}]},
@@ -128,6 +163,7 @@ def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, 
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env.update(_engine_env(family))
     proc = subprocess.run([sys.executable, str(HARNESS), str(spec_path), str(out_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -140,6 +176,32 @@ def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, 
     assert len(first) == 2 and len(new) == len(PROMPTS)
     reused = {s for slots in new for s in slots} & {s for slots in old for s in slots}
     assert reused, f"no state slot was reused (phase 1 {old}, phase 2 {new}): test is void"
+
+
+#: families vLLM's CPU backend serves in fp32 (its gated delta-net, qwen3_next / qwen3_5,
+#: requires bf16 there: "CPU GDN attention requires BF16.")
+VLLM_CPU_FAMILIES = ("lfm2", "nemotron_h")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", VLLM_CPU_FAMILIES, indirect=True)
+def test_greedy_and_logprobs_equal_vllm_cpu_fp32(family, checkpoint, tmp_path):
+    """The same requests (with top-3 logprobs) through vLLM's own CPU backend in fp32: the
+    same tokens as ours, every step's top-3 logprobs within 1e-3."""
+    params = {**GREEDY, "logprobs": 3}
+    spec = {"model": checkpoint, "engine": _engine(family),
+            "requests": [{"prompt_token_ids": p, "params": params} for p in PROMPTS]}
+    ours = run_llm(spec, tmp_path, env=_engine_env(family))
+    native = run_llm({**spec, "engine": {**ENGINE, "kv_cache_memory_bytes": 64 * 2**20}},
+                     tmp_path, native=True, env=_engine_env(family))
+    assert native["platform"] != ours["platform"]
+    for i, (o, r) in enumerate(zip(ours["outputs"], native["outputs"], strict=True)):
+        got, want = o["completions"][0], r["completions"][0]
+        assert got["token_ids"] == want["token_ids"], f"prompt {i}"
+        for step, (a, b) in enumerate(zip(got["logprobs"], want["logprobs"], strict=True)):
+            assert [t for t, _, _ in a] == [t for t, _, _ in b], f"prompt {i} step {step}"
+            np.testing.assert_allclose([lp for _, lp, _ in a], [lp for _, lp, _ in b],
+                                       atol=1e-3, err_msg=f"prompt {i} step {step}")
 
 
 # ------------------------------------------------------------------------------- unit tests
@@ -251,3 +313,92 @@ def test_moe_in_low_precision_on_cpu_is_refused(tmp_path):
         check_dtype_supported(model, mx.bfloat16, "cpu")
     check_dtype_supported(model, mx.bfloat16, "metal")
     check_dtype_supported(model, mx.float32, "cpu")
+
+
+def test_lfm2_config_fixups():
+    """mlx-lm's LFM2 reads block_dim / block_ff_dim and always ties its head: transformers'
+    names are mapped, and what mlx-lm would compute differently is refused."""
+    from vllm_unified.models.config import mlx_lm_config
+
+    base = {"model_type": "lfm2", "hidden_size": 160, "intermediate_size": 192,
+            "num_attention_heads": 5, "layer_types": ["conv", "full_attention"],
+            "tie_word_embeddings": True, "conv_dim": 160}
+    cfg = mlx_lm_config(base)
+    assert (cfg["block_dim"], cfg["block_ff_dim"]) == (160, 192)
+    for bad, match in [({"tie_word_embeddings": False}, "untied LM head"),
+                       ({"conv_dim": 128}, "conv_dim 128 != hidden_size"),
+                       ({"block_ff_dim": 100}, "block_ff_dim 100 != intermediate_size"),
+                       ({"layer_types": None}, "neither layer_types nor full_attn_idxs")]:
+        with pytest.raises(ValueError, match=match):
+            mlx_lm_config({**base, **bad})
+
+
+def test_qwen3_5_config_fixups():
+    """transformers' text-only ``qwen3_5_text`` is built as mlx-lm's ``qwen3_5``, whose layer
+    kinds are periodic (every p-th layer full attention); other layouts are refused."""
+    from vllm_unified.models.config import mlx_lm_config, model_classes
+
+    kinds = ["linear_attention", "full_attention"] * 2
+    cfg = mlx_lm_config({"model_type": "qwen3_5_text", "layer_types": kinds})
+    assert (cfg["model_type"], cfg["full_attention_interval"]) == ("qwen3_5", 2)
+    assert model_classes(cfg)[0].__module__ == "mlx_lm.models.qwen3_5"
+    nested = mlx_lm_config({"model_type": "qwen3_5", "text_config": {"layer_types": kinds}})
+    assert nested["text_config"]["full_attention_interval"] == 2
+    with pytest.raises(ValueError, match="not 'every p-th layer is full attention'"):
+        mlx_lm_config({"model_type": "qwen3_5_text",
+                       "layer_types": ["full_attention", "linear_attention"]})
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        mlx_lm_config({"model_type": "qwen3_5_text", "num_experts": 4, "layer_types": kinds})
+
+
+@pytest.mark.parametrize("model_type, match", [
+    ("mamba", "attention-free model"), ("mamba2", "attention-free model"),
+    ("falcon_mamba", "attention-free model"),
+    ("falcon_h1", "Mamba2 mixer and attention side by side"),
+])
+def test_unsupported_recurrent_families_are_refused_at_load(model_type, match):
+    from vllm_unified.models.config import mlx_lm_config
+
+    with pytest.raises(ValueError, match=f"{model_type}: .*{match}"):
+        mlx_lm_config({"model_type": model_type})
+
+
+def test_nemotron_h_config_fixups():
+    from vllm_unified.models.config import mlx_lm_config
+
+    base = {"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention", "mlp"]}
+    assert mlx_lm_config(base)["layers_block_type"] == base["layers_block_type"]
+    for bad, match in [({"layers_block_type": ["mamba", "moe"]}, "mixture-of-experts"),
+                       ({"hybrid_override_pattern": "M*E"}, "mixture-of-experts"),
+                       ({"sliding_window": 64}, "sliding_window=64"),
+                       ({"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu'")]:
+        with pytest.raises(ValueError, match=match):
+            mlx_lm_config({**base, **bad})
+
+
+def test_cache_slots_skip_stateless_layers(tmp_path):
+    """Nemotron-H's MLP-only blocks hold no cache: mlx-lm's cache list (attention and Mamba
+    blocks only) is the runner's slots, and the recurrent mixers sit at their slots."""
+    from vllm_unified.models.capability import route_model
+
+    folder = make_tiny_checkpoint(tmp_path, "nemotron_h")
+    loaded = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False)
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=None, config_window=None)
+    # blocks: mamba, mlp, attention, mamba, mamba, mlp -> slots: M, *, M, M
+    assert layout.num_slots == 4
+    assert layout.recurrent == [0, 2, 3] and list(layout.attention) == [1]
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_token_major_forward_equals_mlx_lm_call(family, tmp_path):
+    """The runner's forward pieces (decoder stack under ``model`` / ``backbone`` /
+    ``language_model``, then the head on chosen rows) give mlx-lm's own ``model(inputs)``
+    logits: the head's wrapper, tied embedding and Granite's logits scaling included."""
+    from vllm_unified.models.output_head import decoder, lm_head
+
+    folder = make_tiny_checkpoint(tmp_path, family)
+    model = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False).model
+    ids = mx.array([PROMPTS[1]])
+    want = model(ids)[0]
+    got = lm_head(model, decoder(model)(ids)[0])
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

@@ -55,18 +55,29 @@ def naive_attention(
     q_pos: np.ndarray,
     scale: float,
     window: int | None,
+    softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
-    """q [L, H, D] at positions q_pos; k, v [S, Hkv, D] = the sequence's keys 0..S-1."""
+    """q [L, H, D] at positions q_pos; k, v [S, Hkv, D] = the sequence's keys 0..S-1;
+    ``softcap``: scores -> softcap * tanh(scores / softcap) before the mask; ``sinks`` [H]:
+    an extra logit per head in the softmax that weights no value."""
     heads, kv_heads = q.shape[1], k.shape[1]
     kh = np.arange(heads) // (heads // kv_heads)
     scores = np.einsum("lhd,shd->hls", q, k[:, kh]) * scale
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
     k_pos = np.arange(k.shape[0])
     visible = k_pos[None] <= q_pos[:, None]
     if window is not None:
         visible &= k_pos[None] > q_pos[:, None] - window
     scores = np.where(visible[None], scores, -np.inf)
+    if sinks is not None:
+        column = np.broadcast_to(sinks.astype(np.float64)[:, None, None], (*scores.shape[:2], 1))
+        scores = np.concatenate([scores, column], axis=-1)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
+    if sinks is not None:
+        probs = probs[..., :-1]
     return np.einsum("hls,shd->lhd", probs, v[:, kh])
 
 
@@ -79,6 +90,8 @@ def run_step(
     heads: int,
     rng: np.random.Generator,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
     """Write this step's K/V, attend, and return (meta, output, naive reference) as [T, H, D]."""
     meta = build_attention_metadata(query_lens, seq_lens, pool.tables, pool.block_size)
@@ -96,7 +109,8 @@ def run_step(
         meta.slot_mapping,
     )
     scale = D**-0.5
-    out = paged_attention(mx.array(queries), pool.k, pool.v, meta, scale, window)
+    out = paged_attention(mx.array(queries), pool.k, pool.v, meta, scale, window,
+                          softcap=softcap, sinks=None if sinks is None else mx.array(sinks))
     assert out.shape == (meta.num_tokens, heads, 1, D) and out.dtype == mx.float32
 
     expected = np.zeros((meta.num_tokens, heads, D))
@@ -113,6 +127,8 @@ def run_step(
             q_pos[rows],
             scale,
             window,
+            softcap,
+            sinks,
         )
     return meta, np.array(out)[:, :, 0], expected
 
@@ -131,15 +147,19 @@ def two_step(
     kv_heads: int,
     block_size: int,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> None:
     """Step 1 writes (and attends over) each prefix; step 2 runs the queries after it."""
     seq_lens = [p + q for p, q in zip(prefix_lens, query_lens, strict=True)]
     pool = make_pool(rng, seq_lens, kv_heads, block_size)
     ks, vs = random_kv(rng, seq_lens, kv_heads)
     if sum(prefix_lens):
-        _, out, ref = run_step(pool, prefix_lens, prefix_lens, ks, vs, heads, rng, window)
+        _, out, ref = run_step(pool, prefix_lens, prefix_lens, ks, vs, heads, rng, window,
+                               softcap, sinks)
         np.testing.assert_allclose(out, ref, atol=TOL, rtol=TOL)
-    _, out, ref = run_step(pool, query_lens, seq_lens, ks, vs, heads, rng, window)
+    _, out, ref = run_step(pool, query_lens, seq_lens, ks, vs, heads, rng, window, softcap,
+                           sinks)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=TOL)
 
@@ -162,6 +182,95 @@ def test_sliding_window(window: int, block_size: int) -> None:
     prefix_lens = [70, 3, 0, 41, 16, 100]
     query_lens = [1, 1, 29, 12, 1, 20]
     two_step(rng, prefix_lens, query_lens, 8, 2, block_size, window)
+
+
+@pytest.mark.parametrize("softcap,with_sinks,window", [
+    (2.0, False, None), (None, True, None), (1.5, True, 7), (30.0, True, None)])
+def test_softcap_and_sinks(softcap, with_sinks, window) -> None:
+    """Soft-capping and sinks over decode rows and prefill chunks (fresh and after context),
+    GQA with an odd group, with and without a window, against the dense attention. Scores
+    are scaled up so that a cap of 1.5-2 changes them; sinks are around the scores' size,
+    so they take a real share of the softmax."""
+    rng = np.random.default_rng(11 + int(with_sinks))
+    heads = 9
+    sinks = (2 * rng.standard_normal(heads)).astype(np.float32) if with_sinks else None
+    prefix_lens = [37, 0, 5, 64, 20, 0]
+    query_lens = [1, 23, 1, 17, 9, 1]
+    two_step(rng, prefix_lens, query_lens, heads, 3, 8, window, softcap, sinks)
+
+
+def test_sinks_and_softcap_change_the_result() -> None:
+    """The options are not ignored: each changes every row's output (every row sees two
+    keys or more: one key's weight is 1 whatever its capped score)."""
+    rng = np.random.default_rng(12)
+    tables = np.array([[3, 1], [2, 0]], dtype=np.int32)
+    meta = build_attention_metadata([1, 5], [7, 8], tables, 4)
+    k = mx.array(3 * rng.standard_normal((16, 2, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((16, 2, D)).astype(np.float32))
+    q = mx.array(rng.standard_normal((6, 4, 1, D)).astype(np.float32))
+    plain = np.array(paged_attention(q, k, v, meta, 1.0))
+    for kw in ({"softcap": 1.0}, {"sinks": mx.full((4,), 10.0)}):
+        other = np.array(paged_attention(q, k, v, meta, 1.0, **kw))
+        assert (np.abs(other - plain).max(axis=(1, 2, 3)) > 1e-3).all(), kw
+
+
+def test_sinks_match_mlx_lm_sdpa() -> None:
+    """Attention sinks mean what mlx-lm's ``scaled_dot_product_attention(..., sinks=)``
+    (gpt-oss) computes: a prompt attended over the paged pool against mlx-lm's own function
+    over the same dense keys, causal, GQA, sinks in bf16 (gpt-oss keeps them in the model's
+    dtype) as well as fp32."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    rng = np.random.default_rng(13)
+    heads, kv_heads, length, block = 6, 2, 19, 8
+    k = rng.standard_normal((length, kv_heads, D)).astype(np.float32)
+    v = rng.standard_normal((length, kv_heads, D)).astype(np.float32)
+    q = rng.standard_normal((length, heads, D)).astype(np.float32)
+    tables = np.array([[4, 0, 2, 1]], dtype=np.int32)
+    meta = build_attention_metadata([length], [length], tables, block)
+    pool = mx.zeros((5 * block, kv_heads, 2 * D))
+    pool[meta.slot_mapping] = mx.array(np.concatenate([k, v], axis=-1))
+    dense = [mx.array(x.transpose(1, 0, 2))[None] for x in (q, k, v)]  # [1, H, L, D]
+    for sinks in (mx.array(rng.standard_normal(heads).astype(np.float32)),
+                  mx.array(rng.standard_normal(heads).astype(np.float32)).astype(mx.bfloat16)):
+        want = scaled_dot_product_attention(*dense, None, scale=D**-0.5, mask="causal",
+                                            sinks=sinks.astype(mx.float32))
+        got = paged_attention_kv(mx.array(q)[:, :, None], pool, meta, D**-0.5,
+                                 accelerate=False, sinks=sinks)
+        np.testing.assert_allclose(np.array(got)[:, :, 0],
+                                   np.array(want)[0].transpose(1, 0, 2), atol=1e-6)
+
+
+def test_softcap_matches_gemma2_attention() -> None:
+    """Soft-capping means what mlx-lm's gemma2 attention computes (scaled scores, tanh cap,
+    then the mask and softmax): reference.sdpa against those steps written out in MLX."""
+    from vllm_unified.kv.attention.reference import sdpa
+
+    rng = np.random.default_rng(14)
+    q = mx.array(rng.standard_normal((1, 4, 7, D)).astype(np.float32))
+    k = mx.array(3 * rng.standard_normal((1, 2, 10, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, 2, 10, D)).astype(np.float32))
+    scale, cap = D**-0.5, 2.5
+    scores = (q * scale).reshape(1, 2, 2, 7, D) @ k[:, :, None].swapaxes(-1, -2)
+    scores = mx.tanh(scores / cap) * cap
+    mask = mx.arange(10)[None] <= mx.arange(7)[:, None] + 3
+    scores = mx.where(mask, scores, mx.finfo(mx.float32).min)
+    want = (mx.softmax(scores, axis=-1, precise=True) @ v[:, :, None]).reshape(1, 4, 7, D)
+    got = sdpa(q, k, v, scale, "causal", cap)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6)
+
+
+def test_bad_softcap_and_sinks_are_refused() -> None:
+    meta = build_attention_metadata([1], [3], np.array([[1]], dtype=np.int32), 4)
+    pool = mx.zeros((8, 2, 2 * D))
+    q = mx.zeros((1, 4, 1, D))
+    for kw, what in (({"softcap": 0.0}, "softcap"), ({"softcap": -1.0}, "softcap"),
+                     ({"softcap": float("inf")}, "softcap"),
+                     ({"sinks": mx.zeros((3,))}, "sinks"),
+                     ({"sinks": mx.zeros((4,), mx.int32)}, "sinks")):
+        for accelerate in (False, True):
+            with pytest.raises(ValueError, match=what):
+                paged_attention_kv(q, pool, meta, 0.25, accelerate=accelerate, **kw)
 
 
 def test_decode_only_batch_keeps_token_order() -> None:
@@ -359,3 +468,43 @@ def test_native_gather_kv_rejects_out_of_range_rows() -> None:
     lazy = mx.array([3], dtype=mx.int32) + 20  # not computed yet: checked when it runs
     with pytest.raises(RuntimeError, match="out of range"):
         mx.eval(bridge.gather_kv(pool, lazy))
+
+
+@pytest.mark.parametrize("accelerate", [True, False], ids=["kernel", "reference"])
+def test_gpt_oss_attention_sinks_through_the_paged_cache(accelerate, monkeypatch) -> None:
+    """mlx-lm's gpt-oss attention layer (learned sinks, GQA) routed to the paged cache
+    (routing.paged_sdpa -> PagedLayerCache.attend -> dispatch: the native CPU kernel, or the
+    reference) gives mlx-lm's own outputs with its KVCache: a prompt, then two decode steps."""
+    from mlx_lm.models import gpt_oss
+    from mlx_lm.models.cache import KVCache
+
+    from vllm_unified.kv.forward_context import StepContext, set_step_context
+    from vllm_unified.kv.layer_cache import PagedLayerCache, PagedMask
+    from vllm_unified.kv.pool import KVPool
+    from vllm_unified.models.routing import paged_sdpa
+
+    if not accelerate:
+        original = paged.paged_attention_kv
+        monkeypatch.setattr(paged, "paged_attention_kv",
+                            lambda *a, **k: original(*a, **{**k, "accelerate": False}))
+    mx.random.seed(7)
+    args = gpt_oss.ModelArgs(hidden_size=40, head_dim=16, num_attention_heads=6,
+                             num_key_value_heads=2, num_hidden_layers=1, vocab_size=32)
+    attn = gpt_oss.AttentionBlock(args)
+    attn.sinks = mx.random.normal((6,)) * 2
+    monkeypatch.setattr(gpt_oss, "scaled_dot_product_attention", paged_sdpa)
+    xs = mx.random.normal((1, 14, 40))
+    cache = KVCache()
+    want = [attn(xs[:, :12], mask="causal", cache=cache)]
+    want += [attn(xs[:, t:t + 1], mask=None, cache=cache) for t in (12, 13)]
+
+    block = 4
+    pool = KVPool([mx.zeros((6 * block, 2, 32))], block, shared=False)
+    layer = PagedLayerCache(pool, 0)
+    tables = np.array([[5, 2, 0, 3]], dtype=np.int32)
+    for (start, stop), expect in zip(((0, 12), (12, 13), (13, 14)), want, strict=True):
+        meta = build_attention_metadata([stop - start], [stop], tables, block)
+        with set_step_context(StepContext(attn=meta)):
+            got = attn(xs[0, start:stop][:, None], mask=PagedMask(None), cache=layer)
+        mx.eval(got, pool.kv)
+        np.testing.assert_allclose(np.array(got)[:, 0], np.array(expect)[0], atol=2e-5)

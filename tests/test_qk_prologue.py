@@ -24,6 +24,8 @@ import pytest
 from conftest import cover_each_value
 from gpu_attention_grid import (
     TOLERANCE,
+    build,
+    make_prologue,
     prologue_grid,
     prologue_max_error,
     write_cases,
@@ -185,11 +187,11 @@ def test_a_wrong_prologue_fails_the_write_check(monkeypatch):
 
 
 def _emulated_launch(dialect, queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                     decode, prologue=None, after=None):
+                     decode, prologue=None, after=None, softcap=None, sinks=None):
     """gpu_paged.launch with the Metal instance run by the CPU emulation."""
     assert dialect == "metal"
     a = gpu_paged.launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows,
-                              decode, prologue)
+                              decode, prologue, softcap=softcap, sinks=sinks)
     name, inputs, outputs = gpu_paged.kernel_spec(prologue is not None)
     _, (out,) = _emulate(name, inputs, outputs, gpu_paged.kernel_source(prologue is not None),
                          a.__dict__, header=gpu_paged.HEADER)
@@ -210,6 +212,32 @@ def test_metal_query_prologue_matches_the_reference(case, rope, norm, monkeypatc
 
     err = prologue_max_error(case, rope, norm, attend)
     assert err <= TOLERANCE[case.dtype], f"{case.name}: max abs error {err}"
+
+
+@needs_clang
+def test_metal_query_prologue_with_softcap_and_sinks(monkeypatch):
+    """The fused decode path's kernel (query prologue) takes the attention options too: one
+    decode step with soft-capping and sinks against the reference over the reference
+    prologue's queries."""
+    from vllm_unified.kv.attention.reference import paged_attention_kv
+
+    monkeypatch.setattr(gpu_paged, "launch", _emulated_launch)
+    case = next(c for c in prologue_grid(("float32",)) if c[0].group == 4)[0]
+    b = build(case)
+    prologue = make_prologue(case.dim, 1, True, case.seed)
+    heads = case.group * case.kv_heads
+    options = {"softcap": 0.8,
+               "sinks": mx.array(np.linspace(-1.0, 2.0, heads).astype(np.float32))}
+    positions = mx.array(b.meta.host_positions.astype(np.int32))
+    with mx.stream(mx.cpu):
+        q = reference(b.queries, prologue, 0, positions)
+        want = np.array(paged_attention_kv(q, b.pool, b.meta, b.scale, case.window, **options))
+    got = np.array(gpu_paged.paged_gpu_attention("metal", b.queries, b.pool, b.meta, b.scale,
+                                                 case.window, prologue=prologue, **options))
+    assert np.abs(got - want).max() <= TOLERANCE["float32"]
+    plain = np.array(gpu_paged.paged_gpu_attention("metal", b.queries, b.pool, b.meta, b.scale,
+                                                   case.window, prologue=prologue))
+    assert np.abs(plain - want).max() > 1e-3
 
 
 def test_the_query_prologue_is_for_decode_steps_only():

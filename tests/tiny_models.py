@@ -15,12 +15,16 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+#: Families with attention logit soft-capping (tests/test_softcap_families.py).
+SOFTCAP_FAMILIES = ("gemma2", "gemma2_wide")
 #: Hybrid attention + state-space families (tests/test_hybrid_models.py).
-HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid")
+HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid", "lfm2", "qwen3_5", "nemotron_h")
 #: Families with per-layer KV shapes (tests/test_per_layer_kv.py): ``gemma4`` (no shared KV)
 #: ``gemma4_shared`` (its last two layers read earlier layers' KV) and ``gemma4_kv`` (K=V
 #: full-attention layers with 1 KV head).
 PER_LAYER_FAMILIES = ("gemma4", "gemma4_shared", "gemma4_kv")
+#: Multi-head latent attention families (tests/test_latent_attention.py).
+MLA_FAMILIES = ("minicpm3", "youtu")
 #: Draft models for speculative decoding (tests/test_spec_decode.py): the target's vocabulary.
 DRAFT_FAMILIES = ("llama_draft",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -149,6 +153,21 @@ def tiny_config(family: str) -> Any:
             rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
             rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
         )
+    if family in ("gemma2", "gemma2_wide"):
+        # Soft-capping small enough to bend the random model's scores and logits (Gemma 2's
+        # real 50 / 30 would leave them nearly linear), three query heads over one KV head,
+        # sliding-window layers (window 8; "gemma2_wide": 4096, wider than any test prompt,
+        # for comparing with mlx-lm, whose Gemma 2 applies no window) alternating with global
+        # ones.
+        return transformers.Gemma2Config(
+            **{**common, "hidden_size": 96, "num_attention_heads": 3}, num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32, query_pre_attn_scalar=24, rms_norm_eps=1e-6,
+            sliding_window=8 if family == "gemma2" else 4096,
+            attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=True,
+        )
     if family == "gemma3":
         return transformers.Gemma3TextConfig(
             **common, num_hidden_layers=4, num_key_value_heads=2, head_dim=32,
@@ -215,7 +234,74 @@ def tiny_config(family: str) -> Any:
             mamba_d_head=32, mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
             mamba_proj_bias=False, time_step_limit=(0.0, float("inf")),
         )
-    known = FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
+    if family == "lfm2":
+        # Short-convolution layers 0, 1, 3, 4 and attention at 2 and 5; five query heads over
+        # one KV head (head_dim 160 / 5 = 32, what mlx-lm derives), a conv bias, the MLP
+        # width adjusted as LFM2 does (2/3, multiplier, rounded to block_multiple_of).
+        return transformers.Lfm2Config(
+            **{**common, "hidden_size": 160, "intermediate_size": 192, "num_attention_heads": 5},
+            num_hidden_layers=6, num_key_value_heads=1, norm_eps=1e-5,
+            # block_dim, conv_dim: vLLM reads them (LFM2's released configs carry them;
+            # transformers 5's config class dropped them)
+            block_dim=160, conv_dim=160, conv_bias=True, conv_L_cache=3, block_multiple_of=16,
+            block_ffn_dim_multiplier=1.5, block_auto_adjust_ff_dim=True,
+            layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if family == "qwen3_5":
+        # Qwen3.5 text-only dense (transformers' qwen3_5_text): gated delta-net at 0, 1, 2 and
+        # 4, 5, 6, full attention at 3 and 7 (every 4th layer, as mlx-lm builds it); three
+        # query heads over one KV head; gated delta-net with 3 value heads per key head (a
+        # state small enough for vLLM to align attention pages at 64 tokens, so requests grow
+        # across blocks and can be preempted); partial rotary; untied head.
+        return transformers.Qwen3_5TextConfig(
+            **{**common, "num_attention_heads": 3}, num_hidden_layers=8, num_key_value_heads=1,
+            head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+            linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_num_key_heads=1, linear_num_value_heads=3,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25},
+        )
+    if family == "nemotron_h":
+        # Dense Nemotron-H: Mamba2 at 0, 3, 4, attention (no RoPE) at 2, MLP-only blocks at 1
+        # and 5 (they hold no cache: mlx-lm's cache list skips them); three query heads over
+        # one KV head; Mamba2 with 2 groups of 4 heads; untied head.
+        return transformers.NemotronHConfig(
+            **{**common, "hidden_size": 96, "num_attention_heads": 3}, num_key_value_heads=1,
+            head_dim=32, layers_block_type=["mamba", "mlp", "attention", "mamba", "mamba", "mlp"],
+            mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,
+            use_conv_bias=True, mamba_proj_bias=False, layer_norm_epsilon=1e-5,
+            tie_word_embeddings=False, mamba_ssm_cache_dtype="float32",
+        )
+    if family == "minicpm3":
+        # Multi-head latent attention with awkward shapes: 3 heads, latent 40, rope 24 and
+        # nope 40 (vLLM's own MiniCPM3 attends 3 expanded heads of 40 + 24 = 64, a size its
+        # CPU attention takes; values of hidden / heads = 32 padded to it), LongRoPE with
+        # factors away from 1 (equal short and long factors: mlx-lm applies the long ones at
+        # every position), MiniCPM's embedding, residual and logit scales, untied head.
+        return transformers.MiniCPM3Config(
+            **{**common, "hidden_size": 96, "num_attention_heads": 3}, num_hidden_layers=3,
+            num_key_value_heads=3, q_lora_rank=56, kv_lora_rank=40, qk_nope_head_dim=40,
+            qk_rope_head_dim=24, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            scale_emb=3.0, scale_depth=1.4, dim_model_base=32,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0 + 0.25 * i for i in range(12)],
+                             "long_factor": [1.0 + 0.25 * i for i in range(12)],
+                             "original_max_position_embeddings": 2048, "factor": 1.0},
+        )
+    if family == "youtu":
+        # Youtu-LLM (transformers' "youtu", mlx-lm's youtu_llm): dense MLA with interleaved
+        # RoPE, 5 heads of nope 24 + rope 16, values of 40, latent 56, no query LoRA
+        return transformers.YoutuConfig(
+            **{**common, "hidden_size": 80, "num_attention_heads": 5}, num_hidden_layers=2,
+            num_key_value_heads=5, q_lora_rank=None, kv_lora_rank=56, qk_nope_head_dim=24,
+            qk_rope_head_dim=16, v_head_dim=40, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        )
+    known = (FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
+             + SOFTCAP_FAMILIES + MLA_FAMILIES)
     raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(known)})")
 
 
@@ -237,11 +323,12 @@ def _randomize(model: Any, family: str, seed: int) -> None:
                 p.copy_(noise / math.sqrt(p.shape[1]))
             elif p.ndim == 3:  # depthwise conv1d [channels, 1, kernel]
                 p.copy_(noise / math.sqrt(p.shape[-1]))
-            elif name.endswith("norm.weight"):
+            elif name.endswith(("norm.weight", "norm_f.weight")):
                 # Gemma and Qwen3-Next (except the gated delta-net's output norm) scale by
                 # (1 + w): keep their weights near 0, the others near 1
-                centred = family == "gemma3" or (
-                    family == "qwen3_next" and not name.endswith("linear_attn.norm.weight"))
+                centred = family in ("gemma2", "gemma2_wide", "gemma3") or (
+                    family in ("qwen3_next", "qwen3_5")
+                    and not name.endswith("linear_attn.norm.weight"))
                 p.copy_(0.1 * noise + (0.0 if centred else 1.0))
             else:  # biases
                 p.copy_(0.1 * noise)

@@ -434,16 +434,18 @@ def _grid_module():
 
 def kernel_grid_check(mx) -> dict:
     """The paged GPU kernel's CUDA dialect against the pure-MLX reference on the grid of
-    tests/gpu_attention_grid.py (fp32 and bf16 whole, fp16 on the mixed steps): max abs error
-    per case, the worst per dtype, and whether every case is within its tolerance."""
+    tests/gpu_attention_grid.py (fp32 and bf16 whole, fp16 on the mixed steps, and the option
+    grid: soft-capping and sinks): max abs error per case, the worst per dtype, and whether
+    every case is within its tolerance."""
     from vllm_unified.kv.gpu.paged import paged_gpu_attention
 
     grid = _grid_module()
     cases = grid.grid(("float32", "bfloat16")) + [
-        c for c in grid.grid(("float16",)) if c.kind == "mixed"]
+        c for c in grid.grid(("float16",)) if c.kind == "mixed"] + grid.option_grid()
 
-    def attend(q, pool, meta, scale, window, fresh, max_chunk):
-        return paged_gpu_attention("cuda", q, pool, meta, scale, window, fresh, max_chunk)
+    def attend(q, pool, meta, scale, window, fresh, max_chunk, **options):
+        return paged_gpu_attention("cuda", q, pool, meta, scale, window, fresh, max_chunk,
+                                   **options)
 
     start = time.perf_counter()
     errors, failed = {}, []
@@ -648,8 +650,8 @@ def kvquant_check(mx) -> dict:
     CPU tests) on ``gpu_kv_quant_grid.write_cases()`` (bytes that differ per case, 0 expected),
     and the paged attention over quantized pages (``kv/gpu/paged_quant.py``, through
     ``paged_gpu_attention_quant``) against the pure-MLX reference over the dequantized pool on
-    ``gpu_kv_quant_grid.grid()`` (fp32 and bf16; max abs error per case). Worst figures per
-    format (and per dtype for the attention)."""
+    ``gpu_kv_quant_grid.grid()`` and ``option_grid()`` (soft-capping, sinks) (fp32 and bf16;
+    max abs error per case). Worst figures per format (and per dtype for the attention)."""
     from vllm_unified.kv.gpu.paged_quant import paged_gpu_attention_quant
     from vllm_unified.kv.gpu.quant_write import write_kv_quant_gpu
     from vllm_unified.kv.quant import kv_format
@@ -674,12 +676,12 @@ def kvquant_check(mx) -> dict:
         if bad:
             failed.append(case.name)
 
-    def attend(qs, pool, meta, scale, window, fmt, signs, max_chunk, fresh):
+    def attend(qs, pool, meta, scale, window, fmt, signs, max_chunk, fresh, **options):
         return paged_gpu_attention_quant("cuda", qs, pool, meta, scale, window, fmt, signs,
-                                         max_chunk, fresh)
+                                         max_chunk, fresh, **options)
 
     attention: dict = {}
-    cases = q.grid(("float32", "bfloat16"))
+    cases = q.grid(("float32", "bfloat16")) + q.option_grid()
     for case in cases:
         try:
             err = q.max_error(case, attend)

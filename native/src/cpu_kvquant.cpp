@@ -305,7 +305,7 @@ void dequantize_tq_k8v4(const uint8_t* cell, size_t dim, float* k, float* v) {
 VUN_CLONES void attend_rows_quant_generic(
     int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
     float scale, float* scores, float* out, const float* const* raw_k,
-    const float* const* raw_v) {
+    const float* const* raw_v, ScoreOpts opts) {
   const size_t dk = kv_data_bytes(mode, dim);
   const bool int4 = mode == kKVInt4;
   const float* lut = e4m3_table();
@@ -356,7 +356,8 @@ VUN_CLONES void attend_rows_quant_generic(
   }
   for (size_t r = 0; r < heads; ++r) {
     float* sr = scores + r * n;
-    const float inv = 1.f / softmax_exp(sr, n);
+    const float inv = 1.f / softmax_exp_opts(sr, n, opts.softcap,
+                                            opts.sinks ? opts.sinks + r : nullptr);
     for (size_t j = 0; j < n; ++j) {
       sr[j] *= inv;
     }
@@ -517,7 +518,7 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
                                                   const uint8_t* const* cells, size_t n,
                                                   float scale, float* scores, float* out,
                                                   const float* const* raw_k,
-                                                  const float* const* raw_v) {
+                                                  const float* const* raw_v, ScoreOpts opts) {
   constexpr size_t D = 16 * NC;
   constexpr bool INT4 = MODE == kKVInt4;
   constexpr bool TQ = MODE == kKVTqK8V4;
@@ -586,7 +587,8 @@ VUN_KVQ_INLINE VUN_AVX512 void attend_quant_fixed(const float* q, size_t heads,
   // softmax numerators; out = 0
   for (size_t r = 0; r < heads; ++r) {
     float* sr = scores + r * n;
-    const float inv = 1.f / softmax_exp(sr, n);
+    const float inv = 1.f / softmax_exp_opts(sr, n, opts.softcap,
+                                            opts.sinks ? opts.sinks + r : nullptr);
     for (size_t j = 0; j < n; ++j) {
       sr[j] *= inv;
     }
@@ -643,16 +645,16 @@ template <int MODE>
 VUN_AVX512 bool attend_quant_dispatch(size_t dim, const float* q, size_t heads,
                                           const uint8_t* const* cells, size_t n, float scale,
                                           float* scores, float* out, const float* const* rk,
-                                          const float* const* rv) {
+                                          const float* const* rv, ScoreOpts opts) {
   switch (dim) {
     case 64:
-      attend_quant_fixed<4, MODE>(q, heads, cells, n, scale, scores, out, rk, rv);
+      attend_quant_fixed<4, MODE>(q, heads, cells, n, scale, scores, out, rk, rv, opts);
       return true;
     case 128:
-      attend_quant_fixed<8, MODE>(q, heads, cells, n, scale, scores, out, rk, rv);
+      attend_quant_fixed<8, MODE>(q, heads, cells, n, scale, scores, out, rk, rv, opts);
       return true;
     case 256:
-      attend_quant_fixed<16, MODE>(q, heads, cells, n, scale, scores, out, rk, rv);
+      attend_quant_fixed<16, MODE>(q, heads, cells, n, scale, scores, out, rk, rv, opts);
       return true;
     default:
       return false;
@@ -665,7 +667,7 @@ VUN_AVX512 bool attend_quant_dispatch(size_t dim, const float* q, size_t heads,
 void attend_rows_quant(
     int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
     float scale, float* scores, float* out, const float* const* raw_k,
-    const float* const* raw_v) {
+    const float* const* raw_v, ScoreOpts opts) {
   bool done = false;
 #if defined(VUN_KVQ_X86)
   // The register path needs AVX-512 (and the ISA cap to allow it); else the generic loops.
@@ -676,24 +678,25 @@ void attend_rows_quant(
     switch (mode) {
       case kKVInt4:
         done = attend_quant_dispatch<kKVInt4>(dim, q, heads, cells, n, scale, scores, out,
-                                              raw_k, raw_v);
+                                              raw_k, raw_v, opts);
         break;
       case kKVFp8:
         done = attend_quant_dispatch<kKVFp8>(dim, q, heads, cells, n, scale, scores, out,
-                                             raw_k, raw_v);
+                                             raw_k, raw_v, opts);
         break;
       case kKVTqK8V4:
         done = attend_quant_dispatch<kKVTqK8V4>(dim, q, heads, cells, n, scale, scores, out,
-                                                raw_k, raw_v);
+                                                raw_k, raw_v, opts);
         break;
       default:
         done = attend_quant_dispatch<kKVInt8>(dim, q, heads, cells, n, scale, scores, out,
-                                              raw_k, raw_v);
+                                              raw_k, raw_v, opts);
     }
   }
 #endif
   if (!done) {
-    attend_rows_quant_generic(mode, q, heads, dim, cells, n, scale, scores, out, raw_k, raw_v);
+    attend_rows_quant_generic(mode, q, heads, dim, cells, n, scale, scores, out, raw_k, raw_v,
+                              opts);
   }
 }
 

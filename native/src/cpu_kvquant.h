@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cpu_math.h"  // ScoreOpts
+
 namespace vun {
 
 // vLLM's per-token-head KV formats (vllm/v1/kv_cache_interface.py KVQuantMode), as the native
@@ -96,9 +98,10 @@ void dequantize_side(int mode, const uint8_t* src, size_t dim, float* out);
 // raw_k / raw_v (optional, turboquant_k8v4 only): per key j, a fp32 key and value row to read
 // instead of the cell where raw_k[j] is not null (vLLM's TurboQuant backend attends a prefill
 // chunk over its own unquantized K/V: turboquant_attn.py _prefill_attention).
+// opts: soft-capping of the scores and sink logits (ScoreOpts, cpu_math.h).
 void attend_rows_quant(
     int mode, const float* q, size_t heads, size_t dim, const uint8_t* const* cells, size_t n,
     float scale, float* scores, float* out, const float* const* raw_k = nullptr,
-    const float* const* raw_v = nullptr);
+    const float* const* raw_v = nullptr, ScoreOpts opts = {});
 
 } // namespace vun

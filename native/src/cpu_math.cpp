@@ -51,13 +51,43 @@ inline __attribute__((always_inline)) float exp_shifted(float* s, size_t n) {
 
 } // namespace
 
+// exp_shifted with soft-capping and a sink logit (ScoreOpts). Always inlined, as exp_shifted.
+inline __attribute__((always_inline)) float exp_shifted_opts(float* s, size_t n, float softcap,
+                                                            const float* sink) {
+  if (softcap > 0.f) {
+    const float inv = 1.f / softcap;
+#pragma omp simd
+    for (size_t j = 0; j < n; ++j) {
+      s[j] = softcap * tanhf(s[j] * inv);
+    }
+  }
+  if (sink == nullptr) {
+    return exp_shifted(s, n);
+  }
+  float m = *sink;
+  for (size_t j = 0; j < n; ++j) {
+    m = s[j] > m ? s[j] : m;
+  }
+  float l = expf(*sink - m);
+#pragma omp simd reduction(+ : l)
+  for (size_t j = 0; j < n; ++j) {
+    s[j] = expf(s[j] - m);
+    l += s[j];
+  }
+  return l;
+}
+
 VUN_CLONES float softmax_exp(float* s, size_t n) {
   return exp_shifted(s, n);
 }
 
+VUN_CLONES float softmax_exp_opts(float* s, size_t n, float softcap, const float* sink) {
+  return exp_shifted_opts(s, n, softcap, sink);
+}
+
 VUN_CLONES void attend_rows_f32(
     const float* q, size_t heads, size_t dim, const float* const* keys, const float* const* values,
-    size_t n, float scale, float* scores, float* out) {
+    size_t n, float scale, float* scores, float* out, ScoreOpts opts) {
   for (size_t j = 0; j < n; ++j) {
     const float* k = keys[j];
     for (size_t r = 0; r < heads; ++r) {
@@ -72,7 +102,8 @@ VUN_CLONES void attend_rows_f32(
   }
   for (size_t r = 0; r < heads; ++r) {
     float* sr = scores + r * n;
-    const float inv = 1.f / exp_shifted(sr, n);
+    const float inv =
+        1.f / exp_shifted_opts(sr, n, opts.softcap, opts.sinks ? opts.sinks + r : nullptr);
     float* o = out + r * dim;
     for (size_t e = 0; e < dim; ++e) {
       o[e] = 0.f;
@@ -267,11 +298,13 @@ VUN_INLINE void weighted_values(const float* p, float inv, const float* const* v
 template <int NC>
 VUN_INLINE void attend_fixed(const float* q, size_t heads, const float* const* keys,
                              const float* const* values, size_t n, float scale, float* scores,
-                             float* out) {
+                             float* out, ScoreOpts opts) {
   for (size_t r = 0; r < heads; ++r) {
     float* sr = scores + r * n;
     scores_row<NC>(q + r * NC * 16, keys, n, scale, sr);
-    weighted_values<NC>(sr, 1.f / exp_shifted(sr, n), values, n, out + r * NC * 16);
+    const float l =
+        exp_shifted_opts(sr, n, opts.softcap, opts.sinks ? opts.sinks + r : nullptr);
+    weighted_values<NC>(sr, 1.f / l, values, n, out + r * NC * 16);
   }
 }
 
@@ -279,16 +312,16 @@ VUN_INLINE void attend_fixed(const float* q, size_t heads, const float* const* k
 
 VUN_CLONES bool attend_rows_f32_fixed(
     const float* q, size_t heads, size_t dim, const float* const* keys, const float* const* values,
-    size_t n, float scale, float* scores, float* out) {
+    size_t n, float scale, float* scores, float* out, ScoreOpts opts) {
   switch (dim) {
     case 64:
-      attend_fixed<4>(q, heads, keys, values, n, scale, scores, out);
+      attend_fixed<4>(q, heads, keys, values, n, scale, scores, out, opts);
       return true;
     case 128:
-      attend_fixed<8>(q, heads, keys, values, n, scale, scores, out);
+      attend_fixed<8>(q, heads, keys, values, n, scale, scores, out, opts);
       return true;
     case 256:
-      attend_fixed<16>(q, heads, keys, values, n, scale, scores, out);
+      attend_fixed<16>(q, heads, keys, values, n, scale, scores, out, opts);
       return true;
     default:
       return false;

@@ -42,24 +42,38 @@ void silu_mul_f32(const float* gate, const float* up, float* out, size_t n);
 
 namespace vun {
 
+// What the attention kernels do to a row's scores before the softmax, beyond the scale:
+// softcap > 0: s = softcap * tanh(s / softcap) (attention logit soft-capping, Gemma 2);
+// sinks != nullptr: sinks[r] is query head r's sink logit (gpt-oss), which joins the
+// softmax's denominator (exp(sinks[r] - m)) and weights no value.
+struct ScoreOpts {
+  float softcap = 0.f;
+  const float* sinks = nullptr;
+};
+
 // Decode attention of `heads` query heads sharing one KV head over n keys:
 // out[r] = softmax_j(scale * q[r] . keys[j]) . values[j], fp32, the maximum subtracted before
-// exp. q: [heads, dim]; keys[j], values[j]: dim floats each (rows of the paged pool, read where
-// they lie); scores: scratch of heads * n floats; out: [heads, dim]. n >= 1.
+// exp (with `opts`' soft-capping and sinks). q: [heads, dim]; keys[j], values[j]: dim floats
+// each (rows of the paged pool, read where they lie); scores: scratch of heads * n floats;
+// out: [heads, dim]. n >= 1.
 void attend_rows_f32(
     const float* q, size_t heads, size_t dim, const float* const* keys, const float* const* values,
-    size_t n, float scale, float* scores, float* out);
+    size_t n, float scale, float* scores, float* out, ScoreOpts opts = {});
 
 // s[j] = exp(s[j] - max(s)) for j < n (n >= 1), vectorized (the attention kernels' softmax
 // numerator); returns the sum.
 float softmax_exp(float* s, size_t n);
+
+// softmax_exp of one query head's scores with soft-capping (softcap > 0) applied to s first
+// and the head's sink logit (sink != nullptr) counted in the maximum and the returned sum.
+float softmax_exp_opts(float* s, size_t n, float softcap, const float* sink);
 
 // attend_rows_f32 for head sizes 64, 128 and 256, with the dot products and the weighted sum
 // of values in 16-wide registers (4 keys per reduction tree; the output accumulated in
 // registers across all keys). Returns false, computing nothing, for other head sizes.
 bool attend_rows_f32_fixed(
     const float* q, size_t heads, size_t dim, const float* const* keys, const float* const* values,
-    size_t n, float scale, float* scores, float* out);
+    size_t n, float scale, float* scores, float* out, ScoreOpts opts = {});
 
 } // namespace vun
 

@@ -20,8 +20,8 @@
 //       paged attention's key/value read; MLX's generic gather is several times slower here).
 //   silu_mul(gate, up, *, stream=None) -> mx.array
 //       fp32 silu(gate) * up, vectorized (MLX 0.32.4's CPU sigmoid is scalar).
-//   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, chunk=0,
-//                   stream=None)
+//   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, ...,
+//                   chunk=0, softcap=0, sinks=None, stream=None)
 //       Attention per query row read from the paged pool through block tables (no gather):
 //       decode rows and prefill chunks (causal) alike.
 //   linear(x, w, *, stream=None) -> mx.array
@@ -966,6 +966,10 @@ struct PagedAttentionArgs {
   const int32_t* raw_from = nullptr;
   const int32_t* raw_row0 = nullptr;
   int64_t fresh_rows = 0;
+  // Attention logit soft-capping (> 0) and per query head sink logits ([H] fp32 or nullptr):
+  // vun::ScoreOpts.
+  float softcap = 0.f;
+  const float* sinks = nullptr;
 };
 
 // The first key a row of `len` visible positions reads: its sliding window's, raised to the
@@ -974,6 +978,12 @@ template <typename T>
 int64_t first_visible_key(const PagedAttentionArgs<T>& a, int64_t len) {
   const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
   return a.chunk > 0 ? std::max<int64_t>(first, (len - 1) / a.chunk * a.chunk) : first;
+}
+
+// The ScoreOpts of the query heads of KV head g (R of them).
+template <typename T>
+vun::ScoreOpts score_opts(const PagedAttentionArgs<T>& a, int64_t g, int64_t R) {
+  return vun::ScoreOpts{a.softcap, a.sinks != nullptr ? a.sinks + g * R : nullptr};
 }
 
 // One (row, KV head) item: the R query heads of KV head g of row b over the row's keys.
@@ -1025,10 +1035,11 @@ void paged_attention_item(const PagedAttentionArgs<T>& a, int64_t b, int64_t g) 
   for (int64_t i = 0; i < R * D; ++i) {
     qf[i] = static_cast<float>(qp[i]);
   }
-  if (!vun::attend_rows_f32_fixed(
-          qf.data(), R, D, keys.data(), values.data(), n, a.scale, scores.data(), of.data())) {
-    vun::attend_rows_f32(
-        qf.data(), R, D, keys.data(), values.data(), n, a.scale, scores.data(), of.data());
+  const vun::ScoreOpts opts = score_opts(a, g, R);
+  if (!vun::attend_rows_f32_fixed(qf.data(), R, D, keys.data(), values.data(), n, a.scale,
+                                  scores.data(), of.data(), opts)) {
+    vun::attend_rows_f32(qf.data(), R, D, keys.data(), values.data(), n, a.scale,
+                         scores.data(), of.data(), opts);
   }
   T* op = a.out + (b * a.heads + g * R) * D;
   for (int64_t i = 0; i < R * D; ++i) {
@@ -1120,7 +1131,7 @@ void paged_attention_item_quant(const PagedAttentionArgs<T>& a, int64_t b, int64
   }
   vun::attend_rows_quant(a.mode, qf.data(), R, D, cells.data(), n, scale, scores.data(),
                          of.data(), rf < len ? raw_k.data() : nullptr,
-                         rf < len ? raw_v.data() : nullptr);
+                         rf < len ? raw_v.data() : nullptr, score_opts(a, g, R));
   if (rotate) {
     for (int64_t r = 0; r < R; ++r) {
       float* x = of.data() + r * D;
@@ -1178,9 +1189,9 @@ void paged_attention_impl(const PagedAttentionArgs<T>& a) {
 class PagedAttention : public SameShapePrimitive {
  public:
   PagedAttention(mx::Stream s, float scale, int64_t block_size, int64_t window, int mode,
-                 int64_t chunk)
+                 int64_t chunk, float softcap, bool sinks)
       : SameShapePrimitive(s, "paged_attention"), scale_(scale), block_size_(block_size),
-        window_(window), mode_(mode), chunk_(chunk) {}
+        window_(window), mode_(mode), chunk_(chunk), softcap_(softcap), sinks_(sinks) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -1231,17 +1242,22 @@ class PagedAttention : public SameShapePrimitive {
         in[0].shape(1), in[1].shape(1), in[0].shape(2), in[2].shape(1), block_size_,
         in[1].shape(0), in[2].shape(0), window_, scale_};
     a.chunk = chunk_;
+    a.softcap = softcap_;
+    if (sinks_) {  // after the signs, before the fresh K/V
+      a.sinks = in[6].data<float>();
+    }
+    const size_t fresh0 = sinks_ ? 7 : 6;
     if (quant) {
       a.mode = mode_;
       a.kvq = in[1].data<uint8_t>();
       a.signs = in[5].data<float>();
       a.block = in[5].shape(0);
-      if (in.size() == 10) {  // fresh K/V of the step (turboquant_k8v4)
-        a.fk = in[6].data<T>();
-        a.fv = in[7].data<T>();
-        a.raw_from = in[8].data<int32_t>();
-        a.raw_row0 = in[9].data<int32_t>();
-        a.fresh_rows = in[6].shape(0);
+      if (in.size() == fresh0 + 4) {  // fresh K/V of the step (turboquant_k8v4)
+        a.fk = in[fresh0].data<T>();
+        a.fv = in[fresh0 + 1].data<T>();
+        a.raw_from = in[fresh0 + 2].data<int32_t>();
+        a.raw_row0 = in[fresh0 + 3].data<int32_t>();
+        a.fresh_rows = in[fresh0].shape(0);
       }
     }
     enc.dispatch([a]() { paged_attention_impl<T>(a); });
@@ -1252,11 +1268,15 @@ class PagedAttention : public SameShapePrimitive {
   int64_t window_;
   int mode_;
   int64_t chunk_;
+  float softcap_;
+  bool sinks_;
 };
 
 // out = paged_attention(q [N, H, D], kv_pool [slots, Hkv, 2D], tables int32 [S, MB],
 //                       seqs int32 [N], lens int32 [N], scale, block_size, window,
-//                       kv_mode, rht_signs, ..., chunk) -> [N, H, D]
+//                       kv_mode, rht_signs, ..., chunk, softcap, sinks) -> [N, H, D]
+// softcap > 0: the scaled scores become softcap * tanh(scores / softcap) (0: none); sinks:
+// float [H], one logit per query head that joins the softmax's denominator (gpt-oss).
 // kv_mode != 0 (vun::KVMode): kv_pool is uint8/int8 [slots, Hkv, cell bytes] of that format;
 // int4 takes vLLM's RHT signs (fp32 [block], block the largest power-of-two divisor of D).
 mx::array paged_attention(
@@ -1264,7 +1284,8 @@ mx::array paged_attention(
     const mx::array& lens, float scale, int64_t block_size, int64_t window, int kv_mode,
     std::optional<mx::array> rht_signs, std::optional<mx::array> fresh_k,
     std::optional<mx::array> fresh_v, std::optional<mx::array> raw_from,
-    std::optional<mx::array> raw_row0, int64_t chunk, nb::handle stream) {
+    std::optional<mx::array> raw_row0, int64_t chunk, float softcap,
+    std::optional<mx::array> sinks, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "paged_attention");
   if (kv_mode < vun::kKVDense || kv_mode > vun::kKVLastMode) {
     raise_py(PyExc_ValueError,
@@ -1323,6 +1344,17 @@ mx::array paged_attention(
   std::vector<mx::array> inputs{q, kv_pool, contiguous_input(tables, s),
                                 contiguous_input(seqs, s), contiguous_input(lens, s),
                                 contiguous_input(signs, s)};
+  if (!(softcap >= 0.f) || std::isinf(softcap)) {
+    raise_py(PyExc_ValueError, "paged_attention: softcap must be finite and >= 0 (0: none)");
+  }
+  if (sinks) {
+    if (sinks->shape() != mx::Shape{q.shape(1)} || !mx::issubdtype(sinks->dtype(),
+                                                                    mx::floating)) {
+      raise_py(PyExc_ValueError, "paged_attention: sinks must be a float [H] array for q " +
+                                     shape_str(q.shape()));
+    }
+    inputs.push_back(contiguous_input(mx::astype(*sinks, mx::float32, s), s));
+  }
   const bool fresh = fresh_k || fresh_v || raw_from || raw_row0;
   if (fresh) {
     if (kv_mode != vun::kKVTqK8V4 || !fresh_k || !fresh_v || !raw_from || !raw_row0) {
@@ -1345,7 +1377,8 @@ mx::array paged_attention(
   }
   return mx::array(
       q.shape(), q.dtype(),
-      std::make_shared<PagedAttention>(s, scale, block_size, window, kv_mode, chunk),
+      std::make_shared<PagedAttention>(s, scale, block_size, window, kv_mode, chunk, softcap,
+                                       sinks.has_value()),
       std::move(inputs));
 }
 
@@ -2221,10 +2254,12 @@ NB_MODULE(_native, m) {
         nb::arg("kv_mode") = 0, nb::arg("rht_signs").none() = nb::none(),
         nb::arg("fresh_k").none() = nb::none(), nb::arg("fresh_v").none() = nb::none(),
         nb::arg("raw_from").none() = nb::none(), nb::arg("raw_row0").none() = nb::none(),
-        nb::arg("chunk") = 0, nb::arg("stream") = nb::none(),
+        nb::arg("chunk") = 0, nb::arg("softcap") = 0.f, nb::arg("sinks").none() = nb::none(),
+        nb::arg("stream") = nb::none(),
         "Lazy attention read from a paged K|V pool [slots, Hkv, 2D] through block tables, one "
         "query token per row (row r: sequence seqs[r], keys [0, lens[r])); q [N, H, D] -> "
-        "[N, H, D]; CPU streams only.");
+        "[N, H, D]; softcap > 0 caps the scaled scores (softcap * tanh(s / softcap)), sinks "
+        "[H] join the softmax's denominator; CPU streams only.");
   m.def("write_kv_quant", &write_kv_quant, nb::arg("dst"), nb::arg("slot_mapping"),
         nb::arg("keys"), nb::arg("values"), nb::arg("kv_mode"),
         nb::arg("rht_signs").none() = nb::none(), nb::kw_only(), nb::arg("stream") = nb::none(),

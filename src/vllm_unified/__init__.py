@@ -61,7 +61,9 @@ def register_general() -> None:
     core included, before it builds its scheduler: the scheduler-side patches
     (:func:`vllm_unified.patches.bound_prefix_cache_residency`,
     :func:`vllm_unified.patches.load_structured_output_tokenizer_lazily`) where our platform
-    is active. Imports vLLM's scheduler modules, never MLX."""
+    is active, and the mlx-lm model types transformers and vLLM do not know
+    (:func:`vllm_unified.models.registration.register_mlx_lm_types`). Imports vLLM's scheduler
+    modules, never MLX."""
     if not _active():
         return
     import logging
@@ -69,3 +71,7 @@ def register_general() -> None:
     # A ``vllm.`` name so that vLLM's logging configuration shows our records.
     patches.bound_prefix_cache_residency(logging.getLogger("vllm.vllm_unified.scheduler"))
     patches.load_structured_output_tokenizer_lazily()
+    # lazy: imports transformers and vLLM's model registry, which only a vLLM process needs
+    from vllm_unified.models.registration import register_mlx_lm_types
+
+    register_mlx_lm_types()

@@ -47,6 +47,7 @@ _LAZY: dict[str, str] = {
     "KVCacheGroupSpec": "vllm.v1.kv_cache_interface",
     "KVCacheTensor": "vllm.v1.kv_cache_interface",
     "MambaSpec": "vllm.v1.kv_cache_interface",
+    "MLAAttentionSpec": "vllm.v1.kv_cache_interface",
     "ModelRegistry": "vllm.model_executor.models",
     "MambaAttentionBackendEnum": "vllm.v1.attention.backends.registry",
     "is_conv_state_dim_first": "vllm.model_executor.layers.mamba.mamba_utils",
@@ -145,6 +146,14 @@ def vllm_cli_main() -> int | None:
     return main()
 
 
+def has_vllm_config_class(model_type: str) -> bool:
+    """Whether vLLM has its own config class for ``model_type``
+    (``vllm.transformers_utils.config._CONFIG_REGISTRY``)."""
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    return model_type in _CONFIG_REGISTRY
+
+
 def vllm_environment_variables() -> set[str]:
     """Names of the environment variables vLLM knows (``vllm.envs``)."""
     from vllm import envs
@@ -200,6 +209,7 @@ __all__ = [  # the lazy names resolve through __getattr__
     "PlatformEnum",
     "SAMPLING_EPS",
     "elastic_ep_unavailable",
+    "has_vllm_config_class",
     "init_logger",
     "sampling_fields",
     "structured_decisions_unavailable",

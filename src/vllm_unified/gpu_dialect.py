@@ -31,6 +31,7 @@ name                      metal                                          cuda
 ``uni_rsqrt(float)``      ``metal::precise::rsqrt``                      ``rsqrtf``
 ``uni_cos(float)``        ``metal::precise::cos``                        ``cosf``
 ``uni_sin(float)``        ``metal::precise::sin``                        ``sinf``
+``uni_tanh(float)``       ``metal::precise::tanh``                       ``tanhf``
 ``uni_neg_inf()``         ``-INFINITY``                                  ``__int_as_float(
                                                                          0xff800000)``
 ``UNI_WRITABLE(T, p)``    ``const_cast<device T*>(p)``                   ``const_cast<T*>(p)``

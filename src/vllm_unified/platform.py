@@ -550,7 +550,12 @@ def _kv_budget_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
     # layers in --kv-cache-dtype-skip-layers keep the model dtype's pages
     skip = set(cache.kv_cache_dtype_skip_layers or ()) if fmt.quantized else set()
 
+    latent = _mla_row_width(model)
+
     def page(i: int) -> int:
+        if latent is not None:  # vLLM's MLA page (models/latent_attention.py serves it)
+            return compat.MLAAttentionSpec(block_size=cache.block_size, num_kv_heads=1,
+                                           head_size=latent, dtype=model.dtype).page_size_bytes
         return attention_spec(KVFormat() if str(i) in skip else fmt,
                               block_size=cache.block_size,
                               num_kv_heads=model.get_num_kv_heads(parallel),
@@ -563,6 +568,15 @@ def _kv_budget_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
         bytes_per_block=sum(page(i) for i in range(model.get_num_layers(parallel))),
         block_size=cache.block_size,
         max_model_len=model.max_model_len, kv_cache_memory_bytes=cache.kv_cache_memory_bytes)
+
+
+def _mla_row_width(model: Any) -> int | None:
+    """``kv_lora_rank + qk_rope_head_dim``: the width of a multi-head latent attention
+    model's page row, for configs that declare a latent (None otherwise)."""
+    text = model.hf_text_config
+    rank = getattr(text, "kv_lora_rank", None)
+    rope = getattr(text, "qk_rope_head_dim", None)
+    return int(rank) + int(rope) if rank and rope else None
 
 
 def _speculative_policy(vllm_config: VllmConfig, hybrid: bool) -> None:

@@ -20,6 +20,7 @@ __device__ __forceinline__ float uni_fmax(float a, float b) { return fmaxf(a, b)
 __device__ __forceinline__ float uni_rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ float uni_cos(float x) { return cosf(x); }
 __device__ __forceinline__ float uni_sin(float x) { return sinf(x); }
+__device__ __forceinline__ float uni_tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ float uni_neg_inf() { return __int_as_float(0xff800000); }
 #define UNI_FUNC __device__ __forceinline__
 __device__ __forceinline__ unsigned int uni_as_uint(float x) { return __float_as_uint(x); }

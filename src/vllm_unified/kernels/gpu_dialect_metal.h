@@ -12,6 +12,7 @@ inline float uni_fmax(float a, float b) { return metal::max(a, b); }
 inline float uni_rsqrt(float x) { return metal::precise::rsqrt(x); }
 inline float uni_cos(float x) { return metal::precise::cos(x); }
 inline float uni_sin(float x) { return metal::precise::sin(x); }
+inline float uni_tanh(float x) { return metal::precise::tanh(x); }
 inline float uni_neg_inf() { return -INFINITY; }
 #define UNI_FUNC inline
 inline uint32_t uni_as_uint(float x) { return as_type<uint32_t>(x); }

@@ -30,6 +30,7 @@ from vllm_unified.kv.allocation import (
     kv_cache_views,
     slot_major,
 )
+from vllm_unified.kv.attention.dispatch import LATENT_ROUTE_REASON
 from vllm_unified.kv.attention.metadata import build_attention_metadata
 from vllm_unified.kv.block_translation import (
     KERNEL_BLOCK_SIZES,
@@ -41,6 +42,7 @@ from vllm_unified.kv.gpu import quant_write as gpu_quant_write
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.layer_cache import (
     MissingLayerCache,
+    PagedLatentCache,
     PagedLayerCache,
     SharedLayerCache,
     StateLayerCache,
@@ -64,13 +66,30 @@ class AttentionShape:
     and ``--kv-cache-dtype`` (``auto``: the model dtype; else a quantized format of
     :mod:`vllm_unified.kv.quant`); ``skip_layers``: vLLM's
     ``cache_config.kv_cache_dtype_skip_layers`` (layer indices, or ``sliding_window``), whose
-    layers keep the model dtype (vLLM adds TurboQuant's boundary layers to it)."""
+    layers keep the model dtype (vLLM adds TurboQuant's boundary layers to it);
+    ``latent_dim``: set for multi-head latent attention (MLA) models, whose pages hold one row
+    per token of ``head_size = latent_dim + rope dim`` values (vLLM's ``MLAAttentionSpec``,
+    ``num_kv_heads`` 1)."""
 
     num_kv_heads: int
     head_size: int
     dtype: Any
     cache_dtype: str = "auto"
     skip_layers: tuple[str, ...] = ()
+    latent_dim: int | None = None
+
+    @classmethod
+    def latent(cls, latent_dim: int, rope_dim: int, dtype: Any, cache_dtype: str = "auto"
+               ) -> AttentionShape:
+        """An MLA model's pages: one ``latent_dim + rope_dim`` row per token.
+
+        Raises:
+            ValueError: a quantized ``cache_dtype`` (MLA pages keep the model dtype here).
+        """
+        if (cache_dtype or "auto") != "auto":
+            raise ValueError(f"--kv-cache-dtype {cache_dtype}: multi-head latent attention "
+                             "pages keep the model dtype in vllm-unified; use auto")
+        return cls(1, latent_dim + rope_dim, dtype, latent_dim=latent_dim)
 
     @property
     def fmt(self) -> KVFormat:
@@ -123,6 +142,9 @@ class KVCache:
                  kv_shapes: dict[int, tuple[int, int]] | None = None,
                  shared: dict[int, int] | None = None,
                  chunks: dict[int, int | None] | None = None) -> None:
+        if not layers.attention and layers.recurrent:
+            raise ValueError(f"{layers.model_type}: no attention layer here (every layer is "
+                             "recurrent); the KV cache needs at least one")
         self.profile = profile
         #: attention chunk (chunked local attention) per attention layer index, None: none
         self.chunks = {i: (chunks or {}).get(i) for i in layers.attention}
@@ -177,9 +199,19 @@ class KVCache:
         size (sliding-window layers record their window: vLLM keeps blocks for all tokens,
         the attention applies the window; all attention layers are then one KV cache group,
         one block table; chunked local attention layers likewise record their chunk, as vLLM
-        promotes its ``ChunkedLocalAttentionSpec`` next to full attention), and one
-        ``MambaSpec`` per recurrent layer of a hybrid model."""
-        specs: dict[str, KVCacheSpec] = {
+        promotes its ``ChunkedLocalAttentionSpec`` next to full attention), an
+        ``MLAAttentionSpec`` per layer of an MLA model, and one ``MambaSpec`` per recurrent
+        layer of a hybrid model."""
+        if self.shape.latent_dim is not None:
+            specs: dict[str, KVCacheSpec] = {
+                layer_name(i): compat.MLAAttentionSpec(
+                    block_size=block_size, num_kv_heads=1, head_size=self.shape.head_size,
+                    dtype=self.shape.dtype, cache_dtype_str="auto")
+                for i in self.layers.attention
+            }
+            specs.update(self.layers.state_specs(vllm_config))
+            return specs
+        specs = {
             layer_name(i): attention_spec(
                 self.layer_formats[i], block_size=block_size,
                 num_kv_heads=self.kv_shapes[i][0], head_size=self.kv_shapes[i][1],
@@ -242,6 +274,8 @@ class KVCache:
         logger.info("vllm-unified: KV format %s, %s tokens per GiB of KV (%s)",
                     self.describe_format(), f"{self.tokens_per_gib():,.0f}",
                     f"{kv_cache_config.num_blocks * spec.block_size:,} tokens in the pool")
+        if self.latent_layers():
+            logger.info("vllm-unified: %s", LATENT_ROUTE_REASON)
 
     def _allocate(self, kv_cache_config: KVCacheConfig, spec: Any, names: list[str],
                   layout: str) -> None:
@@ -274,7 +308,8 @@ class KVCache:
             self.pool = KVPool(arrays[:len(names)], spec.block_size, shared=True,
                                torch_views=[views[n] for n in names], buffer=buf, write=write,
                                fmt=self.fmt, head_size=self.shape.head_size,
-                               layer_formats=self._pool_formats())
+                               layer_formats=self._pool_formats(),
+                               latent_layers=self.latent_layers())
             if state:
                 pages = {i: StatePages(arr, fields, shared=True, write=write)
                          for (i, (_, _, fields)), arr in zip(state.items(), arrays[len(names):],
@@ -286,6 +321,10 @@ class KVCache:
                                       f"({self.profile.kv_pool_reason})")
         logger.warning("vllm-unified: KV pool owned by MLX (torch cannot share it: %s)",
                        self.profile.kv_pool_reason)
+        if self.latent_layers():
+            self.pool = self._latent_mlx_pool(kv_cache_config.num_blocks, spec.block_size,
+                                              self.profile.kv_write)
+            return
         self.pool = KVPool.allocate_mlx(
             num_layers=len(names), num_blocks=kv_cache_config.num_blocks,
             block_size=spec.block_size, num_kv_heads=self.shape.num_kv_heads,
@@ -293,6 +332,19 @@ class KVCache:
             cuda_write=self.profile.kv_write == "cuda_kernel", fmt=self.fmt,
             layer_formats=self._pool_formats(), layer_shapes=self._pool_shapes(),
         )
+
+    def latent_layers(self) -> frozenset[int]:
+        """The pool layers that hold MLA pages (every attention layer of an MLA model)."""
+        if self.shape.latent_dim is None:
+            return frozenset()
+        return frozenset(range(len(self.layers.attention)))
+
+    def _latent_mlx_pool(self, num_blocks: int, block_size: int, write: str) -> KVPool:
+        """An MLX-owned MLA pool, written by the in-place GPU kernel where ``write`` names
+        one, else MLX's donated scatter."""
+        path = write if write in ("cuda_kernel", "metal_kernel") else "scatter"
+        return KVPool.allocate_latent_mlx(len(self.layers.attention), num_blocks, block_size,
+                                          self.shape.head_size, self.dtype, write=path)
 
     def skipped_layers(self) -> list[int]:
         """The attention layers kept in the model dtype by ``--kv-cache-dtype-skip-layers``
@@ -326,6 +378,9 @@ class KVCache:
     def tokens_per_gib(self) -> float:
         """KV tokens one GiB of pool holds over all attention layers, each in its format
         (the layers of --kv-cache-dtype-skip-layers in the model dtype)."""
+        if self.shape.latent_dim is not None:  # one row per token, no K|V halves
+            return 2**30 / (len(self.layers.attention) * self.shape.head_size
+                            * self.shape.dtype.itemsize)
         if self.per_layer_shapes:  # unquantized (refused otherwise): 2 x heads x size each
             return 2**30 / sum(2 * h * d * self.shape.dtype.itemsize
                                for h, d in self.kv_shapes.values())
@@ -336,6 +391,11 @@ class KVCache:
         """The KV format for the start-up log (with the layers kept in the model dtype)."""
         d = self.shape.head_size
         dtype = str(self.shape.dtype).removeprefix("torch.")
+        if self.shape.latent_dim is not None:
+            return (f"{dtype} MLA pages (vLLM's MLAAttentionSpec: one row per token of the "
+                    f"{self.shape.latent_dim}-value latent and the {d - self.shape.latent_dim}"
+                    f"-value rope key, {d * self.shape.dtype.itemsize} bytes per token and "
+                    "layer)")
         dense = f"{2 * d * self.shape.dtype.itemsize} bytes per token and KV head"
         if self.per_layer_shapes:
             shapes = ", ".join(f"{n} layers of {h} KV heads x {s}" for (h, s), n in
@@ -375,6 +435,9 @@ class KVCache:
         # a layer another pipeline stage holds only answers mask construction
         caches: list[Any] = [MissingLayerCache() for _ in range(self.layers.num_layers)]
         for j, i in enumerate(self.layers.attention):
+            if j in pool.latent_layers:
+                caches[i] = PagedLatentCache(pool, j, self.shape.latent_dim, self.profile)
+                continue
             caches[i] = PagedLayerCache(pool, j, self.profile, self.windows[i], self.chunks[i])
         for i in self.layers.recurrent:
             caches[i] = StateLayerCache(store, i)
@@ -445,11 +508,14 @@ class KVCache:
         # the profiled forward is the served one; else MLX's donated scatter.
         write = self.profile.kv_write if self.profile.kv_write in ("cuda_kernel",
                                                                    "metal_kernel") else "scatter"
-        pool = KVPool.allocate_mlx(len(self.layers.attention), blocks, block_size,
-                                   self.shape.num_kv_heads, self.shape.head_size, self.dtype,
-                                   write=write, fmt=self.fmt,
-                                   layer_formats=self._pool_formats(),
-                                   layer_shapes=self._pool_shapes())
+        if self.latent_layers():
+            pool = self._latent_mlx_pool(blocks, block_size, write)
+        else:
+            pool = KVPool.allocate_mlx(len(self.layers.attention), blocks, block_size,
+                                       self.shape.num_kv_heads, self.shape.head_size, self.dtype,
+                                       write=write, fmt=self.fmt,
+                                       layer_formats=self._pool_formats(),
+                                       layer_shapes=self._pool_shapes())
         store = self.layers.temp_store(vllm_config, 2)
         table = np.arange(1, blocks, dtype=np.int32)[None]
         ctx = self._context([num_tokens], [num_tokens], table, None, block_size, None, store)

@@ -29,17 +29,26 @@ class HybridFamily:
         mixer: the attribute of a decoder layer holding its recurrent mixer.
         is_recurrent: decides from the mlx-lm layer whether it is a recurrent one.
         mamba_type: name of vLLM's ``MambaAttentionBackendEnum`` member for its state kind.
+        is_stateless: decides whether a layer has neither attention nor recurrent state (an
+            MLP-only block); mlx-lm's cache list has no entry for such layers (Nemotron-H
+            counts caches over attention and Mamba blocks only). None: no such layers.
     """
 
     mixer: str
     is_recurrent: Callable[[Any], bool]
     mamba_type: str
+    is_stateless: Callable[[Any], bool] | None = None
 
 
 HYBRID_FAMILIES: dict[str, HybridFamily] = {
     "qwen3_next": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
     "granitemoehybrid": HybridFamily("mamba", lambda layer: layer.layer_type == "mamba",
                                      "MAMBA2"),
+    "lfm2": HybridFamily("conv", lambda layer: not layer.is_attention_layer, "SHORT_CONV"),
+    "qwen3_5": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
+    # block kinds: "M" Mamba2, "*" attention, "-" MLP (mlx-lm's hybrid_override_pattern)
+    "nemotron_h": HybridFamily("mixer", lambda layer: layer.block_type == "M", "MAMBA2",
+                               is_stateless=lambda layer: layer.block_type not in ("M", "*")),
 }
 
 
@@ -58,6 +67,15 @@ def recurrent_layers(model_type: str, model: nn.Module) -> list[int]:
     if family is None:
         return []
     return [i for i, layer in enumerate(model.layers) if family.is_recurrent(layer)]
+
+
+def stateless_layers(model_type: str, model: nn.Module) -> list[int]:
+    """Indices of the layers with neither attention nor recurrent state (see
+    :attr:`HybridFamily.is_stateless`; empty for most families)."""
+    family = HYBRID_FAMILIES.get(model_type)
+    if family is None or family.is_stateless is None:
+        return []
+    return [i for i, layer in enumerate(model.layers) if family.is_stateless(layer)]
 
 
 def mamba_spec(vllm_config: Any, model_type: str):

@@ -26,6 +26,7 @@ from vllm_unified.backend import BackendProfile
 from vllm_unified.kv.attention import dispatch
 from vllm_unified.kv.attention.qk_prologue import QKPrologue
 from vllm_unified.kv.forward_context import get_step_context
+from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.pool import KVPool
 from vllm_unified.kv.state_pages import StatePages, StateStore
 
@@ -47,8 +48,9 @@ class _PagedMaskSource:
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None  # noqa: N803
     ) -> PagedMask:
-        if return_array:
-            raise NotImplementedError("paged attention does not materialise dense masks")
+        # return_array: the model computes attention itself (Gemma 2); only an adapter that
+        # attends through the paged cache gets past the load-time probe, and it ignores the
+        # mask, so no dense mask is ever built
         return PagedMask(window_size)
 
 
@@ -89,18 +91,21 @@ class PagedLayerCache(_PagedMaskSource):
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, window: int | None,
-               fresh: tuple[mx.array, mx.array] | None = None) -> mx.array:
+               fresh: tuple[mx.array, mx.array] | None = None,
+               softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
         """Paged attention of ``queries`` ``[T, H, 1, D]`` over this layer's pool (after this
         step's write), within the layer's attention chunk if it has one; ``fresh``: the keys
         and values this step wrote (``update_and_fetch``'s result), which a GPU kernel may
-        attend directly for chunks with no earlier context.
+        attend directly for chunks with no earlier context; ``softcap``: attention logit
+        soft-capping; ``sinks``: ``[H]`` sink logits (any float dtype).
         See :func:`vllm_unified.kv.attention.dispatch.paged_attention_kv`."""
         ctx = get_step_context()
         return dispatch.paged_attention_kv(queries, self._arrays()[self.layer], ctx.attn,
-                                  scale, window, backend=self.backend, fresh=fresh,
-                                  kv_format=self.pool.layer_format(self.layer),
-                                  rht_signs=self.pool.signs,
-                                  after=ctx.written.get(self.layer), chunk=self.chunk)
+                                           scale, window, backend=self.backend, fresh=fresh,
+                                           kv_format=self.pool.layer_format(self.layer),
+                                           rht_signs=self.pool.signs,
+                                           after=ctx.written.get(self.layer), chunk=self.chunk,
+                                           softcap=softcap, sinks=sinks)
 
     def fuses_decode(self, dtype: mx.Dtype, head_dim: int) -> bool:
         """Whether this step's attention of ``head_dim`` heads in ``dtype`` may take raw
@@ -116,7 +121,8 @@ class PagedLayerCache(_PagedMaskSource):
 
     def attend_raw(self, queries: mx.array, keys: mx.array, values: mx.array,
                    prologue: QKPrologue, heads: int, scale: float,
-                   window: int | None) -> mx.array:
+                   window: int | None, softcap: float | None = None,
+                   sinks: mx.array | None = None) -> mx.array:
         """Write and attend one pure-decode step from raw projections: the keys normalised and
         rotated by the write kernel, the queries by the attention kernel
         (:mod:`vllm_unified.kv.attention.qk_prologue`). Only where :meth:`fuses_decode` holds.
@@ -126,7 +132,7 @@ class PagedLayerCache(_PagedMaskSource):
             keys, values: ``[T, 1, Hkv * D]``, the key and value projections.
             prologue: the layer's norms and rotation.
             heads: query heads.
-            scale, window: as :meth:`attend`.
+            scale, window, softcap, sinks: as :meth:`attend`.
 
         Returns:
             ``[T, heads, 1, D]`` in the queries' dtype, lazily (projections of another dtype
@@ -144,7 +150,7 @@ class PagedLayerCache(_PagedMaskSource):
         attend = dispatch.fused_decode_kernel(dim, self.backend)
         out = attend(queries.reshape(queries.shape[0], heads, 1, dim),
                      self._arrays()[self.layer], meta, scale, window, prologue=prologue,
-                     after=token)
+                     after=token, **gpu_paged.options(softcap, sinks))
         return out if out.dtype == out_dtype else out.astype(out_dtype)
 
     def is_trimmable(self) -> bool:
@@ -163,6 +169,44 @@ class SharedLayerCache(PagedLayerCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The keys/values (the owning layer's, already in the pool), unchanged."""
         return keys, values
+
+
+class PagedLatentCache(PagedLayerCache):
+    """mlx-lm cache protocol for one multi-head latent attention (MLA) layer over vLLM's MLA
+    pages (:class:`KVPool` layer ``layer`` in its ``latent_layers``: one row of
+    ``latent_dim + rope_dim`` values per token). The layer's adapter
+    (:mod:`vllm_unified.models.latent_attention`) writes the rows (:meth:`write_latent`) and
+    attends in absorbed form (:meth:`attend_latent`); mlx-lm's expanded
+    ``update_and_fetch`` is refused."""
+
+    def __init__(self, pool: KVPool, layer: int, latent_dim: int,
+                 backend: BackendProfile | None = None) -> None:
+        super().__init__(pool, layer, backend)
+        self.latent_dim = latent_dim
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        raise TypeError("an MLA layer's cache holds the latent rows: its attention must go "
+                        "through the latent adapter (models/latent_attention.py)")
+
+    def write_latent(self, rows: mx.array) -> None:
+        """Write the step's rows ``[T, 1, W]`` (normalised latent, then rotated shared key) at
+        the step's slot mapping."""
+        ctx = get_step_context()
+        token = self.pool.write_latent(self.layer, ctx.attn.slot_mapping, rows, ctx.kv)
+        if token is not None:
+            ctx.written[self.layer] = token
+
+    def attend_latent(self, queries: mx.array, scale: float) -> mx.array:
+        """Absorbed attention of ``queries`` ``[T, H, 1, W]`` over this layer's rows (after
+        this step's write): ``[T, H, 1, latent_dim]``
+        (:func:`vllm_unified.kv.attention.dispatch.paged_attention_latent`)."""
+        ctx = get_step_context()
+        return dispatch.paged_attention_latent(queries, self._arrays()[self.layer], ctx.attn,
+                                               scale, self.latent_dim,
+                                               after=ctx.written.get(self.layer))
+
+    def fuses_decode(self, dtype: mx.Dtype, head_dim: int) -> bool:
+        return False
 
 
 class MissingLayerCache(_PagedMaskSource):

@@ -101,6 +101,9 @@ class KVPool:
     each layer written and attended by its format's kernels); default ``fmt`` for every
     layer. :attr:`fmt` is then the pool's quantized format (``auto`` if none).
 
+    ``latent_layers``: the layers that hold vLLM's MLA pages, ``[slots, 1, W]`` with one
+    latent row per token (no K|V halves), written by :meth:`write_latent` in the model dtype.
+
     Raises:
         ValueError: a shared pool with a write path that would not write in place
             (``scatter``, ``cuda_kernel``); a quantized format on the ``scatter`` path or
@@ -111,7 +114,8 @@ class KVPool:
                  torch_views: list | None = None, buffer: object = None,
                  write: KVWritePath | None = None, fmt: KVFormat | None = None,
                  head_size: int | None = None,
-                 layer_formats: list[KVFormat] | None = None) -> None:
+                 layer_formats: list[KVFormat] | None = None,
+                 latent_layers: frozenset[int] = frozenset()) -> None:
         if layer_formats is not None:
             if len(layer_formats) != len(kv):
                 raise ValueError(f"{len(layer_formats)} layer formats for {len(kv)} layers")
@@ -141,6 +145,10 @@ class KVPool:
         self._buffer = buffer  # keeps a torch-owned backing buffer alive
         #: how rows go into the pool
         self.write_path: KVWritePath = write
+        #: the layers holding MLA pages (one latent row per token)
+        self.latent_layers = frozenset(latent_layers)
+        if fmt.quantized and self.latent_layers:
+            raise ValueError(f"--kv-cache-dtype {fmt.name}: MLA pages keep the model dtype")
 
     @property
     def cuda_write(self) -> bool:
@@ -206,6 +214,53 @@ class KVPool:
             write = "cuda_kernel" if cuda_write else "scatter"
         return cls(kv, block_size, shared=False, write=write, fmt=fmt, head_size=head_dim,
                    layer_formats=layer_formats)
+
+    @classmethod
+    def allocate_latent_mlx(cls, num_layers: int, num_blocks: int, block_size: int,
+                            width: int, dtype: mx.Dtype, write: KVWritePath = "scatter"
+                            ) -> KVPool:
+        """MLX-owned MLA pool: ``num_layers`` arrays ``[num_blocks * block_size, 1, width]``
+        (:meth:`write_latent`'s rows), zero-filled then handed back page by page as
+        :meth:`allocate_mlx`; ``write``: ``scatter`` or an in-place GPU kernel."""
+        kv = []
+        for _ in range(num_layers):
+            arr = mx.zeros((num_blocks * block_size, 1, width), dtype=dtype)
+            mx.eval(arr)
+            release_zero_pages(arr)
+            kv.append(arr)
+        return cls(kv, block_size, shared=False, write=write,
+                   latent_layers=frozenset(range(num_layers)))
+
+    def write_latent(self, layer: int, slot_mapping: mx.array, rows: mx.array,
+                     arrays: list[mx.array] | None = None) -> mx.array | None:
+        """Write MLA rows ``[T, 1, W]`` (or ``[T, W]``) at ``slot_mapping`` ``[T]`` into
+        latent layer ``layer``, in place on the pool's write path (lazily), cast to the pool's
+        dtype. ``arrays`` and the result as :meth:`write`.
+
+        Raises:
+            ValueError: ``layer`` is not a latent layer, or the rows do not fit its pages.
+        """
+        kv = self.kv if arrays is None else arrays
+        dst = kv[layer]
+        if layer not in self.latent_layers:
+            raise ValueError(f"layer {layer} holds K|V pages, not MLA rows")
+        if rows.ndim == 2:
+            rows = rows[:, None]
+        if rows.shape[1:] != dst.shape[1:]:
+            raise ValueError(f"MLA rows {rows.shape} do not fit pages {dst.shape}")
+        if rows.dtype != dst.dtype:
+            rows = rows.astype(dst.dtype)
+        if self.write_path in ("cuda_kernel", "metal_kernel"):
+            tokens: list[mx.array] = []
+            kv[layer] = gpu_write.write_rows_gpu(dst, slot_mapping, rows,
+                                                 dialect=self._dialect(), tokens=tokens)
+            return tokens[0] if tokens else None
+        if self.write_path == "native_rows":
+            kv[layer] = bridge.write_rows(dst, slot_mapping, rows)
+            return None
+        dst[slot_mapping] = rows  # rebinds kv[layer] in place: MLX donates the buffer
+        kv[layer] = dst
+        return None
 
     @classmethod
     def from_torch_views(cls, views: list, block_size: int, buffer: object = None, *,
@@ -338,6 +393,10 @@ class KVPool:
                  + mx.arange(self.block_size, dtype=mx.int32)[None]).reshape(-1)
         gpu = self.write_path in ("cuda_kernel", "metal_kernel")
         for layer, arr in enumerate(self.kv):
+            if layer in self.latent_layers:
+                self.write_latent(layer, slots, mx.zeros((slots.size, *arr.shape[1:]),
+                                                         dtype=arr.dtype))
+                continue
             if self.layer_formats[layer].quantized:  # zero bytes, as vLLM zeroes its pages
                 rows = mx.zeros((slots.size, *arr.shape[1:]), dtype=arr.dtype)
                 self.kv[layer] = (gpu_write.write_rows_gpu(arr, slots, rows,

@@ -12,12 +12,18 @@ Each slot is classified by its cache type:
   be known to :mod:`vllm_unified.kv.hybrid`);
 * anything else -> refused, naming the feature.
 
+A ``KVCache`` slot whose layer's attention is multi-head latent attention (wrapped by
+:mod:`vllm_unified.models.latent_attention`) is an MLA slot: vLLM's MLA pages, one latent row
+per token.
+
 A probe forward then runs the model as mlx-lm would (a short prefill and one decode step) with
 recording caches, and checks what the types cannot show: that each attention slot computes
 its attention through mlx-lm's ``scaled_dot_product_attention`` (which
 :mod:`vllm_unified.models.routing` sends to the paged kernels), the key/value shapes every slot
 writes, and that the runner's forward (inner model, then the model's own output head) gives
-mlx-lm's logits. A model loads when every slot is drivable; otherwise
+mlx-lm's logits; for MLA slots, that the absorbed attention over latent rows gives mlx-lm's
+logits (a second forward with :class:`~vllm_unified.models.latent_attention.LatentProbeCache`
+on those slots). A model loads when every slot is drivable; otherwise
 :class:`UnsupportedModel` names the model type, the slot and the missing feature.
 """
 
@@ -30,10 +36,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from vllm_unified.kv.hybrid import HYBRID_FAMILIES
-from vllm_unified.models import routing
+from vllm_unified.kv.hybrid import HYBRID_FAMILIES, stateless_layers
+from vllm_unified.models import latent_attention, routing
 from vllm_unified.models.attention_adapters import install_attention_adapters
-from vllm_unified.models.output_head import lm_head
+from vllm_unified.models.output_head import decoder, lm_head
 
 __all__ = ["AttentionSlot", "ModelLayout", "UnsupportedModel", "check_model", "route_model"]
 
@@ -62,12 +68,16 @@ class UnsupportedModel(ValueError):
 class AttentionSlot:
     """One paged-attention cache slot: sliding window (tokens, None for full attention), the
     key/value shape the layer writes (``num_kv_heads`` x ``head_dim``, or None where the probe
-    did not run: a pipeline stage) and the attention chunk (tokens, None: none)."""
+    did not run: a pipeline stage) and the attention chunk (tokens, None: none). An MLA slot
+    has ``latent_dim`` (``kv_lora_rank``) and ``rope_dim``; its rows are
+    ``1 x (latent_dim + rope_dim)``."""
 
     window: int | None
     num_kv_heads: int | None = None
     head_dim: int | None = None
     chunk: int | None = None
+    latent_dim: int | None = None
+    rope_dim: int | None = None
 
 
 @dataclass
@@ -95,6 +105,15 @@ class ModelLayout:
     def windows(self) -> dict[int, int | None]:
         """Sliding window per attention slot."""
         return {i: s.window for i, s in self.attention.items()}
+
+    @property
+    def latent(self) -> tuple[int, int] | None:
+        """``(latent_dim, rope_dim)`` of an MLA model (every attention slot is MLA, one
+        shape), else None."""
+        shapes = {(s.latent_dim, s.rope_dim) for s in self.attention.values()}
+        if len(shapes) != 1 or None in next(iter(shapes)):
+            return None
+        return next(iter(shapes))
 
 
 def check_model(
@@ -125,6 +144,7 @@ def check_model(
     caches = make_prompt_cache(model)
     layout = ModelLayout(model_type, len(caches))
     declared = _declared_windows(config, len(caches), config_window)
+    latent = _latent_slots(model, model_type, len(caches))
     for i, cache in enumerate(caches):
         kind = _slot_kind(model_type, i, cache)
         if kind == "recurrent":
@@ -134,13 +154,24 @@ def check_model(
             layout.recurrent.append(i)
             continue
         window = _window(model_type, i, cache, declared)
+        if i in latent:
+            if window is not None or _cache_chunk(cache) is not None:
+                raise UnsupportedModel(model_type, "multi-head latent attention with a "
+                                       "sliding window or an attention chunk", i)
+            layer = latent[i]
+            layout.attention[i] = AttentionSlot(None, latent_dim=layer.latent_dim,
+                                                rope_dim=layer.rope_dim)
+            continue
         layout.attention[i] = AttentionSlot(window, chunk=_cache_chunk(cache))
+    if latent and layout.latent is None:
+        raise UnsupportedModel(model_type, "multi-head latent attention next to other "
+                               "attention layers (one MLA page shape for every layer)")
     if declared is not None and any(
         w != _cache_window(caches[i]) for i, w in declared.items() if i in layout.attention
     ):
         layout.notes.append("sliding windows from the config (vLLM's), which mlx-lm's "
                             "model does not apply itself")
-    _check_config_features(model_type, config)
+    _check_config_features(model_type, config, latent=bool(latent))
     layout.shared = _shared_kv(model, model_type, config, layout)
     if layout.shared:
         layout.notes.append("KV shared across layers (layer -> the layer whose pages it "
@@ -168,9 +199,15 @@ def route_model(
     model_type = str(config["model_type"])
     mixers = routing.install_recurrent_mixers(model_type, model)
     patched = routing.install_paged_attention(model) + install_attention_adapters(model)
+    latent_attention.install_latent_attention(model)
     layout = check_model(model, config, recurrent_families=HYBRID_FAMILIES, kv_shape=kv_shape,
                          config_window=config_window, probe=probe)
-    if mixers != layout.recurrent:
+    # mlx-lm's cache list skips a family's stateless (MLP-only) layers: slot = layer index
+    # among the others
+    stateless = set(stateless_layers(model_type, model))
+    slot_of = {layer: slot for slot, layer in enumerate(
+        i for i in range(len(model.layers)) if i not in stateless)}
+    if [slot_of.get(i) for i in mixers] != layout.recurrent:
         raise UnsupportedModel(model_type, f"recurrent layers {mixers} at other cache slots "
                                f"({layout.recurrent})")
     return layout, patched
@@ -267,9 +304,10 @@ def _shared_kv(model: nn.Module, model_type: str, config: Mapping[str, Any],
     """
     sharing = _KV_SHARING.get(model_type)
     if sharing is None:
-        if config.get("num_kv_shared_layers"):
-            raise UnsupportedModel(model_type, "KV shared across layers "
-                                   "(num_kv_shared_layers) in this family")
+        for key in ("num_kv_shared_layers", "num_kv_reuse_layers"):
+            if config.get(key):
+                raise UnsupportedModel(model_type, f"KV shared across layers ({key}) in this "
+                                       "family")
         return {}
     shared = sharing(model, layout.num_slots)
     for j, target in shared.items():
@@ -279,14 +317,31 @@ def _shared_kv(model: nn.Module, model_type: str, config: Mapping[str, Any],
     return shared
 
 
-def _check_config_features(model_type: str, config: Mapping[str, Any]) -> None:
-    """Config features no mlx-lm module computes and the paged path cannot add."""
+def _latent_slots(model: nn.Module, model_type: str, num_slots: int
+                  ) -> dict[int, latent_attention.LatentAttention]:
+    """Slot index -> the MLA adapter of that decoder layer (slots are layers here).
+
+    Raises:
+        UnsupportedModel: MLA layers where cache slots are not one per layer.
+    """
+    latent = latent_attention.latent_layers(model)
+    if latent and num_slots != len(model.layers):
+        raise UnsupportedModel(model_type, "multi-head latent attention in a model whose "
+                               "cache slots are not its layers")
+    return latent
+
+
+def _check_config_features(model_type: str, config: Mapping[str, Any], *,
+                           latent: bool = False) -> None:
+    """Config features no mlx-lm module computes and the paged path cannot add (``latent``:
+    the model's MLA layers are adapted, :mod:`vllm_unified.models.latent_attention`)."""
     if config.get("use_bidirectional_attention") or config.get("is_causal") is False:
         raise UnsupportedModel(model_type, "bidirectional (non-causal) attention")
-    if config.get("kv_lora_rank"):
+    if config.get("kv_lora_rank") and not latent:
         # mlx-lm caches the up-projected keys and values; vLLM pages hold the latent
         raise UnsupportedModel(model_type, "multi-head latent attention (MLA: vLLM's latent "
-                               "page layout)")
+                               "page layout) in an mlx-lm module the latent adapter does not "
+                               "know")
 
 
 # ----------------------------------------------------------------------------- probe
@@ -308,13 +363,60 @@ def _probe(model: nn.Module, model_type: str, layout: ModelLayout,
     except Exception as e:  # noqa: BLE001 - re-raised with the model named
         raise UnsupportedModel(model_type, f"mlx-lm's forward with a KV cache ({e!r})") from e
     for i, slot in list(layout.attention.items()):
-        layout.attention[i] = _attention_slot(model_type, i, slot, records[i])
-    shapes = {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()}
+        if slot.latent_dim is None:
+            layout.attention[i] = _attention_slot(model_type, i, slot, records[i])
+    shapes = {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()
+              if s.latent_dim is None}
     if kv_shape is not None and shapes - {tuple(kv_shape)}:
         layout.notes.append("per-layer KV shapes (heads x head size: "
                             f"{', '.join(f'{h} x {d}' for h, d in sorted(shapes))}; vLLM's "
                             f"config says {kv_shape[0]} x {kv_shape[1]})")
+    if layout.latent is not None:
+        _probe_latent(model, model_type, layout, prompt, logits, kv_shape)
     _check_head(model, model_type, prompt, logits)
+
+
+def _probe_latent(model: nn.Module, model_type: str, layout: ModelLayout, prompt: mx.array,
+                  expected: mx.array, kv_shape: tuple[int, int] | None) -> None:
+    """The probe forward again with :class:`~vllm_unified.models.latent_attention.
+    LatentProbeCache` on the MLA slots: each must write one latent row per token and attend
+    in absorbed form, and the logits must be mlx-lm's (``expected``)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    latent_dim, rope_dim = layout.latent
+    caches = make_prompt_cache(model)
+    for i in layout.attention:
+        caches[i] = latent_attention.LatentProbeCache(latent_dim)
+    try:
+        got = model(prompt, cache=caches)
+        got = mx.concatenate([got, model(mx.array([[6]]), cache=caches)], axis=1)
+        mx.eval(got)
+    except Exception as e:  # noqa: BLE001 - re-raised with the model named
+        raise UnsupportedModel(model_type, f"multi-head latent attention in absorbed form "
+                               f"({e!r})") from e
+    for i in layout.attention:
+        if caches[i].writes != [latent_dim + rope_dim] * 2 or caches[i].attends != 2:
+            raise UnsupportedModel(model_type, "an MLA layer that does not attend its own "
+                                   "latent rows once per step", i)
+        layout.attention[i] = AttentionSlot(None, 1, latent_dim + rope_dim,
+                                            latent_dim=latent_dim, rope_dim=rope_dim)
+    _check_logits(model_type, got, expected, "multi-head latent attention in absorbed form "
+                  "(vLLM's MLA pages) whose logits are not mlx-lm's")
+    if kv_shape is not None and tuple(kv_shape) != (1, latent_dim + rope_dim):
+        layout.notes.append(f"MLA pages of {latent_dim} latent + {rope_dim} rope values per "
+                            f"token, where vLLM's own model of this type caches "
+                            f"{kv_shape[0]} KV heads of {kv_shape[1]}")
+
+
+def _check_logits(model_type: str, got: mx.array, expected: mx.array, feature: str) -> None:
+    """Raise :class:`UnsupportedModel` (``feature``, with the difference) where ``got`` is not
+    ``expected`` within the dtype's tolerance (:data:`_LOGITS_RTOL`)."""
+    expected = expected.astype(mx.float32)
+    scale = float(mx.max(mx.abs(expected))) or 1.0
+    err = float(mx.max(mx.abs(got.astype(mx.float32) - expected)))
+    rtol = _LOGITS_RTOL.get(got.dtype, _LOGITS_RTOL_16BIT)
+    if got.shape != expected.shape or err > rtol * scale:
+        raise UnsupportedModel(model_type, f"{feature} (differ by {err:.3g})")
 
 
 def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
@@ -326,8 +428,6 @@ def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
         raise UnsupportedModel(model_type, "attention computed outside mlx-lm's "
                                "scaled_dot_product_attention (e.g. logit soft-capping or a "
                                "custom kernel)", i)
-    if record.sinks:
-        raise UnsupportedModel(model_type, "attention sinks", i)
     shapes = set(record.writes)
     if len(shapes) != 1:
         raise UnsupportedModel(model_type, f"key/value shapes that change between steps "
@@ -348,18 +448,13 @@ def _check_head(model: nn.Module, model_type: str, prompt: mx.array, expected: m
 
     caches = make_prompt_cache(model)
     try:
-        hidden = model.model(prompt, cache=caches)
+        hidden = decoder(model)(prompt, cache=caches)
         got = lm_head(model, hidden[0])[None]
-        got = mx.concatenate([got, lm_head(model, model.model(mx.array([[6]]),
+        got = mx.concatenate([got, lm_head(model, decoder(model)(mx.array([[6]]),
                                                               cache=caches)[0])[None]], axis=1)
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 - re-raised with the model named
         raise UnsupportedModel(model_type, f"a model whose inner model cannot be called alone "
                                f"({e!r})") from e
-    expected = expected.astype(mx.float32)
-    scale = float(mx.max(mx.abs(expected))) or 1.0
-    err = float(mx.max(mx.abs(got.astype(mx.float32) - expected)))
-    rtol = _LOGITS_RTOL.get(got.dtype, _LOGITS_RTOL_16BIT)
-    if got.shape != expected.shape or err > rtol * scale:
-        raise UnsupportedModel(model_type, "a model whose logits are not its inner model "
-                               f"followed by its output head (differ by {err:.3g})")
+    _check_logits(model_type, got, expected, "a model whose logits are not its inner model "
+                  "followed by its output head")

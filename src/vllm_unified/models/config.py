@@ -127,6 +127,83 @@ def _granite_hybrid(cfg: dict[str, Any]) -> None:
         raise ValueError("granitemoehybrid: RoPE scaling is not supported by mlx-lm")
 
 
+def _lfm2(cfg: dict[str, Any]) -> None:
+    # mlx-lm sizes the MLP from block_dim / block_ff_dim, which transformers' config names
+    # hidden_size / intermediate_size, and always ties the LM head to the embedding
+    if cfg.get("tie_word_embeddings") is False:
+        raise ValueError("lfm2: an untied LM head (tie_word_embeddings=False) is not supported "
+                         "by mlx-lm, which always uses the embedding")
+    cfg.setdefault("block_dim", cfg["hidden_size"])
+    for key in ("block_dim", "conv_dim"):
+        if int(cfg.get(key, cfg["hidden_size"])) != int(cfg["hidden_size"]):
+            raise ValueError(f"lfm2: {key} {cfg[key]} != hidden_size {cfg['hidden_size']}, "
+                             "which mlx-lm assumes")
+    # transformers and vLLM size the MLP from intermediate_size, mlx-lm from block_ff_dim
+    ff = cfg.get("intermediate_size")
+    if cfg.get("block_ff_dim") is not None and ff is not None and int(
+            cfg["block_ff_dim"]) != int(ff):
+        raise ValueError(f"lfm2: block_ff_dim {cfg['block_ff_dim']} != intermediate_size {ff}")
+    if ff is not None:
+        cfg["block_ff_dim"] = ff
+    if cfg.get("layer_types") is None and cfg.get("full_attn_idxs") is None:
+        raise ValueError("lfm2: config has neither layer_types nor full_attn_idxs")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and int(head_dim) * int(cfg["num_attention_heads"]) != int(
+            cfg["hidden_size"]):
+        raise ValueError(f"lfm2: head_dim {head_dim} is not hidden_size / num_attention_heads, "
+                         "which mlx-lm assumes")
+
+
+def _qwen3_5(cfg: dict[str, Any]) -> None:
+    """Qwen3.5: transformers' text-only config (``qwen3_5_text``) is mlx-lm's ``qwen3_5``
+    without a ``text_config``; its layer kinds must follow mlx-lm's periodic layout."""
+    cfg["model_type"] = "qwen3_5"
+    text = cfg.get("text_config")
+    if isinstance(text, Mapping):
+        text = cfg["text_config"] = dict(text)  # a copy: the caller's config stays as it was
+    else:
+        text = cfg
+    if int(text.get("num_experts") or 0) > 0:
+        raise ValueError("qwen3_5: experts in a dense qwen3_5 config (mixture-of-experts "
+                         "checkpoints are qwen3_5_moe)")
+    layer_types = text.get("layer_types")
+    if layer_types:
+        if "full_attention" not in layer_types:
+            raise ValueError("qwen3_5: no full_attention layer in layer_types")
+        p = list(layer_types).index("full_attention") + 1
+        expected = ["full_attention" if (i + 1) % p == 0 else "linear_attention"
+                    for i in range(len(layer_types))]
+        if list(layer_types) != expected:
+            raise ValueError(f"qwen3_5: layer_types {layer_types} are not 'every p-th layer is "
+                             "full attention', the only layout mlx-lm builds")
+        text["full_attention_interval"] = p
+
+
+def _nemotron_h(cfg: dict[str, Any]) -> None:
+    kinds = cfg.get("layers_block_type") or cfg.get("layer_types") or []
+    pattern = cfg.get("hybrid_override_pattern") or ""
+    if "moe" in kinds or "E" in pattern:
+        raise ValueError("nemotron_h: mixture-of-experts blocks are not supported yet (dense "
+                         "Nemotron-H only: Mamba2, attention and MLP blocks)")
+    if cfg.get("sliding_window") is not None:
+        raise ValueError(f"nemotron_h: sliding_window={cfg['sliding_window']} is not supported "
+                         "by mlx-lm (it would attend over the full context)")
+    if cfg.get("mlp_hidden_act", "relu2") != "relu2":
+        raise ValueError(f"nemotron_h: mlp_hidden_act {cfg['mlp_hidden_act']!r} (mlx-lm "
+                         "implements relu2)")
+
+
+def _attention_free(cfg: dict[str, Any]) -> None:
+    raise ValueError(f"{cfg['model_type']}: an attention-free model (every layer recurrent) "
+                     "is not supported yet: vllm-unified's KV cache needs at least one "
+                     "attention layer")
+
+
+def _falcon_h1(cfg: dict[str, Any]) -> None:
+    raise ValueError("falcon_h1: layers that run a Mamba2 mixer and attention side by side "
+                     "(one layer on both KV pages and state pages) are not supported yet")
+
+
 def _gemma3_text(cfg: dict[str, Any]) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
@@ -247,6 +324,33 @@ def _sliding_pattern(layer_types: list[str], n_layers: int) -> int:
     return p
 
 
+def _minicpm3(cfg: dict[str, Any]) -> None:
+    """mlx-lm's MiniCPM3 always builds LongRoPE (plain RoPE: no rope_scaling, factors 1) and
+    rotates with ``long_factor`` at every position, where transformers and vLLM use
+    ``short_factor`` up to ``original_max_position_embeddings``: with no position beyond it
+    (MiniCPM3-4B's config) the short factors are the ones to use."""
+    _needs_rope_theta(cfg)
+    scaling = dict(cfg.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in (None, "longrope"):
+        raise ValueError(f"minicpm3: rope type {kind!r}: mlx-lm's module applies LongRoPE only")
+    if "short_factor" in scaling and scaling.get("long_factor") != scaling["short_factor"]:
+        original = scaling.get("original_max_position_embeddings")
+        if original is None or int(cfg["max_position_embeddings"]) > int(original):
+            raise ValueError("minicpm3: LongRoPE switching from short to long factors beyond "
+                             "original_max_position_embeddings is not applied by mlx-lm's "
+                             "module")
+        scaling["long_factor"] = scaling["short_factor"]
+    cfg["rope_scaling"] = scaling
+
+
+def _youtu(cfg: dict[str, Any]) -> None:
+    """transformers' ``youtu`` is mlx-lm's ``youtu_llm`` (same weight names); its
+    ``rope_interleave`` is mlx-lm's ``rope_traditional``."""
+    cfg["model_type"] = "youtu_llm"
+    cfg["rope_traditional"] = bool(cfg.get("rope_interleave", True))
+
+
 #: model type -> its fix-up of the config (in place), after the generic rope layout
 CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama": _needs_rope_theta,
@@ -257,4 +361,14 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama4": _llama4,
     "llama4_text": _llama4_text,
     "granitemoehybrid": _granite_hybrid,
+    "lfm2": _lfm2,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_text": _qwen3_5,
+    "nemotron_h": _nemotron_h,
+    "falcon_h1": _falcon_h1,
+    "mamba": _attention_free,
+    "mamba2": _attention_free,
+    "falcon_mamba": _attention_free,
+    "minicpm3": _minicpm3,
+    "youtu": _youtu,
 }

@@ -44,11 +44,13 @@ def paged_sdpa(
     """mlx-lm's ``scaled_dot_product_attention`` signature, paged for a
     :class:`PagedLayerCache` (the layer's sliding window is the cache's), mlx-lm's own
     function for any other cache (a cache :func:`record_cache` marked records the call).
+    ``sinks``: ``[H]`` attention sinks of any float dtype (gpt-oss), computed by every paged
+    kernel.
 
     Raises:
-        NotImplementedError: attention sinks with a paged cache.
         TypeError: a dense mask with a paged cache.
-        ValueError: the mask's sliding window is not the layer's.
+        ValueError: the mask's sliding window is not the layer's; sinks that are not ``[H]``
+            for the queries' H heads.
     """
     if not isinstance(cache, PagedLayerCache):
         record = getattr(cache, "probe_record", None)
@@ -57,8 +59,6 @@ def paged_sdpa(
             record.sinks = record.sinks or sinks is not None
         return patches.original_mlx_lm_sdpa()(queries, keys, values, cache, scale=scale,
                                               mask=mask, sinks=sinks)
-    if sinks is not None:
-        raise NotImplementedError("attention sinks are not supported by the paged kernel yet")
     if mask is not None and not isinstance(mask, PagedMask):
         raise TypeError(f"unexpected attention mask {type(mask).__name__} with a paged cache")
     if isinstance(mask, PagedMask) and mask.window is not None and mask.window != cache.window:
@@ -66,7 +66,7 @@ def paged_sdpa(
                          f"whose window is {cache.window}")
     # keys/values are this step's rows as the cache wrote them (update_and_fetch returns its
     # inputs): a prefill chunk with no earlier context attends to exactly these.
-    return cache.attend(queries, scale, cache.window, fresh=(keys, values))
+    return cache.attend(queries, scale, cache.window, fresh=(keys, values), sinks=sinks)
 
 
 @dataclass

@@ -155,6 +155,9 @@ class DraftModel:
         if any(layout.windows.values()):
             raise ValueError("--speculative-config: a draft model with sliding-window "
                              "layers is not supported by vllm-unified")
+        if layout.latent is not None:
+            raise ValueError("--speculative-config: a draft model with multi-head latent "
+                             "attention is not supported by vllm-unified")
         layers = HybridLayers(loaded.config["model_type"], layout.num_slots, [])
         cache_dtype = (self.vllm_config.speculative_config.kv_cache_dtype
                        or self.vllm_config.cache_config.cache_dtype or "auto")

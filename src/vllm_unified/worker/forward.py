@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from vllm_unified.models.output_head import lm_head
+from vllm_unified.models.output_head import decoder, lm_head
 
 __all__ = ["forward", "forward_hidden"]
 
@@ -52,8 +52,8 @@ def forward_hidden(
 
 def _inner_forward(model: nn.Module, layer_caches: list[Any], input_ids: mx.array,
                    input_embeddings: mx.array | None) -> mx.array:
-    """The mlx-lm inner model over ``[T, 1]`` rows: ``[T, 1, D]``."""
+    """The mlx-lm decoder stack over ``[T, 1]`` rows: ``[T, 1, D]``."""
     if input_embeddings is None:
-        return model.model(input_ids[:, None], cache=layer_caches)
-    return model.model(input_ids[:, None], cache=layer_caches,
-                       input_embeddings=input_embeddings[:, None, :])
+        return decoder(model)(input_ids[:, None], cache=layer_caches)
+    return decoder(model)(input_ids[:, None], cache=layer_caches,
+                          input_embeddings=input_embeddings[:, None, :])

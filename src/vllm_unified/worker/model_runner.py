@@ -294,10 +294,14 @@ class MLXModelRunner:
         self.layers = HybridLayers(model_type, num_layers, self.layout.recurrent,
                                    held=self.stage.layers if self.stage.size > 1 else None)
         cache_config = self.vllm_config.cache_config
-        shape = AttentionShape(self.model_config.get_num_kv_heads(pc),
-                               head_size, self.model_config.dtype,
-                               cache_config.cache_dtype or "auto",
-                               tuple(cache_config.kv_cache_dtype_skip_layers or ()))
+        if self.layout.latent is not None:  # MLA: vLLM's MLA pages, whatever vLLM's model does
+            shape = AttentionShape.latent(*self.layout.latent, self.model_config.dtype,
+                                          cache_config.cache_dtype or "auto")
+        else:
+            shape = AttentionShape(self.model_config.get_num_kv_heads(pc),
+                                   head_size, self.model_config.dtype,
+                                   cache_config.cache_dtype or "auto",
+                                   tuple(cache_config.kv_cache_dtype_skip_layers or ()))
         windows = {i: self.layout.attention[i].window for i in self.layers.attention}
         kv_shapes = {i: (a.num_kv_heads, a.head_dim) for i, a in self.layout.attention.items()
                      if a.num_kv_heads is not None and i in windows}
@@ -394,7 +398,7 @@ class MLXModelRunner:
         if not (self.kv_cache.pool.cuda_write
                 and all(gpu_attention_routed(d, self.backend) for d in head_dims)
                 and not self.layers.is_hybrid and self.backend.compile_decode
-                and self.stage.size == 1):
+                and self.stage.size == 1 and not self.kv_cache.latent_layers()):
             return None
         logger.info("vllm-unified: pure-decode steps run as one compiled MLX graph "
                     "(mx.compile, one trace per batch size; %s=0 turns it off)",

@@ -16,15 +16,21 @@ the kernel threads (``VLLM_UNIFIED_CPU_THREADS``); each item's arithmetic depend
 alone, so a row's output has the same bits whatever else the step holds. Head sizes 64, 128 and 256
 keep the dot products and the output in 16-wide registers (its speed: docs/dev/benchmarks.md). It
 computes the reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference
-for fp32, fp16 and bf16 pools, mixed steps, with and without a window or an attention chunk.
+for fp32, fp16 and bf16 pools, mixed steps, with and without a window, an attention chunk,
+soft-capping and sinks.
 """
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from vllm_unified import bridge
+from vllm_unified.compat import init_logger
 from vllm_unified.kv.attention.metadata import AttentionMetadata, Chunk, Window
+
+logger = init_logger(__name__)
 
 
 def paged_attention_rows(
@@ -32,6 +38,7 @@ def paged_attention_rows(
     window: Window, kv_mode: int = 0, rht_signs: mx.array | None = None,
     fresh: tuple[mx.array, mx.array, mx.array, mx.array] | None = None,
     chunk: Chunk = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Every token row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V).
 
@@ -52,6 +59,9 @@ def paged_attention_rows(
             K/V (``[T, Hkv, D]`` in the queries' dtype) and per row (int32 ``[T]``) the first
             position read from them and the fresh row of that position
             (:meth:`~vllm_unified.kv.attention.metadata.AttentionMetadata.fresh_key_rows`).
+        softcap: attention logit soft-capping (``softcap * tanh(s / softcap)`` of the scaled
+            scores) or None.
+        sinks: ``[H]`` sink logits of any float dtype (read as fp32) or None.
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
@@ -71,7 +81,29 @@ def paged_attention_rows(
     extra = {}
     if fresh is not None:
         extra = dict(zip(("fresh_k", "fresh_v", "raw_from", "raw_row0"), fresh, strict=True))
+    if softcap is not None:
+        extra["softcap"] = float(softcap)
+    if sinks is not None:
+        extra["sinks"] = sinks
     out = native.paged_attention(queries.reshape(tokens, heads, dim), kv_pool, tables, seqs,
                                  lens, scale, meta.block_size, window or 0, kv_mode=kv_mode,
                                  rht_signs=rht_signs, chunk=chunk or 0, **extra)
     return out.reshape(tokens, heads, 1, dim)
+
+
+def takes(softcap: float | None, sinks: mx.array | None) -> bool:
+    """Whether the native kernel computes these options: always without them; with them,
+    only an extension built from sources that have them (an older build would refuse the
+    arguments)."""
+    return (softcap is None and sinks is None) or _has_logit_options()
+
+
+@functools.cache
+def _has_logit_options() -> bool:
+    native = bridge.native_kernels()
+    ok = native is not None and "sinks" in (native.paged_attention.__doc__ or "")
+    if not ok:
+        logger.warning("the native CPU attention kernel was built without soft-capping and "
+                       "sinks: layers that use them are attended by the pure-MLX reference "
+                       "(rebuild the extension with scripts/setup.sh)")
+    return ok

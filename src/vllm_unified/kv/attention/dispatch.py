@@ -8,6 +8,10 @@ CUDA and Metal for the head sizes they take, else the pure-MLX reference
 Layers with chunked local attention (``chunk``) run on the same kernels, except over a
 quantized pool on a GPU backend, which takes the reference (:func:`chunk_routing`, logged at
 start-up by the runner).
+
+Attention logit soft-capping (``softcap``) and attention sinks (``sinks``) are computed by
+every kernel (the native CPU kernel, both paged GPU kernels and their SDPA chunks); a native
+extension built before it had them is passed over for the reference while they are set.
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ def paged_attention_kv(
     rht_signs: mx.array | None = None,
     after: mx.array | None = None,
     chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """:func:`vllm_unified.kv.attention.reference.paged_attention_kv` (same arguments, shapes
-    and result) by the kernel the profile picks; a ``chunk`` (chunked local attention) as
-    :func:`chunk_routing` says.
+    and result, ``softcap`` and ``sinks`` included) by the kernel the profile picks; a
+    ``chunk`` (chunked local attention) as :func:`chunk_routing` says.
 
     With ``accelerate`` (the default): on MLX's CPU backend with the native extension every
     row is attended straight from the pool by the native kernel; on a GPU backend by the paged
@@ -66,37 +72,46 @@ def paged_attention_kv(
     quantized = kv_format is not None and kv_format.quantized
     if not accelerate or (chunk is not None and quantized and not _cpu_rows_kernel(backend)):
         return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh,
-                                            kv_format, after, chunk=chunk)
+                                            kv_format, after, chunk=chunk, softcap=softcap,
+                                            sinks=sinks)
+    reference.check_logit_options(queries.shape[1], softcap, sinks)
     if chunk is not None and _cpu_rows_kernel(backend):
         return _chunked_rows(queries, kv_pool, meta, scale, window, kv_format, rht_signs,
-                             fresh, chunk)
+                             fresh, chunk, softcap, sinks)
     if quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, backend, kv_format,
-                                    rht_signs, fresh, after)
+                                    rht_signs, fresh, after, softcap, sinks)
     reference.check_kv_pool(queries, kv_pool, meta, window, chunk=chunk)
-    if meta.num_tokens and _cpu_rows_kernel(backend):
-        return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window)
+    if meta.num_tokens and _cpu_rows_kernel(backend) and cpu_attention.takes(softcap, sinks):
+        return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
+                                                  softcap=softcap, sinks=sinks)
     gpu_kernel = _gpu_kernel(queries.shape[-1], backend)
     if gpu_kernel is not None and meta.num_tokens:
         return gpu_kernel(queries, kv_pool, meta, scale, window, fresh, after=after,
-                          chunk=chunk)
+                          chunk=chunk, **gpu_paged.options(softcap, sinks))
     # The native CPU primitive copies both halves of each row in one pass, where MLX's generic
     # gather reads the two strided halves separately. Same values either way
     # (tests/test_paged_attention.py compares them).
     return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, after=after,
-                                        gather_rows=bridge.gather_kv, chunk=chunk)
+                                        gather_rows=bridge.gather_kv, chunk=chunk,
+                                        softcap=softcap, sinks=sinks)
 
 
 def _quantized_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: int | None, backend: BackendProfile, fmt: KVFormat, rht_signs: mx.array | None,
     fresh: tuple[mx.array, mx.array] | None = None, after: mx.array | None = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """:func:`paged_attention_kv` over a quantized pool, accelerated (see there)."""
     reference.check_kv_pool(queries, kv_pool, meta, window, fmt)
     head_dim = queries.shape[-1]
     raw = reference.fresh_rows(queries, meta, fmt, fresh)
     gpu = _gpu_kernel(head_dim, backend) is not None
+    if _cpu_rows_kernel(backend) and not cpu_attention.takes(softcap, sinks):
+        # a native build without the options: the reference's dequantize + SDPA
+        return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh, fmt,
+                                            after, softcap=softcap, sinks=sinks)
     if not (_cpu_rows_kernel(backend) or gpu):
         raise RuntimeError(f"--kv-cache-dtype {fmt.name}: the quantized pages are read by the "
                            "native CPU attention kernel (MLX's CPU backend with the native "
@@ -108,27 +123,34 @@ def _quantized_attention(
     if gpu and not _cpu_rows_kernel(backend):
         return gpu_paged_quant.paged_gpu_attention_quant(
             backend.gpu_attention, queries, kv_pool, meta, scale, window, fmt, rht_signs,
-            fresh=fresh, after=after)
+            fresh=fresh, after=after, **gpu_paged.options(softcap, sinks))
     return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
-                                              fmt.native_mode, rht_signs, raw)
+                                              fmt.native_mode, rht_signs, raw, softcap=softcap,
+                                              sinks=sinks)
 
 
 def _chunked_rows(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: int | None, fmt: KVFormat | None, rht_signs: mx.array | None,
-    fresh: tuple[mx.array, mx.array] | None, chunk: int,
+    fresh: tuple[mx.array, mx.array] | None, chunk: int, softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
-    """Chunked local attention by the native CPU kernel, dense or quantized pool."""
+    """Chunked local attention by the native CPU kernel, dense or quantized pool (the
+    reference where the extension lacks ``softcap`` or ``sinks``)."""
     quantized = fmt is not None and fmt.quantized
+    if not cpu_attention.takes(softcap, sinks):
+        return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh, fmt,
+                                            chunk=chunk, softcap=softcap, sinks=sinks)
     reference.check_kv_pool(queries, kv_pool, meta, window, fmt if quantized else None, chunk)
     if not meta.num_tokens:
         return mx.zeros(queries.shape, dtype=queries.dtype)
     if not quantized:
         return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
-                                                  chunk=chunk)
+                                                  chunk=chunk, softcap=softcap, sinks=sinks)
     return cpu_attention.paged_attention_rows(
         queries, kv_pool, meta, scale, window, fmt.native_mode, rht_signs,
-        reference.fresh_rows(queries, meta, fmt, fresh), chunk=chunk)
+        reference.fresh_rows(queries, meta, fmt, fresh), chunk=chunk, softcap=softcap,
+        sinks=sinks)
 
 
 def chunk_routing(backend: BackendProfile | None = None) -> str:
@@ -154,7 +176,7 @@ def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:
 def _gpu_kernel(head_dim: int, backend: BackendProfile) -> Callable[..., mx.array] | None:
     """The paged GPU attention of ``backend`` in the profile's dialect (``gpu_attention``)
     where it supports the head size, else None (the reference gather + SDPA). Called as
-    ``kernel(queries, kv_pool, meta, scale, window, fresh)``."""
+    ``kernel(queries, kv_pool, meta, scale, window, fresh, after=, softcap=, sinks=)``."""
     if backend.gpu_attention is None or not gpu_paged.supported(head_dim):
         return None
     return functools.partial(gpu_paged.paged_gpu_attention, backend.gpu_attention)
@@ -163,8 +185,9 @@ def _gpu_kernel(head_dim: int, backend: BackendProfile) -> Callable[..., mx.arra
 def fused_decode_kernel(head_dim: int, backend: BackendProfile | None
                         ) -> Callable[..., mx.array] | None:
     """The paged GPU attention that takes raw query projections in pure-decode steps
-    (``kernel(queries, kv_pool, meta, scale, window, prologue=...)``), or None where rows are
-    not attended by it (the native CPU kernel, the reference, an unsupported head size).
+    (``kernel(queries, kv_pool, meta, scale, window, prologue=..., softcap=..., sinks=...)``:
+    it computes both options), or None where rows are not attended by it (the native CPU
+    kernel, the reference, an unsupported head size).
     ``backend``: default :func:`vllm_unified.backend.profile`."""
     if backend is None:
         backend = profile()
@@ -175,5 +198,35 @@ def fused_decode_kernel(head_dim: int, backend: BackendProfile | None
 
 def _cpu_rows_kernel(backend: BackendProfile) -> bool:
     """Attend every row of a step with the native CPU kernel (kv/attention/cpu.py): the
-    profile's ``cpu_attention``."""
+    profile's ``cpu_attention`` (:func:`~vllm_unified.kv.attention.cpu.takes` says whether
+    it computes soft-capping and sinks)."""
     return backend.cpu_attention
+
+
+#: Why MLA layers are attended by the reference on every backend (for the start-up log).
+LATENT_ROUTE_REASON = (
+    "MLA layers are attended by the pure-MLX reference (gather + SDPA, key = value = the "
+    "latent row): the native CPU and paged GPU kernels read K and V as two halves of a cell "
+    "and take head sizes up to 256")
+
+
+def paged_attention_latent(
+    queries: mx.array,
+    latent_pool: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    latent_dim: int,
+    window: int | None = None,
+    after: mx.array | None = None,
+) -> mx.array:
+    """:func:`vllm_unified.kv.attention.reference.paged_attention_latent` (same arguments,
+    shapes and result), the production entry for MLA layers. Every backend runs the reference
+    for now (:data:`LATENT_ROUTE_REASON`).
+
+    Raises:
+        ValueError: as the reference.
+    """
+    if not meta.num_tokens:
+        return mx.zeros((*queries.shape[:-1], latent_dim), dtype=queries.dtype)
+    return reference.paged_attention_latent(queries, latent_pool, meta, scale, latent_dim,
+                                            window, after)

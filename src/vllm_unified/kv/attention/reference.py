@@ -101,6 +101,8 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of every scheduled token over its own sequence's keys in the paged pool.
 
@@ -119,18 +121,26 @@ def paged_attention(
         scale: multiplier of the scores, usually ``D ** -0.5``.
         window: sliding-window size in tokens, or ``None`` for full attention.
         chunk: attention chunk size in tokens, or ``None``.
+        softcap: attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``, vLLM's
+            ``logits_soft_cap``): the scaled scores become ``softcap * tanh(scores /
+            softcap)`` before the mask and the softmax; ``None``: none.
+        sinks: attention sinks (gpt-oss), ``[H]`` of any float dtype: one logit per query
+            head that joins the softmax's denominator and contributes no value, as
+            ``mx.fast.scaled_dot_product_attention(..., sinks=)``; ``None``: none.
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype, rows in token order.
 
     Raises:
-        ValueError: on shape mismatches, a window or chunk < 1, or a pool of more than 2**31 rows
-            (``slots * Hkv``; gather indices are int32).
+        ValueError: on shape mismatches, a window or chunk < 1, a softcap <= 0, sinks that are
+            not ``[H]``, or a pool of more than 2**31 rows (``slots * Hkv``; gather indices
+            are int32).
     """
     _check_inputs(queries.shape, k_pool.shape, v_pool.shape, meta, window, chunk)
+    check_logit_options(queries.shape[1], softcap, sinks)
     k_rows, v_rows = _rows_view(k_pool), _rows_view(v_pool)
     return _attend(queries, lambda rows: (k_rows[rows], v_rows[rows]), k_pool.shape[1], meta,
-                   scale, window, chunk)
+                   scale, window, chunk, softcap, sinks)
 
 
 def paged_attention_kv(
@@ -144,6 +154,8 @@ def paged_attention_kv(
     after: mx.array | None = None,
     gather_rows: RowsGather | None = None,
     chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """:func:`paged_attention` over one pool holding K and V side by side: MLX's gather + SDPA.
 
@@ -169,14 +181,17 @@ def paged_attention_kv(
     (:func:`vllm_unified.kv.gpu.write.ordered_after`), taken as an input by the gather, so the
     GPU runs the read after the write; None when nothing wrote it.
 
+    ``softcap``, ``sinks``: as :func:`paged_attention`.
+
     Raises:
         ValueError: as :func:`paged_attention`, or a last axis that is not ``2 * D`` (the
             format's cell bytes).
     """
     if kv_format is not None and kv_format.quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, kv_format, fresh,
-                                    chunk)
+                                    chunk, softcap, sinks)
     check_kv_pool(queries, kv_pool, meta, window, chunk=chunk)
+    check_logit_options(queries.shape[1], softcap, sinks)
     head_dim = queries.shape[-1]
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
 
@@ -187,7 +202,79 @@ def paged_attention_kv(
             return gathered
         return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
 
-    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, chunk)
+    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, chunk, softcap,
+                   sinks)
+
+
+def check_logit_options(heads: int, softcap: float | None, sinks: mx.array | None) -> None:
+    """The checks of ``softcap`` and ``sinks`` (:func:`paged_attention`) for ``heads`` query
+    heads.
+
+    Raises:
+        ValueError: a softcap that is not a finite number > 0, or sinks that are not a
+            floating ``[heads]`` array.
+    """
+    if softcap is not None and not (0 < float(softcap) < float("inf")):
+        raise ValueError(f"softcap must be a finite number > 0 (None: none), got {softcap}")
+    if sinks is not None and (sinks.shape != (heads,)
+                              or not mx.issubdtype(sinks.dtype, mx.floating)):
+        raise ValueError(f"sinks must be a floating [{heads}] array (one logit per query "
+                         f"head), got {sinks.dtype} {sinks.shape}")
+
+
+def paged_attention_latent(
+    queries: mx.array,
+    latent_pool: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    latent_dim: int,
+    window: int | None = None,
+    after: mx.array | None = None,
+) -> mx.array:
+    """Multi-head latent attention (MLA) in its absorbed form over vLLM's MLA pages.
+
+    ``latent_pool``: ``[num_blocks * block_size, 1, W]``, slot-major: each token's one row of
+    ``W = kv_lora_rank + qk_rope_head_dim`` values, the normalised latent ``c_kv`` followed by
+    the rotated shared key ``k_pe`` (vLLM's ``MLAAttentionSpec`` page, ``num_kv_heads=1``).
+    ``queries``: ``[T, H, 1, W]``, each head's ``q_nope`` already multiplied into the latent
+    space (first ``latent_dim`` values) followed by its rotated ``q_pe``. Every row is both key
+    and value (MQA with one KV head of size W): the scores are ``q . row * scale`` and the
+    output is the softmax-weighted sum of the rows' first ``latent_dim`` values. Causality,
+    ``window`` and ``after`` as :func:`paged_attention_kv`.
+
+    Returns:
+        ``[T, H, 1, latent_dim]`` in the queries' dtype, rows in token order (the caller
+        multiplies them by the value up-projection).
+
+    Raises:
+        ValueError: as :func:`paged_attention`, a pool that is not ``[slots, 1, W]``, or a
+            ``latent_dim`` outside ``(0, W]``.
+    """
+    check_latent_pool(queries, latent_pool, meta, latent_dim, window)
+    pool_rows = latent_pool.reshape(-1, latent_pool.shape[-1])
+
+    def gather(rows: mx.array) -> tuple[mx.array, mx.array]:
+        keys = pool_rows[after_token(rows, after)]
+        return keys, keys
+
+    out = _attend(queries, gather, 1, meta, scale, window)
+    return out[..., :latent_dim]
+
+
+def check_latent_pool(queries: mx.array, latent_pool: mx.array, meta: AttentionMetadata,
+                      latent_dim: int, window: Window) -> None:
+    """The shape checks of :func:`paged_attention_latent`.
+
+    Raises:
+        ValueError: as :func:`paged_attention_latent`.
+    """
+    width = queries.shape[-1]
+    if latent_pool.ndim != 3 or latent_pool.shape[1:] != (1, width):
+        raise ValueError(f"an MLA pool must be [slots, 1, {width}] (one latent row per "
+                         f"token), got {latent_pool.shape}")
+    if not 0 < latent_dim <= width:
+        raise ValueError(f"latent_dim {latent_dim} outside (0, {width}]")
+    _check_inputs(queries.shape, latent_pool.shape, latent_pool.shape, meta, window)
 
 
 def check_kv_pool(queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata,
@@ -227,6 +314,7 @@ def _quantized_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: int | None, fmt: KVFormat, fresh: tuple[mx.array, mx.array] | None = None,
     chunk: Chunk = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """:func:`paged_attention_kv` over a quantized pool (see there)."""
     check_kv_pool(queries, kv_pool, meta, window, fmt, chunk)
@@ -240,14 +328,16 @@ def _quantized_attention(
             sel = mx.array(own.astype(np.int32))
             dense[meta.slot_mapping[sel]] = mx.concatenate(
                 [fk[sel], fv[sel]], axis=-1).astype(mx.float32)
-    return paged_attention_kv(queries.astype(mx.float32), dense, meta, scale,
-                              window, chunk=chunk).astype(queries.dtype)
+    return paged_attention_kv(queries.astype(mx.float32), dense, meta, scale, window,
+                              chunk=chunk, softcap=softcap,
+                              sinks=sinks).astype(queries.dtype)
 
 
 def quantized_chunk_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
     window: Window, fmt: KVFormat, fresh: tuple[mx.array, mx.array] | None = None,
-    after: mx.array | None = None,
+    after: mx.array | None = None, softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Prefill chunk ``index`` of a step over a quantized pool by MLX's SDPA: its
     ``[L, H, 1, D]`` rows of ``queries`` over its own context's cells gathered from ``kv_pool``
@@ -257,7 +347,7 @@ def quantized_chunk_attention(
     leave long chunks to SDPA). ``fresh``: the step's unquantized keys and values
     (``[T, Hkv, 1, D]`` or ``[T, Hkv, D]``), read for the chunk's own ``L`` tokens in place of
     their cells (turboquant_k8v4's long continuation chunks, as vLLM's TurboQuant backend).
-    ``after``: as :func:`paged_attention_kv`."""
+    ``after``, ``softcap``, ``sinks``: as :func:`paged_attention_kv`."""
     dim = queries.shape[-1]
     cell_rows = kv_pool.reshape(-1, kv_pool.shape[-1])
     chunk = meta.prefills[index]
@@ -278,7 +368,8 @@ def quantized_chunk_attention(
         return keys, values
 
     return _prefill_attention(queries.astype(mx.float32), gather, meta, index, scale, window,
-                              kv_pool.shape[1]).astype(queries.dtype)
+                              kv_pool.shape[1], softcap=softcap,
+                              sinks=sinks).astype(queries.dtype)
 
 
 def _attend(
@@ -289,17 +380,19 @@ def _attend(
     scale: float,
     window: Window,
     chunk: Chunk = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention given ``gather``, which reads keys and values at pool rows (see _rows_view)."""
     if meta.num_tokens == 0:
         return queries
     outputs = []
     if meta.decode_rows is not None:
-        outputs.append(_decode_attention(queries, gather, meta, scale, window, kv_heads, chunk))
+        outputs.append(_decode_attention(queries, gather, meta, scale, window, kv_heads,
+                                         chunk, softcap, sinks))
     for index in range(len(meta.prefills)):
-        outputs.append(
-            _prefill_attention(queries, gather, meta, index, scale, window, kv_heads, chunk)
-        )
+        outputs.append(_prefill_attention(queries, gather, meta, index, scale, window,
+                                          kv_heads, chunk, softcap, sinks))
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return out if meta.output_order is None else out[meta.output_order]
 
@@ -348,22 +441,26 @@ def _decode_attention(
     window: Window,
     kv_heads: int,
     chunk: Chunk = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """One SDPA over all single-token sequences: ``[Bd, H, 1, D]`` against ``[Bd, Hkv, S, D]``."""
     view = meta.decode_view(window, kv_heads, chunk)
     q = queries[meta.decode_rows]
     keys, values = gather(view.rows)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=view.mask)
+    return sdpa(q, keys, values, scale, view.mask, softcap, sinks)
 
 
 def prefill_chunk_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
     window: Window, after: mx.array | None = None, chunk: Chunk = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """The reference's attention of prefill chunk ``index`` alone: its ``[L, H, 1, D]`` rows
     of ``queries`` (``[T, H, 1, D]``) over its keys gathered from ``kv_pool``
     (``[slots, Hkv, 2 * D]``) by MLX, then MLX's SDPA; ``[L, H, 1, D]`` out (for GPU kernels
-    that leave long chunks to SDPA). ``after``, ``chunk``: as :func:`paged_attention_kv`."""
+    that leave long chunks to SDPA). ``after``, ``chunk``, ``softcap``, ``sinks``: as
+    :func:`paged_attention_kv`."""
     dim = queries.shape[-1]
     pool_rows = kv_pool.reshape(-1, 2 * dim)
 
@@ -372,7 +469,7 @@ def prefill_chunk_attention(
         return pool_rows[:, :dim][rows], pool_rows[:, dim:][rows]
 
     return _prefill_attention(queries, gather, meta, index, scale, window, kv_pool.shape[1],
-                              chunk)
+                              chunk, softcap, sinks)
 
 
 def _prefill_attention(
@@ -384,6 +481,8 @@ def _prefill_attention(
     window: Window,
     kv_heads: int,
     attention_chunk: Chunk = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """One chunk: ``[1, H, L, D]`` queries against its context ``[1, Hkv, S, D]``, causal."""
     chunk = meta.prefills[index]
@@ -391,6 +490,57 @@ def _prefill_attention(
     # [L, H, 1, D] rows -> [1, H, L, D]: the chunk becomes one sequence of length L.
     q = queries[chunk.start : chunk.start + chunk.length].transpose(2, 1, 0, 3)
     keys, values = gather(view.rows)
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=view.mask)
+    out = sdpa(q, keys, values, scale, view.mask, softcap, sinks)
     return out.transpose(2, 1, 0, 3)
+
+
+def sdpa(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+         mask: mx.array | str | None, softcap: float | None = None,
+         sinks: mx.array | None = None) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` with attention logit soft-capping.
+
+    Args:
+        q: ``[B, H, L, D]``; keys, values: ``[B, Hkv, S, D]`` with ``H % Hkv == 0``.
+        scale: score multiplier.
+        mask: None, ``"causal"`` (lower-right aligned: query i sees keys ``j <= i + S - L``)
+            or a boolean array broadcasting to ``[B, H, L, S]`` (True: visible).
+        softcap, sinks: as :func:`paged_attention`; ``sinks`` is cast to ``q``'s dtype, as
+            MLX's SDPA requires.
+
+    Returns:
+        ``[B, H, L, D]`` in ``q``'s dtype. Without ``softcap``, MLX's SDPA itself (sinks
+        included); with it the scores are computed explicitly in fp32 (MLX's SDPA has no
+        soft-capping), capped, masked, and softmaxed with the sinks as an extra column.
+    """
+    if sinks is not None:
+        sinks = sinks.astype(q.dtype)
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask,
+                                                    sinks=sinks)
+    b, heads, length, dim = q.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    # [B, Hkv, G, L, D] against [B, Hkv, 1, S, D]: GQA without repeating the keys
+    qf = (q.astype(mx.float32) * scale).reshape(b, kv_heads, group, length, dim)
+    kf = keys.astype(mx.float32)[:, :, None]
+    scores = qf @ kf.swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}")
+        visible = mx.arange(num_keys)[None] <= mx.arange(length)[:, None] + (num_keys - length)
+    else:
+        visible = mask
+    if visible is not None:
+        visible = mx.broadcast_to(visible, (b, heads, length, num_keys)).reshape(
+            b, kv_heads, group, length, num_keys)
+        scores = mx.where(visible, scores, mx.array(-mx.inf, mx.float32))
+    if sinks is not None:
+        column = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, kv_heads, group, 1, 1),
+                                 (b, kv_heads, group, length, 1))
+        probs = mx.softmax(mx.concatenate([scores, column], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = mx.softmax(scores, axis=-1)
+    out = probs @ values.astype(mx.float32)[:, :, None]
+    return out.reshape(b, heads, length, dim).astype(q.dtype)
 

@@ -29,6 +29,13 @@ attention) ``first_r`` is raised to the start of the row's chunk,
 read; every key read was written by this or an earlier step, so the kernel never reads unowned
 pool memory.
 
+**Options.** Attention logit soft-capping (``SOFTCAP``: each scaled score becomes
+``cap * tanh(s / cap)``, ``cap`` the second word of the ``scale`` input) and attention sinks
+(``SINKS``: one fp32 logit per query head, input ``sinks``, counted in the combine's maximum and
+denominator, weighting no value) are template options of the shared body, so both kernels and
+both dialects have them; the chunks left to MLX's SDPA take them through
+:func:`vllm_unified.kv.attention.reference.sdpa`.
+
 **Tiles.** Built once per step on the host (:meth:`AttentionMetadata.gpu_tiles`, vectorised
 numpy, cached on the metadata, all layers share them) and ordered by decreasing key count, so the
 longest tiles start first. A pure-decode step needs none: group ``i`` is decode row ``i``, read
@@ -82,7 +89,9 @@ SHARED_BYTES = 32768
 KERNEL_NAME = "vllm_unified_paged_attention"
 #: ``after``: the completion token of the step's write into ``kv`` (not read: an input so
 #: the GPU orders the kernel after the write; :func:`vllm_unified.kv.gpu.write.ordered_after`)
-INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale", "after"]
+#: ``scale``: fp32 ``[2]``, the score scale and the soft-cap (0: none); ``sinks``: fp32 ``[H]``
+#: sink logits (``[1]``, unread, without sinks)
+INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale", "sinks", "after"]
 OUTPUT_NAMES = ["out"]
 
 #: A vector of N elements loaded (and stored) as one access.
@@ -111,7 +120,8 @@ def attention_body(parts: str, keep: tuple[str, ...] = ()) -> str:
 #: (attention chunk, 0: none), QT (rows per
 #: tile), CB ((row, head) pairs combined per pass, :func:`combine_batch`), DECODE (1: group i
 #: is decode row i, ``tiles`` holds the decode lengths ``[Bd]``; 0: ``tiles`` is ``[NT, 4]``:
-#: first row, rows, sequence, keys seen by the tile's last row). ``@Q_PROLOGUE@`` is filled by
+#: first row, rows, sequence, keys seen by the tile's last row), SOFTCAP and SINKS (0 or 1:
+#: the options, see the module docstring). ``@Q_PROLOGUE@`` is filled by
 #: :func:`kernel_source`.
 SOURCE = attention_body("paged.inc", keep=("Q_PROLOGUE",))
 
@@ -184,9 +194,39 @@ def _kernel(dialect: str, prologue: bool = False):
 
 
 @functools.cache
-def _scale(scale: float) -> mx.array:
-    """The score scale as a device array, made once (not once per layer and step)."""
-    return mx.array([scale], dtype=mx.float32)
+def scale_input(scale: float, softcap: float | None = None) -> mx.array:
+    """The ``scale`` input, ``[scale, softcap or 0]`` fp32, made once per value pair (not once
+    per layer and step)."""
+    return mx.array([scale, softcap or 0.0], dtype=mx.float32)
+
+
+@functools.cache
+def no_sinks() -> mx.array:
+    """The ``sinks`` input without sinks (never read)."""
+    return mx.zeros((1,), dtype=mx.float32)
+
+
+def sinks_input(sinks: mx.array | None) -> mx.array:
+    """The ``sinks`` input: ``sinks`` (``[H]``, any float dtype) as fp32, or :func:`no_sinks`."""
+    if sinks is None:
+        return no_sinks()
+    return sinks if sinks.dtype == mx.float32 else sinks.astype(mx.float32)
+
+
+def option_template(softcap: float | None, sinks: mx.array | None) -> list[tuple[str, int]]:
+    """The template arguments SOFTCAP and SINKS of the shared body."""
+    return [("SOFTCAP", int(softcap is not None)), ("SINKS", int(sinks is not None))]
+
+
+def options(softcap: float | None, sinks: mx.array | None) -> dict[str, object]:
+    """The keyword arguments of a launch for these options: none when neither is set (so a
+    launch is called as before they existed)."""
+    out: dict[str, object] = {}
+    if softcap is not None:
+        out["softcap"] = softcap
+    if sinks is not None:
+        out["sinks"] = sinks
+    return out
 
 
 @functools.cache
@@ -211,6 +251,7 @@ def launch_args(
     queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array, scale: float,
     window: Window, block_size: int, rows: int, decode: bool,
     prologue: QKPrologue | None = None, after: mx.array | None = None, chunk: Chunk = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> LaunchArgs:
     """The kernel call over ``tiles`` (see :func:`launch`)."""
     tokens, heads, _, dim = queries.shape
@@ -219,13 +260,14 @@ def launch_args(
     warps = warps_per_group(group, dim, rows)
     extra = [] if prologue is None else [prologue.params]
     return LaunchArgs(
-        inputs=[queries, kv_pool, tables, tiles, _scale(scale),
-                no_write() if after is None else after, *extra],
+        inputs=[queries, kv_pool, tables, tiles, scale_input(scale, softcap),
+                sinks_input(sinks), no_write() if after is None else after, *extra],
         template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
                   ("BS", block_size), ("WARPS", warps),
                   ("WINDOW", 0 if window is None else int(window)),
                   ("CHUNK", 0 if chunk is None else int(chunk)), ("QT", rows),
                   ("CB", combine_batch(group, dim, rows, warps)), ("DECODE", int(decode)),
+                  *option_template(softcap, sinks),
                   *(() if prologue is None else prologue.template())],
         grid=(tiles.shape[0] * kv_heads * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
@@ -238,6 +280,7 @@ def launch(
     dialect: str, queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array,
     scale: float, window: Window, block_size: int, rows: int, decode: bool,
     prologue: QKPrologue | None = None, after: mx.array | None = None, chunk: Chunk = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """One launch of the kernel over ``tiles``; returns ``[T, H, 1, D]`` where only the rows the
     tiles cover are written (the others are uninitialised memory).
@@ -258,9 +301,10 @@ def launch(
         after: the completion token of the write into ``kv_pool`` in the same evaluation,
             if any (:func:`vllm_unified.kv.gpu.write.ordered_after`).
         chunk: attention chunk in tokens (chunked local attention) or None.
+        softcap, sinks: as :func:`paged_gpu_attention`.
     """
     a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode,
-                    prologue, after, chunk)
+                    prologue, after, chunk, softcap, sinks)
     kern = _kernel(dialect, prologue is not None)
     return kern(inputs=a.inputs, template=a.template, grid=a.grid, threadgroup=a.threadgroup,
                 output_shapes=a.output_shapes, output_dtypes=a.output_dtypes)[0]
@@ -270,7 +314,8 @@ def paged_gpu_attention(
     dialect: str, queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, fresh: tuple[mx.array, mx.array] | None = None,
     max_chunk: int | None = None, prologue: QKPrologue | None = None,
-    after: mx.array | None = None, chunk: Chunk = None,
+    after: mx.array | None = None, chunk: Chunk = None, softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Every row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V per cell).
 
@@ -293,23 +338,28 @@ def paged_gpu_attention(
         after: the completion token of this evaluation's write into ``kv_pool``, taken as an
             input by every read of it here (:func:`vllm_unified.kv.gpu.write.ordered_after`).
         chunk: attention chunk in tokens (chunked local attention) or None.
+        softcap: attention logit soft-capping of the scaled scores, or None.
+        sinks: ``[H]`` sink logits (any float dtype), or None.
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
 
     Raises:
         ValueError: a head size the kernel does not take, a step with prefill chunks whose
-            metadata lacks the host-side fields (a compiled step's), or a ``prologue`` in a
-            step that is not pure decode.
+            metadata lacks the host-side fields (a compiled step's), a ``prologue`` in a
+            step that is not pure decode, or bad ``softcap`` / ``sinks``
+            (:func:`~vllm_unified.kv.attention.reference.check_logit_options`).
     """
     tokens, heads, _, dim = queries.shape
     if not supported(dim):
         raise ValueError(f"the paged GPU kernel takes head sizes {HEAD_SIZES}, not {dim}")
-    chunked = {} if chunk is None else {"chunk": chunk}  # launch's default otherwise
+    reference.check_logit_options(heads, softcap, sinks)
+    # launch's defaults where unset (launch stand-ins keep their signature)
+    extra = {**({} if chunk is None else {"chunk": chunk}), **options(softcap, sinks)}
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
-                      1, True, prologue, after, **chunked)
+                      1, True, prologue, after, **extra)
     if prologue is not None:
         raise ValueError("the query prologue is applied in pure-decode steps only")
     rows = q_tile(heads // kv_pool.shape[1], dim)
@@ -318,7 +368,7 @@ def paged_gpu_attention(
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
-                     meta.block_size, rows, False, None, after, **chunked)
+                     meta.block_size, rows, False, None, after, **extra)
     if not plan.sdpa:
         return out
     pieces = []
@@ -327,17 +377,21 @@ def paged_gpu_attention(
             pieces.append(out[start:stop])
         elif fresh is not None and meta.prefills[index].seq_len == stop - start:
             pieces.append(fresh_chunk(queries[start:stop], fresh, start, stop, kv_pool.dtype,
-                                       meta.fresh_mask(index, window, chunk), scale))
+                                       meta.fresh_mask(index, window, chunk), scale, softcap,
+                                       sinks))
         else:
             pieces.append(reference.prefill_chunk_attention(queries, kv_pool, meta, index,
-                                                            scale, window, after, chunk))
+                                                            scale, window, after, chunk,
+                                                            softcap, sinks))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
 
 
 def fresh_chunk(queries: mx.array, fresh: tuple[mx.array, mx.array], start: int, stop: int,
-                 dtype: mx.Dtype, mask: mx.array | str, scale: float) -> mx.array:
+                dtype: mx.Dtype, mask: mx.array | str, scale: float,
+                softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
     """A chunk's ``[L, H, 1, D]`` queries over its own fresh keys and values (rows
-    ``start ... stop - 1`` of ``fresh``), cast to the pool's dtype, by MLX's SDPA."""
+    ``start ... stop - 1`` of ``fresh``), cast to the pool's dtype, by MLX's SDPA
+    (:func:`vllm_unified.kv.attention.reference.sdpa`, with ``softcap`` and ``sinks``)."""
     keys, values = fresh
     if keys.ndim == 3:
         keys, values = keys[:, :, None], values[:, :, None]
@@ -345,5 +399,5 @@ def fresh_chunk(queries: mx.array, fresh: tuple[mx.array, mx.array], start: int,
     q = queries.transpose(2, 1, 0, 3)
     k = keys[start:stop].astype(dtype).transpose(2, 1, 0, 3)
     v = values[start:stop].astype(dtype).transpose(2, 1, 0, 3)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    out = reference.sdpa(q, k, v, scale, mask, softcap, sinks)
     return out.transpose(2, 1, 0, 3)

@@ -50,7 +50,8 @@ from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, KVFormat, rotation_bloc
 
 KERNEL_NAME = "vllm_unified_paged_attention_quant"
 #: ``after``: as :data:`gpu_paged.INPUT_NAMES`'s (the write's completion token, not read)
-INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale", "signs", "after"]
+#: ``scale``, ``sinks``: as :data:`gpu_paged.INPUT_NAMES`'s
+INPUT_NAMES = ["q", "kv", "tables", "tiles", "scale", "sinks", "signs", "after"]
 OUTPUT_NAMES = ["out"]
 
 #: the kernel's helpers: the dense kernel's vector type, vLLM's float8 e4m3fn decoding and the
@@ -62,8 +63,8 @@ HEADER = gpu_paged.HEADER + QUANT_HEADER + gpu_dialect.kernel_file(__package__,
 #: (1 int8, 2 int4, 3 fp8, 4 turboquant_k8v4), BLK (int4's rotation block, else 1), RQ (rows
 #: of the rotation buffer: QT * G for int4, else 1), and those of :data:`gpu_paged.SOURCE`
 #: (D, H, HKV, BS, WARPS, WINDOW, CHUNK (0: quantized pools with an attention chunk take the
-#: reference), QT, CB, DECODE). ``scale`` is the softmax scale (int4:
-#: divided by BLK).
+#: reference), QT, CB, DECODE, SOFTCAP, SINKS). ``scale`` is the softmax scale (int4:
+#: divided by BLK) and the soft-cap.
 SOURCE = gpu_paged.attention_body("paged_quant.inc")
 
 
@@ -113,11 +114,6 @@ def _kernel(dialect: str):
                               header=HEADER)
 
 
-@functools.cache
-def _scale(scale: float) -> mx.array:
-    return mx.array([scale], dtype=mx.float32)
-
-
 _UNUSED: list[mx.array] = []
 
 
@@ -130,7 +126,8 @@ def _no_signs() -> mx.array:
 def launch_args(
     queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array, scale: float,
     window: Window, block_size: int, rows: int, decode: bool, fmt: KVFormat,
-    signs: mx.array | None, after: mx.array | None = None,
+    signs: mx.array | None, after: mx.array | None = None, softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> LaunchArgs:
     """The kernel call over ``tiles`` (see :func:`launch`)."""
     tokens, heads, _, dim = queries.shape
@@ -139,15 +136,16 @@ def launch_args(
     warps, cb = launch_shape(group, dim, rows, fmt.rotated)
     block = rotation_block(dim) if fmt.rotated else 1
     return LaunchArgs(
-        inputs=[queries, kv_pool, tables, tiles, _scale(scale / block),
-                signs if fmt.rotated else _no_signs(),
+        inputs=[queries, kv_pool, tables, tiles, gpu_paged.scale_input(scale / block, softcap),
+                gpu_paged.sinks_input(sinks), signs if fmt.rotated else _no_signs(),
                 gpu_paged.no_write() if after is None else after],
         template=[("T", queries.dtype), ("P", kv_pool.dtype), ("MODE", fmt.native_mode),
                   ("BLK", block), ("RQ", rotation_rows(group, rows, fmt.rotated)), ("D", dim),
                   ("H", heads), ("HKV", kv_heads), ("BS", block_size), ("WARPS", warps),
                   ("WINDOW", 0 if window is None else int(window)),
                   ("CHUNK", 0), ("QT", rows),
-                  ("CB", cb), ("DECODE", int(decode))],
+                  ("CB", cb), ("DECODE", int(decode)),
+                  *gpu_paged.option_template(softcap, sinks)],
         grid=(tiles.shape[0] * kv_heads * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
         output_shapes=[(tokens, heads, 1, dim)],
@@ -158,14 +156,15 @@ def launch_args(
 def launch(
     dialect: str, queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array,
     scale: float, window: Window, block_size: int, rows: int, decode: bool, fmt: KVFormat,
-    signs: mx.array | None, after: mx.array | None = None,
+    signs: mx.array | None, after: mx.array | None = None, softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """One launch over ``tiles`` (as :func:`gpu_paged.launch`, over a quantized pool
     ``[slots, Hkv, cell bytes]`` of format ``fmt``; ``signs``: int4's RHT signs; ``after``:
-    the write's completion token); returns ``[T, H, 1, D]`` where only the rows the tiles
-    cover are written."""
+    the write's completion token; ``softcap``, ``sinks``: as :func:`gpu_paged.launch`);
+    returns ``[T, H, 1, D]`` where only the rows the tiles cover are written."""
     a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode,
-                    fmt, signs, after)
+                    fmt, signs, after, softcap, sinks)
     return _kernel(dialect)(inputs=a.inputs, template=a.template, grid=a.grid,
                             threadgroup=a.threadgroup, output_shapes=a.output_shapes,
                             output_dtypes=a.output_dtypes)[0]
@@ -175,6 +174,7 @@ def paged_gpu_attention_quant(
     dialect: str, queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, fmt: KVFormat, signs: mx.array | None, max_chunk: int | None = None,
     fresh: tuple[mx.array, mx.array] | None = None, after: mx.array | None = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Every row's attention over a quantized pool (``[slots, Hkv, fmt.cell_bytes(D)]``).
 
@@ -196,6 +196,8 @@ def paged_gpu_attention_quant(
             every key from their cells).
         after: the completion token of this evaluation's write into ``kv_pool``
             (:func:`vllm_unified.kv.gpu.write.ordered_after`), taken by every read of it here.
+        softcap, sinks: as :func:`gpu_paged.paged_gpu_attention` (the kernel and the chunks
+            left to MLX's SDPA both apply them).
 
     Returns:
         ``[T, H, 1, D]`` in the queries' dtype and token order, lazily.
@@ -211,10 +213,11 @@ def paged_gpu_attention_quant(
                          f"to 256, not {dim}")
     if fmt.rotated and signs is None:
         raise ValueError(f"{fmt.name}: the attention needs vLLM's RHT signs")
+    reference.check_logit_options(queries.shape[1], softcap, sinks)
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
-                      1, True, fmt, signs, after)
+                      1, True, fmt, signs, after, **gpu_paged.options(softcap, sinks))
     limit = gpu_paged.MAX_KERNEL_CHUNK if max_chunk is None else max_chunk
     if fmt.turboquant:  # chunks that read their own K/V unquantized never reach the kernel
         if fresh is None and meta.fresh_key_rows(TQ_SHORT_CONTINUATION) is not None:
@@ -227,7 +230,8 @@ def paged_gpu_attention_quant(
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
-                     meta.block_size, rows, False, fmt, signs, after)
+                     meta.block_size, rows, False, fmt, signs, after,
+                     **gpu_paged.options(softcap, sinks))
     if not plan.sdpa:
         return out
     pieces = []
@@ -237,10 +241,10 @@ def paged_gpu_attention_quant(
         elif fmt.turboquant and meta.prefills[chunk].seq_len == stop - start:
             pieces.append(gpu_paged.fresh_chunk(queries[start:stop], fresh, start, stop,
                                                 queries.dtype, meta.fresh_mask(chunk, window),
-                                                scale))
+                                                scale, softcap, sinks))
         else:
             own = fmt.turboquant and stop - start > TQ_SHORT_CONTINUATION
             pieces.append(reference.quantized_chunk_attention(
                 queries, kv_pool, meta, chunk, scale, window, fmt, fresh if own else None,
-                after))
+                after, softcap, sinks))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)

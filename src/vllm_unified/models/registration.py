@@ -1,0 +1,150 @@
+"""Let vLLM accept checkpoints of the mlx-lm model types that transformers and vLLM do not know.
+
+vLLM reads a checkpoint's config through transformers (``AutoConfig``, or vLLM's own config
+classes) and checks its ``architectures`` against its model registry before any worker runs.
+For an mlx-lm type neither knows (``internlm2`` without remote code, ``openelm``, ``plamo``,
+...) both steps fail, although our worker builds the model from mlx-lm alone. So the plugin
+registers, in every vLLM process (:func:`register_mlx_lm_types`, from the general-plugin entry
+point):
+
+* with transformers (its public ``AutoConfig.register``), a config class per such type:
+  :class:`MLXLMConfig`, the config.json as mlx-lm reads it, plus the standard names vLLM reads
+  (``num_hidden_layers``, ``hidden_size``, ...) where the type spells them differently;
+* with vLLM (its public ``ModelRegistry.register_model``), when such a config is read, each of
+  its ``architectures`` that vLLM has no class for, as :class:`MLXLMOnlyModel`: a text-
+  generation model whose torch class is never built (our worker runs mlx-lm's).
+
+Nothing is registered for a type transformers or vLLM already knows: their classes stay in
+charge. Imports no MLX (vLLM may fork after loading plugins): mlx-lm's model types are the file
+names of its ``models`` folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from vllm_unified import compat
+
+__all__ = ["MLXLMConfig", "MLXLMOnlyModel", "mlx_lm_model_types", "register_mlx_lm_types"]
+
+logger = logging.getLogger("vllm.vllm_unified.models.registration")
+
+#: modules of mlx_lm/models that are building blocks, not model types
+_HELPER_MODULES = frozenset({
+    "__init__", "base", "cache", "rope_utils", "switch_layers", "activations", "gated_delta",
+    "mla", "ssm", "pipeline", "bitlinear_layers",
+})
+
+#: the name vLLM reads -> the names mlx-lm's model types use for it, first match wins
+_STANDARD_NAMES: dict[str, tuple[str, ...]] = {
+    "num_hidden_layers": ("n_layer", "n_layers", "num_layers", "num_transformer_layers"),
+    "hidden_size": ("n_embd", "d_model", "hidden_dim", "model_dim", "dim"),
+    "num_attention_heads": ("n_head", "n_heads", "num_heads", "num_query_heads"),
+    "num_key_value_heads": ("n_kv_heads", "num_kv_heads", "multi_query_group_num"),
+    "max_position_embeddings": ("n_positions", "n_ctx", "block_size", "model_max_length",
+                                "seq_length"),
+}
+
+
+def mlx_lm_model_types() -> list[str]:
+    """mlx-lm's model types (the modules of ``mlx_lm/models`` except building blocks), found
+    without importing mlx-lm; empty when mlx-lm is not installed."""
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    folder = Path(list(spec.submodule_search_locations)[0]) / "models"
+    return sorted(p.stem for p in folder.glob("*.py") if p.stem not in _HELPER_MODULES)
+
+
+class MLXLMConfig(PretrainedConfig):
+    """The config.json of an mlx-lm model type transformers has no class for, as mlx-lm reads
+    it (every key kept as given), with the standard names vLLM reads (``num_hidden_layers``,
+    ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
+    ``max_position_embeddings``) taken from the type's own spelling where the standard one is
+    absent (:data:`_STANDARD_NAMES`). A ``text_config`` dict (mlx-lm's wrappers of a
+    language model) becomes an :class:`MLXLMConfig` of its own, which vLLM reads as the text
+    config. Subclassed once per model type by :func:`register_mlx_lm_types`."""
+
+    model_type = ""
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        # transformers 5 makes every config class a dataclass: keys that are not fields (all
+        # of ours) arrive here
+        text = kwargs.get("text_config")
+        if isinstance(text, dict):
+            kwargs["text_config"] = MLXLMConfig(**text)
+        for standard, spellings in _STANDARD_NAMES.items():
+            if kwargs.get(standard) is None:
+                value = next((kwargs[s] for s in spellings if kwargs.get(s) is not None), None)
+                if value is not None:
+                    kwargs[standard] = value
+        super().__post_init__(**kwargs)
+        if type(self).model_type:
+            _register_architectures(self.architectures or ())
+
+    def get_text_config(self, *args: Any, **kwargs: Any) -> PretrainedConfig:
+        text = getattr(self, "text_config", None)
+        return text if isinstance(text, PretrainedConfig) else self
+
+
+class MLXLMOnlyModel(torch.nn.Module):
+    """What vLLM's model registry holds for an architecture only mlx-lm defines: a text-
+    generation model (the interface vLLM's registry inspects) that vllm-unified's worker
+    serves with mlx-lm's own model. vLLM never builds it on this platform; building or calling
+    it raises.
+
+    Raises:
+        RuntimeError: on construction, naming vllm-unified.
+    """
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        raise RuntimeError(
+            "this architecture is defined only by mlx-lm: vllm-unified's worker serves it; "
+            "vLLM's own model runner cannot build it")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("MLXLMOnlyModel is never run")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("MLXLMOnlyModel is never run")
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("MLXLMOnlyModel is never run")
+
+
+def _register_architectures(architectures: Iterable[str]) -> None:
+    """Register each of ``architectures`` vLLM has no class for as :class:`MLXLMOnlyModel`."""
+    registry = compat.ModelRegistry
+    for arch in architectures:
+        if arch not in registry.get_supported_archs():
+            registry.register_model(arch, MLXLMOnlyModel)
+            logger.info("vllm-unified: architecture %s (an mlx-lm model type vLLM does not "
+                        "define) registered for vllm-unified's worker", arch)
+
+
+def register_mlx_lm_types() -> list[str]:
+    """Register :class:`MLXLMConfig` with transformers for every mlx-lm model type that neither
+    transformers nor vLLM has a config class for. Idempotent.
+
+    Returns:
+        The model types registered by this call.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    done = []
+    for model_type in mlx_lm_model_types():
+        if model_type in CONFIG_MAPPING or compat.has_vllm_config_class(model_type):
+            continue
+        cls = type(f"MLXLMConfig_{model_type.replace('-', '_')}", (MLXLMConfig,),
+                   {"model_type": model_type, "__module__": __name__})
+        AutoConfig.register(model_type, cls)
+        done.append(model_type)
+    return done
