@@ -109,8 +109,8 @@ def run_step(
         meta.slot_mapping,
     )
     scale = D**-0.5
-    out = paged_attention(mx.array(queries), pool.k, pool.v, meta, scale, window, softcap,
-                          None if sinks is None else mx.array(sinks))
+    out = paged_attention(mx.array(queries), pool.k, pool.v, meta, scale, window,
+                          softcap=softcap, sinks=None if sinks is None else mx.array(sinks))
     assert out.shape == (meta.num_tokens, heads, 1, D) and out.dtype == mx.float32
 
     expected = np.zeros((meta.num_tokens, heads, D))

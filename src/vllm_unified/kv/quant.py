@@ -411,18 +411,22 @@ def tokens_per_gib(fmts: Sequence[KVFormat], num_kv_heads: int, head_size: int,
 
 
 def attention_spec(fmt: KVFormat, *, block_size: int, num_kv_heads: int, head_size: int,
-                   dtype: Any, sliding_window: int | None = None) -> Any:
+                   dtype: Any, sliding_window: int | None = None,
+                   attention_chunk_size: int | None = None) -> Any:
     """vLLM's ``FullAttentionSpec`` of one attention layer in this format: the model dtype
     ``dtype`` unquantized, else vLLM's storage dtype, ``kv_quant_mode`` and packed cell size
     (``state_content_bytes``, what ``TritonAttentionBackend.customize_spec`` sets:
     ``(data_k + data_v) + 2 * 4`` bytes; for TurboQuant what
     ``TurboQuantAttentionBackend.customize_spec`` sets, ``slot_size_aligned``), so
-    ``page_size_bytes`` is vLLM's."""
+    ``page_size_bytes`` is vLLM's. ``attention_chunk_size``: a chunked local attention layer's
+    chunk, recorded as vLLM records it where it keeps such layers in the full-attention group."""
     if not fmt.quantized:
         return compat.FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
                                         head_size=head_size, dtype=dtype,
-                                        sliding_window=sliding_window)
+                                        sliding_window=sliding_window,
+                                        attention_chunk_size=attention_chunk_size)
     return compat.FullAttentionSpec(
         block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
         dtype=storage_dtype(fmt), sliding_window=sliding_window,
-        kv_quant_mode=quant_mode(fmt), state_content_bytes=fmt.cell_bytes(head_size))
+        attention_chunk_size=attention_chunk_size, kv_quant_mode=quant_mode(fmt),
+        state_content_bytes=fmt.cell_bytes(head_size))

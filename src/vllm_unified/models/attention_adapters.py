@@ -6,6 +6,12 @@ projections and rotation, then attends through :func:`softcapped_sdpa`: the page
 for a :class:`~vllm_unified.kv.layer_cache.PagedLayerCache`, mlx-lm's own arithmetic for any
 other cache (plain mlx-lm use in the same process is unchanged). :data:`ADAPTERS` lists them
 by module and class; :func:`install_attention_adapters` installs those a model uses.
+
+Llama 4 computes its attention through ``scaled_dot_product_attention`` but builds its
+temperature-tuning scales and its chunk mask from a scalar cache offset; with a paged cache
+(one position per token row) its attention takes per-row positions and its decoder leaves
+the masks to the paged attention (each layer's cache carries its attention chunk). Other
+caches keep mlx-lm's own code.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vllm_unified import patches
-from vllm_unified.kv.layer_cache import PagedLayerCache
+from vllm_unified.kv.layer_cache import MissingLayerCache, PagedLayerCache
+from vllm_unified.models import routing
 
 __all__ = ["ADAPTERS", "install_attention_adapters", "softcapped_sdpa"]
 
@@ -74,10 +81,54 @@ def _gemma2_attention(self: nn.Module, x: mx.array, mask: Any = None,
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
+def _llama4_attention(self: nn.Module, x: mx.array, mask: Any = None,
+                      cache: Any = None) -> mx.array:
+    """mlx-lm's Llama 4 ``Attention.__call__`` with its temperature tuning (NoPE layers:
+    queries scaled by ``log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1`` at position
+    p) computed per row where the cache's offset is one position per row."""
+    b, n, _ = x.shape
+    queries = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = self.k_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    offset = cache.offset if cache is not None else 0
+    if self.use_rope:
+        queries = self.rope(queries, offset=offset)
+        keys = self.rope(keys, offset=offset)
+    if self.use_qk_norm:
+        queries = mx.fast.rms_norm(queries, weight=None, eps=1e-6)
+        keys = mx.fast.rms_norm(keys, weight=None, eps=1e-6)
+    if self.attn_temperature_tuning and not self.use_rope:
+        # [B or 1, 1, n, 1]: row r's token i sits at position offset[r] + i
+        pos = mx.reshape(mx.array(offset), (-1, 1, 1, 1)) + mx.arange(1, n + 1)[:, None]
+        scales = mx.log(mx.floor(pos / self.floor_scale) + 1.0) * self.attn_scale + 1.0
+        queries = (queries * scales).astype(queries.dtype)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    out = routing.paged_sdpa(queries, keys, values, cache, self.scale, mask)
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def _llama4_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's Llama 4 ``LlamaModel.__call__``; with paged caches its layers attend without
+    dense masks (the paged attention applies causality and each layer's chunk)."""
+    if cache is None or not any(isinstance(c, PagedLayerCache | MissingLayerCache)
+                                for c in cache):
+        return _ORIGINAL[("mlx_lm.models.llama4", "LlamaModel")](self, inputs, cache)
+    h = self.embed_tokens(inputs)
+    for layer, c in zip(self.layers, cache, strict=False):
+        h = layer(h, None, cache=c)
+    return self.norm(h)
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
+    ("mlx_lm.models.llama4", "Attention"): _llama4_attention,
+    ("mlx_lm.models.llama4", "LlamaModel"): _llama4_decoder,
 }
+
+#: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed
+_ORIGINAL: dict[tuple[str, str], Callable[..., mx.array]] = {}
 
 
 def install_attention_adapters(model: nn.Module) -> list[str]:
@@ -86,7 +137,10 @@ def install_attention_adapters(model: nn.Module) -> list[str]:
     ``module.Class`` names changed now, for the log."""
     installed = []
     for cls in {type(m) for m in model.modules()}:
-        adapted = ADAPTERS.get((cls.__module__, cls.__name__))
+        key = (cls.__module__, cls.__name__)
+        adapted = ADAPTERS.get(key)
+        if adapted is not None and cls.__call__ is not adapted:
+            _ORIGINAL.setdefault(key, cls.__call__)
         if adapted is not None and patches.adapt_mlx_lm_attention_class(cls, adapted):
             installed.append(f"{cls.__module__}.{cls.__name__}")
     return sorted(installed)

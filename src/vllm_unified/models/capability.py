@@ -6,6 +6,8 @@ Each slot is classified by its cache type:
 
 * ``KVCache`` -> paged attention over the whole context;
 * ``RotatingKVCache(max_size=W, keep=0)`` -> paged attention with a sliding window of W;
+* ``ChunkedKVCache(chunk_size=C)`` -> paged attention within attention chunks of C tokens
+  (chunked local attention, Llama 4);
 * ``ArraysCache`` / ``MambaCache`` -> a recurrent layer on vLLM's state pages (its family must
   be known to :mod:`vllm_unified.kv.hybrid`);
 * anything else -> refused, naming the feature.
@@ -64,14 +66,16 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class AttentionSlot:
-    """One paged-attention cache slot: sliding window (tokens, None for full attention) and
-    the key/value shape the layer writes (``num_kv_heads`` x ``head_dim``), or None where the
-    probe did not run (a pipeline stage). An MLA slot has ``latent_dim`` (``kv_lora_rank``)
-    and ``rope_dim``; its rows are ``1 x (latent_dim + rope_dim)``."""
+    """One paged-attention cache slot: sliding window (tokens, None for full attention), the
+    key/value shape the layer writes (``num_kv_heads`` x ``head_dim``, or None where the probe
+    did not run: a pipeline stage) and the attention chunk (tokens, None: none). An MLA slot
+    has ``latent_dim`` (``kv_lora_rank``) and ``rope_dim``; its rows are
+    ``1 x (latent_dim + rope_dim)``."""
 
     window: int | None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    chunk: int | None = None
     latent_dim: int | None = None
     rope_dim: int | None = None
 
@@ -151,14 +155,14 @@ def check_model(
             continue
         window = _window(model_type, i, cache, declared)
         if i in latent:
-            if window is not None:
+            if window is not None or _cache_chunk(cache) is not None:
                 raise UnsupportedModel(model_type, "multi-head latent attention with a "
-                                       "sliding window", i)
+                                       "sliding window or an attention chunk", i)
             layer = latent[i]
             layout.attention[i] = AttentionSlot(None, latent_dim=layer.latent_dim,
                                                 rope_dim=layer.rope_dim)
             continue
-        layout.attention[i] = AttentionSlot(window)
+        layout.attention[i] = AttentionSlot(window, chunk=_cache_chunk(cache))
     if latent and layout.latent is None:
         raise UnsupportedModel(model_type, "multi-head latent attention next to other "
                                "attention layers (one MLA page shape for every layer)")
@@ -213,9 +217,9 @@ def route_model(
 
 
 def _slot_kind(model_type: str, i: int, cache: Any) -> str:
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
-    if type(cache) in (KVCache, RotatingKVCache):
+    if type(cache) in (KVCache, RotatingKVCache, ChunkedKVCache):
         return "attention"
     if isinstance(cache, ArraysCache):
         return "recurrent"
@@ -226,7 +230,6 @@ def _slot_kind(model_type: str, i: int, cache: Any) -> str:
 
 #: mlx-lm cache types and the attention feature they stand for
 _CACHE_FEATURES = {
-    "ChunkedKVCache": "chunked local attention",
     "CacheList": "a layer with several caches (mlx-lm CacheList: latent attention or a "
                  "mixer with its own state)",
     "QuantizedKVCache": "mlx-lm's quantized KV cache",
@@ -237,6 +240,12 @@ def _cache_window(cache: Any) -> int | None:
     from mlx_lm.models.cache import RotatingKVCache
 
     return int(cache.max_size) if isinstance(cache, RotatingKVCache) else None
+
+
+def _cache_chunk(cache: Any) -> int | None:
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    return int(cache.chunk_size) if isinstance(cache, ChunkedKVCache) else None
 
 
 def _window(model_type: str, i: int, cache: Any,
@@ -399,8 +408,8 @@ def _probe_latent(model: nn.Module, model_type: str, layout: ModelLayout, prompt
         if caches[i].writes != [latent_dim + rope_dim] * 2 or caches[i].attends != 2:
             raise UnsupportedModel(model_type, "an MLA layer that does not attend its own "
                                    "latent rows once per step", i)
-        layout.attention[i] = AttentionSlot(None, 1, latent_dim + rope_dim, latent_dim,
-                                            rope_dim)
+        layout.attention[i] = AttentionSlot(None, 1, latent_dim + rope_dim,
+                                            latent_dim=latent_dim, rope_dim=rope_dim)
     _check_logits(model_type, got, expected, "multi-head latent attention in absorbed form "
                   "(vLLM's MLA pages) whose logits are not mlx-lm's")
     if kv_shape is not None and tuple(kv_shape) != (1, latent_dim + rope_dim):
@@ -437,7 +446,7 @@ def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
     if k_dim != v_dim:
         raise UnsupportedModel(model_type, f"a value head size ({v_dim}) other than the key "
                                f"head size ({k_dim})", i)
-    return AttentionSlot(slot.window, kv_heads, k_dim)
+    return AttentionSlot(slot.window, kv_heads, k_dim, slot.chunk)
 
 
 def _check_head(model: nn.Module, model_type: str, prompt: mx.array, expected: mx.array

@@ -40,6 +40,16 @@ def mlx_lm_config(hf_config: Mapping[str, Any], *,
     model_type = cfg.get("model_type")
     if not model_type:
         raise ValueError("the model's config has no model_type")
+    _lay_out_rope(cfg)
+    fixup = CONFIG_FIXUPS.get(model_type)
+    if fixup is not None:
+        fixup(cfg)
+    _longrope_factors(cfg, max_model_len)
+    return cfg
+
+
+def _lay_out_rope(cfg: dict[str, Any]) -> None:
+    """The generic part of :func:`mlx_lm_config`, in place: rope keys and ``head_dim``."""
     rope = cfg.get("rope_parameters") or {}
     if _is_flat(rope):
         for key in _ROPE_TOP_LEVEL:
@@ -49,11 +59,6 @@ def mlx_lm_config(hf_config: Mapping[str, Any], *,
     if cfg.get("head_dim") is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
         # transformers' default where a config leaves it out; some mlx-lm ModelArgs require it
         cfg["head_dim"] = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-    fixup = CONFIG_FIXUPS.get(model_type)
-    if fixup is not None:
-        fixup(cfg)
-    _longrope_factors(cfg, max_model_len)
-    return cfg
 
 
 def _longrope_factors(cfg: dict[str, Any], max_model_len: int | None) -> None:
@@ -78,12 +83,18 @@ def _longrope_factors(cfg: dict[str, Any], max_model_len: int | None) -> None:
 
 def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
     """mlx-lm's ``(Model, ModelArgs)`` for ``config`` (its model-type and architecture
-    remapping included).
+    remapping included); for a multimodal model type whose text part the runner drives, that
+    part's class (:data:`vllm_unified.models.text_parts.TEXT_MODELS`).
 
     Raises:
         ValueError: naming the model type mlx-lm has no module for.
     """
     from mlx_lm.utils import _get_classes
+
+    from vllm_unified.models.text_parts import TEXT_MODELS  # lazy: imports mlx-lm models
+
+    if config.get("model_type") in TEXT_MODELS:
+        return TEXT_MODELS[config["model_type"]]
 
     try:
         return _get_classes(dict(config))
@@ -350,6 +361,55 @@ def _gemma4_text(cfg: dict[str, Any]) -> None:
         cfg["global_head_dim"] = cfg.get("head_dim")
 
 
+def _llama4(cfg: dict[str, Any]) -> None:
+    """Llama 4's text settings live in ``text_config``; mlx-lm's module hard-codes the layer
+    layout HF's defaults give (every 4th layer global without RoPE, the others chunked with
+    RoPE), so another ``no_rope_layers`` is refused, as is a config without an attention
+    chunk (mlx-lm's module needs one)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError("llama4: config has no text_config")
+    text = dict(text)
+    _lay_out_rope(text)
+    n_layers = int(text["num_hidden_layers"])
+    expected = [int((i + 1) % 4 != 0) for i in range(n_layers)]
+    if text.get("no_rope_layers") and list(text["no_rope_layers"]) != expected:
+        raise ValueError(f"llama4: no_rope_layers {text['no_rope_layers']} differ from "
+                         f"{expected} (every 4th layer without RoPE), the only layout mlx-lm's "
+                         "module computes")
+    if not text.get("attention_chunk_size"):
+        raise ValueError("llama4: attention_chunk_size is not set; mlx-lm's module needs "
+                         "chunked local attention on its RoPE layers")
+    text.setdefault("rope_scaling", None)
+    cfg["text_config"] = text
+
+
+def _llama4_text(cfg: dict[str, Any]) -> None:
+    """mlx-lm's ``llama4_text`` module (MobileLLM-style checkpoints) attends over the whole
+    context, applies no temperature tuning, and normalises queries and keys on every layer;
+    transformers and vLLM apply the attention chunk, temperature tuning and QK norm per
+    layer. Configs where they would differ within ``max_position_embeddings`` are refused."""
+    n_layers = int(cfg["num_hidden_layers"])
+    no_rope = list(cfg.get("no_rope_layers")
+                   or [int((i + 1) % 4 != 0) for i in range(n_layers)])
+    cfg["no_rope_layers"] = no_rope
+    max_len = int(cfg.get("max_position_embeddings") or 0)
+    chunk = cfg.get("attention_chunk_size")
+    nope = not all(no_rope)
+    why = None
+    if chunk and int(chunk) < max_len:
+        why = f"chunked local attention (attention_chunk_size {chunk})"
+    elif nope and cfg.get("attn_temperature_tuning", True) and \
+            int(cfg.get("floor_scale", 8192)) < max_len:
+        why = "attention temperature tuning on layers without RoPE"
+    elif nope and cfg.get("use_qk_norm"):
+        why = "QK norm on RoPE layers only (use_qk_norm with layers without RoPE)"
+    if why:
+        raise ValueError(f"llama4_text: {why} is not computed by mlx-lm's llama4_text module "
+                         "(a model_type 'llama4' checkpoint, with text_config and weights "
+                         "under language_model., is served with it)")
+
+
 def _sliding_pattern(layer_types: list[str], n_layers: int, model_type: str) -> int:
     """The period p of mlx-lm's Gemma 3 / Cohere 2 layout (layer i is global iff
     (i+1) % p == 0)."""
@@ -410,6 +470,8 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "starcoder2": _starcoder2,
     "gemma3_text": _gemma3_text,
     "gemma4_text": _gemma4_text,
+    "llama4": _llama4,
+    "llama4_text": _llama4_text,
     "granitemoehybrid": _granite_hybrid,
     "lfm2": _lfm2,
     "qwen3_5": _qwen3_5,

@@ -49,7 +49,7 @@ from vllm_unified.compat import (
 from vllm_unified.distributed.pipeline import HIDDEN, PipelineStage
 from vllm_unified.envs import COMPILE_DECODE_ENV
 from vllm_unified.kv import page_release
-from vllm_unified.kv.attention.dispatch import gpu_attention_routed
+from vllm_unified.kv.attention.dispatch import chunk_routing, gpu_attention_routed
 from vllm_unified.kv.block_reuse import prefix_cache_retain_tokens
 from vllm_unified.kv.cache import AttentionShape, KVCache, layer_name
 from vllm_unified.kv.forward_context import StepContext, set_step_context
@@ -305,8 +305,12 @@ class MLXModelRunner:
         windows = {i: self.layout.attention[i].window for i in self.layers.attention}
         kv_shapes = {i: (a.num_kv_heads, a.head_dim) for i, a in self.layout.attention.items()
                      if a.num_kv_heads is not None and i in windows}
+        chunks = {i: self.layout.attention[i].chunk for i in self.layers.attention}
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype,
-                                kv_shapes=kv_shapes, shared=self.layout.shared)
+                                kv_shapes=kv_shapes, shared=self.layout.shared, chunks=chunks)
+        if any(chunks.values()):
+            logger.info("vllm-unified: %s (layers %s)", chunk_routing(self.backend),
+                        [i for i, c in chunks.items() if c])
         if self.draft is not None:
             self.draft.load(_checkpoint_path(self.draft.model_config.model),
                             keep_quantized=self.backend.keep_quantized or native)

@@ -16,8 +16,8 @@ the kernel threads (``VLLM_UNIFIED_CPU_THREADS``); each item's arithmetic depend
 alone, so a row's output has the same bits whatever else the step holds. Head sizes 64, 128 and 256
 keep the dot products and the output in 16-wide registers (its speed: docs/dev/benchmarks.md). It
 computes the reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference
-for fp32, fp16 and bf16 pools, mixed steps, with and without a window, soft-capping and
-sinks.
+for fp32, fp16 and bf16 pools, mixed steps, with and without a window, an attention chunk,
+soft-capping and sinks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from vllm_unified import bridge
 from vllm_unified.compat import init_logger
-from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
+from vllm_unified.kv.attention.metadata import AttentionMetadata, Chunk, Window
 
 logger = init_logger(__name__)
 
@@ -37,6 +37,7 @@ def paged_attention_rows(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, kv_mode: int = 0, rht_signs: mx.array | None = None,
     fresh: tuple[mx.array, mx.array, mx.array, mx.array] | None = None,
+    chunk: Chunk = None,
     softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Every token row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V).
@@ -49,6 +50,7 @@ def paged_attention_rows(
         meta: the step's metadata (block tables, each row's sequence and position).
         scale: score multiplier.
         window: sliding window in tokens or None.
+        chunk: attention chunk in tokens (chunked local attention) or None.
         kv_mode: a quantized pool's format (:class:`vllm_unified.kv.quant.KVFormat`
             ``native_mode``; 0: the pool holds the model dtype); the pool is then vLLM's page
             bytes ``[slots, Hkv, cell bytes]`` and every cell is dequantized in registers.
@@ -85,7 +87,7 @@ def paged_attention_rows(
         extra["sinks"] = sinks
     out = native.paged_attention(queries.reshape(tokens, heads, dim), kv_pool, tables, seqs,
                                  lens, scale, meta.block_size, window or 0, kv_mode=kv_mode,
-                                 rht_signs=rht_signs, **extra)
+                                 rht_signs=rht_signs, chunk=chunk or 0, **extra)
     return out.reshape(tokens, heads, 1, dim)
 
 

@@ -5,6 +5,9 @@ From the backend profile (:func:`vllm_unified.backend.profile`): the native CPU 
 paged GPU kernels (:mod:`vllm_unified.kv.gpu.paged`, :mod:`vllm_unified.kv.gpu.paged_quant`) on
 CUDA and Metal for the head sizes they take, else the pure-MLX reference
 (:mod:`vllm_unified.kv.attention.reference`), which every kernel is tested against.
+Layers with chunked local attention (``chunk``) run on the same kernels, except over a
+quantized pool on a GPU backend, which takes the reference (:func:`chunk_routing`, logged at
+start-up by the runner).
 
 Attention logit soft-capping (``softcap``) and attention sinks (``sinks``) are computed by
 every kernel (the native CPU kernel, both paged GPU kernels and their SDPA chunks); a native
@@ -40,11 +43,13 @@ def paged_attention_kv(
     kv_format: KVFormat | None = None,
     rht_signs: mx.array | None = None,
     after: mx.array | None = None,
+    chunk: int | None = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
     """:func:`vllm_unified.kv.attention.reference.paged_attention_kv` (same arguments, shapes
-    and result, ``softcap`` and ``sinks`` included) by the kernel the profile picks.
+    and result, ``softcap`` and ``sinks`` included) by the kernel the profile picks; a
+    ``chunk`` (chunked local attention) as :func:`chunk_routing` says.
 
     With ``accelerate`` (the default): on MLX's CPU backend with the native extension every
     row is attended straight from the pool by the native kernel; on a GPU backend by the paged
@@ -62,29 +67,34 @@ def paged_attention_kv(
         RuntimeError: a quantized pool, accelerated, with neither the native CPU kernel nor
             the paged GPU kernel for this head size.
     """
-    if not accelerate:
-        return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh,
-                                            kv_format, after, softcap=softcap, sinks=sinks)
-    if backend is None:
+    if backend is None and accelerate:
         backend = profile()
+    quantized = kv_format is not None and kv_format.quantized
+    if not accelerate or (chunk is not None and quantized and not _cpu_rows_kernel(backend)):
+        return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh,
+                                            kv_format, after, chunk=chunk, softcap=softcap,
+                                            sinks=sinks)
     reference.check_logit_options(queries.shape[1], softcap, sinks)
-    if kv_format is not None and kv_format.quantized:
+    if chunk is not None and _cpu_rows_kernel(backend):
+        return _chunked_rows(queries, kv_pool, meta, scale, window, kv_format, rht_signs,
+                             fresh, chunk, softcap, sinks)
+    if quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, backend, kv_format,
                                     rht_signs, fresh, after, softcap, sinks)
-    reference.check_kv_pool(queries, kv_pool, meta, window)
+    reference.check_kv_pool(queries, kv_pool, meta, window, chunk=chunk)
     if meta.num_tokens and _cpu_rows_kernel(backend) and cpu_attention.takes(softcap, sinks):
         return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
                                                   softcap=softcap, sinks=sinks)
     gpu_kernel = _gpu_kernel(queries.shape[-1], backend)
     if gpu_kernel is not None and meta.num_tokens:
         return gpu_kernel(queries, kv_pool, meta, scale, window, fresh, after=after,
-                          **gpu_paged.options(softcap, sinks))
+                          chunk=chunk, **gpu_paged.options(softcap, sinks))
     # The native CPU primitive copies both halves of each row in one pass, where MLX's generic
     # gather reads the two strided halves separately. Same values either way
     # (tests/test_paged_attention.py compares them).
     return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, after=after,
-                                        gather_rows=bridge.gather_kv, softcap=softcap,
-                                        sinks=sinks)
+                                        gather_rows=bridge.gather_kv, chunk=chunk,
+                                        softcap=softcap, sinks=sinks)
 
 
 def _quantized_attention(
@@ -115,7 +125,46 @@ def _quantized_attention(
             backend.gpu_attention, queries, kv_pool, meta, scale, window, fmt, rht_signs,
             fresh=fresh, after=after, **gpu_paged.options(softcap, sinks))
     return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
-                                              fmt.native_mode, rht_signs, raw, softcap, sinks)
+                                              fmt.native_mode, rht_signs, raw, softcap=softcap,
+                                              sinks=sinks)
+
+
+def _chunked_rows(
+    queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
+    window: int | None, fmt: KVFormat | None, rht_signs: mx.array | None,
+    fresh: tuple[mx.array, mx.array] | None, chunk: int, softcap: float | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Chunked local attention by the native CPU kernel, dense or quantized pool (the
+    reference where the extension lacks ``softcap`` or ``sinks``)."""
+    quantized = fmt is not None and fmt.quantized
+    if not cpu_attention.takes(softcap, sinks):
+        return reference.paged_attention_kv(queries, kv_pool, meta, scale, window, fresh, fmt,
+                                            chunk=chunk, softcap=softcap, sinks=sinks)
+    reference.check_kv_pool(queries, kv_pool, meta, window, fmt if quantized else None, chunk)
+    if not meta.num_tokens:
+        return mx.zeros(queries.shape, dtype=queries.dtype)
+    if not quantized:
+        return cpu_attention.paged_attention_rows(queries, kv_pool, meta, scale, window,
+                                                  chunk=chunk, softcap=softcap, sinks=sinks)
+    return cpu_attention.paged_attention_rows(
+        queries, kv_pool, meta, scale, window, fmt.native_mode, rht_signs,
+        reference.fresh_rows(queries, meta, fmt, fresh), chunk=chunk, softcap=softcap,
+        sinks=sinks)
+
+
+def chunk_routing(backend: BackendProfile | None = None) -> str:
+    """Which attention runs chunked local attention layers on ``backend`` (default: the
+    process's profile), and why, for the start-up log."""
+    backend = backend or profile()
+    what = "chunked local attention (attention_chunk_size) runs on the"
+    if _cpu_rows_kernel(backend):
+        return f"{what} native CPU kernel"
+    if backend.gpu_attention is not None:
+        return (f"{what} paged GPU kernel ({backend.gpu_attention}); over a quantized KV "
+                "cache on the pure-MLX reference attention (the quantized GPU kernel does "
+                "not take the chunk option)")
+    return f"{what} pure-MLX reference attention"
 
 
 def gpu_attention_routed(head_dim: int, backend: BackendProfile) -> bool:

@@ -22,6 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 Window = int | None
+#: chunked local attention: a query sees only keys of its own chunk of this many positions
+Chunk = int | None
 
 
 @dataclass(frozen=True)
@@ -200,13 +202,14 @@ class AttentionMetadata:
     host_seq_lens: np.ndarray | None = field(default=None, repr=False)
     _row_kernel_inputs: tuple[mx.array, mx.array, mx.array] | None = field(
         default=None, repr=False)
-    _decode_views: dict[tuple[Window, int], DecodeKeys] = field(default_factory=dict, repr=False)
-    _prefill_views: dict[tuple[int, Window, int], PrefillKeys] = field(
+    _decode_views: dict[tuple[Window, int, Chunk], DecodeKeys] = field(default_factory=dict,
+                                                                       repr=False)
+    _prefill_views: dict[tuple[int, Window, int, Chunk], PrefillKeys] = field(
         default_factory=dict, repr=False
     )
     _gpu_plans: dict[tuple[int, bool, int], GpuPlan] = field(default_factory=dict, repr=False)
-    _fresh_masks: dict[tuple[int, Window], mx.array | str] = field(default_factory=dict,
-                                                                   repr=False)
+    _fresh_masks: dict[tuple[int, Window, Chunk], mx.array | str] = field(
+        default_factory=dict, repr=False)
     _fresh_rows: dict[int, tuple[mx.array, mx.array] | None] = field(default_factory=dict,
                                                                      repr=False)
 
@@ -217,23 +220,23 @@ class AttentionMetadata:
         return (self.decode_rows is not None and not self.prefills
                 and self.output_order is None and self.num_tokens > 0)
 
-    def decode_view(self, window: Window, kv_heads: int) -> DecodeKeys:
-        """Keys of the decode batch for a layer with this sliding window (``None``: full).
+    def decode_view(self, window: Window, kv_heads: int, chunk: Chunk = None) -> DecodeKeys:
+        """Keys of the decode batch for a layer with this sliding window (``None``: full) and
+        attention chunk (``None``: none).
 
-        Computed on first use per (window, kv_heads) and cached, so all layers of a step share
-        it. Raises ValueError if there are no decode sequences.
+        Computed on first use per (window, kv_heads, chunk) and cached, so all layers of a step
+        share it. Raises ValueError if there are no decode sequences.
         """
         if self.decode_rows is None:
             raise ValueError("this step has no decode sequences")
         if self.decode_seq_lens is None:
             raise ValueError("decode key rows need the host-side block tables, which a "
                              "compiled step does not have")
-        key = (window, kv_heads)
+        key = (window, kv_heads, chunk)
         view = self._decode_views.get(key)
         if view is None:
-            view = _decode_keys(
-                self.decode_seq_lens, self.decode_block_tables, self.block_size, window, kv_heads
-            )
+            view = _decode_keys(self.decode_seq_lens, self.decode_block_tables, self.block_size,
+                                window, kv_heads, chunk)
             self._decode_views[key] = view
         return view
 
@@ -342,28 +345,32 @@ class AttentionMetadata:
             segments.append((row, self.num_tokens, None))
         return GpuPlan(tables, tile_array, sdpa, tuple(segments))
 
-    def fresh_mask(self, index: int, window: Window) -> mx.array | str:
+    def fresh_mask(self, index: int, window: Window, chunk: Chunk = None) -> mx.array | str:
         """SDPA's mask for prefill chunk ``index`` attending to its own ``L`` keys only (no
-        context before it): ``"causal"``, or bool ``[L, L]`` when a sliding window cuts into
-        them (query i sees keys ``i - window < j <= i``). Cached per (index, window)."""
-        key = (index, window)
+        context before it): ``"causal"``, or bool ``[L, L]`` when a sliding window or an
+        attention chunk cuts into them (query i sees keys ``i - window < j <= i`` with
+        ``j // chunk == i // chunk``). Cached per (index, window, chunk)."""
+        key = (index, window, chunk)
         mask = self._fresh_masks.get(key)
         if mask is None:
             length = self.prefills[index].length
             mask = "causal"
-            if window is not None and window < length:
+            if (window is not None and window < length) or (chunk is not None
+                                                             and chunk < length):
                 pos = np.arange(length)
                 mask = mx.array((pos[None, :] <= pos[:, None])
-                                & (pos[None, :] > pos[:, None] - window))
+                                & (pos[None, :] >= _first_visible(pos + 1, window, chunk)[:, None]))
             self._fresh_masks[key] = mask
         return mask
 
-    def prefill_view(self, index: int, window: Window, kv_heads: int) -> PrefillKeys:
-        """Keys of prefill chunk ``index`` for a layer with this sliding window (cached)."""
-        key = (index, window, kv_heads)
+    def prefill_view(self, index: int, window: Window, kv_heads: int,
+                     chunk: Chunk = None) -> PrefillKeys:
+        """Keys of prefill chunk ``index`` for a layer with this sliding window and attention
+        chunk (cached)."""
+        key = (index, window, kv_heads, chunk)
         view = self._prefill_views.get(key)
         if view is None:
-            view = _prefill_keys(self.prefills[index], self.block_size, window, kv_heads)
+            view = _prefill_keys(self.prefills[index], self.block_size, window, kv_heads, chunk)
             self._prefill_views[key] = view
         return view
 
@@ -479,11 +486,13 @@ def _output_order(
     return mx.array(order)
 
 
-def _first_visible(seq_lens: np.ndarray, window: Window) -> np.ndarray:
-    """First key position visible to the query at ``seq_len - 1`` (key > pos - window)."""
-    if window is None:
-        return np.zeros_like(seq_lens)
-    return np.maximum(seq_lens - window, 0)
+def _first_visible(seq_lens: np.ndarray, window: Window, chunk: Chunk = None) -> np.ndarray:
+    """First key position visible to the query at ``seq_len - 1``: key > pos - window, and
+    in the query's attention chunk (key // chunk == pos // chunk)."""
+    first = np.zeros_like(seq_lens) if window is None else np.maximum(seq_lens - window, 0)
+    if chunk is not None:
+        first = np.maximum(first, (seq_lens - 1) // chunk * chunk)
+    return first
 
 
 def _pool_rows(
@@ -497,11 +506,12 @@ def _pool_rows(
 
 
 def _decode_keys(
-    seq_lens: np.ndarray, tables: np.ndarray, block_size: int, window: Window, kv_heads: int
+    seq_lens: np.ndarray, tables: np.ndarray, block_size: int, window: Window, kv_heads: int,
+    chunk: Chunk = None,
 ) -> DecodeKeys:
     # Sequence i reads its visible keys first_i ... seq_len_i - 1, left-aligned; the batch is
     # as wide as the widest. Padding re-reads position first_i, which is written.
-    first = _first_visible(seq_lens.astype(np.int64), window)
+    first = _first_visible(seq_lens.astype(np.int64), window, chunk)
     count = seq_lens - first
     num_keys = int(count.max())
     offsets = np.arange(num_keys)
@@ -514,15 +524,19 @@ def _decode_keys(
 
 
 def _prefill_keys(
-    chunk: PrefillChunk, block_size: int, window: Window, kv_heads: int
+    chunk: PrefillChunk, block_size: int, window: Window, kv_heads: int,
+    attention_chunk: Chunk = None,
 ) -> PrefillKeys:
-    # Keys before the first query's window can never be seen: skip them.
+    # Keys before the first query's window (or attention chunk) can never be seen: skip them.
     prefix = chunk.seq_len - chunk.length
-    first_key = int(_first_visible(np.int64(prefix + 1), window))
+    first_key = int(_first_visible(np.int64(prefix + 1), window, attention_chunk))
     positions = np.arange(first_key, chunk.seq_len)
     mask: mx.array | str = "causal"
-    if window is not None and window < chunk.seq_len:
-        q_pos = np.arange(prefix, chunk.seq_len)[:, None]
-        mask = mx.array((positions[None, :] <= q_pos) & (positions[None, :] > q_pos - window))
+    crosses = (attention_chunk is not None
+               and prefix // attention_chunk != (chunk.seq_len - 1) // attention_chunk)
+    if (window is not None and window < chunk.seq_len) or crosses:
+        q_pos = np.arange(prefix, chunk.seq_len)
+        first = _first_visible(q_pos + 1, window, attention_chunk)[:, None]
+        mask = mx.array((positions[None, :] <= q_pos[:, None]) & (positions[None, :] >= first))
     rows = _pool_rows(chunk.block_table, positions, block_size, kv_heads)
     return PrefillKeys(rows=mx.array(rows[None]), first_key=first_key, mask=mask)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
+from vllm_unified.kv.attention.metadata import AttentionMetadata, Chunk, Window
 from vllm_unified.kv.quant import TQ_SHORT_CONTINUATION, KVFormat, dequantize_pool
 
 #: Reads the keys and values at int32 pool rows ``[..., S]`` -> two ``[..., S, D]`` arrays.
@@ -100,6 +100,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    chunk: int | None = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
@@ -107,7 +108,9 @@ def paged_attention(
 
     Each query attends causally to its sequence's keys at positions <= its own (read through the
     block table); with ``window``, only to keys at positions > its position - window (the
-    convention of ``mlx_lm.models.base.create_causal_mask``). GQA/MQA when H is a multiple of
+    convention of ``mlx_lm.models.base.create_causal_mask``); with ``chunk`` (chunked local
+    attention, vLLM's ``attention_chunk_size``), only to keys k with
+    ``k // chunk == position // chunk``. GQA/MQA when H is a multiple of
     Hkv. The K/V of this step's tokens must already be in the pools (:func:`write_kv`).
 
     Args:
@@ -117,6 +120,7 @@ def paged_attention(
         meta: the step's metadata (``meta.num_tokens == T``).
         scale: multiplier of the scores, usually ``D ** -0.5``.
         window: sliding-window size in tokens, or ``None`` for full attention.
+        chunk: attention chunk size in tokens, or ``None``.
         softcap: attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``, vLLM's
             ``logits_soft_cap``): the scaled scores become ``softcap * tanh(scores /
             softcap)`` before the mask and the softmax; ``None``: none.
@@ -128,15 +132,15 @@ def paged_attention(
         ``[T, H, 1, D]`` in the queries' dtype, rows in token order.
 
     Raises:
-        ValueError: on shape mismatches, a window < 1, a softcap <= 0, sinks that are not
-            ``[H]``, or a pool of more than 2**31 rows (``slots * Hkv``; gather indices are
-            int32).
+        ValueError: on shape mismatches, a window or chunk < 1, a softcap <= 0, sinks that are
+            not ``[H]``, or a pool of more than 2**31 rows (``slots * Hkv``; gather indices
+            are int32).
     """
-    _check_inputs(queries.shape, k_pool.shape, v_pool.shape, meta, window)
+    _check_inputs(queries.shape, k_pool.shape, v_pool.shape, meta, window, chunk)
     check_logit_options(queries.shape[1], softcap, sinks)
     k_rows, v_rows = _rows_view(k_pool), _rows_view(v_pool)
     return _attend(queries, lambda rows: (k_rows[rows], v_rows[rows]), k_pool.shape[1], meta,
-                   scale, window, softcap, sinks)
+                   scale, window, chunk, softcap, sinks)
 
 
 def paged_attention_kv(
@@ -149,6 +153,7 @@ def paged_attention_kv(
     kv_format: KVFormat | None = None,
     after: mx.array | None = None,
     gather_rows: RowsGather | None = None,
+    chunk: int | None = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
@@ -160,7 +165,8 @@ def paged_attention_kv(
     the column halves of the same ``[slots * Hkv, 2 * D]`` rows, so nothing is copied to split
     them (a reshape of a half would copy the pool). ``gather_rows(pool_rows, rows)``: a
     primitive that reads those rows in one pass (``(keys, values)``, or None where it does not
-    apply; :func:`vllm_unified.bridge.gather_kv`), used in place of MLX's gather.
+    apply; :func:`vllm_unified.bridge.gather_kv`), used in place of MLX's gather. ``chunk``:
+    as :func:`paged_attention`.
 
     ``kv_format``: a quantized format (:mod:`vllm_unified.kv.quant`) makes ``kv_pool`` vLLM's
     page bytes ``[slots, Hkv, cell bytes]``, dequantized whole
@@ -183,8 +189,8 @@ def paged_attention_kv(
     """
     if kv_format is not None and kv_format.quantized:
         return _quantized_attention(queries, kv_pool, meta, scale, window, kv_format, fresh,
-                                    softcap, sinks)
-    check_kv_pool(queries, kv_pool, meta, window)
+                                    chunk, softcap, sinks)
+    check_kv_pool(queries, kv_pool, meta, window, chunk=chunk)
     check_logit_options(queries.shape[1], softcap, sinks)
     head_dim = queries.shape[-1]
     pool_rows = kv_pool.reshape(-1, 2 * head_dim)
@@ -196,7 +202,8 @@ def paged_attention_kv(
             return gathered
         return pool_rows[:, :head_dim][rows], pool_rows[:, head_dim:][rows]
 
-    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, softcap, sinks)
+    return _attend(queries, gather, kv_pool.shape[1], meta, scale, window, chunk, softcap,
+                   sinks)
 
 
 def check_logit_options(heads: int, softcap: float | None, sinks: mx.array | None) -> None:
@@ -271,7 +278,7 @@ def check_latent_pool(queries: mx.array, latent_pool: mx.array, meta: AttentionM
 
 
 def check_kv_pool(queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata,
-                  window: Window, fmt: KVFormat | None = None) -> None:
+                  window: Window, fmt: KVFormat | None = None, chunk: Chunk = None) -> None:
     """The shape checks of :func:`paged_attention_kv` (``fmt``: a quantized pool's format).
 
     Raises:
@@ -284,7 +291,7 @@ def check_kv_pool(queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata,
         raise ValueError(f"{what} must be [slots, Hkv, {cell if fmt else f'2*{head_dim}'}], "
                          f"got {kv_pool.shape}")
     half = (*kv_pool.shape[:2], head_dim)
-    _check_inputs(queries.shape, half, half, meta, window)
+    _check_inputs(queries.shape, half, half, meta, window, chunk)
 
 
 def fresh_rows(queries: mx.array, meta: AttentionMetadata, fmt: KVFormat,
@@ -306,10 +313,11 @@ def fresh_rows(queries: mx.array, meta: AttentionMetadata, fmt: KVFormat,
 def _quantized_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: int | None, fmt: KVFormat, fresh: tuple[mx.array, mx.array] | None = None,
+    chunk: Chunk = None,
     softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """:func:`paged_attention_kv` over a quantized pool (see there)."""
-    check_kv_pool(queries, kv_pool, meta, window, fmt)
+    check_kv_pool(queries, kv_pool, meta, window, fmt, chunk)
     head_dim = queries.shape[-1]
     raw = fresh_rows(queries, meta, fmt, fresh)
     dense = dequantize_pool(kv_pool, fmt, head_dim)
@@ -321,7 +329,8 @@ def _quantized_attention(
             dense[meta.slot_mapping[sel]] = mx.concatenate(
                 [fk[sel], fv[sel]], axis=-1).astype(mx.float32)
     return paged_attention_kv(queries.astype(mx.float32), dense, meta, scale, window,
-                              softcap=softcap, sinks=sinks).astype(queries.dtype)
+                              chunk=chunk, softcap=softcap,
+                              sinks=sinks).astype(queries.dtype)
 
 
 def quantized_chunk_attention(
@@ -359,7 +368,8 @@ def quantized_chunk_attention(
         return keys, values
 
     return _prefill_attention(queries.astype(mx.float32), gather, meta, index, scale, window,
-                              kv_pool.shape[1], softcap, sinks).astype(queries.dtype)
+                              kv_pool.shape[1], softcap=softcap,
+                              sinks=sinks).astype(queries.dtype)
 
 
 def _attend(
@@ -369,6 +379,7 @@ def _attend(
     meta: AttentionMetadata,
     scale: float,
     window: Window,
+    chunk: Chunk = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
@@ -378,10 +389,10 @@ def _attend(
     outputs = []
     if meta.decode_rows is not None:
         outputs.append(_decode_attention(queries, gather, meta, scale, window, kv_heads,
-                                         softcap, sinks))
+                                         chunk, softcap, sinks))
     for index in range(len(meta.prefills)):
         outputs.append(_prefill_attention(queries, gather, meta, index, scale, window,
-                                          kv_heads, softcap, sinks))
+                                          kv_heads, chunk, softcap, sinks))
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return out if meta.output_order is None else out[meta.output_order]
 
@@ -392,6 +403,7 @@ def _check_inputs(
     v_shape: tuple[int, ...],
     meta: AttentionMetadata,
     window: Window,
+    chunk: Chunk = None,
 ) -> None:
     """Shape checks only (no MLX op is created: graph building is per layer and step)."""
     if len(q_shape) != 4 or q_shape[0] != meta.num_tokens or q_shape[2] != 1:
@@ -407,6 +419,8 @@ def _check_inputs(
         raise ValueError(f"{k_shape[0]} slots x {kv_heads} heads overflow int32 row indices")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"attention chunk must be >= 1, got {chunk}")
 
 
 def _rows_view(pool: mx.array) -> mx.array:
@@ -426,11 +440,12 @@ def _decode_attention(
     scale: float,
     window: Window,
     kv_heads: int,
+    chunk: Chunk = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
     """One SDPA over all single-token sequences: ``[Bd, H, 1, D]`` against ``[Bd, Hkv, S, D]``."""
-    view = meta.decode_view(window, kv_heads)
+    view = meta.decode_view(window, kv_heads, chunk)
     q = queries[meta.decode_rows]
     keys, values = gather(view.rows)
     return sdpa(q, keys, values, scale, view.mask, softcap, sinks)
@@ -438,13 +453,13 @@ def _decode_attention(
 
 def prefill_chunk_attention(
     queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, index: int, scale: float,
-    window: Window, after: mx.array | None = None, softcap: float | None = None,
-    sinks: mx.array | None = None,
+    window: Window, after: mx.array | None = None, chunk: Chunk = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """The reference's attention of prefill chunk ``index`` alone: its ``[L, H, 1, D]`` rows
     of ``queries`` (``[T, H, 1, D]``) over its keys gathered from ``kv_pool``
     (``[slots, Hkv, 2 * D]``) by MLX, then MLX's SDPA; ``[L, H, 1, D]`` out (for GPU kernels
-    that leave long chunks to SDPA). ``after``, ``softcap``, ``sinks``: as
+    that leave long chunks to SDPA). ``after``, ``chunk``, ``softcap``, ``sinks``: as
     :func:`paged_attention_kv`."""
     dim = queries.shape[-1]
     pool_rows = kv_pool.reshape(-1, 2 * dim)
@@ -454,7 +469,7 @@ def prefill_chunk_attention(
         return pool_rows[:, :dim][rows], pool_rows[:, dim:][rows]
 
     return _prefill_attention(queries, gather, meta, index, scale, window, kv_pool.shape[1],
-                              softcap, sinks)
+                              chunk, softcap, sinks)
 
 
 def _prefill_attention(
@@ -465,12 +480,13 @@ def _prefill_attention(
     scale: float,
     window: Window,
     kv_heads: int,
+    attention_chunk: Chunk = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
     """One chunk: ``[1, H, L, D]`` queries against its context ``[1, Hkv, S, D]``, causal."""
     chunk = meta.prefills[index]
-    view = meta.prefill_view(index, window, kv_heads)
+    view = meta.prefill_view(index, window, kv_heads, attention_chunk)
     # [L, H, 1, D] rows -> [1, H, L, D]: the chunk becomes one sequence of length L.
     q = queries[chunk.start : chunk.start + chunk.length].transpose(2, 1, 0, 3)
     keys, values = gather(view.rows)

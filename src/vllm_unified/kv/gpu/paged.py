@@ -23,7 +23,9 @@ stays within the 32 KiB that both Metal and CUDA guarantee.
 
 **Masks.** Row r of a tile sees keys ``first_r ... len_r - 1`` where ``len_r`` is its position + 1
 (causal) and ``first_r = max(len_r - window, 0)`` with a sliding window, else 0: the convention of
-the reference (``mlx_lm.models.base.create_causal_mask``). A key no row of the tile sees is never
+the reference (``mlx_lm.models.base.create_causal_mask``); with an attention chunk (chunked local
+attention) ``first_r`` is raised to the start of the row's chunk,
+``(len_r - 1) // chunk * chunk``. A key no row of the tile sees is never
 read; every key read was written by this or an earlier step, so the kernel never reads unowned
 pool memory.
 
@@ -63,7 +65,7 @@ import mlx.core as mx
 
 from vllm_unified import gpu_dialect
 from vllm_unified.kv.attention import reference
-from vllm_unified.kv.attention.metadata import AttentionMetadata, Window
+from vllm_unified.kv.attention.metadata import AttentionMetadata, Chunk, Window
 from vllm_unified.kv.attention.qk_prologue import QKPrologue, prologue_code
 
 #: Warps (SIMD groups of 32) per thread group, at most.
@@ -114,7 +116,8 @@ def attention_body(parts: str, keep: tuple[str, ...] = ()) -> str:
 
 
 #: The kernel body. Template arguments: T (dtype), D (head size, one of HEAD_SIZES),
-#: H, HKV (query and KV heads), BS (tokens per block), WARPS, WINDOW (0: none), QT (rows per
+#: H, HKV (query and KV heads), BS (tokens per block), WARPS, WINDOW (0: none), CHUNK
+#: (attention chunk, 0: none), QT (rows per
 #: tile), CB ((row, head) pairs combined per pass, :func:`combine_batch`), DECODE (1: group i
 #: is decode row i, ``tiles`` holds the decode lengths ``[Bd]``; 0: ``tiles`` is ``[NT, 4]``:
 #: first row, rows, sequence, keys seen by the tile's last row), SOFTCAP and SINKS (0 or 1:
@@ -247,7 +250,7 @@ class LaunchArgs:
 def launch_args(
     queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array, scale: float,
     window: Window, block_size: int, rows: int, decode: bool,
-    prologue: QKPrologue | None = None, after: mx.array | None = None,
+    prologue: QKPrologue | None = None, after: mx.array | None = None, chunk: Chunk = None,
     softcap: float | None = None, sinks: mx.array | None = None,
 ) -> LaunchArgs:
     """The kernel call over ``tiles`` (see :func:`launch`)."""
@@ -261,7 +264,8 @@ def launch_args(
                 sinks_input(sinks), no_write() if after is None else after, *extra],
         template=[("T", queries.dtype), ("D", dim), ("H", heads), ("HKV", kv_heads),
                   ("BS", block_size), ("WARPS", warps),
-                  ("WINDOW", 0 if window is None else int(window)), ("QT", rows),
+                  ("WINDOW", 0 if window is None else int(window)),
+                  ("CHUNK", 0 if chunk is None else int(chunk)), ("QT", rows),
                   ("CB", combine_batch(group, dim, rows, warps)), ("DECODE", int(decode)),
                   *option_template(softcap, sinks),
                   *(() if prologue is None else prologue.template())],
@@ -275,7 +279,7 @@ def launch_args(
 def launch(
     dialect: str, queries: mx.array, kv_pool: mx.array, tables: mx.array, tiles: mx.array,
     scale: float, window: Window, block_size: int, rows: int, decode: bool,
-    prologue: QKPrologue | None = None, after: mx.array | None = None,
+    prologue: QKPrologue | None = None, after: mx.array | None = None, chunk: Chunk = None,
     softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """One launch of the kernel over ``tiles``; returns ``[T, H, 1, D]`` where only the rows the
@@ -296,10 +300,11 @@ def launch(
             normalised and rotated).
         after: the completion token of the write into ``kv_pool`` in the same evaluation,
             if any (:func:`vllm_unified.kv.gpu.write.ordered_after`).
+        chunk: attention chunk in tokens (chunked local attention) or None.
         softcap, sinks: as :func:`paged_gpu_attention`.
     """
     a = launch_args(queries, kv_pool, tables, tiles, scale, window, block_size, rows, decode,
-                    prologue, after, softcap, sinks)
+                    prologue, after, chunk, softcap, sinks)
     kern = _kernel(dialect, prologue is not None)
     return kern(inputs=a.inputs, template=a.template, grid=a.grid, threadgroup=a.threadgroup,
                 output_shapes=a.output_shapes, output_dtypes=a.output_dtypes)[0]
@@ -309,7 +314,7 @@ def paged_gpu_attention(
     dialect: str, queries: mx.array, kv_pool: mx.array, meta: AttentionMetadata, scale: float,
     window: Window, fresh: tuple[mx.array, mx.array] | None = None,
     max_chunk: int | None = None, prologue: QKPrologue | None = None,
-    after: mx.array | None = None, softcap: float | None = None,
+    after: mx.array | None = None, chunk: Chunk = None, softcap: float | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Every row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V per cell).
@@ -332,6 +337,7 @@ def paged_gpu_attention(
             kernel normalises and rotates (:mod:`vllm_unified.kv.attention.qk_prologue`).
         after: the completion token of this evaluation's write into ``kv_pool``, taken as an
             input by every read of it here (:func:`vllm_unified.kv.gpu.write.ordered_after`).
+        chunk: attention chunk in tokens (chunked local attention) or None.
         softcap: attention logit soft-capping of the scaled scores, or None.
         sinks: ``[H]`` sink logits (any float dtype), or None.
 
@@ -348,10 +354,12 @@ def paged_gpu_attention(
     if not supported(dim):
         raise ValueError(f"the paged GPU kernel takes head sizes {HEAD_SIZES}, not {dim}")
     reference.check_logit_options(heads, softcap, sinks)
+    # launch's defaults where unset (launch stand-ins keep their signature)
+    extra = {**({} if chunk is None else {"chunk": chunk}), **options(softcap, sinks)}
     if meta.is_pure_decode:
         tables, lens = meta.decode_tables_lens()
         return launch(dialect, queries, kv_pool, tables, lens, scale, window, meta.block_size,
-                      1, True, prologue, after, **options(softcap, sinks))
+                      1, True, prologue, after, **extra)
     if prologue is not None:
         raise ValueError("the query prologue is applied in pure-decode steps only")
     rows = q_tile(heads // kv_pool.shape[1], dim)
@@ -360,20 +368,21 @@ def paged_gpu_attention(
     out = None
     if plan.tiles is not None:
         out = launch(dialect, queries, kv_pool, plan.tables, plan.tiles, scale, window,
-                     meta.block_size, rows, False, None, after, **options(softcap, sinks))
+                     meta.block_size, rows, False, None, after, **extra)
     if not plan.sdpa:
         return out
     pieces = []
-    for start, stop, chunk in plan.segments:
-        if chunk is None:
+    for start, stop, index in plan.segments:
+        if index is None:
             pieces.append(out[start:stop])
-        elif fresh is not None and meta.prefills[chunk].seq_len == stop - start:
+        elif fresh is not None and meta.prefills[index].seq_len == stop - start:
             pieces.append(fresh_chunk(queries[start:stop], fresh, start, stop, kv_pool.dtype,
-                                      meta.fresh_mask(chunk, window), scale, softcap, sinks))
+                                       meta.fresh_mask(index, window, chunk), scale, softcap,
+                                       sinks))
         else:
-            pieces.append(reference.prefill_chunk_attention(queries, kv_pool, meta, chunk,
-                                                            scale, window, after, softcap,
-                                                            sinks))
+            pieces.append(reference.prefill_chunk_attention(queries, kv_pool, meta, index,
+                                                            scale, window, after, chunk,
+                                                            softcap, sinks))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
 
 

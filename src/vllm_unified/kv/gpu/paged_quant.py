@@ -62,8 +62,9 @@ HEADER = gpu_paged.HEADER + QUANT_HEADER + gpu_dialect.kernel_file(__package__,
 #: The kernel body. Template arguments: T (queries' dtype), P (pool dtype, int8/uint8), MODE
 #: (1 int8, 2 int4, 3 fp8, 4 turboquant_k8v4), BLK (int4's rotation block, else 1), RQ (rows
 #: of the rotation buffer: QT * G for int4, else 1), and those of :data:`gpu_paged.SOURCE`
-#: (D, H, HKV, BS, WARPS, WINDOW, QT, CB, DECODE, SOFTCAP, SINKS). ``scale`` is the softmax
-#: scale (int4: divided by BLK) and the soft-cap.
+#: (D, H, HKV, BS, WARPS, WINDOW, CHUNK (0: quantized pools with an attention chunk take the
+#: reference), QT, CB, DECODE, SOFTCAP, SINKS). ``scale`` is the softmax scale (int4:
+#: divided by BLK) and the soft-cap.
 SOURCE = gpu_paged.attention_body("paged_quant.inc")
 
 
@@ -141,7 +142,8 @@ def launch_args(
         template=[("T", queries.dtype), ("P", kv_pool.dtype), ("MODE", fmt.native_mode),
                   ("BLK", block), ("RQ", rotation_rows(group, rows, fmt.rotated)), ("D", dim),
                   ("H", heads), ("HKV", kv_heads), ("BS", block_size), ("WARPS", warps),
-                  ("WINDOW", 0 if window is None else int(window)), ("QT", rows),
+                  ("WINDOW", 0 if window is None else int(window)),
+                  ("CHUNK", 0), ("QT", rows),
                   ("CB", cb), ("DECODE", int(decode)),
                   *gpu_paged.option_template(softcap, sinks)],
         grid=(tiles.shape[0] * kv_heads * warps * 32, 1, 1),
