@@ -23,6 +23,8 @@ COMMANDS = {
     "gguf-widths": ("gguf_widths_ab",
                     "decode step with a GGUF's own widths vs the same values widened to 8 bits"),
     "spec-decode": ("spec_decode", "speculative decoding (draft model / n-gram) vs plain decode"),
+    "mla-decode": ("mla_decode",
+                   "one decode step of a latent-attention (MLA) model vs a llama of its width"),
     "family-decode": ("family_decode",
                       "one decode step of each model family vs a llama of the same width"),
     "kv-offload": ("kv_offload",
