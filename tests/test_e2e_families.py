@@ -5,40 +5,20 @@ than its sliding window, so windowed layers are exercised."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 from conftest import run_llm
-from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import (
     ATTENTION_FAMILIES,
     MISTRAL_WINDOW,
     PHI3_ORIGINAL_CONTEXT,
     make_tiny_checkpoint,
+    mlx_lm_greedy,
 )
-
-from vllm_unified.models.loader import load_model
 
 pytestmark = pytest.mark.engine
 
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (3, 20, 45, 70)
-
-
-def _mlx_lm_greedy(folder: str, prompt: list[int], n: int,
-                   max_model_len: int | None = None) -> list[int]:
-    """Reference: mlx-lm's own cache and forward, one sequence at a time (the config laid
-    out for a context of ``max_model_len``, None: the model's maximum)."""
-    loaded = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False,
-                        max_model_len=max_model_len)
-    model = loaded.model
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)
-    out = []
-    for _ in range(n):
-        token = int(mx.argmax(logits[0, -1]))
-        out.append(token)
-        logits = model(mx.array([[token]]), cache=cache)
-    return out
 
 
 # gemma3 (sliding-window layers) runs in CI; llama, qwen2 and qwen3, whose forwards are checked
@@ -63,7 +43,7 @@ def test_family_matches_mlx_lm(family, tmp_path):
     ours = run_llm(spec, tmp_path)
     for i, prompt in enumerate(prompts):
         got = ours["outputs"][i]["completions"][0]["token_ids"]
-        assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i} ({len(prompt)})"
+        assert got == mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i} ({len(prompt)})"
     stats = ours["rpc_after"]["runner_stats"]
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(prompts)
 
@@ -135,7 +115,7 @@ def test_attention_family_matches_vllm_and_mlx_lm(family, tmp_path):
     window = _MLX_LM_WINDOW.get(family)
     for i, prompt in enumerate(prompts):
         if window is None or len(prompt) + NEW_TOKENS <= window:
-            assert got[i] == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"
+            assert got[i] == mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"
     assert ours["metrics"]["vllm:prefix_cache_hits"] >= 16 * 3
     stats = ours["rpc_after"]["runner_stats"]
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(prompts)
@@ -154,6 +134,6 @@ def test_phi3_short_context_takes_the_short_longrope_factors(tmp_path):
     got = [o["completions"][0]["token_ids"] for o in ours["outputs"]]
     assert got == [o["completions"][0]["token_ids"] for o in native["outputs"]]
     for i, prompt in enumerate(prompts):
-        assert got[i] == _mlx_lm_greedy(folder, prompt, NEW_TOKENS, PHI3_ORIGINAL_CONTEXT)
+        assert got[i] == mlx_lm_greedy(folder, prompt, NEW_TOKENS, PHI3_ORIGINAL_CONTEXT)
     # the long factors give other ids: the choice is visible
-    assert any(got[i] != _mlx_lm_greedy(folder, p, NEW_TOKENS) for i, p in enumerate(prompts))
+    assert any(got[i] != mlx_lm_greedy(folder, p, NEW_TOKENS) for i, p in enumerate(prompts))

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny_models import _randomize, smollm2_tokenizer
+from tiny_models import _randomize, greedy_ids, smollm2_tokenizer
 
 #: attention chunk of the tiny model (tokens): every prompt but one spans several chunks
 CHUNK = 8
@@ -93,17 +93,10 @@ def make_llama4_checkpoints(root: str | Path, chunk: int = CHUNK,
 
 def _mlx_lm_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
     """mlx-lm's own model and cache (no vllm-unified code) on ``folder``."""
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
     model, _ = load_model(folder)
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits[0, -1])))
-        logits = model(mx.array([[out[-1]]]), cache=cache)
-    return out
+    return greedy_ids(model, prompt, n)
 
 
 def _spec(folder: Path, prompts: list[list[int]]) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 import torch
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, mlx_lm_greedy
 
 from vllm_unified.backend import profile
 from vllm_unified.compat import FullAttentionSpec
@@ -138,21 +138,6 @@ def test_shared_kv_of_an_unknown_family_is_refused():
 # ----------------------------------------------------------------------------- engine
 
 
-def _mlx_lm_greedy(folder: str, prompt: list[int], n: int) -> list[int]:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from vllm_unified.models.loader import load_model
-
-    model = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False).model
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits[0, -1])))
-        logits = model(mx.array([[out[-1]]]), cache=cache)
-    return out
-
-
 def _spec(folder: str) -> dict:
     return {
         "model": folder,
@@ -180,7 +165,7 @@ def test_gemma4_matches_mlx_lm(family, tmp_path):
     ours = run_llm(_spec(folder), tmp_path)
     for i, prompt in enumerate(PROMPTS * 2):
         got = ours["outputs"][i]["completions"][0]["token_ids"]
-        assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"request {i}"
+        assert got == mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"request {i}"
     assert ours["metrics"]["vllm:prefix_cache_hits"] >= 16 * 4
     stats = ours["rpc_after"]["runner_stats"]
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(PROMPTS)
@@ -203,4 +188,4 @@ def test_gemma4_vllm_native_fp32_matches_mlx_lm(family, tmp_path):
     native = run_llm(spec, tmp_path, native=True)
     for i, prompt in enumerate(PROMPTS * 2):
         got = native["outputs"][i]["completions"][0]["token_ids"]
-        assert got == _mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"
+        assert got == mlx_lm_greedy(folder, prompt, NEW_TOKENS), f"prompt {i}"

@@ -9,13 +9,9 @@ with vLLM's CPU backend, which applies it."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 from conftest import run_llm
-from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import make_tiny_checkpoint
-
-from vllm_unified.models.loader import load_model
+from tiny_models import make_tiny_checkpoint, mlx_lm_greedy
 
 pytestmark = pytest.mark.engine
 
@@ -41,18 +37,6 @@ def _spec(folder: str, prompts: list[list[int]]) -> dict:
             "batches": [requests, requests]}
 
 
-def _mlx_lm_greedy(folder: str, prompt: list[int], n: int) -> list[int]:
-    model = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False).model
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)
-    out = []
-    for _ in range(n):
-        token = int(mx.argmax(logits[0, -1]))
-        out.append(token)
-        logits = model(mx.array([[token]]), cache=cache)
-    return out
-
-
 def _ids(out: dict) -> list[list[int]]:
     return [o["completions"][0]["token_ids"] for o in out["outputs"]]
 
@@ -61,7 +45,7 @@ def test_gemma2_matches_mlx_lm(tmp_path):
     folder = str(make_tiny_checkpoint(tmp_path / "g2", "gemma2_wide"))
     prompts = _prompts()
     ours = _ids(run_llm(_spec(folder, prompts), tmp_path))
-    expected = [_mlx_lm_greedy(folder, p, NEW_TOKENS) for p in prompts]
+    expected = [mlx_lm_greedy(folder, p, NEW_TOKENS) for p in prompts]
     assert ours == expected + expected  # both rounds
 
 

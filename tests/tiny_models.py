@@ -416,7 +416,10 @@ def _randomize(model: Any, family: str, seed: int) -> None:
         for name, p in model.named_parameters():  # tied weights are listed once
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if "embed_tokens" in name:
-                p.copy_(0.5 * noise)
+                # Gemma 2 scales its tied embedding by sqrt(hidden) and normalises every
+                # sub-layer's output: at 0.5 the input token dominates the residual stream and
+                # the random model only repeats it, hiding attention errors
+                p.copy_((0.05 if family in SOFTCAP_FAMILIES else 0.5) * noise)
             elif p.ndim == 2:
                 p.copy_(noise / math.sqrt(p.shape[1]))
             elif p.ndim == 3:  # depthwise conv1d [channels, 1, kernel]
@@ -476,3 +479,31 @@ def make_tiny_checkpoint(
     smollm2_tokenizer().save_pretrained(folder)
     _BUILT[key] = folder
     return folder
+
+
+def greedy_ids(model: Any, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy token ids of an mlx-lm model after ``prompt``, with mlx-lm's own cache
+    (``make_prompt_cache``), one sequence: the reference the engine tests compare with."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1])))
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    return out
+
+
+def mlx_lm_greedy(folder: str | Path, prompt: list[int], n: int,
+                  max_model_len: int | None = None) -> list[int]:
+    """:func:`greedy_ids` of ``folder`` loaded in fp32 by our loader (mlx-lm's module with
+    the config laid out for a context of ``max_model_len``; None: the model's maximum)."""
+    import mlx.core as mx
+
+    from vllm_unified.models.loader import load_model
+
+    model = load_model(str(folder), hf_config=None, dtype=mx.float32, keep_quantized=False,
+                       max_model_len=max_model_len).model
+    return greedy_ids(model, prompt, n)
