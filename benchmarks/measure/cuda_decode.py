@@ -470,6 +470,40 @@ def kernel_grid_check(mx) -> dict:
             "max_abs_error": errors}
 
 
+def chunk_check(mx) -> dict:
+    """The paged GPU kernel's CUDA dialect with an attention chunk (chunked local attention)
+    against the pure-MLX reference, on the cases tests/test_chunked_attention.py runs the Metal
+    instance on (step kinds x chunk 16 / 5 x window none / 16 x kernel / split route, fp32)."""
+    from vllm_unified.kv.attention.reference import paged_attention_kv
+    from vllm_unified.kv.gpu.paged import paged_gpu_attention
+
+    grid = _grid_module()
+    start = time.perf_counter()
+    errors, failed = {}, []
+    for kind in ("mixed", "decode", "prefill"):
+        for chunk in (16, 5):
+            for window in (None, 16):
+                for route in ("kernel", "split"):
+                    name = f"{kind}-c{chunk}-w{window}-{route}"
+                    b = grid.build(grid.Case(kind=kind, dim=64, group=3, kv_heads=2,
+                                             block_size=16, window=window, dtype="float32",
+                                             route=route, seed=chunk))
+                    with mx.stream(mx.cpu):
+                        want = np.array(paged_attention_kv(b.queries, b.pool, b.meta, b.scale,
+                                                           window, chunk=chunk))
+                    got = np.array(paged_gpu_attention(
+                        "cuda", b.queries, b.pool, b.meta, b.scale, window, b.fresh,
+                        grid.EVERY_ROW if route == "kernel" else None, chunk=chunk))
+                    err = float(np.abs(got - want).max())
+                    errors[name] = err
+                    if not err <= grid.TOLERANCE["float32"]:  # NaN fails too
+                        failed.append(name)
+    return {"cases": len(errors), "elapsed_s": time.perf_counter() - start,
+            "worst_max_abs_error": max(errors.values()), "failed": failed,
+            "all_within_tolerance": not failed, "tolerance": grid.TOLERANCE["float32"],
+            "max_abs_error": errors}
+
+
 def prologue_check(mx) -> dict:
     """The q/k prologue's CUDA instances (kv/attention/qk_prologue.py) against the pure-MLX
     oracle, on the cases the CPU tests run the Metal instances on
@@ -932,6 +966,14 @@ def device_main(carry: str, out_dir: str) -> None:
     except Exception as err:  # reported, and the engines below still run
         quant = {"error": repr(err)}
     report["kvquant_grid"] = quant
+    try:
+        chunked = ({"skipped": f"{SKIP_CHECKS_ENV}=grid"}
+                   if "grid" in _skipped() else chunk_check(mx))
+    except Exception as err:  # reported, and the engines below still run
+        chunked = {"error": repr(err)}
+    report["chunk_grid"] = chunked
+    print("paged GPU kernel (CUDA dialect) with an attention chunk vs the reference:",
+          json.dumps({k: v for k, v in chunked.items() if k != "max_abs_error"}), flush=True)
     print("quantized KV kernels (CUDA dialect): write vs numpy bytes, attention vs reference:",
           json.dumps({k: v for k, v in quant.items()
                       if k not in ("write_bytes_differing", "attention_max_abs_error")}),
