@@ -19,6 +19,8 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 SOFTCAP_FAMILIES = ("gemma2", "gemma2_wide")
 #: Hybrid attention + state-space families (tests/test_hybrid_models.py).
 HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid", "lfm2", "qwen3_5", "nemotron_h")
+#: Attention-free state-space families (tests/test_ssm_models.py): every layer recurrent.
+SSM_FAMILIES = ("mamba", "mamba2", "falcon_mamba")
 #: Families with per-layer KV shapes (tests/test_per_layer_kv.py): ``gemma4`` (no shared KV)
 #: ``gemma4_shared`` (its last two layers read earlier layers' KV) and ``gemma4_kv`` (K=V
 #: full-attention layers with 1 KV head).
@@ -308,8 +310,10 @@ def tiny_config(family: str) -> Any:
         )
     if family in ATTENTION_FAMILIES:
         return _attention_family_config(family, common)
+    if family in SSM_FAMILIES:
+        return _ssm_family_config(family, common)
     known = (FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
-             + SOFTCAP_FAMILIES + MLA_FAMILIES + ATTENTION_FAMILIES)
+             + SOFTCAP_FAMILIES + MLA_FAMILIES + ATTENTION_FAMILIES + SSM_FAMILIES)
     raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(known)})")
 
 
@@ -401,6 +405,27 @@ def _attention_family_config(family: str, common: dict[str, Any]) -> Any:
             **small, norm_epsilon=1e-5, use_bias=True, tie_word_embeddings=True,
             sliding_window=None, rope_parameters=rope)
     raise ValueError(f"not an attention family: {family!r}")
+
+
+def _ssm_family_config(family: str, common: dict[str, Any]) -> Any:
+    """Tiny attention-free configs: three layers, hidden 96, untied heads; Mamba with a
+    time-step rank (6) that is not hidden / 16, Mamba2 with 6 heads of 32 in one group
+    (mlx-lm's gated norm is vLLM's only for one group), Falcon-Mamba with its B/C/dt norms
+    at a non-default epsilon."""
+    import transformers
+
+    base = {k: common[k] for k in ("vocab_size", "bos_token_id", "eos_token_id",
+                                   "pad_token_id")}
+    base.update(hidden_size=96, num_hidden_layers=3, state_size=16, conv_kernel=4,
+                use_bias=False, use_conv_bias=True, tie_word_embeddings=False,
+                layer_norm_epsilon=1e-5)
+    if family == "mamba":
+        return transformers.MambaConfig(**base, intermediate_size=192, time_step_rank=6)
+    if family == "falcon_mamba":
+        return transformers.FalconMambaConfig(**base, intermediate_size=160, time_step_rank=8,
+                                              mixer_rms_eps=1e-5)
+    return transformers.Mamba2Config(**base, num_heads=6, head_dim=32, expand=2, n_groups=1,
+                                     chunk_size=16)
 
 
 def _randomize(model: Any, family: str, seed: int) -> None:

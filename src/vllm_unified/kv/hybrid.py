@@ -49,6 +49,10 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # block kinds: "M" Mamba2, "*" attention, "-" MLP (mlx-lm's hybrid_override_pattern)
     "nemotron_h": HybridFamily("mixer", lambda layer: layer.block_type == "M", "MAMBA2",
                                is_stateless=lambda layer: layer.block_type not in ("M", "*")),
+    # attention-free: every layer is recurrent (vLLM's IsAttentionFree models)
+    "mamba": HybridFamily("mixer", lambda layer: True, "MAMBA1"),
+    "falcon_mamba": HybridFamily("mixer", lambda layer: True, "MAMBA1"),
+    "mamba2": HybridFamily("mixer", lambda layer: True, "MAMBA2"),
 }
 
 
@@ -133,7 +137,14 @@ class HybridLayers:
 
     @property
     def is_hybrid(self) -> bool:
+        """The model keeps recurrent state (next to attention layers, or alone)."""
         return bool(self.recurrent)
+
+    @property
+    def attention_free(self) -> bool:
+        """Every layer held here is recurrent (vLLM's attention-free Mamba models): vLLM's
+        KV cache config then has state groups only, and no attention pool is allocated."""
+        return bool(self.recurrent) and not self.attention
 
     def state_specs(self, vllm_config: Any) -> dict[str, Any]:
         """``{layer name: MambaSpec}`` for the recurrent layers."""

@@ -294,10 +294,30 @@ def _nemotron_h(cfg: dict[str, Any]) -> None:
                          "implements relu2)")
 
 
-def _attention_free(cfg: dict[str, Any]) -> None:
-    raise ValueError(f"{cfg['model_type']}: an attention-free model (every layer recurrent) "
-                     "is not supported yet: vllm-unified's KV cache needs at least one "
-                     "attention layer")
+def _mamba_common(cfg: dict[str, Any]) -> None:
+    """What mlx-lm's Mamba and Mamba2 modules hard-code: SiLU, and RMSNorm's default epsilon
+    (1e-5) on each block's input norm, where vLLM reads ``layer_norm_epsilon``."""
+    model_type = cfg["model_type"]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{model_type}: hidden_act {cfg['hidden_act']!r} (mlx-lm implements "
+                         "silu)")
+    eps = cfg.get("layer_norm_epsilon", 1e-5)
+    if eps != 1e-5:
+        raise ValueError(f"{model_type}: layer_norm_epsilon={eps} (mlx-lm's block norms use "
+                         "1e-5)")
+
+
+def _mamba2(cfg: dict[str, Any]) -> None:
+    _mamba_common(cfg)
+    if cfg.get("intermediate_size") is None:
+        # transformers' Mamba2Config has none: vLLM takes expand x hidden_size
+        cfg["intermediate_size"] = int(cfg.get("expand", 2)) * int(cfg["hidden_size"])
+    groups = int(cfg.get("n_groups", 1))
+    if groups != 1:
+        raise ValueError(f"mamba2: n_groups={groups} (mlx-lm's gated RMSNorm normalises over "
+                         "all groups at once, vLLM's per group; only n_groups=1 agrees)")
+    if cfg.get("norm_before_gate"):
+        raise ValueError("mamba2: norm_before_gate (mlx-lm gates before the norm)")
 
 
 def _falcon_h1(cfg: dict[str, Any]) -> None:
@@ -478,9 +498,9 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen3_5_text": _qwen3_5,
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,
-    "mamba": _attention_free,
-    "mamba2": _attention_free,
-    "falcon_mamba": _attention_free,
+    "mamba": _mamba_common,
+    "mamba2": _mamba2,
+    "falcon_mamba": _mamba_common,
     "minicpm3": _minicpm3,
     "youtu": _youtu,
 }

@@ -20,11 +20,13 @@ Both read the step's metadata from the bound step context
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 from vllm_unified import patches
 from vllm_unified.kv.forward_context import get_step_context
@@ -132,36 +134,56 @@ def install_recurrent_mixers(model_type: str, model: nn.Module) -> list[int]:
     return layers
 
 
-class _SegmentCache:
-    """mlx-lm's ``ArraysCache`` protocol for one segment (``cache[i]``, ``lengths``,
-    ``advance``), holding the states the wrapped mixer reads and replaces."""
+class _SegmentCache(ArraysCache):
+    """mlx-lm's ``ArraysCache`` for one segment (``cache[i]``, ``lengths``, ``advance``),
+    holding the states the wrapped mixer reads and replaces. An ``ArraysCache`` because some
+    mixers (mlx-lm's Mamba) store their new states only into one."""
 
     def __init__(self, states: list[mx.array]) -> None:
+        super().__init__(len(states))
         self.cache = list(states)
-        self.lengths = None
-        self.left_padding = None
-
-    def __getitem__(self, i: int) -> mx.array:
-        return self.cache[i]
-
-    def __setitem__(self, i: int, value: mx.array) -> None:
-        self.cache[i] = value
 
     def advance(self, n: int) -> None:
         """Positions are not tracked here (the attention metadata has them)."""
 
 
 class RecurrentMixer(nn.Module):
-    """Wraps an mlx-lm recurrent mixer (``mixer(x, mask, cache)`` over an ``ArraysCache``) so
-    it runs on the token-major batch with states in vLLM's pages. Other caches pass through."""
+    """Wraps an mlx-lm recurrent mixer (called as ``mixer(x, mask, cache)``, ``mixer(x,
+    cache)`` or with its own keyword names, over an ``ArraysCache``) so it runs on the
+    token-major batch with states in vLLM's pages. Other caches pass through.
+
+    Raises:
+        TypeError: the mixer's ``__call__`` takes no ``cache`` parameter.
+    """
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
+        params = list(inspect.signature(type(inner).__call__).parameters)[1:]
+        if "cache" not in params:
+            raise TypeError(f"recurrent mixer {type(inner).__name__} takes no cache")
+        #: the mixer's own call signature: bound once, so the layer's call reaches it as is
+        self._signature = inspect.signature(inner.__call__)
+        self._input = params[0]
+        self._takes_mask = "mask" in params
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        bound = self._signature.bind(*args, **kwargs)
+        x = bound.arguments[self._input]
+        mask = bound.arguments.get("mask")
+        cache = bound.arguments.get("cache")
         if not isinstance(cache, StateLayerCache):
-            return self.inner(x, mask, cache)
+            return self.inner(*args, **kwargs)
+        return self._paged(x, mask, cache)
+
+    def _call_inner(self, x: mx.array, cache: _SegmentCache) -> mx.array:
+        kwargs: dict[str, Any] = {self._input: x, "cache": cache}
+        if self._takes_mask:
+            kwargs["mask"] = None
+        return self.inner(**kwargs)
+
+    def _paged(self, x: mx.array, mask: Any, cache: StateLayerCache) -> mx.array:
+        """The mixer over the step's sequences, states read from and written to the pages."""
         if mask is not None:
             raise TypeError("a recurrent layer on vLLM's state pages takes no mask")
         pages = cache.pages
@@ -174,7 +196,7 @@ class RecurrentMixer(nn.Module):
             idx = meta.decode_slots[cache.group]
             states = _initial(pages.read(idx), meta.decode_has_state)
             seg = _SegmentCache(states)
-            outs.append(self.inner(x[attn.decode_rows], None, seg))  # [Bd, 1, D]
+            outs.append(self._call_inner(x[attn.decode_rows], seg))  # [Bd, 1, D]
             slots.append(idx)
             new_states.append(seg.cache)
         for i, chunk in enumerate(attn.prefills):
@@ -184,7 +206,7 @@ class RecurrentMixer(nn.Module):
                 states = [mx.zeros_like(s) for s in states]
             seg = _SegmentCache(states)
             xs = x[chunk.start:chunk.start + chunk.length].transpose(1, 0, 2)  # [1, L, D]
-            outs.append(self.inner(xs, None, seg).transpose(1, 0, 2))
+            outs.append(self._call_inner(xs, seg).transpose(1, 0, 2))
             slots.append(idx)
             new_states.append(seg.cache)
         if not outs:
