@@ -352,8 +352,6 @@ def test_qwen3_5_config_fixups():
 
 
 @pytest.mark.parametrize("model_type, match", [
-    ("mamba", "attention-free model"), ("mamba2", "attention-free model"),
-    ("falcon_mamba", "attention-free model"),
     ("falcon_h1", "Mamba2 mixer and attention side by side"),
 ])
 def test_unsupported_recurrent_families_are_refused_at_load(model_type, match):

@@ -512,10 +512,10 @@ def _hybrid_policy(vllm_config: VllmConfig) -> bool:
             sched.disable_hybrid_kv_cache_manager = True
         return False
     if vllm_config.cache_config.enable_prefix_caching:
-        kind = ("hybrid attention + state-space" if model_config.is_hybrid
-                else "attention-free state-space")
+        kind = ("a hybrid attention + state-space" if model_config.is_hybrid
+                else "an attention-free state-space")
         raise ValueError(
-            f"--enable-prefix-caching: {model_config.architecture} is a {kind} model, whose "
+            f"--enable-prefix-caching: {model_config.architecture} is {kind} model, whose "
             "prefix caching (vLLM's mamba_cache_mode 'align') vllm-unified does not "
             "implement yet; pass --no-enable-prefix-caching"
         )

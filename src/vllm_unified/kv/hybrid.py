@@ -49,6 +49,8 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # block kinds: "M" Mamba2, "*" attention, "-" MLP (mlx-lm's hybrid_override_pattern)
     "nemotron_h": HybridFamily("mixer", lambda layer: layer.block_type == "M", "MAMBA2",
                                is_stateless=lambda layer: layer.block_type not in ("M", "*")),
+    # PLaMo 2: Mamba2-style mixers (one B/C group) and attention layers, both under "mixer"
+    "plamo2": HybridFamily("mixer", lambda layer: bool(layer.is_mamba), "MAMBA2"),
     # attention-free: every layer is recurrent (vLLM's IsAttentionFree models)
     "mamba": HybridFamily("mixer", lambda layer: True, "MAMBA1"),
     "falcon_mamba": HybridFamily("mixer", lambda layer: True, "MAMBA1"),
@@ -87,12 +89,18 @@ def mamba_spec(vllm_config: Any, model_type: str):
     would build it for this model (shapes and dtypes from vLLM's model class).
 
     Raises:
-        ValueError: vLLM's state layout is not mlx-lm's (conv state dim-first).
+        ValueError: vLLM's state layout is not mlx-lm's (conv state dim-first), or vLLM's
+            class for the architecture does not describe its states (no vLLM class for it).
     """
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     model_cls, _ = compat.ModelRegistry.resolve_model_cls(
         model_config.architecture, model_config=model_config
     )
+    if not hasattr(model_cls, "get_mamba_state_shape_from_config"):
+        raise ValueError(f"model type {model_type!r}: recurrent layers of an architecture "
+                         f"({model_config.architecture}) vLLM has no state-space class for "
+                         "(it gives their state pages' shapes) are not supported by "
+                         "vllm-unified yet")
     shapes = model_cls.get_mamba_state_shape_from_config(vllm_config)
     dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)
     family = HYBRID_FAMILIES[model_type]

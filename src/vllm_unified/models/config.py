@@ -325,6 +325,20 @@ def _falcon_h1(cfg: dict[str, Any]) -> None:
                      "(one layer on both KV pages and state pages) are not supported yet")
 
 
+def _plamo2(cfg: dict[str, Any]) -> None:
+    """What mlx-lm's PLaMo 2 does not apply: a sliding window (``attention_window_size``
+    below the context, on the layers outside ``full_attention_idx``) and a RoPE base other
+    than its fixed 10000."""
+    window = cfg.get("attention_window_size")
+    context = cfg.get("max_position_embeddings", 2048)
+    if window is not None and int(window) < int(context):
+        raise ValueError(f"plamo2: attention_window_size={window} below the context "
+                         f"({context}): mlx-lm's module attends over the full context")
+    theta = cfg.get("rope_theta", 10000)
+    if float(theta) != 10000.0:
+        raise ValueError(f"plamo2: rope_theta={theta} (mlx-lm's RoPE base is 10000)")
+
+
 def _gemma3_text(cfg: dict[str, Any]) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
@@ -501,6 +515,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "mamba": _mamba_common,
     "mamba2": _mamba2,
     "falcon_mamba": _mamba_common,
+    "plamo2": _plamo2,
     "minicpm3": _minicpm3,
     "youtu": _youtu,
 }

@@ -148,12 +148,14 @@ class _SegmentCache(ArraysCache):
 
 
 class RecurrentMixer(nn.Module):
-    """Wraps an mlx-lm recurrent mixer (called as ``mixer(x, mask, cache)``, ``mixer(x,
-    cache)`` or with its own keyword names, over an ``ArraysCache``) so it runs on the
-    token-major batch with states in vLLM's pages. Other caches pass through.
+    """Wraps an mlx-lm recurrent mixer (called with its input, ``cache`` over an
+    ``ArraysCache`` and, where it takes one, ``mask``, positionally or by name in the mixer's
+    own order: ``mixer(x, mask, cache)``, Mamba's ``mixer(x, cache)``, PLaMo 2's
+    ``mixer(hidden_states=, mask=, cache=)``) so it runs on the token-major batch with states
+    in vLLM's pages. Other caches pass through.
 
     Raises:
-        TypeError: the mixer's ``__call__`` takes no ``cache`` parameter.
+        TypeError: the mixer's ``__call__`` takes no ``cache``.
     """
 
     def __init__(self, inner: nn.Module) -> None:
@@ -161,29 +163,22 @@ class RecurrentMixer(nn.Module):
         self.inner = inner
         params = list(inspect.signature(type(inner).__call__).parameters)[1:]
         if "cache" not in params:
-            raise TypeError(f"recurrent mixer {type(inner).__name__} takes no cache")
-        #: the mixer's own call signature: bound once, so the layer's call reaches it as is
-        self._signature = inspect.signature(inner.__call__)
-        self._input = params[0]
-        self._takes_mask = "mask" in params
+            raise TypeError(f"{type(inner).__name__}: a recurrent mixer takes its input and "
+                            f"'cache' (its parameters: {params})")
+        #: the mixer's parameter names: input, then the others in order
+        self._params = params
 
-    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
-        bound = self._signature.bind(*args, **kwargs)
-        x = bound.arguments[self._input]
-        mask = bound.arguments.get("mask")
-        cache = bound.arguments.get("cache")
-        if not isinstance(cache, StateLayerCache):
-            return self.inner(*args, **kwargs)
-        return self._paged(x, mask, cache)
-
-    def _call_inner(self, x: mx.array, cache: _SegmentCache) -> mx.array:
-        kwargs: dict[str, Any] = {self._input: x, "cache": cache}
-        if self._takes_mask:
-            kwargs["mask"] = None
+    def _call(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        kwargs = {self._params[0]: x, "cache": cache}
+        if "mask" in self._params:
+            kwargs["mask"] = mask
         return self.inner(**kwargs)
 
-    def _paged(self, x: mx.array, mask: Any, cache: StateLayerCache) -> mx.array:
-        """The mixer over the step's sequences, states read from and written to the pages."""
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        bound = dict(zip(self._params, args, strict=False)) | kwargs
+        x, mask, cache = bound[self._params[0]], bound.get("mask"), bound.get("cache")
+        if not isinstance(cache, StateLayerCache):
+            return self._call(x, mask, cache)
         if mask is not None:
             raise TypeError("a recurrent layer on vLLM's state pages takes no mask")
         pages = cache.pages
@@ -196,7 +191,7 @@ class RecurrentMixer(nn.Module):
             idx = meta.decode_slots[cache.group]
             states = _initial(pages.read(idx), meta.decode_has_state)
             seg = _SegmentCache(states)
-            outs.append(self._call_inner(x[attn.decode_rows], seg))  # [Bd, 1, D]
+            outs.append(self._call(x[attn.decode_rows], None, seg))  # [Bd, 1, D]
             slots.append(idx)
             new_states.append(seg.cache)
         for i, chunk in enumerate(attn.prefills):
@@ -206,7 +201,7 @@ class RecurrentMixer(nn.Module):
                 states = [mx.zeros_like(s) for s in states]
             seg = _SegmentCache(states)
             xs = x[chunk.start:chunk.start + chunk.length].transpose(1, 0, 2)  # [1, L, D]
-            outs.append(self._call_inner(xs, seg).transpose(1, 0, 2))
+            outs.append(self._call(xs, None, seg).transpose(1, 0, 2))
             slots.append(idx)
             new_states.append(seg.cache)
         if not outs:
