@@ -11,6 +11,11 @@ policy without an engine.
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -38,6 +43,7 @@ ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16
           "seed": 0, "enable_prefix_caching": False, "kv_cache_memory_bytes": 16 * 2**20}
 #: the family whose engine runs in CI; the others in the slow tier
 CI_FAMILY = "mamba2"
+HARNESS = Path(__file__).resolve().parent / "hybrid_harness.py"
 
 
 @pytest.fixture(scope="module", params=[
@@ -109,6 +115,38 @@ def test_greedy_and_logprobs_equal_vllm_cpu_fp32(ours, checkpoint, tmp_path):
             assert [t for t, _, _ in a] == [t for t, _, _ in b], f"prompt {i} step {step}"
             np.testing.assert_allclose([lp for _, lp, _ in a], [lp for _, lp, _ in b],
                                        atol=1e-3, err_msg=f"prompt {i} step {step}")
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("family", [CI_FAMILY], indirect=True)
+def test_reused_state_slots_do_not_leak(family, checkpoint, ours, reference, tmp_path):
+    """A request aborted mid-decode and one run to the end, then the four prompts in a pool
+    of three blocks (vLLM's null block and two state slots: requests wait for a free slot):
+    the tokens are a fresh server's, on slots phase 1 used."""
+    long_prompt = [(11 * j) % 30000 + 500 for j in range(60)]
+    # one block (all three layers' state pages) per running request, plus the null block
+    page = 3 * (3 * (192 + 2 * 16) + 6 * 32 * 16) * 4
+    engine = {**ENGINE, "kv_cache_memory_bytes": 3 * page}
+    spec = {"model": checkpoint, "engine": engine, "phases": [
+        {"abort": {"prompt_token_ids": long_prompt, "params": GREEDY, "steps": 8}},
+        {"generate": [{"prompt_token_ids": long_prompt[:37], "params": GREEDY}]},
+        {"rpc": "state_slots"},
+        {"generate": [{"prompt_token_ids": p, "params": GREEDY} for p in PROMPTS]},
+        {"rpc": "state_slots"},
+    ]}
+    spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    proc = subprocess.run([sys.executable, str(HARNESS), str(spec_path), str(out_path)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    aborted, _, first, later, after = json.loads(out_path.read_text())["phases"]
+    assert 0 < len(aborted) < NEW_TOKENS  # really aborted mid-generation
+    assert later == reference
+    old = {s for slots in first.values() for s in slots}
+    new = {s for k, slots in after.items() if k not in first for s in slots}
+    assert old & new, f"no state slot reused ({old}, {new}): test is void"
 
 
 # ------------------------------------------------------------------------------- unit tests
