@@ -238,7 +238,7 @@ def test_recurrent_adapter_call_conventions(inner, call):
     conv, total = pages.read(mx.array([1, 3], dtype=mx.int32))
     np.testing.assert_array_equal(np.array(total), [xs[0], xs[1] + xs[2]])
     np.testing.assert_array_equal(np.array(conv)[:, 0], [xs[0], xs[2]])
-    with pytest.raises(TypeError, match="takes no cache"):
+    with pytest.raises(TypeError, match="takes its input and .cache."):
         RecurrentMixer(_NoCacheMixer())
 
 

@@ -97,9 +97,9 @@ def mamba_spec(vllm_config: Any, model_type: str):
         model_config.architecture, model_config=model_config
     )
     if not hasattr(model_cls, "get_mamba_state_shape_from_config"):
-        raise ValueError(f"model type {model_type!r}: recurrent layers of an architecture "
-                         f"({model_config.architecture}) vLLM has no state-space class for "
-                         "(it gives their state pages' shapes) are not supported by "
+        raise ValueError(f"model type {model_type!r}: a recurrent layer of an architecture "
+                         f"vLLM has no state-space class for ({model_config.architecture}; "
+                         "vLLM's class gives the state pages' shapes) is not supported by "
                          "vllm-unified yet")
     shapes = model_cls.get_mamba_state_shape_from_config(vllm_config)
     dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)
