@@ -496,9 +496,10 @@ def _pipeline_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
 
 
 def _hybrid_policy(vllm_config: VllmConfig) -> bool:
-    """Hybrid models use vLLM's hybrid KV-cache manager (state groups next to attention);
-    other models keep it off unless asked for, as on vLLM's CPU platform. Returns whether
-    the model is hybrid.
+    """Hybrid models use vLLM's hybrid KV-cache manager (state groups next to attention), as
+    do attention-free state-space models (state groups only); other models keep it off unless
+    asked for, as on vLLM's CPU platform. Returns whether the model keeps state
+    (:func:`keeps_state`): the hybrid rules apply to it.
 
     Raises:
         ValueError: prefix caching for a hybrid model (vLLM's 'align' state mode, which

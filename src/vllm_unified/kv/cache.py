@@ -182,7 +182,7 @@ class KVCache:
         self.block_size: int | None = None
         #: tokens per block the MLX attention reads (``block_size`` divided)
         self.kernel_block_size: int | None = None
-        #: the KV cache group of the attention layers
+        #: the KV cache group of the attention layers (None: an attention-free model)
         self.attn_group = 0
         #: the pool was zero-filled at start-up (VLLM_UNIFIED_KV_EAGER_ZERO, benchmarks)
         self.zeroed = False
