@@ -164,6 +164,24 @@ def test_layout_is_all_recurrent(tmp_path):
         assert (layout.recurrent, layout.attention) == ([0, 1, 2], {}), family
 
 
+@pytest.mark.parametrize("family", SSM_FAMILIES)
+def test_mlx_lm_forward_equals_transformers(family, tmp_path):
+    """mlx-lm's model from the laid-out config gives transformers' own logits on the same
+    tiny checkpoint: the check of the config mapping where vLLM's CPU backend cannot serve
+    the family (Mamba, Falcon-Mamba)."""
+    import transformers
+    from mlx_lm.models.cache import make_prompt_cache
+
+    folder = make_tiny_checkpoint(tmp_path, family)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPTS[2]])).logits[0].numpy()
+    model = load_model(str(folder), hf_config=None, dtype=mx.float32,
+                       keep_quantized=False).model
+    got = np.array(model(mx.array([PROMPTS[2]]), cache=make_prompt_cache(model))[0])
+    np.testing.assert_allclose(got, want, atol=2e-5 * float(np.abs(want).max()))
+
+
 def test_mamba_config_fixups():
     """Transformers' Mamba2 config gets mlx-lm's intermediate_size; what mlx-lm's modules
     would compute differently from vLLM is refused."""
