@@ -49,6 +49,9 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # block kinds: "M" Mamba2, "*" attention, "-" MLP (mlx-lm's hybrid_override_pattern)
     "nemotron_h": HybridFamily("mixer", lambda layer: layer.block_type == "M", "MAMBA2",
                                is_stateless=lambda layer: layer.block_type not in ("M", "*")),
+    # every layer runs a Mamba2 mixer and attention side by side (mlx-lm's CacheList of an
+    # ArraysCache and a KVCache per layer: one layer on state pages and on KV pages)
+    "falcon_h1": HybridFamily("mamba", lambda layer: True, "MAMBA2"),
 }
 
 
@@ -116,16 +119,19 @@ class HybridLayers:
 
     For a model that is not hybrid every layer is an attention layer. ``held``: the layer
     indices this worker holds (a pipeline stage's; default all): only they have pages here.
+    ``attention``: the attention layer indices where a layer may be both (mlx-lm's CacheList
+    of a recurrent state and a KV cache, Falcon-H1); default: every layer not recurrent.
     """
 
     def __init__(self, model_type: str, num_layers: int, recurrent: list[int],
-                 held: range | None = None) -> None:
+                 held: range | None = None, attention: list[int] | None = None) -> None:
         self.model_type = model_type
         self.num_layers = num_layers
         held = range(num_layers) if held is None else held
         self.recurrent = [i for i in recurrent if i in held]
         rec = set(self.recurrent)
-        self.attention = [i for i in held if i not in rec]
+        self.attention = ([i for i in held if i not in rec] if attention is None
+                          else [i for i in held if i in set(attention)])
         #: request id -> its state slot per state group, recorded when first scheduled, for
         #: the last ``SLOT_HISTORY`` requests (tests check that a finished request's slot is
         #: reused cleanly; bounded so a long-running server does not grow it)

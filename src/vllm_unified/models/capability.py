@@ -10,6 +10,8 @@ Each slot is classified by its cache type:
   (chunked local attention, Llama 4);
 * ``ArraysCache`` / ``MambaCache`` -> a recurrent layer on vLLM's state pages (its family must
   be known to :mod:`vllm_unified.kv.hybrid`);
+* ``CacheList(ArraysCache, KVCache or RotatingKVCache)`` (either order) -> a layer that runs a
+  recurrent mixer and attention side by side (Falcon-H1): on state pages and on KV pages;
 * anything else -> refused, naming the feature.
 
 A ``KVCache`` slot whose layer's attention is multi-head latent attention (wrapped by
@@ -91,6 +93,8 @@ class ModelLayout:
         recurrent: slot indices of recurrent layers (vLLM's state pages).
         shared: layer index -> the attention slot whose keys and values it reads (KV shared
             across layers: layers after the last slot that mlx-lm gives no cache of their own).
+        cache_lists: slot index -> the kinds (``"state"``, ``"attention"``) of its caches in
+            mlx-lm's ``CacheList`` order, for slots that are both recurrent and attention.
         notes: how each decision was taken, for the start-up log.
     """
 
@@ -99,6 +103,7 @@ class ModelLayout:
     attention: dict[int, AttentionSlot] = field(default_factory=dict)
     recurrent: list[int] = field(default_factory=list)
     shared: dict[int, int] = field(default_factory=dict)
+    cache_lists: dict[int, tuple[str, ...]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -147,12 +152,16 @@ def check_model(
     latent = _latent_slots(model, model_type, len(caches))
     for i, cache in enumerate(caches):
         kind = _slot_kind(model_type, i, cache)
+        if kind in ("recurrent", "list") and model_type not in recurrent_families:
+            raise UnsupportedModel(model_type, "a recurrent (state-space) layer of this "
+                                   f"family ({_describe_cache(cache)})", i)
         if kind == "recurrent":
-            if model_type not in recurrent_families:
-                raise UnsupportedModel(model_type, "a recurrent (state-space) layer of this "
-                                       f"family ({type(cache).__name__})", i)
             layout.recurrent.append(i)
             continue
+        if kind == "list":
+            layout.recurrent.append(i)
+            layout.cache_lists[i] = _list_kinds(cache)
+            cache = _attention_cache(cache)
         window = _window(model_type, i, cache, declared)
         if i in latent:
             if window is not None or _cache_chunk(cache) is not None:
@@ -167,7 +176,8 @@ def check_model(
         raise UnsupportedModel(model_type, "multi-head latent attention next to other "
                                "attention layers (one MLA page shape for every layer)")
     if declared is not None and any(
-        w != _cache_window(caches[i]) for i, w in declared.items() if i in layout.attention
+        w != _cache_window(_attention_cache(caches[i])) for i, w in declared.items()
+        if i in layout.attention
     ):
         layout.notes.append("sliding windows from the config (vLLM's), which mlx-lm's "
                             "model does not apply itself")
@@ -217,12 +227,27 @@ def route_model(
 
 
 def _slot_kind(model_type: str, i: int, cache: Any) -> str:
-    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        ChunkedKVCache,
+        KVCache,
+        RotatingKVCache,
+    )
 
     if type(cache) in (KVCache, RotatingKVCache, ChunkedKVCache):
         return "attention"
     if isinstance(cache, ArraysCache):
         return "recurrent"
+    if isinstance(cache, CacheList):
+        kinds = sorted("state" if isinstance(c, ArraysCache) else
+                       "attention" if type(c) in (KVCache, RotatingKVCache) else
+                       type(c).__name__ for c in cache.caches)
+        if kinds == ["attention", "state"]:
+            return "list"
+        raise UnsupportedModel(model_type, "a layer with several caches (mlx-lm CacheList of "
+                               f"{_describe_cache(cache)}: only one recurrent state next to "
+                               "one attention cache is served)", i)
     feature = _CACHE_FEATURES.get(type(cache).__name__,
                                   f"mlx-lm's {type(cache).__name__} cache")
     raise UnsupportedModel(model_type, feature, i)
@@ -230,10 +255,33 @@ def _slot_kind(model_type: str, i: int, cache: Any) -> str:
 
 #: mlx-lm cache types and the attention feature they stand for
 _CACHE_FEATURES = {
-    "CacheList": "a layer with several caches (mlx-lm CacheList: latent attention or a "
-                 "mixer with its own state)",
     "QuantizedKVCache": "mlx-lm's quantized KV cache",
 }
+
+
+def _describe_cache(cache: Any) -> str:
+    """``ArraysCache``, or ``CacheList(ArraysCache, KVCache)`` for a list."""
+    inner = getattr(cache, "caches", None)
+    if inner is None:
+        return type(cache).__name__
+    return f"CacheList({', '.join(type(c).__name__ for c in inner)})"
+
+
+def _list_kinds(cache: Any) -> tuple[str, ...]:
+    """The kinds of a served ``CacheList``'s caches, in its order (``"state"``,
+    ``"attention"``)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    return tuple("state" if isinstance(c, ArraysCache) else "attention" for c in cache.caches)
+
+
+def _attention_cache(cache: Any) -> Any:
+    """The attention cache of a slot: the slot's cache, or a ``CacheList``'s attention one."""
+    from mlx_lm.models.cache import CacheList
+
+    if not isinstance(cache, CacheList):
+        return cache
+    return cache.caches[_list_kinds(cache).index("attention")]
 
 
 def _cache_window(cache: Any) -> int | None:
@@ -365,7 +413,7 @@ def _probe(model: nn.Module, model_type: str, layout: ModelLayout,
 
     prompt = mx.array([list(_PROBE_PROMPT)])
     caches = make_prompt_cache(model)
-    records = [routing.record_cache(c) for c in caches]
+    records = [routing.record_cache(_attention_cache(c)) for c in caches]
     try:
         logits = model(prompt, cache=caches)
         logits = mx.concatenate([logits, model(mx.array([[6]]), cache=caches)], axis=1)

@@ -301,8 +301,25 @@ def _attention_free(cfg: dict[str, Any]) -> None:
 
 
 def _falcon_h1(cfg: dict[str, Any]) -> None:
-    raise ValueError("falcon_h1: layers that run a Mamba2 mixer and attention side by side "
-                     "(one layer on both KV pages and state pages) are not supported yet")
+    """Falcon-H1: the Mamba2 width where the config leaves it to ``mamba_expand`` (as
+    transformers and vLLM derive it); refuses what mlx-lm's module computes otherwise."""
+    if cfg.get("mamba_d_ssm") is None:
+        cfg["mamba_d_ssm"] = int(cfg.get("mamba_expand", 2) * int(cfg["hidden_size"]))
+    for key in ("key_multiplier", "attention_in_multiplier"):
+        # mlx-lm folds attention_in_multiplier into q_proj and k_proj only (not v_proj) and
+        # never applies key_multiplier
+        if float(cfg.get(key, 1.0)) != 1.0:
+            raise ValueError(f"falcon_h1: {key}={cfg[key]} is not applied as transformers "
+                             "and vLLM apply it by mlx-lm's module (only 1.0 is served)")
+    if cfg.get("mamba_rms_norm") and int(cfg.get("mamba_n_groups", 1)) != 1:
+        raise ValueError("falcon_h1: mamba_rms_norm with mamba_n_groups > 1 (mlx-lm's gated "
+                         "norm is not per group)")
+    limit = cfg.get("time_step_limit")
+    if limit is not None and (float(limit[0]), float(limit[1])) != (0.0, float("inf")):
+        raise ValueError(f"falcon_h1: time_step_limit {limit} (mlx-lm clips dt to [0, inf))")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"falcon_h1: hidden_act {cfg['hidden_act']!r} (mlx-lm implements "
+                         "silu)")
 
 
 def _gemma3_text(cfg: dict[str, Any]) -> None:

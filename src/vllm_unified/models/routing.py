@@ -20,6 +20,7 @@ Both read the step's metadata from the bound step context
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,16 +153,29 @@ class _SegmentCache:
 
 
 class RecurrentMixer(nn.Module):
-    """Wraps an mlx-lm recurrent mixer (``mixer(x, mask, cache)`` over an ``ArraysCache``) so
-    it runs on the token-major batch with states in vLLM's pages. Other caches pass through."""
+    """Wraps an mlx-lm recurrent mixer (called with its input, ``mask`` and ``cache`` over an
+    ``ArraysCache``, positionally or by name in the mixer's own order: ``mixer(x, mask,
+    cache)``, Falcon-H1's ``mixer(input_states=, cache=, mask=)``) so it runs on the
+    token-major batch with states in vLLM's pages. Other caches pass through."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
+        params = list(inspect.signature(type(inner).__call__).parameters)[1:]
+        if "mask" not in params or "cache" not in params:
+            raise TypeError(f"{type(inner).__name__}: a recurrent mixer takes its input, "
+                            f"'mask' and 'cache' (its parameters: {params})")
+        #: the mixer's parameter names: input, then the others in order
+        self._params = params
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def _call(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        return self.inner(**{self._params[0]: x, "mask": mask, "cache": cache})
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        bound = dict(zip(self._params, args, strict=False)) | kwargs
+        x, mask, cache = bound[self._params[0]], bound.get("mask"), bound.get("cache")
         if not isinstance(cache, StateLayerCache):
-            return self.inner(x, mask, cache)
+            return self._call(x, mask, cache)
         if mask is not None:
             raise TypeError("a recurrent layer on vLLM's state pages takes no mask")
         pages = cache.pages
@@ -174,7 +188,7 @@ class RecurrentMixer(nn.Module):
             idx = meta.decode_slots[cache.group]
             states = _initial(pages.read(idx), meta.decode_has_state)
             seg = _SegmentCache(states)
-            outs.append(self.inner(x[attn.decode_rows], None, seg))  # [Bd, 1, D]
+            outs.append(self._call(x[attn.decode_rows], None, seg))  # [Bd, 1, D]
             slots.append(idx)
             new_states.append(seg.cache)
         for i, chunk in enumerate(attn.prefills):
@@ -184,7 +198,7 @@ class RecurrentMixer(nn.Module):
                 states = [mx.zeros_like(s) for s in states]
             seg = _SegmentCache(states)
             xs = x[chunk.start:chunk.start + chunk.length].transpose(1, 0, 2)  # [1, L, D]
-            outs.append(self.inner(xs, None, seg).transpose(1, 0, 2))
+            outs.append(self._call(xs, None, seg).transpose(1, 0, 2))
             slots.append(idx)
             new_states.append(seg.cache)
         if not outs:

@@ -292,7 +292,8 @@ class MLXModelRunner:
             raise ValueError("pipeline parallelism with layers that share KV is not "
                              "supported by vllm-unified")
         self.layers = HybridLayers(model_type, num_layers, self.layout.recurrent,
-                                   held=self.stage.layers if self.stage.size > 1 else None)
+                                   held=self.stage.layers if self.stage.size > 1 else None,
+                                   attention=list(self.layout.attention))
         cache_config = self.vllm_config.cache_config
         if self.layout.latent is not None:  # MLA: vLLM's MLA pages, whatever vLLM's model does
             shape = AttentionShape.latent(*self.layout.latent, self.model_config.dtype,
@@ -307,7 +308,8 @@ class MLXModelRunner:
                      if a.num_kv_heads is not None and i in windows}
         chunks = {i: self.layout.attention[i].chunk for i in self.layers.attention}
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype,
-                                kv_shapes=kv_shapes, shared=self.layout.shared, chunks=chunks)
+                                kv_shapes=kv_shapes, shared=self.layout.shared, chunks=chunks,
+                                cache_lists=self.layout.cache_lists)
         if any(chunks.values()):
             logger.info("vllm-unified: %s (layers %s)", chunk_routing(self.backend),
                         [i for i, c in chunks.items() if c])
