@@ -50,14 +50,14 @@ HARNESS = Path(__file__).resolve().parent / "hybrid_harness.py"
 #: bytes of one page of each family's tiny model (one attention page of vLLM's aligned block
 #: size over the attention layers = one padded state page)
 PAGE_BYTES = {"qwen3_next": 24576, "granitemoehybrid": 24576, "lfm2": 8192, "qwen3_5": 32768,
-              "nemotron_h": 12288}
+              "nemotron_h": 12288, "falcon_h1": 24576}
 #: pages that hold two of the leak test's requests but not four (vLLM then preempts): per
 #: request one block per state group plus its attention blocks, and vLLM's null block
 LEAK_TEST_PAGES = {"qwen3_next": 13, "granitemoehybrid": 13, "lfm2": 17, "qwen3_5": 10,
-                   "nemotron_h": 13}
+                   "nemotron_h": 13, "falcon_h1": 11}
 #: families whose engine runs in CI (one engine each); the others, and every family's second
 #: engine (the leak test) except qwen3_next's, run in the slow tier
-CI_FAMILIES = ("qwen3_next", "lfm2", "qwen3_5")
+CI_FAMILIES = ("qwen3_next", "lfm2", "qwen3_5", "falcon_h1")
 #: families whose tiny model's attention block (vLLM's alignment to the state page) is larger
 #: than the MLX kernel block: 48-token blocks read as 3 x 16 (LFM2's is 16 tokens, Qwen3.5's 64:
 #: both one kernel block)
@@ -180,7 +180,7 @@ def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, 
 
 #: families vLLM's CPU backend serves in fp32 (its gated delta-net, qwen3_next / qwen3_5,
 #: requires bf16 there: "CPU GDN attention requires BF16.")
-VLLM_CPU_FAMILIES = ("lfm2", "nemotron_h")
+VLLM_CPU_FAMILIES = ("lfm2", "nemotron_h", "falcon_h1")
 
 
 @pytest.mark.slow
@@ -354,7 +354,6 @@ def test_qwen3_5_config_fixups():
 @pytest.mark.parametrize("model_type, match", [
     ("mamba", "attention-free model"), ("mamba2", "attention-free model"),
     ("falcon_mamba", "attention-free model"),
-    ("falcon_h1", "Mamba2 mixer and attention side by side"),
 ])
 def test_unsupported_recurrent_families_are_refused_at_load(model_type, match):
     from vllm_unified.models.config import mlx_lm_config
@@ -374,6 +373,39 @@ def test_nemotron_h_config_fixups():
                        ({"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu'")]:
         with pytest.raises(ValueError, match=match):
             mlx_lm_config({**base, **bad})
+
+
+def test_falcon_h1_config_fixups():
+    """Falcon-H1's Mamba2 width from mamba_expand where the config leaves it out (as
+    transformers and vLLM do); multipliers mlx-lm's module does not apply as they do, a
+    per-group gated norm, a dt clip or an activation it does not compute are refused."""
+    from vllm_unified.models.config import mlx_lm_config
+
+    base = {"model_type": "falcon_h1", "hidden_size": 96, "mamba_d_ssm": None,
+            "mamba_expand": 2, "key_multiplier": 1.0, "attention_in_multiplier": 1.0}
+    assert mlx_lm_config(base)["mamba_d_ssm"] == 192
+    for bad, match in [({"key_multiplier": 0.39}, "key_multiplier=0.39"),
+                       ({"attention_in_multiplier": 2.0}, "attention_in_multiplier=2.0"),
+                       ({"mamba_rms_norm": True, "mamba_n_groups": 2}, "not per group"),
+                       ({"time_step_limit": [0.0, 10.0]}, "time_step_limit"),
+                       ({"hidden_act": "gelu"}, "hidden_act 'gelu'")]:
+        with pytest.raises(ValueError, match=match):
+            mlx_lm_config({**base, **bad})
+
+
+def test_layers_with_state_and_attention(tmp_path):
+    """Falcon-H1's layers each hold mlx-lm's CacheList(ArraysCache, KVCache): every slot is
+    both a recurrent slot (state pages) and an attention slot (KV pages), in that order."""
+    from vllm_unified.models.capability import route_model
+
+    folder = make_tiny_checkpoint(tmp_path, "falcon_h1")
+    loaded = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False)
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=None, config_window=None)
+    assert layout.num_slots == 3 and layout.recurrent == [0, 1, 2]
+    assert list(layout.attention) == [0, 1, 2]
+    assert {(a.num_kv_heads, a.head_dim) for a in layout.attention.values()} == {(1, 32)}
+    assert layout.cache_lists == dict.fromkeys(range(3), ("state", "attention"))
+    assert all(isinstance(layer.mamba, RecurrentMixer) for layer in loaded.model.layers)
 
 
 def test_cache_slots_skip_stateless_layers(tmp_path):

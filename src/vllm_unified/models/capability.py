@@ -43,7 +43,8 @@ from vllm_unified.models import latent_attention, routing
 from vllm_unified.models.attention_adapters import install_attention_adapters
 from vllm_unified.models.output_head import decoder, lm_head
 
-__all__ = ["AttentionSlot", "ModelLayout", "UnsupportedModel", "check_model", "route_model"]
+__all__ = ["AttentionSlot", "ModelLayout", "UnsupportedModel", "check_model",
+           "probed_state_layout", "route_model"]
 
 #: probe tokens (prefill, then one decode step): ids valid in any vocabulary
 _PROBE_PROMPT = (1, 2, 3, 4, 5)
@@ -95,6 +96,8 @@ class ModelLayout:
             across layers: layers after the last slot that mlx-lm gives no cache of their own).
         cache_lists: slot index -> the kinds (``"state"``, ``"attention"``) of its caches in
             mlx-lm's ``CacheList`` order, for slots that are both recurrent and attention.
+        states: per recurrent slot, the ``(shape, dtype)`` of each state mlx-lm's own cache
+            held after the probe step, per sequence (empty where the probe did not run).
         notes: how each decision was taken, for the start-up log.
     """
 
@@ -104,6 +107,8 @@ class ModelLayout:
     recurrent: list[int] = field(default_factory=list)
     shared: dict[int, int] = field(default_factory=dict)
     cache_lists: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    states: dict[int, tuple[tuple[tuple[int, ...], mx.Dtype], ...]] = field(
+        default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -221,6 +226,28 @@ def route_model(
         raise UnsupportedModel(model_type, f"recurrent layers {mixers} at other cache slots "
                                f"({layout.recurrent})")
     return layout, patched
+
+
+def probed_state_layout(layout: ModelLayout) -> tuple[tuple[tuple[int, ...], ...],
+                                                      tuple[Any, ...]] | None:
+    """The per-sequence state shapes and torch dtypes every recurrent slot's mlx-lm cache held
+    after the probe step (what vLLM sizes the state pages of an architecture only mlx-lm
+    defines by), or None without recurrent slots or a probe.
+
+    Raises:
+        UnsupportedModel: recurrent layers whose states differ (one state spec for all).
+    """
+    from vllm_unified.bridge import torch_dtype
+
+    kinds = set(layout.states.values())
+    if not kinds:
+        return None
+    if len(kinds) != 1:
+        raise UnsupportedModel(layout.model_type, "recurrent layers whose states differ in "
+                               "shape or dtype (one state page layout for all)")
+    (states,) = kinds
+    return (tuple(shape for shape, _ in states),
+            tuple(torch_dtype(dtype) for _, dtype in states))
 
 
 # ----------------------------------------------------------------------------- slots
@@ -423,6 +450,8 @@ def _probe(model: nn.Module, model_type: str, layout: ModelLayout,
     for i, slot in list(layout.attention.items()):
         if slot.latent_dim is None:
             layout.attention[i] = _attention_slot(model_type, i, slot, records[i])
+    for i in layout.recurrent:
+        layout.states[i] = _probed_states(model_type, i, caches[i])
     shapes = {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()
               if s.latent_dim is None}
     if kv_shape is not None and shapes - {tuple(kv_shape)}:
@@ -475,6 +504,25 @@ def _check_logits(model_type: str, got: mx.array, expected: mx.array, feature: s
     rtol = _LOGITS_RTOL.get(got.dtype, _LOGITS_RTOL_16BIT)
     if got.shape != expected.shape or err > rtol * scale:
         raise UnsupportedModel(model_type, f"{feature} (differ by {err:.3g})")
+
+
+def _probed_states(model_type: str, i: int, cache: Any
+                   ) -> tuple[tuple[tuple[int, ...], mx.Dtype], ...]:
+    """``(shape, dtype)`` per state of a recurrent slot's mlx-lm cache after the probe step,
+    without the batch axis.
+
+    Raises:
+        UnsupportedModel: a state the mixer left unset.
+    """
+    from mlx_lm.models.cache import CacheList
+
+    if isinstance(cache, CacheList):
+        cache = cache.caches[_list_kinds(cache).index("state")]
+    states = list(cache.cache)
+    if any(a is None for a in states):
+        raise UnsupportedModel(model_type, "a recurrent layer that leaves some of its cache "
+                               "entries unset", i)
+    return tuple((tuple(a.shape[1:]), a.dtype) for a in states)
 
 
 def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
