@@ -32,12 +32,16 @@ class HybridFamily:
         is_stateless: decides whether a layer has neither attention nor recurrent state (an
             MLP-only block); mlx-lm's cache list has no entry for such layers (Nemotron-H
             counts caches over attention and Mamba blocks only). None: no such layers.
+        fresh_is_none: the mixer must see a sequence's first tokens with its cache entries
+            unset (None), as mlx-lm's generation starts them, rather than zero states
+            (RecurrentGemma's RG-LRU does not normalise its first input otherwise).
     """
 
     mixer: str
     is_recurrent: Callable[[Any], bool]
     mamba_type: str
     is_stateless: Callable[[Any], bool] | None = None
+    fresh_is_none: bool = False
 
 
 HYBRID_FAMILIES: dict[str, HybridFamily] = {
@@ -52,6 +56,11 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # every layer runs a Mamba2 mixer and attention side by side (mlx-lm's CacheList of an
     # ArraysCache and a KVCache per layer: one layer on state pages and on KV pages)
     "falcon_h1": HybridFamily("mamba", lambda layer: True, "MAMBA2"),
+    # Griffin: RG-LRU recurrent blocks (a conv state and the recurrence) next to local
+    # attention; vLLM has no class for it (state shapes: mlx-lm's probed caches)
+    "recurrent_gemma": HybridFamily(
+        "temporal_block", lambda layer: layer.temporal_block_type == "recurrent", "MAMBA1",
+        fresh_is_none=True),
 }
 
 
