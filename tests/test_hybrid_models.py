@@ -434,3 +434,64 @@ def test_token_major_forward_equals_mlx_lm_call(family, tmp_path):
     want = model(ids)[0]
     got = lm_head(model, decoder(model)(ids)[0])
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+#: hybrid model types only mlx-lm defines (vLLM has no class: the state pages are sized by
+#: the shapes of mlx-lm's own caches after the load-time probe step)
+MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma",)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", MLX_LM_ONLY_HYBRIDS)
+def test_mlx_lm_only_hybrid_serves_like_mlx_lm(model_type, tmp_path):
+    """The model matrix's tiny checkpoint (built from mlx-lm's ModelArgs), served with
+    16-token prefill chunks and 4 requests at once: greedy ids equal mlx-lm's own
+    generation."""
+    import model_matrix as mm
+
+    result = mm.run_type(model_type, tmp_path)
+    assert result.outcome == "match", (result.outcome, result.message, result.served,
+                                       result.reference)
+
+
+class _FreshMixer:
+    """A mixer that, like RecurrentGemma's RG-LRU, treats unset states as a sequence start:
+    its first output is 100 x its input there, and a running sum after."""
+
+    def __call__(self, x, cache=None, mask=None):
+        state = cache[0]
+        outs = []
+        for t in range(x.shape[1]):
+            state = 100 * x[:, t] if state is None else state + x[:, t]
+            outs.append(state)
+        cache[0] = state
+        return mx.stack(outs, axis=1)
+
+
+def test_recurrent_adapter_gives_unset_states_at_a_sequence_start():
+    """With ``fresh_is_none``, single-token rows at position 0 are called with unset states
+    (apart from the rows that continue a sequence) and prefill chunks at position 0 too; the
+    outputs come back in row order. The mixer's own argument order (``cache`` before
+    ``mask``) is kept."""
+    d = 2
+    fields = state_fields([(d,)], [torch.float32])
+    pages = StatePages.allocate_mlx(6, 64, fields)
+    pages.write(mx.arange(6, dtype=mx.int32), [mx.full((6, d), 1000.0)])
+    store = StateStore({0: pages}, {0: 1})
+    mixer = RecurrentMixer(_FreshMixer(), fresh_is_none=True)
+    # seq 0: decode at pos 0 (slot 1), seq 1: decode at pos 4 (slot 2), seq 2: chunk of 2 at
+    # pos 0 (slot 3), seq 3: decode at pos 0 (slot 4)
+    qlens, slens = np.array([1, 1, 2, 1]), np.array([1, 5, 2, 1])
+    ctx = StepContext(
+        attn=build_attention_metadata(qlens, slens, np.zeros((4, 1), np.int32), 16),
+        state=build_state_metadata(qlens, slens, {1: np.array([1, 2, 3, 4])}))
+    x = mx.arange(5 * d, dtype=mx.float32).reshape(5, 1, d)
+    with set_step_context(ctx):
+        out = mixer(x, cache=StateLayerCache(store, 0), mask=None)
+    mx.eval(out, pages.pages)
+    xs = np.array(x)[:, 0]
+    want = np.stack([100 * xs[0], 1000 + xs[1], 100 * xs[2], 100 * xs[2] + xs[3], 100 * xs[4]])
+    np.testing.assert_array_equal(np.array(out)[:, 0], want)
+    (states,) = pages.read(mx.array([1, 2, 3, 4], dtype=mx.int32))
+    np.testing.assert_array_equal(np.array(states), want[[0, 1, 3, 4]])

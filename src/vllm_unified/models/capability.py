@@ -155,6 +155,8 @@ def check_model(
     layout = ModelLayout(model_type, len(caches))
     declared = _declared_windows(config, len(caches), config_window)
     latent = _latent_slots(model, model_type, len(caches))
+    if model_type in _UNSERVED_STATE:
+        raise UnsupportedModel(model_type, _UNSERVED_STATE[model_type], 0)
     for i, cache in enumerate(caches):
         kind = _slot_kind(model_type, i, cache)
         if kind in ("recurrent", "list") and model_type not in recurrent_families:
@@ -405,6 +407,13 @@ def _latent_slots(model: nn.Module, model_type: str, num_slots: int
                                "cache slots are not its layers")
     return latent
 
+
+#: mlx-lm modules whose layers keep a recurrent state the state pages cannot hold yet
+_UNSERVED_STATE = {
+    "baichuan_m1": "a short convolution over the keys and values inside the attention layer "
+                   "(mlx-lm CacheList: the attention module keeps the previous token's keys "
+                   "and values as its own state)",
+}
 
 #: mlx-lm modules whose layers attend over keys another cache slot holds, passing their own
 #: slot's cache (the paged attention would read the wrong pages; the probe cannot see it)
