@@ -377,16 +377,14 @@ def test_nemotron_h_config_fixups():
 
 def test_falcon_h1_config_fixups():
     """Falcon-H1's Mamba2 width from mamba_expand where the config leaves it out (as
-    transformers and vLLM do); multipliers mlx-lm's module does not apply as they do, a
-    per-group gated norm, a dt clip or an activation it does not compute are refused."""
+    transformers and vLLM do); a per-group gated norm, a dt clip or an activation mlx-lm's
+    module does not compute are refused."""
     from vllm_unified.models.config import mlx_lm_config
 
     base = {"model_type": "falcon_h1", "hidden_size": 96, "mamba_d_ssm": None,
-            "mamba_expand": 2, "key_multiplier": 1.0, "attention_in_multiplier": 1.0}
+            "mamba_expand": 2}
     assert mlx_lm_config(base)["mamba_d_ssm"] == 192
-    for bad, match in [({"key_multiplier": 0.39}, "key_multiplier=0.39"),
-                       ({"attention_in_multiplier": 2.0}, "attention_in_multiplier=2.0"),
-                       ({"mamba_rms_norm": True, "mamba_n_groups": 2}, "not per group"),
+    for bad, match in [({"mamba_rms_norm": True, "mamba_n_groups": 2}, "not per group"),
                        ({"time_step_limit": [0.0, 10.0]}, "time_step_limit"),
                        ({"hidden_act": "gelu"}, "hidden_act 'gelu'")]:
         with pytest.raises(ValueError, match=match):

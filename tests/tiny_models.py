@@ -285,8 +285,8 @@ def tiny_config(family: str) -> Any:
     if family == "falcon_h1":
         # Falcon-H1: every layer runs Mamba2 (3 heads of 32, 2 groups of 16-state, a gated
         # RMS norm after the gate) and attention (3 query heads over 1 KV head) side by side;
-        # muP multipliers away from 1 everywhere mlx-lm applies them (key_multiplier and
-        # attention_in_multiplier stay 1: mlx-lm's module does not apply them); untied head.
+        # muP multipliers away from 1 everywhere (key_multiplier and the values' share of
+        # attention_in_multiplier are the ones mlx-lm's module leaves out); untied head.
         return transformers.FalconH1Config(
             **{**common, "hidden_size": 96, "num_attention_heads": 3}, num_hidden_layers=3,
             num_key_value_heads=1, head_dim=32, mamba_d_ssm=96, mamba_n_heads=3,
@@ -296,7 +296,7 @@ def tiny_config(family: str) -> Any:
             tie_word_embeddings=False, embedding_multiplier=1.5, lm_head_multiplier=0.75,
             mlp_multipliers=[0.8, 0.6], attention_out_multiplier=0.9, ssm_in_multiplier=1.2,
             ssm_out_multiplier=0.7, ssm_multipliers=[0.9, 0.8, 1.1, 0.95, 0.85],
-            key_multiplier=1.0, attention_in_multiplier=1.0, mamba_ssm_cache_dtype="float32",
+            key_multiplier=0.6, attention_in_multiplier=1.25, mamba_ssm_cache_dtype="float32",
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
     if family == "minicpm3":

@@ -302,15 +302,10 @@ def _attention_free(cfg: dict[str, Any]) -> None:
 
 def _falcon_h1(cfg: dict[str, Any]) -> None:
     """Falcon-H1: the Mamba2 width where the config leaves it to ``mamba_expand`` (as
-    transformers and vLLM derive it); refuses what mlx-lm's module computes otherwise."""
+    transformers and vLLM derive it); refuses what mlx-lm's module computes otherwise (the
+    multipliers it leaves out are applied by :mod:`vllm_unified.models.multipliers`)."""
     if cfg.get("mamba_d_ssm") is None:
         cfg["mamba_d_ssm"] = int(cfg.get("mamba_expand", 2) * int(cfg["hidden_size"]))
-    for key in ("key_multiplier", "attention_in_multiplier"):
-        # mlx-lm folds attention_in_multiplier into q_proj and k_proj only (not v_proj) and
-        # never applies key_multiplier
-        if float(cfg.get(key, 1.0)) != 1.0:
-            raise ValueError(f"falcon_h1: {key}={cfg[key]} is not applied as transformers "
-                             "and vLLM apply it by mlx-lm's module (only 1.0 is served)")
     if cfg.get("mamba_rms_norm") and int(cfg.get("mamba_n_groups", 1)) != 1:
         raise ValueError("falcon_h1: mamba_rms_norm with mamba_n_groups > 1 (mlx-lm's gated "
                          "norm is not per group)")
