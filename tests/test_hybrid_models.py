@@ -391,6 +391,27 @@ def test_falcon_h1_config_fixups():
             mlx_lm_config({**base, **bad})
 
 
+def test_recurrent_gemma_config_fixups():
+    """What mlx-lm's RecurrentGemma hard-codes differently from the config is refused."""
+    from vllm_unified.models.config import mlx_lm_config
+
+    base = {"model_type": "recurrent_gemma", "hidden_size": 96, "num_attention_heads": 3,
+            "num_key_value_heads": 1, "lru_width": 96,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.5}}
+    assert mlx_lm_config(base)["lru_width"] == 96
+    for bad, match in [({"num_key_value_heads": 3}, "num_key_value_heads 3"),
+                       ({"lru_width": 128}, "lru_width 128"),
+                       ({"attention_bias": True}, "attention_bias"),
+                       ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
+                       ({"rope_parameters": {"rope_theta": 5e5, "partial_rotary_factor": 0.5}},
+                        "rope_theta other than 10000"),
+                       ({"rope_parameters": {"partial_rotary_factor": 1.0}},
+                        "partial_rotary_factor other than 0.5")]:
+        with pytest.raises(ValueError, match=match):
+            mlx_lm_config({**base, **bad})
+
+
 def test_layers_with_state_and_attention(tmp_path):
     """Falcon-H1's layers each hold mlx-lm's CacheList(ArraysCache, KVCache): every slot is
     both a recurrent slot (state pages) and an attention slot (KV pages), in that order."""

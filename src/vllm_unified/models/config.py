@@ -317,6 +317,31 @@ def _falcon_h1(cfg: dict[str, Any]) -> None:
                          "silu)")
 
 
+def _recurrent_gemma(cfg: dict[str, Any]) -> None:
+    """RecurrentGemma (Griffin): refuses what mlx-lm's module hard-codes otherwise (one KV
+    head, rotary on half the head at base 10000, attention without q/k/v biases, the RG-LRU
+    as wide as the model, tanh GELU)."""
+    rope = cfg.get("rope_parameters") or {}
+    width = cfg.get("lru_width")
+    checks = [
+        (int(cfg.get("num_key_value_heads", 1)) == 1,
+         f"num_key_value_heads {cfg.get('num_key_value_heads')} (mlx-lm: one KV head)"),
+        (float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5)))
+         == 0.5, "partial_rotary_factor other than 0.5"),
+        (float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))) == 10000.0,
+         "rope_theta other than 10000"),
+        (not cfg.get("attention_bias"), "attention_bias"),
+        (width is None or int(width) == int(cfg["hidden_size"]),
+         f"lru_width {width} != hidden_size"),
+        (cfg.get("hidden_activation", "gelu_pytorch_tanh") in ("gelu_pytorch_tanh",
+                                                                "gelu_approximate"),
+         f"hidden_activation {cfg.get('hidden_activation')!r}"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            raise ValueError(f"recurrent_gemma: {what} is not supported by mlx-lm's module")
+
+
 def _gemma3_text(cfg: dict[str, Any]) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
@@ -490,6 +515,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen3_5_text": _qwen3_5,
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,
+    "recurrent_gemma": _recurrent_gemma,
     "mamba": _attention_free,
     "mamba2": _attention_free,
     "falcon_mamba": _attention_free,
