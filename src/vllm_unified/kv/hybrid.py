@@ -35,6 +35,9 @@ class HybridFamily:
         fresh_is_none: the mixer must see a sequence's first tokens with its cache entries
             unset (None), as mlx-lm's generation starts them, rather than zero states
             (RecurrentGemma's RG-LRU does not normalise its first input otherwise).
+        state_in_attention: the "mixer" is the attention module itself, which keeps a state
+            of its own (Baichuan-M1's convolution over keys and values:
+            :mod:`vllm_unified.models.attention_state`).
     """
 
     mixer: str
@@ -42,6 +45,7 @@ class HybridFamily:
     mamba_type: str
     is_stateless: Callable[[Any], bool] | None = None
     fresh_is_none: bool = False
+    state_in_attention: bool = False
 
 
 HYBRID_FAMILIES: dict[str, HybridFamily] = {
@@ -61,6 +65,10 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     "recurrent_gemma": HybridFamily(
         "temporal_block", lambda layer: layer.temporal_block_type == "recurrent", "MAMBA1",
         fresh_is_none=True),
+    # every attention layer convolves its keys and values with the previous token's (a state
+    # of the last raw key and value; mlx-lm's CacheList of an ArraysCache and a KV cache)
+    "baichuan_m1": HybridFamily("self_attn", lambda layer: True, "SHORT_CONV",
+                                state_in_attention=True),
 }
 
 

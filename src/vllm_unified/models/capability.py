@@ -153,10 +153,9 @@ def check_model(
     model_type = str(config["model_type"])
     caches = make_prompt_cache(model)
     layout = ModelLayout(model_type, len(caches))
-    declared = _declared_windows(config, len(caches), config_window)
+    declared = _declared_windows(config, len(caches), config_window,
+                                 [_cache_window(_attention_cache(c)) for c in caches])
     latent = _latent_slots(model, model_type, len(caches))
-    if model_type in _UNSERVED_STATE:
-        raise UnsupportedModel(model_type, _UNSERVED_STATE[model_type], 0)
     for i, cache in enumerate(caches):
         kind = _slot_kind(model_type, i, cache)
         if kind in ("recurrent", "list") and model_type not in recurrent_families:
@@ -345,10 +344,14 @@ def _window(model_type: str, i: int, cache: Any,
 
 
 def _declared_windows(config: Mapping[str, Any], num_slots: int,
-                      config_window: int | None) -> dict[int, int | None] | None:
+                      config_window: int | None, cache_windows: list[int | None]
+                      ) -> dict[int, int | None] | None:
     """Per slot, the window the HF config declares (``layer_types`` with
     ``sliding_attention`` entries, or one window for all layers), or None if it declares
-    none. Layer types index slots only where there is one slot per layer."""
+    none. Layer types index slots only where there is one slot per layer. A config window
+    without layer types where mlx-lm's caches (``cache_windows``) window some layers with it
+    and not others: the config lists its windowed layers under a key of its own
+    (Baichuan-M1's ``sliding_window_layers``), so the caches carry the windows."""
     layer_types = config.get("layer_types")
     window = config.get("sliding_window")
     if layer_types and "sliding_attention" in layer_types and window:
@@ -356,6 +359,10 @@ def _declared_windows(config: Mapping[str, Any], num_slots: int,
             return None  # slots are not layers: mlx-lm's caches carry the windows
         return {i: int(window) if t == "sliding_attention" else None
                 for i, t in enumerate(layer_types)}
+    windowed = {w for w in cache_windows if w is not None}
+    if (config_window and not layer_types and windowed == {int(config_window)}
+            and None in cache_windows):
+        return None
     if config_window and not layer_types:
         return dict.fromkeys(range(num_slots), int(config_window))
     return None
@@ -407,13 +414,6 @@ def _latent_slots(model: nn.Module, model_type: str, num_slots: int
                                "cache slots are not its layers")
     return latent
 
-
-#: mlx-lm modules whose layers keep a recurrent state the state pages cannot hold yet
-_UNSERVED_STATE = {
-    "baichuan_m1": "a short convolution over the keys and values inside the attention layer "
-                   "(mlx-lm CacheList: the attention module keeps the previous token's keys "
-                   "and values as its own state)",
-}
 
 #: mlx-lm modules whose layers attend over keys another cache slot holds, passing their own
 #: slot's cache (the paged attention would read the wrong pages; the probe cannot see it)

@@ -131,6 +131,7 @@ class MLXLMOnlyModel(torch.nn.Module):
 #: architectures of mlx-lm hybrid model types vLLM has no class for -> the model type
 MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
     "RecurrentGemmaForCausalLM": "recurrent_gemma",
+    "BaichuanM1ForCausalLM": "baichuan_m1",
 }
 
 #: architecture -> (state shapes, torch dtypes) of one recurrent layer, per sequence, as

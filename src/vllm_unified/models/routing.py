@@ -32,6 +32,7 @@ from vllm_unified import patches
 from vllm_unified.kv.forward_context import get_step_context
 from vllm_unified.kv.hybrid import HYBRID_FAMILIES, recurrent_layers
 from vllm_unified.kv.layer_cache import PagedLayerCache, PagedMask, StateLayerCache
+from vllm_unified.models.attention_state import ConvStateAttention
 
 
 def paged_sdpa(
@@ -129,8 +130,10 @@ def install_recurrent_mixers(model_type: str, model: nn.Module) -> list[int]:
     for i in layers:
         layer = model.layers[i]
         mixer = getattr(layer, family.mixer)
-        if not isinstance(mixer, RecurrentMixer):
-            setattr(layer, family.mixer, RecurrentMixer(mixer, family.fresh_is_none))
+        if isinstance(mixer, RecurrentMixer | ConvStateAttention):
+            continue
+        setattr(layer, family.mixer, ConvStateAttention(mixer) if family.state_in_attention
+                else RecurrentMixer(mixer, family.fresh_is_none))
     return layers
 
 
