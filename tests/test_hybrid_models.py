@@ -457,7 +457,7 @@ def test_token_major_forward_equals_mlx_lm_call(family, tmp_path):
 
 #: hybrid model types only mlx-lm defines (vLLM has no class: the state pages are sized by
 #: the shapes of mlx-lm's own caches after the load-time probe step)
-MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma",)
+MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1")
 
 
 @pytest.mark.slow
