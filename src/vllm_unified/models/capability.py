@@ -38,6 +38,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from vllm_unified.bridge import torch_dtype
 from vllm_unified.kv.hybrid import HYBRID_FAMILIES, stateless_layers
 from vllm_unified.models import latent_attention, routing
 from vllm_unified.models.attention_adapters import install_attention_adapters
@@ -238,8 +239,6 @@ def probed_state_layout(layout: ModelLayout) -> tuple[tuple[tuple[int, ...], ...
     Raises:
         UnsupportedModel: recurrent layers whose states differ (one state spec for all).
     """
-    from vllm_unified.bridge import torch_dtype
-
     kinds = set(layout.states.values())
     if not kinds:
         return None
