@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -514,3 +515,53 @@ def test_recurrent_adapter_gives_unset_states_at_a_sequence_start():
     np.testing.assert_array_equal(np.array(out)[:, 0], want)
     (states,) = pages.read(mx.array([1, 2, 3, 4], dtype=mx.int32))
     np.testing.assert_array_equal(np.array(states), want[[0, 1, 3, 4]])
+
+
+class _ShiftProbe(nn.Module):
+    """Baichuan-M1's attention call shape (``W_pack`` = q|k|v, one KV head of 2): returns the
+    previous raw keys its state gives it and stores its raw keys and values back."""
+
+    num_kv_heads, head_dim = 1, 2
+
+    def __init__(self):
+        super().__init__()
+        self.W_pack = nn.Linear(2, 6, bias=False)
+        self.W_pack.weight = mx.concatenate([mx.eye(2), mx.eye(2), 2 * mx.eye(2)])
+
+    def __call__(self, x, mask=None, cache=None):
+        t = x.shape[0]
+        _, k, v = mx.split(self.W_pack(x), (2, 4), axis=-1)
+        previous = cache[0][0]
+        cache[0][0] = k.reshape(t, 1, 1, 2).transpose(0, 2, 1, 3)
+        cache[0][1] = v.reshape(t, 1, 1, 2).transpose(0, 2, 1, 3)
+        return previous.reshape(t, 1, 2)
+
+
+def test_attention_state_reads_the_previous_row_or_the_page():
+    """Each token row gets the raw key of the row before it in its sequence; a sequence's
+    first row in the step its page's (zeros at position 0); the pages then hold each
+    sequence's last raw key and value."""
+    from vllm_unified.kv.layer_cache import LayerCacheList
+    from vllm_unified.models.attention_state import ConvStateAttention
+
+    fields = state_fields([(1, 1, 2), (1, 1, 2)], [torch.float32, torch.float32])
+    pages = StatePages.allocate_mlx(6, 64, fields)
+    pages.write(mx.arange(6, dtype=mx.int32), [mx.full((6, 1, 1, 2), 1000.0)] * 2)
+    store = StateStore({0: pages}, {0: 1})
+    attn = ConvStateAttention(_ShiftProbe())
+    # seq 0: decode at pos 5 (slot 2), seq 1: chunk of 3 at pos 0 (slot 4), seq 2: decode at
+    # pos 0 (slot 5)
+    qlens, slens = np.array([1, 3, 1]), np.array([6, 3, 1])
+    ctx = StepContext(
+        attn=build_attention_metadata(qlens, slens, np.zeros((3, 1), np.int32), 16),
+        state=build_state_metadata(qlens, slens, {1: np.array([2, 4, 5])}))
+    x = mx.arange(10, dtype=mx.float32).reshape(5, 1, 2) + 1
+    with set_step_context(ctx):
+        out = attn(x, None, LayerCacheList(StateLayerCache(store, 0), None))
+    mx.eval(out, pages.pages)
+    xs = np.array(x)[:, 0]
+    want = np.stack([[1000.0, 1000.0], [0.0, 0.0], xs[1], xs[2], [0.0, 0.0]])
+    np.testing.assert_array_equal(np.array(out)[:, 0], want)
+    keys, values = pages.read(mx.array([2, 4, 5], dtype=mx.int32))
+    np.testing.assert_array_equal(np.array(keys).reshape(3, 2), xs[[0, 3, 4]])
+    np.testing.assert_array_equal(np.array(values).reshape(3, 2), 2 * xs[[0, 3, 4]])
