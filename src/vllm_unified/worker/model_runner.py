@@ -67,7 +67,7 @@ from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.gpu_gemm import install_gpu_gemm
 from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
-from vllm_unified.models.registration import record_state_layout
+from vllm_unified.models.registration import MLX_LM_HYBRID_ARCHITECTURES, record_state_layout
 from vllm_unified.offload.runner import KVConnectorHooks
 from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode
@@ -289,9 +289,11 @@ class MLXModelRunner:
             config_window=self.model_config.get_sliding_window(),
             probe=self.stage.size == 1)
         probe_s = time.perf_counter() - probe_start
-        states = probed_state_layout(self.layout)
+        arch = self.model_config.architecture
+        states = (probed_state_layout(self.layout) if arch in MLX_LM_HYBRID_ARCHITECTURES
+                  else None)
         if states is not None:  # what vLLM sizes the state pages of an mlx-lm-only hybrid by
-            record_state_layout(self.model_config.architecture, *states)
+            record_state_layout(arch, *states)
         num_layers = self.layout.num_slots
         if self.stage.size > 1 and num_layers != self.stage.num_layers:
             raise ValueError(f"mlx-lm built {num_layers} cache slots but vLLM's config has "
