@@ -41,6 +41,7 @@ from vllm_unified.kv.forward_context import StepContext
 from vllm_unified.kv.gpu import quant_write as gpu_quant_write
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.layer_cache import (
+    LayerCacheList,
     MissingLayerCache,
     PagedLatentCache,
     PagedLayerCache,
@@ -128,6 +129,9 @@ class KVCache:
             ``kv_sharing_target_layer_name``).
         chunks: attention chunk (tokens) per attention layer index with chunked local
             attention (Llama 4); a layer not listed has none.
+        cache_lists: model layer index -> the kinds (``"state"``, ``"attention"``) of its
+            caches, in mlx-lm's ``CacheList`` order, for layers that hold several (Falcon-H1:
+            the layer is in ``layers.recurrent`` and ``layers.attention``).
 
     Raises:
         ValueError: a quantized ``--kv-cache-dtype`` on a backend profile no quantized kernels
@@ -141,8 +145,11 @@ class KVCache:
                  windows: dict[int, int | None], dtype: mx.Dtype,
                  kv_shapes: dict[int, tuple[int, int]] | None = None,
                  shared: dict[int, int] | None = None,
-                 chunks: dict[int, int | None] | None = None) -> None:
+                 chunks: dict[int, int | None] | None = None,
+                 cache_lists: dict[int, tuple[str, ...]] | None = None) -> None:
         self.profile = profile
+        #: layer -> the kinds of its caches in mlx-lm's CacheList order (layers with several)
+        self.cache_lists = dict(cache_lists or {})
         #: attention chunk (chunked local attention) per attention layer index, None: none
         self.chunks = {i: (chunks or {}).get(i) for i in layers.attention}
         self.layers = layers
@@ -469,7 +476,14 @@ class KVCache:
                 continue
             caches[i] = PagedLayerCache(pool, j, self.profile, self.windows[i], self.chunks[i])
         for i in self.layers.recurrent:
-            caches[i] = StateLayerCache(store, i)
+            state = StateLayerCache(store, i)
+            kinds = self.cache_lists.get(i)
+            if kinds is None:
+                caches[i] = state
+                continue
+            # a layer with state and attention: mlx-lm's CacheList of both, in its order
+            by_kind = {"state": state, "attention": caches[i]}
+            caches[i] = LayerCacheList(*(by_kind[k] for k in kinds))
         ordinal = {i: j for j, i in enumerate(self.layers.attention)}
         for i in sorted(self.shared):
             target = self.shared[i]
