@@ -222,6 +222,10 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "openelm": {"num_query_heads": [3, 4], "num_kv_heads": [1, 2],
                 "ffn_multipliers": [0.5, 1.0]},
     "mamba2": {"num_heads": 6, "hidden_size": 96, "intermediate_size": 192},
+    # Mamba / attention alternating (mlx-lm's mamba_step 2), heads of 32; no sliding window
+    # (mlx-lm's module applies none, so the window is the context)
+    "plamo2": {"num_hidden_layers": 4, "hidden_size_per_head": 32,
+               "attention_window_size": 512},
     "falcon_h1": {"num_hidden_layers": 2, "mamba_d_ssm": 192, "mamba_n_heads": 6},
     # RoPE variants the families are built with
     "deepseek_v2": {"n_routed_experts": 4, "rope_scaling": {"type": "yarn", "factor": 2.0,

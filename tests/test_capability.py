@@ -145,3 +145,17 @@ def test_latent_attention_and_bidirectional_are_refused(tmp_path):
         _check_config_features("gemma3_text", {"use_bidirectional_attention": True})
     with pytest.raises(UnsupportedModel, match="another cache slot's keys"):
         _check_config_features("iquestloopcoder", {})
+
+
+def test_a_config_window_beside_mixed_mlx_lm_windows_is_left_to_the_caches():
+    """A config with one ``sliding_window`` and no layer types, where mlx-lm's caches window
+    only some layers with it (Baichuan-M1 lists them in ``sliding_window_layers``): the caches
+    carry the windows, the full-attention layers stay full. Where no cache windows (Mistral)
+    the config's window applies to every layer."""
+    from vllm_unified.models.capability import _declared_windows
+
+    assert _declared_windows({"sliding_window": 8}, 4, 8, [8, 8, None, 8]) is None
+    assert _declared_windows({"sliding_window": 8}, 3, 8, [None] * 3) == dict.fromkeys(
+        range(3), 8)
+    # a cache window other than the config's is not taken silently (_window refuses it)
+    assert _declared_windows({"sliding_window": 8}, 2, 8, [16, None]) == {0: 8, 1: 8}

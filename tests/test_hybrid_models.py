@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -50,14 +51,14 @@ HARNESS = Path(__file__).resolve().parent / "hybrid_harness.py"
 #: bytes of one page of each family's tiny model (one attention page of vLLM's aligned block
 #: size over the attention layers = one padded state page)
 PAGE_BYTES = {"qwen3_next": 24576, "granitemoehybrid": 24576, "lfm2": 8192, "qwen3_5": 32768,
-              "nemotron_h": 12288}
+              "nemotron_h": 12288, "falcon_h1": 24576}
 #: pages that hold two of the leak test's requests but not four (vLLM then preempts): per
 #: request one block per state group plus its attention blocks, and vLLM's null block
 LEAK_TEST_PAGES = {"qwen3_next": 13, "granitemoehybrid": 13, "lfm2": 17, "qwen3_5": 10,
-                   "nemotron_h": 13}
+                   "nemotron_h": 13, "falcon_h1": 9}
 #: families whose engine runs in CI (one engine each); the others, and every family's second
 #: engine (the leak test) except qwen3_next's, run in the slow tier
-CI_FAMILIES = ("qwen3_next", "lfm2", "qwen3_5")
+CI_FAMILIES = ("qwen3_next", "lfm2", "qwen3_5", "falcon_h1")
 #: families whose tiny model's attention block (vLLM's alignment to the state page) is larger
 #: than the MLX kernel block: 48-token blocks read as 3 x 16 (LFM2's is 16 tokens, Qwen3.5's 64:
 #: both one kernel block)
@@ -180,7 +181,7 @@ def test_finished_aborted_and_preempted_state_does_not_leak(family, checkpoint, 
 
 #: families vLLM's CPU backend serves in fp32 (its gated delta-net, qwen3_next / qwen3_5,
 #: requires bf16 there: "CPU GDN attention requires BF16.")
-VLLM_CPU_FAMILIES = ("lfm2", "nemotron_h")
+VLLM_CPU_FAMILIES = ("lfm2", "nemotron_h", "falcon_h1")
 
 
 @pytest.mark.slow
@@ -352,9 +353,6 @@ def test_qwen3_5_config_fixups():
 
 
 @pytest.mark.parametrize("model_type, match", [
-    ("mamba", "attention-free model"), ("mamba2", "attention-free model"),
-    ("falcon_mamba", "attention-free model"),
-    ("falcon_h1", "Mamba2 mixer and attention side by side"),
 ])
 def test_unsupported_recurrent_families_are_refused_at_load(model_type, match):
     from vllm_unified.models.config import mlx_lm_config
@@ -374,6 +372,58 @@ def test_nemotron_h_config_fixups():
                        ({"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu'")]:
         with pytest.raises(ValueError, match=match):
             mlx_lm_config({**base, **bad})
+
+
+def test_falcon_h1_config_fixups():
+    """Falcon-H1's Mamba2 width from mamba_expand where the config leaves it out (as
+    transformers and vLLM do); a per-group gated norm, a dt clip or an activation mlx-lm's
+    module does not compute are refused."""
+    from vllm_unified.models.config import mlx_lm_config
+
+    base = {"model_type": "falcon_h1", "hidden_size": 96, "mamba_d_ssm": None,
+            "mamba_expand": 2}
+    assert mlx_lm_config(base)["mamba_d_ssm"] == 192
+    for bad, match in [({"mamba_rms_norm": True, "mamba_n_groups": 2}, "not per group"),
+                       ({"time_step_limit": [0.0, 10.0]}, "time_step_limit"),
+                       ({"hidden_act": "gelu"}, "hidden_act 'gelu'")]:
+        with pytest.raises(ValueError, match=match):
+            mlx_lm_config({**base, **bad})
+
+
+def test_recurrent_gemma_config_fixups():
+    """What mlx-lm's RecurrentGemma hard-codes differently from the config is refused."""
+    from vllm_unified.models.config import mlx_lm_config
+
+    base = {"model_type": "recurrent_gemma", "hidden_size": 96, "num_attention_heads": 3,
+            "num_key_value_heads": 1, "lru_width": 96,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.5}}
+    assert mlx_lm_config(base)["lru_width"] == 96
+    for bad, match in [({"num_key_value_heads": 3}, "num_key_value_heads 3"),
+                       ({"lru_width": 128}, "lru_width 128"),
+                       ({"attention_bias": True}, "attention_bias"),
+                       ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
+                       ({"rope_parameters": {"rope_theta": 5e5, "partial_rotary_factor": 0.5}},
+                        "rope_theta other than 10000"),
+                       ({"rope_parameters": {"partial_rotary_factor": 1.0}},
+                        "partial_rotary_factor other than 0.5")]:
+        with pytest.raises(ValueError, match=match):
+            mlx_lm_config({**base, **bad})
+
+
+def test_layers_with_state_and_attention(tmp_path):
+    """Falcon-H1's layers each hold mlx-lm's CacheList(ArraysCache, KVCache): every slot is
+    both a recurrent slot (state pages) and an attention slot (KV pages), in that order."""
+    from vllm_unified.models.capability import route_model
+
+    folder = make_tiny_checkpoint(tmp_path, "falcon_h1")
+    loaded = load_model(folder, hf_config=None, dtype=mx.float32, keep_quantized=False)
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=None, config_window=None)
+    assert layout.num_slots == 3 and layout.recurrent == [0, 1, 2]
+    assert list(layout.attention) == [0, 1, 2]
+    assert {(a.num_kv_heads, a.head_dim) for a in layout.attention.values()} == {(1, 32)}
+    assert layout.cache_lists == dict.fromkeys(range(3), ("state", "attention"))
+    assert all(isinstance(layer.mamba, RecurrentMixer) for layer in loaded.model.layers)
 
 
 def test_cache_slots_skip_stateless_layers(tmp_path):
@@ -402,3 +452,114 @@ def test_token_major_forward_equals_mlx_lm_call(family, tmp_path):
     want = model(ids)[0]
     got = lm_head(model, decoder(model)(ids)[0])
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+#: hybrid model types only mlx-lm defines (vLLM has no class: the state pages are sized by
+#: the shapes of mlx-lm's own caches after the load-time probe step)
+MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1")
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", MLX_LM_ONLY_HYBRIDS)
+def test_mlx_lm_only_hybrid_serves_like_mlx_lm(model_type, tmp_path):
+    """The model matrix's tiny checkpoint (built from mlx-lm's ModelArgs), served with
+    16-token prefill chunks and 4 requests at once: greedy ids equal mlx-lm's own
+    generation."""
+    import model_matrix as mm
+
+    result = mm.run_type(model_type, tmp_path)
+    assert result.outcome == "match", (result.outcome, result.message, result.served,
+                                       result.reference)
+
+
+class _FreshMixer:
+    """A mixer that, like RecurrentGemma's RG-LRU, treats unset states as a sequence start:
+    its first output is 100 x its input there, and a running sum after."""
+
+    def __call__(self, x, cache=None, mask=None):
+        state = cache[0]
+        outs = []
+        for t in range(x.shape[1]):
+            state = 100 * x[:, t] if state is None else state + x[:, t]
+            outs.append(state)
+        cache[0] = state
+        return mx.stack(outs, axis=1)
+
+
+def test_recurrent_adapter_gives_unset_states_at_a_sequence_start():
+    """With ``fresh_is_none``, single-token rows at position 0 are called with unset states
+    (apart from the rows that continue a sequence) and prefill chunks at position 0 too; the
+    outputs come back in row order. The mixer's own argument order (``cache`` before
+    ``mask``) is kept."""
+    d = 2
+    fields = state_fields([(d,)], [torch.float32])
+    pages = StatePages.allocate_mlx(6, 64, fields)
+    pages.write(mx.arange(6, dtype=mx.int32), [mx.full((6, d), 1000.0)])
+    store = StateStore({0: pages}, {0: 1})
+    mixer = RecurrentMixer(_FreshMixer(), fresh_is_none=True)
+    # seq 0: decode at pos 0 (slot 1), seq 1: decode at pos 4 (slot 2), seq 2: chunk of 2 at
+    # pos 0 (slot 3), seq 3: decode at pos 0 (slot 4)
+    qlens, slens = np.array([1, 1, 2, 1]), np.array([1, 5, 2, 1])
+    ctx = StepContext(
+        attn=build_attention_metadata(qlens, slens, np.zeros((4, 1), np.int32), 16),
+        state=build_state_metadata(qlens, slens, {1: np.array([1, 2, 3, 4])}))
+    x = mx.arange(5 * d, dtype=mx.float32).reshape(5, 1, d)
+    with set_step_context(ctx):
+        out = mixer(x, cache=StateLayerCache(store, 0), mask=None)
+    mx.eval(out, pages.pages)
+    xs = np.array(x)[:, 0]
+    want = np.stack([100 * xs[0], 1000 + xs[1], 100 * xs[2], 100 * xs[2] + xs[3], 100 * xs[4]])
+    np.testing.assert_array_equal(np.array(out)[:, 0], want)
+    (states,) = pages.read(mx.array([1, 2, 3, 4], dtype=mx.int32))
+    np.testing.assert_array_equal(np.array(states), want[[0, 1, 3, 4]])
+
+
+class _ShiftProbe(nn.Module):
+    """Baichuan-M1's attention call shape (``W_pack`` = q|k|v, one KV head of 2): returns the
+    previous raw keys its state gives it and stores its raw keys and values back."""
+
+    num_kv_heads, head_dim = 1, 2
+
+    def __init__(self):
+        super().__init__()
+        self.W_pack = nn.Linear(2, 6, bias=False)
+        self.W_pack.weight = mx.concatenate([mx.eye(2), mx.eye(2), 2 * mx.eye(2)])
+
+    def __call__(self, x, mask=None, cache=None):
+        t = x.shape[0]
+        _, k, v = mx.split(self.W_pack(x), (2, 4), axis=-1)
+        previous = cache[0][0]
+        cache[0][0] = k.reshape(t, 1, 1, 2).transpose(0, 2, 1, 3)
+        cache[0][1] = v.reshape(t, 1, 1, 2).transpose(0, 2, 1, 3)
+        return previous.reshape(t, 1, 2)
+
+
+def test_attention_state_reads_the_previous_row_or_the_page():
+    """Each token row gets the raw key of the row before it in its sequence; a sequence's
+    first row in the step its page's (zeros at position 0); the pages then hold each
+    sequence's last raw key and value."""
+    from vllm_unified.kv.layer_cache import LayerCacheList
+    from vllm_unified.models.attention_state import ConvStateAttention
+
+    fields = state_fields([(1, 1, 2), (1, 1, 2)], [torch.float32, torch.float32])
+    pages = StatePages.allocate_mlx(6, 64, fields)
+    pages.write(mx.arange(6, dtype=mx.int32), [mx.full((6, 1, 1, 2), 1000.0)] * 2)
+    store = StateStore({0: pages}, {0: 1})
+    attn = ConvStateAttention(_ShiftProbe())
+    # seq 0: decode at pos 5 (slot 2), seq 1: chunk of 3 at pos 0 (slot 4), seq 2: decode at
+    # pos 0 (slot 5)
+    qlens, slens = np.array([1, 3, 1]), np.array([6, 3, 1])
+    ctx = StepContext(
+        attn=build_attention_metadata(qlens, slens, np.zeros((3, 1), np.int32), 16),
+        state=build_state_metadata(qlens, slens, {1: np.array([2, 4, 5])}))
+    x = mx.arange(10, dtype=mx.float32).reshape(5, 1, 2) + 1
+    with set_step_context(ctx):
+        out = attn(x, None, LayerCacheList(StateLayerCache(store, 0), None))
+    mx.eval(out, pages.pages)
+    xs = np.array(x)[:, 0]
+    want = np.stack([[1000.0, 1000.0], [0.0, 0.0], xs[1], xs[2], [0.0, 0.0]])
+    np.testing.assert_array_equal(np.array(out)[:, 0], want)
+    keys, values = pages.read(mx.array([2, 4, 5], dtype=mx.int32))
+    np.testing.assert_array_equal(np.array(keys).reshape(3, 2), xs[[0, 3, 4]])
+    np.testing.assert_array_equal(np.array(values).reshape(3, 2), 2 * xs[[0, 3, 4]])

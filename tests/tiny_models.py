@@ -18,7 +18,10 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 #: Families with attention logit soft-capping (tests/test_softcap_families.py).
 SOFTCAP_FAMILIES = ("gemma2", "gemma2_wide")
 #: Hybrid attention + state-space families (tests/test_hybrid_models.py).
-HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid", "lfm2", "qwen3_5", "nemotron_h")
+HYBRID_FAMILIES = ("qwen3_next", "granitemoehybrid", "lfm2", "qwen3_5", "nemotron_h",
+                   "falcon_h1")
+#: Attention-free state-space families (tests/test_ssm_models.py): every layer recurrent.
+SSM_FAMILIES = ("mamba", "mamba2", "falcon_mamba")
 #: Families with per-layer KV shapes (tests/test_per_layer_kv.py): ``gemma4`` (no shared KV)
 #: ``gemma4_shared`` (its last two layers read earlier layers' KV) and ``gemma4_kv`` (K=V
 #: full-attention layers with 1 KV head).
@@ -281,6 +284,23 @@ def tiny_config(family: str) -> Any:
             use_conv_bias=True, mamba_proj_bias=False, layer_norm_epsilon=1e-5,
             tie_word_embeddings=False, mamba_ssm_cache_dtype="float32",
         )
+    if family == "falcon_h1":
+        # Falcon-H1: every layer runs Mamba2 (3 heads of 32, 2 groups of 16-state, a gated
+        # RMS norm after the gate) and attention (3 query heads over 1 KV head) side by side;
+        # muP multipliers away from 1 everywhere (key_multiplier and the values' share of
+        # attention_in_multiplier are the ones mlx-lm's module leaves out); untied head.
+        return transformers.FalconH1Config(
+            **{**common, "hidden_size": 96, "num_attention_heads": 3}, num_hidden_layers=3,
+            num_key_value_heads=1, head_dim=32, mamba_d_ssm=96, mamba_n_heads=3,
+            mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+            mamba_expand=1, mamba_chunk_size=16, mamba_conv_bias=True, mamba_proj_bias=False,
+            mamba_rms_norm=True, mamba_norm_before_gate=False, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, embedding_multiplier=1.5, lm_head_multiplier=0.75,
+            mlp_multipliers=[0.8, 0.6], attention_out_multiplier=0.9, ssm_in_multiplier=1.2,
+            ssm_out_multiplier=0.7, ssm_multipliers=[0.9, 0.8, 1.1, 0.95, 0.85],
+            key_multiplier=0.6, attention_in_multiplier=1.25, mamba_ssm_cache_dtype="float32",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     if family == "minicpm3":
         # Multi-head latent attention with awkward shapes: 3 heads, latent 40, rope 24 and
         # nope 40 (vLLM's own MiniCPM3 attends 3 expanded heads of 40 + 24 = 64, a size its
@@ -308,8 +328,10 @@ def tiny_config(family: str) -> Any:
         )
     if family in ATTENTION_FAMILIES:
         return _attention_family_config(family, common)
+    if family in SSM_FAMILIES:
+        return _ssm_family_config(family, common)
     known = (FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
-             + SOFTCAP_FAMILIES + MLA_FAMILIES + ATTENTION_FAMILIES)
+             + SOFTCAP_FAMILIES + MLA_FAMILIES + ATTENTION_FAMILIES + SSM_FAMILIES)
     raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(known)})")
 
 
@@ -401,6 +423,27 @@ def _attention_family_config(family: str, common: dict[str, Any]) -> Any:
             **small, norm_epsilon=1e-5, use_bias=True, tie_word_embeddings=True,
             sliding_window=None, rope_parameters=rope)
     raise ValueError(f"not an attention family: {family!r}")
+
+
+def _ssm_family_config(family: str, common: dict[str, Any]) -> Any:
+    """Tiny attention-free configs: three layers, hidden 96, untied heads; Mamba with a
+    time-step rank (6) that is not hidden / 16, Mamba2 with 6 heads of 32 in one group
+    (mlx-lm's gated norm is vLLM's only for one group), Falcon-Mamba with its B/C/dt norms
+    at a non-default epsilon."""
+    import transformers
+
+    base = {k: common[k] for k in ("vocab_size", "bos_token_id", "eos_token_id",
+                                   "pad_token_id")}
+    base.update(hidden_size=96, num_hidden_layers=3, state_size=16, conv_kernel=4,
+                use_bias=False, use_conv_bias=True, tie_word_embeddings=False,
+                layer_norm_epsilon=1e-5)
+    if family == "mamba":
+        return transformers.MambaConfig(**base, intermediate_size=192, time_step_rank=6)
+    if family == "falcon_mamba":
+        return transformers.FalconMambaConfig(**base, intermediate_size=160, time_step_rank=8,
+                                              mixer_rms_eps=1e-5)
+    return transformers.Mamba2Config(**base, num_heads=6, head_dim=32, expand=2, n_groups=1,
+                                     chunk_size=16)
 
 
 def _randomize(model: Any, family: str, seed: int) -> None:

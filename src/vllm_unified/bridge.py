@@ -139,6 +139,11 @@ def _torch_dtype(dtype: Any) -> torch.dtype:
         raise TypeError(f"bridge: MLX dtype {dtype} is not supported ({_SUPPORTED})") from None
 
 
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of an MLX dtype (TypeError for one torch does not hold)."""
+    return _torch_dtype(dtype)
+
+
 def to_torch(a: mx.array, *, copy: bool = False) -> torch.Tensor:
     """A torch CPU tensor viewing ``a``'s bytes (``copy=False``), or a fresh copy (``copy=True``).
 

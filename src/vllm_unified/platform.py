@@ -169,6 +169,12 @@ class MLXPlatform(Platform):
         model_config, cache = vllm_config.model_config, vllm_config.cache_config
         if model_config is None:
             return
+        if keeps_state(model_config) and not model_config.is_hybrid:
+            # attention-free: no attention pages; each state block stands for
+            # mamba_block_size tokens (vLLM's MambaModelConfig: max_model_len)
+            logger.info("vllm-unified: attention-free model: state pages only, no attention "
+                        "block size")
+            return
         if model_config.is_hybrid:
             cls._align_hybrid_block_size(vllm_config, MLXAttentionKernel)
         mixed = _align_mixed_precision_block_size(cls, vllm_config)
@@ -490,9 +496,10 @@ def _pipeline_policy(vllm_config: VllmConfig, hybrid: bool) -> None:
 
 
 def _hybrid_policy(vllm_config: VllmConfig) -> bool:
-    """Hybrid models use vLLM's hybrid KV-cache manager (state groups next to attention);
-    other models keep it off unless asked for, as on vLLM's CPU platform. Returns whether
-    the model is hybrid.
+    """Hybrid models use vLLM's hybrid KV-cache manager (state groups next to attention), as
+    do attention-free state-space models (state groups only); other models keep it off unless
+    asked for, as on vLLM's CPU platform. Returns whether the model keeps state
+    (:func:`keeps_state`): the hybrid rules apply to it.
 
     Raises:
         ValueError: prefix caching for a hybrid model (vLLM's 'align' state mode, which
@@ -501,17 +508,25 @@ def _hybrid_policy(vllm_config: VllmConfig) -> bool:
     model_config, sched = vllm_config.model_config, vllm_config.scheduler_config
     if model_config is None:
         return False
-    if not model_config.is_hybrid:
+    if not keeps_state(model_config):
         if sched.disable_hybrid_kv_cache_manager is None:
             sched.disable_hybrid_kv_cache_manager = True
         return False
     if vllm_config.cache_config.enable_prefix_caching:
+        kind = ("a hybrid attention + state-space" if model_config.is_hybrid
+                else "an attention-free state-space")
         raise ValueError(
-            f"--enable-prefix-caching: {model_config.architecture} is a hybrid attention + "
-            "state-space model, whose prefix caching (vLLM's mamba_cache_mode 'align') "
-            "vllm-unified does not implement yet; pass --no-enable-prefix-caching"
+            f"--enable-prefix-caching: {model_config.architecture} is {kind} model, whose "
+            "prefix caching (vLLM's mamba_cache_mode 'align') vllm-unified does not "
+            "implement yet; pass --no-enable-prefix-caching"
         )
     return True
+
+
+def keeps_state(model_config: Any) -> bool:
+    """The model keeps per-request recurrent state in vLLM's state (Mamba) pages: a hybrid
+    (attention + state-space) or an attention-free state-space model (Mamba, Mamba2)."""
+    return bool(model_config.is_hybrid or getattr(model_config, "is_attention_free", False))
 
 
 def _kv_budget_policy(vllm_config: VllmConfig, hybrid: bool) -> None:

@@ -41,6 +41,7 @@ from vllm_unified.kv.forward_context import StepContext
 from vllm_unified.kv.gpu import quant_write as gpu_quant_write
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.layer_cache import (
+    LayerCacheList,
     MissingLayerCache,
     PagedLatentCache,
     PagedLayerCache,
@@ -128,6 +129,9 @@ class KVCache:
             ``kv_sharing_target_layer_name``).
         chunks: attention chunk (tokens) per attention layer index with chunked local
             attention (Llama 4); a layer not listed has none.
+        cache_lists: model layer index -> the kinds (``"state"``, ``"attention"``) of its
+            caches, in mlx-lm's ``CacheList`` order, for layers that hold several (Falcon-H1:
+            the layer is in ``layers.recurrent`` and ``layers.attention``).
 
     Raises:
         ValueError: a quantized ``--kv-cache-dtype`` on a backend profile no quantized kernels
@@ -141,11 +145,11 @@ class KVCache:
                  windows: dict[int, int | None], dtype: mx.Dtype,
                  kv_shapes: dict[int, tuple[int, int]] | None = None,
                  shared: dict[int, int] | None = None,
-                 chunks: dict[int, int | None] | None = None) -> None:
-        if not layers.attention and layers.recurrent:
-            raise ValueError(f"{layers.model_type}: no attention layer here (every layer is "
-                             "recurrent); the KV cache needs at least one")
+                 chunks: dict[int, int | None] | None = None,
+                 cache_lists: dict[int, tuple[str, ...]] | None = None) -> None:
         self.profile = profile
+        #: layer -> the kinds of its caches in mlx-lm's CacheList order (layers with several)
+        self.cache_lists = dict(cache_lists or {})
         #: attention chunk (chunked local attention) per attention layer index, None: none
         self.chunks = {i: (chunks or {}).get(i) for i in layers.attention}
         self.layers = layers
@@ -185,7 +189,7 @@ class KVCache:
         self.block_size: int | None = None
         #: tokens per block the MLX attention reads (``block_size`` divided)
         self.kernel_block_size: int | None = None
-        #: the KV cache group of the attention layers
+        #: the KV cache group of the attention layers (None: an attention-free model)
         self.attn_group = 0
         #: the pool was zero-filled at start-up (VLLM_UNIFIED_KV_EAGER_ZERO, benchmarks)
         self.zeroed = False
@@ -255,14 +259,29 @@ class KVCache:
             raise ValueError(f"{len(groups)} KV cache groups: only one is supported (layers of "
                              "two page sizes share one group: vLLM's UniformTypeKVCacheSpecs)")
         names = [layer_name(i) for i in self.layers.attention]
-        self.attn_group = self.layers.attention_group(kv_cache_config, names)
-        if sorted(groups[self.attn_group].layer_names) != sorted(names):
-            raise ValueError("KV cache group layers do not match the model's layers")
-        spec = groups[self.attn_group].kv_cache_spec
-        self.block_size = spec.block_size
-        self.kernel_block_size = select_kernel_block_size(spec.block_size, KERNEL_BLOCK_SIZES)
+        if self.layers.attention_free:
+            spec = self._state_only_spec(kv_cache_config)
+            self.attn_group = None
+            self.block_size = self.kernel_block_size = spec.block_size
+        else:
+            self.attn_group = self.layers.attention_group(kv_cache_config, names)
+            if sorted(groups[self.attn_group].layer_names) != sorted(names):
+                raise ValueError("KV cache group layers do not match the model's layers")
+            spec = groups[self.attn_group].kv_cache_spec
+            self.block_size = spec.block_size
+            self.kernel_block_size = select_kernel_block_size(spec.block_size,
+                                                              KERNEL_BLOCK_SIZES)
         self._allocate(kv_cache_config, spec, names, layout or KV_LAYOUT)
         self.layer_caches = self._layer_caches(self.pool, self.store)
+        if self.layers.attention_free:
+            logger.info(
+                "vllm-unified: attention-free model: %d recurrent layers on state pages in %d "
+                "state groups, %d blocks (one per running request and group) of %d tokens, "
+                "%.2f GiB (%s)", len(self.layers.recurrent), len(groups),
+                kv_cache_config.num_blocks, spec.block_size,
+                sum(p.pages.nbytes for p in self.store.pages.values()) / 2**30,
+                self._describe_pool())
+            return
         logger.info(
             "vllm-unified: KV pool %d blocks x %d tokens (read as %d-token kernel blocks)%s, "
             "%.2f GiB (%s)",
@@ -276,6 +295,22 @@ class KVCache:
                     f"{kv_cache_config.num_blocks * spec.block_size:,} tokens in the pool")
         if self.latent_layers():
             logger.info("vllm-unified: %s", LATENT_ROUTE_REASON)
+
+    def _state_only_spec(self, kv_cache_config: KVCacheConfig) -> Any:
+        """The state spec of an attention-free model's KV cache config, whose block size (the
+        tokens one state block stands for) the step's block table is read with.
+
+        Raises:
+            ValueError: a group that is not a state (Mamba) group, or state groups of
+                different block sizes.
+        """
+        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        if not specs or not all(isinstance(s, compat.MambaSpec) for s in specs):
+            raise ValueError(f"{self.layers.model_type}: an attention-free model needs state "
+                             f"groups only, got {[type(s).__name__ for s in specs]}")
+        if len({s.block_size for s in specs}) != 1:
+            raise ValueError(f"state groups of block sizes {[s.block_size for s in specs]}")
+        return specs[0]
 
     def _allocate(self, kv_cache_config: KVCacheConfig, spec: Any, names: list[str],
                   layout: str) -> None:
@@ -293,7 +328,8 @@ class KVCache:
             self.reads_zero = kv_cache_config.needs_kv_cache_zeroing
             buf, views = allocate_kv_cache(
                 kv_cache_config, layout, zero=self.zeroed,
-                kernel_block_sizes={self.attn_group: self.kernel_block_size})
+                kernel_block_sizes=({} if self.attn_group is None
+                                    else {self.attn_group: self.kernel_block_size}))
             warn_if_pool_can_outgrow_memory(buf.numel(), self.zeroed)
             state = self.layers.state_layout(kv_cache_config) if self.layers.is_hybrid else {}
             rows = [slot_major(views[n]) for n in names]
@@ -440,7 +476,14 @@ class KVCache:
                 continue
             caches[i] = PagedLayerCache(pool, j, self.profile, self.windows[i], self.chunks[i])
         for i in self.layers.recurrent:
-            caches[i] = StateLayerCache(store, i)
+            state = StateLayerCache(store, i)
+            kinds = self.cache_lists.get(i)
+            if kinds is None:
+                caches[i] = state
+                continue
+            # a layer with state and attention: mlx-lm's CacheList of both, in its order
+            by_kind = {"state": state, "attention": caches[i]}
+            caches[i] = LayerCacheList(*(by_kind[k] for k in kinds))
         ordinal = {i: j for j, i in enumerate(self.layers.attention)}
         for i in sorted(self.shared):
             target = self.shared[i]

@@ -32,12 +32,20 @@ class HybridFamily:
         is_stateless: decides whether a layer has neither attention nor recurrent state (an
             MLP-only block); mlx-lm's cache list has no entry for such layers (Nemotron-H
             counts caches over attention and Mamba blocks only). None: no such layers.
+        fresh_is_none: the mixer must see a sequence's first tokens with its cache entries
+            unset (None), as mlx-lm's generation starts them, rather than zero states
+            (RecurrentGemma's RG-LRU does not normalise its first input otherwise).
+        state_in_attention: the "mixer" is the attention module itself, which keeps a state
+            of its own (Baichuan-M1's convolution over keys and values:
+            :mod:`vllm_unified.models.attention_state`).
     """
 
     mixer: str
     is_recurrent: Callable[[Any], bool]
     mamba_type: str
     is_stateless: Callable[[Any], bool] | None = None
+    fresh_is_none: bool = False
+    state_in_attention: bool = False
 
 
 HYBRID_FAMILIES: dict[str, HybridFamily] = {
@@ -49,6 +57,24 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # block kinds: "M" Mamba2, "*" attention, "-" MLP (mlx-lm's hybrid_override_pattern)
     "nemotron_h": HybridFamily("mixer", lambda layer: layer.block_type == "M", "MAMBA2",
                                is_stateless=lambda layer: layer.block_type not in ("M", "*")),
+    # every layer runs a Mamba2 mixer and attention side by side (mlx-lm's CacheList of an
+    # ArraysCache and a KVCache per layer: one layer on state pages and on KV pages)
+    "falcon_h1": HybridFamily("mamba", lambda layer: True, "MAMBA2"),
+    # Griffin: RG-LRU recurrent blocks (a conv state and the recurrence) next to local
+    # attention; vLLM has no class for it (state shapes: mlx-lm's probed caches)
+    "recurrent_gemma": HybridFamily(
+        "temporal_block", lambda layer: layer.temporal_block_type == "recurrent", "MAMBA1",
+        fresh_is_none=True),
+    # every attention layer convolves its keys and values with the previous token's (a state
+    # of the last raw key and value; mlx-lm's CacheList of an ArraysCache and a KV cache)
+    "baichuan_m1": HybridFamily("self_attn", lambda layer: True, "SHORT_CONV",
+                                state_in_attention=True),
+    # PLaMo 2: Mamba2-style mixers (one B/C group) and attention layers, both under "mixer"
+    "plamo2": HybridFamily("mixer", lambda layer: bool(layer.is_mamba), "MAMBA2"),
+    # attention-free: every layer is recurrent (vLLM's IsAttentionFree models)
+    "mamba": HybridFamily("mixer", lambda layer: True, "MAMBA1"),
+    "falcon_mamba": HybridFamily("mixer", lambda layer: True, "MAMBA1"),
+    "mamba2": HybridFamily("mixer", lambda layer: True, "MAMBA2"),
 }
 
 
@@ -83,12 +109,18 @@ def mamba_spec(vllm_config: Any, model_type: str):
     would build it for this model (shapes and dtypes from vLLM's model class).
 
     Raises:
-        ValueError: vLLM's state layout is not mlx-lm's (conv state dim-first).
+        ValueError: vLLM's state layout is not mlx-lm's (conv state dim-first), or vLLM's
+            class for the architecture does not describe its states (no vLLM class for it).
     """
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     model_cls, _ = compat.ModelRegistry.resolve_model_cls(
         model_config.architecture, model_config=model_config
     )
+    if not hasattr(model_cls, "get_mamba_state_shape_from_config"):
+        raise ValueError(f"model type {model_type!r}: a recurrent layer of an architecture "
+                         f"vLLM has no state-space class for ({model_config.architecture}; "
+                         "vLLM's class gives the state pages' shapes) is not supported by "
+                         "vllm-unified yet")
     shapes = model_cls.get_mamba_state_shape_from_config(vllm_config)
     dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)
     family = HYBRID_FAMILIES[model_type]
@@ -116,16 +148,19 @@ class HybridLayers:
 
     For a model that is not hybrid every layer is an attention layer. ``held``: the layer
     indices this worker holds (a pipeline stage's; default all): only they have pages here.
+    ``attention``: the attention layer indices where a layer may be both (mlx-lm's CacheList
+    of a recurrent state and a KV cache, Falcon-H1); default: every layer not recurrent.
     """
 
     def __init__(self, model_type: str, num_layers: int, recurrent: list[int],
-                 held: range | None = None) -> None:
+                 held: range | None = None, attention: list[int] | None = None) -> None:
         self.model_type = model_type
         self.num_layers = num_layers
         held = range(num_layers) if held is None else held
         self.recurrent = [i for i in recurrent if i in held]
         rec = set(self.recurrent)
-        self.attention = [i for i in held if i not in rec]
+        self.attention = ([i for i in held if i not in rec] if attention is None
+                          else [i for i in held if i in set(attention)])
         #: request id -> its state slot per state group, recorded when first scheduled, for
         #: the last ``SLOT_HISTORY`` requests (tests check that a finished request's slot is
         #: reused cleanly; bounded so a long-running server does not grow it)
@@ -133,7 +168,14 @@ class HybridLayers:
 
     @property
     def is_hybrid(self) -> bool:
+        """The model keeps recurrent state (next to attention layers, or alone)."""
         return bool(self.recurrent)
+
+    @property
+    def attention_free(self) -> bool:
+        """Every layer held here is recurrent (vLLM's attention-free Mamba models): vLLM's
+        KV cache config then has state groups only, and no attention pool is allocated."""
+        return bool(self.recurrent) and not self.attention
 
     def state_specs(self, vllm_config: Any) -> dict[str, Any]:
         """``{layer name: MambaSpec}`` for the recurrent layers."""

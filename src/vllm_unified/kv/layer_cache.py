@@ -11,7 +11,8 @@ Each step the runner lays out every scheduled token as its own batch row (``inpu
 * ``cache.attend(...)`` -> the paged attention over the pool (called by the attention router,
   :mod:`vllm_unified.models.routing`).
 
-A recurrent layer of a hybrid model gets a :class:`StateLayerCache` instead. Both read the
+A recurrent layer of a hybrid model gets a :class:`StateLayerCache` instead, and a layer with
+both (mlx-lm's ``CacheList``, Falcon-H1) a :class:`LayerCacheList` of the two. They read the
 step's metadata from the bound step context (:mod:`vllm_unified.kv.forward_context`).
 """
 
@@ -229,3 +230,18 @@ class StateLayerCache:
     @property
     def group(self) -> int:
         return self.store.groups[self.layer]
+
+
+class LayerCacheList:
+    """mlx-lm's ``CacheList`` protocol for a layer that holds several caches (Falcon-H1: its
+    Mamba2 mixer's state pages and its attention's paged cache): ``cache[i]`` is the i-th,
+    in the order of mlx-lm's own ``CacheList`` for that layer."""
+
+    def __init__(self, *caches: Any) -> None:
+        self.caches = tuple(caches)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.caches[i]
+
+    def __len__(self) -> int:
+        return len(self.caches)

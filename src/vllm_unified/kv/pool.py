@@ -139,7 +139,8 @@ class KVPool:
         self.signs = rht_signs(head_size) if fmt.rotated else None
         self.kv = kv
         self.block_size = block_size
-        self.num_blocks = kv[0].shape[0] // block_size
+        # no layers: an attention-free model's (its state pages live elsewhere)
+        self.num_blocks = kv[0].shape[0] // block_size if kv else 0
         self.shared = shared
         self.torch_views = torch_views
         self._buffer = buffer  # keeps a torch-owned backing buffer alive

@@ -15,7 +15,7 @@ the CPU, the Metal row kernel on Metal) at the end of the layer (the mixer that 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 import mlx.core as mx
@@ -175,12 +175,14 @@ class StateMetadata:
         decode_has_state: bool ``[Bd]``: False where the token is at position 0.
         prefill_slots: per group, one slot per prefill chunk.
         prefill_has_state: per chunk: False where the chunk starts at position 0.
+        decode_fresh: indices (into the single-token sequences) of those at position 0.
     """
 
     decode_slots: dict[int, mx.array]
     decode_has_state: mx.array | None
     prefill_slots: dict[int, list[int]]
     prefill_has_state: list[bool]
+    decode_fresh: list[int] = field(default_factory=list)
 
 
 def build_state_metadata(
@@ -200,6 +202,7 @@ def build_state_metadata(
         decode_has_state=mx.array(starts[decode] > 0) if len(decode) else None,
         prefill_slots={g: [int(x) for x in np.asarray(s)[prefill]] for g, s in slots.items()},
         prefill_has_state=[bool(x) for x in starts[prefill] > 0],
+        decode_fresh=[int(i) for i in np.flatnonzero(starts[decode] == 0)],
     )
 
 

@@ -120,11 +120,34 @@ def _llama4_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.
     return self.norm(h)
 
 
+def _plamo2_attention(self: nn.Module, hidden_states: mx.array, mask: Any = None,
+                      cache: Any = None) -> mx.array:
+    """mlx-lm's PLaMo 2 ``Attention.__call__`` (fused QKV, per-head q/k RMS norms with
+    learned scales, RoPE) with its attention through :func:`routing.paged_sdpa`: mlx-lm
+    calls ``mx.fast.scaled_dot_product_attention`` itself."""
+    b, n, _ = hidden_states.shape
+    qkv = self.qkv_proj(hidden_states)
+    q, k, v = mx.split(qkv, [self.q_proj_dim, self.q_proj_dim + self.k_proj_dim], axis=-1)
+    q = q.reshape(b, n, self.q_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+    k = k.reshape(b, n, self.k_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+    v = v.reshape(b, n, self.v_num_heads, self.v_dim).transpose(0, 2, 1, 3)
+    q = mx.fast.rms_norm(q, weight=None, eps=1e-6) * self.q_weight[:, None]
+    k = mx.fast.rms_norm(k, weight=None, eps=1e-6) * self.k_weight[:, None]
+    offset = cache.offset if cache is not None else 0
+    q = self.rope(q, offset=offset)
+    k = self.rope(k, offset=offset)
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    out = routing.paged_sdpa(q, k, v, cache, self.scale, mask)
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
     ("mlx_lm.models.llama4", "Attention"): _llama4_attention,
     ("mlx_lm.models.llama4", "LlamaModel"): _llama4_decoder,
+    ("mlx_lm.models.plamo2", "Attention"): _plamo2_attention,
 }
 
 #: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed

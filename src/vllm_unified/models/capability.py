@@ -10,6 +10,8 @@ Each slot is classified by its cache type:
   (chunked local attention, Llama 4);
 * ``ArraysCache`` / ``MambaCache`` -> a recurrent layer on vLLM's state pages (its family must
   be known to :mod:`vllm_unified.kv.hybrid`);
+* ``CacheList(ArraysCache, KVCache or RotatingKVCache)`` (either order) -> a layer that runs a
+  recurrent mixer and attention side by side (Falcon-H1): on state pages and on KV pages;
 * anything else -> refused, naming the feature.
 
 A ``KVCache`` slot whose layer's attention is multi-head latent attention (wrapped by
@@ -36,12 +38,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from vllm_unified.bridge import torch_dtype
 from vllm_unified.kv.hybrid import HYBRID_FAMILIES, stateless_layers
 from vllm_unified.models import latent_attention, routing
 from vllm_unified.models.attention_adapters import install_attention_adapters
 from vllm_unified.models.output_head import decoder, lm_head
 
-__all__ = ["AttentionSlot", "ModelLayout", "UnsupportedModel", "check_model", "route_model"]
+__all__ = ["AttentionSlot", "ModelLayout", "UnsupportedModel", "check_model",
+           "probed_state_layout", "route_model"]
 
 #: probe tokens (prefill, then one decode step): ids valid in any vocabulary
 _PROBE_PROMPT = (1, 2, 3, 4, 5)
@@ -91,6 +95,10 @@ class ModelLayout:
         recurrent: slot indices of recurrent layers (vLLM's state pages).
         shared: layer index -> the attention slot whose keys and values it reads (KV shared
             across layers: layers after the last slot that mlx-lm gives no cache of their own).
+        cache_lists: slot index -> the kinds (``"state"``, ``"attention"``) of its caches in
+            mlx-lm's ``CacheList`` order, for slots that are both recurrent and attention.
+        states: per recurrent slot, the ``(shape, dtype)`` of each state mlx-lm's own cache
+            held after the probe step, per sequence (empty where the probe did not run).
         notes: how each decision was taken, for the start-up log.
     """
 
@@ -99,6 +107,9 @@ class ModelLayout:
     attention: dict[int, AttentionSlot] = field(default_factory=dict)
     recurrent: list[int] = field(default_factory=list)
     shared: dict[int, int] = field(default_factory=dict)
+    cache_lists: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    states: dict[int, tuple[tuple[tuple[int, ...], mx.Dtype], ...]] = field(
+        default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -143,16 +154,21 @@ def check_model(
     model_type = str(config["model_type"])
     caches = make_prompt_cache(model)
     layout = ModelLayout(model_type, len(caches))
-    declared = _declared_windows(config, len(caches), config_window)
+    declared = _declared_windows(config, len(caches), config_window,
+                                 [_cache_window(_attention_cache(c)) for c in caches])
     latent = _latent_slots(model, model_type, len(caches))
     for i, cache in enumerate(caches):
         kind = _slot_kind(model_type, i, cache)
+        if kind in ("recurrent", "list") and model_type not in recurrent_families:
+            raise UnsupportedModel(model_type, "a recurrent (state-space) layer of this "
+                                   f"family ({_describe_cache(cache)})", i)
         if kind == "recurrent":
-            if model_type not in recurrent_families:
-                raise UnsupportedModel(model_type, "a recurrent (state-space) layer of this "
-                                       f"family ({type(cache).__name__})", i)
             layout.recurrent.append(i)
             continue
+        if kind == "list":
+            layout.recurrent.append(i)
+            layout.cache_lists[i] = _list_kinds(cache)
+            cache = _attention_cache(cache)
         window = _window(model_type, i, cache, declared)
         if i in latent:
             if window is not None or _cache_chunk(cache) is not None:
@@ -167,7 +183,8 @@ def check_model(
         raise UnsupportedModel(model_type, "multi-head latent attention next to other "
                                "attention layers (one MLA page shape for every layer)")
     if declared is not None and any(
-        w != _cache_window(caches[i]) for i, w in declared.items() if i in layout.attention
+        w != _cache_window(_attention_cache(caches[i])) for i, w in declared.items()
+        if i in layout.attention
     ):
         layout.notes.append("sliding windows from the config (vLLM's), which mlx-lm's "
                             "model does not apply itself")
@@ -213,16 +230,51 @@ def route_model(
     return layout, patched
 
 
+def probed_state_layout(layout: ModelLayout) -> tuple[tuple[tuple[int, ...], ...],
+                                                      tuple[Any, ...]] | None:
+    """The per-sequence state shapes and torch dtypes every recurrent slot's mlx-lm cache held
+    after the probe step (what vLLM sizes the state pages of an architecture only mlx-lm
+    defines by), or None without recurrent slots or a probe.
+
+    Raises:
+        UnsupportedModel: recurrent layers whose states differ (one state spec for all).
+    """
+    kinds = set(layout.states.values())
+    if not kinds:
+        return None
+    if len(kinds) != 1:
+        raise UnsupportedModel(layout.model_type, "recurrent layers whose states differ in "
+                               "shape or dtype (one state page layout for all)")
+    (states,) = kinds
+    return (tuple(shape for shape, _ in states),
+            tuple(torch_dtype(dtype) for _, dtype in states))
+
+
 # ----------------------------------------------------------------------------- slots
 
 
 def _slot_kind(model_type: str, i: int, cache: Any) -> str:
-    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        ChunkedKVCache,
+        KVCache,
+        RotatingKVCache,
+    )
 
     if type(cache) in (KVCache, RotatingKVCache, ChunkedKVCache):
         return "attention"
     if isinstance(cache, ArraysCache):
         return "recurrent"
+    if isinstance(cache, CacheList):
+        kinds = sorted("state" if isinstance(c, ArraysCache) else
+                       "attention" if type(c) in (KVCache, RotatingKVCache) else
+                       type(c).__name__ for c in cache.caches)
+        if kinds == ["attention", "state"]:
+            return "list"
+        raise UnsupportedModel(model_type, "a layer with several caches (mlx-lm CacheList of "
+                               f"{_describe_cache(cache)}: only one recurrent state next to "
+                               "one attention cache is served)", i)
     feature = _CACHE_FEATURES.get(type(cache).__name__,
                                   f"mlx-lm's {type(cache).__name__} cache")
     raise UnsupportedModel(model_type, feature, i)
@@ -230,10 +282,33 @@ def _slot_kind(model_type: str, i: int, cache: Any) -> str:
 
 #: mlx-lm cache types and the attention feature they stand for
 _CACHE_FEATURES = {
-    "CacheList": "a layer with several caches (mlx-lm CacheList: latent attention or a "
-                 "mixer with its own state)",
     "QuantizedKVCache": "mlx-lm's quantized KV cache",
 }
+
+
+def _describe_cache(cache: Any) -> str:
+    """``ArraysCache``, or ``CacheList(ArraysCache, KVCache)`` for a list."""
+    inner = getattr(cache, "caches", None)
+    if inner is None:
+        return type(cache).__name__
+    return f"CacheList({', '.join(type(c).__name__ for c in inner)})"
+
+
+def _list_kinds(cache: Any) -> tuple[str, ...]:
+    """The kinds of a served ``CacheList``'s caches, in its order (``"state"``,
+    ``"attention"``)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    return tuple("state" if isinstance(c, ArraysCache) else "attention" for c in cache.caches)
+
+
+def _attention_cache(cache: Any) -> Any:
+    """The attention cache of a slot: the slot's cache, or a ``CacheList``'s attention one."""
+    from mlx_lm.models.cache import CacheList
+
+    if not isinstance(cache, CacheList):
+        return cache
+    return cache.caches[_list_kinds(cache).index("attention")]
 
 
 def _cache_window(cache: Any) -> int | None:
@@ -268,10 +343,14 @@ def _window(model_type: str, i: int, cache: Any,
 
 
 def _declared_windows(config: Mapping[str, Any], num_slots: int,
-                      config_window: int | None) -> dict[int, int | None] | None:
+                      config_window: int | None, cache_windows: list[int | None]
+                      ) -> dict[int, int | None] | None:
     """Per slot, the window the HF config declares (``layer_types`` with
     ``sliding_attention`` entries, or one window for all layers), or None if it declares
-    none. Layer types index slots only where there is one slot per layer."""
+    none. Layer types index slots only where there is one slot per layer. A config window
+    without layer types where mlx-lm's caches (``cache_windows``) window some layers with it
+    and not others: the config lists its windowed layers under a key of its own
+    (Baichuan-M1's ``sliding_window_layers``), so the caches carry the windows."""
     layer_types = config.get("layer_types")
     window = config.get("sliding_window")
     if layer_types and "sliding_attention" in layer_types and window:
@@ -279,6 +358,10 @@ def _declared_windows(config: Mapping[str, Any], num_slots: int,
             return None  # slots are not layers: mlx-lm's caches carry the windows
         return {i: int(window) if t == "sliding_attention" else None
                 for i, t in enumerate(layer_types)}
+    windowed = {w for w in cache_windows if w is not None}
+    if (config_window and not layer_types and windowed == {int(config_window)}
+            and None in cache_windows):
+        return None
     if config_window and not layer_types:
         return dict.fromkeys(range(num_slots), int(config_window))
     return None
@@ -365,7 +448,7 @@ def _probe(model: nn.Module, model_type: str, layout: ModelLayout,
 
     prompt = mx.array([list(_PROBE_PROMPT)])
     caches = make_prompt_cache(model)
-    records = [routing.record_cache(c) for c in caches]
+    records = [routing.record_cache(_attention_cache(c)) for c in caches]
     try:
         logits = model(prompt, cache=caches)
         logits = mx.concatenate([logits, model(mx.array([[6]]), cache=caches)], axis=1)
@@ -375,6 +458,8 @@ def _probe(model: nn.Module, model_type: str, layout: ModelLayout,
     for i, slot in list(layout.attention.items()):
         if slot.latent_dim is None:
             layout.attention[i] = _attention_slot(model_type, i, slot, records[i])
+    for i in layout.recurrent:
+        layout.states[i] = _probed_states(model_type, i, caches[i])
     shapes = {(s.num_kv_heads, s.head_dim) for s in layout.attention.values()
               if s.latent_dim is None}
     if kv_shape is not None and shapes - {tuple(kv_shape)}:
@@ -427,6 +512,25 @@ def _check_logits(model_type: str, got: mx.array, expected: mx.array, feature: s
     rtol = _LOGITS_RTOL.get(got.dtype, _LOGITS_RTOL_16BIT)
     if got.shape != expected.shape or err > rtol * scale:
         raise UnsupportedModel(model_type, f"{feature} (differ by {err:.3g})")
+
+
+def _probed_states(model_type: str, i: int, cache: Any
+                   ) -> tuple[tuple[tuple[int, ...], mx.Dtype], ...]:
+    """``(shape, dtype)`` per state of a recurrent slot's mlx-lm cache after the probe step,
+    without the batch axis.
+
+    Raises:
+        UnsupportedModel: a state the mixer left unset.
+    """
+    from mlx_lm.models.cache import CacheList
+
+    if isinstance(cache, CacheList):
+        cache = cache.caches[_list_kinds(cache).index("state")]
+    states = list(cache.cache)
+    if any(a is None for a in states):
+        raise UnsupportedModel(model_type, "a recurrent layer that leaves some of its cache "
+                               "entries unset", i)
+    return tuple((tuple(a.shape[1:]), a.dtype) for a in states)
 
 
 def _attention_slot(model_type: str, i: int, slot: AttentionSlot,

@@ -294,15 +294,86 @@ def _nemotron_h(cfg: dict[str, Any]) -> None:
                          "implements relu2)")
 
 
-def _attention_free(cfg: dict[str, Any]) -> None:
-    raise ValueError(f"{cfg['model_type']}: an attention-free model (every layer recurrent) "
-                     "is not supported yet: vllm-unified's KV cache needs at least one "
-                     "attention layer")
+def _mamba_common(cfg: dict[str, Any]) -> None:
+    """What mlx-lm's Mamba and Mamba2 modules hard-code: SiLU, and RMSNorm's default epsilon
+    (1e-5) on each block's input norm, where vLLM reads ``layer_norm_epsilon``."""
+    model_type = cfg["model_type"]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{model_type}: hidden_act {cfg['hidden_act']!r} (mlx-lm implements "
+                         "silu)")
+    eps = cfg.get("layer_norm_epsilon", 1e-5)
+    if eps != 1e-5:
+        raise ValueError(f"{model_type}: layer_norm_epsilon={eps} (mlx-lm's block norms use "
+                         "1e-5)")
+
+
+def _mamba2(cfg: dict[str, Any]) -> None:
+    _mamba_common(cfg)
+    if cfg.get("intermediate_size") is None:
+        # transformers' Mamba2Config has none: vLLM takes expand x hidden_size
+        cfg["intermediate_size"] = int(cfg.get("expand", 2)) * int(cfg["hidden_size"])
+    groups = int(cfg.get("n_groups", 1))
+    if groups != 1:
+        raise ValueError(f"mamba2: n_groups={groups} (mlx-lm's gated RMSNorm normalises over "
+                         "all groups at once, vLLM's per group; only n_groups=1 agrees)")
+    if cfg.get("norm_before_gate"):
+        raise ValueError("mamba2: norm_before_gate (mlx-lm gates before the norm)")
 
 
 def _falcon_h1(cfg: dict[str, Any]) -> None:
-    raise ValueError("falcon_h1: layers that run a Mamba2 mixer and attention side by side "
-                     "(one layer on both KV pages and state pages) are not supported yet")
+    """Falcon-H1: the Mamba2 width where the config leaves it to ``mamba_expand`` (as
+    transformers and vLLM derive it); refuses what mlx-lm's module computes otherwise (the
+    multipliers it leaves out are applied by :mod:`vllm_unified.models.multipliers`)."""
+    if cfg.get("mamba_d_ssm") is None:
+        cfg["mamba_d_ssm"] = int(cfg.get("mamba_expand", 2) * int(cfg["hidden_size"]))
+    if cfg.get("mamba_rms_norm") and int(cfg.get("mamba_n_groups", 1)) != 1:
+        raise ValueError("falcon_h1: mamba_rms_norm with mamba_n_groups > 1 (mlx-lm's gated "
+                         "norm is not per group)")
+    limit = cfg.get("time_step_limit")
+    if limit is not None and (float(limit[0]), float(limit[1])) != (0.0, float("inf")):
+        raise ValueError(f"falcon_h1: time_step_limit {limit} (mlx-lm clips dt to [0, inf))")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"falcon_h1: hidden_act {cfg['hidden_act']!r} (mlx-lm implements "
+                         "silu)")
+
+
+def _recurrent_gemma(cfg: dict[str, Any]) -> None:
+    """RecurrentGemma (Griffin): refuses what mlx-lm's module hard-codes otherwise (one KV
+    head, rotary on half the head at base 10000, attention without q/k/v biases, the RG-LRU
+    as wide as the model, tanh GELU)."""
+    rope = cfg.get("rope_parameters") or {}
+    width = cfg.get("lru_width")
+    checks = [
+        (int(cfg.get("num_key_value_heads", 1)) == 1,
+         f"num_key_value_heads {cfg.get('num_key_value_heads')} (mlx-lm: one KV head)"),
+        (float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5)))
+         == 0.5, "partial_rotary_factor other than 0.5"),
+        (float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))) == 10000.0,
+         "rope_theta other than 10000"),
+        (not cfg.get("attention_bias"), "attention_bias"),
+        (width is None or int(width) == int(cfg["hidden_size"]),
+         f"lru_width {width} != hidden_size"),
+        (cfg.get("hidden_activation", "gelu_pytorch_tanh") in ("gelu_pytorch_tanh",
+                                                                "gelu_approximate"),
+         f"hidden_activation {cfg.get('hidden_activation')!r}"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            raise ValueError(f"recurrent_gemma: {what} is not supported by mlx-lm's module")
+
+
+def _plamo2(cfg: dict[str, Any]) -> None:
+    """What mlx-lm's PLaMo 2 does not apply: a sliding window (``attention_window_size``
+    below the context, on the layers outside ``full_attention_idx``) and a RoPE base other
+    than its fixed 10000."""
+    window = cfg.get("attention_window_size")
+    context = cfg.get("max_position_embeddings", 2048)
+    if window is not None and int(window) < int(context):
+        raise ValueError(f"plamo2: attention_window_size={window} below the context "
+                         f"({context}): mlx-lm's module attends over the full context")
+    theta = cfg.get("rope_theta", 10000)
+    if float(theta) != 10000.0:
+        raise ValueError(f"plamo2: rope_theta={theta} (mlx-lm's RoPE base is 10000)")
 
 
 def _gemma3_text(cfg: dict[str, Any]) -> None:
@@ -478,9 +549,11 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen3_5_text": _qwen3_5,
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,
-    "mamba": _attention_free,
-    "mamba2": _attention_free,
-    "falcon_mamba": _attention_free,
+    "recurrent_gemma": _recurrent_gemma,
+    "mamba": _mamba_common,
+    "mamba2": _mamba2,
+    "falcon_mamba": _mamba_common,
+    "plamo2": _plamo2,
     "minicpm3": _minicpm3,
     "youtu": _youtu,
 }

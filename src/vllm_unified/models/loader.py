@@ -40,6 +40,7 @@ from vllm_unified.models.gguf import (
     read_gguf_tensors,
     unpermute_rows,
 )
+from vllm_unified.models.multipliers import apply_config_multipliers
 from vllm_unified.models.pipeline_layers import prune_model
 
 __all__ = ["LoadedModel", "check_dtype_supported", "load_model"]
@@ -341,6 +342,7 @@ def _load_folder(
         raise ValueError(f"model type {config['model_type']!r}: the config does not fit "
                          f"mlx-lm's ModelArgs ({e})") from e
     match_config_activations(model, config)
+    apply_config_multipliers(model, config)
     if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
         prune_model(model, stage, config["model_type"])
     if not keep_quantized and _has_quantized(model):

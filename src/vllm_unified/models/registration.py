@@ -15,8 +15,15 @@ point):
   generation model whose torch class is never built (our worker runs mlx-lm's).
 
 Nothing is registered for a type transformers or vLLM already knows: their classes stay in
-charge. Imports no MLX (vLLM may fork after loading plugins): mlx-lm's model types are the file
-names of its ``models`` folder.
+charge. The exception are mlx-lm's hybrid (attention + recurrent) architectures vLLM has no
+class for (:data:`MLX_LM_HYBRID_ARCHITECTURES`), registered as :class:`MLXLMHybridModel` even
+where transformers knows their config: vLLM must see them as hybrid (state pages next to
+attention pages). The shapes and dtypes of their states are not derived from the config: the
+worker records them from mlx-lm's own caches after its load-time probe step
+(:func:`record_state_layout`), before vLLM sizes the state pages in that process.
+
+Imports no MLX (vLLM may fork after loading plugins): mlx-lm's model types are the file names
+of its ``models`` folder.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from vllm_unified import compat
 
-__all__ = ["MLXLMConfig", "MLXLMOnlyModel", "mlx_lm_model_types", "register_mlx_lm_types"]
+__all__ = ["MLX_LM_HYBRID_ARCHITECTURES", "MLXLMConfig", "MLXLMHybridModel", "MLXLMOnlyModel",
+           "mlx_lm_model_types", "record_state_layout", "register_mlx_lm_types"]
 
 logger = logging.getLogger("vllm.vllm_unified.models.registration")
 
@@ -120,6 +128,75 @@ class MLXLMOnlyModel(torch.nn.Module):
         raise RuntimeError("MLXLMOnlyModel is never run")
 
 
+#: architectures of mlx-lm hybrid model types vLLM has no class for -> the model type
+MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
+    "RecurrentGemmaForCausalLM": "recurrent_gemma",
+    "Plamo2ForCausalLM": "plamo2",
+    "BaichuanM1ForCausalLM": "baichuan_m1",
+}
+
+#: architecture -> (state shapes, torch dtypes) of one recurrent layer, per sequence, as
+#: mlx-lm's own cache held them after the worker's probe step (this process only)
+_STATE_LAYOUTS: dict[str, tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]] = {}
+
+
+def record_state_layout(architecture: str, shapes: Iterable[Iterable[int]],
+                        dtypes: Iterable[torch.dtype]) -> None:
+    """Record the per-sequence state shapes and dtypes of ``architecture``'s recurrent layers
+    (what :class:`MLXLMHybridModel` tells vLLM in this process)."""
+    _STATE_LAYOUTS[architecture] = (tuple(tuple(int(d) for d in s) for s in shapes),
+                                    tuple(dtypes))
+
+
+class MLXLMHybridModel(MLXLMOnlyModel):
+    """:class:`MLXLMOnlyModel` of a hybrid (attention + recurrent) architecture only mlx-lm
+    defines: vLLM gives its recurrent layers state pages of the shapes the worker recorded
+    from mlx-lm's caches (:func:`record_state_layout`). Subclassed once per architecture.
+
+    Raises:
+        RuntimeError: state shapes asked for before the worker recorded them (a process that
+            has not loaded the model).
+    """
+
+    is_hybrid = True
+    #: the architecture this subclass stands for
+    architecture = ""
+
+    @classmethod
+    def _layout(cls) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
+        layout = _STATE_LAYOUTS.get(cls.architecture)
+        if layout is None:
+            raise RuntimeError(f"{cls.architecture}: the recurrent state shapes come from "
+                               "mlx-lm's caches once vllm-unified's worker has loaded the "
+                               "model; none recorded in this process")
+        return layout
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> tuple[tuple[int, ...], ...]:
+        return cls._layout()[0]
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> tuple[torch.dtype, ...]:
+        return cls._layout()[1]
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple[Any, ...]:
+        raise RuntimeError(f"{cls.architecture}: vLLM's state copies (prefix caching of "
+                           "hybrid models) are not supported by vllm-unified")
+
+
+def _register_hybrid_architectures() -> None:
+    """Register each of :data:`MLX_LM_HYBRID_ARCHITECTURES` vLLM has no class for as an
+    :class:`MLXLMHybridModel` of its own."""
+    registry = compat.ModelRegistry
+    for arch in MLX_LM_HYBRID_ARCHITECTURES:
+        if arch in registry.get_supported_archs():
+            continue
+        cls = type(f"MLXLMHybrid_{arch}", (MLXLMHybridModel,),
+                   {"architecture": arch, "__module__": __name__})
+        registry.register_model(arch, cls)
+
+
 def _register_architectures(architectures: Iterable[str]) -> None:
     """Register each of ``architectures`` vLLM has no class for as :class:`MLXLMOnlyModel`."""
     registry = compat.ModelRegistry
@@ -139,6 +216,7 @@ def register_mlx_lm_types() -> list[str]:
     """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    _register_hybrid_architectures()
     done = []
     for model_type in mlx_lm_model_types():
         if model_type in CONFIG_MAPPING or compat.has_vllm_config_class(model_type):

@@ -20,16 +20,20 @@ Both read the step's metadata from the bound step context
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import ArraysCache
 
 from vllm_unified import patches
 from vllm_unified.kv.forward_context import get_step_context
 from vllm_unified.kv.hybrid import HYBRID_FAMILIES, recurrent_layers
 from vllm_unified.kv.layer_cache import PagedLayerCache, PagedMask, StateLayerCache
+from vllm_unified.models.attention_state import ConvStateAttention
 
 
 def paged_sdpa(
@@ -127,42 +131,63 @@ def install_recurrent_mixers(model_type: str, model: nn.Module) -> list[int]:
     for i in layers:
         layer = model.layers[i]
         mixer = getattr(layer, family.mixer)
-        if not isinstance(mixer, RecurrentMixer):
-            setattr(layer, family.mixer, RecurrentMixer(mixer))
+        if isinstance(mixer, RecurrentMixer | ConvStateAttention):
+            continue
+        setattr(layer, family.mixer, ConvStateAttention(mixer) if family.state_in_attention
+                else RecurrentMixer(mixer, family.fresh_is_none))
     return layers
 
 
-class _SegmentCache:
-    """mlx-lm's ``ArraysCache`` protocol for one segment (``cache[i]``, ``lengths``,
-    ``advance``), holding the states the wrapped mixer reads and replaces."""
+class _SegmentCache(ArraysCache):
+    """mlx-lm's ``ArraysCache`` for one segment (``cache[i]``, ``lengths``, ``advance``),
+    holding the states the wrapped mixer reads and replaces. An ``ArraysCache`` because some
+    mixers (mlx-lm's Mamba) store their new states only into one."""
 
     def __init__(self, states: list[mx.array]) -> None:
+        super().__init__(len(states))
         self.cache = list(states)
-        self.lengths = None
-        self.left_padding = None
-
-    def __getitem__(self, i: int) -> mx.array:
-        return self.cache[i]
-
-    def __setitem__(self, i: int, value: mx.array) -> None:
-        self.cache[i] = value
 
     def advance(self, n: int) -> None:
         """Positions are not tracked here (the attention metadata has them)."""
 
 
 class RecurrentMixer(nn.Module):
-    """Wraps an mlx-lm recurrent mixer (``mixer(x, mask, cache)`` over an ``ArraysCache``) so
-    it runs on the token-major batch with states in vLLM's pages. Other caches pass through."""
+    """Wraps an mlx-lm recurrent mixer (called with its input, ``cache`` over an
+    ``ArraysCache`` and, where it takes one, ``mask``, positionally or by name in the mixer's
+    own order: ``mixer(x, mask, cache)``, Mamba's ``mixer(x, cache)``, Falcon-H1's
+    ``mixer(input_states=, cache=, mask=)``) so it runs on the token-major batch with states
+    in vLLM's pages. Other caches pass through. ``fresh_is_none``: a sequence's first tokens
+    see unset (None) cache entries instead of zero states
+    (:attr:`vllm_unified.kv.hybrid.HybridFamily.fresh_is_none`).
 
-    def __init__(self, inner: nn.Module) -> None:
+    Raises:
+        TypeError: the mixer's ``__call__`` takes no ``cache``.
+    """
+
+    def __init__(self, inner: nn.Module, fresh_is_none: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.fresh_is_none = fresh_is_none
+        params = list(inspect.signature(type(inner).__call__).parameters)[1:]
+        if "cache" not in params:
+            raise TypeError(f"{type(inner).__name__}: a recurrent mixer takes its input and "
+                            f"'cache' (its parameters: {params})")
+        #: the mixer's parameter names: input, then the others in order
+        self._params = params
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def _call(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        kwargs = {self._params[0]: x, "cache": cache}
+        if "mask" in self._params:
+            kwargs["mask"] = mask
+        return self.inner(**kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        bound = dict(zip(self._params, args, strict=False)) | kwargs
+        x, mask, cache = bound[self._params[0]], bound.get("mask"), bound.get("cache")
         if not isinstance(cache, StateLayerCache):
-            return self.inner(x, mask, cache)
-        if mask is not None:
+            return self._call(x, mask, cache)
+        if mask is not None and not isinstance(mask, PagedMask):
+            # a model handing every layer the attention layers' mask passes the paged marker
             raise TypeError("a recurrent layer on vLLM's state pages takes no mask")
         pages = cache.pages
         ctx = get_step_context()
@@ -172,19 +197,25 @@ class RecurrentMixer(nn.Module):
         outs, slots, new_states = [], [], []
         if attn.decode_rows is not None:
             idx = meta.decode_slots[cache.group]
-            states = _initial(pages.read(idx), meta.decode_has_state)
-            seg = _SegmentCache(states)
-            outs.append(self.inner(x[attn.decode_rows], None, seg))  # [Bd, 1, D]
-            slots.append(idx)
-            new_states.append(seg.cache)
+            fresh = meta.decode_fresh if self.fresh_is_none else []
+            if not fresh:
+                states = _initial(pages.read(idx), meta.decode_has_state)
+                seg = _SegmentCache(states)
+                outs.append(self._call(x[attn.decode_rows], None, seg))  # [Bd, 1, D]
+                slots.append(idx)
+                new_states.append(seg.cache)
+            else:
+                outs.append(self._decode_with_fresh(x[attn.decode_rows], idx, fresh, pages,
+                                                    slots, new_states))
         for i, chunk in enumerate(attn.prefills):
             idx = mx.array([meta.prefill_slots[cache.group][i]], dtype=mx.int32)
             states = pages.read(idx)
             if not meta.prefill_has_state[i]:
-                states = [mx.zeros_like(s) for s in states]
+                states = ([None] * len(states) if self.fresh_is_none
+                          else [mx.zeros_like(s) for s in states])
             seg = _SegmentCache(states)
             xs = x[chunk.start:chunk.start + chunk.length].transpose(1, 0, 2)  # [1, L, D]
-            outs.append(self.inner(xs, None, seg).transpose(1, 0, 2))
+            outs.append(self._call(xs, None, seg).transpose(1, 0, 2))
             slots.append(idx)
             new_states.append(seg.cache)
         if not outs:
@@ -193,6 +224,28 @@ class RecurrentMixer(nn.Module):
                     [mx.concatenate([s[f] for s in new_states]) for f in range(len(pages.fields))])
         out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
         return out if attn.output_order is None else out[attn.output_order]
+
+    def _decode_with_fresh(self, x: mx.array, idx: mx.array, fresh: list[int], pages: Any,
+                           slots: list[mx.array], new_states: list[list[mx.array]]
+                           ) -> mx.array:
+        """The single-token rows ``x`` ``[Bd, 1, D]`` where rows ``fresh`` start their
+        sequence: those in one call with unset states, the others in one with their slots'
+        states. Appends both calls' slots and states; returns the outputs in row order."""
+        fresh_set = set(fresh)
+        rest = [r for r in range(x.shape[0]) if r not in fresh_set]
+        order, outs = [], []
+        for rows, from_pages in ((rest, True), (fresh, False)):
+            if not rows:
+                continue
+            sel = mx.array(rows, dtype=mx.int32)
+            states = pages.read(idx[sel]) if from_pages else [None] * len(pages.fields)
+            seg = _SegmentCache(states)
+            outs.append(self._call(x[sel], None, seg))
+            slots.append(idx[sel])
+            new_states.append(seg.cache)
+            order += rows
+        out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
+        return out[mx.array(np.argsort(order), dtype=mx.int32)]
 
 
 def _initial(states: list[mx.array], has_state: mx.array | None) -> list[mx.array]:

@@ -60,9 +60,10 @@ def configure_kv_offloading(vllm_config: Any) -> None:
     if extra.get("canonical_layout"):
         raise ValueError("--kv-transfer-config canonical_layout: not supported by vllm-unified")
     model = vllm_config.model_config
-    if model is not None and model.is_hybrid:
+    if model is not None and (model.is_hybrid or getattr(model, "is_attention_free", False)):
         raise ValueError("--kv-offloading-size: KV offloading of hybrid (attention + state) "
-                         "models is not supported by vllm-unified yet")
+                         "and attention-free state-space models is not supported by "
+                         "vllm-unified yet")
     extra["secondary_tiers"] = [_tier(t) for t in extra.get("secondary_tiers") or []]
     extra["spec_name"], extra["spec_module_path"] = SPEC_NAME, SPEC_MODULE
     if model is not None:

@@ -143,8 +143,9 @@ class InputBatch:
 
     def __init__(self) -> None:
         self.requests: dict[str, RequestState] = {}
-        #: the KV cache group whose blocks the attention reads (0 unless hybrid)
-        self.attn_group = 0
+        #: the KV cache group whose blocks the attention reads (0 unless hybrid; None for an
+        #: attention-free model)
+        self.attn_group: int | None = 0
         #: requests resumed after preemption (for logs and tests)
         self.num_resumed = 0
 
@@ -267,8 +268,9 @@ class InputBatch:
 
 
 def split_groups(
-    block_ids: tuple[list[int], ...], attn_group: int
+    block_ids: tuple[list[int], ...], attn_group: int | None
 ) -> tuple[list[int], dict[int, list[int]]]:
-    """vLLM's per-group block ids -> (the attention group's, {other group: ids})."""
-    return (list(block_ids[attn_group]),
+    """vLLM's per-group block ids -> (the attention group's, {other group: ids}); an
+    attention-free model (``attn_group`` None) has no attention blocks."""
+    return (list(block_ids[attn_group]) if attn_group is not None else [],
             {g: list(ids) for g, ids in enumerate(block_ids) if g != attn_group})

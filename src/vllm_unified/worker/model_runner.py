@@ -56,13 +56,18 @@ from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.hybrid import HybridLayers
 from vllm_unified.kv.page_release import PageRelease, placements
 from vllm_unified.memory.mlx_log import MemoryLog
-from vllm_unified.models.capability import UnsupportedModel, route_model
+from vllm_unified.models.capability import (
+    UnsupportedModel,
+    probed_state_layout,
+    route_model,
+)
 from vllm_unified.models.cpu_kernels import install_cpu_kernels, keep_quantized_on_cpu
 from vllm_unified.models.decode_attention import install_fused_decode_attention
 from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.gpu_gemm import install_gpu_gemm
 from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
+from vllm_unified.models.registration import MLX_LM_HYBRID_ARCHITECTURES, record_state_layout
 from vllm_unified.offload.runner import KVConnectorHooks
 from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode
@@ -284,6 +289,11 @@ class MLXModelRunner:
             config_window=self.model_config.get_sliding_window(),
             probe=self.stage.size == 1)
         probe_s = time.perf_counter() - probe_start
+        arch = self.model_config.architecture
+        states = (probed_state_layout(self.layout) if arch in MLX_LM_HYBRID_ARCHITECTURES
+                  else None)
+        if states is not None:  # what vLLM sizes the state pages of an mlx-lm-only hybrid by
+            record_state_layout(arch, *states)
         num_layers = self.layout.num_slots
         if self.stage.size > 1 and num_layers != self.stage.num_layers:
             raise ValueError(f"mlx-lm built {num_layers} cache slots but vLLM's config has "
@@ -292,7 +302,8 @@ class MLXModelRunner:
             raise ValueError("pipeline parallelism with layers that share KV is not "
                              "supported by vllm-unified")
         self.layers = HybridLayers(model_type, num_layers, self.layout.recurrent,
-                                   held=self.stage.layers if self.stage.size > 1 else None)
+                                   held=self.stage.layers if self.stage.size > 1 else None,
+                                   attention=list(self.layout.attention))
         cache_config = self.vllm_config.cache_config
         if self.layout.latent is not None:  # MLA: vLLM's MLA pages, whatever vLLM's model does
             shape = AttentionShape.latent(*self.layout.latent, self.model_config.dtype,
@@ -307,7 +318,8 @@ class MLXModelRunner:
                      if a.num_kv_heads is not None and i in windows}
         chunks = {i: self.layout.attention[i].chunk for i in self.layers.attention}
         self.kv_cache = KVCache(self.backend, self.layers, shape, windows, self.dtype,
-                                kv_shapes=kv_shapes, shared=self.layout.shared, chunks=chunks)
+                                kv_shapes=kv_shapes, shared=self.layout.shared, chunks=chunks,
+                                cache_lists=self.layout.cache_lists)
         if any(chunks.values()):
             logger.info("vllm-unified: %s (layers %s)", chunk_routing(self.backend),
                         [i for i, c in chunks.items() if c])
