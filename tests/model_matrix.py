@@ -608,14 +608,30 @@ def prompts(model_type: str) -> list[list[int]]:
             for i, n in enumerate(PROMPT_LENGTHS)]
 
 
+#: types whose mlx-lm cache disagrees with its own model's mask: their reference is mlx-lm's
+#: forward without a cache over the whole sequence at every step (the mask alone decides)
+REFERENCE_WITHOUT_CACHE = {
+    "plamo3": "mlx-lm's rotating cache keeps window_size keys where its mask (the "
+              "checkpoints' convention) attends to window_size + 1",
+}
+
+
 def mlx_lm_reference(folder: Path, prompt_ids: list[list[int]], n: int) -> list[list[int]]:
     """mlx-lm's own greedy generation (``generate_step``, its own ``make_prompt_cache``), one
-    prompt at a time, ``n`` new tokens each."""
+    prompt at a time, ``n`` new tokens each; for :data:`REFERENCE_WITHOUT_CACHE` types (the
+    folder's name), mlx-lm's forward over the whole sequence at each step."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     model = load_reference_model(folder)
     out = []
+    if Path(folder).name in REFERENCE_WITHOUT_CACHE:
+        for prompt in prompt_ids:
+            seq = list(prompt)
+            for _ in range(n):
+                seq.append(int(mx.argmax(model(mx.array([seq]))[0, -1])))
+            out.append(seq[len(prompt):])
+        return out
     for prompt in prompt_ids:
         tokens = []
         for token, _ in generate_step(mx.array(prompt), model, max_tokens=n,

@@ -211,6 +211,27 @@ def _cohere2(cfg: dict[str, Any]) -> None:
     cfg["sliding_window"] = int(cfg["sliding_window"]) + 1
 
 
+def _plamo3(cfg: dict[str, Any]) -> None:
+    """mlx-lm's PLaMo 3 makes every ``sliding_window_pattern``-th layer global and reads the
+    window as ``window_size`` (``sliding_window`` overrides it). The window is handed over as
+    ``window_size`` alone, with ``layer_types`` written out, so that the cache slots (sized by
+    :mod:`vllm_unified.models.cache_fixes`: the window plus the current token) decide each
+    layer's window, not a single config window applied to every layer."""
+    window = cfg.get("sliding_window") or cfg.get("window_size")
+    if not window:
+        raise ValueError("plamo3: config has neither sliding_window nor window_size")
+    n_layers = int(cfg["num_hidden_layers"])
+    period = int(cfg.get("sliding_window_pattern") or 8)
+    layer_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                   for i in range(n_layers)]
+    if cfg.get("layer_types") and list(cfg["layer_types"]) != layer_types:
+        raise ValueError(f"plamo3: layer_types {cfg['layer_types']} are not 'every "
+                         f"{period}-th layer is global', the only layout mlx-lm builds")
+    cfg["layer_types"] = layer_types
+    cfg["window_size"] = int(window)
+    cfg["sliding_window"] = None
+
+
 def _starcoder2(cfg: dict[str, Any]) -> None:
     _no_rope_scaling(cfg)
     # mlx-lm's MLP is exact GELU where checkpoints ask for the tanh approximation:
@@ -467,6 +488,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "glm4": _no_rope_scaling,
     "exaone4": _exaone4,
     "cohere2": _cohere2,
+    "plamo3": _plamo3,
     "starcoder2": _starcoder2,
     "gemma3_text": _gemma3_text,
     "gemma4_text": _gemma4_text,
