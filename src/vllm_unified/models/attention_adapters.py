@@ -120,11 +120,47 @@ def _llama4_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.
     return self.norm(h)
 
 
+def _afm7_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's AFM ``AFMModel.__call__``; with paged caches its KV-reuse layers (after the
+    layers with caches) attend over the last cached layer's pages: the runner passes one
+    :class:`~vllm_unified.kv.layer_cache.SharedLayerCache` per reuse layer after the
+    layers' own caches (:mod:`vllm_unified.models.capability`'s KV sharing)."""
+    if cache is None or not isinstance(cache[0], PagedLayerCache | MissingLayerCache):
+        return _ORIGINAL[("mlx_lm.models.afm7", "AFMModel")](self, inputs, cache)
+    h = self.embedding(inputs)
+    for layer, c in zip(self.layers, cache, strict=False):
+        h = layer(h, None, cache=c)
+    shared = cache[len(self.layers):]
+    if len(shared) != len(self.kv_reuse_layers):
+        raise ValueError(f"afm7: {len(shared)} shared caches for "
+                         f"{len(self.kv_reuse_layers)} KV-reuse layers")
+    for layer, c in zip(self.kv_reuse_layers, shared, strict=True):
+        h = layer(h, c, c, None)  # keys and values: the pages the shared cache reads
+    return self.output_norm(h)
+
+
+def _afm7_reuse_attention(self: nn.Module, x: mx.array, keys: Any, values: Any,
+                          mask: Any = None) -> mx.array:
+    """mlx-lm's AFM ``KVReuseAttention.__call__``; given a paged cache for ``keys`` (from
+    :func:`_afm7_decoder`), its queries take their rows' positions and attend over the
+    cache's pages."""
+    if not isinstance(keys, PagedLayerCache):
+        return _ORIGINAL[("mlx_lm.models.afm7", "KVReuseAttention")](self, x, keys, values,
+                                                                     mask)
+    b, n, _ = x.shape
+    queries = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+    queries = self.q_norm(self.rope(queries, offset=keys.offset))
+    out = keys.attend(queries, self.scale, keys.window)
+    return self.out_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
     ("mlx_lm.models.llama4", "Attention"): _llama4_attention,
     ("mlx_lm.models.llama4", "LlamaModel"): _llama4_decoder,
+    ("mlx_lm.models.afm7", "AFMModel"): _afm7_decoder,
+    ("mlx_lm.models.afm7", "KVReuseAttention"): _afm7_reuse_attention,
 }
 
 #: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed
