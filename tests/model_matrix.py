@@ -217,6 +217,10 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                "attention_chunk_size": WINDOW,
                                "use_qk_norm": True, "rope_scaling": None}},
     "nemotron_h": {"num_hidden_layers": 4, "hybrid_override_pattern": ["M", "*", "M", "-"]},
+    # written out, as checkpoints carry them: transformers' default layout (which vLLM and our
+    # engine build) is not mlx-lm's
+    "olmo_hybrid": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3
+                    + ["full_attention"]},
     "recurrent_gemma": {"num_hidden_layers": 3,
                         "block_types": ["recurrent", "attention", "recurrent"]},
     "openelm": {"num_query_heads": [3, 4], "num_kv_heads": [1, 2],
