@@ -154,6 +154,19 @@ def _afm7_reuse_attention(self: nn.Module, x: mx.array, keys: Any, values: Any,
     return self.out_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
+def _gpt_bigcode_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's GPT-BigCode ``GPTBigCodeModel.__call__``; with paged caches its learned
+    position embeddings take each row's own positions (the cache offset is one per row)."""
+    if cache is None or not isinstance(cache[0], PagedLayerCache):
+        return _ORIGINAL[("mlx_lm.models.gpt_bigcode", "GPTBigCodeModel")](self, inputs, cache)
+    _, n = inputs.shape
+    positions = cache[0].offset[:, None] + mx.arange(n)  # [T, n]
+    h = self.wte(inputs) + self.wpe(positions)
+    for layer, c in zip(self.h, cache, strict=False):
+        h = layer(h, None, cache=c)
+    return self.ln_f(h)
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
@@ -161,6 +174,7 @@ ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.llama4", "LlamaModel"): _llama4_decoder,
     ("mlx_lm.models.afm7", "AFMModel"): _afm7_decoder,
     ("mlx_lm.models.afm7", "KVReuseAttention"): _afm7_reuse_attention,
+    ("mlx_lm.models.gpt_bigcode", "GPTBigCodeModel"): _gpt_bigcode_decoder,
 }
 
 #: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed
