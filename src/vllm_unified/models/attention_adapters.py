@@ -81,6 +81,28 @@ def _gemma2_attention(self: nn.Module, x: mx.array, mask: Any = None,
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
+def _gear_attention(self: nn.Module, x: mx.array, mask: Any = None,
+                    cache: Any = None) -> mx.array:
+    """mlx-lm's Gear ``Attention.__call__`` (q/k norms before RoPE) with its soft-capped
+    attention through :func:`softcapped_sdpa`."""
+    b, n, _ = x.shape
+    queries = self.q_norm(self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim))
+    keys = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim))
+    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+    values = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+    offset = cache.offset if cache is not None else 0
+    queries = self.rope(queries, offset=offset)
+    keys = self.rope(keys, offset=offset)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    if self.attn_logit_softcapping:
+        out = softcapped_sdpa(queries, keys, values, cache, self.scale, mask,
+                              self.attn_logit_softcapping)
+    else:
+        out = routing.paged_sdpa(queries, keys, values, cache, self.scale, mask)
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
 def _llama4_attention(self: nn.Module, x: mx.array, mask: Any = None,
                       cache: Any = None) -> mx.array:
     """mlx-lm's Llama 4 ``Attention.__call__`` with its temperature tuning (NoPE layers:
@@ -170,6 +192,7 @@ def _gpt_bigcode_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
+    ("mlx_lm.models.gear", "Attention"): _gear_attention,
     ("mlx_lm.models.llama4", "Attention"): _llama4_attention,
     ("mlx_lm.models.llama4", "LlamaModel"): _llama4_decoder,
     ("mlx_lm.models.afm7", "AFMModel"): _afm7_decoder,
