@@ -247,6 +247,8 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
     "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
     "phi3": {"partial_rotary_factor": 0.5},
+    # mlx-lm's module masks tokenizer ids up to 100351 in the logits (out of bounds below)
+    "phi3small": {"vocab_size": 100352},
     # multi-head attention only: their ModelArgs read but do not implement fewer KV heads
     **dict.fromkeys(("gpt2", "gpt_neox"), {"num_key_value_heads": _HEADS}),
     "qwen3_5": {"text_config": {"num_hidden_layers": 4}},  # gated delta-net x3, attention

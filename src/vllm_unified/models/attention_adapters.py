@@ -103,6 +103,27 @@ def _gear_attention(self: nn.Module, x: mx.array, mask: Any = None,
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
+def _phi3small_attention(self: nn.Module, x: mx.array, mask: Any = None,
+                         cache: Any = None) -> mx.array:
+    """mlx-lm's Phi-3-small ``Attention.__call__`` with every layer's attention through
+    :func:`~vllm_unified.models.routing.paged_sdpa`: its block-sparse layers attend to every
+    earlier token while the context fits in their local blocks, which the config fix-up
+    makes a condition of loading (:mod:`vllm_unified.models.config`). Caches that are neither
+    paged nor the load-time probe's keep mlx-lm's own code."""
+    if not isinstance(cache, PagedLayerCache) and getattr(cache, "probe_record", None) is None:
+        return _ORIGINAL[("mlx_lm.models.phi3small", "Attention")](self, x, mask, cache)
+    b, n, _ = x.shape
+    qkv = self.query_key_value(x).reshape(b, n, -1, self.n_q_per_kv + 2, self.head_dim)
+    queries = qkv[..., :-2, :].flatten(-3, -2).transpose(0, 2, 1, 3)
+    keys = qkv[..., -2, :].transpose(0, 2, 1, 3)
+    values = qkv[..., -1, :].transpose(0, 2, 1, 3)
+    queries = self.rope(queries, offset=cache.offset)
+    keys = self.rope(keys, offset=cache.offset)
+    keys, values = cache.update_and_fetch(keys, values)
+    out = routing.paged_sdpa(queries, keys, values, cache, self.scale, mask)
+    return self.dense(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
 def _llama4_attention(self: nn.Module, x: mx.array, mask: Any = None,
                       cache: Any = None) -> mx.array:
     """mlx-lm's Llama 4 ``Attention.__call__`` with its temperature tuning (NoPE layers:
@@ -193,6 +214,7 @@ def _gpt_bigcode_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
     ("mlx_lm.models.gear", "Attention"): _gear_attention,
+    ("mlx_lm.models.phi3small", "Attention"): _phi3small_attention,
     ("mlx_lm.models.llama4", "Attention"): _llama4_attention,
     ("mlx_lm.models.llama4", "LlamaModel"): _llama4_decoder,
     ("mlx_lm.models.afm7", "AFMModel"): _afm7_decoder,

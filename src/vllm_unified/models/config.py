@@ -44,6 +44,8 @@ def mlx_lm_config(hf_config: Mapping[str, Any], *,
     fixup = CONFIG_FIXUPS.get(model_type)
     if fixup is not None:
         fixup(cfg)
+    if model_type == "phi3small":
+        _phi3small_context(cfg, max_model_len)
     _longrope_factors(cfg, max_model_len)
     return cfg
 
@@ -231,6 +233,24 @@ def _plamo3(cfg: dict[str, Any]) -> None:
     cfg["window_size"] = int(window)
     cfg["sliding_window"] = None
 
+
+def _phi3small_context(cfg: dict[str, Any], max_model_len: int | None) -> None:
+    """Phi-3-small's block-sparse layers (every ``dense_attention_every_n_layers``-th from
+    layer 0) attend to their ``blocksparse_num_local_blocks`` latest blocks of
+    ``blocksparse_block_size`` tokens plus strided earlier blocks per head; within that span
+    it is causal attention over every earlier token, which the paged attention computes.
+
+    Raises:
+        ValueError: a context (``max_model_len``, None: the model's maximum) beyond the span.
+    """
+    span = int(cfg.get("blocksparse_block_size", 64)) * int(
+        cfg.get("blocksparse_num_local_blocks", 16))
+    length = max_model_len or cfg.get("max_position_embeddings")
+    if length is None or int(length) > span:
+        raise ValueError(f"phi3small: block-sparse attention (vertical strides beyond "
+                         f"{span} tokens of local blocks) is not supported by vllm-unified "
+                         f"yet; a context of at most {span} tokens (--max-model-len "
+                         f"{span}) is served")
 
 def _starcoder2(cfg: dict[str, Any]) -> None:
     _no_rope_scaling(cfg)
