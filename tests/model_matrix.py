@@ -249,6 +249,9 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
     "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
     "phi3": {"partial_rotary_factor": 0.5},
+    # as transformers' class always has them; the activation mlx-lm's module computes (the
+    # engine computes the config's: transformers' default is the tanh approximation)
+    "gpt_bigcode": {"attention_bias": True, "mlp_bias": True, "activation_function": "gelu"},
     # mlx-lm's module masks tokenizer ids up to 100351 in the logits (out of bounds below)
     "phi3small": {"vocab_size": 100352},
     # multi-head attention only: their ModelArgs read but do not implement fewer KV heads

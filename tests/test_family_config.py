@@ -123,3 +123,28 @@ def test_phi3small_context_must_fit_the_local_blocks():
     for length in (1025, None):
         with pytest.raises(ValueError, match="block-sparse attention .* 1024"):
             mlx_lm_config(cfg, max_model_len=length)
+
+
+@pytest.mark.parametrize("act", [None, "gelu_pytorch_tanh", "gelu"])
+def test_gpt_bigcode_mlp_computes_the_configs_activation(act):
+    """mlx-lm's GPT-BigCode MLP computes exact GELU; checkpoints (transformers' default,
+    vLLM) use the tanh approximation unless activation_function says otherwise."""
+    import mlx.nn as nn
+    import model_matrix as mm
+
+    from vllm_unified.models.activations import match_config_activations
+
+    cfg = {k: v for k, v in mm.tiny_config("gpt_bigcode").items()
+           if k != "activation_function"}
+    if act is not None:
+        cfg["activation_function"] = act
+    model_class, args_class = mm.model_classes("gpt_bigcode")
+    model = model_class(args_class.from_dict(cfg))
+    changed = match_config_activations(model, cfg)
+    assert changed == (0 if act == "gelu" else cfg["n_layer"])
+    mlp = model.transformer.h[0].mlp
+    x = mx.random.normal((2, cfg["n_embd"]), key=mx.random.key(0)) * 3
+    gelu = nn.gelu if act == "gelu" else nn.gelu_approx
+    assert mx.allclose(mlp(x), mlp.c_proj(gelu(mlp.c_fc(x))), atol=1e-6)
+    with pytest.raises(ValueError, match="activation_function 'relu'"):
+        match_config_activations(model, {**cfg, "activation_function": "relu"})

@@ -181,3 +181,27 @@ def test_type_serves_or_is_refused(model_type, tmp_path):
     if result.outcome == "refused":  # the capability check's message names the feature
         assert f"model type {model_type!r}" in result.message, result.message
         assert "is not supported by vllm-unified" in result.message, result.message
+
+
+#: types whose tiny checkpoint vLLM 0.32 serves too (its own class or its Transformers
+#: backend): compared once with vLLM's CPU backend in fp32 (cohere2 is, in every matrix run)
+VLLM_CHECKED = ("gpt_bigcode",)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", VLLM_CHECKED)
+def test_type_serves_like_vllm_cpu(model_type, tmp_path):
+    """Greedy ids equal mlx-lm's and those of vLLM's own CPU backend (fp32, the matrix's
+    engine settings) on the same checkpoint."""
+    from conftest import require_engine_mark
+
+    require_engine_mark("a vLLM engine (model_matrix.serve)")
+    result = mm.run_type(model_type, tmp_path)
+    assert result.outcome == "match", (result.outcome, result.message)
+    state, tokens, message = mm.serve(tmp_path / "checkpoints" / model_type,
+                                      mm.prompts(model_type), mm.NEW_TOKENS,
+                                      "recurrent" in result.features, tmp_path / "vllm",
+                                      native=True)
+    assert state == "served", message
+    assert tokens == result.served
