@@ -190,6 +190,7 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "baichuan_m1": {"num_hidden_layers": 4, "sliding_window_layers": [0, 1, 3],
                     "conv_window": 2},
     "cohere2": {"num_hidden_layers": 4},
+    "afm7": {"num_layers": 4, "num_kv_reuse_layers": 2},  # two layers read the last KV
     "gemma2": {"num_hidden_layers": 4},
     "gemma3_text": {"num_hidden_layers": 4},
     "gemma3": {"text_config": {"num_hidden_layers": 4}},
