@@ -12,6 +12,11 @@ temperature-tuning scales and its chunk mask from a scalar cache offset; with a 
 (one position per token row) its attention takes per-row positions and its decoder leaves
 the masks to the paged attention (each layer's cache carries its attention chunk). Other
 caches keep mlx-lm's own code.
+
+GPT-BigCode's decoder adds learned position embeddings from a scalar cache offset; AFM's
+decoder hands its KV-reuse layers the last cache's keys and values, which with paged caches
+are that layer's pages (a ``SharedLayerCache`` per reuse layer after the model's caches).
+Their adapters take each row's position from the step and pass the shared caches.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vllm_unified import patches
+from vllm_unified.kv.forward_context import get_step_context
 from vllm_unified.kv.layer_cache import MissingLayerCache, PagedLayerCache
 from vllm_unified.models import routing
 
@@ -168,7 +174,8 @@ def _afm7_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.ar
     layers with caches) attend over the last cached layer's pages: the runner passes one
     :class:`~vllm_unified.kv.layer_cache.SharedLayerCache` per reuse layer after the
     layers' own caches (:mod:`vllm_unified.models.capability`'s KV sharing)."""
-    if cache is None or not isinstance(cache[0], PagedLayerCache | MissingLayerCache):
+    if cache is None or not any(isinstance(c, PagedLayerCache | MissingLayerCache)
+                                for c in cache):
         return _ORIGINAL[("mlx_lm.models.afm7", "AFMModel")](self, inputs, cache)
     h = self.embedding(inputs)
     for layer, c in zip(self.layers, cache, strict=False):
@@ -200,10 +207,11 @@ def _afm7_reuse_attention(self: nn.Module, x: mx.array, keys: Any, values: Any,
 def _gpt_bigcode_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.array:
     """mlx-lm's GPT-BigCode ``GPTBigCodeModel.__call__``; with paged caches its learned
     position embeddings take each row's own positions (the cache offset is one per row)."""
-    if cache is None or not isinstance(cache[0], PagedLayerCache):
+    if cache is None or not any(isinstance(c, PagedLayerCache | MissingLayerCache)
+                                for c in cache):
         return _ORIGINAL[("mlx_lm.models.gpt_bigcode", "GPTBigCodeModel")](self, inputs, cache)
     _, n = inputs.shape
-    positions = cache[0].offset[:, None] + mx.arange(n)  # [T, n]
+    positions = get_step_context().attn.positions[:, None] + mx.arange(n)  # [T, n]
     h = self.wte(inputs) + self.wpe(positions)
     for layer, c in zip(self.h, cache, strict=False):
         h = layer(h, None, cache=c)
