@@ -252,6 +252,8 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "phi3": {"partial_rotary_factor": 0.5},
     # as transformers' class always has them; the activation mlx-lm's module computes (the
     # engine computes the config's: transformers' default is the tanh approximation)
+    # 2 KV heads, each read by 2 query heads in mlx-lm's tiled order (head h: KV h % 2)
+    "plamo": {"hidden_size": 128, "num_attention_heads": 4, "n_shared_head": 2},
     "gpt_bigcode": {"attention_bias": True, "mlp_bias": True, "activation_function": "gelu"},
     # mlx-lm's module masks tokenizer ids up to 100351 in the logits (out of bounds below)
     "phi3small": {"vocab_size": 100352},

@@ -130,6 +130,31 @@ def _phi3small_attention(self: nn.Module, x: mx.array, mask: Any = None,
     return self.dense(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
+def _plamo_attention(self: nn.Module, hidden_states: mx.array,
+                     attention_mask: Any = None, cache: Any = None) -> mx.array:
+    """mlx-lm's PLaMo ``Attention.__call__`` over a paged cache: query head ``h`` attends
+    with KV head ``h % k_num_heads`` (mlx-lm tiles the keys), where the paged attention pairs
+    consecutive query heads with one KV head; the query heads are permuted into that order
+    and the output back. Other caches keep mlx-lm's own code."""
+    if not isinstance(cache, PagedLayerCache):
+        return _ORIGINAL[("mlx_lm.models.plamo", "Attention")](self, hidden_states,
+                                                               attention_mask, cache)
+    b, n, _ = hidden_states.shape
+    kv, group = self.k_num_heads, self.q_num_heads // self.k_num_heads
+    queries = self.q_proj(hidden_states).reshape(b, n, self.q_num_heads, self.qk_dim)
+    keys = self.k_proj(hidden_states).reshape(b, n, kv, self.qk_dim).transpose(0, 2, 1, 3)
+    values = self.v_proj(hidden_states).reshape(b, n, kv, self.v_dim).transpose(0, 2, 1, 3)
+    # head h = g * kv + k (tiled) -> k * group + g (grouped)
+    queries = queries.reshape(b, n, group, kv, self.qk_dim).swapaxes(2, 3)
+    queries = queries.reshape(b, n, self.q_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+    queries = self.rotary_emb(queries, offset=cache.offset)
+    keys = self.rotary_emb(keys, offset=cache.offset)
+    keys, values = cache.update_and_fetch(keys, values)
+    out = routing.paged_sdpa(queries, keys, values, cache, self.scale, attention_mask)
+    out = out.transpose(0, 2, 1, 3).reshape(b, n, kv, group, self.v_dim).swapaxes(2, 3)
+    return self.o_proj(out.reshape(b, n, -1))
+
+
 def _llama4_attention(self: nn.Module, x: mx.array, mask: Any = None,
                       cache: Any = None) -> mx.array:
     """mlx-lm's Llama 4 ``Attention.__call__`` with its temperature tuning (NoPE layers:
@@ -223,6 +248,7 @@ ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
     ("mlx_lm.models.gear", "Attention"): _gear_attention,
     ("mlx_lm.models.phi3small", "Attention"): _phi3small_attention,
+    ("mlx_lm.models.plamo", "Attention"): _plamo_attention,
     ("mlx_lm.models.llama4", "Attention"): _llama4_attention,
     ("mlx_lm.models.llama4", "LlamaModel"): _llama4_decoder,
     ("mlx_lm.models.afm7", "AFMModel"): _afm7_decoder,
