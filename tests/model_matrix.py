@@ -58,11 +58,13 @@ NEW_TOKENS = 12
 WINDOW = 8
 VOCAB = 49152
 
-#: built / not_built (no checkpoint) / match / mismatch (served, tokens differ from mlx-lm's) /
-#: refused (the engine refused the model at start-up) / crashed (a traceback elsewhere) /
-#: reference_failed (mlx-lm itself cannot generate) / not_run (absent from the results)
-OUTCOMES = ("not_built", "match", "mismatch", "refused", "crashed", "reference_failed",
-            "not_run")
+#: built / not_built (no checkpoint) / match / match_vllm (a :data:`VLLM_OVER_MLX_LM` type:
+#: tokens differ from mlx-lm's, equal those of vLLM's CPU backend in fp32 on the same
+#: checkpoint) / mismatch (served, tokens differ from the reference) / refused (the engine
+#: refused the model at start-up) / crashed (a traceback elsewhere) / reference_failed (mlx-lm
+#: itself cannot generate) / not_run (absent from the results)
+OUTCOMES = ("not_built", "match", "match_vllm", "mismatch", "refused", "crashed",
+            "reference_failed", "not_run")
 
 _HIDDEN, _HEADS, _KV_HEADS, _HEAD_DIM, _FFN, _LAYERS = 96, 3, 1, 32, 128, 2
 
@@ -188,6 +190,7 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "baichuan_m1": {"num_hidden_layers": 4, "sliding_window_layers": [0, 1, 3],
                     "conv_window": 2},
     "cohere2": {"num_hidden_layers": 4},
+    "afm7": {"num_layers": 4, "num_kv_reuse_layers": 2},  # two layers read the last KV
     "gemma2": {"num_hidden_layers": 4},
     "gemma3_text": {"num_hidden_layers": 4},
     "gemma3": {"text_config": {"num_hidden_layers": 4}},
@@ -217,6 +220,10 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                "attention_chunk_size": WINDOW,
                                "use_qk_norm": True, "rope_scaling": None}},
     "nemotron_h": {"num_hidden_layers": 4, "hybrid_override_pattern": ["M", "*", "M", "-"]},
+    # written out, as checkpoints carry them: transformers' default layout (which vLLM and our
+    # engine build) is not mlx-lm's
+    "olmo_hybrid": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3
+                    + ["full_attention"]},
     "recurrent_gemma": {"num_hidden_layers": 3,
                         "block_types": ["recurrent", "attention", "recurrent"]},
     "openelm": {"num_query_heads": [3, 4], "num_kv_heads": [1, 2],
@@ -247,6 +254,13 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
     "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
     "phi3": {"partial_rotary_factor": 0.5},
+    # as transformers' class always has them; the activation mlx-lm's module computes (the
+    # engine computes the config's: transformers' default is the tanh approximation)
+    # 2 KV heads, each read by 2 query heads in mlx-lm's tiled order (head h: KV h % 2)
+    "plamo": {"hidden_size": 128, "num_attention_heads": 4, "n_shared_head": 2},
+    "gpt_bigcode": {"attention_bias": True, "mlp_bias": True, "activation_function": "gelu"},
+    # mlx-lm's module masks tokenizer ids up to 100351 in the logits (out of bounds below)
+    "phi3small": {"vocab_size": 100352},
     # multi-head attention only: their ModelArgs read but do not implement fewer KV heads
     **dict.fromkeys(("gpt2", "gpt_neox"), {"num_key_value_heads": _HEADS}),
     "qwen3_5": {"text_config": {"num_hidden_layers": 4}},  # gated delta-net x3, attention
@@ -305,6 +319,7 @@ class TypeResult:
     reference: list[list[int]] | None = None
     outcome: str | None = None
     served: list[list[int]] | None = None
+    vllm_reference: list[list[int]] | None = None
     message: str | None = None
     seconds: float | None = None
 
@@ -612,14 +627,30 @@ def prompts(model_type: str) -> list[list[int]]:
             for i, n in enumerate(PROMPT_LENGTHS)]
 
 
+#: types whose mlx-lm cache disagrees with its own model's mask: their reference is mlx-lm's
+#: forward without a cache over the whole sequence at every step (the mask alone decides)
+REFERENCE_WITHOUT_CACHE = {
+    "plamo3": "mlx-lm's rotating cache keeps window_size keys where its mask (the "
+              "checkpoints' convention) attends to window_size + 1",
+}
+
+
 def mlx_lm_reference(folder: Path, prompt_ids: list[list[int]], n: int) -> list[list[int]]:
     """mlx-lm's own greedy generation (``generate_step``, its own ``make_prompt_cache``), one
-    prompt at a time, ``n`` new tokens each."""
+    prompt at a time, ``n`` new tokens each; for :data:`REFERENCE_WITHOUT_CACHE` types (the
+    folder's name), mlx-lm's forward over the whole sequence at each step."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     model = load_reference_model(folder)
     out = []
+    if Path(folder).name in REFERENCE_WITHOUT_CACHE:
+        for prompt in prompt_ids:
+            seq = list(prompt)
+            for _ in range(n):
+                seq.append(int(mx.argmax(model(mx.array([seq]))[0, -1])))
+            out.append(seq[len(prompt):])
+        return out
     for prompt in prompt_ids:
         tokens = []
         for token, _ in generate_step(mx.array(prompt), model, max_tokens=n,
@@ -657,8 +688,10 @@ _GENERIC = ("Engine core initialization failed",)
 
 
 def serve(folder: Path, prompt_ids: list[list[int]], n: int, recurrent: bool,
-          work: Path, timeout: int = 600) -> tuple[str, list[list[int]] | None, str | None]:
-    """Serve ``folder`` through tests/llm_harness.py in a fresh process.
+          work: Path, timeout: int = 600, native: bool = False,
+          ) -> tuple[str, list[list[int]] | None, str | None]:
+    """Serve ``folder`` through tests/llm_harness.py in a fresh process (``native``: vLLM's
+    own CPU backend, the plugin excluded through ``VLLM_PLUGINS=none``).
 
     Returns:
         ``(state, tokens, message)``: state ``served`` with each prompt's token ids, or
@@ -670,6 +703,8 @@ def serve(folder: Path, prompt_ids: list[list[int]], n: int, recurrent: bool,
     spec_path.write_text(json.dumps(engine_spec(folder, prompt_ids, n, recurrent)))
     out_path.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    if native:
+        env["VLLM_PLUGINS"] = "none"
     try:
         proc = subprocess.run([sys.executable, str(HARNESS), str(spec_path), str(out_path)],
                               env=env, capture_output=True, text=True, timeout=timeout)
@@ -734,10 +769,29 @@ def serve_type(result: TypeResult, work: Path) -> TypeResult:
     result.served, result.message = tokens, message
     if state == "served":
         result.outcome = "match" if tokens == result.reference else "mismatch"
+        if result.outcome == "mismatch" and result.model_type in VLLM_OVER_MLX_LM:
+            _compare_with_vllm(result, work)
     else:
         result.outcome = state
     result.seconds = round((result.seconds or 0) + time.monotonic() - start, 1)
     return result
+
+
+def _compare_with_vllm(result: TypeResult, work: Path) -> None:
+    """Serve ``result``'s checkpoint with vLLM's own CPU backend (fp32, the same engine
+    settings): ``match_vllm`` where its tokens are the served ones, else ``mismatch`` (the
+    message says why)."""
+    state, tokens, message = serve(work / "checkpoints" / result.model_type,
+                                   prompts(result.model_type), NEW_TOKENS,
+                                   "recurrent" in result.features,
+                                   work / "runs" / result.model_type / "vllm", native=True)
+    result.vllm_reference = tokens
+    if state != "served":
+        result.message = f"vLLM's CPU backend failed on the checkpoint: {message}"
+    elif tokens == result.served:
+        result.outcome = "match_vllm"
+    else:
+        result.message = "differs from vLLM's CPU backend too"
 
 
 def run_type(model_type: str, work: Path, serve_it: bool = True) -> TypeResult:
@@ -850,6 +904,7 @@ TABLE_START = "<!-- model-matrix:start (generated by tests/model_matrix.py --doc
 TABLE_END = "<!-- model-matrix:end -->"
 _RESULT_TEXT = {
     "match": "serves, equals mlx-lm",
+    "match_vllm": "serves, equals vLLM's CPU backend (fp32), differs from mlx-lm",
     "mismatch": "serves, **differs** from mlx-lm",
     "refused": "refused at start-up",
     "crashed": "**crashes**",
@@ -860,11 +915,11 @@ _RESULT_TEXT = {
 }
 
 
-#: types served as vLLM serves them where vLLM and mlx-lm's module disagree: their mismatch
-#: against pure mlx-lm is expected, and their own tests compare with vLLM's CPU backend
+#: types served as vLLM serves them where vLLM and mlx-lm's module disagree: where their
+#: tokens differ from mlx-lm's the matrix serves the checkpoint with vLLM's CPU backend too
+#: (outcome ``match_vllm`` when the tokens are its)
 VLLM_OVER_MLX_LM = {
-    "cohere2": "sliding layers see window + 1 tokens, as vLLM serves Cohere 2 "
-               "(tests/test_e2e_families.py: equal to vLLM's CPU backend)",
+    "cohere2": "sliding layers see window + 1 tokens, as vLLM serves Cohere 2",
 }
 
 
@@ -876,7 +931,8 @@ def docs_table(data: dict[str, Any]) -> str:
         TABLE_START,
         f"mlx-lm {data.get('mlx_lm', '?')}: {c['types']} text model types, {c['moe']} with "
         f"routed experts (MoE); of the {c['non_moe']} others {c['match']} serve and equal "
-        f"mlx-lm's own generation, {c['refused']} are refused at start-up, {c['mismatch']} "
+        f"mlx-lm's own generation, {c['match_vllm']} serve as vLLM does (equal to vLLM's CPU "
+        f"backend, not to mlx-lm), {c['refused']} are refused at start-up, {c['mismatch']} "
         f"differ, {c['crashed']} crash, {c['not_built']} have no test checkpoint, "
         f"{c['reference_failed']} cannot run in mlx-lm here, {c['not_run']} were not run.",
         "",
@@ -888,10 +944,12 @@ def docs_table(data: dict[str, Any]) -> str:
                       else f"none: {_cell(r['build_error'])}")
         tested = ("greedy ids vs mlx-lm, 4 prompts (3-70 tokens), 16-token chunks"
                   if r["outcome"] in ("match", "mismatch") else "")
+        if r["outcome"] == "match_vllm":
+            tested = ("greedy ids vs vLLM's CPU backend (fp32) and mlx-lm, 4 prompts (3-70 "
+                      "tokens), 16-token chunks")
         result = _RESULT_TEXT.get(r["outcome"], r["outcome"])
-        if r["outcome"] == "mismatch" and r["model_type"] in VLLM_OVER_MLX_LM:
-            result = ("serves as vLLM does, differs from mlx-lm: "
-                      + VLLM_OVER_MLX_LM[r["model_type"]])
+        if r["outcome"] in ("match_vllm", "mismatch") and r["model_type"] in VLLM_OVER_MLX_LM:
+            result = (f"{result}: " + VLLM_OVER_MLX_LM[r["model_type"]])
         if r["outcome"] in ("refused", "crashed", "reference_failed") and r.get("message"):
             result += f": {_cell(r['message'].splitlines()[0])}"
         features = ", ".join(r["features"]) or "attention"

@@ -90,3 +90,63 @@ def test_cohere2_windows_are_vllms(tmp_path):
                          config_window=None, probe=False)
     w = COHERE2_WINDOW + 1
     assert layout.windows == {0: w, 1: w, 2: w, 3: None}
+
+
+def test_plamo3_sliding_layers_see_the_window_and_the_current_token(tmp_path):
+    """PLaMo 3's mask attends to the current token and window_size before it; mlx-lm's cache
+    keeps one fewer, so the loaded model's caches (the paged windows) are made window_size + 1
+    and the config's layer_types are written out, the global layers without a window."""
+    import json
+
+    import model_matrix as mm
+
+    from vllm_unified.models.capability import check_model
+
+    mm.build_checkpoint("plamo3", tmp_path)
+    folder = tmp_path / "plamo3"
+    loaded = load_model(str(folder), hf_config=json.loads((folder / "config.json").read_text()),
+                        dtype=mx.float32, keep_quantized=False)
+    assert loaded.config["layer_types"] == ["sliding_attention", "full_attention"]
+    layout = check_model(loaded.model, loaded.config, recurrent_families=(), kv_shape=None,
+                         config_window=mm.WINDOW, probe=False)
+    assert layout.windows == {0: mm.WINDOW + 1, 1: None}
+    with pytest.raises(ValueError, match="every 2-th layer"):
+        mlx_lm_config({"model_type": "plamo3", "num_hidden_layers": 2, "window_size": 8,
+                       "sliding_window_pattern": 2,
+                       "layer_types": ["full_attention", "sliding_attention"]})
+
+
+def test_phi3small_context_must_fit_the_local_blocks():
+    """Phi-3-small's block-sparse layers are causal attention within their local blocks
+    (block size x local blocks tokens); a longer context is refused by name."""
+    cfg = {"model_type": "phi3small", "blocksparse_block_size": 64,
+           "blocksparse_num_local_blocks": 16, "max_position_embeddings": 8192}
+    assert mlx_lm_config(cfg, max_model_len=1024)["model_type"] == "phi3small"
+    for length in (1025, None):
+        with pytest.raises(ValueError, match="block-sparse attention .* 1024"):
+            mlx_lm_config(cfg, max_model_len=length)
+
+
+@pytest.mark.parametrize("act", [None, "gelu_pytorch_tanh", "gelu"])
+def test_gpt_bigcode_mlp_computes_the_configs_activation(act):
+    """mlx-lm's GPT-BigCode MLP computes exact GELU; checkpoints (transformers' default,
+    vLLM) use the tanh approximation unless activation_function says otherwise."""
+    import mlx.nn as nn
+    import model_matrix as mm
+
+    from vllm_unified.models.activations import match_config_activations
+
+    cfg = {k: v for k, v in mm.tiny_config("gpt_bigcode").items()
+           if k != "activation_function"}
+    if act is not None:
+        cfg["activation_function"] = act
+    model_class, args_class = mm.model_classes("gpt_bigcode")
+    model = model_class(args_class.from_dict(cfg))
+    changed = match_config_activations(model, cfg)
+    assert changed == (0 if act == "gelu" else cfg["n_layer"])
+    mlp = model.transformer.h[0].mlp
+    x = mx.random.normal((2, cfg["n_embd"]), key=mx.random.key(0)) * 3
+    gelu = nn.gelu if act == "gelu" else nn.gelu_approx
+    assert mx.allclose(mlp(x), mlp.c_proj(gelu(mlp.c_fc(x))), atol=1e-6)
+    with pytest.raises(ValueError, match="activation_function 'relu'"):
+        match_config_activations(model, {**cfg, "activation_function": "relu"})

@@ -127,6 +127,7 @@ def test_docs_table_replaces_only_its_section(tmp_path):
             for t, f, o, m, moe in [
                 ("aaa", [], "match", None, False),
                 ("bbb", ["sliding window"], "refused", "ValueError: no | sinks", False),
+                ("cohere2", ["sliding window"], "match_vllm", None, False),
                 ("ccc", ["MoE"], None, None, True)]]
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"mlx_lm": "0.0", "types": rows}))
@@ -135,7 +136,10 @@ def test_docs_table_replaces_only_its_section(tmp_path):
     mm.write_docs_table(results, docs)
     first = docs.read_text()
     assert first.startswith("# Models\n\nintro\n") and mm.TABLE_START in first
-    assert "of the 2 others 1 serve and equal" in first
+    assert "of the 3 others 1 serve and equal" in first and "1 serve as vLLM does" in first
+    assert ("| `cohere2` | Cohere2ForCausalLM | sliding window | tiny random (mlx-lm ModelArgs) "
+            "| greedy ids vs vLLM's CPU backend (fp32) and mlx-lm") in first
+    assert "equals vLLM's CPU backend (fp32), differs from mlx-lm: sliding layers" in first
     assert "| `bbb` | BbbForCausalLM | sliding window |" in first
     assert "ValueError: no \\| sinks" in first
     docs.write_text(first + "\n## After\n\ntail\n")
@@ -160,7 +164,8 @@ def test_type_serves_like_mlx_lm(model_type, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CI_TYPES])
 def test_type_serves_or_is_refused(model_type, tmp_path):
-    """Every other type: equal to mlx-lm, or refused at start-up by the capability check
+    """Every other type: equal to mlx-lm (a type served as vLLM serves it: equal to vLLM's
+    CPU backend in fp32), or refused at start-up by the capability check
     (models/capability.py), whose message names the model type and the missing feature;
     never a crash or different tokens. MoE types are classified only (their own issue)."""
     result = mm.prepare_type(model_type, tmp_path)
@@ -170,7 +175,33 @@ def test_type_serves_or_is_refused(model_type, tmp_path):
     if result.moe or result.reference is None:
         pytest.skip(f"{model_type}: {'MoE' if result.moe else result.message}")
     mm.serve_type(result, tmp_path)
-    assert result.outcome in ("match", "refused"), (result.outcome, result.message)
+    allowed = ("match", "refused") + (("match_vllm",) if model_type in mm.VLLM_OVER_MLX_LM
+                                      else ())
+    assert result.outcome in allowed, (result.outcome, result.message)
     if result.outcome == "refused":  # the capability check's message names the feature
         assert f"model type {model_type!r}" in result.message, result.message
         assert "is not supported by vllm-unified" in result.message, result.message
+
+
+#: types whose tiny checkpoint vLLM 0.32 serves too (its own class or its Transformers
+#: backend): compared once with vLLM's CPU backend in fp32 (cohere2 is, in every matrix run)
+VLLM_CHECKED = ("gpt_bigcode",)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", VLLM_CHECKED)
+def test_type_serves_like_vllm_cpu(model_type, tmp_path):
+    """Greedy ids equal mlx-lm's and those of vLLM's own CPU backend (fp32, the matrix's
+    engine settings) on the same checkpoint."""
+    from conftest import require_engine_mark
+
+    require_engine_mark("a vLLM engine (model_matrix.serve)")
+    result = mm.run_type(model_type, tmp_path)
+    assert result.outcome == "match", (result.outcome, result.message)
+    state, tokens, message = mm.serve(tmp_path / "checkpoints" / model_type,
+                                      mm.prompts(model_type), mm.NEW_TOKENS,
+                                      "recurrent" in result.features, tmp_path / "vllm",
+                                      native=True)
+    assert state == "served", message
+    assert tokens == result.served

@@ -63,6 +63,22 @@ def test_config_keeps_mlx_lm_keys_and_adds_the_standard_names(tmp_path):
     assert isinstance(text, registration.MLXLMConfig) and text.num_hidden_layers == 2
 
 
+def test_per_layer_head_counts_give_vllm_one_number_and_mlx_lm_the_lists(tmp_path):
+    """OpenELM's head counts are per layer: vLLM's ModelConfig takes integers (the largest
+    bounds every layer), mlx-lm the lists (what the loader reads through to_dict)."""
+    from transformers import AutoConfig
+
+    registration.register_mlx_lm_types()
+    cfg = AutoConfig.from_pretrained(_folder(tmp_path, {
+        "model_type": "openelm", "architectures": ["OpenELMForCausalLM"],
+        "num_transformer_layers": 2, "model_dim": 96, "head_dim": 32,
+        "num_query_heads": [3, 4], "num_kv_heads": [1, 2], "vocab_size": 100}))
+    assert (cfg.num_attention_heads, cfg.num_kv_heads, cfg.num_key_value_heads) == (4, 2, 2)
+    d = cfg.to_dict()
+    assert (d["num_query_heads"], d["num_kv_heads"]) == ([3, 4], [1, 2])
+    assert "_per_layer_counts" not in d
+
+
 def test_unknown_architecture_is_registered_as_never_built(tmp_path):
     from transformers import AutoConfig
 

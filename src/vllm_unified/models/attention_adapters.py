@@ -12,6 +12,11 @@ temperature-tuning scales and its chunk mask from a scalar cache offset; with a 
 (one position per token row) its attention takes per-row positions and its decoder leaves
 the masks to the paged attention (each layer's cache carries its attention chunk). Other
 caches keep mlx-lm's own code.
+
+GPT-BigCode's decoder adds learned position embeddings from a scalar cache offset; AFM's
+decoder hands its KV-reuse layers the last cache's keys and values, which with paged caches
+are that layer's pages (a ``SharedLayerCache`` per reuse layer after the model's caches).
+Their adapters take each row's position from the step and pass the shared caches.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vllm_unified import patches
+from vllm_unified.kv.forward_context import get_step_context
 from vllm_unified.kv.layer_cache import MissingLayerCache, PagedLayerCache
 from vllm_unified.models import routing
 
@@ -79,6 +85,74 @@ def _gemma2_attention(self: nn.Module, x: mx.array, mask: Any = None,
     out = softcapped_sdpa(queries, keys, values, cache, self.scale, mask,
                           self.attn_logit_softcapping)
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def _gear_attention(self: nn.Module, x: mx.array, mask: Any = None,
+                    cache: Any = None) -> mx.array:
+    """mlx-lm's Gear ``Attention.__call__`` (q/k norms before RoPE) with its soft-capped
+    attention through :func:`softcapped_sdpa`."""
+    b, n, _ = x.shape
+    queries = self.q_norm(self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim))
+    keys = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim))
+    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+    values = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+    offset = cache.offset if cache is not None else 0
+    queries = self.rope(queries, offset=offset)
+    keys = self.rope(keys, offset=offset)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    if self.attn_logit_softcapping:
+        out = softcapped_sdpa(queries, keys, values, cache, self.scale, mask,
+                              self.attn_logit_softcapping)
+    else:
+        out = routing.paged_sdpa(queries, keys, values, cache, self.scale, mask)
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def _phi3small_attention(self: nn.Module, x: mx.array, mask: Any = None,
+                         cache: Any = None) -> mx.array:
+    """mlx-lm's Phi-3-small ``Attention.__call__`` with every layer's attention through
+    :func:`~vllm_unified.models.routing.paged_sdpa`: its block-sparse layers attend to every
+    earlier token while the context fits in their local blocks, which the config fix-up
+    makes a condition of loading (:mod:`vllm_unified.models.config`). Caches that are neither
+    paged nor the load-time probe's keep mlx-lm's own code."""
+    if not isinstance(cache, PagedLayerCache) and getattr(cache, "probe_record", None) is None:
+        return _ORIGINAL[("mlx_lm.models.phi3small", "Attention")](self, x, mask, cache)
+    b, n, _ = x.shape
+    qkv = self.query_key_value(x).reshape(b, n, -1, self.n_q_per_kv + 2, self.head_dim)
+    queries = qkv[..., :-2, :].flatten(-3, -2).transpose(0, 2, 1, 3)
+    keys = qkv[..., -2, :].transpose(0, 2, 1, 3)
+    values = qkv[..., -1, :].transpose(0, 2, 1, 3)
+    queries = self.rope(queries, offset=cache.offset)
+    keys = self.rope(keys, offset=cache.offset)
+    keys, values = cache.update_and_fetch(keys, values)
+    out = routing.paged_sdpa(queries, keys, values, cache, self.scale, mask)
+    return self.dense(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def _plamo_attention(self: nn.Module, hidden_states: mx.array,
+                     attention_mask: Any = None, cache: Any = None) -> mx.array:
+    """mlx-lm's PLaMo ``Attention.__call__`` over a paged cache: query head ``h`` attends
+    with KV head ``h % k_num_heads`` (mlx-lm tiles the keys), where the paged attention pairs
+    consecutive query heads with one KV head; the query heads are permuted into that order
+    and the output back. Other caches keep mlx-lm's own code."""
+    if not isinstance(cache, PagedLayerCache):
+        return _ORIGINAL[("mlx_lm.models.plamo", "Attention")](self, hidden_states,
+                                                               attention_mask, cache)
+    b, n, _ = hidden_states.shape
+    kv, group = self.k_num_heads, self.q_num_heads // self.k_num_heads
+    queries = self.q_proj(hidden_states).reshape(b, n, self.q_num_heads, self.qk_dim)
+    keys = self.k_proj(hidden_states).reshape(b, n, kv, self.qk_dim).transpose(0, 2, 1, 3)
+    values = self.v_proj(hidden_states).reshape(b, n, kv, self.v_dim).transpose(0, 2, 1, 3)
+    # head h = g * kv + k (tiled) -> k * group + g (grouped)
+    queries = queries.reshape(b, n, group, kv, self.qk_dim).swapaxes(2, 3)
+    queries = queries.reshape(b, n, self.q_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+    queries = self.rotary_emb(queries, offset=cache.offset)
+    keys = self.rotary_emb(keys, offset=cache.offset)
+    keys, values = cache.update_and_fetch(keys, values)
+    out = routing.paged_sdpa(queries, keys, values, cache, self.scale, attention_mask)
+    out = out.transpose(0, 2, 1, 3).reshape(b, n, kv, group, self.v_dim).swapaxes(2, 3)
+    return self.o_proj(out.reshape(b, n, -1))
 
 
 def _llama4_attention(self: nn.Module, x: mx.array, mask: Any = None,
@@ -142,12 +216,67 @@ def _plamo2_attention(self: nn.Module, hidden_states: mx.array, mask: Any = None
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
+def _afm7_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's AFM ``AFMModel.__call__``; with paged caches its KV-reuse layers (after the
+    layers with caches) attend over the last cached layer's pages: the runner passes one
+    :class:`~vllm_unified.kv.layer_cache.SharedLayerCache` per reuse layer after the
+    layers' own caches (:mod:`vllm_unified.models.capability`'s KV sharing)."""
+    if cache is None or not any(isinstance(c, PagedLayerCache | MissingLayerCache)
+                                for c in cache):
+        return _ORIGINAL[("mlx_lm.models.afm7", "AFMModel")](self, inputs, cache)
+    h = self.embedding(inputs)
+    for layer, c in zip(self.layers, cache, strict=False):
+        h = layer(h, None, cache=c)
+    shared = cache[len(self.layers):]
+    if len(shared) != len(self.kv_reuse_layers):
+        raise ValueError(f"afm7: {len(shared)} shared caches for "
+                         f"{len(self.kv_reuse_layers)} KV-reuse layers")
+    for layer, c in zip(self.kv_reuse_layers, shared, strict=True):
+        h = layer(h, c, c, None)  # keys and values: the pages the shared cache reads
+    return self.output_norm(h)
+
+
+def _afm7_reuse_attention(self: nn.Module, x: mx.array, keys: Any, values: Any,
+                          mask: Any = None) -> mx.array:
+    """mlx-lm's AFM ``KVReuseAttention.__call__``; given a paged cache for ``keys`` (from
+    :func:`_afm7_decoder`), its queries take their rows' positions and attend over the
+    cache's pages."""
+    if not isinstance(keys, PagedLayerCache):
+        return _ORIGINAL[("mlx_lm.models.afm7", "KVReuseAttention")](self, x, keys, values,
+                                                                     mask)
+    b, n, _ = x.shape
+    queries = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+    queries = self.q_norm(self.rope(queries, offset=keys.offset))
+    out = keys.attend(queries, self.scale, keys.window)
+    return self.out_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def _gpt_bigcode_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's GPT-BigCode ``GPTBigCodeModel.__call__``; with paged caches its learned
+    position embeddings take each row's own positions (the cache offset is one per row)."""
+    if cache is None or not any(isinstance(c, PagedLayerCache | MissingLayerCache)
+                                for c in cache):
+        return _ORIGINAL[("mlx_lm.models.gpt_bigcode", "GPTBigCodeModel")](self, inputs, cache)
+    _, n = inputs.shape
+    positions = get_step_context().attn.positions[:, None] + mx.arange(n)  # [T, n]
+    h = self.wte(inputs) + self.wpe(positions)
+    for layer, c in zip(self.h, cache, strict=False):
+        h = layer(h, None, cache=c)
+    return self.ln_f(h)
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
+    ("mlx_lm.models.gear", "Attention"): _gear_attention,
+    ("mlx_lm.models.phi3small", "Attention"): _phi3small_attention,
+    ("mlx_lm.models.plamo", "Attention"): _plamo_attention,
     ("mlx_lm.models.llama4", "Attention"): _llama4_attention,
     ("mlx_lm.models.llama4", "LlamaModel"): _llama4_decoder,
     ("mlx_lm.models.plamo2", "Attention"): _plamo2_attention,
+    ("mlx_lm.models.afm7", "AFMModel"): _afm7_decoder,
+    ("mlx_lm.models.afm7", "KVReuseAttention"): _afm7_reuse_attention,
+    ("mlx_lm.models.gpt_bigcode", "GPTBigCodeModel"): _gpt_bigcode_decoder,
 }
 
 #: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed

@@ -373,8 +373,13 @@ def _gemma4_shared(model: nn.Module, num_slots: int) -> dict[int, int]:
     return {j: int(previous[j]) for j in range(num_slots, len(previous))}
 
 
+def _afm7_shared(model: nn.Module, num_slots: int) -> dict[int, int]:
+    # mlx-lm's AFM hands every KV-reuse layer (after the cached layers) the last cache's KV
+    return {num_slots + k: num_slots - 1 for k in range(len(model.model.kv_reuse_layers))}
+
+
 #: model type -> its KV sharing (layer -> the slot it reads), read from mlx-lm's model
-_KV_SHARING = {"gemma4_text": _gemma4_shared}
+_KV_SHARING = {"gemma4_text": _gemma4_shared, "afm7": _afm7_shared}
 
 
 def _shared_kv(model: nn.Module, model_type: str, config: Mapping[str, Any],

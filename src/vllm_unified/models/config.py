@@ -44,6 +44,8 @@ def mlx_lm_config(hf_config: Mapping[str, Any], *,
     fixup = CONFIG_FIXUPS.get(model_type)
     if fixup is not None:
         fixup(cfg)
+    if model_type == "phi3small":
+        _phi3small_context(cfg, max_model_len)
     _longrope_factors(cfg, max_model_len)
     return cfg
 
@@ -210,6 +212,45 @@ def _cohere2(cfg: dict[str, Any]) -> None:
     # training convention, as vLLM serves it: commandr.py); mlx-lm's module would keep W
     cfg["sliding_window"] = int(cfg["sliding_window"]) + 1
 
+
+def _plamo3(cfg: dict[str, Any]) -> None:
+    """mlx-lm's PLaMo 3 makes every ``sliding_window_pattern``-th layer global and reads the
+    window as ``window_size`` (``sliding_window`` overrides it). The window is handed over as
+    ``window_size`` alone, with ``layer_types`` written out, so that the cache slots (sized by
+    :mod:`vllm_unified.models.cache_fixes`: the window plus the current token) decide each
+    layer's window, not a single config window applied to every layer."""
+    window = cfg.get("sliding_window") or cfg.get("window_size")
+    if not window:
+        raise ValueError("plamo3: config has neither sliding_window nor window_size")
+    n_layers = int(cfg["num_hidden_layers"])
+    period = int(cfg.get("sliding_window_pattern") or 8)
+    layer_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                   for i in range(n_layers)]
+    if cfg.get("layer_types") and list(cfg["layer_types"]) != layer_types:
+        raise ValueError(f"plamo3: layer_types {cfg['layer_types']} are not 'every "
+                         f"{period}-th layer is global', the only layout mlx-lm builds")
+    cfg["layer_types"] = layer_types
+    cfg["window_size"] = int(window)
+    cfg["sliding_window"] = None
+
+
+def _phi3small_context(cfg: dict[str, Any], max_model_len: int | None) -> None:
+    """Phi-3-small's block-sparse layers (every ``dense_attention_every_n_layers``-th from
+    layer 0) attend to their ``blocksparse_num_local_blocks`` latest blocks of
+    ``blocksparse_block_size`` tokens plus strided earlier blocks per head; within that span
+    it is causal attention over every earlier token, which the paged attention computes.
+
+    Raises:
+        ValueError: a context (``max_model_len``, None: the model's maximum) beyond the span.
+    """
+    span = int(cfg.get("blocksparse_block_size", 64)) * int(
+        cfg.get("blocksparse_num_local_blocks", 16))
+    length = max_model_len or cfg.get("max_position_embeddings")
+    if length is None or int(length) > span:
+        raise ValueError(f"phi3small: block-sparse attention (vertical strides beyond "
+                         f"{span} tokens of local blocks) is not supported by vllm-unified "
+                         f"yet; a context of at most {span} tokens (--max-model-len "
+                         f"{span}) is served")
 
 def _starcoder2(cfg: dict[str, Any]) -> None:
     _no_rope_scaling(cfg)
@@ -538,6 +579,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "glm4": _no_rope_scaling,
     "exaone4": _exaone4,
     "cohere2": _cohere2,
+    "plamo3": _plamo3,
     "starcoder2": _starcoder2,
     "gemma3_text": _gemma3_text,
     "gemma4_text": _gemma4_text,

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from vllm_unified.distributed.pipeline import PipelineStage
 from vllm_unified.models.activations import match_config_activations
+from vllm_unified.models.cache_fixes import match_cache_windows
 from vllm_unified.models.config import mlx_lm_config, model_classes
 from vllm_unified.models.gguf import (
     MLX_GROUP_SIZES,
@@ -343,6 +344,7 @@ def _load_folder(
                          f"mlx-lm's ModelArgs ({e})") from e
     match_config_activations(model, config)
     apply_config_multipliers(model, config)
+    match_cache_windows(model, config)
     if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
         prune_model(model, stage, config["model_type"])
     if not keep_quantized and _has_quantized(model):

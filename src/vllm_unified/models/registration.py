@@ -60,6 +60,12 @@ _STANDARD_NAMES: dict[str, tuple[str, ...]] = {
                                 "seq_length"),
 }
 
+#: names vLLM reads the KV head count from (ahead of ``num_key_value_heads``)
+_VLLM_KV_HEAD_NAMES = ("n_head_kv", "num_kv_heads", "multi_query_group_num",
+                       "num_attention_groups")
+#: standard names whose mlx-lm spelling may hold one count per layer
+_PER_LAYER_COUNTS = frozenset({"num_attention_heads", "num_key_value_heads"})
+
 
 def mlx_lm_model_types() -> list[str]:
     """mlx-lm's model types (the modules of ``mlx_lm/models`` except building blocks), found
@@ -76,8 +82,9 @@ class MLXLMConfig(PretrainedConfig):
     it (every key kept as given), with the standard names vLLM reads (``num_hidden_layers``,
     ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
     ``max_position_embeddings``) taken from the type's own spelling where the standard one is
-    absent (:data:`_STANDARD_NAMES`). A ``text_config`` dict (mlx-lm's wrappers of a
-    language model) becomes an :class:`MLXLMConfig` of its own, which vLLM reads as the text
+    absent (:data:`_STANDARD_NAMES`; per-layer head counts give vLLM their largest, and
+    :meth:`to_dict` the lists). A ``text_config`` dict (mlx-lm's wrappers of a language
+    model) becomes an :class:`MLXLMConfig` of its own, which vLLM reads as the text
     config. Subclassed once per model type by :func:`register_mlx_lm_types`."""
 
     model_type = ""
@@ -91,11 +98,28 @@ class MLXLMConfig(PretrainedConfig):
         for standard, spellings in _STANDARD_NAMES.items():
             if kwargs.get(standard) is None:
                 value = next((kwargs[s] for s in spellings if kwargs.get(s) is not None), None)
+                if isinstance(value, list | tuple) and standard in _PER_LAYER_COUNTS:
+                    # per-layer counts (OpenELM's heads): vLLM takes one number; the largest
+                    # bounds every layer (the worker sizes each layer's pages by its own)
+                    value = max(int(v) for v in value)
                 if value is not None:
                     kwargs[standard] = value
+        # vLLM reads KV heads under these names before num_key_value_heads: one number each
+        # for vLLM, the per-layer lists kept for mlx-lm (:meth:`to_dict`)
+        per_layer = {k: kwargs[k] for k in _VLLM_KV_HEAD_NAMES
+                     if isinstance(kwargs.get(k), list | tuple)}
+        kwargs.update({k: max(int(v) for v in values) for k, values in per_layer.items()})
         super().__post_init__(**kwargs)
+        self._per_layer_counts = per_layer
         if type(self).model_type:
             _register_architectures(self.architectures or ())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as mlx-lm reads it: per-layer head counts as the lists given."""
+        out = super().to_dict()
+        out.pop("_per_layer_counts", None)
+        out.update(getattr(self, "_per_layer_counts", {}))
+        return out
 
     def get_text_config(self, *args: Any, **kwargs: Any) -> PretrainedConfig:
         text = getattr(self, "text_config", None)

@@ -1,0 +1,44 @@
+"""mlx-lm families whose modules compute attention, positions or caches in a way the paged
+cache needs adapted (models/attention_adapters.py, models/cache_fixes.py): each loads, routes
+and passes the load-time probe with the layout the runner will drive. No engine: the model
+matrix's tiny checkpoints (tests/model_matrix.py); their serving is the matrix's."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import model_matrix as mm
+import pytest
+
+from vllm_unified.models.capability import route_model
+from vllm_unified.models.loader import load_model
+
+
+def _route(model_type, tmp_path):
+    mm.build_checkpoint(model_type, tmp_path)
+    folder = tmp_path / model_type
+    config = json.loads((folder / "config.json").read_text())
+    loaded = load_model(str(folder), hf_config=config, dtype=mx.float32, keep_quantized=False,
+                        max_model_len=256)
+    return route_model(loaded.model, loaded.config, kv_shape=None, config_window=None)
+
+
+def test_afm7_reuse_layers_read_the_last_cached_layers_pages(tmp_path):
+    layout, patched = _route("afm7", tmp_path)
+    assert layout.num_slots == 2 and sorted(layout.attention) == [0, 1]
+    assert layout.shared == {2: 1, 3: 1}
+    assert {"mlx_lm.models.afm7.AFMModel", "mlx_lm.models.afm7.KVReuseAttention"} <= set(patched)
+
+
+@pytest.mark.parametrize("model_type, adapted", [
+    ("gear", "mlx_lm.models.gear.Attention"),
+    ("phi3small", "mlx_lm.models.phi3small.Attention"),
+    ("gpt_bigcode", "mlx_lm.models.gpt_bigcode.GPTBigCodeModel"),
+])
+def test_adapted_attention_passes_the_probe(model_type, adapted, tmp_path):
+    """Every attention slot attends through the paged path (the probe refuses a slot whose
+    attention bypasses it), and the runner's head gives mlx-lm's logits."""
+    layout, patched = _route(model_type, tmp_path)
+    assert adapted in patched
+    assert layout.attention and all(s.num_kv_heads == 1 for s in layout.attention.values())
