@@ -264,6 +264,26 @@ ARCHITECTURES: dict[str, str] = {
     "baichuan_m1": "BaichuanM1ForCausalLM", "rwkv7": "RWKV7ForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM", "mimo_v2_flash": "MiMoV2FlashForCausalLM",
     "nanbeige": "NanbeigeForCausalLM", "deepseek": "DeepseekForCausalLM",
+    # multimodal checkpoints: the image-text class HF writes (their language model is served)
+    "gemma3": "Gemma3ForConditionalGeneration", "gemma4": "Gemma4ForConditionalGeneration",
+    "gemma3n": "Gemma3nForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration", "pixtral": "LlavaForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration", "lfm2-vl": "Lfm2VlForConditionalGeneration",
+    "muse_glimmer": "MuseGlimmerForConditionalGeneration",
+}
+
+#: multimodal model type -> (the mlx-lm type of its language model, whose tiny config is the
+#: ``text_config``; the ``model_type`` HF writes in ``text_config``), as released checkpoints
+#: carry them; their architecture is transformers' image-text class (:func:`architecture`)
+WRAPPED_TEXT: dict[str, tuple[str, str]] = {
+    "gemma3": ("gemma3_text", "gemma3_text"),
+    "gemma4": ("gemma4_text", "gemma4_text"),
+    "mistral3": ("llama", "mistral"),
+    "pixtral": ("llama", "mistral"),
+    "qwen2_vl": ("qwen2", "qwen2_vl_text"),
+    "qwen3_vl": ("qwen3", "qwen3_vl_text"),
+    "lfm2-vl": ("lfm2", "lfm2"),
 }
 
 #: model type -> why the matrix has no checkpoint for it (the build error is recorded too)
@@ -352,7 +372,11 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     _, args_class = model_classes(model_type)
     cfg: dict[str, Any] = {"model_type": model_type}
     fields = _fields(args_class)
-    if "text_config" in fields:
+    if model_type in WRAPPED_TEXT:
+        inner_type, hf_text_type = WRAPPED_TEXT[model_type]
+        cfg["text_config"] = tiny_config(inner_type)
+        cfg["text_config"]["model_type"] = hf_text_type
+    elif "text_config" in fields:
         inner = _text_config_class(model_type)
         cfg["text_config"] = (_fill(inner, {}) if inner is not None
                               else copy.deepcopy(NAME_DEFAULTS))

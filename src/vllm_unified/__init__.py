@@ -71,6 +71,8 @@ def register_general() -> None:
     # A ``vllm.`` name so that vLLM's logging configuration shows our records.
     patches.bound_prefix_cache_residency(logging.getLogger("vllm.vllm_unified.scheduler"))
     patches.load_structured_output_tokenizer_lazily()
+    # before vLLM inspects a multimodal architecture: its module imports torchvision
+    patches.stand_in_for_missing_torchvision()
     # lazy: imports transformers and vLLM's model registry, which only a vLLM process needs
     from vllm_unified.models.registration import register_mlx_lm_types
 

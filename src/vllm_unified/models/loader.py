@@ -341,6 +341,7 @@ def _load_folder(
         raise ValueError(f"model type {config['model_type']!r}: the config does not fit "
                          f"mlx-lm's ModelArgs ({e})") from e
     match_config_activations(model, config)
+    model, config = language_model_of(model, config)
     if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
         prune_model(model, stage, config["model_type"])
     if not keep_quantized and _has_quantized(model):
@@ -350,6 +351,26 @@ def _load_folder(
     model.eval()
     mx.eval(model.parameters())
     return LoadedModel(model, config, dtype, _has_quantized(model), "safetensors")
+
+
+#: multimodal model types whose mlx-lm ``Model`` only hands its inputs to ``language_model``
+#: (an mlx-lm text model of its own type), vision weights dropped by its ``sanitize``
+TEXT_PART_WRAPPERS = frozenset({"gemma3", "gemma4", "mistral3", "pixtral", "qwen2_vl",
+                                "qwen3_vl", "lfm2-vl"})
+
+
+def language_model_of(model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict]:
+    """For a multimodal type of :data:`TEXT_PART_WRAPPERS`, its language model and that
+    model's config (``text_config`` as mlx-lm built it, ``model_type`` the language model's
+    mlx-lm type: ``gemma3_text``, ``llama``, ``qwen3``, ...), which the runner then drives
+    as any text model; anything else unchanged."""
+    if config.get("model_type") not in TEXT_PART_WRAPPERS:
+        return model, config
+    inner = model.language_model
+    text = {**config["text_config"], "model_type": type(inner).__module__.rsplit(".", 1)[-1]}
+    logger.info("%s: serving its language model (mlx-lm %s)", config["model_type"],
+                text["model_type"])
+    return inner, text
 
 
 def _cast_floats(tree: Any, dtype: mx.Dtype, keep_16bit_scales: bool = False) -> Any:
