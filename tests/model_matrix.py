@@ -245,7 +245,13 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "phi3": {"partial_rotary_factor": 0.5},
     # multi-head attention only: their ModelArgs read but do not implement fewer KV heads
     **dict.fromkeys(("gpt2", "gpt_neox"), {"num_key_value_heads": _HEADS}),
-    "qwen3_5": {"text_config": {"num_hidden_layers": 4}},  # gated delta-net x3, attention
+    # gated delta-net x3, attention; the rotary share inside rope_parameters, as Qwen3.5
+    # checkpoints carry it (mlx-lm reads it only there, transformers also at the top level)
+    "qwen3_5": {"text_config": {"num_hidden_layers": 4, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
+    # written out: vLLM's config class and mlx-lm default both differently when absent
+    "muse_glimmer": {"num_hidden_layers": 4, "qk_scale_factor": 3.87,
+                     "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
     "spark2_5": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL, "hidden_act": "gelu",
                  "rope_parameters": _ROPE_BY_LAYER_TYPE},
 }
@@ -553,7 +559,11 @@ def build_checkpoint(model_type: str, root: Path) -> TypeResult:
         cfg.setdefault("architectures", [architecture(model_type)])
         result.architecture = cfg["architectures"][0]
         model_class, args_class = model_classes(model_type)
-        model = model_class(args_class.from_dict(cfg))
+        # mlx-lm's multimodal ModelArgs write their own values into the text_config they are
+        # given (lfm2-vl: an untied LM head its lfm2 model never has): the checkpoint keeps
+        # the config as written here
+        model = model_class(args_class.from_dict(
+            copy.deepcopy(cfg) if model_type in WRAPPED_TEXT else cfg))
         result.moe, result.features = classify(model, cfg)
         _drop_unapplied_window(cfg, result.features)
         randomize(model, _seed(model_type))

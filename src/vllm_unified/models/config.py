@@ -489,6 +489,23 @@ def _text_part(cfg: dict[str, Any]) -> None:
     cfg["text_config"] = text
 
 
+def _gemma3n(cfg: dict[str, Any]) -> None:
+    """Gemma 3n's ``text_config``: transformers moves both RoPE bases into per-layer-type
+    ``rope_parameters``; mlx-lm requires ``rope_theta`` and ``rope_local_base_freq``."""
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError("gemma3n: config has no text_config")
+    text = dict(text)
+    rope = text.get("rope_parameters") or {}
+    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    if any(_non_default(r) is not None for r in (full, local) if r):
+        raise ValueError("gemma3n: RoPE scaling is not supported by mlx-lm's model")
+    text["rope_theta"] = _rope_theta(text.get("rope_theta"), full, "gemma3n")
+    text["rope_local_base_freq"] = _rope_theta(text.get("rope_local_base_freq"), local,
+                                               "gemma3n (sliding layers)")
+    cfg["text_config"] = text
+
+
 #: model type -> its fix-up of the config (in place), after the generic rope layout
 CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama": _needs_rope_theta,
@@ -520,4 +537,5 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "minicpm3": _minicpm3,
     "youtu": _youtu,
     **dict.fromkeys(_TEXT_PART_FIXUPS, _text_part),
+    "gemma3n": _gemma3n,
 }

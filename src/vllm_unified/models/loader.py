@@ -355,8 +355,9 @@ def _load_folder(
 
 #: multimodal model types whose mlx-lm ``Model`` only hands its inputs to ``language_model``
 #: (an mlx-lm text model of its own type), vision weights dropped by its ``sanitize``
-TEXT_PART_WRAPPERS = frozenset({"gemma3", "gemma4", "mistral3", "pixtral", "qwen2_vl",
-                                "qwen3_vl", "lfm2-vl"})
+#: (``llava``: HF's Pixtral, which mlx-lm loads with its ``mistral3`` module)
+TEXT_PART_WRAPPERS = frozenset({"gemma3", "gemma4", "mistral3", "pixtral", "llava",
+                                "qwen2_vl", "qwen3_vl", "lfm2-vl"})
 
 
 def language_model_of(model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict]:
