@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_unified import torchvision_stand_in
 from vllm_unified.kv import page_release
 
 
@@ -87,8 +88,6 @@ def stand_in_for_missing_torchvision() -> bool:
     Returns:
         Whether the stand-in is in use.
     """
-    from vllm_unified import torchvision_stand_in
-
     return torchvision_stand_in.install()
 
 
