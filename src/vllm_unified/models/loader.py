@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from vllm_unified.distributed.pipeline import PipelineStage
 from vllm_unified.models.activations import match_config_activations
+from vllm_unified.models.capability import UnsupportedModel
 from vllm_unified.models.config import mlx_lm_config, model_classes
 from vllm_unified.models.gguf import (
     MLX_GROUP_SIZES,
@@ -360,11 +361,24 @@ TEXT_PART_WRAPPERS = frozenset({"gemma3", "gemma4", "mistral3", "pixtral", "llav
                                 "qwen2_vl", "qwen3_vl", "lfm2-vl"})
 
 
+#: multimodal model types whose language model the runner cannot drive yet -> what is missing
+UNSUPPORTED_MULTIMODAL = {
+    "gemma3n": "Gemma 3n's KV sharing (its last layers read the keys and values another "
+               "layer's mlx-lm cache object holds, keys_and_values())",
+}
+
+
 def language_model_of(model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict]:
     """For a multimodal type of :data:`TEXT_PART_WRAPPERS`, its language model and that
     model's config (``text_config`` as mlx-lm built it, ``model_type`` the language model's
     mlx-lm type: ``gemma3_text``, ``llama``, ``qwen3``, ...), which the runner then drives
-    as any text model; anything else unchanged."""
+    as any text model; anything else unchanged.
+
+    Raises:
+        UnsupportedModel: a type of :data:`UNSUPPORTED_MULTIMODAL`, naming what is missing.
+    """
+    if config.get("model_type") in UNSUPPORTED_MULTIMODAL:
+        raise UnsupportedModel(config["model_type"], UNSUPPORTED_MULTIMODAL[config["model_type"]])
     if config.get("model_type") not in TEXT_PART_WRAPPERS:
         return model, config
     inner = model.language_model
