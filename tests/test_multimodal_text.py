@@ -130,3 +130,13 @@ def test_platform_refuses_multimodal_inputs_asked_for(gemma3_checkpoint):
         _engine_config(gemma3_checkpoint, limit_mm_per_prompt={"image": 2})
     cfg = _engine_config(gemma3_checkpoint, limit_mm_per_prompt={"image": 0})
     assert cfg.model_config.multimodal_config.language_model_only
+
+
+def test_language_model_the_runner_cannot_drive_is_refused_by_name():
+    from vllm_unified.models.capability import UnsupportedModel
+    from vllm_unified.models.loader import language_model_of
+
+    with pytest.raises(UnsupportedModel, match=r"model type 'gemma3n': .*keys_and_values"):
+        language_model_of(object(), {"model_type": "gemma3n"})
+    model = object()
+    assert language_model_of(model, {"model_type": "llama"}) == (model, {"model_type": "llama"})
