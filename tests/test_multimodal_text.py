@@ -140,3 +140,33 @@ def test_language_model_the_runner_cannot_drive_is_refused_by_name():
         language_model_of(object(), {"model_type": "gemma3n"})
     model = object()
     assert language_model_of(model, {"model_type": "llama"}) == (model, {"model_type": "llama"})
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gemma3", "qwen2_vl", "mistral3"])
+def test_text_only_equals_vllm_cpu_backend(model_type, tmp_path):
+    """The same multimodal checkpoint served text-only by vLLM's own CPU backend in fp32
+    (``language_model_only``; tests/stubs/torchvision lets it import its model module) and by
+    ours: greedy ids equal, and equal to mlx-lm's own generation."""
+    import os
+
+    from conftest import run_llm
+
+    result = mm.build_checkpoint(model_type, tmp_path / "checkpoints")
+    assert result.built, result.build_error
+    folder = tmp_path / "checkpoints" / model_type
+    prompts = mm.prompts(model_type)
+    spec = mm.engine_spec(folder, prompts, mm.NEW_TOKENS, recurrent=False)
+    del spec["engine"]["kv_cache_memory_bytes"]  # vLLM's CPU backend sizes by its own setting
+    ours = run_llm(spec, tmp_path)
+    spec["engine"]["language_model_only"] = True
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(STUBS)) if p)
+    native = run_llm(spec, tmp_path, native=True,
+                     env={"PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+    def ids(out):
+        return [o["completions"][0]["token_ids"] for o in out["outputs"]]
+
+    assert ids(ours) == ids(native)
+    assert ids(ours) == mm.mlx_lm_reference(folder, prompts, mm.NEW_TOKENS)
