@@ -170,3 +170,32 @@ def test_text_only_equals_vllm_cpu_backend(model_type, tmp_path):
 
     assert ids(ours) == ids(native)
     assert ids(ours) == mm.mlx_lm_reference(folder, prompts, mm.NEW_TOKENS)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_server_refuses_an_image_with_400(gemma3_checkpoint, tmp_path):
+    """``vllm serve`` on a multimodal checkpoint answers text and refuses an image (400, the
+    modality named) instead of dropping it."""
+    import base64
+    import io
+
+    import requests
+    from conftest import vllm_server
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    model = str(gemma3_checkpoint)
+    args = [model, "--dtype", "float32", "--max-model-len", "256",
+            "--kv-cache-memory-bytes", str(64 * 2**20)]
+    with vllm_server(tmp_path, args) as (base, _):
+        content = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]
+        r = requests.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        assert "image" in r.json()["error"]["message"]
+        r = requests.post(f"{base}/v1/completions", timeout=120,
+                          json={"model": model, "prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 200, r.text
