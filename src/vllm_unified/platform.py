@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_unified import compat, envs, patches, request_guard, request_policy, versions
+from vllm_unified import (
+    compat,
+    envs,
+    patches,
+    request_guard,
+    request_policy,
+    torchvision_stand_in,
+    versions,
+)
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
 from vllm_unified.distributed.pipeline import PP_MODEL_TYPES
@@ -415,7 +423,9 @@ def _multimodal_policy(vllm_config: VllmConfig) -> None:
             "(or use --language-model-only)")
     mm_config.language_model_only = True
     logger.info("vllm-unified: %s served text-only (its language model; requests with "
-                "image, video or audio inputs are refused)", model_config.architecture)
+                "image, video or audio inputs are refused)%s", model_config.architecture,
+                "; torchvision is not installed, vLLM imports a stand-in"
+                if torchvision_stand_in.installed() else "")
 
 
 class MLXAttentionKernel:
