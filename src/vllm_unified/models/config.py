@@ -456,10 +456,11 @@ def _youtu(cfg: dict[str, Any]) -> None:
 #: multimodal model type -> the model type whose fix-up its ``text_config`` gets (None: the
 #: text config's own ``model_type``); transformers' names of text parts -> mlx-lm's
 _TEXT_PART_FIXUPS: dict[str, str | None] = {
-    "gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2_vl": "qwen2", "qwen3_vl": "qwen3",
+    "gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2",
+    "qwen3_vl": "qwen3",
     "mistral3": None, "pixtral": None, "llava": None, "lfm2-vl": "lfm2", "lfm2_vl": "lfm2",
 }
-_TEXT_TYPE_NAMES = {"qwen2_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+_TEXT_TYPE_NAMES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 
 
 def _text_part(cfg: dict[str, Any]) -> None:

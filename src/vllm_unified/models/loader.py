@@ -356,9 +356,10 @@ def _load_folder(
 
 #: multimodal model types whose mlx-lm ``Model`` only hands its inputs to ``language_model``
 #: (an mlx-lm text model of its own type), vision weights dropped by its ``sanitize``
-#: (``llava``: HF's Pixtral, which mlx-lm loads with its ``mistral3`` module)
+#: (``llava``: HF's Pixtral, which mlx-lm loads with its ``mistral3`` module; ``qwen2_5_vl``:
+#: its ``qwen2_vl`` module)
 TEXT_PART_WRAPPERS = frozenset({"gemma3", "gemma4", "mistral3", "pixtral", "llava",
-                                "qwen2_vl", "qwen3_vl", "lfm2-vl"})
+                                "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "lfm2-vl"})
 
 
 #: multimodal model types whose language model the runner cannot drive yet -> what is missing
