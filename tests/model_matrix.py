@@ -263,7 +263,13 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "phi3small": {"vocab_size": 100352},
     # multi-head attention only: their ModelArgs read but do not implement fewer KV heads
     **dict.fromkeys(("gpt2", "gpt_neox"), {"num_key_value_heads": _HEADS}),
-    "qwen3_5": {"text_config": {"num_hidden_layers": 4}},  # gated delta-net x3, attention
+    # gated delta-net x3, attention; the rotary share inside rope_parameters, as Qwen3.5
+    # checkpoints carry it (mlx-lm reads it only there, transformers also at the top level)
+    "qwen3_5": {"text_config": {"num_hidden_layers": 4, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
+    # written out: vLLM's config class and mlx-lm default both differently when absent
+    "muse_glimmer": {"num_hidden_layers": 4, "qk_scale_factor": 3.87,
+                     "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
     "spark2_5": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL, "hidden_act": "gelu",
                  "rope_parameters": _ROPE_BY_LAYER_TYPE},
 }
@@ -282,6 +288,26 @@ ARCHITECTURES: dict[str, str] = {
     "baichuan_m1": "BaichuanM1ForCausalLM", "rwkv7": "RWKV7ForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM", "mimo_v2_flash": "MiMoV2FlashForCausalLM",
     "nanbeige": "NanbeigeForCausalLM", "deepseek": "DeepseekForCausalLM",
+    # multimodal checkpoints: the image-text class HF writes (their language model is served)
+    "gemma3": "Gemma3ForConditionalGeneration", "gemma4": "Gemma4ForConditionalGeneration",
+    "gemma3n": "Gemma3nForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration", "pixtral": "LlavaForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration", "lfm2-vl": "Lfm2VlForConditionalGeneration",
+    "muse_glimmer": "MuseGlimmerForConditionalGeneration",
+}
+
+#: multimodal model type -> (the mlx-lm type of its language model, whose tiny config is the
+#: ``text_config``; the ``model_type`` HF writes in ``text_config``), as released checkpoints
+#: carry them; their architecture is transformers' image-text class (:func:`architecture`)
+WRAPPED_TEXT: dict[str, tuple[str, str]] = {
+    "gemma3": ("gemma3_text", "gemma3_text"),
+    "gemma4": ("gemma4_text", "gemma4_text"),
+    "mistral3": ("llama", "mistral"),
+    "pixtral": ("llama", "mistral"),
+    "qwen2_vl": ("qwen2", "qwen2_vl_text"),
+    "qwen3_vl": ("qwen3", "qwen3_vl_text"),
+    "lfm2-vl": ("lfm2", "lfm2"),
 }
 
 #: model type -> why the matrix has no checkpoint for it (the build error is recorded too)
@@ -371,7 +397,11 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     _, args_class = model_classes(model_type)
     cfg: dict[str, Any] = {"model_type": model_type}
     fields = _fields(args_class)
-    if "text_config" in fields:
+    if model_type in WRAPPED_TEXT:
+        inner_type, hf_text_type = WRAPPED_TEXT[model_type]
+        cfg["text_config"] = tiny_config(inner_type)
+        cfg["text_config"]["model_type"] = hf_text_type
+    elif "text_config" in fields:
         inner = _text_config_class(model_type)
         cfg["text_config"] = (_fill(inner, {}) if inner is not None
                               else copy.deepcopy(NAME_DEFAULTS))
@@ -548,7 +578,11 @@ def build_checkpoint(model_type: str, root: Path) -> TypeResult:
         cfg.setdefault("architectures", [architecture(model_type)])
         result.architecture = cfg["architectures"][0]
         model_class, args_class = model_classes(model_type)
-        model = model_class(args_class.from_dict(cfg))
+        # mlx-lm's multimodal ModelArgs write their own values into the text_config they are
+        # given (lfm2-vl: an untied LM head its lfm2 model never has): the checkpoint keeps
+        # the config as written here
+        model = model_class(args_class.from_dict(
+            copy.deepcopy(cfg) if model_type in WRAPPED_TEXT else cfg))
         result.moe, result.features = classify(model, cfg)
         _drop_unapplied_window(cfg, result.features)
         randomize(model, _seed(model_type))

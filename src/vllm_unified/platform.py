@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_unified import compat, envs, patches, request_guard, request_policy, versions
+from vllm_unified import (
+    compat,
+    envs,
+    patches,
+    request_guard,
+    request_policy,
+    torchvision_stand_in,
+    versions,
+)
 from vllm_unified.backend import detect_backend
 from vllm_unified.compat import Platform, PlatformEnum, init_logger
 from vllm_unified.distributed.pipeline import PP_MODEL_TYPES
@@ -300,6 +308,7 @@ class MLXPlatform(Platform):
 
         if vllm_config.lora_config is not None:
             raise ValueError("--enable-lora: LoRA adapters are not supported yet")
+        _multimodal_policy(vllm_config)
 
         cache = vllm_config.cache_config
         hybrid = _hybrid_policy(vllm_config)
@@ -395,6 +404,34 @@ class MLXPlatform(Platform):
                     parameter=field,
                     value=getattr(params, field, None),
                 )
+
+
+def _multimodal_policy(vllm_config: VllmConfig) -> None:
+    """A multimodal architecture (Gemma 3, Qwen3-VL, Mistral 3, ...) is served text-only: its
+    language model runs (mlx-lm's model for the type), vLLM's ``language_model_only`` gives
+    every modality a limit of 0, so vLLM builds no multimodal processor and refuses a request
+    carrying an image, video or audio (HTTP 400) instead of dropping it.
+
+    Raises:
+        ValueError: ``--limit-mm-per-prompt`` asks for a modality, or ``--enable-mm-embeds``.
+    """
+    model_config = vllm_config.model_config
+    mm_config = model_config.multimodal_config if model_config is not None else None
+    if mm_config is None or mm_config.language_model_only:
+        return
+    asked = {m: o.count for m, o in mm_config.limit_per_prompt.items()
+             if getattr(o, "count", 0)}
+    if asked or mm_config.enable_mm_embeds:
+        flag = (f"--limit-mm-per-prompt {asked}" if asked else "--enable-mm-embeds")
+        raise ValueError(
+            f"{flag}: vllm-unified serves the language model of {model_config.architecture} "
+            "only (image, video and audio inputs are not supported yet); leave the flag out "
+            "(or use --language-model-only)")
+    mm_config.language_model_only = True
+    logger.info("vllm-unified: %s served text-only (its language model; requests with "
+                "image, video or audio inputs are refused)%s", model_config.architecture,
+                "; torchvision is not installed, vLLM imports a stand-in"
+                if torchvision_stand_in.installed() else "")
 
 
 class MLXAttentionKernel:

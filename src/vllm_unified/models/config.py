@@ -565,6 +565,60 @@ def _youtu(cfg: dict[str, Any]) -> None:
     cfg["rope_traditional"] = bool(cfg.get("rope_interleave", True))
 
 
+#: multimodal model type -> the model type whose fix-up its ``text_config`` gets (None: the
+#: text config's own ``model_type``); transformers' names of text parts -> mlx-lm's
+_TEXT_PART_FIXUPS: dict[str, str | None] = {
+    "gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2",
+    "qwen3_vl": "qwen3",
+    "mistral3": None, "pixtral": None, "llava": None, "lfm2-vl": "lfm2", "lfm2_vl": "lfm2",
+}
+_TEXT_TYPE_NAMES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+
+
+def _text_part(cfg: dict[str, Any]) -> None:
+    """A multimodal wrapper whose ``text_config`` mlx-lm builds its language model from: that
+    config laid out as the language model's own type's is (:func:`mlx_lm_config`'s rope
+    layout and fix-up), on a copy; its ``model_type`` stays as given (mlx-lm's wrappers pick
+    the language model by it).
+
+    Raises:
+        ValueError: no ``text_config``, or what the language model's fix-up refuses.
+    """
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"{cfg['model_type']}: config has no text_config")
+    text = dict(text)
+    given = text.get("model_type")
+    inner = _TEXT_PART_FIXUPS[cfg["model_type"]] or _TEXT_TYPE_NAMES.get(given, given)
+    text["model_type"] = inner
+    _lay_out_rope(text)
+    fixup = CONFIG_FIXUPS.get(inner)
+    if fixup is not None:
+        fixup(text)
+    if given is not None:
+        text["model_type"] = given
+    else:
+        text.pop("model_type")
+    cfg["text_config"] = text
+
+
+def _gemma3n(cfg: dict[str, Any]) -> None:
+    """Gemma 3n's ``text_config``: transformers moves both RoPE bases into per-layer-type
+    ``rope_parameters``; mlx-lm requires ``rope_theta`` and ``rope_local_base_freq``."""
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError("gemma3n: config has no text_config")
+    text = dict(text)
+    rope = text.get("rope_parameters") or {}
+    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    if any(_non_default(r) is not None for r in (full, local) if r):
+        raise ValueError("gemma3n: RoPE scaling is not supported by mlx-lm's model")
+    text["rope_theta"] = _rope_theta(text.get("rope_theta"), full, "gemma3n")
+    text["rope_local_base_freq"] = _rope_theta(text.get("rope_local_base_freq"), local,
+                                               "gemma3n (sliding layers)")
+    cfg["text_config"] = text
+
+
 #: model type -> its fix-up of the config (in place), after the generic rope layout
 CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama": _needs_rope_theta,
@@ -598,4 +652,6 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "plamo2": _plamo2,
     "minicpm3": _minicpm3,
     "youtu": _youtu,
+    **dict.fromkeys(_TEXT_PART_FIXUPS, _text_part),
+    "gemma3n": _gemma3n,
 }

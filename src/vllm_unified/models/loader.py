@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten
 from vllm_unified.distributed.pipeline import PipelineStage
 from vllm_unified.models.activations import match_config_activations
 from vllm_unified.models.cache_fixes import match_cache_windows
+from vllm_unified.models.capability import UnsupportedModel
 from vllm_unified.models.config import mlx_lm_config, model_classes
 from vllm_unified.models.gguf import (
     MLX_GROUP_SIZES,
@@ -343,6 +344,7 @@ def _load_folder(
         raise ValueError(f"model type {config['model_type']!r}: the config does not fit "
                          f"mlx-lm's ModelArgs ({e})") from e
     match_config_activations(model, config)
+    model, config = language_model_of(model, config)
     apply_config_multipliers(model, config)
     match_cache_windows(model, config)
     if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
@@ -354,6 +356,41 @@ def _load_folder(
     model.eval()
     mx.eval(model.parameters())
     return LoadedModel(model, config, dtype, _has_quantized(model), "safetensors")
+
+
+#: multimodal model types whose mlx-lm ``Model`` only hands its inputs to ``language_model``
+#: (an mlx-lm text model of its own type), vision weights dropped by its ``sanitize``
+#: (``llava``: HF's Pixtral, which mlx-lm loads with its ``mistral3`` module; ``qwen2_5_vl``:
+#: its ``qwen2_vl`` module)
+TEXT_PART_WRAPPERS = frozenset({"gemma3", "gemma4", "mistral3", "pixtral", "llava",
+                                "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "lfm2-vl"})
+
+
+#: multimodal model types whose language model the runner cannot drive yet -> what is missing
+UNSUPPORTED_MULTIMODAL = {
+    "gemma3n": "Gemma 3n's KV sharing (its last layers read the keys and values another "
+               "layer's mlx-lm cache object holds, keys_and_values())",
+}
+
+
+def language_model_of(model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict]:
+    """For a multimodal type of :data:`TEXT_PART_WRAPPERS`, its language model and that
+    model's config (``text_config`` as mlx-lm built it, ``model_type`` the language model's
+    mlx-lm type: ``gemma3_text``, ``llama``, ``qwen3``, ...), which the runner then drives
+    as any text model; anything else unchanged.
+
+    Raises:
+        UnsupportedModel: a type of :data:`UNSUPPORTED_MULTIMODAL`, naming what is missing.
+    """
+    if config.get("model_type") in UNSUPPORTED_MULTIMODAL:
+        raise UnsupportedModel(config["model_type"], UNSUPPORTED_MULTIMODAL[config["model_type"]])
+    if config.get("model_type") not in TEXT_PART_WRAPPERS:
+        return model, config
+    inner = model.language_model
+    text = {**config["text_config"], "model_type": type(inner).__module__.rsplit(".", 1)[-1]}
+    logger.info("%s: serving its language model (mlx-lm %s)", config["model_type"],
+                text["model_type"])
+    return inner, text
 
 
 def _cast_floats(tree: Any, dtype: mx.Dtype, keep_16bit_scales: bool = False) -> Any:
