@@ -39,7 +39,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from vllm_unified import compat
 
-__all__ = ["MLX_LM_HYBRID_ARCHITECTURES", "MLXLMConfig", "MLXLMHybridModel", "MLXLMOnlyModel",
+__all__ = ["MLX_LM_ATTENTION_FREE_ARCHITECTURES", "MLX_LM_HYBRID_ARCHITECTURES",
+           "MLXLMAttentionFreeModel", "MLXLMConfig", "MLXLMHybridModel", "MLXLMOnlyModel",
            "mlx_lm_model_types", "record_state_layout", "register_mlx_lm_types"]
 
 logger = logging.getLogger("vllm.vllm_unified.models.registration")
@@ -133,7 +134,10 @@ MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
     "RecurrentGemmaForCausalLM": "recurrent_gemma",
     "Plamo2ForCausalLM": "plamo2",
     "BaichuanM1ForCausalLM": "baichuan_m1",
+    "RWKV7ForCausalLM": "rwkv7",
 }
+#: those of :data:`MLX_LM_HYBRID_ARCHITECTURES` without attention layers (state pages only)
+MLX_LM_ATTENTION_FREE_ARCHITECTURES = frozenset({"RWKV7ForCausalLM"})
 
 #: architecture -> (state shapes, torch dtypes) of one recurrent layer, per sequence, as
 #: mlx-lm's own cache held them after the worker's probe step (this process only)
@@ -185,6 +189,15 @@ class MLXLMHybridModel(MLXLMOnlyModel):
                            "hybrid models) are not supported by vllm-unified")
 
 
+class MLXLMAttentionFreeModel(MLXLMHybridModel):
+    """:class:`MLXLMHybridModel` of an architecture without attention layers (vLLM's
+    ``IsAttentionFree``, like its Mamba): every layer is on state pages."""
+
+    is_hybrid = False
+    is_attention_free = True
+    has_inner_state = True
+
+
 def _register_hybrid_architectures() -> None:
     """Register each of :data:`MLX_LM_HYBRID_ARCHITECTURES` vLLM has no class for as an
     :class:`MLXLMHybridModel` of its own."""
@@ -192,7 +205,9 @@ def _register_hybrid_architectures() -> None:
     for arch in MLX_LM_HYBRID_ARCHITECTURES:
         if arch in registry.get_supported_archs():
             continue
-        cls = type(f"MLXLMHybrid_{arch}", (MLXLMHybridModel,),
+        base = (MLXLMAttentionFreeModel if arch in MLX_LM_ATTENTION_FREE_ARCHITECTURES
+                else MLXLMHybridModel)
+        cls = type(f"MLXLMHybrid_{arch}", (base,),
                    {"architecture": arch, "__module__": __name__})
         registry.register_model(arch, cls)
 
