@@ -20,7 +20,9 @@ class for (:data:`MLX_LM_HYBRID_ARCHITECTURES`), registered as :class:`MLXLMHybr
 where transformers knows their config: vLLM must see them as hybrid (state pages next to
 attention pages). The shapes and dtypes of their states are not derived from the config: the
 worker records them from mlx-lm's own caches after its load-time probe step
-(:func:`record_state_layout`), before vLLM sizes the state pages in that process.
+(:func:`record_state_layout`), before vLLM sizes the state pages in that process. Those
+without attention layers (:data:`MLX_LM_ATTENTION_FREE_ARCHITECTURES`, RWKV-7) are registered
+as :class:`MLXLMAttentionFreeModel`: state pages only.
 
 Imports no MLX (vLLM may fork after loading plugins): mlx-lm's model types are the file names
 of its ``models`` folder.
