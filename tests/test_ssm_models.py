@@ -269,7 +269,7 @@ def test_attention_free_policy():
         model_config=SimpleNamespace(is_hybrid=False, is_attention_free=True,
                                      architecture="MambaForCausalLM"),
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=None),
-        cache_config=SimpleNamespace(enable_prefix_caching=True))
+        cache_config=SimpleNamespace(enable_prefix_caching=True, mamba_block_size=256))
     assert keeps_state(config.model_config)
     with pytest.raises(ValueError, match="--enable-prefix-caching: MambaForCausalLM is an "
                                          "attention-free state-space model"):

@@ -557,6 +557,11 @@ def _hybrid_policy(vllm_config: VllmConfig) -> bool:
             "prefix caching (vLLM's mamba_cache_mode 'align') vllm-unified does not "
             "implement yet; pass --no-enable-prefix-caching"
         )
+    cache = vllm_config.cache_config
+    if not model_config.is_hybrid and cache.mamba_block_size is None:
+        # vLLM's MambaModelConfig does this for the attention-free classes it knows; an
+        # mlx-lm-only one (RWKV-7) has no entry there: one state block per request
+        cache.mamba_block_size = model_config.max_model_len
     return True
 
 

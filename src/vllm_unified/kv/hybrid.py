@@ -26,7 +26,9 @@ class HybridFamily:
     """How one mlx-lm hybrid architecture is laid out.
 
     Attributes:
-        mixer: the attribute of a decoder layer holding its recurrent mixer.
+        mixer: the attribute of a decoder layer holding its recurrent mixer; ``""``: the
+            decoder layer itself is wrapped (RWKV-7, whose layer keeps one cache of several
+            states read by both its time mixing and its channel mixing).
         is_recurrent: decides from the mlx-lm layer whether it is a recurrent one.
         mamba_type: name of vLLM's ``MambaAttentionBackendEnum`` member for its state kind.
         is_stateless: decides whether a layer has neither attention nor recurrent state (an
@@ -75,6 +77,10 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     "mamba": HybridFamily("mixer", lambda layer: True, "MAMBA1"),
     "falcon_mamba": HybridFamily("mixer", lambda layer: True, "MAMBA1"),
     "mamba2": HybridFamily("mixer", lambda layer: True, "MAMBA2"),
+    # RWKV-7, attention-free: each layer's one cache holds the time mixing's token shift and
+    # wkv state and the channel mixing's token shift, so the whole layer is the mixer; the
+    # value of layer 0 (v_first) flows to later layers per token within the step
+    "rwkv7": HybridFamily("", lambda layer: True, "LINEAR"),
 }
 
 

@@ -20,7 +20,9 @@ class for (:data:`MLX_LM_HYBRID_ARCHITECTURES`), registered as :class:`MLXLMHybr
 where transformers knows their config: vLLM must see them as hybrid (state pages next to
 attention pages). The shapes and dtypes of their states are not derived from the config: the
 worker records them from mlx-lm's own caches after its load-time probe step
-(:func:`record_state_layout`), before vLLM sizes the state pages in that process.
+(:func:`record_state_layout`), before vLLM sizes the state pages in that process. Those
+without attention layers (:data:`MLX_LM_ATTENTION_FREE_ARCHITECTURES`, RWKV-7) are registered
+as :class:`MLXLMAttentionFreeModel`: state pages only.
 
 Imports no MLX (vLLM may fork after loading plugins): mlx-lm's model types are the file names
 of its ``models`` folder.
@@ -39,7 +41,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from vllm_unified import compat
 
-__all__ = ["MLX_LM_HYBRID_ARCHITECTURES", "MLXLMConfig", "MLXLMHybridModel", "MLXLMOnlyModel",
+__all__ = ["MLX_LM_ATTENTION_FREE_ARCHITECTURES", "MLX_LM_HYBRID_ARCHITECTURES",
+           "MLXLMAttentionFreeModel", "MLXLMConfig", "MLXLMHybridModel", "MLXLMOnlyModel",
            "mlx_lm_model_types", "record_state_layout", "register_mlx_lm_types"]
 
 logger = logging.getLogger("vllm.vllm_unified.models.registration")
@@ -157,7 +160,10 @@ MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
     "RecurrentGemmaForCausalLM": "recurrent_gemma",
     "Plamo2ForCausalLM": "plamo2",
     "BaichuanM1ForCausalLM": "baichuan_m1",
+    "RWKV7ForCausalLM": "rwkv7",
 }
+#: those of :data:`MLX_LM_HYBRID_ARCHITECTURES` without attention layers (state pages only)
+MLX_LM_ATTENTION_FREE_ARCHITECTURES = frozenset({"RWKV7ForCausalLM"})
 
 #: architecture -> (state shapes, torch dtypes) of one recurrent layer, per sequence, as
 #: mlx-lm's own cache held them after the worker's probe step (this process only)
@@ -209,6 +215,15 @@ class MLXLMHybridModel(MLXLMOnlyModel):
                            "hybrid models) are not supported by vllm-unified")
 
 
+class MLXLMAttentionFreeModel(MLXLMHybridModel):
+    """:class:`MLXLMHybridModel` of an architecture without attention layers (vLLM's
+    ``IsAttentionFree``, like its Mamba): every layer is on state pages."""
+
+    is_hybrid = False
+    is_attention_free = True
+    has_inner_state = True
+
+
 def _register_hybrid_architectures() -> None:
     """Register each of :data:`MLX_LM_HYBRID_ARCHITECTURES` vLLM has no class for as an
     :class:`MLXLMHybridModel` of its own."""
@@ -216,7 +231,9 @@ def _register_hybrid_architectures() -> None:
     for arch in MLX_LM_HYBRID_ARCHITECTURES:
         if arch in registry.get_supported_archs():
             continue
-        cls = type(f"MLXLMHybrid_{arch}", (MLXLMHybridModel,),
+        base = (MLXLMAttentionFreeModel if arch in MLX_LM_ATTENTION_FREE_ARCHITECTURES
+                else MLXLMHybridModel)
+        cls = type(f"MLXLMHybrid_{arch}", (base,),
                    {"architecture": arch, "__module__": __name__})
         registry.register_model(arch, cls)
 

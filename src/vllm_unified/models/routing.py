@@ -130,11 +130,15 @@ def install_recurrent_mixers(model_type: str, model: nn.Module) -> list[int]:
     layers = recurrent_layers(model_type, model)
     for i in layers:
         layer = model.layers[i]
-        mixer = getattr(layer, family.mixer)
+        mixer = getattr(layer, family.mixer) if family.mixer else layer
         if isinstance(mixer, RecurrentMixer | ConvStateAttention):
             continue
-        setattr(layer, family.mixer, ConvStateAttention(mixer) if family.state_in_attention
-                else RecurrentMixer(mixer, family.fresh_is_none))
+        wrapped = (ConvStateAttention(mixer) if family.state_in_attention
+                   else RecurrentMixer(mixer, family.fresh_is_none))
+        if family.mixer:
+            setattr(layer, family.mixer, wrapped)
+        else:  # the decoder layer is the mixer (its own list entry is replaced)
+            model.layers[i] = wrapped
     return layers
 
 
@@ -160,6 +164,11 @@ class RecurrentMixer(nn.Module):
     see unset (None) cache entries instead of zero states
     (:attr:`vllm_unified.kv.hybrid.HybridFamily.fresh_is_none`).
 
+    Any other argument is a per-token side input: an array of the input's ``[T, 1, ...]``
+    rows is split over the segments like the input (RWKV-7's ``v_first``); None passes
+    as is. A mixer returning a tuple (RWKV-7's ``(out, v_first)``) has each array of it
+    gathered back into ``[T, 1, ...]`` rows like the output.
+
     Raises:
         TypeError: the mixer's ``__call__`` takes no ``cache``.
     """
@@ -175,17 +184,19 @@ class RecurrentMixer(nn.Module):
         #: the mixer's parameter names: input, then the others in order
         self._params = params
 
-    def _call(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
-        kwargs = {self._params[0]: x, "cache": cache}
+    def _call(self, x: mx.array, mask: Any, cache: Any,
+              extra: dict[str, Any] | None = None) -> Any:
+        kwargs = {self._params[0]: x, "cache": cache, **(extra or {})}
         if "mask" in self._params:
             kwargs["mask"] = mask
         return self.inner(**kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = dict(zip(self._params, args, strict=False)) | kwargs
         x, mask, cache = bound[self._params[0]], bound.get("mask"), bound.get("cache")
+        extra = {k: v for k, v in bound.items() if k not in (self._params[0], "mask", "cache")}
         if not isinstance(cache, StateLayerCache):
-            return self._call(x, mask, cache)
+            return self._call(x, mask, cache, extra)
         if mask is not None and not isinstance(mask, PagedMask):
             # a model handing every layer the attention layers' mask passes the paged marker
             raise TypeError("a recurrent layer on vLLM's state pages takes no mask")
@@ -198,15 +209,18 @@ class RecurrentMixer(nn.Module):
         if attn.decode_rows is not None:
             idx = meta.decode_slots[cache.group]
             fresh = meta.decode_fresh if self.fresh_is_none else []
+            rows = attn.decode_rows
             if not fresh:
                 states = _initial(pages.read(idx), meta.decode_has_state)
                 seg = _SegmentCache(states)
-                outs.append(self._call(x[attn.decode_rows], None, seg))  # [Bd, 1, D]
+                outs.append(self._call(x[rows], None, seg,  # [Bd, 1, D]
+                                       _map_rows(extra, lambda a: a[rows])))
                 slots.append(idx)
                 new_states.append(seg.cache)
             else:
-                outs.append(self._decode_with_fresh(x[attn.decode_rows], idx, fresh, pages,
-                                                    slots, new_states))
+                outs.append(self._decode_with_fresh(
+                    x[rows], _map_rows(extra, lambda a: a[rows]), idx, fresh, pages, slots,
+                    new_states))
         for i, chunk in enumerate(attn.prefills):
             idx = mx.array([meta.prefill_slots[cache.group][i]], dtype=mx.int32)
             states = pages.read(idx)
@@ -214,23 +228,29 @@ class RecurrentMixer(nn.Module):
                 states = ([None] * len(states) if self.fresh_is_none
                           else [mx.zeros_like(s) for s in states])
             seg = _SegmentCache(states)
-            xs = x[chunk.start:chunk.start + chunk.length].transpose(1, 0, 2)  # [1, L, D]
-            outs.append(self._call(xs, None, seg).transpose(1, 0, 2))
+
+            def segment(a: mx.array, chunk: Any = chunk) -> mx.array:  # [L, 1, ..] -> [1, L, ..]
+                return a[chunk.start:chunk.start + chunk.length].swapaxes(0, 1)
+
+            out = self._call(segment(x), None, seg, _map_rows(extra, segment))
+            outs.append(_map_rows(out, lambda a: a.swapaxes(0, 1)))
             slots.append(idx)
             new_states.append(seg.cache)
         if not outs:
-            return x
+            # no rows: a mixer with side inputs hands them on after its output (RWKV-7)
+            return (x, *extra.values()) if extra else x
         pages.write(mx.concatenate(slots),
                     [mx.concatenate([s[f] for s in new_states]) for f in range(len(pages.fields))])
-        out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
-        return out if attn.output_order is None else out[attn.output_order]
+        order = attn.output_order
+        return _gather_rows(outs, None if order is None else lambda a: a[order])
 
-    def _decode_with_fresh(self, x: mx.array, idx: mx.array, fresh: list[int], pages: Any,
-                           slots: list[mx.array], new_states: list[list[mx.array]]
-                           ) -> mx.array:
-        """The single-token rows ``x`` ``[Bd, 1, D]`` where rows ``fresh`` start their
-        sequence: those in one call with unset states, the others in one with their slots'
-        states. Appends both calls' slots and states; returns the outputs in row order."""
+    def _decode_with_fresh(self, x: mx.array, extra: dict[str, Any], idx: mx.array,
+                           fresh: list[int], pages: Any, slots: list[mx.array],
+                           new_states: list[list[mx.array]]) -> Any:
+        """The single-token rows ``x`` ``[Bd, 1, D]`` (side inputs ``extra`` alike) where rows
+        ``fresh`` start their sequence: those in one call with unset states, the others in
+        one with their slots' states. Appends both calls' slots and states; returns the
+        outputs in row order."""
         fresh_set = set(fresh)
         rest = [r for r in range(x.shape[0]) if r not in fresh_set]
         order, outs = [], []
@@ -240,12 +260,36 @@ class RecurrentMixer(nn.Module):
             sel = mx.array(rows, dtype=mx.int32)
             states = pages.read(idx[sel]) if from_pages else [None] * len(pages.fields)
             seg = _SegmentCache(states)
-            outs.append(self._call(x[sel], None, seg))
+            outs.append(self._call(x[sel], None, seg,
+                                   _map_rows(extra, lambda a, sel=sel: a[sel])))
             slots.append(idx[sel])
             new_states.append(seg.cache)
             order += rows
-        out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
-        return out[mx.array(np.argsort(order), dtype=mx.int32)]
+        back = mx.array(np.argsort(order), dtype=mx.int32)
+        return _gather_rows(outs, lambda a: a[back])
+
+
+def _map_rows(value: Any, fn: Any) -> Any:
+    """``fn`` applied to each array of ``value`` (an array, or a dict or tuple of arrays and
+    other values, which pass unchanged)."""
+    if isinstance(value, mx.array):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_rows(v, fn) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_map_rows(v, fn) for v in value)
+    return value
+
+
+def _gather_rows(outs: list[Any], reorder: Any) -> Any:
+    """The segments' outputs ``outs`` (arrays, or tuples of arrays and Nones) joined along the
+    token axis, then ``reorder``-ed (None: kept in segment order)."""
+    first = outs[0]
+    if isinstance(first, tuple):
+        return tuple(_gather_rows([o[j] for o in outs], reorder) if first[j] is not None
+                     else None for j in range(len(first)))
+    out = mx.concatenate(outs) if len(outs) > 1 else first
+    return out if reorder is None else reorder(out)
 
 
 def _initial(states: list[mx.array], has_state: mx.array | None) -> list[mx.array]:
