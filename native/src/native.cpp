@@ -20,6 +20,10 @@
 //       paged attention's key/value read; MLX's generic gather is several times slower here).
 //   silu_mul(gate, up, *, stream=None) -> mx.array
 //       fp32 silu(gate) * up, vectorized (MLX 0.32.4's CPU sigmoid is scalar).
+//   gelu_tanh_mul(gate, up, *, stream=None) -> mx.array
+//   softcap(x, cap, *, stream=None) -> mx.array
+//       fp32 gelu_approx(gate) * up and cap * tanh(x / cap), vectorized (MLX's CPU tanh is
+//       scalar).
 //   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, ...,
 //                   chunk=0, softcap=0, sinks=None, stream=None)
 //       Attention per query row read from the paged pool through block tables (no gather):
@@ -748,6 +752,97 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream
   return mx::array(
       gate.shape(), mx::float32, std::make_shared<SiluMul>(s),
       {gate, up});
+}
+
+// ---------------------------------------------------------------------------------------------
+// gelu_tanh_mul, softcap
+
+// out = gelu_tanh(gate) * up for fp32 arrays of one shape (the vectorized loop is in
+// cpu_math.cpp).
+class GeluTanhMul : public SameShapePrimitive {
+ public:
+  explicit GeluTanhMul(mx::Stream s) : SameShapePrimitive(s, "gelu_tanh_mul") {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    if (inputs[0].shape() != inputs[1].shape()) {  // re-checked: shapeless compilation
+      throw std::invalid_argument("[gelu_tanh_mul] gate and up differ in shape");
+    }
+    const mx::array gate = row_contiguous(inputs[0], enc);
+    const mx::array up = row_contiguous(inputs[1], enc);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    enc.set_input_array(gate);
+    enc.set_input_array(up);
+    enc.set_output_array(out);
+    enc.dispatch([g = gate.data<float>(), u = up.data<float>(), o = out.data<float>(),
+                  n = out.size()]() {
+      split_work(n, 1, 64, [&](size_t b, size_t e) {
+        vun::gelu_tanh_mul_f32(g + b, u + b, o + b, e - b);
+      });
+    });
+  }
+
+  const char* name() const override {
+    return "GeluTanhMul";
+  }
+};
+
+mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "gelu_tanh_mul");
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "gelu_tanh_mul: gate and up must be float32");
+  }
+  if (gate.shape() != up.shape()) {
+    raise_py(
+        PyExc_ValueError,
+        "gelu_tanh_mul: gate " + shape_str(gate.shape()) + " and up " + shape_str(up.shape()) +
+            " differ in shape");
+  }
+  return mx::array(gate.shape(), mx::float32, std::make_shared<GeluTanhMul>(s), {gate, up});
+}
+
+// out = cap * tanh(x / cap) for an fp32 array.
+class Softcap : public SameShapePrimitive {
+ public:
+  Softcap(mx::Stream s, float cap) : SameShapePrimitive(s, "softcap"), cap_(cap) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array x = row_contiguous(inputs[0], enc);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    enc.set_input_array(x);
+    enc.set_output_array(out);
+    enc.dispatch([xp = x.data<float>(), o = out.data<float>(), n = out.size(), cap = cap_]() {
+      split_work(n, 1, 64, [&](size_t b, size_t e) {
+        vun::softcap_f32(xp + b, cap, o + b, e - b);
+      });
+    });
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return cap_ == static_cast<const Softcap&>(other).cap_;
+  }
+
+  const char* name() const override {
+    return "Softcap";
+  }
+
+ private:
+  float cap_;
+};
+
+mx::array softcap(const mx::array& x, float cap, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "softcap");
+  if (x.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "softcap: x must be float32");
+  }
+  if (!(cap > 0.f) || !std::isfinite(cap)) {
+    raise_py(PyExc_ValueError, "softcap: cap must be a finite number > 0, got " +
+                                   std::to_string(cap));
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softcap>(s, cap), {x});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2248,6 +2343,12 @@ NB_MODULE(_native, m) {
   m.def("silu_mul", &silu_mul, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 silu(gate) * up (mlx-lm's SwiGLU), vectorized; CPU streams only.");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 gelu_approx(gate) * up (Gemma's GeGLU), vectorized; CPU streams only.");
+  m.def("softcap", &softcap, nb::arg("x"), nb::arg("cap"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 cap * tanh(x / cap) (logit soft-capping), vectorized; CPU streams only.");
   m.def("paged_attention", &paged_attention, nb::arg("q"), nb::arg("kv_pool"),
         nb::arg("tables"), nb::arg("seqs"), nb::arg("lens"), nb::arg("scale"),
         nb::arg("block_size"), nb::arg("window") = 0, nb::kw_only(),

@@ -37,6 +37,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from vllm_unified import bridge, envs, patches
+from vllm_unified.models.cpu_activations import install_cpu_activations
 
 _original_swiglu = mlx_activations.swiglu
 
@@ -328,7 +329,8 @@ def install_cpu_kernels(model: Any) -> list[str]:
     quantized layers (mxfp4, nvfp4, mxfp8, ...) are dequantized to fp32 here, as the loader
     would have done (MLX's CPU quantized matmul runs on one core), and named in the result.
     ``nn.RMSNorm`` / ``nn.RoPE`` instances become :class:`NativeRMSNorm` / :class:`NativeRoPE`
-    (each falls back to MLX for inputs it does not cover). Idempotent.
+    (each falls back to MLX for inputs it does not cover); Gemma's GeGLU and logit
+    soft-capping go to their kernels (:mod:`vllm_unified.models.cpu_activations`). Idempotent.
 
     Returns:
         What was routed (and left), for the log; empty on other backends.
@@ -385,4 +387,4 @@ def install_cpu_kernels(model: Any) -> list[str]:
             routed.append(f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows")
         routed.append(arithmetic)
     routed += [f"swiglu of {name}" for name in patches.route_mlx_lm_swiglu(model, swiglu)]
-    return routed
+    return routed + install_cpu_activations(model)
