@@ -997,6 +997,66 @@ def test_rms_norm_equals_mx_fast_rms_norm(shape):
     assert _rel_err(got, want) < 2e-6
 
 
+def _freqs_ropes():
+    from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE
+
+    return {
+        "llama3": Llama3RoPE(64, max_position_embeddings=8192, base=500000.0, scaling_config={
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024}),
+        "longrope_scaled": SuScaledRoPE(64, max_position_embeddings=8192,
+                                        original_max_position_embeddings=1024,
+                                        short_factor=1.0,
+                                        long_factor=[1.0 + 0.1 * i for i in range(32)]),
+        "longrope_partial": SuScaledRoPE(32, short_factor=1.0,
+                                         long_factor=[1.0 + 0.3 * i for i in range(16)]),
+        "proportional": ProportionalRoPE(64, rotated_dims=16, base=1000000.0),
+    }
+
+
+@pytest.mark.parametrize("variant", ["llama3", "longrope_scaled", "longrope_partial",
+                                     "proportional"])
+@pytest.mark.parametrize("offset_kind", ["per_row", "int"])
+def test_freqs_ropes_equal_their_mlx_lm_modules(variant, offset_kind):
+    rng = np.random.default_rng(7)
+    x = mx.array(rng.standard_normal((6, 3, 2, 64)).astype(np.float32))
+    offset = {"per_row": mx.array(rng.integers(0, 4000, (6,)).astype(np.int32)),
+              "int": 37}[offset_kind]
+    holder = nn.Module()
+    holder.rope = _freqs_ropes()[variant]
+    want = holder.rope(x, offset)
+    assert cpu_kernels.install_cpu_kernels(holder) == ["1 RoPE layers"]
+    assert isinstance(holder.rope, cpu_kernels.NativeFreqsRoPE)
+    spy = _Spy(native)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bridge, "native_kernels", lambda: spy)
+        got = holder.rope(x, offset)
+    assert spy.calls == {"rope": 1}
+    assert float(mx.abs(got - want).max()) < 4e-6
+    assert float(mx.abs(holder.rope(x.astype(mx.float16), offset).astype(mx.float32)
+                        - want).max()) < 1e-2  # not fp32: the module's own call
+
+
+def test_gemma_norms_equal_their_mlx_lm_modules():
+    from mlx_lm.models import gemma2, gemma4_text
+
+    rng = np.random.default_rng(3)
+    x = mx.array((rng.standard_normal((5, 2, 96)) * 3).astype(np.float32))
+    holder = nn.Module()
+    holder.offset = gemma2.RMSNorm(96, eps=1e-6)
+    holder.offset.weight = mx.array(rng.standard_normal(96).astype(np.float32))
+    holder.no_scale = gemma4_text.RMSNormNoScale(96, eps=1e-6)
+    want = (holder.offset(x), holder.no_scale(x))
+    assert cpu_kernels.install_cpu_kernels(holder) == ["2 RMSNorm layers"]
+    spy = _Spy(native)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bridge, "native_kernels", lambda: spy)
+        got = (holder.offset(x), holder.no_scale(x))
+    assert spy.calls == {"rms_norm": 2}
+    for g, w in zip(got, want, strict=True):
+        assert _rel_err(g, w) < 2e-6
+
+
 def test_norm_and_rope_kernels_reject_bad_input():
     with pytest.raises(TypeError, match="float32"):
         native.rms_norm(mx.zeros((2, 4), mx.float16), mx.ones((4,), mx.float16), 1e-5)
