@@ -113,6 +113,57 @@ def test_paged_attention_rows_equal_reference(dtype, tol, heads, kv_heads, dim, 
     assert _rel_err(got, want) < tol
 
 
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.float16, 4e-3),
+                                        (mx.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, latent_dim, rope_dim, block_size",
+                         [(16, 256, 32, 16), (3, 40, 24, 8), (5, 48, 16, 16)])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("query_lens", [[1] * 6, [1, 9, 1, 1, 30], [17, 1]],
+                         ids=["decode", "mixed", "prefill-first"])
+def test_latent_attention_rows_equal_reference(dtype, tol, heads, latent_dim, rope_dim,
+                                               block_size, window, query_lens):
+    """The native kernel's latent (MLA) mode against the reference's absorbed attention: one
+    latent row per token as key and value, of the latent plus the rope key."""
+    from vllm_unified.backend import profile
+
+    rng = np.random.default_rng(heads + latent_dim + len(query_lens))
+    width = latent_dim + rope_dim
+    q, kv, meta = _step_case(rng, query_lens, heads, 1, width, block_size, dtype)
+    latent_pool = kv[..., :width]  # the K halves: [slots, 1, W], NaN outside the sequences
+    latent_pool = mx.contiguous(latent_pool)
+    want = paged.reference.paged_attention_latent(q, latent_pool, meta, 0.1, latent_dim,
+                                                  window)
+    from vllm_unified.kv.attention import cpu as cpu_attention
+
+    backend = profile()
+    assert backend.cpu_attention and cpu_attention.takes_latent()  # decided before the spy
+    spy = _Spy(native)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bridge, "native_kernels", lambda: spy)
+        got = paged.paged_attention_latent(q, latent_pool, meta, 0.1, latent_dim, window,
+                                           backend=backend)
+    assert spy.calls == {"paged_attention": 1}
+    assert got.shape == want.shape == (q.shape[0], heads, 1, latent_dim)
+    assert got.dtype == dtype
+    assert not np.isnan(np.array(got.astype(mx.float32))).any()
+    assert _rel_err(got, want) < tol
+
+
+def test_latent_mode_rejects_other_pools():
+    q = mx.zeros((2, 4, 24))
+    tables, seqs, lens = mx.zeros((1, 2), mx.int32), mx.zeros((2,), mx.int32), \
+        mx.ones((2,), mx.int32)
+    with pytest.raises(ValueError, match="latent pool"):
+        native.paged_attention(q, mx.zeros((16, 2, 24)), tables, seqs, lens, 1.0, 16,
+                               latent=True)
+    with pytest.raises(ValueError, match="latent pool"):
+        native.paged_attention(q, mx.zeros((16, 1, 24), mx.uint8), tables, seqs, lens, 1.0,
+                               16, kv_mode=1, latent=True)
+    with pytest.raises(ValueError, match="kv_pool"):
+        native.paged_attention(q, mx.zeros((16, 1, 48)), tables, seqs, lens, 1.0, 16,
+                               latent=True)
+
+
 @pytest.mark.parametrize("dtype, tol, dim, window, softcap, with_sinks", [
     (mx.float32, 1e-5, 64, None, 1.0, True),  # the register path
     (mx.float32, 1e-5, 80, 7, 0.7, True),  # the generic loops
