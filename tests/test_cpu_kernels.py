@@ -113,6 +113,64 @@ def test_paged_attention_rows_equal_reference(dtype, tol, heads, kv_heads, dim, 
     assert _rel_err(got, want) < tol
 
 
+_LATENT_BUILD = pytest.mark.skipif(
+    native is None or "latent" not in (native.paged_attention.__doc__ or ""),
+    reason="native extension built before the latent mode (rebuild: scripts/setup.sh)")
+
+
+@_LATENT_BUILD
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.float16, 4e-3),
+                                        (mx.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, latent_dim, rope_dim, block_size",
+                         [(16, 256, 32, 16), (3, 40, 24, 8), (5, 48, 16, 16)])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("query_lens", [[1] * 6, [1, 9, 1, 1, 30], [17, 1]],
+                         ids=["decode", "mixed", "prefill-first"])
+def test_latent_attention_rows_equal_reference(dtype, tol, heads, latent_dim, rope_dim,
+                                               block_size, window, query_lens):
+    """The native kernel's latent (MLA) mode against the reference's absorbed attention: one
+    latent row per token as key and value, of the latent plus the rope key."""
+    from vllm_unified.backend import profile
+
+    rng = np.random.default_rng(heads + latent_dim + len(query_lens))
+    width = latent_dim + rope_dim
+    q, kv, meta = _step_case(rng, query_lens, heads, 1, width, block_size, dtype)
+    latent_pool = kv[..., :width]  # the K halves: [slots, 1, W], NaN outside the sequences
+    latent_pool = mx.contiguous(latent_pool)
+    want = paged.reference.paged_attention_latent(q, latent_pool, meta, 0.1, latent_dim,
+                                                  window)
+    from vllm_unified.kv.attention import cpu as cpu_attention
+
+    backend = profile()
+    assert backend.cpu_attention and cpu_attention.takes_latent()  # decided before the spy
+    spy = _Spy(native)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bridge, "native_kernels", lambda: spy)
+        got = paged.paged_attention_latent(q, latent_pool, meta, 0.1, latent_dim, window,
+                                           backend=backend)
+    assert spy.calls == {"paged_attention": 1}
+    assert got.shape == want.shape == (q.shape[0], heads, 1, latent_dim)
+    assert got.dtype == dtype
+    assert not np.isnan(np.array(got.astype(mx.float32))).any()
+    assert _rel_err(got, want) < tol
+
+
+@_LATENT_BUILD
+def test_latent_mode_rejects_other_pools():
+    q = mx.zeros((2, 4, 24))
+    tables, seqs, lens = mx.zeros((1, 2), mx.int32), mx.zeros((2,), mx.int32), \
+        mx.ones((2,), mx.int32)
+    with pytest.raises(ValueError, match="latent pool"):
+        native.paged_attention(q, mx.zeros((16, 2, 24)), tables, seqs, lens, 1.0, 16,
+                               latent=True)
+    with pytest.raises(ValueError, match="latent pool"):
+        native.paged_attention(q, mx.zeros((16, 1, 24), mx.uint8), tables, seqs, lens, 1.0,
+                               16, kv_mode=1, latent=True)
+    with pytest.raises(ValueError, match="kv_pool"):
+        native.paged_attention(q, mx.zeros((16, 1, 48)), tables, seqs, lens, 1.0, 16,
+                               latent=True)
+
+
 @pytest.mark.parametrize("dtype, tol, dim, window, softcap, with_sinks", [
     (mx.float32, 1e-5, 64, None, 1.0, True),  # the register path
     (mx.float32, 1e-5, 80, 7, 0.7, True),  # the generic loops
@@ -995,6 +1053,66 @@ def test_rms_norm_equals_mx_fast_rms_norm(shape):
     got = norm(x)
     assert got.shape == x.shape
     assert _rel_err(got, want) < 2e-6
+
+
+def _freqs_ropes():
+    from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE
+
+    return {
+        "llama3": Llama3RoPE(64, max_position_embeddings=8192, base=500000.0, scaling_config={
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024}),
+        "longrope_scaled": SuScaledRoPE(64, max_position_embeddings=8192,
+                                        original_max_position_embeddings=1024,
+                                        short_factor=1.0,
+                                        long_factor=[1.0 + 0.1 * i for i in range(32)]),
+        "longrope_partial": SuScaledRoPE(32, short_factor=1.0,
+                                         long_factor=[1.0 + 0.3 * i for i in range(16)]),
+        "proportional": ProportionalRoPE(64, rotated_dims=16, base=1000000.0),
+    }
+
+
+@pytest.mark.parametrize("variant", ["llama3", "longrope_scaled", "longrope_partial",
+                                     "proportional"])
+@pytest.mark.parametrize("offset_kind", ["per_row", "int"])
+def test_freqs_ropes_equal_their_mlx_lm_modules(variant, offset_kind):
+    rng = np.random.default_rng(7)
+    x = mx.array(rng.standard_normal((6, 3, 2, 64)).astype(np.float32))
+    offset = {"per_row": mx.array(rng.integers(0, 4000, (6,)).astype(np.int32)),
+              "int": 37}[offset_kind]
+    holder = nn.Module()
+    holder.rope = _freqs_ropes()[variant]
+    want = holder.rope(x, offset)
+    assert cpu_kernels.install_cpu_kernels(holder) == ["1 RoPE layers"]
+    assert isinstance(holder.rope, cpu_kernels.NativeFreqsRoPE)
+    spy = _Spy(native)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bridge, "native_kernels", lambda: spy)
+        got = holder.rope(x, offset)
+    assert spy.calls == {"rope": 1}
+    assert float(mx.abs(got - want).max()) < 4e-6
+    assert float(mx.abs(holder.rope(x.astype(mx.float16), offset).astype(mx.float32)
+                        - want).max()) < 1e-2  # not fp32: the module's own call
+
+
+def test_gemma_norms_equal_their_mlx_lm_modules():
+    from mlx_lm.models import gemma2, gemma4_text
+
+    rng = np.random.default_rng(3)
+    x = mx.array((rng.standard_normal((5, 2, 96)) * 3).astype(np.float32))
+    holder = nn.Module()
+    holder.offset = gemma2.RMSNorm(96, eps=1e-6)
+    holder.offset.weight = mx.array(rng.standard_normal(96).astype(np.float32))
+    holder.no_scale = gemma4_text.RMSNormNoScale(96, eps=1e-6)
+    want = (holder.offset(x), holder.no_scale(x))
+    assert cpu_kernels.install_cpu_kernels(holder) == ["2 RMSNorm layers"]
+    spy = _Spy(native)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bridge, "native_kernels", lambda: spy)
+        got = (holder.offset(x), holder.no_scale(x))
+    assert spy.calls == {"rms_norm": 2}
+    for g, w in zip(got, want, strict=True):
+        assert _rel_err(g, w) < 2e-6
 
 
 def test_norm_and_rope_kernels_reject_bad_input():

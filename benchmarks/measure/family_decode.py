@@ -62,12 +62,16 @@ def config(family: str, layers: int):  # noqa: ANN201 - a transformers config
     if family == "phi3":
         return transformers.Phi3Config(**common, rope_parameters=rope)
     if family == "minicpm3":
-        from tiny_models import tiny_config
-
-        cfg = tiny_config("minicpm3")
-        for key, value in common.items():
-            setattr(cfg, key, value)
-        return cfg
+        # MiniCPM3-4B's latent attention (latent 256, rope 32, nope 64, query LoRA 768,
+        # LongRoPE) at the benchmark's width: 16 heads, values of hidden / heads = 64. Every
+        # width goes to the constructor (its derived sizes, v_head_dim among them, follow).
+        return transformers.MiniCPM3Config(
+            **{**common, "num_key_value_heads": 16}, kv_lora_rank=256, q_lora_rank=768,
+            qk_nope_head_dim=64, qk_rope_head_dim=32, scale_emb=12, scale_depth=1.4,
+            dim_model_base=256, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0] * 16, "long_factor": [1.0] * 16,
+                             "original_max_position_embeddings": 4096, "factor": 1.0})
     raise ValueError(f"unknown family {family!r} (have: {', '.join(FAMILIES)})")
 
 

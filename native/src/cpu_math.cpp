@@ -1,11 +1,11 @@
 // Elementwise kernels for MLX's CPU backend whose transcendental functions MLX 0.32.4 evaluates
-// one element at a time (its CPU `exp`/`sigmoid` run at ~11-18 ns per fp32 element here).
+// one element at a time (its CPU `exp`/`sigmoid`/`tanh` run at ~11-23 ns per fp32 element here).
 //
 // This file alone is compiled with -ffast-math -fopenmp-simd (see CMakeLists.txt) so that GCC on
-// x86_64 glibc vectorizes expf through glibc's vector math library (libmvec) inside the SIMD
-// loops below; elsewhere the same loops are plain scalar code with the same results up to
+// x86_64 glibc vectorizes expf and tanhf through glibc's vector math library (libmvec) inside the
+// SIMD loops below; elsewhere the same loops are plain scalar code with the same results up to
 // rounding. Fast-math assumes finite values: code here must never produce an infinity on its
-// way to a finite result (the SwiGLU clamps its exponent; RMSNorm and RoPE, which must keep
+// way to a finite result (the SwiGLU clamps its exponent, GeGLU and soft-capping their tanh arguments; RMSNorm and RoPE, which must keep
 // IEEE semantics for overflowing rows, live in cpu_norm.cpp without fast-math).
 
 #include <cmath>
@@ -24,6 +24,28 @@ VUN_CLONES void silu_mul_f32(const float* gate, const float* up, float* out, siz
     // the exponent is clamped so that no lane computes an infinity.
     const float s = g / (1.0f + expf(fminf(-g, 88.72f))) * up[i];
     out[i] = g < -88.72f ? 0.0f : s;
+  }
+}
+
+VUN_CLONES void gelu_tanh_mul_f32(const float* gate, const float* up, float* out, size_t n) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    // tanh saturates to +-1 in fp32 beyond +-9.02, which the cubic passes at |g| < 5: clamping
+    // the cubic's argument to +-10 changes no result and keeps g^3 finite for any finite gate.
+    const float c = fminf(fmaxf(g, -10.0f), 10.0f);
+    const float t = tanhf(kSqrt2OverPi * (c + 0.044715f * c * c * c));
+    out[i] = 0.5f * g * (1.0f + t) * up[i];
+  }
+}
+
+VUN_CLONES void softcap_f32(const float* x, float cap, float* out, size_t n) {
+  const float inv = 1.0f / cap;
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) {
+    // tanh(+-10) is +-1 in fp32: the clamp changes no result and keeps every lane finite.
+    out[i] = cap * tanhf(fminf(fmaxf(x[i] * inv, -10.0f), 10.0f));
   }
 }
 

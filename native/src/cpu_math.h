@@ -38,6 +38,15 @@ size_t thread_cap();
 // neither input.
 void silu_mul_f32(const float* gate, const float* up, float* out, size_t n);
 
+// out[i] = gelu_tanh(gate[i]) * up[i], gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715
+// g^3))): MLX's nn.gelu_approx times up (Gemma's GeGLU MLP; vLLM's gelu_tanh_and_mul). fp32, n
+// elements, any alignment; out may alias neither input.
+void gelu_tanh_mul_f32(const float* gate, const float* up, float* out, size_t n);
+
+// out[i] = cap * tanh(x[i] / cap): logit soft-capping (Gemma 2 / 4's final logits), cap > 0.
+// fp32, n elements; out may alias x.
+void softcap_f32(const float* x, float cap, float* out, size_t n);
+
 } // namespace vun
 
 namespace vun {

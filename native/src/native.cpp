@@ -20,6 +20,10 @@
 //       paged attention's key/value read; MLX's generic gather is several times slower here).
 //   silu_mul(gate, up, *, stream=None) -> mx.array
 //       fp32 silu(gate) * up, vectorized (MLX 0.32.4's CPU sigmoid is scalar).
+//   gelu_tanh_mul(gate, up, *, stream=None) -> mx.array
+//   softcap(x, cap, *, stream=None) -> mx.array
+//       fp32 gelu_approx(gate) * up and cap * tanh(x / cap), vectorized (MLX's CPU tanh is
+//       scalar).
 //   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, ...,
 //                   chunk=0, softcap=0, sinks=None, stream=None)
 //       Attention per query row read from the paged pool through block tables (no gather):
@@ -751,6 +755,97 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream
 }
 
 // ---------------------------------------------------------------------------------------------
+// gelu_tanh_mul, softcap
+
+// out = gelu_tanh(gate) * up for fp32 arrays of one shape (the vectorized loop is in
+// cpu_math.cpp).
+class GeluTanhMul : public SameShapePrimitive {
+ public:
+  explicit GeluTanhMul(mx::Stream s) : SameShapePrimitive(s, "gelu_tanh_mul") {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    if (inputs[0].shape() != inputs[1].shape()) {  // re-checked: shapeless compilation
+      throw std::invalid_argument("[gelu_tanh_mul] gate and up differ in shape");
+    }
+    const mx::array gate = row_contiguous(inputs[0], enc);
+    const mx::array up = row_contiguous(inputs[1], enc);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    enc.set_input_array(gate);
+    enc.set_input_array(up);
+    enc.set_output_array(out);
+    enc.dispatch([g = gate.data<float>(), u = up.data<float>(), o = out.data<float>(),
+                  n = out.size()]() {
+      split_work(n, 1, 64, [&](size_t b, size_t e) {
+        vun::gelu_tanh_mul_f32(g + b, u + b, o + b, e - b);
+      });
+    });
+  }
+
+  const char* name() const override {
+    return "GeluTanhMul";
+  }
+};
+
+mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "gelu_tanh_mul");
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "gelu_tanh_mul: gate and up must be float32");
+  }
+  if (gate.shape() != up.shape()) {
+    raise_py(
+        PyExc_ValueError,
+        "gelu_tanh_mul: gate " + shape_str(gate.shape()) + " and up " + shape_str(up.shape()) +
+            " differ in shape");
+  }
+  return mx::array(gate.shape(), mx::float32, std::make_shared<GeluTanhMul>(s), {gate, up});
+}
+
+// out = cap * tanh(x / cap) for an fp32 array.
+class Softcap : public SameShapePrimitive {
+ public:
+  Softcap(mx::Stream s, float cap) : SameShapePrimitive(s, "softcap"), cap_(cap) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array x = row_contiguous(inputs[0], enc);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    enc.set_input_array(x);
+    enc.set_output_array(out);
+    enc.dispatch([xp = x.data<float>(), o = out.data<float>(), n = out.size(), cap = cap_]() {
+      split_work(n, 1, 64, [&](size_t b, size_t e) {
+        vun::softcap_f32(xp + b, cap, o + b, e - b);
+      });
+    });
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return cap_ == static_cast<const Softcap&>(other).cap_;
+  }
+
+  const char* name() const override {
+    return "Softcap";
+  }
+
+ private:
+  float cap_;
+};
+
+mx::array softcap(const mx::array& x, float cap, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "softcap");
+  if (x.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "softcap: x must be float32");
+  }
+  if (!(cap > 0.f) || !std::isfinite(cap)) {
+    raise_py(PyExc_ValueError, "softcap: cap must be a finite number > 0, got " +
+                                   std::to_string(cap));
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softcap>(s, cap), {x});
+}
+
+// ---------------------------------------------------------------------------------------------
 // rms_norm, rope: MLX 0.32.4's CPU backend runs mx.fast.rms_norm and mx.fast.rope as their
 // fallback graphs (~10 and ~30 primitives per call); these are one primitive each.
 
@@ -970,6 +1065,9 @@ struct PagedAttentionArgs {
   // vun::ScoreOpts.
   float softcap = 0.f;
   const float* sinks = nullptr;
+  // Latent (MLA) pool: kv is [slots, 1, D], each row both key and value (vLLM's MLA page:
+  // the latent then the rope key; the caller keeps the output's latent part).
+  bool latent = false;
 };
 
 // The first key a row of `len` visible positions reads: its sliding window's, raised to the
@@ -1003,8 +1101,9 @@ void paged_attention_item(const PagedAttentionArgs<T>& a, int64_t b, int64_t g) 
   scores.resize(R * n);
   keys.resize(n);
   values.resize(n);
+  const int64_t cell_size = a.latent ? D : 2 * D;  // K then V, or one latent row
   if constexpr (!is_f32) {
-    rows.resize(n * 2 * D);
+    rows.resize(n * cell_size);
   }
   const int32_t* table = a.tables + a.seqs[b] * a.max_blocks;
   // Block by block (no division per key): keys [j0, j1) of block table[k].
@@ -1016,18 +1115,20 @@ void paged_attention_item(const PagedAttentionArgs<T>& a, int64_t b, int64_t g) 
           "[paged_attention] block " + std::to_string(blk) + " is outside a pool of " +
           std::to_string(a.slots) + " slots");
     }
-    const T* cell = a.kv + ((blk * a.block_size + j % a.block_size) * a.kv_heads + g) * 2 * D;
-    for (; j < j1; ++j, cell += a.kv_heads * 2 * D) {  // K then V
+    const T* cell =
+        a.kv + ((blk * a.block_size + j % a.block_size) * a.kv_heads + g) * cell_size;
+    const int64_t v_off = a.latent ? 0 : D;
+    for (; j < j1; ++j, cell += a.kv_heads * cell_size) {
       if constexpr (is_f32) {
         keys[j - first] = cell;
-        values[j - first] = cell + D;
-      } else {  // half precision: widen the two rows once into scratch
-        float* dst = rows.data() + (j - first) * 2 * D;
-        for (int64_t e = 0; e < 2 * D; ++e) {
+        values[j - first] = cell + v_off;
+      } else {  // half precision: widen the cell once into scratch
+        float* dst = rows.data() + (j - first) * cell_size;
+        for (int64_t e = 0; e < cell_size; ++e) {
           dst[e] = static_cast<float>(cell[e]);
         }
         keys[j - first] = dst;
-        values[j - first] = dst + D;
+        values[j - first] = dst + v_off;
       }
     }
   }
@@ -1189,9 +1290,10 @@ void paged_attention_impl(const PagedAttentionArgs<T>& a) {
 class PagedAttention : public SameShapePrimitive {
  public:
   PagedAttention(mx::Stream s, float scale, int64_t block_size, int64_t window, int mode,
-                 int64_t chunk, float softcap, bool sinks)
+                 int64_t chunk, float softcap, bool sinks, bool latent)
       : SameShapePrimitive(s, "paged_attention"), scale_(scale), block_size_(block_size),
-        window_(window), mode_(mode), chunk_(chunk), softcap_(softcap), sinks_(sinks) {}
+        window_(window), mode_(mode), chunk_(chunk), softcap_(softcap), sinks_(sinks),
+        latent_(latent) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -1243,6 +1345,7 @@ class PagedAttention : public SameShapePrimitive {
         in[1].shape(0), in[2].shape(0), window_, scale_};
     a.chunk = chunk_;
     a.softcap = softcap_;
+    a.latent = latent_;
     if (sinks_) {  // after the signs, before the fresh K/V
       a.sinks = in[6].data<float>();
     }
@@ -1270,11 +1373,14 @@ class PagedAttention : public SameShapePrimitive {
   int64_t chunk_;
   float softcap_;
   bool sinks_;
+  bool latent_;
 };
 
 // out = paged_attention(q [N, H, D], kv_pool [slots, Hkv, 2D], tables int32 [S, MB],
 //                       seqs int32 [N], lens int32 [N], scale, block_size, window,
-//                       kv_mode, rht_signs, ..., chunk, softcap, sinks) -> [N, H, D]
+//                       kv_mode, rht_signs, ..., chunk, softcap, sinks, latent) -> [N, H, D]
+// latent: kv_pool is a dense MLA pool [slots, 1, D] whose rows are keys and values at once
+// (the absorbed form of multi-head latent attention; the caller keeps the latent part).
 // softcap > 0: the scaled scores become softcap * tanh(scores / softcap) (0: none); sinks:
 // float [H], one logit per query head that joins the softmax's denominator (gpt-oss).
 // kv_mode != 0 (vun::KVMode): kv_pool is uint8/int8 [slots, Hkv, cell bytes] of that format;
@@ -1285,8 +1391,12 @@ mx::array paged_attention(
     std::optional<mx::array> rht_signs, std::optional<mx::array> fresh_k,
     std::optional<mx::array> fresh_v, std::optional<mx::array> raw_from,
     std::optional<mx::array> raw_row0, int64_t chunk, float softcap,
-    std::optional<mx::array> sinks, nb::handle stream) {
+    std::optional<mx::array> sinks, bool latent, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "paged_attention");
+  if (latent && (kv_mode != vun::kKVDense || kv_pool.ndim() != 3 || kv_pool.shape(1) != 1)) {
+    raise_py(PyExc_ValueError,
+             "paged_attention: a latent pool is dense (kv_mode 0) and [slots, 1, D]");
+  }
   if (kv_mode < vun::kKVDense || kv_mode > vun::kKVLastMode) {
     raise_py(PyExc_ValueError,
              "paged_attention: kv_mode must be 0 (dense), 1 (int8), 2 (int4), 3 (fp8) or 4 "
@@ -1294,7 +1404,8 @@ mx::array paged_attention(
   }
   const bool quant = kv_mode != vun::kKVDense;
   const int64_t want_c = quant && q.ndim() == 3
-      ? static_cast<int64_t>(vun::kv_cell_bytes(kv_mode, q.shape(2))) : 2 * q.shape(2);
+      ? static_cast<int64_t>(vun::kv_cell_bytes(kv_mode, q.shape(2)))
+      : (latent ? 1 : 2) * q.shape(2);
   if (q.ndim() != 3 || kv_pool.ndim() != 3 || kv_pool.shape(2) != want_c ||
       kv_pool.shape(1) < 1 || q.shape(1) % kv_pool.shape(1) != 0) {
     raise_py(
@@ -1378,7 +1489,7 @@ mx::array paged_attention(
   return mx::array(
       q.shape(), q.dtype(),
       std::make_shared<PagedAttention>(s, scale, block_size, window, kv_mode, chunk, softcap,
-                                       sinks.has_value()),
+                                       sinks.has_value(), latent),
       std::move(inputs));
 }
 
@@ -2248,6 +2359,12 @@ NB_MODULE(_native, m) {
   m.def("silu_mul", &silu_mul, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 silu(gate) * up (mlx-lm's SwiGLU), vectorized; CPU streams only.");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 gelu_approx(gate) * up (Gemma's GeGLU), vectorized; CPU streams only.");
+  m.def("softcap", &softcap, nb::arg("x"), nb::arg("cap"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 cap * tanh(x / cap) (logit soft-capping), vectorized; CPU streams only.");
   m.def("paged_attention", &paged_attention, nb::arg("q"), nb::arg("kv_pool"),
         nb::arg("tables"), nb::arg("seqs"), nb::arg("lens"), nb::arg("scale"),
         nb::arg("block_size"), nb::arg("window") = 0, nb::kw_only(),
@@ -2255,11 +2372,12 @@ NB_MODULE(_native, m) {
         nb::arg("fresh_k").none() = nb::none(), nb::arg("fresh_v").none() = nb::none(),
         nb::arg("raw_from").none() = nb::none(), nb::arg("raw_row0").none() = nb::none(),
         nb::arg("chunk") = 0, nb::arg("softcap") = 0.f, nb::arg("sinks").none() = nb::none(),
-        nb::arg("stream") = nb::none(),
+        nb::arg("latent") = false, nb::arg("stream") = nb::none(),
         "Lazy attention read from a paged K|V pool [slots, Hkv, 2D] through block tables, one "
         "query token per row (row r: sequence seqs[r], keys [0, lens[r])); q [N, H, D] -> "
         "[N, H, D]; softcap > 0 caps the scaled scores (softcap * tanh(s / softcap)), sinks "
-        "[H] join the softmax's denominator; CPU streams only.");
+        "[H] join the softmax's denominator; latent: the pool is an MLA pool [slots, 1, D] "
+        "whose rows are both keys and values; CPU streams only.");
   m.def("write_kv_quant", &write_kv_quant, nb::arg("dst"), nb::arg("slot_mapping"),
         nb::arg("keys"), nb::arg("values"), nb::arg("kv_mode"),
         nb::arg("rht_signs").none() = nb::none(), nb::kw_only(), nb::arg("stream") = nb::none(),

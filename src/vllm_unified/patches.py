@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -531,6 +531,30 @@ def route_mlx_lm_swiglu(model: Any, replacement: Callable[..., Any]) -> list[str
         if getattr(module, "swiglu", None) is original:
             module.swiglu = replacement
             patched.append(name)
+    return patched
+
+
+def route_mlx_lm_functions(model: Any, routes: Mapping[str, Mapping[str, Callable[..., Any]]]
+                           ) -> list[tuple[str, str]]:
+    """Point module-level function names of mlx-lm model modules at replacements (mlx-lm
+    0.32.2): ``routes`` maps a module to ``{name: replacement}``; only modules that define a
+    layer of ``model`` and still bind their own function under that name are patched (so this
+    is idempotent), module-wide, as :func:`route_mlx_lm_swiglu` does. Applied by
+    :func:`vllm_unified.models.cpu_activations.install_cpu_activations` (Gemma 4's compiled
+    ``geglu`` and ``logit_softcap``, which run MLX's scalar CPU ``tanh``).
+
+    Returns:
+        ``(module, name)`` of each name patched now.
+    """
+    patched = []
+    for module_name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(module_name)
+        for name, replacement in routes.get(module_name, {}).items():
+            current = getattr(module, name, None)
+            if current is None or current is replacement:
+                continue
+            setattr(module, name, replacement)
+            patched.append((module_name, name))
     return patched
 
 

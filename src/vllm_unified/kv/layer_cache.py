@@ -204,7 +204,8 @@ class PagedLatentCache(PagedLayerCache):
         ctx = get_step_context()
         return dispatch.paged_attention_latent(queries, self._arrays()[self.layer], ctx.attn,
                                                scale, self.latent_dim,
-                                               after=ctx.written.get(self.layer))
+                                               after=ctx.written.get(self.layer),
+                                               backend=self.backend)
 
     def fuses_decode(self, dtype: mx.Dtype, head_dim: int) -> bool:
         return False

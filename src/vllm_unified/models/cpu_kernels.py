@@ -37,6 +37,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from vllm_unified import bridge, envs, patches
+from vllm_unified.models.cpu_activations import install_cpu_activations
 
 _original_swiglu = mlx_activations.swiglu
 
@@ -191,6 +192,35 @@ class NativeRMSNorm(nn.RMSNorm):
         return native.rms_norm(x, weight, self.eps)
 
 
+class NativeOffsetRMSNorm:
+    """Mixin for mlx-lm's Gemma norms: ``mx.fast.rms_norm(x, 1 + weight, eps)`` (Gemma 2 / 3's
+    ``RMSNorm``) or without a weight (Gemma 4's ``RMSNormNoScale``) as one native primitive
+    for fp32 inputs, the module's own call otherwise."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        native = bridge.native_kernels()
+        if "weight" in self:
+            weight = 1.0 + self["weight"]
+        else:
+            weight = _ONES.get(x.shape[-1])
+            if weight is None:
+                weight = _ONES[x.shape[-1]] = mx.ones((x.shape[-1],), dtype=mx.float32)
+        if native is None or x.dtype != mx.float32 or weight.dtype != mx.float32:
+            return super().__call__(x)
+        return native.rms_norm(x, weight, self.eps)
+
+
+_ONES: dict[int, mx.array] = {}
+
+
+def _gemma_norm_routes() -> dict[type, type]:
+    from mlx_lm.models import gemma2, gemma3_text, gemma4_text
+
+    return {cls: type(f"Native{cls.__name__}", (NativeOffsetRMSNorm, cls), {"__doc__": (
+        f"{cls.__module__}.{cls.__name__} on the native RMSNorm (:class:`NativeOffsetRMSNorm`).")})
+        for cls in (gemma2.RMSNorm, gemma3_text.RMSNorm, gemma4_text.RMSNormNoScale)}
+
+
 _INV_FREQS: dict[tuple[int, float], mx.array] = {}
 
 
@@ -224,6 +254,53 @@ class NativeRoPE(nn.RoPE):
                            self.scale, offsets)
 
 
+def _native_freqs_rope(x: mx.array, offset: int | mx.array, dims: int, traditional: bool,
+                       freqs: mx.array, x_scale: float = 1.0) -> mx.array | None:
+    """``mx.fast.rope(x * x_scale (first dims features), dims, base=None, scale=1.0,
+    freqs=freqs)`` by the native primitive (inverse frequencies ``1 / freqs``, computed once
+    per ``freqs`` array), or None where it does not apply (see :class:`NativeRoPE`)."""
+    native = bridge.native_kernels()
+    offsets = _rope_offsets(offset, x)
+    if native is None or x.dtype != mx.float32 or freqs.dtype != mx.float32 or offsets is None:
+        return None
+    inv = _INV_FROM_FREQS.get(id(freqs))
+    if inv is None or inv[0] is not freqs:
+        inv = (freqs, mx.reciprocal(freqs))
+        mx.eval(inv[1])
+        _INV_FROM_FREQS[id(freqs)] = inv
+    if x_scale != 1.0 and dims == x.shape[-1]:
+        x = x * x_scale
+    elif x_scale != 1.0:
+        x = mx.concatenate([x[..., :dims] * x_scale, x[..., dims:]], axis=-1)
+    return native.rope(x, dims, traditional, inv[1], 1.0, offsets)
+
+
+#: id(freqs) -> (freqs, 1 / freqs): the frequencies are kept so that the id stays theirs
+_INV_FROM_FREQS: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+class NativeFreqsRoPE:
+    """Mixin for mlx-lm's RoPE variants that call ``mx.fast.rope`` with their own ``_freqs``
+    (Llama 3, LongRoPE (``SuScaledRoPE``, its ``_scale`` on the rotated features),
+    proportional): one native primitive where :func:`_native_freqs_rope` applies, the
+    variant's own call otherwise."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if hasattr(self, "_scale"):  # SuScaledRoPE: dims in ``dim``, never traditional
+            out = _native_freqs_rope(x, offset, self.dim, False, self._freqs, self._scale)
+        else:
+            out = _native_freqs_rope(x, offset, self.dims, self.traditional, self._freqs)
+        return super().__call__(x, offset) if out is None else out
+
+
+def _freqs_rope_routes() -> dict[type, type]:
+    from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE
+
+    return {cls: type(f"Native{cls.__name__}", (NativeFreqsRoPE, cls), {"__doc__": (
+        f"mlx-lm's ``{cls.__name__}`` on the native RoPE (:class:`NativeFreqsRoPE`).")})
+        for cls in (Llama3RoPE, ProportionalRoPE, SuScaledRoPE)}
+
+
 _INT32 = np.iinfo(np.int32)
 
 
@@ -255,6 +332,8 @@ _ROUTES: dict[type, type] = {
 }
 _DENSE_ROUTES: dict[type, type] = {nn.QuantizedLinear: NativeLinear,
                                    nn.QuantizedEmbedding: NativeEmbedding}
+_FREQS_ROPES: dict[type, type] = _freqs_rope_routes()
+_GEMMA_NORMS: dict[type, type] = _gemma_norm_routes()
 _NAMES = {NativeLinear: "linear", NativeEmbedding: "embedding",
           NativeQuantizedLinear: "quantized linear",
           NativeQuantizedEmbedding: "quantized embedding", NativeRMSNorm: "RMSNorm",
@@ -327,8 +406,11 @@ def install_cpu_kernels(model: Any) -> list[str]:
     bfloat16 scales). Other
     quantized layers (mxfp4, nvfp4, mxfp8, ...) are dequantized to fp32 here, as the loader
     would have done (MLX's CPU quantized matmul runs on one core), and named in the result.
-    ``nn.RMSNorm`` / ``nn.RoPE`` instances become :class:`NativeRMSNorm` / :class:`NativeRoPE`
-    (each falls back to MLX for inputs it does not cover). Idempotent.
+    ``nn.RMSNorm`` / ``nn.RoPE`` instances become :class:`NativeRMSNorm` / :class:`NativeRoPE`,
+    mlx-lm's Llama 3 / LongRoPE / proportional RoPE their :class:`NativeFreqsRoPE` subclass,
+    Gemma's norms their :class:`NativeOffsetRMSNorm` subclass (each falls back to MLX for
+    inputs it does not cover); Gemma's GeGLU and logit soft-capping go to their kernels
+    (:mod:`vllm_unified.models.cpu_activations`). Idempotent.
 
     Returns:
         What was routed (and left), for the log; empty on other backends.
@@ -374,6 +456,12 @@ def install_cpu_kernels(model: Any) -> list[str]:
         elif type(module) is nn.RoPE and module.base is not None:
             module.__class__ = NativeRoPE
             counts[NativeRoPE] = counts.get(NativeRoPE, 0) + 1
+        elif type(module) in _GEMMA_NORMS:
+            module.__class__ = _GEMMA_NORMS[type(module)]
+            counts[NativeRMSNorm] = counts.get(NativeRMSNorm, 0) + 1
+        elif type(module) in _FREQS_ROPES:
+            module.__class__ = _FREQS_ROPES[type(module)]
+            counts[NativeRoPE] = counts.get(NativeRoPE, 0) + 1
     routed = [f"{n} {_NAMES[route]} layers" for route, n in counts.items() if n]
     routed += [f"{n} {what} layers dequantized to float32 (no native kernel for them)"
                for what, n in left.items()]
@@ -385,4 +473,4 @@ def install_cpu_kernels(model: Any) -> list[str]:
             routed.append(f"quantized linears on AMX tiles from {native.AMX_MIN_ROWS} rows")
         routed.append(arithmetic)
     routed += [f"swiglu of {name}" for name in patches.route_mlx_lm_swiglu(model, swiglu)]
-    return routed
+    return routed + install_cpu_activations(model)

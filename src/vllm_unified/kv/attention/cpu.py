@@ -38,9 +38,10 @@ def paged_attention_rows(
     window: Window, kv_mode: int = 0, rht_signs: mx.array | None = None,
     fresh: tuple[mx.array, mx.array, mx.array, mx.array] | None = None,
     chunk: Chunk = None,
-    softcap: float | None = None, sinks: mx.array | None = None,
+    softcap: float | None = None, sinks: mx.array | None = None, latent: bool = False,
 ) -> mx.array:
-    """Every token row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V).
+    """Every token row's attention over ``kv_pool`` (``[slots, Hkv, 2 * D]``, K then V; with
+    ``latent``, an MLA pool ``[slots, 1, D]`` whose rows are keys and values at once).
 
     Args:
         queries: ``[T, H, 1, D]`` (RoPE'd), token-major as the runner lays a step out, in the
@@ -85,6 +86,8 @@ def paged_attention_rows(
         extra["softcap"] = float(softcap)
     if sinks is not None:
         extra["sinks"] = sinks
+    if latent:
+        extra["latent"] = True
     out = native.paged_attention(queries.reshape(tokens, heads, dim), kv_pool, tables, seqs,
                                  lens, scale, meta.block_size, window or 0, kv_mode=kv_mode,
                                  rht_signs=rht_signs, chunk=chunk or 0, **extra)
@@ -96,6 +99,19 @@ def takes(softcap: float | None, sinks: mx.array | None) -> bool:
     only an extension built from sources that have them (an older build would refuse the
     arguments)."""
     return (softcap is None and sinks is None) or _has_logit_options()
+
+
+@functools.cache
+def takes_latent() -> bool:
+    """Whether the native kernel has the latent (MLA) mode (an extension built before it had
+    it is passed over for the reference, logged once)."""
+    native = bridge.native_kernels()
+    ok = native is not None and "latent" in (native.paged_attention.__doc__ or "")
+    if native is not None and not ok:
+        logger.warning("the native CPU attention kernel was built without the latent (MLA) "
+                       "mode: MLA layers are attended by the pure-MLX reference (rebuild the "
+                       "extension with scripts/setup.sh)")
+    return ok
 
 
 @functools.cache

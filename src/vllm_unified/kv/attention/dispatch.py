@@ -203,11 +203,11 @@ def _cpu_rows_kernel(backend: BackendProfile) -> bool:
     return backend.cpu_attention
 
 
-#: Why MLA layers are attended by the reference on every backend (for the start-up log).
+#: Why MLA layers are attended by the reference on GPU backends (for the start-up log).
 LATENT_ROUTE_REASON = (
-    "MLA layers are attended by the pure-MLX reference (gather + SDPA, key = value = the "
-    "latent row): the native CPU and paged GPU kernels read K and V as two halves of a cell "
-    "and take head sizes up to 256")
+    "MLA layers are attended by the native CPU kernel on MLX's CPU backend (key = value = the "
+    "latent row) and by the pure-MLX reference (gather + SDPA) elsewhere: the paged GPU "
+    "kernels read K and V as two halves of a cell and take head sizes up to 256")
 
 
 def paged_attention_latent(
@@ -218,15 +218,25 @@ def paged_attention_latent(
     latent_dim: int,
     window: int | None = None,
     after: mx.array | None = None,
+    backend: BackendProfile | None = None,
 ) -> mx.array:
     """:func:`vllm_unified.kv.attention.reference.paged_attention_latent` (same arguments,
-    shapes and result), the production entry for MLA layers. Every backend runs the reference
-    for now (:data:`LATENT_ROUTE_REASON`).
+    shapes and result), the production entry for MLA layers: the native CPU kernel where the
+    profile (``backend``, default :func:`vllm_unified.backend.profile`) attends rows with it
+    and the extension has its latent mode, the reference elsewhere
+    (:data:`LATENT_ROUTE_REASON`). ``after`` orders the reference's reads after a GPU write;
+    the CPU kernel reads the pool array the native write returned.
 
     Raises:
         ValueError: as the reference.
     """
     if not meta.num_tokens:
         return mx.zeros((*queries.shape[:-1], latent_dim), dtype=queries.dtype)
+    backend = backend or profile()
+    if _cpu_rows_kernel(backend) and cpu_attention.takes_latent():
+        reference.check_latent_pool(queries, latent_pool, meta, latent_dim, window)
+        out = cpu_attention.paged_attention_rows(queries, latent_pool, meta, scale, window,
+                                                 latent=True)
+        return out[..., :latent_dim]
     return reference.paged_attention_latent(queries, latent_pool, meta, scale, latent_dim,
                                             window, after)
