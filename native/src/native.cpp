@@ -706,18 +706,23 @@ std::vector<mx::array> gather_kv(const mx::array& pool, const mx::array& rows, n
 }
 
 // ---------------------------------------------------------------------------------------------
-// silu_mul
+// silu_mul, gelu_tanh_mul, softcap
 
-// out = silu(gate) * up for fp32 arrays of one shape (the vectorized loop is in cpu_math.cpp).
-class SiluMul : public SameShapePrimitive {
+// The row kernel of a gated activation: out[i] = act(gate[i]) * up[i] over n fp32 values.
+using GatedKernel = void (*)(const float*, const float*, float*, size_t);
+
+// out = act(gate) * up for fp32 arrays of one shape; act is the kernel's (the vectorized loops
+// are in cpu_math.cpp): silu for "silu_mul", tanh-approximated GELU for "gelu_tanh_mul".
+class GatedActivation : public SameShapePrimitive {
  public:
-  explicit SiluMul(mx::Stream s) : SameShapePrimitive(s, "silu_mul") {}
+  GatedActivation(mx::Stream s, const char* op, const char* name, GatedKernel kernel)
+      : SameShapePrimitive(s, op), op_(op), name_(name), kernel_(kernel) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     auto& enc = mx::cpu::get_command_encoder(stream());
     if (inputs[0].shape() != inputs[1].shape()) {  // re-checked: shapeless compilation
-      throw std::invalid_argument("[silu_mul] gate and up differ in shape");
+      throw std::invalid_argument(std::string("[") + op_ + "] gate and up differ in shape");
     }
     const mx::array gate = row_contiguous(inputs[0], enc);
     const mx::array up = row_contiguous(inputs[1], enc);
@@ -726,80 +731,48 @@ class SiluMul : public SameShapePrimitive {
     enc.set_input_array(up);
     enc.set_output_array(out);
     enc.dispatch([g = gate.data<float>(), u = up.data<float>(), o = out.data<float>(),
-                  n = out.size()]() {
-      split_work(n, 1, 64, [&](size_t b, size_t e) {
-        vun::silu_mul_f32(g + b, u + b, o + b, e - b);
-      });
+                  n = out.size(), kernel = kernel_]() {
+      split_work(n, 1, 64, [&](size_t b, size_t e) { kernel(g + b, u + b, o + b, e - b); });
     });
   }
 
-  const char* name() const override {
-    return "SiluMul";
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return kernel_ == static_cast<const GatedActivation&>(other).kernel_;
   }
+
+  const char* name() const override {
+    return name_;
+  }
+
+ private:
+  const char* op_;
+  const char* name_;
+  GatedKernel kernel_;
 };
 
-mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream, "silu_mul");
+mx::array gated_activation(const mx::array& gate, const mx::array& up, nb::handle stream,
+                           const char* op, const char* name, GatedKernel kernel) {
+  const mx::Stream s = resolve_stream(stream, op);
   if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
-    raise_py(PyExc_TypeError, "silu_mul: gate and up must be float32");
+    raise_py(PyExc_TypeError, std::string(op) + ": gate and up must be float32");
   }
   if (gate.shape() != up.shape()) {
     raise_py(
         PyExc_ValueError,
-        "silu_mul: gate " + shape_str(gate.shape()) + " and up " + shape_str(up.shape()) +
-            " differ in shape");
+        std::string(op) + ": gate " + shape_str(gate.shape()) + " and up " +
+            shape_str(up.shape()) + " differ in shape");
   }
-  return mx::array(
-      gate.shape(), mx::float32, std::make_shared<SiluMul>(s),
-      {gate, up});
+  return mx::array(gate.shape(), mx::float32,
+                   std::make_shared<GatedActivation>(s, op, name, kernel), {gate, up});
 }
 
-// ---------------------------------------------------------------------------------------------
-// gelu_tanh_mul, softcap
-
-// out = gelu_tanh(gate) * up for fp32 arrays of one shape (the vectorized loop is in
-// cpu_math.cpp).
-class GeluTanhMul : public SameShapePrimitive {
- public:
-  explicit GeluTanhMul(mx::Stream s) : SameShapePrimitive(s, "gelu_tanh_mul") {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    if (inputs[0].shape() != inputs[1].shape()) {  // re-checked: shapeless compilation
-      throw std::invalid_argument("[gelu_tanh_mul] gate and up differ in shape");
-    }
-    const mx::array gate = row_contiguous(inputs[0], enc);
-    const mx::array up = row_contiguous(inputs[1], enc);
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    enc.set_input_array(gate);
-    enc.set_input_array(up);
-    enc.set_output_array(out);
-    enc.dispatch([g = gate.data<float>(), u = up.data<float>(), o = out.data<float>(),
-                  n = out.size()]() {
-      split_work(n, 1, 64, [&](size_t b, size_t e) {
-        vun::gelu_tanh_mul_f32(g + b, u + b, o + b, e - b);
-      });
-    });
-  }
-
-  const char* name() const override {
-    return "GeluTanhMul";
-  }
-};
+mx::array silu_mul(const mx::array& gate, const mx::array& up, nb::handle stream) {
+  return gated_activation(gate, up, stream, "silu_mul", "SiluMul", &vun::silu_mul_f32);
+}
 
 mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, nb::handle stream) {
-  const mx::Stream s = resolve_stream(stream, "gelu_tanh_mul");
-  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
-    raise_py(PyExc_TypeError, "gelu_tanh_mul: gate and up must be float32");
-  }
-  if (gate.shape() != up.shape()) {
-    raise_py(
-        PyExc_ValueError,
-        "gelu_tanh_mul: gate " + shape_str(gate.shape()) + " and up " + shape_str(up.shape()) +
-            " differ in shape");
-  }
-  return mx::array(gate.shape(), mx::float32, std::make_shared<GeluTanhMul>(s), {gate, up});
+  return gated_activation(gate, up, stream, "gelu_tanh_mul", "GeluTanhMul",
+                          &vun::gelu_tanh_mul_f32);
 }
 
 // out = cap * tanh(x / cap) for an fp32 array.
