@@ -23,6 +23,8 @@ COMMANDS = {
                 "greedy output with a quantized KV cache on the GPU against the CPU backend"),
     "fusion-probe": ("cuda_fusion_probe",
                      "plain mlx-lm decode step with fused projections (host-bound GPU step)"),
+    "kernel-checks": ("cuda_kernel_checks",
+                      "paged attention kernels' CUDA instance vs the reference (fp32, TF32)"),
 }
 
 if __name__ == "__main__":
