@@ -10,7 +10,6 @@ tests cover the state pages and the recurrent-layer adapter directly.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import os
 import re
@@ -25,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_llm
-from tiny_models import HYBRID_FAMILIES, make_tiny_checkpoint
+from tiny_models import HYBRID_FAMILIES, make_tiny_checkpoint, mlx_lm_generate_step_ids
 
 from vllm_unified import bridge
 from vllm_unified.kv.attention.metadata import build_attention_metadata
@@ -96,12 +95,7 @@ def checkpoint(family, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> list[list[int]]:
     """mlx-lm's own greedy generation, one prompt at a time, with its own caches."""
-    from mlx_lm.generate import generate_step
-
-    model = load_model(checkpoint, hf_config=None, dtype=mx.float32, keep_quantized=False).model
-    return [[int(t) for t, _ in itertools.islice(
-        generate_step(mx.array(p), model, max_tokens=NEW_TOKENS), NEW_TOKENS)]
-        for p in PROMPTS]
+    return mlx_lm_generate_step_ids(checkpoint, PROMPTS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

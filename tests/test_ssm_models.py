@@ -10,7 +10,6 @@ policy without an engine.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_llm
-from tiny_models import SSM_FAMILIES, make_tiny_checkpoint
+from tiny_models import SSM_FAMILIES, make_tiny_checkpoint, mlx_lm_generate_step_ids
 
 from vllm_unified.kv.attention.metadata import build_attention_metadata
 from vllm_unified.kv.forward_context import StepContext, set_step_context
@@ -60,12 +59,7 @@ def checkpoint(family, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> list[list[int]]:
     """mlx-lm's own greedy generation (``generate_step``), one prompt at a time."""
-    from mlx_lm.generate import generate_step
-
-    model = load_model(checkpoint, hf_config=None, dtype=mx.float32, keep_quantized=False).model
-    return [[int(t) for t, _ in itertools.islice(
-        generate_step(mx.array(p), model, max_tokens=NEW_TOKENS), NEW_TOKENS)]
-        for p in PROMPTS]
+    return mlx_lm_generate_step_ids(checkpoint, PROMPTS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

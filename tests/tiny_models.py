@@ -550,3 +550,20 @@ def mlx_lm_greedy(folder: str | Path, prompt: list[int], n: int,
     model = load_model(str(folder), hf_config=None, dtype=mx.float32, keep_quantized=False,
                        max_model_len=max_model_len).model
     return greedy_ids(model, prompt, n)
+
+
+def mlx_lm_generate_step_ids(folder: str | Path, prompts: list[list[int]],
+                             n: int) -> list[list[int]]:
+    """``n`` greedy ids per prompt from mlx-lm's own ``generate_step`` (one prompt at a time,
+    its own caches) on ``folder`` loaded in fp32 by our loader: the hybrid and state-space
+    engine tests' reference."""
+    import itertools
+
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from vllm_unified.models.loader import load_model
+
+    model = load_model(str(folder), hf_config=None, dtype=mx.float32, keep_quantized=False).model
+    return [[int(t) for t, _ in itertools.islice(generate_step(mx.array(p), model, max_tokens=n),
+                                                  n)] for p in prompts]
