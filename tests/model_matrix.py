@@ -674,6 +674,27 @@ REFERENCE_WITHOUT_CACHE = {
 }
 
 
+def _bitlinear_without_metal(model: Any) -> None:
+    """Where MLX has no Metal backend, compute ``model``'s mlx-lm ``BitLinear`` layers as their
+    Metal kernel does (``out[:, r + j * out / 4] = sum_c x[:, c] * (code_j[r, c] - 1) * s``,
+    code j in bits 2j..2j+1 of the packed byte), in plain MLX ops on the unpacked codes."""
+    import mlx.core as mx
+    from mlx_lm.models.bitlinear_layers import BitLinear
+
+    if mx.metal.is_available():
+        return
+
+    def matmul(self: Any, x: Any, packed: Any) -> Any:
+        codes = mx.concatenate([(packed >> (2 * j)) & 3 for j in range(4)], axis=0)
+        scale = self.weight_scale[0]
+        scale = 1 / scale if self.invert_weight_scales else scale
+        return (x @ (codes.astype(x.dtype) - 1).T) * scale
+
+    for _, m in model.named_modules():
+        if isinstance(m, BitLinear):
+            m.execute_matmul_kernel = matmul.__get__(m)
+
+
 def mlx_lm_reference(folder: Path, prompt_ids: list[list[int]], n: int) -> list[list[int]]:
     """mlx-lm's own greedy generation (``generate_step``, its own ``make_prompt_cache``), one
     prompt at a time, ``n`` new tokens each; for :data:`REFERENCE_WITHOUT_CACHE` types (the
@@ -682,6 +703,7 @@ def mlx_lm_reference(folder: Path, prompt_ids: list[list[int]], n: int) -> list[
     from mlx_lm.generate import generate_step
 
     model = load_reference_model(folder)
+    _bitlinear_without_metal(model)
     out = []
     if Path(folder).name in REFERENCE_WITHOUT_CACHE:
         for prompt in prompt_ids:

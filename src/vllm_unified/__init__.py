@@ -63,8 +63,9 @@ def register_general() -> None:
     :func:`vllm_unified.patches.load_structured_output_tokenizer_lazily`) where our platform
     is active, a stand-in for torchvision where it is not installed
     (:func:`vllm_unified.patches.stand_in_for_missing_torchvision`: vLLM's multimodal model
-    modules import it), and the mlx-lm model types transformers and vLLM do not know
-    (:func:`vllm_unified.models.registration.register_mlx_lm_types`). Imports vLLM's scheduler
+    modules import it), and the mlx-lm model types transformers and vLLM do not know or read
+    otherwise (:func:`vllm_unified.models.registration.register_mlx_lm_types`,
+    :func:`~vllm_unified.models.registration.as_image_text_config`). Imports vLLM's scheduler
     modules, never MLX."""
     if not _active():
         return
@@ -76,6 +77,7 @@ def register_general() -> None:
     # before vLLM inspects a multimodal architecture: its module imports torchvision
     patches.stand_in_for_missing_torchvision()
     # lazy: imports transformers and vLLM's model registry, which only a vLLM process needs
-    from vllm_unified.models.registration import register_mlx_lm_types
+    from vllm_unified.models.registration import as_image_text_config, register_mlx_lm_types
 
     register_mlx_lm_types()
+    patches.convert_model_configs(as_image_text_config)

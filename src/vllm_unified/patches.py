@@ -505,6 +505,27 @@ def stop_engine_core_gracefully(seconds: float, logger: logging.Logger) -> None:
     logging.getLogger("vllm.v1.engine.async_llm").addFilter(_ExpectedEngineDeadFilter(logger))
 
 
+def convert_model_configs(convert: Callable[[Any], Any]) -> None:
+    """Pass every HF config vLLM reads through ``get_config`` (``ModelConfig``'s, after vLLM's
+    own ``hf_overrides``, and the generation config's) through ``convert`` before vLLM
+    inspects it. Applied by the general-plugin entry point, in every vLLM process.
+    Idempotent."""
+    import vllm.config.model as model_config
+    import vllm.transformers_utils.config as config_utils
+
+    real = config_utils.get_config
+    if getattr(real, "__wrapped_by_vllm_unified__", False):
+        return
+
+    def get_config(*args: Any, **kwargs: Any) -> Any:
+        return convert(real(*args, **kwargs))
+
+    get_config.__wrapped_by_vllm_unified__ = True  # type: ignore[attr-defined]
+    # the module's own callers and ModelConfig's name for it
+    config_utils.get_config = get_config
+    model_config.get_config = get_config
+
+
 # -- mlx-lm ----------------------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from vllm_unified.distributed.pipeline import PipelineStage
 from vllm_unified.models.activations import match_config_activations
+from vllm_unified.models.bitlinear import replace_bitlinears
 from vllm_unified.models.cache_fixes import match_cache_windows
 from vllm_unified.models.capability import UnsupportedModel
 from vllm_unified.models.config import mlx_lm_config, model_classes
@@ -344,6 +345,7 @@ def _load_folder(
         raise ValueError(f"model type {config['model_type']!r}: the config does not fit "
                          f"mlx-lm's ModelArgs ({e})") from e
     match_config_activations(model, config)
+    replace_bitlinears(model)
     model, config = language_model_of(model, config)
     apply_config_multipliers(model, config)
     match_cache_windows(model, config)

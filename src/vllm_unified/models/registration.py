@@ -41,7 +41,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from vllm_unified import compat
 
-__all__ = ["MLX_LM_ATTENTION_FREE_ARCHITECTURES", "MLX_LM_HYBRID_ARCHITECTURES",
+__all__ = ["ENCODER_TYPES_AT_TOP", "MLX_LM_ATTENTION_FREE_ARCHITECTURES",
+           "MLX_LM_HYBRID_ARCHITECTURES", "as_image_text_config",
            "MLXLMAttentionFreeModel", "MLXLMConfig", "MLXLMHybridModel", "MLXLMOnlyModel",
            "mlx_lm_model_types", "record_state_layout", "register_mlx_lm_types"]
 
@@ -267,3 +268,29 @@ def register_mlx_lm_types() -> list[str]:
         AutoConfig.register(model_type, cls)
         done.append(model_type)
     return done
+
+
+#: model types transformers knows as a vision encoder's config, which mlx-lm (for mlx-vlm's
+#: conversions) also reads as the top-level type of a whole image-text checkpoint, with a
+#: ``text_config``: the image-text model type Hugging Face's own checkpoints of the family use
+ENCODER_TYPES_AT_TOP: dict[str, str] = {"pixtral": "llava"}
+
+
+def as_image_text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """``config`` unchanged, unless transformers read a whole image-text checkpoint's
+    config.json as its vision encoder's config (a type of :data:`ENCODER_TYPES_AT_TOP` with a
+    ``text_config`` dict): then the family's image-text config built from the file's keys
+    (``to_diff_dict``: the keys the encoder class does not default), which vLLM serves as it
+    serves Hugging Face's checkpoints of the family. Without this vLLM stops at start-up with
+    "The text_config ... does not have `num_attention_heads`"."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    image_text = ENCODER_TYPES_AT_TOP.get(getattr(config, "model_type", None))
+    if image_text is None or not isinstance(getattr(config, "text_config", None), dict):
+        return config
+    keys = {k: v for k, v in config.to_diff_dict().items()
+            if k not in ("model_type", "transformers_version")}
+    converted = CONFIG_MAPPING[image_text](**keys)
+    logger.info("config.json's model_type %r with a text_config: read as %r (the image-text "
+                "checkpoint mlx-lm reads it as)", config.model_type, image_text)
+    return converted
