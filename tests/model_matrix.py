@@ -237,6 +237,13 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "plamo2": {"num_hidden_layers": 4, "hidden_size_per_head": 32,
                "attention_window_size": 512},
     "falcon_h1": {"num_hidden_layers": 2, "mamba_d_ssm": 192, "mamba_n_heads": 6},
+    # DeciLM's heterogeneous blocks: GQA 3:1, no attention, full MHA without an MLP, linear
+    # stand-ins for both (the first block attends: mlx-lm builds the mask from cache 0)
+    "nemotron-nas": {"num_hidden_layers": 4, "block_configs": [
+        {"attention": {"n_heads_in_group": 3}, "ffn": {"ffn_mult": 1.0}},
+        {"attention": {"no_op": True}, "ffn": {"ffn_mult": 0.5}},
+        {"attention": {"n_heads_in_group": 1}, "ffn": {"no_op": True}},
+        {"attention": {"replace_with_linear": True}, "ffn": {"replace_with_linear": True}}]},
     # RoPE variants the families are built with
     "deepseek_v2": {"n_routed_experts": 4, "rope_scaling": {"type": "yarn", "factor": 2.0,
                                      "original_max_position_embeddings": 256,
@@ -270,12 +277,30 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     # checkpoints carry it (mlx-lm reads it only there, transformers also at the top level)
     "qwen3_5": {"text_config": {"num_hidden_layers": 4, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
+    "prism_hadamard_qwen35": lambda cfg: _hadamard_pack(cfg),
     # written out: vLLM's config class and mlx-lm default both differently when absent
     "muse_glimmer": {"num_hidden_layers": 4, "qk_scale_factor": 3.87,
                      "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
     "spark2_5": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL, "hidden_act": "gelu",
                  "rope_parameters": _ROPE_BY_LAYER_TYPE},
 }
+
+def _hadamard_pack(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Hadamard-rotated 2-bit pack of the tiny Qwen3.5 text model: packed input widths are
+    multiples of 128 and rotation blocks 512 or more, so hidden 128 and MLP width 512; the
+    embedding and one MLP packed, its down projection rotated (:func:`randomize_packs`)."""
+    text = tiny_config("qwen3_5")["text_config"]
+    text.update(hidden_size=128, intermediate_size=512, model_type="qwen3_5")
+    modules = [{"path": f"model.{path}", "embedding": path == "embed_tokens",
+                "dtype": "float16", "block": block}
+               for path, block in (("embed_tokens", 0), ("layers.3.mlp.gate_proj", 0),
+                                   ("layers.3.mlp.up_proj", 0),
+                                   ("layers.3.mlp.down_proj", 512))]
+    return {"model_type": cfg["model_type"], "schema_version": 1,
+            "tensor_namespace": "mlx-lm-text",
+            "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
+            "modules": modules, "text_config": text}
+
 
 #: model type -> HF architecture name where it is not transformers' causal-LM class for it:
 #: the name real checkpoints carry (vLLM knows most of them)
@@ -313,13 +338,16 @@ WRAPPED_TEXT: dict[str, tuple[str, str]] = {
     "lfm2-vl": ("lfm2", "lfm2"),
 }
 
+#: types mlx-lm cannot build here, as the checkpoints people have: the transformers config and
+#: model class that write them (tiny sizes as :func:`tiny_config`'s). Their reference is vLLM's
+#: CPU backend (fp32): a served one is ``match_vllm`` or ``mismatch``
+TRANSFORMERS_BUILT: dict[str, tuple[str, str]] = {
+    # mlx-lm's olmo module exits at import without the ai2-olmo package (hf_olmo's layout)
+    "olmo": ("OlmoConfig", "OlmoForCausalLM"),
+}
+
 #: model type -> why the matrix has no checkpoint for it (the build error is recorded too)
 KNOWN_UNBUILT: dict[str, str] = {
-    "olmo": "mlx-lm's olmo module needs the ai2-olmo package, which is not installed",
-    "prism_hadamard_qwen35": "needs a Hadamard rotation pack in the checkpoint; the builder "
-                             "makes none",
-    "nemotron-nas": "heterogeneous layers from per-layer block_configs; the builder makes "
-                    "none",
     **dict.fromkeys(("afmoe", "dbrx", "exaone_moe", "kimi_k3", "kimi_linear", "longcat_flash",
                      "mimo_v2_flash", "minimax_m3_vl", "muse_spark"),
                     "mixture of experts (the MoE issue): no tiny config written yet"),
@@ -491,6 +519,30 @@ def randomize(model: Any, seed: int) -> None:
     mx.eval(model.parameters())
 
 
+def randomize_packs(model: Any, seed: int) -> None:
+    """Hadamard-rotated packs (mlx-lm's ``HadamardQuantizedLinear``): random 2-bit codes,
+    sign vectors of +-1 (mlx-lm's sanitize checks them) and 16-bit scales, as packs hold
+    them; :func:`randomize` leaves integer codes at zero and makes signs noise."""
+    import mlx.core as mx
+
+    try:
+        from mlx_lm.models.prism_hadamard_qwen35 import HadamardQuantizedLinear
+    except ImportError:
+        return
+    for i, (_, m) in enumerate(model.named_modules()):
+        if not isinstance(m, HadamardQuantizedLinear):
+            continue
+        key = mx.random.key(seed * 7919 + i)
+        m.weight = mx.random.randint(0, 2**32 - 1, m.weight.shape, key=key).astype(mx.uint32)
+        rows, groups = m.scales.shape
+        m.scales = (mx.random.uniform(0.5, 1.5, (rows, groups), key=key)
+                    * 2 / math.sqrt(m.weight.shape[1] * 16)).astype(mx.float16)
+        m.biases = (-1.5 * m.scales).astype(mx.float16)
+        if m.block:
+            m.signs = mx.where(mx.random.bernoulli(0.5, m.signs.shape, key=key), 1.0, -1.0)
+    mx.eval(model.parameters())
+
+
 def classify(model: Any, cfg: dict[str, Any]) -> tuple[bool, list[str]]:
     """``(moe, features)`` of an instantiated mlx-lm model: routed experts (SwitchGLU /
     SwitchMLP), and the attention / recurrent features docs/models.md lists."""
@@ -573,6 +625,8 @@ def build_checkpoint(model_type: str, root: Path) -> TypeResult:
     """
     result = TypeResult(model_type)
     folder = Path(root) / model_type
+    if model_type in TRANSFORMERS_BUILT:
+        return _build_with_transformers(result, folder)
     try:
         import mlx.core as mx
         from mlx.utils import tree_flatten
@@ -589,6 +643,7 @@ def build_checkpoint(model_type: str, root: Path) -> TypeResult:
         result.moe, result.features = classify(model, cfg)
         _drop_unapplied_window(cfg, result.features)
         randomize(model, _seed(model_type))
+        randomize_packs(model, _seed(model_type))
         folder.mkdir(parents=True, exist_ok=True)
         weights = dict(tree_flatten(model.parameters()))
         mx.save_safetensors(str(folder / "model.safetensors"), weights)
@@ -611,6 +666,32 @@ def build_checkpoint(model_type: str, root: Path) -> TypeResult:
         result.build_error = _one_line(e)
         result.outcome = "not_built"
         result.moe = result.moe or _moe_by_fields(model_type)
+    return result
+
+
+def _build_with_transformers(result: TypeResult, folder: Path) -> TypeResult:
+    """A :data:`TRANSFORMERS_BUILT` type's tiny checkpoint, written by transformers (random
+    initialisation, seeded), with SmolLM2's tokenizer."""
+    try:
+        import torch
+        import transformers
+
+        config_name, model_name = TRANSFORMERS_BUILT[result.model_type]
+        tok = _tokenizer_files(folder.parent)
+        config = getattr(transformers, config_name)(
+            hidden_size=_HIDDEN, intermediate_size=_FFN, num_hidden_layers=_LAYERS,
+            num_attention_heads=_HEADS, num_key_value_heads=_KV_HEADS, vocab_size=VOCAB,
+            max_position_embeddings=512, bos_token_id=tok["bos_token_id"],
+            eos_token_id=tok["eos_token_id"], tie_word_embeddings=False,
+            architectures=[model_name])
+        torch.manual_seed(_seed(result.model_type))
+        model = getattr(transformers, model_name)(config).float()
+        model.save_pretrained(folder)
+        for f in tok["files"]:
+            shutil.copy(f, folder / f.name)
+        result.architecture, result.built, result.reload_identical = model_name, True, True
+    except Exception as e:  # noqa: BLE001 (recorded)
+        result.build_error, result.outcome = _one_line(e), "not_built"
     return result
 
 
@@ -809,7 +890,15 @@ def prepare_type(model_type: str, work: Path) -> TypeResult:
     """Build ``model_type``'s checkpoint and mlx-lm's reference on it; never raises."""
     start = time.monotonic()
     result = build_checkpoint(model_type, work / "checkpoints")
-    if result.built:
+    if result.built and model_type in TRANSFORMERS_BUILT:
+        state, tokens, message = serve(work / "checkpoints" / model_type, prompts(model_type),
+                                       NEW_TOKENS, False, work / "runs" / model_type / "vllm",
+                                       native=True)
+        result.reference = result.vllm_reference = tokens
+        if state != "served":
+            result.outcome = "reference_failed"
+            result.message = f"vLLM's CPU backend failed on the checkpoint: {message}"
+    elif result.built:
         folder = work / "checkpoints" / model_type
         try:
             result.reference = mlx_lm_reference(folder, prompts(model_type), NEW_TOKENS)
@@ -830,6 +919,8 @@ def serve_type(result: TypeResult, work: Path) -> TypeResult:
     result.served, result.message = tokens, message
     if state == "served":
         result.outcome = "match" if tokens == result.reference else "mismatch"
+        if result.outcome == "match" and result.model_type in TRANSFORMERS_BUILT:
+            result.outcome = "match_vllm"  # its reference is vLLM's
         if result.outcome == "mismatch" and result.model_type in VLLM_OVER_MLX_LM:
             _compare_with_vllm(result, work)
     else:
@@ -1001,7 +1092,9 @@ def docs_table(data: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        checkpoint = ("tiny random (mlx-lm ModelArgs)" if r["built"]
+        built_by = (f"transformers {TRANSFORMERS_BUILT[r['model_type']][1]}"
+                    if r["model_type"] in TRANSFORMERS_BUILT else "mlx-lm ModelArgs")
+        checkpoint = (f"tiny random ({built_by})" if r["built"]
                       else f"none: {_cell(r['build_error'])}")
         tested = ("greedy ids vs mlx-lm, 4 prompts (3-70 tokens), 16-token chunks"
                   if r["outcome"] in ("match", "mismatch") else "")

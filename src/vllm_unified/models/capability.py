@@ -540,6 +540,10 @@ def _probed_states(model_type: str, i: int, cache: Any
 
 def _attention_slot(model_type: str, i: int, slot: AttentionSlot,
                     record: routing.CacheRecord) -> AttentionSlot:
+    if not record.writes and record.attends == 0:
+        raise UnsupportedModel(model_type, "a KV cache slot whose layer neither writes nor "
+                               "attends (a stand-in for attention, e.g. DeciLM's "
+                               "replace_with_linear block)", i)
     if not record.writes:
         raise UnsupportedModel(model_type, "an attention layer that writes no keys of its own "
                                "(KV shared across layers)", i)

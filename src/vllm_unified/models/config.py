@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.nn as nn
 
+from vllm_unified.models.capability import UnsupportedModel
+
 __all__ = ["CONFIG_FIXUPS", "mlx_lm_config", "model_classes"]
 
 # transformers 5 / vLLM name Granite's hybrid layer kinds like this; mlx-lm as the values.
@@ -83,6 +85,15 @@ def _longrope_factors(cfg: dict[str, Any], max_model_len: int | None) -> None:
                                "long_mscale": scaling.get("short_mscale")}
 
 
+#: model types whose mlx-lm module cannot be used -> what is missing
+UNLOADABLE_TYPES = {
+    # its module calls sys.exit at import without the ai2-olmo package, which it only probes
+    "olmo": "OLMo 1 (mlx-lm's olmo module reads the original hf_olmo checkpoint layout and "
+            "needs the ai2-olmo package; Hugging Face's OlmoForCausalLM layout has no mlx-lm "
+            "module)",
+}
+
+
 def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
     """mlx-lm's ``(Model, ModelArgs)`` for ``config`` (its model-type and architecture
     remapping included); for a multimodal model type whose text part the runner drives, that
@@ -90,6 +101,7 @@ def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
 
     Raises:
         ValueError: naming the model type mlx-lm has no module for.
+        UnsupportedModel: a type of :data:`UNLOADABLE_TYPES`, naming what is missing.
     """
     from mlx_lm.utils import _get_classes
 
@@ -97,6 +109,8 @@ def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
 
     if config.get("model_type") in TEXT_MODELS:
         return TEXT_MODELS[config["model_type"]]
+    if config.get("model_type") in UNLOADABLE_TYPES:
+        raise UnsupportedModel(config["model_type"], UNLOADABLE_TYPES[config["model_type"]])
 
     try:
         return _get_classes(dict(config))

@@ -81,6 +81,26 @@ def mlx_lm_model_types() -> list[str]:
     return sorted(p.stem for p in folder.glob("*.py") if p.stem not in _HELPER_MODULES)
 
 
+class AttributeDict(dict):
+    """A config dict whose keys read as attributes too, an absent key as None: what vLLM reads
+    of DeciLM's per-layer ``block_configs`` (``block.attention.no_op``), which its remote
+    config code makes dataclasses with those defaults. Still a dict: JSON and mlx-lm take it
+    as written."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self.get(name)
+
+
+def _attribute_dicts(value: Any) -> Any:
+    if isinstance(value, dict):
+        return AttributeDict({k: _attribute_dicts(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return [_attribute_dicts(v) for v in value]
+    return value
+
+
 class MLXLMConfig(PretrainedConfig):
     """The config.json of an mlx-lm model type transformers has no class for, as mlx-lm reads
     it (every key kept as given), with the standard names vLLM reads (``num_hidden_layers``,
@@ -99,6 +119,8 @@ class MLXLMConfig(PretrainedConfig):
         text = kwargs.get("text_config")
         if isinstance(text, dict):
             kwargs["text_config"] = MLXLMConfig(**text)
+        if isinstance(kwargs.get("block_configs"), list):  # DeciLM (nemotron-nas)
+            kwargs["block_configs"] = _attribute_dicts(kwargs["block_configs"])
         for standard, spellings in _STANDARD_NAMES.items():
             if kwargs.get(standard) is None:
                 value = next((kwargs[s] for s in spellings if kwargs.get(s) is not None), None)
@@ -162,6 +184,8 @@ MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
     "Plamo2ForCausalLM": "plamo2",
     "BaichuanM1ForCausalLM": "baichuan_m1",
     "RWKV7ForCausalLM": "rwkv7",
+    # a Hadamard-rotated 2-bit pack of a Qwen3.5 text model (gated delta-net + attention)
+    "PrismHadamardQwen35ForCausalLM": "prism_hadamard_qwen35",
 }
 #: those of :data:`MLX_LM_HYBRID_ARCHITECTURES` without attention layers (state pages only)
 MLX_LM_ATTENTION_FREE_ARCHITECTURES = frozenset({"RWKV7ForCausalLM"})
