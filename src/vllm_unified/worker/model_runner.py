@@ -67,6 +67,7 @@ from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.gpu_gemm import install_gpu_gemm
 from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
+from vllm_unified.models.parameters import parameter_summary
 from vllm_unified.models.registration import MLX_LM_HYBRID_ARCHITECTURES, record_state_layout
 from vllm_unified.offload.runner import KVConnectorHooks
 from vllm_unified.worker.async_output import MLXAsyncOutput, feed_pending
@@ -338,6 +339,9 @@ class MLXModelRunner:
             ", ".join(cpu_kernels) or "(none)",
             ", ".join(f"{n} {name}" for name, n in fused.items()) or "(none)", gemm, fused_qk,
         )
+        # as held after the kernels' installation (which may re-lay or dequantize layers)
+        logger.info("vllm-unified: %s", parameter_summary(self.model, self.loaded.config)
+                    .describe())
         if self.stage.size > 1:
             logger.info("vllm-unified: %s", self.stage.describe())
 
