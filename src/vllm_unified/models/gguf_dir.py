@@ -65,15 +65,14 @@ def prepare_gguf_dir(
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return out
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
+    config = gguf_hf_config(gguf)
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError) as err:
         raise ValueError(f"{gguf.name}: transformers cannot read this GGUF ({err})") from err
-    _complete_config(config)
     _apply_bos_eos(tokenizer, gguf)
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -85,11 +84,91 @@ def prepare_gguf_dir(
     return out
 
 
-def _complete_config(config) -> None:
+#: GGUF architecture -> (metadata key after ``<arch>.``, HF config field) that transformers'
+#: GGUF reader leaves out or fills from the wrong key: the experts' width (the dense
+#: ``feed_forward_length`` is no expert's), gpt-oss's window and head size.
+_MOE_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen3moe": (("expert_count", "num_experts"),
+                 ("expert_used_count", "num_experts_per_tok"),
+                 ("expert_feed_forward_length", "moe_intermediate_size")),
+    "gpt-oss": (("expert_count", "num_local_experts"),
+                ("expert_used_count", "num_experts_per_tok"),
+                ("expert_feed_forward_length", "intermediate_size"),
+                ("attention.sliding_window", "sliding_window"),
+                ("attention.key_length", "head_dim")),
+}
+
+
+def gguf_hf_config(gguf_path: str | os.PathLike):
+    """The ``transformers.PretrainedConfig`` of a GGUF: transformers' GGUF reader, then
+    :func:`_complete_config` (causal-LM class, mixture-of-experts fields from the metadata).
+
+    Raises:
+        ValueError: transformers cannot read the GGUF's architecture.
+    """
+    from transformers import AutoConfig
+
+    # lazy: models.gguf imports MLX, and the platform imports this module in vLLM's API server
+    from vllm_unified.models.gguf import read_gguf_index
+
+    gguf = Path(gguf_path)
+    index = read_gguf_index(gguf)
+    if index.metadata.get("general.architecture") == "gpt-oss":
+        # transformers' reader takes gpt-oss's rope.scaling.* keys' length fields for their
+        # values and then fails on every file llama.cpp writes (YaRN is always there)
+        config = _gpt_oss_config(index.metadata, "output.weight" not in index.tensors)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{gguf.name}: transformers cannot read this GGUF ({err})") from err
+    _complete_config(config, index.metadata)
+    return config
+
+
+def _gpt_oss_config(metadata: dict, tied: bool):
+    """``GptOssConfig`` from a ``gpt-oss`` GGUF's metadata (the keys llama.cpp's converter
+    writes; :data:`_MOE_FIELDS` adds the experts' and window fields after)."""
+    from transformers import GptOssConfig
+
+    def get(key: str, default=None):
+        value = metadata.get(f"gpt-oss.{key}", default)
+        if value is None:
+            raise ValueError(f"gpt-oss GGUF without gpt-oss.{key}")
+        return value
+
+    rope: dict = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 150000.0))}
+    scaling = metadata.get("gpt-oss.rope.scaling.type")
+    if scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")),
+                    original_max_position_embeddings=int(
+                        get("rope.scaling.original_context_length")),
+                    beta_fast=32.0, beta_slow=1.0, truncate=False)  # llama.cpp's defaults
+    elif scaling not in (None, "none"):
+        raise ValueError(f"gpt-oss GGUF with rope scaling {scaling!r} (only yarn is known)")
+    tokens = {f"{name}_token_id": metadata.get(f"tokenizer.ggml.{key}_token_id")
+              for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))}
+    return GptOssConfig(
+        vocab_size=int(get("vocab_size")), hidden_size=int(get("embedding_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=int(get("attention.head_count")),
+        num_key_value_heads=int(get("attention.head_count_kv")),
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_parameters=rope, tie_word_embeddings=tied, **tokens)
+
+
+def _complete_config(config, metadata: dict) -> None:
     """Name the causal-LM class in ``architectures``: transformers' GGUF reader leaves it empty,
-    and vLLM would then resolve the bare backbone (e.g. ``LlamaModel``) as a pooling model."""
+    and vLLM would then resolve the bare backbone (e.g. ``LlamaModel``) as a pooling model.
+    Set the mixture-of-experts fields of :data:`_MOE_FIELDS` from ``metadata``."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    arch = metadata.get("general.architecture")
+    for key, field in _MOE_FIELDS.get(arch, ()):
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None:
+            setattr(config, field, int(value))
     if not config.architectures:
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         if arch is None:
