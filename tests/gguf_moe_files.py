@@ -133,7 +133,7 @@ def _common_metadata(w: gguf.GGUFWriter, s: dict, vocab: int, ffn: int, context:
 
 def write_qwen3moe(path: Path, *, seed: int = 0, tokenizer_from: Path | None = None,
                    vocab: int = 320) -> MoeFile:
-    """A tiny ``qwen3moe`` GGUF: Q8_0 attention and token embedding (tied output), F32 norms
+    """A tiny ``qwen3moe`` GGUF: Q8_0 attention and token embedding, Q4_K output, F32 norms
     and router, experts of :data:`QWEN3MOE_EXPERT_TYPES`. With ``tokenizer_from`` (a GGUF) its
     tokenizer is copied and sets the vocabulary size."""
     s = QWEN3MOE
@@ -146,6 +146,7 @@ def write_qwen3moe(path: Path, *, seed: int = 0, tokenizer_from: Path | None = N
     h, d, e, f = s["hidden"], s["head_dim"], s["experts"], s["expert_ffn"]
     out.add("token_embd.weight", (vocab, h), T.Q8_0, scale=0.1)
     out.add("output_norm.weight", (h,), offset=1.0, scale=0.1)
+    out.add("output.weight", (vocab, h), T.Q4_K)
     for i in range(s["layers"]):
         b = f"blk.{i}."
         out.add(b + "attn_norm.weight", (h,), offset=1.0, scale=0.1)
@@ -165,11 +166,12 @@ def write_qwen3moe(path: Path, *, seed: int = 0, tokenizer_from: Path | None = N
 
 
 def write_gpt_oss(path: Path, *, seed: int = 0, tokenizer_from: Path | None = None,
-                  vocab: int = 320, fused_gate_up: bool = False) -> MoeFile:
+                  vocab: int = 320, fused_gate_up: bool = False,
+                  window: int = GPT_OSS["window"]) -> MoeFile:
     """A tiny ``gpt-oss`` GGUF as llama.cpp converts gpt-oss's MXFP4 checkpoints: MXFP4
     experts with F32 biases, Q8_0 attention with biases, attention sinks, F32 router with
-    bias, untied Q8_0 output, alternating sliding (window :data:`GPT_OSS` ``window``) and full
-    layers, YaRN RoPE metadata. ``fused_gate_up``: one ``ffn_gate_up_exps`` tensor per layer
+    bias, untied Q8_0 output, alternating sliding (``window`` tokens) and full layers, YaRN
+    RoPE metadata. ``fused_gate_up``: one ``ffn_gate_up_exps`` tensor per layer
     (gate rows first), as newer converters may write."""
     s = GPT_OSS
     out = _Writer(path, "gpt-oss", seed)
@@ -178,7 +180,7 @@ def write_gpt_oss(path: Path, *, seed: int = 0, tokenizer_from: Path | None = No
     _common_metadata(out.writer, s, vocab, ffn=s["expert_ffn"], context=32 * 4096)
     w = out.writer
     w.add_rope_freq_base(150_000.0)
-    w.add_sliding_window(s["window"])
+    w.add_sliding_window(window)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(32.0)
     w.add_rope_scaling_orig_ctx_len(4096)

@@ -6,11 +6,14 @@ dequantized load; the config comes from the GGUF metadata."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import run_llm
 from gguf_moe_files import GPT_OSS, QWEN3MOE, MoeFile, write_gpt_oss, write_qwen3moe
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
@@ -240,7 +243,7 @@ def test_config_comes_from_the_gguf_metadata(moe_file):
         assert cfg.architectures == ["Qwen3MoeForCausalLM"]
         assert (cfg.num_experts, cfg.num_experts_per_tok) == (s["experts"], s["top_k"])
         assert cfg.moe_intermediate_size == s["expert_ffn"] and cfg.head_dim == s["head_dim"]
-        assert cfg.norm_topk_prob and cfg.tie_word_embeddings
+        assert cfg.norm_topk_prob and not cfg.tie_word_embeddings
     else:
         s = GPT_OSS
         assert type(cfg).__name__ == "GptOssConfig"
@@ -281,3 +284,76 @@ def test_prepared_folder_serves_the_config_and_tokenizer(tmp_path):
         tok = AutoTokenizer.from_pretrained(str(folder))
         text = "The capital of France is"
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+# ---------------------------------------------------------------- served through vLLM
+
+ENGINE_PROMPTS = [[(7 * i + 13 * j) % 300 + 3 for j in range(n)]
+                  for i, n in enumerate((5, 12, 19))]
+NEW_TOKENS = 8
+
+
+def _served_folder(f: MoeFile, folder: Path) -> Path:
+    """What prepare_gguf_dir makes for ``f``, less the tokenizer (the tiny files have none:
+    the engine runs with ``skip_tokenizer_init``): config.json and the link to the file."""
+    from vllm_unified.models.gguf_dir import GGUF_LINK
+
+    folder.mkdir()
+    gguf_hf_config(f.path).save_pretrained(folder)
+    (folder / GGUF_LINK).symlink_to(f.path)
+    return folder
+
+
+def _engine_spec(folder: Path) -> dict:
+    requests = [{"prompt_token_ids": p,
+                 "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True}}
+                for p in ENGINE_PROMPTS]
+    return {
+        "model": str(folder),
+        "engine": {"dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 16,
+                   "kv_cache_memory_bytes": 32 * 2**20, "seed": 0, "skip_tokenizer_init": True,
+                   "enable_prefix_caching": True},
+        # the second batch reads the first one's full prompt blocks from the prefix cache
+        "batches": [requests, requests],
+    }
+
+
+def _ids(result: dict) -> list[list[int]]:
+    return [o["completions"][0]["token_ids"] for o in result["outputs"]]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", list(WRITERS))
+def test_served_kept_quantized_equals_the_dequantized_load(arch, tmp_path):
+    """The GGUF served by vLLM through the plugin (3 concurrent requests in 16-token chunks,
+    then again from the prefix cache), its experts read kept quantized, gives the greedy ids
+    of mlx-lm's own generation on the same file's dequantized load. (gpt-oss with a window
+    longer than the requests: how windows are served is the model-families tests' part.)"""
+    writer = write_gpt_oss if arch == "gpt-oss" else write_qwen3moe
+    kwargs = {"window": 64} if arch == "gpt-oss" else {}
+    f = writer(tmp_path / f"{arch}.gguf", **kwargs)
+    result = run_llm(_engine_spec(_served_folder(f, tmp_path / "folder")), tmp_path)
+    dense = load_model(f.path, dtype=mx.float32, keep_quantized=False).model
+    want = [_greedy(dense, p, NEW_TOKENS)[0][len(p) - 1:] for p in ENGINE_PROMPTS]
+    assert _ids(result) == want + want
+    weights = [line for line in result["log"].splitlines() if "GGUF weights" in line]
+    experts = [line for line in weights if "stacked experts" in line]
+    assert experts and all(" kept as " in line for line in experts)
+    if arch == "gpt-oss":
+        assert any("MXFP4: 6 tensors, kept as MXFP4" in line for line in experts)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", list(WRITERS))
+def test_served_kept_quantized_equals_served_dequantized(arch, tmp_path):
+    """Engine against engine on the same file: kept quantized (the default) and dequantized
+    at load (``VLLM_UNIFIED_CPU_QUANTIZED=0``) give the same greedy ids, gpt-oss with its
+    8-token window on the sliding layers."""
+    f = WRITERS[arch](tmp_path / f"{arch}.gguf")
+    spec = _engine_spec(_served_folder(f, tmp_path / "folder"))
+    kept = run_llm(spec, tmp_path)
+    (tmp_path / "dense").mkdir()
+    dense = run_llm(spec, tmp_path / "dense", env={"VLLM_UNIFIED_CPU_QUANTIZED": "0"})
+    assert _ids(kept) == _ids(dense)
+    assert "dequantized to float32 (quantized layers off)" in dense["log"]
