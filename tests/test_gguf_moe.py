@@ -69,6 +69,41 @@ def test_every_expert_tensor_dequantizes_to_the_reference(moe_file):
         assert {moe_file.tensors[n].qtype for n in names} == {T.MXFP4}
 
 
+#: byte offsets of each type's float16 block scales (the rest of a block is random bytes)
+_F16_AT = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+           T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
+
+
+@pytest.mark.parametrize("qtype", list(_F16_AT) + [T.MXFP4])
+def test_every_expert_type_is_relaid_per_expert(qtype):
+    """A stack of 3 experts of random blocks of every type kept for experts: a 3-D triple
+    (MXFP4: mxfp4) whose expert ``e`` is exactly the 2-D re-lay of expert ``e`` alone, and
+    whose dequantization is the gguf reference bit for bit."""
+    e, rows, cols = 3, 5, 512
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 254, (e * rows, cols // block, size), dtype=np.uint8)
+    for at in _F16_AT.get(qtype, ()):
+        raw[..., at:at + 2] = rng.uniform(-0.05, 0.05, raw.shape[:-1] + (1,)).astype(
+            np.float16).view(np.uint8)
+    info = G.GGUFTensorInfo("blk.1.ffn_down_exps.weight", int(qtype), (e, rows, cols), 0,
+                            raw.size)
+    qt = G._repack_experts(raw.reshape(-1), info)
+    assert qt.shape == (e, rows, cols) and qt.weight.ndim == 3
+    assert qt.mode == ("mxfp4" if qtype == T.MXFP4 else "affine")
+    per_expert = raw.reshape(e, -1)
+    for i in range(e):
+        one = G.GGUFTensorInfo("x", int(qtype), (rows, cols), 0, per_expert[i].size)
+        alone = (G._repack_mxfp4 if qtype == T.MXFP4 else G._repack)(per_expert[i], one)
+        for part in ("weight", "scales", "biases"):
+            a, b = getattr(qt, part), getattr(alone, part)
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(np.array(a[i]), np.array(b))
+    ref = gguf.quants.dequantize(raw.reshape(e * rows, -1), qtype).reshape(e, rows, cols)
+    np.testing.assert_array_equal(np.array(qt.dequantize(mx.float32)), ref)
+
+
 def test_mxfp4_repack_covers_every_code_and_scale():
     """Random MXFP4 blocks with every e8m0 scale byte 0..254 (subnormal results included) and
     every 4-bit code: MLX's mxfp4 dequantization equals ggml's reference exactly, the codes
