@@ -32,7 +32,7 @@ def default_cache_root() -> Path:
 
 def _source_stamp(gguf: Path) -> dict:
     st = gguf.stat()
-    return {"source": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": 2}
+    return {"source": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": 3}
 
 
 def prepare_gguf_dir(
