@@ -241,6 +241,54 @@ def test_kept_quantized_generates_what_the_dequantized_load_does(moe_file, loade
     np.testing.assert_allclose(q_logits, d_logits, atol=2e-4, rtol=0)
 
 
+def _transformers_reference(f: MoeFile):
+    """transformers' fp32 model of ``f``: its own GGUF loader (names, dequantization) for
+    qwen3moe; for gpt-oss, whose llama.cpp expert tensors and sinks transformers 5.19's GGUF
+    loader does not read, those placed by hand in its layout (``gate_up_proj`` ``[E, hidden,
+    2 ffn]`` with gate and up interleaved by column), and YaRN with ``truncate`` on: mlx-lm's
+    YaRN always rounds the correction range (the config's ``truncate: false`` moves logits by
+    ~5e-3 here), which is the RoPE's business, not the file's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = gguf_hf_config(f.path)
+    if f.arch == "gpt-oss":
+        cfg.rope_parameters = {**cfg.rope_parameters, "truncate": True}
+        cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_pretrained(str(f.path.parent), gguf_file=f.path.name,
+                                                 config=cfg, dtype=torch.float32)
+    if f.arch == "gpt-oss":
+        def ref(name: str) -> torch.Tensor:
+            return torch.from_numpy(f.tensors[name].reference())
+
+        state = {}
+        for i in range(cfg.num_hidden_layers):
+            b, p = f"blk.{i}.", f"model.layers.{i}."
+            gate = ref(b + "ffn_gate_exps.weight").transpose(1, 2)
+            up = ref(b + "ffn_up_exps.weight").transpose(1, 2)
+            state[p + "mlp.experts.gate_up_proj"] = torch.stack([gate, up], -1).flatten(-2)
+            state[p + "mlp.experts.gate_up_proj_bias"] = torch.stack(
+                [ref(b + "ffn_gate_exps.bias"), ref(b + "ffn_up_exps.bias")], -1).flatten(-2)
+            state[p + "mlp.experts.down_proj"] = ref(b + "ffn_down_exps.weight").transpose(1, 2)
+            state[p + "mlp.experts.down_proj_bias"] = ref(b + "ffn_down_exps.bias")
+            state[p + "self_attn.sinks"] = ref(b + "attn_sinks.weight")
+        assert not model.load_state_dict(state, strict=False).unexpected_keys
+    return model
+
+
+def test_dequantized_load_equals_transformers(moe_file, loaded):
+    """The file's tensor names and layouts mean what llama.cpp means: the dequantized load's
+    logits over the prompt (longer than gpt-oss's 8-token window) equal transformers'
+    implementation of the same weights within fp32 rounding."""
+    import torch
+
+    model = _transformers_reference(moe_file)
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0].numpy()
+    ours = np.array(loaded[1].model(mx.array([PROMPT]))[0])
+    np.testing.assert_allclose(ours, ref, atol=5e-5, rtol=0)
+
+
 def test_fused_gate_up_experts_are_split(tmp_path):
     """A gpt-oss file with llama.cpp's fused ``ffn_gate_up_exps`` (gate rows first) loads its
     first half as the gate projection and its second as the up projection, still MXFP4."""
