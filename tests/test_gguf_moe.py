@@ -342,20 +342,27 @@ def test_config_comes_from_the_gguf_metadata(moe_file):
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (s["heads"], s["kv_heads"])
 
 
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> dict[str, MoeFile]:
+    """Both files with a real tokenizer (SmolLM2's, copied into them), by architecture."""
+    from tiny_models import smollm2_gguf_path
+
+    folder = tmp_path_factory.mktemp("moe-gguf-tokenized")
+    return {arch: writer(folder / f"{arch}.gguf", tokenizer_from=smollm2_gguf_path())
+            for arch, writer in WRITERS.items()}
+
+
 @pytest.mark.slow  # ~40 s: SmolLM2's vocabulary read and converted twice
-def test_prepared_folder_serves_the_config_and_tokenizer(tmp_path):
-    """prepare_gguf_dir on MoE files with a real tokenizer (SmolLM2's, copied into the file):
-    config.json carries the expert fields, and the tokenizer round-trips text."""
+def test_prepared_folder_serves_the_config_and_tokenizer(tokenized, tmp_path):
+    """prepare_gguf_dir on MoE files with a real tokenizer: config.json carries the expert
+    fields, and the tokenizer round-trips text."""
     import json
 
-    from tiny_models import smollm2_gguf_path
     from transformers import AutoTokenizer
 
     from vllm_unified.models.gguf_dir import prepare_gguf_dir
 
-    source = smollm2_gguf_path()
-    for arch, writer in WRITERS.items():
-        f = writer(tmp_path / f"{arch}.gguf", tokenizer_from=source)
+    for arch, f in tokenized.items():
         folder = prepare_gguf_dir(f.path, tmp_path / f"{arch}-dir")
         cfg = json.loads((folder / "config.json").read_text())
         assert cfg["vocab_size"] == 49152
@@ -367,6 +374,31 @@ def test_prepared_folder_serves_the_config_and_tokenizer(tmp_path):
         tok = AutoTokenizer.from_pretrained(str(folder))
         text = "The capital of France is"
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+@pytest.mark.slow  # ~40 s: two tokenizers converted, two fp32 folders written
+def test_export_dequantized_holds_every_weight_of_the_file(tokenized, tmp_path):
+    """export_dequantized (the fp32 HF folder for vLLM's own CPU backend) holds the file's
+    weights, gpt-oss's experts and sinks included (transformers' GGUF loader skips them):
+    transformers on the folder gives the dequantized load's logits (gpt-oss's YaRN rounded
+    as mlx-lm rounds it, as in test_dequantized_load_equals_transformers)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vllm_unified.models.gguf_dir import export_dequantized
+
+    for arch, f in tokenized.items():
+        folder = export_dequantized(f.path, tmp_path / arch)
+        cfg = AutoConfig.from_pretrained(folder)
+        if arch == "gpt-oss":
+            cfg.rope_parameters = {**cfg.rope_parameters, "truncate": True}
+            cfg._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_pretrained(folder, config=cfg, dtype=torch.float32)
+        with torch.no_grad():
+            ref = model(torch.tensor([PROMPT])).logits[0].numpy()
+        dense = load_model(f.path, dtype=mx.float32, keep_quantized=False).model
+        np.testing.assert_allclose(np.array(dense(mx.array([PROMPT]))[0]), ref, atol=5e-5,
+                                   rtol=0)
 
 
 # ---------------------------------------------------------------- served through vLLM

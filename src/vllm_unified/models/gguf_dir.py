@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from vllm_unified import envs
@@ -213,11 +214,16 @@ def export_dequantized(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
 
     Meant for comparisons with backends that read no GGUF, e.g. vLLM's native CPU backend as
     the reference of our differential tests and benchmarks. Tied embeddings are stored under
-    the embedding's name only, as HF checkpoints do.
+    the embedding's name only, as HF checkpoints do. The config is :func:`gguf_hf_config`'s;
+    gpt-oss's experts and attention sinks, which transformers' GGUF loader does not read from
+    llama.cpp's names, come from the ``gguf`` reference dequantization here.
 
     Returns:
         ``out_dir`` with ``config.json`` (``dtype`` float32, no GGUF quantization entry),
         ``model.safetensors`` and the tokenizer files. Reused if already complete.
+
+    Raises:
+        ValueError: a weight of the model would not come from the file (it would be random).
     """
     import torch
     from safetensors.torch import save_file
@@ -227,9 +233,19 @@ def export_dequantized(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     out = Path(out_dir)
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, config=gguf_hf_config(gguf), dtype=torch.float32,
+        output_loading_info=True)
+    missing = set(info["missing_keys"])
+    if model.config.model_type == "gpt_oss":
+        experts = _gpt_oss_expert_state(gguf)
+        model.load_state_dict(experts, strict=False)
+        missing -= set(experts)
+    if model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"{gguf.name}: transformers' GGUF loader leaves {len(missing)} "
+                         f"weights unread (e.g. {sorted(missing)[:4]}); not exported")
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -237,7 +253,43 @@ def export_dequantized(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     config.pop("quantization_config", None)  # transformers marks GGUF loads as quantized
     config["dtype"] = "float32"
     config["architectures"] = [type(model).__name__]
+    out.mkdir(parents=True, exist_ok=True)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(out / "model.safetensors"))  # last: marks the folder complete
     return out
+
+
+def _gpt_oss_expert_state(gguf: Path) -> dict:
+    """transformers' GptOss expert and sink parameters (fp32 torch tensors) from a gpt-oss
+    GGUF's ``ffn_{gate,up,down}_exps`` (or fused ``ffn_gate_up_exps``) weights and biases and
+    ``attn_sinks``, dequantized by the ``gguf`` reference: ``gate_up_proj`` ``[E, hidden,
+    2 ffn]`` with gate and up interleaved by column, ``down_proj`` ``[E, ffn, hidden]``."""
+    import numpy as np
+    import torch
+
+    from vllm_unified.models.gguf import (
+        GGUFIndex,
+        read_gguf_index,
+        read_gguf_tensors,
+        split_fused_experts,
+    )
+
+    index = read_gguf_index(gguf)
+    wanted = re.compile(r"blk\.\d+\.(ffn_(gate|up|down|gate_up)_exps|attn_sinks)\.(weight|bias)")
+    sub = GGUFIndex(index.metadata, {n: t for n, t in index.tensors.items()
+                                     if wanted.fullmatch(n)})
+    read = read_gguf_tensors(gguf, sub, quantized=False)
+    dense = {n: torch.from_numpy(np.array(t, dtype=np.float32))
+             for item in read.items() for n, t in split_fused_experts(*item)}
+    state = {}
+    for layer in range(int(index.metadata["gpt-oss.block_count"])):
+        b, p = f"blk.{layer}.", f"model.layers.{layer}."
+        gate, up = (dense[f"{b}ffn_{x}_exps.weight"].transpose(1, 2) for x in ("gate", "up"))
+        state[p + "mlp.experts.gate_up_proj"] = torch.stack([gate, up], -1).flatten(-2)
+        state[p + "mlp.experts.gate_up_proj_bias"] = torch.stack(
+            [dense[f"{b}ffn_gate_exps.bias"], dense[f"{b}ffn_up_exps.bias"]], -1).flatten(-2)
+        state[p + "mlp.experts.down_proj"] = dense[f"{b}ffn_down_exps.weight"].transpose(1, 2)
+        state[p + "mlp.experts.down_proj_bias"] = dense[f"{b}ffn_down_exps.bias"]
+        state[p + "self_attn.sinks"] = dense[f"{b}attn_sinks.weight"]
+    return state
