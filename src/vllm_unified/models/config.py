@@ -155,6 +155,14 @@ def _qwen(cfg: dict[str, Any]) -> None:
                          "the mlx-lm model (it would attend over the full context)")
 
 
+def _qwen3_moe(cfg: dict[str, Any]) -> None:
+    """transformers 5 saves Qwen3MoeConfig's ``num_experts`` as ``num_local_experts`` (its
+    attribute map); mlx-lm's ModelArgs requires ``num_experts``."""
+    _qwen(cfg)
+    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
+        cfg["num_experts"] = cfg["num_local_experts"]
+
+
 def _no_rope_scaling(cfg: dict[str, Any]) -> None:
     """Families whose mlx-lm module builds plain RoPE whatever the config says."""
     _needs_rope_theta(cfg)
@@ -638,6 +646,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama": _needs_rope_theta,
     "qwen2": _qwen,
     "qwen3": _qwen,
+    "qwen3_moe": _qwen3_moe,
     "mistral": _needs_rope_theta,
     "ministral3": _ministral3,
     "phi3": _phi3,

@@ -12,12 +12,15 @@ Three jobs, kept apart from the model-building code in :mod:`vllm_unified.models
   from the memory-mapped file here: Q4_0 / Q4_1 / Q8_0 / Q4_K are repacked bit-exactly into MLX
   affine triples, Q5_* / IQ4_NL / IQ4_XS (and Q6_K / Q3_K / Q2_K where the native CPU kernels
   run the model) re-coded from the ``gguf`` package's reference values into exact triples,
-  everything else is dequantized with that reference code;
+  MXFP4 re-laid into MLX's ``mxfp4`` mode (same e2m1 codes and e8m0 scales), everything else
+  dequantized with that reference code. Mixture-of-experts files stack each expert projection
+  in one 3-D tensor ``[experts, rows, cols]``; it is re-laid expert by expert into the same
+  layouts, 3-D, as mlx-lm's ``QuantizedSwitchLinear`` holds them;
 * GGUF -> Hugging Face tensor names for the supported families, and undoing llama.cpp's
   Q/K row permutation for Llama.
 
 A quantized tensor is returned as :class:`QuantizedTensor` (MLX affine, 2-8 bits, groups of 32
-or 16); a plain one as an ``mx.array``.
+or 16, or MXFP4); a plain one as an ``mx.array``.
 """
 
 from __future__ import annotations
@@ -41,15 +44,17 @@ __all__ = [
     "gguf_to_hf_name",
     "read_gguf_index",
     "read_gguf_tensors",
+    "split_fused_experts",
     "unpermute_rows",
 ]
 
 # GGML type ids (ggml.h); only the ones this module treats specially are named.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = (
     0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 30)
+MXFP4 = 39
 _TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
                Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K",
-               Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS", BF16: "BF16"}
+               Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS", BF16: "BF16", MXFP4: "MXFP4"}
 
 # Types MLX 0.32.4's reader decodes exactly (checked against the gguf package's reference).
 MLX_EXACT_TYPES = frozenset({F32, F16, Q4_0, Q4_1, Q8_0})
@@ -68,6 +73,9 @@ GROUP16_TYPES = frozenset({Q6_K, Q3_K, Q2_K})
 REPACKABLE_TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K}) | (frozenset(REQUANTIZED)
                                                           - GROUP16_TYPES)
 GROUP_SIZE = 32
+#: MXFP4's e8m0 scale byte that MLX decodes as infinity (2**128) where ggml's reference gives
+#: 2**127 (the MX spec makes it NaN); a block with it is refused
+_E8M0_UNREPRESENTABLE = 255
 #: the group sizes MLX's own quantized ops take
 MLX_GROUP_SIZES = (32, 64, 128)
 
@@ -116,43 +124,60 @@ class GGUFIndex:
 
 @dataclass
 class QuantizedTensor:
-    """An MLX affine-quantized matrix: ``mx.dequantize(weight, scales, biases, group_size,
-    bits)`` (groups of 16 only for the native CPU kernels: MLX's ops refuse them).
+    """An MLX-quantized matrix, or a stack of expert matrices: ``mx.dequantize(weight,
+    scales, biases, group_size, bits, mode)``.
 
-    weight: uint32 ``[rows, cols * bits / 32]`` (bits 2, 3, 4, 5, 6 or 8); scales, biases:
-    float ``[rows, cols / group_size]``.
-    ``source_type`` names the GGML type it came from (for logs and errors).
+    ``mode="affine"`` (groups of 16 only for the native CPU kernels: MLX's ops refuse them):
+    weight uint32 ``[..., rows, cols * bits / 32]`` (bits 2, 3, 4, 5, 6 or 8); scales, biases
+    float ``[..., rows, cols / group_size]``. ``mode="mxfp4"``: 4-bit e2m1 codes, scales uint8
+    e8m0 per 32 values, biases None. A leading ``[experts]`` axis where the GGUF stacks
+    experts (``QuantizedSwitchLinear``'s layout). ``source_type`` names the GGML type it came
+    from (for logs and errors).
     """
 
     weight: mx.array
     scales: mx.array
-    biases: mx.array
+    biases: mx.array | None
     bits: int
     source_type: str
     group_size: int = GROUP_SIZE
+    mode: str = "affine"
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """Logical (dequantized) shape ``(rows, cols)``."""
-        return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
+    def shape(self) -> tuple[int, ...]:
+        """Logical (dequantized) shape ``(rows, cols)`` or ``(experts, rows, cols)``."""
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
 
     def dequantize(self, dtype: mx.Dtype) -> mx.array:
-        """Dense ``[rows, cols]`` array in ``dtype``; computed in float32, so the only rounding
+        """Dense array of :attr:`shape` in ``dtype``; computed in float32, so the only rounding
         is the final cast."""
+        if self.mode != "affine":
+            return mx.dequantize(self.weight, self.scales, None, self.group_size, self.bits,
+                                 mode=self.mode, dtype=mx.float32).astype(dtype)
+        assert self.biases is not None  # affine triples always have them
         scales, biases = self.scales.astype(mx.float32), self.biases.astype(mx.float32)
         if self.group_size in MLX_GROUP_SIZES:
             w = mx.dequantize(self.weight, scales, biases, self.group_size, self.bits)
         else:  # groups of 16 (Q6_K/Q3_K/Q2_K): MLX's dequantize refuses them; same rounding
-            rows, cols = self.shape
-            codes = mx.array(_unpack_bits(np.array(self.weight), self.bits, cols))
-            codes = codes.astype(mx.float32).reshape(rows, -1, self.group_size)
-            w = (codes * scales[..., None] + biases[..., None]).reshape(rows, cols)
+            shape = self.shape
+            rows, cols = int(np.prod(shape[:-1])), shape[-1]
+            words = np.array(self.weight).reshape(rows, -1)
+            codes = mx.array(_unpack_bits(words, self.bits, cols))
+            codes = codes.astype(mx.float32).reshape(*shape[:-1], -1, self.group_size)
+            w = (codes * scales[..., None] + biases[..., None]).reshape(shape)
         return w.astype(dtype)
 
     def map_rows(self, fn: Callable[[mx.array], mx.array]) -> QuantizedTensor:
         """Apply the same row operation (e.g. a permutation) to weight, scales and biases."""
-        return QuantizedTensor(fn(self.weight), fn(self.scales), fn(self.biases), self.bits,
-                               self.source_type, self.group_size)
+        biases = None if self.biases is None else fn(self.biases)
+        return QuantizedTensor(fn(self.weight), fn(self.scales), biases, self.bits,
+                               self.source_type, self.group_size, self.mode)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales and (affine) biases."""
+        return self.weight.nbytes + self.scales.nbytes + (
+            0 if self.biases is None else self.biases.nbytes)
 
 
 def _type_name(ggml_type: int) -> str:
@@ -270,15 +295,19 @@ def read_gguf_tensors(
 
     With ``quantized=True`` quantized tensors MLX can hold exactly come back as
     :class:`QuantizedTensor` (MLX affine: Q4_0/Q4_1/Q4_K as 4 bits, Q5_0/Q5_1/Q5_K as 5 bits,
-    Q8_0, IQ4_NL and IQ4_XS as 8 bits, all in groups of 32); with ``group16`` too, Q6_K / Q3_K /
-    Q2_K matrices as 6 / 3 / 2-bit groups of 16 (:data:`GROUP16_TYPES`: only for models whose
-    linear layers and embeddings the native CPU kernels run). All others (and all of them with
-    ``quantized=False``) come back dense: float32, or float16 for F16 tensors. Raises
-    ValueError for GGML types neither MLX nor the ``gguf`` package can decode, or a block that
-    does not map exactly onto its affine triple (naming the tensor).
+    Q8_0, IQ4_NL and IQ4_XS as 8 bits, all in groups of 32; MXFP4 as MLX's ``mxfp4``); with
+    ``group16`` too, Q6_K / Q3_K / Q2_K matrices as 6 / 3 / 2-bit groups of 16
+    (:data:`GROUP16_TYPES`: only for models whose linear layers and embeddings the native CPU
+    kernels run; never stacked experts, which MLX's ``gather_qmm`` runs). Stacked expert
+    tensors (3-D) come back 3-D. All others (and all of them with ``quantized=False``) come
+    back dense: float32, or float16 for F16 tensors. Raises ValueError for GGML types neither
+    MLX nor the ``gguf`` package can decode, or a block that does not map exactly onto its
+    MLX layout (naming the tensor).
     """
     types = {t.ggml_type for t in index.tensors.values()}
-    if types <= MLX_EXACT_TYPES:
+    stacked = any(len(t.shape) > 2 and t.ggml_type not in (F32, F16)
+                  for t in index.tensors.values())
+    if types <= MLX_EXACT_TYPES and not stacked:  # MLX's reader is checked on matrices only
         return _read_with_mlx(path, index, quantized=quantized)
     return _read_with_numpy(path, index, quantized=quantized, group16=group16)
 
@@ -321,6 +350,10 @@ def _read_with_numpy(
             out[name] = mx.array(wide.view(np.float32).reshape(info.shape))
         elif quantized and t in REPACKABLE_TYPES and len(info.shape) == 2:
             out[name] = _repack(raw, info)
+        elif quantized and t in REPACKABLE_TYPES | {MXFP4} and len(info.shape) == 3:
+            out[name] = _repack_experts(raw, info)
+        elif quantized and t == MXFP4 and len(info.shape) == 2:
+            out[name] = _repack_mxfp4(raw, info)
         elif quantized and group16 and t in GROUP16_TYPES and len(info.shape) == 2:
             out[name] = _requantize(raw, info)
         else:
@@ -343,6 +376,41 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
     q = np.ascontiguousarray(q)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
     return np.ascontiguousarray(packed).view("<u4")
+
+
+def _repack_experts(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
+    """A stacked expert tensor ``[experts, rows, cols]`` of a repackable type or MXFP4, re-laid
+    expert by expert (every GGUF block lies within one row of one expert, so the stack is
+    re-laid as ``experts * rows`` rows) into a 3-D :class:`QuantizedTensor`."""
+    experts, rows, cols = info.shape
+    flat = GGUFTensorInfo(info.name, info.ggml_type, (experts * rows, cols), info.offset,
+                          info.nbytes)
+    qt = _repack_mxfp4(raw, flat) if info.ggml_type == MXFP4 else _repack(raw, flat)
+    return qt.map_rows(lambda a: a.reshape(experts, rows, a.shape[-1]))
+
+
+def _repack_mxfp4(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
+    """Re-lay an MXFP4 matrix in MLX's ``mxfp4`` mode, code for code: both hold 32 e2m1
+    codes (OCP MX: sign, 2 exponent bits, 1 mantissa bit) and one e8m0 scale per block
+    (value ``2**(e - 127) * e2m1``). Only the nibble order differs: a GGUF block (17 bytes:
+    ``e`` then 16 bytes, ggml-common.h ``block_mxfp4``) holds values ``j`` and ``j + 16`` in
+    the low and high nibble of byte ``j``; MLX packs values in order, low nibble first.
+
+    Raises:
+        ValueError: naming the tensor, for a scale byte of 255 (MLX decodes it as infinity).
+    """
+    def rows_fn(per_row: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+        rows, cols = per_row.shape[0], info.shape[1]
+        blocks = per_row.reshape(rows, cols // 32, 17)
+        scales = np.ascontiguousarray(blocks[..., 0])
+        if np.any(scales == _E8M0_UNREPRESENTABLE):
+            raise ValueError(f"GGUF tensor {info.name!r} (MXFP4) has a block scale byte of "
+                             "255, which MLX's mxfp4 does not decode as ggml does")
+        qs = blocks[..., 1:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+        return _pack_nibbles(codes), scales, None
+
+    return _in_row_chunks(raw, info, 4, 32, rows_fn, mode="mxfp4")
 
 
 def _repack(raw: np.ndarray, info: GGUFTensorInfo) -> QuantizedTensor:
@@ -409,18 +477,19 @@ ROW_CHUNK_VALUES = 1 << 22
 
 
 def _in_row_chunks(raw: np.ndarray, info: GGUFTensorInfo, bits: int, group: int,
-                   rows_fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
-                   ) -> QuantizedTensor:
+                   rows_fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, Any]],
+                   mode: str = "affine") -> QuantizedTensor:
     """``rows_fn`` over chunks of :data:`ROW_CHUNK_VALUES` values' worth of whole rows
     of ``raw`` (every GGUF block lies within one row), its (words, scales, biases) joined
-    into one :class:`QuantizedTensor`."""
+    into one :class:`QuantizedTensor` (biases None for ``mode`` other than affine)."""
     rows, cols = info.shape
     per_row = raw.reshape(rows, -1)
     step = max(1, ROW_CHUNK_VALUES // cols)
     parts = [rows_fn(per_row[r:r + step]) for r in range(0, rows, step)]
-    weight, scales, biases = (np.concatenate([part[i] for part in parts]) for i in range(3))
-    return QuantizedTensor(mx.array(weight), mx.array(scales), mx.array(biases), bits=bits,
-                           source_type=info.type_name, group_size=group)
+    weight, scales = (np.concatenate([part[i] for part in parts]) for i in range(2))
+    biases = None if mode != "affine" else mx.array(np.concatenate([p[2] for p in parts]))
+    return QuantizedTensor(mx.array(weight), mx.array(scales), biases, bits=bits,
+                           source_type=info.type_name, group_size=group, mode=mode)
 
 
 def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -579,6 +648,8 @@ def _requantize_rows(raw: np.ndarray, info: GGUFTensorInfo, bits: int, group: in
 _GROUP16_WHY = ("16-value sub-blocks; MLX affine groups are 32, 64 or 128, and groups of 16 "
                 "are kept only where the native CPU kernels run the model")
 _DEQUANTIZED_WHY = {"Q6_K": _GROUP16_WHY, "Q3_K": _GROUP16_WHY, "Q2_K": _GROUP16_WHY}
+_GROUP16_EXPERTS_WHY = ("16-value sub-blocks; stacked experts run through MLX's gather_qmm, "
+                        "which takes groups of 32, 64 or 128")
 
 
 def describe_weights(index: GGUFIndex, tensors: dict[str, mx.array | QuantizedTensor],
@@ -599,17 +670,24 @@ def describe_weights(index: GGUFIndex, tensors: dict[str, mx.array | QuantizedTe
         if t is None:
             continue
         if isinstance(t, QuantizedTensor):
-            how = f"kept as {t.bits}-bit affine" + (
-                f" (groups of {t.group_size})" if t.group_size != GROUP_SIZE else "") + (
-                f", {str(t.scales.dtype).removeprefix('mlx.core.')} scales")
-            nbytes = t.weight.nbytes + t.scales.nbytes + t.biases.nbytes
+            if t.mode == "mxfp4":
+                how = "kept as MXFP4 (mxfp4, e8m0 scales)"
+            else:
+                how = f"kept as {t.bits}-bit affine" + (
+                    f" (groups of {t.group_size})" if t.group_size != GROUP_SIZE else "") + (
+                    f", {str(t.scales.dtype).removeprefix('mlx.core.')} scales")
+            if len(t.shape) == 3:
+                how += ", stacked experts"
+            nbytes = t.nbytes
         elif info.ggml_type in (F32, F16, BF16):
             shown = dtype if dtype is not None else t.dtype
             how, nbytes = f"dense {str(shown).removeprefix('mlx.core.')}", held(t)
         else:
             why = _DEQUANTIZED_WHY.get(info.type_name, "no MLX layout implemented yet")
-            if info.ggml_type in REPACKABLE_TYPES:
-                why = "not a matrix" if len(info.shape) != 2 else "quantized layers off"
+            if info.ggml_type in GROUP16_TYPES and len(info.shape) == 3:
+                why = _GROUP16_EXPERTS_WHY
+            if info.ggml_type in REPACKABLE_TYPES | {MXFP4}:
+                why = "not a matrix" if len(info.shape) not in (2, 3) else "quantized layers off"
             shown = dtype if dtype is not None else t.dtype
             how = f"dequantized to {str(shown).removeprefix('mlx.core.')} ({why})"
             nbytes = held(t)
@@ -638,6 +716,27 @@ _COMMON_BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Mixture-of-experts blocks: the router (``ffn_gate_inp``) and the stacked experts, as
+# mlx-lm's modules name them (qwen3_moe: ``mlp.gate`` + ``mlp.switch_mlp``; gpt_oss:
+# ``mlp.router`` + ``mlp.experts``, both SwitchGLU).
+_QWEN3_MOE_FFN = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+                  "ffn_up_exps": "mlp.switch_mlp.up_proj",
+                  "ffn_down_exps": "mlp.switch_mlp.down_proj"}
+_GPT_OSS_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# mlx-lm parameters that are bare arrays, not a module's ``weight`` (llama.cpp adds ".weight")
+_BARE_PARAMS = frozenset({"self_attn.sinks"})
 _BLOCK_NAMES: dict[str, dict[str, str]] = {
     "llama": {**_COMMON_BLOCK, "ffn_norm": "post_attention_layernorm"},
     "qwen2": {**_COMMON_BLOCK, "ffn_norm": "post_attention_layernorm"},
@@ -649,6 +748,9 @@ _BLOCK_NAMES: dict[str, dict[str, str]] = {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "qwen3_moe": {**_COMMON_BLOCK, **_QK_NORM, **_QWEN3_MOE_FFN,
+                  "ffn_norm": "post_attention_layernorm"},
+    "gpt_oss": _GPT_OSS_BLOCK,
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)")
@@ -667,11 +769,43 @@ def gguf_to_hf_name(name: str, model_type: str) -> str:
         raise ValueError(f"no GGUF tensor-name mapping for model type {model_type!r}")
     if m := _BLOCK_RE.fullmatch(name):
         layer, part, kind = m.groups()
-        if part in table:
+        if part in table and table[part] in _BARE_PARAMS:
+            if kind == "weight":
+                return f"model.layers.{layer}.{table[part]}"
+        elif part in table:
             return f"model.layers.{layer}.{table[part]}.{kind}"
     elif (m := _TOP_RE.fullmatch(name)) and m.group(1) in _TOP_NAMES:
         return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
     raise ValueError(f"GGUF tensor {name!r} has no counterpart in a {model_type} model")
+
+
+_FUSED_GATE_UP = re.compile(r"(blk\.\d+\.)ffn_gate_up_exps\.(weight|bias)")
+
+
+def split_fused_experts(name: str, tensor: mx.array | QuantizedTensor
+                        ) -> list[tuple[str, mx.array | QuantizedTensor]]:
+    """``[(name, tensor)]``, except that a fused ``blk.N.ffn_gate_up_exps`` weight
+    ``[experts, 2 * ffn, hidden]`` or bias ``[experts, 2 * ffn]`` (llama.cpp's converter may
+    fuse the gate and up projections: gate rows first) comes back as the ``ffn_gate_exps`` and
+    ``ffn_up_exps`` halves. ValueError for an odd number of rows."""
+    m = _FUSED_GATE_UP.fullmatch(name)
+    if m is None:
+        return [(name, tensor)]
+    prefix, kind = m.groups()
+    axis = 1 if kind == "weight" else -1
+    rows = tensor.shape[axis]
+    if rows % 2:
+        raise ValueError(f"GGUF tensor {name!r}: {rows} rows do not split into gate and up")
+    half = rows // 2
+
+    def part(t: mx.array | QuantizedTensor, lo: int) -> mx.array | QuantizedTensor:
+        def cut(a: mx.array) -> mx.array:
+            return mx.contiguous(a[:, lo:lo + half] if axis == 1 else a[..., lo:lo + half])
+
+        return t.map_rows(cut) if isinstance(t, QuantizedTensor) else cut(t)
+
+    return [(f"{prefix}ffn_gate_exps.{kind}", part(tensor, 0)),
+            (f"{prefix}ffn_up_exps.{kind}", part(tensor, half))]
 
 
 def unpermute_rows(x: mx.array, n_heads: int) -> mx.array:

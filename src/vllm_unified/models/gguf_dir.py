@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from vllm_unified import envs
@@ -32,7 +33,7 @@ def default_cache_root() -> Path:
 
 def _source_stamp(gguf: Path) -> dict:
     st = gguf.stat()
-    return {"source": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": 2}
+    return {"source": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": 3}
 
 
 def prepare_gguf_dir(
@@ -65,15 +66,14 @@ def prepare_gguf_dir(
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return out
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
+    config = gguf_hf_config(gguf)
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError) as err:
         raise ValueError(f"{gguf.name}: transformers cannot read this GGUF ({err})") from err
-    _complete_config(config)
     _apply_bos_eos(tokenizer, gguf)
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -85,11 +85,91 @@ def prepare_gguf_dir(
     return out
 
 
-def _complete_config(config) -> None:
+#: GGUF architecture -> (metadata key after ``<arch>.``, HF config field) that transformers'
+#: GGUF reader leaves out or fills from the wrong key: the experts' width (the dense
+#: ``feed_forward_length`` is no expert's), gpt-oss's window and head size.
+_MOE_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen3moe": (("expert_count", "num_experts"),
+                 ("expert_used_count", "num_experts_per_tok"),
+                 ("expert_feed_forward_length", "moe_intermediate_size")),
+    "gpt-oss": (("expert_count", "num_local_experts"),
+                ("expert_used_count", "num_experts_per_tok"),
+                ("expert_feed_forward_length", "intermediate_size"),
+                ("attention.sliding_window", "sliding_window"),
+                ("attention.key_length", "head_dim")),
+}
+
+
+def gguf_hf_config(gguf_path: str | os.PathLike):
+    """The ``transformers.PretrainedConfig`` of a GGUF: transformers' GGUF reader, then
+    :func:`_complete_config` (causal-LM class, mixture-of-experts fields from the metadata).
+
+    Raises:
+        ValueError: transformers cannot read the GGUF's architecture.
+    """
+    from transformers import AutoConfig
+
+    # lazy: models.gguf imports MLX, and the platform imports this module in vLLM's API server
+    from vllm_unified.models.gguf import read_gguf_index
+
+    gguf = Path(gguf_path)
+    index = read_gguf_index(gguf)
+    if index.metadata.get("general.architecture") == "gpt-oss":
+        # transformers' reader takes gpt-oss's rope.scaling.* keys' length fields for their
+        # values and then fails on every file llama.cpp writes (YaRN is always there)
+        config = _gpt_oss_config(index.metadata, "output.weight" not in index.tensors)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{gguf.name}: transformers cannot read this GGUF ({err})") from err
+    _complete_config(config, index.metadata)
+    return config
+
+
+def _gpt_oss_config(metadata: dict, tied: bool):
+    """``GptOssConfig`` from a ``gpt-oss`` GGUF's metadata (the keys llama.cpp's converter
+    writes; :data:`_MOE_FIELDS` adds the experts' and window fields after)."""
+    from transformers import GptOssConfig
+
+    def get(key: str, default=None):
+        value = metadata.get(f"gpt-oss.{key}", default)
+        if value is None:
+            raise ValueError(f"gpt-oss GGUF without gpt-oss.{key}")
+        return value
+
+    rope: dict = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 150000.0))}
+    scaling = metadata.get("gpt-oss.rope.scaling.type")
+    if scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")),
+                    original_max_position_embeddings=int(
+                        get("rope.scaling.original_context_length")),
+                    beta_fast=32.0, beta_slow=1.0, truncate=False)  # llama.cpp's defaults
+    elif scaling not in (None, "none"):
+        raise ValueError(f"gpt-oss GGUF with rope scaling {scaling!r} (only yarn is known)")
+    tokens = {f"{name}_token_id": metadata.get(f"tokenizer.ggml.{key}_token_id")
+              for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))}
+    return GptOssConfig(
+        vocab_size=int(get("vocab_size")), hidden_size=int(get("embedding_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=int(get("attention.head_count")),
+        num_key_value_heads=int(get("attention.head_count_kv")),
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_parameters=rope, tie_word_embeddings=tied, **tokens)
+
+
+def _complete_config(config, metadata: dict) -> None:
     """Name the causal-LM class in ``architectures``: transformers' GGUF reader leaves it empty,
-    and vLLM would then resolve the bare backbone (e.g. ``LlamaModel``) as a pooling model."""
+    and vLLM would then resolve the bare backbone (e.g. ``LlamaModel``) as a pooling model.
+    Set the mixture-of-experts fields of :data:`_MOE_FIELDS` from ``metadata``."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    arch = metadata.get("general.architecture")
+    for key, field in _MOE_FIELDS.get(arch, ()):
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None:
+            setattr(config, field, int(value))
     if not config.architectures:
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         if arch is None:
@@ -134,11 +214,16 @@ def export_dequantized(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
 
     Meant for comparisons with backends that read no GGUF, e.g. vLLM's native CPU backend as
     the reference of our differential tests and benchmarks. Tied embeddings are stored under
-    the embedding's name only, as HF checkpoints do.
+    the embedding's name only, as HF checkpoints do. The config is :func:`gguf_hf_config`'s;
+    gpt-oss's experts and attention sinks, which transformers' GGUF loader does not read from
+    llama.cpp's names, come from the ``gguf`` reference dequantization here.
 
     Returns:
         ``out_dir`` with ``config.json`` (``dtype`` float32, no GGUF quantization entry),
         ``model.safetensors`` and the tokenizer files. Reused if already complete.
+
+    Raises:
+        ValueError: a weight of the model would not come from the file (it would be random).
     """
     import torch
     from safetensors.torch import save_file
@@ -148,9 +233,19 @@ def export_dequantized(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     out = Path(out_dir)
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, config=gguf_hf_config(gguf), dtype=torch.float32,
+        output_loading_info=True)
+    missing = set(info["missing_keys"])
+    if model.config.model_type == "gpt_oss":
+        experts = _gpt_oss_expert_state(gguf)
+        model.load_state_dict(experts, strict=False)
+        missing -= set(experts)
+    if model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"{gguf.name}: transformers' GGUF loader leaves {len(missing)} "
+                         f"weights unread (e.g. {sorted(missing)[:4]}); not exported")
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -158,7 +253,43 @@ def export_dequantized(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     config.pop("quantization_config", None)  # transformers marks GGUF loads as quantized
     config["dtype"] = "float32"
     config["architectures"] = [type(model).__name__]
+    out.mkdir(parents=True, exist_ok=True)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(out / "model.safetensors"))  # last: marks the folder complete
     return out
+
+
+def _gpt_oss_expert_state(gguf: Path) -> dict:
+    """transformers' GptOss expert and sink parameters (fp32 torch tensors) from a gpt-oss
+    GGUF's ``ffn_{gate,up,down}_exps`` (or fused ``ffn_gate_up_exps``) weights and biases and
+    ``attn_sinks``, dequantized by the ``gguf`` reference: ``gate_up_proj`` ``[E, hidden,
+    2 ffn]`` with gate and up interleaved by column, ``down_proj`` ``[E, ffn, hidden]``."""
+    import numpy as np
+    import torch
+
+    from vllm_unified.models.gguf import (
+        GGUFIndex,
+        read_gguf_index,
+        read_gguf_tensors,
+        split_fused_experts,
+    )
+
+    index = read_gguf_index(gguf)
+    wanted = re.compile(r"blk\.\d+\.(ffn_(gate|up|down|gate_up)_exps|attn_sinks)\.(weight|bias)")
+    sub = GGUFIndex(index.metadata, {n: t for n, t in index.tensors.items()
+                                     if wanted.fullmatch(n)})
+    read = read_gguf_tensors(gguf, sub, quantized=False)
+    dense = {n: torch.from_numpy(np.array(t, dtype=np.float32))
+             for item in read.items() for n, t in split_fused_experts(*item)}
+    state = {}
+    for layer in range(int(index.metadata["gpt-oss.block_count"])):
+        b, p = f"blk.{layer}.", f"model.layers.{layer}."
+        gate, up = (dense[f"{b}ffn_{x}_exps.weight"].transpose(1, 2) for x in ("gate", "up"))
+        state[p + "mlp.experts.gate_up_proj"] = torch.stack([gate, up], -1).flatten(-2)
+        state[p + "mlp.experts.gate_up_proj_bias"] = torch.stack(
+            [dense[f"{b}ffn_gate_exps.bias"], dense[f"{b}ffn_up_exps.bias"]], -1).flatten(-2)
+        state[p + "mlp.experts.down_proj"] = dense[f"{b}ffn_down_exps.weight"].transpose(1, 2)
+        state[p + "mlp.experts.down_proj_bias"] = dense[f"{b}ffn_down_exps.bias"]
+        state[p + "self_attn.sinks"] = dense[f"{b}attn_sinks.weight"]
+    return state

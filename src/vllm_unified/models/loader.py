@@ -41,6 +41,7 @@ from vllm_unified.models.gguf import (
     gguf_to_hf_name,
     read_gguf_index,
     read_gguf_tensors,
+    split_fused_experts,
     unpermute_rows,
 )
 from vllm_unified.models.multipliers import apply_config_multipliers
@@ -52,7 +53,7 @@ logger = logging.getLogger("vllm.vllm_unified.models.loader")
 
 # GGUF general.architecture -> HF model type.
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                       "gemma3": "gemma3_text"}
+                       "gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 
 @dataclass
@@ -64,7 +65,8 @@ class LoadedModel:
     config: the HF-style config dict mlx-lm's ``ModelArgs`` was built from (normalised:
         ``rope_theta`` and ``rope_scaling`` at top level, Gemma's ``sliding_window_pattern``).
     dtype: compute dtype of every non-quantized floating weight (and of quantization scales).
-    quantized: whether any ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` remains.
+    quantized: whether any ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` /
+        ``QuantizedSwitchLinear`` (mixture-of-experts) remains.
     source: ``"gguf"`` or ``"safetensors"``.
     """
 
@@ -148,9 +150,9 @@ def _as_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
 
 
 def _gguf_hf_config(path: Path) -> dict[str, Any]:
-    from transformers import AutoConfig
+    from vllm_unified.models.gguf_dir import gguf_hf_config
 
-    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    return gguf_hf_config(path).to_dict()
 
 
 def _load_gguf(
@@ -179,7 +181,8 @@ def _load_gguf(
     n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
     weights: dict[str, mx.array | QuantizedTensor] = {}
     hf_to_gguf: dict[str, str] = {}
-    for name, tensor in tensors.items():
+    parts = (part for item in tensors.items() for part in split_fused_experts(*item))
+    for name, tensor in parts:
         if name == "rope_freqs.weight":
             # llama.cpp stores Llama 3 RoPE frequency factors; mlx-lm derives the same ones
             # from rope_scaling, so the tensor is redundant only if that is set.
@@ -214,7 +217,7 @@ def _load_gguf(
                 return False
             # groups MLX cannot make (16) are built as 32 and resized below
             return {"group_size": qt.group_size if qt.group_size in MLX_GROUP_SIZES else 32,
-                    "bits": qt.bits, "mode": "affine"}
+                    "bits": qt.bits, "mode": qt.mode}
 
         nn.quantize(model, class_predicate=predicate)
         _resize_groups(model, quantized_layers)
@@ -225,7 +228,8 @@ def _load_gguf(
             base = name.removesuffix(".weight")
             flat[name] = value.weight
             flat[f"{base}.scales"] = value.scales  # as held_scales made them
-            flat[f"{base}.biases"] = value.biases
+            if value.biases is not None:  # mxfp4 has none
+                flat[f"{base}.biases"] = value.biases
         else:
             flat[name] = value.astype(dtype)
     _check_names(model, flat, hf_to_gguf, f"GGUF {arch}")
@@ -241,8 +245,13 @@ def held_scales(t: QuantizedTensor, dtype: mx.Dtype, native_kernels: bool) -> Qu
     (GGUF Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store their scale and minimum as float16, and the
     biases -8d, -16d, -128d are exact too), else ``dtype``. The kernels widen them back to
     float32 exactly as they read them, so results are unchanged; the K-quants' scales (a float16
-    times a 6- or 8-bit integer) need float32."""
-    if native_kernels and dtype == mx.float32:
+    times a 6- or 8-bit integer) need float32. Stacked experts (3-D) are no layer the native
+    kernels run: ``dtype`` (MLX's ops would compute in float16 from float16 scales). MXFP4's
+    e8m0 scales stay as they are."""
+    if t.mode != "affine":
+        return t
+    assert t.biases is not None  # affine triples always have them
+    if native_kernels and dtype == mx.float32 and len(t.shape) == 2:
         s16, b16 = t.scales.astype(mx.float16), t.biases.astype(mx.float16)
         exact = (mx.array_equal(s16.astype(mx.float32), t.scales.astype(mx.float32))
                  and mx.array_equal(b16.astype(mx.float32), t.biases.astype(mx.float32)))
@@ -431,5 +440,7 @@ def check_dtype_supported(model: nn.Module, dtype: mx.Dtype, backend: str) -> No
 
 
 def _has_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    return any(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear)
                for _, m in model.named_modules())
