@@ -167,6 +167,21 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+def first_error(path: Path) -> str | None:
+    """The first ``SomethingError: ...`` / ``...Exception: ...`` line of a log (a traceback's
+    last line, vLLM's log prefix removed): the root cause where a server died at start-up."""
+    import re
+
+    pattern = re.compile(r"^(?:.*?\] )?\s*(\w+(?:Error|Exception): .*)$")
+    try:
+        for line in path.read_text(errors="replace").splitlines():
+            if m := pattern.match(line):
+                return m.group(1)
+    except OSError:
+        pass
+    return None
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:

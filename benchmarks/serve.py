@@ -259,8 +259,10 @@ def run_compare(args: argparse.Namespace) -> dict:
             if not args.keep_going:
                 raise
             entry["start_error"] = str(e)
+            entry["start_cause"] = harness.first_error(log)
             entry["log_tail"] = harness.log_tail(log)
-            result["failures"].append(f"{spec.name} did not start: {e} (log {log})")
+            result["failures"].append(f"{spec.name} did not start: {e}; "
+                                      f"{entry['start_cause']} (log {log})")
             print(f"   {spec.name} left out: it did not start", flush=True)
             return None
         entry |= harness.startup_facts(server, args.log_grep, args.memory_report)

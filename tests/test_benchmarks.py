@@ -236,7 +236,8 @@ def test_moe_figures_are_ratios_of_the_same_run(moe) -> None:
                 "contenders": {"ours": {"memory_report": {"weights_layers_bytes": 90,
                                                           "weights_other_bytes": 9,
                                                           "rss": 500}}}}
-    got = bench.figures(gguf_run, run(1, 1.0, 1.0), {"generation_tps": 5.0}, "ours", 100)
+    got = bench.figures(gguf_run, run(1, 1.0, 1.0), [{"generation_tps": 5.0}, {"error": "x"}],
+                        "ours", 100)
     assert got == {"ours/llama-server tok/s at C=1": 1.2,
                    "ours/llama-server tok/s at C=16": 1.5,
                    "ours/llama-server mean TTFT at C=16": 0.8,

@@ -75,8 +75,8 @@ def compare_args(args: argparse.Namespace, model: Path, tokenizer: Path, contend
         argv += ["--num-prompts", str(args.num_prompts)]
     if args.llama_server:
         argv += ["--llama-server", str(args.llama_server)]
-    if args.ours_args:
-        argv += ["--server-args", f"{ours_name(args)}={args.ours_args}"]
+    ours_args = f"--dtype {args.ours_dtype} {args.ours_args}".strip()
+    argv += ["--server-args", f"{ours_name(args)}={ours_args}"]
     return ap.parse_args(argv)
 
 
@@ -90,19 +90,41 @@ def level(result: dict, conc: int, name: str) -> dict | None:
     return None if entry is None else entry["summary"].get(name)
 
 
-def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path) -> dict:
+#: mlx-lm's own generation with every floating weight (scales and biases included) cast to
+#: float32 first: MLX's CPU quantized matmul is several times slower in bfloat16
+FLOAT32_GENERATE = """
+import sys
+import mlx.core as mx
+from mlx_lm import generate, load
+model, tokenizer = load(sys.argv[1])
+model.set_dtype(mx.float32)
+generate(model, tokenizer, sys.argv[2], max_tokens=int(sys.argv[3]), verbose=True)
+"""
+
+
+def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path,
+                    dtype: str) -> dict:
     """mlx-lm's own generation on ``model``: greedy, a prompt of about ``prompt_tokens``
-    tokens, ``max_tokens`` new ones. Returns its printed prompt / generation rates, token
-    counts and its process's peak RSS (MiB); ``error`` instead when it failed."""
+    tokens, ``max_tokens`` new ones; ``dtype`` "folder" runs ``python -m mlx_lm generate``
+    as it is (the folder's 16-bit dtype), "float32" casts the loaded model to float32 first.
+    Returns its printed prompt / generation rates and token counts and its process's peak RSS
+    (MiB); ``error`` instead when it failed."""
     words = PROMPT_TEXT.split()
     prompt = " ".join(words[i % len(words)] for i in range(int(prompt_tokens * 0.75)))
-    cmd = [sys.executable, "-m", "mlx_lm", "generate", "--model", str(model), "--prompt", prompt,
-           "--max-tokens", str(max_tokens), "--temp", "0", "--ignore-chat-template"]
+    if dtype == "folder":
+        cmd = [sys.executable, "-m", "mlx_lm", "generate", "--model", str(model), "--prompt",
+               prompt, "--max-tokens", str(max_tokens), "--temp", "0",
+               "--ignore-chat-template"]
+        shown = cmd[:7] + ["<prompt>"] + cmd[8:]
+    else:
+        cmd = [sys.executable, "-c", FLOAT32_GENERATE, str(model), prompt, str(max_tokens)]
+        shown = [*cmd[:2], "<float32 generate>", str(model), "<prompt>", str(max_tokens)]
     env = dict(os.environ)
     blas = harness.platform_blas()
     if blas is not None:  # as for every mlx-lm contender: engine meets engine, not BLAS
         env["LD_PRELOAD"] = ":".join(x for x in (str(blas), env.get("LD_PRELOAD")) if x)
-    print(f"== mlx-lm generate on {model} ({max_tokens} tokens)\n   log: {log}", flush=True)
+    print(f"== mlx-lm generate ({dtype}) on {model}, {max_tokens} tokens\n   log: {log}",
+          flush=True)
     t0 = time.perf_counter()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -114,7 +136,7 @@ def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path)
             rss.stop()
             harness.kill_group(proc, grace_s=2)
     text = log.read_text(errors="replace")
-    out: dict = {"cmd": cmd[:5] + ["<prompt>"] + cmd[6:], "blas": str(blas) if blas else None,
+    out: dict = {"dtype": dtype, "cmd": shown, "blas": str(blas) if blas else None,
                  "wall_s": time.perf_counter() - t0, "peak_rss_mib": rss.peak / 2**20,
                  "log": str(log)}
     gen, pro = GENERATION_RE.search(text), PROMPT_RE.search(text)
@@ -124,12 +146,15 @@ def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path)
     out |= {"generation_tokens": int(gen["tokens"]), "generation_tps": float(gen["tps"])}
     if pro is not None:
         out |= {"prompt_tokens": int(pro["tokens"]), "prompt_tps": float(pro["tps"])}
+    print(f"   {out['generation_tps']:.3f} tok/s ({out['generation_tokens']} tokens)",
+          flush=True)
     return out
 
 
-def figures(gguf_run: dict | None, mlx_run: dict | None, mlx_lm: dict | None, ours: str,
-            gguf_bytes: int) -> dict[str, float | None]:
-    """The acceptance figures (ratios) from the parts that ran (None where one is missing)."""
+def figures(gguf_run: dict | None, mlx_run: dict | None, mlx_lm: list[dict] | None,
+            ours: str, gguf_bytes: int) -> dict[str, float | None]:
+    """The acceptance figures (ratios) from the parts that ran (None where one is missing);
+    mlx-lm's reference is the faster of its runs (``mlx_lm``)."""
     def ratio(conc: int, key: str) -> float | None:
         entry = level(gguf_run, conc, ours) if gguf_run else None
         return None if entry is None else entry.get(f"{key}_ratio")
@@ -140,7 +165,8 @@ def figures(gguf_run: dict | None, mlx_run: dict | None, mlx_lm: dict | None, ou
         "ours/llama-server mean TTFT at C=16": ratio(16, "mean_ttft_ms")}
     entry = level(mlx_run, 1, ours) if mlx_run else None
     decode = 1000.0 / entry["mean_tpot_ms"] if entry and entry.get("mean_tpot_ms") else None
-    ref = (mlx_lm or {}).get("generation_tps")
+    rates = [r["generation_tps"] for r in (mlx_lm or []) if "generation_tps" in r]
+    ref = max(rates) if rates else None  # the faster of mlx-lm's runs
     out["ours/mlx-lm decode tok/s at batch 1"] = decode / ref if decode and ref else None
     report = ((gguf_run or {}).get("contenders", {}).get(ours, {}).get("memory_report"))
     held = weights_held(report) if report else None
@@ -176,12 +202,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="our contender as serve.py compare names it (e.g. ours:/path/to/src)")
     ap.add_argument("--ours-args", default="", metavar="ARGS",
                     help="extra arguments of our server, e.g. '--max-num-seqs 16'")
+    ap.add_argument("--ours-dtype", default="float32",
+                    help="our server's --dtype (default float32: vLLM's auto reads the "
+                         "folder's bfloat16, which our CPU MoE path refuses)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="requests per run (default: 4 x concurrency, at least 8)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--mlx-lm-tokens", type=int, default=8,
+                    help="tokens mlx-lm generates (default 8: its bfloat16 run is slow)")
+    ap.add_argument("--mlx-lm-dtypes", nargs="+", choices=("folder", "float32"),
+                    default=["folder", "float32"],
+                    help="mlx-lm runs: the folder's dtype as it is, cast to float32")
     ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH")
     args = ap.parse_args(argv)
     import serve
@@ -209,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
             mlx_run = serve.run_compare(compare_args(args, mlx_dir, mlx_dir, [args.ours], ours,
                                                      [1]))
             result["parts"]["mlx"] = mlx_run
-            log = args.results_dir / f"moe-bench-{ts}-mlx-lm.log"
-            mlx_lm = mlx_lm_generate(mlx_dir, args.input_len, args.output_len, log)
-            result["parts"]["mlx_lm_generate"] = mlx_lm
+            mlx_lm = result["parts"]["mlx_lm_generate"] = []
+            for dtype in args.mlx_lm_dtypes:
+                log = args.results_dir / f"moe-bench-{ts}-mlx-lm-{dtype}.log"
+                mlx_lm.append(mlx_lm_generate(mlx_dir, args.input_len, args.mlx_lm_tokens,
+                                              log, dtype))
     finally:
         result["figures"] = figures(gguf_run, mlx_run, mlx_lm, ours, result["gguf_bytes"])
         result["machine"] = harness.machine_info(load_before, os.getloadavg())
@@ -234,17 +270,19 @@ def print_report(result: dict, ours: str) -> None:
           f"{result['mlx_bytes'] / 2**30:.2f} GiB")
     for part, run in result["parts"].items():
         if part == "mlx_lm_generate":
-            if "error" in run:
-                print(f"mlx-lm generate failed: {run['error']}")
-            else:
-                print(f"mlx-lm generate: {run['generation_tps']:.2f} tok/s decode "
-                      f"({run['generation_tokens']} tokens), prompt {run.get('prompt_tps', 0):.1f}"
-                      f" tok/s, peak RSS {run['peak_rss_mib']:.0f} MiB")
+            for r in run:
+                if "error" in r:
+                    print(f"mlx-lm generate ({r['dtype']}) failed: {r['error']}")
+                else:
+                    print(f"mlx-lm generate ({r['dtype']}): {r['generation_tps']:.3f} tok/s "
+                          f"decode ({r['generation_tokens']} tokens), prompt "
+                          f"{r.get('prompt_tps', 0):.1f} tok/s, peak RSS "
+                          f"{r['peak_rss_mib']:.0f} MiB")
             continue
         for name, c in run["contenders"].items():
             if "start_error" in c:
                 print(f"[{part}] {name} did not start: {c['start_error']}\n  "
-                      + "\n  ".join(c["log_tail"].splitlines()[-6:]))
+                      f"cause: {c.get('start_cause')}")
                 continue
             mem = ""
             if rep := c.get("memory_report"):
