@@ -206,18 +206,28 @@ def tree_rss(pid: int) -> int:
 
 
 class RssSampler:
-    """Peak resident memory of a process tree (:func:`tree_rss`), sampled every 0.25 s."""
+    """Peak resident memory of a process tree (:func:`tree_rss`), sampled every 0.25 s. With
+    ``limit`` (bytes), a tree above it is killed (SIGKILL to the process group of ``pid``, which
+    must lead its own group) and ``exceeded`` holds the RSS seen: a shared machine is not
+    driven out of memory by a server that grows without bound."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, limit: int | None = None) -> None:
         self.pid = pid
         self.peak = 0
+        self.limit = limit
+        self.exceeded: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss(self.pid))
+            rss = tree_rss(self.pid)
+            self.peak = max(self.peak, rss)
+            if self.limit is not None and rss > self.limit and self.exceeded is None:
+                self.exceeded = rss
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGKILL)
             self._stop.wait(0.25)
 
     def take_peak(self) -> int:
@@ -472,12 +482,14 @@ def wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float) -> flo
 
 @contextlib.contextmanager
 def running(spec: ServerSpec, log_path: Path, startup_timeout_s: float = 900.0,
-            port: int | None = None) -> Iterator[Running]:
+            port: int | None = None, max_rss: int | None = None) -> Iterator[Running]:
     """Start ``spec`` on 127.0.0.1 (a free port unless given), wait for ``/health`` and yield
-    it; its process group is stopped afterwards, also on errors and Ctrl-C.
+    it; its process group is stopped afterwards, also on errors and Ctrl-C. With ``max_rss``
+    (bytes) the server's process tree is killed once its RSS exceeds it (:class:`RssSampler`).
 
     Raises:
-        RuntimeError: it exited or was not healthy in time (its log's tail is printed).
+        RuntimeError: it exited (or was killed for its RSS) or was not healthy in time (its
+            log's tail is printed).
     """
     port = port or free_port()
     cmd = [*spec.cmd, "--host", "127.0.0.1", "--port", str(port)]
@@ -488,14 +500,21 @@ def running(spec: ServerSpec, log_path: Path, startup_timeout_s: float = 900.0,
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
-    rss = RssSampler(proc.pid)
+    rss = RssSampler(proc.pid, max_rss)
     try:
         try:
             startup = wait_healthy(proc, base_url, startup_timeout_s)
         except RuntimeError as e:
-            print(f"   {spec.name} failed to start: {e}\n   --- last lines of {log_path} ---\n"
-                  f"{log_tail(log_path)}", flush=True)
-            raise
+            cause = e
+            if rss.exceeded is not None:
+                cause = RuntimeError(f"killed during start-up: its RSS reached "
+                                     f"{rss.exceeded / 2**30:.1f} GiB, above the limit of "
+                                     f"{max_rss / 2**30:.1f} GiB")
+            print(f"   {spec.name} failed to start: {cause}\n   --- last lines of {log_path} "
+                  f"---\n{log_tail(log_path)}", flush=True)
+            if cause is e:
+                raise
+            raise cause from e
         print(f"   {spec.name} healthy after {startup:.1f} s", flush=True)
         yield Running(spec, base_url, proc, log_path, startup, rss)
     finally:

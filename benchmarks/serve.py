@@ -254,7 +254,9 @@ def run_compare(args: argparse.Namespace) -> dict:
             "git": harness.git_revision(spec.src) if spec.src else harness.git_revision()}
         log = out_dir / f"{spec.name}.log"
         try:
-            server = stack.enter_context(harness.running(spec, log, args.startup_timeout))
+            server = stack.enter_context(harness.running(
+                spec, log, args.startup_timeout,
+                max_rss=int(args.max_rss_gib * 2**30) if args.max_rss_gib else None))
         except RuntimeError as e:
             if not args.keep_going:
                 raise
@@ -333,6 +335,9 @@ def add_compare_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--memory-report", action="store_true",
                     help="ours runs with VLLM_SERVER_DEV_MODE=1 and its worker's "
                          "memory_report (weights held, RSS) is read after start-up")
+    ap.add_argument("--max-rss-gib", type=float, default=None, metavar="GIB",
+                    help="kill a server whose process tree's RSS exceeds GIB (a start-up "
+                         "failure; with --keep-going the run goes on)")
     ap.add_argument("--log-grep", default=None, metavar="REGEX",
                     help="keep the start-up log lines matching REGEX in the result")
 

@@ -256,3 +256,19 @@ def test_a_model_folder_is_served_as_it_is(harness, tmp_path: Path) -> None:
         "ours", "ours", harness.ServerOptions(Path("m.gguf"))).env
     with pytest.raises(SystemExit, match="not the folder"):
         harness.server_spec("llama-server", "llama-server", opts)
+
+
+def test_a_tree_above_the_rss_limit_is_killed(serve) -> None:
+    import subprocess
+    import time
+
+    grow = "b = bytearray(300 << 20); import time; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", grow], start_new_session=True)
+    sampler = serve.harness.RssSampler(proc.pid, limit=150 << 20)
+    try:
+        assert proc.wait(timeout=30) != 0  # killed long before its sleep ends
+        time.sleep(0.3)
+        assert sampler.exceeded is not None and sampler.exceeded > 150 << 20
+    finally:
+        sampler.stop()
+        serve.harness.kill_group(proc, grace_s=1)

@@ -9,9 +9,14 @@ figures of the MoE issue's acceptance points 3 and 5, in one run on one CPU:
    ours' worker ``memory_report`` after start-up (weights held, RSS) and its start-up log
    lines naming parameters or weights;
 3. **mlx**: ours serving the MLX folder at concurrency 1 (decode rate = 1000 / mean TPOT),
-   then mlx-lm's own generation on the same folder (``python -m mlx_lm generate``, greedy,
-   ``--max-tokens`` = ``--output-len``, our platform's BLAS preloaded as for every mlx-lm
-   contender), its printed ``Generation: ... tokens-per-sec`` and its peak RSS.
+   then mlx-lm's own generation on the same folder, greedy, ``--mlx-lm-tokens`` new tokens, our
+   platform's BLAS preloaded as for every mlx-lm contender: ``python -m mlx_lm generate`` as the
+   folder is (bfloat16 scales and norms) and the same model cast to float32 first (MLX's CPU
+   quantized matmul is several times slower in bfloat16); each run's printed ``Generation: ...
+   tokens-per-sec`` and peak RSS; the faster run is the reference.
+
+Our server runs with ``--dtype float32`` (``--ours-dtype``): vLLM's ``auto`` reads the folder's
+``bfloat16``, which our CPU mixture-of-experts path refuses.
 
 A contender that does not start (ours before the MoE families land) is recorded with its log's
 tail and the run goes on. Printed at the end: each figure, its ratio and the acceptance target
@@ -68,7 +73,7 @@ def compare_args(args: argparse.Namespace, model: Path, tokenizer: Path, contend
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--results-dir", str(args.results_dir), "--startup-timeout",
             str(args.startup_timeout), "--sequential", "--keep-going", "--memory-report",
-            "--log-grep", LOG_GREP]
+            "--log-grep", LOG_GREP, "--max-rss-gib", str(args.max_rss_gib)]
     for c in contenders:
         argv += ["--contender", c]
     if args.num_prompts:
@@ -103,12 +108,12 @@ generate(model, tokenizer, sys.argv[2], max_tokens=int(sys.argv[3]), verbose=Tru
 
 
 def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path,
-                    dtype: str) -> dict:
+                    dtype: str, max_rss: int | None = None) -> dict:
     """mlx-lm's own generation on ``model``: greedy, a prompt of about ``prompt_tokens``
     tokens, ``max_tokens`` new ones; ``dtype`` "folder" runs ``python -m mlx_lm generate``
     as it is (the folder's 16-bit dtype), "float32" casts the loaded model to float32 first.
     Returns its printed prompt / generation rates and token counts and its process's peak RSS
-    (MiB); ``error`` instead when it failed."""
+    (MiB); ``error`` instead when it failed (or was killed above ``max_rss`` bytes)."""
     words = PROMPT_TEXT.split()
     prompt = " ".join(words[i % len(words)] for i in range(int(prompt_tokens * 0.75)))
     if dtype == "folder":
@@ -129,7 +134,7 @@ def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path,
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        rss = harness.RssSampler(proc.pid)
+        rss = harness.RssSampler(proc.pid, max_rss)
         try:
             rc = proc.wait()
         finally:
@@ -140,7 +145,9 @@ def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path,
                  "wall_s": time.perf_counter() - t0, "peak_rss_mib": rss.peak / 2**20,
                  "log": str(log)}
     gen, pro = GENERATION_RE.search(text), PROMPT_RE.search(text)
-    if rc != 0 or gen is None:
+    if rss.exceeded is not None:
+        out["error"] = f"killed: RSS {rss.exceeded / 2**30:.1f} GiB above the limit"
+    elif rc != 0 or gen is None:
         out["error"] = f"exit {rc}: {harness.log_tail(log, 15)}"
         return out
     out |= {"generation_tokens": int(gen["tokens"]), "generation_tps": float(gen["tps"])}
@@ -216,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mlx-lm-dtypes", nargs="+", choices=("folder", "float32"),
                     default=["folder", "float32"],
                     help="mlx-lm runs: the folder's dtype as it is, cast to float32")
+    ap.add_argument("--max-rss-gib", type=float, default=8.0,
+                    help="a server or mlx-lm run whose process tree's RSS exceeds this is "
+                         "killed and recorded as failed (default 8 GiB: the model is ~3)")
     ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH")
     args = ap.parse_args(argv)
     import serve
@@ -247,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             for dtype in args.mlx_lm_dtypes:
                 log = args.results_dir / f"moe-bench-{ts}-mlx-lm-{dtype}.log"
                 mlx_lm.append(mlx_lm_generate(mlx_dir, args.input_len, args.mlx_lm_tokens,
-                                              log, dtype))
+                                              log, dtype, int(args.max_rss_gib * 2**30)))
     finally:
         result["figures"] = figures(gguf_run, mlx_run, mlx_lm, ours, result["gguf_bytes"])
         result["machine"] = harness.machine_info(load_before, os.getloadavg())
