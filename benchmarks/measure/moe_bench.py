@@ -48,7 +48,8 @@ import moe_checkpoint  # noqa: E402
 
 PARTS = ("gguf", "mlx")
 #: start-up log lines kept in the result: parameter counts, weight bytes, the model load
-LOG_GREP = r"(?i)parameters|GGUF weights|weights held|Loaded |expert|refus|not supported"
+LOG_GREP = (r"(?i)parameters|params|GGUF weights|weights held|Loaded |expert|file size|"
+            r"model size|buffer size|refus|not supported")
 GENERATION_RE = re.compile(r"Generation: (?P<tokens>\d+) tokens, (?P<tps>[\d.]+) tokens-per-sec")
 PROMPT_RE = re.compile(r"Prompt: (?P<tokens>\d+) tokens, (?P<tps>[\d.]+) tokens-per-sec")
 PROMPT_TEXT = ("Mixture-of-experts models route every token to a few of many feed-forward "
@@ -108,12 +109,13 @@ generate(model, tokenizer, sys.argv[2], max_tokens=int(sys.argv[3]), verbose=Tru
 
 
 def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path,
-                    dtype: str, max_rss: int | None = None) -> dict:
+                    dtype: str, max_rss: int | None = None, timeout_s: float = 1200.0) -> dict:
     """mlx-lm's own generation on ``model``: greedy, a prompt of about ``prompt_tokens``
     tokens, ``max_tokens`` new ones; ``dtype`` "folder" runs ``python -m mlx_lm generate``
     as it is (the folder's 16-bit dtype), "float32" casts the loaded model to float32 first.
     Returns its printed prompt / generation rates and token counts and its process's peak RSS
-    (MiB); ``error`` instead when it failed (or was killed above ``max_rss`` bytes)."""
+    (MiB); ``error`` instead when it failed (or was killed above ``max_rss`` bytes or after
+    ``timeout_s`` seconds)."""
     words = PROMPT_TEXT.split()
     prompt = " ".join(words[i % len(words)] for i in range(int(prompt_tokens * 0.75)))
     if dtype == "folder":
@@ -136,7 +138,9 @@ def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path,
                                 start_new_session=True)
         rss = harness.RssSampler(proc.pid, max_rss)
         try:
-            rc = proc.wait()
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
         finally:
             rss.stop()
             harness.kill_group(proc, grace_s=2)
@@ -147,6 +151,8 @@ def mlx_lm_generate(model: Path, prompt_tokens: int, max_tokens: int, log: Path,
     gen, pro = GENERATION_RE.search(text), PROMPT_RE.search(text)
     if rss.exceeded is not None:
         out["error"] = f"killed: RSS {rss.exceeded / 2**30:.1f} GiB above the limit"
+    elif rc is None:
+        out["error"] = f"killed after {timeout_s:.0f} s"
     elif rc != 0 or gen is None:
         out["error"] = f"exit {rc}: {harness.log_tail(log, 15)}"
         return out
@@ -220,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--mlx-lm-tokens", type=int, default=8,
                     help="tokens mlx-lm generates (default 8: its bfloat16 run is slow)")
+    ap.add_argument("--mlx-lm-prompt", type=int, default=32,
+                    help="prompt tokens of mlx-lm's runs, about (default 32: its prefill is slow "
+                         "and the decode rate hardly depends on it)")
+    ap.add_argument("--mlx-lm-timeout", type=float, default=1200.0,
+                    help="seconds an mlx-lm run may take before it is killed")
     ap.add_argument("--mlx-lm-dtypes", nargs="+", choices=("folder", "float32"),
                     default=["folder", "float32"],
                     help="mlx-lm runs: the folder's dtype as it is, cast to float32")
@@ -256,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             mlx_lm = result["parts"]["mlx_lm_generate"] = []
             for dtype in args.mlx_lm_dtypes:
                 log = args.results_dir / f"moe-bench-{ts}-mlx-lm-{dtype}.log"
-                mlx_lm.append(mlx_lm_generate(mlx_dir, args.input_len, args.mlx_lm_tokens,
-                                              log, dtype, int(args.max_rss_gib * 2**30)))
+                mlx_lm.append(mlx_lm_generate(mlx_dir, args.mlx_lm_prompt, args.mlx_lm_tokens,
+                                              log, dtype, int(args.max_rss_gib * 2**30),
+                                              args.mlx_lm_timeout))
     finally:
         result["figures"] = figures(gguf_run, mlx_run, mlx_lm, ours, result["gguf_bytes"])
         result["machine"] = harness.machine_info(load_before, os.getloadavg())
