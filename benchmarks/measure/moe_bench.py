@@ -303,8 +303,8 @@ def print_report(result: dict, ours: str) -> None:
             continue
         for name, c in run["contenders"].items():
             if "start_error" in c:
-                print(f"[{part}] {name} did not start: {c['start_error']}\n  "
-                      f"cause: {c.get('start_cause')}")
+                cause = f"\n  cause: {c['start_cause']}" if c.get("start_cause") else ""
+                print(f"[{part}] {name} did not start: {c['start_error']}{cause}")
                 continue
             mem = ""
             if rep := c.get("memory_report"):
