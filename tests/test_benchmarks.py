@@ -272,3 +272,47 @@ def test_a_tree_above_the_rss_limit_is_killed(serve) -> None:
     finally:
         sampler.stop()
         serve.harness.kill_group(proc, grace_s=1)
+
+
+def test_sequential_compare_records_a_server_that_did_not_start(serve, harness, monkeypatch,
+                                                                 tmp_path: Path) -> None:
+    """--sequential --keep-going: one server up at a time, every level run on it before the
+    next starts; a server that dies at start-up is recorded with its log's first error and
+    the others' ratios are still made."""
+    import contextlib
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def running(spec, log, timeout, max_rss=None):
+        events.append(f"start {spec.name}")
+        if spec.name == "ours":
+            log.write_text("INFO loading\nValueError: GGUF architecture 'x' is not supported\n")
+            raise RuntimeError("server exited with code 1 during start-up")
+        log.write_text("model params = 5.61 B\n")
+        yield harness.Running(spec, "http://x", None, log, 1.0, None)
+        events.append(f"stop {spec.name}")
+
+    def run_once(server, tokenizer, args, conc, n, out_dir, tag, seed):
+        events.append(tag)
+        return {"completed": n, "failed": 0, "output_throughput": 10.0, "mean_ttft_ms": 5.0,
+                "mean_tpot_ms": 2.0, "peak_rss_mib": 1.0}
+
+    monkeypatch.setattr(harness, "running", running)
+    monkeypatch.setattr(harness, "startup_facts", lambda s, grep, report: {"startup_s": 1.0})
+    monkeypatch.setattr(serve, "run_once", run_once)
+    monkeypatch.setattr(harness, "llama_server_binary", lambda p: Path("/bin/true"))
+    args = serve_args(serve, "--model", str(tmp_path / "m.gguf"), "--tokenizer", str(tmp_path),
+                      "--contender", "llama-server", "--contender", "ours", "--concurrency",
+                      "1", "16", "--sequential", "--keep-going", "--results-dir",
+                      str(tmp_path / "out"))
+    result = serve.run_compare(args)
+    assert events == ["start llama-server", "c1-r0-llama-server", "c16-r0-llama-server",
+                      "stop llama-server", "start ours"]
+    assert result["contenders"]["ours"]["start_cause"] == (
+        "ValueError: GGUF architecture 'x' is not supported")
+    assert set(result["levels"]["16"]["summary"]) == {"llama-server"}
+    assert len(result["failures"]) == 1 and Path(result["result_path"]).is_file()
+    args.keep_going = False
+    with pytest.raises(RuntimeError, match="during start-up"):
+        serve.run_compare(args)
