@@ -168,6 +168,13 @@ void dequantize_rows_f32(
     const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
     size_t r1, size_t K, size_t group_size, int bits);
 
+// Rows [r0, r1) of an MLX mxfp4 weight as fp32 into out [(r1 - r0), K] (mx.dequantize's values
+// in mode "mxfp4", all exact in fp32): element k = e2m1 code (4 bits, dequantize_rows_f32's
+// 4-bit layout) times 2^(s - 127), s the uint8 e8m0 scale of its group of 32 (scales
+// [rows, K / 32]; 255 gives infinities, as MLX's). K a multiple of 32.
+void dequantize_rows_mxfp4(const uint32_t* wq, const uint8_t* scales, float* out, size_t r0,
+                           size_t r1, size_t K);
+
 // y[m, n] for m < M and the n of whole 4-row blocks from n0 on, up to n1 (the rows
 // [n0, returned) with returned - n0 = (n1 - n0) / 4 * 4), for M in 1..3: x @ dequantize(w).T
 // with each weight dequantized in registers (dequantize_rows_f32's layout, widths and group

@@ -225,6 +225,64 @@ void dequantize_rows_f32(
   }
 }
 
+namespace {
+
+// The 16 e2m1 values (sign, 2 exponent bits, 1 mantissa bit), by code.
+constexpr float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// 2^(s - 127) as fp32: the subnormal 2^-127 for s = 0, infinity for s = 255.
+inline float e8m0_to_float(uint8_t s) {
+  const uint32_t bits = s == 0 ? 0x00400000u : static_cast<uint32_t>(s) << 23;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+#ifdef VUN_X86
+__attribute__((target("avx512f,avx2"))) void mxfp4_rows_avx512(
+    const uint32_t* wq, const uint8_t* scales, float* out, size_t r0, size_t r1, size_t K) {
+  const __m512 lut = _mm512_loadu_ps(kE2m1);
+  for (size_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(wq) + r * (K / 2);
+    const uint8_t* sr = scales + r * (K / 32);
+    float* o = out + (r - r0) * K;
+    for (size_t k = 0; k < K; k += 16) {
+      const __m512 s = _mm512_set1_ps(e8m0_to_float(sr[k / 32]));
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k / 2));
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)));
+      _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), s));
+    }
+  }
+}
+#endif
+
+void mxfp4_rows_portable(const uint32_t* wq, const uint8_t* scales, float* out, size_t r0,
+                         size_t r1, size_t K) {
+  for (size_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(wq) + r * (K / 2);
+    const uint8_t* sr = scales + r * (K / 32);
+    float* o = out + (r - r0) * K;
+    for (size_t k = 0; k < K; ++k) {
+      o[k] = kE2m1[(wr[k / 2] >> (4 * (k % 2))) & 0xf] * e8m0_to_float(sr[k / 32]);
+    }
+  }
+}
+
+}  // namespace
+
+void dequantize_rows_mxfp4(const uint32_t* wq, const uint8_t* scales, float* out, size_t r0,
+                           size_t r1, size_t K) {
+#ifdef VUN_X86
+  static const bool vector = isa_level() >= 2;
+  if (vector) {
+    mxfp4_rows_avx512(wq, scales, out, r0, r1, K);
+    return;
+  }
+#endif
+  mxfp4_rows_portable(wq, scales, out, r0, r1, K);
+}
+
 } // namespace vun
 
 namespace vun {
