@@ -315,3 +315,100 @@ def test_other_call_shapes_fall_back_to_gather_qmm():
     assert type(layer) is cpu_kernels.NativeQuantizedSwitchLinear
     assert mx.array_equal(layer(x, idx), want).item()
     assert _rel_err(layer(ok_x, ok_idx), want_ok) < FP32_TOL  # with the experts' bias
+
+
+def _tiny_qwen3_next(quantized_experts: bool) -> nn.Module:
+    """The tiny qwen3_next test model (gated delta-net hybrid with a sparse MoE block and a
+    shared expert), every linear and expert quantized to 4 bits (groups of 32) by mlx-lm's
+    quantization; with ``quantized_experts`` False the same quantized weights dequantized to
+    fp32 by mlx-lm's ``dequantize_model`` (experts as ``SwitchLinear``)."""
+    import os
+    import sys
+
+    from mlx_lm.utils import dequantize_model
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import tiny_config
+
+    from vllm_unified.models.config import mlx_lm_config, model_classes
+
+    config = mlx_lm_config(tiny_config("qwen3_next").to_dict())
+    model_cls, args_cls = model_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    nn.quantize(model, group_size=32, bits=4)
+    if not quantized_experts:
+        model = dequantize_model(model)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("mode", [1, 4])
+def test_quantized_moe_model_greedy_equals_its_dequantized_experts(mode):
+    """A whole model: the tiny qwen3_next with quantized experts on the native kernel gives the
+    greedy ids of the same weights dequantized to fp32 (MLX's gather_mm for the experts, the
+    native linear for the rest), over a 40-token prompt (80 pairs: mlx-lm's sorted call) and
+    12 decode steps (unsorted); logits within fp32 rounding in exact arithmetic (mode 1), and
+    with int16 activations (mode 4, the default) in the kept model's quantized layers."""
+    from tiny_models import greedy_ids
+
+    native.quantized_gemv_mode(mode)
+    kept, dense = _tiny_qwen3_next(True), _tiny_qwen3_next(False)
+    routed = cpu_kernels.install_cpu_kernels(kept)
+    assert any("quantized expert layers" in line for line in routed), routed
+    cpu_kernels.install_cpu_kernels(dense)
+    assert not any(type(m) is QuantizedSwitchLinear for m in kept.modules())
+    assert any(type(m) is cpu_kernels.NativeQuantizedSwitchLinear for m in kept.modules())
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1000, 40)]
+    if mode == 1:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        logits = [m(mx.array([prompt]), cache=make_prompt_cache(m)) for m in (kept, dense)]
+        assert _rel_err(*logits) < 1e-5
+    assert greedy_ids(kept, prompt, 12) == greedy_ids(dense, prompt, 12)
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # two engines; the model-level test above checks the same without them
+def test_served_quantized_moe_equals_its_dequantized_load(tmp_path):
+    """The tiny qwen3_next checkpoint quantized to 4 bits by mlx-lm (``quantize_model``,
+    groups of 32: experts, shared expert and linears) served kept quantized (experts on the
+    native kernel, named in the start-up log) gives the greedy ids of the same checkpoint
+    dequantized to fp32 at load (``VLLM_UNIFIED_CPU_QUANTIZED=0``), four requests batched with
+    chunked prefill; exact fp32 arithmetic (``VLLM_UNIFIED_CPU_ACTIVATIONS=fp32``), so the two
+    differ only in the experts' summation order."""
+    from conftest import run_llm
+    from mlx_lm.utils import quantize_model, save_config, save_model
+    from tiny_models import make_tiny_checkpoint
+
+    from vllm_unified.models.loader import load_model
+
+    src = make_tiny_checkpoint(tmp_path, "qwen3_next")
+    dense = load_model(src, hf_config=None, dtype=mx.float32, keep_quantized=False)
+    model, config = quantize_model(dense.model, dict(dense.config), group_size=32, bits=4)
+    assert any(isinstance(m, QuantizedSwitchLinear) for m in model.modules())
+    out = tmp_path / "tiny-qwen3_next-4bit"
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    prompts = [[(7 * i + 13 * j) % 40000 + 100 for j in range(n)]
+               for i, n in enumerate((3, 20, 45, 70))]
+    spec = {"model": str(out),
+            "engine": {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16,
+                       "seed": 0, "enable_prefix_caching": False,
+                       "kv_cache_memory_bytes": 32 * 24576},
+            "requests": [{"prompt_token_ids": p,
+                          "params": {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}}
+                         for p in prompts]}
+    runs = {}
+    for kept in ("1", "0"):
+        (tmp_path / kept).mkdir()
+        runs[kept] = run_llm(spec, tmp_path / kept, env={"VLLM_UNIFIED_CPU_QUANTIZED": kept,
+                                                        "VLLM_UNIFIED_CPU_ACTIVATIONS": "fp32"})
+    assert "quantized expert layers (native gather_quantized_linear)" in runs["1"]["log"]
+    assert "quantized expert layers" not in runs["0"]["log"]
+    ids = {k: [o["completions"][0]["token_ids"] for o in r["outputs"]] for k, r in runs.items()}
+    assert all(len(i) == 24 for i in ids["1"])
+    assert ids["1"] == ids["0"]
