@@ -182,6 +182,30 @@ def test_mxfp4_experts_equal_the_dense_route_and_mlx():
                 assert _rel_err(got, mlx_q) < FP32_TOL
 
 
+@pytest.mark.parametrize("bits", [2, 3, 6])
+@pytest.mark.parametrize("mode", [1, 4])
+def test_groups_of_16_as_gguf_k_quants_give_them(bits, mode):
+    """Groups of 16 with fp32 scales (how the GGUF reader keeps Q2_K, Q3_K and Q6_K experts;
+    MLX's own quantize does not make them): bit-identical per expert to quantized_linear on
+    that expert (exact or int16 activations), and in exact arithmetic to linear on the native
+    dequantization."""
+    native.quantized_gemv_mode(mode)
+    rng = np.random.default_rng(bits)
+    wq = mx.array(rng.integers(0, 2**32, (EXPERTS, OUT, IN * bits // 32), dtype=np.uint32))
+    scales = mx.array(rng.standard_normal((EXPERTS, OUT, IN // 16)).astype(np.float32) * 0.01)
+    biases = mx.array(rng.standard_normal((EXPERTS, OUT, IN // 16)).astype(np.float32) * 0.01)
+    for tokens in (1, 5, 33):
+        for x, idx in _call_shapes(rng, tokens).values():
+            got = native.gather_quantized_linear(x, wq, scales, biases, idx, 16, bits)
+            _assert_bits_equal(got, _per_expert(x, idx, lambda r, e: native.quantized_linear(
+                r, wq[e], scales[e], biases[e], 16, bits) if r.shape[0] <= 4
+                or not native.amx_usable() else native.linear(
+                    r, native.dequantize(wq[e], scales[e], biases[e], 16, bits))))
+            if mode == 1:
+                _assert_bits_equal(got, _per_expert(x, idx, lambda r, e: native.linear(
+                    r, native.dequantize(wq[e], scales[e], biases[e], 16, bits))))
+
+
 def test_several_rows_per_entry_and_int32_indices():
     """x entries of M > 1 rows ([T, 1, M, K]: every row through each of the entry's experts)
     and int32 indices compute what gather_qmm does."""
