@@ -167,10 +167,11 @@ def test_integer_activations_equal_quantized_linear_per_expert(mode, bits, group
 def test_mxfp4_experts_equal_the_dense_route_and_mlx():
     """gpt-oss's format (e2m1 codes, e8m0 scales per 32, no biases): its dequantization is
     exact in fp32, so the kernel is bit-identical to linear on mx.dequantize's experts and
-    within fp32 rounding of mx.gather_qmm in mode mxfp4."""
+    within fp32 rounding of mx.gather_qmm in mode mxfp4: experts of 1-3 rows by the table gemv
+    (modes 1-4), the others and mode 0 by the scratch rows."""
     rng = np.random.default_rng(4)
     wq, scales, _, dense = _experts(rng, 4, 32, mode="mxfp4")
-    for mode in (1, 4):  # integer activations are for affine experts only: mxfp4 stays exact
+    for mode in (0, 1, 4):  # integer activations are for affine experts only: mxfp4 stays exact
         native.quantized_gemv_mode(mode)
         for tokens in (1, 5, 33):
             for x, idx in _call_shapes(rng, tokens).values():

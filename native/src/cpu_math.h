@@ -187,6 +187,12 @@ size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scale
                           const float* biases, float* y, size_t M, size_t N, size_t K,
                           size_t group_size, int bits, size_t n0, size_t n1, int mode);
 
+// quantized_gemv_f32's table kernel for mxfp4 weights (dequantize_rows_mxfp4's layout: uint8
+// e8m0 scales [N, K / 32]): bit-identical to linear_cols_f32 on dequantize_rows_mxfp4's rows,
+// for M in 1..3 (else, or without AVX-512 and BMI2, it returns n0).
+size_t quantized_gemv_mxfp4(const float* x, const uint32_t* wq, const uint8_t* scales, float* y,
+                            size_t M, size_t N, size_t K, size_t n0, size_t n1);
+
 // ---- int8 activations (cpu_q8.cpp): llama.cpp's arithmetic for quantized layers ----
 
 // x quantized for quantized_gemv_q8, per row of x [M, K] and 64-element span (spans = ceil(K /

@@ -383,8 +383,10 @@ __attribute__((target("avx512f,avx2,bmi2"))) inline __m512i index16(const uint8_
 // group's 2^BITS dequantized values computed once and looked up in one register (same values,
 // same bits; BITS <= 4: the two-register lookups of 5 and 6 bits were slower than the
 // arithmetic). (Factoring s and b out of each group's sum was tried: slower here, and less
-// accurate, since the bias term nearly cancels the scaled sum.)
-enum class Gemv { kExact, kTable };
+// accurate, since the bias term nearly cancels the scaled sum.) kMxfp4 is kTable for mxfp4
+// weights (BITS 4, groups of 32): the table is the 16 e2m1 values times the group's e8m0 scale,
+// `scales` the uint8 scales, `biases` unused.
+enum class Gemv { kExact, kTable, kMxfp4 };
 
 // y[m, n + j] for j < 4, m < MR: four whole weight rows from row n.
 template <int BITS, int MR, Gemv MODE>
@@ -394,13 +396,19 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
   const size_t row_bytes = K * BITS / 8;
   const size_t groups = K / group_size;
   const uint8_t* wr[4];
-  const float* sr[4];
-  const float* br[4];
+  const float* sr[4] = {};
+  const float* br[4] = {};
+  const uint8_t* er[4] = {};  // kMxfp4: the rows' e8m0 scales
   for (int j = 0; j < 4; ++j) {
     wr[j] = w8 + (n + j) * row_bytes;
-    sr[j] = scales + (n + j) * groups;
-    br[j] = biases + (n + j) * groups;
+    if constexpr (MODE == Gemv::kMxfp4) {
+      er[j] = reinterpret_cast<const uint8_t*>(scales) + (n + j) * groups;
+    } else {
+      sr[j] = scales + (n + j) * groups;
+      br[j] = biases + (n + j) * groups;
+    }
   }
+  const __m512 lut = _mm512_loadu_ps(kE2m1);
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m) {
@@ -412,6 +420,10 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
     const size_t k0 = g * group_size, k1 = k0 + group_size;
     __m512 s[4], b[4], t[4];
     for (int j = 0; j < 4; ++j) {
+      if constexpr (MODE == Gemv::kMxfp4) {
+        t[j] = _mm512_mul_ps(lut, _mm512_set1_ps(e8m0_to_float(er[j][g])));
+        continue;
+      }
       s[j] = _mm512_set1_ps(sr[j][g]);
       b[j] = _mm512_set1_ps(br[j][g]);
       if constexpr (MODE == Gemv::kTable) {
@@ -425,7 +437,7 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
       }
       for (int j = 0; j < 4; ++j) {
         __m512 w;
-        if constexpr (MODE == Gemv::kTable) {
+        if constexpr (MODE == Gemv::kTable || MODE == Gemv::kMxfp4) {
           const __m512i idx = index16<BITS>(wr[j] + k * BITS / 8, wr[j] + row_bytes);
           w = _mm512_permutexvar_ps(idx, t[j]);
         } else {
@@ -493,6 +505,28 @@ size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scale
 #else
   (void)x; (void)wq; (void)scales; (void)biases; (void)y; (void)M; (void)N; (void)K;
   (void)group_size; (void)bits; (void)n1; (void)mode;
+  return n0;
+#endif
+}
+
+size_t quantized_gemv_mxfp4(const float* x, const uint32_t* wq, const uint8_t* scales, float* y,
+                            size_t M, size_t N, size_t K, size_t n0, size_t n1) {
+#ifdef VUN_X86
+  static const bool usable = isa_level() == 2 && has_bmi2();
+  if (!usable || M < 1 || M > 3) {
+    return n0;
+  }
+  const size_t end = n0 + (n1 - n0) / 4 * 4;
+  const GemvFn fn = gemv_for_rows<4, Gemv::kMxfp4>(M);
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  // the kernel reads `scales` as bytes (kMxfp4); the pointer only passes through as float*
+  const auto* s = reinterpret_cast<const float*>(scales);
+  for (size_t n = n0; n < end; n += 4) {
+    fn(x, w8, s, nullptr, y, N, K, 32, n);
+  }
+  return end;
+#else
+  (void)x; (void)wq; (void)scales; (void)y; (void)M; (void)N; (void)K; (void)n1;
   return n0;
 #endif
 }

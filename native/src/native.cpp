@@ -2332,7 +2332,8 @@ std::vector<ExpertItem> expert_items(const ExpertGroups& g, size_t M, size_t N, 
 // in registers) once per call and multiplied by all of its rows of x, exactly as
 // QuantizedLinear multiplies that expert's weight by those rows (the same kernels and rules:
 // per expert, 1-3 rows by the gemv, 1-4 rows against int8 x where use_int8 says so, the rest
-// by the scratch rows and linear_cols_f32; no AMX). Experts no index names are not read.
+// by the scratch rows and linear_cols_f32; no AMX; mxfp4: the gemv's table mode or the scratch
+// rows, always exact). Experts no index names are not read.
 class GatherQuantizedLinear : public QuantizedWeightPrimitive {
  public:
   GatherQuantizedLinear(mx::Stream s, int group_size, int bits, ExpertFormat format)
@@ -2442,6 +2443,9 @@ class GatherQuantizedLinear : public QuantizedWeightPrimitive {
           const vun::Q8Activations part = int8 ? q8_rows(row0) : vun::Q8Activations{};
           n = quantized_gemv(xe, int8 ? &part : nullptr, we, se, be, st, ye, rows, N, K, gs,
                              bits, it.n0, it.n1, mode >= 3 ? 1 : mode);
+        } else if (mode > 0) {  // mode 0: the scratch path, as for affine weights
+          n = vun::quantized_gemv_mxfp4(xe, we, reinterpret_cast<const uint8_t*>(se), ye, rows,
+                                        N, K, it.n0, it.n1);
         }
         float* w4 = scratch_rows(4 * K);
         for (; n < it.n1; n += 4) {
