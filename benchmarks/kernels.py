@@ -6,6 +6,7 @@ Each subcommand runs one measurement of ``benchmarks/measure/`` with its own arg
 
     .venv/bin/python benchmarks/kernels.py gemv [--help]
     .venv/bin/python benchmarks/kernels.py linear [--help]
+    .venv/bin/python benchmarks/kernels.py experts [--help]
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ COMMANDS = {
              "decode-sized quantized_linear: scratch path vs in-register and integer gemv"),
     "linear": ("quantized_linear",
                "quantized_linear: AMX tiles vs AVX-512 vs dequantize + BLAS, per shape and width"),
+    "experts": ("expert_linear",
+                "quantized experts at Qwen3-30B-A3B decode shapes: native kernel vs MLX's "
+                "gather_qmm vs dequantized gather_mm"),
     "blas": ("blas_matmul",
              "fp32 matmul GFLOP/s under MLX with each BLAS preloaded vs the bundled one"),
     "int8-accuracy": ("int8_activations_accuracy",

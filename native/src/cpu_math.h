@@ -168,6 +168,13 @@ void dequantize_rows_f32(
     const uint32_t* wq, const float* scales, const float* biases, float* out, size_t r0,
     size_t r1, size_t K, size_t group_size, int bits);
 
+// Rows [r0, r1) of an MLX mxfp4 weight as fp32 into out [(r1 - r0), K] (mx.dequantize's values
+// in mode "mxfp4", all exact in fp32): element k = e2m1 code (4 bits, dequantize_rows_f32's
+// 4-bit layout) times 2^(s - 127), s the uint8 e8m0 scale of its group of 32 (scales
+// [rows, K / 32]; 255 gives infinities, as MLX's). K a multiple of 32.
+void dequantize_rows_mxfp4(const uint32_t* wq, const uint8_t* scales, float* out, size_t r0,
+                           size_t r1, size_t K);
+
 // y[m, n] for m < M and the n of whole 4-row blocks from n0 on, up to n1 (the rows
 // [n0, returned) with returned - n0 = (n1 - n0) / 4 * 4), for M in 1..3: x @ dequantize(w).T
 // with each weight dequantized in registers (dequantize_rows_f32's layout, widths and group
@@ -179,6 +186,12 @@ void dequantize_rows_f32(
 size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scales,
                           const float* biases, float* y, size_t M, size_t N, size_t K,
                           size_t group_size, int bits, size_t n0, size_t n1, int mode);
+
+// quantized_gemv_f32's table kernel for mxfp4 weights (dequantize_rows_mxfp4's layout: uint8
+// e8m0 scales [N, K / 32]): bit-identical to linear_cols_f32 on dequantize_rows_mxfp4's rows,
+// for M in 1..3 (else, or without AVX-512 and BMI2, it returns n0).
+size_t quantized_gemv_mxfp4(const float* x, const uint32_t* wq, const uint8_t* scales, float* y,
+                            size_t M, size_t N, size_t K, size_t n0, size_t n1);
 
 // ---- int8 activations (cpu_q8.cpp): llama.cpp's arithmetic for quantized layers ----
 

@@ -225,6 +225,64 @@ void dequantize_rows_f32(
   }
 }
 
+namespace {
+
+// The 16 e2m1 values (sign, 2 exponent bits, 1 mantissa bit), by code.
+constexpr float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// 2^(s - 127) as fp32: the subnormal 2^-127 for s = 0, infinity for s = 255.
+inline float e8m0_to_float(uint8_t s) {
+  const uint32_t bits = s == 0 ? 0x00400000u : static_cast<uint32_t>(s) << 23;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+#ifdef VUN_X86
+__attribute__((target("avx512f,avx2"))) void mxfp4_rows_avx512(
+    const uint32_t* wq, const uint8_t* scales, float* out, size_t r0, size_t r1, size_t K) {
+  const __m512 lut = _mm512_loadu_ps(kE2m1);
+  for (size_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(wq) + r * (K / 2);
+    const uint8_t* sr = scales + r * (K / 32);
+    float* o = out + (r - r0) * K;
+    for (size_t k = 0; k < K; k += 16) {
+      const __m512 s = _mm512_set1_ps(e8m0_to_float(sr[k / 32]));
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k / 2));
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)));
+      _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), s));
+    }
+  }
+}
+#endif
+
+void mxfp4_rows_portable(const uint32_t* wq, const uint8_t* scales, float* out, size_t r0,
+                         size_t r1, size_t K) {
+  for (size_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(wq) + r * (K / 2);
+    const uint8_t* sr = scales + r * (K / 32);
+    float* o = out + (r - r0) * K;
+    for (size_t k = 0; k < K; ++k) {
+      o[k] = kE2m1[(wr[k / 2] >> (4 * (k % 2))) & 0xf] * e8m0_to_float(sr[k / 32]);
+    }
+  }
+}
+
+}  // namespace
+
+void dequantize_rows_mxfp4(const uint32_t* wq, const uint8_t* scales, float* out, size_t r0,
+                           size_t r1, size_t K) {
+#ifdef VUN_X86
+  static const bool vector = isa_level() >= 2;
+  if (vector) {
+    mxfp4_rows_avx512(wq, scales, out, r0, r1, K);
+    return;
+  }
+#endif
+  mxfp4_rows_portable(wq, scales, out, r0, r1, K);
+}
+
 } // namespace vun
 
 namespace vun {
@@ -325,8 +383,10 @@ __attribute__((target("avx512f,avx2,bmi2"))) inline __m512i index16(const uint8_
 // group's 2^BITS dequantized values computed once and looked up in one register (same values,
 // same bits; BITS <= 4: the two-register lookups of 5 and 6 bits were slower than the
 // arithmetic). (Factoring s and b out of each group's sum was tried: slower here, and less
-// accurate, since the bias term nearly cancels the scaled sum.)
-enum class Gemv { kExact, kTable };
+// accurate, since the bias term nearly cancels the scaled sum.) kMxfp4 is kTable for mxfp4
+// weights (BITS 4, groups of 32): the table is the 16 e2m1 values times the group's e8m0 scale,
+// `scales` the uint8 scales, `biases` unused.
+enum class Gemv { kExact, kTable, kMxfp4 };
 
 // y[m, n + j] for j < 4, m < MR: four whole weight rows from row n.
 template <int BITS, int MR, Gemv MODE>
@@ -336,13 +396,19 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
   const size_t row_bytes = K * BITS / 8;
   const size_t groups = K / group_size;
   const uint8_t* wr[4];
-  const float* sr[4];
-  const float* br[4];
+  const float* sr[4] = {};
+  const float* br[4] = {};
+  const uint8_t* er[4] = {};  // kMxfp4: the rows' e8m0 scales
   for (int j = 0; j < 4; ++j) {
     wr[j] = w8 + (n + j) * row_bytes;
-    sr[j] = scales + (n + j) * groups;
-    br[j] = biases + (n + j) * groups;
+    if constexpr (MODE == Gemv::kMxfp4) {
+      er[j] = reinterpret_cast<const uint8_t*>(scales) + (n + j) * groups;
+    } else {
+      sr[j] = scales + (n + j) * groups;
+      br[j] = biases + (n + j) * groups;
+    }
   }
+  const __m512 lut = _mm512_loadu_ps(kE2m1);
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m) {
@@ -354,6 +420,10 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
     const size_t k0 = g * group_size, k1 = k0 + group_size;
     __m512 s[4], b[4], t[4];
     for (int j = 0; j < 4; ++j) {
+      if constexpr (MODE == Gemv::kMxfp4) {
+        t[j] = _mm512_mul_ps(lut, _mm512_set1_ps(e8m0_to_float(er[j][g])));
+        continue;
+      }
       s[j] = _mm512_set1_ps(sr[j][g]);
       b[j] = _mm512_set1_ps(br[j][g]);
       if constexpr (MODE == Gemv::kTable) {
@@ -367,7 +437,7 @@ __attribute__((target("avx512f,avx2,bmi2"))) void gemv_block4(
       }
       for (int j = 0; j < 4; ++j) {
         __m512 w;
-        if constexpr (MODE == Gemv::kTable) {
+        if constexpr (MODE == Gemv::kTable || MODE == Gemv::kMxfp4) {
           const __m512i idx = index16<BITS>(wr[j] + k * BITS / 8, wr[j] + row_bytes);
           w = _mm512_permutexvar_ps(idx, t[j]);
         } else {
@@ -435,6 +505,28 @@ size_t quantized_gemv_f32(const float* x, const uint32_t* wq, const float* scale
 #else
   (void)x; (void)wq; (void)scales; (void)biases; (void)y; (void)M; (void)N; (void)K;
   (void)group_size; (void)bits; (void)n1; (void)mode;
+  return n0;
+#endif
+}
+
+size_t quantized_gemv_mxfp4(const float* x, const uint32_t* wq, const uint8_t* scales, float* y,
+                            size_t M, size_t N, size_t K, size_t n0, size_t n1) {
+#ifdef VUN_X86
+  static const bool usable = isa_level() == 2 && has_bmi2();
+  if (!usable || M < 1 || M > 3) {
+    return n0;
+  }
+  const size_t end = n0 + (n1 - n0) / 4 * 4;
+  const GemvFn fn = gemv_for_rows<4, Gemv::kMxfp4>(M);
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  // the kernel reads `scales` as bytes (kMxfp4); the pointer only passes through as float*
+  const auto* s = reinterpret_cast<const float*>(scales);
+  for (size_t n = n0; n < end; n += 4) {
+    fn(x, w8, s, nullptr, y, N, K, 32, n);
+  }
+  return end;
+#else
+  (void)x; (void)wq; (void)scales; (void)y; (void)M; (void)N; (void)K; (void)n1;
   return n0;
 #endif
 }

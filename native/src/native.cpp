@@ -36,6 +36,11 @@
 //       scales and biases: float32, or float16 / bfloat16 (widened exactly as they are read).
 //   dequantize(w, scales, biases, group_size, bits, *, stream=None) -> mx.array
 //       mx.dequantize to fp32, vectorized and threaded (MLX's CPU one is scalar, one thread).
+//   gather_quantized_linear(x, w, scales, biases, indices, group_size, bits, mode="affine", *,
+//                           stream=None) -> mx.array
+//       mx.gather_qmm(x, w, ..., rhs_indices=indices, transpose=True) for mixture-of-experts
+//       layers (MLX affine experts of quantized_linear's widths, or mxfp4): pairs grouped by
+//       expert, each active expert's weight read once per call for all of its rows, threaded.
 //   rms_norm(x, weight, eps, *, stream=None) -> mx.array
 //   rope(x, dims, traditional, inv_freq, scale, offsets, *, stream=None) -> mx.array
 //       fp32 RMSNorm / rotary embedding as one primitive each (MLX's CPU backend evaluates
@@ -58,6 +63,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -2241,6 +2247,319 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 }
 
 // ---------------------------------------------------------------------------------------------
+// gather_quantized_linear: mixture-of-experts layers (mx.gather_qmm with rhs_indices, transpose)
+
+// The quantization formats of gather_quantized_linear's experts.
+enum class ExpertFormat { kAffine, kMxfp4 };
+
+// The pairs (x entry, expert) of one gather_quantized_linear call grouped by expert, on the
+// stream thread: the experts that occur (ascending), each with its pairs in call order.
+struct ExpertGroups {
+  std::vector<uint32_t> experts;  // experts[a]: the a-th active expert
+  std::vector<size_t> start;      // its pairs: order[start[a] .. start[a + 1])
+  std::vector<uint32_t> order;    // pair ids, stably sorted by expert (invalid ones left out)
+  std::vector<uint32_t> invalid;  // pairs whose index is not an expert (outside [0, E))
+  bool identity = true;           // order[i] == i for every pair: no gather, no scatter
+};
+
+// Groups P indices (int32 or uint32, read as uint32: a negative int32 is out of range) of E
+// experts by a counting sort.
+void group_by_expert(const uint32_t* idx, size_t P, size_t E, ExpertGroups& g) {
+  std::vector<size_t> count(E + 1, 0);
+  g.invalid.clear();
+  for (size_t p = 0; p < P; ++p) {
+    if (idx[p] < E) {
+      ++count[idx[p]];
+    } else {
+      g.invalid.push_back(static_cast<uint32_t>(p));
+    }
+  }
+  g.experts.clear();
+  g.start.assign(1, 0);
+  std::vector<size_t> next(E, 0);
+  for (size_t e = 0; e < E; ++e) {
+    if (count[e] != 0) {
+      next[e] = g.start.back();
+      g.experts.push_back(static_cast<uint32_t>(e));
+      g.start.push_back(g.start.back() + count[e]);
+    }
+  }
+  g.order.resize(g.start.back());
+  g.identity = g.invalid.empty();
+  for (size_t p = 0; p < P; ++p) {
+    if (idx[p] < E) {
+      const size_t at = next[idx[p]]++;
+      g.order[at] = static_cast<uint32_t>(p);
+      g.identity = g.identity && at == p;
+    }
+  }
+}
+
+// One piece of work: weight rows [n0, n1) of active expert a, for all of that expert's rows.
+struct ExpertItem {
+  uint32_t a;
+  uint32_t n0, n1;
+};
+
+// Pieces of about equal cost over the active experts (cost of a 4-row weight block: its
+// dequantization plus one dot product per row of x), about 8 per thread so that a thread the
+// OS holds back costs at most one piece; an expert's rows are never split below 4-row blocks.
+std::vector<ExpertItem> expert_items(const ExpertGroups& g, size_t M, size_t N, size_t threads) {
+  const size_t blocks = (N + 3) / 4;
+  size_t total = 0;
+  for (size_t a = 0; a < g.experts.size(); ++a) {
+    total += blocks * ((g.start[a + 1] - g.start[a]) * M + 4);
+  }
+  const size_t target = std::max<size_t>(1, total / (8 * threads));
+  std::vector<ExpertItem> items;
+  for (size_t a = 0; a < g.experts.size(); ++a) {
+    const size_t cost = blocks * ((g.start[a + 1] - g.start[a]) * M + 4);
+    const size_t pieces = std::clamp<size_t>((cost + target - 1) / target, 1, blocks);
+    for (size_t i = 0; i < pieces; ++i) {
+      items.push_back({static_cast<uint32_t>(a),
+                       static_cast<uint32_t>(std::min(N, blocks * i / pieces * 4)),
+                       static_cast<uint32_t>(std::min(N, blocks * (i + 1) / pieces * 4))});
+    }
+  }
+  return items;
+}
+
+// y[p] = x[p / r] @ dequantize(w[idx[p]]).T for fp32 x [..., M, K] (Px = x.size / (M * K)
+// entries, each serving r = P / Px consecutive pairs), P = idx.size expert indices, w the
+// experts' packed weights [E, N, K * bits / 32] (affine: scales, biases [E, N, K / group_size];
+// mxfp4: uint8 e8m0 scales [E, N, K / 32], no biases); y: idx.shape + [M, N].
+// The pairs are grouped by expert: each active expert's weight rows are dequantized (or decoded
+// in registers) once per call and multiplied by all of its rows of x, exactly as
+// QuantizedLinear multiplies that expert's weight by those rows (the same kernels and rules:
+// per expert, 1-3 rows by the gemv, 1-4 rows against int8 x where use_int8 says so, the rest
+// by the scratch rows and linear_cols_f32; no AMX; mxfp4: the gemv's table mode or the scratch
+// rows, always exact). Experts no index names are not read.
+class GatherQuantizedLinear : public QuantizedWeightPrimitive {
+ public:
+  GatherQuantizedLinear(mx::Stream s, int group_size, int bits, ExpertFormat format)
+      : QuantizedWeightPrimitive(s, "gather_quantized_linear", group_size, bits),
+        format_(format) {}
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return QuantizedWeightPrimitive::is_equivalent(other) &&
+           static_cast<const GatherQuantizedLinear&>(other).format_ == format_;
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& y = outputs[0];
+    const bool affine = format_ == ExpertFormat::kAffine;
+    const auto& wq = inputs[1];
+    for (size_t i = 1; i + 1 < inputs.size(); ++i) {
+      if (!inputs[i].flags().row_contiguous) {
+        throw std::invalid_argument(
+            "[gather_quantized_linear] w, scales, biases must be row-contiguous");
+      }
+    }
+    const auto& xin = inputs[0];
+    if (xin.ndim() < 2 || wq.ndim() != 3 ||
+        int64_t{xin.shape(-1)} != packed_columns(wq.shape(2), bits_)) {
+      throw std::invalid_argument(  // re-checked: shapeless compilation
+          "[gather_quantized_linear] x [..., M, K] and w [E, N, K * bits / 32] do not fit");
+    }
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array x = row_contiguous(xin, enc);
+    // the router's top-k is usually a slice of its argpartition (strided)
+    const mx::array idx = row_contiguous(inputs.back(), enc);
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    for (const auto& a : inputs) {
+      enc.set_input_array(a);
+    }
+    enc.set_output_array(y);
+    const size_t M = static_cast<size_t>(xin.shape(-2)), K = static_cast<size_t>(xin.shape(-1));
+    const size_t P = idx.size(), Px = M * K == 0 ? 0 : x.size() / (M * K);
+    if (P == 0 || M * K == 0 || y.size() == 0) {
+      return;
+    }
+    if (Px == 0 || P % Px != 0) {
+      throw std::invalid_argument("[gather_quantized_linear] x's entries must divide the indices");
+    }
+    enc.dispatch([xp = x.data<float>(), wp = wq.data<uint32_t>(),
+                  sp = static_cast<const char*>(inputs[2].data<char>()),
+                  bp = affine ? static_cast<const char*>(inputs[3].data<char>()) : nullptr,
+                  ip = idx.data<uint32_t>(), yp = y.data<float>(),
+                  st = affine ? scale_type(inputs[2]) : vun::ScaleType::kF32,
+                  scale_bytes = inputs[2].itemsize(), E = static_cast<size_t>(wq.shape(0)),
+                  N = static_cast<size_t>(wq.shape(1)), M, K, P, r = P / Px,
+                  gs = static_cast<size_t>(group_size_), bits = bits_, affine]() {
+      // a reference, so that the pool's workers read this thread's groups, not their own
+      thread_local ExpertGroups grouped;
+      ExpertGroups& g = grouped;
+      group_by_expert(ip, P, E, g);
+      for (const uint32_t p : g.invalid) {
+        std::fill_n(yp + p * M * N, M * N, std::numeric_limits<float>::quiet_NaN());
+      }
+      // x's rows in expert order and y's rows as computed, unless the pairs are in that order
+      // already with one x entry each (mlx-lm's sorted call shape: nothing to move).
+      const bool direct = g.identity && r == 1;
+      std::vector<float> xs, ys;
+      const float* xg = xp;
+      float* yg = yp;
+      if (!direct) {
+        xs.resize(g.order.size() * M * K);
+        ys.resize(g.order.size() * M * N);
+        for (size_t i = 0; i < g.order.size(); ++i) {
+          std::memcpy(xs.data() + i * M * K, xp + g.order[i] / r * M * K, M * K * sizeof(float));
+        }
+        xg = xs.data();
+        yg = ys.data();
+      }
+      const int mode = gemv_mode().load(std::memory_order_relaxed);
+      const size_t spans = (K + 63) / 64;
+      const size_t groups = K / gs, words = K * static_cast<size_t>(bits) / 32;
+      // int8 x where some expert takes it (use_int8 per expert's rows), quantized once
+      vun::Q8Activations q8{};
+      bool any_int8 = false;
+      for (size_t a = 0; affine && a < g.experts.size(); ++a) {
+        any_int8 = any_int8 || use_int8((g.start[a + 1] - g.start[a]) * M, K, gs, bits);
+      }
+      if (any_int8) {
+        q8 = q8_activations(xg, g.order.size() * M, K, gs, mode == 4);
+      }
+      const auto q8_rows = [&](size_t row0) {  // q8's rows from row0 on
+        return vun::Q8Activations{
+            q8.xq + row0 * spans * 64,
+            q8.xq_lo != nullptr ? q8.xq_lo + row0 * spans * 64 : nullptr,
+            q8.dx + row0 * spans * 16, q8.sx + row0 * groups};
+      };
+      auto& pool = kernel_pool();
+      const std::vector<ExpertItem> items = expert_items(g, M, N, pool.size());
+      pool.run(items.size(), [&](size_t c) {
+        const ExpertItem& it = items[c];
+        const size_t e = g.experts[it.a], row0 = g.start[it.a] * M;
+        const size_t rows = g.start[it.a + 1] * M - row0;
+        const float* xe = xg + row0 * K;
+        float* ye = yg + row0 * N;
+        const uint32_t* we = wp + e * N * words;
+        const char* se = sp + e * N * groups * scale_bytes;
+        const char* be = affine ? bp + e * N * groups * scale_bytes : nullptr;
+        size_t n = it.n0;
+        if (affine) {
+          const bool int8 = use_int8(rows, K, gs, bits);
+          const vun::Q8Activations part = int8 ? q8_rows(row0) : vun::Q8Activations{};
+          n = quantized_gemv(xe, int8 ? &part : nullptr, we, se, be, st, ye, rows, N, K, gs,
+                             bits, it.n0, it.n1, mode >= 3 ? 1 : mode);
+        } else if (mode > 0) {  // mode 0: the scratch path, as for affine weights
+          n = vun::quantized_gemv_mxfp4(xe, we, reinterpret_cast<const uint8_t*>(se), ye, rows,
+                                        N, K, it.n0, it.n1);
+        }
+        float* w4 = scratch_rows(4 * K);
+        for (; n < it.n1; n += 4) {
+          const size_t count = std::min<size_t>(4, it.n1 - n);
+          if (affine) {
+            dequantize_rows(we, se, be, st, w4, n, n + count, K, gs, bits);
+          } else {
+            vun::dequantize_rows_mxfp4(we, reinterpret_cast<const uint8_t*>(se), w4, n,
+                                       n + count, K);
+          }
+          vun::linear_cols_f32(xe, w4, ye, rows, N, K, n, count);
+        }
+      });
+      if (!direct) {
+        for (size_t i = 0; i < g.order.size(); ++i) {
+          std::memcpy(yp + g.order[i] * M * N, ys.data() + i * M * N, M * N * sizeof(float));
+        }
+      }
+    });
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape out = inputs.back().shape();
+    out.push_back(inputs[0].shape(-2));
+    out.push_back(inputs[1].shape(1));
+    return {out};
+  }
+
+  const char* name() const override {
+    return "GatherQuantizedLinear";
+  }
+
+ private:
+  ExpertFormat format_;
+};
+
+mx::array gather_quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                  const std::optional<mx::array>& biases, const mx::array& indices,
+                                  int group_size, int bits, const std::string& mode,
+                                  nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "gather_quantized_linear");
+  const std::string fn = "gather_quantized_linear";
+  ExpertFormat format;
+  if (mode == "affine") {
+    format = ExpertFormat::kAffine;
+    if (!biases) {
+      raise_py(PyExc_ValueError, fn + ": affine mode needs biases");
+    }
+  } else if (mode == "mxfp4") {
+    format = ExpertFormat::kMxfp4;
+    if (biases || group_size != 32 || bits != 4 || scales.dtype() != mx::uint8) {
+      raise_py(PyExc_ValueError,
+               fn + ": mxfp4 takes group_size 32, bits 4, uint8 scales and no biases");
+    }
+  } else {
+    raise_py(PyExc_ValueError, fn + ": mode must be 'affine' or 'mxfp4', got '" + mode + "'");
+  }
+  if (w.ndim() != 3 || scales.ndim() != 3 || (biases && biases->ndim() != 3)) {
+    raise_py(PyExc_ValueError, fn + ": w, scales and biases must be [E, N, ...], got w " +
+                                   shape_str(w.shape()) + ", scales " + shape_str(scales.shape()));
+  }
+  // The per-expert checks of the dense kernels, on expert 0's shapes (the same for every expert).
+  const auto expert = [](const mx::array& a) {
+    return mx::array(mx::Shape{a.shape(1), a.shape(2)}, a.dtype(), nullptr, {});
+  };
+  if (format == ExpertFormat::kAffine) {
+    check_quantized("gather_quantized_linear", expert(w), expert(scales), expert(*biases),
+                    group_size, bits);
+  } else if (w.dtype() != mx::uint32 || w.shape(2) % 4 != 0 ||
+             scales.shape() != mx::Shape{w.shape(0), w.shape(1), w.shape(2) / 4}) {
+    raise_py(PyExc_ValueError, fn + ": mxfp4 w must be uint32 [E, N, K / 8] with scales "
+                                    "[E, N, K / 32], got " + shape_str(w.shape()) + " and " +
+                                    shape_str(scales.shape()));
+  }
+  if (scales.shape(0) != w.shape(0) || (biases && biases->shape() != scales.shape())) {
+    raise_py(PyExc_ValueError, fn + ": scales and biases must have w's experts");
+  }
+  for (const mx::array* a : {&w, &scales}) {
+    if (a->is_available() && !a->flags().row_contiguous) {
+      raise_py(PyExc_ValueError, fn + ": w, scales and biases must be row-contiguous");
+    }
+  }
+  if (x.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, fn + ": x must be float32");
+  }
+  const int64_t K = packed_columns(w.shape(2), bits);
+  if (x.ndim() < 2 || x.shape(-1) != K) {
+    raise_py(PyExc_ValueError, fn + ": x must be [..., M, K] with K = " + std::to_string(K) +
+                                   ", got " + shape_str(x.shape()));
+  }
+  if (indices.dtype() != mx::uint32 && indices.dtype() != mx::int32) {
+    raise_py(PyExc_TypeError, fn + ": indices must be uint32 or int32");
+  }
+  const size_t row = static_cast<size_t>(x.shape(-2)) * static_cast<size_t>(x.shape(-1));
+  const size_t entries = row == 0 ? 0 : x.size() / row;
+  if (row != 0 && indices.size() != 0 && (entries == 0 || indices.size() % entries != 0)) {
+    raise_py(PyExc_ValueError, fn + ": x's " + std::to_string(entries) +
+                                   " entries [M, K] must divide the " +
+                                   std::to_string(indices.size()) + " indices");
+  }
+  mx::Shape out = indices.shape();
+  out.push_back(x.shape(-2));
+  out.push_back(w.shape(1));
+  std::vector<mx::array> inputs{x, w, scales};
+  if (biases) {
+    inputs.push_back(*biases);
+  }
+  inputs.push_back(indices);
+  return mx::array(out, mx::float32,
+                   std::make_shared<GatherQuantizedLinear>(s, group_size, bits, format),
+                   std::move(inputs));
+}
+
+// ---------------------------------------------------------------------------------------------
 // to_torch
 
 nb::dlpack::dtype dlpack_dtype(mx::Dtype t) {
@@ -2373,6 +2692,18 @@ NB_MODULE(_native, m) {
         "Lazy fp32 x @ dequantize(w).T for x [..., K] and an MLX affine-quantized w (bits 2-6 or 8, "
         "scales/biases float32, float16 or bfloat16), bit-identical to linear(x, "
         "mx.dequantize(w, ...)) with the scales/biases as float32; CPU streams only.");
+  m.def("gather_quantized_linear", &gather_quantized_linear, nb::arg("x"), nb::arg("w"),
+        nb::arg("scales"), nb::arg("biases").none(), nb::arg("indices"), nb::arg("group_size"),
+        nb::arg("bits"), nb::arg("mode") = "affine", nb::kw_only(), nb::arg("stream") = nb::none(),
+        "Lazy fp32 mixture-of-experts linear: y[p] = x[p // r] @ dequantize(w[indices[p]]).T for "
+        "x [..., M, K] (its Px entries [M, K] each serving r = indices.size / Px consecutive "
+        "indices), w [E, N, K * bits / 32] (mode 'affine': bits 2-6 or 8, scales/biases "
+        "float32, float16 or bfloat16 [E, N, K / group_size]; 'mxfp4': bits 4, group_size 32, "
+        "uint8 scales, biases None), int32/uint32 indices of any shape -> indices.shape + "
+        "(M, N); mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for "
+        "those shapes. Pairs grouped by expert: each active expert's weight read once per "
+        "call, as quantized_linear would on its rows; an index outside [0, E) gives NaN rows. "
+        "CPU streams only.");
   m.def("quantized_gemv_mode", &set_gemv_mode, nb::arg("mode"),
         "quantized_linear's kernel for decode-sized x: 0 the scratch path, 1 by table lookup "
         "(the extension's default), 2 in registers without the table (0-2 bit-identical, 1-3 "

@@ -1,6 +1,7 @@
 """Native half of :mod:`vllm_unified.bridge` (adopt foreign memory into MLX, write rows in place)
 and MLX CPU kernels (linear, quantized linear (on AMX tiles where the CPU has them), dequantize,
-paged attention, SwiGLU, GeGLU, logit soft-capping, RMSNorm, RoPE).
+quantized mixture-of-experts linear, paged attention, SwiGLU, GeGLU, logit soft-capping,
+RMSNorm, RoPE).
 
 Use :mod:`vllm_unified.bridge` rather than this module directly. Importing it imports
 ``mlx.core`` first (the extension's ``mx.array``/``mx.Dtype`` arguments are mlx.core's own
@@ -30,6 +31,7 @@ from ._native import (
     configure,
     dequantize,
     gather_kv,
+    gather_quantized_linear,
     gelu_tanh_mul,
     info,
     int8_runs,
@@ -65,7 +67,8 @@ quantized_gemv_mode({"int16": 4, "int8": 3, "fp32": 1}[envs.CPU_ACTIVATIONS])
 __all__ = [
     "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_int8_runs", "amx_runs",
     "amx_usable",
-    "configure", "dequantize", "gather_kv", "gelu_tanh_mul", "info", "int8_runs", "linear",
+    "configure", "dequantize", "gather_kv", "gather_quantized_linear", "gelu_tanh_mul", "info",
+    "int8_runs", "linear",
     "paged_attention", "quantized_gemv_mode", "quantized_linear", "rms_norm", "rope", "silu_mul",
     "softcap", "to_torch", "write_kv", "write_kv_quant", "write_rows",
 ]

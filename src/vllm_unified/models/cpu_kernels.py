@@ -1,6 +1,6 @@
 """Route mlx-lm's linears and SwiGLU to the native CPU kernels (MLX's CPU backend, fp32).
 
-Three costs dominate a decode step of a small model on MLX 0.32.4's CPU backend (figures:
+The costs that dominate a decode step of a small model on MLX 0.32.4's CPU backend (figures:
 docs/dev/benchmarks.md, ``benchmarks/engine.py decode``):
 
 * **Linears at decode batch sizes.** MLX calls BLAS ``sgemm`` for ``x @ w.T`` even for one row,
@@ -16,6 +16,10 @@ docs/dev/benchmarks.md, ``benchmarks/engine.py decode``):
   decode step. The native ``quantized_linear`` dequantizes 4 weight rows at a time into a
   scratch and multiplies them like ``linear`` (bit-identical to ``linear`` on
   ``mx.dequantize``'s weights), so a step reads the packed weights.
+* **Quantized experts.** mlx-lm's ``QuantizedSwitchLinear`` calls ``mx.gather_qmm``, on one
+  core as well. The native ``gather_quantized_linear`` groups the (token, expert) pairs by
+  expert and runs each active expert's weight once per call through ``quantized_linear``'s
+  kernels, so a decode step reads only the active experts' packed weights.
 
 All compute the same functions up to fp32 rounding (tests/test_cpu_kernels.py: relative
 error <= 1e-6 against MLX; the quantized kernels bit-identical to their dense counterparts).
@@ -180,6 +184,61 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         return super().as_linear(x) if out is None else out
 
 
+def _expert_params(layer: nn.Module) -> tuple[mx.array, ...] | None:
+    """The packed parameters of a mixture-of-experts switch layer whose format the native
+    ``gather_quantized_linear`` takes (``weight, scales`` and, in affine mode, ``biases``), else
+    None: affine in :func:`_quantized_params`' formats, or mxfp4 (group 32, uint8 scales, no
+    biases); never with a global scale (nvfp4)."""
+    if layer.get("global_scale") is not None or getattr(layer, "global_scale", None) is not None:
+        return None
+    if getattr(layer, "mode", "affine") == "mxfp4":
+        if (layer.bits != 4 or layer.group_size != 32 or layer.get("biases") is not None
+                or layer.scales.dtype != mx.uint8):
+            return None
+        return layer["weight"], layer["scales"]
+    return _quantized_params(layer)
+
+
+def _expert_rows(x: mx.array, indices: mx.array) -> bool:
+    """Whether ``mx.gather_qmm(x, w, rhs_indices=indices)``'s broadcast of x's batch axes
+    against ``indices`` is one the native kernel takes: x's batch shape ``x.shape[:-2]`` is
+    ``indices.shape`` with trailing axes (maybe none) set to 1, so each x entry serves
+    consecutive indices (mlx-lm's ``SwitchGLU`` / ``SwitchMLP`` call shapes, sorted or not)."""
+    batch, shape = x.shape[:-2], indices.shape
+    if len(batch) != len(shape):
+        return False
+    keep = 0
+    while keep < len(shape) and batch[keep] == shape[keep]:
+        keep += 1
+    return all(d == 1 for d in batch[keep:])
+
+
+class NativeQuantizedSwitchLinear(QuantizedSwitchLinear):
+    """mlx-lm's ``QuantizedSwitchLinear`` (quantized experts) run by the native
+    ``gather_quantized_linear`` for fp32 ``x`` and the call shapes of :func:`_expert_rows`:
+    tokens grouped by expert, each active expert's packed weight read once per call, every
+    core busy (same parameters; MLX's ``gather_qmm`` for other calls).
+
+    ``__call__(x [..., M, K], indices, sorted_indices=False)`` -> ``[*indices.shape, M, N]``
+    fp32, bit-identical per expert to ``quantized_linear`` on that expert's weight and rows
+    (affine; to ``linear`` on the dequantized weight where the arithmetic is exact fp32), so
+    equal to the layer dequantized at load within fp32 rounding (MLX's ``gather_mm`` sums in
+    another order)."""
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        native = bridge.native_kernels()
+        if (native is None or x.dtype != mx.float32 or x.ndim < 2
+                or indices.dtype not in (mx.uint32, mx.int32) or not _expert_rows(x, indices)):
+            return super().__call__(x, indices, sorted_indices)
+        mode = getattr(self, "mode", "affine")
+        out = native.gather_quantized_linear(
+            x, self["weight"], self["scales"], self.get("biases") if mode == "affine" else None,
+            indices, self.group_size, self.bits, mode)
+        if "bias" in self:
+            out = out + mx.expand_dims(self["bias"][indices], -2)
+        return out
+
+
 class NativeRMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` as one native primitive for fp32 inputs (MLX's CPU backend runs
     ``mx.fast.rms_norm`` as a graph of ~10 primitives)."""
@@ -337,7 +396,7 @@ _GEMMA_NORMS: dict[type, type] = _gemma_norm_routes()
 _NAMES = {NativeLinear: "linear", NativeEmbedding: "embedding",
           NativeQuantizedLinear: "quantized linear",
           NativeQuantizedEmbedding: "quantized embedding", NativeRMSNorm: "RMSNorm",
-          NativeRoPE: "RoPE"}
+          NativeRoPE: "RoPE", NativeQuantizedSwitchLinear: "quantized expert"}
 
 
 def keep_quantized_on_cpu(dtype: mx.Dtype) -> bool:
@@ -374,12 +433,15 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     """The start-up log's account of the quantized layers' arithmetic: how many multiply integer
     codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8 on a
     CPU with AVX-512 VNNI and VBMI: 1-4 rows, and where the CPU has AMX-INT8 every size from 5
-    rows, prefill chunks included; without AMX-INT8, 5 rows and more stay exact) and how many
-    compute exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8 tiles."""
+    rows, prefill chunks included; without AMX-INT8, 5 rows and more stay exact; expert layers:
+    1-4 rows per expert, never on tiles; mxfp4 experts always exact) and how many compute
+    exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8 tiles."""
     native = bridge.native_kernels()
-    layers = [(m, m["weight"].shape[1] * 32 // m.bits) for m in model.modules()
-              if type(m) in (NativeQuantizedLinear, NativeQuantizedEmbedding)]
-    integer = sum(native.int8_runs(1, k, m.group_size, m.bits) for m, k in layers)
+    layers = [(m, m["weight"].shape[-1] * 32 // m.bits) for m in model.modules()
+              if type(m) in (NativeQuantizedLinear, NativeQuantizedEmbedding,
+                             NativeQuantizedSwitchLinear)]
+    integer = sum(getattr(m, "mode", "affine") == "affine"
+                  and native.int8_runs(1, k, m.group_size, m.bits) for m, k in layers)
     if integer == 0:
         return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
                 "fp32, or no AVX-512 VNNI and VBMI)", False)
@@ -406,6 +468,9 @@ def install_cpu_kernels(model: Any) -> list[str]:
     bfloat16 scales). Other
     quantized layers (mxfp4, nvfp4, mxfp8, ...) are dequantized to fp32 here, as the loader
     would have done (MLX's CPU quantized matmul runs on one core), and named in the result.
+    mlx-lm's ``QuantizedSwitchLinear`` (quantized experts) becomes
+    :class:`NativeQuantizedSwitchLinear` where :func:`_expert_params` takes its format, else it
+    is dequantized to fp32 (``SwitchLinear``) and named in the result.
     ``nn.RMSNorm`` / ``nn.RoPE`` instances become :class:`NativeRMSNorm` / :class:`NativeRoPE`,
     mlx-lm's Llama 3 / LongRoPE / proportional RoPE their :class:`NativeFreqsRoPE` subclass,
     Gemma's norms their :class:`NativeOffsetRMSNorm` subclass (each falls back to MLX for
@@ -441,15 +506,22 @@ def install_cpu_kernels(model: Any) -> list[str]:
             continue  # the kernel would refuse it; MLX's matmul reads views as they are
         module.__class__ = route
         counts[route] += 1
+    experts: dict[str, int] = {}
     for module in model.modules():
-        # Mixture-of-experts switch layers: MLX's CPU gather_qmm runs on one core (16 experts
-        # 512 -> 1,024, top-2, 64 tokens: 2.3 s against 0.61 s dense); dense, as the loader made
-        # them before quantized checkpoints stayed quantized on the CPU.
+        # Mixture-of-experts switch layers: the native kernel where it takes the format; others
+        # dense, as the loader made them before quantized checkpoints stayed quantized on the
+        # CPU (MLX's CPU gather_qmm runs on one core: 16 experts 512 -> 1,024, top-2, 64
+        # tokens: 2.3 s against 0.61 s dense).
         if type(module) is QuantizedSwitchLinear:
-            _dequantize_in_place(module)
-            module.__class__ = SwitchLinear
-            what = f"{getattr(module, 'mode', 'affine')} {module.bits}-bit expert"
-            left[what] = left.get(what, 0) + 1
+            what = f"{getattr(module, 'mode', 'affine')} {module.bits}-bit"
+            weights = _expert_params(module)
+            if weights is not None and all(native.info(w)["row_contiguous"] for w in weights):
+                module.__class__ = NativeQuantizedSwitchLinear
+                experts[what] = experts.get(what, 0) + 1
+            else:
+                _dequantize_in_place(module)
+                module.__class__ = SwitchLinear
+                left[f"{what} expert"] = left.get(f"{what} expert", 0) + 1
         if type(module) is nn.RMSNorm:
             module.__class__ = NativeRMSNorm
             counts[NativeRMSNorm] = counts.get(NativeRMSNorm, 0) + 1
@@ -463,9 +535,12 @@ def install_cpu_kernels(model: Any) -> list[str]:
             module.__class__ = _FREQS_ROPES[type(module)]
             counts[NativeRoPE] = counts.get(NativeRoPE, 0) + 1
     routed = [f"{n} {_NAMES[route]} layers" for route, n in counts.items() if n]
+    routed += [f"{n} {what} quantized expert layers (native gather_quantized_linear)"
+               for what, n in experts.items()]
     routed += [f"{n} {what} layers dequantized to float32 (no native kernel for them)"
                for what, n in left.items()]
-    quantized = counts[NativeQuantizedLinear] + counts[NativeQuantizedEmbedding]
+    quantized = (counts[NativeQuantizedLinear] + counts[NativeQuantizedEmbedding]
+                 + sum(experts.values()))
     if quantized:
         arithmetic, all_on_int8_tiles = _quantized_arithmetic(model)
         # the bf16 tiles are the exact arithmetic's: named where some layer still takes them
