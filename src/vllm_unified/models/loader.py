@@ -245,13 +245,13 @@ def held_scales(t: QuantizedTensor, dtype: mx.Dtype, native_kernels: bool) -> Qu
     (GGUF Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store their scale and minimum as float16, and the
     biases -8d, -16d, -128d are exact too), else ``dtype``. The kernels widen them back to
     float32 exactly as they read them, so results are unchanged; the K-quants' scales (a float16
-    times a 6- or 8-bit integer) need float32. Stacked experts (3-D) are no layer the native
-    kernels run: ``dtype`` (MLX's ops would compute in float16 from float16 scales). MXFP4's
-    e8m0 scales stay as they are."""
+    times a 6- or 8-bit integer) need float32. Stacked experts (3-D) alike: the native expert
+    kernel (``gather_quantized_linear``) widens them the same way. MXFP4's e8m0 scales stay as
+    they are."""
     if t.mode != "affine":
         return t
     assert t.biases is not None  # affine triples always have them
-    if native_kernels and dtype == mx.float32 and len(t.shape) == 2:
+    if native_kernels and dtype == mx.float32:
         s16, b16 = t.scales.astype(mx.float16), t.biases.astype(mx.float16)
         exact = (mx.array_equal(s16.astype(mx.float32), t.scales.astype(mx.float32))
                  and mx.array_equal(b16.astype(mx.float32), t.biases.astype(mx.float32)))
