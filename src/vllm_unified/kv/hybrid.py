@@ -56,6 +56,9 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
                                      "MAMBA2"),
     "lfm2": HybridFamily("conv", lambda layer: not layer.is_attention_layer, "SHORT_CONV"),
     "qwen3_5": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
+    "qwen3_5_moe": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear),
+                                "GDN_ATTN"),
+    "lfm2_moe": HybridFamily("conv", lambda layer: not layer.is_attention_layer, "SHORT_CONV"),
     # block kinds: "M" Mamba2, "*" attention, "-" MLP (mlx-lm's hybrid_override_pattern)
     "nemotron_h": HybridFamily("mixer", lambda layer: layer.block_type == "M", "MAMBA2",
                                is_stateless=lambda layer: layer.block_type not in ("M", "*")),

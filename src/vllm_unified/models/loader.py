@@ -44,6 +44,7 @@ from vllm_unified.models.gguf import (
 )
 from vllm_unified.models.multipliers import apply_config_multipliers
 from vllm_unified.models.pipeline_layers import prune_model
+from vllm_unified.models.rope_fixes import match_yarn_truncation
 
 __all__ = ["LoadedModel", "check_dtype_supported", "load_model"]
 
@@ -346,6 +347,7 @@ def _load_folder(
     match_config_activations(model, config)
     model, config = language_model_of(model, config)
     apply_config_multipliers(model, config)
+    match_yarn_truncation(model, config)
     match_cache_windows(model, config)
     if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
         prune_model(model, stage, config["model_type"])

@@ -1,0 +1,87 @@
+"""Mixture-of-experts families (issue 40) on tiny random checkpoints with awkward shapes
+(tests/tiny_models.py ``MOE_FAMILIES``: 5 or 6 experts, top-2 or top-3, dense first layers and
+shared experts where the family has them), through mlx-lm's own expert modules.
+
+Fast tier: the loaded model's logits equal transformers' own forward on the checkpoint (the
+config translation, the expert layouts, YaRN's rounding). Engine tiers: greedy ids of 4
+concurrent requests of different lengths (16-token chunks, prefix caching with a second round
+from the cache) equal vLLM's own CPU backend in fp32 and mlx-lm's own generation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import run_llm
+from tiny_models import MOE_FAMILIES, make_tiny_checkpoint, mlx_lm_generate_step_ids
+
+NEW_TOKENS = 12
+PROMPT_LENGTHS = (3, 20, 45, 70)
+#: served in the CI tier: the most downloaded family (qwen3_moe: a dense first layer,
+#: renormalised top-3 of 6) and the one with the most features (gpt_oss: attention sinks,
+#: alternating sliding windows, biased experts with a clamped SwiGLU, unrounded YaRN)
+CI_FAMILIES = ("qwen3_moe", "gpt_oss")
+#: families with recurrent layers: vLLM's prefix caching for them ("align" mode) is off
+_RECURRENT = ("qwen3_5_moe", "lfm2_moe")
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 40000 + 100 for j in range(n)]
+            for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_logits_equal_transformers(family, tmp_path):
+    """Our loader's model (mlx-lm's module, our config translation and expert layouts) gives
+    transformers' logits on the checkpoint transformers wrote."""
+    import mlx.core as mx
+    import torch
+    import transformers
+
+    from vllm_unified.models.loader import load_model
+
+    folder = make_tiny_checkpoint(tmp_path, family)
+    ids = _prompts()[2]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    model = load_model(str(folder), hf_config=None, dtype=mx.float32,
+                       keep_quantized=False).model
+    got = np.array(model(mx.array([ids]))[0])
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def _spec(folder: str, prompts: list[list[int]], prefix_caching: bool) -> dict:
+    requests = [{"prompt_token_ids": p,
+                 "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True}}
+                for p in prompts]
+    return {
+        "model": folder,
+        "engine": {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 16,
+                   "kv_cache_memory_bytes": 64 * 2**20, "seed": 0,
+                   "enable_prefix_caching": prefix_caching, "disable_log_stats": False},
+        # the second batch reads the first one's full prompt blocks from the prefix cache
+        "batches": [requests, requests],
+        "metrics": True,
+    }
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", [f if f in CI_FAMILIES else
+                                    pytest.param(f, marks=pytest.mark.slow)
+                                    for f in MOE_FAMILIES])
+def test_moe_family_matches_vllm_and_mlx_lm(family, tmp_path):
+    """Greedy ids equal vLLM's CPU backend (fp32) and mlx-lm's ``generate_step`` on the same
+    weights; the second round comes from the prefix cache where the family allows it."""
+    folder = str(make_tiny_checkpoint(tmp_path / "ckpt", family))
+    prompts = _prompts()
+    caching = family not in _RECURRENT
+    ours = run_llm({**_spec(folder, prompts, caching), "rpc": ["runner_stats"]}, tmp_path)
+    native = run_llm(_spec(folder, prompts, caching), tmp_path, native=True)
+    got = [o["completions"][0]["token_ids"] for o in ours["outputs"]]
+    assert got == [o["completions"][0]["token_ids"] for o in native["outputs"]]
+    assert got == mlx_lm_generate_step_ids(folder, prompts, NEW_TOKENS) * 2
+    if caching:
+        assert ours["metrics"]["vllm:prefix_cache_hits"] >= 16 * 3
+    stats = ours["rpc_after"]["runner_stats"]
+    assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(prompts)
