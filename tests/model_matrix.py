@@ -255,6 +255,27 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     # ModelArgs leave off by default
     **dict.fromkeys(("deepseek", "deepseek_v3", "deepseek_v32"), {"n_routed_experts": 4}),
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
+    # mixture of experts: the layer stacks the families' own layouts need
+    # 4 layers: mlx-lm's qwen3_next / qwen3_5 put full attention on every 4th layer
+    "qwen3_next": {"num_hidden_layers": 4},
+    "qwen3_5_moe": {"text_config": {"num_hidden_layers": 4, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
+    # top-k within the 4 experts (mlx-lm's default is 8)
+    "step3p5": {"moe_top_k": 2, "share_expert_dim": 64},
+    # YaRN written out: transformers' GptOssConfig defaults to it where the config is silent,
+    # mlx-lm's module to plain RoPE
+    "gpt_oss": {"rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 4096}},
+    # Llama 4's position-dependent query scale, which mlx-lm's mistral4 reads from its RoPE
+    "mistral4": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                     "llama_4_scaling_beta": 0.1,
+                                     "original_max_position_embeddings": 512}},
+    "afmoe": {"layer_types": ["sliding_attention", "full_attention"], "num_dense_layers": 1,
+              "sliding_window": WINDOW},
+    "exaone_moe": {"layer_types": ["sliding_attention", "full_attention"],
+                   "is_moe_layer": [False, True], "num_shared_experts": 1},
+    "dbrx": {"ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+             "attn_config": {"kv_n_heads": 1, "clip_qkv": 8.0, "rope_theta": 10000.0}},
     "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
     "phi3": {"partial_rotary_factor": 0.5},
     # as transformers' class always has them; the activation mlx-lm's module computes (the
@@ -320,8 +341,8 @@ KNOWN_UNBUILT: dict[str, str] = {
                              "makes none",
     "nemotron-nas": "heterogeneous layers from per-layer block_configs; the builder makes "
                     "none",
-    **dict.fromkeys(("afmoe", "dbrx", "exaone_moe", "kimi_k3", "kimi_linear", "longcat_flash",
-                     "mimo_v2_flash", "minimax_m3_vl", "muse_spark"),
+    **dict.fromkeys(("kimi_k3", "kimi_linear", "longcat_flash", "mimo_v2_flash",
+                     "minimax_m3_vl", "muse_spark"),
                     "mixture of experts (the MoE issue): no tiny config written yet"),
 }
 
