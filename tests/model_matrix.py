@@ -948,12 +948,16 @@ def _write(out: Path, results: dict[str, TypeResult]) -> None:
 
 
 def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """The matrix's totals: types, non-MoE, built, and each outcome over non-MoE types."""
+    """The matrix's totals: types, non-MoE, built, and each outcome over non-MoE types; the
+    same over MoE types as ``moe_<outcome>`` (``moe_built``...; ``moe_not_run``: MoE types
+    without an outcome)."""
     dense = [r for r in rows if not r["moe"]]
-    c = {"types": len(rows), "moe": len(rows) - len(dense), "non_moe": len(dense),
-         "built": sum(r["built"] for r in dense)}
+    moe = [r for r in rows if r["moe"]]
+    c = {"types": len(rows), "moe": len(moe), "non_moe": len(dense),
+         "built": sum(r["built"] for r in dense), "moe_built": sum(r["built"] for r in moe)}
     for outcome in OUTCOMES:
         c[outcome] = sum(r["outcome"] == outcome for r in dense)
+        c[f"moe_{outcome}"] = sum((r["outcome"] or "not_run") == outcome for r in moe)
     return c
 
 
@@ -971,7 +975,7 @@ _RESULT_TEXT = {
     "not_built": "no test checkpoint",
     "reference_failed": "mlx-lm cannot generate",
     "not_run": "not run yet",
-    None: "not served (MoE: own issue)",
+    None: "not run yet",
 }
 
 
@@ -994,7 +998,12 @@ def docs_table(data: dict[str, Any]) -> str:
         f"mlx-lm's own generation, {c['match_vllm']} serve as vLLM does (equal to vLLM's CPU "
         f"backend, not to mlx-lm), {c['refused']} are refused at start-up, {c['mismatch']} "
         f"differ, {c['crashed']} crash, {c['not_built']} have no test checkpoint, "
-        f"{c['reference_failed']} cannot run in mlx-lm here, {c['not_run']} were not run.",
+        f"{c['reference_failed']} cannot run in mlx-lm here, {c['not_run']} were not run. "
+        f"Of the {c['moe']} MoE types {c['moe_match']} serve and equal mlx-lm's own "
+        f"generation, {c['moe_refused']} are refused at start-up, {c['moe_mismatch']} differ, "
+        f"{c['moe_crashed']} crash, {c['moe_not_built']} have no test checkpoint, "
+        f"{c['moe_reference_failed']} cannot run in mlx-lm here, {c['moe_not_run']} were not "
+        "run.",
         "",
         "| model type | architecture | features | test checkpoint | tested how | result |",
         "|---|---|---|---|---|---|",

@@ -501,7 +501,7 @@ def _llama4(cfg: dict[str, Any]) -> None:
     """Llama 4's text settings live in ``text_config``; mlx-lm's module hard-codes the layer
     layout HF's defaults give (every 4th layer global without RoPE, the others chunked with
     RoPE), so another ``no_rope_layers`` is refused, as is a config without an attention
-    chunk (mlx-lm's module needs one)."""
+    chunk (mlx-lm's module needs one) or with more than one routed expert per token."""
     text = cfg.get("text_config")
     if not isinstance(text, Mapping):
         raise ValueError("llama4: config has no text_config")
@@ -516,6 +516,9 @@ def _llama4(cfg: dict[str, Any]) -> None:
     if not text.get("attention_chunk_size"):
         raise ValueError("llama4: attention_chunk_size is not set; mlx-lm's module needs "
                          "chunked local attention on its RoPE layers")
+    if int(text.get("num_experts_per_tok", 1)) != 1:
+        raise ValueError(f"llama4: num_experts_per_tok {text['num_experts_per_tok']} (mlx-lm's "
+                         "module routes each token to one expert)")
     text.setdefault("rope_scaling", None)
     cfg["text_config"] = text
 
