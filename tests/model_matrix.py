@@ -270,8 +270,10 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "mistral4": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                      "llama_4_scaling_beta": 0.1,
                                      "original_max_position_embeddings": 512}},
+    # mup_enabled, route_scale written out: transformers' AfmoeConfig defaults both off,
+    # mlx-lm's module on (released checkpoints carry them)
     "afmoe": {"layer_types": ["sliding_attention", "full_attention"], "num_dense_layers": 1,
-              "sliding_window": WINDOW},
+              "sliding_window": WINDOW, "mup_enabled": True, "route_scale": 2.826},
     "exaone_moe": {"layer_types": ["sliding_attention", "full_attention"],
                    "is_moe_layer": [False, True], "num_shared_experts": 1},
     "dbrx": {"ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
