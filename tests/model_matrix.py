@@ -276,6 +276,12 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
               "sliding_window": WINDOW, "mup_enabled": True, "route_scale": 2.826},
     "exaone_moe": {"layer_types": ["sliding_attention", "full_attention"],
                    "is_moe_layer": [False, True], "num_shared_experts": 1},
+    # layer 0 sliding with sinks and dense, layer 1 global MoE
+    "mimo_v2_flash": {"hybrid_layer_pattern": [1, 0], "moe_layer_freq": [0, 1],
+                      "add_swa_attention_sink_bias": True,
+                      "add_full_attention_sink_bias": False, "sliding_window_size": WINDOW},
+    "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity",
+                      "zero_expert_num": 1},
     "dbrx": {"ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
              "attn_config": {"kv_n_heads": 1, "clip_qkv": 8.0, "rope_theta": 10000.0}},
     "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
@@ -343,8 +349,7 @@ KNOWN_UNBUILT: dict[str, str] = {
                              "makes none",
     "nemotron-nas": "heterogeneous layers from per-layer block_configs; the builder makes "
                     "none",
-    **dict.fromkeys(("kimi_k3", "kimi_linear", "longcat_flash", "mimo_v2_flash",
-                     "minimax_m3_vl", "muse_spark"),
+    **dict.fromkeys(("kimi_k3", "kimi_linear", "minimax_m3_vl", "muse_spark"),
                     "mixture of experts (the MoE issue): no tiny config written yet"),
 }
 
