@@ -95,9 +95,8 @@ def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
     """
     from mlx_lm.utils import _get_classes
 
-    # lazy: both import mlx-lm's models
-    from vllm_unified.models.expert_layouts import with_expert_layout
-    from vllm_unified.models.text_parts import TEXT_MODELS
+    from vllm_unified.models.expert_layouts import with_expert_layout  # lazy: imports MLX
+    from vllm_unified.models.text_parts import TEXT_MODELS  # lazy: imports mlx-lm models
 
     if config.get("model_type") in TEXT_MODELS:
         return TEXT_MODELS[config["model_type"]]
