@@ -253,7 +253,9 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
     # every real checkpoint of these has routed experts (the MoE issue), which their
     # ModelArgs leave off by default
-    **dict.fromkeys(("deepseek", "deepseek_v3", "deepseek_v32"), {"n_routed_experts": 4}),
+    **dict.fromkeys(("deepseek", "deepseek_v32"), {"n_routed_experts": 4}),
+    # DeepSeek-V3's epsilon (mlx-lm's module hard-codes it on the latent norms)
+    "deepseek_v3": {"n_routed_experts": 4, "rms_norm_eps": 1e-6},
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
     # mixture of experts: the layer stacks the families' own layouts need
     # 4 layers: mlx-lm's qwen3_next / qwen3_5 put full attention on every 4th layer
