@@ -30,6 +30,7 @@ NO_VLLM_CPU = {
     "gpt_oss": "vLLM 0.32's CPU backend has no unquantized MoE kernel for gpt-oss "
                "(NotImplementedError: No Unquantized MoE backend supports the deployment "
                "configuration)",
+    "qwen3_5_moe": "vLLM's CPU gated delta-net runs in bf16 only (no fp32 reference)",
 }
 
 
