@@ -111,3 +111,66 @@ def test_moe_family_matches_vllm_and_mlx_lm(family, tmp_path):
         assert ours["metrics"]["vllm:prefix_cache_hits"] >= 16 * 3
     stats = ours["rpc_after"]["runner_stats"]
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(prompts)
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"model_type": "qwen2_moe", "rope_theta": 1e4, "norm_topk_prob": True}, "norm_topk_prob"),
+    ({"model_type": "qwen2_moe", "rope_theta": 1e4, "decoder_sparse_step": 2},
+     "decoder_sparse_step"),
+    ({"model_type": "gpt_oss", "rope_theta": 1e4, "swiglu_limit": 10.0}, "swiglu_limit"),
+    ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, "scoring_func"),
+    ({"model_type": "deepseek_v3", "rms_norm_eps": 1e-5}, "rms_norm_eps"),
+    ({"model_type": "glm4_moe_lite", "topk_method": "greedy"}, "topk_method"),
+    ({"model_type": "qwen3_5_moe_text", "num_experts": 4, "mlp_only_layers": [0]},
+     "mlp_only_layers"),
+    ({"model_type": "lfm2_moe", "layer_types": ["conv"], "tie_word_embeddings": False},
+     "tie_word_embeddings"),
+    ({"model_type": "llama4", "text_config": {"num_hidden_layers": 4, "hidden_size": 8,
+                                              "num_attention_heads": 1,
+                                              "attention_chunk_size": 8,
+                                              "num_experts_per_tok": 2}},
+     "num_experts_per_tok"),
+])
+def test_router_settings_mlx_lm_ignores_are_refused(config, named):
+    from vllm_unified.models.config import mlx_lm_config
+
+    with pytest.raises(ValueError, match=named):
+        mlx_lm_config(config)
+
+
+def test_moe_config_translation():
+    """transformers 5's Qwen3-MoE expert count and qwen3_5_moe_text become mlx-lm's keys;
+    LFM2-MoE's layer kinds its attention indices."""
+    from vllm_unified.models.config import mlx_lm_config
+
+    assert mlx_lm_config({"model_type": "qwen3_moe", "rope_theta": 1e4,
+                          "num_local_experts": 6})["num_experts"] == 6
+    cfg = mlx_lm_config({"model_type": "qwen3_5_moe_text", "num_experts": 4,
+                         "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+    assert cfg["model_type"] == "qwen3_5_moe" and cfg["full_attention_interval"] == 4
+    assert mlx_lm_config({"model_type": "lfm2_moe", "layer_types": [
+        "conv", "full_attention", "conv"]})["full_attn_idxs"] == [1]
+
+
+def test_yarn_frequencies_round_as_mlx_lm_and_not_when_asked():
+    """Rounded, the frequencies are mlx-lm's ``YarnRoPE``'s; unrounded (gpt-oss's
+    ``truncate: false``) they differ; :func:`match_yarn_truncation` swaps them in."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    from vllm_unified.models.rope_fixes import match_yarn_truncation, yarn_frequencies
+
+    scaling = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+               "original_max_position_embeddings": 4096}
+    rope = YarnRoPE(64, base=150000.0, scaling_factor=32.0,
+                    original_max_position_embeddings=4096)
+    rounded = yarn_frequencies(64, 150000.0, scaling, truncate=True)
+    assert mx.allclose(rope._freqs, rounded, rtol=1e-6).item()
+    exact = yarn_frequencies(64, 150000.0, scaling, truncate=False)
+    assert not mx.allclose(exact, rounded, rtol=1e-3).item()
+    model = nn.Sequential(rope)
+    config = {"rope_theta": 150000.0, "rope_scaling": {**scaling, "truncate": False}}
+    assert match_yarn_truncation(model, config) == 1
+    assert mx.array_equal(rope._freqs, exact).item()
+    assert match_yarn_truncation(model, {**config, "rope_scaling": scaling}) == 0
