@@ -263,7 +263,11 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "qwen3_5_moe": {"text_config": {"num_hidden_layers": 4, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
     # top-k within the 4 experts (mlx-lm's default is 8)
-    "step3p5": {"moe_top_k": 2, "share_expert_dim": 64},
+    "step3p5": {"moe_top_k": 2, "share_expert_dim": 64,
+                # written out: transformers' Step3p5Config defaults differ from mlx-lm's
+                "use_head_wise_attn_gate": True, "moe_layers_enum": "1",
+                "moe_router_scaling_factor": 3.0,
+                "layer_types": ["sliding_attention", "full_attention"]},
     # YaRN written out: transformers' GptOssConfig defaults to it where the config is silent,
     # mlx-lm's module to plain RoPE
     "gpt_oss": {"rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
