@@ -331,6 +331,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3n": "Gemma3nForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration", "pixtral": "LlavaForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration", "lfm2-vl": "Lfm2VlForConditionalGeneration",
     "muse_glimmer": "MuseGlimmerForConditionalGeneration",
 }
@@ -345,6 +346,7 @@ WRAPPED_TEXT: dict[str, tuple[str, str]] = {
     "pixtral": ("llama", "mistral"),
     "qwen2_vl": ("qwen2", "qwen2_vl_text"),
     "qwen3_vl": ("qwen3", "qwen3_vl_text"),
+    "qwen3_vl_moe": ("qwen3_moe", "qwen3_vl_moe_text"),
     "lfm2-vl": ("lfm2", "lfm2"),
 }
 

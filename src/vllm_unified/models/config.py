@@ -679,10 +679,11 @@ def _lfm2_moe(cfg: dict[str, Any]) -> None:
 #: text config's own ``model_type``); transformers' names of text parts -> mlx-lm's
 _TEXT_PART_FIXUPS: dict[str, str | None] = {
     "gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2",
-    "qwen3_vl": "qwen3",
+    "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
     "mistral3": None, "pixtral": None, "llava": None, "lfm2-vl": "lfm2", "lfm2_vl": "lfm2",
 }
-_TEXT_TYPE_NAMES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+_TEXT_TYPE_NAMES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
+                    "qwen3_vl_moe_text": "qwen3_moe"}
 
 
 def _text_part(cfg: dict[str, Any]) -> None:

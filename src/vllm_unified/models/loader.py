@@ -365,7 +365,8 @@ def _load_folder(
 #: (``llava``: HF's Pixtral, which mlx-lm loads with its ``mistral3`` module; ``qwen2_5_vl``:
 #: its ``qwen2_vl`` module)
 TEXT_PART_WRAPPERS = frozenset({"gemma3", "gemma4", "mistral3", "pixtral", "llava",
-                                "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "lfm2-vl"})
+                                "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                                "lfm2-vl"})
 
 
 #: multimodal model types whose language model the runner cannot drive yet -> what is missing
