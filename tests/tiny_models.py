@@ -509,7 +509,10 @@ def _moe_family_config(family: str, common: dict[str, Any]) -> Any:
                    tie_word_embeddings=False, n_routed_experts=6, num_experts_per_tok=3,
                    moe_intermediate_size=48, n_shared_experts=1, n_group=3, topk_group=2,
                    routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=rope,
-                   rope_interleave=True)
+                   rope_interleave=True,
+                   # as the released configs carry them (vLLM builds the correction bias
+                   # only for noaux_tc; transformers' classes leave them out)
+                   topk_method="noaux_tc", scoring_func="sigmoid")
         small = {**small, "num_key_value_heads": 3, "intermediate_size": 128}
         if family == "deepseek_v3":
             return transformers.DeepseekV3Config(**small, **mla, first_k_dense_replace=1)
