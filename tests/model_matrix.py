@@ -278,6 +278,10 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                      "original_max_position_embeddings": 512}},
     # mup_enabled, route_scale written out: transformers' AfmoeConfig defaults both off,
     # mlx-lm's module on (released checkpoints carry them)
+    # written out: transformers' Ernie4_5_MoeConfig defaults (experts from layer 1, top-6, two
+    # shared experts) differ from mlx-lm's
+    "ernie4_5_moe": {"moe_k": 2, "moe_layer_start_index": 1, "moe_layer_end_index": 1,
+                     "moe_layer_interval": 1, "moe_num_shared_experts": 1},
     "afmoe": {"layer_types": ["sliding_attention", "full_attention"], "num_dense_layers": 1,
               "sliding_window": WINDOW, "mup_enabled": True, "route_scale": 2.826},
     "exaone_moe": {"layer_types": ["sliding_attention", "full_attention"],
