@@ -533,13 +533,16 @@ def randomize(model: Any, seed: int) -> None:
 
 def classify(model: Any, cfg: dict[str, Any]) -> tuple[bool, list[str]]:
     """``(moe, features)`` of an instantiated mlx-lm model: routed experts (SwitchGLU /
-    SwitchMLP), and the attention / recurrent features docs/models.md lists."""
+    SwitchMLP, or a list of expert modules), and the attention / recurrent features
+    docs/models.md lists."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import cache as cache_mod
     from mlx_lm.models.switch_layers import SwitchLinear
 
     modules = list(model.named_modules())
-    moe = any(isinstance(m, SwitchLinear) for _, m in modules)
+    # routed experts: switch layers, or a list of expert modules (DBRX's per-expert MLPs)
+    moe = any(isinstance(m, SwitchLinear) or re.search(r"\.experts\.\d+$", n)
+              for n, m in modules)
     names = {n for n, _ in tree_flatten(model.parameters())}
     features = []
     try:
