@@ -661,20 +661,6 @@ def _glm4_moe(cfg: dict[str, Any]) -> None:
     _deepseek_v3(cfg)
 
 
-def _mimo_v2_flash(cfg: dict[str, Any]) -> None:
-    """MiMo-V2-Flash marks its sliding layers in ``hybrid_layer_pattern`` (1: sliding) with
-    the window in ``sliding_window_size``, as vLLM reads them: written out as ``layer_types``
-    and ``sliding_window``, the keys the paged attention's windows come from."""
-    pattern = cfg.get("hybrid_layer_pattern")
-    window = cfg.get("sliding_window_size")
-    if pattern is None or window is None:
-        raise ValueError("mimo_v2_flash: config lacks hybrid_layer_pattern or "
-                         "sliding_window_size")
-    cfg["layer_types"] = ["sliding_attention" if int(p) == 1 else "full_attention"
-                          for p in pattern]
-    cfg["sliding_window"] = int(window)
-
-
 def _lfm2_moe(cfg: dict[str, Any]) -> None:
     """LFM2-MoE: the attention layers by index (mlx-lm's ``full_attn_idxs``) where the config
     lists ``layer_types``."""
@@ -778,7 +764,6 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "glm4_moe_lite": _deepseek_v3,
     "glm4_moe": _glm4_moe,
     "lfm2_moe": _lfm2_moe,
-    "mimo_v2_flash": _mimo_v2_flash,
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,
     "recurrent_gemma": _recurrent_gemma,
