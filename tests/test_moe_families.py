@@ -148,6 +148,10 @@ def test_moe_config_translation():
     cfg = mlx_lm_config({"model_type": "qwen3_5_moe_text", "num_experts": 4,
                          "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
     assert cfg["model_type"] == "qwen3_5_moe" and cfg["full_attention_interval"] == 4
+    assert mlx_lm_config({"model_type": "glm4_moe_lite", "mlp_layer_types": [
+        "dense", "dense", "sparse"]})["first_k_dense_replace"] == 2
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        mlx_lm_config({"model_type": "glm4_moe_lite", "mlp_layer_types": ["sparse", "dense"]})
     assert mlx_lm_config({"model_type": "lfm2_moe", "layer_types": [
         "conv", "full_attention", "conv"]})["full_attn_idxs"] == [1]
 

@@ -517,7 +517,8 @@ def _moe_family_config(family: str, common: dict[str, Any]) -> Any:
         small = {**small, "num_key_value_heads": 3, "intermediate_size": 128}
         if family == "deepseek_v3":
             return transformers.DeepseekV3Config(**small, **mla, first_k_dense_replace=1)
-        return transformers.Glm4MoeLiteConfig(**small, **mla,
+        # first_k_dense_replace as released configs carry it (vLLM reads it)
+        return transformers.Glm4MoeLiteConfig(**small, **mla, first_k_dense_replace=1,
                                               mlp_layer_types=["dense", "sparse", "sparse"])
     if family == "qwen3_5_moe":
         # gated delta-net at 0, 1, 2, full attention at 3; 6 experts top-3 and a gated

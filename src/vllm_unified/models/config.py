@@ -640,7 +640,8 @@ def _gpt_oss(cfg: dict[str, Any]) -> None:
 def _deepseek_v3(cfg: dict[str, Any]) -> None:
     """DeepSeek-V3 (and GLM-4.7-Flash, ``glm4_moe_lite``): mlx-lm's router always scores
     by sigmoid with the correction bias (``noaux_tc``); DeepSeek-V3's module normalises the
-    query and latent with epsilon 1e-6 whatever ``rms_norm_eps`` says."""
+    query and latent with epsilon 1e-6 whatever ``rms_norm_eps`` says; transformers'
+    ``mlp_layer_types`` (dense layers first) become mlx-lm's ``first_k_dense_replace``."""
     model_type = cfg["model_type"]
     checks = [
         (cfg.get("scoring_func", "sigmoid") == "sigmoid",
@@ -651,6 +652,13 @@ def _deepseek_v3(cfg: dict[str, Any]) -> None:
     if model_type == "deepseek_v3":
         checks.append((float(cfg.get("rms_norm_eps", 1e-6)) == 1e-6,
                        f"rms_norm_eps {cfg.get('rms_norm_eps')} on the latent norms"))
+    kinds = list(cfg.get("mlp_layer_types") or ())
+    if kinds:  # transformers' GLM-4.7-Flash layout: dense layers first, then sparse ones
+        dense = kinds.index("sparse") if "sparse" in kinds else len(kinds)
+        checks.append((set(kinds[dense:]) <= {"sparse"},
+                       f"mlp_layer_types {kinds} (dense layers after sparse ones)"))
+        if cfg.get("first_k_dense_replace") is None:
+            cfg["first_k_dense_replace"] = dense
     _refuse_unless(model_type, checks)
 
 
