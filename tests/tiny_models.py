@@ -501,11 +501,11 @@ def _moe_family_config(family: str, common: dict[str, Any]) -> Any:
             attention_bias=True,
             rope_parameters={**rope, "partial_rotary_factor": 0.5})
     if family in ("deepseek_v3", "glm4_moe_lite"):
-        # multi-head latent attention (3 heads, latent 288, rope 32: MLA rows of 320, the
-        # smallest vLLM's MLA backends take; nope 32, values 32) over a dense first layer,
-        # then 6 experts in 3 groups (the best 2 chosen) top-3, sigmoid with a correction
-        # bias, a shared expert, routed scaling factor 2.5
-        mla = dict(num_hidden_layers=3, q_lora_rank=40, kv_lora_rank=288, qk_rope_head_dim=32,
+        # multi-head latent attention (3 heads, latent 512, rope 64: DeepSeek-V3's MLA rows
+        # of 576, the only size vLLM's CPU MLA kernel takes; nope 32, values 32) over a dense
+        # first layer, then 6 experts in 3 groups (the best 2 chosen) top-3, sigmoid with a
+        # correction bias, a shared expert, routed scaling factor 2.5
+        mla = dict(num_hidden_layers=3, q_lora_rank=40, kv_lora_rank=512, qk_rope_head_dim=64,
                    qk_nope_head_dim=32, v_head_dim=32, rms_norm_eps=1e-6,
                    tie_word_embeddings=False, n_routed_experts=6, num_experts_per_tok=3,
                    moe_intermediate_size=48, n_shared_experts=1, n_group=3, topk_group=2,
