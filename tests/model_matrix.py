@@ -260,8 +260,47 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
     # every real checkpoint of these has routed experts (the MoE issue), which their
     # ModelArgs leave off by default
-    **dict.fromkeys(("deepseek", "deepseek_v3", "deepseek_v32"), {"n_routed_experts": 4}),
+    **dict.fromkeys(("deepseek", "deepseek_v32"), {"n_routed_experts": 4}),
+    # DeepSeek-V3's epsilon (mlx-lm's module hard-codes it on the latent norms)
+    "deepseek_v3": {"n_routed_experts": 4, "rms_norm_eps": 1e-6},
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
+    # mixture of experts: the layer stacks the families' own layouts need
+    # 4 layers: mlx-lm's qwen3_next / qwen3_5 put full attention on every 4th layer
+    "qwen3_next": {"num_hidden_layers": 4},
+    "qwen3_5_moe": {"text_config": {"num_hidden_layers": 4, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
+    # top-k within the 4 experts (mlx-lm's default is 8)
+    "step3p5": {"moe_top_k": 2, "share_expert_dim": 64,
+                # written out: transformers' Step3p5Config defaults differ from mlx-lm's
+                "use_head_wise_attn_gate": True, "moe_layers_enum": "1",
+                "moe_router_scaling_factor": 3.0,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    # YaRN written out: transformers' GptOssConfig defaults to it where the config is silent,
+    # mlx-lm's module to plain RoPE
+    "gpt_oss": {"rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 4096}},
+    # Llama 4's position-dependent query scale, which mlx-lm's mistral4 reads from its RoPE
+    "mistral4": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                     "llama_4_scaling_beta": 0.1,
+                                     "original_max_position_embeddings": 512}},
+    # mup_enabled, route_scale written out: transformers' AfmoeConfig defaults both off,
+    # mlx-lm's module on (released checkpoints carry them)
+    # written out: transformers' Ernie4_5_MoeConfig defaults (experts from layer 1, top-6, two
+    # shared experts) differ from mlx-lm's
+    "ernie4_5_moe": {"moe_k": 2, "moe_layer_start_index": 1, "moe_layer_end_index": 1,
+                     "moe_layer_interval": 1, "moe_num_shared_experts": 1},
+    "afmoe": {"layer_types": ["sliding_attention", "full_attention"], "num_dense_layers": 1,
+              "sliding_window": WINDOW, "mup_enabled": True, "route_scale": 2.826},
+    "exaone_moe": {"layer_types": ["sliding_attention", "full_attention"],
+                   "is_moe_layer": [False, True], "num_shared_experts": 1},
+    # layer 0 sliding with sinks and dense, layer 1 global MoE
+    "mimo_v2_flash": {"hybrid_layer_pattern": [1, 0], "moe_layer_freq": [0, 1],
+                      "add_swa_attention_sink_bias": True,
+                      "add_full_attention_sink_bias": False, "sliding_window_size": WINDOW},
+    "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity",
+                      "zero_expert_num": 1},
+    "dbrx": {"ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+             "attn_config": {"kv_n_heads": 1, "clip_qkv": 8.0, "rope_theta": 10000.0}},
     "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
     "phi3": {"partial_rotary_factor": 0.5},
     # as transformers' class always has them; the activation mlx-lm's module computes (the
@@ -321,6 +360,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3n": "Gemma3nForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration", "pixtral": "LlavaForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration", "lfm2-vl": "Lfm2VlForConditionalGeneration",
     "muse_glimmer": "MuseGlimmerForConditionalGeneration",
 }
@@ -335,6 +375,7 @@ WRAPPED_TEXT: dict[str, tuple[str, str]] = {
     "pixtral": ("llama", "mistral"),
     "qwen2_vl": ("qwen2", "qwen2_vl_text"),
     "qwen3_vl": ("qwen3", "qwen3_vl_text"),
+    "qwen3_vl_moe": ("qwen3_moe", "qwen3_vl_moe_text"),
     "lfm2-vl": ("lfm2", "lfm2"),
 }
 
@@ -348,8 +389,7 @@ TRANSFORMERS_BUILT: dict[str, tuple[str, str]] = {
 
 #: model type -> why the matrix has no checkpoint for it (the build error is recorded too)
 KNOWN_UNBUILT: dict[str, str] = {
-    **dict.fromkeys(("afmoe", "dbrx", "exaone_moe", "kimi_k3", "kimi_linear", "longcat_flash",
-                     "mimo_v2_flash", "minimax_m3_vl", "muse_spark"),
+    **dict.fromkeys(("kimi_k3", "kimi_linear", "minimax_m3_vl", "muse_spark"),
                     "mixture of experts (the MoE issue): no tiny config written yet"),
 }
 
@@ -545,13 +585,16 @@ def randomize_packs(model: Any, seed: int) -> None:
 
 def classify(model: Any, cfg: dict[str, Any]) -> tuple[bool, list[str]]:
     """``(moe, features)`` of an instantiated mlx-lm model: routed experts (SwitchGLU /
-    SwitchMLP), and the attention / recurrent features docs/models.md lists."""
+    SwitchMLP, or a list of expert modules), and the attention / recurrent features
+    docs/models.md lists."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import cache as cache_mod
     from mlx_lm.models.switch_layers import SwitchLinear
 
     modules = list(model.named_modules())
-    moe = any(isinstance(m, SwitchLinear) for _, m in modules)
+    # routed experts: switch layers, or a list of expert modules (DBRX's per-expert MLPs)
+    moe = any(isinstance(m, SwitchLinear) or re.search(r"\.experts\.\d+$", n)
+              for n, m in modules)
     names = {n for n, _ in tree_flatten(model.parameters())}
     features = []
     try:
@@ -1040,12 +1083,16 @@ def _write(out: Path, results: dict[str, TypeResult]) -> None:
 
 
 def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """The matrix's totals: types, non-MoE, built, and each outcome over non-MoE types."""
+    """The matrix's totals: types, non-MoE, built, and each outcome over non-MoE types; the
+    same over MoE types as ``moe_<outcome>`` (``moe_built``...; ``moe_not_run``: MoE types
+    without an outcome)."""
     dense = [r for r in rows if not r["moe"]]
-    c = {"types": len(rows), "moe": len(rows) - len(dense), "non_moe": len(dense),
-         "built": sum(r["built"] for r in dense)}
+    moe = [r for r in rows if r["moe"]]
+    c = {"types": len(rows), "moe": len(moe), "non_moe": len(dense),
+         "built": sum(r["built"] for r in dense), "moe_built": sum(r["built"] for r in moe)}
     for outcome in OUTCOMES:
         c[outcome] = sum(r["outcome"] == outcome for r in dense)
+        c[f"moe_{outcome}"] = sum((r["outcome"] or "not_run") == outcome for r in moe)
     return c
 
 
@@ -1063,7 +1110,7 @@ _RESULT_TEXT = {
     "not_built": "no test checkpoint",
     "reference_failed": "mlx-lm cannot generate",
     "not_run": "not run yet",
-    None: "not served (MoE: own issue)",
+    None: "not run yet",
 }
 
 
@@ -1086,7 +1133,12 @@ def docs_table(data: dict[str, Any]) -> str:
         f"mlx-lm's own generation, {c['match_vllm']} serve as vLLM does (equal to vLLM's CPU "
         f"backend, not to mlx-lm), {c['refused']} are refused at start-up, {c['mismatch']} "
         f"differ, {c['crashed']} crash, {c['not_built']} have no test checkpoint, "
-        f"{c['reference_failed']} cannot run in mlx-lm here, {c['not_run']} were not run.",
+        f"{c['reference_failed']} cannot run in mlx-lm here, {c['not_run']} were not run. "
+        f"Of the {c['moe']} MoE types {c['moe_match']} serve and equal mlx-lm's own "
+        f"generation, {c['moe_refused']} are refused at start-up, {c['moe_mismatch']} differ, "
+        f"{c['moe_crashed']} crash, {c['moe_not_built']} have no test checkpoint, "
+        f"{c['moe_reference_failed']} cannot run in mlx-lm here, {c['moe_not_run']} were not "
+        "run.",
         "",
         "| model type | architecture | features | test checkpoint | tested how | result |",
         "|---|---|---|---|---|---|",

@@ -35,11 +35,15 @@ PROMPTS = _prompts((37, 21, 9, 30))
 NATIVE_PROMPTS = _prompts((200, 140, 9, 131))
 
 
-def _text_config(chunk: int, tuning: bool) -> dict:
+def _text_config(chunk: int, tuning: bool, moe: bool = False) -> dict:
     """5 layers: 0, 1, 2, 4 chunked with RoPE and QK norm, 3 global without RoPE (temperature
     tuning from position 3 on: floor_scale 4); 6 query heads on 2 KV heads; no MoE layer
-    (interleave_moe_layer_step beyond the layer count); llama3 RoPE scaling as Llama 4's."""
+    (interleave_moe_layer_step beyond the layer count), or with ``moe`` layers 1 and 3 MoE
+    (5 routed experts, top-1, and the shared expert) as Llama 4 Maverick alternates them;
+    llama3 RoPE scaling as Llama 4's."""
     tok = smollm2_tokenizer()
+    experts = ({"interleave_moe_layer_step": 2, "num_local_experts": 5} if moe
+               else {"interleave_moe_layer_step": 6, "num_local_experts": 2})
     return dict(
         model_type="llama4_text", vocab_size=49152, hidden_size=96, intermediate_size=64,
         intermediate_size_mlp=128, num_hidden_layers=5, num_attention_heads=6,
@@ -48,17 +52,17 @@ def _text_config(chunk: int, tuning: bool) -> dict:
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
         attention_chunk_size=chunk, use_qk_norm=True, attention_bias=False,
-        interleave_moe_layer_step=6, num_local_experts=2, num_experts_per_tok=1,
+        **experts, num_experts_per_tok=1,
         no_rope_layers=[1, 1, 1, 0, 1], attn_temperature_tuning=tuning, floor_scale=4,
         attn_scale=0.5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
 
 
-def make_llama4_checkpoints(root: str | Path, chunk: int = CHUNK,
-                            tuning: bool = True) -> tuple[Path, Path]:
-    """Write (once) the tiny model with attention chunk ``chunk`` and temperature tuning on or
-    off as ``(llama4 folder, llama4_text folder)``."""
+def make_llama4_checkpoints(root: str | Path, chunk: int = CHUNK, tuning: bool = True,
+                            moe: bool = False) -> tuple[Path, Path]:
+    """Write (once) the tiny model with attention chunk ``chunk``, temperature tuning on or
+    off and (``moe``) MoE layers as ``(llama4 folder, llama4_text folder)``."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -67,12 +71,12 @@ def make_llama4_checkpoints(root: str | Path, chunk: int = CHUNK,
     multi, text = root / "tiny-llama4", root / "tiny-llama4-text"
     if (multi / "model.safetensors").is_file() and (text / "model.safetensors").is_file():
         return multi, text
-    cfg = _text_config(chunk, tuning)
+    cfg = _text_config(chunk, tuning, moe)
     config = transformers.Llama4TextConfig(**{k: v for k, v in cfg.items()
                                               if k != "model_type"})
     torch.manual_seed(0)
     model = transformers.Llama4ForCausalLM(config).to(torch.float32)
-    assert not any("experts" in n for n, _ in model.named_parameters())
+    assert any("experts" in n for n, _ in model.named_parameters()) == moe
     _randomize(model, "llama4", 0)
     model.config.dtype = torch.float32
     model.save_pretrained(text)
@@ -184,16 +188,19 @@ def test_llama4_two_chunks_match_transformers_and_mlx_lm(tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_llama4_vllm_native_fp32_matches_ours_and_mlx_lm(tmp_path):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_llama4_vllm_native_fp32_matches_ours_and_mlx_lm(moe, tmp_path):
     """vLLM's own CPU backend in fp32 on the same weights (its ``Llama4ForCausalLM``), chunk
     128 (a multiple of its blocks), prompts reaching into the second chunk: its greedy ids
     equal ours and mlx-lm's. Temperature tuning is off in this checkpoint: vLLM 0.32 applies
     it only for a ``max_model_len`` beyond 32K (it ignores the config's flag), mlx-lm and
     transformers whenever the config sets it
-    (:func:`test_llama4_two_chunks_match_transformers_and_mlx_lm` checks it on)."""
+    (:func:`test_llama4_two_chunks_match_transformers_and_mlx_lm` checks it on). ``moe``:
+    layers 1 and 3 are MoE (5 routed experts, top-1, a shared expert)."""
     from conftest import run_llm
 
-    multi, text = make_llama4_checkpoints(tmp_path / "ckpt", NATIVE_CHUNK, tuning=False)
+    multi, text = make_llama4_checkpoints(tmp_path / "ckpt", NATIVE_CHUNK, tuning=False,
+                                          moe=moe)
     spec = _spec(text, NATIVE_PROMPTS)
     del spec["rpc"]  # our runner's statistics
     native = run_llm(spec, tmp_path, native=True)

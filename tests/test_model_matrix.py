@@ -4,7 +4,7 @@ checkpoint, served by our engine and compared with mlx-lm's own greedy generatio
 Fast tier: the checkpoint builder (every type builds from its ModelArgs or has a recorded
 reason; checkpoints reload in mlx-lm; weights give O(1) logits), the outcome classifier and
 the docs table. CI tier: a few types with different attention features through the engine.
-Slow tier: every other non-MoE type through the engine.
+Slow tier: every other type through the engine (MoE types included).
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ def test_docs_table_replaces_only_its_section(tmp_path):
     first = docs.read_text()
     assert first.startswith("# Models\n\nintro\n") and mm.TABLE_START in first
     assert "of the 3 others 1 serve and equal" in first and "1 serve as vLLM does" in first
+    assert "Of the 1 MoE types 0 serve and equal" in first and "1 were not run." in first
     assert ("| `cohere2` | Cohere2ForCausalLM | sliding window | tiny random (mlx-lm ModelArgs) "
             "| greedy ids vs vLLM's CPU backend (fp32) and mlx-lm") in first
     assert "equals vLLM's CPU backend (fp32), differs from mlx-lm: sliding layers" in first
@@ -173,13 +174,13 @@ def test_type_serves_or_is_refused(model_type, tmp_path):
     """Every other type: equal to mlx-lm (a type served as vLLM serves it: equal to vLLM's
     CPU backend in fp32), or refused at start-up by the capability check
     (models/capability.py), whose message names the model type and the missing feature;
-    never a crash or different tokens. MoE types are classified only (their own issue)."""
+    never a crash or different tokens (MoE types included)."""
     result = mm.prepare_type(model_type, tmp_path)
     if not result.built:
         assert model_type in mm.KNOWN_UNBUILT, result.build_error
         return
-    if result.moe or result.reference is None:
-        pytest.skip(f"{model_type}: {'MoE' if result.moe else result.message}")
+    if result.reference is None:
+        pytest.skip(f"{model_type}: {result.message}")
     mm.serve_type(result, tmp_path)
     allowed = ("match", "refused") + (
         ("match_vllm",) if model_type in mm.VLLM_OVER_MLX_LM or model_type in mm.TRANSFORMERS_BUILT

@@ -33,6 +33,11 @@ DRAFT_FAMILIES = ("llama_draft",)
 #: Plain attention families of issue 39 (tests/test_e2e_families.py), each with awkward shapes.
 ATTENTION_FAMILIES = ("mistral", "ministral3", "phi3", "olmo2", "granite", "smollm3", "glm4",
                       "exaone4", "cohere2", "starcoder2")
+#: Mixture-of-experts families of issue 40 (tests/test_moe_families.py): expert counts that are
+#: not powers of two, top-k > 1, a dense first layer and shared experts where the family has
+#: them (Llama 4's MoE layers: tests/test_llama4.py).
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "qwen2_moe", "mixtral", "olmoe", "granitemoe",
+                "glm4_moe", "glm4_moe_lite", "deepseek_v3", "qwen3_5_moe", "lfm2_moe")
 #: Phi-3's LongRoPE tiny model: the context it was trained on (vLLM takes the short factors
 #: when max_model_len fits in it, the long ones otherwise).
 PHI3_ORIGINAL_CONTEXT = 64
@@ -328,10 +333,13 @@ def tiny_config(family: str) -> Any:
         )
     if family in ATTENTION_FAMILIES:
         return _attention_family_config(family, common)
+    if family in MOE_FAMILIES:
+        return _moe_family_config(family, common)
     if family in SSM_FAMILIES:
         return _ssm_family_config(family, common)
     known = (FAMILIES + HYBRID_FAMILIES + DRAFT_FAMILIES + PER_LAYER_FAMILIES
-             + SOFTCAP_FAMILIES + MLA_FAMILIES + ATTENTION_FAMILIES + SSM_FAMILIES)
+             + SOFTCAP_FAMILIES + MLA_FAMILIES + ATTENTION_FAMILIES + SSM_FAMILIES
+             + MOE_FAMILIES)
     raise ValueError(f"unknown tiny-model family {family!r} (have: {', '.join(known)})")
 
 
@@ -425,6 +433,115 @@ def _attention_family_config(family: str, common: dict[str, Any]) -> Any:
     raise ValueError(f"not an attention family: {family!r}")
 
 
+def _moe_family_config(family: str, common: dict[str, Any]) -> Any:
+    """Tiny mixture-of-experts configs: 3 query heads of 32 over 1 KV head, 5 or 6 experts of
+    width 48 (not a power of two), top-2 or top-3, each family's router features away from
+    their neutral values (renormalisation, grouped selection, correction bias, scaling
+    factor), a dense first layer and shared experts where the family has them."""
+    import transformers
+
+    # intermediate_size: the expert width where the family has no other name for it
+    small = {**common, "hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1,
+             "intermediate_size": 48}
+    rope = {"rope_type": "default", "rope_theta": 20000.0}
+    if family == "qwen3_moe":
+        # layer 0 dense (mlp_only_layers), 6 experts top-3 renormalised, q/k norms
+        return transformers.Qwen3MoeConfig(
+            **{**small, "intermediate_size": 128}, num_hidden_layers=3, head_dim=32,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3,
+            moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0],
+            norm_topk_prob=True, use_sliding_window=False, rope_parameters=rope)
+    if family == "qwen2_moe":
+        # 5 experts top-2, not renormalised, a gated shared expert, q/k/v biases
+        return transformers.Qwen2MoeConfig(
+            **small, num_hidden_layers=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            num_experts=5, num_experts_per_tok=2, moe_intermediate_size=48,
+            shared_expert_intermediate_size=80, norm_topk_prob=False, decoder_sparse_step=1,
+            mlp_only_layers=[], use_sliding_window=False, rope_parameters=rope)
+    if family == "mixtral":
+        # 5 experts top-2, softmax over the chosen experts' logits
+        return transformers.MixtralConfig(
+            **small, num_hidden_layers=2, head_dim=32, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, num_local_experts=5, num_experts_per_tok=2,
+            sliding_window=None, rope_parameters=rope)
+    if family == "olmoe":
+        # 6 experts top-3, not renormalised, q/k norms over all heads
+        return transformers.OlmoeConfig(
+            **small, num_hidden_layers=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, rope_parameters=rope)
+    if family == "granitemoe":
+        # 5 experts top-2 and Granite's multipliers away from 1
+        return transformers.GraniteMoeConfig(
+            **small, num_hidden_layers=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            num_local_experts=5, num_experts_per_tok=2,
+            embedding_multiplier=1.5, attention_multiplier=0.05, residual_multiplier=0.5,
+            logits_scaling=2.0, rope_parameters=rope)
+    if family == "gpt_oss":
+        # sliding (window 8) and full layers alternating, attention sinks, biases, 5 experts
+        # top-2 with gpt-oss's clamped SwiGLU, YaRN without rounding (as gpt-oss ships it)
+        return transformers.GptOssConfig(
+            **small, num_hidden_layers=4, head_dim=32, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, num_local_experts=5, num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 4096})
+    if family == "glm4_moe":
+        # layer 0 dense, 6 experts in 2 groups (the best group chosen) top-3 renormalised,
+        # sigmoid scores with a correction bias, a shared expert, a routed scaling factor,
+        # partial rotary, q/k norms, q/k/v biases
+        return transformers.Glm4MoeConfig(
+            **{**small, "num_attention_heads": 6, "num_key_value_heads": 2,
+               "intermediate_size": 128},
+            num_hidden_layers=3, head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+            attention_bias=True,
+            rope_parameters={**rope, "partial_rotary_factor": 0.5})
+    if family in ("deepseek_v3", "glm4_moe_lite"):
+        # multi-head latent attention (3 heads, latent 512, rope 64: DeepSeek-V3's MLA rows
+        # of 576, the only size vLLM's CPU MLA kernel takes; nope 32, values 32) over a dense
+        # first layer, then 6 experts in 3 groups (the best 2 chosen) top-3, sigmoid with a
+        # correction bias, a shared expert, routed scaling factor 2.5
+        mla = dict(num_hidden_layers=3, q_lora_rank=40, kv_lora_rank=512, qk_rope_head_dim=64,
+                   qk_nope_head_dim=32, v_head_dim=32, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False, n_routed_experts=6, num_experts_per_tok=3,
+                   moe_intermediate_size=48, n_shared_experts=1, n_group=3, topk_group=2,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=rope,
+                   rope_interleave=True,
+                   # as the released configs carry them (vLLM builds the correction bias
+                   # only for noaux_tc; transformers' classes leave them out)
+                   topk_method="noaux_tc", scoring_func="sigmoid")
+        small = {**small, "num_key_value_heads": 3, "intermediate_size": 128}
+        if family == "deepseek_v3":
+            return transformers.DeepseekV3Config(**small, **mla, first_k_dense_replace=1)
+        # first_k_dense_replace as released configs carry it (vLLM reads it)
+        return transformers.Glm4MoeLiteConfig(**small, **mla, first_k_dense_replace=1,
+                                              mlp_layer_types=["dense", "sparse", "sparse"])
+    if family == "qwen3_5_moe":
+        # gated delta-net at 0, 1, 2, full attention at 3; 6 experts top-3 and a gated
+        # shared expert on every layer; partial rotary
+        return transformers.Qwen3_5MoeTextConfig(
+            **small, num_hidden_layers=4, head_dim=32, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_num_key_heads=1, linear_num_value_heads=3, num_experts=6,
+            num_experts_per_tok=3, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+            rope_parameters={**rope, "partial_rotary_factor": 0.25})
+    if family == "lfm2_moe":
+        # short convolutions at 0, 1, 3, attention at 2; layer 0 dense; 6 experts top-3,
+        # sigmoid with an expert bias, renormalised, scaled
+        return transformers.Lfm2MoeConfig(
+            **{**small, "intermediate_size": 128}, num_hidden_layers=4, moe_intermediate_size=48,
+            norm_eps=1e-5, conv_bias=True, conv_L_cache=3, num_dense_layers=1, num_experts=6,
+            num_experts_per_tok=3, use_expert_bias=True, routed_scaling_factor=1.5,
+            norm_topk_prob=True, tie_word_embeddings=True,
+            layer_types=["conv", "conv", "full_attention", "conv"], rope_parameters=rope)
+    raise ValueError(f"not an MoE family: {family!r}")
+
+
 def _ssm_family_config(family: str, common: dict[str, Any]) -> Any:
     """Tiny attention-free configs: three layers, hidden 96, untied heads; Mamba with a
     time-step rank (6) that is not hidden / 16, Mamba2 with 6 heads of 32 in one group
@@ -471,11 +588,45 @@ def _randomize(model: Any, family: str, seed: int) -> None:
                 # Gemma and Qwen3-Next (except the gated delta-net's output norm) scale by
                 # (1 + w): keep their weights near 0, the others near 1
                 centred = family in ("gemma2", "gemma2_wide", "gemma3") or (
-                    family in ("qwen3_next", "qwen3_5")
+                    family in ("qwen3_next", "qwen3_5", "qwen3_5_moe")
                     and not name.endswith("linear_attn.norm.weight"))
                 p.copy_(0.1 * noise + (0.0 if centred else 1.0))
             else:  # biases
                 p.copy_(0.1 * noise)
+
+
+#: families whose released checkpoints hold each layer's experts as two stacked tensors
+#: (``experts.gate_up_proj`` ``[E, 2 x width, hidden]``, ``experts.down_proj``
+#: ``[E, hidden, width]``) where transformers saves one tensor per expert -> the prefix of
+#: the experts' names
+FUSED_EXPERTS = {"qwen3_5_moe": "mlp.experts"}
+
+
+def _fuse_experts(folder: Path, prefix: str) -> None:
+    """Rewrite ``folder``'s model.safetensors with the per-expert ``{prefix}.{e}.{gate,up,
+    down}_proj.weight`` tensors of each layer stacked as released checkpoints hold them."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    weights = load_file(str(path))
+    pattern = re.compile(rf"^(.*\.{re.escape(prefix)})\.(\d+)\.(gate|up|down)_proj\.weight$")
+    experts: dict[str, dict[str, dict[int, Any]]] = {}
+    out = {}
+    for name, value in weights.items():
+        m = pattern.match(name)
+        if m is None:
+            out[name] = value
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = value
+    for base, parts in experts.items():
+        def stack(kind: str, parts: dict = parts) -> Any:
+            return torch.stack([parts[kind][e] for e in sorted(parts[kind])])
+        out[f"{base}.gate_up_proj"] = torch.cat([stack("gate"), stack("up")], dim=1).contiguous()
+        out[f"{base}.down_proj"] = stack("down").contiguous()
+    save_file(out, str(path), metadata={"format": "pt"})
 
 
 def make_tiny_checkpoint(
@@ -519,6 +670,8 @@ def make_tiny_checkpoint(
     folder = Path(tmp_path) / f"tiny-{family}-{dtype}-s{seed}{layers}"
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
+    if family in FUSED_EXPERTS:
+        _fuse_experts(folder, FUSED_EXPERTS[family])
     smollm2_tokenizer().save_pretrained(folder)
     _BUILT[key] = folder
     return folder

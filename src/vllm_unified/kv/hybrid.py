@@ -59,6 +59,11 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # Qwen3.5 with Hadamard-rotated 2-bit packed linears (mlx-lm's prism_hadamard_qwen35)
     "prism_hadamard_qwen35": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear),
                                           "GDN_ATTN"),
+    "qwen3_5_moe": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear),
+                                "GDN_ATTN"),
+    "lfm2_moe": HybridFamily("conv", lambda layer: not layer.is_attention_layer, "SHORT_CONV"),
+    # Mamba (v1) layers next to attention layers, MoE on some of both
+    "jamba": HybridFamily("mamba", lambda layer: not layer.is_attn, "MAMBA1"),
     # block kinds: "M" Mamba2, "*" attention, "-" MLP (mlx-lm's hybrid_override_pattern)
     "nemotron_h": HybridFamily("mixer", lambda layer: layer.block_type == "M", "MAMBA2",
                                is_stateless=lambda layer: layer.block_type not in ("M", "*")),

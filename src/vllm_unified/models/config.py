@@ -97,7 +97,9 @@ UNLOADABLE_TYPES = {
 def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
     """mlx-lm's ``(Model, ModelArgs)`` for ``config`` (its model-type and architecture
     remapping included); for a multimodal model type whose text part the runner drives, that
-    part's class (:data:`vllm_unified.models.text_parts.TEXT_MODELS`).
+    part's class (:data:`vllm_unified.models.text_parts.TEXT_MODELS`); for a type whose
+    expert tensors mlx-lm cannot read in transformers' layout, a subclass that rewrites them
+    (:mod:`vllm_unified.models.expert_layouts`).
 
     Raises:
         ValueError: naming the model type mlx-lm has no module for.
@@ -105,6 +107,7 @@ def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
     """
     from mlx_lm.utils import _get_classes
 
+    from vllm_unified.models.expert_layouts import with_expert_layout  # lazy: imports MLX
     from vllm_unified.models.text_parts import TEXT_MODELS  # lazy: imports mlx-lm models
 
     if config.get("model_type") in TEXT_MODELS:
@@ -113,10 +116,11 @@ def model_classes(config: Mapping[str, Any]) -> tuple[type[nn.Module], type]:
         raise UnsupportedModel(config["model_type"], UNLOADABLE_TYPES[config["model_type"]])
 
     try:
-        return _get_classes(dict(config))
+        model_class, args_class = _get_classes(dict(config))
     except ValueError as e:
         raise ValueError(f"model type {config.get('model_type')!r}: mlx-lm has no architecture "
                          "for it, so vllm-unified cannot serve it") from e
+    return with_expert_layout(model_class, str(config.get("model_type"))), args_class
 
 
 def _is_flat(rope_parameters: Mapping[str, Any]) -> bool:
@@ -153,14 +157,6 @@ def _qwen(cfg: dict[str, Any]) -> None:
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{cfg['model_type']}: use_sliding_window=True is not supported by "
                          "the mlx-lm model (it would attend over the full context)")
-
-
-def _qwen3_moe(cfg: dict[str, Any]) -> None:
-    """transformers 5 saves Qwen3MoeConfig's ``num_experts`` as ``num_local_experts`` (its
-    attribute map); mlx-lm's ModelArgs requires ``num_experts``."""
-    _qwen(cfg)
-    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
-        cfg["num_experts"] = cfg["num_local_experts"]
 
 
 def _no_rope_scaling(cfg: dict[str, Any]) -> None:
@@ -321,15 +317,34 @@ def _lfm2(cfg: dict[str, Any]) -> None:
 def _qwen3_5(cfg: dict[str, Any]) -> None:
     """Qwen3.5: transformers' text-only config (``qwen3_5_text``) is mlx-lm's ``qwen3_5``
     without a ``text_config``; its layer kinds must follow mlx-lm's periodic layout."""
-    cfg["model_type"] = "qwen3_5"
+    _qwen3_5_layout(cfg, "qwen3_5")
+
+
+def _qwen3_5_moe(cfg: dict[str, Any]) -> None:
+    """Qwen3.5-MoE (Qwen3.6-35B-A3B): as :func:`_qwen3_5` (``qwen3_5_moe_text`` is mlx-lm's
+    ``qwen3_5_moe``); every layer's MLP is the sparse block with a gated shared expert, which
+    mlx-lm's module builds for every layer."""
+    text = _qwen3_5_layout(cfg, "qwen3_5_moe")
+    if list(text.get("mlp_only_layers") or ()):
+        raise ValueError(f"qwen3_5_moe: mlp_only_layers {text['mlp_only_layers']} (mlx-lm's "
+                         "module puts experts on every layer)")
+
+
+def _qwen3_5_layout(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The shared part of the Qwen3.5 fix-ups: ``model_type`` set, a copy of the text config
+    (or ``cfg`` itself) returned with ``full_attention_interval`` from its layer kinds."""
+    cfg["model_type"] = model_type
     text = cfg.get("text_config")
     if isinstance(text, Mapping):
         text = cfg["text_config"] = dict(text)  # a copy: the caller's config stays as it was
     else:
         text = cfg
-    if int(text.get("num_experts") or 0) > 0:
+    experts = int(text.get("num_experts") or 0)
+    if model_type == "qwen3_5" and experts > 0:
         raise ValueError("qwen3_5: experts in a dense qwen3_5 config (mixture-of-experts "
                          "checkpoints are qwen3_5_moe)")
+    if model_type == "qwen3_5_moe" and experts <= 0:
+        raise ValueError("qwen3_5_moe: num_experts is not set")
     layer_types = text.get("layer_types")
     if layer_types:
         if "full_attention" not in layer_types:
@@ -341,6 +356,7 @@ def _qwen3_5(cfg: dict[str, Any]) -> None:
             raise ValueError(f"qwen3_5: layer_types {layer_types} are not 'every p-th layer is "
                              "full attention', the only layout mlx-lm builds")
         text["full_attention_interval"] = p
+    return text
 
 
 def _nemotron_h(cfg: dict[str, Any]) -> None:
@@ -499,7 +515,7 @@ def _llama4(cfg: dict[str, Any]) -> None:
     """Llama 4's text settings live in ``text_config``; mlx-lm's module hard-codes the layer
     layout HF's defaults give (every 4th layer global without RoPE, the others chunked with
     RoPE), so another ``no_rope_layers`` is refused, as is a config without an attention
-    chunk (mlx-lm's module needs one)."""
+    chunk (mlx-lm's module needs one) or with more than one routed expert per token."""
     text = cfg.get("text_config")
     if not isinstance(text, Mapping):
         raise ValueError("llama4: config has no text_config")
@@ -514,6 +530,9 @@ def _llama4(cfg: dict[str, Any]) -> None:
     if not text.get("attention_chunk_size"):
         raise ValueError("llama4: attention_chunk_size is not set; mlx-lm's module needs "
                          "chunked local attention on its RoPE layers")
+    if int(text.get("num_experts_per_tok", 1)) != 1:
+        raise ValueError(f"llama4: num_experts_per_tok {text['num_experts_per_tok']} (mlx-lm's "
+                         "module routes each token to one expert)")
     text.setdefault("rope_scaling", None)
     cfg["text_config"] = text
 
@@ -587,14 +606,107 @@ def _youtu(cfg: dict[str, Any]) -> None:
     cfg["rope_traditional"] = bool(cfg.get("rope_interleave", True))
 
 
+def _refuse_unless(model_type: str, checks: list[tuple[bool, str]]) -> None:
+    """Raise ``ValueError`` naming the first ``what`` of ``checks`` whose ``ok`` is false:
+    a config feature ``model_type``'s mlx-lm module computes otherwise."""
+    for ok, what in checks:
+        if not ok:
+            raise ValueError(f"{model_type}: {what} is not computed by mlx-lm's module")
+
+
+def _qwen2_moe(cfg: dict[str, Any]) -> None:
+    """mlx-lm's Qwen2-MoE puts experts on every layer and weighs the top-k experts by their
+    softmax probabilities without renormalising them."""
+    _qwen(cfg)
+    _refuse_unless("qwen2_moe", [
+        (not cfg.get("norm_topk_prob"), "norm_topk_prob (renormalised top-k weights)"),
+        (int(cfg.get("decoder_sparse_step", 1)) == 1,
+         f"decoder_sparse_step {cfg.get('decoder_sparse_step')} (experts on some layers)"),
+        (not list(cfg.get("mlp_only_layers") or ()),
+         f"mlp_only_layers {cfg.get('mlp_only_layers')}"),
+    ])
+
+
+def _qwen3_moe(cfg: dict[str, Any]) -> None:
+    """Qwen3-MoE: transformers 5 writes the expert count as ``num_local_experts``, mlx-lm
+    reads ``num_experts`` (released checkpoints carry that)."""
+    _qwen(cfg)
+    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
+        cfg["num_experts"] = cfg["num_local_experts"]
+
+
+def _mixtral(cfg: dict[str, Any]) -> None:
+    _needs_rope_theta(cfg)
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> None:
+    """gpt-oss: mlx-lm's SwiGLU hard-codes gpt-oss's clamp (``swiglu_limit`` 7) and slope
+    (``swiglu_alpha`` 1.702); YaRN without rounding (``truncate: false``, as the checkpoints
+    carry it) is applied by :mod:`vllm_unified.models.rope_fixes`."""
+    _needs_rope_theta(cfg)
+    _refuse_unless("gpt_oss", [
+        (float(cfg.get("swiglu_limit", 7.0)) == 7.0, f"swiglu_limit {cfg.get('swiglu_limit')}"),
+        (float(cfg.get("swiglu_alpha", 1.702)) == 1.702,
+         f"swiglu_alpha {cfg.get('swiglu_alpha')}"),
+        (cfg.get("hidden_act", "silu") == "silu", f"hidden_act {cfg.get('hidden_act')!r}"),
+    ])
+
+
+def _deepseek_v3(cfg: dict[str, Any]) -> None:
+    """DeepSeek-V3 (and GLM-4.7-Flash, ``glm4_moe_lite``): mlx-lm's router always scores
+    by sigmoid with the correction bias (``noaux_tc``); DeepSeek-V3's module normalises the
+    query and latent with epsilon 1e-6 whatever ``rms_norm_eps`` says; transformers'
+    ``mlp_layer_types`` (dense layers first) become mlx-lm's ``first_k_dense_replace``."""
+    model_type = cfg["model_type"]
+    checks = [
+        (cfg.get("scoring_func", "sigmoid") == "sigmoid",
+         f"scoring_func {cfg.get('scoring_func')!r}"),
+        (cfg.get("topk_method", "noaux_tc") == "noaux_tc",
+         f"topk_method {cfg.get('topk_method')!r}"),
+    ]
+    if model_type == "deepseek_v3":
+        checks.append((float(cfg.get("rms_norm_eps", 1e-6)) == 1e-6,
+                       f"rms_norm_eps {cfg.get('rms_norm_eps')} on the latent norms"))
+    kinds = list(cfg.get("mlp_layer_types") or ())
+    if kinds:  # transformers' GLM-4.7-Flash layout: dense layers first, then sparse ones
+        dense = kinds.index("sparse") if "sparse" in kinds else len(kinds)
+        checks.append((set(kinds[dense:]) <= {"sparse"},
+                       f"mlp_layer_types {kinds} (dense layers after sparse ones)"))
+        if cfg.get("first_k_dense_replace") is None:
+            cfg["first_k_dense_replace"] = dense
+    _refuse_unless(model_type, checks)
+
+
+def _glm4_moe(cfg: dict[str, Any]) -> None:
+    """GLM-4.5 / 4.6 (``glm4_moe``): plain RoPE over a partial rotary share; the router as
+    :func:`_deepseek_v3`'s."""
+    _no_rope_scaling(cfg)
+    _deepseek_v3(cfg)
+
+
+def _lfm2_moe(cfg: dict[str, Any]) -> None:
+    """LFM2-MoE: the attention layers by index (mlx-lm's ``full_attn_idxs``) where the config
+    lists ``layer_types``."""
+    layer_types = cfg.get("layer_types")
+    if cfg.get("full_attn_idxs") is None and layer_types:
+        cfg["full_attn_idxs"] = [i for i, t in enumerate(layer_types)
+                                 if t in ("full_attention", "attention")]
+    if cfg.get("full_attn_idxs") is None:
+        raise ValueError("lfm2_moe: config has neither layer_types nor full_attn_idxs")
+    if cfg.get("tie_word_embeddings") is False:
+        raise ValueError("lfm2_moe: an untied LM head (tie_word_embeddings=False) is not "
+                         "supported by mlx-lm, which always uses the embedding")
+
+
 #: multimodal model type -> the model type whose fix-up its ``text_config`` gets (None: the
 #: text config's own ``model_type``); transformers' names of text parts -> mlx-lm's
 _TEXT_PART_FIXUPS: dict[str, str | None] = {
     "gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2",
-    "qwen3_vl": "qwen3",
+    "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
     "mistral3": None, "pixtral": None, "llava": None, "lfm2-vl": "lfm2", "lfm2_vl": "lfm2",
 }
-_TEXT_TYPE_NAMES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+_TEXT_TYPE_NAMES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
+                    "qwen3_vl_moe_text": "qwen3_moe"}
 
 
 def _text_part(cfg: dict[str, Any]) -> None:
@@ -646,7 +758,6 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama": _needs_rope_theta,
     "qwen2": _qwen,
     "qwen3": _qwen,
-    "qwen3_moe": _qwen3_moe,
     "mistral": _needs_rope_theta,
     "ministral3": _ministral3,
     "phi3": _phi3,
@@ -666,6 +777,16 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "lfm2": _lfm2,
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
+    "qwen3_5_moe_text": _qwen3_5_moe,
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral,
+    "gpt_oss": _gpt_oss,
+    "deepseek_v3": _deepseek_v3,
+    "glm4_moe_lite": _deepseek_v3,
+    "glm4_moe": _glm4_moe,
+    "lfm2_moe": _lfm2_moe,
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,
     "recurrent_gemma": _recurrent_gemma,

@@ -30,10 +30,10 @@ __all__ = ["FAMILIES", "LatentAttention", "LatentProbeCache", "install_latent_at
 
 
 def _families() -> tuple[type, ...]:
-    from mlx_lm.models import deepseek_v2, deepseek_v3, minicpm3, youtu_llm
+    from mlx_lm.models import deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3, youtu_llm
 
     return (minicpm3.Attention, youtu_llm.YoutuLLMAttention, deepseek_v2.DeepseekV2Attention,
-            deepseek_v3.DeepseekV3Attention)
+            deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention)
 
 
 #: mlx-lm MLA attention classes whose ``__call__`` is: queries from ``q_proj`` or

@@ -46,6 +46,7 @@ from vllm_unified.models.gguf import (
 )
 from vllm_unified.models.multipliers import apply_config_multipliers
 from vllm_unified.models.pipeline_layers import prune_model
+from vllm_unified.models.rope_fixes import match_yarn_truncation
 
 __all__ = ["LoadedModel", "check_dtype_supported", "load_model"]
 
@@ -357,6 +358,7 @@ def _load_folder(
     replace_bitlinears(model)
     model, config = language_model_of(model, config)
     apply_config_multipliers(model, config)
+    match_yarn_truncation(model, config)
     match_cache_windows(model, config)
     if stage is not None and stage.size > 1:  # before any weight is read (they load lazily)
         prune_model(model, stage, config["model_type"])
@@ -374,7 +376,8 @@ def _load_folder(
 #: (``llava``: HF's Pixtral, which mlx-lm loads with its ``mistral3`` module; ``qwen2_5_vl``:
 #: its ``qwen2_vl`` module)
 TEXT_PART_WRAPPERS = frozenset({"gemma3", "gemma4", "mistral3", "pixtral", "llava",
-                                "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "lfm2-vl"})
+                                "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                                "lfm2-vl"})
 
 
 #: multimodal model types whose language model the runner cannot drive yet -> what is missing
