@@ -245,15 +245,14 @@ def _transformers_reference(f: MoeFile):
     """transformers' fp32 model of ``f``: its own GGUF loader (names, dequantization) for
     qwen3moe; for gpt-oss, whose llama.cpp expert tensors and sinks transformers 5.19's GGUF
     loader does not read, those placed by hand in its layout (``gate_up_proj`` ``[E, hidden,
-    2 ffn]`` with gate and up interleaved by column), and YaRN with ``truncate`` on: mlx-lm's
-    YaRN always rounds the correction range (the config's ``truncate: false`` moves logits by
-    ~5e-3 here), which is the RoPE's business, not the file's."""
+    2 ffn]`` with gate and up interleaved by column). YaRN as the config has it
+    (``truncate: false``), which the loader applies to mlx-lm's rounded YaRN
+    (``rope_fixes.match_yarn_truncation``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     cfg = gguf_hf_config(f.path)
     if f.arch == "gpt-oss":
-        cfg.rope_parameters = {**cfg.rope_parameters, "truncate": True}
         cfg._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_pretrained(str(f.path.parent), gguf_file=f.path.name,
                                                  config=cfg, dtype=torch.float32)
@@ -391,7 +390,6 @@ def test_export_dequantized_holds_every_weight_of_the_file(tokenized, tmp_path):
         folder = export_dequantized(f.path, tmp_path / arch)
         cfg = AutoConfig.from_pretrained(folder)
         if arch == "gpt-oss":
-            cfg.rope_parameters = {**cfg.rope_parameters, "truncate": True}
             cfg._attn_implementation = "eager"
         model = AutoModelForCausalLM.from_pretrained(folder, config=cfg, dtype=torch.float32)
         with torch.no_grad():

@@ -203,6 +203,7 @@ def _load_gguf(
 
     model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
+    match_yarn_truncation(model, config)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if stage is not None and stage.size > 1:
