@@ -226,18 +226,9 @@ def test_native_rope_refuses_a_bool_offset_like_mlx():
 
 
 def _tiny_quantized_qwen3_next() -> nn.Module:
-    sys.path.insert(0, os.path.dirname(__file__))
-    from tiny_models import tiny_config
+    from tiny_models import tiny_quantized_mlx_model
 
-    from vllm_unified.models.config import mlx_lm_config, model_classes
-
-    config = mlx_lm_config(tiny_config("qwen3_next").to_dict())
-    model_cls, args_cls = model_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
-    nn.quantize(model, group_size=32, bits=4)
-    mx.eval(model.parameters())
-    return model
+    return tiny_quantized_mlx_model("qwen3_next")
 
 
 def test_quantized_moe_experts_are_not_left_to_mlx_quantized_matmul():

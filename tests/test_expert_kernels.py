@@ -343,29 +343,11 @@ def test_other_call_shapes_fall_back_to_gather_qmm():
 
 
 def _tiny_qwen3_next(quantized_experts: bool) -> nn.Module:
-    """The tiny qwen3_next test model (gated delta-net hybrid with a sparse MoE block and a
-    shared expert), every linear and expert quantized to 4 bits (groups of 32) by mlx-lm's
-    quantization; with ``quantized_experts`` False the same quantized weights dequantized to
-    fp32 by mlx-lm's ``dequantize_model`` (experts as ``SwitchLinear``)."""
-    import os
-    import sys
+    """The tiny qwen3_next (gated delta-net hybrid, sparse MoE block with a shared expert),
+    4-bit; without ``quantized_experts`` its quantized weights dequantized to fp32."""
+    from tiny_models import tiny_quantized_mlx_model
 
-    from mlx_lm.utils import dequantize_model
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from tiny_models import tiny_config
-
-    from vllm_unified.models.config import mlx_lm_config, model_classes
-
-    config = mlx_lm_config(tiny_config("qwen3_next").to_dict())
-    model_cls, args_cls = model_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
-    nn.quantize(model, group_size=32, bits=4)
-    if not quantized_experts:
-        model = dequantize_model(model)
-    mx.eval(model.parameters())
-    return model
+    return tiny_quantized_mlx_model("qwen3_next", dequantize=not quantized_experts)
 
 
 @pytest.mark.parametrize("mode", [1, 4])

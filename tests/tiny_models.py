@@ -720,3 +720,25 @@ def mlx_lm_generate_step_ids(folder: str | Path, prompts: list[list[int]],
     model = load_model(str(folder), hf_config=None, dtype=mx.float32, keep_quantized=False).model
     return [[int(t) for t, _ in itertools.islice(generate_step(mx.array(p), model, max_tokens=n),
                                                   n)] for p in prompts]
+
+
+def tiny_quantized_mlx_model(family: str, dequantize: bool = False) -> Any:
+    """The tiny ``family`` model as mlx-lm builds it (seed 0), every linear and expert layer
+    quantized to 4 bits in groups of 32 by MLX's ``nn.quantize``; with ``dequantize`` the same
+    quantized weights dequantized to fp32 by mlx-lm's ``dequantize_model`` (experts as
+    ``SwitchLinear``)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import dequantize_model
+
+    from vllm_unified.models.config import mlx_lm_config, model_classes
+
+    config = mlx_lm_config(tiny_config(family).to_dict())
+    model_cls, args_cls = model_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    nn.quantize(model, group_size=32, bits=4)
+    if dequantize:
+        model = dequantize_model(model)
+    mx.eval(model.parameters())
+    return model
