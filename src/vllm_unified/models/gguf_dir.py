@@ -268,6 +268,7 @@ def _gpt_oss_expert_state(gguf: Path) -> dict:
     import numpy as np
     import torch
 
+    # lazy: models.gguf imports MLX, and the platform imports this module in vLLM's API server
     from vllm_unified.models.gguf import (
         GGUFIndex,
         read_gguf_index,

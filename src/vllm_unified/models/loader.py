@@ -44,6 +44,7 @@ from vllm_unified.models.gguf import (
     split_fused_experts,
     unpermute_rows,
 )
+from vllm_unified.models.gguf_dir import gguf_hf_config
 from vllm_unified.models.multipliers import apply_config_multipliers
 from vllm_unified.models.pipeline_layers import prune_model
 from vllm_unified.models.rope_fixes import match_yarn_truncation
@@ -151,8 +152,6 @@ def _as_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
 
 
 def _gguf_hf_config(path: Path) -> dict[str, Any]:
-    from vllm_unified.models.gguf_dir import gguf_hf_config
-
     return gguf_hf_config(path).to_dict()
 
 
