@@ -203,14 +203,6 @@ def test_engine_core_shutdown_window_and_expected_engine_dead(monkeypatch) -> No
     assert ours.filter(record("something else", EngineDeadError()))
 
 
-def _sleep_until_terminated() -> None:
-    import signal
-    import time
-
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    time.sleep(60)
-
-
 def test_engine_core_shutdown_reaps_the_engine_before_vllm_checks_it(monkeypatch) -> None:
     """Under ``--shutdown-timeout 0`` the wrapper sends SIGTERM and waits until the engine
     core is reaped before vLLM's own shutdown looks: vLLM kills whatever ``is_alive()`` still
@@ -219,6 +211,7 @@ def test_engine_core_shutdown_reaps_the_engine_before_vllm_checks_it(monkeypatch
     import multiprocessing
     import signal
     import threading
+    import time
 
     from vllm.v1.engine import utils
 
@@ -229,10 +222,14 @@ def test_engine_core_shutdown_reaps_the_engine_before_vllm_checks_it(monkeypatch
     vllm_logger = logging.getLogger("vllm.v1.engine.async_llm")
     monkeypatch.setattr(vllm_logger, "filters", list(vllm_logger.filters))
     patches.stop_engine_core_gracefully(10.0, logging.getLogger("test_shutdown_patch"))
-    # SIGTERM's default action in the child, whatever handler an earlier test left in this
-    # process (a forked child inherits it)
-    child = multiprocessing.get_context("fork").Process(target=_sleep_until_terminated)
-    child.start()
+    # the child forks with SIGTERM's default action, whatever handler an earlier test left in
+    # this process (a child inherits it, and SIGTERM may arrive before its target runs)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        child.start()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     utils.shutdown([child], timeout=0)
     assert seen == [[False]]
     assert child.exitcode == -signal.SIGTERM

@@ -439,7 +439,7 @@ def check_dtype_supported(model: nn.Module, dtype: mx.Dtype, backend: str) -> No
     ):
         raise ValueError(f"--dtype {str(dtype).removeprefix('mlx.core.')}: this model's "
                          "mixture-of-experts layers run in float32 only on MLX's CPU backend; "
-                         "pass --dtype float32 (auto takes the checkpoint's dtype)")
+                         "use --dtype float32 (auto takes the checkpoint's dtype)")
 
 
 def _has_quantized(model: nn.Module) -> bool:
