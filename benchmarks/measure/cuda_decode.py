@@ -122,6 +122,8 @@ MODELS = ("qwen3", "qwen3_moe", "qwen3_moe_4bit")
 #: 1: the MoE checkpoint at a few-MB shape (2 layers, 8 experts, top-2, hidden 256), in the
 #: engine dtype CUDA_BENCH_DTYPE: for checking this script on MLX's CPU backend
 MOE_SMALL_ENV = "CUDA_BENCH_MOE_SMALL"
+#: 0: skip the control runs of plain mlx-lm with no engine alive (before and after the engines)
+CONTROL_ENV = "CUDA_BENCH_CONTROL"
 #: the engines' and the checkpoint's dtype (float32 for MoE on MLX's CPU backend)
 DTYPE = os.environ.get("CUDA_BENCH_DTYPE", "bfloat16")
 MLX_LM_STEPS = 128
@@ -1211,8 +1213,10 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
     _attention_timing(mx, report)
     # Control: plain mlx-lm with no engine process alive (the rounds below run it while an
     # idle engine holds its own CUDA context and memory), before and after the engines.
-    report["mlx_lm_alone"] = run_mlx_lm(ckpt, list(BATCHES))
-    print("plain mlx-lm, no engine alive:", report["mlx_lm_alone"], flush=True)
+    control = os.environ.get(CONTROL_ENV, "1") == "1"
+    if control:
+        report["mlx_lm_alone"] = run_mlx_lm(ckpt, list(BATCHES))
+        print("plain mlx-lm, no engine alive:", report["mlx_lm_alone"], flush=True)
 
     engine = {"dtype": DTYPE, "max_model_len": 4096, "seed": 0,
               "max_num_seqs": max(BATCHES), "max_num_batched_tokens": 8192,
@@ -1242,7 +1246,8 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
         report[f"stats_{mode}"] = ours["stats"]
         report[f"summary_{mode}"] = summarize(ours["rounds"])
         (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
-    report["mlx_lm_alone_after"] = run_mlx_lm(ckpt, list(BATCHES))
+    if control:
+        report["mlx_lm_alone_after"] = run_mlx_lm(ckpt, list(BATCHES))
     (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
     print_table(report)
 
