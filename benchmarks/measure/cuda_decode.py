@@ -1189,11 +1189,24 @@ def _attention_timing(mx, report: dict) -> None:
 
 
 def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: dict) -> None:
-    """Steps 3 to 6: the Qwen3-shaped checkpoint, attention alone, the engines' rounds."""
+    """Steps 3 to 6 for each checkpoint of ``CUDA_BENCH_MODEL`` (comma-separated): one model
+    writes ``OUT/cuda_decode.json``, several ``OUT/cuda_decode-<model>.json`` each (the checks'
+    figures in every one)."""
+    names = os.environ.get(MODEL_ENV, "qwen3").split(",")
+    for name in names:
+        if name not in MODELS:
+            raise SystemExit(f"{MODEL_ENV}={name!r}: one of {', '.join(MODELS)}")
+    for name in names:
+        dest = out / ("cuda_decode.json" if len(names) == 1 else f"cuda_decode-{name}.json")
+        _benchmark_model(mx, dict(report), carry_dir, dest, work, env, name)
+        mx.clear_cache()
+
+
+def _benchmark_model(mx, report: dict, carry_dir: Path, dest: Path, work: Path, env: dict,
+                     name: str) -> None:
+    """The checkpoint ``name`` (built on the device), attention alone, the engines' rounds;
+    figures to ``dest``."""
     facts = report["facts"]
-    name = os.environ.get(MODEL_ENV, "qwen3")
-    if name not in MODELS:
-        raise SystemExit(f"{MODEL_ENV}={name!r}: one of {', '.join(MODELS)}")
     if name == "qwen3":
         ckpt = work / "qwen3-0.6b-random-bf16"
         weight_bytes = active_bytes = build_qwen3(mx, ckpt, carry_dir / "tiny")
@@ -1245,10 +1258,10 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
         report[f"ttft_summary_{mode}"] = summarize_ttft(ours["ttft_rounds"])
         report[f"stats_{mode}"] = ours["stats"]
         report[f"summary_{mode}"] = summarize(ours["rounds"])
-        (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
+        dest.write_text(json.dumps(report, indent=1))
     if control:
         report["mlx_lm_alone_after"] = run_mlx_lm(ckpt, list(BATCHES))
-    (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
+    dest.write_text(json.dumps(report, indent=1))
     print_table(report)
 
 
