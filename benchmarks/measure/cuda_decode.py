@@ -7,6 +7,9 @@ lent H200). Subcommands:
 * ``expected DIR`` (here, MLX's CPU backend): writes the tiny fp32 test checkpoint
   (``tests/tiny_models.py``, llama family, seed 0) to ``DIR/tiny`` and the greedy token ids our
   plugin produces for it through ``LLM.generate`` to ``DIR/expected.json``.
+* ``expected-moe DIR`` (here): tiny fp32 mixture-of-experts checkpoints (``qwen3_moe``,
+  ``mixtral``: :func:`tiny_moe_config`) in ``DIR/tiny_moe/`` and our plugin's greedy ids for
+  them in ``DIR/expected_moe.json``; the device's greedy check serves them too.
 * ``device DIR OUT`` (on the GPU machine, ``DIR`` holding what ``expected`` wrote):
 
   1. device facts: ``mx.default_device()``, ``mx.device_info()``, copy bandwidth (an
@@ -18,6 +21,8 @@ lent H200). Subcommands:
      so the CUDA memory budget is exercised (its log line is printed);
   3. a random-weight Qwen3-0.6B-shaped bf16 checkpoint built on the device (596M parameters,
      28 layers, hidden 1024, 16 heads / 8 KV heads of 128, vocab 151936, tied embeddings);
+     or, with ``CUDA_BENCH_MODEL``, a Qwen3-30B-A3B-shaped mixture-of-experts one
+     (:func:`build_qwen3_moe`, bf16 or mlx-lm's 4-bit);
   4. the paged GPU attention kernel's CUDA dialect (``kv/gpu/paged.py``, through
      ``paged_gpu_attention``: decode rows, prefill tiles, fresh chunks routed to MLX's SDPA)
      against the pure-MLX reference on the grid of ``tests/gpu_attention_grid.py`` (the one the
