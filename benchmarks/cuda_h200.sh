@@ -23,8 +23,10 @@
 #   DEST/run    this checkout's plugin (src/ + an entry-point dist-info), measure/cuda_decode.py
 #               and cuda_kvq_e2e.py (flat, run there without the harness), this
 #               script, tests/gpu_attention_grid.py and tests/gpu_kv_quant_grid.py (the kernel
-#               grids), expected.json (greedy ids of the CPU backend), kvq_cpu.json and
-#               tiny6.tar.xz (the quantized-KV runs' CPU side and their 6-layer tiny)
+#               grids), expected.json (greedy ids of the CPU backend), expected_moe.json and
+#               tiny_moe.tar.xz (the tiny mixture-of-experts checkpoints and their CPU ids),
+#               kvq_cpu.json and tiny6.tar.xz (the quantized-KV runs' CPU side and their
+#               6-layer tiny; not made with CUDA_PACK_KVQ=0)
 #                                                              -> `device DEST/run`
 set -euo pipefail
 
@@ -95,6 +97,15 @@ pack() {
     tar -C "$stage" -cf - tiny | xz -6 -T0 > "$DEST/part1/tiny.tar.xz"
     rm -rf "$stage"
   fi
+  if [ ! -f "$DEST/run/expected_moe.json" ]; then  # the tiny MoE checkpoints' greedy check
+    rm -rf "$stage" && mkdir -p "$stage"
+    (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda.py decode expected-moe "$stage")
+    tar -C "$stage" -cf - tiny_moe | xz -6 -T0 > "$DEST/run/tiny_moe.tar.xz"
+    cp "$stage/expected_moe.json" "$DEST/run/"
+    rm -rf "$stage"
+  fi
+  if [ "${CUDA_PACK_KVQ:-1}" = 0 ]; then du -sh "$DEST"/part1 "$DEST"/part2 "$DEST"/part3 \
+    "$DEST"/run; return; fi
   # the quantized-KV runs' CPU side (kvq), remade when it lacks one of cuda_kvq_e2e's formats
   if ! (cd "$REPO/benchmarks/measure" && "$py" cuda_kvq_e2e.py has-baseline "$DEST/run"); then
     (cd "$REPO" && PYTHONPATH="$REPO/src" "$py" benchmarks/cuda.py kvq-e2e cpu "$DEST/run")

@@ -7,6 +7,9 @@ lent H200). Subcommands:
 * ``expected DIR`` (here, MLX's CPU backend): writes the tiny fp32 test checkpoint
   (``tests/tiny_models.py``, llama family, seed 0) to ``DIR/tiny`` and the greedy token ids our
   plugin produces for it through ``LLM.generate`` to ``DIR/expected.json``.
+* ``expected-moe DIR`` (here): tiny fp32 mixture-of-experts checkpoints (``qwen3_moe``,
+  ``mixtral``: :func:`tiny_moe_config`) in ``DIR/tiny_moe/`` and our plugin's greedy ids for
+  them in ``DIR/expected_moe.json``; the device's greedy check serves them too.
 * ``device DIR OUT`` (on the GPU machine, ``DIR`` holding what ``expected`` wrote):
 
   1. device facts: ``mx.default_device()``, ``mx.device_info()``, copy bandwidth (an
@@ -18,6 +21,8 @@ lent H200). Subcommands:
      so the CUDA memory budget is exercised (its log line is printed);
   3. a random-weight Qwen3-0.6B-shaped bf16 checkpoint built on the device (596M parameters,
      28 layers, hidden 1024, 16 heads / 8 KV heads of 128, vocab 151936, tied embeddings);
+     or, with ``CUDA_BENCH_MODEL``, a Qwen3-30B-A3B-shaped mixture-of-experts one
+     (:func:`build_qwen3_moe`, bf16 or mlx-lm's 4-bit);
   4. the paged GPU attention kernel's CUDA dialect (``kv/gpu/paged.py``, through
      ``paged_gpu_attention``: decode rows, prefill tiles, fresh chunks routed to MLX's SDPA)
      against the pure-MLX reference on the grid of ``tests/gpu_attention_grid.py`` (the one the
@@ -113,7 +118,19 @@ TTFT_LEN = 2048
 TTFT_REPS = 3
 #: chunk lengths of the attention timing (a chunk whose context ends at 2,048 tokens)
 CHUNK_ROWS = (4, 8, 16, 32, 64, 512)
-BATCHES = (1, 16, 64)
+BATCHES = tuple(int(b) for b in os.environ.get("CUDA_BENCH_BATCHES", "1,16,64").split(","))
+#: the benchmarked checkpoint, built on the device: "qwen3" (Qwen3-0.6B-shaped, bf16),
+#: "qwen3_moe" (Qwen3-30B-A3B-shaped with MOE_LAYERS layers, bf16) or "qwen3_moe_4bit" (the
+#: same weights quantized by mlx-lm: affine 4-bit, groups of 64, routers at 8 bits)
+MODEL_ENV = "CUDA_BENCH_MODEL"
+MODELS = ("qwen3", "qwen3_moe", "qwen3_moe_4bit")
+#: 1: the MoE checkpoint at a few-MB shape (2 layers, 8 experts, top-2, hidden 256), in the
+#: engine dtype CUDA_BENCH_DTYPE: for checking this script on MLX's CPU backend
+MOE_SMALL_ENV = "CUDA_BENCH_MOE_SMALL"
+#: 0: skip the control runs of plain mlx-lm with no engine alive (before and after the engines)
+CONTROL_ENV = "CUDA_BENCH_CONTROL"
+#: the engines' and the checkpoint's dtype (float32 for MoE on MLX's CPU backend)
+DTYPE = os.environ.get("CUDA_BENCH_DTYPE", "bfloat16")
 MLX_LM_STEPS = 128
 SHORT, LONG = 16, 144
 GREEDY_TOKENS = 32
@@ -129,6 +146,27 @@ QWEN3_06B = {
     "torch_dtype": "bfloat16", "dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
     "use_sliding_window": False,
 }
+
+#: Qwen3-30B-A3B's shape with 8 of its 48 layers (5.6B parameters, 0.9B active per token)
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 8,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "norm_topk_prob": True, "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
+    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    "use_sliding_window": False, "sliding_window": None,
+}
+QWEN3_MOE_SMALL = {**QWEN3_MOE, "hidden_size": 256, "intermediate_size": 512,
+                   "moe_intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+                   "num_experts_per_tok": 2}
+#: tiny fp32 mixture-of-experts checkpoints of the greedy check (``expected-moe``): odd expert
+#: counts, top-2, untied heads, a 4,096-token vocabulary (SmolLM2's tokenizer, prompts below it)
+#: so they travel in a few MB; qwen3_moe with a dense first layer
+TINY_MOE_VOCAB = 4096
 
 
 # --------------------------------------------------------------------------- engine process
@@ -337,6 +375,75 @@ def expected_main(out_dir: str) -> None:
     (out / "expected.json").write_text(json.dumps({
         "prompts": prompts, "token_ids": res["greedy"], "top2_gap": res["top2_gap"]}))
     print("expected greedy ids (MLX CPU backend):", res["greedy"])
+
+
+def tiny_moe_config(family: str):  # noqa: ANN201 (a transformers config)
+    """The transformers config of a tiny mixture-of-experts checkpoint: ``qwen3_moe`` (6
+    experts of width 48, top-2, renormalised, dense first layer, q/k norms) or ``mixtral`` (5
+    experts of width 48, top-2); 2 layers, 4 query / 2 KV heads of 32."""
+    import transformers
+
+    sys.path.insert(0, str(HERE.parents[1] / "tests"))
+    from tiny_models import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    common = dict(vocab_size=TINY_MOE_VOCAB, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=2048, num_hidden_layers=2, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, hidden_size=64, head_dim=32, intermediate_size=96,
+            moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    if family == "mixtral":  # mlx-lm's mixtral takes head_dim = hidden / heads
+        return transformers.MixtralConfig(
+            **common, hidden_size=128, intermediate_size=48, num_local_experts=5,
+            num_experts_per_tok=2, rope_parameters={"rope_type": "default",
+                                                    "rope_theta": 10000.0})
+    raise ValueError(f"no tiny mixture-of-experts config for {family!r}")
+
+
+TINY_MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def build_tiny_moe(folder: Path, family: str, seed: int = 0) -> Path:
+    """Write the tiny fp32 checkpoint of ``family`` (:func:`tiny_moe_config`, weights as the
+    tests' ``_randomize`` makes them) and SmolLM2's tokenizer into ``folder``."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(HERE.parents[1] / "tests"))
+    from tiny_models import _randomize, smollm2_tokenizer
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family),
+                                                         dtype=torch.float32)
+    _randomize(model, family, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def expected_moe_main(out_dir: str) -> None:
+    """The tiny mixture-of-experts checkpoints (``OUT/tiny_moe/<family>``) and our plugin's
+    greedy ids for them on MLX's CPU backend (``OUT/expected_moe.json``: per family the
+    folder relative to ``OUT``, prompts, ids and each step's top-2 logprob gap)."""
+    out = Path(out_dir)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, TINY_MOE_VOCAB, n).tolist() for n in GREEDY_LENGTHS]
+    families = {}
+    for family in TINY_MOE_FAMILIES:
+        folder = build_tiny_moe(out / "tiny_moe" / family, family)
+        spec = {"model": str(folder), "engine": _tiny_engine(),
+                "greedy": {"prompts": prompts, "max_tokens": GREEDY_TOKENS, "logprobs": 2}}
+        res = run_engine(spec, out, f"tiny_moe_{family}_cpu", os.environ.copy())
+        families[family] = {"folder": f"tiny_moe/{family}", "prompts": prompts,
+                            "token_ids": res["greedy"], "top2_gap": res["top2_gap"]}
+        print(f"expected greedy ids of tiny {family} (MLX CPU backend):", res["greedy"])
+    (out / "expected_moe.json").write_text(json.dumps({"families": families}))
 
 
 def _tiny_engine() -> dict:
@@ -858,6 +965,57 @@ def build_qwen3(mx, folder: Path, tokenizer_from: Path) -> int:
     return sum(v.nbytes for v in weights.values())
 
 
+def build_qwen3_moe(mx, work: Path, tokenizer_from: Path,
+                    bits: int | None) -> tuple[Path, int, int]:
+    """Random-weight Qwen3-30B-A3B-shaped checkpoint (:data:`QWEN3_MOE`, or
+    :data:`QWEN3_MOE_SMALL` when ``CUDA_BENCH_MOE_SMALL=1``) in ``DTYPE`` under ``work``: every
+    matrix normal with std 0.02 (so activations stay finite and the router's scores spread
+    tokens over the experts), norms one. ``bits=4``: the same weights through mlx-lm's
+    ``quantize_model`` (affine, groups of 64; its ``qwen3_moe`` predicate keeps each router at
+    8 bits). Returns (folder, weight bytes, bytes read per token: the expert stacks at top-k /
+    experts). A folder from an earlier call with the same settings is kept."""
+    import shutil
+
+    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx_lm.models import qwen3_moe
+    from mlx_lm.utils import quantize_model, save_model
+
+    small = os.environ.get(MOE_SMALL_ENV) == "1"
+    config = dict(QWEN3_MOE_SMALL if small else QWEN3_MOE, torch_dtype=DTYPE)
+    tag = f"{'small' if small else str(config['num_hidden_layers']) + 'l'}-{DTYPE}"
+    folder = work / (f"qwen3moe-random-{tag}" + ("-4bit" if bits else ""))
+    dtype = getattr(mx, DTYPE)
+    args = qwen3_moe.ModelArgs.from_dict(config)
+    model = qwen3_moe.Model(args)  # lazy: its own initial weights are never computed
+    mx.random.seed(0)
+
+    def init(path: str, p: mx.array) -> mx.array:
+        if p.ndim == 1:
+            return mx.ones(p.shape, dtype=dtype)
+        return (mx.random.normal(p.shape) * 0.02).astype(dtype)
+
+    model.update(tree_map_with_path(init, model.parameters()))
+    for _, p in tree_flatten(model.parameters()):
+        mx.eval(p)  # one tensor at a time: no float32 copy of the whole model
+    if bits:
+        model, config = quantize_model(model, config, group_size=64, bits=bits)
+        config["quantization_config"] = config["quantization"]
+    weights = dict(tree_flatten(model.parameters()))
+    total = sum(v.nbytes for v in weights.values())
+    experts = sum(v.nbytes for k, v in weights.items() if ".switch_mlp." in k)
+    active = total - experts + experts * args.num_experts_per_tok // args.num_experts
+    if not (folder / "config.json").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        save_model(folder, model, donate_model=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "chat_template.jinja"):
+            if (tokenizer_from / name).exists():
+                shutil.copy(tokenizer_from / name, folder / name)
+        (folder / "config.json").write_text(json.dumps(config))  # last: the folder is whole
+    del model, weights
+    return folder, total, active
+
+
 def mlx_lm_decode(mx, model, batch: int) -> dict:
     """Plain mlx-lm: prefill ``batch`` prompts into its KV cache, then time the decode loop."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -950,6 +1108,7 @@ def device_main(carry: str, out_dir: str) -> None:
           f"{stats.get('built_alongside')}", flush=True)
     for d in report["greedy"]["divergences"]:
         print("  divergence:", d)
+    report["greedy_moe"] = greedy_moe_check(carry_dir, work, env)
 
     try:
         skip = _skipped() & {"grid", "dense_grid"}
@@ -988,6 +1147,39 @@ def device_main(carry: str, out_dir: str) -> None:
     _benchmark(mx, report, carry_dir, out, work, env)
 
 
+def greedy_moe_check(carry_dir: Path, work: Path, env: dict) -> dict:
+    """Each tiny mixture-of-experts checkpoint of ``expected_moe.json`` (unpacked next to it
+    from ``tiny_moe.tar.xz``) through our plugin on the GPU: token ids against the CPU
+    backend's, per family. ``{}`` when the carry holds none."""
+    import tarfile
+
+    path = carry_dir / "expected_moe.json"
+    if not path.is_file():
+        return {}
+    if (carry_dir / "tiny_moe.tar.xz").is_file():
+        with tarfile.open(carry_dir / "tiny_moe.tar.xz", "r:xz") as t:
+            t.extractall(work, filter="fully_trusted")
+    out = {}
+    for family, exp in json.loads(path.read_text())["families"].items():
+        folder = work / exp["folder"]
+        spec = {"model": str(folder), "engine": _tiny_engine(),
+                "greedy": {"prompts": exp["prompts"], "max_tokens": GREEDY_TOKENS}}
+        try:
+            got = run_engine(spec, work, f"tiny_moe_{family}_gpu", env)["greedy"]
+        except SystemExit as err:  # reported; the other families still run
+            print(f"greedy tiny {family} run failed: {err}", flush=True)
+            out[family] = {"error": str(err)}
+            continue
+        same = got == exp["token_ids"]
+        out[family] = {"gpu": got, "cpu": exp["token_ids"], "equal": same,
+                       "divergences": _divergences(got, exp)}
+        print(f"greedy tiny {family} fp32, {len(got)} prompts x {GREEDY_TOKENS} tokens: GPU "
+              f"ids {'==' if same else '!='} CPU ids", flush=True)
+        for d in out[family]["divergences"]:
+            print("  divergence:", d)
+    return out
+
+
 def _attention_timing(mx, report: dict) -> None:
     if "attention" in _skipped():
         report["attention_timing"] = {"skipped": f"{SKIP_CHECKS_ENV}=attention"}
@@ -1002,23 +1194,49 @@ def _attention_timing(mx, report: dict) -> None:
 
 
 def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: dict) -> None:
-    """Steps 3 to 6: the Qwen3-shaped checkpoint, attention alone, the engines' rounds."""
+    """Steps 3 to 6 for each checkpoint of ``CUDA_BENCH_MODEL`` (comma-separated): one model
+    writes ``OUT/cuda_decode.json``, several ``OUT/cuda_decode-<model>.json`` each (the checks'
+    figures in every one)."""
+    names = os.environ.get(MODEL_ENV, "qwen3").split(",")
+    for name in names:
+        if name not in MODELS:
+            raise SystemExit(f"{MODEL_ENV}={name!r}: one of {', '.join(MODELS)}")
+    for name in names:
+        dest = out / ("cuda_decode.json" if len(names) == 1 else f"cuda_decode-{name}.json")
+        _benchmark_model(mx, dict(report), carry_dir, dest, work, env, name)
+        mx.clear_cache()
+
+
+def _benchmark_model(mx, report: dict, carry_dir: Path, dest: Path, work: Path, env: dict,
+                     name: str) -> None:
+    """The checkpoint ``name`` (built on the device), attention alone, the engines' rounds;
+    figures to ``dest``."""
     facts = report["facts"]
-    ckpt = work / "qwen3-0.6b-random-bf16"
-    weight_bytes = build_qwen3(mx, ckpt, carry_dir / "tiny")
+    if name == "qwen3":
+        ckpt = work / "qwen3-0.6b-random-bf16"
+        weight_bytes = active_bytes = build_qwen3(mx, ckpt, carry_dir / "tiny")
+    else:
+        ckpt, weight_bytes, active_bytes = build_qwen3_moe(
+            mx, work, carry_dir / "tiny", bits=4 if name.endswith("4bit") else None)
     mx.clear_cache()
-    roofline_ms = weight_bytes / (facts["copy_bandwidth_GBps"] * 1e9) * 1e3
-    report["weight_bytes"], report["roofline_ms"] = weight_bytes, roofline_ms
-    print(f"checkpoint {ckpt}: {weight_bytes / 1e9:.3f} GB of bf16 weights; weight-read "
-          f"roofline {roofline_ms:.3f} ms/step", flush=True)
+    # a decode step at batch 1 reads the weights a token uses (its top-k experts)
+    roofline_ms = active_bytes / (facts["copy_bandwidth_GBps"] * 1e9) * 1e3
+    report["model"], report["checkpoint"] = name, str(ckpt)
+    report["weight_bytes"], report["active_weight_bytes"] = weight_bytes, active_bytes
+    report["roofline_ms"] = roofline_ms
+    print(f"checkpoint {ckpt}: {weight_bytes / 1e9:.3f} GB of weights, "
+          f"{active_bytes / 1e9:.3f} GB read per token; weight-read roofline at batch 1 "
+          f"{roofline_ms:.3f} ms/step", flush=True)
 
     _attention_timing(mx, report)
     # Control: plain mlx-lm with no engine process alive (the rounds below run it while an
     # idle engine holds its own CUDA context and memory), before and after the engines.
-    report["mlx_lm_alone"] = run_mlx_lm(ckpt, list(BATCHES))
-    print("plain mlx-lm, no engine alive:", report["mlx_lm_alone"], flush=True)
+    control = os.environ.get(CONTROL_ENV, "1") == "1"
+    if control:
+        report["mlx_lm_alone"] = run_mlx_lm(ckpt, list(BATCHES))
+        print("plain mlx-lm, no engine alive:", report["mlx_lm_alone"], flush=True)
 
-    engine = {"dtype": "bfloat16", "max_model_len": 4096, "seed": 0,
+    engine = {"dtype": DTYPE, "max_model_len": 4096, "seed": 0,
               "max_num_seqs": max(BATCHES), "max_num_batched_tokens": 8192,
               "kv_cache_memory_bytes": 16 * 2**30, "enable_prefix_caching": False,
               "async_scheduling": True}
@@ -1032,7 +1250,7 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
         base, *terms = mode.split("@")
         extra = dict(term.split("=", 1) for term in terms)
         try:
-            ours = run_engine(spec, work, f"qwen3_gpu_{mode}",
+            ours = run_engine(spec, work, f"{name}_gpu_{mode}",
                               {**env, COMPILE_ENV: "0" if base == "eager" else "1",
                                FUSE_ENV: "0" if base == "unfused" else "1",
                                THREAD_ENV: "0" if base == "nothread" else "1",
@@ -1045,9 +1263,10 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
         report[f"ttft_summary_{mode}"] = summarize_ttft(ours["ttft_rounds"])
         report[f"stats_{mode}"] = ours["stats"]
         report[f"summary_{mode}"] = summarize(ours["rounds"])
-        (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
-    report["mlx_lm_alone_after"] = run_mlx_lm(ckpt, list(BATCHES))
-    (out / "cuda_decode.json").write_text(json.dumps(report, indent=1))
+        dest.write_text(json.dumps(report, indent=1))
+    if control:
+        report["mlx_lm_alone_after"] = run_mlx_lm(ckpt, list(BATCHES))
+    dest.write_text(json.dumps(report, indent=1))
     print_table(report)
 
 
@@ -1097,6 +1316,8 @@ def print_checks(report: dict) -> None:
           f"{quant.get('failed', quant.get('error', quant.get('skipped')))}")
     grid = report.get("kernel_grid", {})
     print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
+    for family, res in report.get("greedy_moe", {}).items():
+        print(f"greedy tiny {family} fp32 GPU == CPU: {res.get('equal', res.get('error'))}")
     print(f"paged GPU kernel grid: {grid.get('cases')} cases, worst max abs error "
           f"{grid.get('worst_max_abs_error')}, failed {grid.get('failed', grid.get('error'))}")
 
@@ -1141,6 +1362,8 @@ if __name__ == "__main__":
         mlx_lm_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), [int(b) for b in sys.argv[5:]])
     elif cmd == "expected":
         expected_main(sys.argv[2])
+    elif cmd == "expected-moe":
+        expected_moe_main(sys.argv[2])
     elif cmd == "device":
         device_main(sys.argv[2], sys.argv[3])
     else:
