@@ -153,9 +153,9 @@ def test_data_parallel_two_engines_serve_32_concurrent(default_model, tmp_path):
 
 def test_peer_watch_ends_the_worker_when_a_peer_stops_beating(tmp_path):
     """Rank 0 watches rank 1 through a rendezvous store; rank 1 never beats: within
-    LOST_AFTER_S (+ one heartbeat) rank 0's watch declares it lost."""
-    from vllm_unified.distributed.liveness import HEARTBEAT_S, LOST_AFTER_S
-
+    LOST_AFTER_S (+ one heartbeat) rank 0's watch declares it lost (both shortened here: the
+    watch reads them at run time)."""
+    heartbeat_s, lost_after_s = 0.5, 3.0
     port = _free_port()
     code = f"""
 import sys, time
@@ -168,6 +168,7 @@ def lost(why):
     print("LOST:", why, flush=True)
     import os; os._exit(3)
 liveness.abandon_pipeline = lost
+liveness.HEARTBEAT_S, liveness.LOST_AFTER_S = {heartbeat_s}, {lost_after_s}
 liveness.PeerWatch("127.0.0.1", {port}, 0, 2).start()
 time.sleep(60)
 """
@@ -177,7 +178,7 @@ time.sleep(60)
     took = time.monotonic() - start
     assert done.returncode == 3, done.stdout + done.stderr
     assert "LOST: pipeline peer lost: worker rank 1 sent no heartbeat" in done.stdout
-    assert LOST_AFTER_S <= took < LOST_AFTER_S + 3 * HEARTBEAT_S + 10, took
+    assert lost_after_s <= took < lost_after_s + 3 * heartbeat_s + 10, took
 
 
 def test_abandon_pipeline_stops_an_engine_blocked_past_sigterm():
