@@ -186,6 +186,10 @@ MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
     "RWKV7ForCausalLM": "rwkv7",
     # a Hadamard-rotated 2-bit pack of a Qwen3.5 text model (gated delta-net + attention)
     "PrismHadamardQwen35ForCausalLM": "prism_hadamard_qwen35",
+    # Ling linear (lightning attention + GQA attention): vLLM's class of a similar name,
+    # BailingMoeV2_5ForCausalLM, is another architecture (MLA attention layers, other layers
+    # linear, a head_dim from the config), so its state pages would not be mlx-lm's
+    "BailingMoeLinearForCausalLM": "bailing_moe_linear",
 }
 #: those of :data:`MLX_LM_HYBRID_ARCHITECTURES` without attention layers (state pages only)
 MLX_LM_ATTENTION_FREE_ARCHITECTURES = frozenset({"RWKV7ForCausalLM"})
