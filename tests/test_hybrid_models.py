@@ -450,7 +450,7 @@ def test_token_major_forward_equals_mlx_lm_call(family, tmp_path):
 
 #: hybrid model types only mlx-lm defines (vLLM has no class: the state pages are sized by
 #: the shapes of mlx-lm's own caches after the load-time probe step)
-MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1", "bailing_moe_linear")
+MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1", "bailing_moe_linear", "bailing_hybrid")
 
 
 @pytest.mark.slow
@@ -552,11 +552,16 @@ def test_recurrent_adapter_gives_each_segment_its_start_position():
         RecurrentMixer(_ToyMixer(), start_position="offset")
 
 
-def test_bailing_moe_linear_layers_route_to_state_pages(tmp_path):
-    """Ling linear (the model matrix's checkpoint: a lightning-attention layer, then a GQA
-    attention layer): the linear layer's mixer is wrapped with the start position, its
-    probed state is one ``[heads, head_dim, head_dim]`` float32 array, and vLLM's registry
-    holds the architecture as a hybrid only mlx-lm defines."""
+@pytest.mark.parametrize("model_type, arch, latent", [
+    ("bailing_moe_linear", "BailingMoeLinearForCausalLM", None),
+    ("bailing_hybrid", "BailingHybridForCausalLM", (32, 32)),
+])
+def test_bailing_linear_layers_route_to_state_pages(model_type, arch, latent, tmp_path):
+    """Ling linear and Ling 2.5 (the model matrix's checkpoints: a lightning-attention layer,
+    then a GQA or an MLA attention layer): the linear layer's mixer is wrapped with the start
+    position, its probed state is one ``[heads, head_dim, head_dim]`` float32 array, the MLA
+    layer is on latent pages, and vLLM's registry holds the architecture as a hybrid only
+    mlx-lm defines."""
     import model_matrix as mm
 
     from vllm_unified import compat
@@ -564,17 +569,17 @@ def test_bailing_moe_linear_layers_route_to_state_pages(tmp_path):
     from vllm_unified.models.capability import probed_state_layout, route_model
 
     registration.register_mlx_lm_types()
-    result = mm.build_checkpoint("bailing_moe_linear", tmp_path)
+    result = mm.build_checkpoint(model_type, tmp_path)
     assert result.built, result.build_error
-    loaded = load_model(str(tmp_path / "bailing_moe_linear"), hf_config=None,
-                        dtype=mx.float32, keep_quantized=False)
+    loaded = load_model(str(tmp_path / model_type), hf_config=None, dtype=mx.float32,
+                        keep_quantized=False)
     layout, _ = route_model(loaded.model, loaded.config, kv_shape=None, config_window=None)
     assert layout.recurrent == [0] and list(layout.attention) == [1]
+    assert layout.latent == latent
     mixer = loaded.model.layers[0].attention
     assert isinstance(mixer, RecurrentMixer) and mixer.start_position == "offset"
     assert probed_state_layout(layout) == (((3, 32, 32),), (torch.float32,))
-    arch = "BailingMoeLinearForCausalLM"
-    assert registration.MLX_LM_HYBRID_ARCHITECTURES[arch] == "bailing_moe_linear"
+    assert registration.MLX_LM_HYBRID_ARCHITECTURES[arch] == model_type
     assert compat.ModelRegistry._try_inspect_model_cls(arch).is_hybrid
 
 

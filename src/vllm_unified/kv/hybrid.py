@@ -101,6 +101,9 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # caches)
     "bailing_moe_linear": HybridFamily("attention", lambda layer: not layer.is_global,
                                        "LINEAR", start_position="offset"),
+    # Ling 2.5 (Bailing hybrid): the same lightning attention, MLA layers closing each group
+    "bailing_hybrid": HybridFamily("attention", lambda layer: not layer.is_global, "LINEAR",
+                                   start_position="offset"),
 }
 
 

@@ -190,6 +190,8 @@ MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
     # BailingMoeV2_5ForCausalLM, is another architecture (MLA attention layers, other layers
     # linear, a head_dim from the config), so its state pages would not be mlx-lm's
     "BailingMoeLinearForCausalLM": "bailing_moe_linear",
+    # Ling 2.5 as mlx-lm names it (lightning attention + MLA)
+    "BailingHybridForCausalLM": "bailing_hybrid",
 }
 #: those of :data:`MLX_LM_HYBRID_ARCHITECTURES` without attention layers (state pages only)
 MLX_LM_ATTENTION_FREE_ARCHITECTURES = frozenset({"RWKV7ForCausalLM"})
