@@ -450,7 +450,8 @@ def test_token_major_forward_equals_mlx_lm_call(family, tmp_path):
 
 #: hybrid model types only mlx-lm defines (vLLM has no class: the state pages are sized by
 #: the shapes of mlx-lm's own caches after the load-time probe step)
-MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1", "bailing_moe_linear", "bailing_hybrid")
+MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1", "bailing_moe_linear", "bailing_hybrid",
+                       "bailing_moe_v3")
 
 
 @pytest.mark.slow
@@ -552,16 +553,24 @@ def test_recurrent_adapter_gives_each_segment_its_start_position():
         RecurrentMixer(_ToyMixer(), start_position="offset")
 
 
-@pytest.mark.parametrize("model_type, arch, latent", [
-    ("bailing_moe_linear", "BailingMoeLinearForCausalLM", None),
-    ("bailing_hybrid", "BailingHybridForCausalLM", (32, 32)),
+_LIGHTNING_STATE = ((3, 32, 32),)
+_KDA_STATES = ((3, 96), (3, 96), (3, 96), (3, 32, 32))
+
+
+@pytest.mark.parametrize("model_type, arch, latent, start, states", [
+    ("bailing_moe_linear", "BailingMoeLinearForCausalLM", None, "offset", _LIGHTNING_STATE),
+    ("bailing_hybrid", "BailingHybridForCausalLM", (32, 32), "offset", _LIGHTNING_STATE),
+    ("bailing_moe_v3", "BailingMoeV3ForCausalLM", (32, 32), None, _KDA_STATES),
 ])
-def test_bailing_linear_layers_route_to_state_pages(model_type, arch, latent, tmp_path):
-    """Ling linear and Ling 2.5 (the model matrix's checkpoints: a lightning-attention layer,
-    then a GQA or an MLA attention layer): the linear layer's mixer is wrapped with the start
-    position, its probed state is one ``[heads, head_dim, head_dim]`` float32 array, the MLA
-    layer is on latent pages, and vLLM's registry holds the architecture as a hybrid only
-    mlx-lm defines."""
+def test_bailing_linear_layers_route_to_state_pages(model_type, arch, latent, start, states,
+                                                    tmp_path):
+    """Ling linear, Ling 2.5 and Bailing V3 (the model matrix's checkpoints: a linear layer,
+    then a GQA or an MLA attention layer): the linear layer's mixer is wrapped (with the start
+    position where it rotates), its probed states are mlx-lm's (one ``[heads, head_dim,
+    head_dim]`` float32 array; Kimi delta attention's three convolution windows first), the
+    MLA layer is on latent pages, and vLLM's registry holds the architecture as a hybrid
+    only mlx-lm defines, over vLLM's own Bailing V3 class (which packs the convolution
+    states into one)."""
     import model_matrix as mm
 
     from vllm_unified import compat
@@ -577,10 +586,12 @@ def test_bailing_linear_layers_route_to_state_pages(model_type, arch, latent, tm
     assert layout.recurrent == [0] and list(layout.attention) == [1]
     assert layout.latent == latent
     mixer = loaded.model.layers[0].attention
-    assert isinstance(mixer, RecurrentMixer) and mixer.start_position == "offset"
-    assert probed_state_layout(layout) == (((3, 32, 32),), (torch.float32,))
+    assert isinstance(mixer, RecurrentMixer) and mixer.start_position == start
+    assert probed_state_layout(layout) == (states, (torch.float32,) * len(states))
     assert registration.MLX_LM_HYBRID_ARCHITECTURES[arch] == model_type
     assert compat.ModelRegistry._try_inspect_model_cls(arch).is_hybrid
+    cls = compat.ModelRegistry.models[arch].load_model_cls()
+    assert issubclass(cls, registration.MLXLMHybridModel)
 
 
 class _ShiftProbe(nn.Module):

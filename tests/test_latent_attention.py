@@ -147,12 +147,25 @@ def test_adapter_serves_deepseek_attention(version):
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=2e-5)
 
 
-def test_adapter_serves_bailing_hybrid_attention():
-    """Ling 2.5's MLA module (mlx-lm's bailing_hybrid): ``embed_q`` / ``unembed_out``
-    up-projections, interleaved RoPE, its output projection named ``dense``."""
-    from mlx_lm.models import bailing_hybrid
+@pytest.mark.parametrize("family", ["bailing_hybrid", "bailing_moe_v3"])
+def test_adapter_serves_bailing_attention(family):
+    """The MLA modules of Ling 2.5 (mlx-lm's bailing_hybrid) and Bailing V3: ``embed_q`` /
+    ``unembed_out`` up-projections, interleaved RoPE, an output projection named ``dense``;
+    V3 gates each head's output by ``sigmoid(g_proj(x))``."""
+    from mlx_lm.models import bailing_hybrid, bailing_moe_v3
 
     mx.random.seed(2)
+    if family == "bailing_moe_v3":
+        args = bailing_moe_v3.ModelArgs(
+            hidden_size=96, num_attention_heads=3, kv_lora_rank=64, q_lora_rank=48,
+            qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, rope_theta=10000.0,
+            max_position_embeddings=4096)
+        module = bailing_moe_v3.BailingMLA(args)
+        assert "g_proj" in module
+        theirs, ours = _module_outputs(module, [mx.random.normal((1, 6, 96)),
+                                                mx.random.normal((1, 1, 96))], 64)
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=2e-5)
+        return
     args = bailing_hybrid.ModelArgs(
         model_type="bailing_hybrid", hidden_size=96, intermediate_size=128,
         moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
