@@ -468,6 +468,25 @@ def test_mlx_lm_only_hybrid_serves_like_mlx_lm(model_type, tmp_path):
                                        result.reference)
 
 
+@pytest.mark.slow
+@pytest.mark.engine
+def test_ling_2_5_under_vllms_architecture_name_serves_like_mlx_lm(tmp_path):
+    """Ling 2.5 checkpoints name vLLM's ``BailingMoeV2_5ForCausalLM`` (mlx-lm's
+    ``bailing_hybrid``): vLLM's class then sizes the state pages (one ``[heads, head_dim,
+    head_dim]`` state, float32 here as in mlx-lm's module), and the greedy ids of the model
+    matrix's checkpoint still equal mlx-lm's."""
+    import model_matrix as mm
+
+    result = mm.prepare_type("bailing_hybrid", tmp_path)
+    config = tmp_path / "checkpoints" / "bailing_hybrid" / "config.json"
+    cfg = json.loads(config.read_text())
+    assert cfg["architectures"] == ["BailingHybridForCausalLM"]
+    config.write_text(json.dumps(cfg | {"architectures": ["BailingMoeV2_5ForCausalLM"]}))
+    mm.serve_type(result, tmp_path)
+    assert result.outcome == "match", (result.outcome, result.message, result.served,
+                                       result.reference)
+
+
 class _FreshMixer:
     """A mixer that, like RecurrentGemma's RG-LRU, treats unset states as a sequence start:
     its first output is 100 x its input there, and a running sum after."""

@@ -189,10 +189,12 @@ MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
     # a Hadamard-rotated 2-bit pack of a Qwen3.5 text model (gated delta-net + attention)
     "PrismHadamardQwen35ForCausalLM": "prism_hadamard_qwen35",
     # Ling linear (lightning attention + GQA attention): vLLM's class of a similar name,
-    # BailingMoeV2_5ForCausalLM, is another architecture (MLA attention layers, other layers
-    # linear, a head_dim from the config), so its state pages would not be mlx-lm's
+    # BailingMoeV2_5ForCausalLM, is Ling 2.5 (mlx-lm's bailing_hybrid: MLA attention layers,
+    # other layers linear, a head_dim from the config), so its state pages are not this
+    # model's
     "BailingMoeLinearForCausalLM": "bailing_moe_linear",
-    # Ling 2.5 as mlx-lm names it (lightning attention + MLA)
+    # Ling 2.5 under mlx-lm's type name; checkpoints naming vLLM's BailingMoeV2_5ForCausalLM
+    # get their state pages from vLLM's class (the same shapes)
     "BailingHybridForCausalLM": "bailing_hybrid",
     # vLLM has a class (MLX_LM_STATES_OVER_VLLM)
     "BailingMoeV3ForCausalLM": "bailing_moe_v3",
