@@ -611,6 +611,8 @@ def test_bailing_linear_layers_route_to_state_pages(model_type, arch, latent, st
     assert compat.ModelRegistry._try_inspect_model_cls(arch).is_hybrid
     cls = compat.ModelRegistry.models[arch].load_model_cls()
     assert issubclass(cls, registration.MLXLMHybridModel)
+    registration.register_mlx_lm_types()  # idempotent: vLLM's class is not taken over twice
+    assert compat.ModelRegistry.models[arch].load_model_cls() is cls
 
 
 class _ShiftProbe(nn.Module):
