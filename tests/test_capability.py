@@ -159,3 +159,21 @@ def test_a_config_window_beside_mixed_mlx_lm_windows_is_left_to_the_caches():
         range(3), 8)
     # a cache window other than the config's is not taken silently (_window refuses it)
     assert _declared_windows({"sliding_window": 8}, 2, 8, [16, None]) == {0: 8, 1: 8}
+
+
+def test_a_state_ahead_of_the_layers_is_refused_by_name():
+    """LongCat-Flash n-gram's first mlx-lm cache holds each sequence's last token ids for its
+    n-gram embeddings, a state of no decoder layer: refused naming that feature rather than
+    as a recurrent layer."""
+    import model_matrix as mm
+
+    from vllm_unified.kv.hybrid import HYBRID_FAMILIES
+    from vllm_unified.models.capability import check_model
+
+    model_class, args_class = mm.model_classes("longcat_flash_ngram")
+    cfg = mm.tiny_config("longcat_flash_ngram") | {"vocab_size": 64}  # small n-gram tables
+    model = model_class(args_class.from_dict(cfg))
+    with pytest.raises(UnsupportedModel, match=r"'longcat_flash_ngram' \(cache slot 0\): "
+                       "n-gram embeddings over each sequence's previous tokens"):
+        check_model(model, cfg, recurrent_families=HYBRID_FAMILIES, kv_shape=None,
+                    config_window=None)

@@ -450,7 +450,8 @@ def test_token_major_forward_equals_mlx_lm_call(family, tmp_path):
 
 #: hybrid model types only mlx-lm defines (vLLM has no class: the state pages are sized by
 #: the shapes of mlx-lm's own caches after the load-time probe step)
-MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1")
+MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1", "bailing_moe_linear", "bailing_hybrid",
+                       "bailing_moe_v3")
 
 
 @pytest.mark.slow
@@ -463,6 +464,25 @@ def test_mlx_lm_only_hybrid_serves_like_mlx_lm(model_type, tmp_path):
     import model_matrix as mm
 
     result = mm.run_type(model_type, tmp_path)
+    assert result.outcome == "match", (result.outcome, result.message, result.served,
+                                       result.reference)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_ling_2_5_under_vllms_architecture_name_serves_like_mlx_lm(tmp_path):
+    """Ling 2.5 checkpoints name vLLM's ``BailingMoeV2_5ForCausalLM`` (mlx-lm's
+    ``bailing_hybrid``): vLLM's class then sizes the state pages (one ``[heads, head_dim,
+    head_dim]`` state, float32 here as in mlx-lm's module), and the greedy ids of the model
+    matrix's checkpoint still equal mlx-lm's."""
+    import model_matrix as mm
+
+    result = mm.prepare_type("bailing_hybrid", tmp_path)
+    config = tmp_path / "checkpoints" / "bailing_hybrid" / "config.json"
+    cfg = json.loads(config.read_text())
+    assert cfg["architectures"] == ["BailingHybridForCausalLM"]
+    config.write_text(json.dumps(cfg | {"architectures": ["BailingMoeV2_5ForCausalLM"]}))
+    mm.serve_type(result, tmp_path)
     assert result.outcome == "match", (result.outcome, result.message, result.served,
                                        result.reference)
 
@@ -507,6 +527,92 @@ def test_recurrent_adapter_gives_unset_states_at_a_sequence_start():
     np.testing.assert_array_equal(np.array(out)[:, 0], want)
     (states,) = pages.read(mx.array([1, 2, 3, 4], dtype=mx.int32))
     np.testing.assert_array_equal(np.array(states), want[[0, 1, 3, 4]])
+
+
+class _OffsetMixer:
+    """Bailing's linear-attention call shape ``(x, mask, cache, offset)``: adds its rows'
+    rotary positions (``offset`` + index in the segment) to a running sum, so the output
+    shows which start position each segment got."""
+
+    def __call__(self, x, mask=None, cache=None, offset=0):
+        state = cache[0] if cache[0] is not None else mx.zeros((x.shape[0], x.shape[2]))
+        outs = []
+        for t in range(x.shape[1]):
+            state = state + x[:, t]
+            outs.append(state + (mx.array(offset) + t).reshape(-1, 1))
+        cache[0] = state
+        return mx.stack(outs, axis=1)
+
+
+def test_recurrent_adapter_gives_each_segment_its_start_position():
+    """With ``start_position``, the decode rows get their own positions and each prefill chunk
+    the position of its first token, whatever one value the model hands every row; a mixer
+    without that argument is refused."""
+    d = 2
+    pages = StatePages.allocate_mlx(6, 64, state_fields([(d,)], [torch.float32]))
+    store = StateStore({0: pages}, {0: 1})
+    mixer = RecurrentMixer(_OffsetMixer(), start_position="offset")
+    # seq 0: decode at pos 9 (slot 1), seq 1: chunk of 3 at pos 4 (slot 2), seq 2: decode at
+    # pos 0 (slot 3)
+    qlens, slens = np.array([1, 3, 1]), np.array([10, 7, 1])
+    pages.write(mx.array([1, 2, 3], dtype=mx.int32), [mx.full((3, d), 100.0)])
+    ctx = StepContext(
+        attn=build_attention_metadata(qlens, slens, np.zeros((3, 1), np.int32), 16),
+        state=build_state_metadata(qlens, slens, {1: np.array([1, 2, 3])}))
+    x = mx.arange(5 * d, dtype=mx.float32).reshape(5, 1, d)
+    with set_step_context(ctx):
+        out = mixer(x, None, StateLayerCache(store, 0), offset=mx.full((5,), 77, mx.int32))
+    mx.eval(out, pages.pages)
+    xs = np.array(x)[:, 0]
+    sums = np.stack([100 + xs[0], 100 + xs[1], 100 + xs[1] + xs[2],
+                     100 + xs[1] + xs[2] + xs[3], xs[4]])
+    positions = np.array([9, 4, 5, 6, 0], np.float32)[:, None]
+    np.testing.assert_array_equal(np.array(out)[:, 0], sums + positions)
+    with pytest.raises(TypeError, match="no 'offset' argument"):
+        RecurrentMixer(_ToyMixer(), start_position="offset")
+
+
+_LIGHTNING_STATE = ((3, 32, 32),)
+_KDA_STATES = ((3, 96), (3, 96), (3, 96), (3, 32, 32))
+
+
+@pytest.mark.parametrize("model_type, arch, latent, start, states", [
+    ("bailing_moe_linear", "BailingMoeLinearForCausalLM", None, "offset", _LIGHTNING_STATE),
+    ("bailing_hybrid", "BailingHybridForCausalLM", (32, 32), "offset", _LIGHTNING_STATE),
+    ("bailing_moe_v3", "BailingMoeV3ForCausalLM", (32, 32), None, _KDA_STATES),
+])
+def test_bailing_linear_layers_route_to_state_pages(model_type, arch, latent, start, states,
+                                                    tmp_path):
+    """Ling linear, Ling 2.5 and Bailing V3 (the model matrix's checkpoints: a linear layer,
+    then a GQA or an MLA attention layer): the linear layer's mixer is wrapped (with the start
+    position where it rotates), its probed states are mlx-lm's (one ``[heads, head_dim,
+    head_dim]`` float32 array; Kimi delta attention's three convolution windows first), the
+    MLA layer is on latent pages, and vLLM's registry holds the architecture as a hybrid
+    only mlx-lm defines, over vLLM's own Bailing V3 class (which packs the convolution
+    states into one)."""
+    import model_matrix as mm
+
+    from vllm_unified import compat
+    from vllm_unified.models import registration
+    from vllm_unified.models.capability import probed_state_layout, route_model
+
+    registration.register_mlx_lm_types()
+    result = mm.build_checkpoint(model_type, tmp_path)
+    assert result.built, result.build_error
+    loaded = load_model(str(tmp_path / model_type), hf_config=None, dtype=mx.float32,
+                        keep_quantized=False)
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=None, config_window=None)
+    assert layout.recurrent == [0] and list(layout.attention) == [1]
+    assert layout.latent == latent
+    mixer = loaded.model.layers[0].attention
+    assert isinstance(mixer, RecurrentMixer) and mixer.start_position == start
+    assert probed_state_layout(layout) == (states, (torch.float32,) * len(states))
+    assert registration.MLX_LM_HYBRID_ARCHITECTURES[arch] == model_type
+    assert compat.ModelRegistry._try_inspect_model_cls(arch).is_hybrid
+    cls = compat.ModelRegistry.models[arch].load_model_cls()
+    assert issubclass(cls, registration.MLXLMHybridModel)
+    registration.register_mlx_lm_types()  # idempotent: vLLM's class is not taken over twice
+    assert compat.ModelRegistry.models[arch].load_model_cls() is cls
 
 
 class _ShiftProbe(nn.Module):

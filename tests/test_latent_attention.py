@@ -147,6 +147,41 @@ def test_adapter_serves_deepseek_attention(version):
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("family", ["bailing_hybrid", "bailing_moe_v3"])
+def test_adapter_serves_bailing_attention(family):
+    """The MLA modules of Ling 2.5 (mlx-lm's bailing_hybrid) and Bailing V3: ``embed_q`` /
+    ``unembed_out`` up-projections, interleaved RoPE, an output projection named ``dense``;
+    V3 gates each head's output by ``sigmoid(g_proj(x))``."""
+    from mlx_lm.models import bailing_hybrid, bailing_moe_v3
+
+    mx.random.seed(2)
+    if family == "bailing_moe_v3":
+        args = bailing_moe_v3.ModelArgs(
+            hidden_size=96, num_attention_heads=3, kv_lora_rank=64, q_lora_rank=48,
+            qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, rope_theta=10000.0,
+            max_position_embeddings=4096)
+        module = bailing_moe_v3.BailingMLA(args)
+        assert "g_proj" in module
+        theirs, ours = _module_outputs(module, [mx.random.normal((1, 6, 96)),
+                                                mx.random.normal((1, 1, 96))], 64)
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=2e-5)
+        return
+    args = bailing_hybrid.ModelArgs(
+        model_type="bailing_hybrid", hidden_size=96, intermediate_size=128,
+        moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=3, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+        n_group=1, topk_group=1, first_k_dense_replace=1, layer_group_size=2,
+        group_norm_size=1, vocab_size=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=4096, routed_scaling_factor=1.0, head_dim=32,
+        kv_lora_rank=64, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24,
+        v_head_dim=20)
+    module = bailing_hybrid.MultiLatentAttention(args)
+    steps = [mx.random.normal((1, 6, 96)), mx.random.normal((1, 1, 96)),
+             mx.random.normal((1, 1, 96))]
+    theirs, ours = _module_outputs(module, steps, 64)
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=2e-5)
+
+
 def test_minicpm3_config_takes_the_short_rope_factors():
     """mlx-lm rotates with long_factor everywhere; transformers and vLLM with short_factor up
     to original_max_position_embeddings."""

@@ -40,6 +40,11 @@ class HybridFamily:
         state_in_attention: the "mixer" is the attention module itself, which keeps a state
             of its own (Baichuan-M1's convolution over keys and values:
             :mod:`vllm_unified.models.attention_state`).
+        start_position: the mixer's argument taking the position of each sequence's first
+            token in the step (Bailing's linear attention rotates its queries and keys from
+            ``offset``); mlx-lm's model hands the whole batch one value, the wrapper gives
+            each segment its own (:class:`vllm_unified.models.routing.RecurrentMixer`).
+            None: the mixer takes no position.
     """
 
     mixer: str
@@ -48,6 +53,7 @@ class HybridFamily:
     is_stateless: Callable[[Any], bool] | None = None
     fresh_is_none: bool = False
     state_in_attention: bool = False
+    start_position: str | None = None
 
 
 HYBRID_FAMILIES: dict[str, HybridFamily] = {
@@ -89,6 +95,19 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # wkv state and the channel mixing's token shift, so the whole layer is the mixer; the
     # value of layer 0 (v_first) flows to later layers per token within the step
     "rwkv7": HybridFamily("", lambda layer: True, "LINEAR"),
+    # Ling (Bailing) linear: lightning-attention layers (one [H, D, D] state each, decayed per
+    # head) with rotary from each sequence's start position, a GQA attention layer closing
+    # each group of layer_group_size; vLLM has no class for it (state shapes: mlx-lm's probed
+    # caches)
+    "bailing_moe_linear": HybridFamily("attention", lambda layer: not layer.is_global,
+                                       "LINEAR", start_position="offset"),
+    # Ling 2.5 (Bailing hybrid): the same lightning attention, MLA layers closing each group
+    "bailing_hybrid": HybridFamily("attention", lambda layer: not layer.is_global, "LINEAR",
+                                   start_position="offset"),
+    # Bailing V3: Kimi delta attention (three short convolutions, a gated delta rule) and
+    # gated MLA layers
+    "bailing_moe_v3": HybridFamily("attention", lambda layer: bool(layer.is_linear),
+                                   "GDN_ATTN"),
 }
 
 

@@ -153,6 +153,8 @@ def check_model(
 
     model_type = str(config["model_type"])
     caches = make_prompt_cache(model)
+    if model_type in _STATES_BEFORE_LAYERS:
+        raise UnsupportedModel(model_type, _STATES_BEFORE_LAYERS[model_type], 0)
     layout = ModelLayout(model_type, len(caches))
     declared = _declared_windows(config, len(caches), config_window,
                                  [_cache_window(_attention_cache(c)) for c in caches])
@@ -279,6 +281,14 @@ def _slot_kind(model_type: str, i: int, cache: Any) -> str:
                                   f"mlx-lm's {type(cache).__name__} cache")
     raise UnsupportedModel(model_type, feature, i)
 
+
+#: model types whose mlx-lm cache list starts with a state that belongs to no decoder layer
+#: (the paged cache keeps states per layer), and what it holds
+_STATES_BEFORE_LAYERS = {
+    "longcat_flash_ngram": "n-gram embeddings over each sequence's previous tokens (mlx-lm "
+                           "keeps the last token ids in an ArraysCache ahead of the layers' "
+                           "caches; its layers then hold two MLA caches each)",
+}
 
 #: mlx-lm cache types and the attention feature they stand for
 _CACHE_FEATURES = {

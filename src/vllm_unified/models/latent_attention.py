@@ -25,15 +25,30 @@ from mlx_lm.models.cache import KVCache
 
 from vllm_unified.kv.layer_cache import PagedLatentCache, PagedMask
 
-__all__ = ["FAMILIES", "LatentAttention", "LatentProbeCache", "install_latent_attention",
-           "latent_layers"]
+__all__ = ["FAMILIES", "GATED_OUTPUT", "LatentAttention", "LatentProbeCache",
+           "install_latent_attention", "latent_layers"]
 
 
 def _families() -> tuple[type, ...]:
-    from mlx_lm.models import deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3, youtu_llm
+    from mlx_lm.models import (
+        bailing_hybrid,
+        bailing_moe_v3,
+        deepseek_v2,
+        deepseek_v3,
+        glm4_moe_lite,
+        minicpm3,
+        youtu_llm,
+    )
 
     return (minicpm3.Attention, youtu_llm.YoutuLLMAttention, deepseek_v2.DeepseekV2Attention,
-            deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention)
+            deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention,
+            bailing_hybrid.MultiLatentAttention, bailing_moe_v3.BailingMLA)
+
+
+def _gated_families() -> tuple[type, ...]:
+    from mlx_lm.models import bailing_moe_v3
+
+    return (bailing_moe_v3.BailingMLA,)
 
 
 #: mlx-lm MLA attention classes whose ``__call__`` is: queries from ``q_proj`` or
@@ -41,8 +56,11 @@ def _families() -> tuple[type, ...]:
 #: and rope key from ``kv_a_proj_with_mqa``, the latent normalised by ``kv_a_layernorm``;
 #: ``rope(x, cache.offset)`` on both rope parts; keys and values up-projected by ``kv_b_proj``
 #: (or ``embed_q`` / ``unembed_out``); attention at ``scale`` (``softmax_scale``); ``o_proj``
-#: (read in mlx-lm 0.32.2's sources, the pinned version)
+#: (Bailing's: ``dense``) (read in mlx-lm 0.32.2's sources, the pinned version)
 FAMILIES: tuple[type, ...] = _families()
+#: those of :data:`FAMILIES` that scale each head's output by ``sigmoid(g_proj(x))`` (in
+#: float32) before the output projection (Bailing V3)
+GATED_OUTPUT: tuple[type, ...] = _gated_families()
 
 
 class LatentProbeCache(KVCache):
@@ -134,7 +152,12 @@ class LatentAttention(nn.Module):
         q_latent = _per_head(q_nope, w_uk)  # [B, H, L, r]
         queries = mx.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)
         out = _per_head(cache.attend_latent(queries, self.scale), w_uv)  # [B, H, L, v]
-        return inner.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = out.transpose(0, 2, 1, 3)  # [B, L, H, v]
+        if isinstance(inner, GATED_OUTPUT):
+            gate = mx.sigmoid(inner.g_proj(x).astype(mx.float32)).astype(out.dtype)
+            out = out * gate[..., None]
+        out_proj = inner.o_proj if "o_proj" in inner else inner.dense
+        return out_proj(out.reshape(B, L, -1))
 
     def _up_projections(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """``(W_UK [H, nope, r], W_UV^T [H, r, v])`` in ``dtype``, from ``kv_b_proj`` or

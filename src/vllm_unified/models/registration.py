@@ -18,11 +18,13 @@ Nothing is registered for a type transformers or vLLM already knows: their class
 charge. The exception are mlx-lm's hybrid (attention + recurrent) architectures vLLM has no
 class for (:data:`MLX_LM_HYBRID_ARCHITECTURES`), registered as :class:`MLXLMHybridModel` even
 where transformers knows their config: vLLM must see them as hybrid (state pages next to
-attention pages). The shapes and dtypes of their states are not derived from the config: the
-worker records them from mlx-lm's own caches after its load-time probe step
-(:func:`record_state_layout`), before vLLM sizes the state pages in that process. Those
-without attention layers (:data:`MLX_LM_ATTENTION_FREE_ARCHITECTURES`, RWKV-7) are registered
-as :class:`MLXLMAttentionFreeModel`: state pages only.
+attention pages). The few whose vLLM class keeps other states than mlx-lm's module
+(:data:`MLX_LM_STATES_OVER_VLLM`) are registered over vLLM's class. The shapes and dtypes of
+their states are not derived from the config: the worker records them from mlx-lm's own
+caches after its load-time probe step (:func:`record_state_layout`), before vLLM sizes the
+state pages in that process. Those without attention layers
+(:data:`MLX_LM_ATTENTION_FREE_ARCHITECTURES`, RWKV-7) are registered as
+:class:`MLXLMAttentionFreeModel`: state pages only.
 
 Imports no MLX (vLLM may fork after loading plugins): mlx-lm's model types are the file names
 of its ``models`` folder.
@@ -42,7 +44,7 @@ from transformers import AutoConfig, PretrainedConfig
 from vllm_unified import compat
 
 __all__ = ["ENCODER_TYPES_AT_TOP", "MLX_LM_ATTENTION_FREE_ARCHITECTURES",
-           "MLX_LM_HYBRID_ARCHITECTURES", "as_image_text_config",
+           "MLX_LM_HYBRID_ARCHITECTURES", "MLX_LM_STATES_OVER_VLLM", "as_image_text_config",
            "MLXLMAttentionFreeModel", "MLXLMConfig", "MLXLMHybridModel", "MLXLMOnlyModel",
            "mlx_lm_model_types", "record_state_layout", "register_mlx_lm_types"]
 
@@ -186,9 +188,23 @@ MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
     "RWKV7ForCausalLM": "rwkv7",
     # a Hadamard-rotated 2-bit pack of a Qwen3.5 text model (gated delta-net + attention)
     "PrismHadamardQwen35ForCausalLM": "prism_hadamard_qwen35",
+    # Ling linear (lightning attention + GQA attention): vLLM's class of a similar name,
+    # BailingMoeV2_5ForCausalLM, is Ling 2.5 (mlx-lm's bailing_hybrid: MLA attention layers,
+    # other layers linear, a head_dim from the config), so its state pages are not this
+    # model's
+    "BailingMoeLinearForCausalLM": "bailing_moe_linear",
+    # Ling 2.5 under mlx-lm's type name; checkpoints naming vLLM's BailingMoeV2_5ForCausalLM
+    # get their state pages from vLLM's class (the same shapes)
+    "BailingHybridForCausalLM": "bailing_hybrid",
+    # vLLM has a class (MLX_LM_STATES_OVER_VLLM)
+    "BailingMoeV3ForCausalLM": "bailing_moe_v3",
 }
 #: those of :data:`MLX_LM_HYBRID_ARCHITECTURES` without attention layers (state pages only)
 MLX_LM_ATTENTION_FREE_ARCHITECTURES = frozenset({"RWKV7ForCausalLM"})
+#: those of :data:`MLX_LM_HYBRID_ARCHITECTURES` vLLM has a class for whose states are not the
+#: ones mlx-lm's module keeps: the plugin's class takes its place in vLLM's registry (Bailing
+#: V3: vLLM packs the three short convolutions' states into one array, mlx-lm keeps three)
+MLX_LM_STATES_OVER_VLLM = frozenset({"BailingMoeV3ForCausalLM"})
 
 #: architecture -> (state shapes, torch dtypes) of one recurrent layer, per sequence, as
 #: mlx-lm's own cache held them after the worker's probe step (this process only)
@@ -249,18 +265,25 @@ class MLXLMAttentionFreeModel(MLXLMHybridModel):
     has_inner_state = True
 
 
+#: architectures this process registered as :class:`MLXLMHybridModel`
+_HYBRIDS_REGISTERED: set[str] = set()
+
+
 def _register_hybrid_architectures() -> None:
-    """Register each of :data:`MLX_LM_HYBRID_ARCHITECTURES` vLLM has no class for as an
-    :class:`MLXLMHybridModel` of its own."""
+    """Register each of :data:`MLX_LM_HYBRID_ARCHITECTURES` vLLM has no class for, or whose
+    class :data:`MLX_LM_STATES_OVER_VLLM` overrides, as an :class:`MLXLMHybridModel` of its
+    own."""
     registry = compat.ModelRegistry
     for arch in MLX_LM_HYBRID_ARCHITECTURES:
-        if arch in registry.get_supported_archs():
+        if arch in _HYBRIDS_REGISTERED or (arch in registry.get_supported_archs()
+                                           and arch not in MLX_LM_STATES_OVER_VLLM):
             continue
         base = (MLXLMAttentionFreeModel if arch in MLX_LM_ATTENTION_FREE_ARCHITECTURES
                 else MLXLMHybridModel)
         cls = type(f"MLXLMHybrid_{arch}", (base,),
                    {"architecture": arch, "__module__": __name__})
         registry.register_model(arch, cls)
+        _HYBRIDS_REGISTERED.add(arch)
 
 
 def _register_architectures(architectures: Iterable[str]) -> None:

@@ -134,7 +134,7 @@ def install_recurrent_mixers(model_type: str, model: nn.Module) -> list[int]:
         if isinstance(mixer, RecurrentMixer | ConvStateAttention):
             continue
         wrapped = (ConvStateAttention(mixer) if family.state_in_attention
-                   else RecurrentMixer(mixer, family.fresh_is_none))
+                   else RecurrentMixer(mixer, family.fresh_is_none, family.start_position))
         if family.mixer:
             setattr(layer, family.mixer, wrapped)
         else:  # the decoder layer is the mixer (its own list entry is replaced)
@@ -162,7 +162,10 @@ class RecurrentMixer(nn.Module):
     ``mixer(input_states=, cache=, mask=)``) so it runs on the token-major batch with states
     in vLLM's pages. Other caches pass through. ``fresh_is_none``: a sequence's first tokens
     see unset (None) cache entries instead of zero states
-    (:attr:`vllm_unified.kv.hybrid.HybridFamily.fresh_is_none`).
+    (:attr:`vllm_unified.kv.hybrid.HybridFamily.fresh_is_none`). ``start_position``: the
+    mixer's argument that gets each segment's first position in its sequence (an int32 ``[B]``
+    array: one per decode row, ``[1]`` for a prefill chunk) in place of the model's value
+    (:attr:`vllm_unified.kv.hybrid.HybridFamily.start_position`).
 
     Any other argument is a per-token side input: an array of the input's ``[T, 1, ...]``
     rows is split over the segments like the input (RWKV-7's ``v_first``); None passes
@@ -170,17 +173,22 @@ class RecurrentMixer(nn.Module):
     gathered back into ``[T, 1, ...]`` rows like the output.
 
     Raises:
-        TypeError: the mixer's ``__call__`` takes no ``cache``.
+        TypeError: the mixer's ``__call__`` takes no ``cache`` (or no ``start_position``).
     """
 
-    def __init__(self, inner: nn.Module, fresh_is_none: bool = False) -> None:
+    def __init__(self, inner: nn.Module, fresh_is_none: bool = False,
+                 start_position: str | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.fresh_is_none = fresh_is_none
+        self.start_position = start_position
         params = list(inspect.signature(type(inner).__call__).parameters)[1:]
         if "cache" not in params:
             raise TypeError(f"{type(inner).__name__}: a recurrent mixer takes its input and "
                             f"'cache' (its parameters: {params})")
+        if start_position is not None and start_position not in params:
+            raise TypeError(f"{type(inner).__name__}: no {start_position!r} argument for the "
+                            f"sequences' start positions (its parameters: {params})")
         #: the mixer's parameter names: input, then the others in order
         self._params = params
 
@@ -205,22 +213,25 @@ class RecurrentMixer(nn.Module):
         meta, attn = ctx.state, ctx.attn
         if meta is None:
             raise RuntimeError("recurrent state used in a step without state metadata")
+        if self.start_position is not None:
+            # mlx-lm's model hands every row one offset; each segment gets its own below
+            extra.pop(self.start_position, None)
         outs, slots, new_states = [], [], []
         if attn.decode_rows is not None:
             idx = meta.decode_slots[cache.group]
             fresh = meta.decode_fresh if self.fresh_is_none else []
             rows = attn.decode_rows
+            rows_extra = self._with_start(_map_rows(extra, lambda a: a[rows]),
+                                          attn.positions[rows])
             if not fresh:
                 states = _initial(pages.read(idx), meta.decode_has_state)
                 seg = _SegmentCache(states)
-                outs.append(self._call(x[rows], None, seg,  # [Bd, 1, D]
-                                       _map_rows(extra, lambda a: a[rows])))
+                outs.append(self._call(x[rows], None, seg, rows_extra))  # [Bd, 1, D]
                 slots.append(idx)
                 new_states.append(seg.cache)
             else:
-                outs.append(self._decode_with_fresh(
-                    x[rows], _map_rows(extra, lambda a: a[rows]), idx, fresh, pages, slots,
-                    new_states))
+                outs.append(self._decode_with_fresh(x[rows], rows_extra, idx, fresh, pages,
+                                                    slots, new_states))
         for i, chunk in enumerate(attn.prefills):
             idx = mx.array([meta.prefill_slots[cache.group][i]], dtype=mx.int32)
             states = pages.read(idx)
@@ -232,7 +243,8 @@ class RecurrentMixer(nn.Module):
             def segment(a: mx.array, chunk: Any = chunk) -> mx.array:  # [L, 1, ..] -> [1, L, ..]
                 return a[chunk.start:chunk.start + chunk.length].swapaxes(0, 1)
 
-            out = self._call(segment(x), None, seg, _map_rows(extra, segment))
+            out = self._call(segment(x), None, seg, self._with_start(
+                _map_rows(extra, segment), attn.positions[chunk.start:chunk.start + 1]))
             outs.append(_map_rows(out, lambda a: a.swapaxes(0, 1)))
             slots.append(idx)
             new_states.append(seg.cache)
@@ -243,6 +255,13 @@ class RecurrentMixer(nn.Module):
                     [mx.concatenate([s[f] for s in new_states]) for f in range(len(pages.fields))])
         order = attn.output_order
         return _gather_rows(outs, None if order is None else lambda a: a[order])
+
+    def _with_start(self, extra: dict[str, Any], starts: mx.array) -> dict[str, Any]:
+        """``extra`` plus the segment's start positions ``starts`` where the mixer takes
+        them."""
+        if self.start_position is None:
+            return extra
+        return {**extra, self.start_position: starts}
 
     def _decode_with_fresh(self, x: mx.array, extra: dict[str, Any], idx: mx.array,
                            fresh: list[int], pages: Any, slots: list[mx.array],
