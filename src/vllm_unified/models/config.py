@@ -168,12 +168,12 @@ def _no_rope_scaling(cfg: dict[str, Any]) -> None:
 
 
 def _ministral3(cfg: dict[str, Any]) -> None:
-    """mlx-lm's Ministral 3 reads its RoPE (and Llama 4's query scale) from
-    ``rope_parameters`` and requires the scale's keys; a config without the scale gets the
+    """mlx-lm's Ministral 3 and Mistral 4 read their RoPE (and Llama 4's query scale) from
+    ``rope_parameters`` and require the scale's keys; a config without the scale gets the
     neutral beta 0."""
     rope = dict(cfg.get("rope_parameters") or {})
     if not _is_flat(rope) or rope.get("rope_theta") is None:
-        raise ValueError("ministral3: rope_parameters without rope_theta")
+        raise ValueError(f"{cfg['model_type']}: rope_parameters without rope_theta")
     rope.setdefault("llama_4_scaling_beta", 0.0)
     rope.setdefault("original_max_position_embeddings",
                     cfg.get("original_max_position_embeddings")
@@ -760,6 +760,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen3": _qwen,
     "mistral": _needs_rope_theta,
     "ministral3": _ministral3,
+    "mistral4": _ministral3,
     "phi3": _phi3,
     "olmo2": _needs_rope_theta,
     "granite": _needs_rope_theta,

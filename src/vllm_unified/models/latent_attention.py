@@ -25,15 +25,22 @@ from mlx_lm.models.cache import KVCache
 
 from vllm_unified.kv.layer_cache import PagedLatentCache, PagedMask
 
-__all__ = ["FAMILIES", "LatentAttention", "LatentProbeCache", "install_latent_attention",
-           "latent_layers"]
+__all__ = ["FAMILIES", "QUERY_SCALED", "LatentAttention", "LatentProbeCache",
+           "ScaledLatentAttention", "install_latent_attention", "latent_layers"]
 
 
 def _families() -> tuple[type, ...]:
-    from mlx_lm.models import deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3, youtu_llm
+    from mlx_lm.models import deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3, mistral4, youtu_llm
 
     return (minicpm3.Attention, youtu_llm.YoutuLLMAttention, deepseek_v2.DeepseekV2Attention,
-            deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention)
+            deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention,
+            mistral4.Mistral4Attention)
+
+
+def _query_scaled() -> tuple[type, ...]:
+    from mlx_lm.models import mistral4
+
+    return (mistral4.Mistral4Attention,)
 
 
 #: mlx-lm MLA attention classes whose ``__call__`` is: queries from ``q_proj`` or
@@ -43,6 +50,11 @@ def _families() -> tuple[type, ...]:
 #: (or ``embed_q`` / ``unembed_out``); attention at ``scale`` (``softmax_scale``); ``o_proj``
 #: (read in mlx-lm 0.32.2's sources, the pinned version)
 FAMILIES: tuple[type, ...] = _families()
+
+#: the classes of :data:`FAMILIES` called as ``(x, attn_scale, mask, cache)``: both query parts
+#: are multiplied by ``attn_scale`` (Llama 4's position-dependent scale, one value per row
+#: or per position, computed by the model) after RoPE (Mistral 4)
+QUERY_SCALED: tuple[type, ...] = _query_scaled()
 
 
 class LatentProbeCache(KVCache):
@@ -114,6 +126,12 @@ class LatentAttention(nn.Module):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not isinstance(cache, (PagedLatentCache, LatentProbeCache)):
             return self.inner(x, mask, cache)
+        return self._latent_forward(x, mask, cache)
+
+    def _latent_forward(self, x: mx.array, mask: Any, cache: Any,
+                  query_scale: mx.array | None = None) -> mx.array:
+        """The absorbed path over ``cache``'s latent rows; ``query_scale`` multiplies both
+        query parts after RoPE (broadcast against ``[B, H, L, 1]``)."""
         if not _plain_causal(mask):
             raise TypeError(f"an MLA layer takes a plain causal mask, got {mask!r}")
         inner = self.inner
@@ -128,6 +146,8 @@ class LatentAttention(nn.Module):
         k_pe = k_pe.reshape(B, L, 1, self.rope_dim).transpose(0, 2, 1, 3)
         q_pe = inner.rope(q_pe, cache.offset)
         k_pe = inner.rope(k_pe, cache.offset)
+        if query_scale is not None:
+            q_nope, q_pe = q_nope * query_scale, q_pe * query_scale
         cache.write_latent(mx.concatenate([latent, k_pe.transpose(0, 2, 1, 3)
                                            .reshape(B, L, self.rope_dim)], axis=-1))
         w_uk, w_uv = self._up_projections(x.dtype)
@@ -167,6 +187,17 @@ class LatentAttention(nn.Module):
         return cached
 
 
+class ScaledLatentAttention(LatentAttention):
+    """:class:`LatentAttention` for the modules of :data:`QUERY_SCALED`, whose callers pass
+    the query scale before the mask."""
+
+    def __call__(self, x: mx.array, attn_scale: mx.array, mask: Any = None,
+                 cache: Any = None) -> mx.array:
+        if not isinstance(cache, (PagedLatentCache, LatentProbeCache)):
+            return self.inner(x, attn_scale, mask, cache)
+        return self._latent_forward(x, mask, cache, query_scale=attn_scale)
+
+
 def _plain_causal(mask: Any) -> bool:
     """The masks mlx-lm builds for causal attention without a window over these caches."""
     if isinstance(mask, PagedMask):
@@ -197,7 +228,9 @@ def install_latent_attention(model: nn.Module) -> dict[int, LatentAttention]:
     for layer in getattr(model, "layers", None) or []:
         for name, child in layer.children().items():
             if isinstance(child, FAMILIES) and not isinstance(child, LatentAttention):
-                layer[name] = LatentAttention(child)
+                wrapper = ScaledLatentAttention if isinstance(child, QUERY_SCALED) \
+                    else LatentAttention
+                layer[name] = wrapper(child)
     return latent_layers(model)
 
 
