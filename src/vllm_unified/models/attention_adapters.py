@@ -17,6 +17,9 @@ GPT-BigCode's decoder adds learned position embeddings from a scalar cache offse
 decoder hands its KV-reuse layers the last cache's keys and values, which with paged caches
 are that layer's pages (a ``SharedLayerCache`` per reuse layer after the model's caches).
 Their adapters take each row's position from the step and pass the shared caches.
+Phixtral's decoder takes the mask from its caller (mlx-lm's ``Model.__call__`` builds it); its
+adapter builds it from the first cache where none is given, so the runner calls the decoder
+with ``cache=`` only, as it calls every other.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
 
 from vllm_unified import patches
 from vllm_unified.kv.forward_context import get_step_context
@@ -265,6 +269,15 @@ def _gpt_bigcode_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -
     return self.ln_f(h)
 
 
+def _phixtral_decoder(self: nn.Module, x: mx.array, mask: Any = None,
+                      cache: Any = None) -> mx.array:
+    """mlx-lm's Phixtral ``TransformerDecoder.__call__`` with ``mask`` optional: when not
+    given, it is built from the first cache as mlx-lm's ``Model.__call__`` builds it."""
+    if mask is None:
+        mask = create_attention_mask(x, cache[0] if cache else None)
+    return _ORIGINAL[("mlx_lm.models.phixtral", "TransformerDecoder")](self, x, mask, cache)
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
@@ -277,6 +290,7 @@ ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.afm7", "AFMModel"): _afm7_decoder,
     ("mlx_lm.models.afm7", "KVReuseAttention"): _afm7_reuse_attention,
     ("mlx_lm.models.gpt_bigcode", "GPTBigCodeModel"): _gpt_bigcode_decoder,
+    ("mlx_lm.models.phixtral", "TransformerDecoder"): _phixtral_decoder,
 }
 
 #: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed
