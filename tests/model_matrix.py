@@ -293,9 +293,10 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
               "sliding_window": WINDOW, "mup_enabled": True, "route_scale": 2.826},
     "exaone_moe": {"layer_types": ["sliding_attention", "full_attention"],
                    "is_moe_layer": [False, True], "num_shared_experts": 1},
-    # layer 0 sliding with sinks and dense, layer 1 global MoE
+    # layer 0 sliding with sinks and dense, layer 1 global MoE; the value scale written out
+    # (transformers' MiMoV2FlashConfig defaults it to 0.707, mlx-lm's module to none)
     "mimo_v2_flash": {"hybrid_layer_pattern": [1, 0], "moe_layer_freq": [0, 1],
-                      "add_swa_attention_sink_bias": True,
+                      "attention_value_scale": 0.707, "add_swa_attention_sink_bias": True,
                       "add_full_attention_sink_bias": False, "sliding_window_size": WINDOW},
     "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity",
                       "zero_expert_num": 1},

@@ -42,3 +42,30 @@ def test_adapted_attention_passes_the_probe(model_type, adapted, tmp_path):
     layout, patched = _route(model_type, tmp_path)
     assert adapted in patched
     assert layout.attention and all(s.num_kv_heads == 1 for s in layout.attention.values())
+
+
+def test_phixtral_decoder_is_called_without_a_mask(tmp_path):
+    """Phixtral's decoder takes the mask from mlx-lm's ``Model.__call__``: adapted, the runner
+    calls it with the caches only and its head gives mlx-lm's logits (the probe checks)."""
+    layout, patched = _route("phixtral", tmp_path)
+    assert "mlx_lm.models.phixtral.TransformerDecoder" in patched
+    assert sorted(layout.attention) == list(range(layout.num_slots))
+
+
+def test_mimo_v2_flash_windows_follow_its_hybrid_layer_pattern(tmp_path):
+    """With the HF config as vLLM has it (transformers' MiMoV2FlashConfig fills
+    ``layer_types`` and ``sliding_window`` from its defaults), the window sits on the layers
+    ``hybrid_layer_pattern`` marks, ``sliding_window_size`` wide, as mlx-lm's caches and
+    vLLM's model put it; the full-attention layer has its own head shape."""
+    from transformers import AutoConfig
+
+    mm.build_checkpoint("mimo_v2_flash", tmp_path)
+    folder = tmp_path / "mimo_v2_flash"
+    hf_config = AutoConfig.from_pretrained(str(folder))
+    assert hf_config.layer_types[0] == "full_attention"  # transformers' default, not the model's
+    loaded = load_model(str(folder), hf_config=hf_config, dtype=mx.float32,
+                        keep_quantized=False, max_model_len=256)
+    assert loaded.config["attention_value_scale"] == hf_config.attention_value_scale
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=None,
+                            config_window=hf_config.sliding_window)
+    assert [layout.attention[i].window for i in (0, 1)] == [mm.WINDOW, None]

@@ -181,6 +181,23 @@ def _ministral3(cfg: dict[str, Any]) -> None:
     cfg["rope_parameters"] = rope
 
 
+def _mimo_v2_flash(cfg: dict[str, Any]) -> None:
+    """MiMo-V2-Flash's layers and window are ``hybrid_layer_pattern`` (1: sliding window) and
+    ``sliding_window_size``, which mlx-lm's and vLLM's models read; transformers' config class
+    fills ``layer_types`` and ``sliding_window`` from its own defaults whatever those say, so
+    they are rewritten from them. ``attention_chunk_size`` (in released configs) is dropped as
+    vLLM drops it: the architecture does not chunk its attention."""
+    pattern = cfg.get("hybrid_layer_pattern")
+    if pattern is None:
+        raise ValueError("mimo_v2_flash: no hybrid_layer_pattern (mlx-lm's module needs it)")
+    if len(pattern) != cfg.get("num_hidden_layers") or not set(pattern) <= {0, 1}:
+        raise ValueError(f"mimo_v2_flash: hybrid_layer_pattern {pattern} is not one 0 (full "
+                         f"attention) or 1 (sliding window) per layer")
+    cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    cfg["sliding_window"] = cfg.get("sliding_window_size") if 1 in pattern else None
+    cfg.pop("attention_chunk_size", None)
+
+
 def _phi3(cfg: dict[str, Any]) -> None:
     """mlx-lm's Phi-3 reads the scaling kind as ``type`` (transformers 5 writes
     ``rope_type``) and ignores ``short_mscale`` / ``long_mscale`` (Phi-3-small's)."""
@@ -761,6 +778,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "mistral": _needs_rope_theta,
     "ministral3": _ministral3,
     "mistral4": _ministral3,
+    "mimo_v2_flash": _mimo_v2_flash,
     "phi3": _phi3,
     "olmo2": _needs_rope_theta,
     "granite": _needs_rope_theta,
