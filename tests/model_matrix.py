@@ -298,6 +298,8 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "mimo_v2_flash": {"hybrid_layer_pattern": [1, 0], "moe_layer_freq": [0, 1],
                       "attention_value_scale": 0.707, "add_swa_attention_sink_bias": True,
                       "add_full_attention_sink_bias": False, "sliding_window_size": WINDOW},
+    # window-only layers (no compress_ratios), a window the prompts exceed
+    "deepseek_v41": {"sliding_window": WINDOW},
     "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity",
                       "zero_expert_num": 1},
     "dbrx": {"ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
@@ -605,7 +607,7 @@ def classify(model: Any, cfg: dict[str, Any]) -> tuple[bool, list[str]]:
     kinds = {type(c).__name__ for c in _flat_caches(caches)}
     if kinds & {"ArraysCache", "MambaCache"}:
         features.append("recurrent")
-    if "RotatingKVCache" in kinds:
+    if kinds & {"RotatingKVCache", "LayerCache"}:  # LayerCache: DeepSeek-V4.1's window
         features.append("sliding window")
     if "ChunkedKVCache" in kinds:
         features.append("chunked attention")

@@ -69,3 +69,47 @@ def test_mimo_v2_flash_windows_follow_its_hybrid_layer_pattern(tmp_path):
     layout, _ = route_model(loaded.model, loaded.config, kv_shape=None,
                             config_window=hf_config.sliding_window)
     assert [layout.attention[i].window for i in (0, 1)] == [mm.WINDOW, None]
+
+
+def test_deepseek_v41_window_only_equals_mlx_lm_layer_cache(tmp_path):
+    """A DeepSeek-V4.1 without compressed layers gets rotating caches of its window; through
+    the adapted decoder and attention (one key/value head, sinks, the output rotated back)
+    its logits equal mlx-lm's own code over its ``LayerCache``, past the window (8) in the
+    prompt and at decode."""
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.deepseek_v41 import LayerCache
+
+    layout, patched = _route("deepseek_v41", tmp_path)
+    assert {"mlx_lm.models.deepseek_v41.TextModel",
+            "mlx_lm.models.deepseek_v41.Attention"} <= set(patched)
+    assert {(s.window, s.num_kv_heads) for s in layout.attention.values()} == {(mm.WINDOW, 1)}
+    folder = tmp_path / "deepseek_v41"
+    model = load_model(str(folder), hf_config=json.loads((folder / "config.json").read_text()),
+                       dtype=mx.float32, keep_quantized=False, max_model_len=256).model
+    ours = make_prompt_cache(model)
+    assert all(isinstance(c, RotatingKVCache) for c in ours)
+    theirs = [LayerCache(mm.WINDOW) for _ in ours]
+    steps = [mx.array([[5, 9, 11, 2, 40, 7, 3, 8, 12, 90, 4, 6]]), mx.array([[3]]),
+             mx.array([[60]])]
+    got = mx.concatenate([model(x, cache=ours) for x in steps], axis=1)
+    expected = mx.concatenate([model(x, cache=theirs) for x in steps], axis=1)
+    assert mx.allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_v41_compressed_layers_are_refused():
+    """Compressed layers keep mlx-lm's LayerCache: refused at load, naming the feature."""
+    from mlx_lm.models import deepseek_v41
+
+    from vllm_unified.models.cache_fixes import match_cache_windows
+    from vllm_unified.models.capability import UnsupportedModel
+
+    args = deepseek_v41.ModelArgs(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        head_dim=32, q_lora_rank=32, qk_rope_head_dim=16, o_groups=2, o_lora_rank=16,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, hc_mult=2,
+        compress_ratios=(4, 0), kv_source_layer_ids=(0,))
+    model = deepseek_v41.Model(args)
+    config = {"model_type": "deepseek_v41", "compress_ratios": [4, 0]}
+    assert not match_cache_windows(model, config)
+    with pytest.raises(UnsupportedModel, match="compressed sparse attention"):
+        route_model(model, config, kv_shape=None, config_window=None)

@@ -278,6 +278,62 @@ def _phixtral_decoder(self: nn.Module, x: mx.array, mask: Any = None,
     return _ORIGINAL[("mlx_lm.models.phixtral", "TransformerDecoder")](self, x, mask, cache)
 
 
+def _deepseek_v41_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's DeepSeek-V4.1 ``TextModel.__call__`` over attention caches other than its own
+    ``LayerCache`` (window-only models, :mod:`vllm_unified.models.cache_fixes`): each layer's
+    positions are its cache's offset, and the window mask (a paged marker, or mlx-lm's mask
+    for a rotating cache) goes to the attention in ``window_idx``'s place; the
+    hyper-connection streams as mlx-lm computes them. No pipeline stages."""
+    from mlx_lm.models import deepseek_v41
+
+    if cache is None or isinstance(cache[0], deepseek_v41.LayerCache):
+        return _ORIGINAL[("mlx_lm.models.deepseek_v41", "TextModel")](self, inputs, cache)
+    h = self.embed_tokens(inputs)
+    batch, length, dim = h.shape
+    mask = create_attention_mask(h, cache[0], window_size=int(self.args.sliding_window))
+    mult = int(self.args.hc_mult)
+    streams = mx.broadcast_to(h[:, :, None, :], (batch, length, mult, dim))
+    pre_mix = mx.zeros((batch, length, mult), dtype=mx.float32)
+    pre_mix[..., 0] = 1.0
+    for layer, c in zip(self.pipeline_layers, cache, strict=True):
+        streams, pre_mix = layer(streams, pre_mix, start_pos=c.offset, window_idx=mask,
+                                 cache=c, shared={})
+    return self.norm(deepseek_v41._collapse(streams, pre_mix))
+
+
+def _deepseek_v41_attention(self: nn.Module, x: mx.array, *, start_pos: Any,
+                            window_idx: Any, cache: Any, shared: dict[str, Any]) -> mx.array:
+    """mlx-lm's DeepSeek-V4.1 ``Attention.__call__`` of a window-only layer over an attention
+    cache (from :func:`_deepseek_v41_decoder`: ``window_idx`` is the mask): one key/value
+    head (keys are values: the normalised, rotated, fp8-rounded ``kv_proj`` rows), attention
+    with sinks within the window, the output's rotary part rotated back. ``LayerCache``: mlx-lm's
+    own code.
+
+    Raises:
+        TypeError: a compressed layer (``compress_ratios``) over another cache.
+    """
+    from mlx_lm.models import deepseek_v41 as v41
+
+    if isinstance(cache, v41.LayerCache):
+        return _ORIGINAL[("mlx_lm.models.deepseek_v41", "Attention")](
+            self, x, start_pos=start_pos, window_idx=window_idx, cache=cache, shared=shared)
+    if self.ratio:
+        raise TypeError("deepseek_v41: a compressed attention layer needs mlx-lm's LayerCache")
+    b, n, _ = x.shape
+    q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).reshape(b, n, self.num_heads, -1)
+    q = v41._apply_rope(q, self.rope, rope_dim=self.rope_dim, offset=start_pos)
+    kv = self.kv_norm(self.kv_proj(x))[:, :, None, :]  # [B, L, 1, D]
+    kv = v41._apply_rope(kv, self.rope, rope_dim=self.rope_dim, offset=start_pos)
+    kv = v41._fake_quant_fp8(kv, 32).transpose(0, 2, 1, 3)  # [B, 1, L, D]
+    keys, values = cache.update_and_fetch(kv, kv)
+    out = routing.paged_sdpa(q.transpose(0, 2, 1, 3), keys, values, cache,
+                             self.head_dim ** -0.5, window_idx, sinks=self.sinks)
+    out = v41._apply_rope(out.transpose(0, 2, 1, 3), self.rope, rope_dim=self.rope_dim,
+                          offset=start_pos, inverse=True)
+    out = self.o_a_proj(out.reshape(b * n, self.o_groups, 1, -1), self._group_ids)
+    return self.o_b_proj(out.reshape(b, n, -1))
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
@@ -291,6 +347,8 @@ ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.afm7", "KVReuseAttention"): _afm7_reuse_attention,
     ("mlx_lm.models.gpt_bigcode", "GPTBigCodeModel"): _gpt_bigcode_decoder,
     ("mlx_lm.models.phixtral", "TransformerDecoder"): _phixtral_decoder,
+    ("mlx_lm.models.deepseek_v41", "TextModel"): _deepseek_v41_decoder,
+    ("mlx_lm.models.deepseek_v41", "Attention"): _deepseek_v41_attention,
 }
 
 #: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed

@@ -6,6 +6,13 @@ code does), while mlx-lm's ``make_cache`` gives them a rotating cache of ``windo
 entries, so its decode steps see one key fewer than its prefill. The cache slot's size is the
 window the paged cache serves the layer with (:mod:`vllm_unified.models.capability`), so the
 model's ``make_cache`` is given the mask's window.
+
+DeepSeek-V4.1's ``make_cache`` gives every layer one ``LayerCache`` (its sliding window, plus
+the compressed KV groups and index keys of its compressed layers). A model without compressed
+layers (``compress_ratios`` all 0) attends over its window only: its caches become rotating
+caches of ``sliding_window`` entries, which the paged cache serves as sliding-window layers
+(the attention and decoder adapters of :mod:`vllm_unified.models.attention_adapters` compute
+on them); with compressed layers the ``LayerCache`` stays and the model is refused.
 """
 
 from __future__ import annotations
@@ -20,12 +27,18 @@ __all__ = ["match_cache_windows"]
 
 
 def match_cache_windows(model: nn.Module, config: Mapping[str, Any]) -> bool:
-    """Make ``model.make_cache`` size sliding caches as its attention mask reads them; returns
-    whether the model changed (only PLaMo 3 needs it)."""
-    if config.get("model_type") != "plamo3" or not hasattr(model, "make_cache"):
+    """Make ``model.make_cache`` size sliding caches as its attention mask reads them (PLaMo
+    3), or give window-only DeepSeek-V4.1 rotating caches; returns whether the model
+    changed."""
+    if not hasattr(model, "make_cache"):
         return False
-    model.__class__ = _plamo3_class(type(model))
-    return True
+    if config.get("model_type") == "plamo3":
+        model.__class__ = _plamo3_class(type(model))
+        return True
+    if config.get("model_type") == "deepseek_v41" and not any(model.args.compress_ratios):
+        model.__class__ = _window_only_class(type(model))
+        return True
+    return False
 
 
 def _plamo3_make_cache(self: Any) -> list[Any]:
@@ -41,3 +54,17 @@ def _plamo3_class(base: type) -> type:
     return type(f"WindowMatched{base.__name__}", (base,),
                 {"make_cache": _plamo3_make_cache,
                  "__doc__": "PLaMo 3 with sliding caches of window_size + 1 entries."})
+
+
+def _window_only_make_cache(self: Any) -> list[Any]:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return [RotatingKVCache(max_size=int(self.args.sliding_window)) for _ in self.layers]
+
+
+@functools.cache
+def _window_only_class(base: type) -> type:
+    return type(f"WindowOnly{base.__name__}", (base,),
+                {"make_cache": _window_only_make_cache,
+                 "__doc__": "DeepSeek-V4.1 without compressed layers: one rotating cache of "
+                            "sliding_window entries per layer."})

@@ -283,6 +283,10 @@ def _slot_kind(model_type: str, i: int, cache: Any) -> str:
 #: mlx-lm cache types and the attention feature they stand for
 _CACHE_FEATURES = {
     "QuantizedKVCache": "mlx-lm's quantized KV cache",
+    # DeepSeek-V4.1 (window-only models get rotating caches: models/cache_fixes.py)
+    "LayerCache": "compressed sparse attention (mlx-lm's LayerCache: compressed KV groups an "
+                  "indexer picks per query, next to the sliding window; models whose "
+                  "compress_ratios are all 0 are served)",
 }
 
 
