@@ -260,7 +260,11 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
     # every real checkpoint of these has routed experts (the MoE issue), which their
     # ModelArgs leave off by default
-    **dict.fromkeys(("deepseek", "deepseek_v32"), {"n_routed_experts": 4}),
+    "deepseek": {"n_routed_experts": 4},
+    # DeepSeek sparse attention within index_topk (every key selected: served dense, as
+    # DeepSeek-V3.2's 2048 within a context of at most 2048): the matrix's context
+    "deepseek_v32": {"n_routed_experts": 4, "index_topk": 256},
+    "glm_moe_dsa": {"index_topk": 256},
     # DeepSeek-V3's epsilon (mlx-lm's module hard-codes it on the latent norms)
     "deepseek_v3": {"n_routed_experts": 4, "rms_norm_eps": 1e-6},
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),

@@ -113,3 +113,22 @@ def test_deepseek_v41_compressed_layers_are_refused():
     assert not match_cache_windows(model, config)
     with pytest.raises(UnsupportedModel, match="compressed sparse attention"):
         route_model(model, config, kv_shape=None, config_window=None)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_within_index_topk_is_served_as_mla(model_type, tmp_path):
+    """DeepSeek sparse attention with a context within ``index_topk`` (256 here): one MLA
+    slot per layer (mlx-lm's CacheList of the latent and the indexer's keys replaced), the
+    probe's absorbed logits equal mlx-lm's; a longer context is refused naming the feature."""
+    from mlx_lm.models.deepseek_v32 import DeepseekV32Model
+
+    from vllm_unified.models.attention_adapters import ADAPTERS
+
+    layout, _ = _route(model_type, tmp_path)
+    assert DeepseekV32Model.__call__ is ADAPTERS[("mlx_lm.models.deepseek_v32",
+                                                  "DeepseekV32Model")]
+    assert layout.latent is not None and sorted(layout.attention) == [0, 1]
+    folder = tmp_path / model_type
+    with pytest.raises(ValueError, match="DeepSeek sparse attention .*--max-model-len 256"):
+        load_model(str(folder), hf_config=json.loads((folder / "config.json").read_text()),
+                   dtype=mx.float32, keep_quantized=False, max_model_len=257)

@@ -334,6 +334,21 @@ def _deepseek_v41_attention(self: nn.Module, x: mx.array, *, start_pos: Any,
     return self.o_b_proj(out.reshape(b, n, -1))
 
 
+def _deepseek_v32_decoder(self: nn.Module, x: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's DeepSeek-V3.2 ``DeepseekV32Model.__call__`` over one cache per layer (the
+    MLA slot; :mod:`vllm_unified.models.cache_fixes`): the mask comes from the first cache
+    (mlx-lm reads it from the first ``CacheList``'s latent cache). No pipeline stages."""
+    from mlx_lm.models.cache import CacheList
+
+    if cache is None or isinstance(cache[0], CacheList):
+        return _ORIGINAL[("mlx_lm.models.deepseek_v32", "DeepseekV32Model")](self, x, cache)
+    h = self.embed_tokens(x)
+    mask = create_attention_mask(h, cache[0], return_array=True)
+    for layer, c in zip(self.pipeline_layers, cache, strict=True):
+        h = layer(h, mask, c)
+    return self.norm(h)
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
@@ -349,6 +364,7 @@ ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.phixtral", "TransformerDecoder"): _phixtral_decoder,
     ("mlx_lm.models.deepseek_v41", "TextModel"): _deepseek_v41_decoder,
     ("mlx_lm.models.deepseek_v41", "Attention"): _deepseek_v41_attention,
+    ("mlx_lm.models.deepseek_v32", "DeepseekV32Model"): _deepseek_v32_decoder,
 }
 
 #: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed

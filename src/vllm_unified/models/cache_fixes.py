@@ -13,6 +13,13 @@ layers (``compress_ratios`` all 0) attends over its window only: its caches beco
 caches of ``sliding_window`` entries, which the paged cache serves as sliding-window layers
 (the attention and decoder adapters of :mod:`vllm_unified.models.attention_adapters` compute
 on them); with compressed layers the ``LayerCache`` stays and the model is refused.
+
+DeepSeek sparse attention (DeepSeek-V3.2, GLM-5: ``models/config.py``'s
+``SPARSE_ATTENTION_INDEXED``) caches the MLA latent and its indexer's keys as a ``CacheList``
+per layer; served where the context never exceeds ``index_topk`` (the indexer then selects
+every key), each layer gets one cache, its MLA slot (the latent adapter,
+:mod:`vllm_unified.models.latent_attention`, keeps an indexer cache beside it for mlx-lm's
+own code).
 """
 
 from __future__ import annotations
@@ -23,17 +30,22 @@ from typing import Any
 
 import mlx.nn as nn
 
+from vllm_unified.models.config import SPARSE_ATTENTION_INDEXED
+
 __all__ = ["match_cache_windows"]
 
 
 def match_cache_windows(model: nn.Module, config: Mapping[str, Any]) -> bool:
     """Make ``model.make_cache`` size sliding caches as its attention mask reads them (PLaMo
-    3), or give window-only DeepSeek-V4.1 rotating caches; returns whether the model
-    changed."""
+    3), give window-only DeepSeek-V4.1 rotating caches and DeepSeek sparse attention one MLA
+    cache per layer; returns whether the model changed."""
     if not hasattr(model, "make_cache"):
         return False
     if config.get("model_type") == "plamo3":
         model.__class__ = _plamo3_class(type(model))
+        return True
+    if config.get("model_type") in SPARSE_ATTENTION_INDEXED:
+        model.__class__ = _latent_only_class(type(model))
         return True
     if config.get("model_type") == "deepseek_v41" and not any(model.args.compress_ratios):
         model.__class__ = _window_only_class(type(model))
@@ -68,3 +80,17 @@ def _window_only_class(base: type) -> type:
                 {"make_cache": _window_only_make_cache,
                  "__doc__": "DeepSeek-V4.1 without compressed layers: one rotating cache of "
                             "sliding_window entries per layer."})
+
+
+def _latent_only_make_cache(self: Any) -> list[Any]:
+    from mlx_lm.models.cache import KVCache
+
+    return [KVCache() for _ in self.layers]
+
+
+@functools.cache
+def _latent_only_class(base: type) -> type:
+    return type(f"LatentOnly{base.__name__}", (base,),
+                {"make_cache": _latent_only_make_cache,
+                 "__doc__": "DeepSeek sparse attention within index_topk: one MLA cache per "
+                            "layer (the indexer's keys are not paged)."})

@@ -48,6 +48,8 @@ def mlx_lm_config(hf_config: Mapping[str, Any], *,
         fixup(cfg)
     if model_type == "phi3small":
         _phi3small_context(cfg, max_model_len)
+    if model_type in SPARSE_ATTENTION_INDEXED:
+        _indexed_context(cfg, max_model_len)
     _longrope_factors(cfg, max_model_len)
     return cfg
 
@@ -286,6 +288,30 @@ def _phi3small_context(cfg: dict[str, Any], max_model_len: int | None) -> None:
                          f"{span} tokens of local blocks) is not supported by vllm-unified "
                          f"yet; a context of at most {span} tokens (--max-model-len "
                          f"{span}) is served")
+
+
+#: model types with DeepSeek sparse attention (DSA: an indexer picks ``index_topk`` keys per
+#: query once a sequence holds more), served as dense MLA for contexts up to ``index_topk``
+SPARSE_ATTENTION_INDEXED = frozenset({"deepseek_v32", "glm_moe_dsa"})
+
+
+def _indexed_context(cfg: dict[str, Any], max_model_len: int | None) -> None:
+    """DeepSeek sparse attention attends every earlier key while a sequence holds at most
+    ``index_topk`` of them (mlx-lm's indexer then selects nothing), which the MLA pages
+    compute; beyond, its indexer's selection is not.
+
+    Raises:
+        ValueError: a context (``max_model_len``, None: the model's maximum) beyond
+            ``index_topk``.
+    """
+    topk = int(cfg.get("index_topk") or 0)
+    length = max_model_len or cfg.get("max_position_embeddings")
+    if length is None or int(length) > topk:
+        raise ValueError(f"{cfg['model_type']}: DeepSeek sparse attention (an indexer picking "
+                         f"{topk} keys per query in longer contexts) is not supported by "
+                         f"vllm-unified yet; a context of at most {topk} tokens "
+                         f"(--max-model-len {topk}) is served as dense attention")
+
 
 def _starcoder2(cfg: dict[str, Any]) -> None:
     _no_rope_scaling(cfg)

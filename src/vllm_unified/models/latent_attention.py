@@ -21,26 +21,41 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from vllm_unified.kv.layer_cache import PagedLatentCache, PagedMask
 
-__all__ = ["FAMILIES", "QUERY_SCALED", "LatentAttention", "LatentProbeCache",
-           "ScaledLatentAttention", "install_latent_attention", "latent_layers"]
+__all__ = ["FAMILIES", "INDEXED", "QUERY_SCALED", "IndexedLatentAttention", "LatentAttention",
+           "LatentProbeCache", "ScaledLatentAttention", "install_latent_attention",
+           "latent_layers"]
 
 
 def _families() -> tuple[type, ...]:
-    from mlx_lm.models import deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3, mistral4, youtu_llm
+    from mlx_lm.models import (
+        deepseek_v2,
+        deepseek_v3,
+        deepseek_v32,
+        glm4_moe_lite,
+        minicpm3,
+        mistral4,
+        youtu_llm,
+    )
 
     return (minicpm3.Attention, youtu_llm.YoutuLLMAttention, deepseek_v2.DeepseekV2Attention,
             deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention,
-            mistral4.Mistral4Attention)
+            mistral4.Mistral4Attention, deepseek_v32.DeepseekV32Attention)
 
 
 def _query_scaled() -> tuple[type, ...]:
     from mlx_lm.models import mistral4
 
     return (mistral4.Mistral4Attention,)
+
+
+def _indexed() -> tuple[type, ...]:
+    from mlx_lm.models import deepseek_v32
+
+    return (deepseek_v32.DeepseekV32Attention,)
 
 
 #: mlx-lm MLA attention classes whose ``__call__`` is: queries from ``q_proj`` or
@@ -55,6 +70,13 @@ FAMILIES: tuple[type, ...] = _families()
 #: are multiplied by ``attn_scale`` (Llama 4's position-dependent scale, one value per row
 #: or per position, computed by the model) after RoPE (Mistral 4)
 QUERY_SCALED: tuple[type, ...] = _query_scaled()
+
+#: the classes of :data:`FAMILIES` with DeepSeek sparse attention: mlx-lm's module takes a
+#: ``CacheList`` of its latent cache and its indexer's key cache, and attends densely while a
+#: sequence holds at most ``index_topk`` keys, the only contexts served
+#: (:data:`vllm_unified.models.config.SPARSE_ATTENTION_INDEXED`); the absorbed path skips the
+#: indexer
+INDEXED: tuple[type, ...] = _indexed()
 
 
 class LatentProbeCache(KVCache):
@@ -198,6 +220,21 @@ class ScaledLatentAttention(LatentAttention):
         return self._latent_forward(x, mask, cache, query_scale=attn_scale)
 
 
+class IndexedLatentAttention(LatentAttention):
+    """:class:`LatentAttention` for the modules of :data:`INDEXED`. A plain ``KVCache`` (the
+    load-time probe's, one per layer) is handed to mlx-lm's module as the ``CacheList`` it
+    reads, with an indexer key cache kept on it."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if isinstance(cache, (PagedLatentCache, LatentProbeCache)):
+            return self._latent_forward(x, mask, cache)
+        if isinstance(cache, KVCache):
+            if getattr(cache, "indexer_cache", None) is None:
+                cache.indexer_cache = KVCache()
+            cache = CacheList(cache, cache.indexer_cache)
+        return self.inner(x, mask, cache)
+
+
 def _plain_causal(mask: Any) -> bool:
     """The masks mlx-lm builds for causal attention without a window over these caches."""
     if isinstance(mask, PagedMask):
@@ -228,8 +265,8 @@ def install_latent_attention(model: nn.Module) -> dict[int, LatentAttention]:
     for layer in getattr(model, "layers", None) or []:
         for name, child in layer.children().items():
             if isinstance(child, FAMILIES) and not isinstance(child, LatentAttention):
-                wrapper = ScaledLatentAttention if isinstance(child, QUERY_SCALED) \
-                    else LatentAttention
+                wrapper = ScaledLatentAttention if isinstance(child, QUERY_SCALED) else \
+                    IndexedLatentAttention if isinstance(child, INDEXED) else LatentAttention
                 layer[name] = wrapper(child)
     return latent_layers(model)
 
