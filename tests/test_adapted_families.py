@@ -132,3 +132,22 @@ def test_sparse_attention_within_index_topk_is_served_as_mla(model_type, tmp_pat
     with pytest.raises(ValueError, match="DeepSeek sparse attention .*--max-model-len 256"):
         load_model(str(folder), hf_config=json.loads((folder / "config.json").read_text()),
                    dtype=mx.float32, keep_quantized=False, max_model_len=257)
+
+
+def test_longcat_flash_sublayers_get_an_mla_slot_each(tmp_path):
+    """LongCat-Flash's two MLA sublayers per decoder layer: one cache slot each (layer i:
+    slots 2i, 2i + 1, the adapter of ``self_attn[0]`` / ``[1]``), and the probe's absorbed
+    logits (its q / kv LoRA scales included) equal mlx-lm's over its CacheLists."""
+    from vllm_unified.models.latent_attention import latent_layers
+
+    mm.build_checkpoint("longcat_flash", tmp_path)
+    folder = tmp_path / "longcat_flash"
+    loaded = load_model(str(folder), hf_config=json.loads((folder / "config.json").read_text()),
+                        dtype=mx.float32, keep_quantized=False, max_model_len=256)
+    layout, _ = route_model(loaded.model, loaded.config, kv_shape=None, config_window=None)
+    layers = loaded.model.layers
+    assert layout.num_slots == 2 * len(layers) and layout.latent is not None
+    slots = latent_layers(loaded.model)
+    assert all(slots[2 * i + j] is layer.self_attn[j]
+               for i, layer in enumerate(layers) for j in (0, 1))
+    assert slots[0].inner.mla_scale_q_lora is not None  # the scales the adapter applies

@@ -349,6 +349,24 @@ def _deepseek_v32_decoder(self: nn.Module, x: mx.array, cache: Any = None) -> mx
     return self.norm(h)
 
 
+def _longcat_flash_decoder(self: nn.Module, x: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's LongCat-Flash ``LongcatFlashModel.__call__`` over one cache per attention
+    sublayer (:mod:`vllm_unified.models.cache_fixes`): layer i's two sublayers get caches 2i
+    and 2i + 1; the mask comes from the first."""
+    from mlx_lm.models.cache import CacheList
+
+    if cache is None or isinstance(cache[0], CacheList):
+        return _ORIGINAL[("mlx_lm.models.longcat_flash", "LongcatFlashModel")](self, x, cache)
+    if len(cache) != 2 * len(self.layers):
+        raise ValueError(f"longcat_flash: {len(cache)} caches for {len(self.layers)} layers "
+                         "of two attention sublayers")
+    h = self.embed_tokens(x)
+    mask = create_attention_mask(h, cache[0], return_array=True)
+    for i, layer in enumerate(self.layers):
+        h = layer(h, mask, cache=(cache[2 * i], cache[2 * i + 1]))
+    return self.norm(h)
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
@@ -365,6 +383,7 @@ ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.deepseek_v41", "TextModel"): _deepseek_v41_decoder,
     ("mlx_lm.models.deepseek_v41", "Attention"): _deepseek_v41_attention,
     ("mlx_lm.models.deepseek_v32", "DeepseekV32Model"): _deepseek_v32_decoder,
+    ("mlx_lm.models.longcat_flash", "LongcatFlashModel"): _longcat_flash_decoder,
 }
 
 #: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed

@@ -20,6 +20,10 @@ per layer; served where the context never exceeds ``index_topk`` (the indexer th
 every key), each layer gets one cache, its MLA slot (the latent adapter,
 :mod:`vllm_unified.models.latent_attention`, keeps an indexer cache beside it for mlx-lm's
 own code).
+
+LongCat-Flash caches its two MLA sublayers per decoder layer as a ``CacheList`` of two
+caches; each sublayer gets its own cache slot (layer i: slots 2i and 2i + 1), which the
+decoder's adapter pairs again.
 """
 
 from __future__ import annotations
@@ -37,12 +41,16 @@ __all__ = ["match_cache_windows"]
 
 def match_cache_windows(model: nn.Module, config: Mapping[str, Any]) -> bool:
     """Make ``model.make_cache`` size sliding caches as its attention mask reads them (PLaMo
-    3), give window-only DeepSeek-V4.1 rotating caches and DeepSeek sparse attention one MLA
-    cache per layer; returns whether the model changed."""
+    3), give window-only DeepSeek-V4.1 rotating caches, DeepSeek sparse attention one MLA
+    cache per layer and LongCat-Flash one per attention sublayer; returns whether the model
+    changed."""
     if not hasattr(model, "make_cache"):
         return False
     if config.get("model_type") == "plamo3":
         model.__class__ = _plamo3_class(type(model))
+        return True
+    if config.get("model_type") == "longcat_flash":
+        model.__class__ = _sublayer_class(type(model))
         return True
     if config.get("model_type") in SPARSE_ATTENTION_INDEXED:
         model.__class__ = _latent_only_class(type(model))
@@ -94,3 +102,16 @@ def _latent_only_class(base: type) -> type:
                 {"make_cache": _latent_only_make_cache,
                  "__doc__": "DeepSeek sparse attention within index_topk: one MLA cache per "
                             "layer (the indexer's keys are not paged)."})
+
+
+def _sublayer_make_cache(self: Any) -> list[Any]:
+    from mlx_lm.models.cache import KVCache
+
+    return [KVCache() for layer in self.layers for _ in layer.self_attn]
+
+
+@functools.cache
+def _sublayer_class(base: type) -> type:
+    return type(f"Sublayer{base.__name__}", (base,),
+                {"make_cache": _sublayer_make_cache,
+                 "__doc__": "LongCat-Flash with one cache per attention sublayer."})

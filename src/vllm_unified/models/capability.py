@@ -411,13 +411,14 @@ def _shared_kv(model: nn.Module, model_type: str, config: Mapping[str, Any],
 
 def _latent_slots(model: nn.Module, model_type: str, num_slots: int
                   ) -> dict[int, latent_attention.LatentAttention]:
-    """Slot index -> the MLA adapter of that decoder layer (slots are layers here).
+    """Slot index -> the MLA adapter of that slot (one slot per decoder layer, or per MLA
+    sublayer: :func:`~vllm_unified.models.latent_attention.latent_layers`).
 
     Raises:
-        UnsupportedModel: MLA layers where cache slots are not one per layer.
+        UnsupportedModel: MLA layers where cache slots are not those.
     """
     latent = latent_attention.latent_layers(model)
-    if latent and num_slots != len(model.layers):
+    if latent and num_slots != latent_attention.num_latent_slots(model):
         raise UnsupportedModel(model_type, "multi-head latent attention in a model whose "
                                "cache slots are not its layers")
     return latent
