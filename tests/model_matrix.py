@@ -260,7 +260,11 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                                        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
     # every real checkpoint of these has routed experts (the MoE issue), which their
     # ModelArgs leave off by default
-    **dict.fromkeys(("deepseek", "deepseek_v32"), {"n_routed_experts": 4}),
+    "deepseek": {"n_routed_experts": 4},
+    # DeepSeek sparse attention within index_topk (every key selected: served dense, as
+    # DeepSeek-V3.2's 2048 within a context of at most 2048): the matrix's context
+    "deepseek_v32": {"n_routed_experts": 4, "index_topk": 256},
+    "glm_moe_dsa": {"index_topk": 256},
     # DeepSeek-V3's epsilon (mlx-lm's module hard-codes it on the latent norms)
     "deepseek_v3": {"n_routed_experts": 4, "rms_norm_eps": 1e-6},
     **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
@@ -293,10 +297,13 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
               "sliding_window": WINDOW, "mup_enabled": True, "route_scale": 2.826},
     "exaone_moe": {"layer_types": ["sliding_attention", "full_attention"],
                    "is_moe_layer": [False, True], "num_shared_experts": 1},
-    # layer 0 sliding with sinks and dense, layer 1 global MoE
+    # layer 0 sliding with sinks and dense, layer 1 global MoE; the value scale written out
+    # (transformers' MiMoV2FlashConfig defaults it to 0.707, mlx-lm's module to none)
     "mimo_v2_flash": {"hybrid_layer_pattern": [1, 0], "moe_layer_freq": [0, 1],
-                      "add_swa_attention_sink_bias": True,
+                      "attention_value_scale": 0.707, "add_swa_attention_sink_bias": True,
                       "add_full_attention_sink_bias": False, "sliding_window_size": WINDOW},
+    # window-only layers (no compress_ratios), a window the prompts exceed
+    "deepseek_v41": {"sliding_window": WINDOW},
     "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity",
                       "zero_expert_num": 1},
     "dbrx": {"ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
@@ -604,7 +611,7 @@ def classify(model: Any, cfg: dict[str, Any]) -> tuple[bool, list[str]]:
     kinds = {type(c).__name__ for c in _flat_caches(caches)}
     if kinds & {"ArraysCache", "MambaCache"}:
         features.append("recurrent")
-    if "RotatingKVCache" in kinds:
+    if kinds & {"RotatingKVCache", "LayerCache"}:  # LayerCache: DeepSeek-V4.1's window
         features.append("sliding window")
     if "ChunkedKVCache" in kinds:
         features.append("chunked attention")

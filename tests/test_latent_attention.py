@@ -393,3 +393,59 @@ def test_minicpm3_matches_vllm_cpu_backend(tmp_path):
     assert "MLXPlatform" not in theirs["platform"]
     for i, (a, b) in enumerate(zip(ours["outputs"], theirs["outputs"], strict=True)):
         assert a["completions"][0]["token_ids"] == b["completions"][0]["token_ids"], i
+
+
+def test_adapter_serves_mistral4_with_its_query_scale():
+    """Mistral 4 (mlx-lm's layers call attention as ``(x, attn_scale, mask, cache)``): the
+    installed adapter's absorbed path, Llama 4's position-dependent query scale included
+    (a small ``original_max_position_embeddings``, so the scale changes within the prompt and
+    again at decode), gives the model's logits with mlx-lm's own caches."""
+    from mlx_lm.models import mistral4
+
+    from vllm_unified.models.latent_attention import (
+        LatentProbeCache,
+        ScaledLatentAttention,
+        install_latent_attention,
+    )
+
+    mx.random.seed(2)
+    args = mistral4.ModelArgs(
+        model_type="mistral4", vocab_size=64, hidden_size=96, intermediate_size=64,
+        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=3, n_shared_experts=1, n_routed_experts=4,
+        routed_scaling_factor=1.5, kv_lora_rank=64, q_lora_rank=48, norm_topk_prob=True,
+        max_position_embeddings=256, rms_norm_eps=1e-6, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=1, qk_rope_head_dim=16, qk_nope_head_dim=24,
+        v_head_dim=20, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                        "llama_4_scaling_beta": 0.5,
+                                        "original_max_position_embeddings": 2})
+    model = mistral4.Model(args)
+    steps = [mx.array([[5, 9, 11, 2, 40, 7]]), mx.array([[3]]), mx.array([[60]])]
+    theirs_caches = make_prompt_cache(model)
+    theirs = [model(x, cache=theirs_caches) for x in steps]
+    assert set(install_latent_attention(model)) == {0, 1}
+    assert all(isinstance(layer.self_attn, ScaledLatentAttention) for layer in model.layers)
+    ours_caches = [LatentProbeCache(64) for _ in model.layers]
+    ours = [model(x, cache=ours_caches) for x in steps]
+    assert all(c.writes == [64 + 16] * 3 and c.attends == 3 for c in ours_caches)
+    np.testing.assert_allclose(np.array(mx.concatenate(ours, axis=1)),
+                               np.array(mx.concatenate(theirs, axis=1)), rtol=2e-4, atol=2e-4)
+    # the scale matters: mlx-lm's model without it gives other logits
+    for layer in model.layers:
+        layer.self_attn = layer.self_attn.inner
+    args.rope_parameters["llama_4_scaling_beta"] = 0.0
+    caches = make_prompt_cache(model)
+    unscaled = mx.concatenate([model(x, cache=caches) for x in steps], axis=1)
+    assert not np.allclose(np.array(unscaled), np.array(mx.concatenate(theirs, axis=1)),
+                           rtol=2e-4, atol=2e-4)
+
+
+def test_mistral4_config_gets_the_neutral_query_scale():
+    """mlx-lm's Mistral 4 reads Llama 4's query scale from ``rope_parameters`` unconditionally:
+    a config without it gets beta 0 (no scale), one without a RoPE base is refused."""
+    cfg = mlx_lm_config({"model_type": "mistral4", "max_position_embeddings": 4096,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert cfg["rope_parameters"]["llama_4_scaling_beta"] == 0.0
+    assert cfg["rope_parameters"]["original_max_position_embeddings"] == 4096
+    with pytest.raises(ValueError, match="mistral4: rope_parameters without rope_theta"):
+        mlx_lm_config({"model_type": "mistral4", "rope_parameters": {"rope_type": "default"}})

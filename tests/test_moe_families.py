@@ -155,6 +155,17 @@ def test_moe_config_translation():
         mlx_lm_config({"model_type": "glm4_moe_lite", "mlp_layer_types": ["sparse", "dense"]})
     assert mlx_lm_config({"model_type": "lfm2_moe", "layer_types": [
         "conv", "full_attention", "conv"]})["full_attn_idxs"] == [1]
+    # MiMo-V2-Flash: the pattern and window mlx-lm and vLLM read, over transformers' defaults
+    cfg = mlx_lm_config({"model_type": "mimo_v2_flash", "num_hidden_layers": 3,
+                         "hybrid_layer_pattern": [0, 1, 1], "sliding_window_size": 16,
+                         "layer_types": ["full_attention", "sliding_attention",
+                                         "full_attention"], "sliding_window": 128,
+                         "attention_chunk_size": 128})
+    assert cfg["layer_types"] == ["full_attention"] + ["sliding_attention"] * 2
+    assert cfg["sliding_window"] == 16 and "attention_chunk_size" not in cfg
+    with pytest.raises(ValueError, match="hybrid_layer_pattern"):
+        mlx_lm_config({"model_type": "mimo_v2_flash", "num_hidden_layers": 3,
+                       "hybrid_layer_pattern": [0, 1]})
 
 
 def test_yarn_frequencies_round_as_mlx_lm_and_not_when_asked():

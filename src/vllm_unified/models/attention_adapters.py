@@ -17,6 +17,9 @@ GPT-BigCode's decoder adds learned position embeddings from a scalar cache offse
 decoder hands its KV-reuse layers the last cache's keys and values, which with paged caches
 are that layer's pages (a ``SharedLayerCache`` per reuse layer after the model's caches).
 Their adapters take each row's position from the step and pass the shared caches.
+Phixtral's decoder takes the mask from its caller (mlx-lm's ``Model.__call__`` builds it); its
+adapter builds it from the first cache where none is given, so the runner calls the decoder
+with ``cache=`` only, as it calls every other.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
 
 from vllm_unified import patches
 from vllm_unified.kv.forward_context import get_step_context
@@ -265,6 +269,104 @@ def _gpt_bigcode_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -
     return self.ln_f(h)
 
 
+def _phixtral_decoder(self: nn.Module, x: mx.array, mask: Any = None,
+                      cache: Any = None) -> mx.array:
+    """mlx-lm's Phixtral ``TransformerDecoder.__call__`` with ``mask`` optional: when not
+    given, it is built from the first cache as mlx-lm's ``Model.__call__`` builds it."""
+    if mask is None:
+        mask = create_attention_mask(x, cache[0] if cache else None)
+    return _ORIGINAL[("mlx_lm.models.phixtral", "TransformerDecoder")](self, x, mask, cache)
+
+
+def _deepseek_v41_decoder(self: nn.Module, inputs: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's DeepSeek-V4.1 ``TextModel.__call__`` over attention caches other than its own
+    ``LayerCache`` (window-only models, :mod:`vllm_unified.models.cache_fixes`): each layer's
+    positions are its cache's offset, and the window mask (a paged marker, or mlx-lm's mask
+    for a rotating cache) goes to the attention in ``window_idx``'s place; the
+    hyper-connection streams as mlx-lm computes them. No pipeline stages."""
+    from mlx_lm.models import deepseek_v41
+
+    if cache is None or isinstance(cache[0], deepseek_v41.LayerCache):
+        return _ORIGINAL[("mlx_lm.models.deepseek_v41", "TextModel")](self, inputs, cache)
+    h = self.embed_tokens(inputs)
+    batch, length, dim = h.shape
+    mask = create_attention_mask(h, cache[0], window_size=int(self.args.sliding_window))
+    mult = int(self.args.hc_mult)
+    streams = mx.broadcast_to(h[:, :, None, :], (batch, length, mult, dim))
+    pre_mix = mx.zeros((batch, length, mult), dtype=mx.float32)
+    pre_mix[..., 0] = 1.0
+    for layer, c in zip(self.pipeline_layers, cache, strict=True):
+        streams, pre_mix = layer(streams, pre_mix, start_pos=c.offset, window_idx=mask,
+                                 cache=c, shared={})
+    return self.norm(deepseek_v41._collapse(streams, pre_mix))
+
+
+def _deepseek_v41_attention(self: nn.Module, x: mx.array, *, start_pos: Any,
+                            window_idx: Any, cache: Any, shared: dict[str, Any]) -> mx.array:
+    """mlx-lm's DeepSeek-V4.1 ``Attention.__call__`` of a window-only layer over an attention
+    cache (from :func:`_deepseek_v41_decoder`: ``window_idx`` is the mask): one key/value
+    head (keys are values: the normalised, rotated, fp8-rounded ``kv_proj`` rows), attention
+    with sinks within the window, the output's rotary part rotated back. ``LayerCache``: mlx-lm's
+    own code.
+
+    Raises:
+        TypeError: a compressed layer (``compress_ratios``) over another cache.
+    """
+    from mlx_lm.models import deepseek_v41 as v41
+
+    if isinstance(cache, v41.LayerCache):
+        return _ORIGINAL[("mlx_lm.models.deepseek_v41", "Attention")](
+            self, x, start_pos=start_pos, window_idx=window_idx, cache=cache, shared=shared)
+    if self.ratio:
+        raise TypeError("deepseek_v41: a compressed attention layer needs mlx-lm's LayerCache")
+    b, n, _ = x.shape
+    q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).reshape(b, n, self.num_heads, -1)
+    q = v41._apply_rope(q, self.rope, rope_dim=self.rope_dim, offset=start_pos)
+    kv = self.kv_norm(self.kv_proj(x))[:, :, None, :]  # [B, L, 1, D]
+    kv = v41._apply_rope(kv, self.rope, rope_dim=self.rope_dim, offset=start_pos)
+    kv = v41._fake_quant_fp8(kv, 32).transpose(0, 2, 1, 3)  # [B, 1, L, D]
+    keys, values = cache.update_and_fetch(kv, kv)
+    out = routing.paged_sdpa(q.transpose(0, 2, 1, 3), keys, values, cache,
+                             self.head_dim ** -0.5, window_idx, sinks=self.sinks)
+    out = v41._apply_rope(out.transpose(0, 2, 1, 3), self.rope, rope_dim=self.rope_dim,
+                          offset=start_pos, inverse=True)
+    out = self.o_a_proj(out.reshape(b * n, self.o_groups, 1, -1), self._group_ids)
+    return self.o_b_proj(out.reshape(b, n, -1))
+
+
+def _deepseek_v32_decoder(self: nn.Module, x: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's DeepSeek-V3.2 ``DeepseekV32Model.__call__`` over one cache per layer (the
+    MLA slot; :mod:`vllm_unified.models.cache_fixes`): the mask comes from the first cache
+    (mlx-lm reads it from the first ``CacheList``'s latent cache). No pipeline stages."""
+    from mlx_lm.models.cache import CacheList
+
+    if cache is None or isinstance(cache[0], CacheList):
+        return _ORIGINAL[("mlx_lm.models.deepseek_v32", "DeepseekV32Model")](self, x, cache)
+    h = self.embed_tokens(x)
+    mask = create_attention_mask(h, cache[0], return_array=True)
+    for layer, c in zip(self.pipeline_layers, cache, strict=True):
+        h = layer(h, mask, c)
+    return self.norm(h)
+
+
+def _longcat_flash_decoder(self: nn.Module, x: mx.array, cache: Any = None) -> mx.array:
+    """mlx-lm's LongCat-Flash ``LongcatFlashModel.__call__`` over one cache per attention
+    sublayer (:mod:`vllm_unified.models.cache_fixes`): layer i's two sublayers get caches 2i
+    and 2i + 1; the mask comes from the first."""
+    from mlx_lm.models.cache import CacheList
+
+    if cache is None or isinstance(cache[0], CacheList):
+        return _ORIGINAL[("mlx_lm.models.longcat_flash", "LongcatFlashModel")](self, x, cache)
+    if len(cache) != 2 * len(self.layers):
+        raise ValueError(f"longcat_flash: {len(cache)} caches for {len(self.layers)} layers "
+                         "of two attention sublayers")
+    h = self.embed_tokens(x)
+    mask = create_attention_mask(h, cache[0], return_array=True)
+    for i, layer in enumerate(self.layers):
+        h = layer(h, mask, cache=(cache[2 * i], cache[2 * i + 1]))
+    return self.norm(h)
+
+
 #: (module, class) of an mlx-lm attention -> its adapted ``__call__``
 ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
@@ -277,6 +379,11 @@ ADAPTERS: dict[tuple[str, str], Callable[..., mx.array]] = {
     ("mlx_lm.models.afm7", "AFMModel"): _afm7_decoder,
     ("mlx_lm.models.afm7", "KVReuseAttention"): _afm7_reuse_attention,
     ("mlx_lm.models.gpt_bigcode", "GPTBigCodeModel"): _gpt_bigcode_decoder,
+    ("mlx_lm.models.phixtral", "TransformerDecoder"): _phixtral_decoder,
+    ("mlx_lm.models.deepseek_v41", "TextModel"): _deepseek_v41_decoder,
+    ("mlx_lm.models.deepseek_v41", "Attention"): _deepseek_v41_attention,
+    ("mlx_lm.models.deepseek_v32", "DeepseekV32Model"): _deepseek_v32_decoder,
+    ("mlx_lm.models.longcat_flash", "LongcatFlashModel"): _longcat_flash_decoder,
 }
 
 #: (module, class) -> mlx-lm's own ``__call__``, kept when its adapter is installed

@@ -6,6 +6,24 @@ code does), while mlx-lm's ``make_cache`` gives them a rotating cache of ``windo
 entries, so its decode steps see one key fewer than its prefill. The cache slot's size is the
 window the paged cache serves the layer with (:mod:`vllm_unified.models.capability`), so the
 model's ``make_cache`` is given the mask's window.
+
+DeepSeek-V4.1's ``make_cache`` gives every layer one ``LayerCache`` (its sliding window, plus
+the compressed KV groups and index keys of its compressed layers). A model without compressed
+layers (``compress_ratios`` all 0) attends over its window only: its caches become rotating
+caches of ``sliding_window`` entries, which the paged cache serves as sliding-window layers
+(the attention and decoder adapters of :mod:`vllm_unified.models.attention_adapters` compute
+on them); with compressed layers the ``LayerCache`` stays and the model is refused.
+
+DeepSeek sparse attention (DeepSeek-V3.2, GLM-5: ``models/config.py``'s
+``SPARSE_ATTENTION_INDEXED``) caches the MLA latent and its indexer's keys as a ``CacheList``
+per layer; served where the context never exceeds ``index_topk`` (the indexer then selects
+every key), each layer gets one cache, its MLA slot (the latent adapter,
+:mod:`vllm_unified.models.latent_attention`, keeps an indexer cache beside it for mlx-lm's
+own code).
+
+LongCat-Flash caches its two MLA sublayers per decoder layer as a ``CacheList`` of two
+caches; each sublayer gets its own cache slot (layer i: slots 2i and 2i + 1), which the
+decoder's adapter pairs again.
 """
 
 from __future__ import annotations
@@ -16,16 +34,31 @@ from typing import Any
 
 import mlx.nn as nn
 
+from vllm_unified.models.config import SPARSE_ATTENTION_INDEXED
+
 __all__ = ["match_cache_windows"]
 
 
 def match_cache_windows(model: nn.Module, config: Mapping[str, Any]) -> bool:
-    """Make ``model.make_cache`` size sliding caches as its attention mask reads them; returns
-    whether the model changed (only PLaMo 3 needs it)."""
-    if config.get("model_type") != "plamo3" or not hasattr(model, "make_cache"):
+    """Make ``model.make_cache`` size sliding caches as its attention mask reads them (PLaMo
+    3), give window-only DeepSeek-V4.1 rotating caches, DeepSeek sparse attention one MLA
+    cache per layer and LongCat-Flash one per attention sublayer; returns whether the model
+    changed."""
+    if not hasattr(model, "make_cache"):
         return False
-    model.__class__ = _plamo3_class(type(model))
-    return True
+    if config.get("model_type") == "plamo3":
+        model.__class__ = _plamo3_class(type(model))
+        return True
+    if config.get("model_type") == "longcat_flash":
+        model.__class__ = _sublayer_class(type(model))
+        return True
+    if config.get("model_type") in SPARSE_ATTENTION_INDEXED:
+        model.__class__ = _latent_only_class(type(model))
+        return True
+    if config.get("model_type") == "deepseek_v41" and not any(model.args.compress_ratios):
+        model.__class__ = _window_only_class(type(model))
+        return True
+    return False
 
 
 def _plamo3_make_cache(self: Any) -> list[Any]:
@@ -41,3 +74,44 @@ def _plamo3_class(base: type) -> type:
     return type(f"WindowMatched{base.__name__}", (base,),
                 {"make_cache": _plamo3_make_cache,
                  "__doc__": "PLaMo 3 with sliding caches of window_size + 1 entries."})
+
+
+def _window_only_make_cache(self: Any) -> list[Any]:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return [RotatingKVCache(max_size=int(self.args.sliding_window)) for _ in self.layers]
+
+
+@functools.cache
+def _window_only_class(base: type) -> type:
+    return type(f"WindowOnly{base.__name__}", (base,),
+                {"make_cache": _window_only_make_cache,
+                 "__doc__": "DeepSeek-V4.1 without compressed layers: one rotating cache of "
+                            "sliding_window entries per layer."})
+
+
+def _latent_only_make_cache(self: Any) -> list[Any]:
+    from mlx_lm.models.cache import KVCache
+
+    return [KVCache() for _ in self.layers]
+
+
+@functools.cache
+def _latent_only_class(base: type) -> type:
+    return type(f"LatentOnly{base.__name__}", (base,),
+                {"make_cache": _latent_only_make_cache,
+                 "__doc__": "DeepSeek sparse attention within index_topk: one MLA cache per "
+                            "layer (the indexer's keys are not paged)."})
+
+
+def _sublayer_make_cache(self: Any) -> list[Any]:
+    from mlx_lm.models.cache import KVCache
+
+    return [KVCache() for layer in self.layers for _ in layer.self_attn]
+
+
+@functools.cache
+def _sublayer_class(base: type) -> type:
+    return type(f"Sublayer{base.__name__}", (base,),
+                {"make_cache": _sublayer_make_cache,
+                 "__doc__": "LongCat-Flash with one cache per attention sublayer."})

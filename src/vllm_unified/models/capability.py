@@ -158,7 +158,7 @@ def check_model(
     layout = ModelLayout(model_type, len(caches))
     declared = _declared_windows(config, len(caches), config_window,
                                  [_cache_window(_attention_cache(c)) for c in caches])
-    latent = _latent_slots(model, model_type, len(caches))
+    latent = latent_attention.latent_layers(model)
     for i, cache in enumerate(caches):
         kind = _slot_kind(model_type, i, cache)
         if kind in ("recurrent", "list") and model_type not in recurrent_families:
@@ -181,6 +181,8 @@ def check_model(
                                                 rope_dim=layer.rope_dim)
             continue
         layout.attention[i] = AttentionSlot(window, chunk=_cache_chunk(cache))
+    # after the slots' own refusals (a recurrent slot among MLA layers names that)
+    _check_latent_slots(model, model_type, len(caches))
     if latent and layout.latent is None:
         raise UnsupportedModel(model_type, "multi-head latent attention next to other "
                                "attention layers (one MLA page shape for every layer)")
@@ -293,6 +295,10 @@ _STATES_BEFORE_LAYERS = {
 #: mlx-lm cache types and the attention feature they stand for
 _CACHE_FEATURES = {
     "QuantizedKVCache": "mlx-lm's quantized KV cache",
+    # DeepSeek-V4.1 (window-only models get rotating caches: models/cache_fixes.py)
+    "LayerCache": "compressed sparse attention (mlx-lm's LayerCache: compressed KV groups an "
+                  "indexer picks per query, next to the sliding window; models whose "
+                  "compress_ratios are all 0 are served)",
 }
 
 
@@ -415,18 +421,17 @@ def _shared_kv(model: nn.Module, model_type: str, config: Mapping[str, Any],
     return shared
 
 
-def _latent_slots(model: nn.Module, model_type: str, num_slots: int
-                  ) -> dict[int, latent_attention.LatentAttention]:
-    """Slot index -> the MLA adapter of that decoder layer (slots are layers here).
+def _check_latent_slots(model: nn.Module, model_type: str, num_slots: int) -> None:
+    """MLA adapters number the cache slots one per decoder layer, or one per MLA sublayer
+    (:func:`~vllm_unified.models.latent_attention.latent_layers`).
 
     Raises:
-        UnsupportedModel: MLA layers where cache slots are not one per layer.
+        UnsupportedModel: MLA layers where the model's cache slots are not those.
     """
-    latent = latent_attention.latent_layers(model)
-    if latent and num_slots != len(model.layers):
+    if (latent_attention.latent_layers(model)
+            and num_slots != latent_attention.num_latent_slots(model)):
         raise UnsupportedModel(model_type, "multi-head latent attention in a model whose "
                                "cache slots are not its layers")
-    return latent
 
 
 #: mlx-lm modules whose layers attend over keys another cache slot holds, passing their own

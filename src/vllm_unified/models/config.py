@@ -48,6 +48,8 @@ def mlx_lm_config(hf_config: Mapping[str, Any], *,
         fixup(cfg)
     if model_type == "phi3small":
         _phi3small_context(cfg, max_model_len)
+    if model_type in SPARSE_ATTENTION_INDEXED:
+        _indexed_context(cfg, max_model_len)
     _longrope_factors(cfg, max_model_len)
     return cfg
 
@@ -168,17 +170,34 @@ def _no_rope_scaling(cfg: dict[str, Any]) -> None:
 
 
 def _ministral3(cfg: dict[str, Any]) -> None:
-    """mlx-lm's Ministral 3 reads its RoPE (and Llama 4's query scale) from
-    ``rope_parameters`` and requires the scale's keys; a config without the scale gets the
+    """mlx-lm's Ministral 3 and Mistral 4 read their RoPE (and Llama 4's query scale) from
+    ``rope_parameters`` and require the scale's keys; a config without the scale gets the
     neutral beta 0."""
     rope = dict(cfg.get("rope_parameters") or {})
     if not _is_flat(rope) or rope.get("rope_theta") is None:
-        raise ValueError("ministral3: rope_parameters without rope_theta")
+        raise ValueError(f"{cfg['model_type']}: rope_parameters without rope_theta")
     rope.setdefault("llama_4_scaling_beta", 0.0)
     rope.setdefault("original_max_position_embeddings",
                     cfg.get("original_max_position_embeddings")
                     or cfg.get("max_position_embeddings"))
     cfg["rope_parameters"] = rope
+
+
+def _mimo_v2_flash(cfg: dict[str, Any]) -> None:
+    """MiMo-V2-Flash's layers and window are ``hybrid_layer_pattern`` (1: sliding window) and
+    ``sliding_window_size``, which mlx-lm's and vLLM's models read; transformers' config class
+    fills ``layer_types`` and ``sliding_window`` from its own defaults whatever those say, so
+    they are rewritten from them. ``attention_chunk_size`` (in released configs) is dropped as
+    vLLM drops it: the architecture does not chunk its attention."""
+    pattern = cfg.get("hybrid_layer_pattern")
+    if pattern is None:
+        raise ValueError("mimo_v2_flash: no hybrid_layer_pattern (mlx-lm's module needs it)")
+    if len(pattern) != cfg.get("num_hidden_layers") or not set(pattern) <= {0, 1}:
+        raise ValueError(f"mimo_v2_flash: hybrid_layer_pattern {pattern} is not one 0 (full "
+                         f"attention) or 1 (sliding window) per layer")
+    cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    cfg["sliding_window"] = cfg.get("sliding_window_size") if 1 in pattern else None
+    cfg.pop("attention_chunk_size", None)
 
 
 def _phi3(cfg: dict[str, Any]) -> None:
@@ -269,6 +288,30 @@ def _phi3small_context(cfg: dict[str, Any], max_model_len: int | None) -> None:
                          f"{span} tokens of local blocks) is not supported by vllm-unified "
                          f"yet; a context of at most {span} tokens (--max-model-len "
                          f"{span}) is served")
+
+
+#: model types with DeepSeek sparse attention (DSA: an indexer picks ``index_topk`` keys per
+#: query once a sequence holds more), served as dense MLA for contexts up to ``index_topk``
+SPARSE_ATTENTION_INDEXED = frozenset({"deepseek_v32", "glm_moe_dsa"})
+
+
+def _indexed_context(cfg: dict[str, Any], max_model_len: int | None) -> None:
+    """DeepSeek sparse attention attends every earlier key while a sequence holds at most
+    ``index_topk`` of them (mlx-lm's indexer then selects nothing), which the MLA pages
+    compute; beyond, its indexer's selection is not.
+
+    Raises:
+        ValueError: a context (``max_model_len``, None: the model's maximum) beyond
+            ``index_topk``.
+    """
+    topk = int(cfg.get("index_topk") or 0)
+    length = max_model_len or cfg.get("max_position_embeddings")
+    if length is None or int(length) > topk:
+        raise ValueError(f"{cfg['model_type']}: DeepSeek sparse attention (an indexer picking "
+                         f"{topk} keys per query in longer contexts) is not supported by "
+                         f"vllm-unified yet; a context of at most {topk} tokens "
+                         f"(--max-model-len {topk}) is served as dense attention")
+
 
 def _starcoder2(cfg: dict[str, Any]) -> None:
     _no_rope_scaling(cfg)
@@ -760,6 +803,8 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen3": _qwen,
     "mistral": _needs_rope_theta,
     "ministral3": _ministral3,
+    "mistral4": _ministral3,
+    "mimo_v2_flash": _mimo_v2_flash,
     "phi3": _phi3,
     "olmo2": _needs_rope_theta,
     "granite": _needs_rope_theta,

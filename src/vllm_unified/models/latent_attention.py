@@ -21,12 +21,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from vllm_unified.kv.layer_cache import PagedLatentCache, PagedMask
 
-__all__ = ["FAMILIES", "GATED_OUTPUT", "LatentAttention", "LatentProbeCache",
-           "install_latent_attention", "latent_layers"]
+__all__ = ["FAMILIES", "GATED_OUTPUT", "INDEXED", "QUERY_SCALED", "IndexedLatentAttention",
+           "LatentAttention", "LatentProbeCache", "ScaledLatentAttention",
+           "install_latent_attention", "latent_layers", "num_latent_slots"]
 
 
 def _families() -> tuple[type, ...]:
@@ -35,14 +36,19 @@ def _families() -> tuple[type, ...]:
         bailing_moe_v3,
         deepseek_v2,
         deepseek_v3,
+        deepseek_v32,
         glm4_moe_lite,
+        longcat_flash,
         minicpm3,
+        mistral4,
         youtu_llm,
     )
 
     return (minicpm3.Attention, youtu_llm.YoutuLLMAttention, deepseek_v2.DeepseekV2Attention,
             deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention,
-            bailing_hybrid.MultiLatentAttention, bailing_moe_v3.BailingMLA)
+            bailing_hybrid.MultiLatentAttention, bailing_moe_v3.BailingMLA,
+            mistral4.Mistral4Attention, deepseek_v32.DeepseekV32Attention,
+            longcat_flash.LongcatFlashMLA)
 
 
 def _gated_families() -> tuple[type, ...]:
@@ -51,16 +57,42 @@ def _gated_families() -> tuple[type, ...]:
     return (bailing_moe_v3.BailingMLA,)
 
 
+def _query_scaled() -> tuple[type, ...]:
+    from mlx_lm.models import mistral4
+
+    return (mistral4.Mistral4Attention,)
+
+
+def _indexed() -> tuple[type, ...]:
+    from mlx_lm.models import deepseek_v32
+
+    return (deepseek_v32.DeepseekV32Attention,)
+
+
 #: mlx-lm MLA attention classes whose ``__call__`` is: queries from ``q_proj`` or
 #: ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` split into nope and rope parts; the latent
 #: and rope key from ``kv_a_proj_with_mqa``, the latent normalised by ``kv_a_layernorm``;
 #: ``rope(x, cache.offset)`` on both rope parts; keys and values up-projected by ``kv_b_proj``
 #: (or ``embed_q`` / ``unembed_out``); attention at ``scale`` (``softmax_scale``); ``o_proj``
-#: (Bailing's: ``dense``) (read in mlx-lm 0.32.2's sources, the pinned version)
+#: (Bailing's: ``dense``); LongCat-Flash's heads as ``num_attention_heads`` and its
+#: ``mla_scale_q_lora`` / ``mla_scale_kv_lora`` on the queries and the normalised latent
+#: (read in mlx-lm 0.32.2's sources, the pinned version)
 FAMILIES: tuple[type, ...] = _families()
 #: those of :data:`FAMILIES` that scale each head's output by ``sigmoid(g_proj(x))`` (in
 #: float32) before the output projection (Bailing V3)
 GATED_OUTPUT: tuple[type, ...] = _gated_families()
+
+#: the classes of :data:`FAMILIES` called as ``(x, attn_scale, mask, cache)``: both query parts
+#: are multiplied by ``attn_scale`` (Llama 4's position-dependent scale, one value per row
+#: or per position, computed by the model) after RoPE (Mistral 4)
+QUERY_SCALED: tuple[type, ...] = _query_scaled()
+
+#: the classes of :data:`FAMILIES` with DeepSeek sparse attention: mlx-lm's module takes a
+#: ``CacheList`` of its latent cache and its indexer's key cache, and attends densely while a
+#: sequence holds at most ``index_topk`` keys, the only contexts served
+#: (:data:`vllm_unified.models.config.SPARSE_ATTENTION_INDEXED`); the absorbed path skips the
+#: indexer
+INDEXED: tuple[type, ...] = _indexed()
 
 
 class LatentProbeCache(KVCache):
@@ -124,6 +156,12 @@ class LatentAttention(nn.Module):
         return int(self.inner.qk_rope_head_dim)
 
     @property
+    def num_heads(self) -> int:
+        """The query heads (``num_heads``, LongCat-Flash's ``num_attention_heads``)."""
+        inner = self.inner
+        return int(inner.num_heads if hasattr(inner, "num_heads") else inner.num_attention_heads)
+
+    @property
     def scale(self) -> float:
         """The softmax scale mlx-lm's module applies."""
         inner = self.inner
@@ -132,20 +170,33 @@ class LatentAttention(nn.Module):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not isinstance(cache, (PagedLatentCache, LatentProbeCache)):
             return self.inner(x, mask, cache)
+        return self._latent_forward(x, mask, cache)
+
+    def _latent_forward(self, x: mx.array, mask: Any, cache: Any,
+                        query_scale: mx.array | None = None) -> mx.array:
+        """The absorbed path over ``cache``'s latent rows; ``query_scale`` multiplies both
+        query parts after RoPE (broadcast against ``[B, H, L, 1]``)."""
         if not _plain_causal(mask):
             raise TypeError(f"an MLA layer takes a plain causal mask, got {mask!r}")
         inner = self.inner
         B, L, _ = x.shape  # noqa: N806 - mlx-lm's names
-        heads, nope = int(inner.num_heads), int(inner.qk_nope_head_dim)
+        heads, nope = self.num_heads, int(inner.qk_nope_head_dim)
         q = inner.q_proj(x) if inner.q_lora_rank is None else \
             inner.q_b_proj(inner.q_a_layernorm(inner.q_a_proj(x)))
         q = q.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
+        q_lora_scale, kv_lora_scale = _lora_scales(inner)
+        if q_lora_scale is not None:
+            q = q * q_lora_scale
         q_nope, q_pe = q[..., :nope], q[..., nope:]
         latent, k_pe = mx.split(inner.kv_a_proj_with_mqa(x), [self.latent_dim], axis=-1)
         latent = inner.kv_a_layernorm(latent)
+        if kv_lora_scale is not None:
+            latent = latent * kv_lora_scale
         k_pe = k_pe.reshape(B, L, 1, self.rope_dim).transpose(0, 2, 1, 3)
         q_pe = inner.rope(q_pe, cache.offset)
         k_pe = inner.rope(k_pe, cache.offset)
+        if query_scale is not None:
+            q_nope, q_pe = q_nope * query_scale, q_pe * query_scale
         cache.write_latent(mx.concatenate([latent, k_pe.transpose(0, 2, 1, 3)
                                            .reshape(B, L, self.rope_dim)], axis=-1))
         w_uk, w_uv = self._up_projections(x.dtype)
@@ -176,7 +227,7 @@ class LatentAttention(nn.Module):
         inner, r = self.inner, self.latent_dim
         if "kv_b_proj" in inner:
             _no_bias(inner.kv_b_proj)
-            heads, nope = int(inner.num_heads), int(inner.qk_nope_head_dim)
+            heads, nope = self.num_heads, int(inner.qk_nope_head_dim)
             w = inner.kv_b_proj(mx.eye(r, dtype=dtype)).T.reshape(heads, -1, r)
             w_uk, w_uv = w[:, :nope], w[:, nope:].swapaxes(1, 2)
         else:
@@ -188,6 +239,38 @@ class LatentAttention(nn.Module):
         mx.eval(cached)
         object.__setattr__(self, "_absorbed", cached)  # not a parameter of the model
         return cached
+
+
+class ScaledLatentAttention(LatentAttention):
+    """:class:`LatentAttention` for the modules of :data:`QUERY_SCALED`, whose callers pass
+    the query scale before the mask."""
+
+    def __call__(self, x: mx.array, attn_scale: mx.array, mask: Any = None,
+                 cache: Any = None) -> mx.array:
+        if not isinstance(cache, (PagedLatentCache, LatentProbeCache)):
+            return self.inner(x, attn_scale, mask, cache)
+        return self._latent_forward(x, mask, cache, query_scale=attn_scale)
+
+
+class IndexedLatentAttention(LatentAttention):
+    """:class:`LatentAttention` for the modules of :data:`INDEXED`. A plain ``KVCache`` (the
+    load-time probe's, one per layer) is handed to mlx-lm's module as the ``CacheList`` it
+    reads, with an indexer key cache kept on it."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if isinstance(cache, (PagedLatentCache, LatentProbeCache)):
+            return self._latent_forward(x, mask, cache)
+        if isinstance(cache, KVCache):
+            if getattr(cache, "indexer_cache", None) is None:
+                cache.indexer_cache = KVCache()
+            cache = CacheList(cache, cache.indexer_cache)
+        return self.inner(x, mask, cache)
+
+
+def _lora_scales(inner: nn.Module) -> tuple[float | None, float | None]:
+    """LongCat-Flash's ``mla_scale_q_lora`` (on the queries) and ``mla_scale_kv_lora`` (on
+    the normalised latent), None where the module has none."""
+    return (getattr(inner, "mla_scale_q_lora", None), getattr(inner, "mla_scale_kv_lora", None))
 
 
 def _plain_causal(mask: Any) -> bool:
@@ -212,23 +295,57 @@ def _no_bias(module: nn.Module) -> None:
 
 def install_latent_attention(model: nn.Module) -> dict[int, LatentAttention]:
     """Wrap every MLA attention module of :data:`FAMILIES` that is a direct child of one of
-    ``model.layers`` in :class:`LatentAttention` (idempotent; changes this model instance).
+    ``model.layers``, or an entry of a list that is (LongCat-Flash's two attention sublayers),
+    in :class:`LatentAttention` (idempotent; changes this model instance).
 
     Returns:
         :func:`latent_layers` after the install.
     """
     for layer in getattr(model, "layers", None) or []:
         for name, child in layer.children().items():
-            if isinstance(child, FAMILIES) and not isinstance(child, LatentAttention):
-                layer[name] = LatentAttention(child)
+            if isinstance(child, list):
+                entries = layer[name]  # the layer's own list (children() builds a new one)
+                for j, entry in enumerate(entries):
+                    entries[j] = _wrapped(entry)
+            else:
+                layer[name] = _wrapped(child)
     return latent_layers(model)
 
 
+def _wrapped(module: Any) -> Any:
+    """``module`` in its :class:`LatentAttention` wrapper if it is an unwrapped MLA module."""
+    if not isinstance(module, FAMILIES) or isinstance(module, LatentAttention):
+        return module
+    wrapper = ScaledLatentAttention if isinstance(module, QUERY_SCALED) else \
+        IndexedLatentAttention if isinstance(module, INDEXED) else LatentAttention
+    return wrapper(module)
+
+
 def latent_layers(model: nn.Module) -> dict[int, LatentAttention]:
-    """Decoder layer index -> its :class:`LatentAttention`, for the layers that have one."""
-    found = {}
-    for i, layer in enumerate(getattr(model, "layers", None) or []):
+    """Cache slot -> its :class:`LatentAttention`, for the slots that have one. A decoder
+    layer takes one slot, or one per entry of its list of MLA modules, in order (slots are the
+    layer indices where no layer has such a list)."""
+    return _latent_slots(model)[0]
+
+
+def num_latent_slots(model: nn.Module) -> int:
+    """The cache slots :func:`latent_layers` numbers: one per decoder layer, one per MLA
+    module of a layer with a list of them."""
+    return _latent_slots(model)[1]
+
+
+def _latent_slots(model: nn.Module) -> tuple[dict[int, LatentAttention], int]:
+    found, slot = {}, 0
+    for layer in getattr(model, "layers", None) or []:
+        listed = [entry for child in layer.children().values() if isinstance(child, list)
+                  for entry in child if isinstance(entry, LatentAttention)]
+        if listed:
+            for entry in listed:
+                found[slot] = entry
+                slot += 1
+            continue
         for child in layer.children().values():
             if isinstance(child, LatentAttention):
-                found[i] = child
-    return found
+                found[slot] = child
+        slot += 1
+    return found, slot
