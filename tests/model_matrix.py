@@ -263,7 +263,6 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     **dict.fromkeys(("deepseek", "deepseek_v32"), {"n_routed_experts": 4}),
     # DeepSeek-V3's epsilon (mlx-lm's module hard-codes it on the latent norms)
     "deepseek_v3": {"n_routed_experts": 4, "rms_norm_eps": 1e-6},
-    **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
     # mixture of experts: the layer stacks the families' own layouts need
     # 4 layers: mlx-lm's qwen3_next / qwen3_5 put full attention on every 4th layer
     "qwen3_next": {"num_hidden_layers": 4},
@@ -363,6 +362,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration", "lfm2-vl": "Lfm2VlForConditionalGeneration",
     "muse_glimmer": "MuseGlimmerForConditionalGeneration",
+    "kimi_vl": "KimiVLForConditionalGeneration", "kimi_k25": "KimiK25ForConditionalGeneration",
 }
 
 #: multimodal model type -> (the mlx-lm type of its language model, whose tiny config is the
@@ -377,6 +377,9 @@ WRAPPED_TEXT: dict[str, tuple[str, str]] = {
     "qwen3_vl": ("qwen3", "qwen3_vl_text"),
     "qwen3_vl_moe": ("qwen3_moe", "qwen3_vl_moe_text"),
     "lfm2-vl": ("lfm2", "lfm2"),
+    # DeepSeek-V3 language models (Kimi K2.5's config names its text part kimi_k2)
+    "kimi_vl": ("deepseek_v3", "deepseek_v3"),
+    "kimi_k25": ("deepseek_v3", "kimi_k2"),
 }
 
 #: types mlx-lm cannot build here, as the checkpoints people have: the transformers config and

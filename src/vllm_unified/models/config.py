@@ -704,9 +704,10 @@ _TEXT_PART_FIXUPS: dict[str, str | None] = {
     "gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2",
     "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
     "mistral3": None, "pixtral": None, "llava": None, "lfm2-vl": "lfm2", "lfm2_vl": "lfm2",
+    "kimi_vl": "deepseek_v3", "kimi_k25": "deepseek_v3",
 }
 _TEXT_TYPE_NAMES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
-                    "qwen3_vl_moe_text": "qwen3_moe"}
+                    "qwen3_vl_moe_text": "qwen3_moe", "kimi_k2": "deepseek_v3"}
 
 
 def _text_part(cfg: dict[str, Any]) -> None:
