@@ -698,6 +698,15 @@ def _lfm2_moe(cfg: dict[str, Any]) -> None:
                          "supported by mlx-lm, which always uses the embedding")
 
 
+def _kimi_linear(cfg: dict[str, Any]) -> None:
+    """Kimi Linear: mlx-lm's MLA layers rotate nothing (NoPE), which vLLM computes only with
+    ``mla_use_nope`` true (its default is false)."""
+    _refuse_unless("kimi_linear", [
+        (cfg.get("mla_use_nope") is True,
+         f"mla_use_nope {cfg.get('mla_use_nope')} (RoPE on the MLA layers)"),
+    ])
+
+
 #: multimodal model type -> the model type whose fix-up its ``text_config`` gets (None: the
 #: text config's own ``model_type``); transformers' names of text parts -> mlx-lm's
 _TEXT_PART_FIXUPS: dict[str, str | None] = {
@@ -788,6 +797,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "glm4_moe_lite": _deepseek_v3,
     "glm4_moe": _glm4_moe,
     "lfm2_moe": _lfm2_moe,
+    "kimi_linear": _kimi_linear,
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,
     "recurrent_gemma": _recurrent_gemma,

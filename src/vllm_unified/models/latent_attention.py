@@ -30,16 +30,25 @@ __all__ = ["FAMILIES", "LatentAttention", "LatentProbeCache", "install_latent_at
 
 
 def _families() -> tuple[type, ...]:
-    from mlx_lm.models import deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3, youtu_llm
+    from mlx_lm.models import (
+        deepseek_v2,
+        deepseek_v3,
+        glm4_moe_lite,
+        kimi_linear,
+        minicpm3,
+        youtu_llm,
+    )
 
     return (minicpm3.Attention, youtu_llm.YoutuLLMAttention, deepseek_v2.DeepseekV2Attention,
-            deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention)
+            deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention,
+            kimi_linear.KimiMLAAttention)
 
 
 #: mlx-lm MLA attention classes whose ``__call__`` is: queries from ``q_proj`` or
 #: ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` split into nope and rope parts; the latent
 #: and rope key from ``kv_a_proj_with_mqa``, the latent normalised by ``kv_a_layernorm``;
-#: ``rope(x, cache.offset)`` on both rope parts; keys and values up-projected by ``kv_b_proj``
+#: ``rope(x, cache.offset)`` on both rope parts (Kimi Linear's module has no ``rope``: its
+#: "rope" parts stay unrotated, NoPE); keys and values up-projected by ``kv_b_proj``
 #: (or ``embed_q`` / ``unembed_out``); attention at ``scale`` (``softmax_scale``); ``o_proj``
 #: (read in mlx-lm 0.32.2's sources, the pinned version)
 FAMILIES: tuple[type, ...] = _families()
@@ -119,15 +128,16 @@ class LatentAttention(nn.Module):
         inner = self.inner
         B, L, _ = x.shape  # noqa: N806 - mlx-lm's names
         heads, nope = int(inner.num_heads), int(inner.qk_nope_head_dim)
-        q = inner.q_proj(x) if inner.q_lora_rank is None else \
+        q = inner.q_proj(x) if getattr(inner, "q_lora_rank", None) is None else \
             inner.q_b_proj(inner.q_a_layernorm(inner.q_a_proj(x)))
         q = q.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
         q_nope, q_pe = q[..., :nope], q[..., nope:]
         latent, k_pe = mx.split(inner.kv_a_proj_with_mqa(x), [self.latent_dim], axis=-1)
         latent = inner.kv_a_layernorm(latent)
         k_pe = k_pe.reshape(B, L, 1, self.rope_dim).transpose(0, 2, 1, 3)
-        q_pe = inner.rope(q_pe, cache.offset)
-        k_pe = inner.rope(k_pe, cache.offset)
+        if hasattr(inner, "rope"):
+            q_pe = inner.rope(q_pe, cache.offset)
+            k_pe = inner.rope(k_pe, cache.offset)
         cache.write_latent(mx.concatenate([latent, k_pe.transpose(0, 2, 1, 3)
                                            .reshape(B, L, self.rope_dim)], axis=-1))
         w_uk, w_uv = self._up_projections(x.dtype)
