@@ -322,11 +322,12 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
                     "linear_attn_config": {"num_heads": 3, "head_dim": 32,
                                            "short_conv_kernel_size": 4, "kda_layers": [1, 2],
                                            "full_attn_layers": [3]}},
-    # Kimi K3: KDA and NoPE MLA as Kimi Linear, SiTU activations, attention residuals
+    # Kimi K3: KDA (one fused convolution state) and gated NoPE MLA, SiTU activations,
+    # attention residuals
     "kimi_k3": {"text_config": {
         "num_hidden_layers": 3, "hidden_act": "situ", "activation_situ_beta": 2.0,
         "num_experts": 5, "num_experts_per_token": 2, "num_shared_experts": 1,
-        "mla_use_nope": True, "attn_res_block_size": 2,
+        "mla_use_nope": True, "mla_use_output_gate": True, "attn_res_block_size": 2,
         "linear_attn_config": {"num_heads": 3, "head_dim": 32, "short_conv_kernel_size": 4,
                                "kda_layers": [1, 2], "full_attn_layers": [3]}}},
     # MiniMax-M3's language model: a dense first layer with full attention, then experts with

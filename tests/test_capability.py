@@ -170,7 +170,6 @@ def _matrix_model(model_type: str):
 
 
 @pytest.mark.parametrize(("model_type", "feature"), [
-    ("kimi_k3", r"'kimi_k3' \(cache slot 0\): Kimi K3's delta attention \(KDA\)"),
     ("minimax_m3_vl", r"'minimax_m3_vl' \(cache slot 0\): MiniMax-M3's attention, whose cache "
                       r"is a per-layer CacheList"),
 ])

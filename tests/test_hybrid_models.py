@@ -598,20 +598,24 @@ def test_kda_states_are_vllms_fused_convolution_state():
     np.testing.assert_array_equal(np.array(recurrent)[0], np.array(x)[:, 0].sum(axis=0))
 
 
-def test_kimi_linear_routes_kda_and_nope_latent_attention():
-    """Kimi Linear's tiny model: KDA layers on state pages, its NoPE MLA layer on latent
-    pages (the load-time probe compares the absorbed attention with mlx-lm's module); MLA
+@pytest.mark.parametrize("model_type", ["kimi_linear", "kimi_k3"])
+def test_kimi_routes_kda_and_nope_latent_attention(model_type):
+    """Kimi Linear's and Kimi K3's tiny models (matrix weights: O(1) activations): KDA layers
+    on state pages, the NoPE MLA layer (K3's with its output gate) on latent pages; the
+    load-time probe compares the absorbed attention with mlx-lm's module. Kimi Linear's MLA
     with RoPE is refused, which mlx-lm's module does not compute."""
     import model_matrix as mm
 
     from vllm_unified.models.capability import route_model
     from vllm_unified.models.config import mlx_lm_config
 
-    config = mm.tiny_config("kimi_linear")
-    model_class, args_class = mm.model_classes("kimi_linear")
+    config = mm.tiny_config(model_type)
+    model_class, args_class = mm.model_classes(model_type)
     model = model_class(args_class.from_dict(config))
+    mm.randomize(model, 1)
     layout, _ = route_model(model, config, kv_shape=None, config_window=None)
     assert layout.recurrent == [0, 1] and list(layout.attention) == [2]
     assert (layout.attention[2].latent_dim, layout.attention[2].rope_dim) == (32, 32)
-    with pytest.raises(ValueError, match="mla_use_nope False"):
-        mlx_lm_config({**config, "mla_use_nope": False})
+    if model_type == "kimi_linear":
+        with pytest.raises(ValueError, match="mla_use_nope False"):
+            mlx_lm_config({**config, "mla_use_nope": False})

@@ -82,6 +82,8 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # keeps the q, k and v convolution states apart, vLLM as one
     "kimi_linear": HybridFamily("self_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN",
                                 to_mixer=_split_kda_conv, from_mixer=_join_kda_conv),
+    # Kimi K3's KDA keeps one fused convolution state, as vLLM does
+    "kimi_k3": HybridFamily("self_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
     # Qwen3.5 with Hadamard-rotated 2-bit packed linears (mlx-lm's prism_hadamard_qwen35)
     "prism_hadamard_qwen35": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear),
                                           "GDN_ATTN"),

@@ -295,9 +295,6 @@ _CACHE_FEATURES = {
 #: (mlx-lm module, class) of a decoder layer's mixer -> the feature it computes, named when
 #: its cache slot is refused
 LAYER_FEATURES: dict[tuple[str, str], str] = {
-    ("kimi_k3", "KimiK3DeltaAttention"): "Kimi K3's delta attention (KDA) beside attention "
-                                         "residuals (each layer mixes earlier blocks' "
-                                         "outputs)",
     ("minimax_m3_vl", "Attention"): "MiniMax-M3's attention, whose cache is a per-layer "
                                     "CacheList (its block-sparse layers' key-block indexer "
                                     "keeps its keys in a second cache)",

@@ -34,6 +34,7 @@ def _families() -> tuple[type, ...]:
         deepseek_v2,
         deepseek_v3,
         glm4_moe_lite,
+        kimi_k3,
         kimi_linear,
         minicpm3,
         youtu_llm,
@@ -41,7 +42,7 @@ def _families() -> tuple[type, ...]:
 
     return (minicpm3.Attention, youtu_llm.YoutuLLMAttention, deepseek_v2.DeepseekV2Attention,
             deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention,
-            kimi_linear.KimiMLAAttention)
+            kimi_linear.KimiMLAAttention, kimi_k3.KimiK3MLAAttention)
 
 
 #: mlx-lm MLA attention classes whose ``__call__`` is: queries from ``q_proj`` or
@@ -49,7 +50,8 @@ def _families() -> tuple[type, ...]:
 #: and rope key from ``kv_a_proj_with_mqa``, the latent normalised by ``kv_a_layernorm``;
 #: ``rope(x, cache.offset)`` on both rope parts (Kimi Linear's module has no ``rope``: its
 #: "rope" parts stay unrotated, NoPE); keys and values up-projected by ``kv_b_proj``
-#: (or ``embed_q`` / ``unembed_out``); attention at ``scale`` (``softmax_scale``); ``o_proj``
+#: (or ``embed_q`` / ``unembed_out``); attention at ``scale`` (``softmax_scale``); where
+#: ``use_gate`` (Kimi K3) the output times ``sigmoid(g_proj(x))``; ``o_proj``
 #: (read in mlx-lm 0.32.2's sources, the pinned version)
 FAMILIES: tuple[type, ...] = _families()
 
@@ -144,7 +146,10 @@ class LatentAttention(nn.Module):
         q_latent = _per_head(q_nope, w_uk)  # [B, H, L, r]
         queries = mx.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)
         out = _per_head(cache.attend_latent(queries, self.scale), w_uv)  # [B, H, L, v]
-        return inner.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        if getattr(inner, "use_gate", False):
+            out = out * mx.sigmoid(inner.g_proj(x))
+        return inner.o_proj(out)
 
     def _up_projections(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """``(W_UK [H, nope, r], W_UV^T [H, r, v])`` in ``dtype``, from ``kv_b_proj`` or
