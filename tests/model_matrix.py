@@ -61,8 +61,9 @@ VOCAB = 49152
 #: built / not_built (no checkpoint) / match / match_vllm (a :data:`VLLM_OVER_MLX_LM` type:
 #: tokens differ from mlx-lm's, equal those of vLLM's CPU backend in fp32 on the same
 #: checkpoint) / mismatch (served, tokens differ from the reference) / refused (the engine
-#: refused the model at start-up) / crashed (a traceback elsewhere) / reference_failed (mlx-lm
-#: itself cannot generate) / not_run (absent from the results)
+#: refused the model at start-up, with or without a reference) / crashed (a traceback
+#: elsewhere) / reference_failed (mlx-lm itself cannot generate; the engine serves it or was
+#: not run) / not_run (absent from the results)
 #: types whose mlx-lm ``sanitize`` rewrites saved weights by design (Baichuan-M1's NormHead
 #: normalises the LM head's rows): their reload is compared with what sanitize makes of them
 SANITIZE_REWRITES = frozenset({"baichuan_m1"})
@@ -267,7 +268,6 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "glm_moe_dsa": {"index_topk": 256},
     # DeepSeek-V3's epsilon (mlx-lm's module hard-codes it on the latent norms)
     "deepseek_v3": {"n_routed_experts": 4, "rms_norm_eps": 1e-6},
-    **dict.fromkeys(("kimi_k25", "kimi_vl"), {"text_config": {"n_routed_experts": 4}}),
     # mixture of experts: the layer stacks the families' own layouts need
     # 4 layers: mlx-lm's qwen3_next / qwen3_5 put full attention on every 4th layer
     "qwen3_next": {"num_hidden_layers": 4},
@@ -324,6 +324,34 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "qwen3_5": {"text_config": {"num_hidden_layers": 4, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
     "prism_hadamard_qwen35": lambda cfg: _hadamard_pack(cfg),
+    # Kimi delta attention (KDA) on layers 1 and 2 (1-based kda_layers), NoPE MLA on layer 3
+    "kimi_linear": {"num_hidden_layers": 3, "mla_use_nope": True, "num_experts_per_token": 2,
+                    "linear_attn_config": {"num_heads": 3, "head_dim": 32,
+                                           "short_conv_kernel_size": 4, "kda_layers": [1, 2],
+                                           "full_attn_layers": [3]}},
+    # Kimi K3: KDA (one fused convolution state) and gated NoPE MLA, SiTU activations,
+    # attention residuals
+    "kimi_k3": {"text_config": {
+        "num_hidden_layers": 3, "hidden_act": "situ", "activation_situ_beta": 2.0,
+        "num_experts": 5, "num_experts_per_token": 2, "num_shared_experts": 1,
+        "mla_use_nope": True, "mla_use_output_gate": True, "attn_res_block_size": 2,
+        "linear_attn_config": {"num_heads": 3, "head_dim": 32, "short_conv_kernel_size": 4,
+                               "kda_layers": [1, 2], "full_attn_layers": [3]}}},
+    # MiniMax-M3's language model: a dense first layer with full attention, then experts with
+    # block-sparse attention (an indexer picks 2 key blocks of 4)
+    "minimax_m3_vl": {"text_config": {
+        "num_hidden_layers": 2, "moe_layer_freq": [0, 1], "num_local_experts": 5,
+        "dense_intermediate_size": 128, "rotary_dim": 16,
+        "layer_types": ["full_attention", "minimax_m3_sparse"],
+        "sparse_attention_config": {"sparse_num_index_heads": 1, "sparse_index_dim": 32,
+                                    "sparse_block_size": 4, "sparse_topk_blocks": 2,
+                                    "sparse_local_block": 1}}},
+    # Muse Spark's language model: a sliding layer with RoPE, a global one without
+    "muse_spark": {"text_config": {
+        "num_hidden_layers": 2, "post_norm_eps": 1e-5, "layer_rope_theta": [10000.0, 0],
+        "layer_types": ["sliding_attention", "full_attention"], "output_multiplier": 2.0,
+        "moe_hidden_size": 64, "num_local_experts": 5, "num_shared_experts": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}},
     # written out: vLLM's config class and mlx-lm default both differently when absent
     "muse_glimmer": {"num_hidden_layers": 4, "qk_scale_factor": 3.87,
                      "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
@@ -370,6 +398,9 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration", "lfm2-vl": "Lfm2VlForConditionalGeneration",
     "muse_glimmer": "MuseGlimmerForConditionalGeneration",
+    "kimi_vl": "KimiVLForConditionalGeneration", "kimi_k25": "KimiK25ForConditionalGeneration",
+    "kimi_k3": "KimiK3ForConditionalGeneration",
+    "minimax_m3_vl": "MiniMaxM3SparseForConditionalGeneration",
 }
 
 #: multimodal model type -> (the mlx-lm type of its language model, whose tiny config is the
@@ -384,6 +415,9 @@ WRAPPED_TEXT: dict[str, tuple[str, str]] = {
     "qwen3_vl": ("qwen3", "qwen3_vl_text"),
     "qwen3_vl_moe": ("qwen3_moe", "qwen3_vl_moe_text"),
     "lfm2-vl": ("lfm2", "lfm2"),
+    # DeepSeek-V3 language models (Kimi K2.5's config names its text part kimi_k2)
+    "kimi_vl": ("deepseek_v3", "deepseek_v3"),
+    "kimi_k25": ("deepseek_v3", "kimi_k2"),
 }
 
 #: types mlx-lm cannot build here, as the checkpoints people have: the transformers config and
@@ -395,10 +429,7 @@ TRANSFORMERS_BUILT: dict[str, tuple[str, str]] = {
 }
 
 #: model type -> why the matrix has no checkpoint for it (the build error is recorded too)
-KNOWN_UNBUILT: dict[str, str] = {
-    **dict.fromkeys(("kimi_k3", "kimi_linear", "minimax_m3_vl", "muse_spark"),
-                    "mixture of experts (the MoE issue): no tiny config written yet"),
-}
+KNOWN_UNBUILT: dict[str, str] = {}
 
 #: expert counts: set only where the family has no dense default
 _EXPERT_COUNTS = frozenset({"num_experts", "n_routed_experts", "num_local_experts",
@@ -960,12 +991,20 @@ def prepare_type(model_type: str, work: Path) -> TypeResult:
 
 def serve_type(result: TypeResult, work: Path) -> TypeResult:
     """Serve a prepared type through the engine and record the outcome (thread-safe: the
-    engine runs in its own process)."""
+    engine runs in its own process). A type whose reference failed stays
+    ``reference_failed`` if the engine serves it (nothing to compare with), and becomes
+    ``refused`` or ``crashed`` as the engine's start-up goes."""
     start = time.monotonic()
     state, tokens, message = serve(work / "checkpoints" / result.model_type,
                                    prompts(result.model_type), NEW_TOKENS,
                                    "recurrent" in result.features,
                                    work / "runs" / result.model_type)
+    if result.reference is None:  # mlx-lm cannot generate: did the engine refuse it too?
+        result.served = tokens
+        if state != "served":
+            result.outcome, result.message = state, f"{message} (mlx-lm: {result.message})"
+        result.seconds = round((result.seconds or 0) + time.monotonic() - start, 1)
+        return result
     result.served, result.message = tokens, message
     if state == "served":
         result.outcome = "match" if tokens == result.reference else "mismatch"
@@ -999,9 +1038,14 @@ def _compare_with_vllm(result: TypeResult, work: Path) -> None:
 def run_type(model_type: str, work: Path, serve_it: bool = True) -> TypeResult:
     """Build, reference and (``serve_it``) serve one type; never raises."""
     result = prepare_type(model_type, work)
-    if serve_it and result.reference is not None:
+    if serve_it and _servable(result):
         serve_type(result, work)
     return result
+
+
+def _servable(result: TypeResult) -> bool:
+    """Built, with a reference or one that mlx-lm itself failed to give."""
+    return result.reference is not None or result.outcome == "reference_failed"
 
 
 def run_matrix(types: Iterable[str], work: Path, out: Path, serve_it: bool = True,
@@ -1032,7 +1076,7 @@ def run_matrix(types: Iterable[str], work: Path, out: Path, serve_it: bool = Tru
             if model_type in results and results[model_type].outcome in skip:
                 continue
             result = prepare_type(model_type, work)
-            if serve_it and result.reference is not None and (include_moe or not result.moe):
+            if serve_it and _servable(result) and (include_moe or not result.moe):
                 while len(pending) >= max(1, jobs):
                     done, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for f in done:

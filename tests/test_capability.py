@@ -177,3 +177,32 @@ def test_a_state_ahead_of_the_layers_is_refused_by_name():
                        "n-gram embeddings over each sequence's previous tokens"):
         check_model(model, cfg, recurrent_families=HYBRID_FAMILIES, kv_shape=None,
                     config_window=None)
+
+
+def _matrix_model(model_type: str):
+    import model_matrix as mm
+
+    config = mm.tiny_config(model_type)
+    model_class, args_class = mm.model_classes(model_type)
+    return model_class(args_class.from_dict(config)), config
+
+
+@pytest.mark.parametrize(("model_type", "feature"), [
+    ("minimax_m3_vl", r"'minimax_m3_vl' \(cache slot 0\): MiniMax-M3's attention, whose cache "
+                      r"is a per-layer CacheList"),
+])
+def test_a_refused_layer_names_the_feature_its_mixer_computes(model_type, feature):
+    """A slot refused for its cache names the mlx-lm mixer's feature (LAYER_FEATURES)."""
+    model, config = _matrix_model(model_type)
+    with pytest.raises(UnsupportedModel, match=feature):
+        route_model(model, config, kv_shape=None, config_window=None)
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="Metal runs mlx-lm's Metal kernels")
+def test_metal_only_kernels_are_refused_by_name():
+    """Muse Spark's mlx-lm module computes with mx.fast.metal_kernel: refused on a backend
+    without Metal, naming it, rather than failing at the first request."""
+    model, config = _matrix_model("muse_spark")
+    with pytest.raises(UnsupportedModel, match=r"'muse_spark': Metal-only kernels of mlx-lm's "
+                                               r"module \(mx.fast.metal_kernel\)"):
+        route_model(model, config, kv_shape=None, config_window=None)

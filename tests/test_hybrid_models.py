@@ -663,3 +663,65 @@ def test_attention_state_reads_the_previous_row_or_the_page():
     keys, values = pages.read(mx.array([2, 4, 5], dtype=mx.int32))
     np.testing.assert_array_equal(np.array(keys).reshape(3, 2), xs[[0, 3, 4]])
     np.testing.assert_array_equal(np.array(values).reshape(3, 2), 2 * xs[[0, 3, 4]])
+
+
+class _FourStateMixer(nn.Module):
+    """Keeps four states as Kimi Linear's KDA does (q, k, v convolutions, the recurrence):
+    each conv state becomes its last input row times 1, 2, 3; the recurrence adds the input."""
+
+    def __call__(self, x, mask=None, cache=None):
+        q, k, v, s = (cache[i] for i in range(4))
+        last = x[:, -1:, :]
+        cache[0], cache[1], cache[2] = q * 0 + last, k * 0 + 2 * last, v * 0 + 3 * last
+        cache[3] = s + x.sum(axis=1)
+        return x
+
+
+def test_kda_states_are_vllms_fused_convolution_state():
+    """Kimi Linear's mixer sees vLLM's one convolution state [K-1, 3P] as its q, k and v
+    states [K-1, P] each, and its writes land back in the fused state in that order."""
+    from vllm_unified.kv.hybrid import HYBRID_FAMILIES
+    from vllm_unified.models.routing import _StateLayout
+
+    p = 4
+    family = HYBRID_FAMILIES["kimi_linear"]
+    fields = state_fields([(1, 3 * p), (p,)], [torch.float32, torch.float32])
+    pages = StatePages.allocate_mlx(3, 64, fields)
+    store = StateStore({0: pages}, {0: 1})
+    mixer = RecurrentMixer(_FourStateMixer(), layout=_StateLayout(family.to_mixer,
+                                                                  family.from_mixer))
+    qlens, slens = np.array([2]), np.array([2])
+    ctx = StepContext(
+        attn=build_attention_metadata(qlens, slens, np.zeros((1, 1), np.int32), 16),
+        state=build_state_metadata(qlens, slens, {1: np.array([1])}))
+    x = mx.arange(2 * p, dtype=mx.float32).reshape(2, 1, p)
+    with set_step_context(ctx):
+        mx.eval(mixer(x, None, StateLayerCache(store, 0)))
+    conv, recurrent = pages.read(mx.array([1], dtype=mx.int32))
+    last = np.array(x)[1, 0]
+    np.testing.assert_array_equal(np.array(conv)[0, 0], np.concatenate([last, 2 * last,
+                                                                         3 * last]))
+    np.testing.assert_array_equal(np.array(recurrent)[0], np.array(x)[:, 0].sum(axis=0))
+
+
+@pytest.mark.parametrize("model_type", ["kimi_linear", "kimi_k3"])
+def test_kimi_routes_kda_and_nope_latent_attention(model_type):
+    """Kimi Linear's and Kimi K3's tiny models (matrix weights: O(1) activations): KDA layers
+    on state pages, the NoPE MLA layer (K3's with its output gate) on latent pages; the
+    load-time probe compares the absorbed attention with mlx-lm's module. Kimi Linear's MLA
+    with RoPE is refused, which mlx-lm's module does not compute."""
+    import model_matrix as mm
+
+    from vllm_unified.models.capability import route_model
+    from vllm_unified.models.config import mlx_lm_config
+
+    config = mm.tiny_config(model_type)
+    model_class, args_class = mm.model_classes(model_type)
+    model = model_class(args_class.from_dict(config))
+    mm.randomize(model, 1)
+    layout, _ = route_model(model, config, kv_shape=None, config_window=None)
+    assert layout.recurrent == [0, 1] and list(layout.attention) == [2]
+    assert (layout.attention[2].latent_dim, layout.attention[2].rope_dim) == (32, 32)
+    if model_type == "kimi_linear":
+        with pytest.raises(ValueError, match="mla_use_nope False"):
+            mlx_lm_config({**config, "mla_use_nope": False})

@@ -110,6 +110,72 @@ def test_loader_drives_the_language_model(gemma3_checkpoint):
     assert mx.array_equal(loaded.model(tokens), reference(tokens)).item()
 
 
+@pytest.fixture(scope="module")
+def kimi_checkpoints(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("kimi")
+    for model_type in ("kimi_vl", "kimi_k25"):
+        result = mm.build_checkpoint(model_type, root)
+        assert result.built, result.build_error
+    return root
+
+
+@pytest.mark.parametrize("model_type", ["kimi_vl", "kimi_k25"])
+def test_kimi_language_model_is_served_one_level_up(model_type, kimi_checkpoints):
+    """Kimi-VL and Kimi K2.5 load as their DeepSeek-V3 language model with its layers (no
+    vision tower built), from the config vLLM reads (its own classes for both), computing
+    what mlx-lm's whole model computes; sanitizing takes names with or without
+    ``language_model.`` and drops vision weights."""
+    import mlx.core as mx
+    from mlx_lm.models.deepseek_v3 import DeepseekV3Model
+    from vllm.transformers_utils.config import get_config
+
+    from vllm_unified.models.loader import load_model
+    from vllm_unified.models.text_parts import TEXT_MODELS
+
+    folder = kimi_checkpoints / model_type
+    loaded = load_model(folder, hf_config=get_config(str(folder), trust_remote_code=False),
+                        dtype=mx.float32, keep_quantized=False)
+    model = loaded.model
+    assert type(model) is TEXT_MODELS[model_type][0]
+    assert isinstance(model.model, DeepseekV3Model) and len(model.layers) == 2
+    assert not any(n.startswith(("vision", "multi_modal", "mm_")) for n, _ in
+                   model.named_modules())
+    reference = mm.load_reference_model(folder)
+    tokens = mx.array([list(range(100, 120))])
+    assert mx.array_equal(model(tokens), reference(tokens)).item()
+    weights = {"lm_head.weight": mx.zeros((2, 2)),
+               "language_model.model.norm.weight": mx.ones((2,)),
+               "vision_tower.patch_embed.weight": mx.zeros((2,)),
+               "multi_modal_projector.linear_1.weight": mx.zeros((2,))}
+    assert sorted(model.sanitize(weights)) == ["lm_head.weight", "model.norm.weight"]
+
+
+def test_kimi_k25_without_processor_files_is_served_text_only(kimi_checkpoints):
+    """vLLM builds Kimi K2.5's image processor from the checkpoint folder while it reads the
+    config; an mlx-lm conversion has no preprocessor_config.json: text-only, not a crash."""
+    folder = kimi_checkpoints / "kimi_k25"
+    assert not (folder / "preprocessor_config.json").exists()
+    cfg = _engine_config(folder)
+    assert cfg.model_config.architecture == "KimiK25ForConditionalGeneration"
+    assert cfg.model_config.multimodal_config.language_model_only
+    assert not cfg.model_config.supports_multimodal_inputs
+
+
+def test_kernel_registration_skips_modules_it_cannot_scan():
+    """With llvmlite loaded (numba, which vLLM's Kimi K2.5 module imports) vLLM's kernel
+    registration would raise on its library wrapper; the rejection-sampler kernels are routed
+    and the module stays loaded."""
+    out = _python("import sys, numba\n"
+                  "from vllm_unified import patches\n"
+                  "assert list(patches._unscannable_modules()) == ['llvmlite.binding.ffi']\n"
+                  "patches.route_rejection_sampler_kernels()\n"
+                  "patches.require_rejection_sampler_kernels()\n"
+                  "assert 'llvmlite.binding.ffi' in sys.modules\n"
+                  "print('routed')")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "routed"
+
+
 def _engine_config(model: Path, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 

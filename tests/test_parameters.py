@@ -51,3 +51,15 @@ def test_expert_layer_without_top_k_is_an_error():
             del m.top_k
     with pytest.raises(ValueError, match="top_k"):
         parameter_summary(model, {})
+
+
+def test_top_k_from_kimis_config_name():
+    """Kimi Linear's MoE block keeps no top_k; its config spells it num_experts_per_token."""
+    model = _model()
+    want = parameter_summary(model, {}).active
+    for _, m in model.named_modules():
+        if hasattr(m, "top_k"):
+            k = m.top_k
+            del m.top_k
+    assert parameter_summary(model, {"num_experts_per_token": k}).active == want
+    assert parameter_summary(model, {"text_config": {"num_experts_per_token": k}}).active == want

@@ -26,7 +26,8 @@ def test_every_patch_is_listed_with_its_target_version_and_reason() -> None:
                          patches.patch_responses_empty_output_message,
                          patches.bound_prefix_cache_residency,
                          patches.load_structured_output_tokenizer_lazily,
-                         patches.stand_in_for_missing_torchvision}
+                         patches.stand_in_for_missing_torchvision,
+                         patches.serve_text_only_without_processor_files}
     for patch in patches.PATCHES:
         assert any(ch.isdigit() for ch in patch.package), patch  # names the version it targets
         doc = patch.apply.__doc__ or ""

@@ -63,7 +63,9 @@ def register_general() -> None:
     :func:`vllm_unified.patches.load_structured_output_tokenizer_lazily`) where our platform
     is active, a stand-in for torchvision where it is not installed
     (:func:`vllm_unified.patches.stand_in_for_missing_torchvision`: vLLM's multimodal model
-    modules import it), and the mlx-lm model types transformers and vLLM do not know or read
+    modules import it), a text-only reading of a multimodal checkpoint without its processor
+    files (:func:`vllm_unified.patches.serve_text_only_without_processor_files`), and the
+    mlx-lm model types transformers and vLLM do not know or read
     otherwise (:func:`vllm_unified.models.registration.register_mlx_lm_types`,
     :func:`~vllm_unified.models.registration.as_image_text_config`). Imports vLLM's scheduler
     modules, never MLX."""
@@ -76,6 +78,8 @@ def register_general() -> None:
     patches.load_structured_output_tokenizer_lazily()
     # before vLLM inspects a multimodal architecture: its module imports torchvision
     patches.stand_in_for_missing_torchvision()
+    # before vLLM builds a ModelConfig: a multimodal checkpoint without its processor files
+    patches.serve_text_only_without_processor_files(logging.getLogger("vllm.vllm_unified"))
     # lazy: imports transformers and vLLM's model registry, which only a vLLM process needs
     from vllm_unified.models.registration import as_image_text_config, register_mlx_lm_types
 

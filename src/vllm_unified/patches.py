@@ -526,6 +526,39 @@ def convert_model_configs(convert: Callable[[Any], Any]) -> None:
     model_config.get_config = get_config
 
 
+def serve_text_only_without_processor_files(logger: logging.Logger) -> None:
+    """Let ``ModelConfig`` treat a multimodal checkpoint whose image processor cannot be
+    loaded from its folder (no ``preprocessor_config.json``: mlx-lm's conversions of Kimi
+    K2.5, for one) as text-only instead of failing (vLLM 0.32).
+
+    vLLM asks the multimodal registry for the architecture's processing info while it builds
+    ``ModelConfig`` (``_supports_multimodal_inputs``), before any platform hook runs; Kimi
+    K2.5's processing info loads the image processor from the checkpoint and raises
+    ``OSError`` without its files. vllm-unified serves every multimodal checkpoint text-only
+    (the platform sets ``language_model_only``), so the processor is never used: the
+    ``OSError`` then means text-only, logged once with its cause. Applied by the
+    general-plugin entry point, in every vLLM process. Idempotent."""
+    from vllm.config.model import ModelConfig
+
+    real = ModelConfig._supports_multimodal_inputs
+    if getattr(real, "_vllm_unified_patched", False):
+        return
+
+    def supports_multimodal_inputs(self: Any) -> bool:
+        try:
+            return real(self)
+        except OSError as e:
+            if not getattr(self, "_vllm_unified_no_processor", False):
+                self._vllm_unified_no_processor = True
+                logger.warning("vllm-unified: %s has no multimodal processor files in %s "
+                               "(%s): served text-only", self.architecture, self.model,
+                               str(e).splitlines()[0])
+            return False
+
+    supports_multimodal_inputs._vllm_unified_patched = True  # type: ignore[attr-defined]
+    ModelConfig._supports_multimodal_inputs = supports_multimodal_inputs
+
+
 # -- mlx-lm ----------------------------------------------------------------------------------------
 
 
@@ -674,10 +707,40 @@ def route_rejection_sampler_kernels() -> None:
     from vllm.triton_utils.dispatcher import register_kernels
     from vllm.utils import cpu_triton_utils
 
-    register_kernels({**{name: getattr(cpu_triton_utils, impl)
-                         for name, impl in _REJECTION_KERNELS.items()},
-                      _EXPAND_KERNEL: expand_kernel_cpu})
+    unreadable = _unscannable_modules()
+    for name in unreadable:
+        del sys.modules[name]
+    try:
+        register_kernels({**{name: getattr(cpu_triton_utils, impl)
+                             for name, impl in _REJECTION_KERNELS.items()},
+                          _EXPAND_KERNEL: expand_kernel_cpu})
+    finally:
+        sys.modules.update(unreadable)
     _rejection_kernels = True
+
+
+def _unscannable_modules() -> dict[str, Any]:
+    """The loaded modules holding a value whose ``vars()`` is not a mapping (or raises), on
+    which vLLM's kernel registration (its scan of every module, reading each value's
+    ``vars()``) raises:
+    llvmlite's library wrapper answers any attribute, ``__dict__`` included, with a function
+    wrapper. numba (hence llvmlite) is loaded where vLLM's module of an architecture imports
+    it (Kimi K2.5's image preprocessing). None of them holds a vLLM kernel, so the
+    registration does not need to see them."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for value in list(namespace.values()):
+            try:
+                readable = not hasattr(value, "__dict__") or isinstance(vars(value), Mapping)
+            except Exception:  # noqa: BLE001 (it would raise in vLLM's scan too)
+                readable = False
+            if not readable:
+                found[name] = module
+                break
+    return found
 
 
 def require_rejection_sampler_kernels() -> None:
@@ -815,6 +878,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.structured_output.StructuredOutputManager.__init__, .tokenizer",
           "vLLM 0.32", load_structured_output_tokenizer_lazily,
           "vllm_unified.register_general (vLLM's general plugin, in the engine core)"),
+    Patch("vllm.config.model.ModelConfig._supports_multimodal_inputs", "vLLM 0.32",
+          serve_text_only_without_processor_files, "vllm_unified.register_general"),
     Patch("vllm.renderers.hf.safe_apply_chat_template", "vLLM 0.32", name_chat_template_flag,
           "vllm_unified.platform.MLXPlatform.check_and_update_config"),
     Patch("vllm.v1.engine.utils.SignalCallback.trigger, .stop", "vLLM 0.32",

@@ -45,6 +45,10 @@ class HybridFamily:
             ``offset``); mlx-lm's model hands the whole batch one value, the wrapper gives
             each segment its own (:class:`vllm_unified.models.routing.RecurrentMixer`).
             None: the mixer takes no position.
+        to_mixer: vLLM's states of a batch (its pages' fields, in order) -> the mixer's cache
+            entries, where they are laid out otherwise (Kimi Linear's three convolution
+            states are one in vLLM); None: the same arrays.
+        from_mixer: the inverse of ``to_mixer``.
     """
 
     mixer: str
@@ -54,6 +58,24 @@ class HybridFamily:
     fresh_is_none: bool = False
     state_in_attention: bool = False
     start_position: str | None = None
+    to_mixer: Callable[[list[Any]], list[Any]] | None = None
+    from_mixer: Callable[[list[Any]], list[Any]] | None = None
+
+
+def _split_kda_conv(states: list[Any]) -> list[Any]:
+    """vLLM's KDA states ``[conv [B, K-1, 3P], recurrent]`` -> Kimi Linear's cache entries
+    ``[q conv, k conv, v conv, recurrent]`` (each conv ``[B, K-1, P]``)."""
+    conv, recurrent = states
+    width = conv.shape[-1] // 3
+    return [conv[..., i * width:(i + 1) * width] for i in range(3)] + [recurrent]
+
+
+def _join_kda_conv(states: list[Any]) -> list[Any]:
+    """The inverse of :func:`_split_kda_conv`."""
+    import mlx.core as mx
+
+    q, k, v, recurrent = states
+    return [mx.concatenate([q, k, v], axis=-1), recurrent]
 
 
 HYBRID_FAMILIES: dict[str, HybridFamily] = {
@@ -62,6 +84,12 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
                                      "MAMBA2"),
     "lfm2": HybridFamily("conv", lambda layer: not layer.is_attention_layer, "SHORT_CONV"),
     "qwen3_5": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
+    # Kimi delta attention (a gated delta rule like GDN's) next to NoPE MLA layers; mlx-lm
+    # keeps the q, k and v convolution states apart, vLLM as one
+    "kimi_linear": HybridFamily("self_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN",
+                                to_mixer=_split_kda_conv, from_mixer=_join_kda_conv),
+    # Kimi K3's KDA keeps one fused convolution state, as vLLM does
+    "kimi_k3": HybridFamily("self_attn", lambda layer: bool(layer.is_linear), "GDN_ATTN"),
     # Qwen3.5 with Hadamard-rotated 2-bit packed linears (mlx-lm's prism_hadamard_qwen35)
     "prism_hadamard_qwen35": HybridFamily("linear_attn", lambda layer: bool(layer.is_linear),
                                           "GDN_ATTN"),

@@ -160,10 +160,17 @@ def check_model(
                                  [_cache_window(_attention_cache(c)) for c in caches])
     latent = latent_attention.latent_layers(model)
     for i, cache in enumerate(caches):
-        kind = _slot_kind(model_type, i, cache)
+        named = _layer_feature(model, len(caches), i)
+        try:
+            kind = _slot_kind(model_type, i, cache)
+        except UnsupportedModel as e:
+            if named is None:
+                raise
+            raise UnsupportedModel(model_type, f"{named} ({e.feature})", i) from None
         if kind in ("recurrent", "list") and model_type not in recurrent_families:
-            raise UnsupportedModel(model_type, "a recurrent (state-space) layer of this "
-                                   f"family ({_describe_cache(cache)})", i)
+            raise UnsupportedModel(model_type, f"{named + ': ' if named else ''}a recurrent "
+                                   "(state-space) layer of this family "
+                                   f"({_describe_cache(cache)})", i)
         if kind == "recurrent":
             layout.recurrent.append(i)
             continue
@@ -300,6 +307,28 @@ _CACHE_FEATURES = {
                   "indexer picks per query, next to the sliding window; models whose "
                   "compress_ratios are all 0 are served)",
 }
+
+#: (mlx-lm module, class) of a decoder layer's mixer -> the feature it computes, named when
+#: its cache slot is refused
+LAYER_FEATURES: dict[tuple[str, str], str] = {
+    ("minimax_m3_vl", "Attention"): "MiniMax-M3's attention, whose cache is a per-layer "
+                                    "CacheList (its block-sparse layers' key-block indexer "
+                                    "keeps its keys in a second cache)",
+}
+
+
+def _layer_feature(model: nn.Module, num_slots: int, i: int) -> str | None:
+    """The :data:`LAYER_FEATURES` entry of a mixer of decoder layer ``i`` (cache slot ``i``:
+    only where every layer has a slot), else None."""
+    layers = getattr(model, "layers", None)
+    if layers is None or len(layers) != num_slots:
+        return None
+    for child in layers[i].children().values():
+        kind = type(child)
+        feature = LAYER_FEATURES.get((kind.__module__.rsplit(".", 1)[-1], kind.__name__))
+        if feature is not None:
+            return feature
+    return None
 
 
 def _describe_cache(cache: Any) -> str:
@@ -474,6 +503,10 @@ def _probe(model: nn.Module, model_type: str, layout: ModelLayout,
         logits = mx.concatenate([logits, model(mx.array([[6]]), cache=caches)], axis=1)
         mx.eval(logits)
     except Exception as e:  # noqa: BLE001 - re-raised with the model named
+        if "No Metal back-end" in str(e):
+            raise UnsupportedModel(model_type, "Metal-only kernels of mlx-lm's module "
+                                   "(mx.fast.metal_kernel) on a backend without Metal "
+                                   f"({mx.default_device()})") from e
         raise UnsupportedModel(model_type, f"mlx-lm's forward with a KV cache ({e!r})") from e
     for i, slot in list(layout.attention.items()):
         if slot.latent_dim is None:

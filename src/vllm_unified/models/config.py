@@ -741,15 +741,25 @@ def _lfm2_moe(cfg: dict[str, Any]) -> None:
                          "supported by mlx-lm, which always uses the embedding")
 
 
+def _kimi_linear(cfg: dict[str, Any]) -> None:
+    """Kimi Linear: mlx-lm's MLA layers rotate nothing (NoPE), which vLLM computes only with
+    ``mla_use_nope`` true (its default is false)."""
+    _refuse_unless("kimi_linear", [
+        (cfg.get("mla_use_nope") is True,
+         f"mla_use_nope {cfg.get('mla_use_nope')} (RoPE on the MLA layers)"),
+    ])
+
+
 #: multimodal model type -> the model type whose fix-up its ``text_config`` gets (None: the
 #: text config's own ``model_type``); transformers' names of text parts -> mlx-lm's
 _TEXT_PART_FIXUPS: dict[str, str | None] = {
     "gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2",
     "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
     "mistral3": None, "pixtral": None, "llava": None, "lfm2-vl": "lfm2", "lfm2_vl": "lfm2",
+    "kimi_vl": "deepseek_v3", "kimi_k25": "deepseek_v3",
 }
 _TEXT_TYPE_NAMES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
-                    "qwen3_vl_moe_text": "qwen3_moe"}
+                    "qwen3_vl_moe_text": "qwen3_moe", "kimi_k2": "deepseek_v3"}
 
 
 def _text_part(cfg: dict[str, Any]) -> None:
@@ -832,6 +842,7 @@ CONFIG_FIXUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "glm4_moe_lite": _deepseek_v3,
     "glm4_moe": _glm4_moe,
     "lfm2_moe": _lfm2_moe,
+    "kimi_linear": _kimi_linear,
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,
     "recurrent_gemma": _recurrent_gemma,

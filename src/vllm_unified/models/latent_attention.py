@@ -38,6 +38,8 @@ def _families() -> tuple[type, ...]:
         deepseek_v3,
         deepseek_v32,
         glm4_moe_lite,
+        kimi_k3,
+        kimi_linear,
         longcat_flash,
         minicpm3,
         mistral4,
@@ -48,7 +50,8 @@ def _families() -> tuple[type, ...]:
             deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention,
             bailing_hybrid.MultiLatentAttention, bailing_moe_v3.BailingMLA,
             mistral4.Mistral4Attention, deepseek_v32.DeepseekV32Attention,
-            longcat_flash.LongcatFlashMLA)
+            longcat_flash.LongcatFlashMLA, kimi_linear.KimiMLAAttention,
+            kimi_k3.KimiK3MLAAttention)
 
 
 def _gated_families() -> tuple[type, ...]:
@@ -72,8 +75,10 @@ def _indexed() -> tuple[type, ...]:
 #: mlx-lm MLA attention classes whose ``__call__`` is: queries from ``q_proj`` or
 #: ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` split into nope and rope parts; the latent
 #: and rope key from ``kv_a_proj_with_mqa``, the latent normalised by ``kv_a_layernorm``;
-#: ``rope(x, cache.offset)`` on both rope parts; keys and values up-projected by ``kv_b_proj``
-#: (or ``embed_q`` / ``unembed_out``); attention at ``scale`` (``softmax_scale``); ``o_proj``
+#: ``rope(x, cache.offset)`` on both rope parts (Kimi Linear's module has no ``rope``: its
+#: "rope" parts stay unrotated, NoPE); keys and values up-projected by ``kv_b_proj``
+#: (or ``embed_q`` / ``unembed_out``); attention at ``scale`` (``softmax_scale``); where
+#: ``use_gate`` (Kimi K3) the output times ``sigmoid(g_proj(x))``; ``o_proj``
 #: (Bailing's: ``dense``); LongCat-Flash's heads as ``num_attention_heads`` and its
 #: ``mla_scale_q_lora`` / ``mla_scale_kv_lora`` on the queries and the normalised latent
 #: (read in mlx-lm 0.32.2's sources, the pinned version)
@@ -181,7 +186,7 @@ class LatentAttention(nn.Module):
         inner = self.inner
         B, L, _ = x.shape  # noqa: N806 - mlx-lm's names
         heads, nope = self.num_heads, int(inner.qk_nope_head_dim)
-        q = inner.q_proj(x) if inner.q_lora_rank is None else \
+        q = inner.q_proj(x) if getattr(inner, "q_lora_rank", None) is None else \
             inner.q_b_proj(inner.q_a_layernorm(inner.q_a_proj(x)))
         q = q.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
         q_lora_scale, kv_lora_scale = _lora_scales(inner)
@@ -193,8 +198,9 @@ class LatentAttention(nn.Module):
         if kv_lora_scale is not None:
             latent = latent * kv_lora_scale
         k_pe = k_pe.reshape(B, L, 1, self.rope_dim).transpose(0, 2, 1, 3)
-        q_pe = inner.rope(q_pe, cache.offset)
-        k_pe = inner.rope(k_pe, cache.offset)
+        if hasattr(inner, "rope"):
+            q_pe = inner.rope(q_pe, cache.offset)
+            k_pe = inner.rope(k_pe, cache.offset)
         if query_scale is not None:
             q_nope, q_pe = q_nope * query_scale, q_pe * query_scale
         cache.write_latent(mx.concatenate([latent, k_pe.transpose(0, 2, 1, 3)
@@ -207,8 +213,11 @@ class LatentAttention(nn.Module):
         if isinstance(inner, GATED_OUTPUT):
             gate = mx.sigmoid(inner.g_proj(x).astype(mx.float32)).astype(out.dtype)
             out = out * gate[..., None]
+        out = out.reshape(B, L, -1)
+        if getattr(inner, "use_gate", False):
+            out = out * mx.sigmoid(inner.g_proj(x))
         out_proj = inner.o_proj if "o_proj" in inner else inner.dense
-        return out_proj(out.reshape(B, L, -1))
+        return out_proj(out)
 
     def _up_projections(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """``(W_UK [H, nope, r], W_UV^T [H, r, v])`` in ``dtype``, from ``kv_b_proj`` or

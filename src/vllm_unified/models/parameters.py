@@ -19,6 +19,8 @@ import mlx.nn as nn
 __all__ = ["ParameterSummary", "parameter_summary"]
 
 _TOP_K_NAMES = ("top_k", "num_experts_per_tok")
+#: the config's names for it (Kimi's spelling second)
+_CONFIG_TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token")
 
 
 @dataclass
@@ -66,11 +68,12 @@ def _top_k(path: str, modules: Mapping[str, nn.Module], config: Mapping[str, Any
                 value = getattr(owner, name, None)
                 if isinstance(value, int) and value > 0:
                     return value
-    k = config.get("num_experts_per_tok") or (config.get("text_config") or {}).get(
-        "num_experts_per_tok")
+    text = config.get("text_config") or {}
+    k = next((c.get(name) for c in (config, text) for name in _CONFIG_TOP_K_NAMES
+              if c.get(name)), None)
     if not k:
         raise ValueError(f"expert layer {path}: no top_k found on its MoE block or in the "
-                         "config (num_experts_per_tok)")
+                         f"config ({' or '.join(_CONFIG_TOP_K_NAMES)})")
     return int(k)
 
 

@@ -134,7 +134,8 @@ def install_recurrent_mixers(model_type: str, model: nn.Module) -> list[int]:
         if isinstance(mixer, RecurrentMixer | ConvStateAttention):
             continue
         wrapped = (ConvStateAttention(mixer) if family.state_in_attention
-                   else RecurrentMixer(mixer, family.fresh_is_none, family.start_position))
+                   else RecurrentMixer(mixer, family.fresh_is_none, family.start_position,
+                                       _StateLayout(family.to_mixer, family.from_mixer)))
         if family.mixer:
             setattr(layer, family.mixer, wrapped)
         else:  # the decoder layer is the mixer (its own list entry is replaced)
@@ -153,6 +154,33 @@ class _SegmentCache(ArraysCache):
 
     def advance(self, n: int) -> None:
         """Positions are not tracked here (the attention metadata has them)."""
+
+
+@dataclass(frozen=True)
+class _StateLayout:
+    """A family's translation between vLLM's state fields and its mixer's cache entries
+    (:attr:`vllm_unified.kv.hybrid.HybridFamily.to_mixer`); None: the same arrays."""
+
+    to_mixer: Any = None
+    from_mixer: Any = None
+
+
+class _MixerPages:
+    """``pages`` (:class:`~vllm_unified.kv.state_pages.StatePages`) read and written as the
+    mixer's cache entries (``layout``); ``entries``: how many the mixer keeps."""
+
+    def __init__(self, pages: Any, layout: _StateLayout) -> None:
+        self.pages, self.layout = pages, layout
+        zeros = [mx.zeros((1, *f.shape), dtype=f.dtype) for f in pages.fields]
+        self.entries = len(layout.to_mixer(zeros)) if layout.to_mixer else len(pages.fields)
+
+    def read(self, slots: mx.array) -> list[mx.array]:
+        states = self.pages.read(slots)
+        return self.layout.to_mixer(states) if self.layout.to_mixer else states
+
+    def write(self, slots: mx.array, states: list[mx.array]) -> None:
+        self.pages.write(slots, self.layout.from_mixer(states) if self.layout.from_mixer
+                         else states)
 
 
 class RecurrentMixer(nn.Module):
@@ -177,11 +205,14 @@ class RecurrentMixer(nn.Module):
     """
 
     def __init__(self, inner: nn.Module, fresh_is_none: bool = False,
-                 start_position: str | None = None) -> None:
+                 start_position: str | None = None,
+                 layout: _StateLayout | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.fresh_is_none = fresh_is_none
         self.start_position = start_position
+        #: vLLM's state fields <-> the mixer's cache entries
+        self.layout = layout or _StateLayout()
         params = list(inspect.signature(type(inner).__call__).parameters)[1:]
         if "cache" not in params:
             raise TypeError(f"{type(inner).__name__}: a recurrent mixer takes its input and "
@@ -208,7 +239,7 @@ class RecurrentMixer(nn.Module):
         if mask is not None and not isinstance(mask, PagedMask):
             # a model handing every layer the attention layers' mask passes the paged marker
             raise TypeError("a recurrent layer on vLLM's state pages takes no mask")
-        pages = cache.pages
+        pages = _MixerPages(cache.pages, self.layout)
         ctx = get_step_context()
         meta, attn = ctx.state, ctx.attn
         if meta is None:
@@ -252,7 +283,7 @@ class RecurrentMixer(nn.Module):
             # no rows: a mixer with side inputs hands them on after its output (RWKV-7)
             return (x, *extra.values()) if extra else x
         pages.write(mx.concatenate(slots),
-                    [mx.concatenate([s[f] for s in new_states]) for f in range(len(pages.fields))])
+                    [mx.concatenate([s[f] for s in new_states]) for f in range(pages.entries)])
         order = attn.output_order
         return _gather_rows(outs, None if order is None else lambda a: a[order])
 
@@ -277,7 +308,7 @@ class RecurrentMixer(nn.Module):
             if not rows:
                 continue
             sel = mx.array(rows, dtype=mx.int32)
-            states = pages.read(idx[sel]) if from_pages else [None] * len(pages.fields)
+            states = pages.read(idx[sel]) if from_pages else [None] * pages.entries
             seg = _SegmentCache(states)
             outs.append(self._call(x[sel], None, seg,
                                    _map_rows(extra, lambda a, sel=sel: a[sel])))
