@@ -94,6 +94,7 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+@pytest.mark.slow  # the CI tier compares with vLLM's CPU backend on the default model and phi3
 def test_differential_tiny_llama(tiny_llama, tmp_path):
     """16 prompts of 8..700 tokens, 32 greedy tokens each: identical token ids to vLLM's native
     CPU backend, except where the reference's top-2 logit gap at the diverging step is < 1e-4."""
