@@ -143,6 +143,10 @@ for name, dest in (("py.tar.xz", site), ("tiny.tar.xz", stash)):
         t.extractall(dest, filter="fully_trusted")
 PY
   cp "$DEST/expected.json" "$stash/"
+  # device runs with the stash as its carry directory: the MoE greedy check reads these there
+  for f in expected_moe.json tiny_moe.tar.xz; do
+    if [ -f "$DEST/$f" ]; then cp "$DEST/$f" "$stash/"; fi
+  done
   export PYTHONPATH="$DEST/site:$site${PYTHONPATH:+:$PYTHONPATH}"
 }
 
