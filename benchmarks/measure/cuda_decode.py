@@ -106,8 +106,9 @@ SKIP_CHECKS_ENV = "CUDA_BENCH_SKIP_CHECKS"
 
 
 def _skipped() -> set[str]:
-    """What ``CUDA_BENCH_SKIP_CHECKS`` skips, comma-separated: ``1`` (the greedy check and
-    both grids), ``grid`` (both grids), ``dense_grid``, ``gemm`` (the decode GEMM check),
+    """What ``CUDA_BENCH_SKIP_CHECKS`` skips, comma-separated: ``1`` (the greedy checks and
+    both grids), ``dense_greedy`` (the tiny dense model's greedy check; the MoE ones run),
+    ``grid`` (both grids), ``dense_grid``, ``gemm`` (the decode GEMM check),
     ``prologue`` (the q/k prologue kernels' check), ``attention`` (attention alone)."""
     return set(filter(None, os.environ.get(SKIP_CHECKS_ENV, "").split(",")))
 #: interleaved rounds of (mlx-lm, ours) per batch size in each engine
@@ -1089,25 +1090,9 @@ def device_main(carry: str, out_dir: str) -> None:
     if "1" in _skipped():
         _benchmark(mx, report, carry_dir, out, work, env)
         return
-    expected = json.loads((carry_dir / "expected.json").read_text())
-    tiny = {"model": str(carry_dir / "tiny"), "engine": _tiny_engine(),
-            "greedy": {"prompts": expected["prompts"], "max_tokens": GREEDY_TOKENS}}
-    try:
-        tiny_run = run_engine(tiny, work, "tiny_gpu", env)
-        got, stats = tiny_run["greedy"], tiny_run["stats"]
-    except SystemExit as err:  # reported; the benchmark still runs
-        print(f"greedy tiny fp32 run failed: {err}", flush=True)
-        got, stats = [], {}
-    same = got == expected["token_ids"]
-    report["greedy"] = {"gpu": got, "cpu": expected["token_ids"], "equal": same,
-                        "divergences": _divergences(got, expected),
-                        "built_alongside": stats.get("built_alongside"),
-                        "decode_steps": stats.get("decode_steps")}
-    print(f"greedy tiny fp32, {len(got)} prompts x {GREEDY_TOKENS} tokens: GPU ids "
-          f"{'==' if same else '!='} CPU ids; steps built alongside a queued one: "
-          f"{stats.get('built_alongside')}", flush=True)
-    for d in report["greedy"]["divergences"]:
-        print("  divergence:", d)
+    report["greedy"] = ({"skipped": f"{SKIP_CHECKS_ENV}=dense_greedy"}
+                        if "dense_greedy" in _skipped()
+                        else greedy_dense_check(carry_dir, work, env))
     report["greedy_moe"] = greedy_moe_check(carry_dir, work, env)
 
     try:
@@ -1145,6 +1130,31 @@ def device_main(carry: str, out_dir: str) -> None:
         print_checks(report)
         return
     _benchmark(mx, report, carry_dir, out, work, env)
+
+
+def greedy_dense_check(carry_dir: Path, work: Path, env: dict) -> dict:
+    """The tiny fp32 checkpoint (``carry_dir/tiny``) through our plugin on the GPU: token
+    ids against the CPU backend's (``expected.json``), with the divergences."""
+    expected = json.loads((carry_dir / "expected.json").read_text())
+    tiny = {"model": str(carry_dir / "tiny"), "engine": _tiny_engine(),
+            "greedy": {"prompts": expected["prompts"], "max_tokens": GREEDY_TOKENS}}
+    try:
+        tiny_run = run_engine(tiny, work, "tiny_gpu", env)
+        got, stats = tiny_run["greedy"], tiny_run["stats"]
+    except SystemExit as err:  # reported; the benchmark still runs
+        print(f"greedy tiny fp32 run failed: {err}", flush=True)
+        got, stats = [], {}
+    same = got == expected["token_ids"]
+    result = {"gpu": got, "cpu": expected["token_ids"], "equal": same,
+              "divergences": _divergences(got, expected),
+              "built_alongside": stats.get("built_alongside"),
+              "decode_steps": stats.get("decode_steps")}
+    print(f"greedy tiny fp32, {len(got)} prompts x {GREEDY_TOKENS} tokens: GPU ids "
+          f"{'==' if same else '!='} CPU ids; steps built alongside a queued one: "
+          f"{stats.get('built_alongside')}", flush=True)
+    for d in result["divergences"]:
+        print("  divergence:", d)
+    return result
 
 
 def greedy_moe_check(carry_dir: Path, work: Path, env: dict) -> dict:
@@ -1316,7 +1326,8 @@ def print_checks(report: dict) -> None:
           f"{quant.get('worst_attention_max_abs_error')}, failed "
           f"{quant.get('failed', quant.get('error', quant.get('skipped')))}")
     grid = report.get("kernel_grid", {})
-    print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
+    print(f"greedy tiny fp32 GPU == CPU: "
+          f"{report['greedy'].get('equal', report['greedy'].get('skipped'))}")
     for family, res in report.get("greedy_moe", {}).items():
         print(f"greedy tiny {family} fp32 GPU == CPU: {res.get('equal', res.get('error'))}")
     print(f"paged GPU kernel grid: {grid.get('cases')} cases, worst max abs error "
