@@ -1160,7 +1160,8 @@ def greedy_dense_check(carry_dir: Path, work: Path, env: dict) -> dict:
 def greedy_moe_check(carry_dir: Path, work: Path, env: dict) -> dict:
     """Each tiny mixture-of-experts checkpoint of ``expected_moe.json`` (unpacked next to it
     from ``tiny_moe.tar.xz``) through our plugin on the GPU: token ids against the CPU
-    backend's, per family. ``{}`` when the carry holds none."""
+    backend's, per family; a family that differs runs again with ``MLX_ENABLE_TF32=0``
+    (``full_fp32``). ``{}`` when the carry holds none."""
     import tarfile
 
     path = carry_dir / "expected_moe.json"
@@ -1188,6 +1189,19 @@ def greedy_moe_check(carry_dir: Path, work: Path, env: dict) -> dict:
               f"ids {'==' if same else '!='} CPU ids", flush=True)
         for d in out[family]["divergences"]:
             print("  divergence:", d)
+        if not same and env.get("MLX_ENABLE_TF32") != "0":
+            # MLX's CUDA backend computes fp32 matmuls in TF32 by default: the same run in
+            # full fp32 tells rounding from a wrong result
+            try:
+                full = run_engine(spec, work, f"tiny_moe_{family}_gpu_fp32",
+                                  {**env, "MLX_ENABLE_TF32": "0"})["greedy"]
+            except SystemExit as err:
+                out[family]["full_fp32"] = {"error": str(err)}
+                continue
+            out[family]["full_fp32"] = {"gpu": full, "equal": full == exp["token_ids"],
+                                        "divergences": _divergences(full, exp)}
+            print(f"  with MLX_ENABLE_TF32=0: GPU ids "
+                  f"{'==' if full == exp['token_ids'] else '!='} CPU ids", flush=True)
     return out
 
 
