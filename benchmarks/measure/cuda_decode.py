@@ -1232,6 +1232,21 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
         mx.clear_cache()
 
 
+def _tokenizer_folder(carry_dir: Path, work: Path) -> Path:
+    """A folder holding SmolLM2's tokenizer for a benchmark checkpoint: the tiny dense
+    checkpoint when the carry has it, else the tiny qwen3_moe one (from ``tiny_moe.tar.xz``,
+    unpacked into ``work`` if the greedy check has not done so)."""
+    import tarfile
+
+    if (carry_dir / "tiny").is_dir():
+        return carry_dir / "tiny"
+    folder = work / "tiny_moe" / "qwen3_moe"
+    if not (folder / "tokenizer.json").is_file():
+        with tarfile.open(carry_dir / "tiny_moe.tar.xz", "r:xz") as t:
+            t.extractall(work, filter="fully_trusted")
+    return folder
+
+
 def _benchmark_model(mx, report: dict, carry_dir: Path, dest: Path, work: Path, env: dict,
                      name: str) -> None:
     """The checkpoint ``name`` (built on the device), attention alone, the engines' rounds;
@@ -1242,7 +1257,8 @@ def _benchmark_model(mx, report: dict, carry_dir: Path, dest: Path, work: Path, 
         weight_bytes = active_bytes = build_qwen3(mx, ckpt, carry_dir / "tiny")
     else:
         ckpt, weight_bytes, active_bytes = build_qwen3_moe(
-            mx, work, carry_dir / "tiny", bits=4 if name.endswith("4bit") else None)
+            mx, work, _tokenizer_folder(carry_dir, work),
+            bits=4 if name.endswith("4bit") else None)
     mx.clear_cache()
     # a decode step at batch 1 reads the weights a token uses (its top-k experts)
     roofline_ms = active_bytes / (facts["copy_bandwidth_GBps"] * 1e9) * 1e3
