@@ -106,8 +106,9 @@ SKIP_CHECKS_ENV = "CUDA_BENCH_SKIP_CHECKS"
 
 
 def _skipped() -> set[str]:
-    """What ``CUDA_BENCH_SKIP_CHECKS`` skips, comma-separated: ``1`` (the greedy check and
-    both grids), ``grid`` (both grids), ``dense_grid``, ``gemm`` (the decode GEMM check),
+    """What ``CUDA_BENCH_SKIP_CHECKS`` skips, comma-separated: ``1`` (the greedy checks and
+    both grids), ``dense_greedy`` (the tiny dense model's greedy check; the MoE ones run),
+    ``grid`` (both grids), ``dense_grid``, ``gemm`` (the decode GEMM check),
     ``prologue`` (the q/k prologue kernels' check), ``attention`` (attention alone)."""
     return set(filter(None, os.environ.get(SKIP_CHECKS_ENV, "").split(",")))
 #: interleaved rounds of (mlx-lm, ours) per batch size in each engine
@@ -1089,25 +1090,9 @@ def device_main(carry: str, out_dir: str) -> None:
     if "1" in _skipped():
         _benchmark(mx, report, carry_dir, out, work, env)
         return
-    expected = json.loads((carry_dir / "expected.json").read_text())
-    tiny = {"model": str(carry_dir / "tiny"), "engine": _tiny_engine(),
-            "greedy": {"prompts": expected["prompts"], "max_tokens": GREEDY_TOKENS}}
-    try:
-        tiny_run = run_engine(tiny, work, "tiny_gpu", env)
-        got, stats = tiny_run["greedy"], tiny_run["stats"]
-    except SystemExit as err:  # reported; the benchmark still runs
-        print(f"greedy tiny fp32 run failed: {err}", flush=True)
-        got, stats = [], {}
-    same = got == expected["token_ids"]
-    report["greedy"] = {"gpu": got, "cpu": expected["token_ids"], "equal": same,
-                        "divergences": _divergences(got, expected),
-                        "built_alongside": stats.get("built_alongside"),
-                        "decode_steps": stats.get("decode_steps")}
-    print(f"greedy tiny fp32, {len(got)} prompts x {GREEDY_TOKENS} tokens: GPU ids "
-          f"{'==' if same else '!='} CPU ids; steps built alongside a queued one: "
-          f"{stats.get('built_alongside')}", flush=True)
-    for d in report["greedy"]["divergences"]:
-        print("  divergence:", d)
+    report["greedy"] = ({"skipped": f"{SKIP_CHECKS_ENV}=dense_greedy"}
+                        if "dense_greedy" in _skipped()
+                        else greedy_dense_check(carry_dir, work, env))
     report["greedy_moe"] = greedy_moe_check(carry_dir, work, env)
 
     try:
@@ -1147,14 +1132,41 @@ def device_main(carry: str, out_dir: str) -> None:
     _benchmark(mx, report, carry_dir, out, work, env)
 
 
+def greedy_dense_check(carry_dir: Path, work: Path, env: dict) -> dict:
+    """The tiny fp32 checkpoint (``carry_dir/tiny``) through our plugin on the GPU: token
+    ids against the CPU backend's (``expected.json``), with the divergences."""
+    expected = json.loads((carry_dir / "expected.json").read_text())
+    tiny = {"model": str(carry_dir / "tiny"), "engine": _tiny_engine(),
+            "greedy": {"prompts": expected["prompts"], "max_tokens": GREEDY_TOKENS}}
+    try:
+        tiny_run = run_engine(tiny, work, "tiny_gpu", env)
+        got, stats = tiny_run["greedy"], tiny_run["stats"]
+    except SystemExit as err:  # reported; the benchmark still runs
+        print(f"greedy tiny fp32 run failed: {err}", flush=True)
+        got, stats = [], {}
+    same = got == expected["token_ids"]
+    result = {"gpu": got, "cpu": expected["token_ids"], "equal": same,
+              "divergences": _divergences(got, expected),
+              "built_alongside": stats.get("built_alongside"),
+              "decode_steps": stats.get("decode_steps")}
+    print(f"greedy tiny fp32, {len(got)} prompts x {GREEDY_TOKENS} tokens: GPU ids "
+          f"{'==' if same else '!='} CPU ids; steps built alongside a queued one: "
+          f"{stats.get('built_alongside')}", flush=True)
+    for d in result["divergences"]:
+        print("  divergence:", d)
+    return result
+
+
 def greedy_moe_check(carry_dir: Path, work: Path, env: dict) -> dict:
     """Each tiny mixture-of-experts checkpoint of ``expected_moe.json`` (unpacked next to it
     from ``tiny_moe.tar.xz``) through our plugin on the GPU: token ids against the CPU
-    backend's, per family. ``{}`` when the carry holds none."""
+    backend's, per family; a family that differs runs again with ``MLX_ENABLE_TF32=0``
+    (``full_fp32``). ``{}`` when the carry holds none."""
     import tarfile
 
     path = carry_dir / "expected_moe.json"
     if not path.is_file():
+        print(f"greedy tiny MoE check skipped: no {path}", flush=True)
         return {}
     if (carry_dir / "tiny_moe.tar.xz").is_file():
         with tarfile.open(carry_dir / "tiny_moe.tar.xz", "r:xz") as t:
@@ -1177,6 +1189,19 @@ def greedy_moe_check(carry_dir: Path, work: Path, env: dict) -> dict:
               f"ids {'==' if same else '!='} CPU ids", flush=True)
         for d in out[family]["divergences"]:
             print("  divergence:", d)
+        if not same and env.get("MLX_ENABLE_TF32") != "0":
+            # MLX's CUDA backend computes fp32 matmuls in TF32 by default: the same run in
+            # full fp32 tells rounding from a wrong result
+            try:
+                full = run_engine(spec, work, f"tiny_moe_{family}_gpu_fp32",
+                                  {**env, "MLX_ENABLE_TF32": "0"})["greedy"]
+            except SystemExit as err:
+                out[family]["full_fp32"] = {"error": str(err)}
+                continue
+            out[family]["full_fp32"] = {"gpu": full, "equal": full == exp["token_ids"],
+                                        "divergences": _divergences(full, exp)}
+            print(f"  with MLX_ENABLE_TF32=0: GPU ids "
+                  f"{'==' if full == exp['token_ids'] else '!='} CPU ids", flush=True)
     return out
 
 
@@ -1207,6 +1232,21 @@ def _benchmark(mx, report: dict, carry_dir: Path, out: Path, work: Path, env: di
         mx.clear_cache()
 
 
+def _tokenizer_folder(carry_dir: Path, work: Path) -> Path:
+    """A folder holding SmolLM2's tokenizer for a benchmark checkpoint: the tiny dense
+    checkpoint when the carry has it, else the tiny qwen3_moe one (from ``tiny_moe.tar.xz``,
+    unpacked into ``work`` if the greedy check has not done so)."""
+    import tarfile
+
+    if (carry_dir / "tiny").is_dir():
+        return carry_dir / "tiny"
+    folder = work / "tiny_moe" / "qwen3_moe"
+    if not (folder / "tokenizer.json").is_file():
+        with tarfile.open(carry_dir / "tiny_moe.tar.xz", "r:xz") as t:
+            t.extractall(work, filter="fully_trusted")
+    return folder
+
+
 def _benchmark_model(mx, report: dict, carry_dir: Path, dest: Path, work: Path, env: dict,
                      name: str) -> None:
     """The checkpoint ``name`` (built on the device), attention alone, the engines' rounds;
@@ -1217,7 +1257,8 @@ def _benchmark_model(mx, report: dict, carry_dir: Path, dest: Path, work: Path, 
         weight_bytes = active_bytes = build_qwen3(mx, ckpt, carry_dir / "tiny")
     else:
         ckpt, weight_bytes, active_bytes = build_qwen3_moe(
-            mx, work, carry_dir / "tiny", bits=4 if name.endswith("4bit") else None)
+            mx, work, _tokenizer_folder(carry_dir, work),
+            bits=4 if name.endswith("4bit") else None)
     mx.clear_cache()
     # a decode step at batch 1 reads the weights a token uses (its top-k experts)
     roofline_ms = active_bytes / (facts["copy_bandwidth_GBps"] * 1e9) * 1e3
@@ -1315,7 +1356,8 @@ def print_checks(report: dict) -> None:
           f"{quant.get('worst_attention_max_abs_error')}, failed "
           f"{quant.get('failed', quant.get('error', quant.get('skipped')))}")
     grid = report.get("kernel_grid", {})
-    print(f"greedy tiny fp32 GPU == CPU: {report['greedy']['equal']}")
+    print(f"greedy tiny fp32 GPU == CPU: "
+          f"{report['greedy'].get('equal', report['greedy'].get('skipped'))}")
     for family, res in report.get("greedy_moe", {}).items():
         print(f"greedy tiny {family} fp32 GPU == CPU: {res.get('equal', res.get('error'))}")
     print(f"paged GPU kernel grid: {grid.get('cases')} cases, worst max abs error "
