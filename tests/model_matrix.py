@@ -324,6 +324,9 @@ OVERRIDES: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
     "qwen3_5": {"text_config": {"num_hidden_layers": 4, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
     "prism_hadamard_qwen35": lambda cfg: _hadamard_pack(cfg),
+    # the convolution width written out, as Bailing V3 checkpoints carry it (vLLM's class
+    # sizes the state pages from it; mlx-lm's module defaults it)
+    "bailing_moe_v3": {"short_conv_kernel_size": 4},
     # Kimi delta attention (KDA) on layers 1 and 2 (1-based kda_layers), NoPE MLA on layer 3
     "kimi_linear": {"num_hidden_layers": 3, "mla_use_nope": True, "num_experts_per_token": 2,
                     "linear_attn_config": {"num_heads": 3, "head_dim": 32,

@@ -450,8 +450,7 @@ def test_token_major_forward_equals_mlx_lm_call(family, tmp_path):
 
 #: hybrid model types only mlx-lm defines (vLLM has no class: the state pages are sized by
 #: the shapes of mlx-lm's own caches after the load-time probe step)
-MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1", "bailing_moe_linear", "bailing_hybrid",
-                       "bailing_moe_v3")
+MLX_LM_ONLY_HYBRIDS = ("recurrent_gemma", "baichuan_m1", "bailing_moe_linear", "bailing_hybrid")
 
 
 @pytest.mark.slow
@@ -579,7 +578,8 @@ _KDA_STATES = ((3, 96), (3, 96), (3, 96), (3, 32, 32))
 @pytest.mark.parametrize("model_type, arch, latent, start, states", [
     ("bailing_moe_linear", "BailingMoeLinearForCausalLM", None, "offset", _LIGHTNING_STATE),
     ("bailing_hybrid", "BailingHybridForCausalLM", (32, 32), "offset", _LIGHTNING_STATE),
-    ("bailing_moe_v3", "BailingMoeV3ForCausalLM", (32, 32), None, _KDA_STATES),
+    # vLLM's own class (its fused convolution state split for the mixer: _split_kda_conv)
+    ("bailing_moe_v3", None, (32, 32), None, _KDA_STATES),
 ])
 def test_bailing_linear_layers_route_to_state_pages(model_type, arch, latent, start, states,
                                                     tmp_path):
@@ -587,9 +587,8 @@ def test_bailing_linear_layers_route_to_state_pages(model_type, arch, latent, st
     then a GQA or an MLA attention layer): the linear layer's mixer is wrapped (with the start
     position where it rotates), its probed states are mlx-lm's (one ``[heads, head_dim,
     head_dim]`` float32 array; Kimi delta attention's three convolution windows first), the
-    MLA layer is on latent pages, and vLLM's registry holds the architecture as a hybrid
-    only mlx-lm defines, over vLLM's own Bailing V3 class (which packs the convolution
-    states into one)."""
+    MLA layer is on latent pages, and vLLM's registry holds ``arch`` (None: vLLM has the
+    class) as a hybrid only mlx-lm defines."""
     import model_matrix as mm
 
     from vllm_unified import compat
@@ -607,11 +606,14 @@ def test_bailing_linear_layers_route_to_state_pages(model_type, arch, latent, st
     mixer = loaded.model.layers[0].attention
     assert isinstance(mixer, RecurrentMixer) and mixer.start_position == start
     assert probed_state_layout(layout) == (states, (torch.float32,) * len(states))
+    if arch is None:
+        assert model_type not in registration.MLX_LM_HYBRID_ARCHITECTURES.values()
+        return
     assert registration.MLX_LM_HYBRID_ARCHITECTURES[arch] == model_type
     assert compat.ModelRegistry._try_inspect_model_cls(arch).is_hybrid
     cls = compat.ModelRegistry.models[arch].load_model_cls()
     assert issubclass(cls, registration.MLXLMHybridModel)
-    registration.register_mlx_lm_types()  # idempotent: vLLM's class is not taken over twice
+    registration.register_mlx_lm_types()  # idempotent
     assert compat.ModelRegistry.models[arch].load_model_cls() is cls
 
 

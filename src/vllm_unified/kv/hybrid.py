@@ -132,10 +132,11 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     # Ling 2.5 (Bailing hybrid): the same lightning attention, MLA layers closing each group
     "bailing_hybrid": HybridFamily("attention", lambda layer: not layer.is_global, "LINEAR",
                                    start_position="offset"),
-    # Bailing V3: Kimi delta attention (three short convolutions, a gated delta rule) and
-    # gated MLA layers
+    # Bailing V3: Kimi delta attention (three short convolutions, a gated delta rule, kept
+    # as Kimi Linear's are) and gated MLA layers
     "bailing_moe_v3": HybridFamily("attention", lambda layer: bool(layer.is_linear),
-                                   "GDN_ATTN"),
+                                   "GDN_ATTN", to_mixer=_split_kda_conv,
+                                   from_mixer=_join_kda_conv),
 }
 
 

@@ -18,8 +18,7 @@ Nothing is registered for a type transformers or vLLM already knows: their class
 charge. The exception are mlx-lm's hybrid (attention + recurrent) architectures vLLM has no
 class for (:data:`MLX_LM_HYBRID_ARCHITECTURES`), registered as :class:`MLXLMHybridModel` even
 where transformers knows their config: vLLM must see them as hybrid (state pages next to
-attention pages). The few whose vLLM class keeps other states than mlx-lm's module
-(:data:`MLX_LM_STATES_OVER_VLLM`) are registered over vLLM's class. The shapes and dtypes of
+attention pages). The shapes and dtypes of
 their states are not derived from the config: the worker records them from mlx-lm's own
 caches after its load-time probe step (:func:`record_state_layout`), before vLLM sizes the
 state pages in that process. Those without attention layers
@@ -44,7 +43,7 @@ from transformers import AutoConfig, PretrainedConfig
 from vllm_unified import compat
 
 __all__ = ["ENCODER_TYPES_AT_TOP", "MLX_LM_ATTENTION_FREE_ARCHITECTURES",
-           "MLX_LM_HYBRID_ARCHITECTURES", "MLX_LM_STATES_OVER_VLLM", "as_image_text_config",
+           "MLX_LM_HYBRID_ARCHITECTURES", "as_image_text_config",
            "MLXLMAttentionFreeModel", "MLXLMConfig", "MLXLMHybridModel", "MLXLMOnlyModel",
            "mlx_lm_model_types", "record_state_layout", "register_mlx_lm_types"]
 
@@ -196,15 +195,9 @@ MLX_LM_HYBRID_ARCHITECTURES: dict[str, str] = {
     # Ling 2.5 under mlx-lm's type name; checkpoints naming vLLM's BailingMoeV2_5ForCausalLM
     # get their state pages from vLLM's class (the same shapes)
     "BailingHybridForCausalLM": "bailing_hybrid",
-    # vLLM has a class (MLX_LM_STATES_OVER_VLLM)
-    "BailingMoeV3ForCausalLM": "bailing_moe_v3",
 }
 #: those of :data:`MLX_LM_HYBRID_ARCHITECTURES` without attention layers (state pages only)
 MLX_LM_ATTENTION_FREE_ARCHITECTURES = frozenset({"RWKV7ForCausalLM"})
-#: those of :data:`MLX_LM_HYBRID_ARCHITECTURES` vLLM has a class for whose states are not the
-#: ones mlx-lm's module keeps: the plugin's class takes its place in vLLM's registry (Bailing
-#: V3: vLLM packs the three short convolutions' states into one array, mlx-lm keeps three)
-MLX_LM_STATES_OVER_VLLM = frozenset({"BailingMoeV3ForCausalLM"})
 
 #: architecture -> (state shapes, torch dtypes) of one recurrent layer, per sequence, as
 #: mlx-lm's own cache held them after the worker's probe step (this process only)
@@ -270,13 +263,11 @@ _HYBRIDS_REGISTERED: set[str] = set()
 
 
 def _register_hybrid_architectures() -> None:
-    """Register each of :data:`MLX_LM_HYBRID_ARCHITECTURES` vLLM has no class for, or whose
-    class :data:`MLX_LM_STATES_OVER_VLLM` overrides, as an :class:`MLXLMHybridModel` of its
-    own."""
+    """Register each of :data:`MLX_LM_HYBRID_ARCHITECTURES` vLLM has no class for as an
+    :class:`MLXLMHybridModel` of its own."""
     registry = compat.ModelRegistry
     for arch in MLX_LM_HYBRID_ARCHITECTURES:
-        if arch in _HYBRIDS_REGISTERED or (arch in registry.get_supported_archs()
-                                           and arch not in MLX_LM_STATES_OVER_VLLM):
+        if arch in _HYBRIDS_REGISTERED or arch in registry.get_supported_archs():
             continue
         base = (MLXLMAttentionFreeModel if arch in MLX_LM_ATTENTION_FREE_ARCHITECTURES
                 else MLXLMHybridModel)
