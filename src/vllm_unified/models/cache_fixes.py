@@ -46,22 +46,23 @@ def match_cache_windows(model: nn.Module, config: Mapping[str, Any]) -> bool:
     changed."""
     if not hasattr(model, "make_cache"):
         return False
-    if config.get("model_type") == "plamo3":
-        model.__class__ = _plamo3_class(type(model))
-        return True
-    if config.get("model_type") == "longcat_flash":
-        model.__class__ = _sublayer_class(type(model))
-        return True
-    if config.get("model_type") in SPARSE_ATTENTION_INDEXED:
-        model.__class__ = _latent_only_class(type(model))
-        return True
-    if config.get("model_type") == "deepseek_v41" and not any(model.args.compress_ratios):
-        model.__class__ = _window_only_class(type(model))
-        return True
-    return False
+    model_type = config.get("model_type")
+    if model_type == "plamo3":
+        fix = _plamo3_make_cache
+    elif model_type == "longcat_flash":
+        fix = _sublayer_make_cache
+    elif model_type in SPARSE_ATTENTION_INDEXED:
+        fix = _latent_only_make_cache
+    elif model_type == "deepseek_v41" and not any(model.args.compress_ratios):
+        fix = _window_only_make_cache
+    else:
+        return False
+    model.__class__ = _with_make_cache(type(model), fix)
+    return True
 
 
 def _plamo3_make_cache(self: Any) -> list[Any]:
+    """PLaMo 3: sliding caches of window_size + 1 entries."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     window = int(self.config.window_size) + 1  # the mask's window_size argument
@@ -69,49 +70,32 @@ def _plamo3_make_cache(self: Any) -> list[Any]:
             for layer in self.layers]
 
 
-@functools.cache
-def _plamo3_class(base: type) -> type:
-    return type(f"WindowMatched{base.__name__}", (base,),
-                {"make_cache": _plamo3_make_cache,
-                 "__doc__": "PLaMo 3 with sliding caches of window_size + 1 entries."})
-
-
 def _window_only_make_cache(self: Any) -> list[Any]:
+    """DeepSeek-V4.1 without compressed layers: one rotating cache of sliding_window entries
+    per layer."""
     from mlx_lm.models.cache import RotatingKVCache
 
     return [RotatingKVCache(max_size=int(self.args.sliding_window)) for _ in self.layers]
 
 
-@functools.cache
-def _window_only_class(base: type) -> type:
-    return type(f"WindowOnly{base.__name__}", (base,),
-                {"make_cache": _window_only_make_cache,
-                 "__doc__": "DeepSeek-V4.1 without compressed layers: one rotating cache of "
-                            "sliding_window entries per layer."})
-
-
 def _latent_only_make_cache(self: Any) -> list[Any]:
+    """DeepSeek sparse attention within index_topk: one MLA cache per layer (the indexer's
+    keys are not paged)."""
     from mlx_lm.models.cache import KVCache
 
     return [KVCache() for _ in self.layers]
 
 
-@functools.cache
-def _latent_only_class(base: type) -> type:
-    return type(f"LatentOnly{base.__name__}", (base,),
-                {"make_cache": _latent_only_make_cache,
-                 "__doc__": "DeepSeek sparse attention within index_topk: one MLA cache per "
-                            "layer (the indexer's keys are not paged)."})
-
-
 def _sublayer_make_cache(self: Any) -> list[Any]:
+    """LongCat-Flash: one cache per attention sublayer."""
     from mlx_lm.models.cache import KVCache
 
     return [KVCache() for layer in self.layers for _ in layer.self_attn]
 
 
 @functools.cache
-def _sublayer_class(base: type) -> type:
-    return type(f"Sublayer{base.__name__}", (base,),
-                {"make_cache": _sublayer_make_cache,
-                 "__doc__": "LongCat-Flash with one cache per attention sublayer."})
+def _with_make_cache(base: type, make_cache: Any) -> type:
+    """``base`` (an mlx-lm ``Model``) whose ``make_cache`` is ``make_cache`` (its docstring says
+    which caches), one class per pair."""
+    return type(f"CacheFixed{base.__name__}", (base,),
+                {"make_cache": make_cache, "__doc__": make_cache.__doc__})

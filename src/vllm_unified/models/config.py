@@ -282,12 +282,8 @@ def _phi3small_context(cfg: dict[str, Any], max_model_len: int | None) -> None:
     """
     span = int(cfg.get("blocksparse_block_size", 64)) * int(
         cfg.get("blocksparse_num_local_blocks", 16))
-    length = max_model_len or cfg.get("max_position_embeddings")
-    if length is None or int(length) > span:
-        raise ValueError(f"phi3small: block-sparse attention (vertical strides beyond "
-                         f"{span} tokens of local blocks) is not supported by vllm-unified "
-                         f"yet; a context of at most {span} tokens (--max-model-len "
-                         f"{span}) is served")
+    _refuse_longer_context(cfg, max_model_len, span, "block-sparse attention (vertical "
+                           f"strides beyond {span} tokens of local blocks)", "")
 
 
 #: model types with DeepSeek sparse attention (DSA: an indexer picks ``index_topk`` keys per
@@ -305,12 +301,20 @@ def _indexed_context(cfg: dict[str, Any], max_model_len: int | None) -> None:
             ``index_topk``.
     """
     topk = int(cfg.get("index_topk") or 0)
+    _refuse_longer_context(cfg, max_model_len, topk, "DeepSeek sparse attention (an indexer "
+                           f"picking {topk} keys per query in longer contexts)",
+                           " as dense attention")
+
+
+def _refuse_longer_context(cfg: dict[str, Any], max_model_len: int | None, span: int,
+                           feature: str, served_as: str) -> None:
+    """Raise ValueError naming ``feature`` and ``--max-model-len span`` when the context
+    (``max_model_len``, None: the config's ``max_position_embeddings``) exceeds ``span``."""
     length = max_model_len or cfg.get("max_position_embeddings")
-    if length is None or int(length) > topk:
-        raise ValueError(f"{cfg['model_type']}: DeepSeek sparse attention (an indexer picking "
-                         f"{topk} keys per query in longer contexts) is not supported by "
-                         f"vllm-unified yet; a context of at most {topk} tokens "
-                         f"(--max-model-len {topk}) is served as dense attention")
+    if length is None or int(length) > span:
+        raise ValueError(f"{cfg['model_type']}: {feature} is not supported by vllm-unified "
+                         f"yet; a context of at most {span} tokens (--max-model-len {span}) "
+                         f"is served{served_as}")
 
 
 def _starcoder2(cfg: dict[str, Any]) -> None:
