@@ -49,6 +49,8 @@ def test_family_matches_mlx_lm(family, tmp_path):
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) == len(prompts)
 
 
+@pytest.mark.slow  # ~65 s (the 262k-token vocabulary converted); the CI tier serves GGUFs
+# through the default model, and Gemma 3's GGUF load is checked in the fast tier
 def test_gemma3_gguf_through_vllm(tmp_path):
     """Real Gemma-3-270M Q4_K_M weights served from the GGUF: the tokenizer must add the BOS
     the file asks for (transformers' converter drops that flag), and the greedy continuation is

@@ -649,7 +649,8 @@ def test_random_sampling_with_a_draft_model_keeps_the_target_distribution(
     assert _ids(alone)[0] == ids[7]
 
 
-@pytest.mark.engine
+@pytest.mark.slow  # ~75 s; the CI tier keeps speculation's greedy, preemption and sampling
+@pytest.mark.engine  # checks and structured output without speculation
 def test_default_model_structured_output_and_stop_strings(default_model, tmp_path):
     """The default model (SmolLM2 GGUF): greedy code-editing style prompt, a regex-constrained
     request (grammar bitmask over the draft rows), a stop string and penalties: the same
