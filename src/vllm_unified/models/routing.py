@@ -20,6 +20,7 @@ Both read the step's metadata from the bound step context
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,8 +172,14 @@ class _MixerPages:
 
     def __init__(self, pages: Any, layout: _StateLayout) -> None:
         self.pages, self.layout = pages, layout
-        zeros = [mx.zeros((1, *f.shape), dtype=f.dtype) for f in pages.fields]
-        self.entries = len(layout.to_mixer(zeros)) if layout.to_mixer else len(pages.fields)
+
+    @functools.cached_property
+    def entries(self) -> int:
+        if self.layout.to_mixer is None:
+            return len(self.pages.fields)
+        # the count only: built lazily, never evaluated
+        zeros = [mx.zeros((1, *f.shape), dtype=f.dtype) for f in self.pages.fields]
+        return len(self.layout.to_mixer(zeros))
 
     def read(self, slots: mx.array) -> list[mx.array]:
         states = self.pages.read(slots)
@@ -283,7 +290,8 @@ class RecurrentMixer(nn.Module):
             # no rows: a mixer with side inputs hands them on after its output (RWKV-7)
             return (x, *extra.values()) if extra else x
         pages.write(mx.concatenate(slots),
-                    [mx.concatenate([s[f] for s in new_states]) for f in range(pages.entries)])
+                    [mx.concatenate([s[f] for s in new_states])
+                     for f in range(len(new_states[0]))])
         order = attn.output_order
         return _gather_rows(outs, None if order is None else lambda a: a[order])
 
