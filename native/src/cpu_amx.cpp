@@ -100,32 +100,6 @@ VUN_AMX_TARGET void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// The 16 x 16 transpose of 32-bit elements held in r[0..15] (rows), in place.
-VUN_AMX_TARGET inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int j = 0; j < 8; ++j) {
-    t[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
-    t[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    u[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
-    u[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
-    u[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
-    u[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
-  }
-  // u[4j + c], 128-bit lane L: column 4L + c of rows 4j .. 4j + 3.
-  for (int c = 0; c < 4; ++c) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
-}
-
 // bf16 -> fp32 of 16 values (exact: bf16 is fp32's upper half).
 VUN_AMX_TARGET inline __m512 widen(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

@@ -29,6 +29,33 @@ __attribute__((target("avx512f"))) inline __m512 reduce4_512(__m512 a0, __m512 a
   return _mm512_add_ps(r, _mm512_permute_ps(r, 0xb1));
 }
 
+// The 16 x 16 matrix of 32-bit lanes r[0..16) transposed in place: lane j of r[i] becomes
+// lane i of r[j] (the AMX kernels' tiles; the VNNI GEMM's weight panels).
+__attribute__((target("avx512f"))) inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int j = 0; j < 8; ++j) {
+    t[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+    t[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    u[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+    u[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+  }
+  // u[4j + c], 128-bit lane L: column 4L + c of rows 4j .. 4j + 3.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
 // The codes of `valid` elements (64, or 32) from element 0 at p of a packed row (MLX's layout:
 // a little-endian bit stream of BITS per element; p a multiple of 8 elements into the row) as
 // bytes, in order, the rest zero; only the valid * BITS / 8 bytes from p are read.

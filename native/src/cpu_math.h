@@ -227,6 +227,37 @@ size_t quantized_gemv_q8(const Q8Activations& a, const uint32_t* wq, const void*
                          const void* biases, ScaleType st, float* y, size_t M, size_t N,
                          size_t K, size_t group_size, int bits, size_t n0, size_t n1);
 
+// ---- the same arithmetic for 5 rows and more on AVX-512 VNNI (cpu_q8_gemm.cpp) ----
+// Where q8_usable and no AMX: the AMX-INT8 tiles' arithmetic (amx_q8_linear_*) in zmm
+// registers, the weight's codes unpacked into panels that every row of x reuses.
+
+// x prepared for q8_gemm_compute: int8 terms hi (and lo with two terms) [M, K] as the rows of
+// x lie, dx [M, K / 32] and sx [M, groups] fp32 (as Q8Activations defines them), each part at
+// its byte offset in one 64-byte aligned buffer of `bytes`.
+struct Q8GemmXLayout {
+  size_t M, K, groups, hi, lo, dx, sx, bytes;
+};
+Q8GemmXLayout q8_gemm_x_layout(size_t M, size_t K, size_t group_size, bool two_terms);
+
+// Rows [m0, m1) of x [M, K] (fp32, row-contiguous) into buf (l.bytes, 64-byte aligned).
+void q8_gemm_prepare_x(const float* x, const Q8GemmXLayout& l, size_t group_size,
+                       bool two_terms, uint8_t* buf, size_t m0, size_t m1);
+
+// Bytes of one panel block (16 weight rows: codes, then fp32 scales and biases).
+size_t q8_gemm_panel_bytes(size_t K, size_t group_size);
+
+// Panel blocks [nb0, nb1) of w (dequantize_rows_f32's layout; scales, biases [N, K /
+// group_size] of type st) into panel (64-byte aligned, (nb1 - nb0) panel blocks).
+void q8_gemm_pack(const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
+                  size_t N, size_t K, size_t group_size, int bits, size_t nb0, size_t nb1,
+                  uint8_t* panel);
+
+// y[m, n] (y [M, N] fp32) for m in [m0, m1) and the rows n of panel blocks [nb0, nb1), from
+// q8_gemm_prepare_x's buffer and q8_gemm_pack's panel of those blocks.
+void q8_gemm_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t* panel,
+                     float* y, size_t N, size_t group_size, bool two_terms, size_t nb0,
+                     size_t nb1, size_t m0, size_t m1);
+
 // The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)
 // as the low 8 * BITS bits of a little-endian integer; the bits above are other elements' (or
 // zero). Reads 8 bytes at once where they lie before `end` (the row's end), else only the

@@ -1951,6 +1951,47 @@ bool use_amx_int8(size_t M, size_t K, size_t group_size, int bits) {
          vun::q8_usable(K, group_size, bits);
 }
 
+// Whether quantized_linear takes the AVX-512 VNNI GEMM for x [M, K] (vun::q8_gemm_*): modes 3
+// and 4 from 5 rows where AMX-INT8 does not run and the int8 gemv's layout rules hold. Beyond
+// 4 rows the gemv would unpack each weight row again per 4 rows of x; the GEMM unpacks it once
+// per call into panels that all rows reuse (benchmarks/results/HISTORY.md).
+bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits) {
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 5 && !vun::amx_usable() &&
+         vun::q8_usable(K, group_size, bits);
+}
+
+// The AVX-512 VNNI GEMM: x prepared once (rows split over the pool) into `scratch`
+// (q8_gemm_x_layout(...).bytes + 64 bytes), then items of up to kItemBlocks panel blocks x a
+// range of x's rows, each item unpacking its blocks into a per-thread panel.
+void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const void* biases,
+                    vun::ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
+                    int bits, bool two_terms, char* scratch) {
+  constexpr size_t kItemBlocks = 4, kMinItemRows = 64;
+  const vun::Q8GemmXLayout l = vun::q8_gemm_x_layout(M, K, group_size, two_terms);
+  auto* xbuf = reinterpret_cast<uint8_t*>(align64(scratch));
+  split_work(M, 8 * K, 1, [&](size_t b, size_t e) {
+    vun::q8_gemm_prepare_x(x, l, group_size, two_terms, xbuf, b, e);
+  });
+  auto& pool = kernel_pool();
+  const size_t nblocks = (N + 15) / 16, nitems = (nblocks + kItemBlocks - 1) / kItemBlocks;
+  // few weight items (a narrow layer, k/v): x's rows split too, so that every thread has work
+  const size_t want = 4 * pool.size();
+  const size_t mparts = std::clamp<size_t>((want + nitems - 1) / nitems, 1,
+                                           std::max<size_t>(1, M / kMinItemRows));
+  const size_t panel_bytes = vun::q8_gemm_panel_bytes(K, group_size);
+  pool.run(nitems * mparts, [&](size_t item) {
+    const size_t c = item / mparts, p = item % mparts;
+    const size_t nb0 = c * kItemBlocks, nb1 = std::min(nblocks, nb0 + kItemBlocks);
+    const size_t m0 = M * p / mparts / 4 * 4;
+    const size_t m1 = p + 1 == mparts ? M : M * (p + 1) / mparts / 4 * 4;
+    thread_local std::vector<char> buf;
+    buf.resize(kItemBlocks * panel_bytes + 64);
+    auto* panel = reinterpret_cast<uint8_t*>(align64(buf.data()));
+    vun::q8_gemm_pack(w, scales, biases, st, N, K, group_size, bits, nb0, nb1, panel);
+    vun::q8_gemm_compute(xbuf, l, panel, y, N, group_size, two_terms, nb0, nb1, m0, m1);
+  });
+}
+
 // Bytes of the AMX-INT8 panel path's scratch for x [M > 16, K] through w [N, K]: x prepared
 // per m-block, then the unpacked codes, 64 bytes of slack for aligning each part.
 size_t amx_q8_scratch(size_t M, size_t N, size_t K, size_t group_size) {
@@ -2095,9 +2136,12 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     const bool amx_int8 = use_amx_int8(rows, depth, gs, bits_);
     const auto out_features = static_cast<size_t>(wq.shape(0));
     const bool q8_panel = amx_int8 && rows > 16;
-    if (q8_panel || (!int8 && !amx_int8 && use_amx(rows, depth, gs))) {
-      const size_t bytes = q8_panel ? amx_q8_scratch(rows, out_features, depth, gs)
-                                    : amx_scratch(rows, out_features, depth, gs).bytes();
+    const bool q8_gemm = use_q8_gemm(rows, depth, gs, bits_);
+    if (q8_panel || q8_gemm || (!int8 && !amx_int8 && use_amx(rows, depth, gs))) {
+      const size_t bytes =
+          q8_gemm    ? vun::q8_gemm_x_layout(rows, depth, gs, mode == 4).bytes + 64
+          : q8_panel ? amx_q8_scratch(rows, out_features, depth, gs)
+                     : amx_scratch(rows, out_features, depth, gs).bytes();
       constexpr size_t kPage = 4096;  // a 2-D shape: int extents for any size
       mx::array buf({static_cast<int>((bytes + kPage - 1) / kPage), static_cast<int>(kPage)},
                     mx::uint8, nullptr, {});
@@ -2110,8 +2154,12 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
                   bp = static_cast<const void*>(inputs[3].data<char>()),
                   st = scale_type(inputs[2]), yp = y.data<float>(), M = rows,
                   N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_,
-                  mode, int8, amx_int8]() {
+                  mode, int8, amx_int8, q8_gemm]() {
       auto& pool = kernel_pool();
+      if (q8_gemm) {
+        q8_gemm_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, scratch);
+        return;
+      }
       if (amx_int8 && M > 16) {
         amx_q8_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, scratch);
         return;
@@ -2748,6 +2796,11 @@ NB_MODULE(_native, m) {
         "Whether quantized_linear computes x [rows, in_features] on AMX-INT8 tiles against x "
         "quantized per 32 elements (quantized_gemv_mode 3 or 4, amx_usable, a layout int8_runs "
         "takes, 5-16 rows).");
+  m.def("q8_gemm_runs", &use_q8_gemm, nb::arg("rows"), nb::arg("in_features"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "Whether quantized_linear computes x [rows, in_features] by the AVX-512 VNNI GEMM "
+        "against x quantized per 32 elements (quantized_gemv_mode 3 or 4, no AMX, a layout "
+        "int8_runs takes, 5 rows and more).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;
