@@ -98,7 +98,7 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
     rows at a time; larger inputs (prefill) get the whole weight dequantized by the native
     kernel, then MLX's matmul (BLAS), the dense copy dropped after the call. Either way the
     result is bit-identical to the same layer dequantized at load (``mx.dequantize``), except
-    where :func:`amx_takes` (from ``AMX_MIN_ROWS`` rows, at any size): on bf16 tiles
+    where :func:`large_input_takes` (from ``AMX_MIN_ROWS`` rows, at any size): on bf16 tiles
     fp32-accurate, not the same bits (docs/features/quantization.md), and where the native
     ``int8_runs`` or ``amx_int8_runs`` (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8; the
     latter at any size from 5 rows): x quantized per 32 elements, times the codes by int8 dot
@@ -113,21 +113,24 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
     if rows == 0:
         return None
     weight, scales, biases = layer["weight"], layer["scales"], layer["biases"]
-    if rows <= MAX_NATIVE_ROWS or amx_takes(rows, x.shape[-1], layer.group_size, layer.bits):
+    if rows <= MAX_NATIVE_ROWS or large_input_takes(rows, x.shape[-1], layer.group_size,
+                                                    layer.bits):
         # [..., K] -> [..., N]: no reshape node around it
         return native.quantized_linear(x, weight, scales, biases, layer.group_size, layer.bits)
     return x @ native.dequantize(weight, scales, biases, layer.group_size, layer.bits).T
 
 
-def amx_takes(rows: int, in_features: int, group_size: int, bits: int) -> bool:
-    """Whether ``quantized_linear`` runs ``rows`` rows through a layer on AMX tiles: the native
-    ``amx_int8_runs`` rule (integer activations, from 5 rows, the layer's layout) or the bf16
-    tiles' ``amx_runs`` (at least ``AMX_MIN_ROWS`` rows, the CPU has AMX and
-    ``VLLM_UNIFIED_CPU_ISA`` allows it, the input size and quantization groups are whole
-    32-element tile rows). Either beats dequantize + BLAS at prefill sizes
-    (docs/features/quantization.md)."""
+def large_input_takes(rows: int, in_features: int, group_size: int, bits: int) -> bool:
+    """Whether ``quantized_linear`` runs ``rows`` rows (a prefill chunk) through a layer rather
+    than dequantize + BLAS: the native integer rules (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or
+    int8, from 5 rows, the layer's layout): ``amx_int8_runs`` (AMX-INT8 tiles) or
+    ``q8_gemm_runs`` (the AVX-512 VNNI GEMM without AMX); or the bf16 tiles' ``amx_runs`` (at
+    least ``AMX_MIN_ROWS`` rows, the CPU has AMX and ``VLLM_UNIFIED_CPU_ISA`` allows it, the
+    input size and quantization groups are whole 32-element tile rows). Each beats
+    dequantize + BLAS at prefill sizes (docs/features/quantization.md)."""
     native = bridge.native_kernels()
     return native is not None and (native.amx_int8_runs(rows, in_features, group_size, bits)
+                                   or native.q8_gemm_runs(rows, in_features, group_size, bits)
                                    or native.amx_runs(rows, in_features, group_size))
 
 
