@@ -604,7 +604,7 @@ def test_start_up_log_names_the_integer_arithmetic(gemv_mode):
         pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
     routed = cpu_kernels.install_cpu_kernels(quantized())
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if native.amx_usable()
-             else "at 1-4 rows (exact from 5: no AMX-INT8)")
+             else "at every size (1-3 rows, from 4 by the AVX-512 VNNI GEMM)")
     assert f"int16 activations in all 15 quantized layers {where}" in routed
     gemv_mode(1)
     assert any(line.startswith("exact fp32 arithmetic in the quantized layers")
@@ -646,12 +646,13 @@ def _int8_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases
 @pytest.mark.parametrize("mode", [3, 4])
 def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
     """Modes 3 and 4 (x in one or two int8 terms; VNNI gemv for 1-4 rows, AMX-INT8 tiles from 5
-    where the CPU has them, the codes unpacked once per call beyond 16): for 1-8, 16, 17 and 40
-    rows of x (several 16-row blocks, the last partial), fp32, float16 and bfloat16 scales,
+    where the CPU has them, the codes unpacked once per call beyond 16; without AMX the VNNI
+    GEMM from 4 rows): for 1-8, 16, 17, 40, 64 and 2,048 rows of x (several 16-row blocks, the
+    last partial), fp32, float16 and bfloat16 scales,
     K a multiple of 64 and not (the last 64-element span half full), an all-zero block of x and
     weight row counts that leave a last block to the exact path: the result equals the float64
-    value of the same arithmetic to fp32 summation error, and stays within the bound the
-    quantization of x allows around the exact result."""
+    value of the same arithmetic within fp32 summation's error bound, and stays within the bound
+    the quantization of x allows around the exact result."""
     gemv_mode(mode)
     if not native.int8_runs(1, 128, group_size, bits):
         pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
@@ -670,11 +671,12 @@ def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
         codes = _codes(wq, n, k, bits)
         scaled = np.abs(codes * np.repeat(s64, group_size, 1))
         dense = codes * np.repeat(s64, group_size, 1) + np.repeat(b64, group_size, 1)
-        for m in (1, 2, 3, 4, 5, 8, 16, 17, 40):
+        for m in (1, 2, 3, 4, 5, 8, 16, 17, 40, 64, 2048):
             x = rng.standard_normal((m, k)).astype(np.float32)
             x[0, 32:64] = 0.0
             gemv_mode(mode)
-            tiles = native.amx_int8_runs(m, k, group_size, bits)
+            tiles = (native.amx_int8_runs(m, k, group_size, bits)
+                     or native.q8_gemm_runs(m, k, group_size, bits))
             int8 = native.int8_runs(m, k, group_size, bits) or tiles
             got = np.array(native.quantized_linear(mx.array(x), wq, scales, biases, group_size,
                                                    bits)).astype(np.float64)
@@ -683,8 +685,9 @@ def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
                 want = _int8_reference(x, codes, s64, b64, group_size, mode == 4)
                 # the gemv leaves the rows of a last block of < 4 to the exact path
                 done = n if tiles else n // 4 * 4
-                assert np.all(np.abs(got - want)[:, :done] <= 1e-6 * magnitude[:, :done]), (
-                    n, k, m)
+                # recursive summation's bound (n u): the segments' fmas, the group's sum of x
+                fp32 = 2.0 ** -24 * (k // 32 + group_size + 4) * magnitude
+                assert np.all(np.abs(got - want)[:, :done] <= fp32[:, :done]), (n, k, m)
             exact = x.astype(np.float64) @ dense.T
             amax = np.abs(x.reshape(m, k // 32, 32)).max(-1).astype(np.float64)
             # per element, half a step of hi (one term) or one step of lo (two: its clip)
@@ -696,24 +699,52 @@ def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
 @pytest.mark.parametrize("mode", [3, 4])
 def test_int8_gemv_takes_decode_sizes_only(mode, gemv_mode):
     """Where modes 3 and 4 apply: the gemv for 1-4 rows of x on any layer the kernel takes, the
-    AMX-INT8 tiles (where the CPU has them) from 5 rows at any size; never in modes 0-2 or for
-    layouts they do not take (K % 32, group 48, 7 bits)."""
+    AMX-INT8 tiles (where the CPU has them) from 5 rows at any size, else the VNNI GEMM from 4;
+    never in modes 0-2 or for layouts they do not take (K % 32, group 48, 7 bits)."""
     gemv_mode(mode)
     if not native.int8_runs(1, 128, 32, 4):
         pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
-    assert all(native.int8_runs(m, 128, 16, 6) for m in (1, 2, 3, 4))
+    amx = native.amx_usable()
+    assert all(native.int8_runs(m, 128, 16, 6) for m in (1, 2, 3))
+    assert native.int8_runs(4, 128, 16, 6) == amx  # else the GEMM's
     assert not native.int8_runs(0, 128, 32, 4)
     assert not native.int8_runs(5, 128, 16, 6)
     assert not native.int8_runs(1, 144, 48, 4)
     assert not native.int8_runs(1, 128, 32, 7)
-    if native.amx_int8_runs(5, 128, 16, 6):
-        assert all(native.amx_int8_runs(m, 128, 16, 6) for m in (5, 16, 17, 2048))
-        assert not native.amx_int8_runs(4, 128, 16, 6)
-        assert not native.amx_int8_runs(64, 144, 48, 4)
+    batch = (5, 16, 17, 2048)
+    assert all(native.amx_int8_runs(m, 128, 16, 6) == amx for m in batch)
+    assert all(native.q8_gemm_runs(m, 128, 16, 6) != amx for m in (4, *batch))
+    assert not native.amx_int8_runs(4, 128, 16, 6)
+    assert not native.q8_gemm_runs(3, 128, 16, 6)
+    for layout in ((64, 144, 48, 4), (64, 128, 32, 7), (64, 80, 16, 4)):
+        assert not native.amx_int8_runs(*layout) and not native.q8_gemm_runs(*layout)
     for mode in (0, 1, 2):
         gemv_mode(mode)
         assert not native.int8_runs(1, 128, 32, 4)
         assert not native.amx_int8_runs(64, 128, 32, 4)
+        assert not native.q8_gemm_runs(64, 128, 32, 4)
+
+
+@pytest.mark.parametrize("mode", [3, 4])
+def test_int8_gemm_rows_do_not_depend_on_their_batch(mode, gemv_mode):
+    """The VNNI GEMM (4 rows and more, no AMX) computes each row of x on its own: a row's bits
+    are the same in a call of 4, 5, 7, 64 or 300 rows (row tails of the 4-row micro-kernel, x's
+    rows split over the pool's items), for widths with and without VBMI's multishift unpack,
+    groups of 16 and 64, and a weight whose last 16-row panel is partial."""
+    gemv_mode(mode)
+    if not native.q8_gemm_runs(4, 192, 16, 4):
+        pytest.skip("the VNNI GEMM does not run here (AMX-INT8, or no AVX-512 VNNI and VBMI)")
+    rng = np.random.default_rng(mode)
+    x = mx.array(rng.standard_normal((300, 192)).astype(np.float32))
+    for bits, group_size in ((4, 64), (3, 16), (8, 64)):
+        if group_size == 16:
+            wq, scales, biases, _ = _groups_of_16(rng, 83, 192, bits)
+        else:
+            wq, scales, biases = _quantized(rng, 83, 192, group_size, bits)
+        full = native.quantized_linear(x, wq, scales, biases, group_size, bits)
+        for m in (4, 5, 7, 64):
+            part = native.quantized_linear(x[-m:], wq, scales, biases, group_size, bits)
+            assert mx.array_equal(part, full[-m:]).item(), (bits, group_size, m)
 
 
 @pytest.mark.parametrize("setting, mode", [(None, 4), ("int16", 4), ("int8", 3), ("fp32", 1)])

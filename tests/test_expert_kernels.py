@@ -141,9 +141,9 @@ def test_16bit_scales_equal_their_fp32_widening(scale_dtype):
 def test_integer_activations_equal_quantized_linear_per_expert(mode, bits, group_size):
     """VLLM_UNIFIED_CPU_ACTIVATIONS int8 (3) / int16 (4): an expert with 1-4 rows multiplies
     its codes by x quantized per 32 elements, as quantized_linear does for that many rows, and
-    more rows compute exactly: bit-identical to quantized_linear on each expert's weight and
-    rows (to linear on the dequantized weight where quantized_linear would take AMX tiles,
-    which the expert kernel does not)."""
+    more rows take the VNNI GEMM where it runs (no AMX), else compute exactly: bit-identical to
+    quantized_linear on each expert's weight and rows (to linear on the dequantized weight where
+    quantized_linear would take AMX tiles, which the expert kernel does not)."""
     native.quantized_gemv_mode(mode)
     if not native.int8_runs(1, IN, group_size, bits):
         pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")

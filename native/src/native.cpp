@@ -1930,15 +1930,22 @@ int set_gemv_mode(int mode) {
   return gemv_mode().exchange(mode);
 }
 
+bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits);
+
 // Whether quantized_linear takes the int8 gemv for x [M, K] (mode 3 or 4, the CPU and the
-// layer allow it): up to 4 rows, where it reads the weight at memory speed. Beyond, its cost
-// grows with the rows (the weight's unpacking repeats per 4 of them): the AMX kernels win from
-// 8 rows, and on groups of 16 (no AMX) a Qwen2.5-Coder batch-16 forward was no faster than with
-// the scratch path (docs/features/quantization.md).
+// layer allow it): up to 4 rows, where it reads the weight at memory speed, and only 1-3 where
+// the AVX-512 VNNI GEMM takes 4 (use_q8_gemm). Beyond, its cost grows with the rows (the
+// weight's unpacking repeats per 4 of them): the AMX kernels or the GEMM take those.
+
 bool use_int8(size_t M, size_t K, size_t group_size, int bits) {
   return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 && M <= 4 &&
-         vun::q8_usable(K, group_size, bits);
+         vun::q8_usable(K, group_size, bits) && !use_q8_gemm(M, K, group_size, bits);
 }
+
+// Forward declaration (defined with the GEMM's dispatch below).
+void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const void* biases,
+                    vun::ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
+                    int bits, bool two_terms, char* scratch);
 
 // Whether quantized_linear takes the AMX-INT8 tiles for x [M, K]: modes 3 and 4 from 5 rows,
 // where the integer gemv's cost grows with the rows and the bf16 tiles need three products per
@@ -1952,12 +1959,15 @@ bool use_amx_int8(size_t M, size_t K, size_t group_size, int bits) {
 }
 
 // Whether quantized_linear takes the AVX-512 VNNI GEMM for x [M, K] (vun::q8_gemm_*): modes 3
-// and 4 from 5 rows where AMX-INT8 does not run and the int8 gemv's layout rules hold. Beyond
-// 4 rows the gemv would unpack each weight row again per 4 rows of x; the GEMM unpacks it once
-// per call into panels that all rows reuse (benchmarks/results/HISTORY.md).
+// and 4 from kQ8GemmMinRows rows where AMX-INT8 does not run and the int8 gemv's layout rules
+// hold. The gemv unpacks each weight row again per 4 rows of x; the GEMM unpacks it once per
+// call into panels that all rows reuse, and overtakes the gemv at 4 rows (SmolLM2's and
+// Qwen2.5-0.5B's layers: benchmarks/results/HISTORY.md).
+constexpr size_t kQ8GemmMinRows = 4;
+
 bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits) {
-  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 5 && !vun::amx_usable() &&
-         vun::q8_usable(K, group_size, bits);
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= kQ8GemmMinRows &&
+         !vun::amx_usable() && vun::q8_usable(K, group_size, bits);
 }
 
 // The AVX-512 VNNI GEMM: x prepared once (rows split over the pool) into `scratch`
@@ -2379,9 +2389,10 @@ std::vector<ExpertItem> expert_items(const ExpertGroups& g, size_t M, size_t N, 
 // The pairs are grouped by expert: each active expert's weight rows are dequantized (or decoded
 // in registers) once per call and multiplied by all of its rows of x, exactly as
 // QuantizedLinear multiplies that expert's weight by those rows (the same kernels and rules:
-// per expert, 1-3 rows by the gemv, 1-4 rows against int8 x where use_int8 says so, the rest
-// by the scratch rows and linear_cols_f32; no AMX; mxfp4: the gemv's table mode or the scratch
-// rows, always exact). Experts no index names are not read.
+// per expert, 1-3 rows by the gemv, 1-4 rows against int8 x where use_int8 says so, from 4
+// rows the VNNI GEMM where use_q8_gemm says so, the rest by the scratch rows and
+// linear_cols_f32; no AMX; mxfp4: the gemv's table mode or the scratch rows, always exact).
+// Experts no index names are not read.
 class GatherQuantizedLinear : public QuantizedWeightPrimitive {
  public:
   GatherQuantizedLinear(mx::Stream s, int group_size, int bits, ExpertFormat format)
@@ -2459,6 +2470,21 @@ class GatherQuantizedLinear : public QuantizedWeightPrimitive {
       const int mode = gemv_mode().load(std::memory_order_relaxed);
       const size_t spans = (K + 63) / 64;
       const size_t groups = K / gs, words = K * static_cast<size_t>(bits) / 32;
+      // experts with rows for the VNNI GEMM (prefill): one GEMM each, the pool inside it
+      std::vector<char> gemm_done(g.experts.size(), 0);
+      std::vector<char> gemm_scratch;
+      for (size_t a = 0; affine && a < g.experts.size(); ++a) {
+        const size_t row0 = g.start[a] * M, rows = g.start[a + 1] * M - row0;
+        if (!use_q8_gemm(rows, K, gs, bits)) {
+          continue;
+        }
+        gemm_scratch.resize(vun::q8_gemm_x_layout(rows, K, gs, mode == 4).bytes + 64);
+        const size_t e = g.experts[a];
+        q8_gemm_linear(xg + row0 * K, wp + e * N * words, sp + e * N * groups * scale_bytes,
+                       bp + e * N * groups * scale_bytes, st, yg + row0 * N, rows, N, K, gs,
+                       bits, mode == 4, gemm_scratch.data());
+        gemm_done[a] = 1;
+      }
       // int8 x where some expert takes it (use_int8 per expert's rows), quantized once
       vun::Q8Activations q8{};
       bool any_int8 = false;
@@ -2478,6 +2504,9 @@ class GatherQuantizedLinear : public QuantizedWeightPrimitive {
       const std::vector<ExpertItem> items = expert_items(g, M, N, pool.size());
       pool.run(items.size(), [&](size_t c) {
         const ExpertItem& it = items[c];
+        if (gemm_done[it.a]) {
+          return;
+        }
         const size_t e = g.experts[it.a], row0 = g.start[it.a] * M;
         const size_t rows = g.start[it.a + 1] * M - row0;
         const float* xe = xg + row0 * K;
@@ -2790,7 +2819,7 @@ NB_MODULE(_native, m) {
         nb::arg("bits"),
         "Whether quantized_linear computes x [rows, in_features] against x quantized per 32 "
         "elements (quantized_gemv_mode 3 or 4, AVX-512 VNNI and VBMI, a width and group size "
-        "the kernel takes, 1-4 rows).");
+        "the kernel takes, 1-4 rows, 1-3 where q8_gemm_runs takes 4).");
   m.def("amx_int8_runs", &use_amx_int8, nb::arg("rows"), nb::arg("in_features"),
         nb::arg("group_size"), nb::arg("bits"),
         "Whether quantized_linear computes x [rows, in_features] on AMX-INT8 tiles against x "
@@ -2800,7 +2829,7 @@ NB_MODULE(_native, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "Whether quantized_linear computes x [rows, in_features] by the AVX-512 VNNI GEMM "
         "against x quantized per 32 elements (quantized_gemv_mode 3 or 4, no AMX, a layout "
-        "int8_runs takes, 5 rows and more).");
+        "int8_runs takes, 4 rows and more).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;

@@ -435,10 +435,11 @@ def _dequantize_in_place(layer: nn.Module) -> None:
 def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     """The start-up log's account of the quantized layers' arithmetic: how many multiply integer
     codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8 on a
-    CPU with AVX-512 VNNI and VBMI: 1-4 rows, and where the CPU has AMX-INT8 every size from 5
-    rows, prefill chunks included; without AMX-INT8, 5 rows and more stay exact; expert layers:
-    1-4 rows per expert, never on tiles; mxfp4 experts always exact) and how many compute
-    exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8 tiles."""
+    CPU with AVX-512 VNNI and VBMI: 1-4 rows, and every size from 5 rows, prefill chunks
+    included, on AMX-INT8 tiles where the CPU has them, else by the VNNI GEMM from 4 rows;
+    expert layers: 1-4 rows per expert, never on tiles; mxfp4 experts always exact) and how
+    many compute exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8
+    tiles."""
     native = bridge.native_kernels()
     layers = [(m, m["weight"].shape[-1] * 32 // m.bits) for m in model.modules()
               if type(m) in (NativeQuantizedLinear, NativeQuantizedEmbedding,
@@ -449,8 +450,10 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
         return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
                 "fp32, or no AVX-512 VNNI and VBMI)", False)
     tiles = sum(native.amx_int8_runs(16, k, m.group_size, m.bits) for m, k in layers)
+    gemm = sum(native.q8_gemm_runs(16, k, m.group_size, m.bits) for m, k in layers)
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if tiles
-             else "at 1-4 rows (exact from 5: no AMX-INT8)")
+             else "at every size (1-3 rows, from 4 by the AVX-512 VNNI GEMM)" if gemm
+             else "at 1-4 rows (exact from 5)")
     what = f"{envs.CPU_ACTIVATIONS} activations"
     if integer == len(layers):
         return f"{what} in all {integer} quantized layers {where}", tiles == len(layers)
