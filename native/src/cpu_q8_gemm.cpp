@@ -280,12 +280,14 @@ __attribute__((target(VUN_GEMM_TARGET))) void q8_gemm_prepare_x(
       }
       dx[m * blocks + blk] = two_terms ? amax / 127.0f / 256.0f : amax / 127.0f;
     }
-    for (size_t g = 0; g < l.groups; ++g) {  // in order, as the AMX-INT8 path sums
-      float sum = 0.0f;
-      for (size_t k = g * group_size; k < (g + 1) * group_size; ++k) {
-        sum += xr[k];
+    // each group summed in order, as the AMX-INT8 path sums; the groups' chains interleaved
+    // (one add of each group per step), so that they overlap instead of waiting on each other
+    float* sr = sx + m * l.groups;
+    std::fill(sr, sr + l.groups, 0.0f);
+    for (size_t i = 0; i < group_size; ++i) {
+      for (size_t g = 0; g < l.groups; ++g) {
+        sr[g] += xr[g * group_size + i];
       }
-      sx[m * l.groups + g] = sum;
     }
   }
 }
@@ -304,14 +306,17 @@ void q8_gemm_pack(const uint32_t* wq, const void* scales, const void* biases, Sc
 void q8_gemm_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t* panel,
                      float* y, size_t N, size_t group_size, bool two_terms, size_t nb0,
                      size_t nb1, size_t m0, size_t m1) {
+  constexpr size_t kChunkRows = 64;  // x's rows that stay in L2 while every panel pair passes
   const size_t bytes = q8_gemm_panel_bytes(l.K, group_size);
-  // the panel pair outermost: its codes stay in L1 while x's rows stream past them
-  for (size_t nb = nb0; nb < nb1; nb += 2) {
-    const int nr = nb + 1 < nb1 ? 2 : 1;
-    const MicroFn full = micro_fn(two_terms, group_size, 4, nr);
-    for (size_t m = m0; m < m1; m += 4) {
-      const MicroFn fn = m1 - m >= 4 ? full : micro_fn(two_terms, group_size, m1 - m, nr);
-      fn(xbuf, l, panel + (nb - nb0) * bytes, bytes, group_size, y, N, m, nb * kBlockRows);
+  for (size_t c0 = m0; c0 < m1; c0 += kChunkRows) {
+    const size_t c1 = std::min(m1, c0 + kChunkRows);
+    for (size_t nb = nb0; nb < nb1; nb += 2) {
+      const int nr = nb + 1 < nb1 ? 2 : 1;
+      const MicroFn full = micro_fn(two_terms, group_size, 4, nr);
+      for (size_t m = c0; m < c1; m += 4) {
+        const MicroFn fn = c1 - m >= 4 ? full : micro_fn(two_terms, group_size, c1 - m, nr);
+        fn(xbuf, l, panel + (nb - nb0) * bytes, bytes, group_size, y, N, m, nb * kBlockRows);
+      }
     }
   }
 }

@@ -1976,7 +1976,7 @@ bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits) {
 void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const void* biases,
                     vun::ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
                     int bits, bool two_terms, char* scratch) {
-  constexpr size_t kItemBlocks = 4, kMinItemRows = 64;
+  constexpr size_t kItemBlocks = 8, kMinItemRows = 64;
   const vun::Q8GemmXLayout l = vun::q8_gemm_x_layout(M, K, group_size, two_terms);
   auto* xbuf = reinterpret_cast<uint8_t*>(align64(scratch));
   split_work(M, 8 * K, 1, [&](size_t b, size_t e) {
