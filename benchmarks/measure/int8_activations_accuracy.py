@@ -5,11 +5,12 @@ arithmetic, on the same GGUF weights in one process.
 Perplexity is scored on both paths the integer arithmetic runs, over the paged KV pool, with the
 runner's forward and CPU kernels (:mod:`benchmarks.decode_forward`'s set-up):
 
-* **decode** (x of 1-16 rows: the VNNI gemv, the AMX-INT8 tiles from 5): ``--batch`` windows of
+* **decode** (x of 1-16 rows: the VNNI gemv, the AMX-INT8 tiles from 5 or without AMX the VNNI
+  GEMM from 4): ``--batch`` windows of
   ``--window`` tokens of real English text decode side by side, teacher-forced (step t feeds
   each window's token t and scores its token t + 1 from the step's logits);
 * **prefill** (``--paths prefill``; x of ``--window`` rows: the AMX-INT8 tiles' panel path on a
-  CPU with AMX, else the exact kernels): each window is one prefill chunk, every position's
+  CPU with AMX, else the VNNI GEMM): each window is one prefill chunk, every position's
   logits scoring the next token.
 
 Each arithmetic runs the same windows; the figure is exp(mean negative log-likelihood) over all
