@@ -1960,35 +1960,55 @@ bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits) {
          vun::q8_usable(K, group_size, bits);
 }
 
-// The AVX-512 VNNI GEMM: x prepared once (rows split over the pool) into `scratch`
-// (q8_gemm_x_layout(...).bytes + 64 bytes), then items of up to kItemBlocks panel blocks x a
-// range of x's rows, each item unpacking its blocks into a per-thread panel.
+// Whether quantized_linear takes the AVX2 GEMM for x [M, K] (vun::q8_avx2_*): modes 3 and 4
+// from 5 rows where neither AMX-INT8 nor the AVX-512 VNNI GEMM runs (a CPU without AVX-512
+// VNNI and VBMI, or VLLM_UNIFIED_CPU_ISA=avx2) and the layout is one the int8 kernels take.
+// Same bits as the AVX-512 GEMM.
+bool use_q8_avx2_gemm(size_t M, size_t K, size_t group_size, int bits) {
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 5 && !vun::amx_usable() &&
+         !vun::q8_usable(K, group_size, bits) && vun::q8_avx2_usable(K, group_size, bits);
+}
+
+// The AVX-512 VNNI GEMM, or (avx2) its AVX2 twin: x prepared once (rows split over the pool)
+// into `scratch` (q8_gemm_x_layout(...).bytes, or q8_avx2_x_layout's, + 64 bytes), then items
+// of 64 weight rows (panel blocks) x a range of x's rows, each item unpacking its blocks into a
+// per-thread panel.
 void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const void* biases,
                     vun::ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
-                    int bits, bool two_terms, char* scratch) {
-  constexpr size_t kItemBlocks = 4, kMinItemRows = 64;
-  const vun::Q8GemmXLayout l = vun::q8_gemm_x_layout(M, K, group_size, two_terms);
+                    int bits, bool two_terms, bool avx2, char* scratch) {
+  constexpr size_t kItemRows = 64, kMinItemRows = 64;  // weight rows per item: 4 or 8 blocks
+  const size_t block_rows = avx2 ? 8 : 16, item_blocks = kItemRows / block_rows;
+  const vun::Q8GemmXLayout l = avx2 ? vun::q8_avx2_x_layout(M, K, group_size)
+                                    : vun::q8_gemm_x_layout(M, K, group_size, two_terms);
   auto* xbuf = reinterpret_cast<uint8_t*>(align64(scratch));
   split_work(M, 8 * K, 1, [&](size_t b, size_t e) {
-    vun::q8_gemm_prepare_x(x, l, group_size, two_terms, xbuf, b, e);
+    (avx2 ? vun::q8_avx2_prepare_x : vun::q8_gemm_prepare_x)(x, l, group_size, two_terms, xbuf,
+                                                             b, e);
   });
   auto& pool = kernel_pool();
-  const size_t nblocks = (N + 15) / 16, nitems = (nblocks + kItemBlocks - 1) / kItemBlocks;
+  const size_t nblocks = (N + block_rows - 1) / block_rows;
+  const size_t nitems = (nblocks + item_blocks - 1) / item_blocks;
   // few weight items (a narrow layer, k/v): x's rows split too, so that every thread has work
   const size_t want = 4 * pool.size();
   const size_t mparts = std::clamp<size_t>((want + nitems - 1) / nitems, 1,
                                            std::max<size_t>(1, M / kMinItemRows));
-  const size_t panel_bytes = vun::q8_gemm_panel_bytes(K, group_size);
+  const size_t panel_bytes = avx2 ? vun::q8_avx2_panel_bytes(K, group_size)
+                                  : vun::q8_gemm_panel_bytes(K, group_size);
   pool.run(nitems * mparts, [&](size_t item) {
     const size_t c = item / mparts, p = item % mparts;
-    const size_t nb0 = c * kItemBlocks, nb1 = std::min(nblocks, nb0 + kItemBlocks);
+    const size_t nb0 = c * item_blocks, nb1 = std::min(nblocks, nb0 + item_blocks);
     const size_t m0 = M * p / mparts / 4 * 4;
     const size_t m1 = p + 1 == mparts ? M : M * (p + 1) / mparts / 4 * 4;
     thread_local std::vector<char> buf;
-    buf.resize(kItemBlocks * panel_bytes + 64);
+    buf.resize(item_blocks * panel_bytes + 64);
     auto* panel = reinterpret_cast<uint8_t*>(align64(buf.data()));
-    vun::q8_gemm_pack(w, scales, biases, st, N, K, group_size, bits, nb0, nb1, panel);
-    vun::q8_gemm_compute(xbuf, l, panel, y, N, group_size, two_terms, nb0, nb1, m0, m1);
+    if (avx2) {
+      vun::q8_avx2_pack(w, scales, biases, st, N, K, group_size, bits, nb0, nb1, panel);
+      vun::q8_avx2_compute(xbuf, l, panel, y, N, group_size, nb0, nb1, m0, m1);
+    } else {
+      vun::q8_gemm_pack(w, scales, biases, st, N, K, group_size, bits, nb0, nb1, panel);
+      vun::q8_gemm_compute(xbuf, l, panel, y, N, group_size, two_terms, nb0, nb1, m0, m1);
+    }
   });
 }
 
@@ -2136,10 +2156,12 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     const bool amx_int8 = use_amx_int8(rows, depth, gs, bits_);
     const auto out_features = static_cast<size_t>(wq.shape(0));
     const bool q8_panel = amx_int8 && rows > 16;
-    const bool q8_gemm = use_q8_gemm(rows, depth, gs, bits_);
+    const bool q8_avx2 = use_q8_avx2_gemm(rows, depth, gs, bits_);
+    const bool q8_gemm = q8_avx2 || use_q8_gemm(rows, depth, gs, bits_);
     if (q8_panel || q8_gemm || (!int8 && !amx_int8 && use_amx(rows, depth, gs))) {
       const size_t bytes =
-          q8_gemm    ? vun::q8_gemm_x_layout(rows, depth, gs, mode == 4).bytes + 64
+          q8_avx2    ? vun::q8_avx2_x_layout(rows, depth, gs).bytes + 64
+          : q8_gemm  ? vun::q8_gemm_x_layout(rows, depth, gs, mode == 4).bytes + 64
           : q8_panel ? amx_q8_scratch(rows, out_features, depth, gs)
                      : amx_scratch(rows, out_features, depth, gs).bytes();
       constexpr size_t kPage = 4096;  // a 2-D shape: int extents for any size
@@ -2154,10 +2176,10 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
                   bp = static_cast<const void*>(inputs[3].data<char>()),
                   st = scale_type(inputs[2]), yp = y.data<float>(), M = rows,
                   N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_,
-                  mode, int8, amx_int8, q8_gemm]() {
+                  mode, int8, amx_int8, q8_gemm, q8_avx2]() {
       auto& pool = kernel_pool();
       if (q8_gemm) {
-        q8_gemm_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, scratch);
+        q8_gemm_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, q8_avx2, scratch);
         return;
       }
       if (amx_int8 && M > 16) {
@@ -2801,6 +2823,13 @@ NB_MODULE(_native, m) {
         "Whether quantized_linear computes x [rows, in_features] by the AVX-512 VNNI GEMM "
         "against x quantized per 32 elements (quantized_gemv_mode 3 or 4, no AMX, a layout "
         "int8_runs takes, 5 rows and more).");
+  m.def("q8_avx2_gemm_runs", &use_q8_avx2_gemm, nb::arg("rows"), nb::arg("in_features"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "Whether quantized_linear computes x [rows, in_features] by the AVX2 GEMM against x "
+        "quantized per 32 elements, bit-identical to q8_gemm_runs' kernel (quantized_gemv_mode "
+        "3 or 4, AVX2 and FMA without AVX-512 VNNI and VBMI or VLLM_UNIFIED_CPU_ISA=avx2, no "
+        "AMX, bits 2-6 or 8, group size 16, 32 or a multiple of 64, in_features a multiple of "
+        "32 and of the group size, 5 rows and more).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;
