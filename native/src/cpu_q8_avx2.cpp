@@ -80,20 +80,49 @@ inline float widen1(const void* p, size_t i) {
   }
 }
 
-// The K codes of one packed row (MLX's layout: a little-endian bit stream of BITS per element,
-// K a multiple of 8) as bytes: 8 elements are BITS whole bytes.
+// Codes 2c and 2c + 1 of 16 elements of a packed row from p (MLX's layout: a little-endian
+// bit stream of BITS per element; p a multiple of 8 elements into the row) as dword c = the two
+// codes as int16, c < 8: each code's bits lie in 2 bytes, which a shuffle moves into its half of
+// the dword, then one variable shift per half and a mask (no PDEP, no VBMI). Reads the 16
+// bytes from p where `whole` (they lie inside the weight), else only the 2 * BITS it needs.
 template <int BITS>
-void unpack_row(const uint8_t* p, size_t K, uint8_t* out) {
-  constexpr uint64_t mask = (uint64_t{1} << BITS) - 1;
-  for (size_t k = 0; k < K; k += 8, p += BITS) {
-    uint64_t v = 0;
-    for (int i = 0; i < BITS; ++i) {
-      v |= static_cast<uint64_t>(p[i]) << (8 * i);
+__attribute__((target(VUN_AVX2_TARGET))) inline __m256i code_pairs16(const uint8_t* p,
+                                                                     bool whole) {
+  struct Tables {
+    alignas(32) uint8_t gather[32];
+    alignas(32) uint32_t shift_lo[8], shift_hi[8];
+  };
+  static constexpr Tables t = [] {
+    Tables v{};
+    for (int c = 0; c < 8; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const int bit = BITS * (2 * c + h), byte = bit / 8;
+        v.gather[4 * c + 2 * h] = static_cast<uint8_t>(byte);
+        // the second byte only matters where the code crosses into it (never at 8 bits)
+        v.gather[4 * c + 2 * h + 1] = static_cast<uint8_t>(std::min(byte + 1, 15));
+        (h == 0 ? v.shift_lo : v.shift_hi)[c] = static_cast<uint32_t>(bit % 8);
+      }
     }
-    for (int j = 0; j < 8; ++j) {
-      out[k + j] = static_cast<uint8_t>((v >> (BITS * j)) & mask);
-    }
+    return v;
+  }();
+  __m128i raw;
+  if (whole) {
+    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint8_t tmp[16] = {};
+    std::memcpy(tmp, p, 2 * BITS);
+    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
   }
+  const __m256i g = _mm256_shuffle_epi8(
+      _mm256_broadcastsi128_si256(raw),
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(t.gather)));
+  const __m256i lo = _mm256_srlv_epi32(
+      g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift_lo)));
+  const __m256i hi = _mm256_srlv_epi32(
+      g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift_hi)));
+  constexpr int mask = (1 << BITS) - 1;
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(mask)),
+                         _mm256_and_si256(hi, _mm256_set1_epi32(mask << 16)));
 }
 
 // Panel block nb of w (rows 8 nb .. 8 nb + 7; rows past N zero): int16 codes at dst, element
@@ -104,22 +133,30 @@ __attribute__((target(VUN_AVX2_TARGET))) void pack_block(
     size_t group_size, size_t nb, uint8_t* dst) {
   const size_t row_bytes = K * BITS / 8, groups = K / group_size;
   const size_t rows = std::min(kBlockRows, N - nb * kBlockRows);
-  auto* codes = reinterpret_cast<int16_t*>(dst);
-  alignas(32) uint8_t row[256];
-  // 128 elements of each row at a time: interleaved as pairs of k per row
-  for (size_t k0 = 0; k0 < K; k0 += 128) {
-    const size_t len = std::min<size_t>(128, K - k0);
-    for (size_t r = 0; r < kBlockRows; ++r) {
-      if (r < rows) {
-        unpack_row<BITS>(w8 + (nb * kBlockRows + r) * row_bytes + k0 * BITS / 8, len, row);
-      } else {
-        std::memset(row, 0, len);
-      }
-      for (size_t k = 0; k < len; k += 2) {
-        int16_t* d = codes + (k0 + k) / 2 * 16 + 2 * r;
-        d[0] = row[k];
-        d[1] = row[k + 1];
-      }
+  const uint8_t* end = w8 + N * row_bytes;
+  auto* codes = reinterpret_cast<__m256i*>(dst);
+  // 16 elements of the 8 rows at a time: 8 dwords (k pairs) per row, transposed 8 x 8
+  for (size_t k = 0; k < K; k += 16) {
+    __m256i r[8];
+    for (size_t i = 0; i < kBlockRows; ++i) {
+      const uint8_t* p = w8 + (nb * kBlockRows + i) * row_bytes + k * BITS / 8;
+      r[i] = i < rows ? code_pairs16<BITS>(p, p + 16 <= end) : _mm256_setzero_si256();
+    }
+    __m256i t[8], u[8];
+    for (int j = 0; j < 4; ++j) {
+      t[2 * j] = _mm256_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+      t[2 * j + 1] = _mm256_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+    }
+    for (int j = 0; j < 2; ++j) {  // u[4j + c], lane L: pair 4L + c of rows 4j .. 4j + 3
+      u[4 * j] = _mm256_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+      u[4 * j + 1] = _mm256_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+      u[4 * j + 2] = _mm256_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+      u[4 * j + 3] = _mm256_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      _mm256_store_si256(codes + k / 2 + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x20));
+      _mm256_store_si256(codes + k / 2 + 4 + c,
+                         _mm256_permute2x128_si256(u[c], u[4 + c], 0x31));
     }
   }
   auto* s = reinterpret_cast<float*>(dst + kBlockRows * K * sizeof(int16_t));
@@ -156,6 +193,45 @@ PackFn pack_for(ScaleType st, int bits) {
   }
 }
 
+using i32_alias = int32_t __attribute__((may_alias));
+
+// sum[i][j] += madd(w_j, the pair of x16 at x + i * K) for 4 rows of x and 2 panel blocks: the
+// hot step written out, since GCC computed all 8 products before the sums and spent a move per
+// sum on its registers (16 ymm: 8 sums, 2 weights, 1 broadcast, 1 product).
+__attribute__((target(VUN_AVX2_TARGET))) inline void step4x2(const int16_t* x, size_t K,
+                                                             __m256i w0, __m256i w1,
+                                                             __m256i (&sum)[4][2]) {
+  __m256i t, u;
+  __asm__(
+      "vpbroadcastd %[x0], %[t]\n\t"
+      "vpmaddwd %[w0], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s00], %[s00]\n\t"
+      "vpmaddwd %[w1], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s01], %[s01]\n\t"
+      "vpbroadcastd %[x1], %[t]\n\t"
+      "vpmaddwd %[w0], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s10], %[s10]\n\t"
+      "vpmaddwd %[w1], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s11], %[s11]\n\t"
+      "vpbroadcastd %[x2], %[t]\n\t"
+      "vpmaddwd %[w0], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s20], %[s20]\n\t"
+      "vpmaddwd %[w1], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s21], %[s21]\n\t"
+      "vpbroadcastd %[x3], %[t]\n\t"
+      "vpmaddwd %[w0], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s30], %[s30]\n\t"
+      "vpmaddwd %[w1], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s31], %[s31]"
+      : [s00] "+x"(sum[0][0]), [s01] "+x"(sum[0][1]), [s10] "+x"(sum[1][0]),
+        [s11] "+x"(sum[1][1]), [s20] "+x"(sum[2][0]), [s21] "+x"(sum[2][1]),
+        [s30] "+x"(sum[3][0]), [s31] "+x"(sum[3][1]), [t] "=&x"(t), [u] "=&x"(u)
+      : [w0] "x"(w0), [w1] "x"(w1), [x0] "m"(*reinterpret_cast<const i32_alias*>(x)),
+        [x1] "m"(*reinterpret_cast<const i32_alias*>(x + K)),
+        [x2] "m"(*reinterpret_cast<const i32_alias*>(x + 2 * K)),
+        [x3] "m"(*reinterpret_cast<const i32_alias*>(x + 3 * K)));
+}
+
 // y[m0 + i, n0 + 8 j + lane] for i < MR, j < NR (NR panel blocks from `panel`, each
 // panel_bytes apart): segments of D elements, the epilogue of each as the file's header says.
 template <size_t D, int MR, int NR>
@@ -188,18 +264,22 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
         sum[i][j] = _mm256_setzero_si256();
       }
     }
-#pragma GCC unroll 16
+#pragma GCC unroll 4
     for (size_t k = k0; k < k0 + D; k += 2) {
       __m256i w[NR];
       for (int j = 0; j < NR; ++j) {
         w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j] + k * 16));
       }
-      for (int i = 0; i < MR; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, x16 + i * K + k, 4);
-        const __m256i xv = _mm256_set1_epi32(pair);
-        for (int j = 0; j < NR; ++j) {
-          sum[i][j] = _mm256_add_epi32(sum[i][j], _mm256_madd_epi16(w[j], xv));
+      if constexpr (MR == 4 && NR == 2) {
+        step4x2(x16 + k, K, w[0], w[1], sum);
+      } else {
+        for (int i = 0; i < MR; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, x16 + i * K + k, 4);
+          const __m256i xv = _mm256_set1_epi32(pair);
+          for (int j = 0; j < NR; ++j) {
+            sum[i][j] = _mm256_add_epi32(_mm256_madd_epi16(w[j], xv), sum[i][j]);
+          }
         }
       }
     }
