@@ -229,7 +229,8 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void step4x2(const int16_t* x, s
       : [w0] "x"(w0), [w1] "x"(w1), [x0] "m"(*reinterpret_cast<const i32_alias*>(x)),
         [x1] "m"(*reinterpret_cast<const i32_alias*>(x + K)),
         [x2] "m"(*reinterpret_cast<const i32_alias*>(x + 2 * K)),
-        [x3] "m"(*reinterpret_cast<const i32_alias*>(x + 3 * K)));
+        [x3] "m"(*reinterpret_cast<const i32_alias*>(x + 3 * K))
+      : "memory");
 }
 
 // y[m0 + i, n0 + 8 j + lane] for i < MR, j < NR (NR panel blocks from `panel`, each
@@ -251,12 +252,11 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
     s[j] = reinterpret_cast<const float*>(codes[j] + kBlockRows * K * sizeof(int16_t));
     b[j] = s[j] + groups * kBlockRows;
   }
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < NR; ++j) {
-      acc[i][j] = _mm256_setzero_ps();
-    }
-  }
+  // the fp32 accumulators live in memory between segments: in registers beside the 8 integer
+  // sums, GCC spilled sums inside the hot loop instead (16 ymm registers only)
+  alignas(32) float acc_mem[MR][NR][kBlockRows] = {};
+  __asm__ volatile("" : : "r"(acc_mem) : "memory");
+  size_t g = 0, next_group = 0;
   for (size_t k0 = 0; k0 < K; k0 += D) {
     __m256i sum[MR][NR];
     for (int i = 0; i < MR; ++i) {
@@ -264,7 +264,7 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
         sum[i][j] = _mm256_setzero_si256();
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 1
     for (size_t k = k0; k < k0 + D; k += 2) {
       __m256i w[NR];
       for (int j = 0; j < NR; ++j) {
@@ -283,18 +283,22 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
         }
       }
     }
-    const size_t g = k0 / group_size;
-    const bool first = k0 % group_size == 0;
+    const bool first = k0 == next_group;
+    if (first) {
+      g = k0 / group_size;
+      next_group = k0 + group_size;
+    }
     for (int i = 0; i < MR; ++i) {
       const __m256 dxv = _mm256_set1_ps(dx[i * blocks + k0 / 32]);
       const __m256 sxv = _mm256_set1_ps(sx[i * groups + g]);
       for (int j = 0; j < NR; ++j) {
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][j]),
-                                    _mm256_mul_ps(_mm256_load_ps(s[j] + g * kBlockRows), dxv),
-                                    acc[i][j]);
+        __m256 acc = _mm256_load_ps(acc_mem[i][j]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][j]),
+                              _mm256_mul_ps(_mm256_load_ps(s[j] + g * kBlockRows), dxv), acc);
         if (first) {
-          acc[i][j] = _mm256_fmadd_ps(_mm256_load_ps(b[j] + g * kBlockRows), sxv, acc[i][j]);
+          acc = _mm256_fmadd_ps(_mm256_load_ps(b[j] + g * kBlockRows), sxv, acc);
         }
+        _mm256_store_ps(acc_mem[i][j], acc);
       }
     }
   }
@@ -302,13 +306,7 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
     const size_t n = n0 + j * kBlockRows;
     const size_t cols = std::min(kBlockRows, N - n);
     for (int i = 0; i < MR; ++i) {
-      if (cols == kBlockRows) {
-        _mm256_storeu_ps(y + (m0 + i) * N + n, acc[i][j]);
-      } else {
-        alignas(32) float part[kBlockRows];
-        _mm256_store_ps(part, acc[i][j]);
-        std::memcpy(y + (m0 + i) * N + n, part, cols * sizeof(float));
-      }
+      std::memcpy(y + (m0 + i) * N + n, acc_mem[i][j], cols * sizeof(float));
     }
   }
 }
