@@ -6,7 +6,10 @@
 // 256 hi + lo (two terms; |x16| <= 32639, exact in int16). The weight's codes are unpacked
 // (portable shifts: no PDEP, no VBMI) and widened to int16 in panels of 8 weight rows: per 2
 // consecutive k, 32 bytes (2 codes of each of the 8 rows), so that one VPMADDWD multiplies 8
-// weight rows by 2 elements of one x row and adds the pair. Each panel of a work item is
+// weight rows by 2 elements of one x row and adds the pair. With one term and codes of 2-4
+// bits the panel holds bytes instead (4 consecutive k of the 8 rows per 32 bytes) and
+// VPMADDUBSW multiplies them by int8 hi, the products of a segment summed in int16 (exact:
+// at most 8 * 2 * 15 * 127) and widened once per segment. Each panel of a work item is
 // unpacked once and reused by every row of x; its scales and biases are widened to fp32 beside
 // it.
 //
@@ -46,9 +49,9 @@ Q8GemmXLayout q8_avx2_x_layout(size_t M, size_t K, size_t group_size) {
   l.M = M;
   l.K = K;
   l.groups = K / group_size;
-  l.hi = 0;  // x16 [M, K] int16
-  l.lo = 0;  // unused: both terms live in x16
-  l.dx = round64(M * K * sizeof(int16_t));
+  l.hi = 0;                               // x16 [M, K] int16
+  l.lo = round64(M * K * sizeof(int16_t));  // x8 [M, K] int8: hi alone (one term)
+  l.dx = l.lo + round64(M * K);
   l.sx = l.dx + round64(M * (K / 32) * sizeof(float));
   l.bytes = l.sx + round64(M * l.groups * sizeof(float));
   return l;
@@ -126,8 +129,10 @@ __attribute__((target(VUN_AVX2_TARGET))) inline __m256i code_pairs16(const uint8
 }
 
 // Panel block nb of w (rows 8 nb .. 8 nb + 7; rows past N zero): int16 codes at dst, element
-// k of row r at (k / 2) * 16 + 2 r + k % 2, then the fp32 scales and biases [groups][8].
-template <int BITS, ScaleType ST>
+// k of row r at (k / 2) * 16 + 2 r + k % 2, or (BYTES) uint8 codes, element k of row r at
+// (k / 4) * 32 + 4 r + k % 4; then, at byte 16 K either way, the fp32 scales and biases
+// [groups][8].
+template <int BITS, ScaleType ST, bool BYTES>
 __attribute__((target(VUN_AVX2_TARGET))) void pack_block(
     const uint8_t* w8, const void* scales, const void* biases, size_t N, size_t K,
     size_t group_size, size_t nb, uint8_t* dst) {
@@ -135,12 +140,22 @@ __attribute__((target(VUN_AVX2_TARGET))) void pack_block(
   const size_t rows = std::min(kBlockRows, N - nb * kBlockRows);
   const uint8_t* end = w8 + N * row_bytes;
   auto* codes = reinterpret_cast<__m256i*>(dst);
-  // 16 elements of the 8 rows at a time: 8 dwords (k pairs) per row, transposed 8 x 8
-  for (size_t k = 0; k < K; k += 16) {
+  // 16 (BYTES: 32) elements of the 8 rows at a time: 8 dwords (k pairs, or quads) per row,
+  // transposed 8 x 8
+  constexpr size_t step = BYTES ? 32 : 16;
+  for (size_t k = 0; k < K; k += step) {
     __m256i r[8];
     for (size_t i = 0; i < kBlockRows; ++i) {
       const uint8_t* p = w8 + (nb * kBlockRows + i) * row_bytes + k * BITS / 8;
-      r[i] = i < rows ? code_pairs16<BITS>(p, p + 16 <= end) : _mm256_setzero_si256();
+      if (i >= rows) {
+        r[i] = _mm256_setzero_si256();
+      } else if constexpr (BYTES) {  // codes 0-15 and 16-31 as words -> 32 bytes in order
+        const __m256i a = code_pairs16<BITS>(p, p + 16 <= end);
+        const __m256i c = code_pairs16<BITS>(p + 2 * BITS, p + 2 * BITS + 16 <= end);
+        r[i] = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, c), 0xd8);
+      } else {
+        r[i] = code_pairs16<BITS>(p, p + 16 <= end);
+      }
     }
     __m256i t[8], u[8];
     for (int j = 0; j < 4; ++j) {
@@ -153,10 +168,10 @@ __attribute__((target(VUN_AVX2_TARGET))) void pack_block(
       u[4 * j + 2] = _mm256_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
       u[4 * j + 3] = _mm256_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
     }
+    __m256i* out = codes + k / (BYTES ? 4 : 2);
     for (int c = 0; c < 4; ++c) {
-      _mm256_store_si256(codes + k / 2 + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x20));
-      _mm256_store_si256(codes + k / 2 + 4 + c,
-                         _mm256_permute2x128_si256(u[c], u[4 + c], 0x31));
+      _mm256_store_si256(out + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x20));
+      _mm256_store_si256(out + 4 + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x31));
     }
   }
   auto* s = reinterpret_cast<float*>(dst + kBlockRows * K * sizeof(int16_t));
@@ -174,23 +189,30 @@ using PackFn = void (*)(const uint8_t*, const void*, const void*, size_t, size_t
                         uint8_t*);
 
 template <ScaleType ST>
-PackFn pack_for_type(int bits) {
+PackFn pack_for_type(int bits, bool bytes) {
   switch (bits) {
-    case 2: return pack_block<2, ST>;
-    case 3: return pack_block<3, ST>;
-    case 4: return pack_block<4, ST>;
-    case 5: return pack_block<5, ST>;
-    case 6: return pack_block<6, ST>;
-    default: return pack_block<8, ST>;
+    case 2: return bytes ? pack_block<2, ST, true> : pack_block<2, ST, false>;
+    case 3: return bytes ? pack_block<3, ST, true> : pack_block<3, ST, false>;
+    case 4: return bytes ? pack_block<4, ST, true> : pack_block<4, ST, false>;
+    case 5: return pack_block<5, ST, false>;
+    case 6: return pack_block<6, ST, false>;
+    default: return pack_block<8, ST, false>;
   }
 }
 
-PackFn pack_for(ScaleType st, int bits) {
+PackFn pack_for(ScaleType st, int bits, bool bytes) {
   switch (st) {
-    case ScaleType::kF32: return pack_for_type<ScaleType::kF32>(bits);
-    case ScaleType::kF16: return pack_for_type<ScaleType::kF16>(bits);
-    default: return pack_for_type<ScaleType::kBF16>(bits);
+    case ScaleType::kF32: return pack_for_type<ScaleType::kF32>(bits, bytes);
+    case ScaleType::kF16: return pack_for_type<ScaleType::kF16>(bits, bytes);
+    default: return pack_for_type<ScaleType::kBF16>(bits, bytes);
   }
+}
+
+// Whether the panel holds bytes and the products go through VPMADDUBSW: one term (x8) and
+// codes below 16, so that a product pair is at most 2 * 15 * 127 and the 8 pairs of a segment
+// (16 for groups of 16: 4) sum to at most 30480 in int16, exactly.
+bool byte_products(int bits, bool two_terms) {
+  return !two_terms && bits <= 4;
 }
 
 using i32_alias = int32_t __attribute__((may_alias));
@@ -233,15 +255,53 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void step4x2(const int16_t* x, s
       : "memory");
 }
 
+// The same for the byte panel: sum[i][j] += maddubs(w_j, the 4 int8 of x at x + i * K), in
+// int16 lanes.
+__attribute__((target(VUN_AVX2_TARGET))) inline void step4x2_bytes(const int8_t* x, size_t K,
+                                                                   __m256i w0, __m256i w1,
+                                                                   __m256i (&sum)[4][2]) {
+  __m256i t, u;
+  __asm__(
+      "vpbroadcastd %[x0], %[t]\n\t"
+      "vpmaddubsw %[t], %[w0], %[u]\n\t"
+      "vpaddw %[u], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[t], %[w1], %[u]\n\t"
+      "vpaddw %[u], %[s01], %[s01]\n\t"
+      "vpbroadcastd %[x1], %[t]\n\t"
+      "vpmaddubsw %[t], %[w0], %[u]\n\t"
+      "vpaddw %[u], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[t], %[w1], %[u]\n\t"
+      "vpaddw %[u], %[s11], %[s11]\n\t"
+      "vpbroadcastd %[x2], %[t]\n\t"
+      "vpmaddubsw %[t], %[w0], %[u]\n\t"
+      "vpaddw %[u], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[t], %[w1], %[u]\n\t"
+      "vpaddw %[u], %[s21], %[s21]\n\t"
+      "vpbroadcastd %[x3], %[t]\n\t"
+      "vpmaddubsw %[t], %[w0], %[u]\n\t"
+      "vpaddw %[u], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[t], %[w1], %[u]\n\t"
+      "vpaddw %[u], %[s31], %[s31]"
+      : [s00] "+x"(sum[0][0]), [s01] "+x"(sum[0][1]), [s10] "+x"(sum[1][0]),
+        [s11] "+x"(sum[1][1]), [s20] "+x"(sum[2][0]), [s21] "+x"(sum[2][1]),
+        [s30] "+x"(sum[3][0]), [s31] "+x"(sum[3][1]), [t] "=&x"(t), [u] "=&x"(u)
+      : [w0] "x"(w0), [w1] "x"(w1), [x0] "m"(*reinterpret_cast<const i32_alias*>(x)),
+        [x1] "m"(*reinterpret_cast<const i32_alias*>(x + K)),
+        [x2] "m"(*reinterpret_cast<const i32_alias*>(x + 2 * K)),
+        [x3] "m"(*reinterpret_cast<const i32_alias*>(x + 3 * K))
+      : "memory");
+}
+
 // y[m0 + i, n0 + 8 j + lane] for i < MR, j < NR (NR panel blocks from `panel`, each
 // panel_bytes apart): segments of D elements, the epilogue of each as the file's header says.
-template <size_t D, int MR, int NR>
+template <size_t D, int MR, int NR, bool BYTES>
 __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q8GemmXLayout& l,
                                                     const uint8_t* panel, size_t panel_bytes,
                                                     size_t group_size, float* y, size_t N,
                                                     size_t m0, size_t n0) {
   const size_t K = l.K, groups = l.groups, blocks = K / 32;
   const auto* x16 = reinterpret_cast<const int16_t*>(xbuf + l.hi) + m0 * K;
+  const auto* x8 = reinterpret_cast<const int8_t*>(xbuf + l.lo) + m0 * K;
   const auto* dx = reinterpret_cast<const float*>(xbuf + l.dx) + m0 * blocks;
   const auto* sx = reinterpret_cast<const float*>(xbuf + l.sx) + m0 * groups;
   const uint8_t* codes[NR];
@@ -265,7 +325,33 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
       }
     }
 #pragma GCC unroll 1
-    for (size_t k = k0; k < k0 + D; k += 2) {
+    for (size_t k = k0; k < k0 + D && BYTES; k += 4) {
+      __m256i w[NR];
+      for (int j = 0; j < NR; ++j) {
+        w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j] + k * 8));
+      }
+      if constexpr (MR == 4 && NR == 2) {
+        step4x2_bytes(x8 + k, K, w[0], w[1], sum);
+      } else {
+        for (int i = 0; i < MR; ++i) {
+          int32_t quad;
+          std::memcpy(&quad, x8 + i * K + k, 4);
+          const __m256i xv = _mm256_set1_epi32(quad);
+          for (int j = 0; j < NR; ++j) {
+            sum[i][j] = _mm256_add_epi16(_mm256_maddubs_epi16(w[j], xv), sum[i][j]);
+          }
+        }
+      }
+    }
+    if constexpr (BYTES) {  // int16 pairs of sums -> int32
+      for (int i = 0; i < MR; ++i) {
+        for (int j = 0; j < NR; ++j) {
+          sum[i][j] = _mm256_madd_epi16(sum[i][j], _mm256_set1_epi16(1));
+        }
+      }
+    }
+#pragma GCC unroll 1
+    for (size_t k = k0; k < k0 + D && !BYTES; k += 2) {
       __m256i w[NR];
       for (int j = 0; j < NR; ++j) {
         w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j] + k * 16));
@@ -314,21 +400,26 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
 using MicroFn = void (*)(const uint8_t*, const Q8GemmXLayout&, const uint8_t*, size_t, size_t,
                          float*, size_t, size_t, size_t);
 
-template <size_t D, int NR>
+template <size_t D, int NR, bool BYTES>
 MicroFn micro_rows(size_t rows) {
   switch (rows) {
-    case 1: return micro<D, 1, NR>;
-    case 2: return micro<D, 2, NR>;
-    case 3: return micro<D, 3, NR>;
-    default: return micro<D, 4, NR>;
+    case 1: return micro<D, 1, NR, BYTES>;
+    case 2: return micro<D, 2, NR, BYTES>;
+    case 3: return micro<D, 3, NR, BYTES>;
+    default: return micro<D, 4, NR, BYTES>;
   }
 }
 
-MicroFn micro_fn(size_t group_size, size_t rows, int nr) {
+template <size_t D, bool BYTES>
+MicroFn micro_for(size_t rows, int nr) {
+  return nr == 2 ? micro_rows<D, 2, BYTES>(rows) : micro_rows<D, 1, BYTES>(rows);
+}
+
+MicroFn micro_fn(size_t group_size, bool bytes, size_t rows, int nr) {
   if (group_size == 16) {
-    return nr == 2 ? micro_rows<16, 2>(rows) : micro_rows<16, 1>(rows);
+    return bytes ? micro_for<16, true>(rows, nr) : micro_for<16, false>(rows, nr);
   }
-  return nr == 2 ? micro_rows<32, 2>(rows) : micro_rows<32, 1>(rows);
+  return bytes ? micro_for<32, true>(rows, nr) : micro_for<32, false>(rows, nr);
 }
 
 }  // namespace
@@ -347,6 +438,7 @@ __attribute__((target(VUN_AVX2_TARGET))) void q8_avx2_prepare_x(
     size_t m0, size_t m1) {
   const size_t K = l.K, blocks = K / 32;
   auto* x16 = reinterpret_cast<int16_t*>(buf + l.hi);
+  auto* x8 = reinterpret_cast<int8_t*>(buf + l.lo);
   auto* dx = reinterpret_cast<float*>(buf + l.dx);
   auto* sx = reinterpret_cast<float*>(buf + l.sx);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // rint: ties to even
@@ -385,6 +477,10 @@ __attribute__((target(VUN_AVX2_TARGET))) void q8_avx2_prepare_x(
       const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + m * K + 32 * blk), p01);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + m * K + 32 * blk + 16), p23);
+      if (!two_terms) {  // hi alone fits int8: the byte panel's operand
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x8 + m * K + 32 * blk),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi16(p01, p23), 0xd8));
+      }
       dx[m * blocks + blk] = two_terms ? amax / 127.0f / 256.0f : amax / 127.0f;
     }
     for (size_t g = 0; g < l.groups; ++g) {  // in order, as q8_gemm_prepare_x sums
@@ -398,9 +494,9 @@ __attribute__((target(VUN_AVX2_TARGET))) void q8_avx2_prepare_x(
 }
 
 void q8_avx2_pack(const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
-                  size_t N, size_t K, size_t group_size, int bits, size_t nb0, size_t nb1,
-                  uint8_t* panel) {
-  const PackFn pack = pack_for(st, bits);
+                  size_t N, size_t K, size_t group_size, int bits, bool two_terms, size_t nb0,
+                  size_t nb1, uint8_t* panel) {
+  const PackFn pack = pack_for(st, bits, byte_products(bits, two_terms));
   const size_t bytes = q8_avx2_panel_bytes(K, group_size);
   for (size_t nb = nb0; nb < nb1; ++nb) {
     pack(reinterpret_cast<const uint8_t*>(wq), scales, biases, N, K, group_size, nb,
@@ -409,15 +505,16 @@ void q8_avx2_pack(const uint32_t* wq, const void* scales, const void* biases, Sc
 }
 
 void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t* panel,
-                     float* y, size_t N, size_t group_size, size_t nb0, size_t nb1, size_t m0,
-                     size_t m1) {
+                     float* y, size_t N, size_t group_size, int bits, bool two_terms,
+                     size_t nb0, size_t nb1, size_t m0, size_t m1) {
   const size_t bytes = q8_avx2_panel_bytes(l.K, group_size);
+  const bool byte_panel = byte_products(bits, two_terms);
   // the panel pair outermost: its codes stay in cache while x's rows stream past them
   for (size_t nb = nb0; nb < nb1; nb += 2) {
     const int nr = nb + 1 < nb1 ? 2 : 1;
-    const MicroFn full = micro_fn(group_size, 4, nr);
+    const MicroFn full = micro_fn(group_size, byte_panel, 4, nr);
     for (size_t m = m0; m < m1; m += 4) {
-      const MicroFn fn = m1 - m >= 4 ? full : micro_fn(group_size, m1 - m, nr);
+      const MicroFn fn = m1 - m >= 4 ? full : micro_fn(group_size, byte_panel, m1 - m, nr);
       fn(xbuf, l, panel + (nb - nb0) * bytes, bytes, group_size, y, N, m, nb * kBlockRows);
     }
   }
@@ -433,11 +530,11 @@ void q8_avx2_prepare_x(const float*, const Q8GemmXLayout&, size_t, bool, uint8_t
   std::abort();
 }
 void q8_avx2_pack(const uint32_t*, const void*, const void*, ScaleType, size_t, size_t, size_t,
-                  int, size_t, size_t, uint8_t*) {
+                  int, bool, size_t, size_t, uint8_t*) {
   std::abort();
 }
 void q8_avx2_compute(const uint8_t*, const Q8GemmXLayout&, const uint8_t*, float*, size_t,
-                     size_t, size_t, size_t, size_t, size_t) {
+                     size_t, int, bool, size_t, size_t, size_t, size_t) {
   std::abort();
 }
 

@@ -2005,8 +2005,10 @@ void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const
     if (avx2) {  // a pair of blocks at a time: their panel stays in L2 (512 KiB on Zen 2/3)
       for (size_t nb = nb0; nb < nb1; nb += 2) {
         const size_t end = std::min(nb1, nb + 2);
-        vun::q8_avx2_pack(w, scales, biases, st, N, K, group_size, bits, nb, end, panel);
-        vun::q8_avx2_compute(xbuf, l, panel, y, N, group_size, nb, end, m0, m1);
+        vun::q8_avx2_pack(w, scales, biases, st, N, K, group_size, bits, two_terms, nb, end,
+                          panel);
+        vun::q8_avx2_compute(xbuf, l, panel, y, N, group_size, bits, two_terms, nb, end, m0,
+                             m1);
       }
     } else {
       vun::q8_gemm_pack(w, scales, biases, st, N, K, group_size, bits, nb0, nb1, panel);
