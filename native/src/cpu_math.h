@@ -288,6 +288,13 @@ void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t*
                      float* y, size_t N, size_t group_size, int bits, bool two_terms,
                      size_t nb0, size_t nb1, size_t m0, size_t m1);
 
+// y[m, n] (y [M, N] fp32) for M <= 4 rows of x and n in [n0, n1), from q8_avx2_prepare_x's
+// buffer and w directly (its codes unpacked in registers, no panel): the same integer
+// products, fp32 sums in another order (not the GEMM's bits).
+void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint32_t* wq,
+                  const void* scales, const void* biases, ScaleType st, float* y, size_t M,
+                  size_t N, size_t group_size, int bits, size_t n0, size_t n1);
+
 // The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)
 // as the low 8 * BITS bits of a little-endian integer; the bits above are other elements' (or
 // zero). Reads 8 bytes at once where they lie before `end` (the row's end), else only the
