@@ -605,7 +605,7 @@ def test_start_up_log_names_the_integer_arithmetic(gemv_mode):
     routed = cpu_kernels.install_cpu_kernels(quantized())
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if native.amx_usable()
              else "at 1-4 rows (exact from 5: no AMX-INT8)" if native.int8_runs(1, 64, 32, 4)
-             else "from 5 rows on AVX2 (exact at 1-4: no AVX-512 VNNI)")
+             else "at every size on AVX2 (no AVX-512 VNNI)")
     assert f"int16 activations in all 15 quantized layers {where}" in routed
     gemv_mode(1)
     assert any(line.startswith("exact fp32 arithmetic in the quantized layers")
@@ -718,7 +718,7 @@ def test_int8_gemv_takes_decode_sizes_only(mode, gemv_mode):
 
 
 def _int8_gemm_runs(m: int, k: int, group_size: int, bits: int) -> bool:
-    """Whether one of the integer kernels for 5 rows and more takes x [m, k] here."""
+    """Whether one of the integer GEMMs (from 5 rows; on AVX2 from 1) takes x [m, k] here."""
     return (native.amx_int8_runs(m, k, group_size, bits)
             or native.q8_gemm_runs(m, k, group_size, bits)
             or native.q8_avx2_gemm_runs(m, k, group_size, bits))
@@ -729,10 +729,11 @@ def _int8_gemm_runs(m: int, k: int, group_size: int, bits: int) -> bool:
 @pytest.mark.parametrize("mode", [3, 4])
 def test_int8_gemm_computes_its_reference(bits, group_size, mode, gemv_mode):
     """Modes 3 and 4 from 5 rows (the AMX-INT8 tiles, the AVX-512 VNNI GEMM or the AVX2 GEMM,
-    whichever this process runs; test_int8_gemm_on_avx2 runs it again on AVX2): for 5, 16, 17,
-    64 and 2,048 rows of x, fp32, float16 and bfloat16 scales, weight row counts that leave a
-    last partial block of 8 and of 16 rows, an all-zero block of x: the result equals the
-    float64 value of the same arithmetic to fp32 summation error."""
+    whichever this process runs; test_int8_gemm_on_avx2 runs it again on AVX2, where 1-4 rows
+    take the GEMM too): for 1-5, 16, 17, 64 and 2,048 rows of x, fp32, float16 and bfloat16
+    scales, weight row counts that leave a last partial block of 8 and of 16 rows, an all-zero
+    block of x: the result equals the float64 value of the same arithmetic to fp32 summation
+    error."""
     gemv_mode(mode)
     if not _int8_gemm_runs(5, 128, group_size, bits):
         pytest.skip("no integer kernel for 5 rows and more here")
@@ -750,7 +751,9 @@ def test_int8_gemm_computes_its_reference(bits, group_size, mode, gemv_mode):
         b64 = np.array(biases.astype(mx.float32)).astype(np.float64)
         codes = _codes(wq, n, k, bits)
         dense = np.abs(codes * np.repeat(s64, group_size, 1) + np.repeat(b64, group_size, 1))
-        for m in (5, 16, 17, 64, 2048) if i == 0 else (5, 17, 64):
+        for m in (1, 2, 3, 4, 5, 16, 17, 64, 2048) if i == 0 else (1, 3, 5, 17, 64):
+            if m < 5 and not native.q8_avx2_gemm_runs(m, k, group_size, bits):
+                continue  # the gemvs' rows (test_int8_gemv_computes_its_reference)
             assert _int8_gemm_runs(m, k, group_size, bits)
             x = rng.standard_normal((m, k)).astype(np.float32)
             x[0, 32:64] = 0.0
@@ -761,17 +764,19 @@ def test_int8_gemm_computes_its_reference(bits, group_size, mode, gemv_mode):
             assert np.all(np.abs(got - want) <= 1e-6 * magnitude), (n, k, m)
 
 
-def test_int8_gemm_kernels_take_prefill_sizes_only(gemv_mode):
-    """At most one integer kernel for 5 rows and more, none below 5 rows, in modes 0-2 or for
-    layouts they do not take (K % 32, group 48, 7 bits); the AVX2 GEMM only where neither the
-    AMX-INT8 tiles nor the AVX-512 VNNI GEMM run."""
+def test_int8_gemm_kernels_take_their_sizes_only(gemv_mode):
+    """Exactly one integer kernel per size where any runs: the AVX-512 gemv (1-4 rows) and the
+    AMX-INT8 tiles or the AVX-512 VNNI GEMM (5 and more), or the AVX2 GEMM at every size where
+    none of those run; none for 0 rows, in modes 0-2 or for layouts they do not take (K % 32,
+    group 48, 7 bits)."""
     gemv_mode(4)
     if not _int8_gemm_runs(5, 128, 32, 4):
         pytest.skip("no integer kernel for 5 rows and more here")
-    for m in (5, 16, 17, 2048):
-        assert sum((native.amx_int8_runs(m, 128, 16, 6), native.q8_gemm_runs(m, 128, 16, 6),
-                    native.q8_avx2_gemm_runs(m, 128, 16, 6))) == 1
-    assert not _int8_gemm_runs(4, 128, 16, 6)
+    for m in (1, 2, 3, 4, 5, 16, 17, 2048):
+        assert sum((native.int8_runs(m, 128, 16, 6), native.amx_int8_runs(m, 128, 16, 6),
+                    native.q8_gemm_runs(m, 128, 16, 6),
+                    native.q8_avx2_gemm_runs(m, 128, 16, 6))) == 1, m
+    assert not _int8_gemm_runs(0, 128, 16, 6)
     assert not _int8_gemm_runs(64, 144, 48, 4)
     assert not _int8_gemm_runs(64, 128, 32, 7)
     assert not _int8_gemm_runs(64, 80, 16, 4)
@@ -783,9 +788,9 @@ def test_int8_gemm_kernels_take_prefill_sizes_only(gemv_mode):
 
 
 def test_int8_gemm_on_avx2():
-    """The tests of the integer kernels for 5 rows and more, again with
-    ``VLLM_UNIFIED_CPU_ISA=avx2``: the AVX2 GEMM against its reference at every width, group
-    size and row count, its predicate, the start-up log's account of it."""
+    """The tests of the integer GEMMs, again with ``VLLM_UNIFIED_CPU_ISA=avx2``: the AVX2 GEMM
+    against its reference at every width, group size and row count, its predicate, the
+    start-up log's account of it."""
     import os
     import subprocess
     import sys
@@ -798,7 +803,7 @@ def test_int8_gemm_on_avx2():
         pytest.skip("no AVX2 and FMA on this CPU")
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-         "int8_gemm_computes_its_reference or int8_gemm_kernels_take_prefill_sizes_only "
+         "int8_gemm_computes_its_reference or int8_gemm_kernels_take_their_sizes_only "
          "or start_up_log_names_the_integer_arithmetic", __file__],
         env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

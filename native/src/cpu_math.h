@@ -260,7 +260,8 @@ void q8_gemm_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t*
 
 // ---- the same arithmetic on AVX2 (cpu_q8_avx2.cpp), bit-identical to the AVX-512 GEMM ----
 // For CPUs without AVX-512 VNNI (or an ISA cap of avx2): x quantized as q8_gemm_prepare_x
-// does, held as int16 x16 (hi, or 256 hi + lo), codes widened to int16 in 8-row panels.
+// does, held as int16 x16 (hi, or 256 hi + lo), codes widened to int16 in 8-row panels (bytes
+// with one term and 2-4-bit codes); every number of rows, 1-4 included.
 
 // Whether the AVX2 GEMM runs here for this layer: AVX2 and FMA (and an ISA cap of avx2 or
 // above), the widths, group sizes and K that q8_usable takes.
@@ -287,13 +288,6 @@ void q8_avx2_pack(const uint32_t* wq, const void* scales, const void* biases, Sc
 void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t* panel,
                      float* y, size_t N, size_t group_size, int bits, bool two_terms,
                      size_t nb0, size_t nb1, size_t m0, size_t m1);
-
-// y[m, n] (y [M, N] fp32) for M <= 4 rows of x and n in [n0, n1), from q8_avx2_prepare_x's
-// buffer and w directly (its codes unpacked in registers, no panel): the same integer
-// products, fp32 sums in another order (not the GEMM's bits).
-void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint32_t* wq,
-                  const void* scales, const void* biases, ScaleType st, float* y, size_t M,
-                  size_t N, size_t group_size, int bits, size_t n0, size_t n1);
 
 // The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)
 // as the low 8 * BITS bits of a little-endian integer; the bits above are other elements' (or

@@ -1,4 +1,4 @@
-// x @ dequantize(w).T for 5 rows of x and more on AVX2 (CPUs without AVX-512 VNNI): the
+// x @ dequantize(w).T at every number of rows on AVX2 (CPUs without AVX-512 VNNI): the
 // arithmetic of the AVX-512 VNNI GEMM (cpu_q8_gemm.cpp) in ymm registers, bit-identical to it.
 //
 // x is quantized per block of 32 elements exactly as q8_gemm_prepare_x quantizes it (one int8
@@ -20,7 +20,6 @@
 //   acc = fma(b[n, g], sum of x over g, acc)        at the first segment of each group
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -423,101 +422,7 @@ MicroFn micro_fn(size_t group_size, bool bytes, size_t rows, int nr) {
   return bytes ? micro_for<32, true>(rows, nr) : micro_for<32, false>(rows, nr);
 }
 
-// y[m, n] for m < MR and n in [n0, n1): each weight row's codes unpacked in registers, 16 at a
-// time in k order (code_pairs16), times x16's same 16 elements (VPMADDWD: lanes along k, no
-// broadcast, no panel); per segment of D the lanes' integer sums scaled by s[n, g] * dx[m, blk]
-// into fp32 lanes, at the end their sum plus sum_g b[n, g] * sx[m, g]. Not the GEMM's bits
-// (the lanes hold k, not n), the same integer products.
-template <int BITS, size_t D, int MR>
-__attribute__((target(VUN_AVX2_TARGET))) void gemv_rows(
-    const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t* w8, const void* scales,
-    const void* biases, ScaleType st, float* y, size_t N, size_t group_size, size_t n0,
-    size_t n1) {
-  const size_t K = l.K, groups = l.groups, blocks = K / 32, row_bytes = K * BITS / 8;
-  const auto* x16 = reinterpret_cast<const int16_t*>(xbuf + l.hi);
-  const auto* dx = reinterpret_cast<const float*>(xbuf + l.dx);
-  const auto* sx = reinterpret_cast<const float*>(xbuf + l.sx);
-  const uint8_t* end = w8 + N * row_bytes;
-  const auto widen = [&](const void* p, size_t i) {
-    return st == ScaleType::kF32   ? static_cast<const float*>(p)[i]
-           : st == ScaleType::kF16 ? half_to_float(static_cast<const uint16_t*>(p)[i])
-                                   : bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  };
-  for (size_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w8 + n * row_bytes;
-    __m256 acc[MR];
-    for (int m = 0; m < MR; ++m) {
-      acc[m] = _mm256_setzero_ps();
-    }
-    for (size_t k0 = 0; k0 < K; k0 += D) {
-      __m256i sum[MR];
-      for (int m = 0; m < MR; ++m) {
-        sum[m] = _mm256_setzero_si256();
-      }
-      for (size_t k = k0; k < k0 + D; k += 16) {
-        const uint8_t* p = row + k * BITS / 8;
-        const __m256i q = code_pairs16<BITS>(p, p + 16 <= end);
-        for (int m = 0; m < MR; ++m) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + m * K + k));
-          sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(q, xv));
-        }
-      }
-      const float scale = widen(scales, n * groups + k0 / group_size);
-      for (int m = 0; m < MR; ++m) {
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]),
-                                 _mm256_set1_ps(scale * dx[m * blocks + k0 / 32]), acc[m]);
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      float bias = 0.0f;
-      for (size_t g = 0; g < groups; ++g) {
-        bias = std::fma(widen(biases, n * groups + g), sx[m * groups + g], bias);
-      }
-      y[m * N + n] = _mm_cvtss_f32(h) + bias;
-    }
-  }
-}
-
-using GemvFn = void (*)(const uint8_t*, const Q8GemmXLayout&, const uint8_t*, const void*,
-                        const void*, ScaleType, float*, size_t, size_t, size_t, size_t);
-
-template <int BITS, size_t D>
-GemvFn gemv_rows_for(size_t M) {
-  switch (M) {
-    case 1: return gemv_rows<BITS, D, 1>;
-    case 2: return gemv_rows<BITS, D, 2>;
-    case 3: return gemv_rows<BITS, D, 3>;
-    default: return gemv_rows<BITS, D, 4>;
-  }
-}
-
-template <int BITS>
-GemvFn gemv_for_group(size_t group_size, size_t M) {
-  return group_size == 16 ? gemv_rows_for<BITS, 16>(M) : gemv_rows_for<BITS, 32>(M);
-}
-
-GemvFn gemv_for(int bits, size_t group_size, size_t M) {
-  switch (bits) {
-    case 2: return gemv_for_group<2>(group_size, M);
-    case 3: return gemv_for_group<3>(group_size, M);
-    case 4: return gemv_for_group<4>(group_size, M);
-    case 5: return gemv_for_group<5>(group_size, M);
-    case 6: return gemv_for_group<6>(group_size, M);
-    default: return gemv_for_group<8>(group_size, M);
-  }
-}
-
 }  // namespace
-
-void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint32_t* wq,
-                  const void* scales, const void* biases, ScaleType st, float* y, size_t M,
-                  size_t N, size_t group_size, int bits, size_t n0, size_t n1) {
-  gemv_for(bits, group_size, M)(xbuf, l, reinterpret_cast<const uint8_t*>(wq), scales, biases,
-                                st, y, N, group_size, n0, n1);
-}
 
 bool q8_avx2_usable(size_t K, size_t group_size, int bits) {
   static const bool cpu = avx2_fma();
@@ -630,10 +535,6 @@ void q8_avx2_pack(const uint32_t*, const void*, const void*, ScaleType, size_t, 
 }
 void q8_avx2_compute(const uint8_t*, const Q8GemmXLayout&, const uint8_t*, float*, size_t,
                      size_t, int, bool, size_t, size_t, size_t, size_t) {
-  std::abort();
-}
-void q8_avx2_gemv(const uint8_t*, const Q8GemmXLayout&, const uint32_t*, const void*,
-                  const void*, ScaleType, float*, size_t, size_t, size_t, int, size_t, size_t) {
   std::abort();
 }
 

@@ -1961,19 +1961,12 @@ bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits) {
 }
 
 // Whether quantized_linear takes the AVX2 GEMM for x [M, K] (vun::q8_avx2_*): modes 3 and 4
-// from 5 rows where neither AMX-INT8 nor the AVX-512 VNNI GEMM runs (a CPU without AVX-512
+// at every size where neither AMX-INT8 nor the AVX-512 VNNI kernels run (a CPU without AVX-512
 // VNNI and VBMI, or VLLM_UNIFIED_CPU_ISA=avx2) and the layout is one the int8 kernels take.
-// Same bits as the AVX-512 GEMM.
+// Same bits as the AVX-512 GEMM. From 1 row: a gemv unpacking the codes in registers per call
+// was no faster at 1 row and slower from 2 than unpacking them once into the panel.
 bool use_q8_avx2_gemm(size_t M, size_t K, size_t group_size, int bits) {
-  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 5 && !vun::amx_usable() &&
-         !vun::q8_usable(K, group_size, bits) && vun::q8_avx2_usable(K, group_size, bits);
-}
-
-// Whether quantized_linear takes the AVX2 integer gemv for x [M, K] (vun::q8_avx2_gemv): modes
-// 3 and 4 at 1-4 rows where the AVX-512 VNNI gemv does not run (use_int8's rows, the AVX2
-// GEMM's CPUs and layouts).
-bool use_q8_avx2_gemv(size_t M, size_t K, size_t group_size, int bits) {
-  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 && M <= 4 &&
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 && !vun::amx_usable() &&
          !vun::q8_usable(K, group_size, bits) && vun::q8_avx2_usable(K, group_size, bits);
 }
 
@@ -2170,7 +2163,6 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     const auto out_features = static_cast<size_t>(wq.shape(0));
     const bool q8_panel = amx_int8 && rows > 16;
     const bool q8_avx2 = use_q8_avx2_gemm(rows, depth, gs, bits_);
-    const bool q8_avx2_gemv = use_q8_avx2_gemv(rows, depth, gs, bits_);
     const bool q8_gemm = q8_avx2 || use_q8_gemm(rows, depth, gs, bits_);
     if (q8_panel || q8_gemm || (!int8 && !amx_int8 && use_amx(rows, depth, gs))) {
       const size_t bytes =
@@ -2190,21 +2182,8 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
                   bp = static_cast<const void*>(inputs[3].data<char>()),
                   st = scale_type(inputs[2]), yp = y.data<float>(), M = rows,
                   N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_,
-                  mode, int8, amx_int8, q8_gemm, q8_avx2, q8_avx2_gemv]() {
+                  mode, int8, amx_int8, q8_gemm, q8_avx2]() {
       auto& pool = kernel_pool();
-      if (q8_avx2_gemv) {
-        thread_local std::vector<char> xbuf;  // read by the pool's workers during the call
-        const vun::Q8GemmXLayout l = vun::q8_avx2_x_layout(M, K, gs);
-        xbuf.resize(l.bytes + 64);
-        auto* xq = reinterpret_cast<uint8_t*>(align64(xbuf.data()));
-        vun::q8_avx2_prepare_x(xp, l, gs, mode == 4, xq, 0, M);
-        const size_t chunks = std::min(N, 8 * pool.size());
-        pool.run(chunks, [&](size_t c) {
-          vun::q8_avx2_gemv(xq, l, wp, sp, bp, st, yp, M, N, gs, bits, N * c / chunks,
-                            N * (c + 1) / chunks);
-        });
-        return;
-      }
       if (q8_gemm) {
         q8_gemm_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, q8_avx2, scratch);
         return;
@@ -2856,12 +2835,7 @@ NB_MODULE(_native, m) {
         "quantized per 32 elements, bit-identical to q8_gemm_runs' kernel (quantized_gemv_mode "
         "3 or 4, AVX2 and FMA without AVX-512 VNNI and VBMI or VLLM_UNIFIED_CPU_ISA=avx2, no "
         "AMX, bits 2-6 or 8, group size 16, 32 or a multiple of 64, in_features a multiple of "
-        "32 and of the group size, 5 rows and more).");
-  m.def("q8_avx2_gemv_runs", &use_q8_avx2_gemv, nb::arg("rows"), nb::arg("in_features"),
-        nb::arg("group_size"), nb::arg("bits"),
-        "Whether quantized_linear computes x [rows, in_features] by the AVX2 integer gemv "
-        "against x quantized per 32 elements (quantized_gemv_mode 3 or 4, where "
-        "q8_avx2_gemm_runs would at 5 rows, 1-4 rows).");
+        "32 and of the group size, any number of rows).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;

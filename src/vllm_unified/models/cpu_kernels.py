@@ -440,7 +440,7 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8 on a
     CPU with AVX-512 VNNI and VBMI: 1-4 rows, and where the CPU has AMX-INT8 every size from 5
     rows, prefill chunks included; without AMX-INT8, 5 rows and more stay exact; on AVX2
-    without AVX-512 VNNI: 5 rows and more, 1-4 exact; expert layers: 1-4 rows per expert, never
+    without AVX-512 VNNI: every size by the AVX2 GEMM; expert layers: 1-4 rows per expert, never
     on tiles or AVX2; mxfp4 experts always exact) and how many compute
     exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8 tiles."""
     native = bridge.native_kernels()
@@ -452,12 +452,12 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     tiles = sum(native.amx_int8_runs(16, k, m.group_size, m.bits) for m, k in layers)
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if tiles
              else "at 1-4 rows (exact from 5: no AMX-INT8)")
-    if integer == 0:  # AVX2 without AVX-512 VNNI: the GEMM from 5 rows, expert layers exact
+    if integer == 0:  # AVX2 without AVX-512 VNNI: the GEMM at every size, expert layers exact
         integer = sum(type(m) is not NativeQuantizedSwitchLinear
                       and getattr(m, "mode", "affine") == "affine"
                       and native.q8_avx2_gemm_runs(16, k, m.group_size, m.bits)
                       for m, k in layers)
-        where = "from 5 rows on AVX2 (exact at 1-4: no AVX-512 VNNI)"
+        where = "at every size on AVX2 (no AVX-512 VNNI)"
     if integer == 0:
         return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
                 "fp32, or no AVX2)", False)
