@@ -600,11 +600,13 @@ def test_start_up_log_names_the_integer_arithmetic(gemv_mode):
         return model
 
     gemv_mode(4)
-    if not native.int8_runs(1, 64, 32, 4):
-        pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
+    if not native.int8_runs(1, 64, 32, 4) and not native.q8_avx2_gemm_runs(16, 64, 32, 4):
+        pytest.skip("no AVX-512 VNNI and VBMI, nor AVX2, on this CPU")
     routed = cpu_kernels.install_cpu_kernels(quantized())
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if native.amx_usable()
-             else "at every size (1-3 rows, from 4 by the AVX-512 VNNI GEMM)")
+             else "at every size (1-3 rows, from 4 by the AVX-512 VNNI GEMM)"
+             if native.int8_runs(1, 64, 32, 4)
+             else "at every size on AVX2 (no AVX-512 VNNI)")
     assert f"int16 activations in all 15 quantized layers {where}" in routed
     gemv_mode(1)
     assert any(line.startswith("exact fp32 arithmetic in the quantized layers")
@@ -745,6 +747,151 @@ def test_int8_gemm_rows_do_not_depend_on_their_batch(mode, gemv_mode):
         for m in (4, 5, 7, 64):
             part = native.quantized_linear(x[-m:], wq, scales, biases, group_size, bits)
             assert mx.array_equal(part, full[-m:]).item(), (bits, group_size, m)
+
+
+def _int8_gemm_runs(m: int, k: int, group_size: int, bits: int) -> bool:
+    """Whether one of the integer GEMMs (from 5 rows; on AVX2 from 1) takes x [m, k] here."""
+    return (native.amx_int8_runs(m, k, group_size, bits)
+            or native.q8_gemm_runs(m, k, group_size, bits)
+            or native.q8_avx2_gemm_runs(m, k, group_size, bits))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("mode", [3, 4])
+def test_int8_gemm_computes_its_reference(bits, group_size, mode, gemv_mode):
+    """Modes 3 and 4 from 5 rows (the AMX-INT8 tiles, the AVX-512 VNNI GEMM or the AVX2 GEMM,
+    whichever this process runs; test_int8_gemm_on_avx2 runs it again on AVX2, where 1-4 rows
+    take the GEMM too): for 1-5, 16, 17, 64 and 2,048 rows of x, fp32, float16 and bfloat16
+    scales, weight row counts that leave a last partial block of 8 and of 16 rows, an all-zero
+    block of x: the result equals the float64 value of the same arithmetic to fp32 summation
+    error."""
+    gemv_mode(mode)
+    if not _int8_gemm_runs(5, 128, group_size, bits):
+        pytest.skip("no integer kernel for 5 rows and more here")
+    rng = np.random.default_rng(bits * 100 + group_size + mode)
+    dtypes = (mx.float32, mx.float16, mx.bfloat16)
+    for i, (n, k) in enumerate(((37, 384), (8, 128 if group_size > 32 else 96), (131, 640))):
+        if k % group_size:
+            continue
+        if group_size == 16:
+            wq, scales, biases, _ = _groups_of_16(rng, n, k, bits)
+        else:
+            wq, scales, biases = _quantized(rng, n, k, group_size, bits)
+        scales, biases = scales.astype(dtypes[i]), biases.astype(dtypes[i])
+        s64 = np.array(scales.astype(mx.float32)).astype(np.float64)
+        b64 = np.array(biases.astype(mx.float32)).astype(np.float64)
+        codes = _codes(wq, n, k, bits)
+        dense = np.abs(codes * np.repeat(s64, group_size, 1) + np.repeat(b64, group_size, 1))
+        for m in (1, 2, 3, 4, 5, 16, 17, 64, 2048) if i == 0 else (1, 3, 5, 17, 64):
+            if m < 5 and not native.q8_avx2_gemm_runs(m, k, group_size, bits):
+                continue  # the gemvs' rows (test_int8_gemv_computes_its_reference)
+            assert _int8_gemm_runs(m, k, group_size, bits)
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            x[0, 32:64] = 0.0
+            got = np.array(native.quantized_linear(mx.array(x), wq, scales, biases, group_size,
+                                                   bits)).astype(np.float64)
+            want = _int8_reference(x, codes, s64, b64, group_size, mode == 4)
+            magnitude = np.abs(x).astype(np.float64) @ dense.T
+            assert np.all(np.abs(got - want) <= 1e-6 * magnitude), (n, k, m)
+
+
+def test_int8_gemm_kernels_take_their_sizes_only(gemv_mode):
+    """Exactly one integer kernel per size where any runs: the AVX-512 gemv (1-4 rows) and the
+    AMX-INT8 tiles or the AVX-512 VNNI GEMM (5 and more), or the AVX2 GEMM at every size where
+    none of those run; none for 0 rows, in modes 0-2 or for layouts they do not take (K % 32,
+    group 48, 7 bits)."""
+    gemv_mode(4)
+    if not _int8_gemm_runs(5, 128, 32, 4):
+        pytest.skip("no integer kernel for 5 rows and more here")
+    for m in (1, 2, 3, 4, 5, 16, 17, 2048):
+        assert sum((native.int8_runs(m, 128, 16, 6), native.amx_int8_runs(m, 128, 16, 6),
+                    native.q8_gemm_runs(m, 128, 16, 6),
+                    native.q8_avx2_gemm_runs(m, 128, 16, 6))) == 1, m
+    assert not _int8_gemm_runs(0, 128, 16, 6)
+    assert not _int8_gemm_runs(64, 144, 48, 4)
+    assert not _int8_gemm_runs(64, 128, 32, 7)
+    assert not _int8_gemm_runs(64, 80, 16, 4)
+    if native.int8_runs(1, 128, 32, 4):  # AVX-512 VNNI and VBMI here: never the AVX2 GEMM
+        assert not native.q8_avx2_gemm_runs(64, 128, 32, 4)
+    for mode in (0, 1, 2):
+        gemv_mode(mode)
+        assert not _int8_gemm_runs(64, 128, 32, 4)
+
+
+def test_int8_gemm_on_avx2():
+    """The tests of the integer GEMMs, again with ``VLLM_UNIFIED_CPU_ISA=avx2``: the AVX2 GEMM
+    against its reference at every width, group size and row count, its predicate, the
+    start-up log's account of it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": "avx2", "VLLM_UNIFIED_CPU_ACTIVATIONS": "int16"}
+    probe = "import vllm_unified_native as n; print(n.q8_avx2_gemm_runs(16, 128, 32, 4))"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         check=True)
+    if out.stdout.strip() != "True":
+        pytest.skip("no AVX2 and FMA on this CPU")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         "int8_gemm_computes_its_reference or int8_gemm_kernels_take_their_sizes_only "
+         "or start_up_log_names_the_integer_arithmetic", __file__],
+        env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
+
+
+_Q8_GEMM_PROBE = """
+import hashlib, sys, numpy as np, mlx.core as mx
+import vllm_unified_native as native
+rng = np.random.default_rng(4)
+h = hashlib.sha1()
+for mode in (3, 4):
+    native.quantized_gemv_mode(mode)
+    for bits, gs, n, k, m, dt in [
+            (4, 32, 77, 576, 5, mx.float32), (8, 64, 45, 256, 17, mx.float16),
+            (3, 16, 40, 192, 64, mx.bfloat16), (5, 128, 33, 384, 6, mx.float32),
+            (6, 32, 20, 384, 300, mx.float16), (2, 16, 50, 128, 8, mx.float32),
+            (4, 64, 24, 1536, 2048, mx.bfloat16), (8, 16, 9, 64, 16, mx.float16),
+            (2, 128, 31, 256, 40, mx.bfloat16), (5, 32, 100, 96, 33, mx.float16),
+            (3, 64, 7, 320, 5, mx.float32), (6, 16, 64, 160, 7, mx.bfloat16)]:
+        wq, s, b = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)),
+                               group_size=max(gs, 32), bits=bits)
+        if gs == 16:  # MLX makes no groups of 16: any scales and biases make a valid triple
+            s = mx.array(rng.standard_normal((n, k // 16)).astype(np.float32))
+            b = mx.array(rng.standard_normal((n, k // 16)).astype(np.float32))
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[0, :32] = 0.0
+        runs = native.q8_avx2_gemm_runs if sys.argv[1] == "avx2" else native.q8_gemm_runs
+        assert runs(m, k, gs, bits), (sys.argv[1], bits, gs, m)
+        y = native.quantized_linear(mx.array(x), wq, s.astype(dt), b.astype(dt), gs, bits)
+        h.update(np.array(y).tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_avx2_int8_gemm_is_bit_identical_to_the_avx512_one():
+    """The AVX2 GEMM (``VLLM_UNIFIED_CPU_ISA=avx2``) and the AVX-512 VNNI GEMM (``avx512``)
+    give the same bits at every width, group size, scale type and both modes: the same integer
+    sums and the same fp32 operations in the same order per output."""
+    import os
+    import subprocess
+    import sys
+
+    digests = {}
+    for isa in ("avx512", "avx2"):
+        env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": isa}
+        probe = "import vllm_unified_native as n; n.quantized_gemv_mode(4); print(" + (
+            "n.q8_avx2_gemm_runs" if isa == "avx2" else "n.q8_gemm_runs") + "(16, 128, 32, 4))"
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, check=True)
+        if out.stdout.strip() != "True":
+            pytest.skip(f"this CPU cannot run the {isa} GEMM")
+        out = subprocess.run([sys.executable, "-c", _Q8_GEMM_PROBE, isa], env=env, check=True,
+                             capture_output=True, text=True)
+        digests[isa] = out.stdout.strip()
+    assert digests["avx2"] == digests["avx512"]
 
 
 @pytest.mark.parametrize("setting, mode", [(None, 4), ("int16", 4), ("int8", 3), ("fp32", 1)])

@@ -145,8 +145,9 @@ def test_integer_activations_equal_quantized_linear_per_expert(mode, bits, group
     quantized_linear on each expert's weight and rows (to linear on the dequantized weight where
     quantized_linear would take AMX tiles, which the expert kernel does not)."""
     native.quantized_gemv_mode(mode)
-    if not native.int8_runs(1, IN, group_size, bits):
-        pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
+    if not (native.int8_runs(1, IN, group_size, bits)
+            or native.q8_avx2_gemm_runs(1, IN, group_size, bits)):
+        pytest.skip("no integer kernel for this layout on this CPU (int8_runs, q8_avx2_gemm_runs)")
     rng = np.random.default_rng(mode * 10 + bits)
     wq, scales, biases, dense = _experts(rng, bits, group_size, scale_dtype=mx.bfloat16)
 
@@ -419,3 +420,24 @@ def test_served_quantized_moe_equals_its_dequantized_load(tmp_path):
     ids = {k: [o["completions"][0]["token_ids"] for o in r["outputs"]] for k, r in runs.items()}
     assert all(len(i) == 24 for i in ids["1"])
     assert ids["1"] == ids["0"]
+
+
+def test_integer_experts_on_avx2():
+    """The integer experts' test again with ``VLLM_UNIFIED_CPU_ISA=avx2``: each expert's rows
+    by the AVX2 GEMM at every size, bit-identical to quantized_linear on that expert."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": "avx2"}
+    probe = "import vllm_unified_native as n; print(n.q8_avx2_gemm_runs(16, 128, 32, 4))"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         check=True)
+    if out.stdout.strip() != "True":
+        pytest.skip("no AVX2 and FMA on this CPU")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         "integer_activations_equal_quantized_linear_per_expert", __file__],
+        env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]

@@ -258,6 +258,37 @@ void q8_gemm_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t*
                      float* y, size_t N, size_t group_size, bool two_terms, size_t nb0,
                      size_t nb1, size_t m0, size_t m1);
 
+// ---- the same arithmetic on AVX2 (cpu_q8_avx2.cpp), bit-identical to the AVX-512 GEMM ----
+// For CPUs without AVX-512 VNNI (or an ISA cap of avx2): x quantized as q8_gemm_prepare_x
+// does, held as int16 x16 (hi, or 256 hi + lo), codes widened to int16 in 8-row panels (bytes
+// with one term and 2-4-bit codes); every number of rows, 1-4 included.
+
+// Whether the AVX2 GEMM runs here for this layer: AVX2 and FMA (and an ISA cap of avx2 or
+// above), the widths, group sizes and K that q8_usable takes.
+bool q8_avx2_usable(size_t K, size_t group_size, int bits);
+
+// The AVX2 GEMM's x buffer: hi is x16 [M, K] int16, lo x8 [M, K] int8 (hi alone, written
+// with one term), dx and sx as q8_gemm_x_layout's.
+Q8GemmXLayout q8_avx2_x_layout(size_t M, size_t K, size_t group_size);
+
+// Rows [m0, m1) of x [M, K] (fp32, row-contiguous) into buf (l.bytes, 64-byte aligned).
+void q8_avx2_prepare_x(const float* x, const Q8GemmXLayout& l, size_t group_size,
+                       bool two_terms, uint8_t* buf, size_t m0, size_t m1);
+
+// Bytes of one panel block (8 weight rows: int16 codes, then fp32 scales and biases).
+size_t q8_avx2_panel_bytes(size_t K, size_t group_size);
+
+// Panel blocks [nb0, nb1) (8 weight rows each) of w into panel (64-byte aligned); the codes'
+// layout depends on bits and two_terms (the same two q8_avx2_compute takes).
+void q8_avx2_pack(const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
+                  size_t N, size_t K, size_t group_size, int bits, bool two_terms, size_t nb0,
+                  size_t nb1, uint8_t* panel);
+
+// y[m, n] for m in [m0, m1) and the rows n of panel blocks [nb0, nb1) (8 rows each).
+void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t* panel,
+                     float* y, size_t N, size_t group_size, int bits, bool two_terms,
+                     size_t nb0, size_t nb1, size_t m0, size_t m1);
+
 // The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)
 // as the low 8 * BITS bits of a little-endian integer; the bits above are other elements' (or
 // zero). Reads 8 bytes at once where they lie before `end` (the row's end), else only the

@@ -1942,10 +1942,11 @@ bool use_int8(size_t M, size_t K, size_t group_size, int bits) {
          vun::q8_usable(K, group_size, bits) && !use_q8_gemm(M, K, group_size, bits);
 }
 
-// Forward declaration (defined with the GEMM's dispatch below).
+// Forward declarations (defined with the GEMMs' dispatch below).
+bool use_q8_avx2_gemm(size_t M, size_t K, size_t group_size, int bits);
 void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const void* biases,
                     vun::ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
-                    int bits, bool two_terms, char* scratch);
+                    int bits, bool two_terms, bool avx2, char* scratch);
 
 // Whether quantized_linear takes the AMX-INT8 tiles for x [M, K]: modes 3 and 4 from 5 rows,
 // where the integer gemv's cost grows with the rows and the bf16 tiles need three products per
@@ -1970,35 +1971,62 @@ bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits) {
          !vun::amx_usable() && vun::q8_usable(K, group_size, bits);
 }
 
-// The AVX-512 VNNI GEMM: x prepared once (rows split over the pool) into `scratch`
-// (q8_gemm_x_layout(...).bytes + 64 bytes), then items of up to kItemBlocks panel blocks x a
-// range of x's rows, each item unpacking its blocks into a per-thread panel.
+// Whether quantized_linear takes the AVX2 GEMM for x [M, K] (vun::q8_avx2_*): modes 3 and 4
+// at every size where neither AMX-INT8 nor the AVX-512 VNNI kernels run (a CPU without AVX-512
+// VNNI and VBMI, or VLLM_UNIFIED_CPU_ISA=avx2) and the layout is one the int8 kernels take.
+// Same bits as the AVX-512 GEMM. From 1 row: a gemv unpacking the codes in registers per call
+// was no faster at 1 row and slower from 2 than unpacking them once into the panel.
+bool use_q8_avx2_gemm(size_t M, size_t K, size_t group_size, int bits) {
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 && !vun::amx_usable() &&
+         !vun::q8_usable(K, group_size, bits) && vun::q8_avx2_usable(K, group_size, bits);
+}
+
+// The AVX-512 VNNI GEMM, or (avx2) its AVX2 twin: x prepared once (rows split over the pool)
+// into `scratch` (q8_gemm_x_layout(...).bytes, or q8_avx2_x_layout's, + 64 bytes), then items
+// of 8 panel blocks x a range of x's rows, each item unpacking its blocks into a per-thread
+// panel.
 void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const void* biases,
                     vun::ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
-                    int bits, bool two_terms, char* scratch) {
+                    int bits, bool two_terms, bool avx2, char* scratch) {
+  // weight rows per item: 8 panel blocks (AVX-512: 128 rows; AVX2: 64)
   constexpr size_t kItemBlocks = 8, kMinItemRows = 64;
-  const vun::Q8GemmXLayout l = vun::q8_gemm_x_layout(M, K, group_size, two_terms);
+  const size_t block_rows = avx2 ? 8 : 16, item_blocks = kItemBlocks;
+  const vun::Q8GemmXLayout l = avx2 ? vun::q8_avx2_x_layout(M, K, group_size)
+                                    : vun::q8_gemm_x_layout(M, K, group_size, two_terms);
   auto* xbuf = reinterpret_cast<uint8_t*>(align64(scratch));
   split_work(M, 8 * K, 1, [&](size_t b, size_t e) {
-    vun::q8_gemm_prepare_x(x, l, group_size, two_terms, xbuf, b, e);
+    (avx2 ? vun::q8_avx2_prepare_x : vun::q8_gemm_prepare_x)(x, l, group_size, two_terms, xbuf,
+                                                             b, e);
   });
   auto& pool = kernel_pool();
-  const size_t nblocks = (N + 15) / 16, nitems = (nblocks + kItemBlocks - 1) / kItemBlocks;
+  const size_t nblocks = (N + block_rows - 1) / block_rows;
+  const size_t nitems = (nblocks + item_blocks - 1) / item_blocks;
   // few weight items (a narrow layer, k/v): x's rows split too, so that every thread has work
   const size_t want = 4 * pool.size();
   const size_t mparts = std::clamp<size_t>((want + nitems - 1) / nitems, 1,
                                            std::max<size_t>(1, M / kMinItemRows));
-  const size_t panel_bytes = vun::q8_gemm_panel_bytes(K, group_size);
+  const size_t panel_bytes = avx2 ? vun::q8_avx2_panel_bytes(K, group_size)
+                                  : vun::q8_gemm_panel_bytes(K, group_size);
   pool.run(nitems * mparts, [&](size_t item) {
     const size_t c = item / mparts, p = item % mparts;
-    const size_t nb0 = c * kItemBlocks, nb1 = std::min(nblocks, nb0 + kItemBlocks);
+    const size_t nb0 = c * item_blocks, nb1 = std::min(nblocks, nb0 + item_blocks);
     const size_t m0 = M * p / mparts / 4 * 4;
     const size_t m1 = p + 1 == mparts ? M : M * (p + 1) / mparts / 4 * 4;
     thread_local std::vector<char> buf;
-    buf.resize(kItemBlocks * panel_bytes + 64);
+    buf.resize((avx2 ? 2 : item_blocks) * panel_bytes + 64);
     auto* panel = reinterpret_cast<uint8_t*>(align64(buf.data()));
-    vun::q8_gemm_pack(w, scales, biases, st, N, K, group_size, bits, nb0, nb1, panel);
-    vun::q8_gemm_compute(xbuf, l, panel, y, N, group_size, two_terms, nb0, nb1, m0, m1);
+    if (avx2) {  // a pair of blocks at a time: their panel stays in L2 (512 KiB on Zen 2/3)
+      for (size_t nb = nb0; nb < nb1; nb += 2) {
+        const size_t end = std::min(nb1, nb + 2);
+        vun::q8_avx2_pack(w, scales, biases, st, N, K, group_size, bits, two_terms, nb, end,
+                          panel);
+        vun::q8_avx2_compute(xbuf, l, panel, y, N, group_size, bits, two_terms, nb, end, m0,
+                             m1);
+      }
+    } else {
+      vun::q8_gemm_pack(w, scales, biases, st, N, K, group_size, bits, nb0, nb1, panel);
+      vun::q8_gemm_compute(xbuf, l, panel, y, N, group_size, two_terms, nb0, nb1, m0, m1);
+    }
   });
 }
 
@@ -2146,10 +2174,12 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     const bool amx_int8 = use_amx_int8(rows, depth, gs, bits_);
     const auto out_features = static_cast<size_t>(wq.shape(0));
     const bool q8_panel = amx_int8 && rows > 16;
-    const bool q8_gemm = use_q8_gemm(rows, depth, gs, bits_);
+    const bool q8_avx2 = use_q8_avx2_gemm(rows, depth, gs, bits_);
+    const bool q8_gemm = q8_avx2 || use_q8_gemm(rows, depth, gs, bits_);
     if (q8_panel || q8_gemm || (!int8 && !amx_int8 && use_amx(rows, depth, gs))) {
       const size_t bytes =
-          q8_gemm    ? vun::q8_gemm_x_layout(rows, depth, gs, mode == 4).bytes + 64
+          q8_avx2    ? vun::q8_avx2_x_layout(rows, depth, gs).bytes + 64
+          : q8_gemm  ? vun::q8_gemm_x_layout(rows, depth, gs, mode == 4).bytes + 64
           : q8_panel ? amx_q8_scratch(rows, out_features, depth, gs)
                      : amx_scratch(rows, out_features, depth, gs).bytes();
       constexpr size_t kPage = 4096;  // a 2-D shape: int extents for any size
@@ -2164,10 +2194,10 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
                   bp = static_cast<const void*>(inputs[3].data<char>()),
                   st = scale_type(inputs[2]), yp = y.data<float>(), M = rows,
                   N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_,
-                  mode, int8, amx_int8, q8_gemm]() {
+                  mode, int8, amx_int8, q8_gemm, q8_avx2]() {
       auto& pool = kernel_pool();
       if (q8_gemm) {
-        q8_gemm_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, scratch);
+        q8_gemm_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, q8_avx2, scratch);
         return;
       }
       if (amx_int8 && M > 16) {
@@ -2390,7 +2420,8 @@ std::vector<ExpertItem> expert_items(const ExpertGroups& g, size_t M, size_t N, 
 // in registers) once per call and multiplied by all of its rows of x, exactly as
 // QuantizedLinear multiplies that expert's weight by those rows (the same kernels and rules:
 // per expert, 1-3 rows by the gemv, 1-4 rows against int8 x where use_int8 says so, from 4
-// rows the VNNI GEMM where use_q8_gemm says so, the rest by the scratch rows and
+// rows the VNNI GEMM where use_q8_gemm says so, the AVX2 GEMM where use_q8_avx2_gemm says
+// so (every size), the rest by the scratch rows and
 // linear_cols_f32; no AMX; mxfp4: the gemv's table mode or the scratch rows, always exact).
 // Experts no index names are not read.
 class GatherQuantizedLinear : public QuantizedWeightPrimitive {
@@ -2470,19 +2501,22 @@ class GatherQuantizedLinear : public QuantizedWeightPrimitive {
       const int mode = gemv_mode().load(std::memory_order_relaxed);
       const size_t spans = (K + 63) / 64;
       const size_t groups = K / gs, words = K * static_cast<size_t>(bits) / 32;
-      // experts with rows for the VNNI GEMM (prefill): one GEMM each, the pool inside it
+      // experts with rows for an integer GEMM (the AVX-512 one from 4 rows, the AVX2 one at
+      // every size, as quantized_linear takes them): one GEMM each, the pool inside it
       std::vector<char> gemm_done(g.experts.size(), 0);
       std::vector<char> gemm_scratch;
       for (size_t a = 0; affine && a < g.experts.size(); ++a) {
         const size_t row0 = g.start[a] * M, rows = g.start[a + 1] * M - row0;
-        if (!use_q8_gemm(rows, K, gs, bits)) {
+        const bool avx2 = use_q8_avx2_gemm(rows, K, gs, bits);
+        if (!avx2 && !use_q8_gemm(rows, K, gs, bits)) {
           continue;
         }
-        gemm_scratch.resize(vun::q8_gemm_x_layout(rows, K, gs, mode == 4).bytes + 64);
+        gemm_scratch.resize((avx2 ? vun::q8_avx2_x_layout(rows, K, gs)
+                                  : vun::q8_gemm_x_layout(rows, K, gs, mode == 4)).bytes + 64);
         const size_t e = g.experts[a];
         q8_gemm_linear(xg + row0 * K, wp + e * N * words, sp + e * N * groups * scale_bytes,
                        bp + e * N * groups * scale_bytes, st, yg + row0 * N, rows, N, K, gs,
-                       bits, mode == 4, gemm_scratch.data());
+                       bits, mode == 4, avx2, gemm_scratch.data());
         gemm_done[a] = 1;
       }
       // int8 x where some expert takes it (use_int8 per expert's rows), quantized once
@@ -2830,6 +2864,13 @@ NB_MODULE(_native, m) {
         "Whether quantized_linear computes x [rows, in_features] by the AVX-512 VNNI GEMM "
         "against x quantized per 32 elements (quantized_gemv_mode 3 or 4, no AMX, a layout "
         "int8_runs takes, 4 rows and more).");
+  m.def("q8_avx2_gemm_runs", &use_q8_avx2_gemm, nb::arg("rows"), nb::arg("in_features"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "Whether quantized_linear computes x [rows, in_features] by the AVX2 GEMM against x "
+        "quantized per 32 elements, bit-identical to q8_gemm_runs' kernel (quantized_gemv_mode "
+        "3 or 4, AVX2 and FMA without AVX-512 VNNI and VBMI or VLLM_UNIFIED_CPU_ISA=avx2, no "
+        "AMX, bits 2-6 or 8, group size 16, 32 or a multiple of 64, in_features a multiple of "
+        "32 and of the group size, any number of rows).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;

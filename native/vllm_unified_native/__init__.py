@@ -37,6 +37,7 @@ from ._native import (
     int8_runs,
     linear,
     paged_attention,
+    q8_avx2_gemm_runs,
     q8_gemm_runs,
     quantized_gemv_mode,
     quantized_linear,
@@ -70,6 +71,6 @@ __all__ = [
     "amx_usable",
     "configure", "dequantize", "gather_kv", "gather_quantized_linear", "gelu_tanh_mul", "info",
     "int8_runs", "linear",
-    "paged_attention", "q8_gemm_runs", "quantized_gemv_mode", "quantized_linear", "rms_norm", "rope", "silu_mul",
+    "paged_attention", "q8_avx2_gemm_runs", "q8_gemm_runs", "quantized_gemv_mode", "quantized_linear", "rms_norm", "rope", "silu_mul",
     "softcap", "to_torch", "write_kv", "write_kv_quant", "write_rows",
 ]

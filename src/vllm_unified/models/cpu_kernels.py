@@ -123,14 +123,17 @@ def _native_quantized_matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None
 def large_input_takes(rows: int, in_features: int, group_size: int, bits: int) -> bool:
     """Whether ``quantized_linear`` runs ``rows`` rows (a prefill chunk) through a layer rather
     than dequantize + BLAS: the native integer rules (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or
-    int8, from 5 rows, the layer's layout): ``amx_int8_runs`` (AMX-INT8 tiles) or
-    ``q8_gemm_runs`` (the AVX-512 VNNI GEMM without AMX); or the bf16 tiles' ``amx_runs`` (at
+    int8, from 5 rows, the layer's layout): ``amx_int8_runs`` (AMX-INT8 tiles),
+    ``q8_gemm_runs`` (the AVX-512 VNNI GEMM without AMX) or ``q8_avx2_gemm_runs`` (the AVX2
+    GEMM without AVX-512 VNNI); or the bf16 tiles' ``amx_runs`` (at
     least ``AMX_MIN_ROWS`` rows, the CPU has AMX and ``VLLM_UNIFIED_CPU_ISA`` allows it, the
     input size and quantization groups are whole 32-element tile rows). Each beats
     dequantize + BLAS at prefill sizes (docs/features/quantization.md)."""
     native = bridge.native_kernels()
     return native is not None and (native.amx_int8_runs(rows, in_features, group_size, bits)
                                    or native.q8_gemm_runs(rows, in_features, group_size, bits)
+                                   or native.q8_avx2_gemm_runs(rows, in_features, group_size,
+                                                               bits)
                                    or native.amx_runs(rows, in_features, group_size))
 
 
@@ -436,24 +439,29 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     """The start-up log's account of the quantized layers' arithmetic: how many multiply integer
     codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8 on a
     CPU with AVX-512 VNNI and VBMI: 1-4 rows, and every size from 5 rows, prefill chunks
-    included, on AMX-INT8 tiles where the CPU has them, else by the VNNI GEMM from 4 rows;
-    expert layers: 1-4 rows per expert, never on tiles; mxfp4 experts always exact) and how
-    many compute exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8
-    tiles."""
+    included, on AMX-INT8 tiles where the CPU has them, else by the VNNI GEMM from 4 rows; on
+    AVX2 without AVX-512 VNNI: every size by the AVX2 GEMM; expert layers per expert as the
+    others, never on tiles; mxfp4 experts always exact) and how many
+    compute exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8 tiles."""
     native = bridge.native_kernels()
     layers = [(m, m["weight"].shape[-1] * 32 // m.bits) for m in model.modules()
               if type(m) in (NativeQuantizedLinear, NativeQuantizedEmbedding,
                              NativeQuantizedSwitchLinear)]
     integer = sum(getattr(m, "mode", "affine") == "affine"
                   and native.int8_runs(1, k, m.group_size, m.bits) for m, k in layers)
-    if integer == 0:
-        return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
-                "fp32, or no AVX-512 VNNI and VBMI)", False)
     tiles = sum(native.amx_int8_runs(16, k, m.group_size, m.bits) for m, k in layers)
     gemm = sum(native.q8_gemm_runs(16, k, m.group_size, m.bits) for m, k in layers)
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if tiles
              else "at every size (1-3 rows, from 4 by the AVX-512 VNNI GEMM)" if gemm
              else "at 1-4 rows (exact from 5)")
+    if integer == 0:  # AVX2 without AVX-512 VNNI: the GEMM at every size, experts included
+        integer = sum(getattr(m, "mode", "affine") == "affine"
+                      and native.q8_avx2_gemm_runs(16, k, m.group_size, m.bits)
+                      for m, k in layers)
+        where = "at every size on AVX2 (no AVX-512 VNNI)"
+    if integer == 0:
+        return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
+                "fp32, or no AVX2)", False)
     what = f"{envs.CPU_ACTIVATIONS} activations"
     if integer == len(layers):
         return f"{what} in all {integer} quantized layers {where}", tiles == len(layers)

@@ -1,0 +1,543 @@
+// x @ dequantize(w).T at every number of rows on AVX2 (CPUs without AVX-512 VNNI): the
+// arithmetic of the AVX-512 VNNI GEMM (cpu_q8_gemm.cpp) in ymm registers, bit-identical to it.
+//
+// x is quantized per block of 32 elements exactly as q8_gemm_prepare_x quantizes it (one int8
+// term hi, or two: hi and lo), then held as one int16 per element: x16 = hi (one term) or
+// 256 hi + lo (two terms; |x16| <= 32639, exact in int16). The weight's codes are unpacked
+// (portable shifts: no PDEP, no VBMI) and widened to int16 in panels of 8 weight rows: per 2
+// consecutive k, 32 bytes (2 codes of each of the 8 rows), so that one VPMADDWD multiplies 8
+// weight rows by 2 elements of one x row and adds the pair. With one term and codes of 2-4
+// bits the panel holds bytes instead (4 consecutive k of the 8 rows per 32 bytes) and
+// VPMADDUBSW multiplies them by int8 hi, the products of a segment summed in int16 (exact:
+// at most 8 * 2 * 15 * 127) and widened once per segment. Each panel of a work item is
+// unpacked once and reused by every row of x; its scales and biases are widened to fp32 beside
+// it.
+//
+// Per output y[m, n] and segment of D = 32 elements (16 for groups of 16): the integer sum of
+// q times x16, exact in int32 (32 * 255 * 32639 < 2^31) and equal to cpu_q8_gemm.cpp's
+// 256 hi_sum + lo_sum, then in fp32, per output lane in the same order as there:
+//   acc = fma(float(sum), s[n, g] * dx[m, blk], acc)
+//   acc = fma(b[n, g], sum of x over g, acc)        at the first segment of each group
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu_math.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define VUN_X86 1
+#endif
+
+namespace vun {
+
+namespace {
+
+constexpr size_t kBlockRows = 8;  // weight rows per panel block: one ymm of outputs
+
+size_t round64(size_t bytes) {
+  return (bytes + 63) / 64 * 64;
+}
+
+}  // namespace
+
+Q8GemmXLayout q8_avx2_x_layout(size_t M, size_t K, size_t group_size) {
+  Q8GemmXLayout l{};
+  l.M = M;
+  l.K = K;
+  l.groups = K / group_size;
+  l.hi = 0;                               // x16 [M, K] int16
+  l.lo = round64(M * K * sizeof(int16_t));  // x8 [M, K] int8: hi alone (one term)
+  l.dx = l.lo + round64(M * K);
+  l.sx = l.dx + round64(M * (K / 32) * sizeof(float));
+  l.bytes = l.sx + round64(M * l.groups * sizeof(float));
+  return l;
+}
+
+size_t q8_avx2_panel_bytes(size_t K, size_t group_size) {
+  return kBlockRows * K * sizeof(int16_t) + 2 * (K / group_size) * kBlockRows * sizeof(float);
+}
+
+#ifdef VUN_X86
+
+#define VUN_AVX2_TARGET "avx2,fma"
+
+namespace {
+
+bool avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+template <ScaleType ST>
+inline float widen1(const void* p, size_t i) {
+  if constexpr (ST == ScaleType::kF32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (ST == ScaleType::kF16) {
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+// Codes 2c and 2c + 1 of 16 elements of a packed row from p (MLX's layout: a little-endian
+// bit stream of BITS per element; p a multiple of 8 elements into the row) as dword c = the two
+// codes as int16, c < 8: each code's bits lie in 2 bytes, which a shuffle moves into its half of
+// the dword, then one variable shift per half and a mask (no PDEP, no VBMI). Reads the 16
+// bytes from p where `whole` (they lie inside the weight), else only the 2 * BITS it needs.
+template <int BITS>
+__attribute__((target(VUN_AVX2_TARGET))) inline __m256i code_pairs16(const uint8_t* p,
+                                                                     bool whole) {
+  struct Tables {
+    alignas(32) uint8_t gather[32];
+    alignas(32) uint32_t shift_lo[8], shift_hi[8];
+  };
+  static constexpr Tables t = [] {
+    Tables v{};
+    for (int c = 0; c < 8; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const int bit = BITS * (2 * c + h), byte = bit / 8;
+        v.gather[4 * c + 2 * h] = static_cast<uint8_t>(byte);
+        // the second byte only matters where the code crosses into it (never at 8 bits)
+        v.gather[4 * c + 2 * h + 1] = static_cast<uint8_t>(std::min(byte + 1, 15));
+        (h == 0 ? v.shift_lo : v.shift_hi)[c] = static_cast<uint32_t>(bit % 8);
+      }
+    }
+    return v;
+  }();
+  __m128i raw;
+  if (whole) {
+    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint8_t tmp[16] = {};
+    std::memcpy(tmp, p, 2 * BITS);
+    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+  }
+  const __m256i g = _mm256_shuffle_epi8(
+      _mm256_broadcastsi128_si256(raw),
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(t.gather)));
+  const __m256i lo = _mm256_srlv_epi32(
+      g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift_lo)));
+  const __m256i hi = _mm256_srlv_epi32(
+      g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift_hi)));
+  constexpr int mask = (1 << BITS) - 1;
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(mask)),
+                         _mm256_and_si256(hi, _mm256_set1_epi32(mask << 16)));
+}
+
+// Panel block nb of w (rows 8 nb .. 8 nb + 7; rows past N zero): int16 codes at dst, element
+// k of row r at (k / 2) * 16 + 2 r + k % 2, or (BYTES) uint8 codes, element k of row r at
+// (k / 4) * 32 + 4 r + k % 4; then, at byte 16 K either way, the fp32 scales and biases
+// [groups][8].
+template <int BITS, ScaleType ST, bool BYTES>
+__attribute__((target(VUN_AVX2_TARGET))) void pack_block(
+    const uint8_t* w8, const void* scales, const void* biases, size_t N, size_t K,
+    size_t group_size, size_t nb, uint8_t* dst) {
+  const size_t row_bytes = K * BITS / 8, groups = K / group_size;
+  const size_t rows = std::min(kBlockRows, N - nb * kBlockRows);
+  const uint8_t* end = w8 + N * row_bytes;
+  auto* codes = reinterpret_cast<__m256i*>(dst);
+  // 16 (BYTES: 32) elements of the 8 rows at a time: 8 dwords (k pairs, or quads) per row,
+  // transposed 8 x 8
+  constexpr size_t step = BYTES ? 32 : 16;
+  for (size_t k = 0; k < K; k += step) {
+    __m256i r[8];
+    for (size_t i = 0; i < kBlockRows; ++i) {
+      const uint8_t* p = w8 + (nb * kBlockRows + i) * row_bytes + k * BITS / 8;
+      if (i >= rows) {
+        r[i] = _mm256_setzero_si256();
+      } else if constexpr (BYTES) {  // codes 0-15 and 16-31 as words -> 32 bytes in order
+        const __m256i a = code_pairs16<BITS>(p, p + 16 <= end);
+        const __m256i c = code_pairs16<BITS>(p + 2 * BITS, p + 2 * BITS + 16 <= end);
+        r[i] = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, c), 0xd8);
+      } else {
+        r[i] = code_pairs16<BITS>(p, p + 16 <= end);
+      }
+    }
+    __m256i t[8], u[8];
+    for (int j = 0; j < 4; ++j) {
+      t[2 * j] = _mm256_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+      t[2 * j + 1] = _mm256_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+    }
+    for (int j = 0; j < 2; ++j) {  // u[4j + c], lane L: pair 4L + c of rows 4j .. 4j + 3
+      u[4 * j] = _mm256_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+      u[4 * j + 1] = _mm256_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+      u[4 * j + 2] = _mm256_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+      u[4 * j + 3] = _mm256_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+    }
+    __m256i* out = codes + k / (BYTES ? 4 : 2);
+    for (int c = 0; c < 4; ++c) {
+      _mm256_store_si256(out + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x20));
+      _mm256_store_si256(out + 4 + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x31));
+    }
+  }
+  auto* s = reinterpret_cast<float*>(dst + kBlockRows * K * sizeof(int16_t));
+  float* b = s + groups * kBlockRows;
+  for (size_t g = 0; g < groups; ++g) {
+    for (size_t r = 0; r < kBlockRows; ++r) {
+      const size_t n = nb * kBlockRows + r;
+      s[g * kBlockRows + r] = r < rows ? widen1<ST>(scales, n * groups + g) : 0.0f;
+      b[g * kBlockRows + r] = r < rows ? widen1<ST>(biases, n * groups + g) : 0.0f;
+    }
+  }
+}
+
+using PackFn = void (*)(const uint8_t*, const void*, const void*, size_t, size_t, size_t, size_t,
+                        uint8_t*);
+
+template <ScaleType ST>
+PackFn pack_for_type(int bits, bool bytes) {
+  switch (bits) {
+    case 2: return bytes ? pack_block<2, ST, true> : pack_block<2, ST, false>;
+    case 3: return bytes ? pack_block<3, ST, true> : pack_block<3, ST, false>;
+    case 4: return bytes ? pack_block<4, ST, true> : pack_block<4, ST, false>;
+    case 5: return pack_block<5, ST, false>;
+    case 6: return pack_block<6, ST, false>;
+    default: return pack_block<8, ST, false>;
+  }
+}
+
+PackFn pack_for(ScaleType st, int bits, bool bytes) {
+  switch (st) {
+    case ScaleType::kF32: return pack_for_type<ScaleType::kF32>(bits, bytes);
+    case ScaleType::kF16: return pack_for_type<ScaleType::kF16>(bits, bytes);
+    default: return pack_for_type<ScaleType::kBF16>(bits, bytes);
+  }
+}
+
+// Whether the panel holds bytes and the products go through VPMADDUBSW: one term (x8) and
+// codes below 16, so that a product pair is at most 2 * 15 * 127 and the 8 pairs of a segment
+// (16 for groups of 16: 4) sum to at most 30480 in int16, exactly.
+bool byte_products(int bits, bool two_terms) {
+  return !two_terms && bits <= 4;
+}
+
+using i32_alias = int32_t __attribute__((may_alias));
+
+// sum[i][j] += madd(w_j, the pair of x16 at x + i * K) for 4 rows of x and 2 panel blocks: the
+// hot step written out, since GCC computed all 8 products before the sums and spent a move per
+// sum on its registers (16 ymm: 8 sums, 2 weights, 1 broadcast, 1 product).
+__attribute__((target(VUN_AVX2_TARGET))) inline void step4x2(const int16_t* x, size_t K,
+                                                             __m256i w0, __m256i w1,
+                                                             __m256i (&sum)[4][2]) {
+  __m256i t, u;
+  __asm__(
+      "vpbroadcastd %[x0], %[t]\n\t"
+      "vpmaddwd %[w0], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s00], %[s00]\n\t"
+      "vpmaddwd %[w1], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s01], %[s01]\n\t"
+      "vpbroadcastd %[x1], %[t]\n\t"
+      "vpmaddwd %[w0], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s10], %[s10]\n\t"
+      "vpmaddwd %[w1], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s11], %[s11]\n\t"
+      "vpbroadcastd %[x2], %[t]\n\t"
+      "vpmaddwd %[w0], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s20], %[s20]\n\t"
+      "vpmaddwd %[w1], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s21], %[s21]\n\t"
+      "vpbroadcastd %[x3], %[t]\n\t"
+      "vpmaddwd %[w0], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s30], %[s30]\n\t"
+      "vpmaddwd %[w1], %[t], %[u]\n\t"
+      "vpaddd %[u], %[s31], %[s31]"
+      : [s00] "+x"(sum[0][0]), [s01] "+x"(sum[0][1]), [s10] "+x"(sum[1][0]),
+        [s11] "+x"(sum[1][1]), [s20] "+x"(sum[2][0]), [s21] "+x"(sum[2][1]),
+        [s30] "+x"(sum[3][0]), [s31] "+x"(sum[3][1]), [t] "=&x"(t), [u] "=&x"(u)
+      : [w0] "x"(w0), [w1] "x"(w1), [x0] "m"(*reinterpret_cast<const i32_alias*>(x)),
+        [x1] "m"(*reinterpret_cast<const i32_alias*>(x + K)),
+        [x2] "m"(*reinterpret_cast<const i32_alias*>(x + 2 * K)),
+        [x3] "m"(*reinterpret_cast<const i32_alias*>(x + 3 * K))
+      : "memory");
+}
+
+// The same for the byte panel: sum[i][j] += maddubs(w_j, the 4 int8 of x at x + i * K), in
+// int16 lanes.
+__attribute__((target(VUN_AVX2_TARGET))) inline void step4x2_bytes(const int8_t* x, size_t K,
+                                                                   __m256i w0, __m256i w1,
+                                                                   __m256i (&sum)[4][2]) {
+  __m256i t, u;
+  __asm__(
+      "vpbroadcastd %[x0], %[t]\n\t"
+      "vpmaddubsw %[t], %[w0], %[u]\n\t"
+      "vpaddw %[u], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[t], %[w1], %[u]\n\t"
+      "vpaddw %[u], %[s01], %[s01]\n\t"
+      "vpbroadcastd %[x1], %[t]\n\t"
+      "vpmaddubsw %[t], %[w0], %[u]\n\t"
+      "vpaddw %[u], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[t], %[w1], %[u]\n\t"
+      "vpaddw %[u], %[s11], %[s11]\n\t"
+      "vpbroadcastd %[x2], %[t]\n\t"
+      "vpmaddubsw %[t], %[w0], %[u]\n\t"
+      "vpaddw %[u], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[t], %[w1], %[u]\n\t"
+      "vpaddw %[u], %[s21], %[s21]\n\t"
+      "vpbroadcastd %[x3], %[t]\n\t"
+      "vpmaddubsw %[t], %[w0], %[u]\n\t"
+      "vpaddw %[u], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[t], %[w1], %[u]\n\t"
+      "vpaddw %[u], %[s31], %[s31]"
+      : [s00] "+x"(sum[0][0]), [s01] "+x"(sum[0][1]), [s10] "+x"(sum[1][0]),
+        [s11] "+x"(sum[1][1]), [s20] "+x"(sum[2][0]), [s21] "+x"(sum[2][1]),
+        [s30] "+x"(sum[3][0]), [s31] "+x"(sum[3][1]), [t] "=&x"(t), [u] "=&x"(u)
+      : [w0] "x"(w0), [w1] "x"(w1), [x0] "m"(*reinterpret_cast<const i32_alias*>(x)),
+        [x1] "m"(*reinterpret_cast<const i32_alias*>(x + K)),
+        [x2] "m"(*reinterpret_cast<const i32_alias*>(x + 2 * K)),
+        [x3] "m"(*reinterpret_cast<const i32_alias*>(x + 3 * K))
+      : "memory");
+}
+
+// y[m0 + i, n0 + 8 j + lane] for i < MR, j < NR (NR panel blocks from `panel`, each
+// panel_bytes apart): segments of D elements, the epilogue of each as the file's header says.
+template <size_t D, int MR, int NR, bool BYTES>
+__attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q8GemmXLayout& l,
+                                                    const uint8_t* panel, size_t panel_bytes,
+                                                    size_t group_size, float* y, size_t N,
+                                                    size_t m0, size_t n0) {
+  const size_t K = l.K, groups = l.groups, blocks = K / 32;
+  const auto* x16 = reinterpret_cast<const int16_t*>(xbuf + l.hi) + m0 * K;
+  const auto* x8 = reinterpret_cast<const int8_t*>(xbuf + l.lo) + m0 * K;
+  const auto* dx = reinterpret_cast<const float*>(xbuf + l.dx) + m0 * blocks;
+  const auto* sx = reinterpret_cast<const float*>(xbuf + l.sx) + m0 * groups;
+  const uint8_t* codes[NR];
+  const float* s[NR];
+  const float* b[NR];
+  for (int j = 0; j < NR; ++j) {
+    codes[j] = panel + j * panel_bytes;
+    s[j] = reinterpret_cast<const float*>(codes[j] + kBlockRows * K * sizeof(int16_t));
+    b[j] = s[j] + groups * kBlockRows;
+  }
+  // the fp32 accumulators live in memory between segments: in registers beside the 8 integer
+  // sums, GCC spilled sums inside the hot loop instead (16 ymm registers only)
+  alignas(32) float acc_mem[MR][NR][kBlockRows] = {};
+  __asm__ volatile("" : : "r"(acc_mem) : "memory");
+  size_t g = 0, next_group = 0;
+  for (size_t k0 = 0; k0 < K; k0 += D) {
+    __m256i sum[MR][NR];
+    for (int i = 0; i < MR; ++i) {
+      for (int j = 0; j < NR; ++j) {
+        sum[i][j] = _mm256_setzero_si256();
+      }
+    }
+#pragma GCC unroll 1
+    for (size_t k = k0; k < k0 + D && BYTES; k += 4) {
+      __m256i w[NR];
+      for (int j = 0; j < NR; ++j) {
+        w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j] + k * 8));
+      }
+      if constexpr (MR == 4 && NR == 2) {
+        step4x2_bytes(x8 + k, K, w[0], w[1], sum);
+      } else {
+        for (int i = 0; i < MR; ++i) {
+          int32_t quad;
+          std::memcpy(&quad, x8 + i * K + k, 4);
+          const __m256i xv = _mm256_set1_epi32(quad);
+          for (int j = 0; j < NR; ++j) {
+            sum[i][j] = _mm256_add_epi16(_mm256_maddubs_epi16(w[j], xv), sum[i][j]);
+          }
+        }
+      }
+    }
+    if constexpr (BYTES) {  // int16 pairs of sums -> int32
+      for (int i = 0; i < MR; ++i) {
+        for (int j = 0; j < NR; ++j) {
+          sum[i][j] = _mm256_madd_epi16(sum[i][j], _mm256_set1_epi16(1));
+        }
+      }
+    }
+#pragma GCC unroll 1
+    for (size_t k = k0; k < k0 + D && !BYTES; k += 2) {
+      __m256i w[NR];
+      for (int j = 0; j < NR; ++j) {
+        w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j] + k * 16));
+      }
+      if constexpr (MR == 4 && NR == 2) {
+        step4x2(x16 + k, K, w[0], w[1], sum);
+      } else {
+        for (int i = 0; i < MR; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, x16 + i * K + k, 4);
+          const __m256i xv = _mm256_set1_epi32(pair);
+          for (int j = 0; j < NR; ++j) {
+            sum[i][j] = _mm256_add_epi32(_mm256_madd_epi16(w[j], xv), sum[i][j]);
+          }
+        }
+      }
+    }
+    const bool first = k0 == next_group;
+    if (first) {
+      g = k0 / group_size;
+      next_group = k0 + group_size;
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256 dxv = _mm256_set1_ps(dx[i * blocks + k0 / 32]);
+      const __m256 sxv = _mm256_set1_ps(sx[i * groups + g]);
+      for (int j = 0; j < NR; ++j) {
+        __m256 acc = _mm256_load_ps(acc_mem[i][j]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][j]),
+                              _mm256_mul_ps(_mm256_load_ps(s[j] + g * kBlockRows), dxv), acc);
+        if (first) {
+          acc = _mm256_fmadd_ps(_mm256_load_ps(b[j] + g * kBlockRows), sxv, acc);
+        }
+        _mm256_store_ps(acc_mem[i][j], acc);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const size_t n = n0 + j * kBlockRows;
+    const size_t cols = std::min(kBlockRows, N - n);
+    for (int i = 0; i < MR; ++i) {
+      std::memcpy(y + (m0 + i) * N + n, acc_mem[i][j], cols * sizeof(float));
+    }
+  }
+}
+
+using MicroFn = void (*)(const uint8_t*, const Q8GemmXLayout&, const uint8_t*, size_t, size_t,
+                         float*, size_t, size_t, size_t);
+
+template <size_t D, int NR, bool BYTES>
+MicroFn micro_rows(size_t rows) {
+  switch (rows) {
+    case 1: return micro<D, 1, NR, BYTES>;
+    case 2: return micro<D, 2, NR, BYTES>;
+    case 3: return micro<D, 3, NR, BYTES>;
+    default: return micro<D, 4, NR, BYTES>;
+  }
+}
+
+template <size_t D, bool BYTES>
+MicroFn micro_for(size_t rows, int nr) {
+  return nr == 2 ? micro_rows<D, 2, BYTES>(rows) : micro_rows<D, 1, BYTES>(rows);
+}
+
+MicroFn micro_fn(size_t group_size, bool bytes, size_t rows, int nr) {
+  if (group_size == 16) {
+    return bytes ? micro_for<16, true>(rows, nr) : micro_for<16, false>(rows, nr);
+  }
+  return bytes ? micro_for<32, true>(rows, nr) : micro_for<32, false>(rows, nr);
+}
+
+}  // namespace
+
+bool q8_avx2_usable(size_t K, size_t group_size, int bits) {
+  static const bool cpu = avx2_fma();
+  const bool group_ok = group_size == 16 || group_size == 32 || group_size % 64 == 0;
+  const bool bits_ok = bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 ||
+                       bits == 8;
+  return cpu && isa_cap() >= IsaCap::kAvx2 && bits_ok && group_ok && K % 32 == 0 &&
+         K % group_size == 0;
+}
+
+__attribute__((target(VUN_AVX2_TARGET))) void q8_avx2_prepare_x(
+    const float* x, const Q8GemmXLayout& l, size_t group_size, bool two_terms, uint8_t* buf,
+    size_t m0, size_t m1) {
+  const size_t K = l.K, blocks = K / 32;
+  auto* x16 = reinterpret_cast<int16_t*>(buf + l.hi);
+  auto* x8 = reinterpret_cast<int8_t*>(buf + l.lo);
+  auto* dx = reinterpret_cast<float*>(buf + l.dx);
+  auto* sx = reinterpret_cast<float*>(buf + l.sx);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // rint: ties to even
+  const __m256 ceiling = _mm256_set1_ps(127.0f), floor = _mm256_set1_ps(-127.0f);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (size_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * K;
+    for (size_t blk = 0; blk < blocks; ++blk) {
+      __m256 xv[4];
+      __m256 top = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        xv[c] = _mm256_loadu_ps(xr + 32 * blk + 8 * c);
+        top = _mm256_max_ps(top, _mm256_and_ps(xv[c], absmask));
+      }
+      __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+      t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+      const float amax = _mm_cvtss_f32(t);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m256i q[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m256 v = _mm256_mul_ps(xv[c], inv);
+        const __m256 h = _mm256_round_ps(v, kRound);
+        __m256i term = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(h, floor), ceiling));
+        if (two_terms) {  // 256 hi + lo, lo = rint(256 (v - hi)) clamped to [-127, 127]
+          const __m256 r = _mm256_round_ps(
+              _mm256_mul_ps(_mm256_sub_ps(v, h), _mm256_set1_ps(256.0f)), kRound);
+          const __m256i lo =
+              _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, floor), ceiling));
+          term = _mm256_add_epi32(_mm256_slli_epi32(term, 8), lo);
+        }
+        q[c] = term;
+      }
+      // int32 -> int16 (exact: |x16| <= 32639), the lanes' order restored after the pack
+      const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+      const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + m * K + 32 * blk), p01);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + m * K + 32 * blk + 16), p23);
+      if (!two_terms) {  // hi alone fits int8: the byte panel's operand
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x8 + m * K + 32 * blk),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi16(p01, p23), 0xd8));
+      }
+      dx[m * blocks + blk] = two_terms ? amax / 127.0f / 256.0f : amax / 127.0f;
+    }
+    for (size_t g = 0; g < l.groups; ++g) {  // in order, as q8_gemm_prepare_x sums
+      float sum = 0.0f;
+      for (size_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+        sum += xr[k];
+      }
+      sx[m * l.groups + g] = sum;
+    }
+  }
+}
+
+void q8_avx2_pack(const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
+                  size_t N, size_t K, size_t group_size, int bits, bool two_terms, size_t nb0,
+                  size_t nb1, uint8_t* panel) {
+  const PackFn pack = pack_for(st, bits, byte_products(bits, two_terms));
+  const size_t bytes = q8_avx2_panel_bytes(K, group_size);
+  for (size_t nb = nb0; nb < nb1; ++nb) {
+    pack(reinterpret_cast<const uint8_t*>(wq), scales, biases, N, K, group_size, nb,
+         panel + (nb - nb0) * bytes);
+  }
+}
+
+void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t* panel,
+                     float* y, size_t N, size_t group_size, int bits, bool two_terms,
+                     size_t nb0, size_t nb1, size_t m0, size_t m1) {
+  const size_t bytes = q8_avx2_panel_bytes(l.K, group_size);
+  const bool byte_panel = byte_products(bits, two_terms);
+  // the panel pair outermost: its codes stay in cache while x's rows stream past them
+  for (size_t nb = nb0; nb < nb1; nb += 2) {
+    const int nr = nb + 1 < nb1 ? 2 : 1;
+    const MicroFn full = micro_fn(group_size, byte_panel, 4, nr);
+    for (size_t m = m0; m < m1; m += 4) {
+      const MicroFn fn = m1 - m >= 4 ? full : micro_fn(group_size, byte_panel, m1 - m, nr);
+      fn(xbuf, l, panel + (nb - nb0) * bytes, bytes, group_size, y, N, m, nb * kBlockRows);
+    }
+  }
+}
+
+#else
+
+bool q8_avx2_usable(size_t, size_t, int) {
+  return false;
+}
+void q8_avx2_prepare_x(const float*, const Q8GemmXLayout&, size_t, bool, uint8_t*, size_t,
+                       size_t) {
+  std::abort();
+}
+void q8_avx2_pack(const uint32_t*, const void*, const void*, ScaleType, size_t, size_t, size_t,
+                  int, bool, size_t, size_t, uint8_t*) {
+  std::abort();
+}
+void q8_avx2_compute(const uint8_t*, const Q8GemmXLayout&, const uint8_t*, float*, size_t,
+                     size_t, int, bool, size_t, size_t, size_t, size_t) {
+  std::abort();
+}
+
+#endif
+
+}  // namespace vun
