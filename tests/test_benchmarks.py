@@ -458,3 +458,19 @@ def test_prefill_measures_each_prompt_length_cold(serve, harness, monkeypatch,
     assert result["contenders"]["llama-server"]["log_lines"] == [
         "system_info: n_threads = 2 | CPU : AVX2 = 1 | AVX512 = 0"]
     assert Path(result["result_path"]).name.startswith("serve-prefill-")
+
+
+def test_build_script_takes_an_isa(tmp_path: Path) -> None:
+    """scripts/build_llama_server.sh --isa: a built binary is found (nothing rebuilt), an
+    unknown ISA is refused before anything is downloaded."""
+    import subprocess
+
+    script = BENCH.parent / "scripts" / "build_llama_server.sh"
+    binary = fake_llama_server(tmp_path / "avx2", "avx2")
+    env = {**os.environ, "LLAMA_SERVER_DIR": str(binary.parent), "PYTHON": "/nonexistent"}
+    done = subprocess.run(["bash", str(script), "--isa", "avx2"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == str(binary)
+    bad = subprocess.run(["bash", str(script), "--isa", "avx10"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "native, avx512 or avx2" in bad.stderr
