@@ -325,7 +325,8 @@ def run_compare(args: argparse.Namespace, prefill: bool = False) -> dict:
 
     def write() -> None:
         for level in levels:
-            done = {name: r for name, r in runs[level.key].items() if r}
+            done = {name: runs[level.key][name] for name in names
+                    if runs[level.key].get(name)}  # rows in --contender order
             if baseline in done:
                 table, summary = level_table(done, baseline, metrics)
                 result["levels"][level.key] = {
