@@ -27,7 +27,8 @@
 //   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, ...,
 //                   chunk=0, softcap=0, sinks=None, stream=None)
 //       Attention per query row read from the paged pool through block tables (no gather):
-//       decode rows and prefill chunks (causal) alike.
+//       decode rows and prefill chunks (causal) alike; the rows of prefill chunks by a blocked
+//       kernel (cpu_attn_tile.cpp) where it applies.
 //   linear(x, w, *, stream=None) -> mx.array
 //       fp32 x @ w.T reading each weight row once, threaded (decode-sized batches).
 //   quantized_linear(x, w, scales, biases, group_size, bits, *, stream=None) -> mx.array

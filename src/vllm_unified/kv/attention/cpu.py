@@ -7,17 +7,28 @@ SDPA is unfused (a matmul per head, a softmax whose ``exp`` MLX 0.32.4 evaluates
 a time, a second matmul), and the gathers copy every sequence's context per layer and step.
 
 The native ``paged_attention`` primitive (``native/src/native.cpp``, loops in
-``native/src/cpu_math.cpp``) takes every token row of the step at once: row r of sequence
-``seqs[r]`` attends to keys ``first ... lens[r] - 1`` (``lens[r]`` = its position + 1, so prefill
-chunks are causal; ``first`` from the sliding window), read once where they lie in the pool through
-the block table, all query heads of a KV head together, ``exp`` vectorized. Decode rows and prefill
-chunks need no separate groups, concatenation or reordering. The (row, KV head) items are split over
-the kernel threads (``VLLM_UNIFIED_CPU_THREADS``); each item's arithmetic depends on its own row
-alone, so a row's output has the same bits whatever else the step holds. Head sizes 64, 128 and 256
-keep the dot products and the output in 16-wide registers (its speed: docs/dev/benchmarks.md). It
-computes the reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference
-for fp32, fp16 and bf16 pools, mixed steps, with and without a window, an attention chunk,
-soft-capping and sinks.
+``native/src/cpu_math.cpp`` and ``native/src/cpu_attn_tile.cpp``) takes every token row of the
+step at once: row r of sequence ``seqs[r]`` attends to keys ``first ... lens[r] - 1``
+(``lens[r]`` = its position + 1, so prefill chunks are causal; ``first`` from the sliding window
+and the attention chunk), read where they lie in the pool through the block table, all query
+heads of a KV head together. Decode rows and prefill chunks need no separate groups,
+concatenation or reordering. Two kernels share the rows:
+
+- the rows of prefill chunks (2+ consecutive rows of one sequence) on dense pools with head
+  sizes 64, 128 and 256, where the CPU has AVX-512: a blocked (flash-attention style) kernel,
+  tiles of up to 16 rows x the KV head's query heads against key blocks of 32 positions, both
+  products register-blocked GEMMs, an online softmax;
+- every other row (decode rows, quantized and latent pools, other head sizes, no AVX-512): the
+  row kernel, one row's query heads over its keys, ``exp`` vectorized.
+
+Items ((tile or row) x KV head) are split over the kernel threads (``VLLM_UNIFIED_CPU_THREADS``).
+Batch invariance: a row's arithmetic depends on its own query and keys alone, so its output has
+the same bits whatever else the step holds, however a prompt is cut into chunks of 2+ rows and
+however the items fall on threads. A chunk's row and a decode row (or a chunk of one row) of the
+same query take different kernels and may differ in the last bits. Speed: docs/dev/benchmarks.md.
+Both compute the reference's function, which ``tests/test_cpu_kernels.py`` checks against the
+reference for fp32, fp16 and bf16 pools, mixed steps, long chunks, with and without a window, an
+attention chunk, soft-capping and sinks.
 """
 
 from __future__ import annotations
