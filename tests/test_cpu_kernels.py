@@ -312,6 +312,46 @@ def test_paged_attention_chunk_rows_are_batch_and_chunking_invariant(
     assert np.array_equal(mixed[3:258], whole[5:260])
 
 
+_ROW_KERNEL_PROBE = """
+import numpy as np, mlx.core as mx, sys
+sys.path.insert(0, {tests!r})
+from test_cpu_kernels import _chunk_case
+from vllm_unified_native import paged_attention
+rng = np.random.default_rng(4)
+q, pool, meta = _chunk_case(rng, [(100, 40)], 14, 2, 64, 16, mx.float32)
+tables, seqs, lens = meta.row_tables_seqs_lens()
+rows = q.reshape(40, 14, 64)
+chunk = np.array(paged_attention(rows, pool, tables, seqs, lens, 0.125, 16))
+lone = np.stack([np.array(paged_attention(rows[r:r + 1], pool, tables, seqs[r:r + 1],
+                                          lens[r:r + 1], 0.125, 16))[0] for r in range(40)])
+print(np.array_equal(chunk, lone))
+"""
+
+
+def test_prefill_rows_take_the_row_kernel_below_avx512():
+    """With ``VLLM_UNIFIED_CPU_ISA=avx2`` the rows of prefill chunks take the row kernel (the
+    blocked one needs AVX-512): a chunk's rows then have the bits of lone (decode) rows, and the
+    long chunks still equal the reference. Where the blocked kernel runs, some of a chunk's
+    rows differ from lone rows in the last bits (the two kernels' sums are ordered otherwise)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = _ROW_KERNEL_PROBE.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": "avx2"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "True", out.stderr[-2000:]
+    if native.attention_tile_runs(64):
+        here = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        assert here.returncode == 0 and here.stdout.split()[-1] == "False", here.stderr[-2000:]
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "long_chunks",
+         __file__], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:]
+
+
 def test_paged_attention_rejects_bad_input():
     q = mx.zeros((2, 4, 8))
     pool = mx.zeros((32, 2, 16))

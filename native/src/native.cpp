@@ -2921,6 +2921,12 @@ NB_MODULE(_native, m) {
   m.def("amx_usable", &vun::amx_usable,
         "Whether quantized_linear runs on Intel AMX tiles (CPU, OS and the ISA cap allow it; "
         "decided once per process).");
+  m.def("attention_tile_runs", [](int64_t dim) {
+          return dim > 0 && vun::attend_tile_usable(static_cast<size_t>(dim));
+        }, nb::arg("dim"),
+        "Whether paged_attention computes the rows of prefill chunks (2+ consecutive rows of "
+        "one sequence) of a dense pool with this head size by its blocked kernel (head sizes "
+        "64, 128, 256 with AVX-512 and an ISA cap of avx512 or amx); else by the row kernel.");
   m.def("amx_runs", &use_amx, nb::arg("rows"), nb::arg("in_features"), nb::arg("group_size"),
         "Whether quantized_linear takes the AMX path for x [rows, in_features] with this "
         "group size (amx_usable, at least AMX_MIN_ROWS rows, whole 32-element tile rows).");
