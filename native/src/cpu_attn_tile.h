@@ -36,7 +36,7 @@ struct AttendTile {
 // and an ISA cap of avx512 or amx.
 bool attend_tile_usable(size_t dim);
 
-// Rows of query rows at most per tile (tiles of paged_attention's prefill chunks).
+// The most query rows a tile holds (paged_attention cuts prefill chunks into such tiles).
 constexpr size_t kTileRows = 16;
 
 // out[t, h] = softmax_j(scale * q[t, h] . K_j) . V_j over row t's keys, fp32, by key blocks of
