@@ -316,7 +316,7 @@ _ROW_KERNEL_PROBE = """
 import numpy as np, mlx.core as mx, sys
 sys.path.insert(0, {tests!r})
 from test_cpu_kernels import _chunk_case
-from vllm_unified_native import paged_attention
+from vllm_unified_native import attention_tile_runs, paged_attention
 rng = np.random.default_rng(4)
 q, pool, meta = _chunk_case(rng, [(100, 40)], 14, 2, 64, 16, mx.float32)
 tables, seqs, lens = meta.row_tables_seqs_lens()
@@ -324,31 +324,34 @@ rows = q.reshape(40, 14, 64)
 chunk = np.array(paged_attention(rows, pool, tables, seqs, lens, 0.125, 16))
 lone = np.stack([np.array(paged_attention(rows[r:r + 1], pool, tables, seqs[r:r + 1],
                                           lens[r:r + 1], 0.125, 16))[0] for r in range(40)])
-print(np.array_equal(chunk, lone))
+print(attention_tile_runs(64), np.array_equal(chunk, lone))
 """
 
 
-def test_prefill_rows_take_the_row_kernel_below_avx512():
-    """With ``VLLM_UNIFIED_CPU_ISA=avx2`` the rows of prefill chunks take the row kernel (the
-    blocked one needs AVX-512): a chunk's rows then have the bits of lone (decode) rows, and the
-    long chunks still equal the reference. Where the blocked kernel runs, some of a chunk's
-    rows differ from lone rows in the last bits (the two kernels' sums are ordered otherwise)."""
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_prefill_rows_at_a_lower_isa(isa):
+    """``VLLM_UNIFIED_CPU_ISA=avx2`` runs the blocked kernel's AVX2 version (where the CPU has
+    AVX2), ``portable`` gives the rows of prefill chunks to the row kernel: long chunks equal
+    the reference and chunk rows stay batch- and chunking-invariant either way; on the row
+    kernel a chunk's rows have the bits of lone (decode) rows, on the blocked kernel some
+    differ in the last bits (the two kernels order their sums otherwise)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": isa}
     probe = _ROW_KERNEL_PROBE.format(tests=str(Path(__file__).parent))
-    env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": "avx2"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True)
-    assert out.returncode == 0 and out.stdout.split()[-1] == "True", out.stderr[-2000:]
-    if native.attention_tile_runs(64):
-        here = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-        assert here.returncode == 0 and here.stdout.split()[-1] == "False", here.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-2000:]
+    tiled, same_bits = out.stdout.split()[-2:]
+    assert tiled == str(isa == "avx2" and native.attention_tile_runs(64))
+    assert same_bits == str(tiled == "False")
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "long_chunks",
-         __file__], env=env, capture_output=True, text=True)
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         "long_chunks or chunking_invariant", __file__], env=env, capture_output=True,
+        text=True)
     assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:]
 
 

@@ -32,8 +32,8 @@ struct AttendTile {
   float* out;
 };
 
-// Whether attend_tile runs here for this head size: 64, 128 or 256, AVX-512 (F, DQ) on the CPU
-// and an ISA cap of avx512 or amx.
+// Whether attend_tile runs here for this head size: 64, 128 or 256, on AVX-512 (F, DQ, BW,
+// VL; an ISA cap of avx512 or amx) or AVX2 with FMA and F16C (a cap of avx2 or above).
 bool attend_tile_usable(size_t dim);
 
 // The most query rows a tile holds (paged_attention cuts prefill chunks into such tiles).

@@ -1293,7 +1293,8 @@ void paged_attention_tile(const PagedAttentionArgs<T>& a, int64_t b0, int64_t ro
 // Checks every row's sequence and length first (a bad row writes nothing), then runs the
 // items on the kernel pool: (tile, KV head) items of the blocked kernel for the rows of
 // prefill chunks (runs of 2+ consecutive rows of one sequence, cut into tiles of up to
-// vun::kTileRows rows) where it applies (dense pools, head sizes 64 / 128 / 256, AVX-512),
+// vun::kTileRows rows) where it applies (dense pools, head sizes 64 / 128 / 256, AVX-512 or
+// AVX2),
 // (row, KV head) items of the row kernel for the others (decode rows). Each item's arithmetic
 // for a row depends on that row alone, so a row's output is the same whatever else the step
 // holds, however its chunk is cut into tiles and however the items are split over threads
@@ -2926,7 +2927,7 @@ NB_MODULE(_native, m) {
         }, nb::arg("dim"),
         "Whether paged_attention computes the rows of prefill chunks (2+ consecutive rows of "
         "one sequence) of a dense pool with this head size by its blocked kernel (head sizes "
-        "64, 128, 256 with AVX-512 and an ISA cap of avx512 or amx); else by the row kernel.");
+        "64, 128, 256 on AVX-512 or AVX2 within the ISA cap); else by the row kernel.");
   m.def("amx_runs", &use_amx, nb::arg("rows"), nb::arg("in_features"), nb::arg("group_size"),
         "Whether quantized_linear takes the AMX path for x [rows, in_features] with this "
         "group size (amx_usable, at least AMX_MIN_ROWS rows, whole 32-element tile rows).");
