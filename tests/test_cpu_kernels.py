@@ -316,7 +316,7 @@ _ROW_KERNEL_PROBE = """
 import numpy as np, mlx.core as mx, sys
 sys.path.insert(0, {tests!r})
 from test_cpu_kernels import _chunk_case
-from vllm_unified_native import attention_tile_runs, paged_attention
+from vllm_unified_native import attention_tile_isa, attention_tile_runs, paged_attention
 rng = np.random.default_rng(4)
 q, pool, meta = _chunk_case(rng, [(100, 40)], 14, 2, 64, 16, mx.float32)
 tables, seqs, lens = meta.row_tables_seqs_lens()
@@ -324,7 +324,7 @@ rows = q.reshape(40, 14, 64)
 chunk = np.array(paged_attention(rows, pool, tables, seqs, lens, 0.125, 16))
 lone = np.stack([np.array(paged_attention(rows[r:r + 1], pool, tables, seqs[r:r + 1],
                                           lens[r:r + 1], 0.125, 16))[0] for r in range(40)])
-print(attention_tile_runs(64), np.array_equal(chunk, lone))
+print(attention_tile_isa() or "none", attention_tile_runs(64), np.array_equal(chunk, lone))
 """
 
 
@@ -345,8 +345,9 @@ def test_prefill_rows_at_a_lower_isa(isa):
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    tiled, same_bits = out.stdout.split()[-2:]
+    tile_isa, tiled, same_bits = out.stdout.split()[-3:]
     assert tiled == str(isa == "avx2" and native.attention_tile_runs(64))
+    assert tile_isa == ("avx2" if tiled == "True" else "none")
     assert same_bits == str(tiled == "False")
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",

@@ -295,6 +295,10 @@ bool attend_tile_usable(size_t dim) {
   return (dim == 64 || dim == 128 || dim == 256) && tile_level() > 0;
 }
 
+const char* attend_tile_isa() {
+  return tile_level() == 2 ? "avx512" : tile_level() == 1 ? "avx2" : "";
+}
+
 void attend_tile(const AttendTile& t) {
   if (tile_level() == 2) {
     tile512::attend(t);
@@ -307,6 +311,10 @@ void attend_tile(const AttendTile& t) {
 
 bool attend_tile_usable(size_t) {
   return false;
+}
+
+const char* attend_tile_isa() {
+  return "";
 }
 
 void attend_tile(const AttendTile&) {}

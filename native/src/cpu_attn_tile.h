@@ -36,6 +36,10 @@ struct AttendTile {
 // VL; an ISA cap of avx512 or amx) or AVX2 with FMA and F16C (a cap of avx2 or above).
 bool attend_tile_usable(size_t dim);
 
+// The instruction set attend_tile runs on here: "avx512", "avx2" or "" (none: the row kernel
+// takes every row).
+const char* attend_tile_isa();
+
 // The most query rows a tile holds (paged_attention cuts prefill chunks into such tiles).
 constexpr size_t kTileRows = 16;
 

@@ -2928,6 +2928,9 @@ NB_MODULE(_native, m) {
         "Whether paged_attention computes the rows of prefill chunks (2+ consecutive rows of "
         "one sequence) of a dense pool with this head size by its blocked kernel (head sizes "
         "64, 128, 256 on AVX-512 or AVX2 within the ISA cap); else by the row kernel.");
+  m.def("attention_tile_isa", [] { return std::string(vun::attend_tile_isa()); },
+        "The instruction set of paged_attention's blocked kernel here: 'avx512', 'avx2' or '' "
+        "(none: every row by the row kernel); decided once per process.");
   m.def("amx_runs", &use_amx, nb::arg("rows"), nb::arg("in_features"), nb::arg("group_size"),
         "Whether quantized_linear takes the AMX path for x [rows, in_features] with this "
         "group size (amx_usable, at least AMX_MIN_ROWS rows, whole 32-element tile rows).");

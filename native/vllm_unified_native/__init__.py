@@ -28,6 +28,7 @@ from ._native import (
     amx_int8_runs,
     amx_runs,
     amx_usable,
+    attention_tile_isa,
     attention_tile_runs,
     configure,
     dequantize,
@@ -69,6 +70,7 @@ quantized_gemv_mode({"int16": 4, "int8": 3, "fp32": 1}[envs.CPU_ACTIVATIONS])
 __all__ = [
     "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_int8_runs", "amx_runs",
     "amx_usable",
+    "attention_tile_isa",
     "attention_tile_runs",
     "configure", "dequantize", "gather_kv", "gather_quantized_linear", "gelu_tanh_mul", "info",
     "int8_runs", "linear",

@@ -15,11 +15,11 @@ heads of a KV head together. Decode rows and prefill chunks need no separate gro
 concatenation or reordering. Two kernels share the rows:
 
 - the rows of prefill chunks (2+ consecutive rows of one sequence) on dense pools with head
-  sizes 64, 128 and 256, where the CPU has AVX-512: a blocked (flash-attention style) kernel,
-  tiles of up to 16 rows x the KV head's query heads against key blocks of 32 positions, both
-  products register-blocked GEMMs, an online softmax;
-- every other row (decode rows, quantized and latent pools, other head sizes, no AVX-512): the
-  row kernel, one row's query heads over its keys, ``exp`` vectorized.
+  sizes 64, 128 and 256, on AVX-512 or AVX2 (within ``VLLM_UNIFIED_CPU_ISA``): a blocked
+  (flash-attention style) kernel, tiles of up to 16 rows x the KV head's query heads against
+  key blocks of 32 positions, both products register-blocked GEMMs, an online softmax;
+- every other row (decode rows, quantized and latent pools, other head sizes, CPUs without
+  AVX2): the row kernel, one row's query heads over its keys, ``exp`` vectorized.
 
 Items ((tile or row) x KV head) are split over the kernel threads (``VLLM_UNIFIED_CPU_THREADS``).
 Batch invariance: a row's arithmetic depends on its own query and keys alone, so its output has
@@ -88,6 +88,7 @@ def paged_attention_rows(
     if native is None:
         raise RuntimeError("the native CPU attention kernel is unavailable "
                            "(see bridge.native_error)")
+    _log_kernels(native)
     tokens, heads, _, dim = queries.shape
     tables, seqs, lens = meta.row_tables_seqs_lens()
     extra = {}
@@ -103,6 +104,20 @@ def paged_attention_rows(
                                  lens, scale, meta.block_size, window or 0, kv_mode=kv_mode,
                                  rht_signs=rht_signs, chunk=chunk or 0, **extra)
     return out.reshape(tokens, heads, 1, dim)
+
+
+@functools.cache
+def _log_kernels(native) -> None:
+    """Names, once per process, which kernel takes which rows (and the blocked one's ISA)."""
+    isa = getattr(native, "attention_tile_isa", lambda: "")()
+    if isa:
+        logger.info("CPU paged attention: rows of prefill chunks by the blocked kernel (%s; "
+                    "head sizes 64, 128, 256, dense pools), decode rows by the row kernel",
+                    "AVX-512" if isa == "avx512" else "AVX2")
+    else:
+        logger.info("CPU paged attention: every row by the row kernel (no AVX2 or AVX-512, or "
+                    "VLLM_UNIFIED_CPU_ISA=portable, or an extension built before the blocked "
+                    "kernel)")
 
 
 def takes(softcap: float | None, sinks: mx.array | None) -> bool:
