@@ -88,7 +88,7 @@ def paged_attention_rows(
     if native is None:
         raise RuntimeError("the native CPU attention kernel is unavailable "
                            "(see bridge.native_error)")
-    _log_kernels(native)
+    _log_kernels()
     tokens, heads, _, dim = queries.shape
     tables, seqs, lens = meta.row_tables_seqs_lens()
     extra = {}
@@ -107,9 +107,11 @@ def paged_attention_rows(
 
 
 @functools.cache
-def _log_kernels(native) -> None:
+def _log_kernels() -> None:
     """Names, once per process, which kernel takes which rows (and the blocked one's ISA)."""
-    isa = getattr(native, "attention_tile_isa", lambda: "")()
+    import vllm_unified_native  # the extension itself: bridge.native_kernels() said it loads
+
+    isa = getattr(vllm_unified_native, "attention_tile_isa", lambda: "")()
     if isa:
         logger.info("CPU paged attention: rows of prefill chunks by the blocked kernel (%s; "
                     "head sizes 64, 128, 256, dense pools), decode rows by the row kernel",
