@@ -2,8 +2,8 @@
 // intrinsics (one kernel, cpu_attn_tile_body.inc, included once per instruction set).
 //
 // The tile's query vectors (rows x heads) lie in the lanes of vector registers (16 in a zmm,
-// 8 in a ymm), so that both
-// products are register-blocked GEMMs of broadcast FMAs and the softmax is vertical:
+// 8 in a ymm), so that both products are register-blocked GEMMs of broadcast FMAs and the
+// softmax is vertical:
 //   scores S[j][lane] = sum_d Qt[d][lane] * K[j][d]   (Qt: the queries transposed once per tile)
 //   out^T  O[d][lane] = alpha[lane] * O[d][lane] + sum_j V[j][d] * P[j][lane]
 // with no horizontal reduction anywhere. Keys come in blocks of kKeyBlock positions aligned to

@@ -1294,8 +1294,7 @@ void paged_attention_tile(const PagedAttentionArgs<T>& a, int64_t b0, int64_t ro
 // items on the kernel pool: (tile, KV head) items of the blocked kernel for the rows of
 // prefill chunks (runs of 2+ consecutive rows of one sequence, cut into tiles of up to
 // vun::kTileRows rows) where it applies (dense pools, head sizes 64 / 128 / 256, AVX-512 or
-// AVX2),
-// (row, KV head) items of the row kernel for the others (decode rows). Each item's arithmetic
+// AVX2), (row, KV head) items of the row kernel for the others (decode rows). Each item's arithmetic
 // for a row depends on that row alone, so a row's output is the same whatever else the step
 // holds, however its chunk is cut into tiles and however the items are split over threads
 // (batch-invariant); a row of a chunk and a lone (decode) row of the same query take different
