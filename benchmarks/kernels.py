@@ -7,6 +7,7 @@ Each subcommand runs one measurement of ``benchmarks/measure/`` with its own arg
     .venv/bin/python benchmarks/kernels.py gemv [--help]
     .venv/bin/python benchmarks/kernels.py linear [--help]
     .venv/bin/python benchmarks/kernels.py experts [--help]
+    .venv/bin/python benchmarks/kernels.py attention [--help]
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ COMMANDS = {
     "experts": ("expert_linear",
                 "quantized experts at Qwen3-30B-A3B decode shapes: native kernel vs MLX's "
                 "gather_qmm vs dequantized gather_mm"),
+    "attention": ("paged_attention_speed",
+                  "paged attention ms for one prompt's prefill and a decode step at model shapes"),
     "blas": ("blas_matmul",
              "fp32 matmul GFLOP/s under MLX with each BLAS preloaded vs the bundled one"),
     "int8-accuracy": ("int8_activations_accuracy",

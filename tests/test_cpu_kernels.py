@@ -3,6 +3,8 @@ paged attention reference, and their routing into mlx-lm models (models/cpu_kern
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -198,19 +200,160 @@ def test_paged_attention_rows_softcap_and_sinks_equal_reference(dtype, tol, dim,
                                              sinks=sinks), want) < tol
 
 
-@pytest.mark.parametrize("dim", [64, 80])  # the register path and the generic one
+@pytest.mark.parametrize("dim", [64, 80])  # the blocked and row kernels, and the generic one
 def test_paged_attention_row_is_batch_invariant(dim):
     """A row's output does not depend on the other rows of the step nor on how the rows are
-    split over the kernel's threads: the same bits alone as inside a mixed step."""
+    split over the kernel's threads: the same bits alone (a decode row) or in its chunk alone
+    (a chunk's row) as inside a mixed step."""
     rng = np.random.default_rng(dim)
     q, pool, meta = _step_case(rng, [1, 9, 1, 1, 30, 1, 1], 6, 2, dim, 16, mx.float32)
     tables, seqs, lens = meta.row_tables_seqs_lens()
     rows = q.reshape(q.shape[0], 6, dim)
     whole = native.paged_attention(rows, pool, tables, seqs, lens, 0.125, 16)
-    for r in (0, 5, 12, 40, 41):
-        alone = native.paged_attention(rows[r:r + 1], pool, tables, seqs[r:r + 1],
-                                       lens[r:r + 1], 0.125, 16)
-        assert np.array_equal(np.array(alone[0]), np.array(whole[r])), r
+    for r, (lo, hi) in {0: (0, 1), 5: (1, 10), 11: (11, 12), 12: (12, 42), 41: (12, 42),
+                        42: (42, 43)}.items():
+        alone = native.paged_attention(rows[lo:hi], pool, tables, seqs[lo:hi], lens[lo:hi],
+                                       0.125, 16)
+        assert np.array_equal(np.array(alone[r - lo]), np.array(whole[r])), r
+
+
+def _chunk_case(rng, chunks, heads, kv_heads, dim, block_size, dtype):
+    """A step of one chunk of ``rows`` new tokens after ``prefix`` cached ones per sequence
+    (``chunks``: [(prefix, rows)]; rows 1: a decode row) over a NaN-filled pool where only the
+    sequences' keys are written: a read of a key outside a row's range would put NaN into the
+    output."""
+    lens = [p + r for p, r in chunks]
+    per_seq = -(-max(lens) // block_size)
+    num_blocks = len(chunks) * per_seq + 3
+    tables = rng.permutation(np.arange(1, num_blocks))[: len(chunks) * per_seq]
+    tables = tables.reshape(len(chunks), per_seq).astype(np.int32)
+    pool = np.full((num_blocks * block_size, kv_heads, 2 * dim), np.nan, np.float32)
+    for b, n in enumerate(lens):
+        pos = np.arange(n)
+        pool[tables[b, pos // block_size] * block_size + pos % block_size] = \
+            rng.standard_normal((n, kv_heads, 2 * dim))
+    meta = build_attention_metadata([r for _, r in chunks], lens, tables, block_size)
+    q = rng.standard_normal((sum(r for _, r in chunks), heads, 1, dim)).astype(np.float32)
+    return mx.array(q).astype(dtype), mx.array(pool).astype(dtype), meta
+
+
+# Long prefill chunks (the blocked kernel's tiles of 16 rows and key blocks of 32 positions):
+# (heads, kv_heads, dim, dtype, tol, window, chunk, softcap, sinks)
+_TILE_CASES = [
+    (14, 2, 64, mx.float32, 1e-5, None, None, None, False),  # Qwen2.5-0.5B's shape
+    (9, 3, 64, mx.float32, 1e-5, 100, None, None, False),  # SmolLM2's, a sliding window
+    (4, 2, 128, mx.float32, 1e-5, None, 128, None, False),  # an attention chunk
+    (6, 2, 256, mx.float32, 1e-5, 77, None, 1.5, True),  # soft-capping and sinks
+    (8, 1, 64, mx.float32, 1e-5, None, 96, 0.8, True),
+    (14, 2, 64, mx.float16, 4e-3, 100, None, None, True),
+    (4, 4, 128, mx.bfloat16, 2e-2, None, None, 2.0, False),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, dtype, tol, window, chunk, softcap, sinks",
+                         _TILE_CASES)
+def test_paged_attention_long_chunks_equal_reference(heads, kv_heads, dim, dtype, tol, window,
+                                                     chunk, softcap, sinks):
+    """Chunks spanning many tiles and key blocks (300 rows after 400 cached keys, one from
+    position 0, one of 2 rows) next to decode rows == the pure-MLX reference."""
+    from vllm_unified.kv.attention.cpu import paged_attention_rows
+
+    rng = np.random.default_rng(heads * dim + (window or 0))
+    q, pool, meta = _chunk_case(rng, [(400, 300), (699, 1), (0, 37), (50, 2), (20, 1)],
+                                heads, kv_heads, dim, 16, dtype)
+    sink = mx.array(rng.standard_normal(heads).astype(np.float32)) if sinks else None
+    want = paged.paged_attention_kv(q, pool, meta, dim**-0.5, window, accelerate=False,
+                                    chunk=chunk, softcap=softcap, sinks=sink)
+    got = paged_attention_rows(q, pool, meta, dim**-0.5, window, chunk=chunk, softcap=softcap,
+                               sinks=sink)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert not np.isnan(np.array(got.astype(mx.float32))).any()
+    assert _rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, dtype, window, chunk, softcap, sinks", [
+    (14, 2, 64, mx.float32, None, None, None, False),
+    (9, 3, 64, mx.float16, 100, None, 1.5, True),
+    (6, 2, 256, mx.bfloat16, None, 64, None, True),
+    (4, 2, 128, mx.float32, 45, None, None, False),
+])
+def test_paged_attention_chunk_rows_are_batch_and_chunking_invariant(
+        heads, kv_heads, dim, dtype, window, chunk, softcap, sinks):
+    """A chunk row's bits do not depend on the rows that share its step or its tile nor on how
+    its prompt is cut into chunks: a 300-row chunk after 400 cached keys attended whole, cut
+    into chunks at other boundaries (tiles starting at other rows) and inside a mixed step."""
+    rng = np.random.default_rng(dim + heads)
+    q, pool, meta = _chunk_case(rng, [(400, 300)], heads, kv_heads, dim, 16, dtype)
+    tables, seqs, lens = meta.row_tables_seqs_lens()
+    rows = q.reshape(300, heads, dim)
+    extra = {"chunk": chunk or 0, "softcap": softcap or 0.0}
+    if sinks:
+        extra["sinks"] = mx.array(rng.standard_normal(heads).astype(np.float32))
+
+    def attend(lo, hi):
+        return np.array(native.paged_attention(rows[lo:hi], pool, tables, seqs[lo:hi],
+                                               lens[lo:hi], dim**-0.5, 16, window or 0,
+                                               **extra).astype(mx.float32))
+
+    whole = attend(0, 300)
+    # (a chunk of one row is a decode row: the row kernel's, which may differ in the last bits)
+    for cuts in ([0, 2, 37, 39, 200, 300], [0, 7, 23, 26, 298, 300], [0, 150, 300]):
+        parts = np.concatenate([attend(a, b) for a, b in itertools.pairwise(cuts)])
+        assert np.array_equal(parts, whole), cuts
+    # inside a mixed step: the chunk's rows 5 .. 259 between a 3-row and a 2-row chunk of two
+    # other sequences (table rows 1 and 2, the same blocks)
+    mixed_rows = mx.concatenate([rows[:3], rows[5:260], rows[:2]])
+    mixed_seqs = mx.array([1] * 3 + [0] * 255 + [2] * 2, mx.int32)
+    mixed_lens = mx.concatenate([mx.array([3, 1, 2], mx.int32), lens[5:260],
+                                 mx.array([700, 650], mx.int32)])
+    mixed = np.array(native.paged_attention(mixed_rows, pool, mx.concatenate([tables] * 3),
+                                            mixed_seqs, mixed_lens, dim**-0.5, 16, window or 0,
+                                            **extra).astype(mx.float32))
+    assert np.array_equal(mixed[3:258], whole[5:260])
+
+
+_ROW_KERNEL_PROBE = """
+import numpy as np, mlx.core as mx, sys
+sys.path.insert(0, {tests!r})
+from test_cpu_kernels import _chunk_case
+from vllm_unified_native import attention_tile_isa, attention_tile_runs, paged_attention
+rng = np.random.default_rng(4)
+q, pool, meta = _chunk_case(rng, [(100, 40)], 14, 2, 64, 16, mx.float32)
+tables, seqs, lens = meta.row_tables_seqs_lens()
+rows = q.reshape(40, 14, 64)
+chunk = np.array(paged_attention(rows, pool, tables, seqs, lens, 0.125, 16))
+lone = np.stack([np.array(paged_attention(rows[r:r + 1], pool, tables, seqs[r:r + 1],
+                                          lens[r:r + 1], 0.125, 16))[0] for r in range(40)])
+print(attention_tile_isa() or "none", attention_tile_runs(64), np.array_equal(chunk, lone))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_prefill_rows_at_a_lower_isa(isa):
+    """``VLLM_UNIFIED_CPU_ISA=avx2`` runs the blocked kernel's AVX2 version (where the CPU has
+    AVX2), ``portable`` gives the rows of prefill chunks to the row kernel: long chunks equal
+    the reference and chunk rows stay batch- and chunking-invariant either way; on the row
+    kernel a chunk's rows have the bits of lone (decode) rows, on the blocked kernel some
+    differ in the last bits (the two kernels order their sums otherwise)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": isa}
+    probe = _ROW_KERNEL_PROBE.format(tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    tile_isa, tiled, same_bits = out.stdout.split()[-3:]
+    assert tiled == str(isa == "avx2" and native.attention_tile_runs(64))
+    assert tile_isa == ("avx2" if tiled == "True" else "none")
+    assert same_bits == str(tiled == "False")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         "long_chunks or chunking_invariant", __file__], env=env, capture_output=True,
+        text=True)
+    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:]
 
 
 def test_paged_attention_rejects_bad_input():

@@ -27,7 +27,8 @@
 //   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, ...,
 //                   chunk=0, softcap=0, sinks=None, stream=None)
 //       Attention per query row read from the paged pool through block tables (no gather):
-//       decode rows and prefill chunks (causal) alike.
+//       decode rows and prefill chunks (causal) alike; the rows of prefill chunks by a blocked
+//       kernel (cpu_attn_tile.cpp) where it applies.
 //   linear(x, w, *, stream=None) -> mx.array
 //       fp32 x @ w.T reading each weight row once, threaded (decode-sized batches).
 //   quantized_linear(x, w, scales, biases, group_size, bits, *, stream=None) -> mx.array
@@ -70,6 +71,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -87,6 +89,7 @@
 #include "mlx/transforms.h"
 #include "mlx/utils.h"
 
+#include "cpu_attn_tile.h"
 #include "cpu_kvquant.h"
 #include "cpu_math.h"
 #include "thread_pool.h"
@@ -1230,10 +1233,72 @@ void paged_attention_item_quant(const PagedAttentionArgs<T>& a, int64_t b, int64
   }
 }
 
+// Rows [b0, b0 + rows) of one sequence x KV head g by the blocked kernel (vun::attend_tile):
+// the rows' keys read where they lie in the pool (16-bit ones widened per key block).
+template <typename T>
+void paged_attention_tile(const PagedAttentionArgs<T>& a, int64_t b0, int64_t rows, int64_t g) {
+  const int64_t D = a.dim;
+  const int64_t R = a.heads / a.kv_heads;
+  thread_local std::vector<float> qf, of;
+  thread_local std::vector<int64_t> first, len;
+  thread_local std::vector<const void*> keys, values;
+  first.resize(rows);
+  len.resize(rows);
+  int64_t k0 = INT64_MAX, k1 = 0;
+  for (int64_t t = 0; t < rows; ++t) {
+    len[t] = a.lens[b0 + t];
+    first[t] = first_visible_key(a, len[t]);
+    k0 = std::min(k0, first[t]);
+    k1 = std::max(k1, len[t]);
+  }
+  keys.resize(k1 - k0);
+  values.resize(k1 - k0);
+  const int32_t* table = a.tables + a.seqs[b0] * a.max_blocks;
+  for (int64_t k = k0 / a.block_size, j = k0; j < k1; ++k) {
+    const int64_t blk = table[k];
+    const int64_t j1 = std::min(k1, (k + 1) * a.block_size);
+    if (blk < 0 || blk * a.block_size + (j1 - 1) % a.block_size >= a.slots) {
+      throw std::out_of_range(
+          "[paged_attention] block " + std::to_string(blk) + " is outside a pool of " +
+          std::to_string(a.slots) + " slots");
+    }
+    const T* cell = a.kv + ((blk * a.block_size + j % a.block_size) * a.kv_heads + g) * 2 * D;
+    for (; j < j1; ++j, cell += a.kv_heads * 2 * D) {
+      keys[j - k0] = cell;
+      values[j - k0] = cell + D;
+    }
+  }
+  qf.resize(rows * R * D);
+  of.resize(rows * R * D);
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* qp = a.q + ((b0 + t) * a.heads + g * R) * D;
+    for (int64_t i = 0; i < R * D; ++i) {
+      qf[t * R * D + i] = static_cast<float>(qp[i]);
+    }
+  }
+  constexpr vun::TileKV type = std::is_same_v<T, float> ? vun::TileKV::kF32
+      : std::is_same_v<T, mx::float16_t> ? vun::TileKV::kF16 : vun::TileKV::kBF16;
+  vun::attend_tile(vun::AttendTile{
+      qf.data(), static_cast<size_t>(rows), static_cast<size_t>(R), static_cast<size_t>(D),
+      first.data(), len.data(), keys.data(), values.data(), k0, k1, type, a.scale,
+      score_opts(a, g, R), of.data()});
+  for (int64_t t = 0; t < rows; ++t) {
+    T* op = a.out + ((b0 + t) * a.heads + g * R) * D;
+    for (int64_t i = 0; i < R * D; ++i) {
+      op[i] = static_cast<T>(of[t * R * D + i]);
+    }
+  }
+}
+
 // Checks every row's sequence and length first (a bad row writes nothing), then runs the
-// (row, KV head) items on the kernel pool. Each item's arithmetic depends on its own row
-// alone, so a row's output is the same whatever else the step holds and however the items
-// are split over threads (batch-invariant).
+// items on the kernel pool: (tile, KV head) items of the blocked kernel for the rows of
+// prefill chunks (runs of 2+ consecutive rows of one sequence, cut into tiles of up to
+// vun::kTileRows rows) where it applies (dense pools, head sizes 64 / 128 / 256, AVX-512 or
+// AVX2), (row, KV head) items of the row kernel for the others (decode rows). Each item's arithmetic
+// for a row depends on that row alone, so a row's output is the same whatever else the step
+// holds, however its chunk is cut into tiles and however the items are split over threads
+// (batch-invariant); a row of a chunk and a lone (decode) row of the same query take different
+// kernels and may differ in the last bits.
 template <typename T>
 void paged_attention_impl(const PagedAttentionArgs<T>& a) {
   for (int64_t b = 0; b < a.batch; ++b) {
@@ -1251,16 +1316,60 @@ void paged_attention_impl(const PagedAttentionArgs<T>& a) {
           std::to_string(a.max_blocks) + " blocks of " + std::to_string(a.block_size));
     }
   }
+  // Tiles (first row, rows), and the rows left to the row kernel.
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  std::vector<int64_t> lone;
+  const bool tiled = a.mode == vun::kKVDense && !a.latent &&
+                     vun::attend_tile_usable(static_cast<size_t>(a.dim));
+  for (int64_t b = 0; b < a.batch;) {
+    int64_t e = b + 1;
+    while (e < a.batch && a.seqs[e] == a.seqs[b]) {
+      ++e;
+    }
+    if (tiled && e - b >= 2) {
+      for (int64_t t = b; t < e; t += vun::kTileRows) {
+        tiles.emplace_back(t, std::min<int64_t>(vun::kTileRows, e - t));
+      }
+    } else {
+      for (int64_t t = b; t < e; ++t) {
+        lone.push_back(t);
+      }
+    }
+    b = e;
+  }
+  if (!tiles.empty()) {
+    // the costliest tiles (most keys) first: the pool's threads claim items dynamically
+    auto keys_of = [&](const std::pair<int64_t, int64_t>& t) {
+      const int64_t last = a.lens[t.first + t.second - 1];
+      return (last - first_visible_key(a, a.lens[t.first])) * t.second;
+    };
+    std::stable_sort(tiles.begin(), tiles.end(), [&](const auto& x, const auto& y) {
+      return keys_of(x) > keys_of(y);
+    });
+    const size_t items = tiles.size() * static_cast<size_t>(a.kv_heads);
+    auto run_item = [&](size_t i) {
+      const auto& tile = tiles[i / a.kv_heads];
+      paged_attention_tile(a, tile.first, tile.second, static_cast<int64_t>(i) % a.kv_heads);
+    };
+    if (items == 1) {
+      run_item(0);
+    } else {
+      kernel_pool().run(items, run_item);
+    }
+  }
+  if (lone.empty()) {
+    return;
+  }
   // Every call is split: one item already reads all of its row's keys.
-  const size_t items = static_cast<size_t>(a.batch * a.kv_heads);
+  const size_t items = lone.size() * static_cast<size_t>(a.kv_heads);
   split_work(items, SIZE_MAX / (items + 1), 1, [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) {
+      const int64_t b = lone[i / a.kv_heads];
+      const int64_t g = static_cast<int64_t>(i) % a.kv_heads;
       if (a.mode == vun::kKVDense) {
-        paged_attention_item(a, static_cast<int64_t>(i) / a.kv_heads,
-                             static_cast<int64_t>(i) % a.kv_heads);
+        paged_attention_item(a, b, g);
       } else {
-        paged_attention_item_quant(a, static_cast<int64_t>(i) / a.kv_heads,
-                                   static_cast<int64_t>(i) % a.kv_heads);
+        paged_attention_item_quant(a, b, g);
       }
     }
   });
@@ -2846,6 +2955,15 @@ NB_MODULE(_native, m) {
   m.def("amx_usable", &vun::amx_usable,
         "Whether quantized_linear runs on Intel AMX tiles (CPU, OS and the ISA cap allow it; "
         "decided once per process).");
+  m.def("attention_tile_runs", [](int64_t dim) {
+          return dim > 0 && vun::attend_tile_usable(static_cast<size_t>(dim));
+        }, nb::arg("dim"),
+        "Whether paged_attention computes the rows of prefill chunks (2+ consecutive rows of "
+        "one sequence) of a dense pool with this head size by its blocked kernel (head sizes "
+        "64, 128, 256 on AVX-512 or AVX2 within the ISA cap); else by the row kernel.");
+  m.def("attention_tile_isa", [] { return std::string(vun::attend_tile_isa()); },
+        "The instruction set of paged_attention's blocked kernel here: 'avx512', 'avx2' or '' "
+        "(none: every row by the row kernel); decided once per process.");
   m.def("amx_runs", &use_amx, nb::arg("rows"), nb::arg("in_features"), nb::arg("group_size"),
         "Whether quantized_linear takes the AMX path for x [rows, in_features] with this "
         "group size (amx_usable, at least AMX_MIN_ROWS rows, whole 32-element tile rows).");

@@ -28,6 +28,8 @@ from ._native import (
     amx_int8_runs,
     amx_runs,
     amx_usable,
+    attention_tile_isa,
+    attention_tile_runs,
     configure,
     dequantize,
     gather_kv,
@@ -69,6 +71,8 @@ quantized_gemv_mode({"int16": 4, "int8": 3, "fp32": 1}[envs.CPU_ACTIVATIONS])
 __all__ = [
     "AMX_MIN_ROWS", "MLX_VERSION", "NANOBIND_VERSION", "adopt", "amx_int8_runs", "amx_runs",
     "amx_usable",
+    "attention_tile_isa",
+    "attention_tile_runs",
     "configure", "dequantize", "gather_kv", "gather_quantized_linear", "gelu_tanh_mul", "info",
     "int8_runs", "linear",
     "paged_attention", "q8_avx2_gemm_runs", "q8_gemm_runs", "quantized_gemv_mode", "quantized_linear", "rms_norm", "rope", "silu_mul",

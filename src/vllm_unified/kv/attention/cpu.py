@@ -7,17 +7,28 @@ SDPA is unfused (a matmul per head, a softmax whose ``exp`` MLX 0.32.4 evaluates
 a time, a second matmul), and the gathers copy every sequence's context per layer and step.
 
 The native ``paged_attention`` primitive (``native/src/native.cpp``, loops in
-``native/src/cpu_math.cpp``) takes every token row of the step at once: row r of sequence
-``seqs[r]`` attends to keys ``first ... lens[r] - 1`` (``lens[r]`` = its position + 1, so prefill
-chunks are causal; ``first`` from the sliding window), read once where they lie in the pool through
-the block table, all query heads of a KV head together, ``exp`` vectorized. Decode rows and prefill
-chunks need no separate groups, concatenation or reordering. The (row, KV head) items are split over
-the kernel threads (``VLLM_UNIFIED_CPU_THREADS``); each item's arithmetic depends on its own row
-alone, so a row's output has the same bits whatever else the step holds. Head sizes 64, 128 and 256
-keep the dot products and the output in 16-wide registers (its speed: docs/dev/benchmarks.md). It
-computes the reference's function, which ``tests/test_cpu_kernels.py`` checks against the reference
-for fp32, fp16 and bf16 pools, mixed steps, with and without a window, an attention chunk,
-soft-capping and sinks.
+``native/src/cpu_math.cpp`` and ``native/src/cpu_attn_tile.cpp``) takes every token row of the
+step at once: row r of sequence ``seqs[r]`` attends to keys ``first ... lens[r] - 1``
+(``lens[r]`` = its position + 1, so prefill chunks are causal; ``first`` from the sliding window
+and the attention chunk), read where they lie in the pool through the block table, all query
+heads of a KV head together. Decode rows and prefill chunks need no separate groups,
+concatenation or reordering. Two kernels share the rows:
+
+- the rows of prefill chunks (2+ consecutive rows of one sequence) on dense pools with head
+  sizes 64, 128 and 256, on AVX-512 or AVX2 (within ``VLLM_UNIFIED_CPU_ISA``): a blocked
+  (flash-attention style) kernel, tiles of up to 16 rows x the KV head's query heads against
+  key blocks of 32 positions, both products register-blocked GEMMs, an online softmax;
+- every other row (decode rows, quantized and latent pools, other head sizes, CPUs without
+  AVX2): the row kernel, one row's query heads over its keys, ``exp`` vectorized.
+
+Items ((tile or row) x KV head) are split over the kernel threads (``VLLM_UNIFIED_CPU_THREADS``).
+Batch invariance: a row's arithmetic depends on its own query and keys alone, so its output has
+the same bits whatever else the step holds, however a prompt is cut into chunks of 2+ rows and
+however the items fall on threads. A chunk's row and a decode row (or a chunk of one row) of the
+same query take different kernels and may differ in the last bits. Speed: docs/dev/benchmarks.md.
+Both compute the reference's function, which ``tests/test_cpu_kernels.py`` checks against the
+reference for fp32, fp16 and bf16 pools, mixed steps, long chunks, with and without a window, an
+attention chunk, soft-capping and sinks.
 """
 
 from __future__ import annotations
@@ -77,6 +88,7 @@ def paged_attention_rows(
     if native is None:
         raise RuntimeError("the native CPU attention kernel is unavailable "
                            "(see bridge.native_error)")
+    _log_kernels()
     tokens, heads, _, dim = queries.shape
     tables, seqs, lens = meta.row_tables_seqs_lens()
     extra = {}
@@ -92,6 +104,22 @@ def paged_attention_rows(
                                  lens, scale, meta.block_size, window or 0, kv_mode=kv_mode,
                                  rht_signs=rht_signs, chunk=chunk or 0, **extra)
     return out.reshape(tokens, heads, 1, dim)
+
+
+@functools.cache
+def _log_kernels() -> None:
+    """Names, once per process, which kernel takes which rows (and the blocked one's ISA)."""
+    import vllm_unified_native  # the extension itself: bridge.native_kernels() said it loads
+
+    isa = getattr(vllm_unified_native, "attention_tile_isa", lambda: "")()
+    if isa:
+        logger.info("CPU paged attention: rows of prefill chunks by the blocked kernel (%s; "
+                    "head sizes 64, 128, 256, dense pools), decode rows by the row kernel",
+                    "AVX-512" if isa == "avx512" else "AVX2")
+    else:
+        logger.info("CPU paged attention: every row by the row kernel (no AVX2 or AVX-512, or "
+                    "VLLM_UNIFIED_CPU_ISA=portable, or an extension built before the blocked "
+                    "kernel)")
 
 
 def takes(softcap: float | None, sinks: mx.array | None) -> bool:
