@@ -142,6 +142,18 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// Element i of p (scales or biases of type ST) as fp32, exactly.
+template <ScaleType ST>
+inline float scale_at(const void* p, size_t i) {
+  if constexpr (ST == ScaleType::kF32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (ST == ScaleType::kF16) {
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
 // dst[i] = element i of src (scales or biases of type t) as fp32, for i < n.
 void widen_scales(const void* src, ScaleType t, size_t n, float* dst);
 

@@ -91,17 +91,6 @@ __attribute__((target(VUN_Q8_TARGET))) inline __m512 load16(const void* p, __mma
   }
 }
 
-template <ScaleType ST>
-inline float load1(const void* p, size_t i) {
-  if constexpr (ST == ScaleType::kF32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (ST == ScaleType::kF16) {
-    return half_to_float(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
 constexpr size_t elem_bytes(ScaleType st) {
   return st == ScaleType::kF32 ? 4 : 2;
 }
@@ -115,7 +104,7 @@ __attribute__((target(VUN_Q8_TARGET))) inline __m512 lane_scales(const void* s, 
                                                                 size_t valid,
                                                                 size_t group_size) {
   if constexpr (GROUP >= 64) {
-    return _mm512_set1_ps(load1<ST>(s, c * 64 / group_size));
+    return _mm512_set1_ps(scale_at<ST>(s, c * 64 / group_size));
   } else {
     constexpr size_t per_span = 64 / GROUP;
     const __m512 v = load16<ST>(

@@ -72,17 +72,6 @@ bool avx2_fma() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-template <ScaleType ST>
-inline float widen1(const void* p, size_t i) {
-  if constexpr (ST == ScaleType::kF32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (ST == ScaleType::kF16) {
-    return half_to_float(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
 // Codes 2c and 2c + 1 of 16 elements of a packed row from p (MLX's layout: a little-endian
 // bit stream of BITS per element; p a multiple of 8 elements into the row) as dword c = the two
 // codes as int16, c < 8: each code's bits lie in 2 bytes, which a shuffle moves into its half of
@@ -179,8 +168,8 @@ __attribute__((target(VUN_AVX2_TARGET))) void pack_block(
   for (size_t g = 0; g < groups; ++g) {
     for (size_t r = 0; r < kBlockRows; ++r) {
       const size_t n = nb * kBlockRows + r;
-      s[g * kBlockRows + r] = r < rows ? widen1<ST>(scales, n * groups + g) : 0.0f;
-      b[g * kBlockRows + r] = r < rows ? widen1<ST>(biases, n * groups + g) : 0.0f;
+      s[g * kBlockRows + r] = r < rows ? scale_at<ST>(scales, n * groups + g) : 0.0f;
+      b[g * kBlockRows + r] = r < rows ? scale_at<ST>(biases, n * groups + g) : 0.0f;
     }
   }
 }

@@ -75,17 +75,6 @@ __attribute__((target(VUN_GEMM_TARGET))) inline __m256i int8_of(__m512 a, __m512
   return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
-template <ScaleType ST>
-inline float widen1(const void* p, size_t i) {
-  if constexpr (ST == ScaleType::kF32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (ST == ScaleType::kF16) {
-    return half_to_float(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
 // Panel block nb of w (rows 16 nb .. 16 nb + 15; rows past N zero): codes at dst (K / 4 x 64
 // bytes), then the fp32 scales and biases [groups][16].
 template <int BITS, ScaleType ST>
@@ -112,8 +101,8 @@ __attribute__((target(VUN_GEMM_TARGET))) void pack_block(
   for (size_t g = 0; g < groups; ++g) {
     for (size_t r = 0; r < kBlockRows; ++r) {
       const size_t n = nb * kBlockRows + r;
-      s[g * kBlockRows + r] = r < rows ? widen1<ST>(scales, n * groups + g) : 0.0f;
-      b[g * kBlockRows + r] = r < rows ? widen1<ST>(biases, n * groups + g) : 0.0f;
+      s[g * kBlockRows + r] = r < rows ? scale_at<ST>(scales, n * groups + g) : 0.0f;
+      b[g * kBlockRows + r] = r < rows ? scale_at<ST>(biases, n * groups + g) : 0.0f;
     }
   }
 }
