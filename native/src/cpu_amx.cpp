@@ -682,16 +682,6 @@ size_t amx_q8_x_bytes(size_t K, size_t group_size) {
   return amx_q8_layout(K, group_size).bytes;
 }
 
-// 32 integral floats (a: the first 16) clamped to [-127, 127], as int8.
-VUN_AMX_TARGET inline __m256i int8_bytes32(__m512 a, __m512 b) {
-  const __m512 ceiling = _mm512_set1_ps(127.0f), floor = _mm512_set1_ps(-127.0f);
-  const __m128i lo16 = _mm512_cvtsepi32_epi8(
-      _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(a, floor), ceiling)));
-  const __m128i hi16 = _mm512_cvtsepi32_epi8(
-      _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(b, floor), ceiling)));
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo16), hi16, 1);
-}
-
 VUN_AMX_TARGET void amx_q8_prepare_x(const float* x, size_t M, size_t K, size_t group_size,
                                      bool two_terms, uint8_t* buf) {
   const AmxQ8Layout l = amx_q8_layout(K, group_size);

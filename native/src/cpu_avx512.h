@@ -56,6 +56,17 @@ __attribute__((target("avx512f"))) inline void transpose16(__m512i r[16]) {
   }
 }
 
+// 32 integral floats (a: the first 16) clamped to [-127, 127], as int8: the int8 terms of x
+// (the integer kernels' activation quantization).
+__attribute__((target("avx512f"))) inline __m256i int8_bytes32(__m512 a, __m512 b) {
+  const __m512 ceiling = _mm512_set1_ps(127.0f), floor = _mm512_set1_ps(-127.0f);
+  const __m128i lo16 = _mm512_cvtsepi32_epi8(
+      _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(a, floor), ceiling)));
+  const __m128i hi16 = _mm512_cvtsepi32_epi8(
+      _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(b, floor), ceiling)));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo16), hi16, 1);
+}
+
 // The codes of `valid` elements (64, or 32) from element 0 at p of a packed row (MLX's layout:
 // a little-endian bit stream of BITS per element; p a multiple of 8 elements into the row) as
 // bytes, in order, the rest zero; only the valid * BITS / 8 bytes from p are read.

@@ -65,16 +65,6 @@ size_t q8_gemm_panel_bytes(size_t K, size_t group_size) {
 
 namespace {
 
-// 32 integral floats (a: the first 16) clamped to [-127, 127], as int8 (cpu_amx.cpp's).
-__attribute__((target(VUN_GEMM_TARGET))) inline __m256i int8_of(__m512 a, __m512 b) {
-  const __m512 ceiling = _mm512_set1_ps(127.0f), floor = _mm512_set1_ps(-127.0f);
-  const __m128i lo = _mm512_cvtsepi32_epi8(
-      _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(a, floor), ceiling)));
-  const __m128i hi = _mm512_cvtsepi32_epi8(
-      _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(b, floor), ceiling)));
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-}
-
 // Panel block nb of w (rows 16 nb .. 16 nb + 15; rows past N zero): codes at dst (K / 4 x 64
 // bytes), then the fp32 scales and biases [groups][16].
 template <int BITS, ScaleType ST>
@@ -260,12 +250,14 @@ __attribute__((target(VUN_GEMM_TARGET))) void q8_gemm_prepare_x(
       const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
       const __m512 v0 = _mm512_mul_ps(x0, inv), v1 = _mm512_mul_ps(x1, inv);
       const __m512 h0 = _mm512_roundscale_ps(v0, kRound), h1 = _mm512_roundscale_ps(v1, kRound);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + m * K + 32 * blk), int8_of(h0, h1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + m * K + 32 * blk),
+                          int8_bytes32(h0, h1));
       if (two_terms) {
         const __m512 scale = _mm512_set1_ps(256.0f);
         const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v0, h0), scale), kRound);
         const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v1, h1), scale), kRound);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + m * K + 32 * blk), int8_of(r0, r1));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + m * K + 32 * blk),
+                            int8_bytes32(r0, r1));
       }
       dx[m * blocks + blk] = two_terms ? amax / 127.0f / 256.0f : amax / 127.0f;
     }
