@@ -16,10 +16,12 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import qwen3
 
+from vllm_unified import bridge
 from vllm_unified.kv import pool as kv_pool
 from vllm_unified.kv.attention import dispatch as paged
 from vllm_unified.kv.attention import qk_prologue
@@ -28,7 +30,9 @@ from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.kv.gpu import paged as gpu_paged
 from vllm_unified.kv.layer_cache import PagedLayerCache
 from vllm_unified.kv.pool import KVPool
+from vllm_unified.models.cpu_kernels import install_cpu_kernels
 from vllm_unified.models.decode_attention import install_fused_decode_attention
+from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.routing import install_paged_attention
 from vllm_unified.worker.async_output import feed_pending
 from vllm_unified.worker.compiled_decode import CompiledDecode, padded_tables
@@ -88,8 +92,8 @@ def model():
     return m
 
 
-def _filled_pool(seed: int) -> KVPool:
-    pool = KVPool.allocate_mlx(LAYERS, BLOCKS, BS, KV_HEADS, DIM, mx.float32)
+def _filled_pool(seed: int, write: str | None = None) -> KVPool:
+    pool = KVPool.allocate_mlx(LAYERS, BLOCKS, BS, KV_HEADS, DIM, mx.float32, write=write)
     rng = np.random.default_rng(seed)
     pool.kv = [mx.array(rng.standard_normal(a.shape).astype(np.float32)) for a in pool.kv]
     return pool
@@ -221,3 +225,30 @@ def test_tables_padded_to_a_power_of_two_columns():
     assert np.array_equal(out[:, :5], tables) and not out[:, 5:].any()
     assert [padded_tables(np.ones((2, c), np.int32)).shape[1] for c in (1, 2, 3, 8, 9, 33)] == \
         [1, 2, 4, 8, 16, 64]
+
+
+@pytest.mark.skipif(bridge.native_kernels() is None,
+                    reason="the native CPU kernels are not built (bridge.native_error)")
+@pytest.mark.parametrize("quantize", [False, True], ids=["fp32", "4bit"])
+def test_compiled_decode_on_the_cpu_kernels_matches_the_plain_forward(model, quantize):
+    """MLX's CPU backend: the native KV write and attention kernel take a compiled step's
+    decode tables and lengths (traced inputs; decode row r is sequence r), the linears are
+    the native kernels with q/k/v and gate/up fused for one-row inputs, as the runner sets a
+    CPU model up. Compiled and plain steps give the same logits and K/V, bit for bit."""
+    if quantize:
+        nn.quantize(model, group_size=32, bits=4)
+        mx.eval(model.parameters())
+    assert install_cpu_kernels(model)
+    assert fuse_projections(model, max_rows=1) == {"qkv_proj": LAYERS, "gate_up_proj": LAYERS}
+    steps = _steps()
+    plain_pool = _filled_pool(3, write="native_rows")
+    plain = _run(model, plain_pool, steps, None)
+    pool = _filled_pool(3, write="native_rows")
+    compiled = CompiledDecode(model, pool, [PagedLayerCache(pool, i) for i in range(LAYERS)],
+                              forward)
+    got = _run(model, pool, steps, compiled)
+    assert compiled.traces == [3, 2]
+    for a, b in zip(plain, got, strict=True):
+        np.testing.assert_array_equal(b, a)
+    for a, b in zip(plain_pool.kv, pool.kv, strict=True):
+        np.testing.assert_array_equal(np.array(b), np.array(a))

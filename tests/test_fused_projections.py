@@ -114,12 +114,34 @@ def test_unfusable_siblings_stay_separate() -> None:
     assert fuse_projections(mixed) == {}
 
 
-def test_profile_fuses_on_gpu_compute_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU backend keeps its native per-projection kernels (and CPU compute on a GPU
-    build's buffers stays unfused); GPU compute fuses unless VLLM_UNIFIED_FUSE_PROJECTIONS=0."""
+def test_profile_fuses_on_gpu_compute_and_the_native_cpu_kernels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU compute fuses; so does the CPU backend where the native kernels run (the runner
+    caps its groups at one-row inputs); CPU compute on a GPU build's buffers (no native
+    kernels) does not; VLLM_UNIFIED_FUSE_PROJECTIONS=0 turns it off everywhere."""
     assert profile_for("cuda", "cuda").fuse_projections
     assert profile_for("metal", "metal").fuse_projections
-    assert not profile_for("cpu", "cpu").fuse_projections
+    cpu = profile_for("cpu", "cpu")
+    assert cpu.fuse_projections == cpu.cpu_kernels
     assert not profile_for("cpu", "cuda").fuse_projections
     monkeypatch.setenv("VLLM_UNIFIED_FUSE_PROJECTIONS", "0")
     assert not profile_for("cuda", "cuda").fuse_projections
+    assert not profile_for("cpu", "cpu").fuse_projections
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["dense", "4bit"])
+def test_cpu_groups_fuse_one_row_inputs_only(quantize: bool) -> None:
+    """``max_rows=1`` (the CPU runner's setting) caps gate/up too: more rows run each part
+    alone on its rows of the fused weight, so no part's output is a strided column view."""
+    model = _model("qwen3", quantize)
+    mlp = model.layers[0].mlp
+    x1, x5 = mx.random.normal((1, 1, 128)), mx.random.normal((5, 1, 128))
+    want = [[mlp[n](x) for n in ("gate_proj", "up_proj")] for x in (x1, x5)]
+    assert fuse_projections(model, max_rows=1) == {"qkv_proj": 2, "gate_up_proj": 2}
+    assert mlp.gate_proj._group[0].max_rows == 1
+    for x, w in zip((x1, x5), want, strict=True):
+        for name, e in zip(("gate_proj", "up_proj"), w, strict=True):
+            got = mlp[name](x)
+            assert mx.array_equal(got, e)
+    group = mlp.gate_proj._group[0]
+    assert group._outputs(x1) is not None and group._outputs(x5) is None  # alone from 2 rows

@@ -211,8 +211,9 @@ class BackendProfile:
             kernel that takes every row of head sizes it supports (GPU compute on that
             backend, ``VLLM_UNIFIED_GPU_ATTENTION`` not 0), else None (the reference).
         fuse_projections: q/k/v and gate/up projections run as one matmul each (GPU compute,
-            where a step is bound by host work per primitive; ``VLLM_UNIFIED_FUSE_PROJECTIONS``;
-            :mod:`vllm_unified.models.fused_projections`).
+            where a step is bound by host work per primitive; the native CPU kernels, for
+            one-row inputs, where each kernel call costs a dispatch to the kernel threads;
+            ``VLLM_UNIFIED_FUSE_PROJECTIONS``; :mod:`vllm_unified.models.fused_projections`).
         gpu_gemm: matmuls of 2 to 64 rows (decode steps) run the small tensor-core kernel of
             :mod:`vllm_unified.models.gpu_gemm` instead of MLX's cuBLASLt path, whose host
             cost per call bounds a decode step (CUDA compute; ``VLLM_UNIFIED_GPU_GEMM``).
@@ -351,7 +352,7 @@ def profile() -> BackendProfile:
         kv_pool="torch_shared" if shared else "mlx_owned", kv_pool_reason=reason,
         kv_write=write, cpu_kernels=cpu_kernels, cpu_attention=cpu_attention,
         gpu_attention=info.kind if gpu and envs.GPU_ATTENTION else None,
-        fuse_projections=gpu and envs.FUSE_PROJECTIONS,
+        fuse_projections=(gpu or cpu_kernels) and envs.FUSE_PROJECTIONS,
         gpu_gemm=gpu and info.kind == "cuda" and envs.GPU_GEMM,
         fused_qk=(gpu and envs.GPU_ATTENTION and write in ("cuda_kernel", "metal_kernel")
                   and envs.FUSED_QK),

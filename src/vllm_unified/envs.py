@@ -123,7 +123,8 @@ _SETTINGS = (
             "GPU backends (CUDA, Metal): 0 attends through the reference instead of the paged "
             "kernel"),
     Setting("VLLM_UNIFIED_FUSE_PROJECTIONS", True, _bool,
-            "GPU backends (CUDA, Metal): 0 keeps q/k/v and gate/up as separate matmuls"),
+            "0 keeps q/k/v and gate/up as separate matmuls (GPU backends at every size, "
+            "the native CPU kernels for one-row inputs)"),
     Setting("VLLM_UNIFIED_GPU_GEMM", True, _bool,
             "CUDA backend: 0 leaves matmuls of 2 to 64 rows (decode) to MLX's cuBLASLt path "
             "instead of the small tensor-core kernel"),

@@ -122,19 +122,27 @@ class FusedPart(nn.Module):
 
 
 def _fusable(parts: list[Any]) -> bool:
+    """Siblings of one class (MLX's linears or their native-kernel subclasses), one weight
+    dtype or one quantization (bits, group size, mode, scale dtype, biases), one input width,
+    biases on all or none."""
     first = parts[0]
-    if type(first) is nn.Linear:
-        same = all(type(p) is nn.Linear and p.weight.dtype == first.weight.dtype for p in parts)
-    elif type(first) is nn.QuantizedLinear:
-        key = (first.bits, first.group_size, getattr(first, "mode", "affine"),
-               first.scales.dtype, "biases" in first)
-        same = all(type(p) is nn.QuantizedLinear
-                   and (p.bits, p.group_size, getattr(p, "mode", "affine"), p.scales.dtype,
-                        "biases" in p) == key for p in parts)
+    kind = type(first)
+    if not all(type(p) is kind for p in parts):
+        return False
+    if issubclass(kind, nn.QuantizedLinear):
+        key = _quantization(first)
+        same = all(_quantization(p) == key for p in parts)
+    elif issubclass(kind, nn.Linear):
+        same = all(p.weight.dtype == first.weight.dtype for p in parts)
     else:
         return False
     return (same and len({p.weight.shape[1] for p in parts}) == 1
             and len({"bias" in p for p in parts}) == 1)
+
+
+def _quantization(linear: nn.QuantizedLinear) -> tuple:
+    return (linear.bits, linear.group_size, getattr(linear, "mode", "affine"),
+            linear.scales.dtype, "biases" in linear)
 
 
 def _like(linear: nn.Module) -> nn.Module:
@@ -174,8 +182,11 @@ def _groups(model: nn.Module) -> Iterator[tuple[nn.Module, tuple[str, ...], str,
                 yield module, names, fused_name, max_rows
 
 
-def fuse_projections(model: nn.Module) -> dict[str, int]:
+def fuse_projections(model: nn.Module, max_rows: int | None = None) -> dict[str, int]:
     """Fuse every q/k/v and gate/up sibling set of ``model`` that :func:`_fusable` accepts.
+
+    ``max_rows``: the most input rows any group's fused matmul runs for (each group's own
+    limit of :data:`GROUPS` if lower); None keeps the groups' own limits.
 
     The siblings' arrays are freed as each group is fused (one group's weights exist twice at
     a time). Idempotent: fused groups are skipped.
@@ -184,13 +195,14 @@ def fuse_projections(model: nn.Module) -> dict[str, int]:
         How many groups of each fused name were fused (``{"qkv_proj": 28, ...}``), for the log.
     """
     counts: dict[str, int] = {}
-    for module, names, fused_name, max_rows in list(_groups(model)):
+    for module, names, fused_name, group_rows in list(_groups(model)):
         parts = [module[name] for name in names]
         if not _fusable(parts):
             continue
         fused = _concatenated(parts)
         mx.eval(fused.parameters())
-        group = FusedGroup(fused, [int(p.weight.shape[0]) for p in parts], max_rows)
+        limit = min((r for r in (group_rows, max_rows) if r is not None), default=None)
+        group = FusedGroup(fused, [int(p.weight.shape[0]) for p in parts], limit)
         module[fused_name] = fused
         for index, name in enumerate(names):
             module[name] = FusedPart(group, index)

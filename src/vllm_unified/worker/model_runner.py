@@ -278,7 +278,10 @@ class MLXModelRunner:
         model_type = self.loaded.config["model_type"]
         head_size = self.model_config.get_head_size()
         cpu_kernels = install_cpu_kernels(self.model)
-        fused = fuse_projections(self.model) if self.backend.fuse_projections else {}
+        # on the CPU only one-row inputs: wider ones would leave strided column views that
+        # the native kernels copy before reading
+        fused = (fuse_projections(self.model, max_rows=1 if self.backend.cpu_kernels else None)
+                 if self.backend.fuse_projections else {})
         gemm = install_gpu_gemm(self.model) if self.backend.gpu_gemm else 0
         fused_qk = (install_fused_decode_attention(self.model, head_size)
                     if self.backend.fused_qk else 0)
@@ -407,19 +410,23 @@ class MLXModelRunner:
         return release
 
     def _compiled_decode(self) -> CompiledDecode | None:
-        """The compiled pure-decode forward where it applies: the in-place CUDA KV write, the
-        paged GPU attention kernel for every layer's head size, no recurrent layers, not
-        turned off by its variable."""
+        """The compiled pure-decode forward where it applies: the in-place CUDA KV write and
+        the paged GPU attention kernel for every layer's head size, or on MLX's CPU backend
+        the native KV write and attention kernel (pools other than TurboQuant's, whose fresh
+        rows are laid out on the host); no recurrent or latent layers, one pipeline stage,
+        not turned off by its variable."""
+        pool = self.kv_cache.pool
         head_dims = {d for _, d in self.kv_cache.kv_shapes.values()}
-        if not (self.kv_cache.pool.cuda_write
-                and all(gpu_attention_routed(d, self.backend) for d in head_dims)
-                and not self.layers.is_hybrid and self.backend.compile_decode
+        gpu = pool.cuda_write and all(gpu_attention_routed(d, self.backend) for d in head_dims)
+        cpu = (self.backend.cpu_attention and pool.write_path == "native_rows"
+               and not pool.fmt.turboquant)
+        if not ((gpu or cpu) and not self.layers.is_hybrid and self.backend.compile_decode
                 and self.stage.size == 1 and not self.kv_cache.latent_layers()):
             return None
         logger.info("vllm-unified: pure-decode steps run as one compiled MLX graph "
                     "(mx.compile, one trace per batch size; %s=0 turns it off)",
                     COMPILE_DECODE_ENV)
-        return CompiledDecode(self.model, self.kv_cache.pool, self.kv_cache.layer_caches,
+        return CompiledDecode(self.model, pool, self.kv_cache.layer_caches,
                               forward, self.kv_cache.kernel_block_size)
 
     # ----------------------------------------------------------------------------- steps

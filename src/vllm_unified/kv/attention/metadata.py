@@ -256,8 +256,17 @@ class AttentionMetadata:
         ``block_tables`` ``[B, max_blocks]``, each row's sequence ``[T]`` and the number of
         keys it sees ``[T]`` (its position + 1: causal). Made once per step.
 
-        Raises ValueError when the host-side fields are missing (a compiled step's metadata).
+        A compiled pure-decode step's metadata (no host-side fields; ``decode_tables`` and
+        ``decode_lens`` are traced inputs) gives those two and ``arange(T)``: decode row r is
+        sequence r.
+
+        Raises ValueError when neither the host-side fields nor a pure-decode step's traced
+        tables are there.
         """
+        if self._row_kernel_inputs is None and self._traced_pure_decode():
+            self._row_kernel_inputs = (self.decode_tables,
+                                       mx.arange(self.num_tokens, dtype=mx.int32),
+                                       self.decode_lens)
         if self._row_kernel_inputs is None:
             if self.block_tables is None or self.host_seq_of_row is None \
                     or self.host_positions is None:
@@ -268,6 +277,13 @@ class AttentionMetadata:
                 mx.array(self.host_positions.astype(np.int32) + 1),
             )
         return self._row_kernel_inputs
+
+    def _traced_pure_decode(self) -> bool:
+        """Whether this is a compiled pure-decode step's metadata: one decode row per
+        sequence in order, the tables and lengths given as arrays, no host-side tables."""
+        return (self.block_tables is None and self.decode_tables is not None
+                and self.decode_lens is not None and not self.prefills
+                and self.decode_rows == slice(0, self.num_tokens))
 
     def fresh_key_rows(self, max_short: int) -> tuple[mx.array, mx.array] | None:
         """Which keys each row reads from this step's own (unquantized) K/V, the way vLLM's
