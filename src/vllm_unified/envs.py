@@ -138,7 +138,8 @@ _SETTINGS = (
             "with the encode thread: 0 waits for the queued step before building the next "
             "pure-decode step (no overlap of building and encoding)"),
     Setting("VLLM_UNIFIED_COMPILE_DECODE", True, _bool,
-            "CUDA backend: 0 builds every decode step's graph in Python (no mx.compile)"),
+            "CUDA and CPU backends: 0 builds every decode step's graph in Python "
+            "(no mx.compile)"),
     Setting("VLLM_UNIFIED_KV_EAGER_ZERO", False, _bool,
             "1 zero-fills the KV pool at start as vLLM does (benchmarks compare start-up memory)"),
     Setting("VLLM_UNIFIED_PREFIX_CACHE_RETAIN", None, _tokens_or_all,

@@ -1,10 +1,11 @@
-"""Pure-decode steps as one compiled MLX function (``mx.compile``), on the CUDA backend.
+"""Pure-decode steps as one compiled MLX function (``mx.compile``), on the CUDA and CPU backends.
 
-Why: on a fast GPU a decode step is bound by host work, not by the GPU: Python building each
-layer's lazy graph (mlx-lm's model code, our cache protocol and attention routing) and MLX
-encoding and launching its hundreds of kernels. ``mx.compile``
-traces the forward once per input shape and afterwards replays the recorded graph from C++,
-so the Python per layer is gone and chains of elementwise ops are fused into single kernels.
+Why: a decode step of a small model is bound by host work, not by the device: Python building
+each layer's lazy graph (mlx-lm's model code, our cache protocol and attention routing) and MLX
+encoding its hundreds of primitives (on CUDA, launching as many kernels; on the CPU, handing
+each to the stream's thread). ``mx.compile`` traces the forward once per input shape and
+afterwards replays the recorded graph from C++, so the Python per layer is gone and chains of
+elementwise ops are fused into single kernels.
 
 What makes this safe:
 
@@ -19,9 +20,13 @@ What makes this safe:
   ``mx.depends(pool, token)`` (:mod:`vllm_unified.kv.gpu.write`), so the attention of
   that layer, and the next step's write, stay ordered after the write exactly as without
   compilation;
+* on the CPU the native KV write and paged attention kernel take the same traced inputs:
+  the attention's block tables and lengths are the decode tables and lengths, each decode row
+  its own sequence (:meth:`AttentionMetadata.row_tables_seqs_lens`);
 * only steps whose every request has one query token take this path, and only with the
-  in-place CUDA write and the paged GPU attention kernel; everything else runs the plain
-  forward.
+  in-place CUDA write and the paged GPU attention kernel, or the native CPU write and
+  attention (not TurboQuant pools, whose fresh rows are laid out on the host); everything else
+  runs the plain forward.
 
 Shapes: one trace per number of decode rows ``T`` and block-table width (``shapeless=False``:
 the kernels' launch grids depend on ``T``); the width is padded to a power of two
