@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from vllm_unified.distributed.pipeline import PipelineStage
 from vllm_unified.models.activations import match_config_activations
+from vllm_unified.models.backbone_weights import with_backbone_weights
 from vllm_unified.models.bitlinear import replace_bitlinears
 from vllm_unified.models.cache_fixes import match_cache_windows
 from vllm_unified.models.capability import UnsupportedModel
@@ -88,6 +89,7 @@ def load_model(
     native_kernels: bool = False,
     stage: PipelineStage | None = None,
     max_model_len: int | None = None,
+    pooling: bool = False,
 ) -> LoadedModel:
     """Load ``path`` into an mlx-lm model.
 
@@ -113,6 +115,8 @@ def load_model(
             prune_model`). None: the whole model.
         max_model_len: vLLM's context length, for config choices vLLM makes by it
             (LongRoPE's short or long factors); None: vLLM's default (the model's maximum).
+        pooling: the model serves vLLM's pooling runner: a folder of backbone weights
+            without an LM head loads (:mod:`vllm_unified.models.backbone_weights`).
 
     Raises:
         ValueError: unsupported architecture or config feature, GGUF tensor without a
@@ -130,7 +134,7 @@ def load_model(
                             max_model_len)
     else:
         loaded = _load_folder(path, hf_config, dtype, keep_quantized, native_kernels, stage,
-                              max_model_len)
+                              max_model_len, pooling)
     logger.info("Loaded %s (%s, %s, %s) in %.2f s", path.name, loaded.config["model_type"],
                 loaded.source, "quantized" if loaded.quantized else f"dense {dtype}",
                 time.perf_counter() - start)
@@ -333,7 +337,7 @@ def _check_names(model: nn.Module, weights: Mapping[str, mx.array],
 
 def _load_folder(
     path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_kernels: bool,
-    stage: PipelineStage | None, max_model_len: int | None,
+    stage: PipelineStage | None, max_model_len: int | None, pooling: bool = False,
 ) -> LoadedModel:
     from mlx_lm.utils import dequantize_model, load_config
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -349,8 +353,9 @@ def _load_folder(
         hf_config = AutoConfig.from_pretrained(str(path))
     config = mlx_lm_config({**raw, **_as_dict(hf_config)}, max_model_len=max_model_len)
     try:
-        model, config = mlx_lm_load_model(path, lazy=True, strict=True, model_config=config,
-                                          get_model_classes=model_classes)
+        model, config = mlx_lm_load_model(
+            path, lazy=True, strict=True, model_config=config,
+            get_model_classes=lambda config: _backbone_classes(config, pooling))
     except TypeError as e:  # ModelArgs missing a field its dataclass requires
         raise ValueError(f"model type {config['model_type']!r}: the config does not fit "
                          f"mlx-lm's ModelArgs ({e})") from e
@@ -369,6 +374,12 @@ def _load_folder(
     model.eval()
     mx.eval(model.parameters())
     return LoadedModel(model, config, dtype, _has_quantized(model), "safetensors")
+
+
+def _backbone_classes(config: Mapping[str, Any], pooling: bool) -> tuple[type, type]:
+    """:func:`model_classes`, its ``Model`` also taking backbone-relative weights."""
+    model_class, args_class = model_classes(config)
+    return with_backbone_weights(model_class, pooling), args_class
 
 
 #: multimodal model types whose mlx-lm ``Model`` only hands its inputs to ``language_model``

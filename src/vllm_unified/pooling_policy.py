@@ -1,0 +1,64 @@
+"""What the platform serves with vLLM's pooling runner (``--runner pooling``, or vLLM's
+automatic choice from the architecture or a sentence-transformers folder), decided before the
+model loads: embeddings of causal decoder LMs with last-token pooling (Qwen3-Embedding style),
+through the paged forward. Everything else vLLM would pool is refused, naming the model type
+or the task, instead of loading and computing something else.
+
+Imports no vLLM and no MLX: it reads vLLM's resolved ``ModelConfig`` only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_unified.errors import StartupRefused
+
+__all__ = ["SERVED_POOLING_TYPES", "pooling_policy"]
+
+#: sequence pooling types served: LAST only (chunked prefill and prefix caching stay on;
+#: vLLM turns both off for MEAN and CLS on a decoder, a path not tested here yet)
+SERVED_POOLING_TYPES = ("LAST",)
+
+
+def pooling_policy(vllm_config: Any) -> None:
+    """Refuse a pooling model the runner cannot serve yet; nothing for a generating one.
+
+    Raises:
+        StartupRefused: an encoder-only or bidirectional model (BERT, XLM-RoBERTa,
+            ModernBERT, ``is_causal: false`` decoders), a hybrid or attention-free model, a
+            pooling head other than embedding (classification, scoring, reward: ``--convert
+            classify`` or a ``*ForSequenceClassification`` architecture), a pooling type other
+            than LAST, pipeline parallelism or speculative decoding with pooling.
+    """
+    model_config = vllm_config.model_config
+    if model_config is None or model_config.runner_type != "pooling":
+        return
+    model_type = getattr(model_config.hf_config, "model_type", "?")
+    arch = model_config.architecture
+    what = f"--runner pooling: model type {model_type!r} ({arch})"
+    attn_type = model_config.attn_type
+    if attn_type == "encoder_only":
+        raise StartupRefused(
+            f"{what} is an encoder-only (bidirectional) model; vllm-unified pools causal "
+            "decoder models only so far (encoder models such as BERT, XLM-RoBERTa and "
+            "ModernBERT are not supported yet)")
+    if attn_type != "decoder":
+        raise StartupRefused(f"{what} has {attn_type} layers; vllm-unified pools plain "
+                             "attention decoder models only so far")
+    if model_config.convert_type != "embed":
+        head = ("its own pooling head" if model_config.convert_type == "none"
+                else f"--convert {model_config.convert_type}")
+        raise StartupRefused(
+            f"{what} with {head}: vllm-unified serves the embed task only so far "
+            "(classification, scoring and reward heads are not supported yet); serve a "
+            "decoder LM as an embedder with --convert embed")
+    pooling_type = model_config.pooler_config.seq_pooling_type
+    if pooling_type not in SERVED_POOLING_TYPES:
+        raise StartupRefused(
+            f"{what}: pooling type {pooling_type} is not supported by vllm-unified yet "
+            f"(supported: {', '.join(SERVED_POOLING_TYPES)})")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise StartupRefused("--pipeline-parallel-size with --runner pooling is not "
+                             "supported by vllm-unified")
+    if vllm_config.speculative_config is not None:
+        raise StartupRefused("--speculative-config with --runner pooling is not supported")

@@ -1,0 +1,195 @@
+"""vLLM's pooling runner on MLX (issue 41, first slice): a decoder embedder (Qwen3-Embedding
+style: last-token pooling, normalised, Matryoshka dimensions) through the paged forward, against
+vLLM's own CPU backend in fp32 on the same weights; what is not served yet is refused at
+start-up, naming the model type or the task."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import run_llm
+from tiny_models import make_tiny_checkpoint
+
+#: the engine's step budget: the long prompts are pooled only after several chunks
+BUDGET = 64
+MATRYOSHKA = [16, 32, 64]
+
+
+def embedder_checkpoint(tmp_path: Path) -> Path:
+    """A tiny random Qwen3 saved as Qwen3-Embedding ships: backbone weights only (no
+    ``model.`` prefix, no LM head) under ``Qwen3ForCausalLM``, sentence-transformers' modules
+    (last-token pooling, then Normalize) and Matryoshka dimensions in the config."""
+    from safetensors.numpy import load_file, save_file
+
+    source = make_tiny_checkpoint(tmp_path / "src", "qwen3")
+    folder = tmp_path / "tiny-qwen3-embedding"
+    folder.mkdir()
+    for f in source.iterdir():
+        if f.name not in ("model.safetensors", "config.json") and f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    weights = load_file(source / "model.safetensors")
+    assert "lm_head.weight" not in weights  # tied: the backbone is the whole checkpoint
+    save_file({name.removeprefix("model."): w for name, w in weights.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["matryoshka_dimensions"] = MATRYOSHKA
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": config["hidden_size"], "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}))
+    (folder / "2_Normalize").mkdir()
+    return folder
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + 104729 * i) % 40000 + 100 for i in range(n)]
+
+
+LONG = _ids(1, 3 * BUDGET + 21)  # four chunks
+TEXTS = ["The capital of France is Paris.", "A retrieval stack needs an embedder.",
+         "Reranking orders passages by relevance to a query."]
+BATCHES = [
+    # several short prompts next to a chunked one; Matryoshka and unnormalised outputs
+    [*({"prompt": t} for t in TEXTS),
+     {"prompt_token_ids": LONG},
+     {"prompt_token_ids": _ids(2, 40), "params": {"dimensions": 32}},
+     {"prompt_token_ids": _ids(3, 25), "params": {"use_activation": False}},
+     {"prompt_token_ids": _ids(4, BUDGET + 5), "params": {"dimensions": 16}}],
+    # the long prompt's blocks come from the prefix cache; a longer prompt extends it
+    [{"prompt_token_ids": LONG}, {"prompt_token_ids": LONG + _ids(5, 30)},
+     {"prompt": TEXTS[0]}],
+    # dimensions the model does not offer: refused by vLLM's validation (both backends)
+    [{"prompt": TEXTS[1], "params": {"dimensions": 17}}],
+]
+
+
+def _spec(model: str, native: bool) -> dict:
+    engine = {"dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": BUDGET,
+              "enable_prefix_caching": True, "seed": 0, "disable_log_stats": False,
+              "kv_cache_memory_bytes": (512 if native else 64) * 2**20}
+    if native:
+        engine["enforce_eager"] = True
+    spec = {"model": model, "engine": engine, "embed_batches": BATCHES, "metrics": True}
+    if not native:
+        spec["rpc"] = ["runner_stats"]
+    return spec
+
+
+def _close(got: list[float], want: list[float]) -> tuple[float, float]:
+    """(1 - cosine, largest difference relative to the largest reference element)."""
+    dot = sum(a * b for a, b in zip(got, want, strict=True))
+    cos = dot / (math.sqrt(sum(a * a for a in got)) * math.sqrt(sum(b * b for b in want)))
+    rel = max(abs(a - b) for a, b in zip(got, want, strict=True)) / max(abs(b) for b in want)
+    return 1 - cos, rel
+
+
+@pytest.mark.engine
+def test_decoder_embedder_matches_vllm(tmp_path):
+    """``LLM.embed`` on the Qwen3-Embedding-style checkpoint (vLLM resolves the pooling runner
+    from its sentence-transformers files: LAST pooling, normalised) equals vLLM's CPU backend:
+    short prompts, prompts longer than the step budget (chunked, pooled once), prefix-cached
+    prompts, Matryoshka ``dimensions`` and ``use_activation=False``; refused dimensions are
+    refused alike."""
+    model = str(embedder_checkpoint(tmp_path))
+    ours = run_llm(_spec(model, native=False), tmp_path)
+    ref = run_llm(_spec(model, native=True), tmp_path)
+    assert ours["platform"] == "vllm_unified.platform.MLXPlatform"
+    for b, (got, want) in enumerate(zip(ours["embed_batches"], ref["embed_batches"],
+                                        strict=True)):
+        if b == 2:
+            assert "error" in got and "error" in want
+            assert "dimensions" in got["error"] and "17" in got["error"]
+            continue
+        assert got["num_tokens"] == want["num_tokens"]
+        for i, (g, w) in enumerate(zip(got["embeddings"], want["embeddings"], strict=True)):
+            params = BATCHES[b][i].get("params", {})
+            assert len(g) == len(w) == params.get("dimensions", 64), (b, i)
+            one_minus_cos, rel = _close(g, w)
+            assert one_minus_cos <= 1e-5 and rel <= 1e-4, (b, i, one_minus_cos, rel)
+            norm = math.sqrt(sum(a * a for a in g))
+            if params.get("use_activation", True):
+                assert abs(norm - 1) < 1e-5, (b, i, norm)
+            else:
+                assert abs(norm - 1) > 1e-2, (b, i, norm)  # really not normalised
+    stats = ours["rpc_after"]["runner_stats"]
+    assert stats["pooled"] == len(BATCHES[0]) + len(BATCHES[1])
+    assert stats["sampled"] == 0
+    # the long prompt took several steps, and the second batch read the prefix cache
+    assert stats["forwards"] >= len(LONG) // BUDGET + 3
+    assert ours["metrics"].get("vllm:prefix_cache_hits", 0) >= len(LONG) // 16 * 16
+    # the prompts of the first batch fill more than one step: no step exceeds the budget
+    assert stats["tokens"] <= stats["forwards"] * BUDGET
+
+
+def _engine_config(model: str, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, max_model_len=256, **kwargs).create_engine_config()
+
+
+def _tiny_bert(tmp_path: Path) -> Path:
+    import transformers
+    from tiny_models import smollm2_tokenizer
+
+    config = transformers.BertConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=128)
+    folder = tmp_path / "tiny-bert"
+    transformers.BertModel(config).save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(("case", "kwargs", "words"), [
+    ("bert", {}, ["'bert'", "encoder-only"]),
+    ("qwen3", {"runner": "pooling", "convert": "classify"}, ["'qwen3'", "--convert classify"]),
+    ("qwen3", {"runner": "pooling", "pooler_config": {"seq_pooling_type": "MEAN"}},
+     ["'qwen3'", "pooling type MEAN"]),
+])
+def test_unserved_pooling_refused_at_start(tmp_path, case, kwargs, words):
+    """What the pooling runner does not serve yet stops the start-up, naming the model type
+    and the task or pooling type, before any weight is loaded."""
+    from vllm_unified.errors import StartupRefused
+
+    model = (_tiny_bert(tmp_path) if case == "bert"
+             else make_tiny_checkpoint(tmp_path, "qwen3"))
+    with pytest.raises(Exception) as err:
+        _engine_config(str(model), dtype="float32", **kwargs)
+    cause = err.value
+    while cause is not None and not isinstance(cause, StartupRefused):
+        cause = cause.__cause__ or cause.__context__
+    message = str(cause if cause is not None else err.value)
+    for word in words:
+        assert word in message, message
+
+
+def test_pooling_requests_only_on_a_pooling_server(monkeypatch):
+    """An embedding request to a generating server and a generation request to a pooling
+    server are refused with a 400 naming the task (``VLLMValidationError``)."""
+    from types import SimpleNamespace
+
+    from vllm import PoolingParams, SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_unified.platform import MLXPlatform
+
+    inputs = {"prompt_token_ids": [1, 2]}
+    monkeypatch.setattr(MLXPlatform, "serving_model_config",
+                        SimpleNamespace(runner_type="generate"))
+    with pytest.raises(VLLMValidationError, match="--runner pooling") as err:
+        MLXPlatform.validate_request(inputs, PoolingParams(task="embed"))
+    assert err.value.parameter == "task"
+    monkeypatch.setattr(MLXPlatform, "serving_model_config",
+                        SimpleNamespace(runner_type="pooling"))
+    MLXPlatform.validate_request(inputs, PoolingParams(task="embed"))
+    with pytest.raises(VLLMValidationError, match="generation is not served"):
+        MLXPlatform.validate_request(inputs, SamplingParams(max_tokens=4))
