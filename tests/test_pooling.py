@@ -102,7 +102,7 @@ def test_decoder_embedder_matches_vllm(tmp_path):
     refused alike."""
     model = str(embedder_checkpoint(tmp_path))
     ours = run_llm(_spec(model, native=False), tmp_path)
-    ref = run_llm(_spec(model, native=True), tmp_path)
+    ref = run_llm(_spec(model, native=True), tmp_path, native=True)
     assert ours["platform"] == "vllm_unified.platform.MLXPlatform"
     for b, (got, want) in enumerate(zip(ours["embed_batches"], ref["embed_batches"],
                                         strict=True)):
@@ -127,8 +127,10 @@ def test_decoder_embedder_matches_vllm(tmp_path):
     # the long prompt took several steps, and the second batch read the prefix cache
     assert stats["forwards"] >= len(LONG) // BUDGET + 3
     assert ours["metrics"].get("vllm:prefix_cache_hits", 0) >= len(LONG) // 16 * 16
-    # the prompts of the first batch fill more than one step: no step exceeds the budget
-    assert stats["tokens"] <= stats["forwards"] * BUDGET
+    # the long prompt chunked from scratch and read back from the prefix cache: one embedding
+    _, rel = _close(ours["embed_batches"][1]["embeddings"][0],
+                    ours["embed_batches"][0]["embeddings"][3])
+    assert rel <= 1e-5
 
 
 def _engine_config(model: str, **kwargs):
