@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import run_llm
+from conftest import run_llm, vllm_server
 from tiny_models import make_tiny_checkpoint
 
 #: the engine's step budget: the long prompts are pooled only after several chunks
@@ -93,16 +93,23 @@ def _close(got: list[float], want: list[float]) -> tuple[float, float]:
     return 1 - cos, rel
 
 
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory) -> tuple[str, dict]:
+    """The embedder's folder and vLLM's CPU backend's results for :data:`BATCHES`."""
+    tmp_path = tmp_path_factory.mktemp("embedder")
+    model = str(embedder_checkpoint(tmp_path))
+    return model, run_llm(_spec(model, native=True), tmp_path, native=True)
+
+
 @pytest.mark.engine
-def test_decoder_embedder_matches_vllm(tmp_path):
+def test_decoder_embedder_matches_vllm(embedder, tmp_path):
     """``LLM.embed`` on the Qwen3-Embedding-style checkpoint (vLLM resolves the pooling runner
     from its sentence-transformers files: LAST pooling, normalised) equals vLLM's CPU backend:
     short prompts, prompts longer than the step budget (chunked, pooled once), prefix-cached
     prompts, Matryoshka ``dimensions`` and ``use_activation=False``; refused dimensions are
     refused alike."""
-    model = str(embedder_checkpoint(tmp_path))
+    model, ref = embedder
     ours = run_llm(_spec(model, native=False), tmp_path)
-    ref = run_llm(_spec(model, native=True), tmp_path, native=True)
     assert ours["platform"] == "vllm_unified.platform.MLXPlatform"
     for b, (got, want) in enumerate(zip(ours["embed_batches"], ref["embed_batches"],
                                         strict=True)):
@@ -131,6 +138,60 @@ def test_decoder_embedder_matches_vllm(tmp_path):
     _, rel = _close(ours["embed_batches"][1]["embeddings"][0],
                     ours["embed_batches"][0]["embeddings"][3])
     assert rel <= 1e-5
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    return 1 - _close(a, b)[0]
+
+
+@pytest.mark.engine
+def test_embedding_server(embedder, tmp_path):
+    """``vllm serve`` on the embedder: ``/v1/embeddings`` (texts, token ids, ``dimensions``),
+    and the bi-encoder ``/score`` and ``/v1/rerank`` vLLM builds on the embed task, equal vLLM's
+    CPU backend's embeddings and their cosines; bad requests get a 400 naming the problem and
+    the server keeps serving."""
+    import requests
+
+    model, ref = embedder
+    want = ref["embed_batches"][0]["embeddings"]
+    args = [model, "--served-model-name", "emb", "--dtype", "float32", "--max-model-len", "512",
+            "--max-num-batched-tokens", str(BUDGET), "--kv-cache-memory-bytes",
+            str(64 * 2**20)]
+    with vllm_server(tmp_path, args) as (base, _):
+        def post(path: str, **body) -> requests.Response:
+            return requests.post(f"{base}{path}", json={"model": "emb", **body}, timeout=120)
+
+        r = post("/v1/embeddings", input=[*TEXTS, LONG])
+        assert r.status_code == 200, r.text
+        got = [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+        for i, (g, w) in enumerate(zip(got, [*want[:3], want[3]], strict=True)):
+            one_minus_cos, rel = _close(g, w)
+            assert one_minus_cos <= 1e-5 and rel <= 1e-4, (i, one_minus_cos, rel)
+        r = post("/v1/embeddings", input=[_ids(2, 40)], dimensions=32)
+        assert r.status_code == 200, r.text
+        g = r.json()["data"][0]["embedding"]
+        assert len(g) == 32 and _close(g, want[4])[1] <= 1e-4
+        # bi-encoder scores: cosines of the embeddings
+        cosines = [_cosine(want[0], want[j]) for j in (1, 2)]
+        r = post("/score", text_1=TEXTS[0], text_2=TEXTS[1:3])
+        assert r.status_code == 200, r.text
+        scores = [d["score"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+        assert scores == pytest.approx(cosines, rel=1e-4, abs=1e-6)
+        r = post("/v1/rerank", query=TEXTS[0], documents=TEXTS[1:3])
+        assert r.status_code == 200, r.text
+        ranked = {d["index"]: d["relevance_score"] for d in r.json()["results"]}
+        assert [ranked[0], ranked[1]] == pytest.approx(cosines, rel=1e-4, abs=1e-6)
+        # bad input: a 400 naming the problem each time
+        for body, word in (({"input": [TEXTS[0]], "dimensions": 17}, "dimensions"),
+                           ({"input": [_ids(6, 600)]}, "512"),
+                           ({"input": []}, "input")):
+            r = post("/v1/embeddings", **body)
+            assert r.status_code == 400 and word in r.text, (body, r.status_code, r.text)
+        r = post("/v1/completions", prompt="Hello", max_tokens=4)
+        assert r.status_code in (400, 404), (r.status_code, r.text)
+        r = post("/v1/embeddings", input=TEXTS[:1])
+        assert r.status_code == 200 and _close(r.json()["data"][0]["embedding"],
+                                               want[0])[1] <= 1e-4
 
 
 def _engine_config(model: str, **kwargs):
