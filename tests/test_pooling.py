@@ -197,6 +197,31 @@ def test_embedding_server(embedder, tmp_path):
                                                want[0])[1] <= 1e-4
 
 
+def test_backbone_checkpoint_loads_for_pooling_only(tmp_path):
+    """Backbone-only weights (Qwen3-Embedding's layout) load into mlx-lm's model with the same
+    parameters as the full checkpoint; without tied embeddings only the pooling runner accepts
+    the missing LM head (it never runs it), generation keeps mlx-lm's strict check."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from vllm_unified.models.loader import load_model
+
+    full = load_model(make_tiny_checkpoint(tmp_path, "qwen3"), dtype=mx.float32,
+                      keep_quantized=False)
+    backbone = embedder_checkpoint(tmp_path)
+    loaded = load_model(backbone, dtype=mx.float32, keep_quantized=False, pooling=True)
+    want = dict(tree_flatten(full.model.parameters()))
+    got = dict(tree_flatten(loaded.model.parameters()))
+    assert got.keys() == want.keys()
+    assert all(mx.array_equal(got[k], want[k]).item() for k in want)
+    config = json.loads((backbone / "config.json").read_text())
+    (backbone / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match="lm_head"):
+        load_model(backbone, dtype=mx.float32, keep_quantized=False)
+    untied = load_model(backbone, dtype=mx.float32, keep_quantized=False, pooling=True)
+    assert "lm_head" in untied.model
+
+
 def _engine_config(model: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
