@@ -13,9 +13,12 @@ Usage: ``python tests/llm_harness.py SPEC.json OUT.json`` where SPEC holds
 "batches": instead of "requests", request lists generated one after another by the same engine
 (each list's outputs under "batches", all of them in order under "outputs"),
 "embed_batches": instead of both, lists of ``{"prompt" | "prompt_token_ids", "params":
-{PoolingParams kwargs}}`` embedded one list after another by ``LLM.embed`` (a pooling model);
-each list's result under "embed_batches" as ``{"embeddings": [[float]], "num_tokens": [int]}``
-or ``{"error": "ExceptionType: message"}`` when vLLM refused it}``.
+{PoolingParams kwargs}}`` embedded one list after another by ``LLM.embed`` (a pooling model),
+or ``{"method": "classify", "requests": [...]}`` (``LLM.classify``) or ``{"method": "score",
+"query": str, "documents": [str]}`` (``LLM.score``); each one's result under
+"embed_batches" as ``{"embeddings": [[float]], "num_tokens": [int]}``, ``{"probs":
+[[float]], "num_tokens": [int]}``, ``{"scores": [float]}`` or ``{"error": "ExceptionType:
+message"}`` when vLLM refused it}``.
 Logprobs come back as ``[token_id, logprob, rank]`` lists, most likely first.
 """
 
@@ -99,20 +102,29 @@ def _generate(llm, requests: list[dict], rounds: int) -> list[dict]:
     return outputs
 
 
-def _embed(llm, requests: list[dict]) -> dict:
-    """``requests`` embedded in one ``LLM.embed`` call: the embeddings and prompt lengths, or
-    the error vLLM raised for the call."""
+def _embed(llm, batch: list[dict] | dict) -> dict:
+    """One pooling call (``LLM.embed``, ``LLM.classify`` or ``LLM.score``, see the module
+    docstring): its outputs and prompt lengths, or the error vLLM raised for the call."""
     from vllm import PoolingParams
 
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r
-               else r["prompt"] for r in requests]
-    params = [PoolingParams(**r.get("params", {})) for r in requests]
+    method = batch.get("method", "embed") if isinstance(batch, dict) else "embed"
     try:
-        results = llm.embed(prompts, pooling_params=params, use_tqdm=False)
+        if method == "score":
+            results = llm.score(batch["query"], batch["documents"], use_tqdm=False)
+            return {"scores": [float(r.outputs.score) for r in results]}
+        requests = batch["requests"] if isinstance(batch, dict) else batch
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r
+                   else r["prompt"] for r in requests]
+        params = [PoolingParams(**r.get("params", {})) for r in requests]
+        if method == "classify":
+            results = llm.classify(prompts, pooling_params=params, use_tqdm=False)
+            out = {"probs": [list(map(float, r.outputs.probs)) for r in results]}
+        else:
+            results = llm.embed(prompts, pooling_params=params, use_tqdm=False)
+            out = {"embeddings": [list(map(float, r.outputs.embedding)) for r in results]}
     except Exception as e:  # the refusal is the result under test
         return {"error": f"{type(e).__name__}: {e}"}
-    return {"embeddings": [list(map(float, r.outputs.embedding)) for r in results],
-            "num_tokens": [len(r.prompt_token_ids) for r in results]}
+    return {**out, "num_tokens": [len(r.prompt_token_ids) for r in results]}
 
 
 def _wait_for_finished_ids(llm, rpc: list[str], timeout_s: float = 10.0) -> None:

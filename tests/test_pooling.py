@@ -222,6 +222,82 @@ def test_backbone_checkpoint_loads_for_pooling_only(tmp_path):
     assert "lm_head" in untied.model
 
 
+def classifier_checkpoint(tmp_path: Path, num_labels: int) -> Path:
+    """A tiny random ``Qwen3ForSequenceClassification`` (transformers' class: backbone under
+    ``model.``, a ``score`` layer of ``num_labels`` outputs, no LM head)."""
+    import torch
+    import transformers
+    from tiny_models import _randomize, smollm2_tokenizer, tiny_config
+
+    config = tiny_config("qwen3")
+    config.num_labels = num_labels
+    config.architectures = ["Qwen3ForSequenceClassification"]
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForSequenceClassification(config)
+    _randomize(model, "qwen3", 0)
+    folder = tmp_path / f"tiny-qwen3-cls{num_labels}"
+    model.save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
+    return folder
+
+
+#: a Qwen3-Reranker served as vLLM's docs say: the causal LM scored on its "no"/"yes" rows
+RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
+                      "classifier_from_token": ["no", "yes"],
+                      "is_original_qwen3_reranker": True}
+
+
+def _classify_spec(model: str, native: bool, batches: list, **engine) -> dict:
+    spec = _spec(model, native)
+    spec["engine"].update(engine)
+    spec["embed_batches"] = batches
+    return spec
+
+
+def _assert_scores_match(got: list[float], want: list[float], what: object) -> None:
+    assert len(got) == len(want), what
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= 1e-4 * max(abs(w), 1e-3), (what, got, want)
+
+
+@pytest.mark.engine
+def test_sequence_classifier_matches_vllm(tmp_path):
+    """``LLM.classify`` on a 3-label ``Qwen3ForSequenceClassification`` (softmax
+    probabilities; raw logits with ``use_activation=False``; a prompt longer than the step
+    budget) equals vLLM's CPU backend."""
+    model = str(classifier_checkpoint(tmp_path, 3))
+    requests = [*({"prompt": t} for t in TEXTS), {"prompt_token_ids": LONG},
+                {"prompt_token_ids": _ids(3, 25), "params": {"use_activation": False}}]
+    batches = [{"method": "classify", "requests": requests}]
+    ours = run_llm(_classify_spec(model, False, batches), tmp_path)
+    ref = run_llm(_classify_spec(model, True, batches), tmp_path, native=True)
+    got, want = ours["embed_batches"][0], ref["embed_batches"][0]
+    assert "probs" in got, got
+    for i, (g, w) in enumerate(zip(got["probs"], want["probs"], strict=True)):
+        _assert_scores_match(g, w, i)
+    assert all(abs(sum(p) - 1) < 1e-5 for p in got["probs"][:4])
+    assert abs(sum(got["probs"][4]) - 1) > 1e-3  # logits, not probabilities
+    assert max(max(p) for p in got["probs"][:4]) > 0.5  # the random head is not flat
+
+
+@pytest.mark.engine
+def test_causal_lm_reranker_matches_vllm(tmp_path):
+    """A Qwen3-Reranker-style scorer (the causal LM's "yes" row minus its "no" row, sigmoid):
+    ``LLM.score`` of a query against documents, one of them longer than the step budget,
+    equals vLLM's CPU backend."""
+    model = str(make_tiny_checkpoint(tmp_path, "qwen3"))
+    long_doc = " ".join(["Paris is the capital and largest city of France."] * 12)
+    batches = [{"method": "score", "query": TEXTS[0],
+                "documents": [TEXTS[1], TEXTS[2], long_doc]}]
+    engine = {"hf_overrides": RERANKER_OVERRIDES}
+    ours = run_llm(_classify_spec(model, False, batches, **engine), tmp_path)
+    ref = run_llm(_classify_spec(model, True, batches, **engine), tmp_path, native=True)
+    got, want = ours["embed_batches"][0], ref["embed_batches"][0]
+    assert "scores" in got, got
+    _assert_scores_match(got["scores"], want["scores"], "scores")
+    assert len(set(round(x, 3) for x in got["scores"])) == 3  # scores that tell apart
+
+
 def _engine_config(model: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -242,7 +318,8 @@ def _tiny_bert(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(("case", "kwargs", "words"), [
     ("bert", {}, ["'bert'", "encoder-only"]),
-    ("qwen3", {"runner": "pooling", "convert": "classify"}, ["'qwen3'", "--convert classify"]),
+    ("qwen2", {"hf_overrides": {"architectures": ["Qwen2ForRewardModel"]}},
+     ["'qwen2'", "own pooling head"]),
     ("qwen3", {"runner": "pooling", "pooler_config": {"seq_pooling_type": "MEAN"}},
      ["'qwen3'", "pooling type MEAN"]),
 ])
@@ -252,7 +329,7 @@ def test_unserved_pooling_refused_at_start(tmp_path, case, kwargs, words):
     from vllm_unified.errors import StartupRefused
 
     model = (_tiny_bert(tmp_path) if case == "bert"
-             else make_tiny_checkpoint(tmp_path, "qwen3"))
+             else make_tiny_checkpoint(tmp_path, case))
     with pytest.raises(Exception) as err:
         _engine_config(str(model), dtype="float32", **kwargs)
     cause = err.value

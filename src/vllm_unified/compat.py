@@ -122,6 +122,7 @@ _LAZY: dict[str, str] = {
     "PoolingStates": "vllm.v1.pool.metadata",
     "PoolingParams": "vllm.pooling_params",
     "set_current_vllm_config": "vllm.config",
+    "get_tokenizer": "vllm.tokenizers",
 }
 
 

@@ -40,7 +40,7 @@ from vllm_unified.memory.budget import (
 )
 from vllm_unified.models.gguf_dir import weights_file_bytes
 from vllm_unified.offload.config import configure_kv_offloading
-from vllm_unified.pooling_policy import pooling_policy
+from vllm_unified.worker.pooling_policy import pooling_policy
 
 if TYPE_CHECKING:
     from vllm_unified.compat import VllmConfig

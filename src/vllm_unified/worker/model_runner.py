@@ -250,11 +250,9 @@ class MLXModelRunner:
         self.stage: PipelineStage | None = None
         #: start time of the previous step if it was pure decode (for RunnerStats.decode_*)
         self._decode_started: float | None = None
-        #: a pooling model's pooler (``--runner pooling``), None for generation
+        #: a pooling model's pooler (``--runner pooling``; made when the model is loaded),
+        #: None for generation
         self.pooling: Pooling | None = None
-        if self.model_config.runner_type == "pooling":
-            self.pooling = Pooling(vllm_config)
-            logger.info("vllm-unified: %s", self.pooling.describe())
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -280,10 +278,13 @@ class MLXModelRunner:
             _checkpoint_path(path), hf_config=hf_config, dtype=self.dtype,
             keep_quantized=self.backend.keep_quantized or native, native_kernels=native,
             stage=self.stage, max_model_len=self.model_config.max_model_len,
-            pooling=self.pooling is not None,
+            pooling=self.model_config.runner_type == "pooling",
         )
         self.model = self.loaded.model
         check_dtype_supported(self.model, self.dtype, self.backend.kind)
+        if self.model_config.runner_type == "pooling":
+            self.pooling = Pooling(self.vllm_config, self.loaded)
+            logger.info("vllm-unified: %s", self.pooling.describe())
         model_type = self.loaded.config["model_type"]
         head_size = self.model_config.get_head_size()
         cpu_kernels = install_cpu_kernels(self.model)

@@ -1,17 +1,21 @@
 """Pooling models (vLLM's ``--runner pooling``): the last layer's hidden states, after the
 final norm, go through vLLM's own pooler on torch views, as vLLM's runners hand theirs over.
 
-The pooler is the one vLLM's model adapter would build for the model
-(``DispatchPooler.for_embedding``, under the engine's config: pooling type, normalisation,
-Matryoshka ``dimensions``, a sentence-transformers ``Dense`` projector where the checkpoint has
-one). What the runner serves is decided by the platform before the model loads
-(:func:`vllm_unified.platform.pooling_policy`); this module runs it.
+The pooler is the one vLLM's model adapters would build for the model, under the engine's
+config: ``DispatchPooler.for_embedding`` (pooling type, normalisation, Matryoshka
+``dimensions``, a sentence-transformers ``Dense`` projector where the checkpoint has one) or
+``DispatchPooler.for_seq_cls`` with the classifier vLLM's ``as_seq_cls_model`` loads (the
+checkpoint's ``score`` layer, or rows of the LM head for ``classifier_from_token`` models such
+as Qwen3-Reranker), in vLLM's head dtype. What the runner serves is decided by the platform
+before the model loads (:mod:`vllm_unified.pooling_policy`); this module runs it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import torch
 
@@ -20,15 +24,20 @@ from vllm_unified.compat import (
     PoolingMetadata,
     PoolingStates,
     VllmConfig,
+    get_tokenizer,
     set_current_vllm_config,
 )
+from vllm_unified.models.backbone_weights import STAND_IN_HEAD
+from vllm_unified.models.loader import LoadedModel
+from vllm_unified.models.output_head import decoder
+from vllm_unified.worker.pooling_policy import pooling_head
 
-__all__ = ["SERVED_TASKS", "Pooling"]
+__all__ = ["SERVED_TASKS", "Pooling", "classifier"]
 
-#: pooling tasks the runner serves. ``token_embed`` is left out: vLLM's ALL pooling keeps
-#: per-token slices of the step's hidden states across chunks, which here are views of MLX
-#: buffers freed after the step.
-SERVED_TASKS = ("embed",)
+#: pooling tasks the runner serves. ``token_embed`` and ``token_classify`` are left out:
+#: vLLM's ALL pooling keeps per-token slices of the step's hidden states across chunks, which
+#: here are views of MLX buffers freed after the step.
+SERVED_TASKS = ("embed", "classify")
 
 
 class Pooling:
@@ -36,12 +45,17 @@ class Pooling:
 
     Args:
         vllm_config: the engine's config (``model_config.pooler_config`` resolved by vLLM).
+        loaded: the loaded model (a classifier's weights come from it).
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, loaded: LoadedModel) -> None:
         pooler_config = vllm_config.model_config.pooler_config
         with set_current_vllm_config(vllm_config):
-            self.pooler = DispatchPooler.for_embedding(pooler_config)
+            if pooling_head(vllm_config.model_config) == "classify":
+                self.pooler = DispatchPooler.for_seq_cls(
+                    pooler_config, classifier=classifier(vllm_config, loaded))
+            else:
+                self.pooler = DispatchPooler.for_embedding(pooler_config)
         offered = self.pooler.get_supported_tasks()
         #: the tasks the worker reports to vLLM (``get_supported_tasks``)
         self.tasks: tuple[str, ...] = tuple(t for t in SERVED_TASKS if t in offered)
@@ -95,6 +109,72 @@ class Pooling:
                                f"{len(states)} requests")
         return [_owned(out, hidden) if done else None
                 for out, done in zip(raw, finished, strict=True)]
+
+
+def classifier(vllm_config: VllmConfig, loaded: LoadedModel) -> torch.nn.Linear:
+    """The sequence classifier vLLM's ``as_seq_cls_model`` loads, as a torch linear in vLLM's
+    head dtype: the checkpoint's ``score`` layer, or for a ``classifier_from_token`` model the
+    LM head's rows of those tokens (``method: from_2_way_softmax``: the second row minus the
+    first, one label; ``no_post_processing``: the rows as they are).
+
+    Raises:
+        ValueError: no ``score.weight`` in the checkpoint, an unknown ``method``, a token the
+            tokenizer does not have, or an LM head that is quantized or missing from the
+            checkpoint.
+    """
+    model_config = vllm_config.model_config
+    text_config = model_config.hf_config.get_text_config()
+    tokens = getattr(text_config, "classifier_from_token", None)
+    method = getattr(text_config, "method", None)
+    head = loaded.pooling_head
+    bias = None
+    if tokens is None and method is None:
+        if "score.weight" not in head:
+            raise ValueError(f"{model_config.architecture}: the checkpoint has no score.weight "
+                             "(the classifier layer)")
+        weight = _to_torch(head["score.weight"])
+        bias = _to_torch(head["score.bias"]) if "score.bias" in head else None
+    else:
+        if method not in ("from_2_way_softmax", "no_post_processing"):
+            raise ValueError(f"classifier_from_token with method {method!r}: not supported "
+                             "(from_2_way_softmax, no_post_processing)")
+        rows = _lm_head_rows(vllm_config, loaded, list(tokens))
+        weight = rows[1:2] - rows[0:1] if method == "from_2_way_softmax" else rows
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                             dtype=model_config.head_dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear.eval()
+
+
+def _lm_head_rows(vllm_config: VllmConfig, loaded: LoadedModel,
+                  tokens: list[str]) -> torch.Tensor:
+    """``[len(tokens), D]`` float32 rows of the LM head (the tied embedding where the model
+    ties it) for ``tokens``, through vLLM's tokenizer."""
+    model_config = vllm_config.model_config
+    if STAND_IN_HEAD in loaded.pooling_head:
+        raise ValueError(f"{model_config.architecture}: classifier_from_token reads the LM "
+                         "head, which the checkpoint does not have")
+    tokenizer = get_tokenizer(model_config.tokenizer, revision=model_config.tokenizer_revision,
+                              tokenizer_mode=model_config.tokenizer_mode,
+                              trust_remote_code=model_config.trust_remote_code)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise ValueError(f"classifier_from_token {tokens}: not all are tokens of the tokenizer "
+                         f"({ids})")
+    model = loaded.model
+    layer = model.lm_head if "lm_head" in model else decoder(model).embed_tokens
+    if not isinstance(layer, (nn.Linear, nn.Embedding)) or "scales" in layer:
+        raise ValueError(f"classifier_from_token reads the LM head's rows: a quantized head "
+                         f"({type(layer).__name__}) is not supported")
+    return _to_torch(layer.weight[mx.array(ids, dtype=mx.int32)])
+
+
+def _to_torch(a: mx.array) -> torch.Tensor:
+    """An explicit float32 host copy of a (small) MLX weight."""
+    return torch.from_numpy(np.array(a.astype(mx.float32)))
 
 
 def _padded_prompts(states: list[Any]) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """What the platform serves with vLLM's pooling runner (``--runner pooling``, or vLLM's
 automatic choice from the architecture or a sentence-transformers folder), decided before the
-model loads: embeddings of causal decoder LMs with last-token pooling (Qwen3-Embedding style),
-through the paged forward. Everything else vLLM would pool is refused, naming the model type
-or the task, instead of loading and computing something else.
+model loads: causal decoder LMs with last-token pooling through the paged forward, as
+embedders (Qwen3-Embedding style) or sequence classifiers (``*ForSequenceClassification``,
+``--convert classify``, Qwen3-Reranker's LM-head scorer). Everything else vLLM would pool is
+refused, naming the model type or the task, instead of loading and computing something else.
 
 Imports no vLLM and no MLX: it reads vLLM's resolved ``ModelConfig`` only.
 """
@@ -13,11 +14,23 @@ from typing import Any
 
 from vllm_unified.errors import StartupRefused
 
-__all__ = ["SERVED_POOLING_TYPES", "pooling_policy"]
+__all__ = ["SERVED_POOLING_TYPES", "pooling_head", "pooling_policy"]
 
 #: sequence pooling types served: LAST only (chunked prefill and prefix caching stay on;
 #: vLLM turns both off for MEAN and CLS on a decoder, a path not tested here yet)
 SERVED_POOLING_TYPES = ("LAST",)
+
+
+def pooling_head(model_config: Any) -> str | None:
+    """The pooler vLLM's model class for this config builds: ``"embed"`` (``--convert
+    embed``), ``"classify"`` (``--convert classify``, or a ``*ForSequenceClassification``
+    architecture vLLM builds from the causal LM), None for any other pooling head."""
+    if model_config.convert_type in ("embed", "classify"):
+        return model_config.convert_type
+    if model_config.convert_type == "none" and model_config.architecture.endswith(
+            "ForSequenceClassification"):
+        return "classify"
+    return None
 
 
 def pooling_policy(vllm_config: Any) -> None:
@@ -26,9 +39,9 @@ def pooling_policy(vllm_config: Any) -> None:
     Raises:
         StartupRefused: an encoder-only or bidirectional model (BERT, XLM-RoBERTa,
             ModernBERT, ``is_causal: false`` decoders), a hybrid or attention-free model, a
-            pooling head other than embedding (classification, scoring, reward: ``--convert
-            classify`` or a ``*ForSequenceClassification`` architecture), a pooling type other
-            than LAST, pipeline parallelism or speculative decoding with pooling.
+            pooling head other than an embedder or a sequence classifier (reward models,
+            token classifiers), a pooling type other than LAST, pipeline parallelism or
+            speculative decoding with pooling.
     """
     model_config = vllm_config.model_config
     if model_config is None or model_config.runner_type != "pooling":
@@ -45,13 +58,13 @@ def pooling_policy(vllm_config: Any) -> None:
     if attn_type != "decoder":
         raise StartupRefused(f"{what} has {attn_type} layers; vllm-unified pools plain "
                              "attention decoder models only so far")
-    if model_config.convert_type != "embed":
+    if pooling_head(model_config) is None:
         head = ("its own pooling head" if model_config.convert_type == "none"
                 else f"--convert {model_config.convert_type}")
         raise StartupRefused(
-            f"{what} with {head}: vllm-unified serves the embed task only so far "
-            "(classification, scoring and reward heads are not supported yet); serve a "
-            "decoder LM as an embedder with --convert embed")
+            f"{what} with {head}: vllm-unified serves embedders and sequence classifiers "
+            "of decoder LMs only so far (--convert embed, --convert classify, "
+            "*ForSequenceClassification)")
     pooling_type = model_config.pooler_config.seq_pooling_type
     if pooling_type not in SERVED_POOLING_TYPES:
         raise StartupRefused(
