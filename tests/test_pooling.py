@@ -298,6 +298,30 @@ def test_causal_lm_reranker_matches_vllm(tmp_path):
     assert len(set(round(x, 3) for x in got["scores"])) == 3  # scores that tell apart
 
 
+@pytest.mark.engine
+@pytest.mark.parametrize("pooling_type", ["MEAN", "CLS"])
+def test_mean_and_cls_pooling_match_vllm(tmp_path, pooling_type):
+    """MEAN and CLS pooling of a decoder (``--pooler-config``; vLLM turns chunked prefill and
+    prefix caching off for them, so every prompt runs whole in one step) equal vLLM's CPU
+    backend, several prompts sharing a step."""
+    model = str(make_tiny_checkpoint(tmp_path, "qwen3"))
+    requests = [*({"prompt": t} for t in TEXTS), {"prompt_token_ids": _ids(7, 200)},
+                {"prompt_token_ids": _ids(3, 25), "params": {"use_activation": False}}]
+    engine = {"runner": "pooling", "max_model_len": 256, "max_num_batched_tokens": 256,
+              "pooler_config": {"seq_pooling_type": pooling_type}}
+    batches = [requests]
+    ours = run_llm(_classify_spec(model, False, batches, **engine), tmp_path)
+    ref = run_llm(_classify_spec(model, True, batches, **engine), tmp_path, native=True)
+    got, want = ours["embed_batches"][0], ref["embed_batches"][0]
+    assert "embeddings" in got, got
+    for i, (g, w) in enumerate(zip(got["embeddings"], want["embeddings"], strict=True)):
+        one_minus_cos, rel = _close(g, w)
+        assert one_minus_cos <= 1e-5 and rel <= 1e-4, (i, one_minus_cos, rel)
+    stats = ours["rpc_after"]["runner_stats"]
+    assert stats["pooled"] == len(requests)
+    assert max(int(k) for k in stats["forwards_by_num_reqs"]) > 1
+
+
 def _engine_config(model: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -320,8 +344,8 @@ def _tiny_bert(tmp_path: Path) -> Path:
     ("bert", {}, ["'bert'", "encoder-only"]),
     ("qwen2", {"hf_overrides": {"architectures": ["Qwen2ForRewardModel"]}},
      ["'qwen2'", "own pooling head"]),
-    ("qwen3", {"runner": "pooling", "pooler_config": {"seq_pooling_type": "MEAN"}},
-     ["'qwen3'", "pooling type MEAN"]),
+    ("qwen3", {"runner": "pooling", "pooler_config": {"tok_pooling_type": "STEP"}},
+     ["'qwen3'", "pooling type STEP"]),
 ])
 def test_unserved_pooling_refused_at_start(tmp_path, case, kwargs, words):
     """What the pooling runner does not serve yet stops the start-up, naming the model type

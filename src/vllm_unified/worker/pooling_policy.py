@@ -16,9 +16,12 @@ from vllm_unified.errors import StartupRefused
 
 __all__ = ["SERVED_POOLING_TYPES", "pooling_head", "pooling_policy"]
 
-#: sequence pooling types served: LAST only (chunked prefill and prefix caching stay on;
-#: vLLM turns both off for MEAN and CLS on a decoder, a path not tested here yet)
-SERVED_POOLING_TYPES = ("LAST",)
+#: sequence pooling types served (vLLM keeps chunked prefill and prefix caching on for LAST
+#: and turns both off for MEAN and CLS on a decoder, so those see each prompt whole)
+SERVED_POOLING_TYPES = ("LAST", "MEAN", "CLS")
+#: token pooling types the pooler config may name (per-token tasks are not served; STEP
+#: changes what vLLM schedules)
+SERVED_TOKEN_POOLING_TYPES = (None, "ALL")
 
 
 def pooling_head(model_config: Any) -> str | None:
@@ -40,8 +43,9 @@ def pooling_policy(vllm_config: Any) -> None:
         StartupRefused: an encoder-only or bidirectional model (BERT, XLM-RoBERTa,
             ModernBERT, ``is_causal: false`` decoders), a hybrid or attention-free model, a
             pooling head other than an embedder or a sequence classifier (reward models,
-            token classifiers), a pooling type other than LAST, pipeline parallelism or
-            speculative decoding with pooling.
+            token classifiers), a pooling type other than LAST, MEAN, CLS (and ALL for
+            tokens: STEP is refused), pipeline parallelism or speculative decoding with
+            pooling.
     """
     model_config = vllm_config.model_config
     if model_config is None or model_config.runner_type != "pooling":
@@ -65,11 +69,13 @@ def pooling_policy(vllm_config: Any) -> None:
             f"{what} with {head}: vllm-unified serves embedders and sequence classifiers "
             "of decoder LMs only so far (--convert embed, --convert classify, "
             "*ForSequenceClassification)")
-    pooling_type = model_config.pooler_config.seq_pooling_type
-    if pooling_type not in SERVED_POOLING_TYPES:
-        raise StartupRefused(
-            f"{what}: pooling type {pooling_type} is not supported by vllm-unified yet "
-            f"(supported: {', '.join(SERVED_POOLING_TYPES)})")
+    pooler = model_config.pooler_config
+    for pooling_type, served in ((pooler.seq_pooling_type, SERVED_POOLING_TYPES),
+                                 (pooler.tok_pooling_type, SERVED_TOKEN_POOLING_TYPES)):
+        if pooling_type not in served:
+            raise StartupRefused(
+                f"{what}: pooling type {pooling_type} is not supported by vllm-unified yet "
+                f"(supported: {', '.join(t for t in served if t)})")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise StartupRefused("--pipeline-parallel-size with --runner pooling is not "
                              "supported by vllm-unified")
