@@ -24,14 +24,23 @@ SERVED_POOLING_TYPES = ("LAST", "MEAN", "CLS")
 SERVED_TOKEN_POOLING_TYPES = (None, "ALL")
 
 
+#: ``*ForSequenceClassification`` architectures vLLM defines with heads of their own (not
+#: ``as_seq_cls_model`` over the causal LM): not served
+OWN_CLASSIFIER_HEADS = frozenset({
+    "GPT2ForSequenceClassification", "LlamaNemotronVLForSequenceClassification",
+    "TransformersForSequenceClassification", "TransformersMoEForSequenceClassification",
+    "TransformersMultiModalForSequenceClassification"})
+
+
 def pooling_head(model_config: Any) -> str | None:
     """The pooler vLLM's model class for this config builds: ``"embed"`` (``--convert
     embed``), ``"classify"`` (``--convert classify``, or a ``*ForSequenceClassification``
     architecture vLLM builds from the causal LM), None for any other pooling head."""
     if model_config.convert_type in ("embed", "classify"):
         return model_config.convert_type
-    if model_config.convert_type == "none" and model_config.architecture.endswith(
-            "ForSequenceClassification"):
+    arch = model_config.architecture
+    if (model_config.convert_type == "none" and arch.endswith("ForSequenceClassification")
+            and arch not in OWN_CLASSIFIER_HEADS):
         return "classify"
     return None
 
