@@ -14,7 +14,8 @@ Usage: ``python tests/llm_harness.py SPEC.json OUT.json`` where SPEC holds
 (each list's outputs under "batches", all of them in order under "outputs"),
 "embed_batches": instead of both, lists of ``{"prompt" | "prompt_token_ids", "params":
 {PoolingParams kwargs}}`` embedded one list after another by ``LLM.embed`` (a pooling model),
-or ``{"method": "classify", "requests": [...]}`` (``LLM.classify``) or ``{"method": "score",
+or ``{"method": "classify" | "encode", "requests": [...], "task": pooling task of "encode"}``
+(``LLM.classify``, ``LLM.encode``: ``"data"`` per request) or ``{"method": "score",
 "query": str, "documents": [str]}`` (``LLM.score``); each one's result under
 "embed_batches" as ``{"embeddings": [[float]], "num_tokens": [int]}``, ``{"probs":
 [[float]], "num_tokens": [int]}``, ``{"scores": [float]}`` or ``{"error": "ExceptionType:
@@ -119,6 +120,10 @@ def _embed(llm, batch: list[dict] | dict) -> dict:
         if method == "classify":
             results = llm.classify(prompts, pooling_params=params, use_tqdm=False)
             out = {"probs": [list(map(float, r.outputs.probs)) for r in results]}
+        elif method == "encode":
+            results = llm.encode(prompts, pooling_params=params, use_tqdm=False,
+                                 pooling_task=batch["task"])
+            out = {"data": [r.outputs.data.float().tolist() for r in results]}
         else:
             results = llm.embed(prompts, pooling_params=params, use_tqdm=False)
             out = {"embeddings": [list(map(float, r.outputs.embedding)) for r in results]}

@@ -322,6 +322,28 @@ def test_mean_and_cls_pooling_match_vllm(tmp_path, pooling_type):
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) > 1
 
 
+@pytest.mark.engine
+def test_token_embeddings_match_vllm(embedder, tmp_path):
+    """``LLM.encode(pooling_task="token_embed")`` (``--pooler-config '{"task":
+    "token_embed"}'``: one normalised vector per prompt token) equals vLLM's CPU backend,
+    the chunked prompt's rows gathered over its steps."""
+    model, _ = embedder
+    requests = [{"prompt": TEXTS[0]}, {"prompt_token_ids": LONG},
+                {"prompt_token_ids": _ids(2, 40), "params": {"dimensions": 32}}]
+    batches = [{"method": "encode", "task": "token_embed", "requests": requests}]
+    engine = {"pooler_config": {"task": "token_embed"}}
+    ours = run_llm(_classify_spec(model, False, batches, **engine), tmp_path)
+    ref = run_llm(_classify_spec(model, True, batches, **engine), tmp_path, native=True)
+    got, want = ours["embed_batches"][0], ref["embed_batches"][0]
+    assert "data" in got, got
+    assert [len(d) for d in got["data"]] == got["num_tokens"] == want["num_tokens"]
+    for i, (g, w) in enumerate(zip(got["data"], want["data"], strict=True)):
+        for t, (gt, wt) in enumerate(zip(g, w, strict=True)):
+            one_minus_cos, rel = _close(gt, wt)
+            assert one_minus_cos <= 1e-5 and rel <= 1e-4, (i, t, one_minus_cos, rel)
+    assert len(got["data"][2][0]) == 32
+
+
 def _engine_config(model: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
