@@ -281,6 +281,26 @@ def test_sequence_classifier_matches_vllm(tmp_path):
 
 
 @pytest.mark.engine
+def test_token_classification_matches_vllm(tmp_path):
+    """``LLM.encode(pooling_task="token_classify")`` on the 3-label classifier (one softmax
+    per prompt token, ``--pooler-config '{"task": "token_classify"}'``) equals vLLM's CPU
+    backend, a chunked prompt included."""
+    model = str(classifier_checkpoint(tmp_path, 3))
+    requests = [{"prompt": TEXTS[1]}, {"prompt_token_ids": LONG}]
+    batches = [{"method": "encode", "task": "token_classify", "requests": requests}]
+    engine = {"pooler_config": {"task": "token_classify"}}
+    ours = run_llm(_classify_spec(model, False, batches, **engine), tmp_path)
+    ref = run_llm(_classify_spec(model, True, batches, **engine), tmp_path, native=True)
+    got, want = ours["embed_batches"][0], ref["embed_batches"][0]
+    assert "data" in got, got
+    assert [len(d) for d in got["data"]] == got["num_tokens"] == want["num_tokens"]
+    for i, (g, w) in enumerate(zip(got["data"], want["data"], strict=True)):
+        for t, (gt, wt) in enumerate(zip(g, w, strict=True)):
+            _assert_scores_match(gt, wt, (i, t))
+            assert abs(sum(gt) - 1) < 1e-5
+
+
+@pytest.mark.engine
 def test_causal_lm_reranker_matches_vllm(tmp_path):
     """A Qwen3-Reranker-style scorer (the causal LM's "yes" row minus its "no" row, sigmoid):
     ``LLM.score`` of a query against documents, one of them longer than the step budget,

@@ -34,11 +34,10 @@ from vllm_unified.worker.pooling_policy import pooling_head
 
 __all__ = ["SERVED_TASKS", "Pooling", "classifier"]
 
-#: pooling tasks the runner serves. Per-token outputs (``token_embed``) may be slices of the
-#: step's hidden states, a view of an MLX buffer freed after the step: ``_owned`` copies them
-#: (vLLM's ALL pooling itself copies the chunks it keeps across steps). ``token_classify`` is
-#: not tested yet.
-SERVED_TASKS = ("embed", "classify", "token_embed")
+#: pooling tasks the runner serves. Per-token outputs (``token_embed``, ``token_classify``)
+#: may be slices of the step's hidden states, a view of an MLX buffer freed after the step:
+#: ``_owned`` copies them (vLLM's ALL pooling itself copies the chunks it keeps across steps).
+SERVED_TASKS = ("embed", "classify", "token_embed", "token_classify")
 
 
 class Pooling:
