@@ -280,7 +280,7 @@ def test_sequence_classifier_matches_vllm(tmp_path):
     assert max(max(p) for p in got["probs"][:4]) > 0.5  # the random head is not flat
 
 
-@pytest.mark.engine
+@pytest.mark.slow  # a model of its own per pooling type / task: ~40 s each
 def test_token_classification_matches_vllm(tmp_path):
     """``LLM.encode(pooling_task="token_classify")`` on the 3-label classifier (one softmax
     per prompt token, ``--pooler-config '{"task": "token_classify"}'``) equals vLLM's CPU
@@ -318,7 +318,7 @@ def test_causal_lm_reranker_matches_vllm(tmp_path):
     assert len(set(round(x, 3) for x in got["scores"])) == 3  # scores that tell apart
 
 
-@pytest.mark.engine
+@pytest.mark.slow  # a model of its own per pooling type / task: ~40 s each
 @pytest.mark.parametrize("pooling_type", ["MEAN", "CLS"])
 def test_mean_and_cls_pooling_match_vllm(tmp_path, pooling_type):
     """MEAN and CLS pooling of a decoder (``--pooler-config``; vLLM turns chunked prefill and
@@ -342,7 +342,7 @@ def test_mean_and_cls_pooling_match_vllm(tmp_path, pooling_type):
     assert max(int(k) for k in stats["forwards_by_num_reqs"]) > 1
 
 
-@pytest.mark.engine
+@pytest.mark.slow  # a model of its own per pooling type / task: ~40 s each
 def test_token_embeddings_match_vllm(embedder, tmp_path):
     """``LLM.encode(pooling_task="token_embed")`` (``--pooler-config '{"task":
     "token_embed"}'``: one normalised vector per prompt token) equals vLLM's CPU backend,
