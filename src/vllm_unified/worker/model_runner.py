@@ -11,7 +11,9 @@ prompt rows of requests asking for prompt logprobs), and the MLX sampler
 (:mod:`vllm_unified.worker.sampler`) in the same evaluation; requests using more than it
 implements are sampled by vLLM's own sampler on a torch view of the logits
 (:mod:`vllm_unified.worker.vllm_sampling`). A step with structured-output requests returns None
-from ``execute_model`` and samples in ``sample_tokens`` with vLLM's grammar bitmask.
+from ``execute_model`` and samples in ``sample_tokens`` with vLLM's grammar bitmask. A pooling
+model (``--runner pooling``) runs the same forward and hands the final hidden states to vLLM's
+pooler instead of the LM head (:mod:`vllm_unified.worker.pooling`).
 
 Backend-dependent choices (pool memory, write path, kernels, logits transfer, quantized
 layers) come from the worker's :class:`~vllm_unified.backend.BackendProfile`.
@@ -491,7 +493,9 @@ class MLXModelRunner:
             pipeline stages (vLLM's batch queue): vLLM's engine then computes the grammar
             bitmask and calls :meth:`sample_tokens`, which samples from this step's logits.
             On a pipeline stage before the last: ``IntermediateTensors`` with the step's
-            hidden states for the next stage (a torch view of the evaluated MLX array).
+            hidden states for the next stage (a torch view of the evaluated MLX array). A
+            pooling model: ``ModelRunnerOutput`` with ``pooler_output`` (:meth:`_pool_step`),
+            always synchronously.
 
         Raises:
             RuntimeError: called before the previous step's ``sample_tokens``; speculative
