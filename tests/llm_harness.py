@@ -11,7 +11,15 @@ Usage: ``python tests/llm_harness.py SPEC.json OUT.json`` where SPEC holds
 "rpc_workers": worker methods whose results from every worker are kept (pipeline stages),
 "rounds": how many times the requests are generated (outputs of all rounds, in order),
 "batches": instead of "requests", request lists generated one after another by the same engine
-(each list's outputs under "batches", all of them in order under "outputs")}``.
+(each list's outputs under "batches", all of them in order under "outputs"),
+"embed_batches": instead of both, lists of ``{"prompt" | "prompt_token_ids", "params":
+{PoolingParams kwargs}}`` embedded one list after another by ``LLM.embed`` (a pooling model),
+or ``{"method": "classify" | "encode", "requests": [...], "task": pooling task of "encode"}``
+(``LLM.classify``, ``LLM.encode``: ``"data"`` per request) or ``{"method": "score",
+"query": str, "documents": [str]}`` (``LLM.score``); each one's result under
+"embed_batches" as ``{"embeddings": [[float]], "num_tokens": [int]}``, ``{"probs":
+[[float]], "num_tokens": [int]}``, ``{"scores": [float]}`` or ``{"error": "ExceptionType:
+message"}`` when vLLM refused it}``.
 Logprobs come back as ``[token_id, logprob, rank]`` lists, most likely first.
 """
 
@@ -30,7 +38,12 @@ def main(spec_path: str, out_path: str) -> None:
     llm = LLM(model=spec["model"], **spec.get("engine", {}))
     rpc = spec.get("rpc", [])
     before = {name: llm.collective_rpc(name)[0] for name in rpc}
-    if "batches" in spec:
+    embedded = None
+    if "embed_batches" in spec:
+        batches = None
+        outputs = []
+        embedded = [_embed(llm, requests) for requests in spec["embed_batches"]]
+    elif "batches" in spec:
         batches = [_generate(llm, requests, 1) for requests in spec["batches"]]
         outputs = [o for batch in batches for o in batch]
     else:
@@ -46,6 +59,8 @@ def main(spec_path: str, out_path: str) -> None:
     }
     if batches is not None:
         out["batches"] = batches
+    if embedded is not None:
+        out["embed_batches"] = embedded
     if spec.get("rpc_workers"):
         out["rpc_workers"] = {name: llm.collective_rpc(name) for name in spec["rpc_workers"]}
     if spec.get("metrics"):
@@ -86,6 +101,35 @@ def _generate(llm, requests: list[dict], rounds: int) -> list[dict]:
         outputs.append({"prompt_token_ids": list(res.prompt_token_ids or []),
                         "completions": completions, "prompt_logprobs": prompt_logprobs})
     return outputs
+
+
+def _embed(llm, batch: list[dict] | dict) -> dict:
+    """One pooling call (``LLM.embed``, ``LLM.classify`` or ``LLM.score``, see the module
+    docstring): its outputs and prompt lengths, or the error vLLM raised for the call."""
+    from vllm import PoolingParams
+
+    method = batch.get("method", "embed") if isinstance(batch, dict) else "embed"
+    try:
+        if method == "score":
+            results = llm.score(batch["query"], batch["documents"], use_tqdm=False)
+            return {"scores": [float(r.outputs.score) for r in results]}
+        requests = batch["requests"] if isinstance(batch, dict) else batch
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r
+                   else r["prompt"] for r in requests]
+        params = [PoolingParams(**r.get("params", {})) for r in requests]
+        if method == "classify":
+            results = llm.classify(prompts, pooling_params=params, use_tqdm=False)
+            out = {"probs": [list(map(float, r.outputs.probs)) for r in results]}
+        elif method == "encode":
+            results = llm.encode(prompts, pooling_params=params, use_tqdm=False,
+                                 pooling_task=batch["task"])
+            out = {"data": [r.outputs.data.float().tolist() for r in results]}
+        else:
+            results = llm.embed(prompts, pooling_params=params, use_tqdm=False)
+            out = {"embeddings": [list(map(float, r.outputs.embedding)) for r in results]}
+    except Exception as e:  # the refusal is the result under test
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {**out, "num_tokens": [len(r.prompt_token_ids) for r in results]}
 
 
 def _wait_for_finished_ids(llm, rpc: list[str], timeout_s: float = 10.0) -> None:

@@ -115,6 +115,14 @@ _LAZY: dict[str, str] = {
     "TurboQuantConfig": "vllm.model_executor.layers.quantization.turboquant.config",
     "extract_layer_index": "vllm.model_executor.models.utils",
     "UniformTypeKVCacheSpecs": "vllm.v1.kv_cache_interface",
+    # Pooling models (worker/pooling.py): vLLM's poolers run on torch views of our hidden
+    # states, built under the engine's config as vLLM's model classes build them.
+    "DispatchPooler": "vllm.model_executor.layers.pooler",
+    "PoolingMetadata": "vllm.v1.pool.metadata",
+    "PoolingStates": "vllm.v1.pool.metadata",
+    "PoolingParams": "vllm.pooling_params",
+    "set_current_vllm_config": "vllm.config",
+    "get_tokenizer": "vllm.tokenizers",
 }
 
 

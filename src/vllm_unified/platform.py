@@ -40,6 +40,7 @@ from vllm_unified.memory.budget import (
 )
 from vllm_unified.models.gguf_dir import weights_file_bytes
 from vllm_unified.offload.config import configure_kv_offloading
+from vllm_unified.worker.pooling_policy import pooling_policy
 
 if TYPE_CHECKING:
     from vllm_unified.compat import VllmConfig
@@ -309,6 +310,7 @@ class MLXPlatform(Platform):
         if vllm_config.lora_config is not None:
             raise ValueError("--enable-lora: LoRA adapters are not supported yet")
         _multimodal_policy(vllm_config)
+        pooling_policy(vllm_config)
 
         cache = vllm_config.cache_config
         hybrid = _hybrid_policy(vllm_config)
@@ -391,9 +393,16 @@ class MLXPlatform(Platform):
             raise compat.VLLMValidationError(
                 "prompt embeddings are not supported by vllm-unified", parameter="prompt_embeds"
             )
-        if not isinstance(params, compat.SamplingParams):
+        pooling = (cls.serving_model_config is not None
+                   and cls.serving_model_config.runner_type == "pooling")
+        if isinstance(params, compat.PoolingParams) and pooling:
+            return  # the task is checked by vLLM against the worker's supported tasks
+        if not isinstance(params, compat.SamplingParams) or pooling:
             raise compat.VLLMValidationError(
-                "vllm-unified serves text generation only (pooling is not supported)",
+                "this server runs the model for "
+                + ("pooling (--runner pooling): text generation is not served"
+                   if pooling else "text generation: pooling (embeddings, scores) is not "
+                   "served; start it with --runner pooling"),
                 parameter="task",
             )
         request_policy.check_sampling(params, request_policy.current_limits())

@@ -20,7 +20,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from vllm_unified.distributed.pipeline import PipelineStage
 from vllm_unified.models.activations import match_config_activations
+from vllm_unified.models.backbone_weights import with_backbone_weights
 from vllm_unified.models.bitlinear import replace_bitlinears
 from vllm_unified.models.cache_fixes import match_cache_windows
 from vllm_unified.models.capability import UnsupportedModel
@@ -70,6 +71,9 @@ class LoadedModel:
     quantized: whether any ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` /
         ``QuantizedSwitchLinear`` (mixture-of-experts) remains.
     source: ``"gguf"`` or ``"safetensors"``.
+    pooling_head: a pooling model's classifier tensors the mlx-lm model has no layer for
+        (``score.weight``, ``score.bias`` of a ``*ForSequenceClassification`` checkpoint),
+        as stored; empty otherwise.
     """
 
     model: nn.Module
@@ -77,6 +81,7 @@ class LoadedModel:
     dtype: mx.Dtype
     quantized: bool
     source: str
+    pooling_head: dict[str, mx.array] = field(default_factory=dict)
 
 
 def load_model(
@@ -88,6 +93,7 @@ def load_model(
     native_kernels: bool = False,
     stage: PipelineStage | None = None,
     max_model_len: int | None = None,
+    pooling: bool = False,
 ) -> LoadedModel:
     """Load ``path`` into an mlx-lm model.
 
@@ -113,6 +119,9 @@ def load_model(
             prune_model`). None: the whole model.
         max_model_len: vLLM's context length, for config choices vLLM makes by it
             (LongRoPE's short or long factors); None: vLLM's default (the model's maximum).
+        pooling: the model serves vLLM's pooling runner: a folder of backbone weights
+            without an LM head loads, a classifier's ``score`` tensors are kept aside
+            (``LoadedModel.pooling_head``; :mod:`vllm_unified.models.backbone_weights`).
 
     Raises:
         ValueError: unsupported architecture or config feature, GGUF tensor without a
@@ -130,7 +139,7 @@ def load_model(
                             max_model_len)
     else:
         loaded = _load_folder(path, hf_config, dtype, keep_quantized, native_kernels, stage,
-                              max_model_len)
+                              max_model_len, pooling)
     logger.info("Loaded %s (%s, %s, %s) in %.2f s", path.name, loaded.config["model_type"],
                 loaded.source, "quantized" if loaded.quantized else f"dense {dtype}",
                 time.perf_counter() - start)
@@ -333,7 +342,7 @@ def _check_names(model: nn.Module, weights: Mapping[str, mx.array],
 
 def _load_folder(
     path: Path, hf_config: Any, dtype: mx.Dtype, keep_quantized: bool, native_kernels: bool,
-    stage: PipelineStage | None, max_model_len: int | None,
+    stage: PipelineStage | None, max_model_len: int | None, pooling: bool = False,
 ) -> LoadedModel:
     from mlx_lm.utils import dequantize_model, load_config
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -348,9 +357,11 @@ def _load_folder(
 
         hf_config = AutoConfig.from_pretrained(str(path))
     config = mlx_lm_config({**raw, **_as_dict(hf_config)}, max_model_len=max_model_len)
+    head: dict[str, mx.array] = {}
     try:
-        model, config = mlx_lm_load_model(path, lazy=True, strict=True, model_config=config,
-                                          get_model_classes=model_classes)
+        model, config = mlx_lm_load_model(
+            path, lazy=True, strict=True, model_config=config,
+            get_model_classes=lambda config: _backbone_classes(config, pooling, head))
     except TypeError as e:  # ModelArgs missing a field its dataclass requires
         raise ValueError(f"model type {config['model_type']!r}: the config does not fit "
                          f"mlx-lm's ModelArgs ({e})") from e
@@ -368,7 +379,16 @@ def _load_folder(
                               keep_16bit_scales=native_kernels and dtype == mx.float32))
     model.eval()
     mx.eval(model.parameters())
-    return LoadedModel(model, config, dtype, _has_quantized(model), "safetensors")
+    mx.eval(head)
+    return LoadedModel(model, config, dtype, _has_quantized(model), "safetensors", head)
+
+
+def _backbone_classes(config: Mapping[str, Any], pooling: bool,
+                      head: dict[str, mx.array]) -> tuple[type, type]:
+    """:func:`model_classes`, its ``Model`` also taking backbone-relative weights (and, for
+    pooling, putting a classifier's tensors into ``head``)."""
+    model_class, args_class = model_classes(config)
+    return with_backbone_weights(model_class, pooling, head), args_class
 
 
 #: multimodal model types whose mlx-lm ``Model`` only hands its inputs to ``language_model``

@@ -25,7 +25,7 @@ class RequestState:
         num_prompt_tokens: length of the prompt part of ``token_ids``.
         block_ids: KV block ids of the attention KV cache group, in sequence order.
         num_computed_tokens: tokens whose K/V are in the pool (from the scheduler).
-        sampling_params: vLLM ``SamplingParams``.
+        sampling_params: vLLM ``SamplingParams`` (None for a pooling request).
         rng_key: MLX PRNG key of a seeded request sampled in MLX (split once per sampled
             token), else None.
         uses_vllm_sampler: sampled by vLLM's own ``Sampler`` (penalties, logit bias, bad
@@ -50,6 +50,9 @@ class RequestState:
             not been read back yet, as ``(tokens, index)``: element ``index`` of that step's
             (possibly still computing) MLX token array. It is the token after ``token_ids``;
             the next step feeds it on the device, without waiting for it.
+        pooling_params: a pooling model's request: its vLLM ``PoolingParams`` (then
+            ``sampling_params`` is None), else None.
+        pooling_states: vLLM's ``PoolingStates`` of a pooling request, else None.
     """
 
     req_id: str
@@ -67,6 +70,8 @@ class RequestState:
     prompt_logprobs: object | None = None
     other_block_ids: dict[int, list[int]] = field(default_factory=dict)
     pending: tuple[object, int] | None = None
+    pooling_params: object | None = None
+    pooling_states: object | None = None
 
     def __post_init__(self) -> None:
         self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]

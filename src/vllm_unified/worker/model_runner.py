@@ -11,7 +11,9 @@ prompt rows of requests asking for prompt logprobs), and the MLX sampler
 (:mod:`vllm_unified.worker.sampler`) in the same evaluation; requests using more than it
 implements are sampled by vLLM's own sampler on a torch view of the logits
 (:mod:`vllm_unified.worker.vllm_sampling`). A step with structured-output requests returns None
-from ``execute_model`` and samples in ``sample_tokens`` with vLLM's grammar bitmask.
+from ``execute_model`` and samples in ``sample_tokens`` with vLLM's grammar bitmask. A pooling
+model (``--runner pooling``) runs the same forward and hands the final hidden states to vLLM's
+pooler instead of the LM head (:mod:`vllm_unified.worker.pooling`).
 
 Backend-dependent choices (pool memory, write path, kernels, logits transfer, quantized
 layers) come from the worker's :class:`~vllm_unified.backend.BackendProfile`.
@@ -76,6 +78,7 @@ from vllm_unified.worker.draft_model import DraftModel, split_kv_cache_config
 from vllm_unified.worker.encode_thread import EncodeThread
 from vllm_unified.worker.forward import forward, forward_hidden
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch, split_groups
+from vllm_unified.worker.pooling import Pooling
 from vllm_unified.worker.sampler import SamplingRow, sample
 from vllm_unified.worker.spec_decode import SpecDecoder, logprobs_for_requests
 from vllm_unified.worker.step_profile import StepProfile, StepTimer
@@ -113,6 +116,8 @@ class RunnerStats:
     decode_period_s: float = 0.0
     #: steps laid out and built while the encode thread still encoded the previous one
     built_alongside: int = 0
+    #: pooling requests whose output was handed to vLLM (``--runner pooling``)
+    pooled: int = 0
 
 
 @dataclass
@@ -247,6 +252,9 @@ class MLXModelRunner:
         self.stage: PipelineStage | None = None
         #: start time of the previous step if it was pure decode (for RunnerStats.decode_*)
         self._decode_started: float | None = None
+        #: a pooling model's pooler (``--runner pooling``; made when the model is loaded),
+        #: None for generation
+        self.pooling: Pooling | None = None
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -272,9 +280,13 @@ class MLXModelRunner:
             _checkpoint_path(path), hf_config=hf_config, dtype=self.dtype,
             keep_quantized=self.backend.keep_quantized or native, native_kernels=native,
             stage=self.stage, max_model_len=self.model_config.max_model_len,
+            pooling=self.model_config.runner_type == "pooling",
         )
         self.model = self.loaded.model
         check_dtype_supported(self.model, self.dtype, self.backend.kind)
+        if self.model_config.runner_type == "pooling":
+            self.pooling = Pooling(self.vllm_config, self.loaded)
+            logger.info("vllm-unified: %s", self.pooling.describe())
         model_type = self.loaded.config["model_type"]
         head_size = self.model_config.get_head_size()
         cpu_kernels = install_cpu_kernels(self.model)
@@ -433,6 +445,15 @@ class MLXModelRunner:
     def _new_request(self, new: NewRequestData) -> RequestState:
         if new.prompt_token_ids is None:
             raise ValueError(f"request {new.req_id}: prompt embeddings are not supported")
+        if self.pooling is not None:
+            attn_blocks, other_blocks = split_groups(new.block_ids, self.input_batch.attn_group)
+            return RequestState(
+                req_id=new.req_id, token_ids=list(new.prompt_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids), block_ids=attn_blocks,
+                other_block_ids=other_blocks, num_computed_tokens=new.num_computed_tokens,
+                sampling_params=None, pooling_params=new.pooling_params,
+                pooling_states=self.pooling.new_request(new.pooling_params),
+            )
         params = new.sampling_params
         mlx_capable = not (needs_vllm_sampler(params)
                            or self.vllm_sampling.custom_logitsprocs)
@@ -479,7 +500,9 @@ class MLXModelRunner:
             pipeline stages (vLLM's batch queue): vLLM's engine then computes the grammar
             bitmask and calls :meth:`sample_tokens`, which samples from this step's logits.
             On a pipeline stage before the last: ``IntermediateTensors`` with the step's
-            hidden states for the next stage (a torch view of the evaluated MLX array).
+            hidden states for the next stage (a torch view of the evaluated MLX array). A
+            pooling model: ``ModelRunnerOutput`` with ``pooler_output`` (:meth:`_pool_step`),
+            always synchronously.
 
         Raises:
             RuntimeError: called before the previous step's ``sample_tokens``; speculative
@@ -510,6 +533,11 @@ class MLXModelRunner:
             self.stats.empty_steps += 1
             return self.kv_connector.empty_step(scheduler_output)
 
+        if self.pooling is not None:
+            with self.kv_connector.step(scheduler_output) as kv_output:
+                output = self._pool_step(scheduler_output)
+            output.kv_connector_output = kv_output
+            return output
         inputs = self._prepare_inputs(scheduler_output)
         if not self.stage.is_last:
             return self._forward_to_next_stage(inputs, hidden_in)
@@ -644,16 +672,49 @@ class MLXModelRunner:
         return self._finish_step(pending, self._sample(pending, None))
 
     def _finish_step(self, pending: _PendingStep, output: ModelRunnerOutput) -> ModelRunnerOutput:
-        pending.timer.mark("output")
-        line = self.step_profile.finish(
-            pending.timer, len(pending.step.req_ids), int(pending.step.input_ids.size),
-            pending.pure_decode)
+        self._log_step(pending.timer, pending.step, pending.pure_decode)
+        return output
+
+    def _log_step(self, timer: StepTimer, step: StepBatch, pure_decode: bool) -> None:
+        """Close the step's timer; log the step profile and MLX memory when they are due."""
+        timer.mark("output")
+        line = self.step_profile.finish(timer, len(step.req_ids), int(step.input_ids.size),
+                                        pure_decode)
         if line is not None:
             logger.info(line)
         line = self.memory_log.step(mx)
         if line is not None:
             logger.info(line)
-        return output
+
+    def _pool_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """A pooling model's step: one forward over every scheduled token (KV writes
+        included, so prefix caching and chunked prefill work as for generation), evaluated,
+        then vLLM's pooler on a torch view of the final hidden states. A request whose prompt
+        is not done yet (a chunk before its last) gets None in ``pooler_output``."""
+        step = self.input_batch.layout(scheduler_output)
+        states = [self.requests[r] for r in step.req_ids]
+        ctx = self.kv_cache.step_context(step.query_lens, step.seq_lens, step.block_table,
+                                         states)
+        self._timer.mark("prepare")
+        with set_step_context(ctx):
+            hidden = forward_hidden(self.model, self.kv_cache.layer_caches,
+                                    mx.array(step.input_ids), None)
+        self._timer.mark("graph")
+        mx.eval(hidden, self.kv_cache.arrays())
+        self._timer.mark("eval")
+        self.stats.forwards += 1
+        self.forwards_done = self.stats.forwards
+        self.stats.tokens += int(step.input_ids.size)
+        by_reqs = self.stats.forwards_by_num_reqs
+        by_reqs[len(step.req_ids)] = by_reqs.get(len(step.req_ids), 0) + 1
+        pooled = self.pooling.pool(mlx_to_torch(hidden, self.backend.logits_zero_copy),
+                                   states, step.query_lens, step.seq_lens)
+        self.stats.pooled += sum(out is not None for out in pooled)
+        self._log_step(self._timer, step, False)
+        return ModelRunnerOutput(
+            req_ids=step.req_ids, req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+            pooler_output=pooled,
+        )
 
     def _forward_to_next_stage(self, inputs: _StepInputs,
                                hidden_in: mx.array | None) -> IntermediateTensors:

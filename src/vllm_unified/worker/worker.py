@@ -132,7 +132,9 @@ class MLXWorker(WorkerBase):
         return self.model_runner.model
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        """``("generate",)``, or a pooling model's served tasks (``--runner pooling``)."""
+        pooling = self.model_runner.pooling
+        return pooling.tasks if pooling is not None else ("generate",)
 
     # ------------------------------------------------------------------ KV cache
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
