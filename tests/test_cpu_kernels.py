@@ -747,7 +747,7 @@ def test_start_up_log_names_the_integer_arithmetic(gemv_mode):
         pytest.skip("no AVX-512 VNNI and VBMI, nor AVX2, on this CPU")
     routed = cpu_kernels.install_cpu_kernels(quantized())
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if native.amx_usable()
-             else "at every size (1-3 rows, from 4 by the AVX-512 VNNI GEMM)"
+             else "at every size (1-5 rows, from 6 by the AVX-512 VNNI GEMM)"
              if native.int8_runs(1, 64, 32, 4)
              else "at every size on AVX2 (no AVX-512 VNNI)")
     assert f"int16 activations in all 15 quantized layers {where}" in routed
@@ -792,7 +792,7 @@ def _int8_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases
 def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
     """Modes 3 and 4 (x in one or two int8 terms; VNNI gemv for 1-4 rows, AMX-INT8 tiles from 5
     where the CPU has them, the codes unpacked once per call beyond 16; without AMX the VNNI
-    GEMM from 4 rows): for 1-8, 16, 17, 40, 64 and 2,048 rows of x (several 16-row blocks, the
+    GEMM from 6 rows): for 1-8, 16, 17, 40, 64 and 2,048 rows of x (several 16-row blocks, the
     last partial), fp32, float16 and bfloat16 scales,
     K a multiple of 64 and not (the last 64-element span half full), an all-zero block of x and
     weight row counts that leave a last block to the exact path: the result equals the float64
@@ -843,24 +843,24 @@ def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
 
 @pytest.mark.parametrize("mode", [3, 4])
 def test_int8_gemv_takes_decode_sizes_only(mode, gemv_mode):
-    """Where modes 3 and 4 apply: the gemv for 1-4 rows of x on any layer the kernel takes, the
-    AMX-INT8 tiles (where the CPU has them) from 5 rows at any size, else the VNNI GEMM from 4;
-    never in modes 0-2 or for layouts they do not take (K % 32, group 48, 7 bits)."""
+    """Where modes 3 and 4 apply: the gemv for 1-4 rows of x where AMX-INT8 tiles take 5 and
+    more, else for 1-5 rows and the VNNI GEMM from 6, on any layer the kernels take; never in
+    modes 0-2 or for layouts they do not take (K % 32, group 48, 7 bits)."""
     gemv_mode(mode)
     if not native.int8_runs(1, 128, 32, 4):
         pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
     amx = native.amx_usable()
-    assert all(native.int8_runs(m, 128, 16, 6) for m in (1, 2, 3))
-    assert native.int8_runs(4, 128, 16, 6) == amx  # else the GEMM's
+    assert all(native.int8_runs(m, 128, 16, 6) for m in (1, 2, 3, 4))
+    assert native.int8_runs(5, 128, 16, 6) != amx  # else the tiles'
     assert not native.int8_runs(0, 128, 32, 4)
-    assert not native.int8_runs(5, 128, 16, 6)
+    assert not native.int8_runs(6, 128, 16, 6)
     assert not native.int8_runs(1, 144, 48, 4)
     assert not native.int8_runs(1, 128, 32, 7)
-    batch = (5, 16, 17, 2048)
-    assert all(native.amx_int8_runs(m, 128, 16, 6) == amx for m in batch)
-    assert all(native.q8_gemm_runs(m, 128, 16, 6) != amx for m in (4, *batch))
+    batch = (6, 16, 17, 2048)
+    assert all(native.amx_int8_runs(m, 128, 16, 6) == amx for m in (5, *batch))
+    assert all(native.q8_gemm_runs(m, 128, 16, 6) != amx for m in batch)
     assert not native.amx_int8_runs(4, 128, 16, 6)
-    assert not native.q8_gemm_runs(3, 128, 16, 6)
+    assert not native.q8_gemm_runs(5, 128, 16, 6)
     for layout in ((64, 144, 48, 4), (64, 128, 32, 7), (64, 80, 16, 4)):
         assert not native.amx_int8_runs(*layout) and not native.q8_gemm_runs(*layout)
     for mode in (0, 1, 2):
@@ -872,12 +872,12 @@ def test_int8_gemv_takes_decode_sizes_only(mode, gemv_mode):
 
 @pytest.mark.parametrize("mode", [3, 4])
 def test_int8_gemm_rows_do_not_depend_on_their_batch(mode, gemv_mode):
-    """The VNNI GEMM (4 rows and more, no AMX) computes each row of x on its own: a row's bits
-    are the same in a call of 4, 5, 7, 64 or 300 rows (row tails of the 4-row micro-kernel, x's
+    """The VNNI GEMM (6 rows and more, no AMX) computes each row of x on its own: a row's bits
+    are the same in a call of 6, 7, 9, 64 or 300 rows (row tails of the 4-row micro-kernel, x's
     rows split over the pool's items), for widths with and without VBMI's multishift unpack,
     groups of 16 and 64, and a weight whose last 16-row panel is partial."""
     gemv_mode(mode)
-    if not native.q8_gemm_runs(4, 192, 16, 4):
+    if not native.q8_gemm_runs(6, 192, 16, 4):
         pytest.skip("the VNNI GEMM does not run here (AMX-INT8, or no AVX-512 VNNI and VBMI)")
     rng = np.random.default_rng(mode)
     x = mx.array(rng.standard_normal((300, 192)).astype(np.float32))
@@ -887,7 +887,7 @@ def test_int8_gemm_rows_do_not_depend_on_their_batch(mode, gemv_mode):
         else:
             wq, scales, biases = _quantized(rng, 83, 192, group_size, bits)
         full = native.quantized_linear(x, wq, scales, biases, group_size, bits)
-        for m in (4, 5, 7, 64):
+        for m in (6, 7, 9, 64):
             part = native.quantized_linear(x[-m:], wq, scales, biases, group_size, bits)
             assert mx.array_equal(part, full[-m:]).item(), (bits, group_size, m)
 
@@ -993,12 +993,12 @@ h = hashlib.sha1()
 for mode in (3, 4):
     native.quantized_gemv_mode(mode)
     for bits, gs, n, k, m, dt in [
-            (4, 32, 77, 576, 5, mx.float32), (8, 64, 45, 256, 17, mx.float16),
+            (4, 32, 77, 576, 10, mx.float32), (8, 64, 45, 256, 17, mx.float16),
             (3, 16, 40, 192, 64, mx.bfloat16), (5, 128, 33, 384, 6, mx.float32),
             (6, 32, 20, 384, 300, mx.float16), (2, 16, 50, 128, 8, mx.float32),
             (4, 64, 24, 1536, 2048, mx.bfloat16), (8, 16, 9, 64, 16, mx.float16),
             (2, 128, 31, 256, 40, mx.bfloat16), (5, 32, 100, 96, 33, mx.float16),
-            (3, 64, 7, 320, 5, mx.float32), (6, 16, 64, 160, 7, mx.bfloat16)]:
+            (3, 64, 7, 320, 9, mx.float32), (6, 16, 64, 160, 7, mx.bfloat16)]:
         wq, s, b = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)),
                                group_size=max(gs, 32), bits=bits)
         if gs == 16:  # MLX makes no groups of 16: any scales and biases make a valid triple

@@ -35,7 +35,7 @@ SHAPES: dict[str, list[tuple[str, int, int, int]]] = {
     "smol": [("q/o 576x576", 576, 576, 4), ("gate/up 1536x576", 1536, 576, 4),
              ("down 576x1536", 576, 1536, 4), ("head 49152x576 8-bit", 49152, 576, 8)],
     "qwen": [("q/o 896x896", 896, 896, 4), ("gate/up 4864x896", 4864, 896, 4),
-             ("down 896x4864", 896, 4864, 4)],
+             ("down 896x4864", 896, 4864, 4), ("head 151936x896 8-bit", 151936, 896, 8)],
 }
 # variant -> the settings its subprocess runs with
 VARIANTS: dict[str, dict[str, str]] = {

@@ -2039,15 +2039,22 @@ int set_gemv_mode(int mode) {
   return gemv_mode().exchange(mode);
 }
 
+// Rows of x from which the AVX-512 VNNI GEMM takes a layer where AMX-INT8 does not run; the
+// int8 gemv takes fewer. In decode steps of SmolLM2 and Qwen2.5-0.5B the gemv (each weight
+// row read once, x's rows in chunks of 4) beat the GEMM (codes unpacked into panels per call)
+// up to 5 rows, most at 4 (the 8-bit output heads, which the gemv reads without unpacking);
+// from 6 they tied, and the GEMM pulls ahead as rows grow (benchmarks/results/HISTORY.md).
+constexpr size_t kQ8GemmMinRows = 6;
+
 bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits);
 
 // Whether quantized_linear takes the int8 gemv for x [M, K] (mode 3 or 4, the CPU and the
-// layer allow it): up to 4 rows, where it reads the weight at memory speed, and only 1-3 where
-// the AVX-512 VNNI GEMM takes 4 (use_q8_gemm). Beyond, its cost grows with the rows (the
+// layer allow it): up to 4 rows where AMX-INT8 tiles take 5 and more, else below
+// kQ8GemmMinRows (where use_q8_gemm starts). Beyond, its cost grows with the rows (the
 // weight's unpacking repeats per 4 of them): the AMX kernels or the GEMM take those.
-
 bool use_int8(size_t M, size_t K, size_t group_size, int bits) {
-  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 && M <= 4 &&
+  const size_t most = vun::amx_usable() ? 4 : kQ8GemmMinRows - 1;
+  return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 && M <= most &&
          vun::q8_usable(K, group_size, bits) && !use_q8_gemm(M, K, group_size, bits);
 }
 
@@ -2070,11 +2077,7 @@ bool use_amx_int8(size_t M, size_t K, size_t group_size, int bits) {
 
 // Whether quantized_linear takes the AVX-512 VNNI GEMM for x [M, K] (vun::q8_gemm_*): modes 3
 // and 4 from kQ8GemmMinRows rows where AMX-INT8 does not run and the int8 gemv's layout rules
-// hold. The gemv unpacks each weight row again per 4 rows of x; the GEMM unpacks it once per
-// call into panels that all rows reuse, and overtakes the gemv at 4 rows (SmolLM2's and
-// Qwen2.5-0.5B's layers: benchmarks/results/HISTORY.md).
-constexpr size_t kQ8GemmMinRows = 4;
-
+// hold.
 bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits) {
   return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= kQ8GemmMinRows &&
          !vun::amx_usable() && vun::q8_usable(K, group_size, bits);
@@ -2339,7 +2342,7 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
       pool.run(chunks, [&](size_t c) {
         const size_t n0 = std::min(N, groups * c / chunks * 4);
         const size_t n1 = std::min(N, groups * (c + 1) / chunks * 4);
-        // gemv: 1-3 rows of x, the weight dequantized in registers (AVX-512) or multiplied
+        // gemv: the weight dequantized in registers (AVX-512) or multiplied
         // against int8 x (mode 3); the rows it leaves (other CPUs, a last block of fewer than
         // 4) take the scratch path below.
         size_t n = quantized_gemv(xp, int8 ? &q8 : nullptr, wp, sp, bp, st, yp, M, N, K, gs,

@@ -439,7 +439,8 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     """The start-up log's account of the quantized layers' arithmetic: how many multiply integer
     codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8 on a
     CPU with AVX-512 VNNI and VBMI: 1-4 rows, and every size from 5 rows, prefill chunks
-    included, on AMX-INT8 tiles where the CPU has them, else by the VNNI GEMM from 4 rows; on
+    included, on AMX-INT8 tiles where the CPU has them, else by the gemv up to 5 rows and the
+    VNNI GEMM from 6; on
     AVX2 without AVX-512 VNNI: every size by the AVX2 GEMM; expert layers per expert as the
     others, never on tiles; mxfp4 experts always exact) and how many
     compute exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8 tiles."""
@@ -452,7 +453,7 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     tiles = sum(native.amx_int8_runs(16, k, m.group_size, m.bits) for m, k in layers)
     gemm = sum(native.q8_gemm_runs(16, k, m.group_size, m.bits) for m, k in layers)
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if tiles
-             else "at every size (1-3 rows, from 4 by the AVX-512 VNNI GEMM)" if gemm
+             else "at every size (1-5 rows, from 6 by the AVX-512 VNNI GEMM)" if gemm
              else "at 1-4 rows (exact from 5)")
     if integer == 0:  # AVX2 without AVX-512 VNNI: the GEMM at every size, experts included
         integer = sum(getattr(m, "mode", "affine") == "affine"
