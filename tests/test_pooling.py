@@ -280,6 +280,21 @@ def test_sequence_classifier_matches_vllm(tmp_path):
     assert max(max(p) for p in got["probs"][:4]) > 0.5  # the random head is not flat
 
 
+def _encode_ours_and_vllm(model: str, task: str, requests: list[dict],
+                          tmp_path: Path) -> tuple[dict, dict]:
+    """``LLM.encode(pooling_task=task)`` of ``requests`` served with ``--pooler-config
+    '{"task": task}'`` by ours and by vLLM's CPU backend: (ours, vLLM's) per-token outputs,
+    checked to hold one output per prompt token."""
+    batches = [{"method": "encode", "task": task, "requests": requests}]
+    engine = {"pooler_config": {"task": task}}
+    ours = run_llm(_classify_spec(model, False, batches, **engine), tmp_path)
+    ref = run_llm(_classify_spec(model, True, batches, **engine), tmp_path, native=True)
+    got, want = ours["embed_batches"][0], ref["embed_batches"][0]
+    assert "data" in got, got
+    assert [len(d) for d in got["data"]] == got["num_tokens"] == want["num_tokens"]
+    return got, want
+
+
 @pytest.mark.slow  # a model of its own per pooling type / task: ~40 s each
 def test_token_classification_matches_vllm(tmp_path):
     """``LLM.encode(pooling_task="token_classify")`` on the 3-label classifier (one softmax
@@ -287,13 +302,7 @@ def test_token_classification_matches_vllm(tmp_path):
     backend, a chunked prompt included."""
     model = str(classifier_checkpoint(tmp_path, 3))
     requests = [{"prompt": TEXTS[1]}, {"prompt_token_ids": LONG}]
-    batches = [{"method": "encode", "task": "token_classify", "requests": requests}]
-    engine = {"pooler_config": {"task": "token_classify"}}
-    ours = run_llm(_classify_spec(model, False, batches, **engine), tmp_path)
-    ref = run_llm(_classify_spec(model, True, batches, **engine), tmp_path, native=True)
-    got, want = ours["embed_batches"][0], ref["embed_batches"][0]
-    assert "data" in got, got
-    assert [len(d) for d in got["data"]] == got["num_tokens"] == want["num_tokens"]
+    got, want = _encode_ours_and_vllm(model, "token_classify", requests, tmp_path)
     for i, (g, w) in enumerate(zip(got["data"], want["data"], strict=True)):
         for t, (gt, wt) in enumerate(zip(g, w, strict=True)):
             _assert_scores_match(gt, wt, (i, t))
@@ -350,13 +359,7 @@ def test_token_embeddings_match_vllm(embedder, tmp_path):
     model, _ = embedder
     requests = [{"prompt": TEXTS[0]}, {"prompt_token_ids": LONG},
                 {"prompt_token_ids": _ids(2, 40), "params": {"dimensions": 32}}]
-    batches = [{"method": "encode", "task": "token_embed", "requests": requests}]
-    engine = {"pooler_config": {"task": "token_embed"}}
-    ours = run_llm(_classify_spec(model, False, batches, **engine), tmp_path)
-    ref = run_llm(_classify_spec(model, True, batches, **engine), tmp_path, native=True)
-    got, want = ours["embed_batches"][0], ref["embed_batches"][0]
-    assert "data" in got, got
-    assert [len(d) for d in got["data"]] == got["num_tokens"] == want["num_tokens"]
+    got, want = _encode_ours_and_vllm(model, "token_embed", requests, tmp_path)
     for i, (g, w) in enumerate(zip(got["data"], want["data"], strict=True)):
         for t, (gt, wt) in enumerate(zip(g, w, strict=True)):
             one_minus_cos, rel = _close(gt, wt)
