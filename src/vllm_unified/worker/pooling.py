@@ -7,7 +7,7 @@ config: ``DispatchPooler.for_embedding`` (pooling type, normalisation, Matryoshk
 ``DispatchPooler.for_seq_cls`` with the classifier vLLM's ``as_seq_cls_model`` loads (the
 checkpoint's ``score`` layer, or rows of the LM head for ``classifier_from_token`` models such
 as Qwen3-Reranker), in vLLM's head dtype. What the runner serves is decided by the platform
-before the model loads (:mod:`vllm_unified.pooling_policy`); this module runs it.
+before the model loads (:mod:`vllm_unified.worker.pooling_policy`); this module runs it.
 """
 
 from __future__ import annotations
