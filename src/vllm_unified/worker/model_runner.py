@@ -702,11 +702,7 @@ class MLXModelRunner:
         self._timer.mark("graph")
         mx.eval(hidden, self.kv_cache.arrays())
         self._timer.mark("eval")
-        self.stats.forwards += 1
-        self.forwards_done = self.stats.forwards
-        self.stats.tokens += int(step.input_ids.size)
-        by_reqs = self.stats.forwards_by_num_reqs
-        by_reqs[len(step.req_ids)] = by_reqs.get(len(step.req_ids), 0) + 1
+        self._count_forward(step, evaluated=True)
         pooled = self.pooling.pool(mlx_to_torch(hidden, self.backend.logits_zero_copy),
                                    states, step.query_lens, step.seq_lens)
         self.stats.pooled += sum(out is not None for out in pooled)
@@ -715,6 +711,16 @@ class MLXModelRunner:
             req_ids=step.req_ids, req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
             pooler_output=pooled,
         )
+
+    def _count_forward(self, step: StepBatch, evaluated: bool) -> None:
+        """Count one forward of ``step`` in :attr:`stats` (and in ``forwards_done`` when it
+        was evaluated, not queued)."""
+        self.stats.forwards += 1
+        if evaluated:
+            self.forwards_done = self.stats.forwards
+        self.stats.tokens += int(step.input_ids.size)
+        by_reqs = self.stats.forwards_by_num_reqs
+        by_reqs[len(step.req_ids)] = by_reqs.get(len(step.req_ids), 0) + 1
 
     def _forward_to_next_stage(self, inputs: _StepInputs,
                                hidden_in: mx.array | None) -> IntermediateTensors:
@@ -768,12 +774,7 @@ class MLXModelRunner:
             self.quiesce()  # this step may have been built alongside a queued one
             (mx.async_eval if lazy else mx.eval)(*outputs)
         self._timer.mark("eval")
-        self.stats.forwards += 1
-        if not lazy:
-            self.forwards_done = self.stats.forwards
-        self.stats.tokens += int(step.input_ids.size)
-        by_reqs = self.stats.forwards_by_num_reqs
-        by_reqs[len(step.req_ids)] = by_reqs.get(len(step.req_ids), 0) + 1
+        self._count_forward(step, evaluated=not lazy)
         if lazy and tokens is not None:
             for j, i in enumerate(mlx_idx):  # the next step feeds these on the device
                 states[i].pending = (tokens, j)
