@@ -26,6 +26,7 @@ Logprobs come back as ``[token_id, logprob, rank]`` lists, most likely first.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -67,6 +68,7 @@ def main(spec_path: str, out_path: str) -> None:
         out["metrics"] = _counters(llm)
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f)
+    llm.llm_engine.engine_core.shutdown()
 
 
 def _generate(llm, requests: list[dict], rounds: int) -> list[dict]:
@@ -187,3 +189,10 @@ def _sorted_logprobs(step) -> list[tuple[int, float, int]]:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # The output is written and the engine stopped: skip interpreter finalisation, where a
+    # vLLM client thread still freeing pooling outputs (torch.frombuffer tensors, whose
+    # deleter takes the GIL) is ended inside torch's deleter: std::terminate, SIGABRT, on
+    # vLLM's own CPU backend as on ours.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

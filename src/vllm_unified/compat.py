@@ -123,6 +123,11 @@ _LAZY: dict[str, str] = {
     "PoolingParams": "vllm.pooling_params",
     "set_current_vllm_config": "vllm.config",
     "get_tokenizer": "vllm.tokenizers",
+    # Encoder models' pooling heads (worker/pooling.py), vLLM's own modules loaded with the
+    # checkpoint's head tensors.
+    "BertPooler": "vllm.model_executor.models.bert",
+    "RobertaClassificationHead": "vllm.model_executor.models.roberta",
+    "ModernBertPooler": "vllm.model_executor.models.modernbert",
 }
 
 

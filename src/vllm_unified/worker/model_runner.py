@@ -943,6 +943,13 @@ class MLXModelRunner:
         """See :func:`forward`; uses this runner's model and layer caches."""
         return forward(self.model, self.kv_cache.layer_caches, input_ids, rows)
 
+    def shutdown(self) -> None:
+        """Stop the encode thread and the KV connector; log the counters."""
+        if self.encoder is not None:
+            self.encoder.shutdown()
+        logger.info("vllm-unified: runner stats %s", self.stats)
+        self.kv_connector.shutdown()
+
     def quiesce(self) -> None:
         """Wait for the step the encode thread is evaluating, if any: called before any MLX
         call outside a step's own path (:mod:`vllm_unified.worker.encode_thread`)."""

@@ -20,14 +20,18 @@ import numpy as np
 import torch
 
 from vllm_unified.compat import (
+    BertPooler,
     DispatchPooler,
+    ModernBertPooler,
     PoolingMetadata,
     PoolingStates,
+    RobertaClassificationHead,
     VllmConfig,
     get_tokenizer,
     set_current_vllm_config,
 )
 from vllm_unified.models.backbone_weights import STAND_IN_HEAD
+from vllm_unified.models.encoders import ENCODER_MODEL_TYPES, LoadedEncoder
 from vllm_unified.models.loader import LoadedModel
 from vllm_unified.models.output_head import decoder
 from vllm_unified.worker.pooling_policy import pooling_head
@@ -48,14 +52,18 @@ class Pooling:
         loaded: the loaded model (a classifier's weights come from it).
     """
 
-    def __init__(self, vllm_config: VllmConfig, loaded: LoadedModel) -> None:
+    def __init__(self, vllm_config: VllmConfig, loaded: LoadedModel | LoadedEncoder) -> None:
         pooler_config = vllm_config.model_config.pooler_config
         with set_current_vllm_config(vllm_config):
-            if pooling_head(vllm_config.model_config) == "classify":
+            if pooling_head(vllm_config.model_config) != "classify":
+                self.pooler = DispatchPooler.for_embedding(pooler_config)
+            elif isinstance(loaded, LoadedEncoder):
+                pooling, head = encoder_classifier(vllm_config, loaded)
+                self.pooler = DispatchPooler.for_seq_cls(pooler_config, pooling=pooling,
+                                                         classifier=head)
+            else:
                 self.pooler = DispatchPooler.for_seq_cls(
                     pooler_config, classifier=classifier(vllm_config, loaded))
-            else:
-                self.pooler = DispatchPooler.for_embedding(pooler_config)
         offered = self.pooler.get_supported_tasks()
         #: the tasks the worker reports to vLLM (``get_supported_tasks``)
         self.tasks: tuple[str, ...] = tuple(t for t in SERVED_TASKS if t in offered)
@@ -147,6 +155,40 @@ def classifier(vllm_config: VllmConfig, loaded: LoadedModel) -> torch.nn.Linear:
         if bias is not None:
             linear.bias.copy_(bias)
     return linear.eval()
+
+
+def encoder_classifier(vllm_config: VllmConfig,
+                       loaded: LoadedEncoder) -> tuple[Any, torch.nn.Module]:
+    """(pooling, classifier) of an encoder's ``*ForSequenceClassification`` as vLLM's model
+    class builds them, with the checkpoint's head tensors: BERT's ``BertPooler`` (CLS, dense,
+    tanh) and a linear classifier; RoBERTa's ``RobertaClassificationHead`` (dense, tanh,
+    out_proj) after vLLM's default pooling; ModernBERT's ``ModernBertPooler`` (dense, GELU,
+    LayerNorm) and a linear classifier. All in vLLM's head dtype.
+
+    Raises:
+        RuntimeError: the checkpoint's head tensors do not fit the head (missing, unexpected,
+            wrong shapes).
+    """
+    model_config = vllm_config.model_config
+    hf = model_config.hf_config
+    kind = ENCODER_MODEL_TYPES[loaded.config["model_type"]]
+    if kind == "xlm_roberta":
+        return None, _with_tensors(RobertaClassificationHead(model_config), loaded,
+                                   "classifier.")
+    linear = torch.nn.Linear(hf.hidden_size, hf.num_labels, dtype=model_config.head_dtype)
+    linear = _with_tensors(linear, loaded, "classifier.")
+    if kind == "bert":
+        return _with_tensors(BertPooler(model_config), loaded, "pooler."), linear
+    return _with_tensors(ModernBertPooler(model_config), loaded, "head."), linear
+
+
+def _with_tensors(module: torch.nn.Module, loaded: LoadedEncoder,
+                  prefix: str) -> torch.nn.Module:
+    """``module`` with the encoder checkpoint's ``prefix`` head tensors loaded strictly."""
+    state = {n.removeprefix(prefix): _to_torch(w) for n, w in loaded.head.items()
+             if n.startswith(prefix)}
+    module.load_state_dict(state, strict=True)
+    return module.eval()
 
 
 def _lm_head_rows(vllm_config: VllmConfig, loaded: LoadedModel,

@@ -39,6 +39,7 @@ from vllm_unified.memory.budget import compute_kv_budget, read_device_memory
 from vllm_unified.memory.resident import malloc_trim, release_free_memory, smaps_breakdown
 from vllm_unified.memory.wired import configure_wired_limit
 from vllm_unified.offload.runner import init_single_rank_groups
+from vllm_unified.worker.pooling_policy import is_encoder_model
 
 logger = init_logger(__name__)
 
@@ -112,9 +113,14 @@ class MLXWorker(WorkerBase):
         # Before any weight is allocated, so the weights are wired as they load (Metal only).
         configure_wired_limit(mx, info.kind, logger)
         # lazy: the runner imports MLX, loaded only after the BLAS interposition (init_device)
-        from vllm_unified.worker.model_runner import MLXModelRunner
+        if is_encoder_model(self.model_config):
+            from vllm_unified.worker.encoder_runner import EncoderModelRunner
 
-        self.model_runner = MLXModelRunner(self.vllm_config, backend)
+            self.model_runner = EncoderModelRunner(self.vllm_config, backend)
+        else:
+            from vllm_unified.worker.model_runner import MLXModelRunner
+
+            self.model_runner = MLXModelRunner(self.vllm_config, backend)
         logger.info("vllm-unified: worker on %s (%s)", backend.describe(), mx.default_device())
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
@@ -299,10 +305,7 @@ class MLXWorker(WorkerBase):
         if self.peer_watch is not None:
             self.peer_watch.stop()
         if self.model_runner is not None:
-            if self.model_runner.encoder is not None:
-                self.model_runner.encoder.shutdown()
-            logger.info("vllm-unified: runner stats %s", self.model_runner.stats)
-            self.model_runner.kv_connector.shutdown()
+            self.model_runner.shutdown()
 
     def get_kv_connector_handshake_metadata(self) -> None:
         """vLLM's engine asks every worker when a KV connector is configured."""

