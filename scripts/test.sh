@@ -11,7 +11,7 @@
 #   ci    -m "engine and not slow"       starts a vLLM engine or a server
 #   slow  -m "slow"                      soak, fuzz, grid repeats: not in CI's default run
 #
-# Sets up .venv first if needed (scripts/setup.sh). Prints one line per tier and a table of wall
+# Sets up .venv first if needed (scripts/setup.sh --with-retrieval-tests). Prints one line per tier and a table of wall
 # times; the last line sums the tiers ("N passed, N failed, N skipped"). Exits non-zero if ruff
 # or any tier fails, and when a tier collected no test (pytest's exit code 5): an empty run is
 # not a pass.
@@ -44,7 +44,7 @@ for tier in "${tier_list[@]}"; do tier_expr "$tier" > /dev/null; done
 
 rows=()  # "name|result|seconds"
 start=$SECONDS
-"$ROOT/scripts/setup.sh"
+"$ROOT/scripts/setup.sh" --with-retrieval-tests  # the retrieval tests' references too
 rows+=("setup|ok|$((SECONDS - start))")
 cd "$ROOT"
 

@@ -247,6 +247,57 @@ def _chat(messages, **kw) -> dict:
     return {"model": MODEL, "messages": messages, "max_tokens": 4, **kw}
 
 
+def _served_app(runner: str, tasks: tuple[str, ...], paths: list[str]):
+    """A TestClient of a FastAPI app set up as vLLM's server app is for the guard: ``paths``
+    registered, ``state.vllm_config`` with ``runner``, a pooling server's tasks on its
+    ``/pooling`` handler, the guard installed as user middleware."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    app = FastAPI()
+    for path in paths:
+        app.add_api_route(path, lambda: {"ok": True}, methods=["POST"])
+    app.state.vllm_config = SimpleNamespace(model_config=SimpleNamespace(runner_type=runner))
+    if runner == "pooling":
+        app.state.serving_pooling = SimpleNamespace(supported_tasks=tasks)
+    app.add_middleware(RequestGuard, limits=RequestLimits())
+    return TestClient(app)
+
+
+def test_other_tasks_routes_are_400_naming_the_server():
+    """vLLM registers no route for tasks the server does not run (its answer is 404): the
+    guard answers the other kind's routes (from vLLM's own routers) with 400 naming the
+    server's runner and tasks; served routes and unknown paths are left to vLLM."""
+    pooling = _served_app("pooling", ("embed", "token_embed"), ["/v1/embeddings", "/pooling"])
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+                 "/v1/responses/resp-1/cancel", "/v1/messages", "/inference/v1/generate"):
+        r = pooling.post(path, json={"model": "m", "prompt": "hi"})
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "BadRequestError" and error["code"] == 400
+        for words in ("pooling (embeddings, scores, classification) model",
+                      "tasks: embed, token_embed", f"POST {path} is a text generation route"):
+            assert words in error["message"], (path, error)
+    r = pooling.post("/classify", json={"input": ["a"]})  # a pooling route of another task
+    assert r.status_code == 400 and "serves the tasks embed, token_embed" in r.text, r.text
+    assert pooling.post("/v1/embeddings", json={"input": ["a"]}).json() == {"ok": True}
+    assert pooling.post("/no/such/route", json={}).status_code == 404
+
+    generate = _served_app("generate", (), ["/v1/completions"])
+    for path in ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/score",
+                 "/v1/score", "/classify", "/pooling"):
+        r = generate.post(path, json={"model": "m", "input": ["a"]})
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        message = r.json()["error"]["message"]
+        assert ("text generation model (--runner generate, tasks: generate)" in message
+                and f"POST {path} is a pooling" in message and "--runner pooling" in message)
+    good = {"model": "m", "prompt": "hi", "max_tokens": 3}
+    assert generate.post("/v1/completions", json=good).json() == {"ok": True}
+    assert generate.post("/no/such/route", json={}).status_code == 404
+
+
 def _raw(prompt_json: bytes) -> bytes:
     return b'{"model": "' + MODEL.encode() + b'", "max_tokens": 4, "prompt": ' + prompt_json + b"}"
 
@@ -311,6 +362,8 @@ BAD_INPUTS = [
      response_format={"type": "json_schema", "json_schema": {
          "name": "x", "schema": {"type": "no-such-type"}}}), 400, None,
      "Grammar error: Invalid type: no-such-type"),
+    ("embeddings on a generating server", "/v1/embeddings", {"model": MODEL, "input": ["hi"]},
+     400, None, "POST /v1/embeddings is a pooling (embeddings, scores, classification) route"),
     ("streaming n > 1 with echo and logprobs", C,
      _c(n=2, echo=True, logprobs=1, stream=True, temperature=1.0), 400, "n",
      "streaming with n > 1 and prompt logprobs"),

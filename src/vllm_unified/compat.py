@@ -9,6 +9,7 @@ benchmarks.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -211,6 +212,49 @@ def elastic_ep_unavailable(app: Any) -> str | None:
     return "the server was not started with --enable-elastic-ep"
 
 
+@functools.cache
+def kind_routes() -> dict[str, tuple[Any, ...]]:
+    """vLLM's HTTP routes of each kind of server: ``"generate"`` (the routes vLLM registers
+    when the engine supports the ``generate`` task: completions, chat, responses, Anthropic
+    messages, generative scoring, elastic EP, token-in/token-out) and ``"pooling"`` (those of
+    the pooling tasks: ``/pooling``, ``/classify``, embeddings, score and rerank), as Starlette
+    routes (``path_regex`` matches a request path).
+
+    Built once, from vLLM's own routers (``vllm/entrypoints/launchers/api_server/routers.py``
+    registers them by task) on a scratch app, so they follow vLLM's registration.
+    """
+    from fastapi import FastAPI
+    from vllm.entrypoints.generate.api_router import register_generate_api_routers
+    from vllm.entrypoints.pooling.classify.api_router import router as classify
+    from vllm.entrypoints.pooling.embed.api_router import router as embed
+    from vllm.entrypoints.pooling.pooling.api_router import router as pooling
+    from vllm.entrypoints.pooling.scoring.api_router import router as scoring
+    from vllm.entrypoints.scale_out.token_in_token_out.api_router import router as tokens
+    from vllm.entrypoints.serve.elastic_ep.api_router import router as elastic_ep
+
+    generate = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # never served
+    register_generate_api_routers(generate)
+    return {"generate": (*generate.routes, *elastic_ep.routes, *tokens.routes),
+            "pooling": tuple(r for router in (pooling, classify, embed, scoring)
+                             for r in router.routes)}
+
+
+def served_tasks(app: Any) -> tuple[str, tuple[str, ...]] | None:
+    """The runner type (``"generate"`` / ``"pooling"``) and the supported tasks of vLLM's
+    OpenAI server ``app`` (a FastAPI app, after start-up), or None for another app.
+
+    The tasks of a pooling server are those vLLM gave its ``/pooling`` handler; a generating
+    server on this platform serves ``generate`` only.
+    """
+    config = getattr(app.state, "vllm_config", None)
+    if config is None:
+        return None
+    runner = config.model_config.runner_type
+    handler = getattr(app.state, "serving_pooling", None)
+    tasks = tuple(getattr(handler, "supported_tasks", None) or (runner,))
+    return runner, tasks
+
+
 def init_logger(name: str):
     """A logger under vLLM's ``vllm.`` hierarchy: vLLM only attaches handlers there, so a
     plugin logger named ``vllm_unified.*`` would print nothing."""
@@ -224,7 +268,9 @@ __all__ = [  # the lazy names resolve through __getattr__
     "elastic_ep_unavailable",
     "has_vllm_config_class",
     "init_logger",
+    "kind_routes",
     "sampling_fields",
+    "served_tasks",
     "structured_decisions_unavailable",
     "vllm_cli_main",
     "vllm_environment_variables",

@@ -43,6 +43,11 @@ the OpenAI API's own maximum of ``n``):
 - ``POST /v1/systemone`` (vLLM's structured decisions API) while vLLM has not enabled it for
   the served model, ``POST /scale_elastic_ep`` without elastic EP -> 404 with the reason,
   instead of vLLM's 501 / 500 (:data:`CONDITIONAL_ROUTES`).
+- ``POST`` to a route vLLM registers for tasks this server does not run (a generation route
+  such as ``/v1/completions`` on a pooling server, a pooling route such as ``/v1/embeddings``
+  on a generating one, ``/classify`` on an embedder) -> 400 naming the server's runner and
+  tasks, where vLLM answers 404 (no route registered); unknown paths stay 404
+  (:func:`check_task_route`).
 
 Everything else, including malformed JSON and wrong types, is left to vLLM's own validation.
 
@@ -103,6 +108,44 @@ CONDITIONAL_ROUTES: dict[str, tuple[str, str]] = {
     "/v1/systemone": ("vLLM's structured decisions API", "structured_decisions_unavailable"),
     "/scale_elastic_ep": ("elastic EP scaling", "elastic_ep_unavailable"),
 }
+
+#: What each kind of server (vLLM's runner type) serves, for the refusal of the other's routes.
+KIND_NAMES: dict[str, str] = {
+    "generate": "text generation",
+    "pooling": "pooling (embeddings, scores, classification)",
+}
+
+
+def _matches(routes: Any, path: str) -> bool:
+    return any(getattr(route, "path_regex", None) is not None
+               and route.path_regex.match(path) is not None for route in routes)
+
+
+def check_task_route(app: Any, path: str) -> None:
+    """A route vLLM registers only for tasks the server ``app`` does not run
+    (:func:`vllm_unified.compat.kind_routes`), requested on it.
+
+    Raises:
+        RequestRejected: 400 naming the server's runner and tasks and what the route needs.
+    """
+    served = compat.served_tasks(app)
+    if served is None or _matches(app.routes, path):
+        return  # not vLLM's server, or a route it serves (vLLM answers)
+    runner, tasks = served
+    kind = next((k for k, routes in compat.kind_routes().items() if _matches(routes, path)),
+                None)
+    if kind is None:
+        return  # unknown path: vLLM's 404
+    listed = ", ".join(tasks)
+    if kind == runner:  # e.g. /classify on an embedder
+        raise RequestRejected(
+            f"this server's {KIND_NAMES[runner]} model serves the tasks {listed}; "
+            f"POST {path} needs another task and is not served", None, HTTPStatus.BAD_REQUEST)
+    raise RequestRejected(
+        f"this server runs a {KIND_NAMES[runner]} model (--runner {runner}, tasks: {listed}); "
+        f"POST {path} is a {KIND_NAMES[kind]} route and is not served: start a server with "
+        f"--runner {kind} and a model for it", None, HTTPStatus.BAD_REQUEST)
+
 
 #: Import path given to vLLM's ``--middleware``.
 GUARD_PATH = "vllm_unified.request_guard.RequestGuard"
@@ -497,14 +540,18 @@ class RequestGuard:
         return b"".join(chunks)
 
     def _check_route(self, scope: Scope) -> None:
-        """A :data:`CONDITIONAL_ROUTES` route that cannot work on this server.
+        """A :data:`CONDITIONAL_ROUTES` route that cannot work on this server, or a route of
+        tasks it does not run (:func:`check_task_route`).
 
         Raises:
-            RequestRejected: 404 with the reason.
+            RequestRejected: 404 with the reason; 400 for the other tasks' routes.
         """
         path = _path(scope)
-        if path not in CONDITIONAL_ROUTES or "app" not in scope:
+        if "app" not in scope:
             return  # no app in the scope: not vLLM's FastAPI server
+        if path not in CONDITIONAL_ROUTES:
+            check_task_route(scope["app"], path)
+            return
         what, why = CONDITIONAL_ROUTES[path]
         reason = getattr(compat, why)(scope["app"])
         if reason is not None:
