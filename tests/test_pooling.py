@@ -386,7 +386,8 @@ def _tiny_bert(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("case", "kwargs", "words"), [
-    ("bert", {}, ["'bert'", "encoder-only"]),
+    ("bert", {"hf_overrides": {"architectures": ["BertForTokenClassification"]}},
+     ["'bert'", "encoder-only"]),
     ("qwen2", {"hf_overrides": {"architectures": ["Qwen2ForRewardModel"]}},
      ["'qwen2'", "own pooling head"]),
     ("qwen3", {"runner": "pooling", "pooler_config": {"tok_pooling_type": "STEP"}},

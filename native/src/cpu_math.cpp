@@ -5,7 +5,7 @@
 // x86_64 glibc vectorizes expf and tanhf through glibc's vector math library (libmvec) inside the
 // SIMD loops below; elsewhere the same loops are plain scalar code with the same results up to
 // rounding. Fast-math assumes finite values: code here must never produce an infinity on its
-// way to a finite result (the SwiGLU clamps its exponent, GeGLU and soft-capping their tanh arguments; RMSNorm and RoPE, which must keep
+// way to a finite result (the SwiGLU clamps its exponent, GeGLU, GELU and soft-capping their tanh or erf arguments; RMSNorm and RoPE, which must keep
 // IEEE semantics for overflowing rows, live in cpu_norm.cpp without fast-math).
 
 #include <cmath>
@@ -37,6 +37,27 @@ VUN_CLONES void gelu_tanh_mul_f32(const float* gate, const float* up, float* out
     const float c = fminf(fmaxf(g, -10.0f), 10.0f);
     const float t = tanhf(kSqrt2OverPi * (c + 0.044715f * c * c * c));
     out[i] = 0.5f * g * (1.0f + t) * up[i];
+  }
+}
+
+VUN_CLONES void gelu_f32(const float* x, float* out, size_t n, bool tanh) {
+  constexpr float kInvSqrt2 = 0.7071067811865476f;
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  if (tanh) {
+#pragma omp simd
+    for (size_t i = 0; i < n; ++i) {
+      const float v = x[i];
+      const float c = fminf(fmaxf(v, -10.0f), 10.0f);  // as gelu_tanh_mul_f32
+      out[i] = 0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (c + 0.044715f * c * c * c)));
+    }
+    return;
+  }
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    // erf is +-1 in fp32 beyond +-4: clamping its argument to +-10 changes no result and keeps
+    // every lane finite.
+    out[i] = 0.5f * v * (1.0f + erff(fminf(fmaxf(v * kInvSqrt2, -10.0f), 10.0f)));
   }
 }
 
@@ -101,6 +122,21 @@ inline __attribute__((always_inline)) float exp_shifted_opts(float* s, size_t n,
 
 VUN_CLONES float softmax_exp(float* s, size_t n) {
   return exp_shifted(s, n);
+}
+
+VUN_CLONES void softmax_rows_f32(const float* x, float* out, size_t rows, size_t n) {
+  for (size_t r = 0; r < rows; ++r) {
+    float* o = out + r * n;
+    const float* xr = x + r * n;
+    for (size_t j = 0; j < n; ++j) {
+      o[j] = xr[j];
+    }
+    const float inv = 1.f / exp_shifted(o, n);
+#pragma omp simd
+    for (size_t j = 0; j < n; ++j) {
+      o[j] *= inv;
+    }
+  }
 }
 
 VUN_CLONES float softmax_exp_opts(float* s, size_t n, float softcap, const float* sink) {

@@ -47,6 +47,14 @@ void gelu_tanh_mul_f32(const float* gate, const float* up, float* out, size_t n)
 // fp32, n elements; out may alias x.
 void softcap_f32(const float* x, float cap, float* out, size_t n);
 
+// out[i] = gelu(x[i]): exact 0.5 x (1 + erf(x / sqrt(2))) (transformers' "gelu", MLX's
+// nn.gelu) unless tanh, else the tanh approximation (MLX's nn.gelu_approx). fp32, n elements.
+void gelu_f32(const float* x, float* out, size_t n, bool tanh);
+
+// out = softmax of each of `rows` rows of n fp32 values (x - max, exp, normalised: MLX's
+// mx.softmax over the last axis). Finite inputs (an additive mask's lowest float is finite).
+void softmax_rows_f32(const float* x, float* out, size_t rows, size_t n);
+
 } // namespace vun
 
 namespace vun {

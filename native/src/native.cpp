@@ -24,6 +24,10 @@
 //   softcap(x, cap, *, stream=None) -> mx.array
 //       fp32 gelu_approx(gate) * up and cap * tanh(x / cap), vectorized (MLX's CPU tanh is
 //       scalar).
+//   gelu(x, *, approximate=False, stream=None) -> mx.array
+//       fp32 GELU, exact (erf) or tanh-approximated, vectorized (MLX's CPU erf is scalar).
+//   softmax(x, *, stream=None) -> mx.array
+//       fp32 softmax over the last axis, vectorized (MLX's CPU exp is scalar).
 //   paged_attention(q, kv_pool, tables, seqs, lens, scale, block_size, window=0, *, ...,
 //                   chunk=0, softcap=0, sinks=None, stream=None)
 //       Attention per query row read from the paged pool through block tables (no gather):
@@ -814,6 +818,80 @@ class Softcap : public SameShapePrimitive {
  private:
   float cap_;
 };
+
+// out = gelu(x) for an fp32 array: exact (erf) or tanh-approximated.
+class Gelu : public SameShapePrimitive {
+ public:
+  Gelu(mx::Stream s, bool tanh) : SameShapePrimitive(s, "gelu"), tanh_(tanh) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array x = row_contiguous(inputs[0], enc);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    enc.set_input_array(x);
+    enc.set_output_array(out);
+    enc.dispatch([xp = x.data<float>(), o = out.data<float>(), n = out.size(), t = tanh_]() {
+      split_work(n, 1, 64, [&](size_t b, size_t e) { vun::gelu_f32(xp + b, o + b, e - b, t); });
+    });
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return tanh_ == static_cast<const Gelu&>(other).tanh_;
+  }
+
+  const char* name() const override {
+    return tanh_ ? "GeluTanh" : "Gelu";
+  }
+
+ private:
+  bool tanh_;
+};
+
+mx::array gelu(const mx::array& x, bool approximate, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "gelu");
+  if (x.dtype() != mx::float32) {
+    raise_py(PyExc_TypeError, "gelu: x must be float32");
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<Gelu>(s, approximate), {x});
+}
+
+// out = softmax over the last axis of an fp32 array.
+class Softmax : public SameShapePrimitive {
+ public:
+  explicit Softmax(mx::Stream s) : SameShapePrimitive(s, "softmax") {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array x = row_contiguous(inputs[0], enc);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    enc.set_input_array(x);
+    enc.set_output_array(out);
+    const size_t n = x.ndim() == 0 ? 1 : static_cast<size_t>(x.shape().back());
+    enc.dispatch([xp = x.data<float>(), o = out.data<float>(), rows = out.size() / n, n]() {
+      split_work(rows, n, 1, [&](size_t b, size_t e) {
+        vun::softmax_rows_f32(xp + b * n, o + b * n, e - b, n);
+      });
+    });
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+
+  const char* name() const override {
+    return "Softmax";
+  }
+};
+
+mx::array softmax(const mx::array& x, nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "softmax");
+  if (x.dtype() != mx::float32 || x.ndim() == 0 || x.shape().back() == 0) {
+    raise_py(PyExc_TypeError, "softmax: x must be float32 with a non-empty last axis");
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(s), {x});
+}
 
 mx::array softcap(const mx::array& x, float cap, nb::handle stream) {
   const mx::Stream s = resolve_stream(stream, "softcap");
@@ -2877,6 +2955,12 @@ NB_MODULE(_native, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 gelu_approx(gate) * up (Gemma's GeGLU), vectorized; CPU streams only.");
+  m.def("gelu", &gelu, nb::arg("x"), nb::kw_only(), nb::arg("approximate") = false,
+        nb::arg("stream") = nb::none(),
+        "Lazy fp32 GELU: exact (erf; MLX's nn.gelu) or with approximate=True the tanh form "
+        "(nn.gelu_approx), vectorized; CPU streams only.");
+  m.def("softmax", &softmax, nb::arg("x"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "Lazy fp32 softmax over the last axis (mx.softmax), vectorized; CPU streams only.");
   m.def("softcap", &softcap, nb::arg("x"), nb::arg("cap"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "Lazy fp32 cap * tanh(x / cap) (logit soft-capping), vectorized; CPU streams only.");

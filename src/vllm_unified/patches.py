@@ -592,12 +592,14 @@ def route_mlx_lm_swiglu(model: Any, replacement: Callable[..., Any]) -> list[str
 
 def route_mlx_lm_functions(model: Any, routes: Mapping[str, Mapping[str, Callable[..., Any]]]
                            ) -> list[tuple[str, str]]:
-    """Point module-level function names of mlx-lm model modules at replacements (mlx-lm
-    0.32.2): ``routes`` maps a module to ``{name: replacement}``; only modules that define a
-    layer of ``model`` and still bind their own function under that name are patched (so this
-    is idempotent), module-wide, as :func:`route_mlx_lm_swiglu` does. Applied by
+    """Point module-level function names of mlx-lm (0.32.2) or mlx-vlm (0.7.10) model modules
+    at replacements: ``routes`` maps a module to ``{name: replacement}``; only modules that
+    define a layer of ``model`` and still bind their own function under that name are patched
+    (so this is idempotent), module-wide, as :func:`route_mlx_lm_swiglu` does. Applied by
     :func:`vllm_unified.models.cpu_activations.install_cpu_activations` (Gemma 4's compiled
-    ``geglu`` and ``logit_softcap``, which run MLX's scalar CPU ``tanh``).
+    ``geglu`` and ``logit_softcap``, which run MLX's scalar CPU ``tanh``) and
+    :func:`vllm_unified.models.encoder_attention.route_encoder_attention` (the encoders'
+    attention, whose CPU softmax is scalar).
 
     Returns:
         ``(module, name)`` of each name patched now.

@@ -1,4 +1,5 @@
-"""Gemma's GeGLU and logit soft-capping on the native CPU kernels (MLX's CPU backend, fp32).
+"""Gemma's GeGLU, logit soft-capping and the encoders' GELU on the native CPU kernels (MLX's
+CPU backend, fp32).
 
 MLX 0.32.4's CPU ``tanh`` runs one element at a time (~20 ns per fp32 element on a 2-core
 AVX-512 machine). Gemma 2, 3 and 4 compute ``gelu_approx(gate) * up`` (a ``tanh`` per MLP
@@ -31,7 +32,7 @@ from vllm_unified.compat import init_logger
 
 logger = init_logger(__name__)
 
-__all__ = ["GEGLU_MLPS", "MODULE_FUNCTIONS", "SOFTCAP_MODELS", "geglu",
+__all__ = ["GEGLU_MLPS", "MODULE_FUNCTIONS", "SOFTCAP_MODELS", "Gelu", "geglu",
            "install_cpu_activations", "logit_softcap"]
 
 
@@ -43,6 +44,22 @@ def geglu(gate: mx.array, up: mx.array) -> mx.array:
             or gate.shape != up.shape):
         return nn.gelu_approx(gate) * up
     return native.gelu_tanh_mul(gate, up)
+
+
+class Gelu(nn.Module):
+    """GELU, exact (erf: ``nn.gelu``) or tanh-approximated (``nn.gelu_approx``): the native
+    kernel for fp32 on the CPU (MLX 0.32.4's CPU ``erf`` and ``tanh`` run one element at a
+    time), MLX's ops otherwise."""
+
+    def __init__(self, approximate: bool = False) -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def __call__(self, x: mx.array) -> mx.array:
+        native = _native()
+        if native is None or x.dtype != mx.float32 or not hasattr(native, "gelu"):
+            return nn.gelu_approx(x) if self.approximate else nn.gelu(x)
+        return native.gelu(x, approximate=self.approximate)
 
 
 def logit_softcap(cap: float, x: mx.array) -> mx.array:

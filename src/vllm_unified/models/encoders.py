@@ -21,9 +21,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from vllm_unified.models.cpu_activations import Gelu
+from vllm_unified.models.encoder_attention import encoder_attention
 from vllm_unified.versions import MLX_VLM_INSTALL
 
-__all__ = ["ENCODER_MODEL_TYPES", "LoadedEncoder", "encode",
+__all__ = ["ENCODER_MODEL_TYPES", "AttentionGroup", "LoadedEncoder", "encode", "encode_packed",
            "load_encoder", "mlx_vlm_missing"]
 
 #: HF ``model_type`` -> mlx-vlm module that defines its encoder
@@ -46,19 +48,24 @@ class _Layout:
     #: the config key naming the MLP activation, and its module's attribute in a layer
     act_key: str
     act_path: tuple[str, str]
+    #: whether the body is BERT's (embeddings, ``encoder.layer`` of self-attention, output and
+    #: intermediate blocks), which :func:`encode_packed` runs on packed tokens
+    packs: bool
 
 
 _LAYOUTS = {
     "bert": _Layout("bert.", ("pooler.", "classifier."), ("cls.",), True, "hidden_act",
-                    ("intermediate", "intermediate_act_fn")),
+                    ("intermediate", "intermediate_act_fn"), True),
     "xlm_roberta": _Layout("roberta.", ("classifier.",), ("lm_head.", "pooler."), True,
-                           "hidden_act", ("intermediate", "intermediate_act_fn")),
+                           "hidden_act", ("intermediate", "intermediate_act_fn"), True),
     "modernbert": _Layout("model.", ("head.", "classifier."), ("decoder.",), False,
-                          "hidden_activation", ("mlp", "act")),
+                          "hidden_activation", ("mlp", "act"), False),
 }
-#: transformers' activation names -> the MLX module computing the same function
-_ACTIVATIONS = {"gelu": lambda: nn.GELU(), "gelu_pytorch_tanh": lambda: nn.GELU("precise"),
-                "gelu_new": lambda: nn.GELU("precise"), "gelu_fast": lambda: nn.GELU("precise"),
+#: transformers' activation names -> the MLX module computing the same function (GELU on the
+#: native CPU kernels where they run)
+_ACTIVATIONS = {"gelu": lambda: Gelu(), "gelu_pytorch_tanh": lambda: Gelu(approximate=True),
+                "gelu_new": lambda: Gelu(approximate=True),
+                "gelu_fast": lambda: Gelu(approximate=True),
                 "relu": lambda: nn.ReLU(), "silu": lambda: nn.SiLU(), "swish": lambda: nn.SiLU()}
 
 
@@ -80,6 +87,10 @@ class LoadedEncoder:
     dtype: mx.Dtype
     head: dict[str, mx.array] = field(default_factory=dict)
     token_types: bool = False
+    #: whether :func:`encode_packed` runs it (else :func:`encode`, padded)
+    packs: bool = False
+    #: the position id of a sequence's first token (XLM-RoBERTa's count after the padding id)
+    position_offset: int = 0
     quantized: bool = False
     source: str = "safetensors"
 
@@ -122,7 +133,8 @@ def load_encoder(path: str | Path, hf_config: Mapping[str, Any], dtype: mx.Dtype
     model.load_weights(list(body.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
-    return LoadedEncoder(model, config, dtype, head, layout.token_types)
+    offset = int(config.get("pad_token_id", 1)) + 1 if module_name == "xlm_roberta" else 0
+    return LoadedEncoder(model, config, dtype, head, layout.token_types, layout.packs, offset)
 
 
 def encode(loaded: LoadedEncoder, input_ids: mx.array, attention_mask: mx.array,
@@ -138,9 +150,65 @@ def encode(loaded: LoadedEncoder, input_ids: mx.array, attention_mask: mx.array,
     return hidden
 
 
+@dataclass
+class AttentionGroup:
+    """Sequences of a packed step that attend as one right-padded batch.
+
+    rows: ``[B * L]`` int32 packed token index of each padded position (``T``, one past the
+        last token, for padding).
+    real: ``[n]`` int32 padded position of each of the group's tokens, in packed order (the
+        group's tokens are consecutive in the packed layout).
+    batch / width: ``B`` sequences, ``L`` positions (the longest).
+    mask: ``[B, 1, 1, L]`` additive: 0 on real keys, the dtype's lowest value on padding.
+    """
+
+    rows: mx.array
+    real: mx.array
+    batch: int
+    width: int
+    mask: mx.array
+
+
+def encode_packed(loaded: LoadedEncoder, input_ids: mx.array, positions: mx.array,
+                  token_type_ids: mx.array, groups: list[AttentionGroup]) -> mx.array:
+    """``[T, D]`` final hidden states of ``T`` packed tokens (``[T]`` int32 ids, positions
+    from 0 within each sequence, token types): embeddings, projections, MLPs and norms on the
+    packed rows (no padding), attention per :class:`AttentionGroup` (BERT and RoBERTa bodies:
+    ``loaded.packs``). The same function as :func:`encode` on each sequence."""
+    model = loaded.model
+    emb = model.embeddings
+    h = emb.LayerNorm(emb.word_embeddings(input_ids)
+                      + emb.position_embeddings(positions + loaded.position_offset)
+                      + emb.token_type_embeddings(token_type_ids))
+    for layer in model.encoder.layer:
+        sa = layer.attention.self
+        attn = _grouped_attention(sa.query(h), sa.key(h), sa.value(h), sa.num_attention_heads,
+                                  sa.scale, groups)
+        a = layer.attention.output(attn, h)
+        h = layer.output(layer.intermediate(a), a)
+    return h
+
+
+def _grouped_attention(q: mx.array, k: mx.array, v: mx.array, heads: int, scale: float,
+                       groups: list[AttentionGroup]) -> mx.array:
+    """``[T, D]`` attention of packed ``[T, D]`` projections, each group padded on its own."""
+    dim = q.shape[-1]
+    pad = mx.zeros((1, dim), dtype=q.dtype)
+    q, k, v = (mx.concatenate([x, pad]) for x in (q, k, v))
+    outs = []
+    for g in groups:
+        def padded(x: mx.array, g: AttentionGroup = g) -> mx.array:
+            return x[g.rows].reshape(g.batch, g.width, heads, dim // heads).transpose(0, 2, 1, 3)
+
+        out = encoder_attention(padded(q), padded(k), padded(v), None, scale, g.mask)
+        outs.append(out.transpose(0, 2, 1, 3).reshape(-1, dim)[g.real])
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+
 def _match_activation(model: nn.Module, config: dict[str, Any], layout: _Layout) -> None:
     """Give every layer's MLP the config's activation: mlx-vlm hard-codes one per family
-    (ModernBERT's tanh-approximated GELU where its configs say exact ``gelu``).
+    (ModernBERT's tanh-approximated GELU where its configs say exact ``gelu``), and MLX's
+    CPU GELU is scalar (:class:`~vllm_unified.models.cpu_activations.Gelu`).
 
     Raises:
         ValueError: an activation without an MLX counterpart here.

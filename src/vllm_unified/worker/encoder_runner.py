@@ -3,10 +3,11 @@
 An encoder attends bidirectionally within each request and keeps no KV cache: the runner
 reports no KV cache spec (vLLM then treats the model as attention-free: no blocks, chunked
 prefill and prefix caching off, so each step holds whole prompts). A step's requests are
-sorted by length and cut into groups of similar length; each group is one right-padded
-``[B, L]`` batch with an attention mask, every group is built into one MLX graph and evaluated
-once, and the real tokens' rows are gathered back into the ``[T, D]`` token-major layout vLLM's
-pooler reads (:mod:`vllm_unified.worker.pooling`).
+sorted by length and cut into groups of similar length. BERT and RoBERTa bodies run on the
+step's packed tokens (projections, MLPs and norms without padding) with attention as one
+right-padded batch per group; other encoders run each group as a padded batch. The step is one
+MLX graph, evaluated once; the rows come back in the ``[T, D]`` token-major layout of the
+step's requests that vLLM's pooler reads (:mod:`vllm_unified.worker.pooling`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from vllm_unified.compat import (
     VllmConfig,
 )
 from vllm_unified.distributed.pipeline import PipelineStage
-from vllm_unified.models.encoders import LoadedEncoder, encode, load_encoder
+from vllm_unified.models.encoder_attention import route_encoder_attention
+from vllm_unified.models.encoders import (
+    AttentionGroup,
+    LoadedEncoder,
+    encode,
+    encode_packed,
+    load_encoder,
+)
 from vllm_unified.worker.pooling import Pooling
 from vllm_unified.worker.step_profile import StepProfile
 from vllm_unified.worker.vllm_sampling import mlx_to_torch
@@ -40,7 +48,7 @@ __all__ = ["EncoderModelRunner", "EncoderStats", "length_groups"]
 logger = logging.getLogger("vllm.vllm_unified.worker.encoder_runner")
 
 #: a group grows while its padded tokens stay within this factor of its real tokens
-PADDING_SLACK = 1.25
+PADDING_SLACK = 1.1
 #: at most this many padded tokens per group (bounds the ``B x heads x L x L`` scores)
 MAX_GROUP_TOKENS = 8192
 
@@ -133,12 +141,15 @@ class EncoderModelRunner:
         self.loaded = load_encoder(self.model_config.model,
                                    self.model_config.hf_config.to_dict(), self.dtype)
         self.pooling = Pooling(self.vllm_config, self.loaded)
+        routed = route_encoder_attention(self.loaded.model)
         logger.info("vllm-unified: loaded encoder %s (%s, %d layers, %.1fM parameters, dtype "
                     "%s, mlx-vlm's definition) in %.2f s; no KV cache (bidirectional "
-                    "attention within each request); %s", self.model_config.model,
+                    "attention within each request%s); %s", self.model_config.model,
                     self.loaded.config["model_type"], self.stage.num_layers,
                     self.loaded.num_parameters() / 1e6, self.dtype,
-                    time.perf_counter() - start, self.pooling.describe())
+                    time.perf_counter() - start,
+                    ", routed in " + ", ".join(m for m, _ in routed) if routed else "",
+                    self.pooling.describe())
 
     # ------------------------------------------------------------------ no KV cache
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -163,7 +174,7 @@ class EncoderModelRunner:
         """Nothing is queued: every step is evaluated before it returns."""
 
     def shutdown(self) -> None:
-        logger.info("vllm-unified: encoder runner stats %s", self.stats)
+        logger.info("vllm-unified: encoder runner stats %s", self.stats_dict())
 
     def stats_dict(self) -> dict:
         return {**asdict(self.stats), **{f"{k}_s": v
@@ -235,30 +246,68 @@ class EncoderModelRunner:
 
     def _forward(self, requests: list[EncoderRequest], lengths: np.ndarray) -> mx.array:
         """``[T, D]`` final hidden states of the requests' tokens, token-major in request
-        order: one padded batch per :func:`length_groups` group, gathered back."""
-        outputs = []
-        gather = np.empty(int(lengths.sum()), dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        base = 0
-        for group in length_groups(lengths):
-            width = int(lengths[group].max())
-            ids = np.full((len(group), width), self.pad_token_id, dtype=np.int32)
-            mask = np.zeros((len(group), width), dtype=np.int32)
-            types = np.zeros((len(group), width), dtype=np.int32)
-            for row, i in enumerate(group):
-                n = int(lengths[i])
-                ids[row, :n] = requests[i].prompt_token_ids
-                mask[row, :n] = 1
-                type_start = requests[i].token_type_start()
-                if type_start is not None:
-                    types[row, type_start:n] = 1
-                gather[starts[i]:starts[i] + n] = base + row * width + np.arange(n)
-            hidden = encode(self.loaded, mx.array(ids), mx.array(mask), mx.array(types))
-            outputs.append(hidden.reshape(-1, hidden.shape[-1]))
-            base += len(group) * width
-            self.stats.groups += 1
-            self.stats.padded_tokens += len(group) * width
+        order. The requests are cut into :func:`length_groups`; a BERT or RoBERTa body runs
+        on the packed tokens with attention per group (:func:`encode_packed`), others as one
+        padded batch per group (:func:`encode`)."""
+        groups = length_groups(lengths)
+        order = np.concatenate(groups)  # request indices, group by group
+        ids = np.concatenate([requests[i].prompt_token_ids for i in order]).astype(np.int32)
+        positions = np.concatenate([np.arange(lengths[i]) for i in order]).astype(np.int32)
+        types = np.zeros_like(ids)
+        starts = np.concatenate([[0], np.cumsum(lengths[order])[:-1]])  # packed, by order
+        for i, start in zip(order, starts, strict=True):
+            type_start = requests[i].token_type_start()
+            if type_start is not None:
+                types[start + type_start:start + lengths[i]] = 1
+        total = int(ids.size)
+        attention: list[AttentionGroup] = []
+        first = 0
+        for group in groups:
+            attention.append(self._attention_group(lengths[group], starts[first:], total))
+            first += len(group)
         self.stats.forwards += 1
-        self.stats.tokens += int(lengths.sum())
-        flat = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs)
-        return flat[mx.array(gather)]
+        self.stats.tokens += total
+        self.stats.groups += len(groups)
+        self.stats.padded_tokens += sum(g.batch * g.width for g in attention)
+        if self.loaded.packs:
+            hidden = encode_packed(self.loaded, mx.array(ids), mx.array(positions),
+                                   mx.array(types), attention)
+        else:
+            hidden = self._padded_groups(ids, types, attention)
+        # packed (group order) -> request order
+        packed_start = np.empty(len(requests), dtype=np.int64)
+        packed_start[order] = starts
+        back = np.concatenate([packed_start[i] + np.arange(lengths[i])
+                               for i in range(len(requests))])
+        return hidden[mx.array(back.astype(np.int32))]
+
+    def _attention_group(self, lengths: np.ndarray, starts: np.ndarray,
+                         total: int) -> AttentionGroup:
+        """The :class:`AttentionGroup` of sequences of ``lengths`` whose packed tokens start
+        at ``starts[:len(lengths)]`` (``total`` packed tokens in the step)."""
+        batch, width = len(lengths), int(lengths.max())
+        rows = np.full((batch, width), total, dtype=np.int32)
+        real = []
+        mask = np.full((batch, 1, 1, width), np.finfo(np.float32).min, dtype=np.float32)
+        for r, n in enumerate(lengths):
+            rows[r, :n] = starts[r] + np.arange(n)
+            real.append(r * width + np.arange(n))
+            mask[r, ..., :n] = 0
+        return AttentionGroup(mx.array(rows.reshape(-1)),
+                              mx.array(np.concatenate(real).astype(np.int32)), batch, width,
+                              mx.array(mask).astype(self.dtype))
+
+    def _padded_groups(self, ids: np.ndarray, types: np.ndarray,
+                       groups: list[AttentionGroup]) -> mx.array:
+        """``[T, D]`` packed hidden states from one padded :func:`encode` per group."""
+        pad = np.array([self.pad_token_id], dtype=np.int32)
+        ids_ext, types_ext = np.concatenate([ids, pad]), np.concatenate([types, [0]])
+        outs = []
+        for g in groups:
+            rows = np.array(g.rows)
+            shape = (g.batch, g.width)
+            hidden = encode(self.loaded, mx.array(ids_ext[rows].reshape(shape)),
+                            mx.array((rows < ids.size).reshape(shape).astype(np.int32)),
+                            mx.array(types_ext[rows].reshape(shape).astype(np.int32)))
+            outs.append(hidden.reshape(-1, hidden.shape[-1])[g.real])
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
