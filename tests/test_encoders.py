@@ -113,6 +113,26 @@ def _tiny(tmp_path: Path, kind: str) -> Path:
     return folder
 
 
+def test_encoder_start_up_policy(monkeypatch):
+    """An fp32 encoder gets float32 on the CPU backend (vLLM's auto would give pooling models
+    float16, which MLX's CPU backend multiplies without BLAS); without mlx-vlm the start-up
+    is refused with the command that installs it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_unified.worker import pooling_policy
+
+    folder = str(minilm_folder())
+    config = EngineArgs(model=folder).create_engine_config().model_config
+    assert config.runner_type == "pooling" and config.attn_type == "encoder_only"
+    assert str(config.dtype) == "torch.float32"
+    monkeypatch.setattr(pooling_policy, "mlx_vlm_installed", lambda: False)
+    with pytest.raises(Exception) as err:
+        EngineArgs(model=folder).create_engine_config()
+    errors = getattr(err.value, "errors", lambda: [{"msg": str(err.value)}])()
+    message = " ".join(e["msg"] for e in errors)  # pydantic shortens str() of the error
+    assert "encoder models" in message and "pip install --no-deps mlx-vlm" in message, message
+
+
 QUERY = "What does a cross-encoder score?"
 DOCUMENTS = ["It scores a query and a document together, in one forward.",
              "Paris is the capital of France.",

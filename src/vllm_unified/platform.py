@@ -311,6 +311,7 @@ class MLXPlatform(Platform):
             raise ValueError("--enable-lora: LoRA adapters are not supported yet")
         _multimodal_policy(vllm_config)
         pooling_policy(vllm_config)
+        _pooling_dtype_policy(vllm_config)
 
         cache = vllm_config.cache_config
         hybrid = _hybrid_policy(vllm_config)
@@ -413,6 +414,29 @@ class MLXPlatform(Platform):
                     parameter=field,
                     value=getattr(params, field, None),
                 )
+
+
+def _pooling_dtype_policy(vllm_config: VllmConfig) -> None:
+    """A float32 checkpoint served by the pooling runner on MLX's CPU backend runs in float32.
+
+    vLLM's ``--dtype auto`` gives pooling models float16 (``_resolve_auto_dtype`` in
+    vllm/config/model.py); MLX's CPU backend multiplies float16 matrices without BLAS, ~20x
+    slower than float32 (``supported_dtypes`` says the same for generation). vLLM's resolved
+    config does not tell ``auto`` from an explicit ``--dtype float16``: both are raised, with
+    a warning naming the flag.
+    """
+    model_config = vllm_config.model_config
+    if (model_config is None or model_config.runner_type != "pooling"
+            or model_config.dtype != torch.float16 or detect_backend().kind != "cpu"):
+        return
+    hf = model_config.hf_config
+    stored = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if stored not in (None, torch.float32, "float32"):
+        return  # a float16 checkpoint, or the user's --dtype over a float16 one
+    model_config.dtype = torch.float32
+    logger.warning("vllm-unified: --dtype float16 (vLLM's auto choice for pooling models) "
+                   "raised to float32, the checkpoint's dtype: MLX's CPU backend runs "
+                   "float16 matmuls without BLAS, ~20x slower")
 
 
 def _multimodal_policy(vllm_config: VllmConfig) -> None:

@@ -47,6 +47,12 @@ ENCODER_ARCHITECTURES = {
     "ModernBertForSequenceClassification": "classify"}
 
 
+def mlx_vlm_installed() -> bool:
+    """Whether mlx-vlm (the encoders' definitions) is installed, checked without importing
+    it."""
+    return importlib.util.find_spec("mlx_vlm") is not None
+
+
 def is_encoder_model(model_config: Any) -> bool:
     """Whether the pooling runner serves this model as an encoder (no KV cache)."""
     return (model_config.runner_type == "pooling" and model_config.attn_type == "encoder_only"
@@ -93,7 +99,7 @@ def pooling_policy(vllm_config: Any) -> None:
         raise StartupRefused(
             f"{what} is an encoder-only (bidirectional) model; vllm-unified serves the "
             f"encoders {', '.join(sorted(ENCODER_ARCHITECTURES))} and causal decoders")
-    if is_encoder_model(model_config) and importlib.util.find_spec("mlx_vlm") is None:
+    if is_encoder_model(model_config) and not mlx_vlm_installed():
         raise StartupRefused(f"{what}: encoder models are defined by mlx-vlm, which is not "
                              f"installed: {MLX_VLM_INSTALL}")
     if attn_type not in ("decoder", "encoder_only"):
