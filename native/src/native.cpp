@@ -788,10 +788,23 @@ mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, nb::handle s
                           &vun::gelu_tanh_mul_f32);
 }
 
-// out = cap * tanh(x / cap) for an fp32 array.
-class Softcap : public SameShapePrimitive {
+// The kernel of an elementwise map: out[i] = f(x[i]; param) over n fp32 values.
+using UnaryKernel = void (*)(const float*, float*, size_t, float);
+
+void softcap_kernel(const float* x, float* out, size_t n, float cap) {
+  vun::softcap_f32(x, cap, out, n);
+}
+
+void gelu_kernel(const float* x, float* out, size_t n, float tanh) {
+  vun::gelu_f32(x, out, n, tanh != 0.f);
+}
+
+// out = f(x; param) for an fp32 array: cap * tanh(x / cap) ("softcap"), GELU ("gelu", param 1
+// for the tanh approximation).
+class Unary : public SameShapePrimitive {
  public:
-  Softcap(mx::Stream s, float cap) : SameShapePrimitive(s, "softcap"), cap_(cap) {}
+  Unary(mx::Stream s, const char* op, const char* name, UnaryKernel kernel, float param)
+      : SameShapePrimitive(s, op), name_(name), kernel_(kernel), param_(param) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -800,52 +813,25 @@ class Softcap : public SameShapePrimitive {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     enc.set_input_array(x);
     enc.set_output_array(out);
-    enc.dispatch([xp = x.data<float>(), o = out.data<float>(), n = out.size(), cap = cap_]() {
-      split_work(n, 1, 64, [&](size_t b, size_t e) {
-        vun::softcap_f32(xp + b, cap, o + b, e - b);
-      });
+    enc.dispatch([xp = x.data<float>(), o = out.data<float>(), n = out.size(), k = kernel_,
+                  p = param_]() {
+      split_work(n, 1, 64, [&](size_t b, size_t e) { k(xp + b, o + b, e - b, p); });
     });
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return cap_ == static_cast<const Softcap&>(other).cap_;
+    const auto& o = static_cast<const Unary&>(other);
+    return kernel_ == o.kernel_ && param_ == o.param_;
   }
 
   const char* name() const override {
-    return "Softcap";
+    return name_;
   }
 
  private:
-  float cap_;
-};
-
-// out = gelu(x) for an fp32 array: exact (erf) or tanh-approximated.
-class Gelu : public SameShapePrimitive {
- public:
-  Gelu(mx::Stream s, bool tanh) : SameShapePrimitive(s, "gelu"), tanh_(tanh) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    const mx::array x = row_contiguous(inputs[0], enc);
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    enc.set_input_array(x);
-    enc.set_output_array(out);
-    enc.dispatch([xp = x.data<float>(), o = out.data<float>(), n = out.size(), t = tanh_]() {
-      split_work(n, 1, 64, [&](size_t b, size_t e) { vun::gelu_f32(xp + b, o + b, e - b, t); });
-    });
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return tanh_ == static_cast<const Gelu&>(other).tanh_;
-  }
-
-  const char* name() const override {
-    return tanh_ ? "GeluTanh" : "Gelu";
-  }
-
- private:
-  bool tanh_;
+  const char* name_;
+  UnaryKernel kernel_;
+  float param_;
 };
 
 mx::array gelu(const mx::array& x, bool approximate, nb::handle stream) {
@@ -853,7 +839,10 @@ mx::array gelu(const mx::array& x, bool approximate, nb::handle stream) {
   if (x.dtype() != mx::float32) {
     raise_py(PyExc_TypeError, "gelu: x must be float32");
   }
-  return mx::array(x.shape(), mx::float32, std::make_shared<Gelu>(s, approximate), {x});
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<Unary>(s, "gelu", approximate ? "GeluTanh" : "Gelu",
+                                           &gelu_kernel, approximate ? 1.f : 0.f),
+                   {x});
 }
 
 // out = softmax over the last axis of an fp32 array.
@@ -902,7 +891,8 @@ mx::array softcap(const mx::array& x, float cap, nb::handle stream) {
     raise_py(PyExc_ValueError, "softcap: cap must be a finite number > 0, got " +
                                    std::to_string(cap));
   }
-  return mx::array(x.shape(), mx::float32, std::make_shared<Softcap>(s, cap), {x});
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<Unary>(s, "softcap", "Softcap", &softcap_kernel, cap), {x});
 }
 
 // ---------------------------------------------------------------------------------------------

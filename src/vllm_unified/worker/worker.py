@@ -112,12 +112,13 @@ class MLXWorker(WorkerBase):
             init_single_rank_groups(self.vllm_config, self.distributed_init_method)
         # Before any weight is allocated, so the weights are wired as they load (Metal only).
         configure_wired_limit(mx, info.kind, logger)
-        # lazy: the runner imports MLX, loaded only after the BLAS interposition (init_device)
         if is_encoder_model(self.model_config):
+            # lazy: the runner imports MLX, loaded only after the BLAS interposition
             from vllm_unified.worker.encoder_runner import EncoderModelRunner
 
             self.model_runner = EncoderModelRunner(self.vllm_config, backend)
         else:
+            # lazy: the runner imports MLX, loaded only after the BLAS interposition
             from vllm_unified.worker.model_runner import MLXModelRunner
 
             self.model_runner = MLXModelRunner(self.vllm_config, backend)
