@@ -160,19 +160,34 @@ CROSS_ENCODER_BATCHES = [
 
 @pytest.mark.engine
 def test_bert_cross_encoder_matches_vllm(tmp_path):
-    """A one-label BERT cross-encoder (vLLM's ``BertPooler`` and classifier with the
-    checkpoint's weights): ``LLM.score`` of a query against documents (pairs with token type
-    ids) and ``LLM.classify`` equal vLLM's CPU backend in fp32; the scores tell the
-    documents apart."""
+    """A one-label BERT cross-encoder served by ``vllm serve`` (vLLM's ``BertPooler`` and
+    classifier with the checkpoint's weights): ``/score`` and ``/v1/rerank`` of a query
+    against documents (pairs with token type ids) and ``/classify`` equal vLLM's CPU backend's
+    ``LLM.score`` and ``LLM.classify`` in fp32; the scores tell the documents apart."""
+    import requests
+
     model = _tiny(tmp_path, "bert-cls")
-    ours = run_llm(_spec(model, CROSS_ENCODER_BATCHES), tmp_path)
-    ref = run_llm(_spec(model, CROSS_ENCODER_BATCHES), tmp_path, native=True)
-    got, want = ours["embed_batches"], ref["embed_batches"]
-    _assert_close(got[0]["scores"], want[0]["scores"], "score")
-    _assert_close(got[1]["probs"], want[1]["probs"], "classify")
-    assert len({round(s, 4) for s in got[0]["scores"]}) == len(DOCUMENTS)
+    want = run_llm(_spec(model, CROSS_ENCODER_BATCHES), tmp_path, native=True)["embed_batches"]
+    args = [str(model), "--served-model-name", "ce", "--dtype", "float32",
+            "--max-model-len", "128"]
+    with vllm_server(tmp_path, args) as (base, _):
+        def post(path: str, **body) -> dict:
+            r = requests.post(f"{base}{path}", json={"model": "ce", **body}, timeout=120)
+            assert r.status_code == 200, (path, r.text)
+            return r.json()
+
+        scores = post("/score", text_1=QUERY, text_2=DOCUMENTS)["data"]
+        ranked = post("/v1/rerank", query=QUERY, documents=DOCUMENTS)["results"]
+        classes = post("/classify", input=DOCUMENTS)["data"]
+    by_index = sorted(scores, key=lambda d: d["index"])
+    _assert_close([d["score"] for d in by_index], want[0]["scores"], "/score")
+    relevance = {d["index"]: d["relevance_score"] for d in ranked}
+    _assert_close([relevance[i] for i in range(len(DOCUMENTS))], want[0]["scores"], "rerank")
+    probs = [d["probs"] for d in sorted(classes, key=lambda d: d["index"])]
+    _assert_close(probs, want[1]["probs"], "/classify")
+    assert len({round(d["score"], 4) for d in scores}) == len(DOCUMENTS)
     # the pair's second text has token type 1: scored alone it gives another value
-    assert abs(got[0]["scores"][0] - got[1]["probs"][0][0]) > 1e-4
+    assert abs(by_index[0]["score"] - probs[0][0]) > 1e-4
 
 
 @pytest.mark.engine
