@@ -119,8 +119,11 @@ def test_encoder_start_up_policy(monkeypatch):
     is refused with the command that installs it."""
     from vllm.engine.arg_utils import EngineArgs
 
+    from vllm_unified.platform import MLXPlatform
     from vllm_unified.worker import pooling_policy
 
+    # the platform remembers the last config it checked (for validate_request): restore it
+    monkeypatch.setattr(MLXPlatform, "serving_model_config", MLXPlatform.serving_model_config)
     folder = str(minilm_folder())
     config = EngineArgs(model=folder).create_engine_config().model_config
     assert config.runner_type == "pooling" and config.attn_type == "encoder_only"

@@ -117,7 +117,7 @@ def test_worker_wires_before_weights_load(monkeypatch):
     # The KV connector's one-rank process groups (KV offloading) are not under test here.
     monkeypatch.setattr(worker, "init_single_rank_groups", lambda config, method: None)
     w = object.__new__(worker.MLXWorker)
-    w.model_config = SimpleNamespace(seed=0)
+    w.model_config = SimpleNamespace(seed=0, runner_type="generate")
     w.parallel_config = SimpleNamespace(world_size=1, nnodes=1)
     w.vllm_config = None
     w.distributed_init_method = "tcp://127.0.0.1:0"
