@@ -261,6 +261,7 @@ def _assert_scores_match(got: list[float], want: list[float], what: object) -> N
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # the ci tier classifies through vLLM's pooler in tests/test_encoders.py
 def test_sequence_classifier_matches_vllm(tmp_path):
     """``LLM.classify`` on a 3-label ``Qwen3ForSequenceClassification`` (softmax
     probabilities; raw logits with ``use_activation=False``; a prompt longer than the step
