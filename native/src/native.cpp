@@ -788,6 +788,16 @@ mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, nb::handle s
                           &vun::gelu_tanh_mul_f32);
 }
 
+// The row-contiguous input of a one-input, one-output CPU primitive, with its output
+// allocated; both registered with the command encoder.
+mx::array one_in_one_out(const mx::array& in, mx::array& out, mx::cpu::CommandEncoder& enc) {
+  mx::array x = row_contiguous(in, enc);
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  enc.set_input_array(x);
+  enc.set_output_array(out);
+  return x;
+}
+
 // The kernel of an elementwise map: out[i] = f(x[i]; param) over n fp32 values.
 using UnaryKernel = void (*)(const float*, float*, size_t, float);
 
@@ -809,10 +819,7 @@ class Unary : public SameShapePrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     auto& enc = mx::cpu::get_command_encoder(stream());
-    const mx::array x = row_contiguous(inputs[0], enc);
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    enc.set_input_array(x);
-    enc.set_output_array(out);
+    const mx::array x = one_in_one_out(inputs[0], out, enc);
     enc.dispatch([xp = x.data<float>(), o = out.data<float>(), n = out.size(), k = kernel_,
                   p = param_]() {
       split_work(n, 1, 64, [&](size_t b, size_t e) { k(xp + b, o + b, e - b, p); });
@@ -853,10 +860,7 @@ class Softmax : public SameShapePrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     auto& enc = mx::cpu::get_command_encoder(stream());
-    const mx::array x = row_contiguous(inputs[0], enc);
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    enc.set_input_array(x);
-    enc.set_output_array(out);
+    const mx::array x = one_in_one_out(inputs[0], out, enc);
     const size_t n = x.ndim() == 0 ? 1 : static_cast<size_t>(x.shape().back());
     enc.dispatch([xp = x.data<float>(), o = out.data<float>(), rows = out.size() / n, n]() {
       split_work(rows, n, 1, [&](size_t b, size_t e) {
