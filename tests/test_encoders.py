@@ -38,6 +38,17 @@ def _cosine(a: list[float], b: list[float]) -> float:
 SENTENCES = 64
 
 
+def _assert_distinct(vectors: list[list[float]]) -> None:
+    """The embeddings are finite, non-zero and tell the sentences apart: an empty, constant
+    or non-finite output fails here instead of passing the per-sentence checks vacuously."""
+    v = np.asarray(vectors, dtype=np.float64)
+    assert np.all(np.isfinite(v)) and np.all(np.linalg.norm(v, axis=1) > 0)
+    cos = (v / np.linalg.norm(v, axis=1, keepdims=True)) @ (v / np.linalg.norm(
+        v, axis=1, keepdims=True)).T
+    np.fill_diagonal(cos, -1)
+    assert cos.max() < 0.999, cos.max()
+
+
 @pytest.mark.engine
 def test_minilm_embeddings_match_sentence_transformers(tmp_path):
     """``/v1/embeddings`` on all-MiniLM-L6-v2 (MEAN pooling and normalisation from its
@@ -57,7 +68,8 @@ def test_minilm_embeddings_match_sentence_transformers(tmp_path):
                           json={"model": "minilm", "input": texts})
         assert r.status_code == 200, r.text
         got = [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
-    assert len(got) == SENTENCES and len(got[0]) == 384
+    assert len(got) == len(st) == SENTENCES and len(got[0]) == 384
+    _assert_distinct(got)
     for i, g in enumerate(got):
         assert 1 - _cosine(g, st[i]) <= 1e-5, (SOURCE, i, texts[i], 1 - _cosine(g, st[i]))
         assert abs(math.sqrt(sum(x * x for x in g)) - 1) < 1e-5
@@ -75,6 +87,8 @@ def test_minilm_embeddings_match_vllm(tmp_path):
             "embed_batches": [[{"prompt": s} for s in texts]]}
     ours = run_llm(spec, tmp_path)["embed_batches"][0]["embeddings"]
     ref = run_llm(spec, tmp_path, native=True)["embed_batches"][0]["embeddings"]
+    assert len(ours) == len(ref) == SENTENCES and len(ours[0]) == 384
+    _assert_distinct(ours)
     for i, (g, w) in enumerate(zip(ours, ref, strict=True)):
         assert 1 - _cosine(g, w) <= 1e-5, (SOURCE, i, texts[i], 1 - _cosine(g, w))
 
