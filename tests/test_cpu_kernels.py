@@ -749,7 +749,7 @@ def test_start_up_log_names_the_integer_arithmetic(gemv_mode):
     where = ("at every size (1-4 rows, from 5 on AMX-INT8 tiles)" if native.amx_usable()
              else "at every size (1-5 rows, from 6 by the AVX-512 VNNI GEMM)"
              if native.int8_runs(1, 64, 32, 4)
-             else "at every size on AVX2 (no AVX-512 VNNI)")
+             else "at every size on AVX2 (1-4 rows, from 5 by the AVX2 GEMM; no AVX-512 VNNI)")
     assert f"int16 activations in all 15 quantized layers {where}" in routed
     gemv_mode(1)
     assert any(line.startswith("exact fp32 arithmetic in the quantized layers")
@@ -799,8 +799,8 @@ def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
     value of the same arithmetic within fp32 summation's error bound, and stays within the bound
     the quantization of x allows around the exact result."""
     gemv_mode(mode)
-    if not native.int8_runs(1, 128, group_size, bits):
-        pytest.skip("no AVX-512 VNNI and VBMI on this CPU (int8_runs)")
+    if not _int8_gemv_runs(1, 128, group_size, bits):
+        pytest.skip("no integer gemv on this CPU (int8_runs, q8_avx2_gemv_runs)")
     rng = np.random.default_rng(bits * 100 + group_size)
     dtypes = (mx.float32, mx.float16, mx.bfloat16)
     for i, (n, k) in enumerate(((37, 384), (8, 128 if group_size > 32 else 96), (131, 640))):
@@ -821,15 +821,17 @@ def test_int8_gemv_computes_its_reference(bits, group_size, mode, gemv_mode):
             x[0, 32:64] = 0.0
             gemv_mode(mode)
             tiles = (native.amx_int8_runs(m, k, group_size, bits)
-                     or native.q8_gemm_runs(m, k, group_size, bits))
-            int8 = native.int8_runs(m, k, group_size, bits) or tiles
+                     or native.q8_gemm_runs(m, k, group_size, bits)
+                     or native.q8_avx2_gemm_runs(m, k, group_size, bits))
+            avx2_gemv = native.q8_avx2_gemv_runs(m, k, group_size, bits)
+            int8 = native.int8_runs(m, k, group_size, bits) or tiles or avx2_gemv
             got = np.array(native.quantized_linear(mx.array(x), wq, scales, biases, group_size,
                                                    bits)).astype(np.float64)
             magnitude = np.abs(x).astype(np.float64) @ np.abs(dense).T
             if int8:
                 want = _int8_reference(x, codes, s64, b64, group_size, mode == 4)
-                # the gemv leaves the rows of a last block of < 4 to the exact path
-                done = n if tiles else n // 4 * 4
+                # the AVX-512 gemv leaves the rows of a last block of < 4 to the exact path
+                done = n if tiles or avx2_gemv else n // 4 * 4
                 # recursive summation's bound (n u): the segments' fmas, the group's sum of x
                 fp32 = 2.0 ** -24 * (k // 32 + group_size + 4) * magnitude
                 assert np.all(np.abs(got - want)[:, :done] <= fp32[:, :done]), (n, k, m)
@@ -892,8 +894,14 @@ def test_int8_gemm_rows_do_not_depend_on_their_batch(mode, gemv_mode):
             assert mx.array_equal(part, full[-m:]).item(), (bits, group_size, m)
 
 
+def _int8_gemv_runs(m: int, k: int, group_size: int, bits: int) -> bool:
+    """Whether an integer gemv (AVX-512 VNNI, or AVX2 without it) takes x [m, k] here."""
+    return (native.int8_runs(m, k, group_size, bits)
+            or native.q8_avx2_gemv_runs(m, k, group_size, bits))
+
+
 def _int8_gemm_runs(m: int, k: int, group_size: int, bits: int) -> bool:
-    """Whether one of the integer GEMMs (AMX-INT8 from 5 rows, AVX-512 VNNI from 6, AVX2 from 1)
+    """Whether one of the integer GEMMs (AMX-INT8 from 5 rows, AVX-512 VNNI from 6, AVX2 from 5)
     takes x [m, k] here."""
     return (native.amx_int8_runs(m, k, group_size, bits)
             or native.q8_gemm_runs(m, k, group_size, bits)
@@ -944,17 +952,20 @@ def test_int8_gemm_computes_its_reference(bits, group_size, mode, gemv_mode):
 
 def test_int8_gemm_kernels_take_their_sizes_only(gemv_mode):
     """Exactly one integer kernel per size where any runs: the AVX-512 gemv (1-4 rows with the
-    AMX-INT8 tiles from 5, else 1-5 with the AVX-512 VNNI GEMM from 6), or the AVX2 GEMM at
-    every size where none of those run; none for 0 rows, in modes 0-2 or for layouts they do
-    not take (K % 32, group 48, 7 bits)."""
+    AMX-INT8 tiles from 5, else 1-5 with the AVX-512 VNNI GEMM from 6), or where none of those
+    run the AVX2 gemv for 1-4 rows and the AVX2 GEMM from 5; none for 0 rows, in modes 0-2 or
+    for layouts they do not take (K % 32, group 48, 7 bits)."""
     gemv_mode(4)
     if not _int8_gemm_runs(16, 128, 32, 4):
         pytest.skip("no integer GEMM here")
     for m in (1, 2, 3, 4, 5, 6, 16, 17, 2048):
         assert sum((native.int8_runs(m, 128, 16, 6), native.amx_int8_runs(m, 128, 16, 6),
-                    native.q8_gemm_runs(m, 128, 16, 6),
+                    native.q8_gemm_runs(m, 128, 16, 6), native.q8_avx2_gemv_runs(m, 128, 16, 6),
                     native.q8_avx2_gemm_runs(m, 128, 16, 6))) == 1, m
+    if native.q8_avx2_gemm_runs(16, 128, 32, 4):
+        assert all(native.q8_avx2_gemv_runs(m, 128, 32, 4) == (m <= 4) for m in (1, 4, 5, 16))
     assert not _int8_gemm_runs(0, 128, 16, 6)
+    assert not _int8_gemv_runs(0, 128, 16, 6)
     assert not _int8_gemm_runs(64, 144, 48, 4)
     assert not _int8_gemm_runs(64, 128, 32, 7)
     assert not _int8_gemm_runs(64, 80, 16, 4)
@@ -966,9 +977,9 @@ def test_int8_gemm_kernels_take_their_sizes_only(gemv_mode):
 
 
 def test_int8_gemm_on_avx2():
-    """The tests of the integer GEMMs, again with ``VLLM_UNIFIED_CPU_ISA=avx2``: the AVX2 GEMM
-    against its reference at every width, group size and row count, its predicate, the
-    start-up log's account of it."""
+    """The tests of the integer GEMMs, again with ``VLLM_UNIFIED_CPU_ISA=avx2``: the AVX2 gemv
+    and GEMM against their reference at every width, group size and row count, their
+    predicates, the start-up log's account of them."""
     import os
     import subprocess
     import sys
@@ -982,7 +993,8 @@ def test_int8_gemm_on_avx2():
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
          "int8_gemm_computes_its_reference or int8_gemm_kernels_take_their_sizes_only "
-         "or start_up_log_names_the_integer_arithmetic", __file__],
+         "or int8_gemv_computes_its_reference or start_up_log_names_the_integer_arithmetic",
+         __file__],
         env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]

@@ -141,13 +141,14 @@ def test_16bit_scales_equal_their_fp32_widening(scale_dtype):
 def test_integer_activations_equal_quantized_linear_per_expert(mode, bits, group_size):
     """VLLM_UNIFIED_CPU_ACTIVATIONS int8 (3) / int16 (4): an expert with 1-4 rows multiplies
     its codes by x quantized per 32 elements, as quantized_linear does for that many rows, and
-    more rows take the VNNI GEMM where it runs (no AMX), else compute exactly: bit-identical to
+    more rows take the VNNI GEMM where it runs (no AMX; on AVX2 the AVX2 gemv and GEMM), else
+    compute exactly: bit-identical to
     quantized_linear on each expert's weight and rows (to linear on the dequantized weight where
     quantized_linear would take AMX tiles, which the expert kernel does not)."""
     native.quantized_gemv_mode(mode)
     if not (native.int8_runs(1, IN, group_size, bits)
-            or native.q8_avx2_gemm_runs(1, IN, group_size, bits)):
-        pytest.skip("no integer kernel for this layout on this CPU (int8_runs, q8_avx2_gemm_runs)")
+            or native.q8_avx2_gemv_runs(1, IN, group_size, bits)):
+        pytest.skip("no integer kernel for this layout on this CPU (int8_runs, q8_avx2_gemv_runs)")
     rng = np.random.default_rng(mode * 10 + bits)
     wq, scales, biases, dense = _experts(rng, bits, group_size, scale_dtype=mx.bfloat16)
 
@@ -424,7 +425,8 @@ def test_served_quantized_moe_equals_its_dequantized_load(tmp_path):
 
 def test_integer_experts_on_avx2():
     """The integer experts' test again with ``VLLM_UNIFIED_CPU_ISA=avx2``: each expert's rows
-    by the AVX2 GEMM at every size, bit-identical to quantized_linear on that expert."""
+    by the AVX2 gemv (1-4 rows) or GEMM (5 and more), bit-identical to quantized_linear on that
+    expert."""
     import os
     import subprocess
     import sys

@@ -283,7 +283,7 @@ void q8_gemm_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t*
 // does, held as int16 x16 (hi, or 256 hi + lo), codes widened to int16 in 8-row panels (bytes
 // with one term and 2-4-bit codes); every number of rows, 1-4 included.
 
-// Whether the AVX2 GEMM runs here for this layer: AVX2 and FMA (and an ISA cap of avx2 or
+// Whether the AVX2 kernels run here for this layer: AVX2, FMA and F16C (and an ISA cap of avx2 or
 // above), the widths, group sizes and K that q8_usable takes.
 bool q8_avx2_usable(size_t K, size_t group_size, int bits);
 
@@ -308,6 +308,20 @@ void q8_avx2_pack(const uint32_t* wq, const void* scales, const void* biases, Sc
 void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t* panel,
                      float* y, size_t N, size_t group_size, int bits, bool two_terms,
                      size_t nb0, size_t nb1, size_t m0, size_t m1);
+
+// The AVX2 gemv, for few rows of x: each weight row read once, its codes unpacked in registers
+// and shared by up to 4 rows of x (the GEMM unpacks every code into a panel per call). Same
+// integer sums as the GEMM; the fp32 sums in another order (not bit-identical to it).
+// x_order [M, K] int16 (q8_avx2_gemv_x_bytes): the prepared x16 in the order the gemv reads
+// for `bits`, written by q8_avx2_gemv_order_x from q8_avx2_prepare_x's buffer.
+size_t q8_avx2_gemv_x_bytes(size_t M, size_t K);
+void q8_avx2_gemv_order_x(const uint8_t* xbuf, const Q8GemmXLayout& l, int bits, int16_t* out);
+
+// y[m, n] for every m < l.M and n in [n0, n1), from the prepared x (xbuf, x_order) and w's
+// rows (scales and biases [N, K / group_size] of type st).
+void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const int16_t* x_order,
+                  const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
+                  float* y, size_t N, size_t group_size, int bits, size_t n0, size_t n1);
 
 // The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)
 // as the low 8 * BITS bits of a little-endian integer; the bits above are other elements' (or

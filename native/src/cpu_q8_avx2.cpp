@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "cpu_math.h"
 
@@ -63,13 +64,14 @@ size_t q8_avx2_panel_bytes(size_t K, size_t group_size) {
 
 #ifdef VUN_X86
 
-#define VUN_AVX2_TARGET "avx2,fma"
+#define VUN_AVX2_TARGET "avx2,fma,f16c"
 
 namespace {
 
 bool avx2_fma() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }
 
 // Codes 2c and 2c + 1 of 16 elements of a packed row from p (MLX's layout: a little-endian
@@ -411,6 +413,179 @@ MicroFn micro_fn(size_t group_size, bool bytes, size_t rows, int nr) {
   return bytes ? micro_for<32, true>(rows, nr) : micro_for<32, false>(rows, nr);
 }
 
+
+// ---- the gemv: 1 to a few rows of x, the codes unpacked in registers, each weight row read once ----
+
+// The 8 lanes' sum as one float, in a fixed order.
+__attribute__((target(VUN_AVX2_TARGET))) inline float hsum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// 8 scales or biases of type ST from p as fp32, exactly.
+template <ScaleType ST>
+__attribute__((target(VUN_AVX2_TARGET))) inline __m256 load8(const void* p) {
+  if constexpr (ST == ScaleType::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p));
+  } else {
+    const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
+    return ST == ScaleType::kF16
+        ? _mm256_cvtph_ps(h)
+        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// The `groups` scales of type ST at src as fp32 into dst (vectors of 8 where they fit: the
+// scalar half_to_float branches per value).
+template <ScaleType ST>
+__attribute__((target(VUN_AVX2_TARGET))) inline void widen_row(const char* src, size_t groups,
+                                                                float* dst) {
+  constexpr size_t eb = ST == ScaleType::kF32 ? 4 : 2;
+  size_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    _mm256_storeu_ps(dst + g, load8<ST>(src + g * eb));
+  }
+  for (; g < groups; ++g) {
+    dst[g] = scale_at<ST>(src, g);
+  }
+}
+
+// The codes of block `blk` (32 elements) of a packed row as int16: c[0] and c[1]. For BITS 4,
+// c[0] holds the low nibbles of the block's 16 bytes (elements 0, 2, ..., 30) and c[1] the
+// high ones (1, 3, ..., 31), which x in gemv order meets (q8_avx2_gemv_order_x); otherwise
+// elements 0-15 and 16-31 in order. `end` is the weight's end (code_pairs16 reads 16 bytes).
+template <int BITS>
+__attribute__((target(VUN_AVX2_TARGET))) inline void block_codes(const uint8_t* row, size_t blk,
+                                                                 const uint8_t* end,
+                                                                 __m256i (&c)[2]) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + blk * 16)));
+    c[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+    c[1] = _mm256_srli_epi16(v, 4);
+  } else if constexpr (BITS == 8) {
+    const auto* p = reinterpret_cast<const __m128i*>(row + blk * 32);
+    c[0] = _mm256_cvtepu8_epi16(_mm_loadu_si128(p));
+    c[1] = _mm256_cvtepu8_epi16(_mm_loadu_si128(p + 1));
+  } else {
+    const uint8_t* p = row + blk * 4 * BITS;
+    c[0] = code_pairs16<BITS>(p, p + 16 <= end);
+    c[1] = code_pairs16<BITS>(p + 2 * BITS, p + 2 * BITS + 16 <= end);
+  }
+}
+
+// y[m, n] for m < MR and rows n in [n0, n1): x16 [MR, K] in gemv order, dx [MR, K / 32] and
+// sx [MR, groups] as q8_avx2_prepare_x writes them. Per block of 32 and x row the integer
+// sums are exact (as the GEMM's); in fp32: acc = fma(float(sum), s[n, g] * dx[m, blk], acc),
+// over two accumulators (even and odd blocks), then + sum_g b[n, g] * sx[m, g].
+template <int BITS, bool G16, ScaleType ST, int MR>
+__attribute__((target(VUN_AVX2_TARGET))) void gemv_rows(
+    const int16_t* x16, const float* dx, const float* sx, const uint8_t* w8,
+    const void* scales, const void* biases, float* y, size_t N, size_t K, size_t group_size,
+    size_t n0, size_t n1) {
+  const size_t row_bytes = K * BITS / 8, groups = K / group_size, blocks = K / 32;
+  const uint8_t* end = w8 + N * row_bytes;
+  constexpr size_t eb = ST == ScaleType::kF32 ? 4 : 2;
+  thread_local std::vector<float> srow_buf;
+  srow_buf.resize(groups);
+  float* srow = srow_buf.data();
+  for (size_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w8 + n * row_bytes;
+    widen_row<ST>(static_cast<const char*>(scales) + n * groups * eb, groups, srow);
+    const char* br = static_cast<const char*>(biases) + n * groups * eb;
+    // rows are short (SmolLM2's: 288 bytes): fetch 4 rows ahead, where the stream continues
+    for (size_t off = 0; off < row_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + 4 * row_bytes + off), _MM_HINT_T0);
+    }
+    __m256 acc[MR][2];
+    for (int m = 0; m < MR; ++m) {
+      acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    }
+    for (size_t blk = 0; blk < blocks; ++blk) {
+      __m256i c[2];
+      block_codes<BITS>(row, blk, end, c);
+      float s0, s1 = 0.0f;
+      if constexpr (G16) {
+        s0 = srow[2 * blk];
+        s1 = srow[2 * blk + 1];
+      } else {
+        s0 = srow[blk * 32 / group_size];
+      }
+      for (int m = 0; m < MR; ++m) {
+        const auto* xv = reinterpret_cast<const __m256i*>(x16 + m * K + blk * 32);
+        const __m256i sa = _mm256_madd_epi16(c[0], _mm256_loadu_si256(xv));
+        const __m256i sb = _mm256_madd_epi16(c[1], _mm256_loadu_si256(xv + 1));
+        const float d = dx[m * blocks + blk];
+        __m256& a = acc[m][blk & 1];
+        if constexpr (!G16) {
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sa, sb)),
+                              _mm256_set1_ps(s0 * d), a);
+        } else if constexpr (BITS == 4) {  // lanes 0-3: elements 0-15; lanes 4-7: 16-31
+          const __m256 sv = _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xf0);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sa, sb)),
+                              _mm256_mul_ps(sv, _mm256_set1_ps(d)), a);
+        } else {
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), _mm256_set1_ps(s0 * d), a);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb), _mm256_set1_ps(s1 * d), a);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m256 a = _mm256_add_ps(acc[m][0], acc[m][1]);
+      const float* sxm = sx + m * groups;
+      size_t g = 0;
+      for (; g + 8 <= groups; g += 8) {
+        a = _mm256_fmadd_ps(load8<ST>(br + g * eb), _mm256_loadu_ps(sxm + g), a);
+      }
+      float tail = 0.0f;
+      for (; g < groups; ++g) {
+        tail += scale_at<ST>(br, g) * sxm[g];
+      }
+      y[m * N + n] = hsum8(a) + tail;
+    }
+  }
+}
+
+using GemvFn = void (*)(const int16_t*, const float*, const float*, const uint8_t*, const void*,
+                        const void*, float*, size_t, size_t, size_t, size_t, size_t);
+
+template <int BITS, bool G16, ScaleType ST>
+GemvFn gemv_for_rows(size_t rows) {
+  switch (rows) {
+    case 1: return gemv_rows<BITS, G16, ST, 1>;
+    case 2: return gemv_rows<BITS, G16, ST, 2>;
+    case 3: return gemv_rows<BITS, G16, ST, 3>;
+    default: return gemv_rows<BITS, G16, ST, 4>;
+  }
+}
+
+template <int BITS, ScaleType ST>
+GemvFn gemv_for_group(size_t group_size, size_t rows) {
+  return group_size == 16 ? gemv_for_rows<BITS, true, ST>(rows)
+                          : gemv_for_rows<BITS, false, ST>(rows);
+}
+
+template <ScaleType ST>
+GemvFn gemv_for_type(int bits, size_t group_size, size_t rows) {
+  switch (bits) {
+    case 2: return gemv_for_group<2, ST>(group_size, rows);
+    case 3: return gemv_for_group<3, ST>(group_size, rows);
+    case 4: return gemv_for_group<4, ST>(group_size, rows);
+    case 5: return gemv_for_group<5, ST>(group_size, rows);
+    case 6: return gemv_for_group<6, ST>(group_size, rows);
+    default: return gemv_for_group<8, ST>(group_size, rows);
+  }
+}
+
+GemvFn gemv_for(ScaleType st, int bits, size_t group_size, size_t rows) {
+  switch (st) {
+    case ScaleType::kF32: return gemv_for_type<ScaleType::kF32>(bits, group_size, rows);
+    case ScaleType::kF16: return gemv_for_type<ScaleType::kF16>(bits, group_size, rows);
+    default: return gemv_for_type<ScaleType::kBF16>(bits, group_size, rows);
+  }
+}
+
 }  // namespace
 
 bool q8_avx2_usable(size_t K, size_t group_size, int bits) {
@@ -509,6 +684,39 @@ void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t*
   }
 }
 
+size_t q8_avx2_gemv_x_bytes(size_t M, size_t K) {
+  return round64(M * K * sizeof(int16_t));
+}
+
+void q8_avx2_gemv_order_x(const uint8_t* xbuf, const Q8GemmXLayout& l, int bits, int16_t* out) {
+  const auto* x16 = reinterpret_cast<const int16_t*>(xbuf + l.hi);
+  if (bits != 4) {
+    std::memcpy(out, x16, l.M * l.K * sizeof(int16_t));
+    return;
+  }
+  for (size_t i = 0; i < l.M * l.K; i += 32) {  // per block: even elements, then odd ones
+    for (size_t e = 0; e < 16; ++e) {
+      out[i + e] = x16[i + 2 * e];
+      out[i + 16 + e] = x16[i + 2 * e + 1];
+    }
+  }
+}
+
+void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const int16_t* x_order,
+                  const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
+                  float* y, size_t N, size_t group_size, int bits, size_t n0, size_t n1) {
+  const size_t K = l.K, blocks = K / 32;
+  const auto* dx = reinterpret_cast<const float*>(xbuf + l.dx);
+  const auto* sx = reinterpret_cast<const float*>(xbuf + l.sx);
+  const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
+  for (size_t m = 0; m < l.M; m += 4) {  // x's rows 4 at a time: the codes unpack once per 4
+    const size_t rows = std::min<size_t>(4, l.M - m);
+    gemv_for(st, bits, group_size, rows)(x_order + m * K, dx + m * blocks, sx + m * l.groups,
+                                         w8, scales, biases, y + m * N, N, K, group_size, n0,
+                                         n1);
+  }
+}
+
 #else
 
 bool q8_avx2_usable(size_t, size_t, int) {
@@ -524,6 +732,17 @@ void q8_avx2_pack(const uint32_t*, const void*, const void*, ScaleType, size_t, 
 }
 void q8_avx2_compute(const uint8_t*, const Q8GemmXLayout&, const uint8_t*, float*, size_t,
                      size_t, int, bool, size_t, size_t, size_t, size_t) {
+  std::abort();
+}
+size_t q8_avx2_gemv_x_bytes(size_t, size_t) {
+  std::abort();
+}
+void q8_avx2_gemv_order_x(const uint8_t*, const Q8GemmXLayout&, int, int16_t*) {
+  std::abort();
+}
+void q8_avx2_gemv(const uint8_t*, const Q8GemmXLayout&, const int16_t*, const uint32_t*,
+                  const void*, const void*, ScaleType, float*, size_t, size_t, int, size_t,
+                  size_t) {
   std::abort();
 }
 

@@ -2155,14 +2155,45 @@ bool use_q8_gemm(size_t M, size_t K, size_t group_size, int bits) {
          !vun::amx_usable() && vun::q8_usable(K, group_size, bits);
 }
 
-// Whether quantized_linear takes the AVX2 GEMM for x [M, K] (vun::q8_avx2_*): modes 3 and 4
-// at every size where neither AMX-INT8 nor the AVX-512 VNNI kernels run (a CPU without AVX-512
-// VNNI and VBMI, or VLLM_UNIFIED_CPU_ISA=avx2) and the layout is one the int8 kernels take.
-// Same bits as the AVX-512 GEMM. From 1 row: a gemv unpacking the codes in registers per call
-// was no faster at 1 row and slower from 2 than unpacking them once into the panel.
-bool use_q8_avx2_gemm(size_t M, size_t K, size_t group_size, int bits) {
+// Whether the AVX2 integer kernels (vun::q8_avx2_*) take x [M, K]: modes 3 and 4 at every size
+// where neither AMX-INT8 nor the AVX-512 VNNI kernels run (a CPU without AVX-512 VNNI and
+// VBMI, or VLLM_UNIFIED_CPU_ISA=avx2) and the layout is one the int8 kernels take; the gemv up
+// to kQ8Avx2GemvMaxRows rows, the GEMM (same bits as the AVX-512 GEMM) beyond.
+bool use_q8_avx2(size_t M, size_t K, size_t group_size, int bits) {
   return gemv_mode().load(std::memory_order_relaxed) >= 3 && M >= 1 && !vun::amx_usable() &&
          !vun::q8_usable(K, group_size, bits) && vun::q8_avx2_usable(K, group_size, bits);
+}
+
+// Rows of x up to which the AVX2 gemv (vun::q8_avx2_gemv) runs: it reads each weight row once
+// and unpacks its codes in registers, where the GEMM writes and rereads a panel of int16 codes
+// per call (benchmarks/kernels.py linear --isa avx2).
+constexpr size_t kQ8Avx2GemvMaxRows = 4;
+
+bool use_q8_avx2_gemv(size_t M, size_t K, size_t group_size, int bits) {
+  return M <= kQ8Avx2GemvMaxRows && use_q8_avx2(M, K, group_size, bits);
+}
+
+bool use_q8_avx2_gemm(size_t M, size_t K, size_t group_size, int bits) {
+  return M > kQ8Avx2GemvMaxRows && use_q8_avx2(M, K, group_size, bits);
+}
+
+// The AVX2 gemv for x [M <= kQ8Avx2GemvMaxRows, K]: x prepared and put in gemv order once into
+// `scratch` (q8_avx2_x_layout's bytes + q8_avx2_gemv_x_bytes + 128), then the weight's rows
+// split over the pool.
+void q8_avx2_gemv_linear(const float* x, const uint32_t* w, const void* scales,
+                         const void* biases, vun::ScaleType st, float* y, size_t M, size_t N,
+                         size_t K, size_t group_size, int bits, bool two_terms, char* scratch) {
+  const vun::Q8GemmXLayout l = vun::q8_avx2_x_layout(M, K, group_size);
+  auto* xbuf = reinterpret_cast<uint8_t*>(align64(scratch));
+  auto* x_order = reinterpret_cast<int16_t*>(align64(reinterpret_cast<char*>(xbuf) + l.bytes));
+  vun::q8_avx2_prepare_x(x, l, group_size, two_terms, xbuf, 0, M);
+  vun::q8_avx2_gemv_order_x(xbuf, l, bits, x_order);
+  auto& pool = kernel_pool();
+  const size_t chunks = std::min(N, 8 * pool.size());
+  pool.run(chunks, [&](size_t c) {
+    vun::q8_avx2_gemv(xbuf, l, x_order, w, scales, biases, st, y, N, group_size, bits,
+                      N * c / chunks, N * (c + 1) / chunks);
+  });
 }
 
 // The AVX-512 VNNI GEMM, or (avx2) its AVX2 twin: x prepared once (rows split over the pool)
@@ -2358,11 +2389,14 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     const bool amx_int8 = use_amx_int8(rows, depth, gs, bits_);
     const auto out_features = static_cast<size_t>(wq.shape(0));
     const bool q8_panel = amx_int8 && rows > 16;
+    const bool avx2_gemv = use_q8_avx2_gemv(rows, depth, gs, bits_);
     const bool q8_avx2 = use_q8_avx2_gemm(rows, depth, gs, bits_);
     const bool q8_gemm = q8_avx2 || use_q8_gemm(rows, depth, gs, bits_);
-    if (q8_panel || q8_gemm || (!int8 && !amx_int8 && use_amx(rows, depth, gs))) {
+    if (avx2_gemv || q8_panel || q8_gemm || (!int8 && !amx_int8 && use_amx(rows, depth, gs))) {
       const size_t bytes =
-          q8_avx2    ? vun::q8_avx2_x_layout(rows, depth, gs).bytes + 64
+          avx2_gemv  ? vun::q8_avx2_x_layout(rows, depth, gs).bytes +
+                           vun::q8_avx2_gemv_x_bytes(rows, depth) + 128
+          : q8_avx2  ? vun::q8_avx2_x_layout(rows, depth, gs).bytes + 64
           : q8_gemm  ? vun::q8_gemm_x_layout(rows, depth, gs, mode == 4).bytes + 64
           : q8_panel ? amx_q8_scratch(rows, out_features, depth, gs)
                      : amx_scratch(rows, out_features, depth, gs).bytes();
@@ -2378,8 +2412,12 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
                   bp = static_cast<const void*>(inputs[3].data<char>()),
                   st = scale_type(inputs[2]), yp = y.data<float>(), M = rows,
                   N = static_cast<size_t>(inputs[1].shape(0)), K = depth, gs, bits = bits_,
-                  mode, int8, amx_int8, q8_gemm, q8_avx2]() {
+                  mode, int8, amx_int8, q8_gemm, q8_avx2, avx2_gemv]() {
       auto& pool = kernel_pool();
+      if (avx2_gemv) {
+        q8_avx2_gemv_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, scratch);
+        return;
+      }
       if (q8_gemm) {
         q8_gemm_linear(xp, wp, sp, bp, st, yp, M, N, K, gs, bits, mode == 4, q8_avx2, scratch);
         return;
@@ -2691,16 +2729,27 @@ class GatherQuantizedLinear : public QuantizedWeightPrimitive {
       std::vector<char> gemm_scratch;
       for (size_t a = 0; affine && a < g.experts.size(); ++a) {
         const size_t row0 = g.start[a] * M, rows = g.start[a + 1] * M - row0;
+        const bool gemv = use_q8_avx2_gemv(rows, K, gs, bits);
         const bool avx2 = use_q8_avx2_gemm(rows, K, gs, bits);
-        if (!avx2 && !use_q8_gemm(rows, K, gs, bits)) {
+        if (!gemv && !avx2 && !use_q8_gemm(rows, K, gs, bits)) {
           continue;
         }
-        gemm_scratch.resize((avx2 ? vun::q8_avx2_x_layout(rows, K, gs)
-                                  : vun::q8_gemm_x_layout(rows, K, gs, mode == 4)).bytes + 64);
+        gemm_scratch.resize(
+            gemv ? vun::q8_avx2_x_layout(rows, K, gs).bytes + vun::q8_avx2_gemv_x_bytes(rows, K) +
+                       128
+                 : (avx2 ? vun::q8_avx2_x_layout(rows, K, gs)
+                         : vun::q8_gemm_x_layout(rows, K, gs, mode == 4)).bytes + 64);
         const size_t e = g.experts[a];
-        q8_gemm_linear(xg + row0 * K, wp + e * N * words, sp + e * N * groups * scale_bytes,
-                       bp + e * N * groups * scale_bytes, st, yg + row0 * N, rows, N, K, gs,
-                       bits, mode == 4, avx2, gemm_scratch.data());
+        const uint32_t* we = wp + e * N * words;
+        const char* se = sp + e * N * groups * scale_bytes;
+        const char* be = bp + e * N * groups * scale_bytes;
+        if (gemv) {
+          q8_avx2_gemv_linear(xg + row0 * K, we, se, be, st, yg + row0 * N, rows, N, K, gs, bits,
+                              mode == 4, gemm_scratch.data());
+        } else {
+          q8_gemm_linear(xg + row0 * K, we, se, be, st, yg + row0 * N, rows, N, K, gs, bits,
+                         mode == 4, avx2, gemm_scratch.data());
+        }
         gemm_done[a] = 1;
       }
       // int8 x where some expert takes it (use_int8 per expert's rows), quantized once
@@ -3063,13 +3112,18 @@ NB_MODULE(_native, m) {
         "Whether quantized_linear computes x [rows, in_features] by the AVX-512 VNNI GEMM "
         "against x quantized per 32 elements (quantized_gemv_mode 3 or 4, no AMX, a layout "
         "int8_runs takes, 4 rows and more).");
+  m.def("q8_avx2_gemv_runs", &use_q8_avx2_gemv, nb::arg("rows"), nb::arg("in_features"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "Whether quantized_linear computes x [rows, in_features] by the AVX2 gemv (where "
+        "q8_avx2_gemm_runs, up to 4 rows): the GEMM's integer sums, its fp32 sums in another "
+        "order.");
   m.def("q8_avx2_gemm_runs", &use_q8_avx2_gemm, nb::arg("rows"), nb::arg("in_features"),
         nb::arg("group_size"), nb::arg("bits"),
         "Whether quantized_linear computes x [rows, in_features] by the AVX2 GEMM against x "
         "quantized per 32 elements, bit-identical to q8_gemm_runs' kernel (quantized_gemv_mode "
-        "3 or 4, AVX2 and FMA without AVX-512 VNNI and VBMI or VLLM_UNIFIED_CPU_ISA=avx2, no "
+        "3 or 4, AVX2, FMA and F16C without AVX-512 VNNI and VBMI or VLLM_UNIFIED_CPU_ISA=avx2, no "
         "AMX, bits 2-6 or 8, group size 16, 32 or a multiple of 64, in_features a multiple of "
-        "32 and of the group size, any number of rows).");
+        "32 and of the group size, more rows than q8_avx2_gemv_runs takes).");
   m.def("info", &info, nb::arg("a"), "Pointers and ownership facts of an array (evaluates it).");
   m.attr("MLX_VERSION") = VUN_MLX_VERSION;
   m.attr("NANOBIND_VERSION") = VUN_NANOBIND_VERSION;

@@ -441,7 +441,7 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     CPU with AVX-512 VNNI and VBMI: 1-4 rows, and every size from 5 rows, prefill chunks
     included, on AMX-INT8 tiles where the CPU has them, else by the gemv up to 5 rows and the
     VNNI GEMM from 6; on
-    AVX2 without AVX-512 VNNI: every size by the AVX2 GEMM; expert layers per expert as the
+    AVX2 without AVX-512 VNNI: 1-4 rows by the AVX2 gemv, from 5 by the AVX2 GEMM; expert layers per expert as the
     others, never on tiles; mxfp4 experts always exact) and how many
     compute exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8 tiles."""
     native = bridge.native_kernels()
@@ -459,7 +459,7 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
         integer = sum(getattr(m, "mode", "affine") == "affine"
                       and native.q8_avx2_gemm_runs(16, k, m.group_size, m.bits)
                       for m, k in layers)
-        where = "at every size on AVX2 (no AVX-512 VNNI)"
+        where = "at every size on AVX2 (1-4 rows, from 5 by the AVX2 GEMM; no AVX-512 VNNI)"
     if integer == 0:
         return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
                 "fp32, or no AVX2)", False)
