@@ -440,9 +440,9 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
     codes by x quantized per 32 elements (``VLLM_UNIFIED_CPU_ACTIVATIONS`` int16 or int8 on a
     CPU with AVX-512 VNNI and VBMI: 1-4 rows, and every size from 5 rows, prefill chunks
     included, on AMX-INT8 tiles where the CPU has them, else by the gemv up to 5 rows and the
-    VNNI GEMM from 6; on
-    AVX2 without AVX-512 VNNI: 1-4 rows by the AVX2 gemv, from 5 by the AVX2 GEMM; expert layers per expert as the
-    others, never on tiles; mxfp4 experts always exact) and how many
+    VNNI GEMM from 6; on AVX2 without AVX-512 VNNI: 1-4 rows by the AVX2 gemv, from 5 by the
+    AVX2 GEMM; expert layers per expert as the others, never on tiles; mxfp4 experts always
+    exact) and how many
     compute exactly in fp32; and whether every layer runs 5 rows and more on AMX-INT8 tiles."""
     native = bridge.native_kernels()
     layers = [(m, m["weight"].shape[-1] * 32 // m.bits) for m in model.modules()
