@@ -894,6 +894,35 @@ def test_int8_gemm_rows_do_not_depend_on_their_batch(mode, gemv_mode):
             assert mx.array_equal(part, full[-m:]).item(), (bits, group_size, m)
 
 
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_int8_kernels_take_groups_of_any_multiple_of_64(bits, gemv_mode):
+    """Groups of 192 (a multiple of 64 that is no power of two: the kernels count blocks per
+    group rather than assume a shift) on the integer gemv and GEMM that run here, 1-5, 8 and
+    17 rows, two terms: within fp32 summation's bound of the float64 value of the arithmetic."""
+    gemv_mode(4)
+    if not (_int8_gemv_runs(1, 384, 192, bits) or _int8_gemm_runs(16, 384, 192, bits)):
+        pytest.skip("no integer kernel here")
+    rng = np.random.default_rng(bits)
+    n, k, group_size = 21, 576, 192
+    wq, _, _ = _quantized(rng, n, k, 32, bits)
+    scales = mx.array(rng.standard_normal((n, k // group_size)).astype(np.float32))
+    biases = mx.array(rng.standard_normal((n, k // group_size)).astype(np.float32))
+    codes = _codes(wq, n, k, bits)
+    s64, b64 = np.array(scales).astype(np.float64), np.array(biases).astype(np.float64)
+    dense = codes * np.repeat(s64, group_size, 1) + np.repeat(b64, group_size, 1)
+    for m in (1, 2, 3, 4, 5, 8, 17):
+        assert _int8_gemv_runs(m, k, group_size, bits) or _int8_gemm_runs(m, k, group_size,
+                                                                           bits), m
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        got = np.array(native.quantized_linear(mx.array(x), wq, scales, biases, group_size,
+                                               bits)).astype(np.float64)
+        want = _int8_reference(x, codes, s64, b64, group_size, True)
+        magnitude = np.abs(x).astype(np.float64) @ np.abs(dense).T
+        done = n if not native.int8_runs(m, k, group_size, bits) else n // 4 * 4
+        bound = 2.0 ** -24 * (k // 32 + group_size + 4) * magnitude
+        assert np.all(np.abs(got - want)[:, :done] <= bound[:, :done]), m
+
+
 def _int8_gemv_runs(m: int, k: int, group_size: int, bits: int) -> bool:
     """Whether an integer gemv (AVX-512 VNNI, or AVX2 without it) takes x [m, k] here."""
     return (native.int8_runs(m, k, group_size, bits)
@@ -993,7 +1022,8 @@ def test_int8_gemm_on_avx2():
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
          "int8_gemm_computes_its_reference or int8_gemm_kernels_take_their_sizes_only "
-         "or int8_gemv_computes_its_reference or start_up_log_names_the_integer_arithmetic",
+         "or int8_gemv_computes_its_reference or start_up_log_names_the_integer_arithmetic "
+         "or groups_of_any_multiple_of_64",
          __file__],
         env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -476,10 +476,12 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void block_codes(const uint8_t* 
 }
 
 // y[m, n] for m < MR and rows n in [n0, n1): x16 [MR, K] in gemv order, dx [MR, K / 32] and
-// sx [MR, groups] as q8_avx2_prepare_x writes them. Per block of 32 and x row the integer
+// sx [MR, groups] as q8_avx2_prepare_x writes them. BPG: blocks per group (0: groups of 16;
+// -1: any multiple of 64, counted at run time, as a division per block would cost more than
+// the block's products). Per block of 32 and x row the integer
 // sums are exact (as the GEMM's); in fp32: acc = fma(float(sum), s[n, g] * dx[m, blk], acc),
 // over two accumulators (even and odd blocks), then + sum_g b[n, g] * sx[m, g].
-template <int BITS, bool G16, ScaleType ST, int MR>
+template <int BITS, int BPG, ScaleType ST, int MR>
 __attribute__((target(VUN_AVX2_TARGET))) void gemv_rows(
     const int16_t* x16, const float* dx, const float* sx, const uint8_t* w8,
     const void* scales, const void* biases, float* y, size_t N, size_t K, size_t group_size,
@@ -502,15 +504,22 @@ __attribute__((target(VUN_AVX2_TARGET))) void gemv_rows(
     for (int m = 0; m < MR; ++m) {
       acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     }
+    size_t g = 0, left = group_size / 32;  // BPG -1: the block's group, blocks left in it
     for (size_t blk = 0; blk < blocks; ++blk) {
       __m256i c[2];
       block_codes<BITS>(row, blk, end, c);
       float s0, s1 = 0.0f;
-      if constexpr (G16) {
+      if constexpr (BPG == 0) {
         s0 = srow[2 * blk];
         s1 = srow[2 * blk + 1];
+      } else if constexpr (BPG > 0) {
+        s0 = srow[blk / BPG];
       } else {
-        s0 = srow[blk * 32 / group_size];
+        s0 = srow[g];
+        if (--left == 0) {
+          ++g;
+          left = group_size / 32;
+        }
       }
       for (int m = 0; m < MR; ++m) {
         const auto* xv = reinterpret_cast<const __m256i*>(x16 + m * K + blk * 32);
@@ -518,7 +527,7 @@ __attribute__((target(VUN_AVX2_TARGET))) void gemv_rows(
         const __m256i sb = _mm256_madd_epi16(c[1], _mm256_loadu_si256(xv + 1));
         const float d = dx[m * blocks + blk];
         __m256& a = acc[m][blk & 1];
-        if constexpr (!G16) {
+        if constexpr (BPG != 0) {
           a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sa, sb)),
                               _mm256_set1_ps(s0 * d), a);
         } else if constexpr (BITS == 4) {  // lanes 0-3: elements 0-15; lanes 4-7: 16-31
@@ -550,20 +559,25 @@ __attribute__((target(VUN_AVX2_TARGET))) void gemv_rows(
 using GemvFn = void (*)(const int16_t*, const float*, const float*, const uint8_t*, const void*,
                         const void*, float*, size_t, size_t, size_t, size_t, size_t);
 
-template <int BITS, bool G16, ScaleType ST>
+template <int BITS, int BPG, ScaleType ST>
 GemvFn gemv_for_rows(size_t rows) {
   switch (rows) {
-    case 1: return gemv_rows<BITS, G16, ST, 1>;
-    case 2: return gemv_rows<BITS, G16, ST, 2>;
-    case 3: return gemv_rows<BITS, G16, ST, 3>;
-    default: return gemv_rows<BITS, G16, ST, 4>;
+    case 1: return gemv_rows<BITS, BPG, ST, 1>;
+    case 2: return gemv_rows<BITS, BPG, ST, 2>;
+    case 3: return gemv_rows<BITS, BPG, ST, 3>;
+    default: return gemv_rows<BITS, BPG, ST, 4>;
   }
 }
 
 template <int BITS, ScaleType ST>
 GemvFn gemv_for_group(size_t group_size, size_t rows) {
-  return group_size == 16 ? gemv_for_rows<BITS, true, ST>(rows)
-                          : gemv_for_rows<BITS, false, ST>(rows);
+  switch (group_size) {
+    case 16: return gemv_for_rows<BITS, 0, ST>(rows);
+    case 32: return gemv_for_rows<BITS, 1, ST>(rows);
+    case 64: return gemv_for_rows<BITS, 2, ST>(rows);
+    case 128: return gemv_for_rows<BITS, 4, ST>(rows);
+    default: return gemv_for_rows<BITS, -1, ST>(rows);
+  }
 }
 
 template <ScaleType ST>
