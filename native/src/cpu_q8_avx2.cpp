@@ -451,6 +451,41 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void widen_row(const char* src, 
   }
 }
 
+// Codes 0-15 of 16 elements of a packed row from p (MLX's layout, p a multiple of 8 elements
+// into the row) as int16 in order: a shuffle puts each code's 2 bytes in its word, a multiply
+// by 2^(8 - shift) and a shift right by 8 bring its bits to the bottom (AVX2 has no per-word
+// variable shift), a mask keeps BITS of them. Reads 16 bytes where `whole`, else 2 * BITS.
+template <int BITS>
+__attribute__((target(VUN_AVX2_TARGET))) inline __m256i codes16(const uint8_t* p, bool whole) {
+  struct Tables {
+    alignas(32) uint8_t gather[32];
+    alignas(32) uint16_t mul[16];
+  };
+  static constexpr Tables t = [] {
+    Tables v{};
+    for (int i = 0; i < 16; ++i) {
+      const int bit = BITS * i, byte = bit / 8;
+      v.gather[2 * i] = static_cast<uint8_t>(byte);  // a lane's shuffle reads its own 16 bytes
+      v.gather[2 * i + 1] = static_cast<uint8_t>(std::min(byte + 1, 15));
+      v.mul[i] = static_cast<uint16_t>(1u << (8 - bit % 8));
+    }
+    return v;
+  }();
+  __m256i raw;
+  if (whole) {
+    raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    alignas(16) uint8_t tmp[16] = {};
+    std::memcpy(tmp, p, 2 * BITS);
+    raw = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+  }
+  const __m256i g = _mm256_shuffle_epi8(
+      raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.gather)));
+  const __m256i v = _mm256_mullo_epi16(
+      g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.mul)));
+  return _mm256_and_si256(_mm256_srli_epi16(v, 8), _mm256_set1_epi16((1 << BITS) - 1));
+}
+
 // The codes of block `blk` (32 elements) of a packed row as int16: c[0] and c[1]. For BITS 4,
 // c[0] holds the low nibbles of the block's 16 bytes (elements 0, 2, ..., 30) and c[1] the
 // high ones (1, 3, ..., 31), which x in gemv order meets (q8_avx2_gemv_order_x); otherwise
@@ -470,8 +505,8 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void block_codes(const uint8_t* 
     c[1] = _mm256_cvtepu8_epi16(_mm_loadu_si128(p + 1));
   } else {
     const uint8_t* p = row + blk * 4 * BITS;
-    c[0] = code_pairs16<BITS>(p, p + 16 <= end);
-    c[1] = code_pairs16<BITS>(p + 2 * BITS, p + 2 * BITS + 16 <= end);
+    c[0] = codes16<BITS>(p, p + 16 <= end);
+    c[1] = codes16<BITS>(p + 2 * BITS, p + 2 * BITS + 16 <= end);
   }
 }
 
