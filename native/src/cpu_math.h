@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 #include <optional>
 #include <string>
 
@@ -164,6 +165,30 @@ inline float scale_at(const void* p, size_t i) {
 
 // dst[i] = element i of src (scales or biases of type t) as fp32, for i < n.
 void widen_scales(const void* src, ScaleType t, size_t n, float* dst);
+
+// A GEMM panel's fp32 scales and biases: the scales [groups][block_rows] at dst, then the
+// biases, of weight rows [n0, n0 + rows) (rows past them 0). The rows' values are contiguous:
+// widened in one widen_scales call each (vectors; a scalar half_to_float per value cost more
+// than unpacking the rows' codes), then transposed.
+template <ScaleType ST>
+void widen_panel_scales(const void* scales, const void* biases, size_t groups, size_t n0,
+                        size_t rows, size_t block_rows, float* dst) {
+  constexpr size_t eb = ST == ScaleType::kF32 ? 4 : 2;
+  thread_local std::vector<float> wide;
+  wide.resize(rows * groups);
+  float* const parts[2] = {dst, dst + groups * block_rows};
+  const void* const src[2] = {scales, biases};
+  for (int p = 0; p < 2; ++p) {
+    widen_scales(static_cast<const char*>(src[p]) + n0 * groups * eb, ST, rows * groups,
+                 wide.data());
+    for (size_t g = 0; g < groups; ++g) {
+      float* out = parts[p] + g * block_rows;
+      for (size_t r = 0; r < block_rows; ++r) {
+        out[r] = r < rows ? wide[r * groups + g] : 0.0f;
+      }
+    }
+  }
+}
 
 // The scales and biases ([rows, groups], type t) of rows [n, n + count) as fp32 [count, groups]:
 // float32 ones where they lie, 16-bit ones widened into this thread's buffers (valid until the

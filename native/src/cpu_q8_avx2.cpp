@@ -165,15 +165,8 @@ __attribute__((target(VUN_AVX2_TARGET))) void pack_block(
       _mm256_store_si256(out + 4 + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x31));
     }
   }
-  auto* s = reinterpret_cast<float*>(dst + kBlockRows * K * sizeof(int16_t));
-  float* b = s + groups * kBlockRows;
-  for (size_t g = 0; g < groups; ++g) {
-    for (size_t r = 0; r < kBlockRows; ++r) {
-      const size_t n = nb * kBlockRows + r;
-      s[g * kBlockRows + r] = r < rows ? scale_at<ST>(scales, n * groups + g) : 0.0f;
-      b[g * kBlockRows + r] = r < rows ? scale_at<ST>(biases, n * groups + g) : 0.0f;
-    }
-  }
+  widen_panel_scales<ST>(scales, biases, groups, nb * kBlockRows, rows, kBlockRows,
+                         reinterpret_cast<float*>(dst + kBlockRows * K * sizeof(int16_t)));
 }
 
 using PackFn = void (*)(const uint8_t*, const void*, const void*, size_t, size_t, size_t, size_t,

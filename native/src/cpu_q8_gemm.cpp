@@ -82,19 +82,20 @@ __attribute__((target(VUN_GEMM_TARGET))) void pack_block(
                       : _mm512_setzero_si512();
     }
     transpose16(t);  // t[c]: elements k + 4c .. k + 4c + 3 of the 16 rows
-    for (size_t c = 0; c < valid / 4; ++c) {
-      _mm512_store_si512(dst + (k / 4 + c) * 64, t[c]);
+    if (valid == 64) {  // a constant count: 16 stores from registers (else GCC made the loop a
+                        // memcpy of the array, spilled to the stack, by rep movsq)
+#pragma GCC unroll 16
+      for (size_t c = 0; c < 16; ++c) {
+        _mm512_store_si512(dst + (k / 4 + c) * 64, t[c]);
+      }
+    } else {
+      for (size_t c = 0; c < valid / 4; ++c) {
+        _mm512_store_si512(dst + (k / 4 + c) * 64, t[c]);
+      }
     }
   }
-  auto* s = reinterpret_cast<float*>(dst + kBlockRows * K);
-  float* b = s + groups * kBlockRows;
-  for (size_t g = 0; g < groups; ++g) {
-    for (size_t r = 0; r < kBlockRows; ++r) {
-      const size_t n = nb * kBlockRows + r;
-      s[g * kBlockRows + r] = r < rows ? scale_at<ST>(scales, n * groups + g) : 0.0f;
-      b[g * kBlockRows + r] = r < rows ? scale_at<ST>(biases, n * groups + g) : 0.0f;
-    }
-  }
+  widen_panel_scales<ST>(scales, biases, groups, nb * kBlockRows, rows, kBlockRows,
+                         reinterpret_cast<float*>(dst + kBlockRows * K));
 }
 
 using PackFn = void (*)(const uint8_t*, const void*, const void*, size_t, size_t, size_t, size_t,

@@ -303,6 +303,24 @@ __attribute__((target("avx512f"))) size_t widen16_avx512(const uint16_t* src, bo
   }
   return i;
 }
+
+// The same 8 at a time (AVX2 with F16C).
+__attribute__((target("avx2,f16c"))) size_t widen8_avx2(const uint16_t* src, bool bf16, size_t n,
+                                                        float* dst) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m256 f = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                          : _mm256_cvtph_ps(h);
+    _mm256_storeu_ps(dst + i, f);
+  }
+  return i;
+}
+
+bool f16c() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c");
+}
 #endif
 
 }  // namespace
@@ -311,9 +329,12 @@ void widen_scales(const void* src, ScaleType t, size_t n, float* dst) {
   size_t done = 0;
 #ifdef VUN_X86
   // a scalar conversion per scale cost more than the 4-bit decode kernel's whole row
-  static const bool vector = isa_level() >= 2;
-  if (vector && t != ScaleType::kF32) {
+  static const int level = isa_level();
+  static const bool avx2 = level == 1 && f16c();
+  if (level >= 2 && t != ScaleType::kF32) {
     done = widen16_avx512(static_cast<const uint16_t*>(src), t == ScaleType::kBF16, n, dst);
+  } else if (avx2 && t != ScaleType::kF32) {
+    done = widen8_avx2(static_cast<const uint16_t*>(src), t == ScaleType::kBF16, n, dst);
   }
 #endif
   src = static_cast<const char*>(src) + done * (t == ScaleType::kF32 ? 4 : 2);
