@@ -116,9 +116,10 @@ _SETTINGS = (
     Setting("VLLM_UNIFIED_CPU_ACTIVATIONS", "int16", _choice("int16", "int8", "fp32"),
             "CPU backend: the arithmetic of quantized layers at every size, prefill included "
             "(AVX-512 VNNI: a gemv for 1-5 rows, from 6 a GEMM, or AMX-INT8 tiles from 5; AVX2: "
-            "a GEMM): the weight codes times x quantized per 32 elements, by integer dot "
-            "products: int16 (x to ~16 bits in two terms), int8 (one term, llama.cpp's: "
-            "faster, less exact); fp32 dequantizes exactly (docs/features/quantization.md)"),
+            "a gemv for 1-4 rows, from 5 a GEMM): the weight codes times x quantized per 32 "
+            "elements, by integer dot products: int16 (x to ~16 bits in two terms), int8 (one "
+            "term, llama.cpp's: faster, less exact); fp32 dequantizes exactly "
+            "(docs/features/quantization.md)"),
     Setting("VLLM_UNIFIED_GPU_ATTENTION", True, _bool,
             "GPU backends (CUDA, Metal): 0 attends through the reference instead of the paged "
             "kernel"),
