@@ -74,49 +74,39 @@ bool avx2_fma() {
          __builtin_cpu_supports("f16c");
 }
 
-// Codes 2c and 2c + 1 of 16 elements of a packed row from p (MLX's layout: a little-endian
-// bit stream of BITS per element; p a multiple of 8 elements into the row) as dword c = the two
-// codes as int16, c < 8: each code's bits lie in 2 bytes, which a shuffle moves into its half of
-// the dword, then one variable shift per half and a mask (no PDEP, no VBMI). Reads the 16
-// bytes from p where `whole` (they lie inside the weight), else only the 2 * BITS it needs.
+// Codes 0-15 of 16 elements of a packed row from p (MLX's layout, p a multiple of 8 elements
+// into the row) as int16 in order: a shuffle puts each code's 2 bytes in its word, a multiply
+// by 2^(8 - shift) and a shift right by 8 bring its bits to the bottom (AVX2 has no per-word
+// variable shift), a mask keeps BITS of them. Reads 16 bytes where `whole`, else 2 * BITS.
 template <int BITS>
-__attribute__((target(VUN_AVX2_TARGET))) inline __m256i code_pairs16(const uint8_t* p,
-                                                                     bool whole) {
+__attribute__((target(VUN_AVX2_TARGET))) inline __m256i codes16(const uint8_t* p, bool whole) {
   struct Tables {
     alignas(32) uint8_t gather[32];
-    alignas(32) uint32_t shift_lo[8], shift_hi[8];
+    alignas(32) uint16_t mul[16];
   };
   static constexpr Tables t = [] {
     Tables v{};
-    for (int c = 0; c < 8; ++c) {
-      for (int h = 0; h < 2; ++h) {
-        const int bit = BITS * (2 * c + h), byte = bit / 8;
-        v.gather[4 * c + 2 * h] = static_cast<uint8_t>(byte);
-        // the second byte only matters where the code crosses into it (never at 8 bits)
-        v.gather[4 * c + 2 * h + 1] = static_cast<uint8_t>(std::min(byte + 1, 15));
-        (h == 0 ? v.shift_lo : v.shift_hi)[c] = static_cast<uint32_t>(bit % 8);
-      }
+    for (int i = 0; i < 16; ++i) {
+      const int bit = BITS * i, byte = bit / 8;
+      v.gather[2 * i] = static_cast<uint8_t>(byte);  // a lane's shuffle reads its own 16 bytes
+      v.gather[2 * i + 1] = static_cast<uint8_t>(std::min(byte + 1, 15));
+      v.mul[i] = static_cast<uint16_t>(1u << (8 - bit % 8));
     }
     return v;
   }();
-  __m128i raw;
+  __m256i raw;
   if (whole) {
-    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   } else {
     alignas(16) uint8_t tmp[16] = {};
     std::memcpy(tmp, p, 2 * BITS);
-    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+    raw = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
   }
   const __m256i g = _mm256_shuffle_epi8(
-      _mm256_broadcastsi128_si256(raw),
-      _mm256_load_si256(reinterpret_cast<const __m256i*>(t.gather)));
-  const __m256i lo = _mm256_srlv_epi32(
-      g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift_lo)));
-  const __m256i hi = _mm256_srlv_epi32(
-      g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift_hi)));
-  constexpr int mask = (1 << BITS) - 1;
-  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(mask)),
-                         _mm256_and_si256(hi, _mm256_set1_epi32(mask << 16)));
+      raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.gather)));
+  const __m256i v = _mm256_mullo_epi16(
+      g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.mul)));
+  return _mm256_and_si256(_mm256_srli_epi16(v, 8), _mm256_set1_epi16((1 << BITS) - 1));
 }
 
 // Panel block nb of w (rows 8 nb .. 8 nb + 7; rows past N zero): int16 codes at dst, element
@@ -141,11 +131,11 @@ __attribute__((target(VUN_AVX2_TARGET))) void pack_block(
       if (i >= rows) {
         r[i] = _mm256_setzero_si256();
       } else if constexpr (BYTES) {  // codes 0-15 and 16-31 as words -> 32 bytes in order
-        const __m256i a = code_pairs16<BITS>(p, p + 16 <= end);
-        const __m256i c = code_pairs16<BITS>(p + 2 * BITS, p + 2 * BITS + 16 <= end);
+        const __m256i a = codes16<BITS>(p, p + 16 <= end);
+        const __m256i c = codes16<BITS>(p + 2 * BITS, p + 2 * BITS + 16 <= end);
         r[i] = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, c), 0xd8);
       } else {
-        r[i] = code_pairs16<BITS>(p, p + 16 <= end);
+        r[i] = codes16<BITS>(p, p + 16 <= end);
       }
     }
     __m256i t[8], u[8];
@@ -444,45 +434,10 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void widen_row(const char* src, 
   }
 }
 
-// Codes 0-15 of 16 elements of a packed row from p (MLX's layout, p a multiple of 8 elements
-// into the row) as int16 in order: a shuffle puts each code's 2 bytes in its word, a multiply
-// by 2^(8 - shift) and a shift right by 8 bring its bits to the bottom (AVX2 has no per-word
-// variable shift), a mask keeps BITS of them. Reads 16 bytes where `whole`, else 2 * BITS.
-template <int BITS>
-__attribute__((target(VUN_AVX2_TARGET))) inline __m256i codes16(const uint8_t* p, bool whole) {
-  struct Tables {
-    alignas(32) uint8_t gather[32];
-    alignas(32) uint16_t mul[16];
-  };
-  static constexpr Tables t = [] {
-    Tables v{};
-    for (int i = 0; i < 16; ++i) {
-      const int bit = BITS * i, byte = bit / 8;
-      v.gather[2 * i] = static_cast<uint8_t>(byte);  // a lane's shuffle reads its own 16 bytes
-      v.gather[2 * i + 1] = static_cast<uint8_t>(std::min(byte + 1, 15));
-      v.mul[i] = static_cast<uint16_t>(1u << (8 - bit % 8));
-    }
-    return v;
-  }();
-  __m256i raw;
-  if (whole) {
-    raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  } else {
-    alignas(16) uint8_t tmp[16] = {};
-    std::memcpy(tmp, p, 2 * BITS);
-    raw = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
-  }
-  const __m256i g = _mm256_shuffle_epi8(
-      raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.gather)));
-  const __m256i v = _mm256_mullo_epi16(
-      g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.mul)));
-  return _mm256_and_si256(_mm256_srli_epi16(v, 8), _mm256_set1_epi16((1 << BITS) - 1));
-}
-
 // The codes of block `blk` (32 elements) of a packed row as int16: c[0] and c[1]. For BITS 4,
 // c[0] holds the low nibbles of the block's 16 bytes (elements 0, 2, ..., 30) and c[1] the
 // high ones (1, 3, ..., 31), which x in gemv order meets (q8_avx2_gemv_order_x); otherwise
-// elements 0-15 and 16-31 in order. `end` is the weight's end (code_pairs16 reads 16 bytes).
+// elements 0-15 and 16-31 in order. `end` is the weight's end (codes16 reads 16 bytes).
 template <int BITS>
 __attribute__((target(VUN_AVX2_TARGET))) inline void block_codes(const uint8_t* row, size_t blk,
                                                                  const uint8_t* end,
