@@ -316,9 +316,13 @@ bool q8_avx2_usable(size_t K, size_t group_size, int bits);
 // with one term), dx and sx as q8_gemm_x_layout's.
 Q8GemmXLayout q8_avx2_x_layout(size_t M, size_t K, size_t group_size);
 
-// Rows [m0, m1) of x [M, K] (fp32, row-contiguous) into buf (l.bytes, 64-byte aligned).
+// Rows [m0, m1) of x [M, K] (fp32, row-contiguous) into buf (l.bytes, 64-byte aligned); x16
+// in even/odd order per block of 32 (its even elements, then its odd ones) where even_odd.
 void q8_avx2_prepare_x(const float* x, const Q8GemmXLayout& l, size_t group_size,
-                       bool two_terms, uint8_t* buf, size_t m0, size_t m1);
+                       bool two_terms, bool even_odd, uint8_t* buf, size_t m0, size_t m1);
+
+// Whether the GEMM's panel for these holds 4-bit codes in even/odd order (x16 prepared so).
+bool q8_avx2_even_odd(int bits, bool two_terms, size_t group_size);
 
 // Bytes of one panel block (8 weight rows: int16 codes, then fp32 scales and biases).
 size_t q8_avx2_panel_bytes(size_t K, size_t group_size);

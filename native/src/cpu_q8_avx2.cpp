@@ -94,6 +94,9 @@ __attribute__((target(VUN_AVX2_TARGET))) inline __m256i codes16(const uint8_t* p
     }
     return v;
   }();
+  if constexpr (BITS == 8) {  // bytes in order: one widen (2 * BITS = 16 bytes: always whole)
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   __m256i raw;
   if (whole) {
     raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -107,6 +110,78 @@ __attribute__((target(VUN_AVX2_TARGET))) inline __m256i codes16(const uint8_t* p
   const __m256i v = _mm256_mullo_epi16(
       g, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.mul)));
   return _mm256_and_si256(_mm256_srli_epi16(v, 8), _mm256_set1_epi16((1 << BITS) - 1));
+}
+
+// Whether the panel holds bytes and the products go through VPMADDUBSW: one term (x8) and
+// codes below 16, so that a product pair is at most 2 * 15 * 127 and the 8 pairs of a segment
+// (16 for groups of 16: 4) sum to at most 30480 in int16, exactly.
+bool byte_products(int bits, bool two_terms) {
+  return !two_terms && bits <= 4;
+}
+
+// The 8 x 8 dwords of r (dword c of row i) transposed to out[c] (dword i: row i's), in order.
+__attribute__((target(VUN_AVX2_TARGET))) inline void transpose8_store(const __m256i (&r)[8],
+                                                                      __m256i* out) {
+  __m256i t[8], u[8];
+  for (int j = 0; j < 4; ++j) {
+    t[2 * j] = _mm256_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+    t[2 * j + 1] = _mm256_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+  }
+  for (int j = 0; j < 2; ++j) {  // u[4j + c], lane L: dword 4L + c of rows 4j .. 4j + 3
+    u[4 * j] = _mm256_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 1] = _mm256_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 2] = _mm256_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+    u[4 * j + 3] = _mm256_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_store_si256(out + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x20));
+    _mm256_store_si256(out + 4 + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x31));
+  }
+}
+
+// Whether the int16 panel holds 4-bit codes in even/odd order, x16 following it (prepare_x):
+// per block of 32 elements, the 16 low nibbles (elements 0, 2, ..., 30), then the 16 high
+// ones. One load, widen, mask and shift unpack 32 codes (in order: two shuffles, multiplies and
+// shifts). The integer sums of a block are the same in any order; groups of 16 keep the order.
+bool even_odd(int bits, bool two_terms, size_t group_size) {
+  return bits == 4 && !byte_products(bits, two_terms) && group_size % 32 == 0;
+}
+
+}  // namespace
+
+bool q8_avx2_even_odd(int bits, bool two_terms, size_t group_size) {
+  return even_odd(bits, two_terms, group_size);
+}
+
+namespace {
+
+// pack_block<4, ST, false> in even/odd order: the panel's dword p of a block of 32 holds
+// positions 2p and 2p + 1 of that order, as x16's pairs.
+template <ScaleType ST>
+__attribute__((target(VUN_AVX2_TARGET))) void pack_block_even_odd(
+    const uint8_t* w8, const void* scales, const void* biases, size_t N, size_t K,
+    size_t group_size, size_t nb, uint8_t* dst) {
+  const size_t row_bytes = K / 2, groups = K / group_size;
+  const size_t rows = std::min(kBlockRows, N - nb * kBlockRows);
+  auto* codes = reinterpret_cast<__m256i*>(dst);
+  const __m256i mask = _mm256_set1_epi16(0x0f);
+  for (size_t k = 0; k < K; k += 32) {
+    __m256i lo[8], hi[8];
+    for (size_t i = 0; i < kBlockRows; ++i) {
+      if (i >= rows) {
+        lo[i] = hi[i] = _mm256_setzero_si256();
+        continue;
+      }
+      const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(w8 + (nb * kBlockRows + i) * row_bytes + k / 2)));
+      lo[i] = _mm256_and_si256(v, mask);
+      hi[i] = _mm256_srli_epi16(v, 4);
+    }
+    transpose8_store(lo, codes + k / 2);
+    transpose8_store(hi, codes + k / 2 + 8);
+  }
+  widen_panel_scales<ST>(scales, biases, groups, nb * kBlockRows, rows, kBlockRows,
+                         reinterpret_cast<float*>(dst + kBlockRows * K * sizeof(int16_t)));
 }
 
 // Panel block nb of w (rows 8 nb .. 8 nb + 7; rows past N zero): int16 codes at dst, element
@@ -138,22 +213,7 @@ __attribute__((target(VUN_AVX2_TARGET))) void pack_block(
         r[i] = codes16<BITS>(p, p + 16 <= end);
       }
     }
-    __m256i t[8], u[8];
-    for (int j = 0; j < 4; ++j) {
-      t[2 * j] = _mm256_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
-      t[2 * j + 1] = _mm256_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
-    }
-    for (int j = 0; j < 2; ++j) {  // u[4j + c], lane L: pair 4L + c of rows 4j .. 4j + 3
-      u[4 * j] = _mm256_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
-      u[4 * j + 1] = _mm256_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
-      u[4 * j + 2] = _mm256_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
-      u[4 * j + 3] = _mm256_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
-    }
-    __m256i* out = codes + k / (BYTES ? 4 : 2);
-    for (int c = 0; c < 4; ++c) {
-      _mm256_store_si256(out + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x20));
-      _mm256_store_si256(out + 4 + c, _mm256_permute2x128_si256(u[c], u[4 + c], 0x31));
-    }
+    transpose8_store(r, codes + k / (BYTES ? 4 : 2));
   }
   widen_panel_scales<ST>(scales, biases, groups, nb * kBlockRows, rows, kBlockRows,
                          reinterpret_cast<float*>(dst + kBlockRows * K * sizeof(int16_t)));
@@ -163,30 +223,26 @@ using PackFn = void (*)(const uint8_t*, const void*, const void*, size_t, size_t
                         uint8_t*);
 
 template <ScaleType ST>
-PackFn pack_for_type(int bits, bool bytes) {
+PackFn pack_for_type(int bits, bool bytes, bool eo) {
   switch (bits) {
     case 2: return bytes ? pack_block<2, ST, true> : pack_block<2, ST, false>;
     case 3: return bytes ? pack_block<3, ST, true> : pack_block<3, ST, false>;
-    case 4: return bytes ? pack_block<4, ST, true> : pack_block<4, ST, false>;
+    case 4:
+      return bytes ? pack_block<4, ST, true>
+             : eo  ? pack_block_even_odd<ST>
+                   : pack_block<4, ST, false>;
     case 5: return pack_block<5, ST, false>;
     case 6: return pack_block<6, ST, false>;
     default: return pack_block<8, ST, false>;
   }
 }
 
-PackFn pack_for(ScaleType st, int bits, bool bytes) {
+PackFn pack_for(ScaleType st, int bits, bool bytes, bool eo) {
   switch (st) {
-    case ScaleType::kF32: return pack_for_type<ScaleType::kF32>(bits, bytes);
-    case ScaleType::kF16: return pack_for_type<ScaleType::kF16>(bits, bytes);
-    default: return pack_for_type<ScaleType::kBF16>(bits, bytes);
+    case ScaleType::kF32: return pack_for_type<ScaleType::kF32>(bits, bytes, eo);
+    case ScaleType::kF16: return pack_for_type<ScaleType::kF16>(bits, bytes, eo);
+    default: return pack_for_type<ScaleType::kBF16>(bits, bytes, eo);
   }
-}
-
-// Whether the panel holds bytes and the products go through VPMADDUBSW: one term (x8) and
-// codes below 16, so that a product pair is at most 2 * 15 * 127 and the 8 pairs of a segment
-// (16 for groups of 16: 4) sum to at most 30480 in int16, exactly.
-bool byte_products(int bits, bool two_terms) {
-  return !two_terms && bits <= 4;
 }
 
 using i32_alias = int32_t __attribute__((may_alias));
@@ -266,6 +322,30 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void step4x2_bytes(const int8_t*
       : "memory");
 }
 
+// One segment's epilogue (the file's header): acc[i][j] += float(sum[i][j]) * (s_j * dx_i),
+// then, at the first segment of a group (FIRST), += b_j * sx_i. s: block 0's scales of the
+// group (block j's panel_floats further, its biases at b + j * panel_floats), dx: row 0's scale
+// of the block (row i's i * blocks further), sx: row 0's sum over the group (i * groups).
+template <int MR, int NR, bool FIRST>
+__attribute__((target(VUN_AVX2_TARGET))) inline void epilogue(
+    const __m256i (&sum)[MR][NR], float (&acc)[MR][NR][kBlockRows], const float* s,
+    const float* b, size_t panel_floats, const float* dx, size_t blocks, const float* sx,
+    size_t groups) {
+  for (int i = 0; i < MR; ++i) {
+    const __m256 dxv = _mm256_set1_ps(dx[i * blocks]);
+    for (int j = 0; j < NR; ++j) {
+      __m256 a = _mm256_load_ps(acc[i][j]);
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][j]),
+                          _mm256_mul_ps(_mm256_load_ps(s + j * panel_floats), dxv), a);
+      if constexpr (FIRST) {
+        a = _mm256_fmadd_ps(_mm256_load_ps(b + j * panel_floats), _mm256_set1_ps(sx[i * groups]),
+                            a);
+      }
+      _mm256_store_ps(acc[i][j], a);
+    }
+  }
+}
+
 // y[m0 + i, n0 + 8 j + lane] for i < MR, j < NR (NR panel blocks from `panel`, each
 // panel_bytes apart): segments of D elements, the epilogue of each as the file's header says.
 template <size_t D, int MR, int NR, bool BYTES>
@@ -279,18 +359,25 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
   const auto* dx = reinterpret_cast<const float*>(xbuf + l.dx) + m0 * blocks;
   const auto* sx = reinterpret_cast<const float*>(xbuf + l.sx) + m0 * groups;
   const uint8_t* codes[NR];
-  const float* s[NR];
-  const float* b[NR];
   for (int j = 0; j < NR; ++j) {
     codes[j] = panel + j * panel_bytes;
-    s[j] = reinterpret_cast<const float*>(codes[j] + kBlockRows * K * sizeof(int16_t));
-    b[j] = s[j] + groups * kBlockRows;
   }
+  // block j's scales at s0 + j * panel_floats, its biases groups * kBlockRows after them
+  const auto* s0 = reinterpret_cast<const float*>(panel + kBlockRows * K * sizeof(int16_t));
+  const size_t panel_floats = panel_bytes / sizeof(float);
   // the fp32 accumulators live in memory between segments: in registers beside the 8 integer
   // sums, GCC spilled sums inside the hot loop instead (16 ymm registers only)
   alignas(32) float acc_mem[MR][NR][kBlockRows] = {};
   __asm__ volatile("" : : "r"(acc_mem) : "memory");
-  size_t g = 0, next_group = 0;
+  // y's lines requested now, so that the stores at the end find them in cache: a store that
+  // misses held the epilogues' stores to acc_mem behind it in the store buffer
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      __builtin_prefetch(y + (m0 + i) * N + n0 + j * kBlockRows, 1, 3);
+    }
+  }
+  const size_t group_segments = group_size / D;
+  size_t g = 0, seg = 0;  // the segment's group, and its index in the group
   for (size_t k0 = 0; k0 < K; k0 += D) {
     __m256i sum[MR][NR];
     for (int i = 0; i < MR; ++i) {
@@ -343,30 +430,32 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
         }
       }
     }
-    const bool first = k0 == next_group;
-    if (first) {
-      g = k0 / group_size;
-      next_group = k0 + group_size;
+    // the segment's scales: group g (counted, not divided: a division per segment cost as
+    // much as the epilogue), x's block k0 / 32
+    const float* sg = s0 + g * kBlockRows;
+    const float* dxk = dx + k0 / 32;
+    if (seg == 0) {
+      epilogue<MR, NR, true>(sum, acc_mem, sg, sg + groups * kBlockRows, panel_floats, dxk,
+                             blocks, sx + g, groups);
+    } else {
+      epilogue<MR, NR, false>(sum, acc_mem, sg, nullptr, panel_floats, dxk, blocks, nullptr,
+                              groups);
     }
-    for (int i = 0; i < MR; ++i) {
-      const __m256 dxv = _mm256_set1_ps(dx[i * blocks + k0 / 32]);
-      const __m256 sxv = _mm256_set1_ps(sx[i * groups + g]);
-      for (int j = 0; j < NR; ++j) {
-        __m256 acc = _mm256_load_ps(acc_mem[i][j]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][j]),
-                              _mm256_mul_ps(_mm256_load_ps(s[j] + g * kBlockRows), dxv), acc);
-        if (first) {
-          acc = _mm256_fmadd_ps(_mm256_load_ps(b[j] + g * kBlockRows), sxv, acc);
-        }
-        _mm256_store_ps(acc_mem[i][j], acc);
-      }
+    if (++seg == group_segments) {
+      seg = 0;
+      ++g;
     }
   }
   for (int j = 0; j < NR; ++j) {
     const size_t n = n0 + j * kBlockRows;
     const size_t cols = std::min(kBlockRows, N - n);
     for (int i = 0; i < MR; ++i) {
-      std::memcpy(y + (m0 + i) * N + n, acc_mem[i][j], cols * sizeof(float));
+      float* dst = y + (m0 + i) * N + n;
+      if (cols == kBlockRows) {  // a vector store, not memcpy's 8-byte moves
+        _mm256_storeu_ps(dst, _mm256_load_ps(acc_mem[i][j]));
+      } else {
+        std::memcpy(dst, acc_mem[i][j], cols * sizeof(float));
+      }
     }
   }
 }
@@ -595,8 +684,8 @@ bool q8_avx2_usable(size_t K, size_t group_size, int bits) {
 }
 
 __attribute__((target(VUN_AVX2_TARGET))) void q8_avx2_prepare_x(
-    const float* x, const Q8GemmXLayout& l, size_t group_size, bool two_terms, uint8_t* buf,
-    size_t m0, size_t m1) {
+    const float* x, const Q8GemmXLayout& l, size_t group_size, bool two_terms, bool even_odd,
+    uint8_t* buf, size_t m0, size_t m1) {
   const size_t K = l.K, blocks = K / 32;
   auto* x16 = reinterpret_cast<int16_t*>(buf + l.hi);
   auto* x8 = reinterpret_cast<int8_t*>(buf + l.lo);
@@ -636,12 +725,22 @@ __attribute__((target(VUN_AVX2_TARGET))) void q8_avx2_prepare_x(
       // int32 -> int16 (exact: |x16| <= 32639), the lanes' order restored after the pack
       const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
       const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + m * K + 32 * blk), p01);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + m * K + 32 * blk + 16), p23);
       if (!two_terms) {  // hi alone fits int8: the byte panel's operand
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(x8 + m * K + 32 * blk),
                             _mm256_permute4x64_epi64(_mm256_packs_epi16(p01, p23), 0xd8));
       }
+      __m256i first = p01, second = p23;
+      if (even_odd) {  // per lane even words, then odd; then the lanes' halves regrouped
+        const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14,
+                                               15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11,
+                                               14, 15);
+        const __m256i a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p01, split), 0xd8);
+        const __m256i b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p23, split), 0xd8);
+        first = _mm256_permute2x128_si256(a, b, 0x20);   // elements 0, 2, ..., 30
+        second = _mm256_permute2x128_si256(a, b, 0x31);  // elements 1, 3, ..., 31
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + m * K + 32 * blk), first);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + m * K + 32 * blk + 16), second);
       dx[m * blocks + blk] = two_terms ? amax / 127.0f / 256.0f : amax / 127.0f;
     }
     for (size_t g = 0; g < l.groups; ++g) {  // in order, as q8_gemm_prepare_x sums
@@ -657,7 +756,8 @@ __attribute__((target(VUN_AVX2_TARGET))) void q8_avx2_prepare_x(
 void q8_avx2_pack(const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
                   size_t N, size_t K, size_t group_size, int bits, bool two_terms, size_t nb0,
                   size_t nb1, uint8_t* panel) {
-  const PackFn pack = pack_for(st, bits, byte_products(bits, two_terms));
+  const PackFn pack = pack_for(st, bits, byte_products(bits, two_terms),
+                               even_odd(bits, two_terms, group_size));
   const size_t bytes = q8_avx2_panel_bytes(K, group_size);
   for (size_t nb = nb0; nb < nb1; ++nb) {
     pack(reinterpret_cast<const uint8_t*>(wq), scales, biases, N, K, group_size, nb,
@@ -668,15 +768,19 @@ void q8_avx2_pack(const uint32_t* wq, const void* scales, const void* biases, Sc
 void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t* panel,
                      float* y, size_t N, size_t group_size, int bits, bool two_terms,
                      size_t nb0, size_t nb1, size_t m0, size_t m1) {
+  constexpr size_t kChunkRows = 64;  // x's rows that stay in L2 while every panel pair passes
   const size_t bytes = q8_avx2_panel_bytes(l.K, group_size);
   const bool byte_panel = byte_products(bits, two_terms);
-  // the panel pair outermost: its codes stay in cache while x's rows stream past them
-  for (size_t nb = nb0; nb < nb1; nb += 2) {
-    const int nr = nb + 1 < nb1 ? 2 : 1;
-    const MicroFn full = micro_fn(group_size, byte_panel, 4, nr);
-    for (size_t m = m0; m < m1; m += 4) {
-      const MicroFn fn = m1 - m >= 4 ? full : micro_fn(group_size, byte_panel, m1 - m, nr);
-      fn(xbuf, l, panel + (nb - nb0) * bytes, bytes, group_size, y, N, m, nb * kBlockRows);
+  for (size_t c0 = m0; c0 < m1; c0 += kChunkRows) {
+    const size_t c1 = std::min(m1, c0 + kChunkRows);
+    // a panel pair, then the chunk's rows: the pair's codes stay in cache as the rows pass
+    for (size_t nb = nb0; nb < nb1; nb += 2) {
+      const int nr = nb + 1 < nb1 ? 2 : 1;
+      const MicroFn full = micro_fn(group_size, byte_panel, 4, nr);
+      for (size_t m = c0; m < c1; m += 4) {
+        const MicroFn fn = c1 - m >= 4 ? full : micro_fn(group_size, byte_panel, c1 - m, nr);
+        fn(xbuf, l, panel + (nb - nb0) * bytes, bytes, group_size, y, N, m, nb * kBlockRows);
+      }
     }
   }
 }
@@ -719,7 +823,10 @@ void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const int16_t* x_
 bool q8_avx2_usable(size_t, size_t, int) {
   return false;
 }
-void q8_avx2_prepare_x(const float*, const Q8GemmXLayout&, size_t, bool, uint8_t*, size_t,
+bool q8_avx2_even_odd(int, bool, size_t) {
+  return false;
+}
+void q8_avx2_prepare_x(const float*, const Q8GemmXLayout&, size_t, bool, bool, uint8_t*, size_t,
                        size_t) {
   std::abort();
 }

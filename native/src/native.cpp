@@ -2186,7 +2186,7 @@ void q8_avx2_gemv_linear(const float* x, const uint32_t* w, const void* scales,
   const vun::Q8GemmXLayout l = vun::q8_avx2_x_layout(M, K, group_size);
   auto* xbuf = reinterpret_cast<uint8_t*>(align64(scratch));
   auto* x_order = reinterpret_cast<int16_t*>(align64(reinterpret_cast<char*>(xbuf) + l.bytes));
-  vun::q8_avx2_prepare_x(x, l, group_size, two_terms, xbuf, 0, M);
+  vun::q8_avx2_prepare_x(x, l, group_size, two_terms, false, xbuf, 0, M);
   vun::q8_avx2_gemv_order_x(xbuf, l, bits, x_order);
   auto& pool = kernel_pool();
   const size_t chunks = std::min(N, 8 * pool.size());
@@ -2209,9 +2209,13 @@ void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const
   const vun::Q8GemmXLayout l = avx2 ? vun::q8_avx2_x_layout(M, K, group_size)
                                     : vun::q8_gemm_x_layout(M, K, group_size, two_terms);
   auto* xbuf = reinterpret_cast<uint8_t*>(align64(scratch));
+  const bool even_odd = avx2 && vun::q8_avx2_even_odd(bits, two_terms, group_size);
   split_work(M, 8 * K, 1, [&](size_t b, size_t e) {
-    (avx2 ? vun::q8_avx2_prepare_x : vun::q8_gemm_prepare_x)(x, l, group_size, two_terms, xbuf,
-                                                             b, e);
+    if (avx2) {
+      vun::q8_avx2_prepare_x(x, l, group_size, two_terms, even_odd, xbuf, b, e);
+    } else {
+      vun::q8_gemm_prepare_x(x, l, group_size, two_terms, xbuf, b, e);
+    }
   });
   auto& pool = kernel_pool();
   const size_t nblocks = (N + block_rows - 1) / block_rows;
@@ -2222,17 +2226,23 @@ void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const
                                            std::max<size_t>(1, M / kMinItemRows));
   const size_t panel_bytes = avx2 ? vun::q8_avx2_panel_bytes(K, group_size)
                                   : vun::q8_gemm_panel_bytes(K, group_size);
+  // AVX2: the item's blocks unpacked in pairs, as many pairs at once as fit kAvx2PanelBudget,
+  // so that a chunk of x's rows meets all of them (y written a few lines per row per chunk,
+  // not one row's line per page across all of x)
+  constexpr size_t kAvx2PanelBudget = 256 << 10;
+  const size_t avx2_blocks =
+      std::clamp<size_t>(kAvx2PanelBudget / (2 * panel_bytes), 1, item_blocks / 2) * 2;
   pool.run(nitems * mparts, [&](size_t item) {
     const size_t c = item / mparts, p = item % mparts;
     const size_t nb0 = c * item_blocks, nb1 = std::min(nblocks, nb0 + item_blocks);
     const size_t m0 = M * p / mparts / 4 * 4;
     const size_t m1 = p + 1 == mparts ? M : M * (p + 1) / mparts / 4 * 4;
     thread_local std::vector<char> buf;
-    buf.resize((avx2 ? 2 : item_blocks) * panel_bytes + 64);
+    buf.resize((avx2 ? avx2_blocks : item_blocks) * panel_bytes + 64);
     auto* panel = reinterpret_cast<uint8_t*>(align64(buf.data()));
-    if (avx2) {  // a pair of blocks at a time: their panel stays in L2 (512 KiB on Zen 2/3)
-      for (size_t nb = nb0; nb < nb1; nb += 2) {
-        const size_t end = std::min(nb1, nb + 2);
+    if (avx2) {  // avx2_blocks at a time: their panel stays in L2 (512 KiB on Zen 2/3)
+      for (size_t nb = nb0; nb < nb1; nb += avx2_blocks) {
+        const size_t end = std::min(nb1, nb + avx2_blocks);
         vun::q8_avx2_pack(w, scales, biases, st, N, K, group_size, bits, two_terms, nb, end,
                           panel);
         vun::q8_avx2_compute(xbuf, l, panel, y, N, group_size, bits, two_terms, nb, end, m0,
