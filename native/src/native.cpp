@@ -2198,14 +2198,20 @@ void q8_avx2_gemv_linear(const float* x, const uint32_t* w, const void* scales,
 
 // The AVX-512 VNNI GEMM, or (avx2) its AVX2 twin: x prepared once (rows split over the pool)
 // into `scratch` (q8_gemm_x_layout(...).bytes, or q8_avx2_x_layout's, + 64 bytes), then items
-// of 8 panel blocks x a range of x's rows, each item unpacking its blocks into a per-thread
+// of 2-8 panel blocks x a range of x's rows, each item unpacking its blocks into a per-thread
 // panel.
 void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const void* biases,
                     vun::ScaleType st, float* y, size_t M, size_t N, size_t K, size_t group_size,
                     int bits, bool two_terms, bool avx2, char* scratch) {
-  // weight rows per item: 8 panel blocks (AVX-512: 128 rows; AVX2: 64)
+  // weight rows per item: up to 8 panel blocks (AVX-512: 128 rows; AVX2: 64), fewer (pairs)
+  // where that leaves fewer than 4 items per thread: k/v of 128 rows made one item of 8
+  // AVX-512 blocks, which one thread computed while the other waited
   constexpr size_t kItemBlocks = 8, kMinItemRows = 64;
-  const size_t block_rows = avx2 ? 8 : 16, item_blocks = kItemBlocks;
+  auto& pool = kernel_pool();
+  const size_t want = 4 * pool.size();
+  const size_t block_rows = avx2 ? 8 : 16;
+  const size_t nblocks = (N + block_rows - 1) / block_rows;
+  const size_t item_blocks = std::clamp<size_t>(nblocks / want / 2 * 2, 2, kItemBlocks);
   const vun::Q8GemmXLayout l = avx2 ? vun::q8_avx2_x_layout(M, K, group_size)
                                     : vun::q8_gemm_x_layout(M, K, group_size, two_terms);
   auto* xbuf = reinterpret_cast<uint8_t*>(align64(scratch));
@@ -2217,11 +2223,8 @@ void q8_gemm_linear(const float* x, const uint32_t* w, const void* scales, const
       vun::q8_gemm_prepare_x(x, l, group_size, two_terms, xbuf, b, e);
     }
   });
-  auto& pool = kernel_pool();
-  const size_t nblocks = (N + block_rows - 1) / block_rows;
   const size_t nitems = (nblocks + item_blocks - 1) / item_blocks;
   // few weight items (a narrow layer, k/v): x's rows split too, so that every thread has work
-  const size_t want = 4 * pool.size();
   const size_t mparts = std::clamp<size_t>((want + nitems - 1) / nitems, 1,
                                            std::max<size_t>(1, M / kMinItemRows));
   const size_t panel_bytes = avx2 ? vun::q8_avx2_panel_bytes(K, group_size)
