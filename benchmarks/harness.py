@@ -41,11 +41,12 @@ KERNEL_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512vbmi", "avx
 LLAMA_SERVER_VERSION = "0.3.36"
 #: ``--isa`` of the serving benchmarks: the instruction set ours and llama-server are held to
 #: (``native``: each uses what the CPU has; the others as scripts/build_llama_server.sh --isa).
-ISAS = ("native", "avx512", "avx2")
+ISAS = ("native", "avx512", "avxvnni", "avx2")
 #: /proc/cpuinfo flags a forced ISA needs: those its llama-server build is compiled for.
 ISA_CPU_FLAGS = {
     "avx512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi",
                "avx512_vnni", "avx512_bf16"),
+    "avxvnni": ("avx2", "fma", "f16c", "bmi2", "avx_vnni"),
     "avx2": ("avx2", "fma", "f16c", "bmi2"),
 }
 #: Ours' environment per ISA: our kernels' ceiling; under AVX2 also OpenBLAS (a DYNAMIC_ARCH
@@ -54,6 +55,8 @@ ISA_CPU_FLAGS = {
 ISA_ENV: dict[str, dict[str, str]] = {
     "native": {},
     "avx512": {"VLLM_UNIFIED_CPU_ISA": "avx512"},
+    "avxvnni": {"VLLM_UNIFIED_CPU_ISA": "avxvnni", "OPENBLAS_CORETYPE": "Haswell",
+                "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"},
     "avx2": {"VLLM_UNIFIED_CPU_ISA": "avx2", "OPENBLAS_CORETYPE": "Haswell",
              "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }

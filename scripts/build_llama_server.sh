@@ -5,6 +5,7 @@
 #   scripts/build_llama_server.sh                # native build; prints the binary's path
 #   scripts/build_llama_server.sh --isa avx512   # AVX-512 (F/CD/VL/DQ/BW, VBMI, VNNI, BF16)
 #   scripts/build_llama_server.sh --isa avx2     # AVX2 + FMA + F16C + BMI2, no AVX-512
+#   scripts/build_llama_server.sh --isa avxvnni  # the same + AVX-VNNI (Intel client CPUs)
 #
 # No wheel ships llama-server. The sdist of llama-cpp-python==0.3.36 (PyPI) vendors llama.cpp
 # under vendor/llama.cpp; this script downloads that sdist with pip, builds only the server
@@ -41,11 +42,11 @@ die() { printf 'build_llama_server.sh: error: %s\n' "$*" >&2; exit 1; }
 ISA="native"
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --isa) [[ $# -ge 2 ]] || die "--isa needs a value (native, avx512 or avx2)"
+        --isa) [[ $# -ge 2 ]] || die "--isa needs a value (native, avx512, avxvnni or avx2)"
                ISA="$2"; shift 2 ;;
         --isa=*) ISA="${1#--isa=}"; shift ;;
         -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) die "unknown argument '$1' (usage: build_llama_server.sh [--isa native|avx512|avx2])" ;;
+        *) die "unknown argument '$1' (usage: build_llama_server.sh [--isa native|avx512|avxvnni|avx2])" ;;
     esac
 done
 
@@ -76,7 +77,12 @@ case "$ISA" in
         ISA_FLAGS=(-DGGML_NATIVE=OFF "${AVX2_ON[@]}" -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
                    -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF "${COMMON_OFF[@]}")
         ;;
-    *) die "--isa must be native, avx512 or avx2, not '$ISA'" ;;
+    avxvnni)  # COMMON_OFF's AVX-VNNI switch overridden by the later -D
+        ISA_FLAGS=(-DGGML_NATIVE=OFF "${AVX2_ON[@]}" -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
+                   -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF "${COMMON_OFF[@]}"
+                   -DGGML_AVX_VNNI=ON)
+        ;;
+    *) die "--isa must be native, avx512, avxvnni or avx2, not '$ISA'" ;;
 esac
 if [[ "$ISA" != native ]]; then
     [[ "$(uname -m)" == x86_64 ]] || die "--isa $ISA builds for x86-64 only"

@@ -1060,26 +1060,34 @@ print(h.hexdigest())
 
 
 def test_avx2_int8_gemm_is_bit_identical_to_the_avx512_one():
-    """The AVX2 GEMM (``VLLM_UNIFIED_CPU_ISA=avx2``) and the AVX-512 VNNI GEMM (``avx512``)
-    give the same bits at every width, group size, scale type and both modes: the same integer
-    sums and the same fp32 operations in the same order per output."""
+    """The AVX2 GEMM (``VLLM_UNIFIED_CPU_ISA=avx2``), its AVX-VNNI form (``avxvnni``, where the
+    CPU has AVX-VNNI) and the AVX-512 VNNI GEMM (``avx512``) give the same bits at every width,
+    group size, scale type and both modes: the same integer sums and the same fp32 operations
+    in the same order per output."""
     import os
     import subprocess
     import sys
 
     digests = {}
-    for isa in ("avx512", "avx2"):
+    for isa in ("avx512", "avx2", "avxvnni"):
         env = {**os.environ, "VLLM_UNIFIED_CPU_ISA": isa}
-        probe = "import vllm_unified_native as n; n.quantized_gemv_mode(4); print(" + (
-            "n.q8_avx2_gemm_runs" if isa == "avx2" else "n.q8_gemm_runs") + "(16, 128, 32, 4))"
+        runs = "n.q8_gemm_runs(16, 128, 32, 4)" if isa == "avx512" else (
+            "n.q8_avx2_gemm_runs(16, 128, 32, 4)" + (
+                " and n.q8_avx2_vnni_runs()" if isa == "avxvnni" else
+                " and not n.q8_avx2_vnni_runs()"))
+        probe = f"import vllm_unified_native as n; n.quantized_gemv_mode(4); print({runs})"
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                              text=True, check=True)
         if out.stdout.strip() != "True":
+            if isa == "avxvnni":  # a CPU without AVX-VNNI: the other two still compared
+                continue
             pytest.skip(f"this CPU cannot run the {isa} GEMM")
-        out = subprocess.run([sys.executable, "-c", _Q8_GEMM_PROBE, isa], env=env, check=True,
+        arg = "avx2" if isa == "avxvnni" else isa  # the probe's name for the AVX2 predicate
+        out = subprocess.run([sys.executable, "-c", _Q8_GEMM_PROBE, arg], env=env, check=True,
                              capture_output=True, text=True)
         digests[isa] = out.stdout.strip()
-    assert digests["avx2"] == digests["avx512"]
+    assert len(digests) >= 2
+    assert len(set(digests.values())) == 1, digests
 
 
 @pytest.mark.parametrize("setting, mode", [(None, 4), ("int16", 4), ("int8", 3), ("fp32", 1)])

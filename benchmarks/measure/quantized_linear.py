@@ -16,7 +16,7 @@ product (relative to its largest value).
 
 Variants (:data:`VARIANTS`): ``exact`` (fp32, the CPU's best path: AMX bf16 tiles where present),
 ``int16`` (the engine's default: AMX-INT8 tiles where present, else the VNNI gemv and GEMM),
-``int8`` (one int8 term), ``int16-avx512`` and ``int16-avx2`` (the ISA capped: AMX off, or
+``int8`` (one int8 term), ``int16-avx512``, ``int16-avxvnni`` and ``int16-avx2`` (the ISA capped: AMX off, or
 AVX-512 off too), and ``blas`` (``native.dequantize`` then MLX's matmul through the interposed
 BLAS: the exact prefill path without AMX).
 """
@@ -43,6 +43,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "int16": {"VLLM_UNIFIED_CPU_ACTIVATIONS": "int16"},
     "int8": {"VLLM_UNIFIED_CPU_ACTIVATIONS": "int8"},
     "int16-avx512": {"VLLM_UNIFIED_CPU_ACTIVATIONS": "int16", "VLLM_UNIFIED_CPU_ISA": "avx512"},
+    "int16-avxvnni": {"VLLM_UNIFIED_CPU_ACTIVATIONS": "int16",
+                      "VLLM_UNIFIED_CPU_ISA": "avxvnni"},
     "int16-avx2": {"VLLM_UNIFIED_CPU_ACTIVATIONS": "int16", "VLLM_UNIFIED_CPU_ISA": "avx2"},
     "blas": {"VLLM_UNIFIED_CPU_ACTIVATIONS": "fp32"},
 }

@@ -284,7 +284,7 @@ int tile_level() {
                       __builtin_cpu_supports("f16c");
     const int cpu = avx512 ? 2 : avx2 ? 1 : 0;
     const IsaCap cap = isa_cap();  // fixed once read
-    return std::min(cpu, cap >= IsaCap::kAvx512 ? 2 : cap == IsaCap::kAvx2 ? 1 : 0);
+    return std::min(cpu, cap >= IsaCap::kAvx512 ? 2 : cap >= IsaCap::kAvx2 ? 1 : 0);
   }();
   return level;
 }

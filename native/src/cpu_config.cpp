@@ -33,12 +33,14 @@ void configure(const std::optional<std::string>& isa, std::optional<long> thread
       cap = IsaCap::kAmx;
     } else if (*isa == "avx512") {
       cap = IsaCap::kAvx512;
+    } else if (*isa == "avxvnni") {
+      cap = IsaCap::kAvxVnni;
     } else if (*isa == "avx2") {
       cap = IsaCap::kAvx2;
     } else if (*isa == "portable") {
       cap = IsaCap::kPortable;
     } else {
-      throw std::invalid_argument("configure: cpu_isa must be amx, avx512, avx2, portable or "
+      throw std::invalid_argument("configure: cpu_isa must be amx, avx512, avxvnni, avx2, portable or "
                                   "None, got '" + *isa + "'");
     }
   }

@@ -21,9 +21,11 @@ namespace vun {
 // most threads of the kernel pool. vllm_unified_native sets them at import from
 // vllm_unified.envs (VLLM_UNIFIED_CPU_ISA, VLLM_UNIFIED_CPU_THREADS); each is fixed once a
 // kernel first decides with it (once per process).
-enum class IsaCap { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+// kAvxVnni: AVX2 and, where the CPU has it, AVX-VNNI (its VEX dot products: Intel Alder Lake
+// and later client CPUs, Sapphire Rapids, Zen 5); kAvx2 leaves AVX-VNNI out.
+enum class IsaCap { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512 = 3, kAmx = 4 };
 
-// isa: "amx", "avx512", "avx2", "portable" or nullopt (no cap); threads: >= 1 or nullopt (no
+// isa: "amx", "avx512", "avxvnni", "avx2", "portable" or nullopt (no cap); threads: >= 1 or nullopt (no
 // cap; a count >= the CPUs allowed means all of them). std::invalid_argument for another value;
 // std::runtime_error, changing neither, when a setting already fixed would change.
 void configure(const std::optional<std::string>& isa, std::optional<long> threads);
@@ -323,6 +325,10 @@ void q8_avx2_prepare_x(const float* x, const Q8GemmXLayout& l, size_t group_size
 
 // Whether the GEMM's panel for these holds 4-bit codes in even/odd order (x16 prepared so).
 bool q8_avx2_even_odd(int bits, bool two_terms, size_t group_size);
+
+// Whether the AVX2 GEMM's int16 products run on AVX-VNNI (VPDPWSSD): the CPU has it and the ISA
+// cap is avxvnni or above. The same integer sums, so the same bits.
+bool q8_avx2_vnni_runs();
 
 // Bytes of one panel block (8 weight rows: int16 codes, then fp32 scales and biases).
 size_t q8_avx2_panel_bytes(size_t K, size_t group_size);

@@ -153,6 +153,14 @@ bool q8_avx2_even_odd(int bits, bool two_terms, size_t group_size) {
   return even_odd(bits, two_terms, group_size);
 }
 
+bool q8_avx2_vnni_runs() {
+  static const bool runs = [] {
+    __builtin_cpu_init();
+    return avx2_fma() && __builtin_cpu_supports("avxvnni") && isa_cap() >= IsaCap::kAvxVnni;
+  }();
+  return runs;
+}
+
 namespace {
 
 // pack_block<4, ST, false> in even/odd order: the panel's dword p of a block of 32 holds
@@ -285,6 +293,48 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void step4x2(const int16_t* x, s
       : "memory");
 }
 
+// step4x2 by AVX-VNNI: one VPDPWSSD (the pairs' products added to the sum) per VPMADDWD +
+// VPADDD, the same int32 sums (no saturation: |pair| <= 2 * 255 * 32639). Written as assembly
+// ({vex}: the AVX-VNNI encoding, not AVX-512's), so that no function needs an avxvnni target.
+__attribute__((target(VUN_AVX2_TARGET))) inline void step4x2_vnni(const int16_t* x, size_t K,
+                                                                  __m256i w0, __m256i w1,
+                                                                  __m256i (&sum)[4][2]) {
+  __m256i t;
+  __asm__(
+      "vpbroadcastd %[x0], %[t]\n\t"
+      "%{vex%} vpdpwssd %[w0], %[t], %[s00]\n\t"
+      "%{vex%} vpdpwssd %[w1], %[t], %[s01]\n\t"
+      "vpbroadcastd %[x1], %[t]\n\t"
+      "%{vex%} vpdpwssd %[w0], %[t], %[s10]\n\t"
+      "%{vex%} vpdpwssd %[w1], %[t], %[s11]\n\t"
+      "vpbroadcastd %[x2], %[t]\n\t"
+      "%{vex%} vpdpwssd %[w0], %[t], %[s20]\n\t"
+      "%{vex%} vpdpwssd %[w1], %[t], %[s21]\n\t"
+      "vpbroadcastd %[x3], %[t]\n\t"
+      "%{vex%} vpdpwssd %[w0], %[t], %[s30]\n\t"
+      "%{vex%} vpdpwssd %[w1], %[t], %[s31]"
+      : [s00] "+x"(sum[0][0]), [s01] "+x"(sum[0][1]), [s10] "+x"(sum[1][0]),
+        [s11] "+x"(sum[1][1]), [s20] "+x"(sum[2][0]), [s21] "+x"(sum[2][1]),
+        [s30] "+x"(sum[3][0]), [s31] "+x"(sum[3][1]), [t] "=&x"(t)
+      : [w0] "x"(w0), [w1] "x"(w1), [x0] "m"(*reinterpret_cast<const i32_alias*>(x)),
+        [x1] "m"(*reinterpret_cast<const i32_alias*>(x + K)),
+        [x2] "m"(*reinterpret_cast<const i32_alias*>(x + 2 * K)),
+        [x3] "m"(*reinterpret_cast<const i32_alias*>(x + 3 * K))
+      : "memory");
+}
+
+// sum += the pairs' products of w and x (int16), by VPDPWSSD (VNNI) or VPMADDWD + VPADDD.
+template <bool VNNI>
+__attribute__((target(VUN_AVX2_TARGET))) inline __m256i dot_pairs(__m256i sum, __m256i w,
+                                                                 __m256i x) {
+  if constexpr (VNNI) {
+    __asm__("%{vex%} vpdpwssd %[w], %[x], %[s]" : [s] "+x"(sum) : [w] "x"(w), [x] "x"(x));
+    return sum;
+  } else {
+    return _mm256_add_epi32(_mm256_madd_epi16(w, x), sum);
+  }
+}
+
 // The same for the byte panel: sum[i][j] += maddubs(w_j, the 4 int8 of x at x + i * K), in
 // int16 lanes.
 __attribute__((target(VUN_AVX2_TARGET))) inline void step4x2_bytes(const int8_t* x, size_t K,
@@ -348,7 +398,7 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void epilogue(
 
 // y[m0 + i, n0 + 8 j + lane] for i < MR, j < NR (NR panel blocks from `panel`, each
 // panel_bytes apart): segments of D elements, the epilogue of each as the file's header says.
-template <size_t D, int MR, int NR, bool BYTES>
+template <size_t D, int MR, int NR, bool BYTES, bool VNNI>
 __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q8GemmXLayout& l,
                                                     const uint8_t* panel, size_t panel_bytes,
                                                     size_t group_size, float* y, size_t N,
@@ -417,7 +467,9 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
       for (int j = 0; j < NR; ++j) {
         w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j] + k * 16));
       }
-      if constexpr (MR == 4 && NR == 2) {
+      if constexpr (MR == 4 && NR == 2 && VNNI) {
+        step4x2_vnni(x16 + k, K, w[0], w[1], sum);
+      } else if constexpr (MR == 4 && NR == 2) {
         step4x2(x16 + k, K, w[0], w[1], sum);
       } else {
         for (int i = 0; i < MR; ++i) {
@@ -425,7 +477,7 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
           std::memcpy(&pair, x16 + i * K + k, 4);
           const __m256i xv = _mm256_set1_epi32(pair);
           for (int j = 0; j < NR; ++j) {
-            sum[i][j] = _mm256_add_epi32(_mm256_madd_epi16(w[j], xv), sum[i][j]);
+            sum[i][j] = dot_pairs<VNNI>(sum[i][j], w[j], xv);
           }
         }
       }
@@ -463,26 +515,32 @@ __attribute__((target(VUN_AVX2_TARGET))) void micro(const uint8_t* xbuf, const Q
 using MicroFn = void (*)(const uint8_t*, const Q8GemmXLayout&, const uint8_t*, size_t, size_t,
                          float*, size_t, size_t, size_t);
 
-template <size_t D, int NR, bool BYTES>
+template <size_t D, int NR, bool BYTES, bool VNNI>
 MicroFn micro_rows(size_t rows) {
   switch (rows) {
-    case 1: return micro<D, 1, NR, BYTES>;
-    case 2: return micro<D, 2, NR, BYTES>;
-    case 3: return micro<D, 3, NR, BYTES>;
-    default: return micro<D, 4, NR, BYTES>;
+    case 1: return micro<D, 1, NR, BYTES, VNNI>;
+    case 2: return micro<D, 2, NR, BYTES, VNNI>;
+    case 3: return micro<D, 3, NR, BYTES, VNNI>;
+    default: return micro<D, 4, NR, BYTES, VNNI>;
   }
 }
 
-template <size_t D, bool BYTES>
+template <size_t D, bool BYTES, bool VNNI>
 MicroFn micro_for(size_t rows, int nr) {
-  return nr == 2 ? micro_rows<D, 2, BYTES>(rows) : micro_rows<D, 1, BYTES>(rows);
+  return nr == 2 ? micro_rows<D, 2, BYTES, VNNI>(rows) : micro_rows<D, 1, BYTES, VNNI>(rows);
 }
 
-MicroFn micro_fn(size_t group_size, bool bytes, size_t rows, int nr) {
-  if (group_size == 16) {
-    return bytes ? micro_for<16, true>(rows, nr) : micro_for<16, false>(rows, nr);
-  }
-  return bytes ? micro_for<32, true>(rows, nr) : micro_for<32, false>(rows, nr);
+// The byte panel's products (VPMADDUBSW) take no VNNI form here.
+template <size_t D>
+MicroFn micro_for_d(bool bytes, bool vnni, size_t rows, int nr) {
+  return bytes ? micro_for<D, true, false>(rows, nr)
+         : vnni ? micro_for<D, false, true>(rows, nr)
+                : micro_for<D, false, false>(rows, nr);
+}
+
+MicroFn micro_fn(size_t group_size, bool bytes, bool vnni, size_t rows, int nr) {
+  return group_size == 16 ? micro_for_d<16>(bytes, vnni, rows, nr)
+                          : micro_for_d<32>(bytes, vnni, rows, nr);
 }
 
 
@@ -770,15 +828,16 @@ void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t*
                      size_t nb0, size_t nb1, size_t m0, size_t m1) {
   constexpr size_t kChunkRows = 64;  // x's rows that stay in L2 while every panel pair passes
   const size_t bytes = q8_avx2_panel_bytes(l.K, group_size);
-  const bool byte_panel = byte_products(bits, two_terms);
+  const bool byte_panel = byte_products(bits, two_terms), vnni = q8_avx2_vnni_runs();
   for (size_t c0 = m0; c0 < m1; c0 += kChunkRows) {
     const size_t c1 = std::min(m1, c0 + kChunkRows);
     // a panel pair, then the chunk's rows: the pair's codes stay in cache as the rows pass
     for (size_t nb = nb0; nb < nb1; nb += 2) {
       const int nr = nb + 1 < nb1 ? 2 : 1;
-      const MicroFn full = micro_fn(group_size, byte_panel, 4, nr);
+      const MicroFn full = micro_fn(group_size, byte_panel, vnni, 4, nr);
       for (size_t m = c0; m < c1; m += 4) {
-        const MicroFn fn = c1 - m >= 4 ? full : micro_fn(group_size, byte_panel, c1 - m, nr);
+        const MicroFn fn =
+            c1 - m >= 4 ? full : micro_fn(group_size, byte_panel, vnni, c1 - m, nr);
         fn(xbuf, l, panel + (nb - nb0) * bytes, bytes, group_size, y, N, m, nb * kBlockRows);
       }
     }
@@ -824,6 +883,9 @@ bool q8_avx2_usable(size_t, size_t, int) {
   return false;
 }
 bool q8_avx2_even_odd(int, bool, size_t) {
+  return false;
+}
+bool q8_avx2_vnni_runs() {
   return false;
 }
 void q8_avx2_prepare_x(const float*, const Q8GemmXLayout&, size_t, bool, bool, uint8_t*, size_t,

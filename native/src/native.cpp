@@ -3130,6 +3130,9 @@ NB_MODULE(_native, m) {
         "Whether quantized_linear computes x [rows, in_features] by the AVX2 gemv (where "
         "q8_avx2_gemm_runs, up to 4 rows): the GEMM's integer sums, its fp32 sums in another "
         "order.");
+  m.def("q8_avx2_vnni_runs", &vun::q8_avx2_vnni_runs,
+        "Whether the AVX2 GEMM's int16 products run on AVX-VNNI (VPDPWSSD): the CPU has it and "
+        "the ISA cap (VLLM_UNIFIED_CPU_ISA) is avxvnni or above.");
   m.def("q8_avx2_gemm_runs", &use_q8_avx2_gemm, nb::arg("rows"), nb::arg("in_features"),
         nb::arg("group_size"), nb::arg("bits"),
         "Whether quantized_linear computes x [rows, in_features] by the AVX2 GEMM against x "

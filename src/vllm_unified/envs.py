@@ -109,8 +109,10 @@ _SETTINGS = (
             "CPU backend: 0 dequantizes quantized checkpoints to fp32 at load"),
     Setting("VLLM_UNIFIED_CPU_ATTENTION", True, _bool,
             "CPU backend: 0 attends through the pure-MLX reference instead of the native kernel"),
-    Setting("VLLM_UNIFIED_CPU_ISA", None, _choice("amx", "avx512", "avx2", "portable"),
-            "CPU backend: the highest instruction set the native kernels may use"),
+    Setting("VLLM_UNIFIED_CPU_ISA", None,
+            _choice("amx", "avx512", "avxvnni", "avx2", "portable"),
+            "CPU backend: the highest instruction set the native kernels may use (avxvnni: "
+            "AVX2 with AVX-VNNI's dot products where the CPU has them; avx2 without)"),
     Setting("VLLM_UNIFIED_CPU_THREADS", None, _count(1),
             "CPU backend: most threads the native kernels use (default: the CPUs allowed)"),
     Setting("VLLM_UNIFIED_CPU_ACTIVATIONS", "int16", _choice("int16", "int8", "fp32"),

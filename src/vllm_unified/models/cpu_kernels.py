@@ -459,7 +459,8 @@ def _quantized_arithmetic(model: Any) -> tuple[str, bool]:
         integer = sum(getattr(m, "mode", "affine") == "affine"
                       and native.q8_avx2_gemm_runs(16, k, m.group_size, m.bits)
                       for m, k in layers)
-        where = "at every size on AVX2 (1-4 rows, from 5 by the AVX2 GEMM; no AVX-512 VNNI)"
+        gemm = "the AVX2 GEMM on AVX-VNNI" if native.q8_avx2_vnni_runs() else "the AVX2 GEMM"
+        where = f"at every size on AVX2 (1-4 rows, from 5 by {gemm}; no AVX-512 VNNI)"
     if integer == 0:
         return ("exact fp32 arithmetic in the quantized layers (VLLM_UNIFIED_CPU_ACTIVATIONS="
                 "fp32, or no AVX2)", False)
