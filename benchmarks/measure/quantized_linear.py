@@ -17,8 +17,8 @@ product (relative to its largest value).
 Variants (:data:`VARIANTS`): ``exact`` (fp32, the CPU's best path: AMX bf16 tiles where present),
 ``int16`` (the engine's default: AMX-INT8 tiles where present, else the VNNI gemv and GEMM),
 ``int8`` (one int8 term), ``int16-avx512``, ``int16-avxvnni`` and ``int16-avx2`` (the ISA
-capped: AMX off; AVX-512 off too; AVX-VNNI off too), and ``blas`` (``native.dequantize`` then MLX's matmul through the interposed
-BLAS: the exact prefill path without AMX).
+capped: AMX off; AVX-512 off too; AVX-VNNI off too), and ``blas`` (``native.dequantize`` then
+MLX's matmul through the interposed BLAS: the exact prefill path without AMX).
 """
 
 from __future__ import annotations
