@@ -347,15 +347,10 @@ void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t*
 // The AVX2 gemv, for few rows of x: each weight row read once, its codes unpacked in registers
 // and shared by up to 4 rows of x (the GEMM unpacks every code into a panel per call). Same
 // integer sums as the GEMM; the fp32 sums in another order (not bit-identical to it).
-// x_order [M, K] int16 (q8_avx2_gemv_x_bytes): the prepared x16 in the order the gemv reads
-// for `bits`, written by q8_avx2_gemv_order_x from q8_avx2_prepare_x's buffer.
-size_t q8_avx2_gemv_x_bytes(size_t M, size_t K);
-void q8_avx2_gemv_order_x(const uint8_t* xbuf, const Q8GemmXLayout& l, int bits, int16_t* out);
-
-// y[m, n] for every m < l.M and n in [n0, n1), from the prepared x (xbuf, x_order) and w's
-// rows (scales and biases [N, K / group_size] of type st).
-void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const int16_t* x_order,
-                  const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
+// y[m, n] for every m < l.M and n in [n0, n1), from x prepared by q8_avx2_prepare_x (x16 in
+// even/odd order for 4-bit codes, in order otherwise) and w's rows (scales and biases
+// [N, K / group_size] of type st).
+void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
                   float* y, size_t N, size_t group_size, int bits, size_t n0, size_t n1);
 
 // The 8 elements of a packed row that start at byte p (a multiple of BITS bytes into the row)

@@ -583,7 +583,7 @@ __attribute__((target(VUN_AVX2_TARGET))) inline void widen_row(const char* src, 
 
 // The codes of block `blk` (32 elements) of a packed row as int16: c[0] and c[1]. For BITS 4,
 // c[0] holds the low nibbles of the block's 16 bytes (elements 0, 2, ..., 30) and c[1] the
-// high ones (1, 3, ..., 31), which x in gemv order meets (q8_avx2_gemv_order_x); otherwise
+// high ones (1, 3, ..., 31), which x in even/odd order meets (q8_avx2_prepare_x); otherwise
 // elements 0-15 and 16-31 in order. `end` is the weight's end (codes16 reads 16 bytes).
 template <int BITS>
 __attribute__((target(VUN_AVX2_TARGET))) inline void block_codes(const uint8_t* row, size_t blk,
@@ -844,36 +844,17 @@ void q8_avx2_compute(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint8_t*
   }
 }
 
-size_t q8_avx2_gemv_x_bytes(size_t M, size_t K) {
-  return round64(M * K * sizeof(int16_t));
-}
-
-void q8_avx2_gemv_order_x(const uint8_t* xbuf, const Q8GemmXLayout& l, int bits, int16_t* out) {
-  const auto* x16 = reinterpret_cast<const int16_t*>(xbuf + l.hi);
-  if (bits != 4) {
-    std::memcpy(out, x16, l.M * l.K * sizeof(int16_t));
-    return;
-  }
-  for (size_t i = 0; i < l.M * l.K; i += 32) {  // per block: even elements, then odd ones
-    for (size_t e = 0; e < 16; ++e) {
-      out[i + e] = x16[i + 2 * e];
-      out[i + 16 + e] = x16[i + 2 * e + 1];
-    }
-  }
-}
-
-void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const int16_t* x_order,
-                  const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
+void q8_avx2_gemv(const uint8_t* xbuf, const Q8GemmXLayout& l, const uint32_t* wq, const void* scales, const void* biases, ScaleType st,
                   float* y, size_t N, size_t group_size, int bits, size_t n0, size_t n1) {
   const size_t K = l.K, blocks = K / 32;
+  const auto* x16 = reinterpret_cast<const int16_t*>(xbuf + l.hi);
   const auto* dx = reinterpret_cast<const float*>(xbuf + l.dx);
   const auto* sx = reinterpret_cast<const float*>(xbuf + l.sx);
   const auto* w8 = reinterpret_cast<const uint8_t*>(wq);
   for (size_t m = 0; m < l.M; m += 4) {  // x's rows 4 at a time: the codes unpack once per 4
     const size_t rows = std::min<size_t>(4, l.M - m);
-    gemv_for(st, bits, group_size, rows)(x_order + m * K, dx + m * blocks, sx + m * l.groups,
-                                         w8, scales, biases, y + m * N, N, K, group_size, n0,
-                                         n1);
+    gemv_for(st, bits, group_size, rows)(x16 + m * K, dx + m * blocks, sx + m * l.groups, w8,
+                                         scales, biases, y + m * N, N, K, group_size, n0, n1);
   }
 }
 
@@ -900,13 +881,7 @@ void q8_avx2_compute(const uint8_t*, const Q8GemmXLayout&, const uint8_t*, float
                      size_t, int, bool, size_t, size_t, size_t, size_t) {
   std::abort();
 }
-size_t q8_avx2_gemv_x_bytes(size_t, size_t) {
-  std::abort();
-}
-void q8_avx2_gemv_order_x(const uint8_t*, const Q8GemmXLayout&, int, int16_t*) {
-  std::abort();
-}
-void q8_avx2_gemv(const uint8_t*, const Q8GemmXLayout&, const int16_t*, const uint32_t*,
+void q8_avx2_gemv(const uint8_t*, const Q8GemmXLayout&, const uint32_t*,
                   const void*, const void*, ScaleType, float*, size_t, size_t, int, size_t,
                   size_t) {
   std::abort();

@@ -2177,21 +2177,18 @@ bool use_q8_avx2_gemm(size_t M, size_t K, size_t group_size, int bits) {
   return M > kQ8Avx2GemvMaxRows && use_q8_avx2(M, K, group_size, bits);
 }
 
-// The AVX2 gemv for x [M <= kQ8Avx2GemvMaxRows, K]: x prepared and put in gemv order once into
-// `scratch` (q8_avx2_x_layout's bytes + q8_avx2_gemv_x_bytes + 128), then the weight's rows
-// split over the pool.
+// The AVX2 gemv for x [M <= kQ8Avx2GemvMaxRows, K]: x prepared once, in the gemv's order, into
+// `scratch` (q8_avx2_x_layout's bytes + 64), then the weight's rows split over the pool.
 void q8_avx2_gemv_linear(const float* x, const uint32_t* w, const void* scales,
                          const void* biases, vun::ScaleType st, float* y, size_t M, size_t N,
                          size_t K, size_t group_size, int bits, bool two_terms, char* scratch) {
   const vun::Q8GemmXLayout l = vun::q8_avx2_x_layout(M, K, group_size);
   auto* xbuf = reinterpret_cast<uint8_t*>(align64(scratch));
-  auto* x_order = reinterpret_cast<int16_t*>(align64(reinterpret_cast<char*>(xbuf) + l.bytes));
-  vun::q8_avx2_prepare_x(x, l, group_size, two_terms, false, xbuf, 0, M);
-  vun::q8_avx2_gemv_order_x(xbuf, l, bits, x_order);
+  vun::q8_avx2_prepare_x(x, l, group_size, two_terms, bits == 4, xbuf, 0, M);
   auto& pool = kernel_pool();
   const size_t chunks = std::min(N, 8 * pool.size());
   pool.run(chunks, [&](size_t c) {
-    vun::q8_avx2_gemv(xbuf, l, x_order, w, scales, biases, st, y, N, group_size, bits,
+    vun::q8_avx2_gemv(xbuf, l, w, scales, biases, st, y, N, group_size, bits,
                       N * c / chunks, N * (c + 1) / chunks);
   });
 }
@@ -2407,9 +2404,7 @@ class QuantizedLinear : public QuantizedWeightPrimitive {
     const bool q8_gemm = q8_avx2 || use_q8_gemm(rows, depth, gs, bits_);
     if (avx2_gemv || q8_panel || q8_gemm || (!int8 && !amx_int8 && use_amx(rows, depth, gs))) {
       const size_t bytes =
-          avx2_gemv  ? vun::q8_avx2_x_layout(rows, depth, gs).bytes +
-                           vun::q8_avx2_gemv_x_bytes(rows, depth) + 128
-          : q8_avx2  ? vun::q8_avx2_x_layout(rows, depth, gs).bytes + 64
+          avx2_gemv || q8_avx2 ? vun::q8_avx2_x_layout(rows, depth, gs).bytes + 64
           : q8_gemm  ? vun::q8_gemm_x_layout(rows, depth, gs, mode == 4).bytes + 64
           : q8_panel ? amx_q8_scratch(rows, out_features, depth, gs)
                      : amx_scratch(rows, out_features, depth, gs).bytes();
@@ -2748,10 +2743,8 @@ class GatherQuantizedLinear : public QuantizedWeightPrimitive {
           continue;
         }
         gemm_scratch.resize(
-            gemv ? vun::q8_avx2_x_layout(rows, K, gs).bytes + vun::q8_avx2_gemv_x_bytes(rows, K) +
-                       128
-                 : (avx2 ? vun::q8_avx2_x_layout(rows, K, gs)
-                         : vun::q8_gemm_x_layout(rows, K, gs, mode == 4)).bytes + 64);
+            (gemv || avx2 ? vun::q8_avx2_x_layout(rows, K, gs)
+                          : vun::q8_gemm_x_layout(rows, K, gs, mode == 4)).bytes + 64);
         const size_t e = g.experts[a];
         const uint32_t* we = wp + e * N * words;
         const char* se = sp + e * N * groups * scale_bytes;
