@@ -9,6 +9,7 @@ Usage: ``python tests/llm_harness.py SPEC.json OUT.json`` where SPEC holds
 {SamplingParams kwargs}}], "rpc": [worker method names called before and after generation],
 "metrics": true for vLLM's counters after generation (needs ``"disable_log_stats": false``),
 "rpc_workers": worker methods whose results from every worker are kept (pipeline stages),
+a request's optional "lora": ``[name, id, path]`` (a ``LoRARequest``),
 "rounds": how many times the requests are generated (outputs of all rounds, in order),
 "batches": instead of "requests", request lists generated one after another by the same engine
 (each list's outputs under "batches", all of them in order under "outputs"),
@@ -75,17 +76,20 @@ def _generate(llm, requests: list[dict], rounds: int) -> list[dict]:
     """``requests`` generated ``rounds`` times in one ``LLM.generate`` call each; the outputs
     as JSON-ready dicts, in order."""
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
 
-    prompts, params = [], []
+    prompts, params, loras = [], [], []
     for req in requests:
         if "prompt_token_ids" in req:
             prompts.append({"prompt_token_ids": req["prompt_token_ids"]})
         else:
             prompts.append(req["prompt"])
         params.append(SamplingParams(**_params(req.get("params", {}))))
+        loras.append(LoRARequest(*req["lora"]) if req.get("lora") else None)
     results = []
     for _ in range(rounds):
-        results += llm.generate(prompts, params, use_tqdm=False)
+        results += llm.generate(prompts, params, use_tqdm=False,
+                                lora_request=loras if any(loras) else None)
     outputs = []
     for res in results:
         completions = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -742,3 +743,38 @@ def tiny_quantized_mlx_model(family: str, dequantize: bool = False) -> Any:
         model = dequantize_model(model)
     mx.eval(model.parameters())
     return model
+
+
+def make_peft_adapter(folder: str | Path, base: str | Path, *, rank: int, alpha: float,
+                      targets: tuple[str, ...], seed: int, rslora: bool = False,
+                      std: float = 0.05) -> Path:
+    """Write a random PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``,
+    PEFT's key names) for the checkpoint at ``base``, on every layer's ``targets``. Both A and B
+    are random (PEFT starts B at zero, which would leave the base model's output).
+
+    Returns:
+        The adapter folder.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    with safe_open(str(Path(base) / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            module, _, leaf = key.rpartition(".")
+            if leaf != "weight" or module.rsplit(".", 1)[-1] not in targets:
+                continue
+            out_dim, in_dim = f.get_slice(key).get_shape()
+            prefix = f"base_model.model.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * std
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": list(targets), "use_rslora": rslora, "bias": "none",
+              "lora_dropout": 0.0, "base_model_name_or_path": str(base)}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder

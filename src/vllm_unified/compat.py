@@ -129,6 +129,12 @@ _LAZY: dict[str, str] = {
     "BertPooler": "vllm.model_executor.models.bert",
     "RobertaClassificationHead": "vllm.model_executor.models.roberta",
     "ModernBertPooler": "vllm.model_executor.models.modernbert",
+    # LoRA adapters (worker/lora.py): vLLM's PEFT config rules and checkpoint reader, and the
+    # error its OpenAI server turns into a 404.
+    "PEFTHelper": "vllm.lora.peft_helper",
+    "LoRAModel": "vllm.lora.lora_model",
+    "get_adapter_absolute_path": "vllm.lora.utils",
+    "LoRAAdapterNotFoundError": "vllm.exceptions",
 }
 
 

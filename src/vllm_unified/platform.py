@@ -307,8 +307,7 @@ class MLXPlatform(Platform):
         if parallel.distributed_executor_backend != "uni":
             vllm_config.scheduler_config.async_scheduling = False
 
-        if vllm_config.lora_config is not None:
-            raise ValueError("--enable-lora: LoRA adapters are not supported yet")
+        _lora_policy(vllm_config)
         _multimodal_policy(vllm_config)
         pooling_policy(vllm_config)
         _pooling_dtype_policy(vllm_config)
@@ -534,6 +533,19 @@ def _parallel_sizes_policy(parallel: Any) -> None:
             "MLX device per machine, and tensor parallelism across machines would exchange "
             "activations twice per layer; use --pipeline-parallel-size N to spread the layers "
             "over N machines (or processes), or --data-parallel-size N for more engines")
+
+
+def _lora_policy(vllm_config: VllmConfig) -> None:
+    """``--enable-lora`` (worker/lora.py) runs on one pipeline stage.
+
+    Raises:
+        ValueError: with ``--pipeline-parallel-size`` above 1.
+    """
+    if vllm_config.lora_config is None:
+        return
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("--enable-lora with --pipeline-parallel-size > 1 is not supported by "
+                         "vllm-unified")
 
 
 def _pipeline_policy(vllm_config: VllmConfig, hybrid: bool) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -37,12 +37,16 @@ class StepContext:
         written: layer -> the completion token of this forward's GPU kernel write into it,
             which the layer's attention takes as an input
             (:func:`vllm_unified.kv.gpu.write.ordered_after`).
+        lora: the adapters of the step's rows (a :class:`vllm_unified.models.lora.LoRAStep`;
+            typed loosely: the layers above the cache define it), None when
+            no row has one.
     """
 
     attn: AttentionMetadata
     state: StateMetadata | None = None
     kv: list[mx.array] | None = None
     written: dict[int, mx.array] = field(default_factory=dict)
+    lora: Any = None
 
 
 _current: StepContext | None = None
@@ -58,6 +62,11 @@ def set_step_context(ctx: StepContext) -> Iterator[StepContext]:
         yield ctx
     finally:
         _current = previous
+
+
+def current_step_context() -> StepContext | None:
+    """The bound step context, or None outside a step (a layer probed at load time)."""
+    return _current
 
 
 def get_step_context() -> StepContext:

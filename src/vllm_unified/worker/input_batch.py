@@ -53,6 +53,7 @@ class RequestState:
         pooling_params: a pooling model's request: its vLLM ``PoolingParams`` (then
             ``sampling_params`` is None), else None.
         pooling_states: vLLM's ``PoolingStates`` of a pooling request, else None.
+        lora_request: vLLM's ``LoRARequest`` of a request served under an adapter, else None.
     """
 
     req_id: str
@@ -72,6 +73,7 @@ class RequestState:
     pending: tuple[object, int] | None = None
     pooling_params: object | None = None
     pooling_states: object | None = None
+    lora_request: object | None = None
 
     def __post_init__(self) -> None:
         self.output_token_ids[:] = self.token_ids[self.num_prompt_tokens:]

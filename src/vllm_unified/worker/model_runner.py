@@ -69,6 +69,7 @@ from vllm_unified.models.fused_projections import fuse_projections
 from vllm_unified.models.gguf_dir import gguf_in_dir
 from vllm_unified.models.gpu_gemm import install_gpu_gemm
 from vllm_unified.models.loader import LoadedModel, check_dtype_supported, load_model
+from vllm_unified.models.lora import install_lora_layers, lora_targets
 from vllm_unified.models.parameters import parameter_summary
 from vllm_unified.models.registration import MLX_LM_HYBRID_ARCHITECTURES, record_state_layout
 from vllm_unified.offload.runner import KVConnectorHooks
@@ -78,6 +79,7 @@ from vllm_unified.worker.draft_model import DraftModel, split_kv_cache_config
 from vllm_unified.worker.encode_thread import EncodeThread
 from vllm_unified.worker.forward import forward, forward_hidden
 from vllm_unified.worker.input_batch import InputBatch, RequestState, StepBatch, split_groups
+from vllm_unified.worker.lora import LoRAAdapters
 from vllm_unified.worker.pooling import Pooling
 from vllm_unified.worker.sampler import SamplingRow, sample
 from vllm_unified.worker.spec_decode import SpecDecoder, logprobs_for_requests
@@ -255,6 +257,8 @@ class MLXModelRunner:
         #: a pooling model's pooler (``--runner pooling``; made when the model is loaded),
         #: None for generation
         self.pooling: Pooling | None = None
+        #: the LoRA adapters (``--enable-lora``; made when the model is loaded), else None
+        self.lora: LoRAAdapters | None = None
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -290,10 +294,13 @@ class MLXModelRunner:
         model_type = self.loaded.config["model_type"]
         head_size = self.model_config.get_head_size()
         cpu_kernels = install_cpu_kernels(self.model)
+        if self.vllm_config.lora_config is not None:
+            self.lora = self._lora_adapters()
         # on the CPU only one-row inputs: wider ones would leave strided column views that
-        # the native kernels copy before reading
+        # the native kernels copy before reading. Not with adapters: each projection adds
+        # its own update. (The GPU decode GEMM takes exact MLX linears: adapted ones stay.)
         fused = (fuse_projections(self.model, max_rows=1 if self.backend.cpu_kernels else None)
-                 if self.backend.fuse_projections else {})
+                 if self.backend.fuse_projections and self.lora is None else {})
         gemm = install_gpu_gemm(self.model) if self.backend.gpu_gemm else 0
         fused_qk = (install_fused_decode_attention(self.model, head_size)
                     if self.backend.fused_qk else 0)
@@ -359,6 +366,20 @@ class MLXModelRunner:
                     .describe())
         if self.stage.size > 1:
             logger.info("vllm-unified: %s", self.stage.describe())
+
+    def _lora_adapters(self) -> LoRAAdapters:
+        """Give the model's adaptable linears the per-step adapter update (after the native
+        kernels are installed: the update wraps what will run)."""
+        targets = lora_targets(self.model)
+        if not targets:
+            raise ValueError(f"--enable-lora: {self.model_config.architecture} has no linear "
+                             f"layer vllm-unified adapts")
+        install_lora_layers(self.model, targets)
+        hf = self.model_config.hf_text_config
+        adapters = LoRAAdapters(self.vllm_config.lora_config, targets, self.dtype,
+                                getattr(hf, "max_position_embeddings", None))
+        logger.info("vllm-unified: %s", adapters.describe())
+        return adapters
 
     @property
     def block_size(self) -> int:
@@ -453,6 +474,7 @@ class MLXModelRunner:
                 other_block_ids=other_blocks, num_computed_tokens=new.num_computed_tokens,
                 sampling_params=None, pooling_params=new.pooling_params,
                 pooling_states=self.pooling.new_request(new.pooling_params),
+                lora_request=new.lora_request,
             )
         params = new.sampling_params
         mlx_capable = not (needs_vllm_sampler(params)
@@ -481,7 +503,7 @@ class MLXModelRunner:
             uses_vllm_sampler=uses_vllm, generator=generator,
             mlx_when_undrafted=(self.spec is not None and mlx_capable
                                 and params.sampling_type != SamplingType.RANDOM_SEED),
-            num_prompt_logprobs=num_prompt_logprobs,
+            num_prompt_logprobs=num_prompt_logprobs, lora_request=new.lora_request,
         )
 
     def execute_model(
@@ -631,6 +653,8 @@ class MLXModelRunner:
         ]).astype(np.int32)
         ctx = self.kv_cache.step_context(step.query_lens, step.seq_lens, step.block_table,
                                          states)
+        if self.lora is not None:
+            ctx.lora = self.lora.step(states, step.query_lens)
         return _StepInputs(
             step=step, ctx=ctx, states=states, vllm_idx=vllm_idx, mlx_idx=mlx_idx,
             prompt=prompt, logit_rows=rows, num_vllm_rows=sum(len(r) for r in vllm_rows),
@@ -695,6 +719,8 @@ class MLXModelRunner:
         states = [self.requests[r] for r in step.req_ids]
         ctx = self.kv_cache.step_context(step.query_lens, step.seq_lens, step.block_table,
                                          states)
+        if self.lora is not None:
+            ctx.lora = self.lora.step(states, step.query_lens)
         self._timer.mark("prepare")
         with set_step_context(ctx):
             hidden = forward_hidden(self.model, self.kv_cache.layer_caches,
@@ -744,7 +770,9 @@ class MLXModelRunner:
         self._timer.mark("prepare")
         if self._waits_for_previous_step(inputs.ctx.attn.is_pure_decode):
             mx.synchronize()
-        if self.compiled_decode is not None and inputs.ctx.attn.is_pure_decode:
+        # the compiled trace holds the base layers only: steps with adapter rows run eagerly
+        if (self.compiled_decode is not None and inputs.ctx.attn.is_pure_decode
+                and inputs.ctx.lora is None):
             logits = self.compiled_decode(inputs.ctx.attn, step.input_ids, step.pending_rows,
                                           inputs.logit_rows)
         else:

@@ -388,15 +388,24 @@ class MLXWorker(WorkerBase):
         views = self.model_runner.pool.torch_views or []
         return [v.data_ptr() for v in views]
 
-    # ------------------------------------------------------------------ unsupported
+    # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, lora_request) -> bool:
-        raise ValueError("LoRA adapters are not supported by vllm-unified")
+        """Load an adapter (``--lora-modules``, ``/v1/load_lora_adapter``); see
+        :class:`vllm_unified.worker.lora.LoRAAdapters`."""
+        return self._lora().add(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        raise ValueError("LoRA adapters are not supported by vllm-unified")
+        return self._lora().remove(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
-        raise ValueError("LoRA adapters are not supported by vllm-unified")
+        return self._lora().pin(lora_id)
 
     def list_loras(self) -> set[int]:
-        return set()
+        lora = self.model_runner.lora
+        return lora.ids() if lora is not None else set()
+
+    def _lora(self):
+        """Raises RuntimeError, vLLM's message, when the engine runs without --enable-lora."""
+        if self.model_runner.lora is None:
+            raise RuntimeError("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        return self.model_runner.lora
