@@ -12,7 +12,9 @@ Subcommands:
 * ``fuzz``: thousands of generated requests against every endpoint (``measure/fuzz_api.py``);
 * ``moe``: a Qwen3-30B-A3B-shaped mixture-of-experts model (random weights, fewer layers) as a
   GGUF against ``llama-server`` and as an mlx-community folder against mlx-lm's own
-  generation, with our weights' memory (``measure/moe_bench.py``).
+  generation, with our weights' memory (``measure/moe_bench.py``);
+* ``lora``: LoRA serving, requests spread over several adapters against the base model on the
+  same server, and one adapter against ``mlx_lm.server --adapter-path`` (``measure/lora_bench.py``).
 
 ``compare``: each ``--contender NAME[:SRC]`` is a server whose kind is the longest of
 :data:`harness.SERVER_KINDS` that NAME equals or starts with followed by ``-`` (``ours``,
@@ -139,13 +141,14 @@ def parse_contender(text: str) -> tuple[str, str, Path | None]:
 def bench_command(base_url: str, tokenizer: Path, spec: harness.ServerSpec, args, conc: int,
                   num_prompts: int, out_dir: Path, filename: str,
                   seed: int | None = None, input_len: int | None = None,
-                  cold: bool = False) -> list[str]:
+                  cold: bool = False, lora_modules: list[str] | None = None) -> list[str]:
     """``vllm bench serve`` for one run of ``num_prompts`` at concurrency ``conc``, through
     ``measure/bench_client.py`` (vLLM's client with SSE comments dropped, see there); ``seed``
     picks the prompts (default ``args.seed``), ``input_len`` their tokens (default
     ``args.input_len``). ``cold``: without the client's ready check and warm-up requests,
     which send the first prompt ahead of the run, so that a prefix cache (ours, llama-server's
-    slots) would answer the first measured request from its cache."""
+    slots) would answer the first measured request from its cache. ``lora_modules``: the
+    requests name these adapters instead of the model, in turn."""
     cmd = [sys.executable, str(harness.MEASURE / "bench_client.py"), "--backend", "openai",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", spec.served_name,
            "--tokenizer", str(tokenizer), "--dataset-name", "random",
@@ -159,6 +162,8 @@ def bench_command(base_url: str, tokenizer: Path, spec: harness.ServerSpec, args
            str(out_dir), "--result-filename", filename]
     if cold:
         cmd += ["--ready-check-timeout-sec", "0"]
+    if lora_modules:
+        cmd += ["--lora-modules", *lora_modules, "--lora-assignment", "round-robin"]
     if spec.ignore_eos:
         cmd.append("--ignore-eos")
     if spec.request_fields:
@@ -188,13 +193,13 @@ def prompt_throughput(raw: dict) -> float | None:
 
 def run_once(server: harness.Running, tokenizer: Path, args, conc: int, num_prompts: int,
              out_dir: Path, tag: str, seed: int, input_len: int | None = None,
-             cold: bool = False) -> dict:
+             cold: bool = False, lora_modules: list[str] | None = None) -> dict:
     """One ``vllm bench serve`` run against ``server`` (:func:`bench_command`): its result
     JSON's summary fields, ``prompt_throughput`` (:func:`prompt_throughput`), the server's peak
     RSS during the run and (ours) the decode-step profile from its log."""
     filename = f"{tag}.json"
     cmd = bench_command(server.base_url, tokenizer, server.spec, args, conc, num_prompts,
-                        out_dir, filename, seed, input_len, cold)
+                        out_dir, filename, seed, input_len, cold, lora_modules)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     seen = len(server.log_path.read_text(errors="replace"))
     server.rss.take_peak()
@@ -497,6 +502,7 @@ DELEGATED = {
     "prefix-cache": ("prefix_cache_bound", "the soak, bounded prefix cache vs vLLM's order"),
     "fuzz": ("fuzz_api", "generated requests against every endpoint; no 5xx, no hang"),
     "moe": ("moe_bench", "Qwen3-30B-A3B-shaped MoE vs llama-server and mlx-lm, and memory"),
+    "lora": ("lora_bench", "LoRA adapters: 16 requests over 4 adapters vs the base; vs mlx-lm"),
 }
 
 

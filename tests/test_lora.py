@@ -12,7 +12,6 @@ slot holds zeros and its base rows are the base model's, as on CUDA.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 from pathlib import Path
@@ -22,10 +21,16 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import default_model_path, run_llm, stream_completion, vllm_server
-from tiny_models import make_peft_adapter, make_tiny_checkpoint
+from tiny_models import make_peft_adapter, make_tiny_checkpoint, peft_to_mlx_lm
 
 from vllm_unified.kv.forward_context import StepContext, set_step_context
-from vllm_unified.models.lora import AdapterWeights, LoRAStep, install_lora_layers, lora_targets
+from vllm_unified.models.lora import (
+    AdapterWeights,
+    LoRASlots,
+    LoRAStep,
+    install_lora_layers,
+    lora_targets,
+)
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -36,42 +41,49 @@ ADAPTERS = (("a8", 8, 16, ("q_proj", "v_proj"), False),
 
 
 # ------------------------------------------------------------------------------- layers
-def _step(groups, num_rows):
-    return StepContext(attn=None, lora=LoRAStep(groups, num_rows))
+def _step(pairs: list[tuple[mx.array, mx.array]], row_slots: list[int], dims: tuple[int, int],
+          max_rank: int = 8, native: bool = True) -> StepContext:
+    """A step context whose slot s holds ``pairs[s]`` on the module path "" (``dims``)."""
+    slots = LoRASlots({"": dims}, len(pairs), max_rank, mx.float32)
+    for s, pair in enumerate(pairs):
+        slots.write(s, AdapterWeights(s + 1, f"a{s}", {"": pair}, pair[0].shape[1]))
+    ranks = {s: pair[0].shape[1] for s, pair in enumerate(pairs)}
+    step = LoRAStep(slots, np.array(row_slots), {""}, ranks, native=native)
+    assert (step.native is not None) == native  # the path under test is the one taken
+    return StepContext(attn=None, lora=step)
 
 
-def _adapter(lora_id, modules):
-    return AdapterWeights(lora_id, f"a{lora_id}", modules, 4)
-
-
-def test_step_update_matches_numpy_and_leaves_base_rows_bit_identical():
-    """Two adapters on interleaved (non-contiguous) rows, base rows between them: each row's
-    output is the base output plus its own adapter's ``x A B``; base rows keep their bits."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "mlx"])
+@pytest.mark.parametrize("num_rows", [9, 150])
+def test_step_update_matches_numpy_and_leaves_base_rows_bit_identical(num_rows, native):
+    """Two adapters of ranks 4 and 8 in slots of rank 8 on interleaved rows, base rows between
+    them, on the native CPU kernel and the pure-MLX form (input width 24: a vector tail; output
+    40: a scalar column tail): each row's output is the base output plus its own adapter's
+    ``x A B``; base rows keep their bits."""
     rng = np.random.default_rng(0)
     linear = nn.Linear(24, 40)
-    x = mx.array(rng.standard_normal((9, 1, 24), dtype=np.float32))
+    x = mx.array(rng.standard_normal((num_rows, 1, 24), dtype=np.float32))
     base = np.array(linear(x))
     install_lora_layers(linear, {"": (24, 40)})
     pairs = [tuple(mx.array(rng.standard_normal(s, dtype=np.float32)) for s in ((24, r), (r, 40)))
              for r in (4, 8)]
-    rows = [np.array([0, 1, 5]), np.array([3, 7, 8])]
-    groups = [(_adapter(i + 1, {"": pairs[i]}), rows[i]) for i in range(2)]
-    with set_step_context(_step(groups, 9)):
+    row_slots = ([0, 0, -1, 1, -1, 0, -1, 1, 1] * num_rows)[:num_rows]
+    with set_step_context(_step(pairs, row_slots, (24, 40), native=native)):
         got = np.array(linear(x))
     want = base.copy()
     xs = np.array(x)[:, 0]
-    for (a, b), r in zip(pairs, rows, strict=True):
-        want[r, 0] += xs[r] @ np.array(a) @ np.array(b)
+    for t, slot in enumerate(row_slots):
+        if slot >= 0:
+            want[t, 0] += xs[t] @ np.array(pairs[slot][0]) @ np.array(pairs[slot][1])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for r in (2, 4, 6):
-        assert got[r].tobytes() == base[r].tobytes()
-    # an adapter that does not target the layer, and no step at all: the base layer
-    with set_step_context(_step([(_adapter(3, {}), np.arange(9))], 9)):
-        assert np.array(linear(x)).tobytes() == base.tobytes()
+    base_rows = [t for t, slot in enumerate(row_slots) if slot < 0]
+    assert got[base_rows].tobytes() == base[base_rows].tobytes()
+    # no step: the base layer
     assert np.array(linear(x)).tobytes() == base.tobytes()
 
 
-def test_update_on_a_quantized_layer_matches_mlx_lm_lora_layer():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "mlx"])
+def test_update_on_a_quantized_layer_matches_mlx_lm_lora_layer(native):
     """A quantized base (4-bit, group 32) with one adapter on every row: the same output as
     mlx-lm's own ``LoRALinear`` over the same layer and weights."""
     from mlx_lm.tuner.lora import LoRALinear
@@ -85,7 +97,7 @@ def test_update_on_a_quantized_layer_matches_mlx_lm_lora_layer():
     want = np.array(reference(x))
     install_lora_layers(quantized, {"": (64, 48)})
     pair = (reference.lora_a, reference.lora_b * 2.5)
-    with set_step_context(_step([(_adapter(1, {"": pair}), np.arange(5))], 5)):
+    with set_step_context(_step([pair], [0] * 5, (64, 48), max_rank=16, native=native)):
         got = np.array(quantized(x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert lora_targets(nn.Sequential(quantized)) == {}  # not named like a projection
@@ -119,28 +131,6 @@ def _request(name: str, lora_id: int, path: str):
     return LoRARequest(name, lora_id, path)
 
 
-def _to_mlx_lm(peft: str, folder: Path) -> Path:
-    """The same adapter in mlx-lm's format (``lora_a [in, r]``, ``lora_b [r, out]``,
-    ``scale``), as ``mlx_lm.lora`` writes it."""
-    from safetensors.numpy import load_file
-
-    config = json.loads((Path(peft) / "adapter_config.json").read_text())
-    tensors = load_file(str(Path(peft) / "adapter_model.safetensors"))
-    weights = {}
-    for key, value in tensors.items():
-        module = key.removeprefix("base_model.model.").rsplit(".", 2)[0]
-        leaf = "lora_a" if ".lora_A." in key else "lora_b"
-        weights[f"{module}.{leaf}"] = mx.array(value.T)
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
-    scale = config["lora_alpha"] / config["r"]
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": 2,
-        "lora_parameters": {"rank": config["r"], "scale": scale, "dropout": 0.0,
-                            "keys": [f"self_attn.{t}" for t in config["target_modules"]]}}))
-    return folder
-
-
 def test_peft_and_mlx_lm_formats_load_to_the_same_update(tiny_llama_lora, tmp_path):
     """PEFT's scaling (``alpha / r``; rsLoRA ``alpha / sqrt(r)``) folded into B: the a8
     adapter read as PEFT and converted to mlx-lm's format gives the same arrays; rsLoRA's B is
@@ -149,7 +139,7 @@ def test_peft_and_mlx_lm_formats_load_to_the_same_update(tiny_llama_lora, tmp_pa
     _, adapters = _adapters(base)
     assert adapters.add(_request("a8", 1, paths["a8"])) is True
     assert adapters.add(_request("a8", 1, paths["a8"])) is False  # held: not read again
-    converted = str(_to_mlx_lm(paths["a8"], tmp_path / "mlx"))
+    converted = str(peft_to_mlx_lm(paths["a8"], tmp_path / "mlx", num_layers=2))
     adapters.add(_request("a8-mlx", 2, converted))
     peft, mlx_lm = adapters._held[1].modules, adapters._held[2].modules
     assert sorted(peft) == sorted(mlx_lm) and len(peft) == 4
@@ -202,23 +192,32 @@ def _edit(adapter: Path, change, rename=lambda k: k) -> None:
                for k, v in load_file(file).items()}, file)
 
 
-def test_step_groups_rows_by_adapter_and_reloads_evicted_adapters(tiny_llama_lora):
-    """Requests in step order with their query lengths: rows grouped per adapter id (a
-    request's rows contiguous); an adapter evicted from the held set is read again from its
-    path when a scheduled request names it."""
+def test_step_puts_adapters_in_slots_and_reloads_evicted_ones(tiny_llama_lora):
+    """Requests in step order with their query lengths: each row gets its adapter's slot (-1
+    without one); a new adapter takes a free slot, then the least recently used slot of an
+    adapter the step does not use; an adapter evicted from the held set is read again from its
+    path when a scheduled request names it; a removed one leaves its slot."""
     from types import SimpleNamespace
 
     base, paths = tiny_llama_lora
-    _, adapters = _adapters(base, capacity=1)
-    a8, a16 = _request("a8", 1, paths["a8"]), _request("a16", 2, paths["a16"])
+    _, adapters = _adapters(base, capacity=2)
+    a8, a16, a64 = (_request(n, i + 1, paths[n]) for i, n in enumerate(("a8", "a16", "a64")))
     reqs = [SimpleNamespace(lora_request=r) for r in (a8, None, a16, a8)]
     step = adapters.step(reqs, np.array([2, 3, 1, 4]))
-    assert step.ids == [1, 2] and step.sizes == [6, 1]
-    assert np.array(step.index).tolist() == [1, 2, 0, 0, 0, 7, 3, 4, 5, 6]
-    assert adapters.ids() == {2}  # capacity 1: a8 was evicted when a16 came
+    assert step.row_slots.tolist() == [0, 0, -1, -1, -1, 1, 0, 0, 0, 0]
+    assert step.targeted == set(adapters._held[1].modules) | set(adapters._held[2].modules)
+    assert np.array(step.rank).tolist() == [8, 16]
     assert adapters.step(reqs[1:2], np.array([5])) is None
-    assert adapters.step(reqs[:1], np.array([3])).whole
-    assert adapters.ids() == {1}
+    step = adapters.step([SimpleNamespace(lora_request=a64), reqs[2]], np.array([1, 1]))
+    assert step.row_slots.tolist() == [0, 1]  # a8's slot (least recent) went to a64
+    assert adapters.ids() == {2, 3}  # capacity 2: a8 was evicted when a64 came
+    # a8 read again, into the slot used least recently (a tie: the first)
+    assert adapters.step(reqs[:1], np.array([3])).row_slots.tolist() == [0] * 3
+    assert adapters.ids() == {2, 1} and adapters._slot_owner == [1, 2]
+    assert adapters.remove(1) and adapters._slot_owner == [None, 2]
+    with pytest.raises(RuntimeError, match="3 LoRA adapters in one step, 2 slots"):
+        adapters.step([SimpleNamespace(lora_request=r) for r in (a8, a16, a64)],
+                      np.array([1, 1, 1]))
 
 
 # ---------------------------------------------------------------------------- end to end

@@ -778,3 +778,29 @@ def make_peft_adapter(folder: str | Path, base: str | Path, *, rank: int, alpha:
               "lora_dropout": 0.0, "base_model_name_or_path": str(base)}
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
+
+
+def peft_to_mlx_lm(peft: str | Path, folder: str | Path, num_layers: int) -> Path:
+    """The PEFT adapter at ``peft`` in mlx-lm's format, as ``mlx_lm.lora`` writes it
+    (``adapters.safetensors`` with ``<module>.lora_a [in, r]`` and ``lora_b [r, out]``, the
+    scaling ``alpha / r`` as ``lora_parameters.scale``) for a model of ``num_layers`` layers.
+    Not for rsLoRA adapters (mlx-lm has no such scaling)."""
+    import mlx.core as mx
+    from safetensors.numpy import load_file
+
+    peft, folder = Path(peft), Path(folder)
+    config = json.loads((peft / "adapter_config.json").read_text())
+    if config.get("use_rslora"):
+        raise ValueError(f"{peft}: rsLoRA has no mlx-lm equivalent")
+    weights = {}
+    for key, value in load_file(str(peft / "adapter_model.safetensors")).items():
+        module = key.removeprefix("base_model.model.").rsplit(".", 2)[0]
+        weights[f"{module}.{'lora_a' if '.lora_A.' in key else 'lora_b'}"] = mx.array(value.T)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    keys = sorted({k.rsplit(".", 1)[0].split(".", 3)[-1] for k in weights})
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "lora", "num_layers": num_layers,
+        "lora_parameters": {"rank": config["r"], "scale": config["lora_alpha"] / config["r"],
+                            "dropout": 0.0, "keys": keys}}))
+    return folder

@@ -95,6 +95,7 @@
 
 #include "cpu_attn_tile.h"
 #include "cpu_kvquant.h"
+#include "cpu_lora.h"
 #include "cpu_math.h"
 #include "thread_pool.h"
 
@@ -1922,6 +1923,102 @@ mx::array linear(const mx::array& x, const mx::array& w, nb::handle stream) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// lora_update: each row of a step under its own LoRA adapter slot (cpu_lora.h)
+
+// out = y + per row t with slot s >= 0: (x[t] @ a_s.T) @ b_s over the slot's first rank[s]
+// rank rows. y [..., N], x [..., K] (the same T = size / last rows, leading axes as they are:
+// no reshape node around the call), a [S * R, K], b [S * R, N] fp32; slot [T], rank [S] int32.
+// y's buffer is reused when MLX may donate it (the base layer's output, read by nothing else).
+class LoraUpdate : public CpuOnlyPrimitive {
+ public:
+  explicit LoraUpdate(mx::Stream s) : CpuOnlyPrimitive(s, "lora_update") {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array y = row_contiguous(inputs[0], enc);
+    const mx::array x = row_contiguous(inputs[1], enc);
+    const mx::array a = row_contiguous(inputs[2], enc);
+    const mx::array b = row_contiguous(inputs[3], enc);
+    const mx::array slot = row_contiguous(inputs[4], enc);
+    const mx::array rank = row_contiguous(inputs[5], enc);
+    auto& out = outputs[0];
+    const bool donated = inputs[0].flags().row_contiguous && inputs[0].is_donatable();
+    if (donated) {
+      out.copy_shared_buffer(inputs[0]);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    for (const auto* in : {&y, &x, &a, &b, &slot, &rank}) {
+      enc.set_input_array(*in);
+    }
+    enc.set_output_array(out);
+    const size_t K = static_cast<size_t>(x.shape(-1)), T = x.size() / K;
+    const size_t N = static_cast<size_t>(b.shape(1));
+    const size_t R = static_cast<size_t>(a.shape(0) / rank.shape(0));
+    enc.dispatch([yp = y.data<float>(), xp = x.data<float>(), ap = a.data<float>(),
+                  bp = b.data<float>(), sp = slot.data<int32_t>(), rp = rank.data<int32_t>(),
+                  op = out.data<float>(), donated, T, K, N, R]() {
+      if (!donated) {
+        std::memcpy(op, yp, T * N * sizeof(float));
+      }
+      std::vector<float> h(T * R);
+      auto& pool = kernel_pool();
+      const size_t row_chunks = std::min(T, 4 * pool.size());
+      pool.run(row_chunks, [&](size_t c) {
+        vun::lora_shrink_f32(xp, ap, h.data(), sp, rp, K, R, T * c / row_chunks,
+                             T * (c + 1) / row_chunks);
+      });
+      const size_t blocks = (N + 15) / 16;
+      const size_t col_chunks = std::min(blocks, 4 * pool.size());
+      pool.run(col_chunks, [&](size_t c) {
+        vun::lora_expand_f32(h.data(), bp, op, sp, rp, T, N, R,
+                             std::min(N, blocks * c / col_chunks * 16),
+                             std::min(N, blocks * (c + 1) / col_chunks * 16));
+      });
+    });
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "LoraUpdate";
+  }
+};
+
+mx::array lora_update(const mx::array& y, const mx::array& x, const mx::array& a,
+                      const mx::array& b, const mx::array& slot, const mx::array& rank,
+                      nb::handle stream) {
+  const mx::Stream s = resolve_stream(stream, "lora_update");
+  for (const auto* m : {&y, &x, &a, &b}) {
+    if (m->dtype() != mx::float32 || m->ndim() < 2 || (m->ndim() != 2 && (m == &a || m == &b))) {
+      raise_py(PyExc_TypeError, "lora_update: y, x, a and b must be float32, a and b 2-D");
+    }
+  }
+  if (slot.dtype() != mx::int32 || rank.dtype() != mx::int32 || slot.ndim() != 1 ||
+      rank.ndim() != 1) {
+    raise_py(PyExc_TypeError, "lora_update: slot and rank must be 1-D int32");
+  }
+  const int S = rank.shape(0);
+  mx::Shape y_rows = y.shape(), x_rows = x.shape();
+  y_rows.pop_back();
+  x_rows.pop_back();
+  const size_t T = y.size() / static_cast<size_t>(std::max(y.shape(-1), 1));
+  if (y_rows != x_rows || static_cast<size_t>(slot.shape(0)) != T || a.shape(1) != x.shape(-1) ||
+      b.shape(1) != y.shape(-1) || a.shape(0) != b.shape(0) || S < 1 || a.shape(0) % S) {
+    raise_py(PyExc_ValueError,
+             "lora_update: expected y [..., N], x [..., K] (same leading axes, T rows), "
+             "a [S*R, K], b [S*R, N], slot [T], "
+             "rank [S]; got y " + shape_str(y.shape()) + ", x " + shape_str(x.shape()) +
+                 ", a " + shape_str(a.shape()) + ", b " + shape_str(b.shape()) + ", slot " +
+                 shape_str(slot.shape()) + ", rank " + shape_str(rank.shape()));
+  }
+  return mx::array(y.shape(), mx::float32, std::make_shared<LoraUpdate>(s),
+                   {y, x, a, b, slot, rank});
+}
+
+// ---------------------------------------------------------------------------------------------
 // quantized_linear, dequantize: MLX affine-quantized weights (mx.quantize's layout)
 
 // Elements per row of a packed weight of `words` uint32 per row (MLX packs every width as a
@@ -3037,6 +3134,13 @@ NB_MODULE(_native, m) {
         nb::arg("stream") = nb::none(),
         "Lazy fp32 x @ w.T for x [..., K] (its leading axes the rows), w [N, K], without packing "
         "w (for few rows); CPU streams only.");
+  m.def("lora_update", &lora_update, nb::arg("y"), nb::arg("x"), nb::arg("a"), nb::arg("b"),
+        nb::arg("slot"), nb::arg("rank"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "Lazy y + each row's LoRA update: row t under slot s = slot[t] >= 0 adds "
+        "(x[t] @ a[s*R:s*R+rank[s]].T) @ b[s*R:s*R+rank[s]]; y [..., N], x [..., K] (T rows), "
+        "a [S*R, K], "
+        "b [S*R, N] float32, slot [T], rank [S] int32; rows with slot < 0 keep y's values. "
+        "CPU streams only.");
   m.def("write_kv", &write_kv, nb::arg("dst"), nb::arg("slot_mapping"), nb::arg("keys"),
         nb::arg("values"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "Lazy in-place write of keys[t] and values[t] ([T, Hkv, D] or [T, Hkv, 1, D], dst's "

@@ -39,6 +39,7 @@ from ._native import (
     info,
     int8_runs,
     linear,
+    lora_update,
     paged_attention,
     q8_avx2_gemm_runs,
     q8_avx2_vnni_runs,
@@ -79,7 +80,7 @@ __all__ = [
     "attention_tile_runs",
     "configure", "dequantize", "gather_kv", "gather_quantized_linear", "gelu", "gelu_tanh_mul",
     "info",
-    "int8_runs", "linear",
+    "int8_runs", "linear", "lora_update",
     "paged_attention", "q8_avx2_gemm_runs", "q8_avx2_gemv_runs", "q8_avx2_vnni_runs", "q8_gemm_runs", "quantized_gemv_mode", "quantized_linear", "rms_norm", "rope", "silu_mul",
     "softcap", "softmax", "to_torch", "write_kv", "write_kv_quant", "write_rows",
 ]

@@ -8,9 +8,11 @@ hashes. This module is the worker side of its ``add_lora`` / ``remove_lora`` / `
 ``list_loras``: adapters read with vLLM's own PEFT rules (:class:`PEFTHelper`: rank and alpha
 patterns, rsLoRA; :class:`LoRAModel`: the checkpoint reader and its target check) or from
 mlx-lm's adapter format (``adapters.safetensors`` with ``lora_parameters``), kept as MLX
-arrays in an LRU cache of ``max_cpu_loras`` adapters (on unified memory the host cache is the
-device cache). An adapter a scheduled request names is (re)loaded from its path if it is not
-held, as vLLM's worker manager does.
+arrays in an LRU cache of ``max_cpu_loras`` adapters, and put in one of ``max_loras`` slots
+(:class:`LoRASlots`) when a step schedules it, the least recently used slot of an adapter the
+step does not use giving way (vLLM's scheduler puts at most ``max_loras`` adapters in a step).
+An adapter a scheduled request names is (re)loaded from its path if it is not held, as vLLM's
+worker manager does.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_unified import compat
-from vllm_unified.models.lora import TARGETS, AdapterWeights, LoRAStep
+from vllm_unified.models.lora import TARGETS, AdapterWeights, LoRASlots, LoRAStep
 
 __all__ = ["LoRAAdapters"]
 
@@ -54,12 +56,19 @@ class LoRAAdapters:
         self.capacity = int(lora_config.max_cpu_loras or lora_config.max_loras)
         self._held: OrderedDict[int, AdapterWeights] = OrderedDict()  # least recent first
         self._pinned: set[int] = set()
+        self.slots = LoRASlots(targets, int(lora_config.max_loras),
+                               int(lora_config.max_lora_rank), dtype)
+        #: each slot's adapter id (None: free) and the step count when it was last used
+        self._slot_owner: list[int | None] = [None] * self.slots.num_slots
+        self._slot_used = [0] * self.slots.num_slots
+        self._steps = 0
 
     def describe(self) -> str:
         names = sorted({p.rsplit(".", 1)[-1] for p in self.targets})
         return (f"LoRA adapters on {len(self.targets)} linear layers ({', '.join(names)}); "
-                f"up to {self.config.max_loras} per step, {self.capacity} held, rank <= "
-                f"{self.config.max_lora_rank}, in {str(self.dtype).rsplit('.', 1)[-1]}")
+                f"{self.slots.num_slots} slots of rank {self.slots.max_rank} "
+                f"({self.slots.nbytes / 2**20:.1f} MiB, "
+                f"{str(self.dtype).rsplit('.', 1)[-1]}), {self.capacity} adapters held")
 
     # ----------------------------------------------------------------- vLLM's worker calls
     def add(self, request: Any) -> bool:
@@ -78,6 +87,7 @@ class LoRAAdapters:
             return False
         adapter = self._load(request)
         self._held[request.lora_int_id] = adapter
+        self._free_slot(request.lora_int_id)  # a reload may bring new weights
         self._evict()
         logger.info("vllm-unified: LoRA adapter %r (id %d) loaded from %s: %d layers, rank %d, "
                     "%.1f MiB", adapter.name, adapter.lora_int_id, request.lora_path,
@@ -86,6 +96,7 @@ class LoRAAdapters:
 
     def remove(self, lora_id: int) -> bool:
         self._pinned.discard(lora_id)
+        self._free_slot(lora_id)
         return self._held.pop(lora_id, None) is not None
 
     def pin(self, lora_id: int) -> bool:
@@ -104,23 +115,50 @@ class LoRAAdapters:
 
     # ------------------------------------------------------------------------------ steps
     def step(self, requests: list[Any], query_lens: np.ndarray) -> LoRAStep | None:
-        """The step's rows grouped by adapter (requests in step order, ``query_lens[i]`` rows
-        each, token-major), or None when no request has one."""
-        rows: dict[int, list[np.ndarray]] = {}
-        adapters: dict[int, AdapterWeights] = {}
-        start = 0
-        for req, n in zip(requests, query_lens.tolist(), strict=True):
-            lora = req.lora_request
-            if lora is not None and lora.lora_int_id > 0 and n:
-                if lora.lora_int_id not in adapters:
-                    self.add(lora)  # reloaded if it was evicted or unloaded meanwhile
-                    adapters[lora.lora_int_id] = self._held[lora.lora_int_id]
-                rows.setdefault(lora.lora_int_id, []).append(np.arange(start, start + n))
-            start += n
-        if not rows:
+        """Each token row's slot for a step (requests in step order, ``query_lens[i]`` rows
+        each, token-major), the step's adapters put in slots; None when no request has one.
+
+        Raises:
+            RuntimeError: more adapters in the step than slots (vLLM's scheduler keeps to
+                ``max_loras``).
+        """
+        ids = [(r.lora_request.lora_int_id if r.lora_request is not None else 0)
+               for r in requests]
+        wanted = list(dict.fromkeys(i for i, n in zip(ids, query_lens.tolist(), strict=True)
+                                    if i > 0 and n))
+        if not wanted:
             return None
-        groups = [(adapters[i], np.concatenate(r)) for i, r in rows.items()]
-        return LoRAStep(groups, start)
+        if len(wanted) > self.slots.num_slots:
+            raise RuntimeError(f"{len(wanted)} LoRA adapters in one step, {self.slots.num_slots}"
+                               f" slots (--max-loras)")
+        self._steps += 1
+        by_id = {r.lora_request.lora_int_id: r.lora_request for r in requests
+                 if r.lora_request is not None}
+        slot_of = {i: self._slot(by_id[i], wanted) for i in wanted}
+        row_slots = np.repeat([slot_of.get(i, -1) for i in ids], query_lens).astype(np.int32)
+        targeted = set().union(*(self._held[i].modules for i in wanted))
+        return LoRAStep(self.slots, row_slots, targeted,
+                        {slot_of[i]: self._held[i].rank for i in wanted})
+
+    def _slot(self, request: Any, step_ids: list[int]) -> int:
+        """The slot of ``request``'s adapter, loading the adapter (if not held) and writing it
+        into a free slot or the least recently used one no adapter of the step holds."""
+        lora_id = request.lora_int_id
+        self.add(request)  # reloaded if it was evicted or unloaded meanwhile
+        if lora_id in self._slot_owner:
+            slot = self._slot_owner.index(lora_id)
+        else:
+            free = [s for s, o in enumerate(self._slot_owner) if o not in step_ids]
+            slot = min(free, key=lambda s: (self._slot_owner[s] is not None,
+                                            self._slot_used[s]))
+            self.slots.write(slot, self._held[lora_id])
+            self._slot_owner[slot] = lora_id
+        self._slot_used[slot] = self._steps
+        return slot
+
+    def _free_slot(self, lora_id: int) -> None:
+        if lora_id in self._slot_owner:
+            self._slot_owner[self._slot_owner.index(lora_id)] = None
 
     # ---------------------------------------------------------------------------- loading
     def _evict(self) -> None:
