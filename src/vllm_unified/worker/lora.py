@@ -70,6 +70,13 @@ class LoRAAdapters:
                 f"({self.slots.nbytes / 2**20:.1f} MiB, "
                 f"{str(self.dtype).rsplit('.', 1)[-1]}), {self.capacity} adapters held")
 
+    def held_bytes_limit(self) -> int:
+        """The most bytes the held adapters take: ``max_cpu_loras`` adapters of
+        ``max_lora_rank`` on every target (the KV budget sets them aside; the slots are
+        allocated at load, in the worker's resident memory already)."""
+        per_rank = sum(i + o for i, o in self.targets.values()) * self.dtype.size
+        return self.capacity * self.slots.max_rank * per_rank
+
     # ----------------------------------------------------------------- vLLM's worker calls
     def add(self, request: Any) -> bool:
         """Load ``request``'s adapter unless held (then mark it most recent).

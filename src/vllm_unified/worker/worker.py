@@ -185,12 +185,14 @@ class MLXWorker(WorkerBase):
             # Pipeline stages and data-parallel engines on one machine share its RAM: each
             # takes its share of --gpu-memory-utilization x RAM.
             mem = replace(mem, total=mem.total // sharing)
+        lora = self.model_runner.lora
+        adapters = lora.held_bytes_limit() if lora is not None else 0
         budget = compute_kv_budget(
             total=mem.total,
             utilization=cache.gpu_memory_utilization,
             in_use=mem.in_use,
             free=mem.free,
-            activations=activations + logits,
+            activations=activations + logits + adapters,
             bytes_per_block=self.model_runner.kv_bytes_per_block(),
             block_size=cache.block_size,
             max_model_len=self.model_config.max_model_len,
@@ -213,6 +215,10 @@ class MLXWorker(WorkerBase):
                 where, budget.describe(), activations / 2**30, tokens, min(tokens, _PROFILE_TOKENS),
                 time.perf_counter() - start, sched.max_num_seqs, activations / 2**30,
             )
+        if adapters:
+            logger.info("vllm-unified: %.1f MiB of the budget set aside for the LoRA adapters "
+                        "held (--max-cpu-loras %d at --max-lora-rank %d)", adapters / 2**20,
+                        lora.capacity, lora.slots.max_rank)
         return budget.budget
 
     def _engine_processes_on_this_machine(self) -> int:
