@@ -1963,13 +1963,17 @@ class LoraUpdate : public CpuOnlyPrimitive {
       }
       std::vector<float> h(T * R);
       auto& pool = kernel_pool();
-      const size_t row_chunks = std::min(T, 4 * pool.size());
+      // A decode step's update is tens of microseconds of work: waking the pool's sleeping
+      // workers for it cost more than it saves (one chunk runs on this thread).
+      const size_t work = T * R * (K + N);
+      const size_t threads = work < (size_t{1} << 22) ? 1 : 4 * pool.size();
+      const size_t row_chunks = std::min(T, threads);
       pool.run(row_chunks, [&](size_t c) {
         vun::lora_shrink_f32(xp, ap, h.data(), sp, rp, K, R, T * c / row_chunks,
                              T * (c + 1) / row_chunks);
       });
       const size_t blocks = (N + 15) / 16;
-      const size_t col_chunks = std::min(blocks, 4 * pool.size());
+      const size_t col_chunks = std::min(blocks, threads);
       pool.run(col_chunks, [&](size_t c) {
         vun::lora_expand_f32(h.data(), bp, op, sp, rp, T, N, R,
                              std::min(N, blocks * c / col_chunks * 16),

@@ -98,6 +98,9 @@ class LoRASlots:
                 b_slot[:r] = weights[1]
             a[lo:hi] = a_slot
             b[lo:hi] = b_slot
+            # an updated array need not be flagged row-contiguous (the native kernel would copy
+            # it on every call): made so once here
+            self.a[path], self.b[path] = mx.contiguous(a), mx.contiguous(b)
         mx.eval(list(self.a.values()), list(self.b.values()))
 
 
