@@ -12,6 +12,7 @@ slot holds zeros and its base rows are the base model's, as on CUDA.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from pathlib import Path
@@ -21,7 +22,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import default_model_path, run_llm, stream_completion, vllm_server
-from tiny_models import make_peft_adapter, make_tiny_checkpoint, peft_to_mlx_lm
+from tiny_models import (
+    make_mlx_lm_adapter,
+    make_peft_adapter,
+    make_tiny_checkpoint,
+    peft_to_mlx_lm,
+)
 
 from vllm_unified.kv.forward_context import StepContext, set_step_context
 from vllm_unified.models.lora import (
@@ -265,6 +271,55 @@ def test_adapters_match_native_backend(family, tmp_path):
         assert any(got[4 * p + a] != got[4 * p] for p in range(3)), ADAPTERS[a - 1][0]
     assert "LoRA adapters on" in ours["log"]
     assert max(int(k) for k in ours["rpc_after"]["runner_stats"]["forwards_by_num_reqs"]) == 12
+
+
+def _with_legacy_rope_keys(folder: Path, out: Path) -> Path:
+    """A copy of a tiny checkpoint whose config also has the pre-transformers-5 ``rope_theta``
+    and ``rope_scaling`` keys: mlx-lm's llama reads only those (it would run the default RoPE
+    instead of the checkpoint's llama3 one); our loader and vLLM read either."""
+    import shutil
+
+    shutil.copytree(folder, out)
+    config = json.loads((out / "config.json").read_text())
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    config["rope_scaling"] = dict(config["rope_parameters"])
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.engine
+def test_mlx_lm_adapters_match_mlx_lm(tmp_path):
+    """Two adapters written by mlx-lm's own LoRA layers over a tiny Llama (last layer only,
+    different projections) and the base model, one slot (``--max-loras 1``: the slot is
+    rewritten between steps while earlier steps may still be queued): the greedy token ids of
+    mlx-lm's generation with each ``adapter_path``."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    base = _with_legacy_rope_keys(make_tiny_checkpoint(tmp_path, "llama"), tmp_path / "llama")
+    keys = {"qvd": ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"),
+            "oug": ("self_attn.o_proj", "mlp.up_proj", "mlp.gate_proj")}
+    paths = {name: str(make_mlx_lm_adapter(tmp_path / name, base, rank=8, scale=4.0,
+                                           num_layers=1, keys=k, seed=i + 5))
+             for i, (name, k) in enumerate(keys.items())}
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (6, 40)]
+    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    order = [(0, "qvd"), (0, None), (1, "oug"), (1, "qvd"), (0, "oug"), (1, None)]
+    requests = [{"prompt_token_ids": prompts[p], "params": greedy,
+                 "lora": [name, 1 + list(keys).index(name), paths[name]] if name else None}
+                for p, name in order]
+    ours = run_llm({"model": str(base), "engine": _engine(False, max_loras=1, max_lora_rank=8),
+                    "requests": requests}, tmp_path)
+    got = [o["completions"][0]["token_ids"] for o in ours["outputs"]]
+    want = {}
+    for name in (*keys, None):
+        model, _ = load(str(base), adapter_path=paths.get(name))
+        want[name] = [[int(t) for (t, _), _ in zip(generate_step(mx.array(p), model,
+                                                                  max_tokens=12), range(12),
+                                                    strict=False)] for p in prompts]
+    assert got == [want[name][p] for p, name in order]
+    assert all(want[name] != want[None] for name in keys)  # each adapter changes the output
 
 
 @pytest.mark.engine

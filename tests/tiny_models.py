@@ -804,3 +804,33 @@ def peft_to_mlx_lm(peft: str | Path, folder: str | Path, num_layers: int) -> Pat
         "lora_parameters": {"rank": config["r"], "scale": config["lora_alpha"] / config["r"],
                             "dropout": 0.0, "keys": keys}}))
     return folder
+
+
+def make_mlx_lm_adapter(folder: str | Path, base: str | Path, *, rank: int, scale: float,
+                        keys: tuple[str, ...], num_layers: int, seed: int,
+                        std: float = 0.1) -> Path:
+    """A random LoRA adapter written as ``mlx_lm.lora`` writes one: mlx-lm's own LoRA layers
+    on the last ``num_layers`` layers' ``keys`` (e.g. ``self_attn.q_proj``), ``lora_b`` drawn
+    at random (mlx-lm starts it at zero), the trainable parameters saved to
+    ``adapters.safetensors`` with the trainer's ``adapter_config.json`` fields."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.lora import LoRALinear
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model, _ = load_model(Path(base))
+    model.freeze()
+    params = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(keys)}
+    linear_to_lora_layers(model, num_layers, params)
+    for _, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            module.lora_b = mx.random.normal(module.lora_b.shape) * std
+    mx.save_safetensors(str(folder / "adapters.safetensors"),
+                        dict(tree_flatten(model.trainable_parameters())))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}))
+    return folder

@@ -85,7 +85,13 @@ class LoRASlots:
         return sum(a.nbytes for a in self.a.values()) + sum(b.nbytes for b in self.b.values())
 
     def write(self, slot: int, adapter: AdapterWeights) -> None:
-        """Put ``adapter`` in ``slot`` (zeros where it has no module or a lower rank)."""
+        """Put ``adapter`` in ``slot`` (zeros where it has no module or a lower rank).
+
+        The stacks are replaced by new arrays, never updated in place: a step queued before
+        (asynchronous scheduling) still holds the stacks it was built with, and an in-place
+        update (``a[lo:hi] = ...`` rewrites the array every holder sees) would change its
+        adapter under it.
+        """
         lo, hi = slot * self.max_rank, (slot + 1) * self.max_rank
         for path in self.a:
             a, b = self.a[path], self.b[path]
@@ -94,13 +100,10 @@ class LoRASlots:
             weights = adapter.modules.get(path)
             if weights is not None:
                 r = weights[0].shape[1]
-                a_slot[:r] = weights[0].T
-                b_slot[:r] = weights[1]
-            a[lo:hi] = a_slot
-            b[lo:hi] = b_slot
-            # an updated array need not be flagged row-contiguous (the native kernel would copy
-            # it on every call): made so once here
-            self.a[path], self.b[path] = mx.contiguous(a), mx.contiguous(b)
+                a_slot = mx.concatenate([weights[0].T, a_slot[r:]])
+                b_slot = mx.concatenate([weights[1], b_slot[r:]])
+            self.a[path] = mx.concatenate([a[:lo], a_slot, a[hi:]])
+            self.b[path] = mx.concatenate([b[:lo], b_slot, b[hi:]])
         mx.eval(list(self.a.values()), list(self.b.values()))
 
 
