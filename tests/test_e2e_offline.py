@@ -70,6 +70,10 @@ def test_default_model_known_output(default_model_batches):
     assert completion["token_ids"] == PARIS_IDS
 
 
+# slow: the ci tier compares the default model with vLLM's CPU backend in
+# tests/test_lora.py::test_adapter_over_quantized_default_model (its base request, one engine
+# for both)
+@pytest.mark.slow
 def test_default_model_matches_native_backend(default_model_batches, default_model_reference,
                                               tmp_path):
     """Same weights (the GGUF dequantized by transformers into fp32 safetensors for the native

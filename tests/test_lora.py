@@ -250,27 +250,65 @@ def _mixed_requests(paths: dict[str, str], vocab: int, max_tokens: int = 16) -> 
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_adapters_match_native_backend(family, tmp_path):
-    """12 concurrent requests mixing the base model and three adapters (ranks 8/16/64, one
-    rsLoRA): greedy token ids identical to vLLM's CPU backend with ``--enable-lora`` in fp32;
-    every adapter changes some output (really applied); all in one batch."""
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_adapters_match_native_backend_and_mlx_lm(family, tmp_path):
+    """12 concurrent requests mixing the base model and three PEFT adapters (ranks 8/16/64,
+    one rsLoRA): greedy token ids identical to vLLM's CPU backend with ``--enable-lora`` in
+    fp32; every adapter changes some output (really applied); all in one batch. Then (llama)
+    the same engine serves two adapters written by mlx-lm's own LoRA layers (last layer,
+    different projections) and the base model: the greedy ids of mlx-lm's generation with
+    each ``adapter_path``; five adapters over three slots, so slots are rewritten."""
     base = make_tiny_checkpoint(tmp_path, family)
+    if family == "llama":
+        base = _with_legacy_rope_keys(base, tmp_path / "llama")
     paths = {name: str(make_peft_adapter(tmp_path / name, base, rank=r, alpha=alpha,
                                          targets=targets, seed=r, rslora=rs, std=0.15))
              for name, r, alpha, targets, rs in ADAPTERS}
     requests = _mixed_requests(paths, 49152)
-    ours = run_llm({"model": str(base), "engine": _engine(False), "requests": requests,
+    mlx_requests, mlx_reference = _mlx_lm_adapter_cases(base, tmp_path) if family == "llama" \
+        else ([], [])
+    ours = run_llm({"model": str(base), "engine": _engine(False),
+                    "batches": [requests] + ([mlx_requests] if mlx_requests else []),
                     "rpc": ["runner_stats"]}, tmp_path)
     ref = run_llm({"model": str(base), "engine": _engine(True), "requests": requests},
                   tmp_path, native=True)
-    got = [o["completions"][0]["token_ids"] for o in ours["outputs"]]
+    got = [o["completions"][0]["token_ids"] for o in ours["batches"][0]]
     want = [o["completions"][0]["token_ids"] for o in ref["outputs"]]
     assert got == want
     for a in range(1, 4):  # request 4p + a is prompt p under adapter a, 4p under the base
         assert any(got[4 * p + a] != got[4 * p] for p in range(3)), ADAPTERS[a - 1][0]
     assert "LoRA adapters on" in ours["log"]
     assert max(int(k) for k in ours["rpc_after"]["runner_stats"]["forwards_by_num_reqs"]) == 12
+    if mlx_requests:
+        assert [o["completions"][0]["token_ids"] for o in ours["batches"][1]] == mlx_reference
+
+
+def _mlx_lm_adapter_cases(base: Path, tmp_path: Path) -> tuple[list[dict], list[list[int]]]:
+    """Requests under two mlx-lm adapters (ids 4 and 5) and the base model, interleaved, and
+    mlx-lm's own greedy generation for each (``adapter_path``)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    keys = {"qvd": ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"),
+            "oug": ("self_attn.o_proj", "mlp.up_proj", "mlp.gate_proj")}
+    paths = {name: str(make_mlx_lm_adapter(tmp_path / name, base, rank=8, scale=4.0,
+                                           num_layers=1, keys=k, seed=i + 5))
+             for i, (name, k) in enumerate(keys.items())}
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (6, 40)]
+    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    order = [(0, "qvd"), (0, None), (1, "oug"), (1, "qvd"), (0, "oug"), (1, None)]
+    requests = [{"prompt_token_ids": prompts[p], "params": greedy,
+                 "lora": [name, 4 + list(keys).index(name), paths[name]] if name else None}
+                for p, name in order]
+    want = {}
+    for name in (*keys, None):
+        model, _ = load(str(base), adapter_path=paths.get(name))
+        want[name] = [[int(t) for (t, _), _ in zip(generate_step(mx.array(p), model,
+                                                                  max_tokens=12), range(12),
+                                                    strict=False)] for p in prompts]
+    assert all(want[name] != want[None] for name in keys)  # each adapter changes the output
+    return requests, [want[name][p] for p, name in order]
 
 
 def _with_legacy_rope_keys(folder: Path, out: Path) -> Path:
@@ -288,69 +326,40 @@ def _with_legacy_rope_keys(folder: Path, out: Path) -> Path:
 
 
 @pytest.mark.engine
-def test_mlx_lm_adapters_match_mlx_lm(tmp_path):
-    """Two adapters written by mlx-lm's own LoRA layers over a tiny Llama (last layer only,
-    different projections) and the base model, one slot (``--max-loras 1``: the slot is
-    rewritten between steps while earlier steps may still be queued): the greedy token ids of
-    mlx-lm's generation with each ``adapter_path``."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load
-
-    base = _with_legacy_rope_keys(make_tiny_checkpoint(tmp_path, "llama"), tmp_path / "llama")
-    keys = {"qvd": ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"),
-            "oug": ("self_attn.o_proj", "mlp.up_proj", "mlp.gate_proj")}
-    paths = {name: str(make_mlx_lm_adapter(tmp_path / name, base, rank=8, scale=4.0,
-                                           num_layers=1, keys=k, seed=i + 5))
-             for i, (name, k) in enumerate(keys.items())}
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (6, 40)]
-    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
-    order = [(0, "qvd"), (0, None), (1, "oug"), (1, "qvd"), (0, "oug"), (1, None)]
-    requests = [{"prompt_token_ids": prompts[p], "params": greedy,
-                 "lora": [name, 1 + list(keys).index(name), paths[name]] if name else None}
-                for p, name in order]
-    ours = run_llm({"model": str(base), "engine": _engine(False, max_loras=1, max_lora_rank=8),
-                    "requests": requests}, tmp_path)
-    got = [o["completions"][0]["token_ids"] for o in ours["outputs"]]
-    want = {}
-    for name in (*keys, None):
-        model, _ = load(str(base), adapter_path=paths.get(name))
-        want[name] = [[int(t) for (t, _), _ in zip(generate_step(mx.array(p), model,
-                                                                  max_tokens=12), range(12),
-                                                    strict=False)] for p in prompts]
-    assert got == [want[name][p] for p, name in order]
-    assert all(want[name] != want[None] for name in keys)  # each adapter changes the output
-
-
-@pytest.mark.engine
 def test_adapter_over_quantized_default_model(default_model, default_model_reference, tmp_path):
-    """SmolLM2 kept quantized (Q4_1, native kernels) with a random rank-16 adapter: the greedy
-    ids of the same adapter over the dequantized fp32 base on vLLM's CPU backend (divergence
-    allowed only at a reference top-2 gap below 0.01, as int16 activations may swap a near
-    tie); the adapted text differs from the base model's."""
+    """SmolLM2 kept quantized (Q4_1, native kernels) with a random rank-16 adapter, and a
+    base-model request beside it: the greedy ids of the same requests over the dequantized fp32
+    base on vLLM's CPU backend (divergence allowed only at a reference top-2 gap below 0.01,
+    as int16 activations may swap a near tie); the base request gives the default model's
+    known Paris answer on both (the ci tier's comparison of the default model with vLLM's
+    backend); the adapted text differs from the base model's."""
+    from test_e2e_offline import PARIS_IDS
+
     adapter = make_peft_adapter(tmp_path / "smol", default_model_reference, rank=16, alpha=32,
                                 targets=ATTENTION + MLP, seed=3, std=0.06)
     lora = ["smol", 1, str(adapter)]
     prompts = ["The capital of France is", "Write a haiku about autumn leaves."]
     greedy = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
-    requests = [{"prompt": p, "lora": lora, "params": greedy} for p in prompts]
+    requests = [*({"prompt": p, "lora": lora, "params": greedy} for p in prompts),
+                {"prompt": prompts[0], "params": greedy}]
+    # the reference has a second, empty slot for its base row (module docstring)
     engine = {"max_model_len": 512, "seed": 0, "enable_lora": True, "max_lora_rank": 16,
-              "kv_cache_memory_bytes": 256 * 2**20}
-    ours = run_llm({"model": default_model, "engine": engine,
-                    "requests": [*requests, {"prompt": prompts[0], "params": greedy}]}, tmp_path)
+              "max_loras": 2, "kv_cache_memory_bytes": 256 * 2**20}
+    ours = run_llm({"model": default_model, "engine": engine, "requests": requests}, tmp_path)
     ref = run_llm({"model": default_model_reference,
-                   "engine": {**engine, "dtype": "float32", "enforce_eager": True,
-                              "max_loras": 2},
+                   "engine": {**engine, "dtype": "float32", "enforce_eager": True},
                    "requests": [{**r, "params": {**greedy, "logprobs": 2}} for r in requests]},
                   tmp_path, native=True)
     assert "quantized=True" in ours["log"]
-    for o, r in zip(ours["outputs"], ref["outputs"], strict=False):
+    for o, r in zip(ours["outputs"], ref["outputs"], strict=True):
         got, want = o["completions"][0]["token_ids"], r["completions"][0]["token_ids"]
         step = next((i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w), None)
         if step is not None:
             top2 = r["completions"][0]["logprobs"][step]
             assert top2[0][1] - top2[1][1] < 0.01, (step, got, want)
     adapted, plain = ours["outputs"][0], ours["outputs"][2]
+    assert plain["completions"][0]["token_ids"][:10] == PARIS_IDS
+    assert ref["outputs"][2]["completions"][0]["token_ids"][:10] == PARIS_IDS
     assert adapted["completions"][0]["text"] != plain["completions"][0]["text"]
 
 
