@@ -4,33 +4,14 @@
 
 #include "cpu_lora.h"
 
+#include <type_traits>
+
 #include "cpu_math.h"  // VUN_CLONES
+#include "cpu_vec16.h"
 
 namespace vun {
 
 namespace {
-
-typedef float v16 __attribute__((vector_size(64)));
-
-#define VUN_INLINE inline __attribute__((always_inline))
-
-VUN_INLINE v16 load16(const float* p) {
-  v16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-VUN_INLINE void store16(float* p, v16 v) {
-  __builtin_memcpy(p, &v, sizeof(v));
-}
-
-VUN_INLINE float hsum(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) {
-    s += v[i];
-  }
-  return s;
-}
 
 // Rows [t, t + n) all under slot[t] (n <= 4): how many of the next rows share t's slot.
 VUN_INLINE size_t run_of(const int32_t* slot, size_t t, size_t t1) {
@@ -100,6 +81,17 @@ VUN_INLINE void expand_block(const float* h, const float* bs, float* y, size_t r
   }
 }
 
+// f(std::integral_constant<int, M>{}) for the run length m in 1..4 (a compile-time row count).
+template <class F>
+VUN_INLINE void with_rows(size_t m, F&& f) {
+  switch (m) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 } // namespace
 
 VUN_CLONES void lora_shrink_f32(const float* x, const float* a, float* h, const int32_t* slot,
@@ -112,12 +104,10 @@ VUN_CLONES void lora_shrink_f32(const float* x, const float* a, float* h, const 
       const float* as = a + static_cast<size_t>(s) * R * K;
       const float* xt = x + t * K;
       float* ht = h + t * R;
-      switch (n) {
-        case 4: shrink_rows<4>(xt, as, ht, r, K, R); break;
-        case 3: shrink_rows<3>(xt, as, ht, r, K, R); break;
-        case 2: shrink_rows<2>(xt, as, ht, r, K, R); break;
-        default: shrink_rows<1>(xt, as, ht, r, K, R); break;
-      }
+      // always_inline: the lambda's body is compiled into each clone (its ISA)
+      with_rows(n, [&](auto M) __attribute__((always_inline)) {
+        shrink_rows<M()>(xt, as, ht, r, K, R);
+      });
     }
     t += n;
   }
@@ -139,12 +129,9 @@ VUN_CLONES void lora_expand_f32(const float* h, const float* b, float* y, const 
       const float* ht = h + t * R;
       for (size_t n = n0; n < n16; n += 16) {
         float* yt = y + t * N + n;
-        switch (m) {
-          case 4: expand_block<4>(ht, bs + n, yt, r, N, R); break;
-          case 3: expand_block<3>(ht, bs + n, yt, r, N, R); break;
-          case 2: expand_block<2>(ht, bs + n, yt, r, N, R); break;
-          default: expand_block<1>(ht, bs + n, yt, r, N, R); break;
-        }
+        with_rows(m, [&](auto M) __attribute__((always_inline)) {
+          expand_block<M()>(ht, bs + n, yt, r, N, R);
+        });
       }
       for (size_t i = 0; i < m; ++i) {
         for (size_t n = n16; n < n1; ++n) {

@@ -12,6 +12,7 @@
 #include <cstddef>
 
 #include "cpu_math.h"
+#include "cpu_vec16.h"
 
 namespace vun {
 
@@ -182,27 +183,6 @@ VUN_CLONES void attend_rows_f32(
 namespace vun {
 
 namespace {
-
-// 16 floats: one AVX-512 register, two AVX2 or four SSE registers, by the clone compiled.
-typedef float v16 __attribute__((vector_size(64)));
-
-// The helpers below must be inlined into each clone of linear_rows_f32 to be compiled for its
-// instruction set (a helper compiled once would run the baseline ISA inside every clone).
-#define VUN_INLINE inline __attribute__((always_inline))
-
-VUN_INLINE v16 load16(const float* p) {
-  v16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-VUN_INLINE float hsum(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) {
-    s += v[i];
-  }
-  return s;
-}
 
 // The lane sums of a0..a3 at lanes 0, 4, 8, 12: a tree of shuffles and adds over all four at
 // once (summing each vector's lanes one by one cost more than a tile's whole dot products).

@@ -1966,7 +1966,7 @@ class LoraUpdate : public CpuOnlyPrimitive {
       // A decode step's update is tens of microseconds of work: waking the pool's sleeping
       // workers for it cost more than it saves (one chunk runs on this thread).
       const size_t work = T * R * (K + N);
-      const size_t threads = work < (size_t{1} << 22) ? 1 : 4 * pool.size();
+      const size_t threads = work < (size_t{1} << 18) ? 1 : 4 * pool.size();
       const size_t row_chunks = std::min(T, threads);
       pool.run(row_chunks, [&](size_t c) {
         vun::lora_shrink_f32(xp, ap, h.data(), sp, rp, K, R, T * c / row_chunks,
