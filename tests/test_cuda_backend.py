@@ -153,7 +153,7 @@ def test_worker_budget_on_cuda_reads_the_card(monkeypatch):
     w.parallel_config = SimpleNamespace(local_world_size=1, data_parallel_size_local=1)
     w.model_runner = SimpleNamespace(profile_activations=lambda n: 100 * 2**20,
                                      kv_bytes_per_block=lambda: BLOCK_BYTES,
-                                     stage=PipelineStage.whole(2))
+                                     stage=PipelineStage.whole(2), lora=None)
     activations = 100 * 2**20 + 2 * 16 * 256 * 256 * 4 + 4 * 1000 * 4 * 2
     assert w.determine_available_memory() == 30 * GIB - activations
 
