@@ -152,6 +152,9 @@ def test_peft_and_mlx_lm_formats_load_to_the_same_update(tiny_llama_lora, tmp_pa
     for name in peft:
         for p, q in zip(peft[name], mlx_lm[name], strict=True):
             np.testing.assert_allclose(np.array(p), np.array(q), rtol=1e-6)
+    # load_inplace: the same id read again (here from the mlx-lm copy of a8)
+    assert adapters.add(_request("a8-mlx", 2, paths["a8"]), reload=True) is True
+    assert sorted(adapters._held[2].modules) == sorted(peft)
     adapters.add(_request("a16", 3, paths["a16"]))  # rsLoRA; evicts a8 (two held)
     assert adapters.ids() == {2, 3}
     from safetensors.numpy import load_file

@@ -78,8 +78,12 @@ class LoRAAdapters:
         return self.capacity * self.slots.max_rank * per_rank
 
     # ----------------------------------------------------------------- vLLM's worker calls
-    def add(self, request: Any) -> bool:
+    def add(self, request: Any, reload: bool = False) -> bool:
         """Load ``request``'s adapter unless held (then mark it most recent).
+
+        Args:
+            reload: read it again even if held (``/v1/load_lora_adapter`` with
+                ``load_inplace``: new weights under the same name).
 
         Returns:
             True when it was loaded now.
@@ -89,11 +93,12 @@ class LoRAAdapters:
             ValueError: an adapter vLLM would refuse (rank above ``--max-lora-rank``, DoRA,
                 bias, targets this model lacks, shapes that differ from the model's).
         """
-        if request.lora_int_id in self._held:
+        if request.lora_int_id in self._held and not reload:
             self._held.move_to_end(request.lora_int_id)
             return False
         adapter = self._load(request)
         self._held[request.lora_int_id] = adapter
+        self._held.move_to_end(request.lora_int_id)
         self._free_slot(request.lora_int_id)  # a reload may bring new weights
         self._evict()
         logger.info("vllm-unified: LoRA adapter %r (id %d) loaded from %s: %d layers, rank %d, "

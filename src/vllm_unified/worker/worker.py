@@ -398,7 +398,8 @@ class MLXWorker(WorkerBase):
     def add_lora(self, lora_request) -> bool:
         """Load an adapter (``--lora-modules``, ``/v1/load_lora_adapter``); see
         :class:`vllm_unified.worker.lora.LoRAAdapters`."""
-        return self._lora().add(lora_request)
+        return self._lora().add(lora_request,
+                                reload=bool(getattr(lora_request, "load_inplace", False)))
 
     def remove_lora(self, lora_id: int) -> bool:
         return self._lora().remove(lora_id)
