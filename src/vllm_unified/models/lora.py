@@ -168,7 +168,7 @@ def lora_targets(model: nn.Module) -> dict[str, tuple[int, int]]:
     unpacked width)."""
     targets: dict[str, tuple[int, int]] = {}
     for path, module in model.named_modules():
-        if path.rsplit(".", 1)[-1] in TARGETS and isinstance(module, nn.Module):
+        if path.rsplit(".", 1)[-1] in TARGETS:
             dims = _features(module)
             if dims is not None:
                 targets[path] = dims
